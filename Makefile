@@ -1,0 +1,39 @@
+# fnkernel — `make demo` then `make test` on a fresh machine with Python 3.11.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test proto lint fmt typecheck bench clean
+
+$(STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=python3)"; exit 2; }
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m runtime_server.demo
+
+test: $(STAMP) lint typecheck
+	$(PY) -m pytest
+
+proto: $(STAMP)
+	$(PY) -m runtime_server._proto.gen
+
+fmt: $(STAMP)
+	$(VENV)/bin/ruff format runtime_server adapters kernel tests benchmarks
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check runtime_server adapters kernel tests benchmarks
+	$(VENV)/bin/ruff check runtime_server adapters kernel tests benchmarks
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+bench: $(STAMP)
+	$(PY) -m benchmarks.invoke
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,198 @@
+"""The long-lived Python worker: imports one handler once, then serves framed invocations.
+
+Run by PythonAdapter as ``python -P _python_worker.py RUN_UID MODULE FUNCTION REQ_FD RESP_FD`` with the
+registered working directory as cwd. It uses the standard library only and imports nothing from
+fnkernel, so user modules named like ours cannot shadow it (``-P``: the script's own directory is
+not put on sys.path; the working directory is).
+
+Frames (see adapters/worker.py for the handshake and log markers):
+  request:  ``<id_len> <input_len> <remaining_ms>\\n`` + invocation id + input bytes
+  response: ``<ok|error|invalid> <meta_len> <output_len>\\n`` + meta JSON + output bytes
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+
+END_MARKER = "\x1efnkernel-end\n"
+MAX_MESSAGE = 1024
+
+
+class Context:
+    """What a handler that takes two arguments gets as its second (SPEC §3)."""
+
+    def __init__(self, invocation_id: str, run_uid: str, remaining_ms: int, logger: logging.Logger):
+        self.invocation_id = invocation_id
+        self.run_uid = run_uid
+        self.deadline_unix_nano = time.time_ns() + remaining_ms * 1_000_000
+        self.logger = logger
+        self.outputs: dict[str, str] = {}
+
+    def remaining_millis(self) -> int:
+        return max(0, (self.deadline_unix_nano - time.time_ns()) // 1_000_000)
+
+    def set_output(self, key: str, value: object) -> None:
+        """Record one named output; bounds are checked by the Runtime Server (SPEC §2.2)."""
+        self.outputs[str(key)] = value if isinstance(value, str) else json.dumps(value)
+
+    def __repr__(self) -> str:
+        return f"Context(invocation_id={self.invocation_id!r}, run_uid={self.run_uid!r})"
+
+
+def _bounded(text: str) -> str:
+    return text if len(text) <= MAX_MESSAGE else text[: MAX_MESSAGE - 3] + "..."
+
+
+def _relative(path: str | None) -> str:
+    if not path:
+        return "<unknown>"
+    cwd = os.getcwd() + os.sep
+    return path[len(cwd) :] if path.startswith(cwd) else os.path.basename(path)
+
+
+def load_handler(module_name: str, function_name: str):
+    """Import the handler once; name each failure the way a user would (awslambdaric style)."""
+    try:
+        module = importlib.import_module(module_name)
+    except SyntaxError as exc:
+        where = f"{_relative(exc.filename)} line {exc.lineno}"
+        return None, ("UserCodeSyntaxError", f"{where}: SyntaxError: {exc.msg}")
+    except Exception as exc:
+        missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
+        if missing and (module_name == missing or module_name.startswith(missing + ".")):
+            return None, (
+                "ImportModuleError",
+                f"no module named {missing!r} in the working directory",
+            )
+        traceback.print_exc()
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        where = f"{_relative(frame.filename)} line {frame.lineno}"
+        return None, ("ImportModuleError", f"{where}: {type(exc).__name__}: {exc}")
+    function = getattr(module, function_name, None)
+    if function is None:
+        return None, (
+            "HandlerNotFound",
+            f"module {module_name!r} has no function {function_name!r}",
+        )
+    if not callable(function):
+        return None, ("HandlerNotFound", f"{module_name}.{function_name} is not callable")
+    return function, None
+
+
+def takes_context(function) -> bool:
+    try:
+        inspect.signature(function).bind(None, None)
+    except TypeError:
+        return False
+    except ValueError:  # no signature (some builtins): call with the event only
+        return False
+    return True
+
+
+def _write(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _read_exact(stream, size: int) -> bytes:
+    data = stream.read(size)
+    if len(data) != size:
+        raise EOFError
+    return data
+
+
+def _respond(fd: int, status: str, meta: dict, output: bytes = b"") -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.stdout.write(END_MARKER)
+    sys.stderr.write(END_MARKER)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    encoded = json.dumps(meta).encode()
+    _write(fd, f"{status} {len(encoded)} {len(output)}\n".encode() + encoded + output)
+
+
+def serve(function, run_uid: str, requests, resp_fd: int) -> None:
+    with_context = takes_context(function)
+    logger = logging.getLogger("handler")
+    while True:
+        header = requests.readline()
+        if not header:
+            return  # the supervisor closed the pipe: it is gone, so are we
+        id_len, input_len, remaining_ms = (int(part) for part in header.split())
+        invocation_id = _read_exact(requests, id_len).decode()
+        payload = _read_exact(requests, input_len)
+        try:
+            event = json.loads(payload) if payload.strip() else None
+        except ValueError as exc:
+            _respond(
+                resp_fd, "invalid", {"errorMessage": _bounded(f"input is not valid JSON: {exc}")}
+            )
+            continue
+        context = Context(invocation_id, run_uid, remaining_ms, logger)
+        try:
+            result = function(event, context) if with_context else function(event)
+        except SystemExit as exc:
+            _respond(
+                resp_fd,
+                "error",
+                {
+                    "errorType": "SystemExit",
+                    "errorMessage": f"handler called sys.exit({exc.code!r})",
+                },
+            )
+            continue
+        except Exception as exc:
+            tb = exc.__traceback__
+            traceback.print_exception(type(exc), exc, tb.tb_next if tb else None)
+            _respond(
+                resp_fd,
+                "error",
+                {"errorType": type(exc).__name__, "errorMessage": _bounded(str(exc))},
+            )
+            continue
+        try:
+            output = json.dumps(result, ensure_ascii=False).encode()
+        except (TypeError, ValueError) as exc:
+            message = f"the return value cannot be encoded as JSON: {exc}"
+            _respond(
+                resp_fd,
+                "error",
+                {"errorType": "ResultNotJSONSerializable", "errorMessage": _bounded(message)},
+            )
+            continue
+        _respond(resp_fd, "ok", {"outputs": context.outputs}, output)
+
+
+def main() -> None:
+    run_uid, module_name, function_name, req_fd, resp_fd = sys.argv[1:6]
+    req, resp = int(req_fd), int(resp_fd)
+    os.set_inheritable(req, False)  # the handler's own subprocesses must not hold our frame pipes
+    os.set_inheritable(resp, False)
+    sys.path.insert(0, os.getcwd())
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    function, failure = load_handler(module_name, function_name)
+    if failure is not None:
+        error_type, message = failure
+        body = json.dumps({"errorType": error_type, "errorMessage": _bounded(message)}).encode()
+        _write(resp, f"INITFAIL {len(body)}\n".encode() + body)
+        return
+    _write(resp, b"READY\n")
+    with os.fdopen(req, "rb", buffering=1 << 20) as requests:
+        try:
+            serve(function, run_uid, requests, resp)
+        except EOFError:
+            return
+
+
+if __name__ == "__main__":
+    main()

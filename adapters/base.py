@@ -1,0 +1,146 @@
+"""The Adapter protocol and the worker-backed base both built-in adapters share (SPEC §3)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar, Protocol
+
+from adapters.errors import HandlerError, InitError, InvalidHandler
+from adapters.worker import Call, LogLine, WorkerSupervisor
+
+JSON = "application/json"
+# Environment variables a worker never inherits from the server: they would make bash run code
+# before our runner (SPEC §3.1: clear BASH_ENV).
+_SCRUBBED_ENV = ("BASH_ENV", "ENV")
+
+
+@dataclass(frozen=True)
+class FunctionSpec:
+    """What an adapter needs to load one handler: the registration's immutable inputs."""
+
+    run_uid: str
+    working_dir: Path
+    handler: str
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class InvocationResult:
+    output: bytes
+    content_type: str
+    outputs: dict[str, str]
+    logs: tuple[LogLine, ...] = ()
+
+
+class Adapter(Protocol):
+    """One registration's handler, loaded once, invoked one call at a time."""
+
+    runtime: ClassVar[str]
+
+    @classmethod
+    def check_handler(cls, handler: str, working_dir: Path) -> None:
+        """Raise InvalidHandler unless `handler` is well formed and stays inside working_dir."""
+        ...
+
+    def start(self) -> None:
+        """Load the handler; raise InitError when it cannot be loaded."""
+        ...
+
+    def invoke(self, invocation_id: str, payload: bytes, deadline: float) -> InvocationResult:
+        """Run one call; `deadline` is a time.monotonic() value."""
+        ...
+
+    def cancel(self, invocation_id: str | None = None) -> bool:
+        """Kill the call in flight (only `invocation_id`, if given); the adapter stays usable."""
+        ...
+
+    def close(self) -> None:
+        """Kill everything and release resources; idempotent."""
+        ...
+
+
+def resolve_inside(working_dir: Path, relative: str) -> Path:
+    """`working_dir/relative` with symlinks followed; InvalidHandler if that leaves working_dir."""
+    root = working_dir.resolve()
+    target = (root / relative).resolve()
+    if target != root and root not in target.parents:
+        raise InvalidHandler(f"{relative!r} resolves outside the working directory")
+    return target
+
+
+class WorkerAdapter:
+    """Shared life cycle: one WorkerSupervisor per registration; subclasses speak the frames."""
+
+    runtime: ClassVar[str]
+
+    def __init__(
+        self,
+        spec: FunctionSpec,
+        *,
+        max_output_bytes: int,
+        on_fatal: Callable[[InitError], None] | None = None,
+        init_timeout: float = 60.0,
+    ) -> None:
+        self.spec = spec
+        self.max_output_bytes = max_output_bytes
+        self._on_fatal = on_fatal
+        self._init_timeout = init_timeout
+        self._supervisor: WorkerSupervisor | None = None
+
+    @classmethod
+    def check_handler(cls, handler: str, working_dir: Path) -> None:
+        raise NotImplementedError
+
+    def _argv(self) -> list[str]:
+        raise NotImplementedError
+
+    def _exchange(self, call: Call, payload: bytes) -> tuple[bytes, str, dict[str, str]]:
+        """Send one request frame, read its response: (output, content type, outputs)."""
+        raise NotImplementedError
+
+    def _environment(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED_ENV}
+        env.update(self.spec.env)
+        env["FNKERNEL_RUN_UID"] = self.spec.run_uid
+        return env
+
+    def start(self) -> None:
+        self._supervisor = WorkerSupervisor(
+            argv=self._argv(),
+            cwd=self.spec.working_dir,
+            env=self._environment(),
+            run_uid=self.spec.run_uid,
+            init_timeout=self._init_timeout,
+            on_fatal=self._on_fatal,
+        )
+        self._supervisor.start()
+
+    def invoke(self, invocation_id: str, payload: bytes, deadline: float) -> InvocationResult:
+        assert self._supervisor is not None, "start() first"
+        try:
+            with self._supervisor.invocation(invocation_id, deadline) as call:
+                output, content_type, outputs = self._exchange(call, payload)
+        except HandlerError as exc:
+            exc.logs = tuple(call.logs)
+            raise
+        return InvocationResult(output, content_type, outputs, tuple(call.logs))
+
+    def cancel(self, invocation_id: str | None = None) -> bool:
+        if self._supervisor is None:
+            return False
+        return self._supervisor.cancel(invocation_id)
+
+    def close(self) -> None:
+        if self._supervisor is not None:
+            self._supervisor.close()
+
+
+def send_request(call: Call, payload: bytes) -> None:
+    """The request frame both workers read: id length, input length, time left; id; input."""
+    invocation_id = call.invocation_id.encode()
+    header = b"%d %d %d\n" % (len(invocation_id), len(payload), call.remaining_millis())
+    call.send(header + invocation_id)
+    call.send(payload)

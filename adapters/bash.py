@@ -1,0 +1,143 @@
+"""BashAdapter: ``file.function`` handlers, AWS Lambda custom-runtime style (seed 000, SPEC §3).
+
+A long-lived bash runner sources ``file.sh`` once and forks one job per call that runs the function
+with the payload as its one quoted argument. Neither the handler nor the payload is ever evaluated
+as shell source or put into a command string.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import ClassVar
+
+from adapters.base import InvocationResult, WorkerAdapter, resolve_inside, send_request
+from adapters.errors import HandlerError, InitError, InvalidHandler, InvalidInput
+from adapters.worker import Call, describe_exit
+
+RUNNER_SCRIPT = Path(__file__).with_name("bash_runner.sh")
+BASH = shutil.which("bash") or "/bin/bash"
+_FUNCTION = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_PATH_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+MAX_HANDLER_BYTES = 256
+
+
+def split_handler(handler: str) -> tuple[str, str]:
+    """``path/file.function`` → (``path/file.sh``, ``function``); InvalidHandler if malformed."""
+    if len(handler.encode()) > MAX_HANDLER_BYTES:
+        raise InvalidHandler(f"longer than {MAX_HANDLER_BYTES} bytes")
+    stem, dot, function = handler.rpartition(".")
+    if not dot or not stem:
+        raise InvalidHandler(f"{handler!r} is not file.function (e.g. greet.handler for greet.sh)")
+    if handler.startswith("/"):
+        raise InvalidHandler(
+            f"{handler!r} is absolute; name a file relative to the working directory"
+        )
+    parts = stem.split("/")
+    if any(part in ("", ".", "..") for part in parts):
+        raise InvalidHandler(f"{handler!r} must not contain empty, '.' or '..' path parts")
+    if not all(_PATH_PART.fullmatch(part) for part in parts):
+        raise InvalidHandler(f"{handler!r}: file names may use letters, digits, '_', '.', '-'")
+    if not _FUNCTION.fullmatch(function):
+        raise InvalidHandler(f"{function!r} is not a bash function name ([A-Za-z_][A-Za-z0-9_]*)")
+    return f"{stem}.sh", function
+
+
+class BashAdapter(WorkerAdapter):
+    runtime: ClassVar[str] = "bash"
+    _scratch: Path | None = None
+
+    @classmethod
+    def check_handler(cls, handler: str, working_dir: Path) -> None:
+        file, _ = split_handler(handler)
+        resolve_inside(working_dir, file)
+
+    def _argv(self) -> list[str]:
+        file, function = split_handler(self.spec.handler)
+        path = resolve_inside(self.spec.working_dir, file)
+        if not path.is_file():
+            raise InitError("HandlerNotFound", f"{file} does not exist in the working directory")
+        self._scratch = Path(tempfile.mkdtemp(prefix="fnkernel-bash-"))
+        return [
+            BASH,
+            "--noprofile",
+            "--norc",
+            str(RUNNER_SCRIPT),
+            str(path),
+            function,
+            str(self._scratch),
+        ]
+
+    def start(self) -> None:
+        try:
+            super().start()
+        except InitError as exc:
+            raise InitError(exc.error_type, self._relative(exc.message)) from None
+
+    def _relative(self, text: str) -> str:
+        return text.replace(f"{self.spec.working_dir.resolve()}/", "")
+
+    def invoke(self, invocation_id: str, payload: bytes, deadline: float) -> InvocationResult:
+        if b"\0" in payload:
+            # Checked before the frame is sent: a bash argument cannot carry a NUL byte.
+            raise InvalidInput("input contains a NUL byte, which a bash argument cannot carry")
+        return super().invoke(invocation_id, payload, deadline)
+
+    def _exchange(self, call: Call, payload: bytes) -> tuple[bytes, str, dict[str, str]]:
+        assert self._scratch is not None
+        send_request(call, payload)
+        call.track_job(int(call.read_line().removeprefix(b"J ")))
+        status = int(call.read_line().removeprefix(b"D "))
+        outputs = self._read_outputs()
+        output = self._read_output()
+        if status != 0:
+            raise HandlerError(*self._describe_failure(call, status))
+        try:
+            json.loads(output)
+        except ValueError:
+            return output, "text/plain; charset=utf-8", outputs
+        return output, "application/json", outputs
+
+    def _read_output(self) -> bytes:
+        assert self._scratch is not None
+        path = self._scratch / "stdout"
+        size = path.stat().st_size
+        if size > self.max_output_bytes:
+            raise HandlerError(
+                "OutputTooLarge",
+                f"the handler wrote {size} bytes to stdout; the limit is {self.max_output_bytes}",
+            )
+        return path.read_bytes()
+
+    def _read_outputs(self) -> dict[str, str]:
+        """Parse the ``key=value`` lines the function appended to ``$FUNCTION_OUTPUTS``."""
+        assert self._scratch is not None
+        path = self._scratch / "outputs"
+        if path.stat().st_size > 64 * 1024:
+            raise HandlerError("InvalidOutputs", "$FUNCTION_OUTPUTS holds more than 64 KiB")
+        outputs: dict[str, str] = {}
+        for number, line in enumerate(path.read_bytes().decode("utf-8", "replace").splitlines(), 1):
+            key, eq, value = line.partition("=")
+            if not eq:
+                raise HandlerError(
+                    "InvalidOutputs", f"$FUNCTION_OUTPUTS line {number} is not key=value"
+                )
+            outputs[key] = value
+        return outputs
+
+    def _describe_failure(self, call: Call, status: int) -> tuple[str, str]:
+        _, function = split_handler(self.spec.handler)
+        call.wait_logs()
+        stderr = [line.text for line in call.logs if line.stream == "stderr" and line.text.strip()]
+        detail = f": {self._relative(stderr[-1])}" if stderr else ""
+        if status > 128:
+            return "HandlerKilled", f"{function} was {describe_exit(128 - status)}{detail}"
+        return "NonZeroExit", f"{function} exited with status {status}{detail}"
+
+    def close(self) -> None:
+        super().close()
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)

@@ -1,0 +1,49 @@
+# The long-lived Bash worker (SPEC §3, §3.1); run by BashAdapter as
+#   bash --noprofile --norc bash_runner.sh HANDLER_FILE FUNCTION SCRATCH_DIR REQ_FD RESP_FD
+# with the registered working directory as cwd and BASH_ENV cleared.
+#
+# The handler string and the payload are never evaluated as shell source: the adapter validated
+# the function name and resolved the file to an absolute path inside the working directory; the
+# file is sourced once, here; each call runs the function with the payload as one quoted argument.
+#
+# Frames (see adapters/worker.py for the handshake and log markers):
+#   request:  "<id_len> <input_len> <remaining_ms>\n" + invocation id + input bytes
+#   response: "J <pgid>\n" once the call's job started, "D <exit status>\n" when it ended; the job's
+#             stdout is in SCRATCH_DIR/stdout and its outputs in SCRATCH_DIR/outputs.
+
+file=$1 fn=$2 scratch=$3 req_fd=$4 resp_fd=$5
+unset BASH_ENV ENV
+marker=$'\036fnkernel-end'
+
+initfail() { # errorType message
+    local LC_ALL=C # ${#message} must count bytes
+    printf 'INITFAIL %s %d\n%s' "$1" "${#2}" "$2" >&"$resp_fd"
+    exit 0
+}
+
+if ! "$BASH" -n "$file" 2>"$scratch/init.err"; then
+    initfail UserCodeSyntaxError "$(<"$scratch/init.err")"
+fi
+# Sourced by absolute path (". name" would search $PATH), with nothing to read on stdin.
+. "$file" </dev/null {req_fd}<&- {resp_fd}>&-
+declare -F -- "$fn" >/dev/null || initfail HandlerNotFound "${file##*/} does not define a function named $fn"
+
+export FUNCTION_OUTPUTS=$scratch/outputs
+set -m # every call gets its own process group, which cancellation kills
+printf 'READY\n' >&"$resp_fd"
+
+while IFS=' ' read -r -u "$req_fd" id_len input_len _; do
+    IFS= LC_ALL=C read -r -u "$req_fd" -N "$id_len" invocation_id
+    IFS= LC_ALL=C read -r -u "$req_fd" -N "$input_len" payload
+    : >"$FUNCTION_OUTPUTS"
+    # stdin is /dev/null so the call cannot read the next frame; the frame pipes are closed in it.
+    FUNCTION_INVOCATION_ID=$invocation_id "$fn" "$payload" \
+        >"$scratch/stdout" </dev/null {req_fd}<&- {resp_fd}>&- &
+    job=$!
+    printf 'J %d\n' "$job" >&"$resp_fd"
+    wait "$job"
+    status=$?
+    printf '%s\n' "$marker"
+    printf '%s\n' "$marker" >&2
+    printf 'D %d\n' "$status" >&"$resp_fd"
+done

@@ -1,0 +1,63 @@
+"""What can go wrong inside an adapter, named for the user (SPEC §2.2, §3).
+
+These carry no gRPC: the Runtime Server maps each class to a status code in exactly one table
+(``runtime_server.servicer.GRPC_STATUS``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class AdapterError(Exception):
+    """Base class of every adapter failure; ``str()`` is a one-line message for the user."""
+
+
+class InvalidHandler(AdapterError, ValueError):
+    """The handler string is malformed or points outside the working directory.
+
+    Raised before any file is touched (SPEC §2.2, handler rows).
+    """
+
+
+class InitError(AdapterError):
+    """The handler could not be loaded: syntax error, import error, missing function.
+
+    ``error_type`` names the failure (``UserCodeSyntaxError``, ``ImportModuleError``,
+    ``HandlerNotFound``, ``InitializationError``); ``message`` is bounded text with no traceback.
+    """
+
+    def __init__(self, error_type: str, message: str) -> None:
+        super().__init__(f"{error_type}: {message}")
+        self.error_type = error_type
+        self.message = message
+
+
+class HandlerError(AdapterError):
+    """The handler ran and failed: it raised, exited non-zero, or returned something unencodable.
+
+    ``logs`` holds what the handler logged during the call (a traceback goes there, never into
+    the message).
+    """
+
+    def __init__(self, error_type: str, message: str, logs: tuple[Any, ...] = ()) -> None:
+        super().__init__(f"{error_type}: {message}")
+        self.error_type = error_type
+        self.message = message
+        self.logs = logs
+
+
+class InvalidInput(AdapterError):
+    """The invocation payload cannot be given to this runtime (not JSON, a NUL byte for Bash)."""
+
+
+class InvocationTimeout(AdapterError):
+    """The invocation exceeded its deadline; the worker was killed and is being replaced."""
+
+
+class InvocationCancelled(AdapterError):
+    """The invocation was cancelled (client cancel or unregister); the worker was killed."""
+
+
+class WorkerUnavailable(AdapterError):
+    """No worker could be made ready in time (for example a replacement is still importing)."""

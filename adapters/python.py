@@ -1,0 +1,65 @@
+"""PythonAdapter: ``module.function`` handlers in a long-lived worker (seed 000, SPEC §3)."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import ClassVar
+
+from adapters.base import JSON, WorkerAdapter, resolve_inside, send_request
+from adapters.errors import HandlerError, InvalidHandler, InvalidInput
+from adapters.worker import Call
+
+WORKER_SCRIPT = Path(__file__).with_name("_python_worker.py")
+# SPEC §2.2: dotted identifiers, at least module.function, at most 256 bytes.
+_HANDLER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+")
+MAX_HANDLER_BYTES = 256
+
+
+class PythonAdapter(WorkerAdapter):
+    """Imports the handler once per worker; calls ``fn(event)`` or ``fn(event, context)``."""
+
+    runtime: ClassVar[str] = "python"
+
+    @classmethod
+    def check_handler(cls, handler: str, working_dir: Path) -> None:
+        if len(handler.encode()) > MAX_HANDLER_BYTES:
+            raise InvalidHandler(f"longer than {MAX_HANDLER_BYTES} bytes")
+        if not _HANDLER.fullmatch(handler):
+            raise InvalidHandler(
+                f"{handler!r} is not module.function (dotted Python identifiers, e.g. handler.handle)"
+            )
+        # A module file or package in the working directory must not lead out of it.
+        top = handler.split(".", 1)[0]
+        for candidate in (f"{top}.py", top):
+            if (working_dir / candidate).is_symlink() or (working_dir / candidate).exists():
+                resolve_inside(working_dir, candidate)
+
+    def _argv(self) -> list[str]:
+        module, _, function = self.spec.handler.rpartition(".")
+        # -P: the worker script's directory is not put on sys.path; it adds the working directory.
+        return [sys.executable, "-P", str(WORKER_SCRIPT), self.spec.run_uid, module, function]
+
+    def _environment(self) -> dict[str, str]:
+        env = super()._environment()
+        env.setdefault("PYTHONDONTWRITEBYTECODE", "1")  # keep the working directory as registered
+        return env
+
+    def _exchange(self, call: Call, payload: bytes) -> tuple[bytes, str, dict[str, str]]:
+        send_request(call, payload)
+        status, meta_len, output_len = call.read_line().split(b" ")
+        meta = json.loads(call.read_exact(int(meta_len)))
+        if int(output_len) > self.max_output_bytes:
+            call.skip(int(output_len))
+            raise HandlerError(
+                "OutputTooLarge",
+                f"the handler returned {int(output_len)} bytes; the limit is {self.max_output_bytes}",
+            )
+        output = call.read_exact(int(output_len))
+        if status == b"ok":
+            return output, JSON, meta["outputs"]
+        if status == b"invalid":
+            raise InvalidInput(meta["errorMessage"])
+        raise HandlerError(meta["errorType"], meta["errorMessage"])

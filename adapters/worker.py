@@ -1,0 +1,459 @@
+"""The worker-process supervisor shared by every adapter (SPEC §3).
+
+One registration owns one long-lived worker process, started at RegisterFunction so the handler is
+imported (Python) or sourced (Bash) once. The supervisor spawns it in its own process group, frames
+requests and responses over two private pipes, turns its stdout/stderr into structured log records,
+and on cancellation or deadline kills the whole process group and starts a fresh worker in the
+background so the registration stays READY.
+
+Wire between supervisor and worker:
+
+The worker gets the two fd numbers as its last two arguments.
+
+* request fd (worker reads): adapter-specific frames.
+* response fd (worker writes): first ``READY\\n``, or ``INITFAIL <n>\\n`` followed by n bytes of JSON
+  ``{"errorType", "errorMessage"}``; then adapter-specific responses.
+* stdout and stderr: free text, one log record per line. After each invocation the worker writes
+  ``END_MARKER`` to both, before its response, so the supervisor can attribute every line the
+  handler wrote to that invocation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import select
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from adapters.errors import (
+    HandlerError,
+    InitError,
+    InvalidInput,
+    InvocationCancelled,
+    InvocationTimeout,
+    WorkerUnavailable,
+)
+
+END_MARKER = b"\x1efnkernel-end\n"
+LOG = logging.getLogger("fnkernel.function")
+_PIPE_SIZE = 1 << 20  # fewer wakeups for multi-MiB payloads; best effort (F_SETPIPE_SZ)
+_F_SETPIPE_SZ = 1031
+_MAX_LOG_LINES = 256
+_MAX_LOG_LINE = 4096
+_MARKER_WAIT = 1.0  # seconds to wait for the handler's last log lines after its response
+
+# Every worker pid this process spawned and has not yet waited for. The orphan reaper must never
+# reap these: their Popen objects own their exit status.
+_spawn_lock = threading.Lock()
+_live_pids: set[int] = set()
+
+
+@dataclass(frozen=True)
+class LogLine:
+    stream: str
+    text: str
+
+
+class _WorkerExited(Exception):
+    """EOF on the response pipe: the worker died (killed by us, or crashed)."""
+
+
+class Worker:
+    """One live worker process with its two frame pipes and two log pumps."""
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        cwd: Path,
+        env: Mapping[str, str],
+        on_log: Callable[[Worker, str, bytes], None],
+    ) -> None:
+        req_r, self.req = os.pipe()
+        self.resp, resp_w = os.pipe()
+        for fd in (req_r, resp_w):
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(fd, _F_SETPIPE_SZ, _PIPE_SIZE)
+        try:
+            with _spawn_lock:
+                self.proc = subprocess.Popen(
+                    [*argv, str(req_r), str(resp_w)],
+                    cwd=cwd,
+                    env=dict(env),
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    pass_fds=(req_r, resp_w),
+                    start_new_session=True,  # its own process group: killpg reaches the handler's children
+                )
+                _live_pids.add(self.proc.pid)
+        finally:
+            os.close(req_r)
+            os.close(resp_w)
+        self._buf = bytearray()
+        self._on_log = on_log
+        self.job_pgids: set[int] = set()
+        self.markers = {"stdout": 0, "stderr": 0}
+        self.markers_cond = threading.Condition()
+        self.invocations = 0
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        self._pumps = [
+            threading.Thread(target=self._pump, args=("stdout", self.proc.stdout), daemon=True),
+            threading.Thread(target=self._pump, args=("stderr", self.proc.stderr), daemon=True),
+        ]
+        for pump in self._pumps:
+            pump.start()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _pump(self, stream: str, pipe: object) -> None:
+        for line in iter(pipe.readline, b""):  # type: ignore[attr-defined]
+            if line == END_MARKER:
+                with self.markers_cond:
+                    self.markers[stream] += 1
+                    self.markers_cond.notify_all()
+            else:
+                self._on_log(self, stream, line)
+        pipe.close()  # type: ignore[attr-defined]
+        with self.markers_cond:
+            self.markers[stream] = 1 << 62  # EOF: nothing more will come
+            self.markers_cond.notify_all()
+
+    # Frame I/O. Reads honour the deadline; a worker that dies gives EOF (_WorkerExited).
+
+    def send(self, data: bytes | memoryview) -> None:
+        view = memoryview(data)
+        try:
+            while view:
+                written = os.write(self.req, view)
+                view = view[written:]
+        except (BrokenPipeError, OSError) as exc:
+            raise _WorkerExited() from exc
+
+    def _fill(self, deadline: float) -> None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not select.select([self.resp], [], [], remaining)[0]:
+            raise TimeoutError
+        chunk = os.read(self.resp, _PIPE_SIZE)
+        if not chunk:
+            raise _WorkerExited()
+        self._buf += chunk
+
+    def read_line(self, deadline: float) -> bytes:
+        while (end := self._buf.find(b"\n")) < 0:
+            self._fill(deadline)
+        line = bytes(self._buf[:end])
+        del self._buf[: end + 1]
+        return line
+
+    def read_exact(self, size: int, deadline: float) -> bytes:
+        while len(self._buf) < size:
+            self._fill(deadline)
+        data = bytes(self._buf[:size])
+        del self._buf[:size]
+        return data
+
+    def wait_ready(self, deadline: float) -> None:
+        """Read the start-up handshake; raise InitError if the handler could not be loaded."""
+        try:
+            line = self.read_line(deadline)
+            if line == b"READY":
+                return
+            kind, _, size = line.partition(b" ")
+            if kind == b"INITFAIL":
+                body = json.loads(self.read_exact(int(size), deadline))
+                raise InitError(body["errorType"], body["errorMessage"])
+            raise InitError("InitializationError", f"unexpected worker handshake {line[:80]!r}")
+        except TimeoutError:
+            self.kill()
+            raise InitError(
+                "InitializationTimeout", "the handler did not finish loading in time"
+            ) from None
+        except _WorkerExited:
+            code = self.proc.wait()
+            raise InitError(
+                "InitializationError",
+                f"the handler exited while loading ({describe_exit(code)})",
+            ) from None
+
+    def wait_log_markers(self, count: int) -> None:
+        """Wait (bounded) until both log pumps have read the end marker of invocation `count`."""
+        deadline = time.monotonic() + _MARKER_WAIT
+        with self.markers_cond:
+            self.markers_cond.wait_for(
+                lambda: min(self.markers.values()) >= count,
+                timeout=max(0.0, deadline - time.monotonic()),
+            )
+
+    def kill(self) -> None:
+        """SIGKILL the worker's process group and every job group it reported."""
+        for pgid in (self.proc.pid, *self.job_pgids):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+
+    def reap(self) -> None:
+        """Kill, wait for the exit status and release the pipes."""
+        self.kill()
+        self.proc.wait()
+        with _spawn_lock:
+            _live_pids.discard(self.proc.pid)
+        for fd in (self.req, self.resp):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name}"
+    return f"exit status {code}"
+
+
+@dataclass
+class Call:
+    """One invocation in progress on a worker: frame I/O bounded by the invocation deadline."""
+
+    worker: Worker
+    invocation_id: str
+    deadline: float
+    logs: list[LogLine] = field(default_factory=list)
+
+    def send(self, data: bytes | memoryview) -> None:
+        self.worker.send(data)
+
+    def read_line(self) -> bytes:
+        return self.worker.read_line(self.deadline)
+
+    def read_exact(self, size: int) -> bytes:
+        return self.worker.read_exact(size, self.deadline)
+
+    def skip(self, size: int) -> None:
+        """Read and drop `size` bytes (an oversized output) to keep the frame stream in step."""
+        while size > 0:
+            chunk = min(size, _PIPE_SIZE)
+            self.read_exact(chunk)
+            size -= chunk
+
+    def wait_logs(self) -> None:
+        """Wait (bounded) until every line the handler logged during this call has been read."""
+        self.worker.wait_log_markers(self.worker.invocations + 1)
+
+    def track_job(self, pgid: int) -> None:
+        """Record a process group the worker started for this call, so cancellation reaches it."""
+        self.worker.job_pgids = {pgid}
+
+    def remaining_millis(self) -> int:
+        return max(0, int((self.deadline - time.monotonic()) * 1000))
+
+
+class WorkerSupervisor:
+    """Keeps exactly one ready worker for a registration and runs one call at a time on it."""
+
+    def __init__(
+        self,
+        *,
+        argv: Sequence[str],
+        cwd: Path,
+        env: Mapping[str, str],
+        run_uid: str,
+        init_timeout: float = 60.0,
+        on_fatal: Callable[[InitError], None] | None = None,
+    ) -> None:
+        self._argv = list(argv)
+        self._cwd = cwd
+        self._env = dict(env)
+        self._run_uid = run_uid
+        self._init_timeout = init_timeout
+        self._on_fatal = on_fatal
+        self._lock = threading.Condition()
+        self._worker: Worker | None = None
+        self._current: Call | None = None
+        self._cancelled = False
+        self._cancel_pending: str | None = None
+        self._closed = False
+        self._fatal: InitError | None = None
+
+    # Life cycle
+
+    def start(self) -> None:
+        """Spawn the first worker and wait for its handshake; raise InitError on failure."""
+        worker = self._spawn()
+        with self._lock:
+            if self._closed:
+                worker.reap()
+                raise InvocationCancelled("the registration was closed while it was loading")
+            self._worker = worker
+            self._lock.notify_all()
+
+    def _spawn(self) -> Worker:
+        worker = Worker(self._argv, self._cwd, self._env, self._log)
+        try:
+            worker.wait_ready(time.monotonic() + self._init_timeout)
+        except InitError:
+            worker.reap()
+            raise
+        return worker
+
+    def close(self) -> None:
+        """Kill the worker (and any call on it); idempotent."""
+        with self._lock:
+            self._closed = True
+            worker, self._worker = self._worker, None
+            current = self._current
+            self._lock.notify_all()
+        if current is not None:
+            self._cancelled = True
+            current.worker.kill()
+        if worker is not None:
+            worker.reap()
+
+    def cancel(self, invocation_id: str | None = None) -> bool:
+        """Kill the call in flight (SPEC §3: within 100 ms); returns whether one was killed.
+
+        With an `invocation_id`, only that call is cancelled; if it has not reached the worker yet
+        it is remembered and refused when it arrives (a client may cancel before dispatch).
+        """
+        with self._lock:
+            current = self._current
+            if current is None or (invocation_id and current.invocation_id != invocation_id):
+                self._cancel_pending = invocation_id
+                return False
+            self._cancelled = True
+        current.worker.kill()
+        return True
+
+    # Invocations
+
+    @contextlib.contextmanager
+    def invocation(self, invocation_id: str, deadline: float) -> Iterator[Call]:
+        """Run one call on the ready worker; translate death, deadline and cancellation."""
+        with self._lock:
+            self._lock.wait_for(
+                lambda: self._worker is not None or self._closed or self._fatal is not None,
+                timeout=max(0.0, deadline - time.monotonic()),
+            )
+            if self._closed:
+                raise InvocationCancelled("the registration is being removed")
+            if self._fatal is not None:
+                raise WorkerUnavailable(f"the worker could not be restarted: {self._fatal}")
+            if self._worker is None:
+                raise InvocationTimeout("no worker became ready before the deadline")
+            assert self._current is None, "the registry allows one call in flight"
+            pending, self._cancel_pending = self._cancel_pending, None
+            if pending is not None and pending == invocation_id:
+                raise InvocationCancelled("the invocation was cancelled")
+            worker = self._worker
+            call = self._current = Call(worker, invocation_id, deadline)
+            self._cancelled = False
+        try:
+            yield call
+        except (HandlerError, InvalidInput):
+            self._finish(worker)  # a complete response that reports a failure: the worker is fine
+            raise
+        except TimeoutError:
+            self._replace(worker)
+            raise InvocationTimeout("the handler exceeded its deadline") from None
+        except _WorkerExited:
+            cancelled = self._cancelled
+            self._replace(worker)
+            if cancelled:
+                raise InvocationCancelled("the invocation was cancelled") from None
+            code = worker.proc.wait()
+            raise HandlerError(
+                "WorkerCrashed", f"the worker process ended mid-call ({describe_exit(code)})"
+            ) from None
+        except BaseException:
+            self._replace(worker)  # the frame stream may be out of step: never reuse it
+            raise
+        else:
+            self._finish(worker)
+        finally:
+            with self._lock:
+                self._current = None
+                self._lock.notify_all()
+
+    @staticmethod
+    def _finish(worker: Worker) -> None:
+        worker.invocations += 1
+        worker.wait_log_markers(worker.invocations)
+
+    def _replace(self, old: Worker) -> None:
+        """Kill `old` now and bring up a fresh worker in the background (SPEC §3)."""
+        old.kill()
+        with self._lock:
+            if self._worker is old:
+                self._worker = None
+        threading.Thread(target=self._respawn, args=(old,), daemon=True).start()
+
+    def _respawn(self, old: Worker) -> None:
+        old.reap()
+        with self._lock:
+            if self._closed:
+                return
+        try:
+            worker = self._spawn()
+        except InitError as exc:
+            with self._lock:
+                self._fatal = exc
+                self._lock.notify_all()
+            if self._on_fatal is not None:
+                self._on_fatal(exc)
+            return
+        with self._lock:
+            if not self._closed:
+                self._worker = worker
+                self._lock.notify_all()
+                return
+        worker.reap()
+
+    # Logs
+
+    def _log(self, worker: Worker, stream: str, raw: bytes) -> None:
+        text = raw.rstrip(b"\n")[:_MAX_LOG_LINE].decode("utf-8", "replace")
+        current = self._current
+        invocation_id = ""
+        if current is not None and current.worker is worker:
+            invocation_id = current.invocation_id
+            if len(current.logs) < _MAX_LOG_LINES:
+                current.logs.append(LogLine(stream, text))
+        LOG.info(
+            text,
+            extra={"run_uid": self._run_uid, "invocation_id": invocation_id, "stream": stream},
+        )
+
+
+def reap_orphans() -> int:
+    """Reap zombie children this process did not spawn itself (SPEC §3.1).
+
+    The Runtime Server is a child subreaper, so a handler's killed grandchildren are reparented to
+    it. Returns how many were reaped.
+    """
+    me = str(os.getpid())
+    reaped = 0
+    with _spawn_lock:
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit() or int(entry.name) in _live_pids:
+                continue
+            try:
+                stat = Path(entry.path, "stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rpartition(")")[2].split()
+            if len(fields) > 1 and fields[0] == "Z" and fields[1] == me:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(int(entry.name), os.WNOHANG)
+                    reaped += 1
+    return reaped

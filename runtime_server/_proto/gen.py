@@ -1,0 +1,42 @@
+"""Regenerate the committed protobuf/gRPC stubs from proto/ (``make proto``).
+
+protoc sees proto/ under the virtual path ``runtime_server/_proto`` so the generated modules import
+each other as ``runtime_server._proto.…`` and no top-level ``proto`` package ever exists (SPEC §1).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PROTO_DIR = ROOT / "proto"
+VIRTUAL = "runtime_server/_proto"
+SOURCES = ("executor/v1/runtime.proto",)
+
+
+def generate(out_dir: Path) -> None:
+    """Write the stubs for every file in SOURCES under out_dir (a checkout root)."""
+    from grpc_tools import protoc  # dev dependency: only needed to regenerate
+
+    include = Path(protoc.__file__).parent / "_proto"
+    for source in SOURCES:
+        args = [
+            "grpc_tools.protoc",
+            f"-I{VIRTUAL}={PROTO_DIR}",
+            f"-I{include}",
+            f"--python_out={out_dir}",
+            f"--pyi_out={out_dir}",
+            f"--grpc_python_out={out_dir}",
+            f"{VIRTUAL}/{source}",
+        ]
+        if protoc.main(args) != 0:
+            raise SystemExit(f"protoc failed for {source}")
+        package = out_dir / VIRTUAL
+        for part in Path(source).parent.parts:
+            package = package / part
+            (package / "__init__.py").touch()
+
+
+if __name__ == "__main__":
+    generate(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT)

@@ -1,0 +1,191 @@
+"""SPEC §2.2: the limits the seed's "Limits and Error Mapping" section leaves open, checked here.
+
+Every check raises InvalidField naming the field, before any work is accepted.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from runtime_server.errors import InvalidField
+
+MAX_RUN_UID_BYTES = 128
+MAX_ENV_ENTRIES = 128
+MAX_ENV_BYTES = 64 * 1024
+MAX_IDLE_TIMEOUT_SECONDS = 86_400
+DEFAULT_IDLE_TIMEOUT_SECONDS = 900
+MAX_INVOCATION_ID_BYTES = 128
+MAX_PAYLOAD_BYTES = 6 * 1024 * 1024
+DEFAULT_TIMEOUT_MILLIS = 30_000
+MAX_TIMEOUT_MILLIS = 900_000
+MAX_OUTPUTS = 32
+MAX_OUTPUT_VALUE_BYTES = 1024
+MAX_OUTPUTS_BYTES = 16 * 1024
+MAX_MESSAGE_BYTES = 1024  # fatal_error and handler error messages
+# gRPC's own receive/send limit sits above the 6 MiB payload limit so that we, not the transport,
+# reject an oversized payload, with the status SPEC §2.2 names (SPEC §3.1).
+GRPC_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+_RUN_UID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+_OUTPUT_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+_PRINTABLE_ASCII = re.compile(r"[\x20-\x7e]*")
+_CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+
+
+def check_run_uid(run_uid: str) -> str:
+    if not run_uid:
+        raise InvalidField("run_uid", "must not be empty")
+    if len(run_uid.encode()) > MAX_RUN_UID_BYTES:
+        raise InvalidField("run_uid", f"longer than {MAX_RUN_UID_BYTES} bytes")
+    if not _RUN_UID.fullmatch(run_uid):
+        raise InvalidField("run_uid", "must match ^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    return run_uid
+
+
+def check_registration_id(registration_id: str) -> str:
+    # Seed: a Runtime Server itself always requires a non-empty registration ID.
+    if not registration_id:
+        raise InvalidField("registration_id", "must not be empty at a Runtime Server")
+    return registration_id
+
+
+def check_registration_attempt(attempt: int) -> int:
+    if attempt < 1:
+        raise InvalidField("registration_attempt", f"must be >= 1 (one-based), got {attempt}")
+    return attempt
+
+
+def resolve_working_dir(working_dir: str, workspace_root: Path) -> Path:
+    """The working directory with symlinks resolved; it must exist inside the workspace root."""
+    if not working_dir:
+        raise InvalidField("working_dir", "must not be empty")
+    path = Path(working_dir)
+    if not path.is_absolute():
+        raise InvalidField("working_dir", f"must be an absolute path, got {working_dir!r}")
+    if "\0" in working_dir:
+        raise InvalidField("working_dir", "contains a NUL byte")
+    resolved = path.resolve()
+    root = workspace_root.resolve()
+    if resolved != root and root not in resolved.parents:
+        raise InvalidField("working_dir", f"{working_dir} is outside the workspace root {root}")
+    if not resolved.is_dir():
+        raise InvalidField("working_dir", f"{working_dir} is not an existing directory")
+    return resolved
+
+
+def check_env(env: Mapping[str, str]) -> dict[str, str]:
+    if len(env) > MAX_ENV_ENTRIES:
+        raise InvalidField("env", f"{len(env)} entries; at most {MAX_ENV_ENTRIES}")
+    total = 0
+    for key, value in env.items():
+        if not _ENV_KEY.fullmatch(key):
+            raise InvalidField("env", f"key {key!r} must match ^[A-Za-z_][A-Za-z0-9_]*$")
+        if "\0" in value:
+            raise InvalidField("env", f"value of {key} contains a NUL byte")
+        total += len(key.encode()) + len(value.encode())
+    if total > MAX_ENV_BYTES:
+        raise InvalidField("env", f"{total} bytes in all; at most {MAX_ENV_BYTES}")
+    return dict(env)
+
+
+def check_idle_timeout(seconds: int) -> int:
+    """0 means the runtimed default; the Runtime Server only bounds it."""
+    if not 0 <= seconds <= MAX_IDLE_TIMEOUT_SECONDS:
+        raise InvalidField(
+            "idle_timeout_seconds", f"must be 0 to {MAX_IDLE_TIMEOUT_SECONDS}, got {seconds}"
+        )
+    return seconds
+
+
+def check_digest(digest: str) -> str:
+    if not _DIGEST.fullmatch(digest):
+        raise InvalidField(
+            "registration_digest", "must be 'sha256:' followed by 64 lowercase hex digits"
+        )
+    return digest
+
+
+def check_invocation_id(invocation_id: str) -> str:
+    """Empty → a fresh opaque ID (seed: the response always returns the ID in use)."""
+    if not invocation_id:
+        return new_id("inv_")
+    if len(invocation_id.encode()) > MAX_INVOCATION_ID_BYTES:
+        raise InvalidField("invocation_id", f"longer than {MAX_INVOCATION_ID_BYTES} bytes")
+    if not _PRINTABLE_ASCII.fullmatch(invocation_id):
+        raise InvalidField("invocation_id", "must be printable ASCII")
+    return invocation_id
+
+
+def check_input(payload: bytes) -> bytes:
+    if len(payload) > MAX_PAYLOAD_BYTES:
+        raise InvalidField("input", f"{len(payload)} bytes; at most {MAX_PAYLOAD_BYTES}")
+    return payload
+
+
+def check_content_type(content_type: str) -> str:
+    """The built-in runtimes take JSON; empty means JSON (the gateway's first encoding)."""
+    media_type = content_type.split(";", 1)[0].strip().lower()
+    if media_type not in ("", "application/json"):
+        raise InvalidField(
+            "content_type",
+            f"{content_type!r} is not supported; the built-in runtimes take application/json",
+        )
+    return "application/json"
+
+
+def effective_timeout_millis(timeout_millis: int) -> int:
+    """Seed: zero means the bounded default, never unlimited work."""
+    if timeout_millis < 0:
+        raise InvalidField("timeout_millis", f"must not be negative, got {timeout_millis}")
+    if timeout_millis == 0:
+        return DEFAULT_TIMEOUT_MILLIS
+    return min(timeout_millis, MAX_TIMEOUT_MILLIS)
+
+
+def check_drain_timeout(drain_timeout_millis: int) -> int:
+    if drain_timeout_millis < 0:
+        raise InvalidField(
+            "drain_timeout_millis", f"must not be negative, got {drain_timeout_millis}"
+        )
+    return drain_timeout_millis
+
+
+def outputs_problem(outputs: Mapping[str, str]) -> str | None:
+    """Why `outputs` breaks the Run.status.outputs bounds, or None if it is fine."""
+    if len(outputs) > MAX_OUTPUTS:
+        return f"{len(outputs)} outputs; at most {MAX_OUTPUTS}"
+    total = 0
+    for key, value in outputs.items():
+        if not _OUTPUT_KEY.fullmatch(key):
+            return f"output key {key!r} must match ^[A-Za-z0-9][A-Za-z0-9_.-]{{0,62}}$"
+        size = len(value.encode())
+        if size > MAX_OUTPUT_VALUE_BYTES:
+            return f"output {key!r} is {size} bytes; at most {MAX_OUTPUT_VALUE_BYTES}"
+        total += len(key.encode()) + size
+    if total > MAX_OUTPUTS_BYTES:
+        return f"outputs total {total} bytes; at most {MAX_OUTPUTS_BYTES}"
+    return None
+
+
+def bounded(text: str, limit: int = MAX_MESSAGE_BYTES) -> str:
+    """Truncate to `limit` UTF-8 bytes (fatal_error, handler error messages)."""
+    data = text.encode()
+    if len(data) <= limit:
+        return text
+    return data[: limit - 3].decode("utf-8", "ignore") + "..."
+
+
+def new_id(prefix: str) -> str:
+    """An unguessable, time-ordered ID: a ULID (48-bit ms time + 80 random bits), Crockford base32."""
+    value = (time.time_ns() // 1_000_000) << 80 | secrets.randbits(80)
+    chars = []
+    for _ in range(26):
+        value, digit = divmod(value, 32)
+        chars.append(_CROCKFORD[digit])
+    return prefix + "".join(reversed(chars))

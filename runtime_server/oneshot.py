@@ -1,0 +1,75 @@
+"""executor.v1.Runtime/Execute: one handler call without registration (SPEC §2).
+
+The same adapters, once: load, invoke, stop. Nothing emulates function mode through Execute.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from adapters import FunctionSpec, WorkerAdapter
+from adapters.errors import HandlerError, InitError
+from runtime_server import limits
+from runtime_server.registry import check_handler
+
+
+@dataclass(frozen=True)
+class ExecuteOutcome:
+    output: bytes
+    content_type: str
+    outputs: dict[str, str] = field(default_factory=dict)
+    exit_code: int = 0
+
+
+def _failure(error_type: str, message: str) -> ExecuteOutcome:
+    body = {"errorType": error_type, "errorMessage": limits.bounded(message)}
+    return ExecuteOutcome(json.dumps(body).encode(), "application/json", {}, 1)
+
+
+def execute(
+    adapter_cls: type[WorkerAdapter],
+    workspace_root: Path,
+    *,
+    run_uid: str,
+    working_dir: str,
+    handler: str,
+    env: Mapping[str, str],
+    input: bytes,
+    content_type: str,
+    timeout_millis: int,
+    deadline: float | None = None,
+    on_dispatch: Callable[[Callable[[], object]], None] | None = None,
+) -> ExecuteOutcome:
+    """Run `handler` once. A handler that fails to load or fails gives exit_code 1 and an
+    ``{"errorType", "errorMessage"}`` body; a timeout raises InvocationTimeout."""
+    limits.check_run_uid(run_uid)
+    directory = limits.resolve_working_dir(working_dir, workspace_root)
+    check_handler(adapter_cls, handler, directory)
+    env = limits.check_env(env)
+    limits.check_input(input)
+    limits.check_content_type(content_type)
+    effective = time.monotonic() + limits.effective_timeout_millis(timeout_millis) / 1000
+    if deadline is not None:
+        effective = min(effective, deadline)
+    adapter = adapter_cls(
+        FunctionSpec(run_uid, directory, handler, env),
+        max_output_bytes=limits.MAX_PAYLOAD_BYTES,
+        init_timeout=max(0.0, effective - time.monotonic()),
+    )
+    try:
+        adapter.start()
+        if on_dispatch is not None:
+            on_dispatch(adapter.cancel)
+        result = adapter.invoke(limits.new_id("inv_"), input, effective)
+    except (InitError, HandlerError) as exc:
+        return _failure(exc.error_type, exc.message)
+    finally:
+        adapter.close()
+    problem = limits.outputs_problem(result.outputs)
+    if problem is not None:
+        return _failure("InvalidOutputs", problem)
+    return ExecuteOutcome(result.output, result.content_type, result.outputs, 0)

@@ -1,0 +1,400 @@
+"""The FunctionRuntime state machine: registrations, fencing and limits (seed 000, SPEC §2.1).
+
+Plain Python with no gRPC in it; ``runtime_server.servicer`` translates requests and errors. One
+lock guards the map from Run UID to its current registration, so a stale registration ID can never
+change, invoke or remove a newer registration: every operation compares the ID under that lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from adapters import FunctionSpec, InvocationResult, WorkerAdapter
+from adapters.errors import AdapterError, HandlerError, InitError, InvalidHandler
+from runtime_server import limits
+from runtime_server._proto.executor.v1.runtime_pb2 import FunctionRegistrationState
+from runtime_server.errors import (
+    AttemptSuperseded,
+    DigestConflict,
+    InvalidField,
+    InvocationInFlight,
+    RegistrationNotFound,
+    RegistrationNotReady,
+    ShuttingDown,
+    StaleRegistration,
+)
+
+REGISTERING = FunctionRegistrationState.FUNCTION_REGISTRATION_STATE_REGISTERING
+READY = FunctionRegistrationState.FUNCTION_REGISTRATION_STATE_READY
+DRAINING = FunctionRegistrationState.FUNCTION_REGISTRATION_STATE_DRAINING
+FAILED = FunctionRegistrationState.FUNCTION_REGISTRATION_STATE_FAILED
+LOG = logging.getLogger("fnkernel.runtime")
+_MAX_TOMBSTONES = 10_000
+_CANCEL_SETTLE_SECONDS = 5.0  # how long unregister waits for a killed call to unwind
+
+
+def state_name(state: int) -> str:
+    return FunctionRegistrationState.Name(state).removeprefix("FUNCTION_REGISTRATION_STATE_")
+
+
+@dataclass
+class Registration:
+    """One local registration generation of a Run (mutable; guarded by Registry._lock)."""
+
+    run_uid: str
+    registration_id: str
+    attempt: int
+    digest: str
+    spec: FunctionSpec
+    idle_timeout_seconds: int
+    adapter: WorkerAdapter
+    state: int = REGISTERING
+    in_flight: int = 0
+    invocation_id: str = ""
+    last_activity_unix_nano: int = 0
+    fatal_error: str = ""
+    loaded: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass(frozen=True)
+class RegistrationView:
+    """A snapshot of a registration, as FunctionStatus reports it."""
+
+    run_uid: str
+    registration_id: str
+    state: int
+    in_flight: int
+    last_activity_unix_nano: int
+    fatal_error: str
+
+    @classmethod
+    def of(cls, reg: Registration) -> RegistrationView:
+        return cls(
+            reg.run_uid,
+            reg.registration_id,
+            reg.state,
+            reg.in_flight,
+            reg.last_activity_unix_nano,
+            reg.fatal_error,
+        )
+
+
+@dataclass(frozen=True)
+class Invocation:
+    invocation_id: str
+    result: InvocationResult
+
+
+def check_handler(adapter_cls: type[WorkerAdapter], handler: str, working_dir: Path) -> str:
+    try:
+        adapter_cls.check_handler(handler, working_dir)
+    except InvalidHandler as exc:
+        raise InvalidField("handler", str(exc)) from None
+    return handler
+
+
+class Registry:
+    """Every registration of one Runtime Server, which serves one built-in runtime (SPEC §2)."""
+
+    def __init__(
+        self,
+        adapter_cls: type[WorkerAdapter],
+        workspace_root: Path,
+        *,
+        register_wait: float = 60.0,
+    ) -> None:
+        self.adapter_cls = adapter_cls
+        self.workspace_root = workspace_root
+        self._register_wait = register_wait
+        self._lock = threading.Condition()
+        self._current: dict[str, Registration] = {}
+        # Highest attempt seen per Run UID whose registration was removed: a delayed RegisterFunction
+        # for an older attempt must still be refused after an unregister.
+        self._tombstones: OrderedDict[str, int] = OrderedDict()
+        self._shutting_down = False
+
+    # RegisterFunction
+
+    def register(
+        self,
+        *,
+        run_uid: str,
+        registration_attempt: int,
+        working_dir: str,
+        handler: str,
+        env: Mapping[str, str],
+        idle_timeout_seconds: int,
+        registration_digest: str,
+    ) -> RegistrationView:
+        limits.check_run_uid(run_uid)
+        limits.check_registration_attempt(registration_attempt)
+        directory = limits.resolve_working_dir(working_dir, self.workspace_root)
+        check_handler(self.adapter_cls, handler, directory)
+        env = limits.check_env(env)
+        limits.check_idle_timeout(idle_timeout_seconds)
+        limits.check_digest(registration_digest)
+
+        superseded: Registration | None = None
+        created = False
+        with self._lock:
+            if self._shutting_down:
+                raise ShuttingDown("the Runtime Server is shutting down")
+            current = self._current.get(run_uid)
+            if current is not None and registration_attempt == current.attempt:
+                if registration_digest != current.digest:
+                    # SPEC §2.1: same run_uid, same attempt, other digest → ALREADY_EXISTS.
+                    raise DigestConflict(
+                        f"run {run_uid} attempt {registration_attempt} is already registered "
+                        "with a different registration_digest"
+                    )
+                reg = current  # SPEC §2.1: idempotent; the current reference, no re-initialisation
+            else:
+                newest = (
+                    current.attempt if current is not None else self._tombstones.get(run_uid, 0)
+                )
+                if registration_attempt < newest:
+                    raise AttemptSuperseded(
+                        f"registration_attempt {registration_attempt} is older than attempt "
+                        f"{newest} already seen for run {run_uid}"
+                    )
+                superseded = current  # SPEC §2.1: a higher attempt supersedes the old registration
+                reg = self._new_registration(
+                    run_uid,
+                    registration_attempt,
+                    registration_digest,
+                    directory,
+                    handler,
+                    env,
+                    idle_timeout_seconds,
+                )
+                if superseded is not None:
+                    superseded.state = DRAINING
+                self._current[run_uid] = reg
+                created = True
+        if superseded is not None:
+            LOG.info(
+                "attempt %d supersedes %s",
+                registration_attempt,
+                superseded.registration_id,
+                extra={"run_uid": run_uid},
+            )
+            self._release(superseded, cancel=True)
+        if created:
+            threading.Thread(target=self._load, args=(reg,), daemon=True).start()
+        # The seed's example answers READY: wait (bounded) for the import; a retry that arrives
+        # while it is still loading waits for the same load.
+        reg.loaded.wait(self._register_wait)
+        with self._lock:
+            return RegistrationView.of(reg)
+
+    def _new_registration(
+        self,
+        run_uid: str,
+        attempt: int,
+        digest: str,
+        working_dir: Path,
+        handler: str,
+        env: dict[str, str],
+        idle_timeout_seconds: int,
+    ) -> Registration:
+        spec = FunctionSpec(run_uid, working_dir, handler, env)
+        registration_id = limits.new_id("reg_")
+        adapter = self.adapter_cls(
+            spec,
+            max_output_bytes=limits.MAX_PAYLOAD_BYTES,
+            on_fatal=lambda exc: self._fail(run_uid, registration_id, exc),
+        )
+        return Registration(
+            run_uid, registration_id, attempt, digest, spec, idle_timeout_seconds, adapter
+        )
+
+    def _load(self, reg: Registration) -> None:
+        """Start the worker (import / source once); READY or FAILED with a bounded fatal_error."""
+        try:
+            reg.adapter.start()
+        except InitError as exc:
+            self._fail(reg.run_uid, reg.registration_id, exc)
+        except AdapterError:
+            pass  # closed while loading: it was superseded or unregistered
+        except Exception as exc:  # never leave a registration REGISTERING forever
+            LOG.exception("loading %s failed", reg.spec.handler, extra={"run_uid": reg.run_uid})
+            self._fail(reg.run_uid, reg.registration_id, InitError("InitializationError", str(exc)))
+        else:
+            with self._lock:
+                if reg.state == REGISTERING:
+                    reg.state = READY
+                    reg.last_activity_unix_nano = time.time_ns()
+            if reg.state != READY:
+                reg.adapter.close()
+        finally:
+            reg.loaded.set()
+
+    def _fail(self, run_uid: str, registration_id: str, exc: InitError) -> None:
+        """SPEC §2.1: a permanent initialisation failure leaves the registration FAILED."""
+        with self._lock:
+            reg = self._current.get(run_uid)
+            if reg is None or reg.registration_id != registration_id:
+                return
+            reg.state = FAILED
+            reg.fatal_error = limits.bounded(str(exc))
+        LOG.warning("registration failed: %s", exc, extra={"run_uid": run_uid})
+        reg.adapter.close()
+
+    # FunctionStatus
+
+    def status(self, *, run_uid: str, registration_id: str) -> RegistrationView:
+        limits.check_run_uid(run_uid)
+        limits.check_registration_id(registration_id)
+        with self._lock:
+            return RegistrationView.of(self._lookup(run_uid, registration_id))
+
+    def _lookup(self, run_uid: str, registration_id: str) -> Registration:
+        """The current registration for `run_uid`, fenced by `registration_id` (lock held)."""
+        reg = self._current.get(run_uid)
+        if reg is None:
+            raise RegistrationNotFound(f"no registration has run_uid {run_uid}")
+        if reg.registration_id != registration_id:
+            raise StaleRegistration(
+                f"registration_id {registration_id} is stale; run {run_uid} has a newer registration"
+            )
+        return reg
+
+    # InvokeFunction
+
+    def invoke(
+        self,
+        *,
+        run_uid: str,
+        registration_id: str,
+        invocation_id: str,
+        input: bytes,
+        content_type: str,
+        timeout_millis: int,
+        deadline: float | None = None,
+        on_dispatch: Callable[[Callable[[], object]], None] | None = None,
+    ) -> Invocation:
+        """Run one invocation. `deadline` (monotonic) is the caller's own, if it has one.
+
+        `on_dispatch(cancel)` is called once the call is accepted, with a function that cancels
+        it, so the caller can cancel it if its client goes away.
+        """
+        limits.check_run_uid(run_uid)
+        limits.check_registration_id(registration_id)
+        invocation_id = limits.check_invocation_id(invocation_id)
+        limits.check_input(input)
+        limits.check_content_type(content_type)
+        timeout = limits.effective_timeout_millis(timeout_millis) / 1000
+        effective_deadline = time.monotonic() + timeout
+        if deadline is not None:
+            effective_deadline = min(effective_deadline, deadline)
+        with self._lock:
+            if self._shutting_down:
+                raise ShuttingDown("the Runtime Server is shutting down")
+            reg = self._lookup(run_uid, registration_id)
+            if reg.state != READY:
+                detail = f": {reg.fatal_error}" if reg.fatal_error else ""
+                raise RegistrationNotReady(
+                    f"run {run_uid} is {state_name(reg.state)}, not READY{detail}"
+                )
+            if reg.in_flight:
+                raise InvocationInFlight(
+                    f"run {run_uid} already has invocation {reg.invocation_id} in flight"
+                )
+            reg.in_flight = 1
+            reg.invocation_id = invocation_id
+            reg.last_activity_unix_nano = time.time_ns()
+        try:
+            if on_dispatch is not None:
+                on_dispatch(
+                    lambda: self._cancel_invocation(run_uid, registration_id, invocation_id)
+                )
+            result = reg.adapter.invoke(invocation_id, input, effective_deadline)
+        finally:
+            with self._lock:
+                reg.in_flight = 0
+                reg.invocation_id = ""
+                reg.last_activity_unix_nano = time.time_ns()
+                self._lock.notify_all()
+        problem = limits.outputs_problem(result.outputs)
+        if problem is not None:
+            raise HandlerError("InvalidOutputs", problem, result.logs)
+        return Invocation(invocation_id, result)
+
+    def _cancel_invocation(self, run_uid: str, registration_id: str, invocation_id: str) -> None:
+        """Cancel `invocation_id` if it is still the one in flight (a client went away)."""
+        with self._lock:
+            reg = self._current.get(run_uid)
+            if reg is None or reg.registration_id != registration_id:
+                return
+            if reg.invocation_id == invocation_id:
+                reg.adapter.cancel(invocation_id)
+
+    # UnregisterFunction
+
+    def unregister(
+        self,
+        *,
+        run_uid: str,
+        registration_id: str,
+        cancel_in_flight: bool,
+        drain_timeout_millis: int,
+    ) -> None:
+        limits.check_run_uid(run_uid)
+        limits.check_registration_id(registration_id)
+        limits.check_drain_timeout(drain_timeout_millis)
+        with self._lock:
+            reg = self._current.get(run_uid)
+            if reg is None:
+                return  # seed: unregistering an absent registration succeeds
+            if reg.registration_id != registration_id:
+                raise StaleRegistration(
+                    f"registration_id {registration_id} is stale; the newer registration of run "
+                    f"{run_uid} is untouched"
+                )
+            reg.state = DRAINING  # seed: first DRAINING, rejecting new invokes
+            if not cancel_in_flight:
+                # Seed: wait no longer than drain_timeout_millis for the active invocation.
+                self._lock.wait_for(lambda: reg.in_flight == 0, drain_timeout_millis / 1000)
+            if self._current.get(run_uid) is reg:
+                del self._current[run_uid]
+                self._remember(run_uid, reg.attempt)
+        self._release(reg, cancel=True)
+
+    def _release(self, reg: Registration, *, cancel: bool) -> None:
+        """Cancel what is in flight on `reg`, wait for it to unwind, and stop its worker."""
+        if cancel:
+            reg.adapter.cancel()
+        with self._lock:
+            self._lock.wait_for(lambda: reg.in_flight == 0, _CANCEL_SETTLE_SECONDS)
+        reg.adapter.close()
+
+    def _remember(self, run_uid: str, attempt: int) -> None:
+        self._tombstones[run_uid] = max(attempt, self._tombstones.get(run_uid, 0))
+        self._tombstones.move_to_end(run_uid)
+        while len(self._tombstones) > _MAX_TOMBSTONES:
+            self._tombstones.popitem(last=False)
+
+    # Shutdown
+
+    def shutdown(self, drain_seconds: float) -> None:
+        """Refuse new work, wait (bounded) for in-flight invocations, then stop every worker."""
+        with self._lock:
+            self._shutting_down = True
+            self._lock.wait_for(
+                lambda: all(reg.in_flight == 0 for reg in self._current.values()), drain_seconds
+            )
+            registrations = list(self._current.values())
+            self._current.clear()
+        for reg in registrations:
+            reg.state = DRAINING
+            self._release(reg, cancel=True)
+
+    def registrations(self) -> list[RegistrationView]:
+        with self._lock:
+            return [RegistrationView.of(reg) for reg in self._current.values()]

@@ -1,0 +1,103 @@
+"""Assemble a Runtime Server: services, reflection (v1 and v1alpha), health, message limits."""
+
+from __future__ import annotations
+
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
+
+from adapters import ADAPTERS
+from runtime_server import limits
+from runtime_server._proto.executor.v1 import runtime_pb2 as pb
+from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
+from runtime_server.registry import Registry
+from runtime_server.servicer import FunctionRuntimeServicer, RuntimeServicer
+
+RUNTIME_SERVICE = pb.DESCRIPTOR.services_by_name["Runtime"].full_name
+FUNCTION_RUNTIME_SERVICE = pb.DESCRIPTOR.services_by_name["FunctionRuntime"].full_name
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+DEFAULT_LISTEN = "127.0.0.1:9090"
+# SPEC §3.1: raise both limits on every server and client; we enforce 6 MiB ourselves.
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", limits.GRPC_MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", limits.GRPC_MAX_MESSAGE_BYTES),
+]
+
+
+def add_reflection(server: grpc.Server, service_names: list[str]) -> None:
+    """Serve reflection as v1alpha and v1: grpcio-reflection only names v1alpha, and the two
+    protocols have identical wire messages (SPEC §3.1), so one servicer answers both."""
+    names = [*service_names, reflection.SERVICE_NAME, REFLECTION_V1]
+    servicer = reflection.ReflectionServicer(names)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    v1 = grpc.method_handlers_generic_handler(
+        REFLECTION_V1,
+        {
+            "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+                servicer.ServerReflectionInfo,
+                request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+                response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+            )
+        },
+    )
+    server.add_generic_rpc_handlers((v1,))
+
+
+def add_health(server: grpc.Server, service_names: list[str]) -> health.HealthServicer:
+    servicer = health.HealthServicer()
+    for name in ["", *service_names]:
+        servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    return servicer
+
+
+class RuntimeServer:
+    """One Runtime Server serving one built-in runtime, as a Runtime Pod runs one image (SPEC §2)."""
+
+    def __init__(
+        self,
+        runtime: str,
+        workspace_root: Path,
+        *,
+        oneshot_only: bool = False,
+        max_workers: int = 32,
+        register_wait: float = 60.0,
+    ) -> None:
+        if runtime not in ADAPTERS:
+            raise ValueError(f"unknown runtime {runtime!r}; choose one of {', '.join(ADAPTERS)}")
+        self.runtime = runtime
+        self.registry = Registry(ADAPTERS[runtime], workspace_root, register_wait=register_wait)
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
+            options=CHANNEL_OPTIONS,
+        )
+        services = [RUNTIME_SERVICE]
+        pb_grpc.add_RuntimeServicer_to_server(RuntimeServicer(self.registry), self.server)
+        if not oneshot_only:  # SPEC §2: a Runtime without function mode registers Runtime alone
+            services.append(FUNCTION_RUNTIME_SERVICE)
+            pb_grpc.add_FunctionRuntimeServicer_to_server(
+                FunctionRuntimeServicer(self.registry), self.server
+            )
+        add_reflection(self.server, services)
+        self.health = add_health(self.server, services)
+        self.address = ""
+
+    def start(self, listen: str = DEFAULT_LISTEN) -> str:
+        """Bind `listen` (``host:port`` or ``unix:PATH``) and start; returns the bound address."""
+        port = self.server.add_insecure_port(listen)
+        if listen.startswith("unix:"):
+            self.address = listen
+        else:
+            host = listen.rpartition(":")[0]
+            self.address = f"{host}:{port}"
+        self.server.start()
+        return self.address
+
+    def stop(self, drain_seconds: float = 10.0) -> None:
+        """Refuse new RPCs, let in-flight invocations finish (bounded), then stop every worker."""
+        self.health.enter_graceful_shutdown()
+        self.server.stop(drain_seconds).wait()
+        self.registry.shutdown(0)

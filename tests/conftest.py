@@ -1,0 +1,250 @@
+"""Fixtures: real Runtime Servers (in-process on a Unix socket or TCP loopback, or `fnkernel serve`
+as a subprocess) and working directories holding real handlers."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from runtime_server._proto.executor.v1 import runtime_pb2 as pb
+from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
+from runtime_server.server import CHANNEL_OPTIONS, RuntimeServer
+
+ROOT = Path(__file__).resolve().parents[1]
+_counter = itertools.count()
+
+
+def digest(text: str) -> str:
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+def wait_until(
+    predicate: Callable[[], object], timeout: float = 5.0, interval: float = 0.01
+) -> object:
+    """Poll `predicate` until it is truthy; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s")
+        time.sleep(interval)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    try:
+        return stat.read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@dataclass
+class Client:
+    """Stubs for one server plus helpers that build the seed's requests."""
+
+    channel: grpc.Channel
+    workspace: Path
+    runtime: str
+
+    def __post_init__(self) -> None:
+        self.fn = pb_grpc.FunctionRuntimeStub(self.channel)
+        self.runtime_stub = pb_grpc.RuntimeStub(self.channel)
+
+    def workdir(self, files: dict[str, str]) -> Path:
+        directory = self.workspace / f"run{next(_counter)}"
+        directory.mkdir()
+        for name, text in files.items():
+            path = directory / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(textwrap.dedent(text))
+        return directory
+
+    def register(
+        self,
+        files: dict[str, str] | None = None,
+        handler: str | None = None,
+        *,
+        run_uid: str | None = None,
+        attempt: int = 1,
+        working_dir: Path | str | None = None,
+        env: dict[str, str] | None = None,
+        digest_of: str = "v1",
+        timeout: float = 30,
+    ) -> pb.RegisterFunctionResponse:
+        if working_dir is None:
+            working_dir = self.workdir(files or {})
+        return self.fn.RegisterFunction(
+            pb.RegisterFunctionRequest(
+                run_uid=run_uid or f"run-{next(_counter)}",
+                registration_attempt=attempt,
+                working_dir=str(working_dir),
+                handler=handler or ("handler.handle" if self.runtime == "python" else "fn.handle"),
+                env=env or {},
+                idle_timeout_seconds=300,
+                registration_digest=digest(digest_of),
+            ),
+            timeout=timeout,
+        )
+
+    def invoke(
+        self,
+        registration: pb.FunctionRegistration,
+        payload: bytes = b"{}",
+        *,
+        timeout_millis: int = 0,
+        invocation_id: str = "",
+        timeout: float = 30,
+    ) -> pb.InvokeFunctionResponse:
+        return self.fn.InvokeFunction(
+            pb.InvokeFunctionRequest(
+                registration=registration,
+                invocation_id=invocation_id,
+                input=payload,
+                content_type="application/json",
+                timeout_millis=timeout_millis,
+            ),
+            timeout=timeout,
+        )
+
+    def invoke_future(self, registration: pb.FunctionRegistration, payload: bytes = b"{}", **kw):  # type: ignore[no-untyped-def]
+        return self.fn.InvokeFunction.future(
+            pb.InvokeFunctionRequest(
+                registration=registration, input=payload, content_type="application/json", **kw
+            ),
+            timeout=30,
+        )
+
+    def status(self, registration: pb.FunctionRegistration) -> pb.FunctionStatusResponse:
+        return self.fn.FunctionStatus(
+            pb.FunctionStatusRequest(registration=registration), timeout=10
+        )
+
+    def unregister(
+        self, registration: pb.FunctionRegistration, *, cancel: bool = False, drain_millis: int = 0
+    ) -> pb.UnregisterFunctionResponse:
+        return self.fn.UnregisterFunction(
+            pb.UnregisterFunctionRequest(
+                registration=registration,
+                cancel_in_flight=cancel,
+                drain_timeout_millis=drain_millis,
+            ),
+            timeout=30,
+        )
+
+
+def _serve(runtime: str, workspace: Path, listen: str) -> Iterator[Client]:
+    server = RuntimeServer(runtime, workspace)
+    address = server.start(listen)
+    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    try:
+        yield Client(channel, workspace, runtime)
+    finally:
+        channel.close()
+        server.stop(drain_seconds=0)
+
+
+@pytest.fixture
+def workspace(tmp_path: Path) -> Path:
+    root = tmp_path / "workspace"
+    root.mkdir()
+    return root
+
+
+@pytest.fixture
+def python_rt(workspace: Path, tmp_path: Path) -> Iterator[Client]:
+    """A python Runtime Server on a Unix socket."""
+    yield from _serve("python", workspace, f"unix:{tmp_path}/python.sock")
+
+
+@pytest.fixture
+def bash_rt(workspace: Path, tmp_path: Path) -> Iterator[Client]:
+    """A bash Runtime Server on a Unix socket."""
+    yield from _serve("bash", workspace, f"unix:{tmp_path}/bash.sock")
+
+
+@pytest.fixture(params=["unix", "tcp"])
+def python_any(request: pytest.FixtureRequest, workspace: Path, tmp_path: Path) -> Iterator[Client]:
+    """The python Runtime Server over a Unix socket and over TCP loopback."""
+    listen = f"unix:{tmp_path}/py.sock" if request.param == "unix" else "127.0.0.1:0"
+    yield from _serve("python", workspace, listen)
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen[str]
+    address: str
+    workspace: Path
+
+
+def start_server_process(workspace: Path, *args: str, listen: str = "127.0.0.1:0") -> ServerProcess:
+    """`fnkernel serve` as a real subprocess; waits for its 'listening on' line."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "runtime_server.cli",
+            "serve",
+            "--listen",
+            listen,
+            "--workspace-root",
+            str(workspace),
+            *args,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=ROOT,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if "listening on" not in line:
+        proc.kill()
+        raise AssertionError(f"server did not start: {line!r}")
+    address = line.split("listening on ", 1)[1].split(",", 1)[0]
+    return ServerProcess(proc, address, workspace)
+
+
+@pytest.fixture
+def server_process(workspace: Path) -> Iterator[Callable[..., ServerProcess]]:
+    started: list[ServerProcess] = []
+
+    def start(*args: str, listen: str = "127.0.0.1:0") -> ServerProcess:
+        server = start_server_process(workspace, *args, listen=listen)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        if server.proc.poll() is None:
+            server.proc.kill()
+        server.proc.wait(10)
+
+
+ECHO_PY = {
+    "handler.py": """
+        def handle(event, context):
+            return {"echo": event, "invocation_id": context.invocation_id}
+    """
+}
+ECHO_SH = {
+    "fn.sh": """
+    handle() { printf '%s' "$1"; }
+"""
+}

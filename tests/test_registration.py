@@ -1,0 +1,316 @@
+"""SPEC §2.1: one test per row of the registration state machine, against a real server."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from runtime_server._proto.executor.v1 import runtime_pb2 as pb
+from tests.conftest import ECHO_PY, Client, pid_alive, wait_until
+
+READY = pb.FUNCTION_REGISTRATION_STATE_READY
+DRAINING = pb.FUNCTION_REGISTRATION_STATE_DRAINING
+FAILED = pb.FUNCTION_REGISTRATION_STATE_FAILED
+
+COUNTING = {
+    # Appends a line each time the module is imported: proves "no re-initialisation".
+    "handler.py": """
+        from pathlib import Path
+        with Path("imports.log").open("a") as log:
+            log.write("imported\\n")
+
+        def handle(event):
+            return event
+    """
+}
+SLOW = {
+    "handler.py": """
+        import os, time
+        from pathlib import Path
+
+        def handle(event, context):
+            Path("pid").write_text(str(os.getpid()))
+            time.sleep(event.get("sleep", 0))
+            return {"slept": event.get("sleep", 0)}
+    """
+}
+
+
+def code_of(call) -> grpc.StatusCode:  # type: ignore[no-untyped-def]
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    return err.value.code()
+
+
+def test_new_run_uid_registers_ready_with_new_opaque_id(python_any: Client) -> None:
+    # SPEC §2.1 row 1: new run_uid → READY, new opaque registration_id (reg_ + 26 chars).
+    first = python_any.register(ECHO_PY)
+    second = python_any.register(ECHO_PY)
+    assert first.state == READY
+    assert first.registration.registration_id.startswith("reg_")
+    assert len(first.registration.registration_id) == len("reg_") + 26
+    assert first.registration.registration_id != second.registration.registration_id
+
+
+def test_same_attempt_same_digest_returns_current_reference_without_reinitialising(
+    python_rt: Client,
+) -> None:
+    # SPEC §2.1 row 2; seed: "returns the current registration reference without reinitializing".
+    wd = python_rt.workdir(COUNTING)
+    first = python_rt.register(working_dir=wd, run_uid="idem")
+    again = python_rt.register(working_dir=wd, run_uid="idem")
+    assert again.registration == first.registration
+    assert again.state == READY
+    assert (wd / "imports.log").read_text().count("imported") == 1
+
+
+def test_same_attempt_other_digest_is_already_exists_and_replaces_nothing(
+    python_rt: Client,
+) -> None:
+    # SPEC §2.1 row 3.
+    wd = python_rt.workdir(ECHO_PY)
+    first = python_rt.register(working_dir=wd, run_uid="dig", digest_of="one")
+    assert (
+        code_of(lambda: python_rt.register(working_dir=wd, run_uid="dig", digest_of="two"))
+        == grpc.StatusCode.ALREADY_EXISTS
+    )
+    assert python_rt.status(first.registration).state == READY
+    assert json.loads(python_rt.invoke(first.registration, b'{"a": 1}').output)["echo"] == {"a": 1}
+
+
+def test_higher_attempt_supersedes_and_stale_id_cannot_invoke(python_rt: Client) -> None:
+    # SPEC §2.1 row 4 and the InvokeFunction/UnregisterFunction stale-ID rows.
+    wd = python_rt.workdir(ECHO_PY)
+    old = python_rt.register(working_dir=wd, run_uid="sup", attempt=1)
+    new = python_rt.register(working_dir=wd, run_uid="sup", attempt=2)
+    assert new.registration.registration_id != old.registration.registration_id
+    assert (
+        code_of(lambda: python_rt.invoke(old.registration)) == grpc.StatusCode.FAILED_PRECONDITION
+    )
+    assert (
+        code_of(lambda: python_rt.unregister(old.registration))
+        == grpc.StatusCode.FAILED_PRECONDITION
+    )
+    assert (
+        code_of(lambda: python_rt.status(old.registration)) == grpc.StatusCode.FAILED_PRECONDITION
+    )
+    assert python_rt.status(new.registration).state == READY
+    assert json.loads(python_rt.invoke(new.registration, b"7").output)["echo"] == 7
+
+
+def test_higher_attempt_cancels_the_superseded_in_flight_invocation(python_rt: Client) -> None:
+    # SPEC §2.1 row 4: "old registration superseded (drained/cancelled)".
+    wd = python_rt.workdir(SLOW)
+    old = python_rt.register(working_dir=wd, run_uid="sup2", attempt=1)
+    future = python_rt.invoke_future(old.registration, b'{"sleep": 30}')
+    pid = int(wait_until(lambda: (wd / "pid").exists() and (wd / "pid").read_text()))
+    new = python_rt.register(working_dir=wd, run_uid="sup2", attempt=2)
+    assert new.state == READY
+    with pytest.raises(grpc.RpcError) as err:
+        future.result(timeout=10)
+    assert err.value.code() == grpc.StatusCode.CANCELLED
+    wait_until(lambda: not pid_alive(pid))
+
+
+def test_lower_attempt_is_failed_precondition(python_rt: Client) -> None:
+    # SPEC §2.1 row 5, also after the newer registration was unregistered.
+    wd = python_rt.workdir(ECHO_PY)
+    newer = python_rt.register(working_dir=wd, run_uid="low", attempt=3)
+    assert (
+        code_of(lambda: python_rt.register(working_dir=wd, run_uid="low", attempt=2))
+        == grpc.StatusCode.FAILED_PRECONDITION
+    )
+    python_rt.unregister(newer.registration)
+    assert (
+        code_of(lambda: python_rt.register(working_dir=wd, run_uid="low", attempt=1))
+        == grpc.StatusCode.FAILED_PRECONDITION
+    )
+    # The same attempt may register again after an unregister (scale to zero) and gets a new ID.
+    again = python_rt.register(working_dir=wd, run_uid="low", attempt=3)
+    assert again.registration.registration_id != newer.registration.registration_id
+
+
+def test_status_of_unknown_run_uid_is_not_found(python_rt: Client) -> None:
+    # SPEC §2.1 row 6.
+    ref = pb.FunctionRegistration(run_uid="nobody", registration_id="reg_x")
+    assert code_of(lambda: python_rt.status(ref)) == grpc.StatusCode.NOT_FOUND
+
+
+def test_status_of_current_id_reports_state_in_flight_and_last_activity(python_rt: Client) -> None:
+    # SPEC §2.1 row 7; seed: last_activity is set at READY and when an invocation starts/completes.
+    wd = python_rt.workdir(SLOW)
+    before = time.time_ns()
+    reg = python_rt.register(working_dir=wd)
+    ready = python_rt.status(reg.registration)
+    assert ready.state == READY and ready.in_flight == 0 and ready.fatal_error == ""
+    assert ready.last_activity_unix_nano >= before
+    future = python_rt.invoke_future(reg.registration, b'{"sleep": 0.5}')
+    busy = wait_until(lambda: (s := python_rt.status(reg.registration)).in_flight == 1 and s)
+    assert busy.last_activity_unix_nano > ready.last_activity_unix_nano
+    future.result(timeout=10)
+    done = python_rt.status(reg.registration)
+    assert done.in_flight == 0 and done.last_activity_unix_nano > busy.last_activity_unix_nano
+
+
+def test_status_of_stale_id_is_failed_precondition(python_rt: Client) -> None:
+    # SPEC §2.1 row 8.
+    wd = python_rt.workdir(ECHO_PY)
+    reg = python_rt.register(working_dir=wd, run_uid="st")
+    stale = pb.FunctionRegistration(
+        run_uid="st", registration_id=reg.registration.registration_id + "0"
+    )
+    assert code_of(lambda: python_rt.status(stale)) == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_invoke_while_draining_is_failed_precondition(python_rt: Client) -> None:
+    # SPEC §2.1 row 10 (DRAINING): unregister first moves the registration to DRAINING.
+    wd = python_rt.workdir(SLOW)
+    reg = python_rt.register(working_dir=wd)
+    future = python_rt.invoke_future(reg.registration, b'{"sleep": 1}')
+    wait_until(lambda: python_rt.status(reg.registration).in_flight == 1)
+    unregistering = threading.Thread(
+        target=python_rt.unregister, args=(reg.registration,), kwargs={"drain_millis": 10_000}
+    )
+    unregistering.start()
+    wait_until(lambda: python_rt.status(reg.registration).state == DRAINING)
+    assert (
+        code_of(lambda: python_rt.invoke(reg.registration)) == grpc.StatusCode.FAILED_PRECONDITION
+    )
+    assert json.loads(future.result(timeout=10).output) == {"slept": 1}  # drained, not cancelled
+    unregistering.join(10)
+    assert code_of(lambda: python_rt.status(reg.registration)) == grpc.StatusCode.NOT_FOUND
+
+
+def test_invoke_of_failed_registration_is_failed_precondition(python_rt: Client) -> None:
+    # SPEC §2.1 row 10 (FAILED); the current ID can still read state and fatal_error.
+    reg = python_rt.register({"handler.py": "def handle(:\n"})
+    assert reg.state == FAILED
+    assert (
+        code_of(lambda: python_rt.invoke(reg.registration)) == grpc.StatusCode.FAILED_PRECONDITION
+    )
+    status = python_rt.status(reg.registration)
+    assert status.state == FAILED and "SyntaxError" in status.fatal_error
+
+
+def test_second_concurrent_invoke_is_resource_exhausted(python_rt: Client) -> None:
+    # SPEC §2.1 row 11; seed: one in-flight invocation per function Run, no queueing.
+    reg = python_rt.register(SLOW)
+    future = python_rt.invoke_future(reg.registration, b'{"sleep": 1}')
+    wait_until(lambda: python_rt.status(reg.registration).in_flight == 1)
+    assert code_of(lambda: python_rt.invoke(reg.registration)) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert json.loads(future.result(timeout=10).output) == {"slept": 1}
+
+
+def test_timeout_is_deadline_exceeded_and_registration_stays_ready(python_rt: Client) -> None:
+    # SPEC §2.1 row 12; seed: DeadlineExceeded affects only this invocation.
+    wd = python_rt.workdir(SLOW)
+    reg = python_rt.register(working_dir=wd)
+    started = time.monotonic()
+    assert (
+        code_of(lambda: python_rt.invoke(reg.registration, b'{"sleep": 30}', timeout_millis=300))
+        == grpc.StatusCode.DEADLINE_EXCEEDED
+    )
+    assert time.monotonic() - started < 5
+    pid = int((wd / "pid").read_text())
+    wait_until(lambda: not pid_alive(pid))  # the handler's process was killed
+    assert python_rt.status(reg.registration).state == READY
+    assert json.loads(python_rt.invoke(reg.registration, b'{"sleep": 0}').output) == {"slept": 0}
+
+
+def test_client_deadline_also_bounds_the_invocation(python_rt: Client) -> None:
+    # Seed: timeout_millis is bounded by the caller's deadline; the handler is killed.
+    wd = python_rt.workdir(SLOW)
+    reg = python_rt.register(working_dir=wd)
+    assert (
+        code_of(lambda: python_rt.invoke(reg.registration, b'{"sleep": 30}', timeout=0.5))
+        == grpc.StatusCode.DEADLINE_EXCEEDED
+    )
+    pid = int(wait_until(lambda: (wd / "pid").exists() and (wd / "pid").read_text()))
+    wait_until(lambda: not pid_alive(pid))
+    wait_until(lambda: python_rt.status(reg.registration).in_flight == 0)
+    assert json.loads(python_rt.invoke(reg.registration, b'{"sleep": 0}').output) == {"slept": 0}
+
+
+def test_client_cancel_kills_the_handler_and_registration_stays_usable(python_rt: Client) -> None:
+    # SPEC §3: client cancel kills the worker's process group; a fresh worker keeps it READY.
+    wd = python_rt.workdir(SLOW)
+    reg = python_rt.register(working_dir=wd)
+    future = python_rt.invoke_future(reg.registration, b'{"sleep": 30}')
+    pid = int(wait_until(lambda: (wd / "pid").exists() and (wd / "pid").read_text()))
+    future.cancel()
+    wait_until(lambda: not pid_alive(pid), timeout=2)
+    wait_until(lambda: python_rt.status(reg.registration).in_flight == 0)
+    assert python_rt.status(reg.registration).state == READY
+    assert json.loads(python_rt.invoke(reg.registration, b'{"sleep": 0}').output) == {"slept": 0}
+
+
+def test_unregister_of_absent_run_uid_succeeds(python_rt: Client) -> None:
+    # SPEC §2.1 row 13.
+    python_rt.unregister(pb.FunctionRegistration(run_uid="absent", registration_id="reg_none"))
+
+
+def test_unregister_with_stale_id_leaves_the_newer_registration_untouched(
+    python_rt: Client,
+) -> None:
+    # SPEC §2.1 row 14.
+    wd = python_rt.workdir(ECHO_PY)
+    old = python_rt.register(working_dir=wd, run_uid="keep", attempt=1)
+    new = python_rt.register(working_dir=wd, run_uid="keep", attempt=2)
+    assert (
+        code_of(lambda: python_rt.unregister(old.registration, cancel=True))
+        == grpc.StatusCode.FAILED_PRECONDITION
+    )
+    assert python_rt.status(new.registration).state == READY
+    assert json.loads(python_rt.invoke(new.registration, b'"hi"').output)["echo"] == "hi"
+
+
+def test_unregister_with_cancel_in_flight_returns_promptly_and_kills_the_handler(
+    python_rt: Client,
+) -> None:
+    # Seed: with cancel_in_flight=true, it cancels immediately, then releases local state.
+    wd = python_rt.workdir(SLOW)
+    reg = python_rt.register(working_dir=wd)
+    future = python_rt.invoke_future(reg.registration, b'{"sleep": 30}')
+    pid = int(wait_until(lambda: (wd / "pid").exists() and (wd / "pid").read_text()))
+    started = time.monotonic()
+    python_rt.unregister(reg.registration, cancel=True, drain_millis=60_000)
+    assert time.monotonic() - started < 2
+    with pytest.raises(grpc.RpcError) as err:
+        future.result(timeout=5)
+    assert err.value.code() == grpc.StatusCode.CANCELLED
+    wait_until(lambda: not pid_alive(pid), timeout=2)
+    assert code_of(lambda: python_rt.status(reg.registration)) == grpc.StatusCode.NOT_FOUND
+
+
+def test_unregister_waits_no_longer_than_drain_timeout_then_cancels(python_rt: Client) -> None:
+    # Seed: with cancel_in_flight=false it waits no longer than drain_timeout_millis; SPEC §2.2:
+    # after the timeout the in-flight call is cancelled.
+    wd = python_rt.workdir(SLOW)
+    reg = python_rt.register(working_dir=wd)
+    future = python_rt.invoke_future(reg.registration, b'{"sleep": 30}')
+    pid = int(wait_until(lambda: (wd / "pid").exists() and (wd / "pid").read_text()))
+    started = time.monotonic()
+    python_rt.unregister(reg.registration, drain_millis=400)
+    elapsed = time.monotonic() - started
+    assert 0.35 < elapsed < 3
+    with pytest.raises(grpc.RpcError) as err:
+        future.result(timeout=5)
+    assert err.value.code() == grpc.StatusCode.CANCELLED
+    wait_until(lambda: not pid_alive(pid), timeout=2)
+
+
+def test_registration_working_dir_symlink_outside_workspace_is_invalid(
+    python_rt: Client, tmp_path: Path
+) -> None:
+    # SPEC §2.2: working_dir must be inside --workspace-root after resolving symlinks.
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "handler.py").write_text("def handle(e): return e\n")
+    link = python_rt.workspace / "link"
+    link.symlink_to(outside)
+    assert code_of(lambda: python_rt.register(working_dir=link)) == grpc.StatusCode.INVALID_ARGUMENT
