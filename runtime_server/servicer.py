@@ -108,7 +108,10 @@ def cancel_on_client_exit(context: grpc.ServicerContext) -> Callable[[Callable[[
     """
 
     def on_dispatch(cancel: Callable[[], object]) -> None:
-        if not context.add_callback(cancel):
+        def callback() -> None:
+            cancel()
+
+        if not context.add_callback(callback):
             cancel()  # the RPC already ended
 
     return on_dispatch
