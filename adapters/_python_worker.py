@@ -183,8 +183,8 @@ def main() -> None:
     function, failure = load_handler(module_name, function_name)
     if failure is not None:
         error_type, message = failure
-        body = json.dumps({"errorType": error_type, "errorMessage": _bounded(message)}).encode()
-        _write(resp, f"INITFAIL {len(body)}\n".encode() + body)
+        body = _bounded(message).encode()
+        _write(resp, f"INITFAIL {error_type} {len(body)}\n".encode() + body)
         return
     _write(resp, b"READY\n")
     with os.fdopen(req, "rb", buffering=1 << 20) as requests:

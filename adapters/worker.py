@@ -11,8 +11,8 @@ Wire between supervisor and worker:
 The worker gets the two fd numbers as its last two arguments.
 
 * request fd (worker reads): adapter-specific frames.
-* response fd (worker writes): first ``READY\\n``, or ``INITFAIL <n>\\n`` followed by n bytes of JSON
-  ``{"errorType", "errorMessage"}``; then adapter-specific responses.
+* response fd (worker writes): first ``READY\\n``, or ``INITFAIL <errorType> <n>\\n`` followed by an
+  n-byte message (no traceback); then adapter-specific responses.
 * stdout and stderr: free text, one log record per line. After each invocation the worker writes
   ``END_MARKER`` to both, before its response, so the supervisor can attribute every line the
   handler wrote to that invocation.
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import logging
 import os
 import select
@@ -169,10 +168,10 @@ class Worker:
             line = self.read_line(deadline)
             if line == b"READY":
                 return
-            kind, _, size = line.partition(b" ")
-            if kind == b"INITFAIL":
-                body = json.loads(self.read_exact(int(size), deadline))
-                raise InitError(body["errorType"], body["errorMessage"])
+            kind, *rest = line.split(b" ")
+            if kind == b"INITFAIL" and len(rest) == 2:
+                message = self.read_exact(int(rest[1]), deadline)
+                raise InitError(rest[0].decode(), message.decode("utf-8", "replace").strip())
             raise InitError("InitializationError", f"unexpected worker handshake {line[:80]!r}")
         except TimeoutError:
             self.kill()

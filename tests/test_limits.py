@@ -1,0 +1,226 @@
+"""SPEC §2.2: one test per limit, each through a real server; violations name the field."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from runtime_server import limits
+from runtime_server._proto.executor.v1 import runtime_pb2 as pb
+from tests.conftest import ECHO_PY, Client, digest
+
+
+def rejected(call) -> grpc.RpcError:  # type: ignore[no-untyped-def]
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    return err.value
+
+
+def register_with(client: Client, **fields: object) -> pb.RegisterFunctionResponse:
+    request = pb.RegisterFunctionRequest(
+        run_uid="limits",
+        registration_attempt=1,
+        working_dir=str(client.workdir(ECHO_PY)),
+        handler="handler.handle",
+        registration_digest=digest("x"),
+    )
+    for name, value in fields.items():
+        if name == "env":
+            request.env.update(value)  # type: ignore[arg-type]
+        else:
+            setattr(request, name, value)
+    return client.fn.RegisterFunction(request, timeout=30)
+
+
+@pytest.mark.parametrize(
+    "run_uid", ["", "-leading-dash", "has space", "slash/uid", "x" * 129, "ünïcode"]
+)
+def test_run_uid_must_be_1_to_128_bytes_of_the_allowed_characters(
+    python_rt: Client, run_uid: str
+) -> None:
+    assert "run_uid" in rejected(lambda: register_with(python_rt, run_uid=run_uid)).details()
+
+
+def test_run_uid_of_128_bytes_with_dots_is_accepted(python_rt: Client) -> None:
+    assert (
+        register_with(python_rt, run_uid="2b5d..." + "a" * 121).state
+        == pb.FUNCTION_REGISTRATION_STATE_READY
+    )
+
+
+@pytest.mark.parametrize("attempt", [0, -1])
+def test_registration_attempt_must_be_at_least_one(python_rt: Client, attempt: int) -> None:
+    assert (
+        "registration_attempt"
+        in rejected(lambda: register_with(python_rt, registration_attempt=attempt)).details()
+    )
+
+
+def test_working_dir_must_be_absolute(python_rt: Client) -> None:
+    assert (
+        "working_dir"
+        in rejected(lambda: register_with(python_rt, working_dir="relative/dir")).details()
+    )
+
+
+def test_working_dir_must_exist(python_rt: Client) -> None:
+    missing = python_rt.workspace / "missing"
+    assert (
+        "working_dir"
+        in rejected(lambda: register_with(python_rt, working_dir=str(missing))).details()
+    )
+
+
+def test_working_dir_must_be_inside_the_workspace_root(python_rt: Client) -> None:
+    assert "working_dir" in rejected(lambda: register_with(python_rt, working_dir="/tmp")).details()
+
+
+@pytest.mark.parametrize(
+    "handler",
+    [
+        "handler",
+        ".handle",
+        "handler.",
+        "handler.1x",
+        "hand-ler.handle",
+        "a b.c",
+        "x" * 250 + ".handle",
+    ],
+)
+def test_python_handler_must_be_dotted_identifiers_within_256_bytes(
+    python_rt: Client, handler: str
+) -> None:
+    assert "handler" in rejected(lambda: register_with(python_rt, handler=handler)).details()
+
+
+def test_env_keys_must_be_identifiers(python_rt: Client) -> None:
+    assert "env" in rejected(lambda: register_with(python_rt, env={"1BAD": "x"})).details()
+
+
+def test_env_values_must_not_contain_nul(python_rt: Client) -> None:
+    assert "env" in rejected(lambda: register_with(python_rt, env={"OK": "a\0b"})).details()
+
+
+def test_env_has_at_most_128_entries(python_rt: Client) -> None:
+    env = {f"K{i}": "v" for i in range(129)}
+    assert "env" in rejected(lambda: register_with(python_rt, env=env)).details()
+
+
+def test_env_is_at_most_64_kib_in_all(python_rt: Client) -> None:
+    env = {f"K{i}": "v" * 1024 for i in range(65)}
+    assert "env" in rejected(lambda: register_with(python_rt, env=env)).details()
+
+
+@pytest.mark.parametrize("seconds", [-1, 86_401])
+def test_idle_timeout_is_0_to_86400_seconds(python_rt: Client, seconds: int) -> None:
+    assert (
+        "idle_timeout_seconds"
+        in rejected(lambda: register_with(python_rt, idle_timeout_seconds=seconds)).details()
+    )
+
+
+@pytest.mark.parametrize(
+    "value", ["", "sha256:...", "sha256:" + "A" * 64, "sha1:" + "a" * 64, "sha256:" + "a" * 63]
+)
+def test_registration_digest_is_sha256_and_64_lowercase_hex(python_rt: Client, value: str) -> None:
+    assert (
+        "registration_digest"
+        in rejected(lambda: register_with(python_rt, registration_digest=value)).details()
+    )
+
+
+@pytest.fixture
+def ready(python_rt: Client) -> pb.FunctionRegistration:
+    return python_rt.register(ECHO_PY).registration
+
+
+def test_invocation_id_over_128_bytes_is_rejected(
+    python_rt: Client, ready: pb.FunctionRegistration
+) -> None:
+    assert (
+        "invocation_id"
+        in rejected(lambda: python_rt.invoke(ready, invocation_id="i" * 129)).details()
+    )
+
+
+def test_invocation_id_must_be_printable_ascii(
+    python_rt: Client, ready: pb.FunctionRegistration
+) -> None:
+    assert (
+        "invocation_id"
+        in rejected(lambda: python_rt.invoke(ready, invocation_id="tab\there")).details()
+    )
+
+
+def test_empty_invocation_id_gets_a_generated_one_and_a_supplied_one_is_echoed(
+    python_rt: Client, ready: pb.FunctionRegistration
+) -> None:
+    # Seed: when it is empty the server generates an opaque ID; the response always returns it.
+    generated = python_rt.invoke(ready).invocation_id
+    assert generated.startswith("inv_") and len(generated) == 30
+    assert python_rt.invoke(ready, invocation_id="trace 01J/x").invocation_id == "trace 01J/x"
+
+
+def test_input_over_6_mib_is_invalid_argument_not_a_transport_error(
+    python_rt: Client, ready: pb.FunctionRegistration
+) -> None:
+    payload = b'"' + b"x" * limits.MAX_PAYLOAD_BYTES + b'"'
+    assert "input" in rejected(lambda: python_rt.invoke(ready, payload)).details()
+
+
+def test_negative_timeout_millis_is_rejected(
+    python_rt: Client, ready: pb.FunctionRegistration
+) -> None:
+    assert (
+        "timeout_millis" in rejected(lambda: python_rt.invoke(ready, timeout_millis=-1)).details()
+    )
+
+
+def test_timeout_millis_zero_means_the_30_s_default_and_is_capped_at_900_s() -> None:
+    assert limits.effective_timeout_millis(0) == 30_000
+    assert limits.effective_timeout_millis(10**9) == 900_000
+    assert limits.effective_timeout_millis(250) == 250
+
+
+def test_negative_drain_timeout_is_rejected(
+    python_rt: Client, ready: pb.FunctionRegistration
+) -> None:
+    assert (
+        "drain_timeout_millis"
+        in rejected(lambda: python_rt.unregister(ready, drain_millis=-5)).details()
+    )
+
+
+def test_non_json_content_type_is_rejected(
+    python_rt: Client, ready: pb.FunctionRegistration
+) -> None:
+    request = pb.InvokeFunctionRequest(registration=ready, input=b"x", content_type="text/csv")
+    assert (
+        "content_type"
+        in rejected(lambda: python_rt.fn.InvokeFunction(request, timeout=10)).details()
+    )
+
+
+def test_empty_registration_id_is_rejected_at_a_runtime_server(
+    python_rt: Client, ready: pb.FunctionRegistration
+) -> None:
+    # Seed: a Runtime Server itself always requires a non-empty registration ID.
+    ref = pb.FunctionRegistration(run_uid=ready.run_uid)
+    assert "registration_id" in rejected(lambda: python_rt.invoke(ref)).details()
+    assert "registration_id" in rejected(lambda: python_rt.status(ref)).details()
+
+
+def test_outputs_bounds() -> None:
+    # SPEC §2.2 outputs row: ≤ 32 entries; key pattern; value ≤ 1,024 bytes; ≤ 16 KiB total.
+    assert limits.outputs_problem({"rows": "3", "a.b-c_d": "x"}) is None
+    assert limits.outputs_problem({f"k{i}": "v" for i in range(33)}) is not None
+    assert limits.outputs_problem({"-bad": "v"}) is not None
+    assert limits.outputs_problem({"k" * 64: "v"}) is not None
+    assert limits.outputs_problem({"big": "é" * 513}) is not None
+    assert limits.outputs_problem({f"k{i}": "v" * 1000 for i in range(17)}) is not None
+
+
+def test_fatal_error_is_truncated_to_1024_bytes() -> None:
+    assert len(limits.bounded("é" * 2000).encode()) <= 1024
+    assert limits.bounded("short") == "short"
