@@ -81,8 +81,8 @@ class RuntimeServer:
             pb_grpc.add_FunctionRuntimeServicer_to_server(
                 FunctionRuntimeServicer(self.registry), self.server
             )
-        add_reflection(self.server, services)
         self.health = add_health(self.server, services)
+        add_reflection(self.server, [*services, health.SERVICE_NAME])
         self.address = ""
 
     def start(self, listen: str = DEFAULT_LISTEN) -> str:

@@ -1,0 +1,168 @@
+"""`fnkernel serve` as a real process: SIGTERM drain, --oneshot-only, health, Execute, CLI usage."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from runtime_server._proto.executor.v1 import runtime_pb2 as pb
+from tests.conftest import ECHO_PY, ECHO_SH, Client, ServerProcess, pid_alive, wait_until
+
+
+def client_for(server: ServerProcess, runtime: str) -> Client:
+    return Client(grpc.insecure_channel(server.address), server.workspace, runtime)
+
+
+def test_oneshot_only_server_answers_unimplemented_for_every_function_runtime_method(
+    server_process: Callable[..., ServerProcess],
+) -> None:
+    # SPEC §2: a Runtime without function mode registers Runtime alone; seed: runtimed receives
+    # Unimplemented and there is no fallback through Execute.
+    client = client_for(server_process("--runtime", "python", "--oneshot-only"), "python")
+    ref = pb.FunctionRegistration(run_uid="r", registration_id="reg_x")
+    calls = [
+        lambda: client.register(ECHO_PY),
+        lambda: client.status(ref),
+        lambda: client.invoke(ref),
+        lambda: client.unregister(ref),
+    ]
+    for call in calls:
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    # Execute still works on it.
+    response = client.runtime_stub.Execute(
+        pb.ExecuteRequest(
+            run_uid="one",
+            working_dir=str(client.workdir(ECHO_PY)),
+            handler="handler.handle",
+            input=b"5",
+        ),
+        timeout=30,
+    )
+    assert response.exit_code == 0 and json.loads(response.output)["echo"] == 5
+
+
+def test_health_service_reports_serving(server_process: Callable[..., ServerProcess]) -> None:
+    server = server_process("--runtime", "bash")
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(server.address))
+    for service in ("", "executor.v1.FunctionRuntime", "executor.v1.Runtime"):
+        reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_serve_listens_on_a_unix_socket(
+    server_process: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    server = server_process("--runtime", "bash", listen=f"unix:{tmp_path}/rt.sock")
+    assert server.address == f"unix:{tmp_path}/rt.sock"
+    client = client_for(server, "bash")
+    reg = client.register(ECHO_SH)
+    assert client.invoke(reg.registration, b"over unix").output == b"over unix"
+
+
+def test_sigterm_drains_the_in_flight_invocation_and_exits_0(
+    server_process: Callable[..., ServerProcess],
+) -> None:
+    server = server_process("--runtime", "python")
+    client = client_for(server, "python")
+    wd = client.workdir(
+        {
+            "handler.py": "import os, time\ndef handle(e):\n    open('pid', 'w').write(str(os.getpid()))\n    time.sleep(e)\n    return 'drained'\n"
+        }
+    )
+    reg = client.register(working_dir=wd)
+    future = client.invoke_future(reg.registration, b"1.0")
+    worker = int(wait_until(lambda: (wd / "pid").exists() and (wd / "pid").read_text()))
+    server.proc.send_signal(signal.SIGTERM)
+    assert future.result(timeout=10).output == b'"drained"'
+    assert server.proc.wait(timeout=15) == 0
+    wait_until(lambda: not pid_alive(worker), timeout=5)
+
+
+def test_sigterm_drain_is_bounded(server_process: Callable[..., ServerProcess]) -> None:
+    server = server_process("--runtime", "python", "--drain-timeout", "0.5")
+    client = client_for(server, "python")
+    wd = client.workdir({"handler.py": "import time\ndef handle(e):\n    time.sleep(60)\n"})
+    reg = client.register(working_dir=wd)
+    future = client.invoke_future(reg.registration, b"{}")
+    wait_until(lambda: client.status(reg.registration).in_flight == 1)
+    started = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(timeout=15) == 0
+    assert time.monotonic() - started < 8
+    with pytest.raises(grpc.RpcError):
+        future.result(timeout=5)
+
+
+@pytest.mark.parametrize("runtime", ["python", "bash"])
+def test_execute_runs_the_handler_once_without_registration(
+    runtime: str, python_rt: Client, bash_rt: Client
+) -> None:
+    # SPEC §2: Execute uses the same adapters, once, without registration.
+    client = python_rt if runtime == "python" else bash_rt
+    files, handler = (ECHO_PY, "handler.handle") if runtime == "python" else (ECHO_SH, "fn.handle")
+    response = client.runtime_stub.Execute(
+        pb.ExecuteRequest(
+            run_uid="once", working_dir=str(client.workdir(files)), handler=handler, input=b'"x"'
+        ),
+        timeout=30,
+    )
+    assert response.exit_code == 0
+    assert b'"x"' in response.output
+
+
+def test_execute_reports_a_failing_handler_through_exit_code(python_rt: Client) -> None:
+    response = python_rt.runtime_stub.Execute(
+        pb.ExecuteRequest(
+            run_uid="once",
+            working_dir=str(
+                python_rt.workdir({"handler.py": "def handle(e):\n    raise KeyError('id')\n"})
+            ),
+            handler="handler.handle",
+        ),
+        timeout=30,
+    )
+    assert response.exit_code == 1
+    assert json.loads(response.output) == {"errorType": "KeyError", "errorMessage": "'id'"}
+
+
+def test_execute_timeout_is_deadline_exceeded(python_rt: Client) -> None:
+    wd = python_rt.workdir({"handler.py": "import time\ndef handle(e):\n    time.sleep(30)\n"})
+    with pytest.raises(grpc.RpcError) as err:
+        python_rt.runtime_stub.Execute(
+            pb.ExecuteRequest(
+                run_uid="once", working_dir=str(wd), handler="handler.handle", timeout_millis=300
+            ),
+            timeout=30,
+        )
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "runtime_server.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_cli_usage_errors_exit_2() -> None:
+    # SPEC §7: exit code 2 on a usage error; --help everywhere.
+    assert run_cli("serve").returncode == 2
+    assert run_cli("serve", "--runtime", "cobol").returncode == 2
+    assert (
+        run_cli("serve", "--runtime", "python", "--workspace-root", "/no/such/dir").returncode == 2
+    )
+    assert run_cli("serve", "--help").returncode == 0
+    assert run_cli("--help").returncode == 0
