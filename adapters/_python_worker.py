@@ -21,7 +21,6 @@ import sys
 import time
 import traceback
 
-END_MARKER = "\x1efnkernel-end\n"
 MAX_MESSAGE = 1024
 
 
@@ -110,11 +109,7 @@ def _read_exact(stream, size: int) -> bytes:
 
 
 def _respond(fd: int, status: str, meta: dict, output: bytes = b"") -> None:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    sys.stdout.write(END_MARKER)
-    sys.stderr.write(END_MARKER)
-    sys.stdout.flush()
+    sys.stdout.flush()  # the supervisor reads the log files once it has the response
     sys.stderr.flush()
     encoded = json.dumps(meta).encode()
     _write(fd, f"{status} {len(encoded)} {len(output)}\n".encode() + encoded + output)
@@ -178,7 +173,6 @@ def main() -> None:
     os.set_inheritable(req, False)  # the handler's own subprocesses must not hold our frame pipes
     os.set_inheritable(resp, False)
     sys.path.insert(0, os.getcwd())
-    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     function, failure = load_handler(module_name, function_name)
     if failure is not None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,6 +91,8 @@ class WorkerAdapter:
         self._on_fatal = on_fatal
         self._init_timeout = init_timeout
         self._supervisor: WorkerSupervisor | None = None
+        # Private per-registration files: the worker's log files, Bash's stdout and outputs.
+        self.scratch = Path(tempfile.mkdtemp(prefix=f"fnkernel-{self.runtime}-"))
 
     @classmethod
     def check_handler(cls, handler: str, working_dir: Path) -> None:
@@ -113,6 +117,7 @@ class WorkerAdapter:
             cwd=self.spec.working_dir,
             env=self._environment(),
             run_uid=self.spec.run_uid,
+            scratch=self.scratch,
             init_timeout=self._init_timeout,
             on_fatal=self._on_fatal,
         )
@@ -136,11 +141,15 @@ class WorkerAdapter:
     def close(self) -> None:
         if self._supervisor is not None:
             self._supervisor.close()
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 def send_request(call: Call, payload: bytes) -> None:
     """The request frame both workers read: id length, input length, time left; id; input."""
     invocation_id = call.invocation_id.encode()
     header = b"%d %d %d\n" % (len(invocation_id), len(payload), call.remaining_millis())
-    call.send(header + invocation_id)
-    call.send(payload)
+    if len(payload) < 65536:
+        call.send(header + invocation_id + payload)  # one write for the common small payload
+    else:
+        call.send(header + invocation_id)
+        call.send(payload)

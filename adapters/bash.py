@@ -8,9 +8,9 @@ as shell source or put into a command string.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 from typing import ClassVar
 
@@ -48,7 +48,6 @@ def split_handler(handler: str) -> tuple[str, str]:
 
 class BashAdapter(WorkerAdapter):
     runtime: ClassVar[str] = "bash"
-    _scratch: Path | None = None
 
     @classmethod
     def check_handler(cls, handler: str, working_dir: Path) -> None:
@@ -60,7 +59,6 @@ class BashAdapter(WorkerAdapter):
         path = resolve_inside(self.spec.working_dir, file)
         if not path.is_file():
             raise InitError("HandlerNotFound", f"{file} does not exist in the working directory")
-        self._scratch = Path(tempfile.mkdtemp(prefix="fnkernel-bash-"))
         return [
             BASH,
             "--noprofile",
@@ -68,7 +66,7 @@ class BashAdapter(WorkerAdapter):
             str(RUNNER_SCRIPT),
             str(path),
             function,
-            str(self._scratch),
+            str(self.scratch),
         ]
 
     def start(self) -> None:
@@ -87,9 +85,7 @@ class BashAdapter(WorkerAdapter):
         return super().invoke(invocation_id, payload, deadline)
 
     def _exchange(self, call: Call, payload: bytes) -> tuple[bytes, str, dict[str, str]]:
-        assert self._scratch is not None
         send_request(call, payload)
-        call.track_job(int(call.read_line().removeprefix(b"J ")))
         status = int(call.read_line().removeprefix(b"D "))
         outputs = self._read_outputs()
         output = self._read_output()
@@ -102,24 +98,28 @@ class BashAdapter(WorkerAdapter):
         return output, "application/json", outputs
 
     def _read_output(self) -> bytes:
-        assert self._scratch is not None
-        path = self._scratch / "stdout"
-        size = path.stat().st_size
-        if size > self.max_output_bytes:
-            raise HandlerError(
-                "OutputTooLarge",
-                f"the handler wrote {size} bytes to stdout; the limit is {self.max_output_bytes}",
-            )
-        return path.read_bytes()
+        with open(self.scratch / "stdout", "rb") as stdout:
+            size = os.fstat(stdout.fileno()).st_size
+            if size > self.max_output_bytes:
+                raise HandlerError(
+                    "OutputTooLarge",
+                    f"the handler wrote {size} bytes to stdout; the limit is {self.max_output_bytes}",
+                )
+            return stdout.read()
 
     def _read_outputs(self) -> dict[str, str]:
         """Parse the ``key=value`` lines the function appended to ``$FUNCTION_OUTPUTS``."""
-        assert self._scratch is not None
-        path = self._scratch / "outputs"
-        if path.stat().st_size > 64 * 1024:
+        path = self.scratch / "outputs"
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return {}
+        data = path.read_bytes()
+        path.unlink()  # the next call starts with no outputs
+        if size > 64 * 1024:
             raise HandlerError("InvalidOutputs", "$FUNCTION_OUTPUTS holds more than 64 KiB")
         outputs: dict[str, str] = {}
-        for number, line in enumerate(path.read_bytes().decode("utf-8", "replace").splitlines(), 1):
+        for number, line in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
             key, eq, value = line.partition("=")
             if not eq:
                 raise HandlerError(
@@ -130,14 +130,9 @@ class BashAdapter(WorkerAdapter):
 
     def _describe_failure(self, call: Call, status: int) -> tuple[str, str]:
         _, function = split_handler(self.spec.handler)
-        call.wait_logs()
+        call.collect_logs()
         stderr = [line.text for line in call.logs if line.stream == "stderr" and line.text.strip()]
         detail = f": {self._relative(stderr[-1])}" if stderr else ""
         if status > 128:
             return "HandlerKilled", f"{function} was {describe_exit(128 - status)}{detail}"
         return "NonZeroExit", f"{function} exited with status {status}{detail}"
-
-    def close(self) -> None:
-        super().close()
-        if self._scratch is not None:
-            shutil.rmtree(self._scratch, ignore_errors=True)

@@ -8,12 +8,13 @@
 #
 # Frames (see adapters/worker.py for the handshake and log markers):
 #   request:  "<id_len> <input_len> <remaining_ms>\n" + invocation id + input bytes
-#   response: "J <pgid>\n" once the call's job started, "D <exit status>\n" when it ended; the job's
-#             stdout is in SCRATCH_DIR/stdout and its outputs in SCRATCH_DIR/outputs.
+#   response: "D <exit status>\n" when the call's job ended (its process group id is in
+#             SCRATCH_DIR/job.pgid while it runs); the job's
+#             stdout is in SCRATCH_DIR/stdout and its outputs in SCRATCH_DIR/outputs (the adapter
+#             removes that file after reading it).
 
 file=$1 fn=$2 scratch=$3 req_fd=$4 resp_fd=$5
 unset BASH_ENV ENV
-marker=$'\036fnkernel-end'
 
 initfail() { # errorType message
     local LC_ALL=C # ${#message} must count bytes
@@ -35,15 +36,15 @@ printf 'READY\n' >&"$resp_fd"
 while IFS=' ' read -r -u "$req_fd" id_len input_len _; do
     IFS= LC_ALL=C read -r -u "$req_fd" -N "$id_len" invocation_id
     IFS= LC_ALL=C read -r -u "$req_fd" -N "$input_len" payload
-    : >"$FUNCTION_OUTPUTS"
     # stdin is /dev/null so the call cannot read the next frame; the frame pipes are closed in it.
     FUNCTION_INVOCATION_ID=$invocation_id "$fn" "$payload" \
         >"$scratch/stdout" </dev/null {req_fd}<&- {resp_fd}>&- &
     job=$!
-    printf 'J %d\n' "$job" >&"$resp_fd"
+    # Where cancellation finds this call's process group. A file, not a frame: a frame would wake
+    # the supervisor mid-call for nothing.
+    printf '%d' "$job" >"$scratch/job.pgid"
     wait "$job"
     status=$?
-    printf '%s\n' "$marker"
-    printf '%s\n' "$marker" >&2
+    : >"$scratch/job.pgid" # the group is gone; never let a recycled pid be killed later
     printf 'D %d\n' "$status" >&"$resp_fd"
 done

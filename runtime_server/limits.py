@@ -184,8 +184,4 @@ def bounded(text: str, limit: int = MAX_MESSAGE_BYTES) -> str:
 def new_id(prefix: str) -> str:
     """An unguessable, time-ordered ID: a ULID (48-bit ms time + 80 random bits), Crockford base32."""
     value = (time.time_ns() // 1_000_000) << 80 | secrets.randbits(80)
-    chars = []
-    for _ in range(26):
-        value, digit = divmod(value, 32)
-        chars.append(_CROCKFORD[digit])
-    return prefix + "".join(reversed(chars))
+    return prefix + "".join([_CROCKFORD[(value >> shift) & 31] for shift in range(125, -1, -5)])

@@ -184,7 +184,8 @@ class FunctionRuntimeServicer(pb_grpc.FunctionRuntimeServicer):
             on_dispatch=cancel_on_client_exit(context),
         )
         result = invocation.result
-        context.set_trailing_metadata(((LOGS_KEY, logs_trailer(result.logs)),))
+        if result.logs:
+            context.set_trailing_metadata(((LOGS_KEY, logs_trailer(result.logs)),))
         return pb.InvokeFunctionResponse(
             registration=request.registration,
             invocation_id=invocation.invocation_id,

@@ -1,0 +1,246 @@
+"""Invoke latency of the Runtime Server against floors measured in the same run (issue 2).
+
+Every server runs in its own process (so client and server do not share a GIL), on a Unix socket:
+
+* floor: a bare grpcio unary echo server;
+* the Runtime Server (python and bash runtimes) invoking a trivial handler;
+* baseline: a gRPC server that spawns `bash` per call to run the same Bash function (the naive
+  design the persistent runner replaces).
+
+Prints p50/p99 over N calls and the ratios against the targets; a 6 MiB payload round-trips
+through both adapters. Usage: python -m benchmarks.invoke [--calls N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+
+from runtime_server._proto.executor.v1 import runtime_pb2 as pb
+from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
+from runtime_server.server import CHANNEL_OPTIONS
+
+ECHO_METHOD = "/bench.Echo/Echo"
+BASH_HANDLER = "handle() { printf '%s' \"$1\"; }\n"
+PY_HANDLER = "def handle(event):\n    return event\n"
+PAYLOAD = b'{"command":"status"}'
+
+
+def serve_echo(address: str, spawn_bash: str | None) -> None:
+    """The floor (identity) or the spawn-bash-per-call baseline, as a bare grpcio server."""
+
+    def echo(request: bytes, context: grpc.ServicerContext) -> bytes:
+        if spawn_bash is None:
+            return request
+        return subprocess.run(
+            [
+                "bash",
+                "--noprofile",
+                "--norc",
+                "-c",
+                '. "$0"; handle "$1"',
+                spawn_bash,
+                request.decode(),
+            ],
+            capture_output=True,
+            check=True,
+        ).stdout
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=CHANNEL_OPTIONS)
+    handler = grpc.unary_unary_rpc_method_handler(echo)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("bench.Echo", {"Echo": handler}),)
+    )
+    server.add_insecure_port(address)
+    server.start()
+    print("ready", flush=True)
+    signal.sigwait({signal.SIGTERM, signal.SIGINT})
+    server.stop(0)
+
+
+def start(argv: list[str], ready_marker: str) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if ready_marker not in line:
+        proc.kill()
+        raise SystemExit(f"server did not start: {argv}")
+    return proc
+
+
+def measure(call, calls: int, warmup: int = 100) -> list[float]:  # type: ignore[no-untyped-def]
+    for _ in range(warmup):
+        call()
+    samples = []
+    budget = time.monotonic() + 120  # bound every loop in time as well as count
+    for _ in range(calls):
+        started = time.perf_counter()
+        call()
+        samples.append((time.perf_counter() - started) * 1000)
+        if time.monotonic() > budget:
+            break
+    return samples
+
+
+def p(samples: list[float], q: float) -> float:
+    return (
+        statistics.quantiles(samples, n=100, method="inclusive")[int(q) - 1]
+        if q < 100
+        else max(samples)
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--echo-server", metavar="ADDR", help=argparse.SUPPRESS)
+    parser.add_argument("--spawn-bash", metavar="FILE", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.echo_server:
+        serve_echo(args.echo_server, args.spawn_bash)
+        return 0
+
+    with tempfile.TemporaryDirectory(prefix="fnkernel-bench-") as tmp:
+        root = Path(tmp)
+        (root / "fn.sh").write_text(BASH_HANDLER)
+        (root / "handler.py").write_text(PY_HANDLER)
+        procs = {
+            "echo": start(
+                [
+                    sys.executable,
+                    "-m",
+                    "benchmarks.invoke",
+                    "--echo-server",
+                    f"unix:{root}/echo.sock",
+                ],
+                "ready",
+            ),
+            "spawn": start(
+                [
+                    sys.executable,
+                    "-m",
+                    "benchmarks.invoke",
+                    "--echo-server",
+                    f"unix:{root}/spawn.sock",
+                    "--spawn-bash",
+                    str(root / "fn.sh"),
+                ],
+                "ready",
+            ),
+        }
+        for runtime in ("python", "bash"):
+            procs[runtime] = start(
+                [
+                    sys.executable,
+                    "-m",
+                    "runtime_server.cli",
+                    "serve",
+                    "--runtime",
+                    runtime,
+                    "--listen",
+                    f"unix:{root}/{runtime}.sock",
+                    "--workspace-root",
+                    str(root),
+                ],
+                "listening on",
+            )
+        try:
+            rows = run(root, args.calls)
+        finally:
+            for proc in procs.values():
+                proc.send_signal(signal.SIGTERM)
+            for proc in procs.values():
+                proc.wait(30)
+    return report(rows)
+
+
+def run(root: Path, calls: int) -> dict[str, object]:
+    results: dict[str, object] = {}
+    echo = grpc.insecure_channel(f"unix:{root}/echo.sock", options=CHANNEL_OPTIONS).unary_unary(
+        ECHO_METHOD
+    )
+    results["echo"] = measure(lambda: echo(PAYLOAD, timeout=10), calls)
+    spawn = grpc.insecure_channel(f"unix:{root}/spawn.sock", options=CHANNEL_OPTIONS).unary_unary(
+        ECHO_METHOD
+    )
+    assert spawn(PAYLOAD, timeout=10) == PAYLOAD
+    results["spawn"] = measure(lambda: spawn(PAYLOAD, timeout=10), max(200, calls // 4), warmup=20)
+    big = json.dumps("x" * (6 * 1024 * 1024 - 2)).encode()
+    for runtime, handler in (("python", "handler.handle"), ("bash", "fn.handle")):
+        stub = pb_grpc.FunctionRuntimeStub(
+            grpc.insecure_channel(f"unix:{root}/{runtime}.sock", options=CHANNEL_OPTIONS)
+        )
+        reg = stub.RegisterFunction(
+            pb.RegisterFunctionRequest(
+                run_uid=f"bench-{runtime}",
+                registration_attempt=1,
+                working_dir=str(root),
+                handler=handler,
+                registration_digest="sha256:" + hashlib.sha256(handler.encode()).hexdigest(),
+            ),
+            timeout=60,
+        ).registration
+        request = pb.InvokeFunctionRequest(
+            registration=reg, input=PAYLOAD, content_type="application/json"
+        )
+        results[runtime] = measure(
+            lambda stub=stub, request=request: stub.InvokeFunction(request, timeout=10), calls
+        )
+        started = time.perf_counter()
+        out = stub.InvokeFunction(
+            pb.InvokeFunctionRequest(registration=reg, input=big), timeout=60
+        ).output
+        results[f"{runtime}-6mib"] = ((time.perf_counter() - started) * 1000, out == big)
+    return results
+
+
+def report(results: dict[str, object]) -> int:
+    floor = statistics.median(results["echo"])  # type: ignore[arg-type]
+    spawn = statistics.median(results["spawn"])  # type: ignore[arg-type]
+    print(f"{'case':<34}{'calls':>7}{'p50 ms':>9}{'p99 ms':>9}{'ratio':>9}  target")
+    checks = []
+
+    def row(name: str, key: str, ratio: float | None, target: str) -> None:
+        samples: list[float] = results[key]  # type: ignore[assignment]
+        ratio_text = f"{ratio:.2f}x" if ratio is not None else ""
+        print(
+            f"{name:<34}{len(samples):>7}{statistics.median(samples):>9.3f}{p(samples, 99):>9.3f}{ratio_text:>9}  {target}"
+        )
+
+    row("grpc echo (floor)", "echo", None, "")
+    row("bash spawned per call (baseline)", "spawn", spawn / floor, "")
+    for runtime, limit in (("python", 1.3), ("bash", 3.0)):
+        ratio = statistics.median(results[runtime]) / floor  # type: ignore[arg-type]
+        row(f"{runtime} invoke", runtime, ratio, f"<= {limit}x echo")
+        checks.append((f"{runtime} invoke / echo", ratio, limit))
+    bash_vs_spawn = statistics.median(results["bash"]) / spawn  # type: ignore[arg-type]
+    print(
+        f"{'bash invoke / spawn baseline':<34}{'':>7}{'':>9}{'':>9}{bash_vs_spawn:>8.2f}x  <= 0.8x"
+    )
+    checks.append(("bash invoke / spawn baseline", bash_vs_spawn, 0.8))
+    for runtime in ("python", "bash"):
+        elapsed, ok = results[f"{runtime}-6mib"]  # type: ignore[misc]
+        print(
+            f"{runtime + ' 6 MiB round trip':<34}{1:>7}{elapsed:>9.1f}{'':>9}{'':>9}  {'identical' if ok else 'MISMATCH'}"
+        )
+        checks.append((f"{runtime} 6 MiB round trip", 0.0 if ok else 1.0, 0.5))
+    missed = [name for name, value, limit in checks if value > limit]
+    print("all targets met" if not missed else f"targets missed: {', '.join(missed)}")
+    return 0 if not missed else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
