@@ -102,10 +102,6 @@ class Worker:
         self._buf = bytearray()
         self._job_pgid_file = scratch / "job.pgid"
 
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
     # Frame I/O. Reads honour the deadline; a worker that dies gives EOF (_WorkerExited).
 
     def send(self, data: bytes | memoryview) -> None:

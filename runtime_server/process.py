@@ -6,7 +6,6 @@ import ctypes
 import ctypes.util
 import signal
 import threading
-from collections.abc import Callable
 
 from adapters.worker import reap_orphans
 
@@ -32,19 +31,21 @@ def start_reaper(stop: threading.Event, interval: float = 1.0) -> threading.Thre
     return thread
 
 
-def wait_for_termination(on_signal: Callable[[int], None] | None = None) -> int:
-    """Block until SIGTERM or SIGINT; returns the signal number."""
-    received = threading.Event()
-    signum_box: list[int] = []
+def wait_for_termination() -> int:
+    """Block until SIGTERM or SIGINT; returns the signal number.
+
+    A Python handler plus an Event, not sigwait: sigwait would need the signals blocked before
+    gRPC starts its threads.
+    """
+    received: list[int] = []
+    done = threading.Event()
 
     def handler(signum: int, _frame: object) -> None:
-        signum_box.append(signum)
-        received.set()
-        if on_signal is not None:
-            on_signal(signum)
+        received.append(signum)
+        done.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, handler)
-    while not received.wait(0.5):
+    while not done.wait(0.5):  # wake periodically so the main thread can run the handler
         pass
-    return signum_box[0]
+    return received[0]

@@ -394,7 +394,3 @@ class Registry:
         for reg in registrations:
             reg.state = DRAINING
             self._release(reg, cancel=True)
-
-    def registrations(self) -> list[RegistrationView]:
-        with self._lock:
-            return [RegistrationView.of(reg) for reg in self._current.values()]
