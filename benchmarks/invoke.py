@@ -14,7 +14,6 @@ through both adapters. Usage: python -m benchmarks.invoke [--calls N]
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import signal
@@ -30,6 +29,8 @@ import grpc
 
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
+from runtime_server.launch import spawn_serve
+from runtime_server.limits import sha256_digest
 from runtime_server.server import CHANNEL_OPTIONS
 
 ECHO_METHOD = "/bench.Echo/Echo"
@@ -141,21 +142,9 @@ def main() -> int:
             ),
         }
         for runtime in ("python", "bash"):
-            procs[runtime] = start(
-                [
-                    sys.executable,
-                    "-m",
-                    "runtime_server.cli",
-                    "serve",
-                    "--runtime",
-                    runtime,
-                    "--listen",
-                    f"unix:{root}/{runtime}.sock",
-                    "--workspace-root",
-                    str(root),
-                ],
-                "listening on",
-            )
+            procs[runtime] = spawn_serve(
+                root, "--runtime", runtime, listen=f"unix:{root}/{runtime}.sock"
+            ).proc
         try:
             rows = run(root, args.calls)
         finally:
@@ -188,7 +177,7 @@ def run(root: Path, calls: int) -> dict[str, object]:
                 registration_attempt=1,
                 working_dir=str(root),
                 handler=handler,
-                registration_digest="sha256:" + hashlib.sha256(handler.encode()).hexdigest(),
+                registration_digest=sha256_digest(handler.encode()),
             ),
             timeout=60,
         ).registration

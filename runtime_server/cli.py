@@ -15,6 +15,7 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 def _serve(args: argparse.Namespace) -> int:
     from runtime_server import logs, process
+    from runtime_server.launch import announcement
     from runtime_server.server import RuntimeServer
 
     logs.configure(logging.DEBUG if args.verbose else logging.INFO)
@@ -35,11 +36,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"fnkernel serve: cannot listen on {args.listen}: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     services = "Runtime" if args.oneshot_only else "Runtime, FunctionRuntime"
-    print(
-        f"fnkernel serve: {args.runtime} runtime ({services}) listening on {address}, "
-        f"workspace root {workspace_root}",
-        flush=True,
-    )
+    print(announcement(args.runtime, services, address, workspace_root), flush=True)
     process.wait_for_termination()
     logging.getLogger("fnkernel.runtime").info("draining for up to %ss", args.drain_timeout)
     server.stop(args.drain_timeout)

@@ -6,10 +6,7 @@ function, invokes both, prints results and status, and stops the servers with SI
 
 from __future__ import annotations
 
-import hashlib
 import json
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -19,6 +16,8 @@ import grpc
 
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
+from runtime_server.launch import spawn_serve
+from runtime_server.limits import sha256_digest
 from runtime_server.registry import state_name
 from runtime_server.server import CHANNEL_OPTIONS
 
@@ -48,39 +47,17 @@ FUNCTIONS: dict[str, tuple[str, str, str, object]] = {
 }
 
 
-def start(runtime: str, root: Path) -> tuple[subprocess.Popen[str], str]:
-    socket = root / f"{runtime}.sock"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "runtime_server.cli",
-            "serve",
-            "--runtime",
-            runtime,
-            "--listen",
-            f"unix:{socket}",
-            "--workspace-root",
-            str(root),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    assert proc.stdout is not None
-    print(f"$ fnkernel serve --runtime {runtime} --listen unix:{socket.name}")
-    print("  " + proc.stdout.readline().strip())
-    return proc, f"unix:{socket}"
-
-
 def run(runtime: str, root: Path) -> None:
     filename, handler, source, payload = FUNCTIONS[runtime]
     workdir = root / "runs" / runtime
     workdir.mkdir(parents=True)
     (workdir / filename).write_text(source)
-    proc, address = start(runtime, root)
+    socket = root / f"{runtime}.sock"
+    print(f"$ fnkernel serve --runtime {runtime} --listen unix:{socket.name}")
+    server = spawn_serve(root, "--runtime", runtime, listen=f"unix:{socket}")
+    print("  " + server.announced)
     try:
-        with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        with grpc.insecure_channel(server.address, options=CHANNEL_OPTIONS) as channel:
             stub = pb_grpc.FunctionRuntimeStub(channel)
             started = time.perf_counter()
             registered = stub.RegisterFunction(
@@ -89,7 +66,7 @@ def run(runtime: str, root: Path) -> None:
                     registration_attempt=1,
                     working_dir=str(workdir),
                     handler=handler,
-                    registration_digest="sha256:" + hashlib.sha256(source.encode()).hexdigest(),
+                    registration_digest=sha256_digest(source.encode()),
                 ),
                 timeout=60,
             )
@@ -123,8 +100,7 @@ def run(runtime: str, root: Path) -> None:
             )
             print("  UnregisterFunction: OK")
     finally:
-        proc.send_signal(signal.SIGTERM)
-        print(f"  SIGTERM → server exited {proc.wait(timeout=30)}")
+        print(f"  SIGTERM → server exited {server.stop()}")
 
 
 def main() -> int:

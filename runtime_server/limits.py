@@ -5,6 +5,7 @@ Every check raises InvalidField naming the field, before any work is accepted.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import secrets
 import time
@@ -109,6 +110,11 @@ def check_digest(digest: str) -> str:
             "registration_digest", "must be 'sha256:' followed by 64 lowercase hex digits"
         )
     return digest
+
+
+def sha256_digest(data: bytes) -> str:
+    """``data``'s digest in the form registration_digest takes."""
+    return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
 def check_invocation_id(invocation_id: str) -> str:

@@ -3,11 +3,8 @@ as a subprocess) and working directories holding real handlers."""
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import os
-import subprocess
-import sys
 import textwrap
 import time
 from collections.abc import Callable, Iterator
@@ -19,6 +16,8 @@ import pytest
 
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
+from runtime_server.launch import ServeProcess, spawn_serve
+from runtime_server.limits import sha256_digest
 from runtime_server.server import CHANNEL_OPTIONS, RuntimeServer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,7 +25,7 @@ _counter = itertools.count()
 
 
 def digest(text: str) -> str:
-    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+    return sha256_digest(text.encode())
 
 
 def wait_until(
@@ -186,47 +185,13 @@ def python_any(request: pytest.FixtureRequest, workspace: Path, tmp_path: Path) 
     yield from _serve("python", workspace, listen)
 
 
-@dataclass
-class ServerProcess:
-    proc: subprocess.Popen[str]
-    address: str
-    workspace: Path
-
-
-def start_server_process(workspace: Path, *args: str, listen: str = "127.0.0.1:0") -> ServerProcess:
-    """`fnkernel serve` as a real subprocess; waits for its 'listening on' line."""
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "runtime_server.cli",
-            "serve",
-            "--listen",
-            listen,
-            "--workspace-root",
-            str(workspace),
-            *args,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        cwd=ROOT,
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if "listening on" not in line:
-        proc.kill()
-        raise AssertionError(f"server did not start: {line!r}")
-    address = line.split("listening on ", 1)[1].split(",", 1)[0]
-    return ServerProcess(proc, address, workspace)
-
-
 @pytest.fixture
-def server_process(workspace: Path) -> Iterator[Callable[..., ServerProcess]]:
-    started: list[ServerProcess] = []
+def server_process(workspace: Path) -> Iterator[Callable[..., ServeProcess]]:
+    """`fnkernel serve` as a real subprocess (args are its flags); killed at teardown."""
+    started: list[ServeProcess] = []
 
-    def start(*args: str, listen: str = "127.0.0.1:0") -> ServerProcess:
-        server = start_server_process(workspace, *args, listen=listen)
+    def start(*args: str, listen: str = "127.0.0.1:0") -> ServeProcess:
+        server = spawn_serve(workspace, *args, listen=listen)
         started.append(server)
         return server
 

@@ -74,25 +74,23 @@ def test_malformed_bash_handlers_are_invalid_argument(bash_rt: Client, handler: 
     assert "handler" in err.details()
 
 
-def test_bash_handler_symlink_leading_out_of_working_dir_is_invalid(
-    bash_rt: Client, tmp_path: Path
+@pytest.mark.parametrize(
+    ("runtime", "handler_file", "source"),
+    [
+        ("bash", "fn.sh", "handle() { touch pwned; }\n"),
+        ("python", "handler.py", "def handle(e): return e\n"),
+    ],
+)
+def test_handler_file_symlink_leading_out_of_working_dir_is_invalid(
+    runtime: str, handler_file: str, source: str, python_rt: Client, bash_rt: Client, tmp_path: Path
 ) -> None:
-    outside = tmp_path / "evil.sh"
-    outside.write_text("handle() { touch pwned; }\n")
-    wd = bash_rt.workdir({})
-    (wd / "fn.sh").symlink_to(outside)
-    err = failure(lambda: bash_rt.register(working_dir=wd))
-    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "outside" in err.details()
-
-
-def test_python_module_symlink_leading_out_of_working_dir_is_invalid(
-    python_rt: Client, tmp_path: Path
-) -> None:
-    outside = tmp_path / "evil.py"
-    outside.write_text("def handle(e): return e\n")
-    wd = python_rt.workdir({})
-    (wd / "handler.py").symlink_to(outside)
-    err = failure(lambda: python_rt.register(working_dir=wd))
+    # Seed: both adapters operate beneath the registered working directory.
+    client = python_rt if runtime == "python" else bash_rt
+    outside = tmp_path / f"evil-{handler_file}"
+    outside.write_text(source)
+    wd = client.workdir({})
+    (wd / handler_file).symlink_to(outside)
+    err = failure(lambda: client.register(working_dir=wd))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "outside" in err.details()
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.conftest import ServerProcess, digest
+from tests.conftest import ServeProcess, digest
 from tests.reflection_client import ReflectionClient
 
 FR = "executor.v1.FunctionRuntime"
@@ -43,9 +43,9 @@ def handle(event, context):
 
 
 @pytest.fixture
-def seed_server(server_process: Callable[..., ServerProcess]) -> tuple[ReflectionClient, Path]:
+def seed_server(server_process: Callable[..., ServeProcess]) -> tuple[ReflectionClient, Path]:
     server = server_process("--runtime", "python")
-    workdir = server.workspace / "runs" / "2b5d"
+    workdir = server.workspace_root / "runs" / "2b5d"
     workdir.mkdir(parents=True)
     (workdir / "handler.py").write_text(HANDLER)
     return ReflectionClient(grpc.insecure_channel(server.address)), workdir

@@ -15,15 +15,15 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
-from tests.conftest import ECHO_PY, ECHO_SH, Client, ServerProcess, pid_alive, wait_until
+from tests.conftest import ECHO_PY, ECHO_SH, Client, ServeProcess, pid_alive, wait_until
 
 
-def client_for(server: ServerProcess, runtime: str) -> Client:
-    return Client(grpc.insecure_channel(server.address), server.workspace, runtime)
+def client_for(server: ServeProcess, runtime: str) -> Client:
+    return Client(grpc.insecure_channel(server.address), server.workspace_root, runtime)
 
 
 def test_oneshot_only_server_answers_unimplemented_for_every_function_runtime_method(
-    server_process: Callable[..., ServerProcess],
+    server_process: Callable[..., ServeProcess],
 ) -> None:
     # SPEC §2: a Runtime without function mode registers Runtime alone; seed: runtimed receives
     # Unimplemented and there is no fallback through Execute.
@@ -52,7 +52,7 @@ def test_oneshot_only_server_answers_unimplemented_for_every_function_runtime_me
     assert response.exit_code == 0 and json.loads(response.output)["echo"] == 5
 
 
-def test_health_service_reports_serving(server_process: Callable[..., ServerProcess]) -> None:
+def test_health_service_reports_serving(server_process: Callable[..., ServeProcess]) -> None:
     server = server_process("--runtime", "bash")
     health = health_pb2_grpc.HealthStub(grpc.insecure_channel(server.address))
     for service in ("", "executor.v1.FunctionRuntime", "executor.v1.Runtime"):
@@ -61,7 +61,7 @@ def test_health_service_reports_serving(server_process: Callable[..., ServerProc
 
 
 def test_serve_listens_on_a_unix_socket(
-    server_process: Callable[..., ServerProcess], tmp_path: Path
+    server_process: Callable[..., ServeProcess], tmp_path: Path
 ) -> None:
     server = server_process("--runtime", "bash", listen=f"unix:{tmp_path}/rt.sock")
     assert server.address == f"unix:{tmp_path}/rt.sock"
@@ -71,7 +71,7 @@ def test_serve_listens_on_a_unix_socket(
 
 
 def test_sigterm_drains_the_in_flight_invocation_and_exits_0(
-    server_process: Callable[..., ServerProcess],
+    server_process: Callable[..., ServeProcess],
 ) -> None:
     server = server_process("--runtime", "python")
     client = client_for(server, "python")
@@ -89,7 +89,7 @@ def test_sigterm_drains_the_in_flight_invocation_and_exits_0(
     wait_until(lambda: not pid_alive(worker), timeout=5)
 
 
-def test_sigterm_drain_is_bounded(server_process: Callable[..., ServerProcess]) -> None:
+def test_sigterm_drain_is_bounded(server_process: Callable[..., ServeProcess]) -> None:
     server = server_process("--runtime", "python", "--drain-timeout", "0.5")
     client = client_for(server, "python")
     wd = client.workdir({"handler.py": "import time\ndef handle(e):\n    time.sleep(60)\n"})
