@@ -7,7 +7,9 @@ not put on sys.path; the working directory is).
 
 Frames (see adapters/worker.py for the handshake and log markers):
   request:  ``<id_len> <input_len> <remaining_ms>\\n`` + invocation id + input bytes
-  response: ``<ok|error|invalid> <meta_len> <output_len>\\n`` + meta JSON + output bytes
+  response: ``<ok|error|invalid> <meta_len> <output_len>\\n`` + meta JSON + output bytes, where
+            meta is the outputs object for ``ok`` (0 bytes when there are none) and
+            ``{"errorType", "errorMessage"}`` otherwise
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 import traceback
 
 MAX_MESSAGE = 1024
+_ENCODER = json.JSONEncoder(ensure_ascii=False)  # built once: json.dumps(**kw) builds one per call
 
 
 class Context:
@@ -108,11 +111,12 @@ def _read_exact(stream, size: int) -> bytes:
     return data
 
 
-def _respond(fd: int, status: str, meta: dict, output: bytes = b"") -> None:
+def _respond(fd: int, status: bytes, meta: dict | None, output: bytes = b"") -> None:
+    """One response frame; an empty meta (the common "ok" with no outputs) is sent as 0 bytes."""
     sys.stdout.flush()  # the supervisor reads the log files once it has the response
     sys.stderr.flush()
-    encoded = json.dumps(meta).encode()
-    _write(fd, f"{status} {len(encoded)} {len(output)}\n".encode() + encoded + output)
+    encoded = json.dumps(meta).encode() if meta else b""
+    _write(fd, b"%s %d %d\n%s%s" % (status, len(encoded), len(output), encoded, output))
 
 
 def serve(function, run_uid: str, requests, resp_fd: int) -> None:
@@ -122,14 +126,14 @@ def serve(function, run_uid: str, requests, resp_fd: int) -> None:
         header = requests.readline()
         if not header:
             return  # the supervisor closed the pipe: it is gone, so are we
-        id_len, input_len, remaining_ms = (int(part) for part in header.split())
+        id_len, input_len, remaining_ms = map(int, header.split())
         invocation_id = _read_exact(requests, id_len).decode()
         payload = _read_exact(requests, input_len)
         try:
             event = json.loads(payload) if payload.strip() else None
         except ValueError as exc:
             _respond(
-                resp_fd, "invalid", {"errorMessage": _bounded(f"input is not valid JSON: {exc}")}
+                resp_fd, b"invalid", {"errorMessage": _bounded(f"input is not valid JSON: {exc}")}
             )
             continue
         context = Context(invocation_id, run_uid, remaining_ms, logger)
@@ -138,7 +142,7 @@ def serve(function, run_uid: str, requests, resp_fd: int) -> None:
         except SystemExit as exc:
             _respond(
                 resp_fd,
-                "error",
+                b"error",
                 {
                     "errorType": "SystemExit",
                     "errorMessage": f"handler called sys.exit({exc.code!r})",
@@ -150,21 +154,21 @@ def serve(function, run_uid: str, requests, resp_fd: int) -> None:
             traceback.print_exception(type(exc), exc, tb.tb_next if tb else None)
             _respond(
                 resp_fd,
-                "error",
+                b"error",
                 {"errorType": type(exc).__name__, "errorMessage": _bounded(str(exc))},
             )
             continue
         try:
-            output = json.dumps(result, ensure_ascii=False).encode()
+            output = _ENCODER.encode(result).encode()
         except (TypeError, ValueError) as exc:
             message = f"the return value cannot be encoded as JSON: {exc}"
             _respond(
                 resp_fd,
-                "error",
+                b"error",
                 {"errorType": "ResultNotJSONSerializable", "errorMessage": _bounded(message)},
             )
             continue
-        _respond(resp_fd, "ok", {"outputs": context.outputs}, output)
+        _respond(resp_fd, b"ok", context.outputs, output)
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Protocol
 
-from adapters.errors import HandlerError, InitError, InvalidHandler
+from adapters.errors import InitError, InvalidHandler
 from adapters.worker import Call, LogLine, WorkerSupervisor
 
 JSON = "application/json"
@@ -125,12 +125,9 @@ class WorkerAdapter:
 
     def invoke(self, invocation_id: str, payload: bytes, deadline: float) -> InvocationResult:
         assert self._supervisor is not None, "start() first"
-        try:
-            with self._supervisor.invocation(invocation_id, deadline) as call:
-                output, content_type, outputs = self._exchange(call, payload)
-        except HandlerError as exc:
-            exc.logs = tuple(call.logs)
-            raise
+        (output, content_type, outputs), call = self._supervisor.run(
+            invocation_id, deadline, lambda call: self._exchange(call, payload)
+        )
         return InvocationResult(output, content_type, outputs, tuple(call.logs))
 
     def cancel(self, invocation_id: str | None = None) -> bool:

@@ -50,6 +50,8 @@ class HandlerError(AdapterError):
 class InvalidInput(AdapterError):
     """The invocation payload cannot be given to this runtime (not JSON, a NUL byte for Bash)."""
 
+    logs: tuple[Any, ...] = ()
+
 
 class InvocationTimeout(AdapterError):
     """The invocation exceeded its deadline; the worker was killed and is being replaced."""

@@ -50,7 +50,8 @@ class PythonAdapter(WorkerAdapter):
     def _exchange(self, call: Call, payload: bytes) -> tuple[bytes, str, dict[str, str]]:
         send_request(call, payload)
         status, meta_len, output_len = call.read_line().split(b" ")
-        meta = json.loads(call.read_exact(int(meta_len)))
+        raw_meta = call.read_exact(int(meta_len))
+        meta = json.loads(raw_meta) if raw_meta else {}
         if int(output_len) > self.max_output_bytes:
             call.skip(int(output_len))
             raise HandlerError(
@@ -59,7 +60,7 @@ class PythonAdapter(WorkerAdapter):
             )
         output = call.read_exact(int(output_len))
         if status == b"ok":
-            return output, JSON, meta["outputs"]
+            return output, JSON, meta
         if status == b"invalid":
             raise InvalidInput(meta["errorMessage"])
         raise HandlerError(meta["errorType"], meta["errorMessage"])

@@ -30,9 +30,10 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from adapters.errors import (
     HandlerError,
@@ -44,6 +45,7 @@ from adapters.errors import (
 )
 
 LOG = logging.getLogger("fnkernel.function")
+T = TypeVar("T")
 STREAMS = ("stdout", "stderr")
 _PIPE_SIZE = 1 << 20  # fewer wakeups for multi-MiB payloads; best effort (F_SETPIPE_SZ)
 _F_SETPIPE_SZ = 1031
@@ -341,9 +343,45 @@ class WorkerSupervisor:
 
     # Invocations
 
-    @contextlib.contextmanager
-    def invocation(self, invocation_id: str, deadline: float) -> Iterator[Call]:
-        """Run one call on the ready worker; translate death, deadline and cancellation."""
+    def run(
+        self, invocation_id: str, deadline: float, exchange: Callable[[Call], T]
+    ) -> tuple[T, Call]:
+        """Run `exchange` (one request/response) on the ready worker; translate its death, the
+        deadline and cancellation. Returns its result and the Call, whose logs are complete."""
+        call = self._begin(invocation_id, deadline)
+        worker = call.worker
+        try:
+            result = exchange(call)
+        except (HandlerError, InvalidInput) as exc:
+            # A complete response that reports a failure: the worker is fine.
+            exc.logs = tuple(call.collect_logs())
+            raise
+        except TimeoutError:
+            self._replace(worker, call)
+            raise InvocationTimeout("the handler exceeded its deadline") from None
+        except _WorkerExited:
+            cancelled = self._cancelled
+            self._replace(worker, call)
+            if cancelled:
+                raise InvocationCancelled("the invocation was cancelled") from None
+            code = worker.proc.wait()
+            raise HandlerError(
+                "WorkerCrashed",
+                f"the worker process ended mid-call ({describe_exit(code)})",
+                tuple(call.logs),
+            ) from None
+        except BaseException:
+            self._replace(worker, call)  # the frame stream may be out of step: never reuse it
+            raise
+        finally:
+            with self._lock:
+                self._current = None
+                self._lock.notify_all()
+        call.collect_logs()
+        return result, call
+
+    def _begin(self, invocation_id: str, deadline: float) -> Call:
+        """Claim the ready worker for one call (waiting, bounded, for a replacement to load)."""
         with self._lock:
             if self._worker is None and not self._closed and self._fatal is None:
                 self._lock.wait_for(
@@ -360,35 +398,9 @@ class WorkerSupervisor:
             pending, self._cancel_pending = self._cancel_pending, None
             if pending is not None and pending == invocation_id:
                 raise InvocationCancelled("the invocation was cancelled")
-            worker = self._worker
-            call = self._current = Call(worker, invocation_id, deadline, self._run_uid)
             self._cancelled = False
-        try:
-            yield call
-        except (HandlerError, InvalidInput):
-            call.collect_logs()  # a complete response that reports a failure: the worker is fine
-            raise
-        except TimeoutError:
-            self._replace(worker, call)
-            raise InvocationTimeout("the handler exceeded its deadline") from None
-        except _WorkerExited:
-            cancelled = self._cancelled
-            self._replace(worker, call)
-            if cancelled:
-                raise InvocationCancelled("the invocation was cancelled") from None
-            code = worker.proc.wait()
-            raise HandlerError(
-                "WorkerCrashed", f"the worker process ended mid-call ({describe_exit(code)})"
-            ) from None
-        except BaseException:
-            self._replace(worker, call)  # the frame stream may be out of step: never reuse it
-            raise
-        else:
-            call.collect_logs()
-        finally:
-            with self._lock:
-                self._current = None
-                self._lock.notify_all()
+            self._current = Call(self._worker, invocation_id, deadline, self._run_uid)
+            return self._current
 
     def _replace(self, old: Worker, call: Call) -> None:
         """Kill `old` now and bring up a fresh worker in the background (SPEC §3)."""

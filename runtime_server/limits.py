@@ -5,6 +5,7 @@ Every check raises InvalidField naming the field, before any work is accepted.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import re
 import secrets
@@ -36,7 +37,8 @@ _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 _OUTPUT_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 _PRINTABLE_ASCII = re.compile(r"[\x20-\x7e]*")
-_CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+_CROCKFORD = b"0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+_TO_CROCKFORD = bytes.maketrans(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567", _CROCKFORD)
 
 
 def check_run_uid(run_uid: str) -> str:
@@ -190,4 +192,6 @@ def bounded(text: str, limit: int = MAX_MESSAGE_BYTES) -> str:
 def new_id(prefix: str) -> str:
     """An unguessable, time-ordered ID: a ULID (48-bit ms time + 80 random bits), Crockford base32."""
     value = (time.time_ns() // 1_000_000) << 80 | secrets.randbits(80)
-    return prefix + "".join([_CROCKFORD[(value >> shift) & 31] for shift in range(125, -1, -5)])
+    # 130 bits → 26 base32 digits: pad to 160 bits so b32encode needs no "=", keep the first 26.
+    digits = base64.b32encode((value << 30).to_bytes(20, "big"))[:26]
+    return prefix + digits.translate(_TO_CROCKFORD).decode()
