@@ -5,7 +5,7 @@ registered working directory as cwd. It uses the standard library only and impor
 fnkernel, so user modules named like ours cannot shadow it (``-P``: the script's own directory is
 not put on sys.path; the working directory is).
 
-Frames (see adapters/worker.py for the handshake and log markers):
+Frames (see adapters/worker.py for the handshake and the log files):
   request:  ``<id_len> <input_len> <remaining_ms>\\n`` + invocation id + input bytes
   response: ``<ok|error|invalid> <meta_len> <output_len>\\n`` + meta JSON + output bytes, where
             meta is the outputs object for ``ok`` (0 bytes when there are none) and

@@ -6,7 +6,7 @@
 # the function name and resolved the file to an absolute path inside the working directory; the
 # file is sourced once, here; each call runs the function with the payload as one quoted argument.
 #
-# Frames (see adapters/worker.py for the handshake and log markers):
+# Frames (see adapters/worker.py for the handshake and the log files):
 #   request:  "<id_len> <input_len> <remaining_ms>\n" + invocation id + input bytes
 #   response: "D <exit status>\n" when the call's job ended (its process group id is in
 #             SCRATCH_DIR/job.pgid while it runs); the job's
