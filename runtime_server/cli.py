@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import signal
 import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from runtime_server.client import Client
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -36,12 +42,254 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"fnkernel serve: cannot listen on {args.listen}: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     services = "Runtime" if args.oneshot_only else "Runtime, FunctionRuntime"
-    print(announcement(args.runtime, services, address, workspace_root), flush=True)
+    detail = f"{args.runtime} runtime ({services})"
+    print(announcement("serve", detail, address, f"workspace root {workspace_root}"), flush=True)
     process.wait_for_termination()
     logging.getLogger("fnkernel.runtime").info("draining for up to %ss", args.drain_timeout)
     server.stop(args.drain_timeout)
     stop_reaper.set()
     return EXIT_OK
+
+
+def _state_dir(args: argparse.Namespace) -> Path:
+    return Path(args.state_dir).expanduser().resolve()
+
+
+def _runtimed(args: argparse.Namespace) -> int:
+    from runtime_server import logs, process
+    from runtime_server.launch import announcement
+    from runtime_server.runs import RunStore
+    from runtime_server.runtimed import Runtimed
+
+    logs.configure(logging.DEBUG if args.verbose else logging.INFO)
+    state_dir = _state_dir(args)
+    state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    runtimed = Runtimed(
+        RunStore(state_dir / "runs.db"),
+        pod=args.pod,
+        runtime=args.runtime,
+        server_address=args.server,
+        poll_interval=args.poll_interval,
+    )
+    try:
+        address = runtimed.start(args.listen)
+    except RuntimeError as exc:
+        print(f"fnkernel runtimed: cannot listen on {args.listen}: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    detail = f"pod {args.pod} ({args.runtime}, server {args.server})"
+    print(announcement("runtimed", detail, address), flush=True)
+    process.wait_for_termination()
+    runtimed.stop()
+    return EXIT_OK
+
+
+def _gateway(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from runtime_server import logs, process
+    from runtime_server.controlplane import ControlPlane
+    from runtime_server.gateway import Gateway, is_loopback
+    from runtime_server.launch import announcement
+    from runtime_server.runs import RunStore
+
+    logs.configure(logging.DEBUG if args.verbose else logging.INFO)
+    token = None
+    if args.token_file:
+        try:
+            token = Path(args.token_file).read_text().strip()
+        except OSError as exc:
+            print(f"fnkernel gateway: --token-file: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        if not token:
+            print(f"fnkernel gateway: --token-file {args.token_file} is empty", file=sys.stderr)
+            return EXIT_USAGE
+    elif not is_loopback(args.listen):
+        # SPEC §4: a non-loopback bind requires a bearer token.
+        print(
+            f"fnkernel gateway: refusing to listen on {args.listen} without --token-file "
+            "(only loopback addresses may go without a bearer token)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    state_dir = _state_dir(args)
+    workspace_root = state_dir / "workspace"
+    workspace_root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    control_plane = ControlPlane(RunStore(state_dir / "runs.db"), workspace_root)
+
+    async def serve() -> None:
+        gateway = Gateway(control_plane, token)
+        try:
+            address = gateway.listen(args.listen)
+        except OSError as exc:
+            print(f"fnkernel gateway: cannot listen on {args.listen}: {exc}", file=sys.stderr)
+            raise SystemExit(EXIT_FAILURE) from None
+        control_plane.start()
+        print(
+            announcement("gateway", "control plane + HTTP", address, f"state dir {state_dir}"),
+            flush=True,
+        )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await gateway.close()
+        control_plane.stop()
+
+    del process
+    asyncio.run(serve())
+    return EXIT_OK
+
+
+def _up(args: argparse.Namespace) -> int:
+    from runtime_server import logs, process
+    from runtime_server.stack import Stack, parse_pods
+
+    logs.configure(logging.INFO)
+    try:
+        pods = parse_pods(args.pods)
+    except ValueError as exc:
+        print(f"fnkernel up: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    stack = Stack(
+        _state_dir(args),
+        pods,
+        gateway_listen=args.gateway_listen,
+        token_file=Path(args.token_file) if args.token_file else None,
+        poll_interval=args.poll_interval,
+    )
+    try:
+        stack.start()
+    except RuntimeError as exc:
+        print(f"fnkernel up: {exc} (logs in {stack.state_dir / 'logs'})", file=sys.stderr)
+        return EXIT_FAILURE
+    print(f"fnkernel up: state dir {stack.state_dir}")
+    for line in stack.describe():
+        print(f"  {line}")
+    print(
+        f"fnkernel up: ready; gateway {stack.gateway_address}; Ctrl-C stops everything", flush=True
+    )
+    process.wait_for_termination()
+    stack.stop()
+    return EXIT_OK
+
+
+def _client(args: argparse.Namespace) -> Client:
+
+    from runtime_server.client import Client
+
+    token = Path(args.token_file).read_text().strip() if args.token_file else None
+    return Client(args.gateway, token=token)
+
+
+def _print_json(value: object) -> None:
+    print(json.dumps(value, indent=2, sort_keys=True))
+
+
+def _parse_env(pairs: Sequence[str]) -> dict[str, str]:
+    env = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--env {pair!r}: expected KEY=VALUE")
+        env[key] = value
+    return env
+
+
+class UsageError(Exception):
+    pass
+
+
+def _runs_create(args: argparse.Namespace) -> int:
+    run = _client(args).create_run(
+        args.name,
+        runtime=args.runtime,
+        handler=args.handler,
+        source=Path(args.source),
+        env=_parse_env(args.env),
+        idle_timeout_seconds=args.idle_timeout,
+    )
+    _print_json(run)
+    return EXIT_OK if run["status"]["phase"] != "Failed" else EXIT_FAILURE
+
+
+def _runs_list(args: argparse.Namespace) -> int:
+    runs = _client(args).list_runs()
+    rows = [("NAME", "RUNTIME", "PHASE", "ATTEMPT", "POD", "MESSAGE")]
+    for run in runs:
+        status = run["status"]
+        rows.append(
+            (
+                run["name"],
+                run["spec"]["runtime"],
+                status["phase"],
+                str(status["attempt"]),
+                status["assignedPod"],
+                status["message"][:60],
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print(
+            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        )
+    return EXIT_OK
+
+
+def _runs_get(args: argparse.Namespace) -> int:
+    _print_json(_client(args).status(args.name))
+    return EXIT_OK
+
+
+def _runs_delete(args: argparse.Namespace) -> int:
+    _client(args).delete_run(args.name)
+    print(f"deleted {args.name}")
+    return EXIT_OK
+
+
+def _invoke(args: argparse.Namespace) -> int:
+    data = sys.stdin.buffer.read() if args.payload == "-" else args.payload.encode()
+    try:
+        json.loads(data)
+    except ValueError as exc:
+        raise UsageError(f"payload is not JSON: {exc}") from None
+    result = _client(args).invoke(
+        args.name, data=data, timeout_millis=args.timeout_ms, invocation_id=args.invocation_id
+    )
+    sys.stdout.buffer.write(result.output)
+    if not result.output.endswith(b"\n"):
+        sys.stdout.buffer.write(b"\n")
+    sys.stdout.flush()
+    if result.outputs:
+        print(f"outputs: {json.dumps(result.outputs, sort_keys=True)}", file=sys.stderr)
+    if result.cold_start:
+        print("(cold start: the function was registered again after idling)", file=sys.stderr)
+    return EXIT_OK
+
+
+def _add_client_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--gateway",
+        default=None,
+        metavar="URL",
+        help="gateway address, http://HOST:PORT or unix:PATH "
+        "(default: $FNKERNEL_RUNTIME or http://127.0.0.1:8080)",
+    )
+    parser.add_argument(
+        "--token-file", metavar="FILE", help="bearer token for a non-loopback gateway"
+    )
+
+
+def _add_state_dir(parser: argparse.ArgumentParser) -> None:
+    default = os.environ.get("FNKERNEL_STATE_DIR") or str(
+        Path(os.environ.get("XDG_STATE_HOME") or "~/.local/state").expanduser() / "fnkernel"
+    )
+    parser.add_argument(
+        "--state-dir",
+        default=default,
+        metavar="DIR",
+        help="Run store, working dirs, sockets and logs (default: $FNKERNEL_STATE_DIR or %(default)s)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,12 +324,110 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--drain-timeout", type=float, default=10.0, metavar="SECONDS")
     serve.add_argument("-v", "--verbose", action="store_true")
     serve.set_defaults(func=_serve)
+
+    runtimed = commands.add_parser(
+        "runtimed",
+        help="run the runtimed agent of one Runtime Pod",
+        description="Registers the Runs assigned to this pod with its Runtime Server, polls their "
+        "status, scales idle ones to zero, and serves the proxy hop on its own port.",
+    )
+    runtimed.add_argument("--pod", required=True, metavar="NAME")
+    runtimed.add_argument("--runtime", choices=("python", "bash"), required=True)
+    runtimed.add_argument(
+        "--server", required=True, metavar="ADDR", help="the colocated Runtime Server"
+    )
+    runtimed.add_argument("--listen", default="127.0.0.1:0", metavar="ADDR")
+    runtimed.add_argument(
+        "--poll-interval",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="FunctionStatus cadence (default %(default)s)",
+    )
+    _add_state_dir(runtimed)
+    runtimed.add_argument("-v", "--verbose", action="store_true")
+    runtimed.set_defaults(func=_runtimed)
+
+    gateway = commands.add_parser(
+        "gateway",
+        help="run the HTTP gateway and the control plane",
+        description="HTTP/JSON in front of runtimed, with the control plane (Run store, "
+        "scheduler, retry engine) in the same process.",
+    )
+    gateway.add_argument("--listen", default="127.0.0.1:8080", metavar="ADDR")
+    gateway.add_argument(
+        "--token-file", metavar="FILE", help="require this bearer token (needed off loopback)"
+    )
+    _add_state_dir(gateway)
+    gateway.add_argument("-v", "--verbose", action="store_true")
+    gateway.set_defaults(func=_gateway)
+
+    up = commands.add_parser(
+        "up",
+        help="run the whole local stack: control plane, pods and gateway",
+        description="Start the control plane, the Runtime Pods (each a Runtime Server and a "
+        "runtimed) and the gateway; print their addresses; Ctrl-C or SIGTERM stops them all.",
+    )
+    up.add_argument("--pods", default="python=1,bash=1", metavar="RUNTIME=N,...")
+    up.add_argument("--gateway-listen", default="127.0.0.1:8080", metavar="ADDR")
+    up.add_argument("--token-file", metavar="FILE")
+    up.add_argument("--poll-interval", type=float, default=1.0, metavar="SECONDS")
+    _add_state_dir(up)
+    up.set_defaults(func=_up)
+
+    runs = commands.add_parser("runs", help="create, list, get and delete Runs")
+    runs_commands = runs.add_subparsers(dest="runs_command", metavar="ACTION", required=True)
+    create = runs_commands.add_parser("create", help="create a function Run from a file or dir")
+    create.add_argument("name")
+    create.add_argument("--runtime", choices=("python", "bash"), required=True)
+    create.add_argument("--source", required=True, metavar="PATH", help="a file or a directory")
+    create.add_argument(
+        "--handler", required=True, metavar="H", help="module.function or file.function"
+    )
+    create.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
+    create.add_argument("--idle-timeout", type=int, default=0, metavar="SECONDS")
+    create.set_defaults(func=_runs_create)
+    listing = runs_commands.add_parser("list", help="list Runs")
+    listing.set_defaults(func=_runs_list)
+    get = runs_commands.add_parser("get", help="a Run and its live status")
+    get.add_argument("name")
+    get.set_defaults(func=_runs_get)
+    delete = runs_commands.add_parser("delete", help="unregister a Run and remove it")
+    delete.add_argument("name")
+    delete.set_defaults(func=_runs_delete)
+    for sub in (create, listing, get, delete):
+        _add_client_flags(sub)
+
+    invoke = commands.add_parser("invoke", help="invoke a function: JSON payload, or - for stdin")
+    invoke.add_argument("name")
+    invoke.add_argument("payload", nargs="?", default="{}", metavar="JSON|-")
+    invoke.add_argument("--timeout-ms", type=int, default=0, metavar="MS")
+    invoke.add_argument("--invocation-id", default="", metavar="ID")
+    _add_client_flags(invoke)
+    invoke.set_defaults(func=_invoke)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from runtime_server.errors import FunctionError, InvalidRequest
+
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except UsageError as exc:
+        print(f"fnkernel: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except (OSError, ValueError) as exc:  # a source that cannot be read
+        print(f"fnkernel: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except InvalidRequest as exc:
+        print(f"fnkernel: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except FunctionError as exc:
+        print(f"fnkernel: {type(exc).__name__}: {exc}", file=sys.stderr)
+        for line in getattr(exc, "logs", []):
+            print(f"  [{line.get('stream', '')}] {line.get('text', '')}", file=sys.stderr)
+        return EXIT_FAILURE
 
 
 if __name__ == "__main__":

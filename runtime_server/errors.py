@@ -46,3 +46,106 @@ class InvocationInFlight(RuntimeServerError):
 
 class ShuttingDown(RuntimeServerError):
     """The server is draining for shutdown and accepts no new work."""
+
+
+# The control plane (SPEC §4)
+
+
+class RunNotFound(RuntimeServerError):
+    """No Run has this name."""
+
+
+class RunAlreadyExists(RuntimeServerError):
+    """A Run with this name exists already; delete it first or pick another name."""
+
+
+class RunNotReady(RuntimeServerError):
+    """The Run cannot take an invocation now: it is pending, retrying, failed or being deleted."""
+
+
+class NoRuntimePod(RuntimeServerError):
+    """No live Runtime Pod serves the Run's runtime."""
+
+
+class RoutedElsewhere(RuntimeServerError):
+    """Routing fence: the Run is not assigned to the pod the call reached."""
+
+
+class NotAllowedHere(RuntimeServerError):
+    """Register/Unregister belong to runtimed itself; outside callers may not use them."""
+
+
+# What a client of the gateway sees (SPEC §2.3): one class per HTTP status, named for what went
+# wrong. ``runtime_server.client.ERRORS`` maps each status to its class.
+
+
+class FunctionError(Exception):
+    """A gateway request failed; ``str()`` is one line: the message and the gRPC code."""
+
+    def __init__(self, body: dict[str, object], status: int) -> None:
+        self.body = body
+        self.status = status
+        self.code = str(body.get("code", ""))
+        self.message = str(body.get("message", ""))
+        self.run_uid = str(body.get("runUid", ""))
+        self.invocation_id = str(body.get("invocationId", ""))
+        super().__init__(f"{self.message} ({self.code})" if self.code else self.message)
+
+
+class InvalidRequest(FunctionError):
+    """400: a field of the request is invalid; the message names it."""
+
+
+class Unauthorized(FunctionError):
+    """401: the gateway wants a bearer token (``--token`` / ``$FNKERNEL_TOKEN``)."""
+
+
+class PermissionDenied(FunctionError):
+    """403: the call is not allowed from outside runtimed."""
+
+
+class FunctionNotFound(FunctionError):
+    """404: no function (Run) has this name, or it has no live registration."""
+
+
+class FunctionExists(FunctionError):
+    """409: a function with this name exists already."""
+
+
+class PayloadTooLarge(FunctionError):
+    """413: the request body is over the 6 MiB limit."""
+
+
+class FunctionBusy(FunctionError):
+    """429: the function already has an invocation in flight (v0.x does not queue)."""
+
+
+class FunctionUnavailable(FunctionError):
+    """503: the function is not ready (registering, retrying, draining) or its pod is down."""
+
+
+class HandlerFailed(FunctionError):
+    """502: the handler ran and failed; ``error_type``, ``error_message`` and ``logs`` tell why."""
+
+    def __init__(self, body: dict[str, object], status: int) -> None:
+        super().__init__(body, status)
+        self.error_type = str(body.get("errorType", ""))
+        self.error_message = str(body.get("errorMessage", ""))
+        logs = body.get("logs")
+        self.logs = list(logs) if isinstance(logs, list) else []
+
+
+class InvocationTimedOut(FunctionError):
+    """504: the invocation ran past its timeout and was stopped."""
+
+
+class NotSupported(FunctionError):
+    """501: the runtime does not support function mode."""
+
+
+class GatewayInternalError(FunctionError):
+    """500: a bug in the gateway; its log has the detail."""
+
+
+class GatewayUnreachable(FunctionError):
+    """The gateway could not be reached at all."""

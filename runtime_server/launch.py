@@ -1,7 +1,7 @@
-"""Run `fnkernel serve` as a child process and learn the address it bound.
+"""Run fnkernel components as child processes and learn the address each one bound.
 
-The server announces itself with one line on stdout (``ANNOUNCEMENT``); this module is the one
-place that writes and reads that line, for the demo, the benchmarks and the tests.
+Every server announces itself with one line on stdout (``announcement``); this module is the one
+place that writes and reads that line, for ``fnkernel up``, the demo, the benchmarks and the tests.
 """
 
 from __future__ import annotations
@@ -9,53 +9,81 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
+
+from runtime_server import process
 
 LISTENING_ON = " listening on "
 
 
-def announcement(runtime: str, services: str, address: str, workspace_root: Path) -> str:
-    return f"fnkernel serve: {runtime} runtime ({services}){LISTENING_ON}{address}, workspace root {workspace_root}"
+def announcement(component: str, detail: str, address: str, extra: str = "") -> str:
+    tail = f", {extra}" if extra else ""
+    return f"fnkernel {component}: {detail}{LISTENING_ON}{address}{tail}"
 
 
 @dataclass
-class ServeProcess:
+class Child:
+    """One component process, started and announced."""
+
+    argv: list[str]
     proc: subprocess.Popen[str]
     address: str
-    workspace_root: Path
     announced: str
 
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
     def stop(self, timeout: float = 30) -> int:
-        """SIGTERM (drain, then exit) and wait; returns the exit code."""
+        """SIGTERM (drain, then exit) and wait; SIGKILL if it outlives `timeout`. The exit code."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
 
 
-def spawn_serve(workspace_root: Path, *args: str, listen: str = "127.0.0.1:0") -> ServeProcess:
-    """Start ``fnkernel serve --listen LISTEN --workspace-root ROOT ARGS...``; wait for its line."""
+@dataclass
+class ServeProcess(Child):
+    workspace_root: Path = field(default_factory=Path)
+
+
+def spawn(
+    args: Sequence[str],
+    *,
+    stderr: int | IO[str] = subprocess.DEVNULL,
+    die_with_parent: bool = False,
+) -> Child:
+    """Start ``fnkernel ARGS...`` and wait for its announcement line.
+
+    With `die_with_parent` the child gets SIGTERM when this process dies, so a killed parent
+    (``fnkernel up``, a kernel) leaves no orphan behind.
+    """
+    argv = [sys.executable, "-m", "runtime_server.cli", *args]
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "runtime_server.cli",
-            "serve",
-            "--listen",
-            listen,
-            "--workspace-root",
-            str(workspace_root),
-            *args,
-        ],
+        argv,
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=stderr,
+        stdin=subprocess.DEVNULL,
         text=True,
+        preexec_fn=process.die_with_parent if die_with_parent else None,
     )
     assert proc.stdout is not None
     line = proc.stdout.readline().strip()
     if LISTENING_ON not in line:
         proc.kill()
         proc.wait()
-        raise RuntimeError(f"fnkernel serve {' '.join(args)} did not start: {line!r}")
+        raise RuntimeError(f"fnkernel {' '.join(args)} did not start: {line!r}")
     address = line.split(LISTENING_ON, 1)[1].split(", ", 1)[0]
-    return ServeProcess(proc, address, workspace_root, line)
+    return Child(argv, proc, address, line)
+
+
+def spawn_serve(workspace_root: Path, *args: str, listen: str = "127.0.0.1:0") -> ServeProcess:
+    """Start ``fnkernel serve --listen LISTEN --workspace-root ROOT ARGS...``."""
+    child = spawn(["serve", "--listen", listen, "--workspace-root", str(workspace_root), *args])
+    return ServeProcess(child.argv, child.proc, child.address, child.announced, workspace_root)

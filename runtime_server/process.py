@@ -9,16 +9,30 @@ import threading
 
 from adapters.worker import reap_orphans
 
+_PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
+
+
+def _prctl(option: int, value: int) -> bool:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return bool(libc.prctl(option, value, 0, 0, 0) == 0)
+    except OSError:
+        return False
 
 
 def become_subreaper() -> bool:
     """Adopt our workers' orphaned grandchildren so they can be reaped (SPEC §3.1)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-    except OSError:
-        return False
+    return _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+
+def die_with_parent() -> None:
+    """In a child before exec: SIGTERM when the parent dies, so a killed parent leaves no orphans.
+
+    Linux sends it when the *thread* that forked exits: fork from a thread that lives as long
+    as the child should.
+    """
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def start_reaper(stop: threading.Event, interval: float = 1.0) -> threading.Thread:

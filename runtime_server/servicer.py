@@ -30,8 +30,14 @@ from runtime_server.errors import (
     DigestConflict,
     InvalidField,
     InvocationInFlight,
+    NoRuntimePod,
+    NotAllowedHere,
     RegistrationNotFound,
     RegistrationNotReady,
+    RoutedElsewhere,
+    RunAlreadyExists,
+    RunNotFound,
+    RunNotReady,
     ShuttingDown,
     StaleRegistration,
 )
@@ -55,6 +61,13 @@ GRPC_STATUS: dict[type[Exception], grpc.StatusCode] = {
     WorkerUnavailable: grpc.StatusCode.UNAVAILABLE,
     ShuttingDown: grpc.StatusCode.UNAVAILABLE,
     HandlerError: grpc.StatusCode.UNKNOWN,
+    # SPEC §4: the control plane and runtimed
+    RunNotFound: grpc.StatusCode.NOT_FOUND,
+    RunAlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    RunNotReady: grpc.StatusCode.FAILED_PRECONDITION,
+    RoutedElsewhere: grpc.StatusCode.FAILED_PRECONDITION,
+    NoRuntimePod: grpc.StatusCode.UNAVAILABLE,
+    NotAllowedHere: grpc.StatusCode.PERMISSION_DENIED,
 }
 ERROR_TYPE_KEY = "fn-error-type"
 LOGS_KEY = "fn-logs-bin"  # the invocation's log lines, JSON, bounded (for notebooks and CLIs)
@@ -78,6 +91,12 @@ def translate_errors(method: F) -> F:
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
         try:
             return method(self, request, context)
+        except grpc.RpcError as exc:  # an upstream call's status passes through (proxy hop)
+            upstream: Any = exc
+            context.set_trailing_metadata(
+                tuple((k, v) for k, v in upstream.trailing_metadata() or () if k.startswith("fn-"))
+            )
+            context.abort(upstream.code(), upstream.details() or "")
         except Exception as exc:
             code = status_of(exc)
             if code is None:

@@ -3,10 +3,12 @@ as a subprocess) and working directories holding real handlers."""
 
 from __future__ import annotations
 
+import http.client
 import itertools
 import os
 import textwrap
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +21,7 @@ from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from runtime_server.launch import ServeProcess, spawn_serve
 from runtime_server.limits import sha256_digest
 from runtime_server.server import CHANNEL_OPTIONS, RuntimeServer
+from runtime_server.stack import Stack
 
 ROOT = Path(__file__).resolve().parents[1]
 _counter = itertools.count()
@@ -212,4 +215,76 @@ ECHO_SH = {
     "fn.sh": """
     handle() { printf '%s' "$1"; }
 """
+}
+
+
+# The §4 stack: real Runtime Server, runtimed and gateway processes (SPEC §4).
+
+
+@pytest.fixture
+def stack_factory(tmp_path: Path) -> Iterator[Callable[..., Stack]]:
+    """Start `Stack`s (real child processes); all stopped at teardown."""
+    started: list[Stack] = []
+
+    def start(
+        pods: dict[str, int] | None = None, *, state_dir: Path | None = None, **kw: object
+    ) -> Stack:
+        stack = Stack(
+            state_dir or tmp_path / "state",
+            pods or {"python": 1, "bash": 1},
+            gateway_listen="127.0.0.1:0",
+            poll_interval=0.2,
+            **kw,  # type: ignore[arg-type]
+        )
+        stack.start()
+        started.append(stack)
+        return stack
+
+    yield start
+    for stack in started:
+        stack.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """One stack for the tests that only read or create uniquely named Runs."""
+    stack = Stack(
+        tmp_path_factory.mktemp("shared") / "state",
+        {"python": 1, "bash": 1},
+        gateway_listen="127.0.0.1:0",
+        poll_interval=0.2,
+    )
+    stack.start()
+    yield stack
+    stack.stop()
+
+
+def http_call(
+    address: str,
+    method: str,
+    path: str,
+    body: bytes | None = None,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, http.client.HTTPMessage, bytes]:
+    """One raw HTTP request to a gateway: (status, headers, body), whatever the status."""
+    url = urllib.parse.urlsplit(address)
+    connection = http.client.HTTPConnection(url.hostname or "", url.port, timeout=60)
+    try:
+        connection.request(method, path, body=body, headers=headers or {})
+        response = connection.getresponse()
+        return response.status, response.headers, response.read()
+    finally:
+        connection.close()
+
+
+SLOW_PY = {
+    "handler.py": textwrap.dedent(
+        """
+        import time
+
+        def handle(event, context):
+            time.sleep(event.get("sleep", 0))
+            return {"slept": event.get("sleep", 0)}
+        """
+    )
 }

@@ -1,0 +1,262 @@
+"""The client library of the gateway (SPEC §4): used by the CLI, the kernel and the tests.
+
+Standard library only (``http.client``), so importing it costs nothing — the kernel imports it at
+start and must not pay for grpc. Addresses are ``http://host:port`` or ``unix:/path``.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import threading
+import time
+import urllib.parse
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from runtime_server.errors import (
+    FunctionBusy,
+    FunctionError,
+    FunctionExists,
+    FunctionNotFound,
+    FunctionUnavailable,
+    GatewayInternalError,
+    GatewayUnreachable,
+    HandlerFailed,
+    InvalidRequest,
+    InvocationTimedOut,
+    NotSupported,
+    PayloadTooLarge,
+    PermissionDenied,
+    Unauthorized,
+)
+
+DEFAULT_ADDRESS = "http://127.0.0.1:8080"
+# SPEC §2.3, read backwards: the HTTP status a gateway answered → the error raised here.
+ERRORS: dict[int, type[FunctionError]] = {
+    400: InvalidRequest,
+    401: Unauthorized,
+    403: PermissionDenied,
+    404: FunctionNotFound,
+    409: FunctionExists,
+    413: PayloadTooLarge,
+    429: FunctionBusy,
+    500: GatewayInternalError,
+    501: NotSupported,
+    502: HandlerFailed,
+    503: FunctionUnavailable,
+    504: InvocationTimedOut,
+}
+_STALE_CONNECTION = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
+_SKIPPED = frozenset({"__pycache__", ".git", ".ipynb_checkpoints"})
+
+
+def default_address() -> str:
+    return os.environ.get("FNKERNEL_RUNTIME") or DEFAULT_ADDRESS
+
+
+def read_source(path: Path) -> dict[str, str]:
+    """A file, or every file under a directory, as {relative path: text} for POST /v1/runs."""
+    if path.is_file():
+        files = {path.name: path}
+    elif path.is_dir():
+        files = {}
+        for directory, dirs, names in os.walk(path):
+            dirs[:] = sorted(d for d in dirs if d not in _SKIPPED)
+            for name in sorted(names):
+                file = Path(directory, name)
+                files[file.relative_to(path).as_posix()] = file
+    else:
+        raise FileNotFoundError(f"source {path} does not exist")
+    try:
+        return {name: file.read_text(encoding="utf-8") for name, file in files.items()}
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"source {path}: every file must be UTF-8 text ({exc.reason})") from None
+
+
+@dataclass(frozen=True)
+class InvocationResult:
+    """One invocation's answer: the raw output, its outputs and how it went."""
+
+    output: bytes
+    content_type: str
+    outputs: dict[str, str]
+    invocation_id: str
+    duration: float
+    attempt: int
+    cold_start: bool
+    logs: list[dict[str, str]] = field(default_factory=list)
+
+    def value(self) -> Any:
+        """The output decoded as JSON."""
+        return json.loads(self.output) if self.output else None
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self._path)
+
+
+class Client:
+    """One gateway. Thread-safe: each request takes an idle kept-alive connection or opens one."""
+
+    def __init__(
+        self, address: str | None = None, *, token: str | None = None, timeout: float = 300
+    ) -> None:
+        self.address = address or default_address()
+        self.token = token if token is not None else os.environ.get("FNKERNEL_TOKEN")
+        self.timeout = timeout
+        self._lock = threading.Lock()
+        self._idle: list[http.client.HTTPConnection] = []  # kept alive, one per concurrent caller
+
+    def _connect(self) -> http.client.HTTPConnection:
+        if self.address.startswith("unix:"):
+            return _UnixConnection(self.address[5:], self.timeout)
+        url = urllib.parse.urlsplit(
+            self.address if "://" in self.address else f"http://{self.address}"
+        )
+        return http.client.HTTPConnection(
+            url.hostname or "127.0.0.1", url.port, timeout=self.timeout
+        )
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> tuple[int, http.client.HTTPMessage, bytes]:
+        """Send one request; raise the ERRORS class for a failure status."""
+        sent = {"Content-Type": "application/json", **(headers or {})}
+        if self.token:
+            sent["Authorization"] = f"Bearer {self.token}"
+        for _ in range(2):
+            with self._lock:
+                connection = self._idle.pop() if self._idle else None
+            reused = connection is not None
+            if connection is None:
+                connection = self._connect()
+            try:
+                connection.request(method, path, body=body, headers=sent)
+                response = connection.getresponse()
+                data = response.read()
+            except (ConnectionError, http.client.HTTPException, OSError) as exc:
+                connection.close()
+                if reused and isinstance(exc, _STALE_CONNECTION):
+                    continue  # a kept-alive connection the gateway had closed: never ran
+                raise GatewayUnreachable(
+                    {"message": f"cannot reach the gateway at {self.address}: {exc}"}, 0
+                ) from None
+            if response.will_close:
+                connection.close()
+            else:
+                with self._lock:
+                    self._idle.append(connection)
+            break
+        if response.status >= 400:
+            try:
+                error_body = json.loads(data)
+            except ValueError:
+                error_body = {"message": data.decode("utf-8", "replace")[:500]}
+            raise ERRORS.get(response.status, FunctionError)(error_body, response.status)
+        return response.status, response.headers, data
+
+    def close(self) -> None:
+        """Close the idle kept-alive connections."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for connection in idle:
+            connection.close()
+
+    def _json(self, method: str, path: str, body: Any = None) -> Any:
+        payload = None if body is None else json.dumps(body).encode()
+        _, _, data = self.request(method, path, payload)
+        return json.loads(data) if data else None
+
+    # Runs
+
+    def create_run(
+        self,
+        name: str,
+        *,
+        runtime: str,
+        handler: str,
+        files: Mapping[str, str] | None = None,
+        source: Path | None = None,
+        env: Mapping[str, str] | None = None,
+        idle_timeout_seconds: int = 0,
+    ) -> dict[str, Any]:
+        """Create a Run from `files` or from the file or directory `source`; the Run as it
+        stands once Ready or Failed."""
+        if files is None:
+            if source is None:
+                raise ValueError("create_run needs files or source")
+            files = read_source(source)
+        body = {
+            "name": name,
+            "runtime": runtime,
+            "handler": handler,
+            "files": dict(files),
+            "env": dict(env or {}),
+            "idleTimeoutSeconds": idle_timeout_seconds,
+            "source": str(source) if source is not None else "",
+        }
+        result: dict[str, Any] = self._json("POST", "/v1/runs", body)
+        return result
+
+    def list_runs(self) -> list[dict[str, Any]]:
+        runs: list[dict[str, Any]] = self._json("GET", "/v1/runs")["runs"]
+        return runs
+
+    def status(self, name: str) -> dict[str, Any]:
+        """The Run and, under ``live``, its registration's FunctionStatus (None when it has none)."""
+        result: dict[str, Any] = self._json("GET", f"/v1/runs/{_quote(name)}")
+        return result
+
+    def delete_run(self, name: str) -> None:
+        self.request("DELETE", f"/v1/runs/{_quote(name)}")
+
+    # Invocation
+
+    def invoke(
+        self,
+        name: str,
+        payload: Any = None,
+        *,
+        data: bytes | None = None,
+        timeout_millis: int = 0,
+        invocation_id: str = "",
+    ) -> InvocationResult:
+        """Invoke with `payload` encoded as JSON (or the raw JSON bytes `data`)."""
+        body = data if data is not None else json.dumps(payload).encode()
+        headers = {}
+        if timeout_millis:
+            headers["X-Timeout-Ms"] = str(timeout_millis)
+        if invocation_id:
+            headers["X-Invocation-Id"] = invocation_id
+        started = time.perf_counter()
+        _, reply, output = self.request("POST", f"/v1/runs/{_quote(name)}:invoke", body, headers)
+        return InvocationResult(
+            output=output,
+            content_type=reply.get("Content-Type", ""),
+            outputs=json.loads(reply.get("X-Fn-Outputs") or "{}"),
+            invocation_id=reply.get("X-Invocation-Id", ""),
+            duration=time.perf_counter() - started,
+            attempt=int(reply.get("X-Fn-Attempt") or 0),
+            cold_start=reply.get("X-Fn-Cold-Start") == "1",
+            logs=json.loads(reply.get("X-Fn-Logs") or "[]"),
+        )
+
+
+def _quote(name: str) -> str:
+    return urllib.parse.quote(name, safe="")

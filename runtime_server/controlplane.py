@@ -1,0 +1,263 @@
+"""The control plane (SPEC §4): Run creation and deletion, the scheduler and the retry engine.
+
+It writes Runs to the store and reads what each pod's runtimed reports back; it never calls a
+Runtime Server (registration is runtimed's job, seed 000). In the embedded default it runs inside
+the gateway process, on a background thread, with its loop ticking every `tick` seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from adapters import ADAPTERS
+from adapters.errors import InvalidHandler
+from runtime_server import limits
+from runtime_server.errors import InvalidField, NoRuntimePod
+from runtime_server.runs import (
+    DELETED,
+    DELETING,
+    FAILED,
+    IDLE,
+    PENDING,
+    READY,
+    RETRYING,
+    Run,
+    RunStore,
+)
+
+LOG = logging.getLogger("fnkernel.controlplane")
+MAX_FILES = 1000
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,62}")
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """SPEC §4 retry engine: at most `max_attempts` registrations, exponential backoff with a cap."""
+
+    max_attempts: int = 3
+    base_backoff: float = 0.2
+    max_backoff: float = 5.0
+
+    def backoff(self, attempt: int) -> float:
+        return float(min(self.max_backoff, self.base_backoff * 2 ** (attempt - 1)))
+
+
+def check_name(name: str) -> str:
+    if not _NAME.fullmatch(name):
+        raise InvalidField("name", "must match ^[A-Za-z_][A-Za-z0-9_-]{0,62}$")
+    return name
+
+
+def check_files(files: Mapping[str, str]) -> dict[PurePosixPath, str]:
+    """Relative paths that stay inside the working dir, text content, bounded in count and size."""
+    if not files:
+        raise InvalidField("files", "must name at least one file")
+    if len(files) > MAX_FILES:
+        raise InvalidField("files", f"{len(files)} files; at most {MAX_FILES}")
+    checked: dict[PurePosixPath, str] = {}
+    total = 0
+    for name, text in files.items():
+        path = PurePosixPath(name)
+        if not name or "\0" in name or path.is_absolute() or ".." in path.parts:
+            raise InvalidField("files", f"{name!r} must be a relative path inside the run")
+        if not isinstance(text, str):
+            raise InvalidField("files", f"content of {name!r} must be text")
+        total += len(text.encode())
+        checked[path] = text
+    if total > limits.MAX_PAYLOAD_BYTES:
+        raise InvalidField("files", f"{total} bytes in all; at most {limits.MAX_PAYLOAD_BYTES}")
+    return checked
+
+
+class ControlPlane:
+    def __init__(
+        self,
+        store: RunStore,
+        workspace_root: Path,
+        *,
+        policy: RetryPolicy | None = None,
+        tick: float = 0.1,
+    ) -> None:
+        self.store = store
+        self.workspace_root = workspace_root.resolve()
+        self.policy = policy or RetryPolicy()
+        self.tick = tick
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # Runs
+
+    def create_run(
+        self,
+        *,
+        name: str,
+        runtime: str,
+        handler: str,
+        files: Mapping[str, str],
+        env: Mapping[str, str] | None = None,
+        idle_timeout_seconds: int = 0,
+        source: str = "",
+    ) -> Run:
+        """Validate, copy the source into a fresh working dir, assign a pod; phase Pending."""
+        check_name(name)
+        if runtime not in ADAPTERS:
+            raise InvalidField("runtime", f"must be one of {', '.join(ADAPTERS)}, got {runtime!r}")
+        checked = check_files(files)
+        env = limits.check_env(env or {})
+        idle = (
+            limits.check_idle_timeout(idle_timeout_seconds) or limits.DEFAULT_IDLE_TIMEOUT_SECONDS
+        )
+        pod = self.schedule(runtime)
+        if not pod:
+            raise NoRuntimePod(f"no live Runtime Pod serves the {runtime} runtime")
+        uid = str(uuid.uuid4())
+        working_dir = self.workspace_root / uid
+        try:
+            for path, text in checked.items():
+                target = working_dir / path
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_text(text)
+            try:
+                ADAPTERS[runtime].check_handler(handler, working_dir)
+            except InvalidHandler as exc:
+                raise InvalidField("handler", str(exc)) from None
+            run = Run(
+                uid=uid,
+                name=name,
+                runtime=runtime,
+                handler=handler,
+                source=source or f"{len(checked)} file(s)",
+                working_dir=str(working_dir),
+                env=env,
+                idle_timeout_seconds=idle,
+                phase=PENDING,
+                attempt=1,  # seed: the initial registration is attempt 1
+                assigned_pod=pod,
+                created_at=time.time(),
+            )
+            self.store.insert(run)
+        except BaseException:
+            shutil.rmtree(working_dir, ignore_errors=True)
+            raise
+        LOG.info("run %s (%s) created on %s", name, uid, pod)
+        return run
+
+    def wait_settled(self, name: str, timeout: float, poll: float = 0.02) -> Run:
+        """The Run once it is Ready or Failed, or as it stands after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            run = self.store.get(name)
+            if run.phase in (READY, FAILED) or time.monotonic() >= deadline:
+                return run
+            time.sleep(poll)
+
+    def delete_run(self, name: str, timeout: float = 15.0) -> None:
+        """Ask the pod's runtimed to unregister (bounded drain), then remove the working dir."""
+        run = self.store.get(name)
+        if run.phase != DELETED:
+            self.store.update(run, phase=DELETING, message="delete requested")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            current = self.store.get_uid(run.uid)
+            if current is None:
+                return
+            pod = self.store.pod(current.assigned_pod)
+            if current.phase == DELETED or pod is None or not pod.alive():
+                break  # nothing left to drain on a pod that is gone
+            time.sleep(0.02)
+        self._remove(run)
+
+    def _remove(self, run: Run) -> None:
+        shutil.rmtree(run.working_dir, ignore_errors=True)
+        self.store.delete(run.uid)
+        LOG.info("run %s (%s) deleted", run.name, run.uid)
+
+    # Scheduler
+
+    def schedule(self, runtime: str, *, avoid: str = "") -> str:
+        """The least-loaded live pod of `runtime` (ties by name), preferring any pod but `avoid`."""
+        load = self.store.load_by_pod()
+        live = [pod for pod in self.store.pods(runtime) if pod.alive()]
+        others = [pod for pod in live if pod.name != avoid] or live
+        if not others:
+            return ""
+        return min(others, key=lambda pod: (load.get(pod.name, 0), pod.name)).name
+
+    # Retry engine
+
+    def reconcile(self) -> None:
+        """One pass: retry or fail Runs in Retrying, rescue Runs on dead pods, finish deletes."""
+        now = time.time()
+        pods = {pod.name: pod for pod in self.store.pods()}
+        for run in self.store.runs():
+            pod = pods.get(run.assigned_pod)
+            pod_alive = pod is not None and pod.alive(now)
+            if run.phase == DELETED or (run.phase == DELETING and not pod_alive):
+                self._remove(run)
+            elif run.phase == RETRYING:
+                self._retry(run, pod_alive, now)
+            elif run.phase in (PENDING, READY) and not pod_alive and pod is not None:
+                # SPEC §4: a Runtime Pod that dies moves its Runs to retry.
+                self.store.update(
+                    run, phase=RETRYING, message=f"pod {run.assigned_pod} stopped", failed_at=now
+                )
+            elif run.phase == IDLE and not pod_alive:
+                # No registration exists, so nothing failed: move it without a new attempt.
+                target = self.schedule(run.runtime, avoid=run.assigned_pod)
+                if target and target != run.assigned_pod:
+                    self.store.update(run, assigned_pod=target)
+
+    def _retry(self, run: Run, pod_alive: bool, now: float) -> None:
+        if run.attempt >= self.policy.max_attempts:
+            self.store.update(
+                run,
+                phase=FAILED,
+                message=limits.bounded(
+                    f"gave up after {run.attempt} registration attempts: {run.message}"
+                ),
+            )
+            return
+        if now < run.failed_at + self.policy.backoff(run.attempt):
+            return
+        # Same pod if it is healthy, else reassignment (seed: the retry engine advances the
+        # attempt before the scheduler assigns or reassigns a Runtime Pod).
+        target = (
+            run.assigned_pod if pod_alive else self.schedule(run.runtime, avoid=run.assigned_pod)
+        )
+        if not target:
+            return  # no live pod yet: try again on a later pass, same attempt
+        updated = self.store.update(
+            run, expect_phase=RETRYING, phase=PENDING, attempt=run.attempt + 1, assigned_pod=target
+        )
+        if updated is not None:
+            LOG.info(
+                "run %s: attempt %d on %s after %s",
+                run.name,
+                updated.attempt,
+                target,
+                run.message,
+            )
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="control-plane", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.tick):
+            try:
+                self.reconcile()
+            except Exception:
+                LOG.exception("control plane pass failed")

@@ -1,0 +1,377 @@
+"""The HTTP gateway (SPEC §4, §2.3): JSON over HTTP in front of each pod's runtimed.
+
+Tornado (which ipykernel brings) serves it; the control plane runs in the same process. Every
+failure becomes a gRPC status first (``servicer.status_of`` for our own errors, the status itself
+for a call to runtimed) and then an HTTP status through HTTP_STATUS, the one table of SPEC §2.3.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import json
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+import grpc.aio
+from tornado import httpserver, netutil, web
+
+from runtime_server import limits
+from runtime_server._proto.executor.v1 import runtime_pb2 as pb
+from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
+from runtime_server.controlplane import ControlPlane
+from runtime_server.errors import InvalidField, NoRuntimePod, RunNotReady
+from runtime_server.runs import IDLE, READY, Run
+from runtime_server.runtimed import ATTEMPT_KEY, COLD_START_KEY, DIGEST_KEY, POD_KEY
+from runtime_server.server import CHANNEL_OPTIONS
+from runtime_server.servicer import ERROR_TYPE_KEY, LOGS_KEY, status_of
+
+LOG = logging.getLogger("fnkernel.gateway")
+Code = grpc.StatusCode
+
+# SPEC §2.3: gRPC status → HTTP status.
+HTTP_STATUS: dict[grpc.StatusCode, int] = {
+    Code.OK: 200,
+    Code.INVALID_ARGUMENT: 400,
+    Code.NOT_FOUND: 404,
+    Code.ALREADY_EXISTS: 409,
+    Code.UNAUTHENTICATED: 401,
+    Code.PERMISSION_DENIED: 403,
+    Code.RESOURCE_EXHAUSTED: 429,
+    Code.FAILED_PRECONDITION: 503,
+    Code.DEADLINE_EXCEEDED: 504,
+    Code.UNKNOWN: 502,
+    Code.UNIMPLEMENTED: 501,
+    Code.UNAVAILABLE: 503,
+    Code.CANCELLED: 503,
+    Code.INTERNAL: 500,
+}
+RETRY_AFTER = {Code.RESOURCE_EXHAUSTED, Code.FAILED_PRECONDITION}
+CREATE_WAIT_SECONDS = 90.0  # POST /v1/runs answers once the Run is Ready or Failed
+DEADLINE_SLACK_SECONDS = 10.0  # room for a cold start on top of the invocation's own timeout
+DEFAULT_LISTEN = "127.0.0.1:8080"
+
+
+class GatewayError(Exception):
+    """A failure answered with an HTTP status and the JSON error body of SPEC §2.3."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, **extra: Any) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.extra = extra
+
+
+class PayloadTooLarge(Exception):
+    pass
+
+
+def is_loopback(listen: str) -> bool:
+    if listen.startswith("unix:"):
+        return True
+    host = listen.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class Gateway:
+    """The gateway's state: the control plane, runtimed channels, the bearer token."""
+
+    def __init__(self, control_plane: ControlPlane, token: str | None = None) -> None:
+        self.control_plane = control_plane
+        self.store = control_plane.store
+        self.token = token
+        self._stubs: dict[str, pb_grpc.FunctionRuntimeStub] = {}
+        self._server: httpserver.HTTPServer | None = None
+        self.address = ""
+
+    def stub(self, address: str) -> pb_grpc.FunctionRuntimeStub:
+        stub = self._stubs.get(address)
+        if stub is None:
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            stub = self._stubs[address] = pb_grpc.FunctionRuntimeStub(channel)
+        return stub
+
+    def route(self, run: Run) -> tuple[str, pb_grpc.FunctionRuntimeStub]:
+        """The pod the Run is assigned to and a stub for its runtimed, if it can take calls."""
+        if run.phase not in (READY, IDLE):  # runtimed checks too, but its view may lag a tick
+            detail = f": {run.message}" if run.message else ""
+            raise RunNotReady(f"run {run.name} is {run.phase} (attempt {run.attempt}){detail}")
+        pod = self.store.pod(run.assigned_pod)
+        if pod is None or not pod.alive():
+            raise NoRuntimePod(f"run {run.name}: pod {run.assigned_pod or '(none)'} is not serving")
+        return pod.name, self.stub(pod.address)
+
+    def application(self) -> web.Application:
+        args = {"gateway": self}
+        return web.Application(
+            [
+                (r"/v1/runs", RunsHandler, args),
+                (r"/v1/runs/([^/:]+):invoke", InvokeHandler, args),
+                (r"/v1/runs/([^/:]+)", RunHandler, args),
+            ],
+        )
+
+    def listen(self, listen: str) -> str:
+        self._server = httpserver.HTTPServer(
+            self.application(), max_body_size=limits.GRPC_MAX_MESSAGE_BYTES, xheaders=False
+        )
+        if listen.startswith("unix:"):
+            self._server.add_socket(netutil.bind_unix_socket(listen[5:], mode=0o600))
+            self.address = listen
+        else:
+            host, _, port = listen.rpartition(":")
+            sockets = netutil.bind_sockets(int(port), host.strip("[]"), family=socket.AF_UNSPEC)
+            self._server.add_sockets(sockets)
+            bound = sockets[0].getsockname()[1]
+            self.address = f"http://{host}:{bound}"
+        return self.address
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            await self._server.close_all_connections()
+
+
+class BaseHandler(web.RequestHandler):
+    gateway: Gateway
+
+    def initialize(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    def prepare(self) -> Awaitable[None] | None:
+        token = self.gateway.token
+        if token is not None:
+            given = self.request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                raise GatewayError(Code.UNAUTHENTICATED, "missing or wrong bearer token")
+        return None
+
+    def json_body(self) -> dict[str, Any]:
+        try:
+            body = json.loads(self.request.body or b"{}")
+        except ValueError as exc:
+            raise InvalidField("body", f"not JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise InvalidField("body", "must be a JSON object")
+        return body
+
+    def send_json(self, status: int, body: Any) -> None:
+        self.set_status(status)
+        self.set_header("Content-Type", "application/json")
+        self.finish(json.dumps(body))
+
+    def send_error_body(self, error: GatewayError) -> None:
+        status = HTTP_STATUS.get(error.code, 500)
+        if error.code in RETRY_AFTER:
+            self.set_header("Retry-After", "1")
+        if status == 401:
+            self.set_header("WWW-Authenticate", "Bearer")
+        self.send_json(
+            status,
+            {
+                "code": error.code.name,
+                "message": error.message,
+                "runUid": error.extra.pop("runUid", ""),
+                "invocationId": error.extra.pop("invocationId", ""),
+                **error.extra,
+            },
+        )
+
+    def _handle_request_exception(self, e: BaseException) -> None:
+        if isinstance(e, GatewayError):
+            self.send_error_body(e)
+        elif isinstance(e, PayloadTooLarge):
+            self.send_json(413, {"code": "PAYLOAD_TOO_LARGE", "message": str(e)})
+        elif isinstance(e, Exception) and (code := status_of(e)) is not None:
+            self.send_error_body(GatewayError(code, limits.bounded(str(e))))
+        elif isinstance(e, web.HTTPError):
+            super()._handle_request_exception(e)
+        else:
+            LOG.exception("internal error", exc_info=e)
+            self.send_error_body(GatewayError(Code.INTERNAL, f"internal error: {type(e).__name__}"))
+
+    async def blocking(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(None, lambda: fn(*args, **kwargs))
+
+
+def rpc_error(err: grpc.aio.AioRpcError, run: Run, invocation_id: str = "") -> GatewayError:
+    """A status from runtimed as a GatewayError; a handler error keeps its type and logs."""
+    code, message = err.code(), err.details() or ""
+    extra: dict[str, Any] = {"runUid": run.uid, "invocationId": invocation_id}
+    if code == Code.UNKNOWN:
+        trailers = _metadata(err.trailing_metadata())
+        error_type = str(trailers.get(ERROR_TYPE_KEY, ""))
+        prefix = f"handler error: {error_type}: "
+        extra["errorType"] = error_type
+        extra["errorMessage"] = message.removeprefix(prefix)
+        extra["logs"] = _logs(trailers)
+    return GatewayError(code, message, **extra)
+
+
+def _metadata(metadata: Any) -> dict[str, Any]:
+    return {key: value for key, value in metadata or ()}
+
+
+def _logs(metadata: dict[str, Any]) -> list[Any]:
+    raw = metadata.get(LOGS_KEY)
+    if not raw:
+        return []
+    try:
+        return list(json.loads(raw))
+    except ValueError:
+        return []
+
+
+class RunsHandler(BaseHandler):
+    async def get(self) -> None:
+        runs = self.gateway.store.runs()
+        self.send_json(200, {"runs": [run.to_json() for run in runs]})
+
+    async def post(self) -> None:
+        body = self.json_body()
+        files = body.get("files")
+        env = body.get("env") or {}
+        if not isinstance(files, dict):
+            raise InvalidField("files", "must be an object mapping relative paths to text")
+        if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
+            raise InvalidField("env", "must be an object of string values")
+        idle = body.get("idleTimeoutSeconds", 0)
+        if not isinstance(idle, int) or isinstance(idle, bool):
+            raise InvalidField("idleTimeoutSeconds", "must be an integer")
+        fields = {}
+        for key in ("name", "runtime", "handler"):
+            value = body.get(key)
+            if not isinstance(value, str) or not value:
+                raise InvalidField(key, "is required (a string)")
+            fields[key] = value
+        control_plane = self.gateway.control_plane
+        run = await self.blocking(
+            control_plane.create_run,
+            **fields,
+            files=files,
+            env=env,
+            idle_timeout_seconds=idle,
+            source=str(body.get("source", "")),
+        )
+        run = await self.blocking(control_plane.wait_settled, run.name, CREATE_WAIT_SECONDS)
+        self.send_json(201, run.to_json())
+
+
+class RunHandler(BaseHandler):
+    async def get(self, name: str) -> None:
+        run = self.gateway.store.get(name)
+        body = run.to_json()
+        body["live"] = None
+        try:
+            pod, stub = self.gateway.route(run)
+            call = stub.FunctionStatus(
+                pb.FunctionStatusRequest(registration=pb.FunctionRegistration(run_uid=run.uid)),
+                timeout=5,
+                metadata=((POD_KEY, pod),),
+            )
+            status = await call
+            initial = _metadata(await call.initial_metadata())
+            body["live"] = {
+                "state": pb.FunctionRegistrationState.Name(status.state).removeprefix(
+                    "FUNCTION_REGISTRATION_STATE_"
+                ),
+                "registrationId": status.registration.registration_id,
+                "registrationAttempt": int(initial.get(ATTEMPT_KEY, 0) or 0),
+                "registrationDigest": str(initial.get(DIGEST_KEY, "")),
+                "inFlight": status.in_flight,
+                "lastActivityUnixNano": status.last_activity_unix_nano,
+                "fatalError": status.fatal_error,
+            }
+        except grpc.aio.AioRpcError as err:
+            body["liveError"] = f"{err.code().name}: {err.details()}"
+        except (NoRuntimePod, RunNotReady) as exc:
+            body["liveError"] = str(exc)
+        self.send_json(200, body)
+
+    async def delete(self, name: str) -> None:
+        await self.blocking(self.gateway.control_plane.delete_run, name)
+        self.set_status(204)
+        self.finish()
+
+
+@web.stream_request_body
+class InvokeHandler(BaseHandler):
+    """POST /v1/runs/{name}:invoke — the body is the JSON payload. It is streamed so that an
+    oversized one is dropped as it arrives and refused with 413 before anything is looked up or
+    called. A body up to the transport cap is read and discarded, so the client gets a clean
+    answer; a larger one is refused at once and the connection closed."""
+
+    def prepare(self) -> None:
+        super().prepare()
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self._call: grpc.aio.UnaryUnaryCall | None = None
+        length = self.request.headers.get("Content-Length", "")
+        if length.isdigit() and int(length) > limits.GRPC_MAX_MESSAGE_BYTES:
+            raise PayloadTooLarge(self._too_large(int(length)))
+
+    @staticmethod
+    def _too_large(size: int) -> str:
+        return f"request body is {size} bytes; at most {limits.MAX_PAYLOAD_BYTES}"
+
+    def data_received(self, chunk: bytes) -> None:
+        self._size += len(chunk)
+        if self._size > limits.MAX_PAYLOAD_BYTES:
+            self._chunks.clear()  # keep reading, keep nothing
+        else:
+            self._chunks.append(chunk)
+
+    def on_connection_close(self) -> None:
+        # The client hung up (an interrupted notebook cell): cancel, so the handler is killed.
+        if self._call is not None:
+            self._call.cancel()
+
+    async def post(self, name: str) -> None:
+        if self._size > limits.MAX_PAYLOAD_BYTES:
+            raise PayloadTooLarge(self._too_large(self._size))
+        headers = self.request.headers
+        invocation_id = limits.check_invocation_id(headers.get("X-Invocation-Id", ""))
+        timeout_header = headers.get("X-Timeout-Ms", "0")
+        if not timeout_header.isdigit():
+            raise InvalidField(
+                "X-Timeout-Ms", f"must be a non-negative integer, got {timeout_header!r}"
+            )
+        timeout_millis = int(timeout_header)
+        run = self.gateway.store.get(name)
+        pod, stub = self.gateway.route(run)
+        request = pb.InvokeFunctionRequest(
+            registration=pb.FunctionRegistration(run_uid=run.uid),
+            invocation_id=invocation_id,
+            input=b"".join(self._chunks),
+            content_type=headers.get("Content-Type", "application/json"),
+            timeout_millis=timeout_millis,
+        )
+        deadline = limits.effective_timeout_millis(timeout_millis) / 1000 + DEADLINE_SLACK_SECONDS
+        self._call = stub.InvokeFunction(request, timeout=deadline, metadata=((POD_KEY, pod),))
+        try:
+            response = await self._call
+            initial = _metadata(await self._call.initial_metadata())
+            trailers = _metadata(await self._call.trailing_metadata())
+        except grpc.aio.AioRpcError as err:
+            raise rpc_error(err, run, invocation_id) from None
+        except asyncio.CancelledError:
+            return  # the client went away
+        self.set_header("Content-Type", response.content_type or "application/json")
+        self.set_header("X-Invocation-Id", response.invocation_id)
+        self.set_header("X-Fn-Outputs", json.dumps(dict(response.outputs), sort_keys=True))
+        self.set_header("X-Fn-Attempt", str(initial.get(ATTEMPT_KEY, run.attempt)))
+        if initial.get(COLD_START_KEY) == "1":
+            self.set_header("X-Fn-Cold-Start", "1")
+        logs = _logs(trailers)
+        if logs:
+            self.set_header("X-Fn-Logs", json.dumps(logs))  # ASCII: non-ASCII text is \u-escaped
+        self.finish(response.output)

@@ -1,0 +1,256 @@
+"""Runs and Runtime Pods, kept in SQLite (SPEC §4): the control plane's record of what should run.
+
+A Run is the unit users create. Its spec {uid, name, runtime, handler, source, env,
+idle_timeout_seconds} never changes; its status {phase, attempt, message, outputs, assigned_pod}
+is written by the control plane (scheduling, retry) and by the runtimed of the assigned pod
+(registration outcome, idle). Every status write is conditional on the attempt and pod the writer
+saw, so a late writer can never overwrite a newer decision — the same fence the seed puts on
+registration IDs, one level up.
+
+The store is one SQLite file in WAL mode shared by the gateway process (which hosts the control
+plane) and every runtimed process, so a restart of any of them loses no Run.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from runtime_server.errors import RunAlreadyExists, RunNotFound
+
+# Run.status.phase
+PENDING = "Pending"  # assigned (or waiting for a pod); its runtimed has yet to register it
+READY = "Ready"  # registered and READY on its pod
+IDLE = "Idle"  # scaled to zero after the idle timeout; the next invoke re-registers it
+RETRYING = "Retrying"  # an infrastructure failure; the retry engine decides what happens next
+FAILED = "Failed"  # terminal: user-code failure, unsupported runtime, or retries exhausted
+DELETING = "Deleting"  # delete requested; its runtimed unregisters it (bounded drain)
+DELETED = "Deleted"  # unregistered; the control plane removes the working dir and the row
+PHASES = (PENDING, READY, IDLE, RETRYING, FAILED, DELETING, DELETED)
+
+POD_HEARTBEAT_TIMEOUT = 3.0  # seconds without a heartbeat before a pod counts as gone
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    uid TEXT PRIMARY KEY,
+    name TEXT NOT NULL UNIQUE,
+    runtime TEXT NOT NULL,
+    handler TEXT NOT NULL,
+    source TEXT NOT NULL,
+    working_dir TEXT NOT NULL,
+    env TEXT NOT NULL,
+    idle_timeout_seconds INTEGER NOT NULL,
+    phase TEXT NOT NULL,
+    attempt INTEGER NOT NULL,
+    message TEXT NOT NULL DEFAULT '',
+    outputs TEXT NOT NULL DEFAULT '{}',
+    assigned_pod TEXT NOT NULL DEFAULT '',
+    failed_at REAL NOT NULL DEFAULT 0,
+    created_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS pods (
+    name TEXT PRIMARY KEY,
+    runtime TEXT NOT NULL,
+    address TEXT NOT NULL,
+    healthy INTEGER NOT NULL,
+    heartbeat REAL NOT NULL
+);
+"""
+
+
+@dataclass(frozen=True)
+class Run:
+    uid: str
+    name: str
+    runtime: str
+    handler: str
+    source: str
+    working_dir: str
+    env: dict[str, str]
+    idle_timeout_seconds: int
+    phase: str
+    attempt: int
+    message: str = ""
+    outputs: dict[str, str] = field(default_factory=dict)
+    assigned_pod: str = ""
+    failed_at: float = 0.0
+    created_at: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        """The Run as the gateway shows it: spec and status, camelCase like the seed's JSON."""
+        return {
+            "uid": self.uid,
+            "name": self.name,
+            "spec": {
+                "runtime": self.runtime,
+                "handler": self.handler,
+                "source": self.source,
+                "env": self.env,
+                "idleTimeoutSeconds": self.idle_timeout_seconds,
+            },
+            "status": {
+                "phase": self.phase,
+                "attempt": self.attempt,
+                "message": self.message,
+                "outputs": self.outputs,
+                "assignedPod": self.assigned_pod,
+            },
+        }
+
+
+@dataclass(frozen=True)
+class Pod:
+    """A Runtime Pod as its runtimed last reported it."""
+
+    name: str
+    runtime: str
+    address: str  # runtimed's FunctionRuntime port
+    healthy: bool
+    heartbeat: float
+
+    def alive(self, now: float | None = None) -> bool:
+        now = time.time() if now is None else now
+        return self.healthy and now - self.heartbeat < POD_HEARTBEAT_TIMEOUT
+
+
+def _run(row: sqlite3.Row) -> Run:
+    values = dict(row)
+    values["env"] = json.loads(values["env"])
+    values["outputs"] = json.loads(values["outputs"])
+    return Run(**values)
+
+
+class RunStore:
+    """Runs and pods in one SQLite database (WAL); safe to share between threads and processes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._local = threading.local()
+        self._connection().executescript(_SCHEMA)  # idempotent; executescript commits by itself
+
+    def _connection(self) -> sqlite3.Connection:
+        db: sqlite3.Connection | None = getattr(self._local, "db", None)
+        if db is None:
+            # autocommit mode: every transaction is an explicit BEGIN IMMEDIATE (writers never
+            # deadlock upgrading a read lock); busy_timeout covers the other processes' writes.
+            db = sqlite3.connect(self.path, isolation_level=None, timeout=10)
+            db.row_factory = sqlite3.Row
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            self._local.db = db
+        return db
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        db = self._connection()
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield db
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+
+    def close(self) -> None:
+        db = getattr(self._local, "db", None)
+        if db is not None:
+            db.close()
+            self._local.db = None
+
+    # Runs
+
+    def insert(self, run: Run) -> None:
+        values = asdict(run)
+        values["env"] = json.dumps(run.env, sort_keys=True)
+        values["outputs"] = json.dumps(run.outputs, sort_keys=True)
+        columns = ", ".join(values)
+        marks = ", ".join(f":{key}" for key in values)
+        try:
+            with self._transaction() as db:
+                db.execute(f"INSERT INTO runs ({columns}) VALUES ({marks})", values)
+        except sqlite3.IntegrityError:
+            raise RunAlreadyExists(f"a run named {run.name!r} already exists") from None
+
+    def get(self, name: str) -> Run:
+        row = self._connection().execute("SELECT * FROM runs WHERE name = ?", (name,)).fetchone()
+        if row is None:
+            raise RunNotFound(f"no run named {name!r}")
+        return _run(row)
+
+    def get_uid(self, uid: str) -> Run | None:
+        row = self._connection().execute("SELECT * FROM runs WHERE uid = ?", (uid,)).fetchone()
+        return None if row is None else _run(row)
+
+    def runs(self, *, pod: str | None = None, phase: str | None = None) -> list[Run]:
+        query, params = "SELECT * FROM runs WHERE 1=1", list[str]()
+        if pod is not None:
+            query += " AND assigned_pod = ?"
+            params.append(pod)
+        if phase is not None:
+            query += " AND phase = ?"
+            params.append(phase)
+        rows = self._connection().execute(query + " ORDER BY created_at", params).fetchall()
+        return [_run(row) for row in rows]
+
+    def update(self, run: Run, *, expect_phase: str | None = None, **changes: Any) -> Run | None:
+        """Write `changes` to the status if the Run still has `run`'s attempt and assigned pod
+        (and `expect_phase`, when given). Returns the updated Run, or None if it moved on."""
+        if "outputs" in changes:
+            changes["outputs"] = json.dumps(changes["outputs"], sort_keys=True)
+        assignments = ", ".join(f"{key} = :{key}" for key in changes)
+        fence = "uid = :_uid AND attempt = :_attempt AND assigned_pod = :_pod"
+        params = {**changes, "_uid": run.uid, "_attempt": run.attempt, "_pod": run.assigned_pod}
+        if expect_phase is not None:
+            fence += " AND phase = :_phase"
+            params["_phase"] = expect_phase
+        with self._transaction() as db:
+            cursor = db.execute(f"UPDATE runs SET {assignments} WHERE {fence}", params)
+            if cursor.rowcount == 0:
+                return None
+            row = db.execute("SELECT * FROM runs WHERE uid = ?", (run.uid,)).fetchone()
+        return _run(row)
+
+    def delete(self, uid: str) -> None:
+        with self._transaction() as db:
+            db.execute("DELETE FROM runs WHERE uid = ?", (uid,))
+
+    def load_by_pod(self) -> dict[str, int]:
+        """How many live (not Failed/Deleted) Runs each pod holds: the scheduler's load."""
+        rows = self._connection().execute(
+            "SELECT assigned_pod, COUNT(*) FROM runs WHERE phase NOT IN (?, ?) "
+            "GROUP BY assigned_pod",
+            (FAILED, DELETED),
+        )
+        return {pod: count for pod, count in rows}
+
+    # Pods
+
+    def heartbeat(self, name: str, runtime: str, address: str, healthy: bool) -> None:
+        with self._transaction() as db:
+            db.execute(
+                "INSERT INTO pods (name, runtime, address, healthy, heartbeat) "
+                "VALUES (?, ?, ?, ?, ?) ON CONFLICT(name) DO UPDATE SET runtime = excluded.runtime, "
+                "address = excluded.address, healthy = excluded.healthy, "
+                "heartbeat = excluded.heartbeat",
+                (name, runtime, address, int(healthy), time.time()),
+            )
+
+    def pods(self, runtime: str | None = None) -> list[Pod]:
+        query, params = "SELECT * FROM pods", []
+        if runtime is not None:
+            query, params = query + " WHERE runtime = ?", [runtime]
+        rows = self._connection().execute(query + " ORDER BY name", params).fetchall()
+        return [
+            Pod(row["name"], row["runtime"], row["address"], bool(row["healthy"]), row["heartbeat"])
+            for row in rows
+        ]
+
+    def pod(self, name: str) -> Pod | None:
+        return next((pod for pod in self.pods() if pod.name == name), None)

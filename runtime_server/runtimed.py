@@ -1,0 +1,557 @@
+"""runtimed: the agent of one Runtime Pod, colocated with its Runtime Server (seed 000, SPEC §4).
+
+It is the only caller of RegisterFunction and UnregisterFunction. Its loop reconciles the Runs the
+control plane assigned to this pod: it computes each registration_digest, registers (repeating an
+uncertain RPC with the *same* attempt, which the seed makes idempotent), polls FunctionStatus at a
+bounded cadence for health and the idle timeout, and reports what happened in the Run's status.
+
+Its own FunctionRuntime port is the **proxy hop**: InvokeFunction and FunctionStatus arrive with a
+run_uid and an empty registration_id; runtimed fills in the private active ID and calls the
+colocated server. The caller names the pod it routed to in ``x-fn-pod`` (routing fence).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import SERVICE_NAME as HEALTH_SERVICE
+
+from runtime_server import limits
+from runtime_server._proto.executor.v1 import runtime_pb2 as pb
+from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
+from runtime_server.errors import (
+    InvalidField,
+    NotAllowedHere,
+    RegistrationNotFound,
+    RoutedElsewhere,
+    RunNotFound,
+    RunNotReady,
+)
+from runtime_server.registry import FAILED as REG_FAILED
+from runtime_server.registry import READY as REG_READY
+from runtime_server.runs import (
+    DELETED,
+    DELETING,
+    FAILED,
+    IDLE,
+    PENDING,
+    READY,
+    RETRYING,
+    Run,
+    RunStore,
+)
+from runtime_server.server import (
+    CHANNEL_OPTIONS,
+    FUNCTION_RUNTIME_SERVICE,
+    add_health,
+    add_reflection,
+)
+from runtime_server.servicer import translate_errors
+
+LOG = logging.getLogger("fnkernel.runtimed")
+POD_KEY = "x-fn-pod"  # routing fence: the pod the caller routed to
+COLD_START_KEY = "x-fn-cold-start"
+DIGEST_KEY = "x-fn-registration-digest"
+ATTEMPT_KEY = "x-fn-registration-attempt"
+UNSUPPORTED = "runtime does not support function mode"
+# Worker deaths by signal at load time are the platform's fault, not the handler's (retry them);
+# every other fatal_error type names a problem in user code (no retry).
+INFRASTRUCTURE_FATAL_TYPES = frozenset({"WorkerKilled"})
+_SKIPPED_DIRS = frozenset({"__pycache__"})
+_REGISTER_RPC_TRIES = 3
+_DRAIN_MILLIS = 5_000
+
+
+def source_tree_hash(working_dir: Path) -> str:
+    """SHA-256 over every file's relative path, executable bit and content (sorted)."""
+    tree = hashlib.sha256()
+    for directory, dirs, files in os.walk(working_dir):
+        dirs[:] = sorted(d for d in dirs if d not in _SKIPPED_DIRS)
+        for name in sorted(files):
+            path = Path(directory, name)
+            relative = path.relative_to(working_dir).as_posix()
+            executable = os.access(path, os.X_OK)
+            tree.update(f"{relative}\0{int(executable)}\0".encode())
+            tree.update(hashlib.sha256(path.read_bytes()).digest())
+    return tree.hexdigest()
+
+
+def registration_digest(run: Run) -> str:
+    """Seed: lowercase SHA-256 of the canonical, immutable registration inputs — the resolved
+    source identity, handler, environment and runtime-visible settings; never the working-dir
+    path, so two working dirs with the same inputs give the same digest."""
+    canonical = {
+        "source": source_tree_hash(Path(run.working_dir)),
+        "handler": run.handler,
+        "env": run.env,
+        "runtime": run.runtime,
+        "idleTimeoutSeconds": run.idle_timeout_seconds,
+    }
+    text = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return limits.sha256_digest(text.encode())
+
+
+def fatal_is_infrastructure(fatal_error: str) -> bool:
+    return fatal_error.partition(":")[0] in INFRASTRUCTURE_FATAL_TYPES
+
+
+@dataclass(frozen=True)
+class Active:
+    """The registration runtimed holds for a Run on its server."""
+
+    registration_id: str
+    attempt: int
+    digest: str
+
+
+class Runtimed:
+    def __init__(
+        self,
+        store: RunStore,
+        *,
+        pod: str,
+        runtime: str,
+        server_address: str,
+        poll_interval: float = 1.0,
+        tick: float = 0.05,
+    ) -> None:
+        self.store = store
+        self.pod = pod
+        self.runtime = runtime
+        self.server_address = server_address
+        self.poll_interval = poll_interval
+        self.tick = tick
+        self.address = ""
+        self._channel = grpc.insecure_channel(server_address, options=CHANNEL_OPTIONS)
+        self.server_stub = pb_grpc.FunctionRuntimeStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._lock = threading.Lock()
+        self._active: dict[str, Active] = {}
+        self._runs: dict[str, Run] = {}  # this pod's Runs as of the last reconcile pass
+        # Per Run: registration, scale to zero, delete and the proxy's slow path never interleave.
+        self._run_locks: dict[str, threading.RLock] = {}
+        self._registering: set[str] = set()
+        self._workers = futures.ThreadPoolExecutor(8, thread_name_prefix="register")
+        self._stop = threading.Event()
+        self._loop_thread: threading.Thread | None = None
+        self._grpc: grpc.Server | None = None
+        self._healthy = False
+
+    # Lifecycle
+
+    def start(self, listen: str) -> str:
+        self._grpc = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="proxy"),
+            options=CHANNEL_OPTIONS,
+        )
+        pb_grpc.add_FunctionRuntimeServicer_to_server(ProxyServicer(self), self._grpc)
+        add_health(self._grpc, [FUNCTION_RUNTIME_SERVICE])
+        add_reflection(self._grpc, [FUNCTION_RUNTIME_SERVICE, HEALTH_SERVICE])
+        port = self._grpc.add_insecure_port(listen)
+        self.address = (
+            listen if listen.startswith("unix:") else f"{listen.rpartition(':')[0]}:{port}"
+        )
+        self._grpc.start()
+        self._heartbeat()
+        self._loop_thread = threading.Thread(target=self._loop, name="runtimed", daemon=True)
+        self._loop_thread.start()
+        return self.address
+
+    def stop(self, grace: float = 5.0) -> None:
+        self._stop.set()
+        if self._grpc is not None:
+            self._grpc.stop(grace).wait()
+        if self._loop_thread is not None:
+            self._loop_thread.join(5)
+        self._workers.shutdown(wait=False, cancel_futures=True)
+        self._channel.close()
+
+    def _loop(self) -> None:
+        next_poll = 0.0
+        while not self._stop.is_set():
+            try:
+                self.reconcile()
+                due = time.monotonic() >= next_poll
+                if due or not self._healthy:  # an unhealthy server is re-checked every tick
+                    self._heartbeat()
+                if due:
+                    next_poll = time.monotonic() + self.poll_interval
+                    self.poll()
+            except Exception:
+                LOG.exception("runtimed pass failed")
+            self._stop.wait(self.tick)
+
+    def _server_healthy(self) -> bool:
+        try:
+            reply = self._health.Check(health_pb2.HealthCheckRequest(), timeout=0.5)
+        except grpc.RpcError:
+            return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+    def _heartbeat(self) -> None:
+        self._healthy = self._server_healthy()
+        self.store.heartbeat(self.pod, self.runtime, self.address, self._healthy)
+
+    # Reconcile: make the server match the Runs assigned to this pod
+
+    def reconcile(self) -> None:
+        mine = {run.uid: run for run in self.store.runs(pod=self.pod)}
+        with self._lock:
+            self._runs = mine
+            gone = [uid for uid in self._active if uid not in mine]
+        for uid in gone:  # reassigned elsewhere or removed: free the server's state
+            self._unregister(uid, cancel=True)
+        for run in mine.values():
+            if run.phase == PENDING:
+                self._submit(run, self._register)
+            elif run.phase == DELETING:
+                self._submit(run, self._delete)
+            elif run.phase in (FAILED, RETRYING) and run.uid in self._active:
+                self._unregister(run.uid, cancel=True)
+
+    def _submit(self, run: Run, action: object) -> None:
+        with self._lock:
+            if run.uid in self._registering:
+                return
+            self._registering.add(run.uid)
+
+        def job() -> None:
+            try:
+                action(run)  # type: ignore[operator]
+            except Exception:
+                LOG.exception("run %s: %s failed", run.name, getattr(action, "__name__", action))
+            finally:
+                with self._lock:
+                    self._registering.discard(run.uid)
+
+        self._workers.submit(job)
+
+    def _run_lock(self, uid: str) -> threading.RLock:
+        with self._lock:
+            return self._run_locks.setdefault(uid, threading.RLock())
+
+    def _register(self, run: Run, *, expect_phase: str = PENDING) -> Active | None:
+        """RegisterFunction for the Run's current attempt; write the outcome to its status."""
+        with self._run_lock(run.uid):
+            current = self.store.get_uid(run.uid)
+            if current is None or current.phase != expect_phase or current.assigned_pod != self.pod:
+                return None
+            run = current
+            digest = registration_digest(run)
+            request = pb.RegisterFunctionRequest(
+                run_uid=run.uid,
+                registration_attempt=run.attempt,
+                working_dir=run.working_dir,
+                handler=run.handler,
+                env=run.env,
+                idle_timeout_seconds=run.idle_timeout_seconds,
+                registration_digest=digest,
+            )
+            response = None
+            for tries in range(1, _REGISTER_RPC_TRIES + 1):
+                try:
+                    response = self.server_stub.RegisterFunction(request, timeout=90)
+                    break
+                except grpc.RpcError as err:
+                    transient = err.code() in (
+                        grpc.StatusCode.UNAVAILABLE,
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                    )
+                    if transient and tries < _REGISTER_RPC_TRIES:
+                        # Seed: repeating an uncertain RegisterFunction for the same attempt is
+                        # idempotent and does not change Run status.
+                        time.sleep(0.2 * tries)
+                        continue
+                    self._registration_failed(run, err.code(), err.details() or "")
+                    return None
+            assert response is not None
+            active = Active(response.registration.registration_id, run.attempt, digest)
+            if response.state == REG_READY:
+                with self._lock:
+                    self._active[run.uid] = active
+                self.store.update(run, expect_phase=expect_phase, phase=READY, message="")
+                LOG.info(
+                    "run %s attempt %d READY as %s", run.name, run.attempt, active.registration_id
+                )
+                return active
+            fatal = self._fatal_error(run.uid, active.registration_id)
+            if response.state == REG_FAILED:
+                self._fatal(run, fatal)
+            return None
+
+    def _fatal_error(self, run_uid: str, registration_id: str) -> str:
+        try:
+            status = self.server_stub.FunctionStatus(
+                pb.FunctionStatusRequest(
+                    registration=pb.FunctionRegistration(
+                        run_uid=run_uid, registration_id=registration_id
+                    )
+                ),
+                timeout=5,
+            )
+        except grpc.RpcError as err:
+            return err.details() or ""
+        return status.fatal_error
+
+    def _fatal(self, run: Run, fatal_error: str) -> None:
+        """A FAILED registration: retry infrastructure faults, fail user-code faults for good."""
+        if fatal_is_infrastructure(fatal_error):
+            self._infrastructure_failure(run, fatal_error)
+        else:
+            # SPEC §4 / issue: user-code init failures → Failed with the fatal_error, no retry.
+            self.store.update(run, phase=FAILED, message=limits.bounded(fatal_error))
+            LOG.warning("run %s failed: %s", run.name, fatal_error)
+
+    def _infrastructure_failure(self, run: Run, message: str) -> None:
+        with self._lock:
+            self._active.pop(run.uid, None)
+        self._heartbeat()  # so the retry engine sees at once whether this pod can take a retry
+        self.store.update(
+            run, phase=RETRYING, message=limits.bounded(message), failed_at=time.time()
+        )
+        LOG.warning("run %s attempt %d: %s; retrying", run.name, run.attempt, message)
+
+    def _registration_failed(self, run: Run, code: grpc.StatusCode, details: str) -> None:
+        if code == grpc.StatusCode.UNIMPLEMENTED:
+            # Seed: permanent; never a fallback to one-shot Execute.
+            self.store.update(run, phase=FAILED, message=UNSUPPORTED)
+        elif code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS):
+            self.store.update(run, phase=FAILED, message=limits.bounded(details))
+        else:
+            self._infrastructure_failure(run, f"RegisterFunction: {code.name}: {details}")
+
+    # Poll: health and idle timeout, at a bounded cadence
+
+    def poll(self) -> None:
+        with self._lock:
+            ready = [run for run in self._runs.values() if run.phase == READY]
+        for run in ready:
+            active = self._active.get(run.uid)
+            if active is None or active.attempt != run.attempt:
+                # runtimed restarted: the same attempt and digest return the current reference.
+                self._submit(run, lambda r: self._register(r, expect_phase=READY))
+                continue
+            self._poll_one(run, active)
+
+    def _poll_one(self, run: Run, active: Active) -> None:
+        try:
+            status = self.server_stub.FunctionStatus(
+                pb.FunctionStatusRequest(
+                    registration=pb.FunctionRegistration(
+                        run_uid=run.uid, registration_id=active.registration_id
+                    )
+                ),
+                timeout=2,
+            )
+        except grpc.RpcError as err:
+            # NOT_FOUND: the server restarted and lost it; UNAVAILABLE: the server is gone.
+            self._infrastructure_failure(run, f"FunctionStatus: {err.code().name}: {err.details()}")
+            return
+        if status.state == REG_FAILED:
+            self._fatal(run, status.fatal_error)
+        elif status.state == REG_READY and status.in_flight == 0:
+            idle_ns = time.time_ns() - status.last_activity_unix_nano
+            if idle_ns > run.idle_timeout_seconds * 1_000_000_000:
+                self._scale_to_zero(run)
+
+    def _scale_to_zero(self, run: Run) -> None:
+        """Idle timeout: unregister (drain) and mark the Run Idle; the next invoke re-registers."""
+        with self._run_lock(run.uid):
+            # Forget the ID first: from here a proxied invoke takes the slow path and waits on
+            # the run lock, then finds the Run Idle and cold-starts it.
+            with self._lock:
+                active = self._active.pop(run.uid, None)
+            if not self.store.update(
+                run, expect_phase=READY, phase=IDLE, message="idle: scaled to zero"
+            ):
+                if active is not None:
+                    with self._lock:
+                        self._active.setdefault(run.uid, active)
+                return
+            if active is not None:
+                self._unregister_active(run.uid, active, cancel=False)
+            LOG.info("run %s idle after %ss: unregistered", run.name, run.idle_timeout_seconds)
+
+    def _unregister(self, uid: str, *, cancel: bool) -> None:
+        with self._lock:
+            active = self._active.pop(uid, None)
+        if active is not None:
+            self._unregister_active(uid, active, cancel=cancel)
+
+    def _unregister_active(self, uid: str, active: Active, *, cancel: bool) -> None:
+        try:
+            self.server_stub.UnregisterFunction(
+                pb.UnregisterFunctionRequest(
+                    registration=pb.FunctionRegistration(
+                        run_uid=uid, registration_id=active.registration_id
+                    ),
+                    cancel_in_flight=cancel,
+                    drain_timeout_millis=_DRAIN_MILLIS,
+                ),
+                timeout=_DRAIN_MILLIS / 1000 + 5,
+            )
+        except grpc.RpcError as err:
+            LOG.warning("unregistering %s: %s", uid, err.details())
+
+    def _delete(self, run: Run) -> None:
+        with self._run_lock(run.uid):
+            self._unregister(run.uid, cancel=False)  # SPEC §4: bounded drain
+            self.store.update(run, expect_phase=DELETING, phase=DELETED, message="unregistered")
+
+    # Proxy hop
+
+    def fenced_run(self, run_uid: str, routed_to: str | None) -> Run:
+        """The Run behind a proxied call, if the caller routed it here and it is assigned here.
+
+        Read from the store on every call (a primary-key read, ~16 us): the fence must see a
+        reassignment at once, not a tick later.
+        """
+        if routed_to is not None and routed_to != self.pod:
+            raise RoutedElsewhere(f"this is pod {self.pod}, not {routed_to}")
+        run = self.store.get_uid(run_uid)
+        if run is None:
+            raise RunNotFound(f"no run has uid {run_uid}")
+        if run.assigned_pod != self.pod:
+            raise RoutedElsewhere(
+                f"run {run.name} is assigned to pod {run.assigned_pod or '(none)'}, not {self.pod}"
+            )
+        return run
+
+    def active(self, run: Run) -> Active | None:
+        with self._lock:
+            active = self._active.get(run.uid)
+        return active if active is not None and active.attempt == run.attempt else None
+
+    def resolve(
+        self, run_uid: str, routed_to: str | None, *, fast: bool = True
+    ) -> tuple[Run, Active, bool]:
+        """The Run and its active registration for a proxied invoke; True if it had to be
+        registered first (a cold start after scale to zero)."""
+        run = self.fenced_run(run_uid, routed_to)
+        active = self.active(run)
+        if fast and active is not None and run.phase == READY:
+            return run, active, False
+        with self._run_lock(run_uid):  # after any scale to zero or registration in progress
+            run = self.fenced_run(run_uid, None)
+            active = self.active(run)
+            if active is not None and run.phase == READY:
+                return run, active, False
+            if run.phase in (READY, IDLE):
+                # Idle: re-register on demand with the same attempt (no failure occurred).
+                # Ready with no ID: runtimed restarted; the same attempt returns the current one.
+                registered = self._register(run, expect_phase=run.phase)
+                if registered is not None:
+                    return run, registered, run.phase == IDLE
+                run = self.store.get_uid(run_uid) or run
+        detail = f": {run.message}" if run.message else ""
+        raise RunNotReady(f"run {run.name} is {run.phase} (attempt {run.attempt}){detail}")
+
+
+def _routed_to(context: grpc.ServicerContext) -> str | None:
+    for key, value in context.invocation_metadata():
+        if key == POD_KEY:
+            return str(value)
+    return None
+
+
+def _outside_id(registration: pb.FunctionRegistration) -> None:
+    if registration.registration_id:
+        raise InvalidField(
+            "registration.registration_id",
+            "must be empty at runtimed: the proxy hop fills in the active registration",
+        )
+    if not registration.run_uid:
+        raise InvalidField("registration.run_uid", "must not be empty")
+
+
+class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
+    """runtimed's own FunctionRuntime port (seed 000: the gateway routes here, never to a server)."""
+
+    def __init__(self, runtimed: Runtimed) -> None:
+        self.runtimed = runtimed
+
+    @translate_errors
+    def InvokeFunction(
+        self, request: pb.InvokeFunctionRequest, context: grpc.ServicerContext
+    ) -> pb.InvokeFunctionResponse:
+        _outside_id(request.registration)
+        routed_to = _routed_to(context)
+        _, active, cold = self.runtimed.resolve(request.registration.run_uid, routed_to)
+        try:
+            return self._forward(request, context, active, cold)
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+        # The server refused the call before running it (the registration was just drained for
+        # idling, or superseded): resolve again under the run lock, once.
+        _, active, cold = self.runtimed.resolve(request.registration.run_uid, routed_to, fast=False)
+        return self._forward(request, context, active, cold)
+
+    def _forward(
+        self,
+        request: pb.InvokeFunctionRequest,
+        context: grpc.ServicerContext,
+        active: Active,
+        cold: bool,
+    ) -> pb.InvokeFunctionResponse:
+        forwarded = pb.InvokeFunctionRequest()
+        forwarded.CopyFrom(request)
+        forwarded.registration.registration_id = active.registration_id
+        remaining = context.time_remaining()
+        timeout = remaining if remaining is not None and remaining < 1e9 else None
+        if timeout is not None:
+            # Seed: runtimed bounds timeout_millis by the caller's (gateway's) deadline.
+            bound = max(1, int(timeout * 1000))
+            forwarded.timeout_millis = min(
+                limits.effective_timeout_millis(request.timeout_millis), bound
+            )
+        call = self.runtimed.server_stub.InvokeFunction.future(forwarded, timeout=timeout)
+        context.add_callback(call.cancel)  # the caller went away: cancel, and the handler dies
+        response = call.result()
+        metadata: tuple[tuple[str, str | bytes], ...] = ((ATTEMPT_KEY, str(active.attempt)),)
+        if cold:
+            metadata += ((COLD_START_KEY, "1"),)
+        context.send_initial_metadata(metadata)
+        trailers = call.trailing_metadata()
+        if trailers:
+            context.set_trailing_metadata(tuple((k, v) for k, v in trailers if k.startswith("fn-")))
+        return response
+
+    @translate_errors
+    def FunctionStatus(
+        self, request: pb.FunctionStatusRequest, context: grpc.ServicerContext
+    ) -> pb.FunctionStatusResponse:
+        _outside_id(request.registration)
+        run = self.runtimed.fenced_run(request.registration.run_uid, _routed_to(context))
+        active = self.runtimed.active(run)
+        if active is None:
+            raise RegistrationNotFound(f"run {run.name} has no registration now ({run.phase})")
+        context.send_initial_metadata(
+            ((DIGEST_KEY, active.digest), (ATTEMPT_KEY, str(active.attempt)))
+        )
+        forwarded = pb.FunctionStatusRequest()
+        forwarded.CopyFrom(request)
+        forwarded.registration.registration_id = active.registration_id
+        return self.runtimed.server_stub.FunctionStatus(forwarded, timeout=5)
+
+    @translate_errors
+    def RegisterFunction(
+        self, request: pb.RegisterFunctionRequest, context: grpc.ServicerContext
+    ) -> pb.RegisterFunctionResponse:
+        raise NotAllowedHere("RegisterFunction is runtimed's own call; create a Run instead")
+
+    @translate_errors
+    def UnregisterFunction(
+        self, request: pb.UnregisterFunctionRequest, context: grpc.ServicerContext
+    ) -> pb.UnregisterFunctionResponse:
+        raise NotAllowedHere("UnregisterFunction is runtimed's own call; delete the Run instead")

@@ -1,0 +1,211 @@
+"""The whole local stack as child processes (SPEC §4 ``fnkernel up``; the kernel's embedded runtime).
+
+Each Runtime Pod is a Runtime Server process plus its runtimed process; the gateway process hosts
+the control plane. Like a kubelet with ``restartPolicy: Always``, the supervisor restarts any
+component that dies; stopping the stack stops them all, and every child also gets SIGTERM if the
+supervising process dies, so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from runtime_server.launch import Child, spawn
+
+LOG = logging.getLogger("fnkernel.up")
+_MAX_UNIX_PATH = 100  # sockaddr_un holds 108 bytes; leave room for the longest file name
+_RESTART_BACKOFF = (0.0, 0.5, 1.0, 2.0, 5.0)
+
+
+def parse_pods(text: str) -> dict[str, int]:
+    """``python=1,bash=1`` → {"python": 1, "bash": 1}."""
+    pods: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        runtime, sep, count = item.partition("=")
+        if not sep or runtime not in ("python", "bash") or not count.isdigit():
+            raise ValueError(f"--pods: {item!r} is not RUNTIME=COUNT with RUNTIME python or bash")
+        pods[runtime] = int(count)
+    if not any(pods.values()):
+        raise ValueError("--pods: start at least one pod")
+    return pods
+
+
+@dataclass
+class Component:
+    """One supervised process: how to start it, and the running child."""
+
+    name: str
+    args: list[str]
+    child: Child | None = None
+    log: IO[str] | None = None
+    restarts: int = 0
+    died_at: float = 0.0
+
+    def start(self, log_dir: Path) -> Child:
+        if self.log is None:
+            self.log = open(log_dir / f"{self.name}.log", "a")  # noqa: SIM115 — lives with the component
+        self.child = spawn(self.args, stderr=self.log, die_with_parent=True)
+        return self.child
+
+
+class Stack:
+    def __init__(
+        self,
+        state_dir: Path,
+        pods: Mapping[str, int],
+        *,
+        gateway_listen: str = "127.0.0.1:8080",
+        token_file: Path | None = None,
+        poll_interval: float = 1.0,
+    ) -> None:
+        self.state_dir = state_dir.resolve()
+        self.pods = dict(pods)
+        self.gateway_listen = gateway_listen
+        self.token_file = token_file
+        self.poll_interval = poll_interval
+        self.components: list[Component] = []
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._supervisor: threading.Thread | None = None
+
+    @property
+    def workspace_root(self) -> Path:
+        return self.state_dir / "workspace"
+
+    @property
+    def gateway_address(self) -> str:
+        gateway = self.components[-1].child
+        return gateway.address if gateway is not None else ""
+
+    def _socket_dir(self) -> Path:
+        sockets = self.state_dir / "sock"
+        if len(str(sockets)) > _MAX_UNIX_PATH - 24:
+            sockets = Path(tempfile.mkdtemp(prefix="fnkernel-"))  # 0700, short enough to bind
+        sockets.mkdir(mode=0o700, exist_ok=True)
+        return sockets
+
+    def start(self) -> None:
+        """Start every pod, then the gateway; each is announced before the next starts."""
+        for directory in (self.state_dir, self.workspace_root, self.state_dir / "logs"):
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        sockets = self._socket_dir()
+        common = ["--state-dir", str(self.state_dir)]
+        for runtime, count in self.pods.items():
+            for index in range(count):
+                pod = f"{runtime}-{index}"
+                server = f"unix:{sockets / pod}.sock"
+                self.components.append(
+                    Component(
+                        f"{pod}-server",
+                        [
+                            "serve",
+                            "--runtime",
+                            runtime,
+                            "--listen",
+                            server,
+                            "--workspace-root",
+                            str(self.workspace_root),
+                        ],
+                    )
+                )
+                self.components.append(
+                    Component(
+                        f"{pod}-runtimed",
+                        [
+                            "runtimed",
+                            "--pod",
+                            pod,
+                            "--runtime",
+                            runtime,
+                            "--server",
+                            server,
+                            "--listen",
+                            f"unix:{sockets / pod}.rtd.sock",
+                            "--poll-interval",
+                            str(self.poll_interval),
+                            *common,
+                        ],
+                    )
+                )
+        gateway = ["gateway", "--listen", self.gateway_listen, *common]
+        if self.token_file is not None:
+            gateway += ["--token-file", str(self.token_file)]
+        self.components.append(Component("gateway", gateway))
+        try:
+            for component in self.components:
+                component.start(self.state_dir / "logs")
+                if component.name == "gateway" and component.child is not None:
+                    # Restart the gateway where it was, not on a fresh ephemeral port.
+                    listen = component.args.index("--listen") + 1
+                    component.args[listen] = component.child.address.removeprefix("http://")
+        except BaseException:
+            self.stop()
+            raise
+        self._supervisor = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
+        self._supervisor.start()
+
+    def component(self, name: str) -> Component:
+        for component in self.components:
+            if component.name == name:
+                return component
+        raise KeyError(name)
+
+    def describe(self) -> list[str]:
+        lines = []
+        for component in self.components:
+            child = component.child
+            if child is not None:
+                lines.append(f"{component.name}: {child.address} (pid {child.pid})")
+        return lines
+
+    def _supervise(self) -> None:
+        # Children are forked from this thread: it lives as long as the stack (PR_SET_PDEATHSIG
+        # fires when the forking thread exits).
+        while not self._stopping.wait(0.1):
+            for component in self.components:
+                child = component.child
+                if child is None or child.proc.poll() is None:
+                    continue
+                now = time.monotonic()
+                if not component.died_at:
+                    component.died_at = now
+                    LOG.warning("%s exited (%s); restarting", component.name, child.proc.returncode)
+                delay = _RESTART_BACKOFF[min(component.restarts, len(_RESTART_BACKOFF) - 1)]
+                if now - component.died_at < delay:
+                    continue
+                with self._lock:
+                    if self._stopping.is_set():
+                        return
+                    try:
+                        component.start(self.state_dir / "logs")
+                        component.restarts += 1
+                        component.died_at = 0.0
+                        LOG.warning("%s restarted (pid %d)", component.name, component.child.pid)  # type: ignore[union-attr]
+                    except RuntimeError as exc:
+                        component.restarts += 1
+                        component.died_at = now
+                        LOG.error("%s did not restart: %s", component.name, exc)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """Stop the gateway, then the runtimeds, then the servers (they drain); nothing survives."""
+        with self._lock:
+            self._stopping.set()
+        if self._supervisor is not None and self._supervisor is not threading.current_thread():
+            self._supervisor.join(5)
+        for component in reversed(self.components):
+            if component.child is not None and component.child.proc.poll() is None:
+                component.child.proc.terminate()
+        deadline = time.monotonic() + timeout
+        for component in reversed(self.components):
+            if component.child is not None:
+                component.child.stop(max(0.1, deadline - time.monotonic()))
+            if component.log is not None:
+                component.log.close()
+                component.log = None

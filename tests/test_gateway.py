@@ -1,0 +1,295 @@
+"""The HTTP gateway (SPEC §4) and its error mapping (SPEC §2.3), through real processes: every row
+is produced by a real request to `fnkernel gateway` → runtimed → Runtime Server."""
+
+from __future__ import annotations
+
+import http.client
+import itertools
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from runtime_server.client import Client
+from runtime_server.errors import FunctionBusy, FunctionExists, HandlerFailed, InvalidRequest
+from runtime_server.launch import spawn
+from runtime_server.stack import Stack
+from tests.conftest import SLOW_PY, http_call, wait_until
+
+_names = itertools.count()
+
+FAILING_PY = {
+    "handler.py": (
+        "def handle(event, context):\n"
+        "    print('about to fail')\n"
+        "    raise ValueError('bad order ' + str(event.get('id')))\n"
+    )
+}
+BASH_FN = {
+    "fn.sh": ('handle() {\n  echo "seen=yes" >> "$FUNCTION_OUTPUTS"\n  printf \'%s\' "$1"\n}\n')
+}
+
+
+def create(stack: Stack, files: dict[str, str], *, runtime: str = "python", **kw: object) -> str:
+    name = f"fn{next(_names)}"
+    handler = "handler.handle" if runtime == "python" else "fn.handle"
+    run = Client(stack.gateway_address).create_run(
+        name,
+        runtime=runtime,
+        handler=handler,
+        files=files,
+        **kw,  # type: ignore[arg-type]
+    )
+    assert run["status"]["phase"] == "Ready", run
+    return name
+
+
+def invoke(
+    stack: Stack, name: str, body: bytes = b"{}", headers: dict[str, str] | None = None
+) -> tuple[int, http.client.HTTPMessage, bytes]:
+    return http_call(stack.gateway_address, "POST", f"/v1/runs/{name}:invoke", body, headers)
+
+
+def in_background(fn: Callable[[], object]) -> tuple[threading.Thread, list[object]]:
+    result: list[object] = []
+    thread = threading.Thread(target=lambda: result.append(fn()), daemon=True)
+    thread.start()
+    return thread, result
+
+
+def wait_in_flight(stack: Stack, name: str) -> None:
+    client = Client(stack.gateway_address)
+    wait_until(lambda: (client.status(name).get("live") or {}).get("inFlight") == 1, timeout=10)
+
+
+def test_create_returns_201_once_ready_and_invoke_returns_output(shared_stack: Stack) -> None:
+    status, _, body = http_call(
+        shared_stack.gateway_address,
+        "POST",
+        "/v1/runs",
+        json.dumps(
+            {"name": "hello", "runtime": "python", "handler": "handler.handle", "files": SLOW_PY}
+        ).encode(),
+    )
+    assert status == 201
+    run = json.loads(body)
+    assert run["status"]["phase"] == "Ready" and run["status"]["attempt"] == 1
+    status, headers, output = invoke(
+        shared_stack, "hello", b'{"sleep": 0}', {"X-Invocation-Id": "trace-42"}
+    )
+    assert status == 200
+    assert json.loads(output) == {"slept": 0}
+    assert headers["X-Invocation-Id"] == "trace-42"
+    assert json.loads(headers["X-Fn-Outputs"]) == {}
+
+
+def test_bash_function_outputs_come_back_in_a_header(shared_stack: Stack) -> None:
+    name = create(shared_stack, BASH_FN, runtime="bash")
+    status, headers, output = invoke(shared_stack, name, b'{"q": "$(touch x)"}')
+    assert status == 200
+    assert output == b'{"q": "$(touch x)"}'
+    assert json.loads(headers["X-Fn-Outputs"]) == {"seen": "yes"}
+    assert headers["X-Invocation-Id"].startswith("inv_")
+
+
+def test_get_shows_the_run_and_its_live_function_status(shared_stack: Stack) -> None:
+    name = create(shared_stack, SLOW_PY)
+    status, _, body = http_call(shared_stack.gateway_address, "GET", f"/v1/runs/{name}")
+    assert status == 200
+    run = json.loads(body)
+    assert run["live"]["state"] == "READY"
+    assert run["live"]["registrationId"].startswith("reg_")
+    assert run["live"]["registrationDigest"].startswith("sha256:")
+    assert run["live"]["registrationAttempt"] == 1
+    listed = json.loads(http_call(shared_stack.gateway_address, "GET", "/v1/runs")[2])
+    assert name in [r["name"] for r in listed["runs"]]
+
+
+def test_second_concurrent_invoke_is_429_with_retry_after(shared_stack: Stack) -> None:
+    # SPEC §2.3: RESOURCE_EXHAUSTED → 429 + Retry-After: 1.
+    name = create(shared_stack, SLOW_PY)
+    first, result = in_background(lambda: invoke(shared_stack, name, b'{"sleep": 2}'))
+    wait_in_flight(shared_stack, name)
+    status, headers, body = invoke(shared_stack, name)
+    assert status == 429
+    assert headers["Retry-After"] == "1"
+    error = json.loads(body)
+    assert error["code"] == "RESOURCE_EXHAUSTED"
+    assert error["runUid"] and error["invocationId"]
+    first.join(10)
+    assert result[0][0] == 200  # type: ignore[index]
+
+
+def test_draining_run_is_503_with_retry_after(shared_stack: Stack) -> None:
+    # SPEC §2.3: FAILED_PRECONDITION (draining) → 503 + Retry-After: 1.
+    name = create(shared_stack, SLOW_PY)
+    slow, slow_result = in_background(lambda: invoke(shared_stack, name, b'{"sleep": 2}'))
+    wait_in_flight(shared_stack, name)
+    client = Client(shared_stack.gateway_address)
+    deleting, _ = in_background(lambda: client.delete_run(name))
+    wait_until(lambda: client.status(name)["status"]["phase"] in ("Deleting", "Deleted"))
+    status, headers, body = invoke(shared_stack, name)
+    assert status == 503
+    assert headers["Retry-After"] == "1"
+    assert json.loads(body)["code"] == "FAILED_PRECONDITION"
+    slow.join(10)
+    deleting.join(10)
+    assert slow_result[0][0] == 200  # type: ignore[index]  # the drain let it finish
+
+
+def test_invocation_past_its_timeout_is_504_and_the_next_succeeds(shared_stack: Stack) -> None:
+    name = create(shared_stack, SLOW_PY)
+    status, _, body = invoke(shared_stack, name, b'{"sleep": 5}', {"X-Timeout-Ms": "300"})
+    assert status == 504
+    assert json.loads(body)["code"] == "DEADLINE_EXCEEDED"
+    assert invoke(shared_stack, name, b'{"sleep": 0}')[0] == 200
+
+
+def test_handler_error_is_502_with_type_message_and_invocation_id(shared_stack: Stack) -> None:
+    name = create(shared_stack, FAILING_PY)
+    status, _, body = invoke(shared_stack, name, b'{"id": 7}', {"X-Invocation-Id": "inv-7"})
+    assert status == 502
+    error = json.loads(body)
+    assert error["errorType"] == "ValueError"
+    assert error["errorMessage"] == "bad order 7"
+    assert error["invocationId"] == "inv-7"
+    assert error["code"] == "UNKNOWN"
+    assert any("about to fail" in line["text"] for line in error["logs"])
+    with pytest.raises(HandlerFailed) as caught:
+        Client(shared_stack.gateway_address).invoke(name, {"id": 8})
+    assert caught.value.error_type == "ValueError" and "bad order 8" in str(caught.value)
+
+
+def test_unknown_run_is_404(shared_stack: Stack) -> None:
+    status, _, body = invoke(shared_stack, "no-such-function")
+    assert status == 404
+    assert json.loads(body)["code"] == "NOT_FOUND"
+    assert http_call(shared_stack.gateway_address, "GET", "/v1/runs/no-such-function")[0] == 404
+    assert http_call(shared_stack.gateway_address, "DELETE", "/v1/runs/no-such-function")[0] == 404
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "field"),
+    [
+        (b"{not json", {}, "input"),
+        (b"{}", {"X-Timeout-Ms": "soon"}, "X-Timeout-Ms"),
+        (b"{}", {"X-Invocation-Id": "x" * 129}, "invocation_id"),
+    ],
+)
+def test_bad_invoke_request_is_400_naming_the_field(
+    shared_stack: Stack, body: bytes, headers: dict[str, str], field: str
+) -> None:
+    name = create(shared_stack, SLOW_PY)
+    status, _, reply = invoke(shared_stack, name, body, headers)
+    assert status == 400
+    error = json.loads(reply)
+    assert error["code"] == "INVALID_ARGUMENT"
+    assert field in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"handler": "../x.handle"}, "handler"),
+        ({"name": "no spaces"}, "name"),
+        ({"runtime": "cobol"}, "runtime"),
+        ({"files": {"../escape.py": "x = 1"}}, "files"),
+        ({"env": {"1BAD": "v"}}, "env"),
+    ],
+)
+def test_bad_create_request_is_400_naming_the_field(
+    shared_stack: Stack, change: dict[str, object], field: str
+) -> None:
+    body = {
+        "name": "bad-create",
+        "runtime": "python",
+        "handler": "handler.handle",
+        "files": SLOW_PY,
+    }
+    body.update(change)
+    status, _, reply = http_call(
+        shared_stack.gateway_address, "POST", "/v1/runs", json.dumps(body).encode()
+    )
+    assert status == 400, reply
+    assert field in json.loads(reply)["message"]
+
+
+def test_creating_an_existing_name_is_409(shared_stack: Stack) -> None:
+    name = create(shared_stack, SLOW_PY)
+    with pytest.raises(FunctionExists) as caught:
+        Client(shared_stack.gateway_address).create_run(
+            name, runtime="python", handler="handler.handle", files=SLOW_PY
+        )
+    assert caught.value.status == 409 and caught.value.code == "ALREADY_EXISTS"
+
+
+def test_body_over_6_mib_is_413_without_calling_anything(shared_stack: Stack) -> None:
+    # 413 for a Run that does not exist: the body was refused before any lookup or call.
+    status, _, body = invoke(shared_stack, "no-such-function", b"0" * (6 * 1024 * 1024 + 1))
+    assert status == 413
+    assert "6291456" in json.loads(body)["message"]
+
+
+def test_body_of_exactly_6_mib_round_trips(shared_stack: Stack) -> None:
+    name = create(shared_stack, {"handler.py": "def handle(event):\n    return event\n"})
+    payload = json.dumps("x" * (6 * 1024 * 1024 - 2)).encode()
+    assert len(payload) == 6 * 1024 * 1024
+    status, _, output = invoke(shared_stack, name, payload)
+    assert status == 200 and output == payload
+
+
+def test_invalid_request_from_the_client_library_is_typed(shared_stack: Stack) -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        Client(shared_stack.gateway_address).invoke("whatever", data=b"{}", invocation_id="\x01")
+    assert caught.value.status == 400
+
+
+def test_client_busy_error_names_the_code(shared_stack: Stack) -> None:
+    name = create(shared_stack, SLOW_PY)
+    first, _ = in_background(lambda: invoke(shared_stack, name, b'{"sleep": 2}'))
+    wait_in_flight(shared_stack, name)
+    with pytest.raises(FunctionBusy) as caught:
+        Client(shared_stack.gateway_address).invoke(name, {})
+    assert "RESOURCE_EXHAUSTED" in str(caught.value)
+    first.join(10)
+
+
+def test_token_gateway_rejects_requests_without_bearer_401(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    gateway = spawn(
+        ["gateway", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "state"),
+         "--token-file", str(token_file)]
+    )  # fmt: skip
+    try:
+        status, headers, body = http_call(gateway.address, "GET", "/v1/runs")
+        assert status == 401
+        assert headers["WWW-Authenticate"] == "Bearer"
+        assert json.loads(body)["code"] == "UNAUTHENTICATED"
+        wrong = http_call(gateway.address, "GET", "/v1/runs", headers={"Authorization": "Bearer x"})
+        assert wrong[0] == 401
+        ok = http_call(
+            gateway.address, "GET", "/v1/runs", headers={"Authorization": "Bearer s3cret"}
+        )
+        assert ok[0] == 200
+        assert Client(gateway.address, token="s3cret").list_runs() == []
+    finally:
+        assert gateway.stop() == 0
+
+
+def test_non_loopback_gateway_refuses_to_start_without_a_token(tmp_path: Path) -> None:
+    # SPEC §4: a non-loopback bind requires --token-file. It refuses before binding anything.
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "runtime_server.cli", "gateway", "--listen", "0.0.0.0:0",
+         "--state-dir", str(tmp_path / "state")],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "--token-file" in result.stderr
+    assert time.monotonic() - started < 30

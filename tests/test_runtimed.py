@@ -1,0 +1,242 @@
+"""runtimed (SPEC §4, seed 000 "Registration Identity"): digest, registration, proxy hop, routing
+fence, and how registration failures are classified. A real Runtime Server and a real runtimed on
+Unix sockets, sharing a real SQLite Run store with the control plane."""
+
+from __future__ import annotations
+
+import shutil
+import textwrap
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import grpc
+import pytest
+
+from runtime_server._proto.executor.v1 import runtime_pb2 as pb
+from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
+from runtime_server.controlplane import ControlPlane
+from runtime_server.runs import FAILED, PENDING, READY, Run, RunStore
+from runtime_server.runtimed import POD_KEY, UNSUPPORTED, Runtimed, registration_digest
+from runtime_server.server import CHANNEL_OPTIONS, RuntimeServer
+from tests.conftest import ECHO_PY, wait_until
+
+POD = "python-0"
+
+
+@dataclass
+class Pod:
+    store: RunStore
+    control_plane: ControlPlane
+    runtimed: Runtimed
+    proxy: pb_grpc.FunctionRuntimeStub
+    server: pb_grpc.FunctionRuntimeStub
+
+    def create(self, name: str, files: dict[str, str], handler: str = "handler.handle") -> Run:
+        files = {path: textwrap.dedent(text) for path, text in files.items()}
+        self.control_plane.create_run(name=name, runtime="python", handler=handler, files=files)
+        return self.control_plane.wait_settled(name, timeout=20)
+
+    def invoke(self, run: Run, payload: bytes = b"{}", *, registration_id: str = "", pod=POD):  # type: ignore[no-untyped-def]
+        return self.proxy.InvokeFunction(
+            pb.InvokeFunctionRequest(
+                registration=pb.FunctionRegistration(
+                    run_uid=run.uid, registration_id=registration_id
+                ),
+                input=payload,
+                content_type="application/json",
+            ),
+            metadata=((POD_KEY, pod),),
+            timeout=20,
+        )
+
+
+def _pod(tmp_path: Path, *, oneshot_only: bool = False) -> Iterator[Pod]:
+    workspace = tmp_path / "workspace"
+    workspace.mkdir()
+    server = RuntimeServer("python", workspace, oneshot_only=oneshot_only)
+    server_address = server.start(f"unix:{tmp_path}/server.sock")
+    store = RunStore(tmp_path / "runs.db")
+    runtimed = Runtimed(
+        store, pod=POD, runtime="python", server_address=server_address, poll_interval=0.2
+    )
+    address = runtimed.start(f"unix:{tmp_path}/runtimed.sock")
+    channels = [
+        grpc.insecure_channel(a, options=CHANNEL_OPTIONS) for a in (address, server_address)
+    ]
+    try:
+        yield Pod(
+            store,
+            ControlPlane(store, workspace),
+            runtimed,
+            pb_grpc.FunctionRuntimeStub(channels[0]),
+            pb_grpc.FunctionRuntimeStub(channels[1]),
+        )
+    finally:
+        for channel in channels:
+            channel.close()
+        runtimed.stop(0)
+        server.stop(0)
+
+
+@pytest.fixture
+def pod(tmp_path: Path) -> Iterator[Pod]:
+    yield from _pod(tmp_path)
+
+
+def test_digest_excludes_the_working_dir_path(tmp_path: Path) -> None:
+    # Seed: registration_digest ... excludes the transient working-directory path.
+    first, second = tmp_path / "a", tmp_path / "elsewhere" / "b"
+    for directory in (first, second):
+        (directory / "pkg").mkdir(parents=True)
+        (directory / "handler.py").write_text("def handle(e):\n    return e\n")
+        (directory / "pkg" / "util.py").write_text("X = 1\n")
+    run = Run(
+        uid="u1", name="n", runtime="python", handler="handler.handle", source="", working_dir=str(first),
+        env={"A": "1"}, idle_timeout_seconds=60, phase=PENDING, attempt=1,
+    )  # fmt: skip
+    other = replace(run, uid="u2", name="m", working_dir=str(second))
+    digest = registration_digest(run)
+    assert digest == registration_digest(other)
+    assert digest.startswith("sha256:") and digest == digest.lower() and len(digest) == 71
+    # ...but every canonical input counts: source, handler, env, runtime-visible settings.
+    assert registration_digest(replace(run, env={"A": "2"})) != digest
+    assert registration_digest(replace(run, handler="handler.other")) != digest
+    assert registration_digest(replace(run, idle_timeout_seconds=61)) != digest
+    (second / "pkg" / "util.py").write_text("X = 2\n")
+    assert registration_digest(other) != digest
+    shutil.rmtree(second / "pkg")
+    assert registration_digest(other) != digest
+
+
+def test_proxy_hop_fills_in_the_active_registration_id(pod: Pod) -> None:
+    # SPEC §4: InvokeFunction with an empty registration_id is resolved to the private active one.
+    run = pod.create("echo", ECHO_PY)
+    assert (run.phase, run.attempt) == (READY, 1)
+    response = pod.invoke(run, b'{"x": 1}')
+    assert b'"echo": {"x": 1}' in response.output
+    assert response.registration.run_uid == run.uid
+    assert response.registration.registration_id.startswith("reg_")
+    status = pod.proxy.FunctionStatus(
+        pb.FunctionStatusRequest(registration=pb.FunctionRegistration(run_uid=run.uid)),
+        metadata=((POD_KEY, POD),),
+        timeout=5,
+    )
+    assert status.registration.registration_id == response.registration.registration_id
+
+
+def test_a_registration_id_from_outside_is_invalid_argument(pod: Pod) -> None:
+    run = pod.create("echo", ECHO_PY)
+    active = pod.invoke(run).registration.registration_id
+    with pytest.raises(grpc.RpcError) as caught:
+        pod.invoke(run, registration_id=active)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "registration_id" in caught.value.details()
+
+
+@pytest.mark.parametrize("method", ["RegisterFunction", "UnregisterFunction"])
+def test_register_and_unregister_from_outside_are_permission_denied(pod: Pod, method: str) -> None:
+    request = (
+        pb.RegisterFunctionRequest(run_uid="r", registration_attempt=1)
+        if method == "RegisterFunction"
+        else pb.UnregisterFunctionRequest(registration=pb.FunctionRegistration(run_uid="r"))
+    )
+    with pytest.raises(grpc.RpcError) as caught:
+        getattr(pod.proxy, method)(request, timeout=5)
+    assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_routing_fence_rejects_a_call_routed_for_another_pod(pod: Pod) -> None:
+    run = pod.create("echo", ECHO_PY)
+    with pytest.raises(grpc.RpcError) as caught:
+        pod.invoke(run, pod="python-7")
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "python-7" in caught.value.details()
+
+
+def test_routing_fence_rejects_a_run_assigned_elsewhere(pod: Pod) -> None:
+    # SPEC §4: a Run assigned elsewhere gets FAILED_PRECONDITION, even when routed "here".
+    run = pod.create("echo", ECHO_PY)
+    moved = pod.store.update(run, assigned_pod="python-1")
+    assert moved is not None
+    with pytest.raises(grpc.RpcError) as caught:
+        pod.invoke(moved)
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "assigned to pod python-1" in caught.value.details()
+
+
+def test_unknown_run_uid_is_not_found(pod: Pod) -> None:
+    ghost = Run(
+        uid="no-such-run", name="ghost", runtime="python", handler="h.f", source="", working_dir="/",
+        env={}, idle_timeout_seconds=1, phase=READY, attempt=1,
+    )  # fmt: skip
+    with pytest.raises(grpc.RpcError) as caught:
+        pod.invoke(ghost)
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_syntax_error_fails_the_run_without_retry(pod: Pod) -> None:
+    # Issue 3: user-code init failures → Failed with the fatal_error as message, no retry.
+    run = pod.create("broken", {"handler.py": "def handle(event:\n    return 1\n"})
+    assert run.phase == FAILED
+    assert run.attempt == 1
+    assert run.message.startswith("UserCodeSyntaxError:")
+    assert "handler.py" in run.message and "line 1" in run.message
+    assert len(run.message.encode()) <= 1024
+
+
+def test_missing_function_fails_the_run_with_its_name(pod: Pod) -> None:
+    run = pod.create("nofn", {"handler.py": "def other(event):\n    return 1\n"})
+    assert (run.phase, run.attempt) == (FAILED, 1)
+    assert "HandlerNotFound" in run.message and "handle" in run.message
+
+
+def test_unimplemented_is_permanent_and_never_falls_back(tmp_path: Path) -> None:
+    # Seed: UNIMPLEMENTED from a pod without FunctionRuntime is a permanent failure.
+    for pod in _pod(tmp_path, oneshot_only=True):
+        run = pod.create("echo", ECHO_PY)
+        assert (run.phase, run.attempt, run.message) == (FAILED, 1, UNSUPPORTED)
+
+
+def test_restarted_runtimed_keeps_the_attempt_and_registration(pod: Pod) -> None:
+    # Seed: repeating RegisterFunction for the same attempt is idempotent and does not change
+    # Run status: a new runtimed resumes the registration its predecessor made.
+    run = pod.create("echo", ECHO_PY)
+    before = pod.invoke(run).registration.registration_id
+    pod.runtimed.stop(0)
+    successor = Runtimed(
+        pod.store,
+        pod=POD,
+        runtime="python",
+        server_address=pod.runtimed.server_address,
+        poll_interval=0.2,
+    )
+    address = successor.start("unix:" + pod.runtimed.address[5:] + "2")
+    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    try:
+        pod.proxy = pb_grpc.FunctionRuntimeStub(channel)
+        after = pod.invoke(run).registration.registration_id
+        assert after == before
+        current = pod.store.get("echo")
+        assert (current.phase, current.attempt) == (READY, 1)
+    finally:
+        channel.close()
+        successor.stop(0)
+
+
+def test_runtimed_unregisters_a_run_deleted_from_the_store(pod: Pod) -> None:
+    run = pod.create("echo", ECHO_PY)
+    registration = pod.invoke(run).registration
+    pod.control_plane.delete_run("echo")
+    assert not Path(run.working_dir).exists()
+
+    def gone() -> bool:
+        try:
+            pod.server.FunctionStatus(
+                pb.FunctionStatusRequest(registration=registration), timeout=5
+            )
+        except grpc.RpcError as err:
+            return err.code() == grpc.StatusCode.NOT_FOUND
+        return False
+
+    wait_until(gone)

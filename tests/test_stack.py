@@ -1,0 +1,271 @@
+"""The function lifecycle across real processes (SPEC §4): a Runtime Server killed under a READY
+Run, scale to zero and cold start, restarts that lose nothing, `fnkernel up`, and the client CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+
+from runtime_server._proto.executor.v1 import runtime_pb2 as pb
+from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
+from runtime_server.client import Client
+from runtime_server.server import CHANNEL_OPTIONS
+from runtime_server.stack import Stack
+from tests.conftest import ECHO_PY, SLOW_PY, http_call, pid_alive, wait_until
+
+ECHO = {name: textwrap.dedent(text) for name, text in ECHO_PY.items()}
+StackFactory = Callable[..., Stack]
+
+
+def server_stub(
+    stack: Stack, pod: str = "python-0"
+) -> tuple[grpc.Channel, pb_grpc.FunctionRuntimeStub]:
+    child = stack.component(f"{pod}-server").child
+    assert child is not None
+    channel = grpc.insecure_channel(child.address, options=CHANNEL_OPTIONS)
+    return channel, pb_grpc.FunctionRuntimeStub(channel)
+
+
+def phase_and_attempt(client: Client, name: str) -> tuple[str, int]:
+    status = client.status(name)["status"]
+    return status["phase"], status["attempt"]
+
+
+def test_killed_runtime_server_is_ready_again_with_attempt_2(stack_factory: StackFactory) -> None:
+    # Issue 3: SIGKILL the Runtime Server under a READY Run; within 5 s the Run is READY again
+    # with attempt 2, invoking works, and the attempt-1 registration ID is fenced.
+    stack = stack_factory({"python": 1})
+    client = Client(stack.gateway_address)
+    client.create_run("echo", runtime="python", handler="handler.handle", files=ECHO)
+    first = client.status("echo")["live"]["registrationId"]
+    server = stack.component("python-0-server").child
+    assert server is not None
+    os.kill(server.pid, signal.SIGKILL)
+    wait_until(lambda: phase_and_attempt(client, "echo") == ("Ready", 2), timeout=5)
+    result = client.invoke("echo", {"after": "restart"})
+    assert result.value()["echo"] == {"after": "restart"}
+    assert result.attempt == 2
+    second = client.status("echo")["live"]["registrationId"]
+    assert second != first
+    channel, stub = server_stub(stack)
+    stale = pb.FunctionRegistration(run_uid=client.status("echo")["uid"], registration_id=first)
+    try:
+        for call in (
+            lambda: stub.InvokeFunction(pb.InvokeFunctionRequest(registration=stale, input=b"{}"), timeout=5),
+            lambda: stub.UnregisterFunction(pb.UnregisterFunctionRequest(registration=stale), timeout=5),
+        ):  # fmt: skip
+            with pytest.raises(grpc.RpcError) as caught:
+                call()
+            assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    finally:
+        channel.close()
+    assert client.invoke("echo", {}).attempt == 2  # the new registration was untouched
+
+
+def test_idle_run_scales_to_zero_and_cold_starts_with_the_same_attempt(
+    stack_factory: StackFactory,
+) -> None:
+    # SPEC §4: idle timeout = scale to zero; the next invoke re-registers (same attempt).
+    stack = stack_factory({"python": 1})
+    client = Client(stack.gateway_address)
+    client.create_run(
+        "sleepy", runtime="python", handler="handler.handle", files=ECHO, idle_timeout_seconds=1
+    )
+    first = client.status("sleepy")["live"]["registrationId"]
+    assert client.invoke("sleepy", {}).cold_start is False
+    wait_until(lambda: phase_and_attempt(client, "sleepy") == ("Idle", 1), timeout=10)
+    assert client.status("sleepy")["live"] is None  # nothing registered on the server
+    status, headers, output = http_call(
+        stack.gateway_address, "POST", "/v1/runs/sleepy:invoke", b"[1]"
+    )
+    assert status == 200 and json.loads(output)["echo"] == [1]
+    assert headers["X-Fn-Cold-Start"] == "1"
+    assert headers["X-Fn-Attempt"] == "1"
+    assert phase_and_attempt(client, "sleepy") == ("Ready", 1)
+    assert client.status("sleepy")["live"]["registrationId"] != first
+    warm = client.invoke("sleepy", {})
+    assert warm.cold_start is False and warm.attempt == 1
+
+
+def test_restarted_control_plane_and_runtimed_lose_no_run(stack_factory: StackFactory) -> None:
+    # Issue 3: restart the control plane and runtimed: every Run keeps its attempt and phase.
+    stack = stack_factory({"python": 1})
+    client = Client(stack.gateway_address)
+    client.create_run("keep", runtime="python", handler="handler.handle", files=ECHO)
+    client.create_run(
+        "broken", runtime="python", handler="handler.handle", files={"handler.py": "def handle(:\n"}
+    )
+    before = {run["name"]: run["status"] for run in client.list_runs()}
+    registration = client.status("keep")["live"]["registrationId"]
+    assert before["keep"]["phase"] == "Ready" and before["broken"]["phase"] == "Failed"
+    old = {}
+    for name in ("gateway", "python-0-runtimed"):
+        child = stack.component(name).child
+        assert child is not None
+        old[name] = child.pid
+        os.kill(child.pid, signal.SIGKILL)
+
+    def restarted() -> bool:
+        return all(
+            (child := stack.component(name).child) is not None
+            and child.pid != pid
+            and child.proc.poll() is None
+            for name, pid in old.items()
+        )
+
+    wait_until(restarted, timeout=20)
+    client = Client(stack.gateway_address)
+    wait_until(lambda: client.status("keep")["live"] is not None, timeout=10)
+    after = {run["name"]: run["status"] for run in client.list_runs()}
+    assert after == before
+    assert client.invoke("keep", {"x": 1}).value()["echo"] == {"x": 1}
+    # The same attempt resumed the same registration: nothing failed.
+    assert client.status("keep")["live"]["registrationId"] == registration
+    assert phase_and_attempt(client, "keep") == ("Ready", 1)
+
+
+def test_reassignment_to_another_pod_when_a_pod_dies(stack_factory: StackFactory) -> None:
+    # SPEC §4: the control plane reassigns on pod death (attempt + 1 on another pod).
+    stack = stack_factory({"python": 2})
+    client = Client(stack.gateway_address)
+    client.create_run("mover", runtime="python", handler="handler.handle", files=ECHO)
+    pod = client.status("mover")["status"]["assignedPod"]
+    # Stop the whole pod: its supervisor entries are frozen first so nothing restarts it.
+    for name in (f"{pod}-runtimed", f"{pod}-server"):
+        component = stack.component(name)
+        stack.components.remove(component)
+        assert component.child is not None
+        component.child.proc.kill()
+        component.child.proc.wait()
+    wait_until(lambda: phase_and_attempt(client, "mover") == ("Ready", 2), timeout=15)
+    moved = client.status("mover")["status"]["assignedPod"]
+    assert moved != pod
+    assert client.invoke("mover", {"y": 2}).value()["echo"] == {"y": 2}
+
+
+def _read_until_ready(proc: subprocess.Popen[str]) -> list[str]:
+    lines = []
+    assert proc.stdout is not None
+    while True:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"fnkernel up ended early: {lines}")
+        lines.append(line.rstrip())
+        if "ready;" in line:
+            return lines
+
+
+@pytest.mark.parametrize("stop_with", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
+def test_fnkernel_up_prints_addresses_and_stops_everything(
+    tmp_path: Path, stop_with: signal.Signals
+) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "runtime_server.cli", "up", "--state-dir", str(tmp_path / "s"),
+         "--gateway-listen", "127.0.0.1:0", "--pods", "python=1,bash=1"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        lines = _read_until_ready(proc)
+        text = "\n".join(lines)
+        pids = [int(pid) for pid in re.findall(r"\(pid (\d+)\)", text)]
+        assert len(pids) == 5  # two servers, two runtimeds, one gateway
+        for name in ("python-0-server", "python-0-runtimed", "bash-0-server", "bash-0-runtimed"):
+            assert f"{name}: unix:" in text
+        gateway = re.search(r"gateway (http://127\.0\.0\.1:\d+)", text)
+        assert gateway is not None
+        client = Client(gateway.group(1))
+        client.create_run("echo", runtime="python", handler="handler.handle", files=ECHO)
+        assert client.invoke("echo", 5).value()["echo"] == 5
+        proc.send_signal(stop_with)
+        code = proc.wait(30)
+        if stop_with != signal.SIGKILL:
+            assert code == 0
+        # No orphans: every component exits (on SIGKILL, through PR_SET_PDEATHSIG).
+        wait_until(lambda: not any(pid_alive(pid) for pid in pids), timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_up_rejects_a_bad_pods_flag(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "runtime_server.cli", "up", "--state-dir", str(tmp_path), "--pods", "ruby=1"],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "--pods" in result.stderr
+
+
+def fnkernel(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "runtime_server.cli", *args],
+        capture_output=True,
+        text=True,
+        input=stdin,
+        timeout=60,
+    )
+
+
+def test_cli_runs_and_invoke_with_exit_codes(shared_stack: Stack, tmp_path: Path) -> None:
+    # SPEC §7: exit codes 0 ok, 1 function/result failure, 2 usage error.
+    gateway = ["--gateway", shared_stack.gateway_address]
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "handler.py").write_text(
+        "def handle(event, context):\n"
+        "    if event.get('fail'):\n"
+        "        raise RuntimeError('asked to fail')\n"
+        "    context.set_output('n', str(event.get('n', 0)))\n"
+        "    return {'n': event.get('n', 0)}\n"
+    )
+    created = fnkernel("runs", "create", "cli-fn", "--runtime", "python", "--source", str(source),
+                       "--handler", "handler.handle", "--env", "MODE=test", *gateway)  # fmt: skip
+    assert created.returncode == 0, created.stderr
+    assert json.loads(created.stdout)["status"]["phase"] == "Ready"
+    listed = fnkernel("runs", "list", *gateway)
+    assert listed.returncode == 0 and re.search(r"cli-fn\s+python\s+Ready\s+1", listed.stdout)
+    got = fnkernel("runs", "get", "cli-fn", *gateway)
+    assert json.loads(got.stdout)["spec"]["env"] == {"MODE": "test"}
+    ok = fnkernel("invoke", "cli-fn", '{"n": 3}', *gateway)
+    assert (ok.returncode, json.loads(ok.stdout)) == (0, {"n": 3})
+    assert 'outputs: {"n": "3"}' in ok.stderr
+    piped = fnkernel("invoke", "cli-fn", "-", *gateway, stdin='{"n": 4}')
+    assert json.loads(piped.stdout) == {"n": 4}
+    failed = fnkernel("invoke", "cli-fn", '{"fail": true}', *gateway)
+    assert failed.returncode == 1
+    assert "HandlerFailed" in failed.stderr and "asked to fail" in failed.stderr
+    bad = fnkernel("invoke", "cli-fn", "{not json", *gateway)
+    assert bad.returncode == 2 and "not JSON" in bad.stderr
+    missing = fnkernel("invoke", "no-such-fn", *gateway)
+    assert missing.returncode == 1 and "FunctionNotFound" in missing.stderr
+    assert fnkernel("runs", "delete", "cli-fn", *gateway).returncode == 0
+    assert fnkernel("runs", "get", "cli-fn", *gateway).returncode == 1
+
+
+def test_cli_reports_an_unreachable_gateway(tmp_path: Path) -> None:
+    result = fnkernel("runs", "list", "--gateway", f"unix:{tmp_path}/nothing.sock")
+    assert result.returncode == 1
+    assert "cannot reach the gateway" in result.stderr
+
+
+def test_delete_unregisters_and_removes_the_working_dir(shared_stack: Stack) -> None:
+    client = Client(shared_stack.gateway_address)
+    client.create_run("doomed", runtime="python", handler="handler.handle", files=SLOW_PY)
+    workdirs = set(shared_stack.workspace_root.iterdir())
+    started = time.monotonic()
+    client.delete_run("doomed")
+    assert time.monotonic() - started < 15
+    assert len(set(shared_stack.workspace_root.iterdir())) == len(workdirs) - 1
+    assert "doomed" not in [run["name"] for run in client.list_runs()]
