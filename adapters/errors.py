@@ -24,7 +24,8 @@ class InitError(AdapterError):
     """The handler could not be loaded: syntax error, import error, missing function.
 
     ``error_type`` names the failure (``UserCodeSyntaxError``, ``ImportModuleError``,
-    ``HandlerNotFound``, ``InitializationError``); ``message`` is bounded text with no traceback.
+    ``HandlerNotFound``, ``InitializationError``, or ``WorkerKilled`` when a signal ended the
+    worker); ``message`` is bounded text with no traceback.
     """
 
     def __init__(self, error_type: str, message: str) -> None:

@@ -156,8 +156,11 @@ class Worker:
             ) from None
         except _WorkerExited:
             code = self.proc.wait()
+            # Killed by a signal is the platform's doing (OOM killer, an operator): runtimed
+            # retries WorkerKilled; an exit status is the handler's own and is final.
+            error_type = "WorkerKilled" if code < 0 else "InitializationError"
             raise InitError(
-                "InitializationError", f"the handler exited while loading ({describe_exit(code)})"
+                error_type, f"the handler exited while loading ({describe_exit(code)})"
             ) from None
 
     def read_logs(self, *, final: bool = False) -> list[LogLine]:

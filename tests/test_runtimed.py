@@ -15,7 +15,7 @@ import pytest
 
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
-from runtime_server.controlplane import ControlPlane
+from runtime_server.controlplane import ControlPlane, RetryPolicy
 from runtime_server.runs import FAILED, PENDING, READY, Run, RunStore
 from runtime_server.runtimed import POD_KEY, UNSUPPORTED, Runtimed, registration_digest
 from runtime_server.server import CHANNEL_OPTIONS, RuntimeServer
@@ -240,3 +240,22 @@ def test_runtimed_unregisters_a_run_deleted_from_the_store(pod: Pod) -> None:
         return False
 
     wait_until(gone)
+
+
+def test_worker_killed_by_a_signal_is_retried_then_bounded(pod: Pod) -> None:
+    # Issue 3: a worker killed by a signal is an infrastructure failure → retry with attempt + 1,
+    # bounded by the policy (max attempts 3); then Failed, saying why.
+    pod.control_plane.policy = RetryPolicy(max_attempts=3, base_backoff=0.05, max_backoff=0.1)
+    pod.control_plane.start()
+    try:
+        files = {"handler.py": "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n"}
+        pod.control_plane.create_run(
+            name="doomed", runtime="python", handler="handler.handle", files=files
+        )
+        wait_until(lambda: pod.store.get("doomed").phase == FAILED, timeout=20)
+    finally:
+        pod.control_plane.stop()
+    run = pod.store.get("doomed")
+    assert run.attempt == 3
+    assert run.message.startswith("gave up after 3 registration attempts: WorkerKilled:")
+    assert "SIGKILL" in run.message

@@ -1,0 +1,194 @@
+"""The control plane (SPEC §4): Run creation, the scheduler and the retry engine, against a real
+SQLite store. Pods are rows their runtimed would write (heartbeats); no process is needed here."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+from runtime_server.controlplane import ControlPlane, RetryPolicy
+from runtime_server.errors import InvalidField, NoRuntimePod, RunAlreadyExists, RunNotFound
+from runtime_server.runs import FAILED, IDLE, PENDING, READY, RETRYING, RunStore
+
+HANDLER = {"handler.py": "def handle(event):\n    return event\n"}
+
+
+@pytest.fixture
+def plane(tmp_path: Path) -> ControlPlane:
+    workspace = tmp_path / "workspace"
+    workspace.mkdir()
+    return ControlPlane(
+        RunStore(tmp_path / "runs.db"),
+        workspace,
+        policy=RetryPolicy(max_attempts=3, base_backoff=0.0, max_backoff=0.0),
+    )
+
+
+def alive(plane: ControlPlane, *pods: str, healthy: bool = True) -> None:
+    for pod in pods:
+        plane.store.heartbeat(pod, "python", f"unix:/{pod}", healthy)
+
+
+def create(plane: ControlPlane, name: str = "fn") -> str:
+    return plane.create_run(
+        name=name, runtime="python", handler="handler.handle", files=HANDLER
+    ).uid
+
+
+def test_store_is_sqlite_in_wal_mode(plane: ControlPlane) -> None:
+    # SPEC §4: SQLite (stdlib sqlite3, WAL) so that a restart loses nothing.
+    mode = sqlite3.connect(plane.store.path).execute("PRAGMA journal_mode").fetchone()[0]
+    assert mode == "wal"
+
+
+def test_create_copies_the_source_and_starts_at_attempt_1(plane: ControlPlane) -> None:
+    alive(plane, "python-0")
+    files = {"handler.py": "def handle(e):\n    return e\n", "lib/util.py": "X = 1\n"}
+    run = plane.create_run(name="fn", runtime="python", handler="handler.handle", files=files)
+    assert (run.phase, run.attempt, run.assigned_pod) == (PENDING, 1, "python-0")
+    working_dir = Path(run.working_dir)
+    assert working_dir.parent == plane.workspace_root
+    assert (working_dir / "lib" / "util.py").read_text() == "X = 1\n"
+    again = RunStore(plane.store.path).get("fn")  # another connection, as after a restart
+    assert again == run
+
+
+def test_scheduler_picks_the_least_loaded_live_pod(plane: ControlPlane) -> None:
+    alive(plane, "python-0", "python-1")
+    alive(plane, "python-2", healthy=False)
+    pods = [plane.store.get_uid(create(plane, f"fn{i}")).assigned_pod for i in range(4)]  # type: ignore[union-attr]
+    assert sorted(pods) == ["python-0", "python-0", "python-1", "python-1"]
+
+
+def test_create_without_a_live_pod_is_refused_and_leaves_nothing(plane: ControlPlane) -> None:
+    with pytest.raises(NoRuntimePod):
+        create(plane)
+    assert list(plane.workspace_root.iterdir()) == []
+    with pytest.raises(RunNotFound):
+        plane.store.get("fn")
+
+
+def test_a_bad_handler_is_refused_and_its_working_dir_removed(plane: ControlPlane) -> None:
+    alive(plane, "python-0")
+    with pytest.raises(InvalidField) as caught:
+        plane.create_run(name="fn", runtime="python", handler="../x.handle", files=HANDLER)
+    assert caught.value.field == "handler"
+    assert list(plane.workspace_root.iterdir()) == []
+
+
+def test_duplicate_name_is_refused(plane: ControlPlane) -> None:
+    alive(plane, "python-0")
+    create(plane)
+    with pytest.raises(RunAlreadyExists):
+        create(plane)
+    assert len(list(plane.workspace_root.iterdir())) == 1
+
+
+def test_retry_on_the_same_pod_when_it_is_healthy(plane: ControlPlane) -> None:
+    # Seed: the retry engine advances the attempt before the scheduler (re)assigns a pod.
+    alive(plane, "python-0", "python-1")
+    run = plane.store.get_uid(create(plane))
+    assert run is not None
+    plane.store.update(run, phase=RETRYING, message="server died", failed_at=time.time())
+    plane.reconcile()
+    retried = plane.store.get("fn")
+    assert (retried.phase, retried.attempt, retried.assigned_pod) == (PENDING, 2, run.assigned_pod)
+
+
+def test_reassignment_when_the_pod_is_unhealthy(plane: ControlPlane) -> None:
+    alive(plane, "python-0")
+    run = plane.store.get_uid(create(plane))
+    assert run is not None
+    alive(plane, "python-1")
+    alive(plane, "python-0", healthy=False)
+    plane.store.update(run, phase=RETRYING, message="server died", failed_at=time.time())
+    plane.reconcile()
+    retried = plane.store.get("fn")
+    assert (retried.phase, retried.attempt, retried.assigned_pod) == (PENDING, 2, "python-1")
+
+
+def test_no_live_pod_means_wait_without_spending_an_attempt(plane: ControlPlane) -> None:
+    alive(plane, "python-0")
+    run = plane.store.get_uid(create(plane))
+    assert run is not None
+    alive(plane, "python-0", healthy=False)
+    plane.store.update(run, phase=RETRYING, message="server died", failed_at=time.time())
+    for _ in range(3):
+        plane.reconcile()
+    waiting = plane.store.get("fn")
+    assert (waiting.phase, waiting.attempt) == (RETRYING, 1)
+    alive(plane, "python-0")
+    plane.reconcile()
+    assert (plane.store.get("fn").phase, plane.store.get("fn").attempt) == (PENDING, 2)
+
+
+def test_retries_are_bounded_by_max_attempts(plane: ControlPlane) -> None:
+    alive(plane, "python-0")
+    create(plane)
+    for expected in (2, 3):
+        run = plane.store.get("fn")
+        plane.store.update(run, phase=RETRYING, message="worker killed", failed_at=time.time())
+        plane.reconcile()
+        assert plane.store.get("fn").attempt == expected
+    run = plane.store.get("fn")
+    plane.store.update(run, phase=RETRYING, message="worker killed", failed_at=time.time())
+    plane.reconcile()
+    final = plane.store.get("fn")
+    assert (final.phase, final.attempt) == (FAILED, 3)
+    assert final.message == "gave up after 3 registration attempts: worker killed"
+
+
+def test_backoff_is_exponential_with_a_cap() -> None:
+    policy = RetryPolicy(max_attempts=10, base_backoff=0.2, max_backoff=1.0)
+    assert [policy.backoff(a) for a in (1, 2, 3, 4, 5)] == [0.2, 0.4, 0.8, 1.0, 1.0]
+
+
+def test_retry_waits_out_the_backoff(tmp_path: Path) -> None:
+    plane = ControlPlane(
+        RunStore(tmp_path / "runs.db"), tmp_path, policy=RetryPolicy(base_backoff=60)
+    )
+    alive(plane, "python-0")
+    run = plane.store.get_uid(create(plane))
+    assert run is not None
+    plane.store.update(run, phase=RETRYING, message="x", failed_at=time.time())
+    plane.reconcile()
+    assert plane.store.get("fn").phase == RETRYING  # 60 s have not passed
+
+
+def test_runs_on_a_dead_pod_move_to_retry(plane: ControlPlane) -> None:
+    alive(plane, "python-0")
+    run = plane.store.get_uid(create(plane))
+    assert run is not None
+    plane.store.update(run, phase=READY)
+    alive(plane, "python-0", healthy=False)
+    alive(plane, "python-1")
+    plane.reconcile()  # Ready on a dead pod → Retrying
+    plane.reconcile()  # Retrying → attempt 2 on the live pod
+    moved = plane.store.get("fn")
+    assert (moved.phase, moved.attempt, moved.assigned_pod) == (PENDING, 2, "python-1")
+
+
+def test_an_idle_run_moves_off_a_dead_pod_without_a_new_attempt(plane: ControlPlane) -> None:
+    # No registration exists while Idle, so nothing failed: the attempt stays.
+    alive(plane, "python-0")
+    run = plane.store.get_uid(create(plane))
+    assert run is not None
+    plane.store.update(run, phase=IDLE)
+    alive(plane, "python-0", healthy=False)
+    alive(plane, "python-1")
+    plane.reconcile()
+    moved = plane.store.get("fn")
+    assert (moved.phase, moved.attempt, moved.assigned_pod) == (IDLE, 1, "python-1")
+
+
+def test_status_writes_are_fenced_on_attempt_and_pod(plane: ControlPlane) -> None:
+    # A late writer that saw attempt 1 cannot overwrite what attempt 2 decided.
+    alive(plane, "python-0")
+    seen = plane.store.get_uid(create(plane))
+    assert seen is not None
+    plane.store.update(seen, attempt=2)
+    assert plane.store.update(seen, phase=FAILED, message="late") is None
+    assert plane.store.get("fn").phase == PENDING
