@@ -1,0 +1,99 @@
+"""Invoke latency through the HTTP gateway against a direct Runtime Server invoke (issue 3).
+
+One `Stack` (a python pod and the gateway, each its own process), one trivial Run, measured in the
+same run:
+
+* direct: InvokeFunction on the Runtime Server's Unix socket with the active registration ID;
+* proxy hop: InvokeFunction on runtimed's Unix socket with an empty ID (fills it in, fences);
+* gateway: POST /v1/runs/NAME:invoke over a kept-alive HTTP connection on TCP loopback, through
+  the client library (HTTP → gateway → runtimed → Runtime Server → worker).
+
+Target: gateway p50 <= 1.8x direct p50. Usage: python -m benchmarks.gateway [--calls N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import grpc
+
+from benchmarks.invoke import PAYLOAD, PY_HANDLER, measure, p
+from runtime_server._proto.executor.v1 import runtime_pb2 as pb
+from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
+from runtime_server.client import Client
+from runtime_server.runtimed import POD_KEY
+from runtime_server.server import CHANNEL_OPTIONS
+from runtime_server.stack import Stack
+
+TARGET = 1.8
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=2000)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="fnkernel-bench-") as tmp:
+        stack = Stack(Path(tmp) / "state", {"python": 1}, gateway_listen="127.0.0.1:0")
+        stack.start()
+        try:
+            return run(stack, args.calls)
+        finally:
+            stack.stop()
+
+
+def run(stack: Stack, calls: int) -> int:
+    client = Client(stack.gateway_address)
+    client.create_run(
+        "bench", runtime="python", handler="handler.handle", files={"handler.py": PY_HANDLER}
+    )
+    status = client.status("bench")
+    registration = pb.FunctionRegistration(
+        run_uid=status["uid"], registration_id=status["live"]["registrationId"]
+    )
+    server = stack.component("python-0-server").child
+    runtimed = stack.component("python-0-runtimed").child
+    assert server is not None and runtimed is not None
+    channels = [
+        grpc.insecure_channel(c.address, options=CHANNEL_OPTIONS) for c in (server, runtimed)
+    ]
+    direct_stub, proxy_stub = (pb_grpc.FunctionRuntimeStub(c) for c in channels)
+    direct_request = pb.InvokeFunctionRequest(
+        registration=registration, input=PAYLOAD, content_type="application/json"
+    )
+    proxy_request = pb.InvokeFunctionRequest(
+        registration=pb.FunctionRegistration(run_uid=registration.run_uid),
+        input=PAYLOAD,
+        content_type="application/json",
+    )
+    pod = ((POD_KEY, "python-0"),)
+    cases = {
+        "direct Runtime Server": lambda: direct_stub.InvokeFunction(direct_request, timeout=30),
+        "runtimed proxy hop": lambda: proxy_stub.InvokeFunction(
+            proxy_request, timeout=30, metadata=pod
+        ),
+        "gateway (HTTP)": lambda: client.invoke("bench", data=PAYLOAD),
+    }
+    results = {}
+    for name, call in cases.items():
+        assert call() is not None
+        results[name] = measure(call, calls)
+    for channel in channels:
+        channel.close()
+
+    floor = p(results["direct Runtime Server"], 50)
+    print(f"{len(results['gateway (HTTP)'])} calls each; payload {PAYLOAD.decode()}")
+    print(f"{'case':<24}{'p50 ms':>9}{'p99 ms':>9}{'ratio':>8}")
+    for name, samples in results.items():
+        print(
+            f"{name:<24}{p(samples, 50):>9.3f}{p(samples, 99):>9.3f}{p(samples, 50) / floor:>7.2f}x"
+        )
+    ratio = p(results["gateway (HTTP)"], 50) / floor
+    verdict = "met" if ratio <= TARGET else "MISSED"
+    print(f"gateway / direct p50: {ratio:.2f}x (target <= {TARGET}x) {verdict}")
+    return 0 if ratio <= TARGET else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
