@@ -86,7 +86,7 @@ def _runtimed(args: argparse.Namespace) -> int:
 def _gateway(args: argparse.Namespace) -> int:
     import asyncio
 
-    from runtime_server import logs, process
+    from runtime_server import logs
     from runtime_server.controlplane import ControlPlane
     from runtime_server.gateway import Gateway, is_loopback
     from runtime_server.launch import announcement
@@ -136,7 +136,6 @@ def _gateway(args: argparse.Namespace) -> int:
         await gateway.close()
         control_plane.stop()
 
-    del process
     asyncio.run(serve())
     return EXIT_OK
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from adapters import ADAPTERS
-from adapters.errors import InvalidHandler
 from runtime_server import limits
 from runtime_server.errors import InvalidField, NoRuntimePod
+from runtime_server.registry import check_handler
 from runtime_server.runs import (
     DELETED,
     DELETING,
@@ -125,10 +125,7 @@ class ControlPlane:
                 target = working_dir / path
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_text(text)
-            try:
-                ADAPTERS[runtime].check_handler(handler, working_dir)
-            except InvalidHandler as exc:
-                raise InvalidField("handler", str(exc)) from None
+            check_handler(ADAPTERS[runtime], handler, working_dir)
             run = Run(
                 uid=uid,
                 name=name,
@@ -162,8 +159,12 @@ class ControlPlane:
     def delete_run(self, name: str, timeout: float = 15.0) -> None:
         """Ask the pod's runtimed to unregister (bounded drain), then remove the working dir."""
         run = self.store.get(name)
-        if run.phase != DELETED:
-            self.store.update(run, phase=DELETING, message="delete requested")
+        # The write is fenced on attempt and pod: if the retry engine moved the Run meanwhile,
+        # read it again and repeat.
+        while run.phase not in (DELETING, DELETED):
+            if self.store.update(run, phase=DELETING, message="delete requested"):
+                break
+            run = self.store.get(name)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             current = self.store.get_uid(run.uid)

@@ -18,6 +18,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,7 +141,7 @@ class Runtimed:
         self._runs: dict[str, Run] = {}  # this pod's Runs as of the last reconcile pass
         # Per Run: registration, scale to zero, delete and the proxy's slow path never interleave.
         self._run_locks: dict[str, threading.RLock] = {}
-        self._registering: set[str] = set()
+        self._busy: set[str] = set()  # Runs with a registration or delete job queued or running
         self._workers = futures.ThreadPoolExecutor(8, thread_name_prefix="register")
         self._stop = threading.Event()
         self._loop_thread: threading.Thread | None = None
@@ -219,20 +220,21 @@ class Runtimed:
             elif run.phase in (FAILED, RETRYING) and run.uid in self._active:
                 self._unregister(run.uid, cancel=True)
 
-    def _submit(self, run: Run, action: object) -> None:
+    def _submit(self, run: Run, action: Callable[[Run], object]) -> None:
+        """Run `action(run)` on the worker pool unless a job for this Run is already queued."""
         with self._lock:
-            if run.uid in self._registering:
+            if run.uid in self._busy:
                 return
-            self._registering.add(run.uid)
+            self._busy.add(run.uid)
 
         def job() -> None:
             try:
-                action(run)  # type: ignore[operator]
+                action(run)
             except Exception:
-                LOG.exception("run %s: %s failed", run.name, getattr(action, "__name__", action))
+                LOG.exception("run %s: background job failed", run.name)
             finally:
                 with self._lock:
-                    self._registering.discard(run.uid)
+                    self._busy.discard(run.uid)
 
         self._workers.submit(job)
 
@@ -284,9 +286,9 @@ class Runtimed:
                     "run %s attempt %d READY as %s", run.name, run.attempt, active.registration_id
                 )
                 return active
-            fatal = self._fatal_error(run.uid, active.registration_id)
             if response.state == REG_FAILED:
-                self._fatal(run, fatal)
+                self._fatal(run, self._fatal_error(run.uid, active.registration_id))
+            # Still REGISTERING (a very slow import): the next pass repeats the same attempt.
             return None
 
     def _fatal_error(self, run_uid: str, registration_id: str) -> str:
