@@ -53,7 +53,8 @@ CREATE TABLE IF NOT EXISTS runs (
     outputs TEXT NOT NULL DEFAULT '{}',
     assigned_pod TEXT NOT NULL DEFAULT '',
     failed_at REAL NOT NULL DEFAULT 0,
-    created_at REAL NOT NULL
+    created_at REAL NOT NULL,
+    registration_digest TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS pods (
     name TEXT PRIMARY KEY,
@@ -82,6 +83,9 @@ class Run:
     assigned_pod: str = ""
     failed_at: float = 0.0
     created_at: float = 0.0
+    # Set by runtimed at the first registration and reused after: the inputs are immutable, but
+    # a handler may write into its working dir, which must not change the digest later.
+    registration_digest: str = ""
 
     def to_json(self) -> dict[str, Any]:
         """The Run as the gateway shows it: spec and status, camelCase like the seed's JSON."""

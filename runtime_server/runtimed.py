@@ -249,7 +249,10 @@ class Runtimed:
             if current is None or current.phase != expect_phase or current.assigned_pod != self.pod:
                 return None
             run = current
-            digest = registration_digest(run)
+            digest = run.registration_digest
+            if not digest:
+                digest = registration_digest(run)
+                run = self.store.update(run, registration_digest=digest) or run
             request = pb.RegisterFunctionRequest(
                 run_uid=run.uid,
                 registration_attempt=run.attempt,

@@ -203,6 +203,8 @@ def test_restarted_runtimed_keeps_the_attempt_and_registration(pod: Pod) -> None
     # Run status: a new runtimed resumes the registration its predecessor made.
     run = pod.create("echo", ECHO_PY)
     before = pod.invoke(run).registration.registration_id
+    # The handler may write into its working dir; the digest was fixed at first registration.
+    (Path(run.working_dir) / "cache.json").write_text("{}")
     pod.runtimed.stop(0)
     successor = Runtimed(
         pod.store,
