@@ -57,7 +57,7 @@ from runtime_server.server import (
     add_health,
     add_reflection,
 )
-from runtime_server.servicer import translate_errors
+from runtime_server.servicer import caller_timeout, relayed_trailers, translate_errors
 
 LOG = logging.getLogger("fnkernel.runtimed")
 POD_KEY = "x-fn-pod"  # routing fence: the pod the caller routed to
@@ -290,23 +290,20 @@ class Runtimed:
                 )
                 return active
             if response.state == REG_FAILED:
-                self._fatal(run, self._fatal_error(run.uid, active.registration_id))
+                self._fatal(run, self._fatal_error(run.uid, active))
             # Still REGISTERING (a very slow import): the next pass repeats the same attempt.
             return None
 
-    def _fatal_error(self, run_uid: str, registration_id: str) -> str:
+    def _server_status(self, run_uid: str, active: Active) -> pb.FunctionStatusResponse:
+        return self.server_stub.FunctionStatus(
+            pb.FunctionStatusRequest(registration=_reference(run_uid, active)), timeout=2
+        )
+
+    def _fatal_error(self, run_uid: str, active: Active) -> str:
         try:
-            status = self.server_stub.FunctionStatus(
-                pb.FunctionStatusRequest(
-                    registration=pb.FunctionRegistration(
-                        run_uid=run_uid, registration_id=registration_id
-                    )
-                ),
-                timeout=5,
-            )
+            return self._server_status(run_uid, active).fatal_error
         except grpc.RpcError as err:
             return err.details() or ""
-        return status.fatal_error
 
     def _fatal(self, run: Run, fatal_error: str) -> None:
         """A FAILED registration: retry infrastructure faults, fail user-code faults for good."""
@@ -341,8 +338,8 @@ class Runtimed:
         with self._lock:
             ready = [run for run in self._runs.values() if run.phase == READY]
         for run in ready:
-            active = self._active.get(run.uid)
-            if active is None or active.attempt != run.attempt:
+            active = self.active(run)
+            if active is None:
                 # runtimed restarted: the same attempt and digest return the current reference.
                 self._submit(run, lambda r: self._register(r, expect_phase=READY))
                 continue
@@ -350,14 +347,7 @@ class Runtimed:
 
     def _poll_one(self, run: Run, active: Active) -> None:
         try:
-            status = self.server_stub.FunctionStatus(
-                pb.FunctionStatusRequest(
-                    registration=pb.FunctionRegistration(
-                        run_uid=run.uid, registration_id=active.registration_id
-                    )
-                ),
-                timeout=2,
-            )
+            status = self._server_status(run.uid, active)
         except grpc.RpcError as err:
             # NOT_FOUND: the server restarted and lost it; UNAVAILABLE: the server is gone.
             self._infrastructure_failure(run, f"FunctionStatus: {err.code().name}: {err.details()}")
@@ -397,9 +387,7 @@ class Runtimed:
         try:
             self.server_stub.UnregisterFunction(
                 pb.UnregisterFunctionRequest(
-                    registration=pb.FunctionRegistration(
-                        run_uid=uid, registration_id=active.registration_id
-                    ),
+                    registration=_reference(uid, active),
                     cancel_in_flight=cancel,
                     drain_timeout_millis=_DRAIN_MILLIS,
                 ),
@@ -462,6 +450,10 @@ class Runtimed:
         raise RunNotReady(f"run {run.name} is {run.phase} (attempt {run.attempt}){detail}")
 
 
+def _reference(run_uid: str, active: Active) -> pb.FunctionRegistration:
+    return pb.FunctionRegistration(run_uid=run_uid, registration_id=active.registration_id)
+
+
 def _routed_to(context: grpc.ServicerContext) -> str | None:
     for key, value in context.invocation_metadata():
         if key == POD_KEY:
@@ -512,8 +504,7 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
         forwarded = pb.InvokeFunctionRequest()
         forwarded.CopyFrom(request)
         forwarded.registration.registration_id = active.registration_id
-        remaining = context.time_remaining()
-        timeout = remaining if remaining is not None and remaining < 1e9 else None
+        timeout = caller_timeout(context)
         if timeout is not None:
             # Seed: runtimed bounds timeout_millis by the caller's (gateway's) deadline.
             bound = max(1, int(timeout * 1000))
@@ -527,9 +518,7 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
         if cold:
             metadata += ((COLD_START_KEY, "1"),)
         context.send_initial_metadata(metadata)
-        trailers = call.trailing_metadata()
-        if trailers:
-            context.set_trailing_metadata(tuple((k, v) for k, v in trailers if k.startswith("fn-")))
+        context.set_trailing_metadata(relayed_trailers(call.trailing_metadata()))
         return response
 
     @translate_errors

@@ -93,9 +93,7 @@ def translate_errors(method: F) -> F:
             return method(self, request, context)
         except grpc.RpcError as exc:  # an upstream call's status passes through (proxy hop)
             upstream: Any = exc
-            context.set_trailing_metadata(
-                tuple((k, v) for k, v in upstream.trailing_metadata() or () if k.startswith("fn-"))
-            )
+            context.set_trailing_metadata(relayed_trailers(upstream.trailing_metadata()))
             context.abort(upstream.code(), upstream.details() or "")
         except Exception as exc:
             code = status_of(exc)
@@ -112,11 +110,22 @@ def translate_errors(method: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def caller_deadline(context: grpc.ServicerContext) -> float | None:
+def relayed_trailers(trailers: Any) -> tuple[tuple[str, str | bytes], ...]:
+    """An upstream call's ``fn-*`` trailers (error type, logs), to pass on unchanged."""
+    return tuple((k, v) for k, v in trailers or () if k.startswith("fn-"))
+
+
+def caller_timeout(context: grpc.ServicerContext) -> float | None:
+    """Seconds left before the caller's deadline, or None if it set none."""
     remaining = context.time_remaining()
     if remaining is None or remaining > _NO_DEADLINE:
         return None
-    return time.monotonic() + remaining
+    return float(remaining)
+
+
+def caller_deadline(context: grpc.ServicerContext) -> float | None:
+    remaining = caller_timeout(context)
+    return None if remaining is None else time.monotonic() + remaining
 
 
 def cancel_on_client_exit(context: grpc.ServicerContext) -> Callable[[Callable[[], object]], None]:
