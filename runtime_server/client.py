@@ -6,6 +6,7 @@ start and must not pay for grpc. Addresses are ``http://host:port`` or ``unix:/p
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -32,6 +33,7 @@ from runtime_server.errors import (
     NotSupported,
     PayloadTooLarge,
     PermissionDenied,
+    RequestCancelled,
     Unauthorized,
 )
 
@@ -118,6 +120,7 @@ class Client:
         self.timeout = timeout
         self._lock = threading.Lock()
         self._idle: list[http.client.HTTPConnection] = []  # kept alive, one per concurrent caller
+        self._busy: dict[http.client.HTTPConnection, bool] = {}  # in use → cancelled
 
     def _connect(self) -> http.client.HTTPConnection:
         if self.address.startswith("unix:"):
@@ -146,22 +149,38 @@ class Client:
             reused = connection is not None
             if connection is None:
                 connection = self._connect()
+            with self._lock:
+                self._busy[connection] = False
             try:
                 connection.request(method, path, body=body, headers=sent)
+                if self._busy.get(connection):  # cancelled while it was still connecting
+                    raise ConnectionAbortedError("cancelled")
                 response = connection.getresponse()
                 data = response.read()
             except (ConnectionError, http.client.HTTPException, OSError) as exc:
                 connection.close()
+                with self._lock:
+                    cancelled = self._busy.pop(connection, False)
+                if cancelled:
+                    raise RequestCancelled(
+                        {"code": "CANCELLED", "message": f"{method} {path} was cancelled"}, 0
+                    ) from None
                 if reused and isinstance(exc, _STALE_CONNECTION):
                     continue  # a kept-alive connection the gateway had closed: never ran
                 raise GatewayUnreachable(
                     {"message": f"cannot reach the gateway at {self.address}: {exc}"}, 0
                 ) from None
+            except BaseException:  # KeyboardInterrupt mid-request: the connection is unusable
+                connection.close()
+                with self._lock:
+                    self._busy.pop(connection, None)
+                raise
+            with self._lock:
+                self._busy.pop(connection, None)
+                if not response.will_close:
+                    self._idle.append(connection)
             if response.will_close:
                 connection.close()
-            else:
-                with self._lock:
-                    self._idle.append(connection)
             break
         if response.status >= 400:
             try:
@@ -170,6 +189,21 @@ class Client:
                 error_body = {"message": data.decode("utf-8", "replace")[:500]}
             raise ERRORS.get(response.status, FunctionError)(error_body, response.status)
         return response.status, response.headers, data
+
+    def cancel(self) -> int:
+        """From another thread: abort every request in flight. Each connection is shut down, so
+        the gateway cancels its call (the handler is killed) and each caller gets
+        ``RequestCancelled``. Returns how many requests were cancelled."""
+        with self._lock:
+            busy = list(self._busy)
+            for connection in busy:
+                self._busy[connection] = True
+        for connection in busy:
+            sock = connection.sock
+            if sock is not None:
+                with contextlib.suppress(OSError):  # already closed: the request is over
+                    sock.shutdown(socket.SHUT_RDWR)
+        return len(busy)
 
     def close(self) -> None:
         """Close the idle kept-alive connections."""
@@ -223,8 +257,18 @@ class Client:
         result: dict[str, Any] = self._json("GET", f"/v1/runs/{_quote(name)}")
         return result
 
-    def delete_run(self, name: str) -> None:
-        self.request("DELETE", f"/v1/runs/{_quote(name)}")
+    def delete_run(
+        self, name: str, *, cancel_in_flight: bool = False, drain_timeout_millis: int = 0
+    ) -> None:
+        """Unregister and delete: drain the in-flight invocation (at most `drain_timeout_millis`,
+        0 for the gateway's default), or cancel it."""
+        query = urllib.parse.urlencode(
+            {
+                "cancelInFlight": "true" if cancel_in_flight else "false",
+                "drainTimeoutMs": str(drain_timeout_millis),
+            }
+        )
+        self.request("DELETE", f"/v1/runs/{_quote(name)}?{query}")
 
     # Invocation
 

@@ -22,6 +22,7 @@ from runtime_server import limits
 from runtime_server.errors import InvalidField, NoRuntimePod
 from runtime_server.registry import check_handler
 from runtime_server.runs import (
+    DEFAULT_DRAIN_MILLIS,
     DELETED,
     DELETING,
     FAILED,
@@ -35,6 +36,7 @@ from runtime_server.runs import (
 
 LOG = logging.getLogger("fnkernel.controlplane")
 MAX_FILES = 1000
+DELETE_MARGIN_SECONDS = 10.0  # beyond the drain: runtimed's tick and the Unregister round trip
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,62}")
 
 
@@ -156,16 +158,29 @@ class ControlPlane:
                 return run
             time.sleep(poll)
 
-    def delete_run(self, name: str, timeout: float = 15.0) -> None:
-        """Ask the pod's runtimed to unregister (bounded drain), then remove the working dir."""
+    def delete_run(
+        self, name: str, *, cancel_in_flight: bool = False, drain_timeout_millis: int = 0
+    ) -> None:
+        """Ask the pod's runtimed to unregister — cancelling the in-flight invocation, or
+        draining it for at most `drain_timeout_millis` (0: runtimed's default) — then remove
+        the working dir."""
+        if drain_timeout_millis < 0:
+            raise InvalidField("drainTimeoutMs", "must not be negative")
         run = self.store.get(name)
         # The write is fenced on attempt and pod: if the retry engine moved the Run meanwhile,
         # read it again and repeat.
         while run.phase not in (DELETING, DELETED):
-            if self.store.update(run, phase=DELETING, message="delete requested"):
+            if self.store.update(
+                run,
+                phase=DELETING,
+                message="delete requested",
+                cancel_in_flight=cancel_in_flight,
+                drain_timeout_millis=drain_timeout_millis,
+            ):
                 break
             run = self.store.get(name)
-        deadline = time.monotonic() + timeout
+        drain = (drain_timeout_millis or DEFAULT_DRAIN_MILLIS) / 1000
+        deadline = time.monotonic() + drain + DELETE_MARGIN_SECONDS
         while time.monotonic() < deadline:
             current = self.store.get_uid(run.uid)
             if current is None:

@@ -149,3 +149,8 @@ class GatewayInternalError(FunctionError):
 
 class GatewayUnreachable(FunctionError):
     """The gateway could not be reached at all."""
+
+
+class RequestCancelled(FunctionError):
+    """This client cancelled the request (``Client.cancel``, e.g. a kernel interrupt): its
+    connection was closed, so the gateway cancelled the call and the handler was killed."""

@@ -206,6 +206,7 @@ class BaseHandler(web.RequestHandler):
 def rpc_error(err: grpc.aio.AioRpcError, run: Run, invocation_id: str = "") -> GatewayError:
     """A status from runtimed as a GatewayError; a handler error keeps its type and logs."""
     code, message = err.code(), err.details() or ""
+    message = message.replace(f"run {run.uid}", f'"{run.name}"')  # gateway users know the name
     extra: dict[str, Any] = {"runUid": run.uid, "invocationId": invocation_id}
     if code == Code.UNKNOWN:
         trailers = _metadata(err.trailing_metadata())
@@ -298,7 +299,18 @@ class RunHandler(BaseHandler):
         self.send_json(200, body)
 
     async def delete(self, name: str) -> None:
-        await self.blocking(self.gateway.control_plane.delete_run, name)
+        cancel = self.get_query_argument("cancelInFlight", "false")
+        drain = self.get_query_argument("drainTimeoutMs", "0")
+        if cancel not in ("true", "false"):
+            raise InvalidField("cancelInFlight", f"must be true or false, got {cancel!r}")
+        if not drain.isdigit():
+            raise InvalidField("drainTimeoutMs", f"must be a non-negative integer, got {drain!r}")
+        await self.blocking(
+            self.gateway.control_plane.delete_run,
+            name,
+            cancel_in_flight=cancel == "true",
+            drain_timeout_millis=int(drain),
+        )
         self.set_status(204)
         self.finish()
 

@@ -62,7 +62,9 @@ def spawn(
     """Start ``fnkernel ARGS...`` and wait for its announcement line.
 
     With `die_with_parent` the child gets SIGTERM when this process dies, so a killed parent
-    (``fnkernel up``, a kernel) leaves no orphan behind.
+    (``fnkernel up``, a kernel) leaves no orphan behind, and it runs in its own session: a
+    signal to the parent's process group (Ctrl-C in a terminal, a kernel interrupt, which
+    ipykernel sends with ``killpg``) stays with the parent, which stops its children in order.
     """
     argv = [sys.executable, "-m", "runtime_server.cli", *args]
     proc = subprocess.Popen(
@@ -72,6 +74,7 @@ def spawn(
         stdin=subprocess.DEVNULL,
         text=True,
         preexec_fn=process.die_with_parent if die_with_parent else None,
+        start_new_session=die_with_parent,
     )
     assert proc.stdout is not None
     line = proc.stdout.readline().strip()

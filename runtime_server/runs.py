@@ -36,6 +36,7 @@ DELETED = "Deleted"  # unregistered; the control plane removes the working dir a
 PHASES = (PENDING, READY, IDLE, RETRYING, FAILED, DELETING, DELETED)
 
 POD_HEARTBEAT_TIMEOUT = 3.0  # seconds without a heartbeat before a pod counts as gone
+DEFAULT_DRAIN_MILLIS = 5_000  # how long a delete lets the in-flight invocation finish
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -54,7 +55,9 @@ CREATE TABLE IF NOT EXISTS runs (
     assigned_pod TEXT NOT NULL DEFAULT '',
     failed_at REAL NOT NULL DEFAULT 0,
     created_at REAL NOT NULL,
-    registration_digest TEXT NOT NULL DEFAULT ''
+    registration_digest TEXT NOT NULL DEFAULT '',
+    cancel_in_flight INTEGER NOT NULL DEFAULT 0,
+    drain_timeout_millis INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS pods (
     name TEXT PRIMARY KEY,
@@ -86,6 +89,10 @@ class Run:
     # Set by runtimed at the first registration and reused after: the inputs are immutable, but
     # a handler may write into its working dir, which must not change the digest later.
     registration_digest: str = ""
+    # How a delete unregisters it (set with phase Deleting): cancel the in-flight invocation, or
+    # drain it for at most drain_timeout_millis (0: runtimed's default).
+    cancel_in_flight: bool = False
+    drain_timeout_millis: int = 0
 
     def to_json(self) -> dict[str, Any]:
         """The Run as the gateway shows it: spec and status, camelCase like the seed's JSON."""
@@ -128,6 +135,7 @@ def _run(row: sqlite3.Row) -> Run:
     values = dict(row)
     values["env"] = json.loads(values["env"])
     values["outputs"] = json.loads(values["outputs"])
+    values["cancel_in_flight"] = bool(values["cancel_in_flight"])
     return Run(**values)
 
 
@@ -137,7 +145,20 @@ class RunStore:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._local = threading.local()
-        self._connection().executescript(_SCHEMA)  # idempotent; executescript commits by itself
+        db = self._connection()
+        db.executescript(_SCHEMA)  # idempotent; executescript commits by itself
+        self._add_missing_columns(db)
+
+    @staticmethod
+    def _add_missing_columns(db: sqlite3.Connection) -> None:
+        """A store written by an older fnkernel lacks the newer columns; add them, with the
+        schema's defaults, so no Run is lost to an upgrade."""
+        have = {row["name"] for row in db.execute("PRAGMA table_info(runs)")}
+        table = _SCHEMA.split("CREATE TABLE IF NOT EXISTS runs (", 1)[1].split(");", 1)[0]
+        for line in table.strip().splitlines():
+            column = line.strip().rstrip(",")
+            if column.split()[0] not in have:
+                db.execute(f"ALTER TABLE runs ADD COLUMN {column}")
 
     def _connection(self) -> sqlite3.Connection:
         db: sqlite3.Connection | None = getattr(self._local, "db", None)

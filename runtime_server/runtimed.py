@@ -41,6 +41,7 @@ from runtime_server.errors import (
 from runtime_server.registry import FAILED as REG_FAILED
 from runtime_server.registry import READY as REG_READY
 from runtime_server.runs import (
+    DEFAULT_DRAIN_MILLIS,
     DELETED,
     DELETING,
     FAILED,
@@ -70,7 +71,6 @@ UNSUPPORTED = "runtime does not support function mode"
 INFRASTRUCTURE_FATAL_TYPES = frozenset({"WorkerKilled"})
 _SKIPPED_DIRS = frozenset({"__pycache__"})
 _REGISTER_RPC_TRIES = 3
-_DRAIN_MILLIS = 5_000
 
 
 def source_tree_hash(working_dir: Path) -> str:
@@ -377,28 +377,34 @@ class Runtimed:
                 self._unregister_active(run.uid, active, cancel=False)
             LOG.info("run %s idle after %ss: unregistered", run.name, run.idle_timeout_seconds)
 
-    def _unregister(self, uid: str, *, cancel: bool) -> None:
+    def _unregister(self, uid: str, *, cancel: bool, drain_millis: int = 0) -> None:
         with self._lock:
             active = self._active.pop(uid, None)
         if active is not None:
-            self._unregister_active(uid, active, cancel=cancel)
+            self._unregister_active(uid, active, cancel=cancel, drain_millis=drain_millis)
 
-    def _unregister_active(self, uid: str, active: Active, *, cancel: bool) -> None:
+    def _unregister_active(
+        self, uid: str, active: Active, *, cancel: bool, drain_millis: int = 0
+    ) -> None:
+        drain_millis = drain_millis or DEFAULT_DRAIN_MILLIS
         try:
             self.server_stub.UnregisterFunction(
                 pb.UnregisterFunctionRequest(
                     registration=_reference(uid, active),
                     cancel_in_flight=cancel,
-                    drain_timeout_millis=_DRAIN_MILLIS,
+                    drain_timeout_millis=drain_millis,
                 ),
-                timeout=_DRAIN_MILLIS / 1000 + 5,
+                timeout=drain_millis / 1000 + 5,
             )
         except grpc.RpcError as err:
             LOG.warning("unregistering %s: %s", uid, err.details())
 
     def _delete(self, run: Run) -> None:
         with self._run_lock(run.uid):
-            self._unregister(run.uid, cancel=False)  # SPEC §4: bounded drain
+            # SPEC §4: a bounded drain, unless the delete asked to cancel the in-flight call
+            self._unregister(
+                run.uid, cancel=run.cancel_in_flight, drain_millis=run.drain_timeout_millis
+            )
             self.store.update(run, expect_phase=DELETING, phase=DELETED, message="unregistered")
 
     # Proxy hop

@@ -74,6 +74,8 @@ class Stack:
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._supervisor: threading.Thread | None = None
+        self._sockets = state_dir
+        self._common = ["--state-dir", str(self.state_dir)]
 
     @property
     def workspace_root(self) -> Path:
@@ -81,7 +83,7 @@ class Stack:
 
     @property
     def gateway_address(self) -> str:
-        gateway = self.components[-1].child
+        gateway = self.component("gateway").child
         return gateway.address if gateway is not None else ""
 
     def _socket_dir(self) -> Path:
@@ -95,61 +97,57 @@ class Stack:
         """Start every pod, then the gateway; each is announced before the next starts."""
         for directory in (self.state_dir, self.workspace_root, self.state_dir / "logs"):
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        sockets = self._socket_dir()
-        common = ["--state-dir", str(self.state_dir)]
-        for runtime, count in self.pods.items():
-            for index in range(count):
-                pod = f"{runtime}-{index}"
-                server = f"unix:{sockets / pod}.sock"
-                self.components.append(
-                    Component(
-                        f"{pod}-server",
-                        [
-                            "serve",
-                            "--runtime",
-                            runtime,
-                            "--listen",
-                            server,
-                            "--workspace-root",
-                            str(self.workspace_root),
-                        ],
-                    )
-                )
-                self.components.append(
-                    Component(
-                        f"{pod}-runtimed",
-                        [
-                            "runtimed",
-                            "--pod",
-                            pod,
-                            "--runtime",
-                            runtime,
-                            "--server",
-                            server,
-                            "--listen",
-                            f"unix:{sockets / pod}.rtd.sock",
-                            "--poll-interval",
-                            str(self.poll_interval),
-                            *common,
-                        ],
-                    )
-                )
-        gateway = ["gateway", "--listen", self.gateway_listen, *common]
+        self._sockets = self._socket_dir()
+        gateway = ["gateway", "--listen", self.gateway_listen, *self._common]
         if self.token_file is not None:
             gateway += ["--token-file", str(self.token_file)]
-        self.components.append(Component("gateway", gateway))
         try:
-            for component in self.components:
-                component.start(self.state_dir / "logs")
-                if component.name == "gateway" and component.child is not None:
-                    # Restart the gateway where it was, not on a fresh ephemeral port.
-                    listen = component.args.index("--listen") + 1
-                    component.args[listen] = component.child.address.removeprefix("http://")
+            for runtime, count in self.pods.items():
+                for _ in range(count):
+                    self._start_pod(runtime)
+            self._start(Component("gateway", gateway))
         except BaseException:
             self.stop()
             raise
         self._supervisor = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
         self._supervisor.start()
+
+    def add_pod(self, runtime: str) -> str:
+        """Start one more Runtime Pod of `runtime` on a started stack; its name. The gateway's
+        scheduler sees it at its first heartbeat, which precedes its announcement."""
+        with self._lock:
+            if self._stopping.is_set():
+                raise RuntimeError("the stack is stopping")
+            pod = self._start_pod(runtime)
+            self.pods[runtime] = self.pods.get(runtime, 0) + 1
+            return pod
+
+    def pod_names(self, runtime: str) -> list[str]:
+        return [
+            c.name.removesuffix("-server")
+            for c in self.components
+            if c.name.startswith(f"{runtime}-") and c.name.endswith("-server")
+        ]
+
+    def _start_pod(self, runtime: str) -> str:
+        pod = f"{runtime}-{len(self.pod_names(runtime))}"
+        server = f"unix:{self._sockets / pod}.sock"
+        serve = ["serve", "--runtime", runtime, "--listen", server]
+        serve += ["--workspace-root", str(self.workspace_root)]
+        runtimed = ["runtimed", "--pod", pod, "--runtime", runtime, "--server", server]
+        runtimed += ["--listen", f"unix:{self._sockets / pod}.rtd.sock"]
+        runtimed += ["--poll-interval", str(self.poll_interval), *self._common]
+        self._start(Component(f"{pod}-server", serve))
+        self._start(Component(f"{pod}-runtimed", runtimed))
+        return pod
+
+    def _start(self, component: Component) -> None:
+        self.components.append(component)
+        child = component.start(self.state_dir / "logs")
+        if component.name == "gateway":
+            # Restart the gateway where it was, not on a fresh ephemeral port.
+            listen = component.args.index("--listen") + 1
+            component.args[listen] = child.address.removeprefix("http://")
 
     def component(self, name: str) -> Component:
         for component in self.components:
@@ -199,11 +197,13 @@ class Stack:
             self._stopping.set()
         if self._supervisor is not None and self._supervisor is not threading.current_thread():
             self._supervisor.join(5)
-        for component in reversed(self.components):
+        # The gateway first (no new calls), then the pods, each runtimed before its server.
+        order = sorted(reversed(self.components), key=lambda c: c.name != "gateway")
+        for component in order:
             if component.child is not None and component.child.proc.poll() is None:
                 component.child.proc.terminate()
         deadline = time.monotonic() + timeout
-        for component in reversed(self.components):
+        for component in order:
             if component.child is not None:
                 component.child.stop(max(0.1, deadline - time.monotonic()))
             if component.log is not None:

@@ -16,7 +16,13 @@ from pathlib import Path
 import pytest
 
 from runtime_server.client import Client
-from runtime_server.errors import FunctionBusy, FunctionExists, HandlerFailed, InvalidRequest
+from runtime_server.errors import (
+    FunctionBusy,
+    FunctionExists,
+    HandlerFailed,
+    InvalidRequest,
+    RequestCancelled,
+)
 from runtime_server.launch import spawn
 from runtime_server.stack import Stack
 from tests.conftest import SLOW_PY, http_call, wait_until
@@ -140,6 +146,62 @@ def test_draining_run_is_503_with_retry_after(shared_stack: Stack) -> None:
     slow.join(10)
     deleting.join(10)
     assert slow_result[0][0] == 200  # type: ignore[index]  # the drain let it finish
+
+
+def test_delete_with_cancel_in_flight_stops_the_invocation_at_once(shared_stack: Stack) -> None:
+    # Seed: UnregisterFunction with cancel_in_flight cancels the in-flight invocation; the
+    # gateway passes it through as DELETE ?cancelInFlight=true (NAME.unregister(cancel=True)).
+    name = create(shared_stack, SLOW_PY)
+    slow, slow_result = in_background(lambda: invoke(shared_stack, name, b'{"sleep": 30}'))
+    wait_in_flight(shared_stack, name)
+    started = time.monotonic()
+    Client(shared_stack.gateway_address).delete_run(name, cancel_in_flight=True)
+    assert time.monotonic() - started < 5  # not the 30 s sleep, nor the 5 s default drain
+    slow.join(10)
+    assert slow_result[0][0] == 503  # type: ignore[index]  # CANCELLED → 503 (SPEC §2.3)
+
+
+def test_delete_rejects_a_bad_drain_timeout(shared_stack: Stack) -> None:
+    name = create(shared_stack, SLOW_PY)
+    status, _, body = http_call(
+        shared_stack.gateway_address, "DELETE", f"/v1/runs/{name}?drainTimeoutMs=soon"
+    )
+    assert status == 400
+    assert "drainTimeoutMs" in json.loads(body)["message"]
+
+
+def test_client_hanging_up_cancels_the_invocation(shared_stack: Stack) -> None:
+    # An interrupted notebook cell closes its connection: the gateway cancels the gRPC call and
+    # the handler is killed, so the function is free again at once (not after the 30 s sleep).
+    name = create(shared_stack, SLOW_PY)
+    client = Client(shared_stack.gateway_address)
+    connection = client._connect()
+    connection.request("POST", f"/v1/runs/{name}:invoke", body=b'{"sleep": 30}')
+    wait_in_flight(shared_stack, name)
+    connection.close()
+    wait_until(lambda: not client.status(name)["live"]["inFlight"], timeout=5)
+    assert client.invoke(name, {"sleep": 0}).value() == {"slept": 0}
+
+
+def test_client_cancel_aborts_the_request_in_flight(shared_stack: Stack) -> None:
+    # Client.cancel (the kernel's interrupt) raises RequestCancelled in the caller and, through
+    # the closed connection, kills the handler: the next invoke succeeds at once.
+    name = create(shared_stack, SLOW_PY)
+    client = Client(shared_stack.gateway_address)
+
+    def call() -> object:
+        try:
+            return client.invoke(name, {"sleep": 30})
+        except RequestCancelled as exc:
+            return exc
+
+    slow, result = in_background(call)
+    wait_in_flight(shared_stack, name)
+    assert client.cancel() == 1
+    slow.join(2)
+    assert isinstance(result[0], RequestCancelled)
+    wait_until(lambda: not client.status(name)["live"]["inFlight"], timeout=5)
+    assert client.invoke(name, {"sleep": 0}).value() == {"slept": 0}
 
 
 def test_invocation_past_its_timeout_is_504_and_the_next_succeeds(shared_stack: Stack) -> None:
