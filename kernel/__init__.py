@@ -1,1 +1,22 @@
-"""The fnkernel Jupyter kernel and IPython magics (SPEC §6); not built yet."""
+"""The fnkernel Jupyter kernel and its IPython magics (SPEC §6).
+
+``%load_ext kernel`` loads the magics into any IPython; the ``fnkernel`` kernelspec runs
+``kernel.kernel.FnKernel``, which preloads them. Importing this package imports nothing heavy:
+no grpc, and no runtime is started until a magic needs one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    from kernel.magics import load
+
+    load(ipython)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    from kernel.magics import unload
+
+    unload(ipython)

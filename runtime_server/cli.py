@@ -404,7 +404,32 @@ def build_parser() -> argparse.ArgumentParser:
     invoke.add_argument("--invocation-id", default="", metavar="ID")
     _add_client_flags(invoke)
     invoke.set_defaults(func=_invoke)
+
+    install = commands.add_parser(
+        "install",
+        help="install the fnkernel kernelspec",
+        description="Install the 'fnkernel' kernelspec (display name 'Python 3 (fnkernel)') for "
+        "this Python. Default: --sys-prefix inside a virtualenv, else --user.",
+    )
+    where = install.add_mutually_exclusive_group()
+    where.add_argument("--user", action="store_true", help="in the user's Jupyter data dir")
+    where.add_argument("--sys-prefix", action="store_true", help=f"under {sys.prefix}")
+    where.add_argument("--prefix", metavar="P", help="under P/share/jupyter/kernels")
+    install.set_defaults(func=_install)
     return parser
+
+
+def _install(args: argparse.Namespace) -> int:
+    from kernel.install import install
+
+    prefix = sys.prefix if args.sys_prefix else args.prefix
+    if not (args.user or prefix):
+        # A virtualenv's own share/jupyter is where its Jupyter looks first; else the user's.
+        in_venv = sys.prefix != sys.base_prefix
+        prefix, args.user = (sys.prefix, False) if in_venv else (None, True)
+    path = install(user=args.user, prefix=prefix)
+    print(f"installed kernelspec fnkernel (Python 3 (fnkernel)) in {path}")
+    return EXIT_OK
 
 
 def main(argv: Sequence[str] | None = None) -> int:

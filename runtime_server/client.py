@@ -229,9 +229,11 @@ class Client:
         source: Path | None = None,
         env: Mapping[str, str] | None = None,
         idle_timeout_seconds: int = 0,
+        origin: str = "",
     ) -> dict[str, Any]:
         """Create a Run from `files` or from the file or directory `source`; the Run as it
-        stands once Ready or Failed."""
+        stands once Ready or Failed. `origin` (default: the `source` path) is recorded as the
+        Run's ``spec.source``."""
         if files is None:
             if source is None:
                 raise ValueError("create_run needs files or source")
@@ -243,7 +245,7 @@ class Client:
             "files": dict(files),
             "env": dict(env or {}),
             "idleTimeoutSeconds": idle_timeout_seconds,
-            "source": str(source) if source is not None else "",
+            "source": origin or (str(source) if source is not None else ""),
         }
         result: dict[str, Any] = self._json("POST", "/v1/runs", body)
         return result

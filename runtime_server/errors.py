@@ -91,6 +91,10 @@ class FunctionError(Exception):
         self.invocation_id = str(body.get("invocationId", ""))
         super().__init__(f"{self.message} ({self.code})" if self.code else self.message)
 
+    def _render_traceback_(self) -> list[str]:
+        """IPython shows this instead of a stack trace: one readable line (SPEC §6)."""
+        return [f"{type(self).__name__}: {self}"]
+
 
 class InvalidRequest(FunctionError):
     """400: a field of the request is invalid; the message names it."""
@@ -145,6 +149,11 @@ class NotSupported(FunctionError):
 
 class GatewayInternalError(FunctionError):
     """500: a bug in the gateway; its log has the detail."""
+
+
+class RegistrationFailed(FunctionError):
+    """The Run ended ``Failed``: its handler cannot load (the message is the fatal error), or
+    its registration failed past the retry policy."""
 
 
 class GatewayUnreachable(FunctionError):

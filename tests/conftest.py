@@ -288,3 +288,11 @@ SLOW_PY = {
         """
     )
 }
+
+
+@pytest.fixture(scope="session")
+def fnkernel_spec() -> Path:
+    """The fnkernel kernelspec, installed under a private prefix that Jupyter is pointed at."""
+    from tests.kernels import install_kernelspec
+
+    return install_kernelspec()

@@ -1,0 +1,37 @@
+"""``fnkernel install``: the ``fnkernel`` kernelspec (SPEC §6), written by jupyter_client."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from kernel.kernel import DISPLAY_NAME, KERNEL_NAME
+
+
+def kernel_json(python: str | None = None) -> dict[str, object]:
+    return {
+        # -P: the notebook's directory is not on sys.path while the kernel loads (a local
+        # kernel.py must not shadow it); IPython adds it back for the user's code.
+        "argv": [python or sys.executable, "-P", "-m", "kernel", "-f", "{connection_file}"],
+        "display_name": DISPLAY_NAME,
+        "language": "python",
+        # An interrupt is a message, so the kernel cancels the invocation in flight itself.
+        "interrupt_mode": "message",
+        "metadata": {"debugger": False},
+    }
+
+
+def install(*, user: bool = False, prefix: str | None = None) -> Path:
+    """Install the kernelspec for this Python: in the user's Jupyter dir, under `prefix`, or
+    (neither) system-wide. Returns the installed directory."""
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    with tempfile.TemporaryDirectory() as staging:
+        (Path(staging) / "kernel.json").write_text(json.dumps(kernel_json(), indent=1) + "\n")
+        return Path(
+            KernelSpecManager().install_kernel_spec(
+                staging, KERNEL_NAME, user=user, prefix=prefix, replace=None
+            )
+        )

@@ -1,0 +1,51 @@
+"""``FnKernel``: ipykernel's IPython kernel with the fnkernel magics preloaded (SPEC §6).
+
+Two additions to ``IPythonKernel``: an interrupt cancels the invocation in flight from the
+control thread (the cell then raises ``KeyboardInterrupt``, the function stays registered), and
+shutdown stops the embedded runtime.
+"""
+
+from __future__ import annotations
+
+import atexit
+from typing import Any
+
+from ipykernel.ipkernel import IPythonKernel
+
+from kernel.magics import session_of
+
+KERNEL_NAME = "fnkernel"
+DISPLAY_NAME = "Python 3 (fnkernel)"
+_SHUTDOWN_SECONDS = 4.0  # within jupyter_client's shutdown wait, after which it kills the kernel
+
+
+class FnKernel(IPythonKernel):
+    implementation = "fnkernel"
+    implementation_version = "0.1.0"
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        assert self.shell is not None
+        self.shell.extension_manager.load_extension("kernel")
+        self.fn_session = session_of(self.shell)
+        atexit.register(self.fn_session.shutdown)
+
+    @property
+    def banner(self) -> str:  # type: ignore[override]
+        return (
+            super().banner + "\nfnkernel: %%function, %invoke, %functions, %fn_trace, %fn_debug\n"
+        )
+
+    async def interrupt_request(self, stream: Any, ident: Any, parent: Any) -> None:
+        """Cancel the invocation in flight, if any: its cell raises KeyboardInterrupt as soon
+        as the connection is closed. Otherwise, ipykernel's SIGINT."""
+        if self.fn_session.cancel_in_flight():
+            assert self.session is not None
+            self.session.send(stream, "interrupt_reply", {"status": "ok"}, parent, ident=ident)
+            return
+        await super().interrupt_request(stream, ident, parent)
+
+    def do_shutdown(self, restart: bool) -> dict[str, Any]:  # type: ignore[override]
+        self.fn_session.shutdown(_SHUTDOWN_SECONDS)
+        result: dict[str, Any] = super().do_shutdown(restart)  # sync in IPythonKernel
+        return result

@@ -1,0 +1,232 @@
+"""The fnkernel magics, exactly as SPEC §6 spells them.
+
+``%%function NAME [--runtime python|bash] [--handler H] [--env KEY=VALUE]... [--idle-timeout S]
+[--timeout S]``, ``%invoke NAME [JSON]``, ``%functions [NAME...]``, ``%fn_trace on|off|show`` and
+``%fn_debug``. Bad flags raise ``UsageError`` with a one-line message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+from typing import Any, NoReturn
+
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import ExecutionResult, InteractiveShell
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.display import display
+
+from kernel.display import FunctionsTable, RegistrationCard, short
+from kernel.functions import EXTENSIONS, Function, Session, Spec
+from kernel.trace import TraceTable
+from runtime_server.errors import FunctionError
+
+_SESSION_ATTRIBUTE = "_fnkernel_session"
+
+
+def session_of(shell: InteractiveShell) -> Session:
+    """The shell's fnkernel session, created on first use."""
+    session: Session | None = getattr(shell, _SESSION_ATTRIBUTE, None)
+    if session is None:
+        session = Session()
+        setattr(shell, _SESSION_ATTRIBUTE, session)
+    return session
+
+
+class _Parser(argparse.ArgumentParser):
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog=prog, add_help=False, exit_on_error=False, allow_abbrev=False)
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def _seconds(kind: type[int] | type[float]) -> Any:
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"{text!r} must not be negative")
+        return value
+
+    return parse
+
+
+def _env_pair(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    return key, value
+
+
+FUNCTION_PARSER = _Parser("%%function")
+FUNCTION_PARSER.add_argument("name")
+FUNCTION_PARSER.add_argument("--runtime", choices=sorted(EXTENSIONS), default="python")
+FUNCTION_PARSER.add_argument("--handler")
+FUNCTION_PARSER.add_argument("--env", type=_env_pair, action="append", default=[])
+FUNCTION_PARSER.add_argument("--idle-timeout", type=_seconds(int), default=0)
+FUNCTION_PARSER.add_argument("--timeout", type=_seconds(float))
+
+
+def _parse(parser: _Parser, line: str) -> argparse.Namespace:
+    try:
+        argv = shlex.split(line)
+    except ValueError as exc:
+        raise UsageError(f"{parser.prog}: {exc}") from None
+    try:
+        return parser.parse_args(argv)
+    except argparse.ArgumentError as exc:
+        raise UsageError(f"{parser.prog}: {exc}") from None
+
+
+@magics_class
+class FunctionMagics(Magics):
+    @property
+    def shell_(self) -> InteractiveShell:
+        assert self.shell is not None  # set by register_magics
+        return self.shell
+
+    @property
+    def session(self) -> Session:
+        return session_of(self.shell_)
+
+    @cell_magic("function")  # type: ignore[arg-type]  # IPython types it as Never
+    def function(self, line: str, cell: str) -> None:
+        """%%function NAME [--runtime python|bash] [--handler H] [--env KEY=VALUE]...
+        [--idle-timeout S] [--timeout S]
+
+        Register the cell as the handler source (NAME.py / NAME.sh, default handler
+        NAME.handler) and bind NAME to a callable: NAME(payload), NAME.invoke(...),
+        NAME.status(), NAME.unregister(...).
+        """
+        args = _parse(FUNCTION_PARSER, line)
+        if not args.name.isidentifier():
+            raise UsageError(f"%%function: NAME {args.name!r} must be a Python identifier")
+        if not cell.strip():
+            raise UsageError("%%function: the cell body (the handler source) is empty")
+        spec = Spec(
+            name=args.name,
+            runtime=args.runtime,
+            handler=args.handler or f"{args.name}.handler",
+            source=cell,
+            env=dict(args.env),
+            idle_timeout=args.idle_timeout,
+        )
+        handle = display(RegistrationCard(spec.name, spec.runtime), display_id=True)
+
+        def show(card: RegistrationCard) -> None:
+            if handle is not None:
+                handle.update(card)
+
+        function = self.session.register(spec, args.timeout, show)
+        self.shell_.user_ns[spec.name] = function
+
+    @line_magic("invoke")  # type: ignore[arg-type]  # IPython types it as Never
+    def invoke(self, line: str) -> None:
+        """%invoke NAME [JSON] — invoke NAME with the JSON payload and show the result."""
+        name, _, payload_text = line.strip().partition(" ")
+        if not name:
+            raise UsageError("%invoke: NAME is required: %invoke NAME [JSON]")
+        payload_text = payload_text.strip()
+        try:
+            payload = json.loads(payload_text) if payload_text else None
+        except ValueError as exc:
+            raise UsageError(f"%invoke: the payload is not JSON: {exc}") from None
+        function = self.session.functions.get(name)
+        if function is None:
+            function = self._attach(name)
+        display(function.invoke(payload))
+
+    def _attach(self, name: str) -> Function:
+        """A function registered elsewhere (another kernel, the CLI) on this gateway."""
+        status = self.session.runtime.client().status(name)
+        spec = status["spec"]
+        return Function(
+            self.session,
+            Spec(name, spec["runtime"], spec["handler"], source="", env=spec.get("env", {})),
+        )
+
+    @line_magic("functions")  # type: ignore[arg-type]  # IPython types it as Never
+    def functions(self, line: str) -> FunctionsTable:
+        """%functions [NAME...] — the registered functions with their live state."""
+        wanted = set(line.split())
+        session = self.session
+        if not session.runtime.started:
+            return FunctionsTable([], session.runtime.describe())
+        client = session.runtime.client()
+        rows = []
+        for run in client.list_runs():
+            if wanted and run["name"] not in wanted:
+                continue
+            row = {
+                "name": run["name"],
+                "runtime": run["spec"]["runtime"],
+                "phase": run["status"]["phase"],
+                "attempt": str(run["status"]["attempt"]),
+            }
+            if run["status"]["phase"] == "Ready":
+                try:
+                    live = client.status(run["name"]).get("live") or {}
+                except FunctionError:
+                    live = {}
+                row["state"] = str(live.get("state", ""))
+                row["registration"] = short(str(live.get("registrationId", "")))
+                row["in flight"] = str(live.get("inFlight", ""))
+            rows.append(row)
+        return FunctionsTable(rows, session.runtime.describe())
+
+    @line_magic("fn_trace")  # type: ignore[arg-type]  # IPython types it as Never
+    def fn_trace(self, line: str) -> TraceTable | None:
+        """%fn_trace on|off|show — record every call the kernel makes to the runtime."""
+        trace = self.session.trace
+        command = line.strip() or "show"
+        if command == "on":
+            trace.start()
+            print("fn_trace: recording every call to the runtime (%fn_trace show to see them)")
+            return None
+        if command == "off":
+            trace.stop()
+            print(f"fn_trace: off ({len(trace.calls())} calls recorded; %fn_trace show)")
+            return None
+        if command == "show":
+            return TraceTable(trace.calls())
+        raise UsageError(f"%fn_trace: expected on, off or show, got {command!r}")
+
+    @line_magic("fn_debug")  # type: ignore[arg-type]  # IPython types it as Never
+    def fn_debug(self, line: str) -> Any:
+        """%fn_debug — the full detail of the last error."""
+        return self.session.debug()
+
+
+def _remember_error(session: Session) -> Any:
+    def post_run_cell(result: ExecutionResult) -> None:
+        error = result.error_in_exec or result.error_before_exec
+        if error is not None:
+            session.last_error = error
+
+    return post_run_cell
+
+
+def _complete_names(session: Session) -> Any:
+    def complete(_shell: Any, event: Any) -> list[str]:
+        return session.names()
+
+    return complete
+
+
+def load(shell: InteractiveShell) -> None:
+    session = session_of(shell)
+    shell.register_magics(FunctionMagics)
+    shell.events.register("post_run_cell", _remember_error(session))
+    for magic in ("%invoke", "%functions"):
+        shell.set_hook("complete_command", _complete_names(session), str_key=magic)
+
+
+def unload(shell: InteractiveShell) -> None:
+    """Stop the embedded runtime (the magics stay defined: IPython cannot remove them)."""
+    session: Session | None = getattr(shell, _SESSION_ATTRIBUTE, None)
+    if session is not None:
+        session.shutdown()

@@ -1,0 +1,181 @@
+"""The FunctionRuntime protocol itself, from a notebook: for teaching (``protocol_tour.ipynb``).
+
+``runtime_server("python")`` starts a private Runtime Server (no runtimed, no gateway) and returns
+a client whose calls take and return the seed's JSON, exactly as its grpcurl examples write them::
+
+    rt = runtime_server("python")
+    rt.RegisterFunction({"runUid": "run-1", "registrationAttempt": 1, ...})
+
+Calls are recorded by ``%fn_trace``, an interrupt cancels the call in flight (the sync stub's
+``.future()``, cancelled from the kernel's control thread), and a failure raises the SPEC §2.3
+class of its status, shown as one line. grpc is imported here, and only when this is used.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+
+from kernel.functions import InvocationInterrupted
+from kernel.trace import Trace, decode_message
+from runtime_server._proto.executor.v1 import runtime_pb2 as pb
+from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
+from runtime_server.client import ERRORS
+from runtime_server.errors import FunctionError
+from runtime_server.gateway import HTTP_STATUS
+from runtime_server.launch import Child, spawn
+from runtime_server.server import CHANNEL_OPTIONS
+from runtime_server.servicer import ERROR_TYPE_KEY
+
+SERVICE = "FunctionRuntime"
+_REQUESTS = {
+    "RegisterFunction": pb.RegisterFunctionRequest,
+    "InvokeFunction": pb.InvokeFunctionRequest,
+    "FunctionStatus": pb.FunctionStatusRequest,
+    "UnregisterFunction": pb.UnregisterFunctionRequest,
+}
+
+
+def error_of(err: grpc.RpcError, method: str) -> FunctionError:
+    """A gRPC failure as the SPEC §2.3 class of its status (``FunctionBusy`` for
+    RESOURCE_EXHAUSTED, ...), so the gateway and the protocol read the same in a notebook."""
+    code: grpc.StatusCode = err.code()
+    details: str = err.details() or ""
+    status = HTTP_STATUS.get(code, 500)
+    body: dict[str, object] = {"code": code.name, "message": f"{method}: {details}"}
+    if code == grpc.StatusCode.UNKNOWN:
+        metadata: Any = err.trailing_metadata() or ()
+        trailers = {key: value for key, value in metadata}
+        body["errorType"] = str(trailers.get(ERROR_TYPE_KEY, ""))
+        body["errorMessage"] = details
+    return ERRORS.get(status, FunctionError)(body, status)
+
+
+class FunctionRuntimeClient:
+    """One Runtime Server's FunctionRuntime service, called with JSON requests. The methods
+    carry the RPCs' own names, as the seed's grpcurl examples spell them."""
+
+    def __init__(self, address: str, trace: Trace, workspace_root: Path | None = None) -> None:
+        self.address = address
+        self.trace = trace
+        self.workspace_root = workspace_root
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.FunctionRuntimeStub(self._channel)
+        self._in_flight: set[grpc.Future] = set()
+        self._lock = threading.Lock()
+        self._dirs = itertools.count(1)
+
+    def call(self, method: str, request: dict[str, Any], timeout: float = 60) -> dict[str, Any]:
+        """``FunctionRuntime/METHOD`` with `request` as the seed's JSON; the reply as JSON."""
+        if method not in _REQUESTS:
+            raise ValueError(f"FunctionRuntime has no method {method!r}; one of {list(_REQUESTS)}")
+        message = json_format.ParseDict(request, _REQUESTS[method]())
+        started = time.perf_counter()
+        future = getattr(self._stub, method).future(message, timeout=timeout)
+        with self._lock:
+            self._in_flight.add(future)
+        shown = decode_message(request)
+        try:
+            reply = future.result()
+        except grpc.FutureCancelledError:
+            self._record(method, shown, "CANCELLED", started)
+            raise InvocationInterrupted(f"{method} cancelled") from None
+        except grpc.RpcError as err:
+            error = error_of(err, method)
+            self._record(method, shown, error.code, started)
+            raise error from None
+        finally:
+            with self._lock:
+                self._in_flight.discard(future)
+        answer: dict[str, Any] = json_format.MessageToDict(reply)
+        self._record(method, shown, "OK", started, decode_message(answer))
+        return answer
+
+    def _record(
+        self, method: str, request: Any, status: str, started: float, response: Any = None
+    ) -> None:
+        latency = (time.perf_counter() - started) * 1000
+        self.trace.record(f"{SERVICE}/{method}", request, status, latency, response)
+
+    def RegisterFunction(self, request: dict[str, Any], timeout: float = 60) -> dict[str, Any]:
+        return self.call("RegisterFunction", request, timeout)
+
+    def InvokeFunction(self, request: dict[str, Any], timeout: float = 60) -> dict[str, Any]:
+        return self.call("InvokeFunction", request, timeout)
+
+    def FunctionStatus(self, request: dict[str, Any], timeout: float = 60) -> dict[str, Any]:
+        return self.call("FunctionStatus", request, timeout)
+
+    def UnregisterFunction(self, request: dict[str, Any], timeout: float = 60) -> dict[str, Any]:
+        return self.call("UnregisterFunction", request, timeout)
+
+    def workdir(self, files: dict[str, str]) -> str:
+        """A fresh working dir under the server's workspace root holding `files`; its path."""
+        if self.workspace_root is None:
+            raise ValueError("this client has no workspace root to write into")
+        directory = self.workspace_root / f"fn-{next(self._dirs)}"
+        directory.mkdir(mode=0o700)
+        for name, text in files.items():
+            (directory / name).write_text(text)
+        return str(directory)
+
+    def cancel(self) -> int:
+        """From another thread: cancel every call in flight; how many."""
+        with self._lock:
+            in_flight = list(self._in_flight)
+        return sum(bool(future.cancel()) for future in in_flight)
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+class TeachingServer(FunctionRuntimeClient):
+    """A private Runtime Server child process and its client; ``stop()`` ends it."""
+
+    def __init__(self, runtime: str, trace: Trace) -> None:
+        self.runtime = runtime
+        self.state_dir = Path(tempfile.mkdtemp(prefix="fnkernel-tour-"))  # 0700
+        workspace = self.state_dir / "workspace"
+        workspace.mkdir()
+        listen = f"unix:{self.state_dir / 'server.sock'}"
+        args = ["serve", "--runtime", runtime, "--listen", listen]
+        self.child: Child = spawn([*args, "--workspace-root", str(workspace)], die_with_parent=True)
+        super().__init__(self.child.address, trace, workspace)
+
+    def stop(self) -> None:
+        self.close()
+        self.child.stop(5)
+        shutil.rmtree(self.state_dir, ignore_errors=True)
+
+    def __repr__(self) -> str:
+        return f"<{self.runtime} Runtime Server at {self.address} (pid {self.child.pid})>"
+
+
+def runtime_server(runtime: str = "python") -> TeachingServer:
+    """Start a private Runtime Server of `runtime` for this kernel; it stops with the kernel."""
+    from IPython.core.getipython import get_ipython
+
+    from kernel.magics import session_of
+
+    shell = get_ipython()
+    if shell is None:
+        raise RuntimeError("runtime_server() needs a running IPython kernel")
+    session = session_of(shell)
+    server = TeachingServer(runtime, session.trace)
+    session.cancellers.append(server.cancel)
+    session.closers.append(server.stop)
+    return server
+
+
+def pretty(value: Any) -> None:
+    """Print a reply as indented JSON (what grpcurl prints)."""
+    print(json.dumps(value, indent=2))

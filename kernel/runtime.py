@@ -1,0 +1,156 @@
+"""Where a kernel's functions run (SPEC §6): the gateway at ``$FNKERNEL_RUNTIME``, or an embedded
+stack started on first use.
+
+The embedded stack is the §4 control plane (in the gateway process) plus one Runtime Pod per
+runtime actually used, as child processes on Unix sockets in a private 0700 directory. It is
+started by the first magic that needs it, never at kernel start; the children get SIGTERM if the
+kernel dies, and their own session, so a kernel interrupt (``killpg``) does not reach them.
+Nothing here imports grpc: the kernel speaks HTTP to the gateway with the stdlib client.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kernel.trace import Trace, decode_payload
+from runtime_server.client import Client
+from runtime_server.errors import FunctionError
+
+if TYPE_CHECKING:
+    from runtime_server.stack import Stack
+
+RUNTIME_ENV = "FNKERNEL_RUNTIME"
+RUNTIMES = ("python", "bash")
+
+
+class TracedClient(Client):
+    """The gateway client, recording each request in the kernel's trace."""
+
+    def __init__(self, address: str, trace: Trace) -> None:
+        super().__init__(address)
+        self.trace = trace
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> Any:
+        if not self.trace.on:
+            return super().request(method, path, body, headers)
+        started = time.perf_counter()
+        request = decode_payload(body) if body else None
+        try:
+            result = super().request(method, path, body, headers)
+        except FunctionError as exc:
+            status = f"{exc.status} {exc.code}".strip() if exc.status else exc.code or "failed"
+            self.trace.record(f"{method} {path}", request, status, _ms(started))
+            raise
+        except BaseException:
+            self.trace.record(f"{method} {path}", request, "interrupted", _ms(started))
+            raise
+        self.trace.record(f"{method} {path}", request, str(result[0]), _ms(started))
+        return result
+
+
+def _ms(started: float) -> float:
+    return (time.perf_counter() - started) * 1000
+
+
+class Runtime:
+    """The kernel's connection to a gateway; embedded unless `address` or $FNKERNEL_RUNTIME."""
+
+    def __init__(self, address: str | None = None, trace: Trace | None = None) -> None:
+        self.address = address or os.environ.get(RUNTIME_ENV) or ""
+        self.trace = trace or Trace()
+        self._client: TracedClient | None = None
+        self._stack: Stack | None = None
+        self._state_dir: Path | None = None
+        self._lock = threading.RLock()
+
+    @property
+    def embedded(self) -> bool:
+        return not self.address or self._stack is not None
+
+    @property
+    def started(self) -> bool:
+        return self._client is not None
+
+    def client(
+        self, runtime: str | None = None, progress: Callable[[str], None] | None = None
+    ) -> TracedClient:
+        """The gateway client; starts the embedded stack, and a pod of `runtime`, if needed."""
+        with self._lock:
+            if self._client is None:
+                if not self.address:
+                    if progress:
+                        progress("starting the embedded runtime")
+                    self._start_embedded()
+                self._client = TracedClient(self.address, self.trace)
+            if runtime is not None and self._stack is not None and runtime not in self.pods():
+                if progress:
+                    progress(f"starting a {runtime} Runtime Pod")
+                self._stack.add_pod(runtime)
+            return self._client
+
+    def pods(self) -> dict[str, int]:
+        return dict(self._stack.pods) if self._stack is not None else {}
+
+    def _start_embedded(self) -> None:
+        from runtime_server.stack import Stack  # only now: plain cells never pay for it
+
+        state_dir = Path(tempfile.mkdtemp(prefix="fnkernel-kernel-"))  # 0700
+        stack = Stack(
+            state_dir, {}, gateway_listen=f"unix:{state_dir / 'gateway.sock'}", poll_interval=1.0
+        )
+        try:
+            stack.start()
+        except BaseException:
+            shutil.rmtree(state_dir, ignore_errors=True)
+            raise
+        self._stack, self._state_dir = stack, state_dir
+        self.address = stack.gateway_address
+
+    @property
+    def stack(self) -> Stack | None:
+        return self._stack
+
+    def cancel(self) -> int:
+        """Abort the requests in flight (an interrupt); how many there were."""
+        client = self._client
+        return client.cancel() if client is not None else 0
+
+    def describe(self) -> str:
+        if self._stack is not None:
+            pods = ", ".join(f"{runtime}={count}" for runtime, count in self.pods().items())
+            return f"embedded runtime at {self.address} (pods: {pods or 'none yet'})"
+        if self.address:
+            return f"gateway at {self.address}"
+        return "embedded runtime (not started: it starts with the first %%function)"
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """Stop the embedded stack (nothing to do for an external gateway)."""
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+            stack, state_dir = self._stack, self._state_dir
+            self._stack = self._state_dir = None
+            if stack is not None:
+                self.address = ""
+                stack.stop(timeout)
+            if state_dir is not None:
+                shutil.rmtree(state_dir, ignore_errors=True)
+
+
+def pretty_json(value: Any) -> str:
+    return json.dumps(value, indent=2, ensure_ascii=False, sort_keys=False, default=str)

@@ -1,0 +1,169 @@
+"""A real kernel through jupyter_client, and what a cell produced (for the kernel tests and the
+kernel benchmark)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from jupyter_client.blocking.client import BlockingKernelClient
+from jupyter_client.manager import KernelManager
+
+from kernel.install import install
+
+CELL_TIMEOUT = 60.0
+
+
+def install_kernelspec() -> Path:
+    """Install the fnkernel kernelspec under a private prefix and point Jupyter at it (the
+    kernels started afterwards, and nbclient, find it there); the data dir."""
+    prefix = Path(tempfile.mkdtemp(prefix="fnkernel-spec-"))
+    install(prefix=str(prefix))
+    data = prefix / "share" / "jupyter"
+    paths = [str(data), *filter(None, os.environ.get("JUPYTER_PATH", "").split(os.pathsep))]
+    os.environ["JUPYTER_PATH"] = os.pathsep.join(paths)
+    return data
+
+
+@dataclass
+class Cell:
+    """Everything the kernel sent on IOPub for one execute_request, and its reply."""
+
+    reply: dict[str, Any]
+    messages: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.reply["content"]["status"] == "ok")
+
+    @property
+    def error(self) -> dict[str, Any] | None:
+        for message in self.messages:
+            if message["msg_type"] == "error":
+                return dict(message["content"])
+        return None
+
+    @property
+    def stdout(self) -> str:
+        return self._stream("stdout")
+
+    @property
+    def stderr(self) -> str:
+        return self._stream("stderr")
+
+    def _stream(self, name: str) -> str:
+        return "".join(
+            m["content"]["text"]
+            for m in self.messages
+            if m["msg_type"] == "stream" and m["content"]["name"] == name
+        )
+
+    def texts(self, *types: str) -> list[str]:
+        """text/plain of each display_data / execute_result / update_display_data, in order."""
+        types = types or ("display_data", "execute_result", "update_display_data")
+        return [
+            m["content"]["data"].get("text/plain", "")
+            for m in self.messages
+            if m["msg_type"] in types
+        ]
+
+    def htmls(self) -> list[str]:
+        return [
+            m["content"]["data"]["text/html"]
+            for m in self.messages
+            if m["msg_type"] in ("display_data", "execute_result", "update_display_data")
+            and "text/html" in m["content"]["data"]
+        ]
+
+    @property
+    def result(self) -> str:
+        """text/plain of the execute_result (the cell's value)."""
+        results = self.texts("execute_result")
+        return results[-1] if results else ""
+
+
+class Kernel:
+    """One kernel process and a blocking client on it."""
+
+    def __init__(self, kernel_name: str = "fnkernel", env: dict[str, str] | None = None) -> None:
+        self.manager = KernelManager(kernel_name=kernel_name)
+        kwargs: dict[str, Any] = {}
+        if env is not None:
+            kwargs["env"] = {**os.environ, **env}
+        self.manager.start_kernel(**kwargs)
+        self.client: BlockingKernelClient = self.manager.client()
+        self.client.start_channels()
+        self.client.wait_for_ready(timeout=60)
+
+    @property
+    def pid(self) -> int:
+        provisioner: Any = self.manager.provisioner
+        return int(provisioner.process.pid)
+
+    def send(self, code: str) -> str:
+        """Send an execute_request; its msg_id (collect it with `collect`)."""
+        return str(self.client.execute(code, allow_stdin=False))
+
+    def collect(self, msg_id: str, timeout: float = CELL_TIMEOUT) -> Cell:
+        cell = Cell(reply={})
+        while True:
+            message = self.client.get_iopub_msg(timeout=timeout)
+            if message["parent_header"].get("msg_id") != msg_id:
+                continue
+            if message["msg_type"] == "status":
+                if message["content"]["execution_state"] == "idle":
+                    break
+                continue
+            cell.messages.append(message)
+        while not cell.reply:
+            reply = self.client.get_shell_msg(timeout=timeout)
+            if reply["parent_header"].get("msg_id") == msg_id:
+                cell.reply = reply
+        return cell
+
+    def run(self, code: str, timeout: float = CELL_TIMEOUT) -> Cell:
+        return self.collect(self.send(code), timeout)
+
+    def value(self, expression: str) -> Any:
+        """Evaluate `expression` in the kernel and return it (it must be JSON-serializable)."""
+        cell = self.run(f"import json as _json; print(_json.dumps({expression}))")
+        assert cell.ok, cell.error
+        return json.loads(cell.stdout)
+
+    def request(self, kind: str, **content: Any) -> dict[str, Any]:
+        """A shell request (complete, inspect, ...) and its reply's content."""
+        msg_id = getattr(self.client, kind)(**content)
+        while True:
+            reply = self.client.get_shell_msg(timeout=CELL_TIMEOUT)
+            if reply["parent_header"].get("msg_id") == msg_id:
+                return dict(reply["content"])
+
+    def shutdown(self) -> None:
+        self.client.stop_channels()
+        self.manager.shutdown_kernel(now=False)
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (children, grandchildren, ...), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        parent = int(stat.rpartition(")")[2].split()[1])
+        children.setdefault(parent, []).append(int(entry.name))
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found

@@ -1,0 +1,362 @@
+"""The fnkernel kernel through jupyter_client (SPEC §6): a real kernel process, its embedded
+runtime as real child processes, real cells."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from runtime_server.client import Client
+from runtime_server.stack import Stack
+from tests.conftest import pid_alive, wait_until
+from tests.kernels import Kernel, descendants
+
+pytestmark = pytest.mark.usefixtures("fnkernel_spec")
+
+ETL = """%%function etl
+def handler(event, context):
+    context.set_output("rows", str(len(event["rows"])))
+    print("processing", len(event["rows"]), "rows")
+    return {"total": sum(event["rows"])}
+"""
+SLOW = """%%function slow
+import time
+
+def handler(event):
+    time.sleep(event["s"])
+    return event["s"]
+"""
+GREET_SH = """%%function greet --runtime bash --env GREETING=hello
+handler() {
+  echo "name=$1" >> "$FUNCTION_OUTPUTS"
+  printf '%s, %s' "$GREETING" "$1"
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def kernel() -> Iterator[Kernel]:
+    kernel = Kernel()
+    yield kernel
+    kernel.shutdown()
+
+
+def gateway_address(kernel: Kernel) -> str:
+    address = kernel.value("get_ipython()._fnkernel_session.runtime.address")
+    assert isinstance(address, str) and address
+    return address
+
+
+def registration(kernel: Kernel, name: str) -> dict[str, str]:
+    status = kernel.value(f"{name}.status()")
+    return {
+        "uid": status["uid"],
+        "registrationId": status["live"]["registrationId"],
+        "phase": status["status"]["phase"],
+    }
+
+
+def test_plain_cells_import_no_grpc_and_start_nothing() -> None:
+    # SPEC §6: "Plain Python cells never pay for it (no grpc import at kernel start)."
+    kernel = Kernel()
+    try:
+        assert kernel.value("1 + 1") == 2
+        assert kernel.value("'grpc' in __import__('sys').modules") is False
+        assert kernel.value("'tornado.web' in __import__('sys').modules") is False
+        assert descendants(kernel.pid) == set()
+    finally:
+        kernel.shutdown()
+
+
+def test_function_cell_registers_and_binds_a_callable(kernel: Kernel) -> None:
+    # SPEC §6: %%function registers the cell body; NAME(payload) returns the decoded output.
+    cell = kernel.run(ETL)
+    assert cell.ok, cell.error
+    cards = cell.texts()
+    assert cards[0].startswith("etl: runtime python")
+    assert "state READY" in cards[-1] and "attempt 1" in cards[-1]
+    assert "registration reg_" in cards[-1] and "digest sha256:" in cards[-1]
+    # registration progress updates the card in place (one display_id)
+    updates = [m for m in cell.messages if m["msg_type"] == "update_display_data"]
+    display_ids = {m["content"]["transient"]["display_id"] for m in updates}
+    assert len(display_ids) == 1 and len(updates) >= 2
+    assert kernel.value('etl({"rows": [1, 2, 3]})') == {"total": 6}
+
+
+def test_invoke_returns_a_result_object(kernel: Kernel) -> None:
+    # SPEC §6: NAME.invoke(...) → output, outputs, invocation_id, duration, logs.
+    kernel.run(ETL)
+    result = kernel.value(
+        "(lambda r: {'output': r.output, 'outputs': r.outputs, 'id': r.invocation_id, "
+        "'duration': r.duration, 'logs': r.logs})"
+        "(etl.invoke({'rows': [4, 5]}, timeout=5, invocation_id='inv-test-1'))"
+    )
+    assert result["output"] == {"total": 9}
+    assert result["outputs"] == {"rows": "2"}
+    assert result["id"] == "inv-test-1"
+    assert 0 < result["duration"] < 5
+    assert {"stream": "stdout", "text": "processing 2 rows"} in result["logs"]
+
+
+def test_invoke_magic_displays_output_outputs_logs_and_timing(kernel: Kernel) -> None:
+    kernel.run(ETL)
+    cell = kernel.run('%invoke etl {"rows": [1, 1]}')
+    assert cell.ok, cell.error
+    text = cell.texts()[-1]
+    assert text.startswith("etl → {")
+    assert '"total": 2' in text
+    assert "outputs: rows=2" in text
+    assert "[stdout] processing 2 rows" in text
+    assert " ms" in text and "invocation inv_" in text
+    assert "<table>" in cell.htmls()[-1]
+
+
+def test_rerunning_an_unchanged_cell_keeps_the_run_and_registration(kernel: Kernel) -> None:
+    # SPEC §6: re-running with identical source is idempotent.
+    kernel.run(ETL)
+    before = registration(kernel, "etl")
+    cell = kernel.run(ETL)
+    assert cell.ok, cell.error
+    assert "(unchanged)" in cell.texts()[-1]
+    assert registration(kernel, "etl") == before
+
+
+def test_an_edited_cell_replaces_the_run(kernel: Kernel) -> None:
+    # SPEC §6: with changed source the old Run is unregistered and a new Run registered.
+    kernel.run(ETL)
+    before = registration(kernel, "etl")
+    cell = kernel.run(ETL.replace('{"total": sum(event["rows"])}', '{"max": max(event["rows"])}'))
+    assert cell.ok, cell.error
+    after = registration(kernel, "etl")
+    assert after["uid"] != before["uid"]
+    assert after["registrationId"] != before["registrationId"]
+    assert kernel.value('etl({"rows": [3, 9]})') == {"max": 9}
+    uids = [run["uid"] for run in Client(gateway_address(kernel)).list_runs()]
+    assert before["uid"] not in uids and after["uid"] in uids
+    kernel.run(ETL)  # back to the original for the other tests
+
+
+def test_bash_function_with_env_and_outputs(kernel: Kernel) -> None:
+    cell = kernel.run(GREET_SH)
+    assert cell.ok, cell.error
+    assert "runtime bash" in cell.texts()[-1]
+    # The payload reaches "$1" as its JSON text; output that is not JSON comes back as text.
+    result = kernel.value("(lambda r: [r.output, r.outputs])(greet.invoke('ada'))")
+    assert result == ['hello, "ada"', {"name": '"ada"'}]
+
+
+def test_interrupt_cancels_the_invocation_and_the_function_stays_usable(kernel: Kernel) -> None:
+    # SPEC §6: interrupting during an invocation cancels it (the handler is killed), raises
+    # KeyboardInterrupt in the cell, and the function stays registered and usable.
+    assert kernel.run(SLOW).ok
+    gateway = Client(gateway_address(kernel))
+    msg_id = kernel.send('slow({"s": 10})')
+    wait_until(lambda: (gateway.status("slow")["live"] or {}).get("inFlight") == 1, timeout=10)
+    started = time.monotonic()
+    kernel.manager.interrupt_kernel()
+    cell = kernel.collect(msg_id, timeout=10)
+    elapsed = time.monotonic() - started
+    assert elapsed < 1.0, elapsed
+    assert cell.error is not None
+    assert cell.error["ename"] == "InvocationInterrupted"  # a KeyboardInterrupt subclass
+    assert cell.error["traceback"] == [
+        "KeyboardInterrupt: invocation of slow cancelled; the handler was killed and slow "
+        "stays registered"
+    ]
+    assert kernel.value('slow({"s": 0})') == 0  # not FunctionBusy: the handler is gone
+
+
+def test_a_busy_function_fails_with_one_readable_line(kernel: Kernel) -> None:
+    # SPEC §6: errors are short, readable messages (the §2.3 class, the field, the cause).
+    assert kernel.run(SLOW).ok
+    cell = kernel.run(
+        "import threading\n"
+        "first = threading.Thread(target=slow, args=({'s': 2},))\n"
+        "first.start()\n"
+        "import time\n"
+        "while not slow.status()['live']['inFlight']:\n"
+        "    time.sleep(0.01)\n"
+        "try:\n"
+        "    slow({'s': 0})\n"
+        "finally:\n"
+        "    first.join()\n"
+    )
+    assert cell.error is not None
+    assert cell.error["ename"] == "FunctionBusy"
+    [line] = cell.error["traceback"]
+    assert line.startswith('FunctionBusy: "slow" already has invocation inv_')
+    assert line.endswith("in flight (RESOURCE_EXHAUSTED)")
+
+
+def test_fn_debug_shows_the_full_last_error(kernel: Kernel) -> None:
+    # SPEC §6: the full detail is available with %fn_debug.
+    cell = kernel.run('%invoke missing {"a": 1}')
+    assert cell.error is not None and cell.error["ename"] == "FunctionNotFound"
+    assert cell.error["traceback"] == ["FunctionNotFound: no run named 'missing' (NOT_FOUND)"]
+    text = kernel.run("%fn_debug").result
+    assert text.startswith("fn_debug: last error (FunctionNotFound)")
+    assert "HTTP status: 404   code: NOT_FOUND" in text
+    assert '"message": "no run named \'missing\'"' in text
+
+
+def test_a_handler_that_cannot_load_fails_the_registration(kernel: Kernel) -> None:
+    cell = kernel.run("%%function broken\ndef handler(event:\n    return 1\n")
+    assert cell.error is not None and cell.error["ename"] == "RegistrationFailed"
+    [line] = cell.error["traceback"]
+    assert line.startswith(
+        'RegistrationFailed: "broken" did not register: UserCodeSyntaxError: broken.py line 1'
+    )
+    assert "state Failed" in cell.texts()[-1]
+    fixed = kernel.run("%%function broken\ndef handler(event):\n    return 1\n")
+    assert fixed.ok, fixed.error
+    assert kernel.value("broken()") == 1
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("%%function etl --runtime ruby", "argument --runtime: invalid choice: 'ruby'"),
+        ("%%function etl --idle-timeout soon", "argument --idle-timeout: 'soon' is not a number"),
+        ("%%function etl --env NOVALUE", "argument --env: 'NOVALUE' is not KEY=VALUE"),
+        ("%%function etl --colour red", "unrecognized arguments: --colour red"),
+        ("%%function my-fn", "NAME 'my-fn' must be a Python identifier"),
+        ("%%function", "the following arguments are required: name"),
+    ],
+)
+def test_bad_flags_raise_a_one_line_usage_error(kernel: Kernel, line: str, message: str) -> None:
+    # SPEC §6 / issue: bad flags raise IPython's UsageError with a one-line message.
+    cell = kernel.run(f"{line}\ndef handler(event):\n    return 1\n")
+    assert not cell.ok
+    assert cell.reply["content"]["ename"] == "UsageError"
+    text = cell.stderr.strip()
+    assert text.startswith("UsageError: %%function: ")
+    assert message in text
+    assert "\n" not in text
+
+
+def test_fn_trace_records_each_gateway_call(kernel: Kernel) -> None:
+    # SPEC §6: %fn_trace on records every call the kernel makes (method, request with the JSON
+    # payload decoded, status, latency); %fn_trace show renders them as a table.
+    kernel.run(ETL)
+    assert kernel.run("%fn_trace on").ok
+    kernel.run('etl({"rows": [7]})')
+    kernel.run("%invoke missing")
+    kernel.run("%fn_trace off")
+    table = kernel.run("%fn_trace show")
+    text = table.result
+    lines = text.splitlines()
+    assert lines[0].split() == ["#", "method", "status", "latency", "request"]
+    assert "POST /v1/runs/etl:invoke" in lines[1] and " 200 " in lines[1]
+    assert '{"rows": [7]}' in lines[1] and " ms " in lines[1]
+    assert "GET /v1/runs/missing" in lines[2] and "404 NOT_FOUND" in lines[2]
+    assert "<table class='fn-trace'>" in table.htmls()[-1]
+
+
+def test_functions_table_lists_live_state(kernel: Kernel) -> None:
+    kernel.run(ETL)
+    text = kernel.run("%functions").result
+    header, *rows = text.splitlines()
+    assert header.split()[:4] == ["name", "runtime", "phase", "state"]
+    etl = next(row for row in rows if row.startswith("etl "))
+    assert "Ready" in etl and "READY" in etl and "reg_" in etl
+    assert "embedded runtime at unix:" in text
+    only = kernel.run("%functions etl").result
+    assert [r.split()[0] for r in only.splitlines()[1:-1]] == ["etl"]
+
+
+def test_completion_offers_registered_names(kernel: Kernel) -> None:
+    # SPEC §6: %invoke <TAB> and %functions complete registered names.
+    kernel.run(ETL)
+    for code in ("%invoke e", "%functions e"):
+        reply = kernel.request("complete", code=code, cursor_pos=len(code))
+        assert "etl" in reply["matches"], reply
+
+
+def test_inspection_shows_source_runtime_and_status(kernel: Kernel) -> None:
+    # Issue: NAME? shows the function's handler source, runtime and status.
+    kernel.run(ETL)
+    reply = kernel.request("inspect", code="etl", cursor_pos=3, detail_level=0)
+    text = reply["data"]["text/plain"]
+    assert "python function 'etl', handler etl.handler" in text
+    assert "state READY" in text
+    assert 'context.set_output("rows", str(len(event["rows"])))' in text
+
+
+def test_unregister_removes_the_function(kernel: Kernel) -> None:
+    kernel.run(SLOW.replace("%%function slow", "%%function temp"))
+    assert kernel.value("temp.unregister(cancel=True, drain_timeout=1)") is None
+    names = [run["name"] for run in Client(gateway_address(kernel)).list_runs()]
+    assert "temp" not in names
+    cell = kernel.run("temp(1)")
+    assert cell.error is not None and cell.error["ename"] == "FunctionNotFound"
+
+
+def _children_of_a_kernel_with_functions() -> tuple[Kernel, set[int]]:
+    kernel = Kernel()
+    assert kernel.run(ETL).ok
+    assert kernel.run(GREET_SH).ok
+    assert kernel.value('etl({"rows": [1]})') == {"total": 1}
+    children = descendants(kernel.pid)
+    # the gateway, and a Runtime Server and a runtimed for each runtime used (plus workers)
+    assert len(children) >= 5, children
+    return kernel, children
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return "?"
+
+
+def test_kernel_shutdown_leaves_no_child_process() -> None:
+    kernel, children = _children_of_a_kernel_with_functions()
+    kernel.shutdown()
+    wait_until(lambda: not any(pid_alive(pid) for pid in children), timeout=10)
+
+
+def test_sigkill_of_the_kernel_leaves_no_child_process_after_5s() -> None:
+    # SPEC §6: the children also exit on their own if the kernel dies.
+    kernel, children = _children_of_a_kernel_with_functions()
+    os.kill(kernel.pid, signal.SIGKILL)
+    try:
+        wait_until(lambda: not any(pid_alive(pid) for pid in children), timeout=5)
+    except AssertionError:
+        left = {pid: _cmdline(pid) for pid in children if pid_alive(pid)}
+        raise AssertionError(f"still running 5 s after the kernel was killed: {left}") from None
+    kernel.client.stop_channels()
+    kernel.manager.cleanup_resources()
+
+
+def test_magics_load_into_a_stock_ipykernel() -> None:
+    # SPEC §6: the same magics load into any ipykernel with %load_ext kernel.
+    kernel = Kernel("python3")
+    try:
+        assert kernel.value("'grpc' in __import__('sys').modules") is False
+        assert kernel.run("%load_ext kernel").ok
+        cell = kernel.run(ETL)
+        assert cell.ok, cell.error
+        assert kernel.value('etl({"rows": [2, 2]})') == {"total": 4}
+    finally:
+        kernel.shutdown()
+
+
+def test_fnkernel_runtime_points_the_kernel_at_an_existing_gateway(
+    stack_factory: Callable[..., Stack],
+) -> None:
+    # SPEC §6: it connects to $FNKERNEL_RUNTIME when set, instead of an embedded runtime.
+    stack = stack_factory()
+    kernel = Kernel(env={"FNKERNEL_RUNTIME": stack.gateway_address})
+    try:
+        assert kernel.run(ETL).ok
+        assert descendants(kernel.pid) == set()  # nothing embedded was started
+        assert Client(stack.gateway_address).invoke("etl", {"rows": [5]}).value() == {"total": 5}
+        text = kernel.run("%functions").result
+        assert f"gateway at {stack.gateway_address}" in text
+    finally:
+        kernel.shutdown()
