@@ -118,6 +118,17 @@ class FunctionRuntimeClient:
     def UnregisterFunction(self, request: dict[str, Any], timeout: float = 60) -> dict[str, Any]:
         return self.call("UnregisterFunction", request, timeout)
 
+    def try_call(self, method: str, request: dict[str, Any], timeout: float = 60) -> Any:
+        """Call, print the outcome in one line — ``OK`` and the reply, or the status and why —
+        and return the reply or the error. For showing failures on purpose."""
+        try:
+            reply = self.call(method, request, timeout)
+        except FunctionError as error:
+            print(f"{method} → {error.code}: {error.message} ({type(error).__name__})")
+            return error
+        print(f"{method} → OK {json.dumps(decode_message(reply))}")
+        return reply
+
     def workdir(self, files: dict[str, str]) -> str:
         """A fresh working dir under the server's workspace root holding `files`; its path."""
         if self.workspace_root is None:

@@ -3,8 +3,11 @@ runtime as real child processes, real cells."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -59,6 +62,23 @@ def registration(kernel: Kernel, name: str) -> dict[str, str]:
         "registrationId": status["live"]["registrationId"],
         "phase": status["status"]["phase"],
     }
+
+
+def test_fnkernel_install_writes_the_kernelspec(tmp_path: Path) -> None:
+    # SPEC §6: kernelspec name fnkernel, display name "Python 3 (fnkernel)"; the issue: an
+    # interrupt is a message, so the kernel can cancel the invocation itself.
+    done = subprocess.run(
+        [sys.executable, "-m", "runtime_server.cli", "install", "--prefix", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    spec = json.loads((tmp_path / "share/jupyter/kernels/fnkernel/kernel.json").read_text())
+    assert spec["display_name"] == "Python 3 (fnkernel)"
+    assert spec["interrupt_mode"] == "message"
+    assert spec["argv"][-4:] == ["-m", "kernel", "-f", "{connection_file}"]
+    assert "installed kernelspec fnkernel" in done.stdout
 
 
 def test_plain_cells_import_no_grpc_and_start_nothing() -> None:
@@ -169,6 +189,17 @@ def test_interrupt_cancels_the_invocation_and_the_function_stays_usable(kernel: 
         "stays registered"
     ]
     assert kernel.value('slow({"s": 0})') == 0  # not FunctionBusy: the handler is gone
+
+
+def test_timeout_flag_bounds_each_invocation(kernel: Kernel) -> None:
+    # SPEC §6: --timeout S is the invocation timeout; past it the handler is stopped and the
+    # function stays usable.
+    assert kernel.run(SLOW.replace("%%function slow", "%%function bounded --timeout 0.3")).ok
+    cell = kernel.run('bounded({"s": 5})')
+    assert cell.error is not None and cell.error["ename"] == "InvocationTimedOut"
+    assert cell.error["traceback"][0].endswith("(DEADLINE_EXCEEDED)")
+    assert kernel.value('bounded({"s": 0})') == 0
+    assert kernel.value('bounded.invoke({"s": 0.5}, timeout=3).output') == 0.5
 
 
 def test_a_busy_function_fails_with_one_readable_line(kernel: Kernel) -> None:

@@ -1,0 +1,95 @@
+"""The kernel's costs against stock ipykernel, measured in the same run (issue 4):
+
+* start: launching the kernel until its kernel_info reply, fnkernel vs stock ipykernel
+  (``python3``), alternating, median of N each — target <= 1.1x;
+* round trip: an ``%invoke`` cell (embedded runtime, warm) vs a plain ``1+1`` cell, each from
+  jupyter_client's execute_request to the idle status and the execute_reply — target <= 1.3x;
+* cold: the first ``%%function`` in a fresh kernel, which starts the embedded runtime — reported.
+
+Usage: python -m benchmarks.kernel [--starts N] [--cells N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from benchmarks.invoke import p
+from tests.kernels import Kernel, install_kernelspec
+
+START_TARGET = 1.1
+ROUND_TRIP_TARGET = 1.3
+FUNCTION = "%%function bench\ndef handler(event):\n    return event\n"
+
+
+def start_seconds(kernel_name: str) -> float:
+    started = time.perf_counter()
+    kernel = Kernel(kernel_name)  # returns once the kernel_info reply arrived
+    elapsed = time.perf_counter() - started
+    kernel.shutdown()
+    return elapsed
+
+
+def cell_ms(kernel: Kernel, code: str, cells: int) -> list[float]:
+    for _ in range(10):
+        assert kernel.run(code).ok
+    samples = []
+    budget = time.monotonic() + 120  # bounded in time as well as count
+    for _ in range(cells):
+        started = time.perf_counter()
+        cell = kernel.run(code)
+        samples.append((time.perf_counter() - started) * 1000)
+        assert cell.ok, cell.error
+        if time.monotonic() > budget:
+            break
+    return samples
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--starts", type=int, default=7)
+    parser.add_argument("--cells", type=int, default=300)
+    args = parser.parse_args()
+    install_kernelspec()
+
+    starts: dict[str, list[float]] = {"python3": [], "fnkernel": []}
+    for _ in range(args.starts):
+        for name in starts:
+            starts[name].append(start_seconds(name))
+    start_ratio = statistics.median(starts["fnkernel"]) / statistics.median(starts["python3"])
+
+    kernel = Kernel()
+    try:
+        cold_started = time.perf_counter()
+        assert kernel.run(FUNCTION).ok
+        cold_ms = (time.perf_counter() - cold_started) * 1000
+        plain = cell_ms(kernel, "1+1", args.cells)
+        invoke = cell_ms(kernel, "%invoke bench {}", args.cells)
+    finally:
+        kernel.shutdown()
+    trip_ratio = p(invoke, 50) / p(plain, 50)
+
+    print(f"{'case':<38}{'median/p50':>12}{'p99':>10}{'ratio':>8}")
+    for name, samples in starts.items():
+        label = f"start → kernel_info ({name})"
+        print(f"{label:<38}{statistics.median(samples) * 1000:>9.0f} ms{'':>10}", end="")
+        print(f"{statistics.median(samples) / statistics.median(starts['python3']):>7.2f}x")
+    print(f"{'1+1 cell':<38}{p(plain, 50):>9.2f} ms{p(plain, 99):>7.2f} ms{1:>7.2f}x")
+    print(
+        f"{'%invoke cell':<38}{p(invoke, 50):>9.2f} ms{p(invoke, 99):>7.2f} ms{trip_ratio:>7.2f}x"
+    )
+    print(f"{'first %%function (cold runtime)':<38}{cold_ms:>9.0f} ms")
+    met = True
+    for label, ratio, target in (
+        ("start fnkernel / ipykernel", start_ratio, START_TARGET),
+        ("%invoke / 1+1 p50", trip_ratio, ROUND_TRIP_TARGET),
+    ):
+        verdict = "met" if ratio <= target else "MISSED"
+        met &= ratio <= target
+        print(f"{label}: {ratio:.2f}x (target <= {target}x) {verdict}")
+    return 0 if met else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
