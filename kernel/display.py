@@ -33,10 +33,14 @@ def short(value: str, keep: int = 12) -> str:
     return prefix + (rest[:keep] + "…" if len(rest) > keep else rest)
 
 
+def pretty_json(value: Any) -> str:
+    return json.dumps(value, indent=2, ensure_ascii=False, default=str)
+
+
 def _json_text(value: Any) -> str:
     if isinstance(value, str | bytes):
         return value if isinstance(value, str) else value.decode("utf-8", "replace")
-    return json.dumps(value, indent=2, ensure_ascii=False, default=str)
+    return pretty_json(value)
 
 
 def _table_html(headers: Iterable[str], rows: Iterable[Iterable[object]]) -> str:

@@ -11,8 +11,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kernel.display import Detail, Invocation, RegistrationCard
-from kernel.runtime import Runtime, pretty_json
+from kernel.display import Detail, Invocation, RegistrationCard, pretty_json
+from kernel.runtime import Runtime
 from kernel.trace import Trace
 from runtime_server.errors import (
     FunctionError,

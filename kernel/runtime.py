@@ -10,7 +10,6 @@ Nothing here imports grpc: the kernel speaks HTTP to the gateway with the stdlib
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -76,10 +75,6 @@ class Runtime:
         self._stack: Stack | None = None
         self._state_dir: Path | None = None
         self._lock = threading.RLock()
-
-    @property
-    def embedded(self) -> bool:
-        return not self.address or self._stack is not None
 
     @property
     def started(self) -> bool:
@@ -150,7 +145,3 @@ class Runtime:
                 stack.stop(timeout)
             if state_dir is not None:
                 shutil.rmtree(state_dir, ignore_errors=True)
-
-
-def pretty_json(value: Any) -> str:
-    return json.dumps(value, indent=2, ensure_ascii=False, sort_keys=False, default=str)

@@ -12,8 +12,11 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
+from runtime_server._proto.executor.v1 import runtime_pb2 as pb
+from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from runtime_server.client import Client
 from runtime_server.stack import Stack
 from tests.conftest import pid_alive, wait_until
@@ -339,8 +342,11 @@ def _children_of_a_kernel_with_functions() -> tuple[Kernel, set[int]]:
 
 
 def _cmdline(pid: int) -> str:
+    """The command line and state of `pid`, to say what outlived the kernel."""
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        return f"{cmdline} [state {state}]"
     except OSError:
         return "?"
 
@@ -391,3 +397,46 @@ def test_fnkernel_runtime_points_the_kernel_at_an_existing_gateway(
         assert f"gateway at {stack.gateway_address}" in text
     finally:
         kernel.shutdown()
+
+
+def test_interrupt_cancels_a_function_runtime_call_from_the_protocol_client(
+    kernel: Kernel,
+) -> None:
+    # Issue: the sync stub's .future(), cancelled from the interrupt_request override; the
+    # server then kills the handler, so the registration takes the next call at once.
+    setup = kernel.run(
+        "import base64, hashlib, json\n"
+        "from kernel.protocol import runtime_server\n"
+        "rt = runtime_server('python')\n"
+        'src = \'import time\\ndef handle(e):\\n    time.sleep(e["s"])\\n    return e["s"]\\n\'\n'
+        "ref = rt.RegisterFunction({'runUid': 'tour-slow', 'registrationAttempt': 1,\n"
+        "    'workingDir': rt.workdir({'h.py': src}), 'handler': 'h.handle',\n"
+        "    'registrationDigest': 'sha256:' + hashlib.sha256(src.encode()).hexdigest()})\n"
+        "ref = ref['registration']\n"
+        "def call(s):\n"
+        "    reply = rt.InvokeFunction({'registration': ref,\n"
+        "        'input': base64.b64encode(json.dumps({'s': s}).encode()).decode()})\n"
+        "    return json.loads(base64.b64decode(reply['output']))\n"
+    )
+    assert setup.ok, setup.error
+    address = kernel.value("rt.address")
+    reference = kernel.value("ref")
+    channel = grpc.insecure_channel(address)
+    stub = pb_grpc.FunctionRuntimeStub(channel)
+    status_request = pb.FunctionStatusRequest(
+        registration=pb.FunctionRegistration(
+            run_uid=reference["runUid"], registration_id=reference["registrationId"]
+        )
+    )
+    try:
+        msg_id = kernel.send("call(10)")
+        wait_until(lambda: stub.FunctionStatus(status_request, timeout=5).in_flight == 1, 10)
+        started = time.monotonic()
+        kernel.manager.interrupt_kernel()
+        cell = kernel.collect(msg_id, timeout=10)
+        assert time.monotonic() - started < 1.0
+        assert cell.error is not None and cell.error["ename"] == "InvocationInterrupted"
+        assert cell.error["traceback"] == ["KeyboardInterrupt: InvokeFunction cancelled"]
+        assert kernel.value("call(0)") == 0
+    finally:
+        channel.close()
