@@ -4,7 +4,9 @@
   (``python3``), alternating, median of N each — target <= 1.1x;
 * round trip: an ``%invoke`` cell (embedded runtime, warm) vs a plain ``1+1`` cell, each from
   jupyter_client's execute_request to the idle status and the execute_reply — target <= 1.3x;
-* cold: the first ``%%function`` in a fresh kernel, which starts the embedded runtime — reported.
+* cold: the first ``%%function`` in a fresh kernel, which starts the embedded runtime — reported;
+* interrupt: from interrupt_request to the cell's error, during an invocation — reported (the
+  issue asks for the call to be cancelled within 100 ms).
 
 Usage: python -m benchmarks.kernel [--starts N] [--cells N]
 """
@@ -16,11 +18,13 @@ import statistics
 import time
 
 from benchmarks.invoke import p
+from runtime_server.client import Client
 from tests.kernels import Kernel, install_kernelspec
 
 START_TARGET = 1.1
 ROUND_TRIP_TARGET = 1.3
 FUNCTION = "%%function bench\ndef handler(event):\n    return event\n"
+SLOW = "%%function slow\nimport time\ndef handler(event):\n    time.sleep(event)\n"
 
 
 def start_seconds(kernel_name: str) -> float:
@@ -46,6 +50,25 @@ def cell_ms(kernel: Kernel, code: str, cells: int) -> list[float]:
     return samples
 
 
+def interrupt_ms(kernel: Kernel, times: int) -> list[float]:
+    """Interrupt a 10 s invocation once it is in flight; ms until the cell's error arrives."""
+    assert kernel.run(SLOW).ok
+    client = Client(kernel.value("get_ipython()._fnkernel_session.runtime.address"))
+    samples = []
+    for _ in range(times):
+        msg_id = kernel.send("slow(10)")
+        deadline = time.monotonic() + 10
+        while not (client.status("slow")["live"] or {}).get("inFlight"):
+            assert time.monotonic() < deadline, "the invocation never started"
+            time.sleep(0.005)
+        started = time.perf_counter()
+        kernel.manager.interrupt_kernel()
+        cell = kernel.collect(msg_id, timeout=10)
+        samples.append((time.perf_counter() - started) * 1000)
+        assert cell.error is not None and cell.error["ename"] == "InvocationInterrupted"
+    return samples
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--starts", type=int, default=7)
@@ -66,6 +89,7 @@ def main() -> int:
         cold_ms = (time.perf_counter() - cold_started) * 1000
         plain = cell_ms(kernel, "1+1", args.cells)
         invoke = cell_ms(kernel, "%invoke bench {}", args.cells)
+        interrupts = interrupt_ms(kernel, 5)
     finally:
         kernel.shutdown()
     trip_ratio = p(invoke, 50) / p(plain, 50)
@@ -80,6 +104,8 @@ def main() -> int:
         f"{'%invoke cell':<38}{p(invoke, 50):>9.2f} ms{p(invoke, 99):>7.2f} ms{trip_ratio:>7.2f}x"
     )
     print(f"{'first %%function (cold runtime)':<38}{cold_ms:>9.0f} ms")
+    label = "interrupt → KeyboardInterrupt in cell"
+    print(f"{label:<38}{statistics.median(interrupts):>9.1f} ms{max(interrupts):>7.1f} ms (max)")
     met = True
     for label, ratio, target in (
         ("start fnkernel / ipykernel", start_ratio, START_TARGET),
