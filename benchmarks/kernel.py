@@ -14,6 +14,7 @@ Usage: python -m benchmarks.kernel [--starts N] [--cells N]
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import time
 
@@ -74,10 +75,17 @@ def main() -> int:
     parser.add_argument("--starts", type=int, default=7)
     parser.add_argument("--cells", type=int, default=300)
     args = parser.parse_args()
-    install_kernelspec()
+    spec = install_kernelspec()
+    try:
+        return measure(args.starts, args.cells)
+    finally:
+        shutil.rmtree(spec.parents[1], ignore_errors=True)
+
+
+def measure(start_count: int, cell_count: int) -> int:
 
     starts: dict[str, list[float]] = {"python3": [], "fnkernel": []}
-    for _ in range(args.starts):
+    for _ in range(start_count):
         for name in starts:
             starts[name].append(start_seconds(name))
     start_ratio = statistics.median(starts["fnkernel"]) / statistics.median(starts["python3"])
@@ -87,8 +95,8 @@ def main() -> int:
         cold_started = time.perf_counter()
         assert kernel.run(FUNCTION).ok
         cold_ms = (time.perf_counter() - cold_started) * 1000
-        plain = cell_ms(kernel, "1+1", args.cells)
-        invoke = cell_ms(kernel, "%invoke bench {}", args.cells)
+        plain = cell_ms(kernel, "1+1", cell_count)
+        invoke = cell_ms(kernel, "%invoke bench {}", cell_count)
         interrupts = interrupt_ms(kernel, 5)
     finally:
         kernel.shutdown()

@@ -7,7 +7,6 @@ shutdown stops the embedded runtime.
 
 from __future__ import annotations
 
-import atexit
 from typing import Any
 
 from ipykernel.ipkernel import IPythonKernel
@@ -28,7 +27,6 @@ class FnKernel(IPythonKernel):
         assert self.shell is not None
         self.shell.extension_manager.load_extension("kernel")
         self.fn_session = session_of(self.shell)
-        atexit.register(self.fn_session.shutdown)
 
     @property
     def banner(self) -> str:  # type: ignore[override]

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import shlex
 from typing import Any, NoReturn
@@ -219,6 +220,7 @@ def _complete_names(session: Session) -> Any:
 
 def load(shell: InteractiveShell) -> None:
     session = session_of(shell)
+    atexit.register(session.shutdown)  # also in a stock ipykernel, which has no shutdown hook
     shell.register_magics(FunctionMagics)
     shell.events.register("post_run_cell", _remember_error(session))
     for magic in ("%invoke", "%functions"):

@@ -6,6 +6,7 @@ import ctypes
 import ctypes.util
 import signal
 import threading
+import time
 
 from adapters.worker import reap_orphans
 
@@ -45,21 +46,21 @@ def start_reaper(stop: threading.Event, interval: float = 1.0) -> threading.Thre
     return thread
 
 
-def wait_for_termination() -> int:
+def wait_for_termination(poll: float = 0.1) -> int:
     """Block until SIGTERM or SIGINT; returns the signal number.
 
-    A Python handler plus an Event, not sigwait: sigwait would need the signals blocked before
-    gRPC starts its threads.
+    The handler only appends to a list: it runs in the main thread between bytecodes, possibly
+    inside a lock acquire, so taking any lock there (``Event.set()``) can deadlock the very
+    thread that must stop the server — which left servers running after SIGTERM. Not sigwait
+    either: that needs the signals blocked before gRPC starts its threads.
     """
     received: list[int] = []
-    done = threading.Event()
 
     def handler(signum: int, _frame: object) -> None:
         received.append(signum)
-        done.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, handler)
-    while not done.wait(0.5):  # wake periodically so the main thread can run the handler
-        pass
+    while not received:
+        time.sleep(poll)  # a signal runs the handler at once; the loop sees it within `poll`
     return received[0]

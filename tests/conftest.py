@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.client
 import itertools
 import os
+import shutil
 import textwrap
 import time
 import urllib.parse
@@ -291,8 +292,10 @@ SLOW_PY = {
 
 
 @pytest.fixture(scope="session")
-def fnkernel_spec() -> Path:
+def fnkernel_spec() -> Iterator[Path]:
     """The fnkernel kernelspec, installed under a private prefix that Jupyter is pointed at."""
     from tests.kernels import install_kernelspec
 
-    return install_kernelspec()
+    data = install_kernelspec()
+    yield data
+    shutil.rmtree(data.parents[1], ignore_errors=True)
