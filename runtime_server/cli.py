@@ -11,7 +11,7 @@ import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from runtime_server.client import Client
@@ -405,6 +405,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client_flags(invoke)
     invoke.set_defaults(func=_invoke)
 
+    evaluator = commands.add_parser(
+        "evaluator",
+        help="serve the evaluator chain over FunctionEvaluator (KRM functions)",
+        description="Serve evaluator.FunctionEvaluator over the chain builtin → exec: only "
+        "NotFound falls through to the next evaluator.",
+    )
+    evaluator.add_argument("--listen", default="127.0.0.1:9445", metavar="ADDR")
+    evaluator.add_argument(
+        "--functions", metavar="DIR", help="cached function binaries (enables the exec evaluator)"
+    )
+    evaluator.add_argument(
+        "--function-config",
+        metavar="F",
+        help="FunctionConfig store: YAML list of {image, tags, path} (path relative to --functions)",
+    )
+    evaluator.add_argument("-v", "--verbose", action="store_true")
+    evaluator.set_defaults(func=_evaluator)
+
     install = commands.add_parser(
         "install",
         help="install the fnkernel kernelspec",
@@ -417,6 +435,46 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--prefix", metavar="P", help="under P/share/jupyter/kernels")
     install.set_defaults(func=_install)
     return parser
+
+
+def _evaluator(args: argparse.Namespace) -> int:
+    from runtime_server import logs, process
+    from runtime_server.evaluator.builtin import BuiltinEvaluator
+    from runtime_server.evaluator.exec import ExecEvaluator, FunctionConfigStore
+    from runtime_server.evaluator.multi import MultiEvaluator
+    from runtime_server.evaluator.server import serve
+    from runtime_server.launch import announcement
+
+    logs.configure(logging.DEBUG if args.verbose else logging.INFO)
+    chain: list[Any] = [BuiltinEvaluator()]
+    if args.functions:
+        functions = Path(args.functions)
+        if not functions.is_dir():
+            print(
+                f"fnkernel evaluator: --functions {functions} is not a directory", file=sys.stderr
+            )
+            return EXIT_USAGE
+        store = None
+        if args.function_config:
+            try:
+                store = FunctionConfigStore.load(functions, Path(args.function_config))
+            except (OSError, ValueError) as exc:
+                print(f"fnkernel evaluator: --function-config: {exc}", file=sys.stderr)
+                return EXIT_USAGE
+        chain.append(ExecEvaluator(functions, store))
+    elif args.function_config:
+        print("fnkernel evaluator: --function-config needs --functions", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        server, address = serve(MultiEvaluator(chain), args.listen)
+    except RuntimeError as exc:
+        print(f"fnkernel evaluator: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    order = " → ".join(evaluator.name for evaluator in chain)
+    print(announcement("evaluator", f"chain {order}", address), flush=True)
+    process.wait_for_termination()
+    server.stop(5).wait()
+    return EXIT_OK
 
 
 def _install(args: argparse.Namespace) -> int:

@@ -8,18 +8,18 @@ import pytest
 
 from runtime_server._proto import gen
 
-GENERATED = ("runtime_pb2.py", "runtime_pb2.pyi", "runtime_pb2_grpc.py")
-
 
 def test_committed_stubs_match_a_fresh_generation(tmp_path: Path) -> None:
     pytest.importorskip("grpc_tools")
     gen.generate(tmp_path)
-    fresh = tmp_path / gen.VIRTUAL / "executor" / "v1"
-    committed = gen.ROOT / gen.VIRTUAL / "executor" / "v1"
-    for name in GENERATED:
-        assert (fresh / name).read_text() == (committed / name).read_text(), (
-            f"{name} is stale: run `make proto` and commit the result"
-        )
+    for source in gen.SOURCES:
+        package, stem = Path(source).parent, Path(source).stem
+        for name in (f"{stem}_pb2.py", f"{stem}_pb2.pyi", f"{stem}_pb2_grpc.py"):
+            fresh = tmp_path / gen.VIRTUAL / package / name
+            committed = gen.ROOT / gen.VIRTUAL / package / name
+            assert fresh.read_text() == committed.read_text(), (
+                f"{package / name} is stale: run `make proto` and commit the result"
+            )
 
 
 def test_no_importable_top_level_proto_package() -> None:
@@ -43,3 +43,17 @@ def test_service_keeps_the_seed_field_names_and_numbers() -> None:
     assert pb.FunctionRegistrationState.Name(4) == "FUNCTION_REGISTRATION_STATE_FAILED"
     methods = [m.name for m in pb.DESCRIPTOR.services_by_name["FunctionRuntime"].methods]
     assert methods == ["RegisterFunction", "FunctionStatus", "InvokeFunction", "UnregisterFunction"]
+
+
+def test_evaluator_is_wire_compatible_with_porch() -> None:
+    # SPEC §5.1: package evaluator, FunctionEvaluator/EvaluateFunction, resource_list = 1,
+    # image = 2, tag = 3, exec_path = 4; response resource_list = 1, log = 2.
+    from runtime_server._proto.evaluator.v1 import evaluator_pb2 as pb
+
+    assert pb.DESCRIPTOR.package == "evaluator"
+    service = pb.DESCRIPTOR.services_by_name["FunctionEvaluator"]
+    assert [m.name for m in service.methods] == ["EvaluateFunction"]
+    request = {f.name: f.number for f in pb.EvaluateFunctionRequest.DESCRIPTOR.fields}
+    assert request == {"resource_list": 1, "image": 2, "tag": 3, "exec_path": 4}
+    response = {f.name: f.number for f in pb.EvaluateFunctionResponse.DESCRIPTOR.fields}
+    assert response == {"resource_list": 1, "log": 2}

@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PROTO_DIR = ROOT / "proto"
 VIRTUAL = "runtime_server/_proto"
-SOURCES = ("executor/v1/runtime.proto",)
+SOURCES = ("executor/v1/runtime.proto", "evaluator/v1/evaluator.proto")
 
 
 def generate(out_dir: Path) -> None:

@@ -1,0 +1,93 @@
+"""The builtin evaluator: KRM functions implemented in Python, run in-process (SPEC §5.2).
+
+Each function answers to its bare name and to the two catalog registries' names, with any tag or
+digest: ``set-namespace``, ``ghcr.io/kptdev/krm-functions-catalog/set-namespace:v0.4.1``,
+``gcr.io/kpt-fn/set-namespace@sha256:…``. Anything else is ``NotFoundError``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+
+from runtime_server.evaluator.base import (
+    EvalRequest,
+    EvalResponse,
+    FunctionError,
+    InvalidRequest,
+    NotFoundError,
+    remaining,
+)
+from runtime_server.krm.resourcelist import ERROR, InvalidResourceList, ResourceList
+from runtime_server.krm.set_metadata import set_annotations, set_labels
+from runtime_server.krm.set_namespace import set_namespace
+
+KrmFunction = Callable[[ResourceList], None]
+CATALOG_PREFIXES = ("ghcr.io/kptdev/krm-functions-catalog/", "gcr.io/kpt-fn/")
+FUNCTIONS: dict[str, KrmFunction] = {
+    "set-namespace": set_namespace,
+    "set-labels": set_labels,
+    "set-annotations": set_annotations,
+}
+
+
+def bare_name(image: str) -> str:
+    """The function name an image refers to, without registry prefix, tag or digest."""
+    name = image.partition("@")[0]
+    last = name.rpartition("/")[2]
+    if ":" in last:
+        name = name[: len(name) - len(last)] + last.partition(":")[0]
+    for prefix in CATALOG_PREFIXES:
+        if name.startswith(prefix):
+            return name.removeprefix(prefix)
+    return name
+
+
+class BuiltinEvaluator:
+    name = "builtin"
+
+    def __init__(self, functions: Mapping[str, KrmFunction] | None = None) -> None:
+        self._functions = dict(FUNCTIONS if functions is None else functions)
+        self._lock = threading.Lock()
+
+    def register(self, name: str, function: KrmFunction) -> None:
+        """Add a function (e.g. ``fn://NAME`` from a notebook) under exactly `name`."""
+        with self._lock:
+            self._functions[name] = function
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._functions)
+
+    def lookup(self, image: str) -> KrmFunction | None:
+        with self._lock:
+            if image in self._functions:  # fn://NAME and other exact names
+                return self._functions[image]
+            name = bare_name(image)
+            if "/" in name:  # another registry: not ours
+                return None
+            return self._functions.get(name)
+
+    def evaluate(self, request: EvalRequest, deadline: float | None = None) -> EvalResponse:
+        function = self.lookup(request.image)
+        if function is None:
+            raise NotFoundError(f"{request.image} is not a builtin function")
+        remaining(deadline)
+        try:
+            rl = ResourceList.parse(request.resource_list)
+        except InvalidResourceList as exc:
+            raise InvalidRequest(
+                f"{request.image}: the input is not a ResourceList: {exc}"
+            ) from None
+        function(rl)
+        output = rl.to_bytes()
+        if rl.has_errors():
+            errors = [r for r in rl.results if isinstance(r, dict) and r.get("severity") == ERROR]
+            first = errors[0].get("message", "") if errors else ""
+            raise FunctionError(
+                f"{request.image} failed: {first}",
+                exit_code=1,
+                results=[dict(r) for r in rl.results if isinstance(r, dict)],
+                resource_list=output,
+            )
+        return EvalResponse(output, b"", self.name)

@@ -1,0 +1,165 @@
+"""The exec evaluator: a cached function binary run locally (seed 004, SPEC §5.2).
+
+The FunctionConfig store (a YAML list of ``{image, tags, path}``, ``path`` relative to
+``--functions``) maps an image to its binary and so sets ``exec_path``; a request whose
+``exec_path`` is empty is ``NotFoundError``, so the chain falls through to the pod evaluator. The
+binary must resolve — symlinks followed — inside ``--functions``. It reads the ResourceList on
+stdin, prints the result on stdout and logs on stderr; the deadline kills its process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from runtime_server.evaluator.base import (
+    DeadlineExceeded,
+    EvalRequest,
+    EvalResponse,
+    EvaluatorSystemError,
+    FunctionError,
+    InvalidRequest,
+    NotFoundError,
+    remaining,
+)
+from runtime_server.krm import resourcelist
+
+
+def split_image(image: str) -> tuple[str, str]:
+    """``name[:tag][@digest]`` → (name, tag)."""
+    name = image.partition("@")[0]
+    head, _, last = name.rpartition("/")
+    if ":" in last:
+        last, _, tag = last.partition(":")
+        return (f"{head}/{last}" if head else last), tag
+    return name, ""
+
+
+@dataclass(frozen=True)
+class FunctionConfig:
+    image: str
+    tags: tuple[str, ...]
+    path: str
+
+    def matches(self, image: str, tag: str) -> bool:
+        return image == self.image and (not tag or not self.tags or tag in self.tags)
+
+
+class FunctionConfigStore:
+    """Image (+ tag) → cached binary under the functions directory."""
+
+    def __init__(self, functions_dir: Path, entries: list[FunctionConfig]) -> None:
+        self.functions_dir = functions_dir.resolve()
+        self.entries = entries
+
+    @classmethod
+    def load(cls, functions_dir: Path, config_file: Path) -> FunctionConfigStore:
+        document: Any = resourcelist.load(config_file.read_text())
+        if isinstance(document, dict):
+            document = document.get("functions")
+        if not isinstance(document, list):
+            raise ValueError(f"{config_file}: expected a list of {{image, tags, path}} entries")
+        entries = []
+        for number, entry in enumerate(document, 1):
+            if not isinstance(entry, dict) or not entry.get("image") or not entry.get("path"):
+                raise ValueError(f"{config_file}: entry {number} needs image and path")
+            tags = entry.get("tags") or []
+            entries.append(
+                FunctionConfig(str(entry["image"]), tuple(map(str, tags)), str(entry["path"]))
+            )
+        return cls(functions_dir, entries)
+
+    def exec_path(self, image: str, tag: str = "") -> str:
+        """The absolute path of the binary for `image`, or "" when none is cached."""
+        name, image_tag = split_image(image)
+        for entry in self.entries:
+            if entry.matches(name, tag or image_tag):
+                return str(self.functions_dir / entry.path)
+        return ""
+
+
+def confined(exec_path: str, functions_dir: Path) -> Path:
+    """`exec_path` with symlinks resolved, if it stays inside `functions_dir`."""
+    path = Path(exec_path)
+    if not path.is_absolute():
+        raise InvalidRequest(f"exec_path {exec_path!r} must be absolute")
+    real = path.resolve()
+    root = functions_dir.resolve()
+    if not real.is_relative_to(root):
+        raise InvalidRequest(
+            f"exec_path {exec_path} resolves to {real}, outside --functions {root}"
+        )
+    if not real.is_file() or not os.access(real, os.X_OK):
+        raise InvalidRequest(f"exec_path {exec_path} is not an executable file")
+    return real
+
+
+def parse_results(stdout: bytes) -> list[dict[str, Any]]:
+    """The ``results`` of the ResourceList a function printed, if it printed one."""
+    try:
+        rl = resourcelist.ResourceList.parse(stdout)
+    except (resourcelist.InvalidResourceList, ValueError):
+        return []
+    return [dict(result) for result in rl.results if isinstance(result, dict)]
+
+
+def run_function(argv: list[str], stdin: bytes, deadline: float | None) -> tuple[int, bytes, bytes]:
+    """Run `argv` with `stdin`, in its own process group; (exit code, stdout, stderr). The
+    deadline kills the whole group."""
+    try:
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+    except OSError as exc:
+        raise EvaluatorSystemError(f"failed to execute {argv[0]}: {exc}") from None
+    try:
+        stdout, stderr = proc.communicate(stdin, timeout=remaining(deadline))
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        raise DeadlineExceeded(f"{argv[0]} did not finish before the deadline") from None
+    except BaseException:
+        _kill_group(proc)
+        raise
+    return proc.returncode, stdout, stderr
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):  # the group is gone already
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+
+
+class ExecEvaluator:
+    name = "exec"
+
+    def __init__(self, functions_dir: Path, store: FunctionConfigStore | None = None) -> None:
+        self.functions_dir = functions_dir.resolve()
+        self.store = store
+
+    def evaluate(self, request: EvalRequest, deadline: float | None = None) -> EvalResponse:
+        exec_path = request.exec_path
+        if not exec_path and self.store is not None:
+            exec_path = self.store.exec_path(request.image, request.tag)
+        if not exec_path:
+            raise NotFoundError(f"no cached binary for {request.image}")
+        binary = confined(exec_path, self.functions_dir)
+        code, stdout, stderr = run_function([str(binary)], request.resource_list, deadline)
+        if code != 0:
+            log = stderr.decode("utf-8", "replace")
+            raise FunctionError(
+                f"{request.image} exited with {code}: {log.strip()[-500:]}",
+                exit_code=code,
+                stderr=log,
+                results=parse_results(stdout),
+                resource_list=stdout,
+            )
+        return EvalResponse(stdout, stderr, self.name)

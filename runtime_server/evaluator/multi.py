@@ -1,0 +1,34 @@
+"""The multi-evaluator: the chain (SPEC §5.2). Evaluators are tried in a fixed order; only
+``NotFoundError`` falls through to the next; any other error is returned at once."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from runtime_server.evaluator.base import EvalRequest, EvalResponse, Evaluator, NotFoundError
+
+
+class MultiEvaluator:
+    name = "multi"
+
+    def __init__(self, evaluators: Sequence[Evaluator]) -> None:
+        if not evaluators:
+            raise ValueError("a chain needs at least one evaluator")
+        self.evaluators = list(evaluators)
+
+    def evaluate(self, request: EvalRequest, deadline: float | None = None) -> EvalResponse:
+        tried: list[str] = []
+        reasons: list[str] = []
+        for evaluator in self.evaluators:
+            try:
+                response = evaluator.evaluate(request, deadline)
+            except NotFoundError as exc:
+                tried.append(evaluator.name)
+                reasons.append(f"{evaluator.name}: {exc}")
+                continue
+            return replace(response, evaluator=response.evaluator or evaluator.name)
+        raise NotFoundError(
+            f"function {request.image} not found; tried {', '.join(tried)} ({'; '.join(reasons)})",
+            tuple(tried),
+        )

@@ -1,0 +1,183 @@
+"""FunctionEvaluator over gRPC (SPEC §5.1): the servicer in front of any Evaluator, and the client
+that makes a remote FunctionEvaluator an Evaluator again.
+
+Errors map to status codes in one table. A failed function is INTERNAL, with its structured
+results listed in the message (``[severity] apiVersion/kind/namespace/name field: message``) and
+kept whole in the trailing metadata ``fn-results-bin`` (the results as a ResourceList, YAML), so a
+caller keeps the structure.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from concurrent import futures
+from typing import Any
+
+import grpc
+
+from runtime_server import limits
+from runtime_server._proto.evaluator.v1 import evaluator_pb2 as pb
+from runtime_server._proto.evaluator.v1 import evaluator_pb2_grpc as pb_grpc
+from runtime_server.evaluator.base import (
+    DeadlineExceeded,
+    EvalRequest,
+    EvalResponse,
+    Evaluator,
+    EvaluatorError,
+    EvaluatorSystemError,
+    FunctionError,
+    InvalidRequest,
+    NotFoundError,
+)
+from runtime_server.krm import resourcelist
+from runtime_server.server import CHANNEL_OPTIONS, add_health, add_reflection
+
+LOG = logging.getLogger("fnkernel.evaluator")
+SERVICE = "evaluator.FunctionEvaluator"
+RESULTS_KEY = "fn-results-bin"  # the failed function's results, as a ResourceList (YAML)
+EXIT_CODE_KEY = "fn-exit-code"
+EVALUATOR_KEY = "fn-evaluator"  # initial metadata: which evaluator of a chain served the call
+_NO_DEADLINE = 1e9  # seconds; grpc reports ~9.2e18 when the client set none (SPEC §3.1)
+
+STATUS: dict[type[EvaluatorError], grpc.StatusCode] = {
+    NotFoundError: grpc.StatusCode.NOT_FOUND,
+    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    FunctionError: grpc.StatusCode.INTERNAL,
+    DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    EvaluatorSystemError: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def status_of(error: EvaluatorError) -> grpc.StatusCode:
+    for kind, status in STATUS.items():
+        if isinstance(error, kind):
+            return status
+    return grpc.StatusCode.INTERNAL
+
+
+def format_result(result: Mapping[str, Any]) -> str:
+    """``[severity] apiVersion/kind/namespace/name field: message`` (parts present only)."""
+    ref = result.get("resourceRef") or {}
+    where = "/".join(
+        str(ref[key]) for key in ("apiVersion", "kind", "namespace", "name") if ref.get(key)
+    )
+    field = (result.get("field") or {}).get("path", "")
+    subject = " ".join(part for part in (where, str(field)) if part)
+    severity = result.get("severity", "error")
+    return f"[{severity}] {subject + ': ' if subject else ''}{result.get('message', '')}"
+
+
+def failure_message(error: FunctionError) -> str:
+    lines = [str(error)]
+    lines += [format_result(result) for result in error.results]
+    if error.stderr.strip():
+        lines.append(f"stderr: {error.stderr.strip()[-1000:]}")
+    return "\n".join(lines)
+
+
+def results_document(results: list[dict[str, Any]]) -> bytes:
+    return resourcelist.ResourceList.of([], results=results).to_bytes()
+
+
+class FunctionEvaluatorServicer(pb_grpc.FunctionEvaluatorServicer):
+    def __init__(self, evaluator: Evaluator) -> None:
+        self.evaluator = evaluator
+
+    def EvaluateFunction(
+        self, request: pb.EvaluateFunctionRequest, context: grpc.ServicerContext
+    ) -> pb.EvaluateFunctionResponse:
+        if len(request.resource_list) > limits.MAX_PAYLOAD_BYTES:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"resource_list: {len(request.resource_list)} bytes is over the 6 MiB limit",
+            )
+        left = context.time_remaining()
+        deadline = time.monotonic() + left if left is not None and left < _NO_DEADLINE else None
+        call = EvalRequest(request.resource_list, request.image, request.tag, request.exec_path)
+        try:
+            response = self.evaluator.evaluate(call, deadline)
+        except EvaluatorError as error:
+            code = status_of(error)
+            if isinstance(error, FunctionError):
+                context.set_trailing_metadata(
+                    (
+                        (RESULTS_KEY, results_document(error.results)),
+                        (EXIT_CODE_KEY, str(error.exit_code)),
+                    )
+                )
+                context.abort(code, failure_message(error))
+            context.abort(code, str(error))
+        if response.evaluator:
+            context.send_initial_metadata(((EVALUATOR_KEY, response.evaluator),))
+        return pb.EvaluateFunctionResponse(resource_list=response.resource_list, log=response.log)
+
+
+def serve(evaluator: Evaluator, listen: str, *, max_workers: int = 16) -> tuple[grpc.Server, str]:
+    """A started FunctionEvaluator server (with health and reflection) and its bound address."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="evaluate"),
+        options=CHANNEL_OPTIONS,
+    )
+    pb_grpc.add_FunctionEvaluatorServicer_to_server(FunctionEvaluatorServicer(evaluator), server)
+    add_health(server, [SERVICE])
+    add_reflection(server, [SERVICE])
+    port = server.add_insecure_port(listen)
+    if port == 0 and not listen.startswith("unix:"):
+        raise RuntimeError(f"cannot listen on {listen}")
+    server.start()
+    address = listen if listen.startswith("unix:") else f"{listen.rpartition(':')[0]}:{port}"
+    return server, address
+
+
+class RemoteEvaluator:
+    """A FunctionEvaluator server (the evaluator server, a wrapper server) as an Evaluator."""
+
+    def __init__(self, address: str, name: str = "remote") -> None:
+        self.address = address
+        self.name = name
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.FunctionEvaluatorStub(self._channel)
+
+    def evaluate(self, request: EvalRequest, deadline: float | None = None) -> EvalResponse:
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        message = pb.EvaluateFunctionRequest(
+            resource_list=request.resource_list,
+            image=request.image,
+            tag=request.tag,
+            exec_path=request.exec_path,
+        )
+        try:
+            reply, call = self._stub.EvaluateFunction.with_call(message, timeout=timeout)
+        except grpc.RpcError as err:
+            raise error_of(err, request.image) from None
+        served = dict(call.initial_metadata() or ()).get(EVALUATOR_KEY, "")
+        return EvalResponse(reply.resource_list, reply.log, str(served) or self.name)
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+def error_of(err: grpc.RpcError, image: str) -> EvaluatorError:
+    """A FunctionEvaluator status as the evaluator error it stands for."""
+    code: grpc.StatusCode = err.code()
+    details: str = err.details() or ""
+    if code == grpc.StatusCode.INTERNAL:
+        metadata: Any = err.trailing_metadata() or ()
+        trailers = {key: value for key, value in metadata}
+        raw = trailers.get(RESULTS_KEY)
+        results = []
+        if isinstance(raw, bytes):
+            try:
+                parsed = resourcelist.ResourceList.parse(raw)
+                results = [dict(r) for r in parsed.results if isinstance(r, dict)]
+            except (resourcelist.InvalidResourceList, ValueError):
+                results = []
+        exit_code = int(trailers.get(EXIT_CODE_KEY, "1") or 1)
+        first = details.splitlines()[0] if details else f"{image} failed"
+        return FunctionError(first, exit_code=exit_code, results=results, stderr=details)
+    for kind, status in STATUS.items():
+        if status == code:
+            return kind(details)
+    return EvaluatorSystemError(f"{image}: {code.name}: {details}")

@@ -1,0 +1,203 @@
+"""The KRM function wire format: a ``config.kubernetes.io/v1`` ResourceList (seed 004, SPEC §5).
+
+Items are ruamel.yaml round-trip nodes, so a function that edits them keeps comments, key order and
+quoting of everything it did not touch. ``results`` are the structured results every function may
+add (severity error, warning or info).
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ruamel.yaml import YAML
+from ruamel.yaml.comments import CommentedMap, CommentedSeq
+from ruamel.yaml.error import YAMLError
+
+API_VERSION = "config.kubernetes.io/v1"
+KIND = "ResourceList"
+LOCAL_CONFIG = "config.kubernetes.io/local-config"
+ERROR, WARNING, INFO = "error", "warning", "info"
+
+
+class InvalidResourceList(ValueError):
+    """The bytes are not a ResourceList (not YAML, or not the right shape)."""
+
+
+def yaml() -> YAML:
+    """A round-trip YAML codec with the layout kpt writes: 2-space maps, indented sequences."""
+    codec = YAML(typ="rt")
+    codec.preserve_quotes = True
+    codec.width = 4096  # never fold a long string
+    return codec
+
+
+def load(data: bytes | str) -> Any:
+    try:
+        return yaml().load(data)
+    except YAMLError as exc:
+        raise InvalidResourceList(f"not YAML: {exc}") from None
+
+
+def dump(value: Any) -> bytes:
+    out = io.StringIO()
+    yaml().dump(value, out)
+    return out.getvalue().encode()
+
+
+@dataclass
+class Result:
+    """One structured result (kpt ``results[]``)."""
+
+    message: str
+    severity: str = INFO
+    resource: dict[str, str] | None = None
+    field_path: str = ""
+    file_path: str = ""
+    tags: dict[str, str] = field(default_factory=dict)
+
+    def to_yaml(self) -> CommentedMap:
+        node = CommentedMap(message=self.message, severity=self.severity)
+        if self.resource:
+            node["resourceRef"] = CommentedMap(self.resource)
+        if self.field_path:
+            node["field"] = CommentedMap(path=self.field_path)
+        if self.file_path:
+            node["file"] = CommentedMap(path=self.file_path)
+        if self.tags:
+            node["tags"] = CommentedMap(self.tags)
+        return node
+
+
+class ResourceList:
+    """A parsed ResourceList: ``items``, ``function_config`` and ``results``."""
+
+    def __init__(self, document: dict[str, Any]) -> None:
+        self.document = document
+
+    @classmethod
+    def parse(cls, data: bytes | str) -> ResourceList:
+        document = load(data)
+        if document is None:
+            document = CommentedMap(apiVersion=API_VERSION, kind=KIND)
+        if not isinstance(document, dict):
+            raise InvalidResourceList("a ResourceList must be a YAML mapping")
+        if document.get("kind", KIND) != KIND:
+            raise InvalidResourceList(f"kind must be {KIND}, got {document.get('kind')!r}")
+        items = document.get("items")
+        if items is None:
+            document["items"] = CommentedSeq()
+        elif not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+            raise InvalidResourceList("items must be a list of KRM objects")
+        return cls(document)
+
+    @classmethod
+    def of(
+        cls, items: list[Any], function_config: Any = None, results: list[Any] | None = None
+    ) -> ResourceList:
+        document = CommentedMap(apiVersion=API_VERSION, kind=KIND, items=CommentedSeq(items))
+        if function_config is not None:
+            document["functionConfig"] = function_config
+        if results:
+            document["results"] = CommentedSeq(results)
+        return cls(document)
+
+    @property
+    def items(self) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = self.document["items"]
+        return items
+
+    @property
+    def function_config(self) -> dict[str, Any] | None:
+        config = self.document.get("functionConfig")
+        return config if isinstance(config, dict) and config else None
+
+    @property
+    def results(self) -> list[Any]:
+        results = self.document.get("results")
+        return list(results) if isinstance(results, list) else []
+
+    def add_results(self, results: list[Result]) -> None:
+        if not results:
+            return
+        existing = self.document.get("results")
+        if not isinstance(existing, list):
+            existing = self.document["results"] = CommentedSeq()
+        existing.extend(result.to_yaml() for result in results)
+
+    def has_errors(self) -> bool:
+        return any(isinstance(r, dict) and r.get("severity") == ERROR for r in self.results)
+
+    def to_bytes(self) -> bytes:
+        return dump(self.document)
+
+
+# Helpers over one KRM object (a mapping)
+
+
+def api_group(obj: dict[str, Any]) -> str:
+    api_version = str(obj.get("apiVersion", ""))
+    return api_version.rpartition("/")[0] if "/" in api_version else ""
+
+
+def kind(obj: dict[str, Any]) -> str:
+    return str(obj.get("kind", ""))
+
+
+def metadata(obj: dict[str, Any]) -> dict[str, Any]:
+    """The object's metadata mapping, created if missing."""
+    meta = obj.get("metadata")
+    if not isinstance(meta, dict):
+        meta = obj["metadata"] = CommentedMap()
+    return meta
+
+
+def annotations_of(obj: dict[str, Any]) -> dict[str, Any]:
+    meta = obj.get("metadata")
+    found = meta.get("annotations") if isinstance(meta, dict) else None
+    return found if isinstance(found, dict) else {}
+
+
+def is_local_config(obj: dict[str, Any]) -> bool:
+    return str(annotations_of(obj).get(LOCAL_CONFIG, "false")).lower() == "true"
+
+
+def reference(obj: dict[str, Any]) -> dict[str, str]:
+    """``resourceRef`` for a result about `obj`."""
+    meta = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
+    ref = {"apiVersion": str(obj.get("apiVersion", "")), "kind": kind(obj)}
+    ref["name"] = str(meta.get("name", ""))  # type: ignore[union-attr]
+    if meta.get("namespace"):  # type: ignore[union-attr]
+        ref["namespace"] = str(meta["namespace"])  # type: ignore[index]
+    return ref
+
+
+def short(obj: dict[str, Any]) -> str:
+    ref = reference(obj)
+    namespace = f"{ref['namespace']}/" if "namespace" in ref else ""
+    return f"{ref['kind']}/{namespace}{ref['name']}"
+
+
+def walk(node: Any, path: list[str], *, create: bool) -> Iterator[dict[str, Any]]:
+    """The mappings at `path` below `node` (kustomize fieldSpec style: a list on the way is
+    entered element by element; ``name[]`` marks a list explicitly). With `create`, missing
+    mappings are created, never lists."""
+    if not path:
+        if isinstance(node, dict):
+            yield node
+        return
+    if isinstance(node, list):
+        for element in node:
+            yield from walk(element, path, create=create)
+        return
+    if not isinstance(node, dict):
+        return
+    key = path[0].removesuffix("[]")
+    child = node.get(key)
+    if child is None:
+        if not create or path[0].endswith("[]"):
+            return
+        child = node[key] = CommentedMap()
+    yield from walk(child, path[1:], create=create)

@@ -1,0 +1,229 @@
+"""``set-namespace`` (krm-functions-catalog v0.4.1 semantics, written from its documentation).
+
+- functionConfig: a ConfigMap with ``data.namespace`` (and optional ``data.namespaceMatcher``), the
+  ``kptfile.kpt.dev`` ConfigMap with ``data.name``, or ``fn.kpt.dev/v1alpha1 SetNamespace`` with
+  ``namespace`` (and optional ``namespaceMatcher``).
+- Namespace-scoped objects get ``metadata.namespace`` (an unset one counts as ``default``); a
+  kind not known to be cluster-scoped is namespace-scoped. ``Namespace`` objects are renamed.
+  RoleBinding/ClusterRoleBinding ServiceAccount subjects, the CRD conversion webhook service and
+  the APIService service have their namespace replaced where it is set.
+- With a matcher, only namespaces equal to it change; without one, all do, provided the objects
+  come from one upstream namespace (``internal.kpt.dev/upstream-identifier``).
+- ``config.kubernetes.io/depends-on`` annotations that name a namespaced object of the package
+  follow its move. Local-config objects are skipped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runtime_server.krm.resourcelist import (
+    ERROR,
+    INFO,
+    ResourceList,
+    Result,
+    annotations_of,
+    api_group,
+    is_local_config,
+    kind,
+    metadata,
+)
+
+DEFAULT_NAMESPACE = "default"
+DEPENDS_ON = "config.kubernetes.io/depends-on"
+UPSTREAM = "internal.kpt.dev/upstream-identifier"  # group|Kind|namespace|name
+PACKAGE_CONTEXT = "kptfile.kpt.dev"
+CLUSTER_SCOPED = frozenset(
+    {
+        "APIService",
+        "CertificateSigningRequest",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "ComponentStatus",
+        "CSIDriver",
+        "CSINode",
+        "CustomResourceDefinition",
+        "FlowSchema",
+        "IngressClass",
+        "MutatingWebhookConfiguration",
+        "Namespace",
+        "Node",
+        "PersistentVolume",
+        "PodSecurityPolicy",
+        "PriorityClass",
+        "PriorityLevelConfiguration",
+        "RuntimeClass",
+        "StorageClass",
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
+        "ValidatingWebhookConfiguration",
+        "VolumeAttachment",
+    }
+)
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def read_config(config: dict[str, Any] | None) -> tuple[str, str]:
+    """(new namespace, matcher) from the functionConfig."""
+    if not config:
+        raise ConfigError(
+            "FunctionConfig is missing. Expect `ConfigMap.v1` or `SetNamespace.v1alpha1.fn.kpt.dev`"
+        )
+    if kind(config) == "ConfigMap" and config.get("apiVersion") == "v1":
+        data = config.get("data") or {}
+        matcher = str(data.get("namespaceMatcher", "") or "")
+        if data.get("namespace"):
+            return str(data["namespace"]), matcher
+        name = (config.get("metadata") or {}).get("name")
+        if name == PACKAGE_CONTEXT:
+            if data.get("name"):
+                return str(data["name"]), matcher
+            raise ConfigError("`data.name` should not be empty")
+        raise ConfigError("`data.namespace` should not be empty")
+    if kind(config) == "SetNamespace" and api_group(config) == "fn.kpt.dev":
+        if not config.get("namespace"):
+            raise ConfigError("`namespace` should not be empty")
+        return str(config["namespace"]), str(config.get("namespaceMatcher", "") or "")
+    raise ConfigError(
+        f"unknown functionConfig Kind={kind(config)} ApiVersion={config.get('apiVersion')}, "
+        "expect `ConfigMap.v1` or `SetNamespace.v1alpha1.fn.kpt.dev`"
+    )
+
+
+def cluster_scoped(obj: dict[str, Any]) -> bool:
+    return kind(obj) in CLUSTER_SCOPED
+
+
+def _upstream_namespace(obj: dict[str, Any]) -> str | None:
+    identifier = str(annotations_of(obj).get(UPSTREAM, ""))
+    parts = identifier.split("|")
+    return parts[2] if len(parts) == 4 else None
+
+
+def _depends_on_key(group: str, kind_: str, namespace: str, name: str) -> str:
+    return f"{group}/namespaces/{namespace}/{kind_}/{name}"
+
+
+class _Replacer:
+    """Applies the rule to each namespace value and counts what changed."""
+
+    def __init__(self, new: str, matcher: str) -> None:
+        self.new, self.matcher = new, matcher
+        self.changed = 0
+        self.old: set[str] = set()
+
+    def __call__(self, current: str, origin: str | None = None) -> str:
+        current = current or DEFAULT_NAMESPACE
+        if current == self.new:
+            return current
+        if self.matcher and self.matcher not in (current, origin):
+            return current
+        self.old.add(current)
+        self.changed += 1
+        return self.new
+
+
+def _set_nested(obj: dict[str, Any], path: list[str], replace: _Replacer) -> None:
+    node: Any = obj
+    for key in path[:-1]:
+        node = node.get(key) if isinstance(node, dict) else None
+    if isinstance(node, dict) and node.get(path[-1]):
+        node[path[-1]] = replace(str(node[path[-1]]))
+
+
+def set_namespace(rl: ResourceList) -> None:
+    try:
+        new, matcher = read_config(rl.function_config)
+    except ConfigError as exc:
+        rl.add_results([Result(str(exc), ERROR)])
+        return
+    objects = [obj for obj in rl.items if not is_local_config(obj)]
+    if not matcher:
+        origins = {
+            ns for obj in objects if not cluster_scoped(obj) if (ns := _upstream_namespace(obj))
+        }
+        if len(origins) > 1:
+            rl.add_results(
+                [
+                    Result(
+                        "unable to use origin `namespace` to match. expect a single upstream "
+                        f"namespace, found {sorted(origins)}. please switch to use "
+                        "`namespaceMatcher` to specify the namespace value you want to change",
+                        ERROR,
+                    )
+                ]
+            )
+            return
+    # Namespaced objects before the change, as depends-on names them.
+    before = {
+        _depends_on_key(
+            api_group(obj),
+            kind(obj),
+            str(metadata(obj).get("namespace") or DEFAULT_NAMESPACE),
+            str(metadata(obj).get("name", "")),
+        )
+        for obj in objects
+        if not cluster_scoped(obj)
+    }
+    replace = _Replacer(new, matcher)
+    for obj in objects:
+        meta = metadata(obj)
+        match kind(obj):
+            case "Namespace":
+                meta["name"] = replace(str(meta.get("name", "")))
+            case "CustomResourceDefinition":
+                _set_nested(
+                    obj,
+                    ["spec", "conversion", "webhook", "clientConfig", "service", "namespace"],
+                    replace,
+                )
+            case "APIService":
+                _set_nested(obj, ["spec", "service", "namespace"], replace)
+        if kind(obj) in ("RoleBinding", "ClusterRoleBinding"):
+            for subject in obj.get("subjects") or []:
+                is_account = isinstance(subject, dict) and subject.get("kind") == "ServiceAccount"
+                if is_account and subject.get("namespace"):
+                    subject["namespace"] = replace(str(subject["namespace"]))
+        if not cluster_scoped(obj):
+            current = str(meta.get("namespace") or "")
+            updated = replace(current, _upstream_namespace(obj))
+            if updated != current:
+                meta["namespace"] = updated
+    results = [_summary(replace, new)]
+    results.append(_update_depends_on(objects, before, new, matcher))
+    rl.add_results(results)
+
+
+def _summary(replace: _Replacer, new: str) -> Result:
+    if not replace.changed:
+        return Result(f'all matching namespaces are already "{new}". no value changed', INFO)
+    return Result(
+        f'namespace {sorted(replace.old)} updated to "{new}", {replace.changed} value(s) changed',
+        INFO,
+    )
+
+
+def _update_depends_on(objects: list[Any], before: set[str], new: str, matcher: str) -> Result:
+    changed, old = 0, set()
+    for obj in objects:
+        notes = annotations_of(obj)
+        value = str(notes.get(DEPENDS_ON, ""))
+        segments = value.split("/")
+        if len(segments) != 5 or segments[1] != "namespaces" or value not in before:
+            continue
+        if segments[2] == new or (matcher and segments[2] != matcher):
+            continue
+        old.add(segments[2])
+        segments[2] = new
+        notes[DEPENDS_ON] = "/".join(segments)
+        changed += 1
+    if not changed:
+        return Result("all `depends-on` annotations are up-to-date. no `namespace` changed", INFO)
+    return Result(
+        f'`depends-on` annotation namespace {sorted(old)} updated to "{new}", '
+        f"{changed} value(s) changed",
+        INFO,
+    )
