@@ -423,6 +423,26 @@ def build_parser() -> argparse.ArgumentParser:
     evaluator.add_argument("-v", "--verbose", action="store_true")
     evaluator.set_defaults(func=_evaluator)
 
+    wrapper = commands.add_parser(
+        "wrapper-server",
+        help="serve one KRM function entrypoint over FunctionEvaluator (a function pod)",
+        description="Run ENTRYPOINT once per EvaluateFunction request with the ResourceList on "
+        "stdin (SPEC §5.3). Usage: fnkernel wrapper-server --port 9446 -- ENTRYPOINT...",
+    )
+    wrapper.add_argument("--port", type=int, default=9446, help="loopback port (0: any free one)")
+    wrapper.add_argument(
+        "--listen", metavar="ADDR", help="host:port or unix:PATH instead of --port"
+    )
+    wrapper.add_argument(
+        "--max-request-body-size",
+        type=int,
+        default=6 * 1024 * 1024,
+        metavar="BYTES",
+        help="largest ResourceList accepted (default 6 MiB)",
+    )
+    wrapper.add_argument("entrypoint", nargs=argparse.REMAINDER, metavar="-- ENTRYPOINT...")
+    wrapper.set_defaults(func=_wrapper_server)
+
     install = commands.add_parser(
         "install",
         help="install the fnkernel kernelspec",
@@ -472,6 +492,34 @@ def _evaluator(args: argparse.Namespace) -> int:
         return EXIT_FAILURE
     order = " → ".join(evaluator.name for evaluator in chain)
     print(announcement("evaluator", f"chain {order}", address), flush=True)
+    process.wait_for_termination()
+    server.stop(5).wait()
+    return EXIT_OK
+
+
+def _wrapper_server(args: argparse.Namespace) -> int:
+    from runtime_server import logs, process
+    from runtime_server.evaluator.server import serve
+    from runtime_server.evaluator.wrapper import WrapperEvaluator
+    from runtime_server.launch import announcement
+
+    logs.configure(logging.INFO)
+    entrypoint = args.entrypoint[1:] if args.entrypoint[:1] == ["--"] else args.entrypoint
+    if not entrypoint:
+        print("fnkernel wrapper-server: give the function's entrypoint after --", file=sys.stderr)
+        return EXIT_USAGE
+    if args.max_request_body_size <= 0:
+        print("fnkernel wrapper-server: --max-request-body-size must be positive", file=sys.stderr)
+        return EXIT_USAGE
+    listen = args.listen or f"127.0.0.1:{args.port}"
+    try:
+        server, address = serve(
+            WrapperEvaluator(entrypoint), listen, max_bytes=args.max_request_body_size
+        )
+    except RuntimeError as exc:
+        print(f"fnkernel wrapper-server: cannot listen on {listen}: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    print(announcement("wrapper-server", " ".join(entrypoint), address), flush=True)
     process.wait_for_termination()
     server.stop(5).wait()
     return EXIT_OK

@@ -82,16 +82,18 @@ def results_document(results: list[dict[str, Any]]) -> bytes:
 
 
 class FunctionEvaluatorServicer(pb_grpc.FunctionEvaluatorServicer):
-    def __init__(self, evaluator: Evaluator) -> None:
+    def __init__(self, evaluator: Evaluator, max_bytes: int = limits.MAX_PAYLOAD_BYTES) -> None:
         self.evaluator = evaluator
+        self.max_bytes = max_bytes
 
     def EvaluateFunction(
         self, request: pb.EvaluateFunctionRequest, context: grpc.ServicerContext
     ) -> pb.EvaluateFunctionResponse:
-        if len(request.resource_list) > limits.MAX_PAYLOAD_BYTES:
+        if len(request.resource_list) > self.max_bytes:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"resource_list: {len(request.resource_list)} bytes is over the 6 MiB limit",
+                f"resource_list: {len(request.resource_list)} bytes is over the limit of "
+                f"{self.max_bytes} bytes (6 MiB by default)",
             )
         left = context.time_remaining()
         deadline = time.monotonic() + left if left is not None and left < _NO_DEADLINE else None
@@ -114,13 +116,21 @@ class FunctionEvaluatorServicer(pb_grpc.FunctionEvaluatorServicer):
         return pb.EvaluateFunctionResponse(resource_list=response.resource_list, log=response.log)
 
 
-def serve(evaluator: Evaluator, listen: str, *, max_workers: int = 16) -> tuple[grpc.Server, str]:
-    """A started FunctionEvaluator server (with health and reflection) and its bound address."""
+def serve(
+    evaluator: Evaluator,
+    listen: str,
+    *,
+    max_workers: int = 16,
+    max_bytes: int = limits.MAX_PAYLOAD_BYTES,
+) -> tuple[grpc.Server, str]:
+    """A started FunctionEvaluator server (with health and reflection) and its bound address;
+    health answers SERVING from the moment it listens."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="evaluate"),
         options=CHANNEL_OPTIONS,
     )
-    pb_grpc.add_FunctionEvaluatorServicer_to_server(FunctionEvaluatorServicer(evaluator), server)
+    servicer = FunctionEvaluatorServicer(evaluator, max_bytes)
+    pb_grpc.add_FunctionEvaluatorServicer_to_server(servicer, server)
     add_health(server, [SERVICE])
     add_reflection(server, [SERVICE])
     port = server.add_insecure_port(listen)

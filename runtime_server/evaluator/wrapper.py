@@ -1,0 +1,56 @@
+"""The wrapper server's evaluator (seed 004, SPEC §5.3): one function entrypoint, run per request.
+
+``fnkernel wrapper-server --port P -- ENTRYPOINT...`` serves FunctionEvaluator with it: the
+ResourceList goes to the entrypoint's stdin; exit 0 and a ResourceList on stdout is the answer;
+a non-zero exit is a FunctionError keeping the parsed results and stderr; output that is not a
+ResourceList is "failed to parse function output"; an entrypoint that cannot start is "failed to
+execute". All three are INTERNAL at the gRPC layer, so a pod is not evicted for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from runtime_server.evaluator.base import (
+    EvalRequest,
+    EvalResponse,
+    EvaluatorSystemError,
+    FunctionError,
+)
+from runtime_server.evaluator.exec import run_function
+from runtime_server.krm.resourcelist import InvalidResourceList, ResourceList
+
+
+class WrapperEvaluator:
+    name = "wrapper"
+
+    def __init__(self, entrypoint: Sequence[str]) -> None:
+        if not entrypoint:
+            raise ValueError("the wrapper server needs an entrypoint after --")
+        self.entrypoint = list(entrypoint)
+
+    def evaluate(self, request: EvalRequest, deadline: float | None = None) -> EvalResponse:
+        try:
+            code, stdout, stderr = run_function(self.entrypoint, request.resource_list, deadline)
+        except EvaluatorSystemError as exc:
+            raise FunctionError(f"failed to execute: {exc}", exit_code=-1) from None
+        log = stderr.decode("utf-8", "replace")
+        try:
+            output = ResourceList.parse(stdout)
+        except InvalidResourceList as exc:
+            raise FunctionError(
+                f"failed to parse function output: {exc}",
+                exit_code=code,
+                stderr=log,
+                resource_list=stdout,
+            ) from None
+        results = [dict(result) for result in output.results if isinstance(result, dict)]
+        if code != 0:
+            raise FunctionError(
+                f"{self.entrypoint[0]} exited with {code}",
+                exit_code=code,
+                stderr=log,
+                results=results,
+                resource_list=stdout,
+            )
+        return EvalResponse(stdout, stderr, self.name)
