@@ -408,7 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluator = commands.add_parser(
         "evaluator",
         help="serve the evaluator chain over FunctionEvaluator (KRM functions)",
-        description="Serve evaluator.FunctionEvaluator over the chain builtin → exec: only "
+        description="Serve evaluator.FunctionEvaluator over the chain builtin → exec → pod: only "
         "NotFound falls through to the next evaluator.",
     )
     evaluator.add_argument("--listen", default="127.0.0.1:9445", metavar="ADDR")
@@ -419,6 +419,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--function-config",
         metavar="F",
         help="FunctionConfig store: YAML list of {image, tags, path} (path relative to --functions)",
+    )
+    evaluator.add_argument(
+        "--image-catalog",
+        metavar="F",
+        help="local image catalog: YAML {image: [entrypoint argv]} (enables the pod evaluator)",
+    )
+    evaluator.add_argument(
+        "--pod-cache-config",
+        metavar="F",
+        help="warm-up list: YAML [{image, timeToLive, maxParallelPods, preferredMaxQueueLength}]",
     )
     evaluator.add_argument("-v", "--verbose", action="store_true")
     evaluator.set_defaults(func=_evaluator)
@@ -485,6 +495,28 @@ def _evaluator(args: argparse.Namespace) -> int:
     elif args.function_config:
         print("fnkernel evaluator: --function-config needs --functions", file=sys.stderr)
         return EXIT_USAGE
+    manager = None
+    if args.image_catalog:
+        from runtime_server.evaluator.pods import (
+            LocalBackend,
+            PodCacheManager,
+            PodEvaluator,
+            load_catalog,
+            load_warmup,
+        )
+
+        try:
+            catalog = load_catalog(Path(args.image_catalog))
+            warmup = load_warmup(Path(args.pod_cache_config)) if args.pod_cache_config else {}
+        except (OSError, ValueError) as exc:
+            print(f"fnkernel evaluator: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        manager = PodCacheManager(LocalBackend(catalog), warmup)
+        manager.warm_up(list(warmup))
+        chain.append(PodEvaluator(manager))
+    elif args.pod_cache_config:
+        print("fnkernel evaluator: --pod-cache-config needs --image-catalog", file=sys.stderr)
+        return EXIT_USAGE
     try:
         server, address = serve(MultiEvaluator(chain), args.listen)
     except RuntimeError as exc:
@@ -494,6 +526,8 @@ def _evaluator(args: argparse.Namespace) -> int:
     print(announcement("evaluator", f"chain {order}", address), flush=True)
     process.wait_for_termination()
     server.stop(5).wait()
+    if manager is not None:
+        manager.stop()
     return EXIT_OK
 
 
@@ -542,6 +576,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from runtime_server.errors import FunctionError, InvalidRequest
 
     args = build_parser().parse_args(argv)
+    from runtime_server import process
+
+    process.watch_parent()  # started by launch.spawn(die_with_parent=True): stop with the parent
     try:
         return int(args.func(args))
     except UsageError as exc:

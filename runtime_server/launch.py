@@ -6,6 +6,7 @@ place that writes and reads that line, for ``fnkernel up``, the demo, the benchm
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -61,19 +62,23 @@ def spawn(
 ) -> Child:
     """Start ``fnkernel ARGS...`` and wait for its announcement line.
 
-    With `die_with_parent` the child gets SIGTERM when this process dies, so a killed parent
-    (``fnkernel up``, a kernel) leaves no orphan behind, and it runs in its own session: a
-    signal to the parent's process group (Ctrl-C in a terminal, a kernel interrupt, which
-    ipykernel sends with ``killpg``) stays with the parent, which stops its children in order.
+    With `die_with_parent` the child stops itself (SIGTERM, an orderly stop) when this process
+    dies (``process.watch_parent``), so a killed parent (``fnkernel up``, a kernel) leaves no
+    orphan behind; and it runs in its own session: a signal to the parent's process group
+    (Ctrl-C in a terminal, a kernel interrupt, which ipykernel sends with ``killpg``) stays with
+    the parent, which stops its children in order.
     """
     argv = [sys.executable, "-m", "runtime_server.cli", *args]
+    env = None
+    if die_with_parent:
+        env = {**os.environ, process.PARENT_ENV: str(os.getpid())}
     proc = subprocess.Popen(
         argv,
         stdout=subprocess.PIPE,
         stderr=stderr,
         stdin=subprocess.DEVNULL,
         text=True,
-        preexec_fn=process.die_with_parent if die_with_parent else None,
+        env=env,
         start_new_session=die_with_parent,
     )
     assert proc.stdout is not None

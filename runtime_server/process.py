@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import signal
 import threading
 import time
 
 from adapters.worker import reap_orphans
 
-_PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
+PARENT_ENV = "FNKERNEL_PARENT_PID"  # set by launch.spawn(die_with_parent=True)
 
 
 def _prctl(option: int, value: int) -> bool:
@@ -27,13 +28,30 @@ def become_subreaper() -> bool:
     return _prctl(_PR_SET_CHILD_SUBREAPER, 1)
 
 
-def die_with_parent() -> None:
-    """In a child before exec: SIGTERM when the parent dies, so a killed parent leaves no orphans.
+def watch_parent(interval: float = 0.25) -> threading.Thread | None:
+    """In a component started with ``launch.spawn(die_with_parent=True)``: SIGTERM ourselves
+    (an orderly stop) once the parent that started us is gone — killed, even with SIGKILL.
 
-    Linux sends it when the *thread* that forked exits: fork from a thread that lives as long
-    as the child should.
+    A parent-pid watch rather than ``PR_SET_PDEATHSIG``: that needs a ``preexec_fn``, which runs
+    Python between fork and exec, where gRPC's fork handlers can crash the child of a process
+    with gRPC threads. The variable is removed from our environment so that nothing we start
+    inherits it.
     """
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    expected = os.environ.pop(PARENT_ENV, "")
+    if not expected.isdigit():
+        return None
+    parent = int(expected)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    if os.getppid() != parent:  # gone before we even started
+        os.kill(os.getpid(), signal.SIGTERM)
+    thread = threading.Thread(target=watch, name="parent-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 def start_reaper(stop: threading.Event, interval: float = 1.0) -> threading.Thread:

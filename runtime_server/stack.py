@@ -2,8 +2,8 @@
 
 Each Runtime Pod is a Runtime Server process plus its runtimed process; the gateway process hosts
 the control plane. Like a kubelet with ``restartPolicy: Always``, the supervisor restarts any
-component that dies; stopping the stack stops them all, and every child also gets SIGTERM if the
-supervising process dies, so nothing is left behind.
+component that dies; stopping the stack stops them all, and every child also stops itself if the
+supervising process dies (it watches its parent), so nothing is left behind.
 """
 
 from __future__ import annotations
@@ -164,8 +164,7 @@ class Stack:
         return lines
 
     def _supervise(self) -> None:
-        # Children are forked from this thread: it lives as long as the stack (PR_SET_PDEATHSIG
-        # fires when the forking thread exits).
+        # Restart any component that exited, with a growing backoff.
         while not self._stopping.wait(0.1):
             for component in self.components:
                 child = component.child

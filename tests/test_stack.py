@@ -191,7 +191,7 @@ def test_fnkernel_up_prints_addresses_and_stops_everything(
         code = proc.wait(30)
         if stop_with != signal.SIGKILL:
             assert code == 0
-        # No orphans: every component exits (on SIGKILL, through PR_SET_PDEATHSIG).
+        # No orphans: every component exits (on SIGKILL, through its parent-pid watch).
         wait_until(lambda: not any(pid_alive(pid) for pid in pids), timeout=20)
     finally:
         if proc.poll() is None:

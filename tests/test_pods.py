@@ -1,0 +1,243 @@
+"""The pod evaluator and its pod cache manager (seed 004, SPEC §5.2) with the local backend: every
+pod is a real `fnkernel wrapper-server` process, counted in /proc."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from runtime_server.evaluator.base import EvalRequest, NotFoundError
+from runtime_server.evaluator.pods import (
+    LocalBackend,
+    PodCacheManager,
+    PodEvaluator,
+    PodPolicy,
+    load_catalog,
+    load_warmup,
+)
+from runtime_server.krm.resourcelist import ResourceList
+from tests.conftest import pid_alive, wait_until
+from tests.kernels import descendants
+
+INPUT = b"apiVersion: config.kubernetes.io/v1\nkind: ResourceList\nitems: []\n"
+# Answers with one ConfigMap named after its wrapper server's pid: which pod served the call.
+WHO = """#!/bin/sh
+cat >/dev/null
+sleep "${DELAY:-0}"
+printf 'apiVersion: config.kubernetes.io/v1\\nkind: ResourceList\\nitems:\\n- {apiVersion: v1, kind: ConfigMap, metadata: {name: "%s"}}\\n' "$PPID"
+"""
+IMAGE = "example.com/fn/who"
+
+
+@pytest.fixture
+def who(tmp_path: Path) -> Path:
+    path = tmp_path / "who"
+    path.write_text(WHO)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return path
+
+
+@pytest.fixture
+def managers() -> Iterator[Callable[..., PodCacheManager]]:
+    started: list[PodCacheManager] = []
+
+    def start(backend: LocalBackend, **kwargs: object) -> PodCacheManager:
+        manager = PodCacheManager(backend, **kwargs)  # type: ignore[arg-type]
+        started.append(manager)
+        return manager
+
+    yield start
+    for manager in started:
+        manager.stop()
+
+
+def wrapper_pids() -> set[int]:
+    pids = set()
+    for pid in descendants(os.getpid()):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"wrapper-server" in cmdline and pid_alive(pid):
+            pids.add(pid)
+    return pids
+
+
+def served_by(evaluator: PodEvaluator, image: str = IMAGE) -> int:
+    response = evaluator.evaluate(EvalRequest(INPUT, image), time.monotonic() + 30)
+    return int(ResourceList.parse(response.resource_list).items[0]["metadata"]["name"])
+
+
+def in_parallel(calls: int, fn: Callable[[], int]) -> list[int]:
+    results: list[int] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def run() -> None:
+        try:
+            value = fn()
+        except BaseException as exc:
+            with lock:
+                errors.append(exc)
+            return
+        with lock:
+            results.append(value)
+
+    threads = [threading.Thread(target=run) for _ in range(calls)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors
+    return results
+
+
+def test_a_burst_for_a_cold_image_starts_exactly_one_pod(
+    who: Path, managers: Callable[..., PodCacheManager]
+) -> None:
+    # Seed 004 waitlist: "Single pod creation serves all waiters".
+    before = wrapper_pids()
+    evaluator = PodEvaluator(managers(LocalBackend({IMAGE: [str(who)]})))
+    served = in_parallel(20, lambda: served_by(evaluator))
+    assert len(served) == 20
+    started = wrapper_pids() - before
+    assert len(started) == 1, started
+    assert set(served) == started
+
+
+def test_load_spreads_over_max_parallel_pods(
+    who: Path, managers: Callable[..., PodCacheManager]
+) -> None:
+    backend = LocalBackend({IMAGE: ["env", "DELAY=0.5", str(who)]})
+    policy = PodPolicy(max_parallel_pods=2, preferred_max_queue_length=1)
+    evaluator = PodEvaluator(managers(backend, default_policy=policy))
+    served = in_parallel(6, lambda: served_by(evaluator))
+    assert len(set(served)) == 2, served  # both pods took calls, and no third was started
+    assert all(served.count(pid) >= 2 for pid in set(served)), served
+
+
+def test_an_idle_pod_past_its_ttl_is_reaped(
+    who: Path, managers: Callable[..., PodCacheManager]
+) -> None:
+    manager = managers(
+        LocalBackend({IMAGE: [str(who)]}), default_policy=PodPolicy(ttl=1), gc_interval=0.2
+    )
+    pid = served_by(PodEvaluator(manager))
+    assert pid_alive(pid)
+    wait_until(lambda: not manager.snapshot().get(IMAGE), timeout=10)
+    wait_until(lambda: not pid_alive(pid), timeout=10)
+
+
+def test_a_killed_pod_is_evicted_and_the_call_succeeds_on_a_fresh_one(
+    who: Path, managers: Callable[..., PodCacheManager]
+) -> None:
+    manager = managers(LocalBackend({IMAGE: [str(who)]}))
+    evaluator = PodEvaluator(manager)
+    first = served_by(evaluator)
+    os.kill(first, signal.SIGKILL)
+    wait_until(lambda: not pid_alive(first))
+    second = served_by(evaluator)
+    assert second != first
+    assert len(manager.snapshot()[IMAGE]) == 1  # the dead pod was evicted
+
+
+def test_a_pod_that_dies_mid_call_is_replaced_and_the_call_retried(
+    tmp_path: Path, who: Path, managers: Callable[..., PodCacheManager]
+) -> None:
+    # The first pod's function kills its own wrapper server (UNAVAILABLE): evicted, retried once.
+    marker = tmp_path / "killed-once"
+    killer = tmp_path / "killer"
+    killer.write_text(
+        f'#!/bin/sh\nif [ ! -e {marker} ]; then touch {marker}; kill -9 "$PPID"; sleep 5; fi\n'
+        f"exec {who}\n"
+    )
+    killer.chmod(0o755)
+    evaluator = PodEvaluator(managers(LocalBackend({IMAGE: [str(killer)]})))
+    pid = served_by(evaluator)
+    assert marker.exists() and pid_alive(pid)
+
+
+def test_warm_up_starts_pods_before_the_first_request(
+    tmp_path: Path, who: Path, managers: Callable[..., PodCacheManager]
+) -> None:
+    config = tmp_path / "warmup.yaml"
+    config.write_text(
+        f"- image: {IMAGE}\n  timeToLive: 30m\n  maxParallelPods: 2\n  preferredMaxQueueLength: 4\n"
+    )
+    policies = load_warmup(config)
+    assert policies[IMAGE] == PodPolicy(ttl=1800, max_parallel_pods=2, preferred_max_queue_length=4)
+    before = wrapper_pids()
+    manager = managers(LocalBackend({IMAGE: [str(who)]}), policies=policies)
+    manager.warm_up(list(policies))
+    wait_until(lambda: manager.snapshot().get(IMAGE), timeout=10)
+    [warm] = wrapper_pids() - before
+    assert served_by(PodEvaluator(manager)) == warm  # the first request uses the warm pod
+
+
+def test_an_image_without_a_pod_entrypoint_is_not_found(
+    tmp_path: Path, managers: Callable[..., PodCacheManager]
+) -> None:
+    catalog = tmp_path / "catalog.yaml"
+    catalog.write_text(f"{IMAGE}: [/bin/cat]\n")
+    evaluator = PodEvaluator(managers(LocalBackend(load_catalog(catalog))))
+    with pytest.raises(NotFoundError):
+        evaluator.evaluate(EvalRequest(INPUT, "example.com/fn/other"))
+
+
+def test_fnkernel_evaluator_serves_builtin_exec_and_pod(tmp_path: Path, who: Path) -> None:
+    # SPEC §5.2: the chain builtin → exec → pod behind one FunctionEvaluator; each response says
+    # which evaluator served it, and warm-up pods start with the server.
+    from runtime_server.evaluator.server import RemoteEvaluator
+    from runtime_server.launch import spawn
+
+    functions = tmp_path / "functions"
+    functions.mkdir()
+    (functions / "identity").write_text("#!/bin/sh\ncat\n")
+    (functions / "identity").chmod(0o755)
+    store = tmp_path / "functions.yaml"
+    store.write_text("- {image: example.com/fn/identity, path: identity}\n")
+    catalog = tmp_path / "catalog.yaml"
+    catalog.write_text(f"{IMAGE}: [{who}]\n")
+    warmup = tmp_path / "warmup.yaml"
+    warmup.write_text(f"- image: {IMAGE}\n  timeToLive: 60s\n")
+    before = wrapper_pids()
+    child = spawn(
+        [
+            "evaluator",
+            "--listen",
+            "127.0.0.1:0",
+            "--functions",
+            str(functions),
+            "--function-config",
+            str(store),
+            "--image-catalog",
+            str(catalog),
+            "--pod-cache-config",
+            str(warmup),
+        ]
+    )
+    remote = RemoteEvaluator(child.address)
+    try:
+        assert "chain builtin → exec → pod" in child.announced
+        wait_until(lambda: wrapper_pids() - before, timeout=10)  # warm before any request
+        labelled = INPUT + b"functionConfig: {apiVersion: v1, kind: ConfigMap, data: {a: b}}\n"
+        served = {
+            image: remote.evaluate(EvalRequest(labelled, image)).evaluator
+            for image in ("set-labels", "example.com/fn/identity", IMAGE)
+        }
+        assert served == {
+            "set-labels": "builtin",
+            "example.com/fn/identity": "exec",
+            IMAGE: "pod",
+        }
+    finally:
+        remote.close()
+        assert child.stop(15) == 0
+    wait_until(lambda: not (wrapper_pids() - before), timeout=10)  # pods stop with the server
