@@ -15,6 +15,7 @@ from typing import Any
 from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
 from ruamel.yaml.error import YAMLError
+from ruamel.yaml.tokens import CommentToken
 
 API_VERSION = "config.kubernetes.io/v1"
 KIND = "ResourceList"
@@ -132,6 +133,44 @@ class ResourceList:
 
     def to_bytes(self) -> bytes:
         return dump(self.document)
+
+
+# Comments keep their absolute column through ruamel.yaml. An object nested one level deeper in
+# a ResourceList (``items:`` / ``- ``) would come back with its end-of-line comments two columns
+# further right; shifting them in and out keeps a round trip byte for byte.
+ITEM_INDENT = 2
+
+
+def shift_comments(node: Any, delta: int) -> None:
+    """Move every comment attached inside `node` by `delta` columns."""
+    seen: set[int] = set()
+
+    def shift_token(token: Any) -> None:
+        if isinstance(token, list):
+            for part in token:
+                shift_token(part)
+        elif (
+            isinstance(token, CommentToken)
+            and token.start_mark is not None
+            and id(token.start_mark) not in seen
+        ):
+            seen.add(id(token.start_mark))
+            token.column = max(0, token.column + delta)
+
+    def visit(value: Any) -> None:
+        attribute = getattr(value, "ca", None)
+        if attribute is not None:
+            shift_token(attribute.comment)
+            for tokens in attribute.items.values():
+                shift_token(tokens)
+        if isinstance(value, dict):
+            for child in value.values():
+                visit(child)
+        elif isinstance(value, list):
+            for child in value:
+                visit(child)
+
+    visit(node)
 
 
 # Helpers over one KRM object (a mapping)

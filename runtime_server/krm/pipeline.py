@@ -1,0 +1,393 @@
+"""``kpt fn render`` / ``kpt fn eval`` semantics over the evaluator chain (SPEC §5.4).
+
+Subpackages render first; then the package's mutators run in order over its resources and its
+subpackages'; then its validators, each on a copy whose output is discarded. ``configMap``
+becomes a ConfigMap named ``function-input``; a short image name gets the catalog prefix; an
+``exec`` step needs ``allow_exec``; ``selectors``/``exclude`` run a function on a subset and merge
+the result back. Any failure aborts before anything is written: the files are untouched. Each
+step records the function, the evaluator that served it, its duration, its results and the
+unified diff it made.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import shlex
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ruamel.yaml.comments import CommentedMap
+
+from runtime_server.evaluator.base import EvalRequest, Evaluator, EvaluatorError, FunctionError
+from runtime_server.evaluator.exec import parse_results, run_function
+from runtime_server.krm import resourcelist
+from runtime_server.krm.package import (
+    Package,
+    load_package,
+    render_files,
+    source_of,
+    strip_internal,
+)
+from runtime_server.krm.resourcelist import ITEM_INDENT, ResourceList, kind, shift_comments
+
+CATALOG = "ghcr.io/kptdev/krm-functions-catalog/"
+FUNCTION_INPUT = "function-input"
+RESULT_LIST = {"apiVersion": "kpt.dev/v1", "kind": "FunctionResultList"}
+
+
+def qualified(image: str) -> str:
+    """A short image name gets the catalog prefix (kpt's rule); a full one is kept."""
+    return image if "/" in image or image.startswith("fn://") else CATALOG + image
+
+
+@dataclass
+class Step:
+    """One function run of a pipeline, as the terminal and the notebook show it."""
+
+    package: str  # relative to the top package, "" for the top
+    stage: str  # "mutator" | "validator" | "eval"
+    function: str  # the image, or "exec: ARGV"
+    evaluator: str = ""
+    duration: float = 0.0
+    results: list[dict[str, Any]] = field(default_factory=list)
+    diff: str = ""
+    exit_code: int = 0
+    stderr: str = ""
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+
+class PipelineError(Exception):
+    """A step failed; nothing was written. ``steps`` holds every step run, the failed one last."""
+
+    def __init__(self, message: str, steps: list[Step]) -> None:
+        super().__init__(message)
+        self.steps = steps
+
+
+@dataclass
+class Outcome:
+    steps: list[Step]
+    before: dict[str, str]  # relative path → text
+    after: dict[str, str]
+    written: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+
+    @property
+    def resources(self) -> list[tuple[str, str, str]]:
+        """(kind, namespace, name) of every output resource, for the summary table."""
+        found = []
+        for text in self.after.values():
+            for document in resourcelist.yaml().load_all(text):
+                if isinstance(document, dict):
+                    meta = document.get("metadata") or {}
+                    found.append(
+                        (kind(document), str(meta.get("namespace", "")), str(meta.get("name", "")))
+                    )
+        return found
+
+
+Progress = Callable[[Step], None]
+
+
+@dataclass
+class Runner:
+    """Runs steps through `evaluator` (the chain); exec steps only with `allow_exec`."""
+
+    evaluator: Evaluator
+    allow_exec: bool = False
+    timeout: float = 300.0
+    progress: Progress | None = None
+    steps: list[Step] = field(default_factory=list)
+
+    def run(
+        self,
+        items: list[Any],
+        spec: Mapping[str, Any],
+        package: Package | None,
+        stage: str,
+        config: Any = None,
+    ) -> list[Any]:
+        image = str(spec.get("image", "") or "")
+        exec_command = str(spec.get("exec", "") or "")
+        if bool(image) == bool(exec_command):
+            raise PipelineError(
+                f"a pipeline function needs exactly one of image or exec, got {dict(spec)}",
+                self.steps,
+            )
+        label = qualified(image) if image else f"exec: {exec_command}"
+        step = Step(package.relative if package else "", stage, label)
+        chosen = select(items, spec.get("selectors") or [], spec.get("exclude") or [])
+        if config is None:
+            config = function_config(spec, package, items)
+        before = render_files(items) if stage != "validator" else {}
+        rl = ResourceList.of([_copy(item, ITEM_INDENT) for item in chosen], config)
+        started = time.perf_counter()
+        try:
+            if exec_command:
+                output, log, step.evaluator = self._exec(exec_command, rl, package), b"", "exec"
+            else:
+                response = self.evaluator.evaluate(
+                    EvalRequest(rl.to_bytes(), label), time.monotonic() + self.timeout
+                )
+                output, log, step.evaluator = (
+                    response.resource_list,
+                    response.log,
+                    response.evaluator,
+                )
+        except EvaluatorError as exc:
+            step.duration = time.perf_counter() - started
+            step.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            if isinstance(exc, FunctionError):
+                step.results, step.exit_code, step.stderr = exc.results, exc.exit_code, exc.stderr
+            self._record(step)
+            raise PipelineError(f"{label} failed: {step.error}", self.steps) from None
+        step.duration = time.perf_counter() - started
+        step.stderr = log.decode("utf-8", "replace")
+        try:
+            out = ResourceList.parse(output)
+        except resourcelist.InvalidResourceList as exc:
+            step.error = f"failed to parse function output: {exc}"
+            self._record(step)
+            raise PipelineError(f"{label}: {step.error}", self.steps) from None
+        for item in out.items:
+            shift_comments(item, -ITEM_INDENT)
+        step.results = [dict(r) for r in out.results if isinstance(r, dict)]
+        merged = merge(items, chosen, out.items)
+        if stage != "validator":  # a validator's output is discarded: it changes nothing
+            step.diff = diff(before, render_files(merged))
+        self._record(step)
+        return merged
+
+    def _exec(self, command: str, rl: ResourceList, package: Package | None) -> bytes:
+        if not self.allow_exec:
+            raise FunctionError(f"exec: {command}: exec functions need --allow-exec", exit_code=1)
+        argv = shlex.split(command)
+        if package is not None and not os.path.isabs(argv[0]) and "/" in argv[0]:
+            argv[0] = str((package.root / argv[0]).resolve())
+        code, stdout, stderr = run_function(argv, rl.to_bytes(), time.monotonic() + self.timeout)
+        if code != 0:
+            raise FunctionError(
+                f"exec: {command} exited with {code}",
+                exit_code=code,
+                stderr=stderr.decode("utf-8", "replace"),
+                results=parse_results(stdout),
+            )
+        return stdout
+
+    def _record(self, step: Step) -> None:
+        self.steps.append(step)
+        if self.progress is not None:
+            self.progress(step)
+
+
+def _copy(node: Any, shift: int = 0) -> Any:
+    """A deep copy (comments included), its comments moved `shift` columns."""
+    copy = resourcelist.load(resourcelist.dump(node))
+    if shift:
+        shift_comments(copy, shift)
+    return copy
+
+
+def matches(resource: Any, selector: Mapping[str, Any]) -> bool:
+    meta = resource.get("metadata") or {}
+    for key, value in (
+        ("apiVersion", resource.get("apiVersion")),
+        ("kind", resource.get("kind")),
+        ("name", meta.get("name")),
+        ("namespace", meta.get("namespace")),
+    ):
+        if selector.get(key) and selector[key] != value:
+            return False
+    for key in ("labels", "annotations"):
+        wanted = selector.get(key) or {}
+        have = meta.get(key) or {}
+        if any(have.get(k) != v for k, v in wanted.items()):
+            return False
+    return True
+
+
+def select(items: list[Any], selectors: Sequence[Any], exclude: Sequence[Any]) -> list[Any]:
+    """The items a function runs on: those matching any selector (all if none), minus those
+    matching any exclude."""
+    chosen = [i for i in items if not selectors or any(matches(i, s) for s in selectors)]
+    return [i for i in chosen if not any(matches(i, e) for e in exclude)]
+
+
+def merge(items: list[Any], chosen: list[Any], output: list[Any]) -> list[Any]:
+    """`items` with the `chosen` subset replaced by the function's `output`, in its place."""
+    chosen_ids = {id(item) for item in chosen}
+    merged: list[Any] = []
+    inserted = False
+    for item in items:
+        if id(item) in chosen_ids:
+            if not inserted:
+                merged.extend(output)
+                inserted = True
+            continue
+        merged.append(item)
+    if not inserted:
+        merged.extend(output)
+    return merged
+
+
+def function_config(spec: Mapping[str, Any], package: Package | None, items: list[Any]) -> Any:
+    if spec.get("configMap") is not None:
+        data = spec["configMap"]
+        if not isinstance(data, Mapping):
+            raise PipelineError("configMap must be a map of strings", [])
+        return CommentedMap(
+            apiVersion="v1",
+            kind="ConfigMap",
+            metadata=CommentedMap(
+                name=FUNCTION_INPUT,
+                annotations=CommentedMap({"config.kubernetes.io/local-config": "true"}),
+            ),
+            data=CommentedMap((str(k), str(v)) for k, v in data.items()),
+        )
+    if spec.get("configPath"):
+        wanted = f"{package.relative if package else ''}{spec['configPath']}"
+        for item in items:
+            if source_of(item)[0] == wanted:
+                config = _copy(item)
+                strip_internal(config)
+                return config
+        raise PipelineError(f"configPath {spec['configPath']} is not a resource of the package", [])
+    return None
+
+
+def diff(before: Mapping[str, str], after: Mapping[str, str]) -> str:
+    chunks: list[str] = []
+    for path in sorted(set(before) | set(after)):
+        old, new = before.get(path, ""), after.get(path, "")
+        if old != new:
+            chunks += difflib.unified_diff(
+                old.splitlines(keepends=True),
+                new.splitlines(keepends=True),
+                f"a/{path}" if path in before else "/dev/null",
+                f"b/{path}" if path in after else "/dev/null",
+            )
+    return "".join(chunks)
+
+
+def _render(package: Package, runner: Runner) -> list[Any]:
+    items = list(package.resources)
+    for sub in package.subpackages:
+        items += _render(sub, runner)
+    pipeline = package.pipeline
+    for spec in pipeline.get("mutators") or []:
+        items = runner.run(items, spec, package, "mutator")
+    for spec in pipeline.get("validators") or []:
+        runner.run([_copy(item) for item in items], spec, package, "validator")
+    return items
+
+
+def render(
+    root: Path,
+    evaluator: Evaluator,
+    *,
+    allow_exec: bool = False,
+    dry_run: bool = False,
+    results_dir: Path | None = None,
+    progress: Progress | None = None,
+) -> Outcome:
+    """Render the package at `root` in place (unless `dry_run`); raises PipelineError, having
+    written nothing but the results, if any step fails."""
+    package = load_package(root)
+    runner = Runner(evaluator, allow_exec=allow_exec, progress=progress)
+    before = render_files(package.all_resources())
+    try:
+        items = _render(package, runner)
+    except PipelineError as exc:
+        if results_dir is not None:
+            write_results(results_dir, runner.steps)
+        raise PipelineError(str(exc), runner.steps) from None
+    outcome = Outcome(runner.steps, before, render_files(items))
+    if results_dir is not None:
+        write_results(results_dir, runner.steps)
+    if not dry_run:
+        write_package(root, outcome)
+    return outcome
+
+
+def evaluate_one(
+    root: Path,
+    image: str,
+    evaluator: Evaluator,
+    *,
+    config: Any = None,
+    data: Mapping[str, str] | None = None,
+    dry_run: bool = False,
+    progress: Progress | None = None,
+) -> Outcome:
+    """``kpt fn eval IMAGE DIR``: one function over the resources under `root`, configured by
+    `config` (a KRM object, ``--fn-config``) or by `data` (``-- key=value``: a ConfigMap)."""
+    package = load_package(root, require_kptfile=False)
+    items = package.all_resources()
+    if config is None and data:
+        config = function_config({"configMap": dict(data)}, package, items)
+    runner = Runner(evaluator, progress=progress)
+    before = render_files(items)
+    items = runner.run(items, {"image": image}, None, "eval", config=config)
+    outcome = Outcome(runner.steps, before, render_files(items))
+    if not dry_run:
+        write_package(root, outcome)
+    return outcome
+
+
+def write_package(root: Path, outcome: Outcome) -> None:
+    """Write the changed files, remove the emptied ones; each path must stay inside `root`."""
+    root = root.resolve()
+    targets = {}
+    for path in set(outcome.before) | set(outcome.after):
+        target = (root / path).resolve()
+        if not target.is_relative_to(root):
+            raise PipelineError(f"a function wrote {path}, outside the package", outcome.steps)
+        targets[path] = target
+    staged = []
+    for path, text in outcome.after.items():
+        if outcome.before.get(path) != text:
+            target = targets[path]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            temporary = target.with_name(f".{target.name}.fnkernel-tmp")
+            temporary.write_text(text)
+            staged.append((temporary, target, path))
+    for temporary, target, path in staged:
+        temporary.replace(target)
+        outcome.written.append(path)
+    for path in outcome.before:
+        if path not in outcome.after:
+            targets[path].unlink(missing_ok=True)
+            outcome.removed.append(path)
+
+
+def write_results(results_dir: Path, steps: list[Step]) -> Path:
+    """``results.yaml``: a ``kpt.dev/v1 FunctionResultList``."""
+    results_dir.mkdir(parents=True, exist_ok=True)
+    document = CommentedMap(RESULT_LIST)
+    document["metadata"] = CommentedMap(name="fnresults")
+    document["exitCode"] = 1 if any(not step.ok for step in steps) else 0
+    entries = []
+    for step in steps:
+        entry = CommentedMap()
+        if step.function.startswith("exec: "):
+            entry["exec"] = step.function.removeprefix("exec: ")
+        else:
+            entry["image"] = step.function
+        entry["exitCode"] = step.exit_code if not step.ok else 0
+        if step.results:
+            entry["results"] = step.results
+        if step.stderr.strip():
+            entry["stderr"] = step.stderr
+        entries.append(entry)
+    document["items"] = entries
+    path = results_dir / "results.yaml"
+    path.write_text(resourcelist.dump(document).decode())
+    return path

@@ -1,0 +1,293 @@
+"""Pipelines with kpt's semantics (SPEC §5.4): real packages on disk, the builtin evaluator, real
+executables for `exec` steps, and the `fnkernel render` / `fnkernel eval` commands."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from runtime_server.evaluator.builtin import BuiltinEvaluator
+from runtime_server.krm.pipeline import PipelineError, qualified, render
+from runtime_server.krm.resourcelist import load
+
+DEPLOY = """\
+# The web tier: two replicas
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: web # keep this name
+  namespace: dev
+spec:
+  replicas: 2           # aligned comment
+  template:
+    spec:
+      containers:
+      - name: web
+        image: nginx
+---
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: dev}
+"""
+DB = """\
+apiVersion: v1
+kind: ConfigMap
+metadata:
+  name: db
+  namespace: dev
+data:
+  url: postgres://db # where the data lives
+"""
+
+
+def write(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+        if name.endswith(".sh"):
+            path.chmod(0o755)
+    return root
+
+
+def kptfile(name: str, mutators: str = "", validators: str = "") -> str:
+    text = f"apiVersion: kpt.dev/v1\nkind: Kptfile\nmetadata:\n  name: {name}\npipeline:\n"
+    if mutators:
+        text += "  mutators:\n" + textwrap.indent(textwrap.dedent(mutators), "  ")
+    if validators:
+        text += "  validators:\n" + textwrap.indent(textwrap.dedent(validators), "  ")
+    return text
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): p.read_text() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def package(tmp_path: Path) -> Path:
+    return write(
+        tmp_path / "app",
+        {
+            "Kptfile": kptfile(
+                "app",
+                mutators="""\
+                - image: set-namespace:v0.4.1
+                  configMap: {namespace: prod}
+                - image: gcr.io/kpt-fn/set-labels:v0.2
+                  configMap: {app: web}
+                """,
+                validators="""\
+                - image: set-annotations
+                  configMap: {validated: "yes"}
+                """,
+            ),
+            "deploy.yaml": DEPLOY,
+            "db/Kptfile": kptfile(
+                "db",
+                mutators="""\
+                - image: set-annotations
+                  configMap: {team: data}
+                """,
+            ),
+            "db/configmap.yaml": DB,
+        },
+    )
+
+
+def test_render_runs_subpackages_first_then_mutators_in_order_then_validators(
+    package: Path,
+) -> None:
+    outcome = render(package, BuiltinEvaluator())
+    assert [(s.package, s.stage, s.function) for s in outcome.steps] == [
+        ("db/", "mutator", qualified("set-annotations")),
+        ("", "mutator", qualified("set-namespace:v0.4.1")),
+        ("", "mutator", "gcr.io/kpt-fn/set-labels:v0.2"),
+        ("", "validator", qualified("set-annotations")),
+    ]
+    assert all(step.evaluator == "builtin" for step in outcome.steps)
+    db = load((package / "db/configmap.yaml").read_text())
+    # the parent's mutators also ran over the subpackage's resources, after its own pipeline
+    assert db["metadata"]["namespace"] == "prod"
+    assert db["metadata"]["annotations"]["team"] == "data"
+    assert db["metadata"]["labels"]["app"] == "web"
+    # a validator's output is discarded
+    assert "validated" not in (package / "deploy.yaml").read_text()
+    assert sorted(outcome.written) == ["db/configmap.yaml", "deploy.yaml"]
+
+
+def test_render_keeps_comments_key_order_and_layout(package: Path) -> None:
+    render(package, BuiltinEvaluator())
+    text = (package / "deploy.yaml").read_text()
+    assert text.startswith("# The web tier: two replicas\napiVersion: apps/v1\nkind: Deployment\n")
+    assert "  name: web # keep this name\n  namespace: prod\n" in text
+    assert "  replicas: 2           # aligned comment\n" in text
+    assert "metadata: {name: web, namespace: prod, labels: {app: web}}" in text
+    assert text.count("\n---\n") == 1
+    assert "internal.config.kubernetes.io" not in text and "fnkernel.dev" not in text
+    assert (
+        "  url: postgres://db # where the data lives\n"
+        in (package / "db/configmap.yaml").read_text()
+    )
+
+
+def test_a_second_render_changes_nothing(package: Path) -> None:
+    render(package, BuiltinEvaluator())
+    once = snapshot(package)
+    outcome = render(package, BuiltinEvaluator())
+    assert outcome.written == [] and snapshot(package) == once
+    assert all(step.diff == "" for step in outcome.steps)
+
+
+def test_each_step_records_its_diff(package: Path) -> None:
+    outcome = render(package, BuiltinEvaluator(), dry_run=True)
+    namespace_step = outcome.steps[1]
+    assert "-  namespace: dev\n+  namespace: prod\n" in namespace_step.diff
+    assert "--- a/deploy.yaml" in namespace_step.diff
+    assert outcome.written == []  # dry run
+
+
+def test_a_failing_step_aborts_and_leaves_every_file_untouched(
+    package: Path, tmp_path: Path
+) -> None:
+    # SPEC §5.4: "any failure aborts and leaves files untouched".
+    kpt = package / "Kptfile"
+    kpt.write_text(
+        kpt.read_text()
+        .replace("configMap: {app: web}", "configMap: {}")
+        .replace("gcr.io/kpt-fn/set-labels:v0.2", "set-namespace")
+    )
+    before = snapshot(package)
+    with pytest.raises(PipelineError) as caught:
+        render(package, BuiltinEvaluator(), results_dir=tmp_path / "results")
+    assert snapshot(package) == before
+    failed = caught.value.steps[-1]
+    assert not failed.ok and failed.results[-1]["severity"] == "error"
+    results = load((tmp_path / "results" / "results.yaml").read_text())
+    assert results["kind"] == "FunctionResultList" and results["apiVersion"] == "kpt.dev/v1"
+    assert results["exitCode"] == 1
+    assert results["items"][-1]["exitCode"] == 1
+
+
+def test_exec_steps_need_allow_exec_and_get_a_function_input_configmap(
+    package: Path, tmp_path: Path
+) -> None:
+    capture = tmp_path / "seen.yaml"
+    write(package, {"capture.sh": f"#!/bin/sh\ntee {capture}\n"})
+    kpt = package / "Kptfile"
+    kpt.write_text(
+        kptfile(
+            "app",
+            mutators="""\
+            - exec: ./capture.sh
+              configMap: {greeting: hello}
+            """,
+        )
+    )
+    before = snapshot(package)
+    with pytest.raises(PipelineError, match="need --allow-exec"):
+        render(package, BuiltinEvaluator())
+    assert snapshot(package) == before and not capture.exists()
+    outcome = render(package, BuiltinEvaluator(), allow_exec=True)
+    assert outcome.steps[-1].evaluator == "exec"
+    seen = load(capture.read_text())
+    config = seen["functionConfig"]
+    assert (config["kind"], config["metadata"]["name"]) == ("ConfigMap", "function-input")
+    assert config["data"]["greeting"] == "hello"
+
+
+def test_selectors_and_exclude_run_a_function_on_a_subset(package: Path) -> None:
+    (package / "Kptfile").write_text(
+        kptfile(
+            "app",
+            mutators="""\
+            - image: set-labels
+              configMap: {picked: "yes"}
+              selectors:
+              - kind: Deployment
+              - kind: ConfigMap
+              exclude:
+              - name: db
+            """,
+        )
+    )
+    render(package, BuiltinEvaluator())
+    documents = list(load_all(package / "deploy.yaml")) + list(
+        load_all(package / "db/configmap.yaml")
+    )
+    picked = {
+        d["metadata"]["name"] + "/" + d["kind"]: "picked" in (d["metadata"].get("labels") or {})
+        for d in documents
+    }
+    assert picked == {"web/Deployment": True, "web/Service": False, "db/ConfigMap": False}
+
+
+def load_all(path: Path) -> list[object]:
+    from runtime_server.krm.resourcelist import yaml
+
+    return [d for d in yaml().load_all(path.read_text()) if d is not None]
+
+
+def test_config_path_names_a_resource_of_the_package(package: Path) -> None:
+    write(
+        package,
+        {
+            "ns-config.yaml": """\
+            apiVersion: fn.kpt.dev/v1alpha1
+            kind: SetNamespace
+            metadata:
+              name: ns
+              annotations: {config.kubernetes.io/local-config: "true"}
+            namespace: staging
+            """
+        },
+    )
+    (package / "Kptfile").write_text(
+        kptfile("app", mutators="- image: set-namespace\n  configPath: ns-config.yaml\n")
+    )
+    render(package, BuiltinEvaluator())
+    assert "namespace: staging" in (package / "deploy.yaml").read_text()
+    assert "namespace: staging" in (package / "ns-config.yaml").read_text()  # its own field
+
+
+def test_fnkernel_render_prints_a_line_per_step_and_eval_takes_key_values(package: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "runtime_server.cli", "render", str(package)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert lines[0].startswith(
+        "[1] db/: mutator ghcr.io/kptdev/krm-functions-catalog/set-annotations (builtin)"
+    )
+    assert lines[3].startswith("[4] validator") and lines[3].endswith("ok · 1 info")
+    assert "files changed: db/configmap.yaml, deploy.yaml" in done.stdout
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "runtime_server.cli",
+            "eval",
+            "set-annotations",
+            str(package),
+            "--",
+            "owner=ops",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "owner: ops" in (package / "deploy.yaml").read_text()
+    missing = subprocess.run(
+        [sys.executable, "-m", "runtime_server.cli", "render", str(package / "nope")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert missing.returncode == 2 and "is not a directory" in missing.stderr
