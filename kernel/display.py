@@ -22,7 +22,7 @@ _CARD = (
 _STATE_COLOUR = {"READY": "#1a7f37", "Ready": "#1a7f37", "Idle": "#6e7781", "Failed": "#cf222e"}
 
 
-def _e(value: object) -> str:
+def escape(value: object) -> str:
     return html.escape(str(value))
 
 
@@ -43,13 +43,13 @@ def _json_text(value: Any) -> str:
     return pretty_json(value)
 
 
-def _table_html(headers: Iterable[str], rows: Iterable[Iterable[object]]) -> str:
-    head = "".join(f"<th style='text-align:left'>{_e(h)}</th>" for h in headers)
+def table_html(headers: Iterable[str], rows: Iterable[Iterable[object]]) -> str:
+    head = "".join(f"<th style='text-align:left'>{escape(h)}</th>" for h in headers)
     body = "".join("<tr>" + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>" for row in rows)
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def _table_text(headers: list[str], rows: list[list[str]]) -> str:
+def table_text(headers: list[str], rows: list[list[str]]) -> str:
     table = [headers, *rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(headers))]
     return "\n".join(
@@ -108,14 +108,14 @@ class RegistrationCard:
 
     def _repr_html_(self) -> str:
         fields = " &nbsp;·&nbsp; ".join(
-            f"<span style='color:#6e7781'>{_e(key)}</span> <b>{_e(value)}</b>"
+            f"<span style='color:#6e7781'>{escape(key)}</span> <b>{escape(value)}</b>"
             for key, value in self._fields()
         )
-        body = f"<b style='font-size:13px'>{_e(self.name)}</b> &nbsp; {fields}"
+        body = f"<b style='font-size:13px'>{escape(self.name)}</b> &nbsp; {fields}"
         if self.note:
-            body += f" &nbsp;<i style='color:#6e7781'>({_e(self.note)})</i>"
+            body += f" &nbsp;<i style='color:#6e7781'>({escape(self.note)})</i>"
         if self.message:
-            body += f"<pre style='color:#cf222e;margin:4px 0 0'>{_e(self.message)}</pre>"
+            body += f"<pre style='color:#cf222e;margin:4px 0 0'>{escape(self.message)}</pre>"
         colour = _STATE_COLOUR.get(self.state, "#bf8700")
         return _CARD.format(colour=colour, body=body)
 
@@ -178,23 +178,23 @@ class Invocation:
 
     def _repr_html_(self) -> str:
         parts = [
-            f"<b>{_e(self.name)}</b> → <pre style='margin:2px 0'>{_e(_json_text(self.output))}"
+            f"<b>{escape(self.name)}</b> → <pre style='margin:2px 0'>{escape(_json_text(self.output))}"
             "</pre>"
         ]
         if self.outputs:
             parts.append(
-                _table_html(
+                table_html(
                     ["output", "value"],
-                    ([f"<code>{_e(k)}</code>", _e(v)] for k, v in self.outputs.items()),
+                    ([f"<code>{escape(k)}</code>", escape(v)] for k, v in self.outputs.items()),
                 )
             )
         if self.logs:
             lines = "\n".join(_log_line(entry) for entry in self.logs)
             parts.append(
-                f"<details><summary>logs ({len(self.logs)})</summary><pre>{_e(lines)}</pre>"
+                f"<details><summary>logs ({len(self.logs)})</summary><pre>{escape(lines)}</pre>"
                 "</details>"
             )
-        parts.append(f"<div style='color:#6e7781'>{_e(self._timing())}</div>")
+        parts.append(f"<div style='color:#6e7781'>{escape(self._timing())}</div>")
         return _CARD.format(colour="#0969da", body="".join(parts))
 
 
@@ -218,14 +218,16 @@ class FunctionsTable:
     def __repr__(self) -> str:
         if not self.rows:
             return f"no functions registered ({self.where})" if self.where else "no functions"
-        text = _table_text(list(self._HEADERS), self._cells())
+        text = table_text(list(self._HEADERS), self._cells())
         return f"{text}\n({self.where})" if self.where else text
 
     def _repr_html_(self) -> str:
         if not self.rows:
-            return f"<p>no functions registered <i>({_e(self.where)})</i></p>"
-        table = _table_html(self._HEADERS, ([_e(c) for c in row] for row in self._cells()))
-        return table + (f"<div style='color:#6e7781'>{_e(self.where)}</div>" if self.where else "")
+            return f"<p>no functions registered <i>({escape(self.where)})</i></p>"
+        table = table_html(self._HEADERS, ([escape(c) for c in row] for row in self._cells()))
+        return table + (
+            f"<div style='color:#6e7781'>{escape(self.where)}</div>" if self.where else ""
+        )
 
 
 @dataclass(frozen=True)
@@ -239,4 +241,4 @@ class Detail:
         return f"{self.title}\n{self.text}"
 
     def _repr_html_(self) -> str:
-        return f"<b>{_e(self.title)}</b><pre>{_e(self.text)}</pre>"
+        return f"<b>{escape(self.title)}</b><pre>{escape(self.text)}</pre>"

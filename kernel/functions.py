@@ -87,10 +87,13 @@ class Status(dict[str, Any]):
 class Function:
     """A registered function: ``NAME(payload)`` returns the decoded output."""
 
-    def __init__(self, session: Session, spec: Spec, timeout: float | None = None) -> None:
+    def __init__(
+        self, session: Session, spec: Spec, timeout: float | None = None, krm: bool = False
+    ) -> None:
         self._session = session
         self.spec = spec
         self.timeout = timeout  # seconds; the default for each invocation (--timeout)
+        self.krm = krm  # usable in KRM pipelines as image fn://NAME
         self.__name__ = spec.name
         self.__doc__ = f"The {spec.runtime} function {spec.name} ({spec.handler})."
 
@@ -169,6 +172,7 @@ class Session:
         # those of any FunctionRuntime client the notebook opened (kernel.protocol).
         self.cancellers: list[Callable[[], int]] = [self.runtime.cancel]
         self.closers: list[Callable[[], None]] = []
+        self._krm: Any = None
 
     def register(
         self,
@@ -256,6 +260,18 @@ class Session:
             lines += ["body:", pretty_json(error.body)]
         lines.append(f"runtime: {self.runtime.describe()}")
         return Detail(f"fn_debug: last error ({type(error).__name__})", "\n".join(lines))
+
+    def krm_chain(self) -> Any:
+        """The KRM evaluator chain (``kernel.krm.Chain``), created on first use."""
+        if self._krm is None:
+            from kernel.krm import Chain  # loads ruamel.yaml: only when KRM is used
+
+            self._krm = Chain()
+            self.closers.append(self._krm.close)
+            for function in self.functions.values():
+                if function.krm:
+                    self._krm.register(function)
+        return self._krm
 
     def cancel_in_flight(self) -> int:
         """Abort every call in flight (a kernel interrupt); how many there were."""

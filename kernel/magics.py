@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import ExecutionResult, InteractiveShell
-from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_cell_magic, line_magic, magics_class
 from IPython.display import display
 
 from kernel.display import FunctionsTable, RegistrationCard, short
@@ -70,6 +70,7 @@ FUNCTION_PARSER.add_argument("--handler")
 FUNCTION_PARSER.add_argument("--env", type=_env_pair, action="append", default=[])
 FUNCTION_PARSER.add_argument("--idle-timeout", type=_seconds(int), default=0)
 FUNCTION_PARSER.add_argument("--timeout", type=_seconds(float))
+FUNCTION_PARSER.add_argument("--krm", action="store_true")
 
 
 def _parse(parser: _Parser, line: str) -> argparse.Namespace:
@@ -123,6 +124,9 @@ class FunctionMagics(Magics):
                 handle.update(card)
 
         function = self.session.register(spec, args.timeout, show)
+        if args.krm:
+            function.krm = True
+            self.session.krm_chain().register(function)
         self.shell_.user_ns[spec.name] = function
 
     @line_magic("invoke")  # type: ignore[arg-type]  # IPython types it as Never
@@ -178,6 +182,17 @@ class FunctionMagics(Magics):
                 row["in flight"] = str(live.get("inFlight", ""))
             rows.append(row)
         return FunctionsTable(rows, session.runtime.describe())
+
+    @line_cell_magic("krm")  # type: ignore[arg-type]  # IPython types it as Never
+    def krm(self, line: str, cell: str | None = None) -> Any:
+        """%krm render DIR | %%krm render (the cell: a package) |
+        %%krm eval IMAGE [-- key=value ...] (the cell: the input resources)
+
+        Run a KRM pipeline over the kernel's evaluator chain and show it step by step.
+        """
+        from kernel.krm import krm_magic  # loads ruamel.yaml: only when KRM is used
+
+        return krm_magic(self.session.krm_chain(), line, cell)
 
     @line_magic("fn_trace")  # type: ignore[arg-type]  # IPython types it as Never
     def fn_trace(self, line: str) -> TraceTable | None:

@@ -24,8 +24,8 @@ from runtime_server.evaluator.base import (
 from runtime_server.evaluator.builtin import BuiltinEvaluator, bare_name
 from runtime_server.evaluator.exec import ExecEvaluator, FunctionConfigStore, split_image
 from runtime_server.evaluator.multi import MultiEvaluator
-from runtime_server.evaluator.server import RemoteEvaluator, format_result, serve
-from runtime_server.krm.resourcelist import ResourceList
+from runtime_server.evaluator.server import RemoteEvaluator, serve
+from runtime_server.krm.resourcelist import ResourceList, format_result
 from tests.conftest import pid_alive, wait_until
 from tests.reflection_client import ReflectionClient
 
@@ -200,6 +200,7 @@ def test_chain_falls_through_only_on_not_found(functions: Path, store_file: Path
     assert served.evaluator == "builtin"
     served = chain.evaluate(EvalRequest(INPUT, "example.com/fn/identity:v1"))
     assert served.evaluator == "exec"
+    assert served.skipped == ("builtin",)  # the fallback trace
     # A builtin that fails stops the chain: the exec evaluator is never asked.
     marker = functions / "set-namespace.ran"
     executable(functions / "set-namespace", f"#!/bin/sh\ntouch {marker}\ncat\n")

@@ -91,6 +91,7 @@ def test_plain_cells_import_no_grpc_and_start_nothing() -> None:
         assert kernel.value("1 + 1") == 2
         assert kernel.value("'grpc' in __import__('sys').modules") is False
         assert kernel.value("'tornado.web' in __import__('sys').modules") is False
+        assert kernel.value("'ruamel.yaml' in __import__('sys').modules") is False
         assert descendants(kernel.pid) == set()
     finally:
         kernel.shutdown()
@@ -440,3 +441,89 @@ def test_interrupt_cancels_a_function_runtime_call_from_the_protocol_client(
         assert kernel.value("call(0)") == 0
     finally:
         channel.close()
+
+
+PACKAGE_CELL = """%%krm render
+apiVersion: kpt.dev/v1
+kind: Kptfile
+metadata: {name: shop}
+pipeline:
+  mutators:
+  - image: set-namespace:v0.4.1
+    configMap: {namespace: prod}
+  - image: fn://stamp
+---
+apiVersion: v1
+kind: ConfigMap
+metadata: {name: cart, namespace: dev} # the cart settings
+data: {size: "3"}
+"""
+STAMP = """%%function stamp --krm
+def handler(resource_list):
+    for item in resource_list["items"]:
+        item["metadata"].setdefault("labels", {})["stamped"] = "yes"
+    return resource_list
+"""
+
+
+def test_krm_render_cell_runs_builtin_and_notebook_functions_step_by_step(kernel: Kernel) -> None:
+    # SPEC §6 / §5.4: %%krm render (the body is a package) and fn://NAME from %%function --krm.
+    assert kernel.run(STAMP).ok
+    cell = kernel.run(PACKAGE_CELL)
+    assert cell.ok, cell.error
+    text = cell.result
+    lines = text.splitlines()
+    assert lines[0] == "render shop: 2 step(s)"
+    assert lines[1].startswith(
+        "[1] mutator ghcr.io/kptdev/krm-functions-catalog/set-namespace:v0.4.1"
+    )
+    assert "builtin ✓" in lines[1] and "ok (2 info)" in lines[1]
+    assert any(line.startswith("[2] mutator fn://stamp · builtin ✓") for line in lines)
+    assert "    -metadata: {name: cart, namespace: dev} # the cart settings" in text
+    assert "    +metadata: {name: cart, namespace: prod} # the cart settings" in text
+    assert "ConfigMap  prod       cart" in text  # the output resources table
+    html = cell.htmls()[-1]
+    assert "<details" in html and "fn://stamp" in html
+
+
+def test_krm_eval_cell_with_key_values(kernel: Kernel) -> None:
+    cell = kernel.run(
+        "%%krm eval set-annotations -- owner=data-team\n"
+        "apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: api}\nspec: {template: {spec: {}}}\n"
+    )
+    assert cell.ok, cell.error
+    assert "+metadata: {name: api, annotations: {owner: data-team}}" in cell.result
+    assert "Deployment" in cell.result.split("output resources:")[1]
+
+
+def test_a_failing_krm_step_shows_its_results_and_raises_one_line(kernel: Kernel) -> None:
+    cell = kernel.run(
+        "%%krm render\napiVersion: kpt.dev/v1\nkind: Kptfile\nmetadata: {name: bad}\n"
+        "pipeline:\n  validators:\n  - image: set-namespace\n    configMap: {}\n---\n"
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\n"
+    )
+    assert cell.error is not None and cell.error["ename"] == "PipelineFailed"
+    [line] = cell.error["traceback"]
+    assert "`data.namespace` should not be empty" in line
+    shown = cell.texts("display_data")[-1]
+    assert "[error] `data.namespace` should not be empty" in shown
+    assert "no file was changed" in shown
+
+
+@pytest.mark.parametrize(
+    ("code", "message"),
+    [
+        ("%krm", "expected `render DIR`"),
+        ("%krm render", "expected exactly one DIR"),
+        (
+            "%%krm render\napiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\n",
+            "exactly one Kptfile",
+        ),
+        ("%%krm eval set-labels app=web\n{}\n", "put key=value pairs after --"),
+        ("%krm render /no/such/dir", "is not a directory"),
+    ],
+)
+def test_krm_usage_errors_are_one_line(kernel: Kernel, code: str, message: str) -> None:
+    cell = kernel.run(code)
+    assert cell.reply["content"]["ename"] == "UsageError"
+    assert message in cell.stderr and "\n" not in cell.stderr.strip()

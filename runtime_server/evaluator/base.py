@@ -24,10 +24,15 @@ class EvalResponse:
     resource_list: bytes
     log: bytes = b""
     evaluator: str = ""
+    skipped: tuple[str, ...] = ()  # evaluators of a chain that answered NotFound first
 
 
 class EvaluatorError(Exception):
-    """Base class; ``str()`` is one line naming the function and the cause."""
+    """Base class; ``str()`` is one line naming the function and the cause. A chain fills in
+    which evaluator raised it and which ones it skipped first."""
+
+    evaluator: str = ""
+    skipped: tuple[str, ...] = ()
 
 
 class NotFoundError(EvaluatorError):

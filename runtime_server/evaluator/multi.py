@@ -6,7 +6,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from runtime_server.evaluator.base import EvalRequest, EvalResponse, Evaluator, NotFoundError
+from runtime_server.evaluator.base import (
+    EvalRequest,
+    EvalResponse,
+    Evaluator,
+    EvaluatorError,
+    NotFoundError,
+)
 
 
 class MultiEvaluator:
@@ -27,7 +33,12 @@ class MultiEvaluator:
                 tried.append(evaluator.name)
                 reasons.append(f"{evaluator.name}: {exc}")
                 continue
-            return replace(response, evaluator=response.evaluator or evaluator.name)
+            except EvaluatorError as exc:  # it has the function and it failed: stop here
+                exc.evaluator, exc.skipped = exc.evaluator or evaluator.name, tuple(tried)
+                raise
+            return replace(
+                response, evaluator=response.evaluator or evaluator.name, skipped=tuple(tried)
+            )
         raise NotFoundError(
             f"function {request.image} not found; tried {', '.join(tried)} ({'; '.join(reasons)})",
             tuple(tried),

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
 from concurrent import futures
 from typing import Any
 
@@ -32,6 +31,7 @@ from runtime_server.evaluator.base import (
     NotFoundError,
 )
 from runtime_server.krm import resourcelist
+from runtime_server.krm.resourcelist import format_result
 from runtime_server.server import CHANNEL_OPTIONS, add_health, add_reflection
 
 LOG = logging.getLogger("fnkernel.evaluator")
@@ -55,18 +55,6 @@ def status_of(error: EvaluatorError) -> grpc.StatusCode:
         if isinstance(error, kind):
             return status
     return grpc.StatusCode.INTERNAL
-
-
-def format_result(result: Mapping[str, Any]) -> str:
-    """``[severity] apiVersion/kind/namespace/name field: message`` (parts present only)."""
-    ref = result.get("resourceRef") or {}
-    where = "/".join(
-        str(ref[key]) for key in ("apiVersion", "kind", "namespace", "name") if ref.get(key)
-    )
-    field = (result.get("field") or {}).get("path", "")
-    subject = " ".join(part for part in (where, str(field)) if part)
-    severity = result.get("severity", "error")
-    return f"[{severity}] {subject + ': ' if subject else ''}{result.get('message', '')}"
 
 
 def failure_message(error: FunctionError) -> str:

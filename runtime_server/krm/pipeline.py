@@ -22,7 +22,13 @@ from typing import Any
 
 from ruamel.yaml.comments import CommentedMap
 
-from runtime_server.evaluator.base import EvalRequest, Evaluator, EvaluatorError, FunctionError
+from runtime_server.evaluator.base import (
+    EvalRequest,
+    Evaluator,
+    EvaluatorError,
+    FunctionError,
+    NotFoundError,
+)
 from runtime_server.evaluator.exec import parse_results, run_function
 from runtime_server.krm import resourcelist
 from runtime_server.krm.package import (
@@ -32,7 +38,12 @@ from runtime_server.krm.package import (
     source_of,
     strip_internal,
 )
-from runtime_server.krm.resourcelist import ITEM_INDENT, ResourceList, kind, shift_comments
+from runtime_server.krm.resourcelist import (
+    ResourceList,
+    comment_columns,
+    kind,
+    restore_comment_columns,
+)
 
 CATALOG = "ghcr.io/kptdev/krm-functions-catalog/"
 FUNCTION_INPUT = "function-input"
@@ -52,6 +63,7 @@ class Step:
     stage: str  # "mutator" | "validator" | "eval"
     function: str  # the image, or "exec: ARGV"
     evaluator: str = ""
+    skipped: tuple[str, ...] = ()  # the chain's evaluators that did not have the function
     duration: float = 0.0
     results: list[dict[str, Any]] = field(default_factory=list)
     diff: str = ""
@@ -128,7 +140,8 @@ class Runner:
         if config is None:
             config = function_config(spec, package, items)
         before = render_files(items) if stage != "validator" else {}
-        rl = ResourceList.of([_copy(item, ITEM_INDENT) for item in chosen], config)
+        columns = {source_of(item): comment_columns(item) for item in chosen}
+        rl = ResourceList.of([_copy(item) for item in chosen], config)
         started = time.perf_counter()
         try:
             if exec_command:
@@ -137,18 +150,19 @@ class Runner:
                 response = self.evaluator.evaluate(
                     EvalRequest(rl.to_bytes(), label), time.monotonic() + self.timeout
                 )
-                output, log, step.evaluator = (
-                    response.resource_list,
-                    response.log,
-                    response.evaluator,
-                )
+                output, log = response.resource_list, response.log
+                step.evaluator, step.skipped = response.evaluator, response.skipped
         except EvaluatorError as exc:
             step.duration = time.perf_counter() - started
+            step.evaluator, step.skipped = exc.evaluator, exc.skipped
+            if isinstance(exc, NotFoundError):
+                step.skipped = exc.tried
             step.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             if isinstance(exc, FunctionError):
                 step.results, step.exit_code, step.stderr = exc.results, exc.exit_code, exc.stderr
             self._record(step)
-            raise PipelineError(f"{label} failed: {step.error}", self.steps) from None
+            message = step.error if label in step.error else f"{label}: {step.error}"
+            raise PipelineError(message, self.steps) from None
         step.duration = time.perf_counter() - started
         step.stderr = log.decode("utf-8", "replace")
         try:
@@ -158,7 +172,7 @@ class Runner:
             self._record(step)
             raise PipelineError(f"{label}: {step.error}", self.steps) from None
         for item in out.items:
-            shift_comments(item, -ITEM_INDENT)
+            restore_comment_columns(item, columns.get(source_of(item), {}))
         step.results = [dict(r) for r in out.results if isinstance(r, dict)]
         merged = merge(items, chosen, out.items)
         if stage != "validator":  # a validator's output is discarded: it changes nothing
@@ -188,12 +202,9 @@ class Runner:
             self.progress(step)
 
 
-def _copy(node: Any, shift: int = 0) -> Any:
-    """A deep copy (comments included), its comments moved `shift` columns."""
-    copy = resourcelist.load(resourcelist.dump(node))
-    if shift:
-        shift_comments(copy, shift)
-    return copy
+def _copy(node: Any) -> Any:
+    """A deep copy, comments included."""
+    return resourcelist.load(resourcelist.dump(node))
 
 
 def matches(resource: Any, selector: Mapping[str, Any]) -> bool:

@@ -8,7 +8,7 @@ add (severity error, warning or info).
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,42 +135,60 @@ class ResourceList:
         return dump(self.document)
 
 
-# Comments keep their absolute column through ruamel.yaml. An object nested one level deeper in
-# a ResourceList (``items:`` / ``- ``) would come back with its end-of-line comments two columns
-# further right; shifting them in and out keeps a round trip byte for byte.
-ITEM_INDENT = 2
+# Comments keep their absolute column through ruamel.yaml, so a resource that travels through a
+# ResourceList (one level deeper, and with internal annotations that lengthen flow-style lines)
+# would come back with its end-of-line comments moved. Record each comment's column before, and
+# put it back after: an untouched resource is then written back byte for byte.
+CommentKey = tuple[tuple[Any, ...], Any, int, str]
 
 
-def shift_comments(node: Any, delta: int) -> None:
-    """Move every comment attached inside `node` by `delta` columns."""
-    seen: set[int] = set()
+def _comment_tokens(node: Any, path: tuple[Any, ...]) -> Iterator[tuple[CommentKey, CommentToken]]:
+    attribute = getattr(node, "ca", None)
+    if attribute is not None:
+        slots: list[tuple[Any, Any]] = [("", attribute.comment)]
+        slots += list(attribute.items.items())
+        for key, entry in slots:
+            for position, token in _flatten(entry):
+                yield (path, key, position, token.value), token
+    if isinstance(node, dict):
+        for key, child in node.items():
+            yield from _comment_tokens(child, (*path, key))
+    elif isinstance(node, list):
+        for index, child in enumerate(node):
+            yield from _comment_tokens(child, (*path, index))
 
-    def shift_token(token: Any) -> None:
-        if isinstance(token, list):
-            for part in token:
-                shift_token(part)
-        elif (
-            isinstance(token, CommentToken)
-            and token.start_mark is not None
-            and id(token.start_mark) not in seen
-        ):
-            seen.add(id(token.start_mark))
-            token.column = max(0, token.column + delta)
 
-    def visit(value: Any) -> None:
-        attribute = getattr(value, "ca", None)
-        if attribute is not None:
-            shift_token(attribute.comment)
-            for tokens in attribute.items.values():
-                shift_token(tokens)
-        if isinstance(value, dict):
-            for child in value.values():
-                visit(child)
-        elif isinstance(value, list):
-            for child in value:
-                visit(child)
+def _flatten(entry: Any, base: int = 0) -> Iterator[tuple[int, CommentToken]]:
+    if isinstance(entry, CommentToken):
+        if entry.start_mark is not None:
+            yield base, entry
+    elif isinstance(entry, list):
+        for position, part in enumerate(entry):
+            yield from _flatten(part, base * 16 + position + 1)
 
-    visit(node)
+
+def comment_columns(node: Any) -> dict[CommentKey, int]:
+    """Where each comment inside `node` sits, keyed by its place and text."""
+    return {key: token.column for key, token in _comment_tokens(node, ())}
+
+
+def restore_comment_columns(node: Any, columns: Mapping[CommentKey, int]) -> None:
+    """Put back the columns `comment_columns` recorded, for the comments still in place."""
+    for key, token in _comment_tokens(node, ()):
+        if key in columns:
+            token.column = columns[key]
+
+
+def format_result(result: Mapping[str, Any]) -> str:
+    """``[severity] apiVersion/kind/namespace/name field: message`` (parts present only)."""
+    ref = result.get("resourceRef") or {}
+    where = "/".join(
+        str(ref[key]) for key in ("apiVersion", "kind", "namespace", "name") if ref.get(key)
+    )
+    field = (result.get("field") or {}).get("path", "")
+    subject = " ".join(part for part in (where, str(field)) if part)
+    severity = result.get("severity", "error")
+    return f"[{severity}] {subject + ': ' if subject else ''}{result.get('message', '')}"
 
 
 # Helpers over one KRM object (a mapping)

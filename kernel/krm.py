@@ -1,0 +1,348 @@
+"""KRM pipelines in the notebook (SPEC §5.4, §6): ``%krm render DIR``, ``%%krm render`` (the body
+is a package as multi-doc YAML with one Kptfile) and ``%%krm eval IMAGE [-- key=value ...]`` (the
+body is the input resources), over the kernel's evaluator chain: builtin (with the notebook's
+``fn://NAME`` functions) → exec → pod. Imported on first use only: it loads ruamel.yaml.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from IPython.core.error import UsageError
+from ruamel.yaml.comments import CommentedMap, CommentedSeq
+
+from kernel.display import escape, table_html, table_text
+from runtime_server.errors import FunctionError as GatewayFunctionError
+from runtime_server.evaluator.base import Evaluator
+from runtime_server.evaluator.base import FunctionError as KrmFunctionError
+from runtime_server.evaluator.builtin import BuiltinEvaluator
+from runtime_server.evaluator.multi import MultiEvaluator
+from runtime_server.krm.package import KPTFILE, read_documents
+from runtime_server.krm.pipeline import Outcome, PipelineError, Step, evaluate_one, render
+from runtime_server.krm.resourcelist import ResourceList, dump, format_result, kind
+
+if TYPE_CHECKING:
+    from kernel.functions import Function
+
+
+_SEVERITY_COLOUR = {"error": "#cf222e", "warning": "#9a6700", "info": "#0969da"}
+_EVALUATOR_COLOUR = {"builtin": "#1a7f37", "exec": "#0969da", "pod": "#8250df"}
+
+
+def _trace(step: Any) -> str:
+    """The fallback trace: ``builtin ✗ → exec ✗ → pod ✓``."""
+    tried = [f"{name} ✗" for name in step.skipped]
+    if step.evaluator:
+        tried.append(f"{step.evaluator} {'✓' if step.ok else '✗'}")
+    return " → ".join(tried)
+
+
+@dataclass(frozen=True)
+class PipelineView:
+    """A KRM pipeline run (``%krm``): one section per step — evaluator, time, results coloured
+    by severity, the diff — then the output resources."""
+
+    steps: list[Any]
+    resources: list[tuple[str, str, str]]
+    error: str = ""
+    title: str = "KRM pipeline"
+
+    def _summary(self, number: int, step: Any) -> str:
+        counts: dict[str, int] = {}
+        for result in step.results:
+            severity = str(result.get("severity", "info"))
+            counts[severity] = counts.get(severity, 0) + 1
+        tally = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+        where = f"{step.package}: " if step.package else ""
+        status = "ok" if step.ok else "FAILED"
+        parts = [f"[{number}] {where}{step.stage} {step.function}", _trace(step) or "-"]
+        parts.append(f"{step.duration * 1000:.0f} ms")
+        parts.append(status + (f" ({tally})" if tally else ""))
+        return " · ".join(parts)
+
+    def __repr__(self) -> str:
+        lines = [f"{self.title}: {len(self.steps)} step(s)" + (" — FAILED" if self.error else "")]
+        for number, step in enumerate(self.steps, 1):
+            lines.append(self._summary(number, step))
+            lines += [f"    {format_result(r)}" for r in step.results]
+            if step.error:
+                lines.append(f"    error: {step.error}")
+            if step.diff:
+                lines += [f"    {line}" for line in step.diff.rstrip("\n").splitlines()]
+        if self.error:
+            lines.append(f"no file was changed: {self.error}")
+        elif self.resources:
+            lines += ["", "output resources:"]
+            table = table_text(["kind", "namespace", "name"], [list(r) for r in self.resources])
+            lines += [f"  {line}" for line in table.splitlines()]
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        sections = []
+        for number, step in enumerate(self.steps, 1):
+            badge_colour = _EVALUATOR_COLOUR.get(step.evaluator, "#6e7781")
+            badge = (
+                f"<span style='background:{badge_colour};color:white;border-radius:3px;"
+                f"padding:0 4px'>{escape(step.evaluator or '-')}</span>"
+            )
+            trace = f" <small>({escape(_trace(step))})</small>" if step.skipped else ""
+            summary = escape(self._summary(number, step))
+            body = []
+            if step.results:
+                rows = (
+                    [
+                        f"<span style='color:{_SEVERITY_COLOUR.get(str(r.get('severity')), '#000')};"
+                        f"font-weight:600'>{escape(r.get('severity', 'info'))}</span>",
+                        escape(format_result(r).partition("] ")[2]),
+                    ]
+                    for r in step.results
+                )
+                body.append(table_html(["severity", "result"], rows))
+            if step.error:
+                body.append(f"<pre style='color:#cf222e'>{escape(step.error)}</pre>")
+            if step.diff:
+                body.append(f"<pre>{_diff_html(step.diff)}</pre>")
+            opened = " open" if not step.ok else ""
+            sections.append(
+                f"<details{opened}><summary>{badge}{trace} {summary}</summary>{''.join(body)}"
+                "</details>"
+            )
+        tail = ""
+        if self.error:
+            tail = f"<p style='color:#cf222e'>no file was changed: {escape(self.error)}</p>"
+        elif self.resources:
+            tail = table_html(
+                ["kind", "namespace", "name"], ([escape(c) for c in r] for r in self.resources)
+            )
+        return f"<div class='fn-krm'><b>{escape(self.title)}</b>{''.join(sections)}{tail}</div>"
+
+
+def _diff_html(diff: str) -> str:
+    lines = []
+    for line in diff.splitlines():
+        colour = "#1a7f37" if line.startswith("+") else "#cf222e" if line.startswith("-") else ""
+        text = escape(line)
+        lines.append(f"<span style='color:{colour}'>{text}</span>" if colour else text)
+    return "\n".join(lines)
+
+
+class PipelineFailed(GatewayFunctionError):
+    """A KRM pipeline step failed; nothing was written. Shown as one line."""
+
+
+class Chain:
+    """The kernel's evaluator chain. Builtin always (with ``fn://NAME`` for each ``%%function
+    NAME --krm``); exec and pod once ``configure()`` names their directories and catalogs."""
+
+    def __init__(self) -> None:
+        self.builtin = BuiltinEvaluator()
+        self.extra: list[Evaluator] = []
+        self._manager: Any = None
+
+    def configure(
+        self,
+        *,
+        functions: str | Path | None = None,
+        function_config: str | Path | None = None,
+        image_catalog: str | Path | None = None,
+        pod_cache_config: str | Path | None = None,
+    ) -> Chain:
+        """Add the exec evaluator (cached binaries under `functions`, mapped by the
+        `function_config` store) and the pod evaluator (wrapper-server pods from the
+        `image_catalog`, warmed up from `pod_cache_config`)."""
+        self.close()
+        self.extra = []
+        if functions is not None:
+            from runtime_server.evaluator.exec import ExecEvaluator, FunctionConfigStore
+
+            store = None
+            if function_config is not None:
+                store = FunctionConfigStore.load(Path(functions), Path(function_config))
+            self.extra.append(ExecEvaluator(Path(functions), store))
+        if image_catalog is not None:
+            from runtime_server.evaluator.pods import (
+                LocalBackend,
+                PodCacheManager,
+                PodEvaluator,
+                load_catalog,
+                load_warmup,
+            )
+
+            warmup = load_warmup(Path(pod_cache_config)) if pod_cache_config else {}
+            self._manager = PodCacheManager(LocalBackend(load_catalog(Path(image_catalog))), warmup)
+            self._manager.warm_up(list(warmup))
+            self.extra.append(PodEvaluator(self._manager))
+        return self
+
+    def register(self, function: Function) -> None:
+        self.builtin.register(f"fn://{function.name}", bridge(function))
+
+    def evaluator(self) -> MultiEvaluator:
+        return MultiEvaluator([self.builtin, *self.extra])
+
+    def describe(self) -> str:
+        return " → ".join(e.name for e in [self.builtin, *self.extra])
+
+    def close(self) -> None:
+        if self._manager is not None:
+            self._manager.stop()
+            self._manager = None
+
+
+def bridge(function: Function) -> Any:
+    """A registered function as a KRM function: the ResourceList goes to its handler as JSON
+    and the JSON it returns is the new ResourceList (comments do not survive JSON)."""
+
+    def run(rl: ResourceList) -> None:
+        payload = json.loads(json.dumps(rl.document, default=str))
+        try:
+            output = function.invoke(payload).output
+        except GatewayFunctionError as exc:
+            raise KrmFunctionError(f"fn://{function.name}: {exc}") from None
+        if not isinstance(output, dict) or not isinstance(output.get("items", []), list):
+            raise KrmFunctionError(
+                f"fn://{function.name} must return a ResourceList (a JSON object with items)"
+            )
+        rl.document.clear()
+        rl.document.update(block_style(output))
+
+    return run
+
+
+def block_style(value: Any) -> Any:
+    """JSON values as ruamel.yaml nodes written in block style (as a resource file is)."""
+    if isinstance(value, dict):
+        return CommentedMap((str(k), block_style(v)) for k, v in value.items())
+    if isinstance(value, list):
+        return CommentedSeq(block_style(v) for v in value)
+    return value
+
+
+def _view(outcome: Outcome | None, steps: list[Step], error: str, title: str) -> PipelineView:
+    return PipelineView(steps, outcome.resources if outcome else [], error, title)
+
+
+def run_render(chain: Chain, directory: Path, title: str, *, check: bool = True) -> PipelineView:
+    try:
+        outcome = render(directory, chain.evaluator(), allow_exec=True)
+    except PipelineError as exc:
+        view = _view(None, exc.steps, str(exc), title)
+        if check:
+            raise _Failure(view) from None
+        return view
+    return _view(outcome, outcome.steps, "", title)
+
+
+class _Failure(Exception):
+    def __init__(self, view: PipelineView) -> None:
+        super().__init__(view.error)
+        self.view = view
+
+
+def render_cell(chain: Chain, body: str, *, check: bool = True) -> PipelineView:
+    """``%%krm render``: the body is a package (one Kptfile document plus resources)."""
+    documents = read_documents(body, "the cell")
+    kptfiles = [d for d in documents if isinstance(d, dict) and kind(d) == KPTFILE]
+    if len(kptfiles) != 1:
+        raise UsageError(f"%%krm render: the cell needs exactly one Kptfile, found {len(kptfiles)}")
+    with tempfile.TemporaryDirectory(prefix="fnkernel-krm-") as tmp:
+        root = Path(tmp)
+        (root / KPTFILE).write_bytes(dump(kptfiles[0]))
+        resources = [d for d in documents if d is not kptfiles[0]]
+        _write_documents(root / "resources.yaml", resources)
+        name = (kptfiles[0].get("metadata") or {}).get("name", "package")
+        return run_render(chain, root, f"render {name}", check=check)
+
+
+def eval_cell(chain: Chain, image: str, pairs: Mapping[str, str], body: str) -> PipelineView:
+    """``%%krm eval IMAGE [-- key=value ...]``: the body is the input resources."""
+    documents = read_documents(body, "the cell")
+    with tempfile.TemporaryDirectory(prefix="fnkernel-krm-") as tmp:
+        root = Path(tmp)
+        _write_documents(root / "resources.yaml", documents)
+        try:
+            outcome = evaluate_one(root, image, chain.evaluator(), data=dict(pairs))
+        except PipelineError as exc:
+            raise _Failure(_view(None, exc.steps, str(exc), f"eval {image}")) from None
+        return _view(outcome, outcome.steps, "", f"eval {image}")
+
+
+def _write_documents(path: Path, documents: list[Any]) -> None:
+    from runtime_server.krm.resourcelist import yaml
+
+    with path.open("w") as out:
+        yaml().dump_all(documents, out)
+
+
+def krm_magic(chain: Chain, line: str, cell: str | None) -> PipelineView:
+    """Parse and run ``%krm`` / ``%%krm``; on a failed step, show the steps, then raise one line."""
+    try:
+        words = shlex.split(line)
+    except ValueError as exc:
+        raise UsageError(f"%krm: {exc}") from None
+    if not words or words[0] not in ("render", "eval"):
+        raise UsageError("%krm: expected `render DIR`, `%%krm render` or `%%krm eval IMAGE`")
+    try:
+        if words[0] == "render" and cell is None:
+            if len(words) != 2:
+                raise UsageError("%krm render: expected exactly one DIR")
+            return run_render(chain, Path(words[1]), f"render {words[1]}")
+        if words[0] == "render":
+            if len(words) != 1:
+                raise UsageError("%%krm render takes no arguments: the cell is the package")
+            return render_cell(chain, cell or "")
+        if cell is None:
+            raise UsageError("%krm eval is a cell magic: %%krm eval IMAGE [-- key=value ...]")
+        if len(words) < 2:
+            raise UsageError("%%krm eval: IMAGE is required")
+        rest = words[2:]
+        if rest[:1] == ["--"]:
+            rest = rest[1:]
+        elif rest:
+            raise UsageError(f"%%krm eval: unexpected {rest[0]!r}; put key=value pairs after --")
+        pairs = {}
+        for pair in rest:
+            key, sep, value = pair.partition("=")
+            if not sep or not key:
+                raise UsageError(f"%%krm eval: {pair!r} is not key=value")
+            pairs[key] = value
+        return eval_cell(chain, words[1], pairs, cell)
+    except _Failure as failure:
+        from IPython.display import display
+
+        display(failure.view)
+        raise PipelineFailed({"code": "Failed", "message": failure.view.error}, 0) from None
+    except FileNotFoundError as exc:
+        raise UsageError(f"%krm: {exc}") from None
+
+
+# The notebook's Python API (for what a magic line cannot say)
+
+
+def _session_chain() -> Chain:
+    from IPython.core.getipython import get_ipython
+
+    from kernel.magics import session_of
+
+    shell = get_ipython()
+    if shell is None:
+        raise RuntimeError("this needs a running IPython kernel")
+    return session_of(shell).krm_chain()
+
+
+def configure(**locations: str | Path | None) -> str:
+    """Give the kernel's chain its exec and pod evaluators (see ``Chain.configure``); returns
+    the chain's order, e.g. ``builtin → exec → pod``."""
+    return _session_chain().configure(**locations).describe()
+
+
+def render_package(body: str) -> PipelineView:
+    """``%%krm render`` that returns the view even when a step fails (a failing validator is
+    shown with its results, and the cell does not fail)."""
+    return render_cell(_session_chain(), body, check=False)
