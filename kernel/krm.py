@@ -197,7 +197,8 @@ class Chain:
 
 def bridge(function: Function) -> Any:
     """A registered function as a KRM function: the ResourceList goes to its handler as JSON
-    and the JSON it returns is the new ResourceList (comments do not survive JSON)."""
+    and the JSON it returns is applied onto the ResourceList in place (what it did not change
+    keeps its comments and style)."""
 
     def run(rl: ResourceList) -> None:
         payload = json.loads(json.dumps(rl.document, default=str))
@@ -209,10 +210,28 @@ def bridge(function: Function) -> Any:
             raise KrmFunctionError(
                 f"fn://{function.name} must return a ResourceList (a JSON object with items)"
             )
-        rl.document.clear()
-        rl.document.update(block_style(output))
+        update_in_place(rl.document, output)
 
     return run
+
+
+def update_in_place(node: Any, value: Any) -> Any:
+    """Make the ruamel.yaml `node` equal to the JSON `value`, changing only what differs, so
+    the comments and the flow or block style of everything unchanged survive a JSON round trip.
+    Returns the node to use (a new one when the types differ)."""
+    if isinstance(node, dict) and isinstance(value, dict):
+        for key in [k for k in node if k not in value]:
+            del node[key]
+        for key, new in value.items():
+            node[key] = update_in_place(node[key], new) if key in node else block_style(new)
+        return node
+    if isinstance(node, list) and isinstance(value, list) and len(node) == len(value):
+        for index, new in enumerate(value):
+            node[index] = update_in_place(node[index], new)
+        return node
+    if isinstance(node, dict | list) or isinstance(value, dict | list) or node != value:
+        return block_style(value)
+    return node
 
 
 def block_style(value: Any) -> Any:

@@ -65,3 +65,24 @@ def test_protocol_tour_shows_every_state_machine_outcome(
         "FunctionRuntime/RegisterFunction    OK",  # the %fn_trace table
     ]:
         assert outcome in text, outcome
+
+
+def test_krm_notebook_shows_the_three_evaluators_a_notebook_function_and_a_failing_validator(
+    executed: dict[str, nbformat.NotebookNode],
+) -> None:
+    # Issue 5: all three evaluators serve one pipeline, a fn:// step defined in the notebook, a
+    # failing validator with its results, and a fallback trace.
+    text = summary(executed["krm_pipeline"])
+    for shown in [
+        "'builtin → exec → pod'",
+        "set-namespace:v0.4.1 · builtin ✓",
+        "example.com/fn/set-owner · builtin ✗ → exec ✓",
+        "example.com/fn/add-tier · builtin ✗ → exec ✗ → pod ✓",
+        "fn://stamp · builtin ✓",
+        "name: cart # the cart service",
+        "validator example.com/fn/check-replicas · builtin ✗ → exec ✗ → pod ✗",
+        "[error] apps/v1/Deployment/cart spec.replicas: cart needs at least 2 replicas, has 1",
+        "no file was changed",
+        "ConfigMap             cart-settings",
+    ]:
+        assert shown in text, shown
