@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from IPython.core.error import UsageError
-from ruamel.yaml.comments import CommentedMap, CommentedSeq
 
 from kernel.display import escape, table_html, table_text
 from runtime_server.errors import FunctionError as GatewayFunctionError
@@ -25,7 +24,13 @@ from runtime_server.evaluator.builtin import BuiltinEvaluator
 from runtime_server.evaluator.multi import MultiEvaluator
 from runtime_server.krm.package import KPTFILE, read_documents
 from runtime_server.krm.pipeline import Outcome, PipelineError, Step, evaluate_one, render
-from runtime_server.krm.resourcelist import ResourceList, dump, format_result, kind
+from runtime_server.krm.resourcelist import (
+    ResourceList,
+    dump,
+    format_result,
+    kind,
+    update_in_place,
+)
 
 if TYPE_CHECKING:
     from kernel.functions import Function
@@ -213,34 +218,6 @@ def bridge(function: Function) -> Any:
         update_in_place(rl.document, output)
 
     return run
-
-
-def update_in_place(node: Any, value: Any) -> Any:
-    """Make the ruamel.yaml `node` equal to the JSON `value`, changing only what differs, so
-    the comments and the flow or block style of everything unchanged survive a JSON round trip.
-    Returns the node to use (a new one when the types differ)."""
-    if isinstance(node, dict) and isinstance(value, dict):
-        for key in [k for k in node if k not in value]:
-            del node[key]
-        for key, new in value.items():
-            node[key] = update_in_place(node[key], new) if key in node else block_style(new)
-        return node
-    if isinstance(node, list) and isinstance(value, list) and len(node) == len(value):
-        for index, new in enumerate(value):
-            node[index] = update_in_place(node[index], new)
-        return node
-    if isinstance(node, dict | list) or isinstance(value, dict | list) or node != value:
-        return block_style(value)
-    return node
-
-
-def block_style(value: Any) -> Any:
-    """JSON values as ruamel.yaml nodes written in block style (as a resource file is)."""
-    if isinstance(value, dict):
-        return CommentedMap((str(k), block_style(v)) for k, v in value.items())
-    if isinstance(value, list):
-        return CommentedSeq(block_style(v) for v in value)
-    return value
 
 
 def _view(outcome: Outcome | None, steps: list[Step], error: str, title: str) -> PipelineView:

@@ -12,6 +12,7 @@ import pytest
 from runtime_server.krm.resourcelist import ResourceList, load
 from runtime_server.krm.set_metadata import set_annotations, set_labels
 from runtime_server.krm.set_namespace import set_namespace
+from runtime_server.krm.starlark import starlark_run
 
 KrmFunction = Callable[[ResourceList], None]
 
@@ -505,3 +506,109 @@ def test_comments_and_key_order_survive() -> None:
     keys = list(item(out, "Deployment"))
     assert keys == ["apiVersion", "kind", "metadata", "spec"]
     assert text == data.decode().replace("namespace: dev", "namespace: prod")
+
+
+def starlark_config(source: str, params: str = "") -> str:
+    config = "apiVersion: fn.kpt.dev/v1alpha1\nkind: StarlarkRun\nmetadata: {name: script}\n"
+    if params:
+        config += f"params: {params}\n"
+    return config + "source: |\n" + textwrap.indent(textwrap.dedent(source), "  ")
+
+
+DEPLOYMENTS = """
+- apiVersion: apps/v1
+  kind: Deployment
+  metadata: {name: web} # the web tier
+  spec: {replicas: 1}
+- apiVersion: v1
+  kind: Service
+  metadata: {name: web}
+"""
+
+
+class TestStarlark:
+    def test_a_script_edits_items_through_ctx_resource_list(self) -> None:
+        rl = run_twice(
+            starlark_run,
+            rl_of(
+                DEPLOYMENTS,
+                starlark_config(
+                    """\
+                    def set_replicas(resources, replicas):
+                        for r in resources:
+                            if r["kind"] == "Deployment":
+                                r["spec"]["replicas"] = replicas
+                    set_replicas(ctx.resource_list["items"], ctx.resource_list["functionConfig"]["params"]["replicas"])
+                    """,
+                    "{replicas: 3}",
+                ),
+            ),
+        )
+        assert item(rl, "Deployment")["spec"]["replicas"] == 3
+
+    def test_top_level_loops_can_add_labels(self) -> None:
+        rl = run_twice(
+            starlark_run,
+            rl_of(
+                DEPLOYMENTS,
+                starlark_config(
+                    """\
+                    for r in ctx.resource_list["items"]:
+                        r["metadata"]["labels"] = {"managed-by": "starlark"}
+                    """
+                ),
+            ),
+        )
+        assert all(i["metadata"]["labels"]["managed-by"] == "starlark" for i in rl.items)
+
+    def test_a_script_can_add_and_remove_items(self) -> None:
+        rl = run_twice(
+            starlark_run,
+            rl_of(
+                DEPLOYMENTS,
+                starlark_config(
+                    """\
+                    items = [r for r in ctx.resource_list["items"] if r["kind"] != "Service"]
+                    if not [r for r in items if r["kind"] == "ConfigMap"]:
+                        items.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "made"}})
+                    ctx.resource_list["items"] = items
+                    """
+                ),
+            ),
+        )
+        assert [i["kind"] for i in rl.items] == ["Deployment", "ConfigMap"]
+
+    def test_fail_is_an_error_result_and_changes_nothing(self) -> None:
+        data = rl_of(DEPLOYMENTS, starlark_config('fail("replicas too low")\n'))
+        rl = run(starlark_run, data)
+        assert rl.has_errors()
+        assert rl.results[-1]["message"] == "starlark script: fail: replicas too low"
+        assert item(rl, "Deployment")["spec"]["replicas"] == 1
+
+    def test_print_lines_become_info_results(self) -> None:
+        rl = run(
+            starlark_run,
+            rl_of(
+                DEPLOYMENTS,
+                starlark_config('print("seen", len(ctx.resource_list["items"]), "items")\n'),
+            ),
+        )
+        assert rl.results[-1]["message"] == "seen 2 items"
+        assert rl.results[-1]["severity"] == "info"
+
+    def test_unchanged_parts_keep_their_comments(self) -> None:
+        rl = run(
+            starlark_run,
+            rl_of(
+                DEPLOYMENTS,
+                starlark_config('ctx.resource_list["items"][1]["metadata"]["name"] = "api"\n'),
+            ),
+        )
+        text = rl.to_bytes().decode()
+        assert "metadata: {name: web} # the web tier" in text
+        assert "metadata: {name: api}" in text
+
+    def test_a_config_without_source_is_an_error(self) -> None:
+        config = "apiVersion: fn.kpt.dev/v1alpha1\nkind: StarlarkRun\nmetadata: {name: s}\n"
+        rl = run(starlark_run, rl_of(DEPLOYMENTS, config))
+        assert rl.has_errors() and "`source`" in rl.results[-1]["message"]

@@ -21,6 +21,7 @@ from runtime_server.evaluator.base import (
 from runtime_server.krm.resourcelist import ERROR, InvalidResourceList, ResourceList
 from runtime_server.krm.set_metadata import set_annotations, set_labels
 from runtime_server.krm.set_namespace import set_namespace
+from runtime_server.krm.starlark import starlark_run
 
 KrmFunction = Callable[[ResourceList], None]
 CATALOG_PREFIXES = ("ghcr.io/kptdev/krm-functions-catalog/", "gcr.io/kpt-fn/")
@@ -28,6 +29,7 @@ FUNCTIONS: dict[str, KrmFunction] = {
     "set-namespace": set_namespace,
     "set-labels": set_labels,
     "set-annotations": set_annotations,
+    "starlark": starlark_run,
 }
 
 

@@ -191,6 +191,34 @@ def format_result(result: Mapping[str, Any]) -> str:
     return f"[{severity}] {subject + ': ' if subject else ''}{result.get('message', '')}"
 
 
+def update_in_place(node: Any, value: Any) -> Any:
+    """Make the ruamel.yaml `node` equal to the JSON `value`, changing only what differs, so
+    the comments and the flow or block style of everything unchanged survive a JSON round trip.
+    Returns the node to use (a new one when the types differ)."""
+    if isinstance(node, dict) and isinstance(value, dict):
+        for key in [k for k in node if k not in value]:
+            del node[key]
+        for key, new in value.items():
+            node[key] = update_in_place(node[key], new) if key in node else block_style(new)
+        return node
+    if isinstance(node, list) and isinstance(value, list) and len(node) == len(value):
+        for index, new in enumerate(value):
+            node[index] = update_in_place(node[index], new)
+        return node
+    if isinstance(node, dict | list) or isinstance(value, dict | list) or node != value:
+        return block_style(value)
+    return node
+
+
+def block_style(value: Any) -> Any:
+    """JSON values as ruamel.yaml nodes written in block style (as a resource file is)."""
+    if isinstance(value, dict):
+        return CommentedMap((str(k), block_style(v)) for k, v in value.items())
+    if isinstance(value, list):
+        return CommentedSeq(block_style(v) for v in value)
+    return value
+
+
 # Helpers over one KRM object (a mapping)
 
 
