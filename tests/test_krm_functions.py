@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from runtime_server.krm.replacements import apply_replacements
 from runtime_server.krm.resourcelist import ResourceList, load
 from runtime_server.krm.set_metadata import set_annotations, set_labels
 from runtime_server.krm.set_namespace import set_namespace
@@ -612,3 +613,153 @@ class TestStarlark:
         config = "apiVersion: fn.kpt.dev/v1alpha1\nkind: StarlarkRun\nmetadata: {name: s}\n"
         rl = run(starlark_run, rl_of(DEPLOYMENTS, config))
         assert rl.has_errors() and "`source`" in rl.results[-1]["message"]
+
+
+def replacements_config(replacements: str) -> str:
+    return (
+        "apiVersion: fn.kpt.dev/v1alpha1\nkind: ApplyReplacements\nmetadata: {name: r}\n"
+        "replacements:\n" + textwrap.indent(textwrap.dedent(replacements), "")
+    )
+
+
+APP = """
+- apiVersion: v1
+  kind: ConfigMap
+  metadata: {name: settings}
+  data: {image: "registry.local/cart:2.1", team: shop}
+- apiVersion: apps/v1
+  kind: Deployment
+  metadata: {name: cart, labels: {app: cart}}
+  spec:
+    template:
+      spec:
+        containers:
+        - name: cart
+          image: cart:1.0 # replaced
+        - name: sidecar
+          image: envoy:1.0
+- apiVersion: apps/v1
+  kind: Deployment
+  metadata: {name: other, labels: {app: other}}
+  spec: {template: {spec: {containers: [{name: cart, image: cart:0.9}]}}}
+"""
+
+
+class TestApplyReplacements:
+    def test_a_source_field_replaces_a_list_element_field(self) -> None:
+        rl = run_twice(
+            apply_replacements,
+            rl_of(
+                APP,
+                replacements_config(
+                    """\
+                    - source: {kind: ConfigMap, name: settings, fieldPath: data.image}
+                      targets:
+                      - select: {kind: Deployment, name: cart}
+                        fieldPaths: ["spec.template.spec.containers.[name=cart].image"]
+                    """
+                ),
+            ),
+        )
+        containers = item(rl, "Deployment", "cart")["spec"]["template"]["spec"]["containers"]
+        assert [c["image"] for c in containers] == ["registry.local/cart:2.1", "envoy:1.0"]
+        assert "# replaced" in rl.to_bytes().decode()
+        other = item(rl, "Deployment", "other")["spec"]["template"]["spec"]["containers"][0]
+        assert other["image"] == "cart:0.9"
+
+    def test_delimiter_and_index_replace_part_of_a_string(self) -> None:
+        rl = run_twice(
+            apply_replacements,
+            rl_of(
+                APP,
+                replacements_config(
+                    """\
+                    - source:
+                        kind: ConfigMap
+                        fieldPath: data.image
+                        options: {delimiter: ":", index: 1}
+                      targets:
+                      - select: {kind: Deployment}
+                        fieldPaths: [spec.template.spec.containers.*.image]
+                        options: {delimiter: ":", index: 1}
+                    """
+                ),
+            ),
+        )
+        cart = item(rl, "Deployment", "cart")["spec"]["template"]["spec"]["containers"]
+        assert [c["image"] for c in cart] == ["cart:2.1", "envoy:2.1"]
+        assert (
+            item(rl, "Deployment", "other")["spec"]["template"]["spec"]["containers"][0]["image"]
+            == "cart:2.1"
+        )
+
+    def test_label_selector_and_reject(self) -> None:
+        rl = run_twice(
+            apply_replacements,
+            rl_of(
+                APP,
+                replacements_config(
+                    """\
+                    - source: {kind: ConfigMap, fieldPath: data.team}
+                      targets:
+                      - select: {kind: Deployment, labelSelector: "app"}
+                        reject: [{name: other}]
+                        fieldPaths: [metadata.labels.team]
+                        options: {create: true}
+                    """
+                ),
+            ),
+        )
+        assert item(rl, "Deployment", "cart")["metadata"]["labels"]["team"] == "shop"
+        assert "team" not in item(rl, "Deployment", "other")["metadata"]["labels"]
+
+    def test_source_value_and_create(self) -> None:
+        rl = run_twice(
+            apply_replacements,
+            rl_of(
+                APP,
+                replacements_config(
+                    """\
+                    - sourceValue: "3"
+                      targets:
+                      - select: {kind: Deployment, name: cart}
+                        fieldPaths: [spec.replicas]
+                        options: {create: true}
+                    """
+                ),
+            ),
+        )
+        assert item(rl, "Deployment", "cart")["spec"]["replicas"] == "3"
+
+    def test_a_missing_target_field_without_create_is_an_error(self) -> None:
+        rl = run(
+            apply_replacements,
+            rl_of(
+                APP,
+                replacements_config(
+                    """\
+                    - sourceValue: x
+                      targets:
+                      - select: {kind: Deployment, name: cart}
+                        fieldPaths: [spec.replicas]
+                    """
+                ),
+            ),
+        )
+        assert rl.has_errors()
+        assert "unable to find field spec.replicas in Deployment/cart" in rl.results[-1]["message"]
+
+    def test_a_source_must_select_exactly_one_resource(self) -> None:
+        rl = run(
+            apply_replacements,
+            rl_of(
+                APP,
+                replacements_config(
+                    """\
+                    - source: {kind: Deployment}
+                      targets: [{select: {kind: ConfigMap}, fieldPaths: [data.team]}]
+                    """
+                ),
+            ),
+        )
+        assert rl.has_errors() and "selected 2" in rl.results[-1]["message"]

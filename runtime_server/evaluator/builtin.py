@@ -18,6 +18,7 @@ from runtime_server.evaluator.base import (
     NotFoundError,
     remaining,
 )
+from runtime_server.krm.replacements import apply_replacements
 from runtime_server.krm.resourcelist import ERROR, InvalidResourceList, ResourceList
 from runtime_server.krm.set_metadata import set_annotations, set_labels
 from runtime_server.krm.set_namespace import set_namespace
@@ -30,6 +31,7 @@ FUNCTIONS: dict[str, KrmFunction] = {
     "set-labels": set_labels,
     "set-annotations": set_annotations,
     "starlark": starlark_run,
+    "apply-replacements": apply_replacements,
 }
 
 
