@@ -652,6 +652,7 @@ def _render(args: argparse.Namespace) -> int:
             dry_run=args.dry_run,
             results_dir=Path(args.results_dir) if args.results_dir else None,
             progress=lambda step: print(_step_line(step, next(counter)), file=sys.stderr),
+            diffs=False,  # a progress line per step; the files themselves show the change
         )
     except PipelineError as exc:
         print(f"fnkernel render: {exc}; no file was changed", file=sys.stderr)

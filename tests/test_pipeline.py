@@ -291,3 +291,44 @@ def test_fnkernel_render_prints_a_line_per_step_and_eval_takes_key_values(packag
         timeout=60,
     )
     assert missing.returncode == 2 and "is not a directory" in missing.stderr
+
+
+def test_wide_sequence_indentation_is_kept_and_untouched_files_are_not_rewritten(
+    tmp_path: Path,
+) -> None:
+    root = write(
+        tmp_path / "pkg",
+        {
+            "Kptfile": kptfile(
+                "pkg",
+                mutators="- image: set-labels\n  configMap: {app: web}\n  selectors: [{kind: Deployment}]\n",
+            ),
+            "deploy.yaml": """\
+            apiVersion: apps/v1
+            kind: Deployment
+            metadata:
+              name: web
+            spec:
+              template:
+                spec:
+                  containers:
+                    - name: web
+                      image: nginx
+            """,
+            "other.yaml": """\
+            apiVersion: v1
+            kind: ConfigMap
+            metadata:
+              name: keep   # spaced   comment
+            data:
+              list: |
+                  kept as is
+            """,
+        },
+    )
+    other_before = (root / "other.yaml").read_text()
+    outcome = render(root, BuiltinEvaluator())
+    assert outcome.written == ["deploy.yaml"]
+    assert (root / "other.yaml").read_text() == other_before
+    text = (root / "deploy.yaml").read_text()
+    assert "      containers:\n        - name: web\n          image: nginx\n" in text

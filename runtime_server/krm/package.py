@@ -8,6 +8,7 @@ its own file, in its place, with its comments and key order. The annotations nev
 from __future__ import annotations
 
 import io
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +26,13 @@ INDEX_ANNOTATION = "internal.config.kubernetes.io/index"
 # A document's leading comment rides along as an annotation: as a ResourceList item, a mapping's
 # start comment would be lost.
 HEADER_ANNOTATION = "internal.fnkernel.dev/header-comment"
-INTERNAL = (PATH_ANNOTATION, INDEX_ANNOTATION, HEADER_ANNOTATION)
+# How the file indents a sequence under its key, as kpt records it: "compact" (``key:\n- a``) or
+# "wide" (``key:\n  - a``); the file is written back the same way.
+SEQ_ANNOTATION = "internal.config.kubernetes.io/seqindent"
+INTERNAL = (PATH_ANNOTATION, INDEX_ANNOTATION, HEADER_ANNOTATION, SEQ_ANNOTATION)
+_SEQUENCE_UNDER_KEY = re.compile(
+    r"^(?P<prefix>(?: |- )*)[^\s#-][^\n:]*:[ \t]*(?:#[^\n]*)?\n(?P<indent> *)- ", re.M
+)
 YAML_SUFFIXES = (".yaml", ".yml")
 
 
@@ -34,6 +41,7 @@ class Package:
     root: Path  # the package directory
     kptfile: CommentedMap
     resources: list[Any] = field(default_factory=list)  # this package's own, annotated
+    texts: dict[str, str] = field(default_factory=dict)  # its files with resources, as read
     subpackages: list[Package] = field(default_factory=list)
     relative: str = ""  # from the top package, "" for itself
 
@@ -45,6 +53,13 @@ class Package:
     def pipeline(self) -> dict[str, Any]:
         pipeline = self.kptfile.get("pipeline")
         return pipeline if isinstance(pipeline, dict) else {}
+
+    def all_texts(self) -> dict[str, str]:
+        """The text of every file with resources, its subpackages' included, by relative path."""
+        texts = dict(self.texts)
+        for sub in self.subpackages:
+            texts.update(sub.all_texts())
+        return texts
 
     def all_resources(self) -> list[Any]:
         """Its own resources and every subpackage's, depth first."""
@@ -99,8 +114,26 @@ def _read_dir(package: Package, directory: Path, relative: str) -> None:
             _read_file(package, path, f"{relative}{path.name}")
 
 
+def sequence_style(text: str) -> str:
+    match = _SEQUENCE_UNDER_KEY.search(text)
+    if match and len(match.group("indent")) > len(match.group("prefix")):
+        return "wide"
+    return "compact"
+
+
 def _read_file(package: Package, path: Path, relative: str) -> None:
-    for index, document in enumerate(read_documents(path.read_text(), relative)):
+    text = path.read_text()
+    resources = read_resources(text, relative)
+    if resources:
+        package.texts[relative] = text
+        package.resources += resources
+
+
+def read_resources(text: str, relative: str) -> list[Any]:
+    """The KRM objects of one file, annotated with where they came from."""
+    documents = read_documents(text, relative)
+    style = sequence_style(text)
+    for index, document in enumerate(documents):
         if not isinstance(document, dict) or not kind(document):
             raise InvalidResourceList(f"{relative}: document {index} is not a KRM object")
         header = _take_header(document)
@@ -109,7 +142,9 @@ def _read_file(package: Package, path: Path, relative: str) -> None:
         annotations[INDEX_ANNOTATION] = str(index)
         if header:
             annotations[HEADER_ANNOTATION] = header
-        package.resources.append(document)
+        if style == "wide":
+            annotations[SEQ_ANNOTATION] = style
+    return documents
 
 
 def _take_header(document: Any) -> str:
@@ -169,10 +204,14 @@ def render_files(resources: list[Any]) -> dict[str, str]:
     files = {}
     for path, entries in sorted(by_file.items()):
         documents = [resource for _, resource in sorted(entries, key=lambda entry: entry[0])]
+        notes = (documents[0].get("metadata") or {}).get("annotations") or {}
+        codec = yaml()
+        if notes.get(SEQ_ANNOTATION) == "wide":
+            codec.indent(mapping=2, sequence=4, offset=2)
         restores = [strip_internal(document) for document in documents]
         try:
             out = io.StringIO()
-            yaml().dump_all(documents, out)
+            codec.dump_all(documents, out)
             files[path] = out.getvalue()
         finally:
             for restore in restores:

@@ -30,10 +30,12 @@ from runtime_server.evaluator.base import (
     NotFoundError,
 )
 from runtime_server.evaluator.exec import parse_results, run_function
+from runtime_server.evaluator.multi import MultiEvaluator
 from runtime_server.krm import resourcelist
 from runtime_server.krm.package import (
     Package,
     load_package,
+    read_resources,
     render_files,
     source_of,
     strip_internal,
@@ -111,12 +113,16 @@ Progress = Callable[[Step], None]
 
 @dataclass
 class Runner:
-    """Runs steps through `evaluator` (the chain); exec steps only with `allow_exec`."""
+    """Runs steps through `evaluator` (the chain); exec steps only with `allow_exec`. Builtin
+    functions run on the parsed resources themselves; other evaluators get them serialized.
+    With `diffs`, each step records the unified diff it made (a render of the package before
+    and after: the notebook wants it, the terminal does not)."""
 
     evaluator: Evaluator
     allow_exec: bool = False
     timeout: float = 300.0
     progress: Progress | None = None
+    diffs: bool = True
     steps: list[Step] = field(default_factory=list)
 
     def run(
@@ -127,6 +133,7 @@ class Runner:
         stage: str,
         config: Any = None,
     ) -> list[Any]:
+        """Run one step over `items`; the items after it (a validator's are `items` as given)."""
         image = str(spec.get("image", "") or "")
         exec_command = str(spec.get("exec", "") or "")
         if bool(image) == bool(exec_command):
@@ -136,22 +143,21 @@ class Runner:
             )
         label = qualified(image) if image else f"exec: {exec_command}"
         step = Step(package.relative if package else "", stage, label)
+        validator = stage == "validator"
         chosen = select(items, spec.get("selectors") or [], spec.get("exclude") or [])
         if config is None:
             config = function_config(spec, package, items)
-        before = render_files(items) if stage != "validator" else {}
-        columns = {source_of(item): comment_columns(item) for item in chosen}
-        rl = ResourceList.of([_copy(item) for item in chosen], config)
+        before = render_files(items) if self.diffs and not validator else {}
+        # A validator works on a copy: whatever it changes is discarded.
+        rl = ResourceList.of([_copy(i) for i in chosen] if validator else list(chosen), config)
+        deadline = time.monotonic() + self.timeout
         started = time.perf_counter()
         try:
             if exec_command:
-                output, log, step.evaluator = self._exec(exec_command, rl, package), b"", "exec"
+                log = self._exec(exec_command, rl, package, deadline)
+                step.evaluator = "exec"
             else:
-                response = self.evaluator.evaluate(
-                    EvalRequest(rl.to_bytes(), label), time.monotonic() + self.timeout
-                )
-                output, log = response.resource_list, response.log
-                step.evaluator, step.skipped = response.evaluator, response.skipped
+                log, step.evaluator, step.skipped = self._evaluate(label, rl, deadline)
         except EvaluatorError as exc:
             step.duration = time.perf_counter() - started
             step.evaluator, step.skipped = exc.evaluator, exc.skipped
@@ -165,28 +171,43 @@ class Runner:
             raise PipelineError(message, self.steps) from None
         step.duration = time.perf_counter() - started
         step.stderr = log.decode("utf-8", "replace")
-        try:
-            out = ResourceList.parse(output)
-        except resourcelist.InvalidResourceList as exc:
-            step.error = f"failed to parse function output: {exc}"
+        step.results = [dict(r) for r in rl.results if isinstance(r, dict)]
+        if validator:
             self._record(step)
-            raise PipelineError(f"{label}: {step.error}", self.steps) from None
-        for item in out.items:
-            restore_comment_columns(item, columns.get(source_of(item), {}))
-        step.results = [dict(r) for r in out.results if isinstance(r, dict)]
-        merged = merge(items, chosen, out.items)
-        if stage != "validator":  # a validator's output is discarded: it changes nothing
+            return items
+        merged = merge(items, chosen, rl.items)
+        if self.diffs:
             step.diff = diff(before, render_files(merged))
         self._record(step)
         return merged
 
-    def _exec(self, command: str, rl: ResourceList, package: Package | None) -> bytes:
+    def _evaluate(
+        self, image: str, rl: ResourceList, deadline: float
+    ) -> tuple[bytes, str, tuple[str, ...]]:
+        """Through the chain: (log, the evaluator that served, those that did not have it)."""
+
+        def call(evaluator: Any) -> bytes:
+            if hasattr(evaluator, "evaluate_in_place"):
+                evaluator.evaluate_in_place(image, rl, deadline)
+                return b""
+            request = EvalRequest(rl.to_bytes(), image)
+            response = evaluator.evaluate(request, deadline)
+            _take_output(rl, response.resource_list)
+            return bytes(response.log)
+
+        if isinstance(self.evaluator, MultiEvaluator):
+            return self.evaluator.first(image, call)
+        return call(self.evaluator), self.evaluator.name, ()
+
+    def _exec(
+        self, command: str, rl: ResourceList, package: Package | None, deadline: float
+    ) -> bytes:
         if not self.allow_exec:
             raise FunctionError(f"exec: {command}: exec functions need --allow-exec", exit_code=1)
         argv = shlex.split(command)
         if package is not None and not os.path.isabs(argv[0]) and "/" in argv[0]:
             argv[0] = str((package.root / argv[0]).resolve())
-        code, stdout, stderr = run_function(argv, rl.to_bytes(), time.monotonic() + self.timeout)
+        code, stdout, stderr = run_function(argv, rl.to_bytes(), deadline)
         if code != 0:
             raise FunctionError(
                 f"exec: {command} exited with {code}",
@@ -194,12 +215,26 @@ class Runner:
                 stderr=stderr.decode("utf-8", "replace"),
                 results=parse_results(stdout),
             )
-        return stdout
+        _take_output(rl, stdout)
+        return stderr
 
     def _record(self, step: Step) -> None:
         self.steps.append(step)
         if self.progress is not None:
             self.progress(step)
+
+
+def _take_output(rl: ResourceList, output: bytes) -> None:
+    """Make `rl` the ResourceList a function printed, each resource's comments back in their
+    columns (they move when nodes are nested one level deeper and serialized)."""
+    columns = {source_of(item): comment_columns(item) for item in rl.items}
+    try:
+        out = ResourceList.parse(output)
+    except resourcelist.InvalidResourceList as exc:
+        raise FunctionError(f"failed to parse function output: {exc}") from None
+    for item in out.items:
+        restore_comment_columns(item, columns.get(source_of(item), {}))
+    rl.document = out.document
 
 
 def _copy(node: Any) -> Any:
@@ -296,7 +331,7 @@ def _render(package: Package, runner: Runner) -> list[Any]:
     for spec in pipeline.get("mutators") or []:
         items = runner.run(items, spec, package, "mutator")
     for spec in pipeline.get("validators") or []:
-        runner.run([_copy(item) for item in items], spec, package, "validator")
+        runner.run(items, spec, package, "validator")
     return items
 
 
@@ -308,12 +343,13 @@ def render(
     dry_run: bool = False,
     results_dir: Path | None = None,
     progress: Progress | None = None,
+    diffs: bool = True,
 ) -> Outcome:
     """Render the package at `root` in place (unless `dry_run`); raises PipelineError, having
-    written nothing but the results, if any step fails."""
+    written nothing but the results, if any step fails. `diffs`: record each step's diff."""
     package = load_package(root)
-    runner = Runner(evaluator, allow_exec=allow_exec, progress=progress)
-    before = render_files(package.all_resources())
+    runner = Runner(evaluator, allow_exec=allow_exec, progress=progress, diffs=diffs)
+    before = package.all_texts()
     try:
         items = _render(package, runner)
     except PipelineError as exc:
@@ -345,12 +381,21 @@ def evaluate_one(
     if config is None and data:
         config = function_config({"configMap": dict(data)}, package, items)
     runner = Runner(evaluator, progress=progress)
-    before = render_files(items)
+    before = package.all_texts()
     items = runner.run(items, {"image": image}, None, "eval", config=config)
     outcome = Outcome(runner.steps, before, render_files(items))
     if not dry_run:
         write_package(root, outcome)
     return outcome
+
+
+def changed(path: str, before: str | None, after: str) -> bool:
+    """Whether a function changed the file: its new text differs from what it was, and from
+    what it was as ruamel.yaml writes it (a block scalar's indentation, say, is normalized even
+    when nothing touched the resource — that alone is no reason to rewrite a file)."""
+    if before is None or before == after:
+        return before is None
+    return render_files(read_resources(before, path)).get(path) != after
 
 
 def write_package(root: Path, outcome: Outcome) -> None:
@@ -364,12 +409,13 @@ def write_package(root: Path, outcome: Outcome) -> None:
         targets[path] = target
     staged = []
     for path, text in outcome.after.items():
-        if outcome.before.get(path) != text:
-            target = targets[path]
-            target.parent.mkdir(parents=True, exist_ok=True)
-            temporary = target.with_name(f".{target.name}.fnkernel-tmp")
-            temporary.write_text(text)
-            staged.append((temporary, target, path))
+        if not changed(path, outcome.before.get(path), text):
+            continue
+        target = targets[path]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        temporary = target.with_name(f".{target.name}.fnkernel-tmp")
+        temporary.write_text(text)
+        staged.append((temporary, target, path))
     for temporary, target, path in staged:
         temporary.replace(target)
         outcome.written.append(path)

@@ -1,0 +1,161 @@
+"""KRM pipeline costs against floors measured in the same run (issue 5):
+
+* render: set-namespace + set-labels over 1,000 resources (a package of 10 files), dry run, as
+  ``fnkernel render`` runs it (no per-step diffs), vs
+  the ruamel.yaml round-trip floor: loading and dumping the same files — target <= 1.5x;
+* exec: one exec-evaluator call vs running the same binary directly with subprocess — <= 1.15x;
+* pod: one call to a warm pod vs the exec-evaluator call of the same program — <= 1.5x;
+* cold pod start: the first call for an image with no pod, in ms (reported).
+
+Usage: python -m benchmarks.krm [--rounds N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from runtime_server.evaluator.base import EvalRequest
+from runtime_server.evaluator.builtin import BuiltinEvaluator
+from runtime_server.evaluator.exec import ExecEvaluator
+from runtime_server.evaluator.pods import LocalBackend, PodCacheManager, PodEvaluator
+from runtime_server.krm.pipeline import render
+from runtime_server.krm.resourcelist import yaml
+
+TARGETS = {"render": 1.5, "exec": 1.15, "pod": 1.5}
+KPTFILE = """\
+apiVersion: kpt.dev/v1
+kind: Kptfile
+metadata:
+  name: bench
+pipeline:
+  mutators:
+  - image: set-namespace:v0.4.1
+    configMap: {namespace: prod}
+  - image: set-labels
+    configMap: {app: shop, tier: backend}
+"""
+DEPLOYMENT = """\
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: web-{n} # service {n}
+  namespace: dev
+spec:
+  replicas: 2
+  template:
+    spec:
+      containers:
+      - name: web
+        image: nginx:1.{n}
+"""
+
+
+def median_ms(fn: Callable[[], object], rounds: int) -> float:
+    fn()  # warm up
+    samples = []
+    budget = time.monotonic() + 120  # bounded in time as well as count
+    for _ in range(rounds):
+        started = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - started) * 1000)
+        if time.monotonic() > budget:
+            break
+    return statistics.median(samples)
+
+
+def make_package(root: Path, resources: int = 1000, files: int = 10) -> list[Path]:
+    root.mkdir(parents=True)
+    (root / "Kptfile").write_text(KPTFILE)
+    paths = []
+    per_file = resources // files
+    for f in range(files):
+        path = root / f"deployments-{f}.yaml"
+        path.write_text(
+            "---\n".join(DEPLOYMENT.format(n=f * per_file + i) for i in range(per_file))
+        )
+        paths.append(path)
+    return paths
+
+
+def round_trip(paths: list[Path]) -> None:
+    for path in paths:
+        codec = yaml()
+        documents = list(codec.load_all(path.read_text()))
+        codec.dump_all(documents, io.StringIO())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    rows: list[tuple[str, float, float | None]] = []
+    with tempfile.TemporaryDirectory(prefix="fnkernel-bench-") as tmp:
+        work = Path(tmp)
+        paths = make_package(work / "package")
+        floor = median_ms(lambda: round_trip(paths), args.rounds)
+        chain = BuiltinEvaluator()
+        pipeline = median_ms(
+            lambda: render(work / "package", chain, dry_run=True, diffs=False), args.rounds
+        )
+        rows += [("ruamel.yaml load+dump, 1,000 resources", floor, None)]
+        rows += [("render: set-namespace + set-labels", pipeline, pipeline / floor)]
+
+        program = work / "functions" / "identity"
+        program.parent.mkdir()
+        program.write_text(f"#!{sys.executable}\nimport sys\nsys.stdout.write(sys.stdin.read())\n")
+        program.chmod(0o755)
+        small = (
+            b"apiVersion: config.kubernetes.io/v1\nkind: ResourceList\nitems:\n"
+            + textwrap.indent(DEPLOYMENT.format(n=1), "  ")
+            .replace("  apiVersion", "- apiVersion", 1)
+            .encode()
+        )
+        direct = median_ms(
+            lambda: subprocess.run([str(program)], input=small, capture_output=True, check=True),
+            args.rounds * 4,
+        )
+        exec_evaluator = ExecEvaluator(program.parent)
+        request = EvalRequest(small, "example.com/fn/identity", exec_path=str(program))
+        exec_ms = median_ms(lambda: exec_evaluator.evaluate(request), args.rounds * 4)
+        rows += [("subprocess.run of the binary", direct, None)]
+        rows += [("exec evaluator call", exec_ms, exec_ms / direct)]
+
+        manager = PodCacheManager(LocalBackend({"example.com/fn/identity": [str(program)]}))
+        try:
+            pods = PodEvaluator(manager)
+            pod_request = EvalRequest(small, "example.com/fn/identity")
+            started = time.perf_counter()
+            pods.evaluate(pod_request)
+            cold = (time.perf_counter() - started) * 1000
+            warm = median_ms(lambda: pods.evaluate(pod_request), args.rounds * 4)
+        finally:
+            manager.stop()
+        rows += [("warm pod call", warm, warm / exec_ms)]
+        rows += [("cold pod start (first call)", cold, None)]
+
+    print(f"{'case':<42}{'median ms':>11}{'ratio':>8}")
+    for name, ms, ratio in rows:
+        print(f"{name:<42}{ms:>11.2f}{f'{ratio:.2f}x' if ratio is not None else '':>8}")
+    met = True
+    for label, ratio, target in (
+        ("render / round-trip floor", pipeline / floor, TARGETS["render"]),
+        ("exec evaluator / direct subprocess", exec_ms / direct, TARGETS["exec"]),
+        ("warm pod / exec evaluator", warm / exec_ms, TARGETS["pod"]),
+    ):
+        verdict = "met" if ratio <= target else "MISSED"
+        met &= ratio <= target
+        print(f"{label}: {ratio:.2f}x (target <= {target}x) {verdict}")
+    return 0 if met else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
