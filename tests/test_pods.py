@@ -148,6 +148,22 @@ def test_a_killed_pod_is_evicted_and_the_call_succeeds_on_a_fresh_one(
     assert len(manager.snapshot()[IMAGE]) == 1  # the dead pod was evicted
 
 
+def test_an_unhealthy_idle_pod_is_evicted(
+    who: Path, managers: Callable[..., PodCacheManager]
+) -> None:
+    # SPEC §5.2: a pod whose health check fails is evicted at once (here: it stops answering).
+    manager = managers(LocalBackend({IMAGE: [str(who)]}), gc_interval=0.2)
+    evaluator = PodEvaluator(manager)
+    frozen = served_by(evaluator)
+    os.kill(frozen, signal.SIGSTOP)
+    try:
+        wait_until(lambda: not manager.snapshot().get(IMAGE), timeout=15)
+    finally:
+        if pid_alive(frozen):
+            os.kill(frozen, signal.SIGCONT)
+    assert served_by(evaluator) != frozen
+
+
 def test_a_pod_that_dies_mid_call_is_replaced_and_the_call_retried(
     tmp_path: Path, who: Path, managers: Callable[..., PodCacheManager]
 ) -> None:

@@ -393,11 +393,15 @@ class PodCacheManager:
         ).start()
 
     def _gc(self) -> None:
+        """Stop idle pods past their TTL, and evict idle pods that fail their health check."""
         now = self.clock()
         for image, state in self._images.items():
-            for pod in list(state.pods):
-                if pod.load == 0 and pod.expires <= now:
+            for pod in [p for p in state.pods if p.load == 0]:
+                if pod.expires <= now:
                     LOG.info("pod %d for %s idle past its TTL", pod.serial, image)
+                    self._drop(image, state, pod)
+                elif not self.backend.healthy(pod.handle):
+                    LOG.warning("pod %d for %s failed its health check", pod.serial, image)
                     self._drop(image, state, pod)
 
     def _stop_all(self) -> None:
