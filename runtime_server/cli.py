@@ -482,6 +482,14 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("pairs", nargs=argparse.REMAINDER, metavar="-- key=value")
     evaluate.set_defaults(func=_eval)
 
+    bench = commands.add_parser(
+        "bench",
+        help="run the benchmarks (each prints ratios against a floor measured in the same run)",
+        description="Run benchmarks from the source checkout; exit 1 if any target is missed.",
+    )
+    bench.add_argument("names", nargs="*", metavar="NAME", help=f"any of {', '.join(BENCHMARKS)}")
+    bench.set_defaults(func=_bench)
+
     install = commands.add_parser(
         "install",
         help="install the fnkernel kernelspec",
@@ -700,6 +708,34 @@ def _eval(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     _report(outcome, args.output)
     return EXIT_OK
+
+
+BENCHMARKS = ("invoke", "gateway", "kernel", "krm")
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "benchmarks" / "__init__.py").is_file():
+        print("fnkernel bench: the benchmarks ship with a source checkout", file=sys.stderr)
+        return EXIT_USAGE
+    names = args.names or list(BENCHMARKS)
+    unknown = [name for name in names if name not in BENCHMARKS]
+    if unknown:
+        print(
+            f"fnkernel bench: unknown benchmark {', '.join(unknown)}; "
+            f"choose from {', '.join(BENCHMARKS)}",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    status = EXIT_OK
+    for name in names:
+        print(f"== benchmarks.{name}", flush=True)
+        done = subprocess.run([sys.executable, "-m", f"benchmarks.{name}"], cwd=root)
+        if done.returncode != 0:
+            status = EXIT_FAILURE  # a target missed (or the benchmark failed)
+    return status
 
 
 def _install(args: argparse.Namespace) -> int:

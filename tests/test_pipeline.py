@@ -332,3 +332,15 @@ def test_wide_sequence_indentation_is_kept_and_untouched_files_are_not_rewritten
     assert (root / "other.yaml").read_text() == other_before
     text = (root / "deploy.yaml").read_text()
     assert "      containers:\n        - name: web\n          image: nginx\n" in text
+
+
+def test_fnkernel_bench_refuses_an_unknown_benchmark() -> None:
+    # SPEC §7: `bench` is a subcommand; usage errors exit 2 and name the choices.
+    done = subprocess.run(
+        [sys.executable, "-m", "runtime_server.cli", "bench", "nope"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "choose from invoke, gateway, kernel, krm" in done.stderr
