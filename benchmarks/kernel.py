@@ -66,7 +66,7 @@ def interrupt_ms(kernel: Kernel, times: int) -> list[float]:
         kernel.manager.interrupt_kernel()
         cell = kernel.collect(msg_id, timeout=10)
         samples.append((time.perf_counter() - started) * 1000)
-        assert cell.error is not None and cell.error["ename"] == "InvocationInterrupted"
+        assert cell.error is not None and cell.error["ename"] == "InvocationInterrupted", cell.error
     return samples
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,7 @@ from runtime_server.errors import (
 EXTENSIONS = {"python": "py", "bash": "sh"}
 ORIGIN_PREFIX = "%%function cell "  # a Run's spec.source when a cell created it
 _REUSABLE = ("Ready", "Idle")
+_IDLE_WAIT_SECONDS = 2.0  # after an interrupt, for the cancelled invocation to be gone
 
 
 @dataclass(frozen=True)
@@ -121,13 +123,26 @@ class Function:
                 invocation_id=invocation_id or "",
             )
         except RequestCancelled:
-            # The kernel was interrupted: the gateway cancelled the call and the handler was
-            # killed; the function stays registered.
+            # The kernel was interrupted: the gateway cancels the call and the handler is
+            # killed; the function stays registered. Wait (briefly) until it is free again, so
+            # the next cell's call is not refused as busy.
+            self._wait_until_idle(_IDLE_WAIT_SECONDS)
             raise InvocationInterrupted(
                 f"invocation of {self.name} cancelled; the handler was killed and "
                 f"{self.name} stays registered"
             ) from None
         return Invocation(self.name, result)
+
+    def _wait_until_idle(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                live = self._session.runtime.client().status(self.name).get("live") or {}
+            except FunctionError:
+                return
+            if not live.get("inFlight"):
+                return
+            time.sleep(0.005)
 
     def status(self) -> Status:
         return Status(self._session.runtime.client().status(self.name))
