@@ -10,10 +10,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from runtime_server.evaluator.base import EvalRequest, NotFoundError
+from runtime_server.evaluator.base import EvalRequest, EvaluatorSystemError, NotFoundError
 from runtime_server.evaluator.pods import (
     LocalBackend,
     PodCacheManager,
@@ -257,3 +258,41 @@ def test_fnkernel_evaluator_serves_builtin_exec_and_pod(tmp_path: Path, who: Pat
         remote.close()
         assert child.stop(15) == 0
     wait_until(lambda: not (wrapper_pids() - before), timeout=10)  # pods stop with the server
+
+
+class FailingBackend(LocalBackend):
+    """A backend whose pods never come up (an image that cannot start), counting the attempts."""
+
+    def __init__(self) -> None:
+        super().__init__({IMAGE: ["/bin/cat"]})
+        self.starts = 0
+
+    def start(self, image: str) -> Any:
+        self.starts += 1
+        time.sleep(0.3)  # long enough for the whole burst to join the waitlist
+        raise EvaluatorSystemError(f"pod for {image} did not start: image pull failed")
+
+
+def test_a_pod_that_fails_to_start_fails_every_waiter_once(
+    managers: Callable[..., PodCacheManager],
+) -> None:
+    # Seed 004 waitlist: "Pod creation errors sent to all waiters"; the next request retries.
+    backend = FailingBackend()
+    evaluator = PodEvaluator(managers(backend))
+    failures: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            evaluator.evaluate(EvalRequest(INPUT, IMAGE), time.monotonic() + 10)
+        except EvaluatorSystemError as exc:
+            failures.append(exc)
+
+    threads = [threading.Thread(target=call) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert len(failures) == 8 and backend.starts == 1
+    assert all("image pull failed" in str(f) for f in failures)
+    call()
+    assert backend.starts == 2  # the waitlist was cleared: a new request tries again
