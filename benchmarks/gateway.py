@@ -19,7 +19,7 @@ from pathlib import Path
 
 import grpc
 
-from benchmarks.invoke import PAYLOAD, PY_HANDLER, measure, p
+from benchmarks.invoke import PAYLOAD, PY_HANDLER, measure, p, verdicts
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from runtime_server.client import Client
@@ -90,9 +90,7 @@ def run(stack: Stack, calls: int) -> int:
             f"{name:<24}{p(samples, 50):>9.3f}{p(samples, 99):>9.3f}{p(samples, 50) / floor:>7.2f}x"
         )
     ratio = p(results["gateway (HTTP)"], 50) / floor
-    verdict = "met" if ratio <= TARGET else "MISSED"
-    print(f"gateway / direct p50: {ratio:.2f}x (target <= {TARGET}x) {verdict}")
-    return 0 if ratio <= TARGET else 1
+    return verdicts([("gateway / direct p50", ratio, TARGET)])
 
 
 if __name__ == "__main__":

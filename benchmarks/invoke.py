@@ -95,6 +95,16 @@ def measure(call, calls: int, warmup: int = 100) -> list[float]:  # type: ignore
     return samples
 
 
+def verdicts(checks: list[tuple[str, float, float]]) -> int:
+    """Print each (label, ratio, target) as met or MISSED; 0 if all were met, else 1."""
+    met = True
+    for label, ratio, target in checks:
+        verdict = "met" if ratio <= target else "MISSED"
+        met &= ratio <= target
+        print(f"{label}: {ratio:.2f}x (target <= {target}x) {verdict}")
+    return 0 if met else 1
+
+
 def p(samples: list[float], q: float) -> float:
     return (
         statistics.quantiles(samples, n=100, method="inclusive")[int(q) - 1]

@@ -18,7 +18,7 @@ import shutil
 import statistics
 import time
 
-from benchmarks.invoke import p
+from benchmarks.invoke import p, verdicts
 from runtime_server.client import Client
 from tests.kernels import Kernel, install_kernelspec
 
@@ -114,15 +114,12 @@ def measure(start_count: int, cell_count: int) -> int:
     print(f"{'first %%function (cold runtime)':<38}{cold_ms:>9.0f} ms")
     label = "interrupt → KeyboardInterrupt in cell"
     print(f"{label:<38}{statistics.median(interrupts):>9.1f} ms{max(interrupts):>7.1f} ms (max)")
-    met = True
-    for label, ratio, target in (
-        ("start fnkernel / ipykernel", start_ratio, START_TARGET),
-        ("%invoke / 1+1 p50", trip_ratio, ROUND_TRIP_TARGET),
-    ):
-        verdict = "met" if ratio <= target else "MISSED"
-        met &= ratio <= target
-        print(f"{label}: {ratio:.2f}x (target <= {target}x) {verdict}")
-    return 0 if met else 1
+    return verdicts(
+        [
+            ("start fnkernel / ipykernel", start_ratio, START_TARGET),
+            ("%invoke / 1+1 p50", trip_ratio, ROUND_TRIP_TARGET),
+        ]
+    )
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from benchmarks.invoke import measure, verdicts
 from runtime_server.evaluator.base import EvalRequest
 from runtime_server.evaluator.builtin import BuiltinEvaluator
 from runtime_server.evaluator.exec import ExecEvaluator
@@ -60,16 +61,7 @@ spec:
 
 
 def median_ms(fn: Callable[[], object], rounds: int) -> float:
-    fn()  # warm up
-    samples = []
-    budget = time.monotonic() + 120  # bounded in time as well as count
-    for _ in range(rounds):
-        started = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - started) * 1000)
-        if time.monotonic() > budget:
-            break
-    return statistics.median(samples)
+    return statistics.median(measure(fn, rounds, warmup=1))
 
 
 def make_package(root: Path, resources: int = 1000, files: int = 10) -> list[Path]:
@@ -145,16 +137,13 @@ def main() -> int:
     print(f"{'case':<42}{'median ms':>11}{'ratio':>8}")
     for name, ms, ratio in rows:
         print(f"{name:<42}{ms:>11.2f}{f'{ratio:.2f}x' if ratio is not None else '':>8}")
-    met = True
-    for label, ratio, target in (
-        ("render / round-trip floor", pipeline / floor, TARGETS["render"]),
-        ("exec evaluator / direct subprocess", exec_ms / direct, TARGETS["exec"]),
-        ("warm pod / exec evaluator", warm / exec_ms, TARGETS["pod"]),
-    ):
-        verdict = "met" if ratio <= target else "MISSED"
-        met &= ratio <= target
-        print(f"{label}: {ratio:.2f}x (target <= {target}x) {verdict}")
-    return 0 if met else 1
+    return verdicts(
+        [
+            ("render / round-trip floor", pipeline / floor, TARGETS["render"]),
+            ("exec evaluator / direct subprocess", exec_ms / direct, TARGETS["exec"]),
+            ("warm pod / exec evaluator", warm / exec_ms, TARGETS["pod"]),
+        ]
+    )
 
 
 if __name__ == "__main__":

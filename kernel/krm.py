@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from IPython.core.error import UsageError
 
 from kernel.display import escape, table_html, table_text
+from runtime_server.client import parse_pairs
 from runtime_server.errors import FunctionError as GatewayFunctionError
 from runtime_server.evaluator.base import Evaluator
 from runtime_server.evaluator.base import FunctionError as KrmFunctionError
@@ -302,12 +303,10 @@ def krm_magic(chain: Chain, line: str, cell: str | None) -> PipelineView:
             rest = rest[1:]
         elif rest:
             raise UsageError(f"%%krm eval: unexpected {rest[0]!r}; put key=value pairs after --")
-        pairs = {}
-        for pair in rest:
-            key, sep, value = pair.partition("=")
-            if not sep or not key:
-                raise UsageError(f"%%krm eval: {pair!r} is not key=value")
-            pairs[key] = value
+        try:
+            pairs = parse_pairs(rest)
+        except ValueError as exc:
+            raise UsageError(f"%%krm eval: {exc}") from None
         return eval_cell(chain, words[1], pairs, cell)
     except _Failure as failure:
         from IPython.display import display

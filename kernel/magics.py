@@ -21,6 +21,7 @@ from IPython.display import display
 from kernel.display import FunctionsTable, RegistrationCard, short
 from kernel.functions import EXTENSIONS, Function, Session, Spec
 from kernel.trace import TraceTable
+from runtime_server.client import parse_pairs
 from runtime_server.errors import FunctionError
 
 _SESSION_ATTRIBUTE = "_fnkernel_session"
@@ -57,9 +58,10 @@ def _seconds(kind: type[int] | type[float]) -> Any:
 
 
 def _env_pair(text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    try:
+        [(key, value)] = parse_pairs([text]).items()
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return key, value
 
 

@@ -186,13 +186,12 @@ def _print_json(value: object) -> None:
 
 
 def _parse_env(pairs: Sequence[str]) -> dict[str, str]:
-    env = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise UsageError(f"--env {pair!r}: expected KEY=VALUE")
-        env[key] = value
-    return env
+    from runtime_server.client import parse_pairs
+
+    try:
+        return parse_pairs(pairs)
+    except ValueError as exc:
+        raise UsageError(f"--env {exc}") from None
 
 
 class UsageError(Exception):
@@ -673,17 +672,16 @@ def _render(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    from runtime_server.client import parse_pairs
     from runtime_server.krm.package import read_documents
     from runtime_server.krm.pipeline import PipelineError, evaluate_one
     from runtime_server.krm.resourcelist import InvalidResourceList
 
     pairs = args.pairs[1:] if args.pairs[:1] == ["--"] else args.pairs
-    data = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise UsageError(f"{pair!r} is not key=value")
-        data[key] = value
+    try:
+        data = parse_pairs(pairs)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     config = None
     try:
         if args.fn_config:

@@ -14,7 +14,7 @@ import socket
 import threading
 import time
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +55,18 @@ ERRORS: dict[int, type[FunctionError]] = {
 }
 _STALE_CONNECTION = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
 _SKIPPED = frozenset({"__pycache__", ".git", ".ipynb_checkpoints"})
+
+
+def parse_pairs(pairs: Iterable[str]) -> dict[str, str]:
+    """``KEY=VALUE`` strings as a dict; ValueError names the first that is not one. (Env of a
+    Run, a function's ConfigMap data: the CLI and the magics parse both with it.)"""
+    parsed = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"{pair!r} is not KEY=VALUE")
+        parsed[key] = value
+    return parsed
 
 
 def default_address() -> str:
