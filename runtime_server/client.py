@@ -217,6 +217,15 @@ class Client:
                     sock.shutdown(socket.SHUT_RDWR)
         return len(busy)
 
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
     def close(self) -> None:
         """Close the idle kept-alive connections."""
         with self._lock:

@@ -43,10 +43,13 @@ class Child:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
-            return self.proc.wait(timeout)
+            code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            return self.proc.wait()
+            code = self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()  # the announcement pipe
+        return code
 
 
 @dataclass

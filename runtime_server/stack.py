@@ -49,6 +49,8 @@ class Component:
     died_at: float = 0.0
 
     def start(self, log_dir: Path) -> Child:
+        if self.child is not None and self.child.proc.stdout is not None:
+            self.child.proc.stdout.close()  # the exited child's announcement pipe
         if self.log is None:
             self.log = open(log_dir / f"{self.name}.log", "a")  # noqa: SIM115 — lives with the component
         self.child = spawn(self.args, stderr=self.log, die_with_parent=True)
