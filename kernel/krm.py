@@ -149,6 +149,7 @@ class Chain:
     def __init__(self) -> None:
         self.builtin = BuiltinEvaluator()
         self.extra: list[Evaluator] = []
+        self.allow_exec = False  # a Kptfile's `exec` steps run only when allowed, as in kpt
         self._manager: Any = None
 
     def configure(
@@ -158,11 +159,14 @@ class Chain:
         function_config: str | Path | None = None,
         image_catalog: str | Path | None = None,
         pod_cache_config: str | Path | None = None,
+        allow_exec: bool = False,
     ) -> Chain:
         """Add the exec evaluator (cached binaries under `functions`, mapped by the
         `function_config` store) and the pod evaluator (wrapper-server pods from the
-        `image_catalog`, warmed up from `pod_cache_config`)."""
+        `image_catalog`, warmed up from `pod_cache_config`); `allow_exec` lets a Kptfile's
+        ``exec`` steps run (``fnkernel render --allow-exec``)."""
         self.close()
+        self.allow_exec = allow_exec
         self.extra = []
         if functions is not None:
             from runtime_server.evaluator.exec import ExecEvaluator, FunctionConfigStore
@@ -227,7 +231,7 @@ def _view(outcome: Outcome | None, steps: list[Step], error: str, title: str) ->
 
 def run_render(chain: Chain, directory: Path, title: str, *, check: bool = True) -> PipelineView:
     try:
-        outcome = render(directory, chain.evaluator(), allow_exec=True)
+        outcome = render(directory, chain.evaluator(), allow_exec=chain.allow_exec)
     except PipelineError as exc:
         view = _view(None, exc.steps, str(exc), title)
         if check:
@@ -331,10 +335,10 @@ def _session_chain() -> Chain:
     return session_of(shell).krm_chain()
 
 
-def configure(**locations: str | Path | None) -> str:
-    """Give the kernel's chain its exec and pod evaluators (see ``Chain.configure``); returns
-    the chain's order, e.g. ``builtin → exec → pod``."""
-    return _session_chain().configure(**locations).describe()
+def configure(**settings: Any) -> str:
+    """Give the kernel's chain its exec and pod evaluators, and allow ``exec`` steps (see
+    ``Chain.configure``); returns the chain's order, e.g. ``builtin → exec → pod``."""
+    return _session_chain().configure(**settings).describe()
 
 
 def render_package(body: str) -> PipelineView:

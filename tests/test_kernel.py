@@ -527,3 +527,23 @@ def test_krm_usage_errors_are_one_line(kernel: Kernel, code: str, message: str) 
     cell = kernel.run(code)
     assert cell.reply["content"]["ename"] == "UsageError"
     assert message in cell.stderr and "\n" not in cell.stderr.strip()
+
+
+def test_krm_exec_steps_need_allow_exec_in_the_notebook_too(kernel: Kernel) -> None:
+    # SPEC §5.4: `exec` needs --allow-exec; in the kernel, kernel.krm.configure(allow_exec=True).
+    cell = kernel.run(
+        "%%krm render\napiVersion: kpt.dev/v1\nkind: Kptfile\nmetadata: {name: x}\n"
+        "pipeline:\n  mutators:\n  - exec: /bin/cat\n---\n"
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\n"
+    )
+    assert cell.error is not None and cell.error["ename"] == "PipelineFailed"
+    assert "exec functions need --allow-exec" in cell.error["traceback"][0]
+    assert kernel.run("from kernel import krm; krm.configure(allow_exec=True)").ok
+    cell = kernel.run(
+        "%%krm render\napiVersion: kpt.dev/v1\nkind: Kptfile\nmetadata: {name: x}\n"
+        "pipeline:\n  mutators:\n  - exec: /bin/cat\n---\n"
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\n"
+    )
+    assert cell.ok, cell.error
+    assert "[1] mutator exec: /bin/cat · exec ✓" in cell.result
+    assert kernel.run("krm.configure()").ok  # back to the default for the other tests
