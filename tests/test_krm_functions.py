@@ -587,7 +587,7 @@ class TestStarlark:
         assert item(rl, "Deployment")["spec"]["replicas"] == 1
 
     def test_print_lines_become_info_results(self) -> None:
-        rl = run(
+        rl = run_twice(
             starlark_run,
             rl_of(
                 DEPLOYMENTS,
@@ -598,7 +598,7 @@ class TestStarlark:
         assert rl.results[-1]["severity"] == "info"
 
     def test_unchanged_parts_keep_their_comments(self) -> None:
-        rl = run(
+        rl = run_twice(
             starlark_run,
             rl_of(
                 DEPLOYMENTS,
@@ -730,6 +730,24 @@ class TestApplyReplacements:
             ),
         )
         assert item(rl, "Deployment", "cart")["spec"]["replicas"] == "3"
+
+    def test_a_list_position_and_the_default_metadata_name_source(self) -> None:
+        rl = run_twice(
+            apply_replacements,
+            rl_of(
+                APP,
+                replacements_config(
+                    """\
+                    - source: {kind: ConfigMap, name: settings}
+                      targets:
+                      - select: {kind: Deployment, name: cart}
+                        fieldPaths: [spec.template.spec.containers.1.name]
+                    """
+                ),
+            ),
+        )
+        containers = item(rl, "Deployment", "cart")["spec"]["template"]["spec"]["containers"]
+        assert [c["name"] for c in containers] == ["cart", "settings"]
 
     def test_a_missing_target_field_without_create_is_an_error(self) -> None:
         rl = run(
