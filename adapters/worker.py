@@ -429,6 +429,11 @@ class WorkerSupervisor:
             if self._on_fatal is not None:
                 self._on_fatal(exc)
             return
+        except OSError:
+            with self._lock:
+                if self._closed:
+                    return  # closed meanwhile: its scratch dir (the log files) is gone
+            raise
         with self._lock:
             if not self._closed:
                 self._worker = worker
