@@ -89,13 +89,10 @@ class Status(dict[str, Any]):
 class Function:
     """A registered function: ``NAME(payload)`` returns the decoded output."""
 
-    def __init__(
-        self, session: Session, spec: Spec, timeout: float | None = None, krm: bool = False
-    ) -> None:
+    def __init__(self, session: Session, spec: Spec, timeout: float | None = None) -> None:
         self._session = session
         self.spec = spec
         self.timeout = timeout  # seconds; the default for each invocation (--timeout)
-        self.krm = krm  # usable in KRM pipelines as image fn://NAME
         self.__name__ = spec.name
         self.__doc__ = f"The {spec.runtime} function {spec.name} ({spec.handler})."
 
@@ -194,8 +191,11 @@ class Session:
         spec: Spec,
         timeout: float | None,
         show: Callable[[RegistrationCard], None],
+        *,
+        krm: bool = False,
     ) -> Function:
-        """Register `spec` and return its callable; `show` receives each progress card.
+        """Register `spec` and return its callable; `show` receives each progress card. With
+        `krm`, pipelines can use it as ``fn://NAME``.
 
         Unchanged (the Run's origin names the same fingerprint and it is Ready or Idle): the
         same Run and registration are kept. Changed, or Failed: the old Run is unregistered and
@@ -214,7 +214,7 @@ class Session:
         if existing is not None:
             same = existing.get("spec", {}).get("source") == spec.origin
             if same and existing.get("status", {}).get("phase") in _REUSABLE:
-                function = self._bind(spec, timeout)
+                function = self._bind(spec, timeout, krm)
                 show(RegistrationCard.from_status(spec.name, existing, note="unchanged"))
                 return function
             progress("unregistering the previous version")
@@ -239,13 +239,15 @@ class Session:
                 },
                 0,
             )
-        function = self._bind(spec, timeout)
+        function = self._bind(spec, timeout, krm)
         show(RegistrationCard.from_status(spec.name, client.status(spec.name)))
         return function
 
-    def _bind(self, spec: Spec, timeout: float | None) -> Function:
+    def _bind(self, spec: Spec, timeout: float | None, krm: bool) -> Function:
         function = Function(self, spec, timeout)
         self.functions[spec.name] = function
+        if krm:
+            self.krm_chain().register(function)
         return function
 
     def forget(self, function: Function) -> None:
@@ -283,9 +285,6 @@ class Session:
 
             self._krm = Chain()
             self.closers.append(self._krm.close)
-            for function in self.functions.values():
-                if function.krm:
-                    self._krm.register(function)
         return self._krm
 
     def cancel_in_flight(self) -> int:

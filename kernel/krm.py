@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import shlex
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,13 +24,14 @@ from runtime_server.evaluator.base import FunctionError as KrmFunctionError
 from runtime_server.evaluator.builtin import BuiltinEvaluator
 from runtime_server.evaluator.multi import MultiEvaluator
 from runtime_server.krm.package import KPTFILE, read_documents
-from runtime_server.krm.pipeline import Outcome, PipelineError, Step, evaluate_one, render
+from runtime_server.krm.pipeline import Outcome, PipelineError, evaluate_one, render
 from runtime_server.krm.resourcelist import (
     ResourceList,
     dump,
     format_result,
     kind,
     update_in_place,
+    yaml,
 )
 
 if TYPE_CHECKING:
@@ -225,25 +226,31 @@ def bridge(function: Function) -> Any:
     return run
 
 
-def _view(outcome: Outcome | None, steps: list[Step], error: str, title: str) -> PipelineView:
-    return PipelineView(steps, outcome.resources if outcome else [], error, title)
-
-
-def run_render(chain: Chain, directory: Path, title: str, *, check: bool = True) -> PipelineView:
-    try:
-        outcome = render(directory, chain.evaluator(), allow_exec=chain.allow_exec)
-    except PipelineError as exc:
-        view = _view(None, exc.steps, str(exc), title)
-        if check:
-            raise _Failure(view) from None
-        return view
-    return _view(outcome, outcome.steps, "", title)
-
-
 class _Failure(Exception):
     def __init__(self, view: PipelineView) -> None:
         super().__init__(view.error)
         self.view = view
+
+
+def _run(title: str, pipeline: Callable[[], Outcome], *, check: bool = True) -> PipelineView:
+    """The view of `pipeline`'s outcome; a failed step is raised as ``_Failure`` (the magic
+    shows its view, then a one-line error), or returned when not `check`."""
+    try:
+        outcome = pipeline()
+    except PipelineError as exc:
+        view = PipelineView(exc.steps, [], str(exc), title)
+        if check:
+            raise _Failure(view) from None
+        return view
+    return PipelineView(outcome.steps, outcome.resources, "", title)
+
+
+def run_render(chain: Chain, directory: Path, title: str, *, check: bool = True) -> PipelineView:
+    return _run(
+        title,
+        lambda: render(directory, chain.evaluator(), allow_exec=chain.allow_exec),
+        check=check,
+    )
 
 
 def render_cell(chain: Chain, body: str, *, check: bool = True) -> PipelineView:
@@ -267,16 +274,12 @@ def eval_cell(chain: Chain, image: str, pairs: Mapping[str, str], body: str) -> 
     with tempfile.TemporaryDirectory(prefix="fnkernel-krm-") as tmp:
         root = Path(tmp)
         _write_documents(root / "resources.yaml", documents)
-        try:
-            outcome = evaluate_one(root, image, chain.evaluator(), data=dict(pairs))
-        except PipelineError as exc:
-            raise _Failure(_view(None, exc.steps, str(exc), f"eval {image}")) from None
-        return _view(outcome, outcome.steps, "", f"eval {image}")
+        return _run(
+            f"eval {image}", lambda: evaluate_one(root, image, chain.evaluator(), data=dict(pairs))
+        )
 
 
 def _write_documents(path: Path, documents: list[Any]) -> None:
-    from runtime_server.krm.resourcelist import yaml
-
     with path.open("w") as out:
         yaml().dump_all(documents, out)
 

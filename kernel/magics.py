@@ -125,10 +125,7 @@ class FunctionMagics(Magics):
             if handle is not None:
                 handle.update(card)
 
-        function = self.session.register(spec, args.timeout, show)
-        if args.krm:
-            function.krm = True
-            self.session.krm_chain().register(function)
+        function = self.session.register(spec, args.timeout, show, krm=args.krm)
         self.shell_.user_ns[spec.name] = function
 
     @line_magic("invoke")  # type: ignore[arg-type]  # IPython types it as Never

@@ -73,7 +73,6 @@ class Runtime:
         self.trace = trace or Trace()
         self._client: TracedClient | None = None
         self._stack: Stack | None = None
-        self._state_dir: Path | None = None
         self._lock = threading.RLock()
 
     @property
@@ -112,12 +111,8 @@ class Runtime:
         except BaseException:
             shutil.rmtree(state_dir, ignore_errors=True)
             raise
-        self._stack, self._state_dir = stack, state_dir
+        self._stack = stack
         self.address = stack.gateway_address
-
-    @property
-    def stack(self) -> Stack | None:
-        return self._stack
 
     def cancel(self) -> int:
         """Abort the requests in flight (an interrupt); how many there were."""
@@ -138,10 +133,8 @@ class Runtime:
             if self._client is not None:
                 self._client.close()
                 self._client = None
-            stack, state_dir = self._stack, self._state_dir
-            self._stack = self._state_dir = None
+            stack, self._stack = self._stack, None
             if stack is not None:
                 self.address = ""
                 stack.stop(timeout)
-            if state_dir is not None:
-                shutil.rmtree(state_dir, ignore_errors=True)
+                shutil.rmtree(stack.state_dir, ignore_errors=True)

@@ -20,9 +20,10 @@ from runtime_server.evaluator.base import (
     FunctionError,
     InvalidRequest,
     NotFoundError,
+    split_image,
 )
 from runtime_server.evaluator.builtin import BuiltinEvaluator, bare_name
-from runtime_server.evaluator.exec import ExecEvaluator, FunctionConfigStore, split_image
+from runtime_server.evaluator.exec import ExecEvaluator, FunctionConfigStore
 from runtime_server.evaluator.multi import MultiEvaluator
 from runtime_server.evaluator.server import RemoteEvaluator, serve
 from runtime_server.krm.resourcelist import ResourceList, format_result

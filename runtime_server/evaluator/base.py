@@ -7,6 +7,16 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 
+def split_image(image: str) -> tuple[str, str]:
+    """``name[:tag][@digest]`` → (name, tag)."""
+    name = image.partition("@")[0]
+    head, _, last = name.rpartition("/")
+    if ":" in last:
+        last, _, tag = last.partition(":")
+        return (f"{head}/{last}" if head else last), tag
+    return name, ""
+
+
 @dataclass(frozen=True)
 class EvalRequest:
     """``EvaluateFunctionRequest``: a ResourceList (YAML bytes) and the function to run on it."""

@@ -17,6 +17,7 @@ from runtime_server.evaluator.base import (
     InvalidRequest,
     NotFoundError,
     remaining,
+    split_image,
 )
 from runtime_server.krm.replacements import apply_replacements
 from runtime_server.krm.resourcelist import ERROR, InvalidResourceList, ResourceList
@@ -37,10 +38,7 @@ FUNCTIONS: dict[str, KrmFunction] = {
 
 def bare_name(image: str) -> str:
     """The function name an image refers to, without registry prefix, tag or digest."""
-    name = image.partition("@")[0]
-    last = name.rpartition("/")[2]
-    if ":" in last:
-        name = name[: len(name) - len(last)] + last.partition(":")[0]
+    name, _ = split_image(image)
     for prefix in CATALOG_PREFIXES:
         if name.startswith(prefix):
             return name.removeprefix(prefix)

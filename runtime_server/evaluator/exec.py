@@ -26,18 +26,9 @@ from runtime_server.evaluator.base import (
     InvalidRequest,
     NotFoundError,
     remaining,
+    split_image,
 )
 from runtime_server.krm import resourcelist
-
-
-def split_image(image: str) -> tuple[str, str]:
-    """``name[:tag][@digest]`` → (name, tag)."""
-    name = image.partition("@")[0]
-    head, _, last = name.rpartition("/")
-    if ":" in last:
-        last, _, tag = last.partition(":")
-        return (f"{head}/{last}" if head else last), tag
-    return name, ""
 
 
 @dataclass(frozen=True)

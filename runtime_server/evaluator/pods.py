@@ -32,8 +32,8 @@ from runtime_server.evaluator.base import (
     EvalResponse,
     EvaluatorSystemError,
     NotFoundError,
+    split_image,
 )
-from runtime_server.evaluator.exec import split_image
 from runtime_server.evaluator.server import RemoteEvaluator
 from runtime_server.krm import resourcelist
 from runtime_server.launch import Child, spawn
@@ -213,7 +213,6 @@ class PodCacheManager:
         self._requests: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._serials = itertools.count(1)
         self._thread = threading.Thread(target=self._run, name="pod-cache", daemon=True)
-        self._stopped = threading.Event()
         self._thread.start()
 
     # The callers' side: post a request, wait on the reply slot.
@@ -411,7 +410,6 @@ class PodCacheManager:
                     pod.client.close()
                 self.backend.stop(pod.handle)
             state.pods.clear()
-        self._stopped.set()
 
 
 class PodEvaluator:

@@ -46,10 +46,6 @@ class Package:
     relative: str = ""  # from the top package, "" for itself
 
     @property
-    def name(self) -> str:
-        return str((self.kptfile.get("metadata") or {}).get("name") or self.root.name)
-
-    @property
     def pipeline(self) -> dict[str, Any]:
         pipeline = self.kptfile.get("pipeline")
         return pipeline if isinstance(pipeline, dict) else {}
@@ -91,19 +87,13 @@ def load_package(root: Path, relative: str = "", *, require_kptfile: bool = True
     else:
         kptfile = CommentedMap()
     package = Package(root, kptfile, relative=relative)
-    for path in sorted(root.iterdir()):
-        if path.is_dir():
-            if (path / KPTFILE).is_file():
-                sub_relative = f"{relative}{path.name}/"
-                package.subpackages.append(load_package(path, sub_relative))
-            elif not path.name.startswith("."):
-                _read_dir(package, path, f"{relative}{path.name}/")
-        elif path.suffix in YAML_SUFFIXES:
-            _read_file(package, path, f"{relative}{path.name}")
+    _read_dir(package, root, relative)
     return package
 
 
 def _read_dir(package: Package, directory: Path, relative: str) -> None:
+    """Every YAML file below `directory` into `package`; a directory with a Kptfile is a
+    subpackage, a hidden one is skipped."""
     for path in sorted(directory.iterdir()):
         if path.is_dir() and not path.name.startswith("."):
             if (path / KPTFILE).is_file():

@@ -91,21 +91,17 @@ class Outcome:
     steps: list[Step]
     before: dict[str, str]  # relative path → text
     after: dict[str, str]
+    resources: list[tuple[str, str, str]]  # (kind, namespace, name) of every output resource
     written: list[str] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
 
-    @property
-    def resources(self) -> list[tuple[str, str, str]]:
-        """(kind, namespace, name) of every output resource, for the summary table."""
-        found = []
-        for text in self.after.values():
-            for document in resourcelist.yaml().load_all(text):
-                if isinstance(document, dict):
-                    meta = document.get("metadata") or {}
-                    found.append(
-                        (kind(document), str(meta.get("namespace", "")), str(meta.get("name", "")))
-                    )
-        return found
+
+def outcome_of(steps: list[Step], before: dict[str, str], items: list[Any]) -> Outcome:
+    identities = []
+    for item in items:
+        meta = item.get("metadata") or {}
+        identities.append((kind(item), str(meta.get("namespace", "")), str(meta.get("name", ""))))
+    return Outcome(steps, before, render_files(items), identities)
 
 
 Progress = Callable[[Step], None]
@@ -353,12 +349,11 @@ def render(
     try:
         items = _render(package, runner)
     except PipelineError as exc:
+        raise PipelineError(str(exc), runner.steps) from None  # every step run, to show
+    finally:
         if results_dir is not None:
             write_results(results_dir, runner.steps)
-        raise PipelineError(str(exc), runner.steps) from None
-    outcome = Outcome(runner.steps, before, render_files(items))
-    if results_dir is not None:
-        write_results(results_dir, runner.steps)
+    outcome = outcome_of(runner.steps, before, items)
     if not dry_run:
         write_package(root, outcome)
     return outcome
@@ -383,7 +378,7 @@ def evaluate_one(
     runner = Runner(evaluator, progress=progress)
     before = package.all_texts()
     items = runner.run(items, {"image": image}, None, "eval", config=config)
-    outcome = Outcome(runner.steps, before, render_files(items))
+    outcome = outcome_of(runner.steps, before, items)
     if not dry_run:
         write_package(root, outcome)
     return outcome

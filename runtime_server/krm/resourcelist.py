@@ -249,22 +249,6 @@ def is_local_config(obj: dict[str, Any]) -> bool:
     return str(annotations_of(obj).get(LOCAL_CONFIG, "false")).lower() == "true"
 
 
-def reference(obj: dict[str, Any]) -> dict[str, str]:
-    """``resourceRef`` for a result about `obj`."""
-    meta = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
-    ref = {"apiVersion": str(obj.get("apiVersion", "")), "kind": kind(obj)}
-    ref["name"] = str(meta.get("name", ""))  # type: ignore[union-attr]
-    if meta.get("namespace"):  # type: ignore[union-attr]
-        ref["namespace"] = str(meta["namespace"])  # type: ignore[index]
-    return ref
-
-
-def short(obj: dict[str, Any]) -> str:
-    ref = reference(obj)
-    namespace = f"{ref['namespace']}/" if "namespace" in ref else ""
-    return f"{ref['kind']}/{namespace}{ref['name']}"
-
-
 def walk(node: Any, path: list[str], *, create: bool) -> Iterator[dict[str, Any]]:
     """The mappings at `path` below `node` (kustomize fieldSpec style: a list on the way is
     entered element by element; ``name[]`` marks a list explicitly). With `create`, missing
