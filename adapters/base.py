@@ -105,6 +105,9 @@ class WorkerAdapter:
         """Send one request frame, read its response: (output, content type, outputs)."""
         raise NotImplementedError
 
+    # The worker exited mid-call with this exit code (negative: a signal); None: it crashed.
+    _ended: Callable[[Call, int], tuple[bytes, str, dict[str, str]]] | None = None
+
     def _environment(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED_ENV}
         env.update(self.spec.env)
@@ -126,7 +129,7 @@ class WorkerAdapter:
     def invoke(self, invocation_id: str, payload: bytes, deadline: float) -> InvocationResult:
         assert self._supervisor is not None, "start() first"
         (output, content_type, outputs), call = self._supervisor.run(
-            invocation_id, deadline, lambda call: self._exchange(call, payload)
+            invocation_id, deadline, lambda call: self._exchange(call, payload), self._ended
         )
         return InvocationResult(output, content_type, outputs, tuple(call.logs))
 

@@ -1,8 +1,8 @@
 """BashAdapter: ``file.function`` handlers, AWS Lambda custom-runtime style (seed 000, SPEC §3).
 
-A long-lived bash runner sources ``file.sh`` once and forks one job per call that runs the function
-with the payload as its one quoted argument. Neither the handler nor the payload is ever evaluated
-as shell source or put into a command string.
+A long-lived bash runner sources ``file.sh`` once and, for each call, runs the function in itself
+with the payload as its one quoted argument (adapters/bash_runner.sh says why not in a forked job).
+Neither the handler nor the payload is ever evaluated as shell source or put into a command string.
 """
 
 from __future__ import annotations
@@ -86,7 +86,13 @@ class BashAdapter(WorkerAdapter):
 
     def _exchange(self, call: Call, payload: bytes) -> tuple[bytes, str, dict[str, str]]:
         send_request(call, payload)
-        status = int(call.read_line().removeprefix(b"D "))
+        return self._result(call, int(call.read_line().removeprefix(b"D ")))
+
+    def _ended(self, call: Call, code: int) -> tuple[bytes, str, dict[str, str]]:
+        """The function ended the runner (`exit N`, `set -e`, `exec`, a signal): that is its status."""
+        return self._result(call, code if code >= 0 else 128 - code)
+
+    def _result(self, call: Call, status: int) -> tuple[bytes, str, dict[str, str]]:
         outputs = self._read_outputs()
         output = self._read_output()
         if status != 0:

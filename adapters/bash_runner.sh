@@ -8,10 +8,16 @@
 #
 # Frames (see adapters/worker.py for the handshake and the log files):
 #   request:  "<id_len> <input_len> <remaining_ms>\n" + invocation id + input bytes
-#   response: "D <exit status>\n" when the call's job ended (its process group id is in
-#             SCRATCH_DIR/job.pgid while it runs); the job's
-#             stdout is in SCRATCH_DIR/stdout and its outputs in SCRATCH_DIR/outputs (the adapter
-#             removes that file after reading it).
+#   response: "D <status>\n" once the function returned; its stdout is in SCRATCH_DIR/stdout and
+#             its outputs in SCRATCH_DIR/outputs (the adapter removes that file after reading it).
+#
+# The function runs in this shell, not in a job forked per call: on this machine a fork costs
+# more than the rest of the call together (SPEC §3.1; benchmarks/invoke.py). So shell state the
+# function changes (variables, cwd, options) persists to its next call, like a Python handler's
+# module globals. A function that ends the shell (`exit N`, `set -e`, `exec`) ends the worker
+# mid-call: the adapter reports that exit status as the call's result and a fresh worker replaces
+# it. Job control stays off, so everything the function starts is in the worker's process group,
+# which cancellation kills.
 
 file=$1 fn=$2 scratch=$3 req_fd=$4 resp_fd=$5
 unset BASH_ENV ENV
@@ -30,21 +36,14 @@ fi
 declare -F -- "$fn" >/dev/null || initfail HandlerNotFound "${file##*/} does not define a function named $fn"
 
 export FUNCTION_OUTPUTS=$scratch/outputs
-set -m # every call gets its own process group, which cancellation kills
 printf 'READY\n' >&"$resp_fd"
 
 while IFS=' ' read -r -u "$req_fd" id_len input_len _; do
     IFS= LC_ALL=C read -r -u "$req_fd" -N "$id_len" invocation_id
     IFS= LC_ALL=C read -r -u "$req_fd" -N "$input_len" payload
-    # stdin is /dev/null so the call cannot read the next frame; the frame pipes are closed in it.
+    # stdin is /dev/null so the call cannot read the next frame; the frame pipes are closed
+    # for the call (bash restores them after it).
     FUNCTION_INVOCATION_ID=$invocation_id "$fn" "$payload" \
-        >"$scratch/stdout" </dev/null {req_fd}<&- {resp_fd}>&- &
-    job=$!
-    # Where cancellation finds this call's process group. A file, not a frame: a frame would wake
-    # the supervisor mid-call for nothing.
-    printf '%d' "$job" >"$scratch/job.pgid"
-    wait "$job"
-    status=$?
-    : >"$scratch/job.pgid" # the group is gone; never let a recycled pid be killed later
-    printf 'D %d\n' "$status" >&"$resp_fd"
+        >"$scratch/stdout" </dev/null {req_fd}<&- {resp_fd}>&-
+    printf 'D %d\n' "$?" >&"$resp_fd"
 done

@@ -11,8 +11,6 @@ Wire between supervisor and worker (the worker gets the two fd numbers as its la
 * request fd (worker reads): adapter-specific frames.
 * response fd (worker writes): first ``READY\\n``, or ``INITFAIL <errorType> <n>\\n`` followed by an
   n-byte message (no traceback); then adapter-specific responses.
-* ``job.pgid`` in the scratch directory: a worker that runs each call in a process group of its
-  own (Bash, SPEC §3.1 ``set -m``) writes that group's id there; cancellation kills it too.
 * stdout and stderr: append-only files in the registration's scratch directory. After each call
   the supervisor reads what was appended, one log record per line. Reading files after the call,
   rather than pumping pipes with threads, keeps the hot path free of thread wake-ups (SPEC §3.1
@@ -102,7 +100,6 @@ class Worker:
             os.close(req_r)
             os.close(resp_w)
         self._buf = bytearray()
-        self._job_pgid_file = scratch / "job.pgid"
 
     # Frame I/O. Reads honour the deadline; a worker that dies gives EOF (_WorkerExited).
 
@@ -184,13 +181,9 @@ class Worker:
         return lines
 
     def kill(self) -> None:
-        """SIGKILL the worker's process group and the group of the job it reported, if any."""
-        groups = [self.proc.pid]
-        with contextlib.suppress(OSError, ValueError):
-            groups.append(int(self._job_pgid_file.read_text()))
-        for pgid in groups:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, signal.SIGKILL)
+        """SIGKILL the worker's process group: the worker and everything its handler started."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
 
     def reap(self) -> None:
         """Kill, wait for the exit status and release the pipes and log files."""
@@ -222,6 +215,7 @@ class Call:
     deadline: float
     run_uid: str
     logs: list[LogLine] = field(default_factory=list)
+    logs_final: bool = False  # the worker is gone (its log files may be closed): logs are complete
 
     def send(self, data: bytes | memoryview) -> None:
         self.worker.send(data)
@@ -241,6 +235,9 @@ class Call:
 
     def collect_logs(self, *, final: bool = False) -> list[LogLine]:
         """Take what the handler logged so far into this call's logs; returns all of them."""
+        if self.logs_final:
+            return self.logs
+        self.logs_final = final
         fresh = self.worker.read_logs(final=final)
         room = _MAX_LOG_LINES - len(self.logs)
         self.logs.extend(fresh[: max(0, room)])
@@ -347,10 +344,18 @@ class WorkerSupervisor:
     # Invocations
 
     def run(
-        self, invocation_id: str, deadline: float, exchange: Callable[[Call], T]
+        self,
+        invocation_id: str,
+        deadline: float,
+        exchange: Callable[[Call], T],
+        ended: Callable[[Call, int], T] | None = None,
     ) -> tuple[T, Call]:
         """Run `exchange` (one request/response) on the ready worker; translate its death, the
-        deadline and cancellation. Returns its result and the Call, whose logs are complete."""
+        deadline and cancellation. Returns its result and the Call, whose logs are complete.
+
+        A worker that exits mid-call (not cancelled) is replaced; `ended(call, exit code)` then
+        makes the call's result or raises its HandlerError (default: WorkerCrashed).
+        """
         call = self._begin(invocation_id, deadline)
         worker = call.worker
         try:
@@ -363,16 +368,29 @@ class WorkerSupervisor:
             self._replace(worker, call)
             raise InvocationTimeout("the handler exceeded its deadline") from None
         except _WorkerExited:
+            # EOF also comes from a worker that exec'd the handler's last command (which closed
+            # the frame pipes): it is still the call, so it gets the rest of the deadline.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                worker.proc.wait(max(0.0, deadline - time.monotonic()))
+            timed_out = worker.proc.poll() is None
             cancelled = self._cancelled
             self._replace(worker, call)
             if cancelled:
                 raise InvocationCancelled("the invocation was cancelled") from None
+            if timed_out:
+                raise InvocationTimeout("the handler exceeded its deadline") from None
             code = worker.proc.wait()
-            raise HandlerError(
-                "WorkerCrashed",
-                f"the worker process ended mid-call ({describe_exit(code)})",
-                tuple(call.logs),
-            ) from None
+            if ended is None:
+                raise HandlerError(
+                    "WorkerCrashed",
+                    f"the worker process ended mid-call ({describe_exit(code)})",
+                    tuple(call.logs),
+                ) from None
+            try:
+                return ended(call, code), call  # its logs were collected by _replace
+            except HandlerError as exc:
+                exc.logs = tuple(call.logs)
+                raise exc from None
         except BaseException:
             self._replace(worker, call)  # the frame stream may be out of step: never reuse it
             raise

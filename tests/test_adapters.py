@@ -241,6 +241,49 @@ def test_bash_handler_failure_is_unknown_with_error_type_and_stays_usable(
     assert bash_rt.invoke(reg.registration, b"again").output == b"fine"
 
 
+# The runner calls the function in itself (adapters/bash_runner.sh): a function that ends the shell
+# ends the worker, and that exit status is the call's result (SPEC §3: the registration stays READY).
+
+
+@pytest.mark.parametrize(
+    ("body", "output"),
+    [
+        ("printf '%s' \"$1\"; exit 0", b"ping"),
+        ("exec printf '%s' \"$1\"", b"ping"),
+    ],
+)
+def test_bash_function_that_ends_the_shell_with_status_0_succeeds_and_stays_usable(
+    bash_rt: Client, body: str, output: bytes
+) -> None:
+    reg = bash_rt.register({"fn.sh": f"handle() {{ {body}; }}\n"})
+    for _ in range(3):
+        assert bash_rt.invoke(reg.registration, b"ping").output == output
+
+
+def test_bash_errexit_failure_is_the_call_status_and_stays_usable(bash_rt: Client) -> None:
+    reg = bash_rt.register(
+        {"fn.sh": 'set -euo pipefail\nhandle() { [ "$1" = ok ] || false; printf fine; }\n'}
+    )
+    err = failure(lambda: bash_rt.invoke(reg.registration, b"bad"))
+    assert err.code() == grpc.StatusCode.UNKNOWN
+    assert trailers(err)[ERROR_TYPE_KEY] == "NonZeroExit" and "status 1" in err.details()
+    assert bash_rt.invoke(reg.registration, b"ok").output == b"fine"
+
+
+def test_bash_shell_state_persists_between_calls_of_one_worker(bash_rt: Client) -> None:
+    # Documented in the README, like a Python handler's module globals.
+    reg = bash_rt.register(
+        {"fn.sh": "calls=0\nhandle() { calls=$((calls + 1)); printf $calls; }\n"}
+    )
+    assert [bash_rt.invoke(reg.registration).output for _ in range(3)] == [b"1", b"2", b"3"]
+
+
+def test_bash_function_children_do_not_hold_the_frame_pipes(bash_rt: Client) -> None:
+    reg = bash_rt.register({"fn.sh": "handle() { ls /proc/self/fd | sort -n | tr '\\n' ' '; }\n"})
+    # 0-2, plus the fd ls opens to read the directory: no pipe of the runner's is inherited.
+    assert bash_rt.invoke(reg.registration).output.split() == [b"0", b"1", b"2", b"3"]
+
+
 def test_invalid_json_input_to_python_is_invalid_argument(python_rt: Client) -> None:
     reg = python_rt.register(ECHO_PY)
     err = failure(lambda: python_rt.invoke(reg.registration, b"{not json"))
