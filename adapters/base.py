@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Protocol
 
 from adapters.errors import InitError, InvalidHandler
+from adapters.tempdirs import private_tempdir
 from adapters.worker import Call, LogLine, WorkerSupervisor
 
 JSON = "application/json"
@@ -92,7 +92,7 @@ class WorkerAdapter:
         self._init_timeout = init_timeout
         self._supervisor: WorkerSupervisor | None = None
         # Private per-registration files: the worker's log files, Bash's stdout and outputs.
-        self.scratch = Path(tempfile.mkdtemp(prefix=f"fnkernel-{self.runtime}-"))
+        self.scratch = private_tempdir(self.runtime)
 
     @classmethod
     def check_handler(cls, handler: str, working_dir: Path) -> None:

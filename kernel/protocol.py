@@ -16,7 +16,6 @@ from __future__ import annotations
 import itertools
 import json
 import shutil
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
+from adapters.tempdirs import private_tempdir, sweep
 from kernel.functions import InvocationInterrupted
 from kernel.trace import Trace, decode_message
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
@@ -154,7 +154,8 @@ class TeachingServer(FunctionRuntimeClient):
 
     def __init__(self, runtime: str, trace: Trace) -> None:
         self.runtime = runtime
-        self.state_dir = Path(tempfile.mkdtemp(prefix="fnkernel-tour-"))  # 0700
+        sweep("tour")
+        self.state_dir = private_tempdir("tour")
         workspace = self.state_dir / "workspace"
         workspace.mkdir()
         listen = f"unix:{self.state_dir / 'server.sock'}"

@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kernel.trace import Trace, decode_payload
@@ -100,9 +98,11 @@ class Runtime:
         return dict(self._stack.pods) if self._stack is not None else {}
 
     def _start_embedded(self) -> None:
+        from adapters.tempdirs import private_tempdir, sweep
         from runtime_server.stack import Stack  # only now: plain cells never pay for it
 
-        state_dir = Path(tempfile.mkdtemp(prefix="fnkernel-kernel-"))  # 0700
+        sweep("kernel")  # what a SIGKILLed kernel left behind
+        state_dir = private_tempdir("kernel")
         stack = Stack(
             state_dir, {}, gateway_listen=f"unix:{state_dir / 'gateway.sock'}", poll_interval=1.0
         )

@@ -10,6 +10,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from adapters import ADAPTERS
+from adapters.tempdirs import sweep
 from runtime_server import limits
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
@@ -69,6 +70,7 @@ class RuntimeServer:
         if runtime not in ADAPTERS:
             raise ValueError(f"unknown runtime {runtime!r}; choose one of {', '.join(ADAPTERS)}")
         self.runtime = runtime
+        sweep(runtime)  # the worker scratch dirs of Runtime Servers that were killed
         self.registry = Registry(ADAPTERS[runtime], workspace_root, register_wait=register_wait)
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),

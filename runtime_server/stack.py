@@ -9,7 +9,7 @@ supervising process dies (it watches its parent), so nothing is left behind.
 from __future__ import annotations
 
 import logging
-import tempfile
+import shutil
 import threading
 import time
 from collections.abc import Mapping
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from adapters.tempdirs import private_tempdir, sweep
 from runtime_server.launch import Child, spawn
 
 LOG = logging.getLogger("fnkernel.up")
@@ -76,7 +77,8 @@ class Stack:
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._supervisor: threading.Thread | None = None
-        self._sockets = state_dir
+        self._sockets = self.state_dir
+        self._private_sockets: Path | None = None  # a temp dir of ours, when state_dir is too long
         self._common = ["--state-dir", str(self.state_dir)]
 
     @property
@@ -91,7 +93,8 @@ class Stack:
     def _socket_dir(self) -> Path:
         sockets = self.state_dir / "sock"
         if len(str(sockets)) > _MAX_UNIX_PATH - 24:
-            sockets = Path(tempfile.mkdtemp(prefix="fnkernel-"))  # 0700, short enough to bind
+            sweep("sock")
+            sockets = self._private_sockets = private_tempdir("sock")  # 0700, short enough to bind
         sockets.mkdir(mode=0o700, exist_ok=True)
         return sockets
 
@@ -210,3 +213,5 @@ class Stack:
             if component.log is not None:
                 component.log.close()
                 component.log = None
+        if self._private_sockets is not None:
+            shutil.rmtree(self._private_sockets, ignore_errors=True)

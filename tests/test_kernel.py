@@ -361,6 +361,7 @@ def test_kernel_shutdown_leaves_no_child_process() -> None:
 def test_sigkill_of_the_kernel_leaves_no_child_process_after_5s() -> None:
     # SPEC §6: the children also exit on their own if the kernel dies.
     kernel, children = _children_of_a_kernel_with_functions()
+    state_dir = Path(kernel.value("str(get_ipython()._fnkernel_session.runtime._stack.state_dir)"))
     os.kill(kernel.pid, signal.SIGKILL)
     try:
         wait_until(lambda: not any(pid_alive(pid) for pid in children), timeout=5)
@@ -369,6 +370,14 @@ def test_sigkill_of_the_kernel_leaves_no_child_process_after_5s() -> None:
         raise AssertionError(f"still running 5 s after the kernel was killed: {left}") from None
     kernel.client.stop_channels()
     kernel.manager.cleanup_resources()
+    # Nor does its state dir outlive the next kernel's embedded runtime (adapters/tempdirs.py).
+    assert state_dir.exists()
+    successor = Kernel()
+    try:
+        assert successor.run(ETL).ok
+        assert not state_dir.exists()
+    finally:
+        successor.shutdown()
 
 
 def test_magics_load_into_a_stock_ipykernel() -> None:

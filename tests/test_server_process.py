@@ -6,6 +6,7 @@ import json
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -166,3 +167,25 @@ def test_cli_usage_errors_exit_2() -> None:
     )
     assert run_cli("serve", "--help").returncode == 0
     assert run_cli("--help").returncode == 0
+
+
+def test_scratch_dirs_of_a_killed_server_are_removed_by_the_next_server(
+    server_process: Callable[..., ServeProcess],
+) -> None:
+    # A SIGKILLed server cannot clean up; the next one removes what it left (adapters/tempdirs.py),
+    # never the scratch dirs of a server that is still running.
+    killed, live = server_process("--runtime", "bash"), server_process("--runtime", "bash")
+    for server in (killed, live):
+        client_for(server, "bash").register(ECHO_SH)
+
+    def scratch(server: ServeProcess) -> list[Path]:
+        return list(Path(tempfile.gettempdir()).glob(f"fnkernel-bash-{server.proc.pid}-*"))
+
+    left, kept = scratch(killed), scratch(live)
+    assert len(left) == 1 and len(kept) == 1
+    killed.proc.kill()
+    killed.proc.wait(10)
+    assert left[0].exists()
+    server_process("--runtime", "bash")
+    assert not left[0].exists()
+    assert kept[0].exists()
