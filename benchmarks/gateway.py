@@ -8,18 +8,26 @@ same run:
 * gateway: POST /v1/runs/NAME:invoke over a kept-alive HTTP connection on TCP loopback, through
   the client library (HTTP → gateway → runtimed → Runtime Server → worker).
 
+To tell the cost of our code from the cost of the topology, the same run also measures the two
+extra hops bare: a grpcio echo server (benchmarks.invoke's floor) and a tornado server that echoes
+the POST body. direct + both bare hops is the least the gateway path can cost with no code of ours
+in runtimed or the gateway at all.
+
 Target: gateway p50 <= 1.8x direct p50. Usage: python -m benchmarks.gateway [--calls N]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import http.client
+import sys
 import tempfile
 from pathlib import Path
 
 import grpc
 
-from benchmarks.invoke import PAYLOAD, PY_HANDLER, measure, p, verdicts
+from benchmarks.invoke import ECHO_METHOD, PAYLOAD, PY_HANDLER, measure, p, start, verdicts
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from runtime_server.client import Client
@@ -30,20 +38,51 @@ from runtime_server.stack import Stack
 TARGET = 1.8
 
 
+def serve_http_echo() -> None:
+    """A bare tornado server answering POST / with its body: the HTTP hop at its cheapest."""
+    from tornado import httpserver, netutil, web
+
+    class Echo(web.RequestHandler):
+        def post(self) -> None:
+            self.finish(self.request.body)
+
+    async def serve() -> None:
+        sockets = netutil.bind_sockets(0, "127.0.0.1")
+        httpserver.HTTPServer(web.Application([(r"/", Echo)])).add_sockets(sockets)
+        print(f"ready {sockets[0].getsockname()[1]}", flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(serve())
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--http-echo", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.http_echo:
+        serve_http_echo()
+        return 0
     with tempfile.TemporaryDirectory(prefix="fnkernel-bench-") as tmp:
+        grpc_echo = f"unix:{tmp}/echo.sock"
+        echo = [sys.executable, "-m", "benchmarks.invoke", "--echo-server", grpc_echo]
+        procs = [start(echo, "ready")[0]]
+        http_echo, announced = start(
+            [sys.executable, "-m", "benchmarks.gateway", "--http-echo"], "ready"
+        )
+        procs.append(http_echo)
         stack = Stack(Path(tmp) / "state", {"python": 1}, gateway_listen="127.0.0.1:0")
         stack.start()
         try:
-            return run(stack, args.calls)
+            return run(stack, args.calls, grpc_echo, int(announced.split()[1]))
         finally:
             stack.stop()
+            for proc in procs:
+                proc.terminate()
+                proc.wait(10)
 
 
-def run(stack: Stack, calls: int) -> int:
+def run(stack: Stack, calls: int, grpc_echo: str, http_echo_port: int) -> int:
     client = Client(stack.gateway_address)
     client.create_run(
         "bench", runtime="python", handler="handler.handle", files={"handler.py": PY_HANDLER}
@@ -68,12 +107,21 @@ def run(stack: Stack, calls: int) -> int:
         content_type="application/json",
     )
     pod = ((POD_KEY, "python-0"),)
+    echo = grpc.insecure_channel(grpc_echo, options=CHANNEL_OPTIONS).unary_unary(ECHO_METHOD)
+    connection = http.client.HTTPConnection("127.0.0.1", http_echo_port)
+
+    def http_echo() -> bytes:
+        connection.request("POST", "/", body=PAYLOAD, headers={"Content-Type": "application/json"})
+        return connection.getresponse().read()
+
     cases = {
         "direct Runtime Server": lambda: direct_stub.InvokeFunction(direct_request, timeout=30),
         "runtimed proxy hop": lambda: proxy_stub.InvokeFunction(
             proxy_request, timeout=30, metadata=pod
         ),
         "gateway (HTTP)": lambda: client.invoke("bench", data=PAYLOAD),
+        "bare gRPC echo": lambda: echo(PAYLOAD, timeout=30),
+        "bare HTTP echo (tornado)": http_echo,
     }
     results = {}
     for name, call in cases.items():
@@ -84,11 +132,16 @@ def run(stack: Stack, calls: int) -> int:
 
     floor = p(results["direct Runtime Server"], 50)
     print(f"{len(results['gateway (HTTP)'])} calls each; payload {PAYLOAD.decode()}")
-    print(f"{'case':<24}{'p50 ms':>9}{'p99 ms':>9}{'ratio':>8}")
+    print(f"{'case':<26}{'p50 ms':>9}{'p99 ms':>9}{'ratio':>8}")
     for name, samples in results.items():
         print(
-            f"{name:<24}{p(samples, 50):>9.3f}{p(samples, 99):>9.3f}{p(samples, 50) / floor:>7.2f}x"
+            f"{name:<26}{p(samples, 50):>9.3f}{p(samples, 99):>9.3f}{p(samples, 50) / floor:>7.2f}x"
         )
+    bare = floor + sum(p(results[k], 50) for k in ("bare gRPC echo", "bare HTTP echo (tornado)"))
+    print(
+        f"least the gateway path can cost (direct + both bare hops): {bare:.3f} ms = "
+        f"{bare / floor:.2f}x direct"
+    )
     ratio = p(results["gateway (HTTP)"], 50) / floor
     return verdicts([("gateway / direct p50", ratio, TARGET)])
 

@@ -5,7 +5,11 @@ Every server runs in its own process (so client and server do not share a GIL), 
 * floor: a bare grpcio unary echo server;
 * the Runtime Server (python and bash runtimes) invoking a trivial handler;
 * baseline: a gRPC server that spawns `bash` per call to run the same Bash function (the naive
-  design the persistent runner replaces).
+  design the persistent runner replaces);
+* skeleton: the least our design can cost — a FunctionRuntime server whose InvokeFunction relays
+  the input over two pipes to one persistent Python process that JSON-decodes and re-encodes it,
+  with none of the Runtime Server's checks, fencing, deadlines, logs or cancellation. What the
+  Runtime Server costs beyond it is ours; what it costs beyond the echo is the design's.
 
 Prints p50/p99 over N calls and the ratios against the targets; a 6 MiB payload round-trips
 through both adapters. Usage: python -m benchmarks.invoke [--calls N]
@@ -21,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent import futures
 from pathlib import Path
@@ -71,14 +76,51 @@ def serve_echo(address: str, spawn_bash: str | None) -> None:
     server.stop(0)
 
 
-def start(argv: list[str], ready_marker: str) -> subprocess.Popen[str]:
+SKELETON_WORKER = """\
+import json, os, sys
+requests, response = os.fdopen(int(sys.argv[1]), "rb"), int(sys.argv[2])
+while header := requests.readline():
+    os.write(response, json.dumps(json.loads(requests.read(int(header)))).encode())
+"""
+
+
+def serve_skeleton(address: str) -> None:
+    """The skeleton server (see the module docstring); small payloads only (one read)."""
+    req_r, req_w = os.pipe()
+    resp_r, resp_w = os.pipe()
+    worker = [sys.executable, "-c", SKELETON_WORKER, str(req_r), str(resp_w)]
+    subprocess.Popen(worker, pass_fds=(req_r, resp_w))
+    lock = threading.Lock()
+
+    class Skeleton(pb_grpc.FunctionRuntimeServicer):
+        def InvokeFunction(
+            self, request: pb.InvokeFunctionRequest, context: grpc.ServicerContext
+        ) -> pb.InvokeFunctionResponse:
+            with lock:
+                os.write(req_w, b"%d\n%s" % (len(request.input), request.input))
+                output = os.read(resp_r, 1 << 20)
+            return pb.InvokeFunctionResponse(
+                registration=request.registration, output=output, content_type="application/json"
+            )
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=CHANNEL_OPTIONS)
+    pb_grpc.add_FunctionRuntimeServicer_to_server(Skeleton(), server)
+    server.add_insecure_port(address)
+    server.start()
+    print("ready", flush=True)
+    signal.sigwait({signal.SIGTERM, signal.SIGINT})
+    server.stop(0)
+
+
+def start(argv: list[str], ready_marker: str) -> tuple[subprocess.Popen[str], str]:
+    """Start a server process; returns it and the line it announced itself with."""
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if ready_marker not in line:
         proc.kill()
         raise SystemExit(f"server did not start: {argv}")
-    return proc
+    return proc, line
 
 
 def measure(call, calls: int, warmup: int = 100) -> list[float]:  # type: ignore[no-untyped-def]
@@ -118,9 +160,13 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--echo-server", metavar="ADDR", help=argparse.SUPPRESS)
     parser.add_argument("--spawn-bash", metavar="FILE", help=argparse.SUPPRESS)
+    parser.add_argument("--skeleton-server", metavar="ADDR", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.echo_server:
         serve_echo(args.echo_server, args.spawn_bash)
+        return 0
+    if args.skeleton_server:
+        serve_skeleton(args.skeleton_server)
         return 0
 
     with tempfile.TemporaryDirectory(prefix="fnkernel-bench-") as tmp:
@@ -137,7 +183,7 @@ def main() -> int:
                     f"unix:{root}/echo.sock",
                 ],
                 "ready",
-            ),
+            )[0],
             "spawn": start(
                 [
                     sys.executable,
@@ -149,7 +195,17 @@ def main() -> int:
                     str(root / "fn.sh"),
                 ],
                 "ready",
-            ),
+            )[0],
+            "skeleton": start(
+                [
+                    sys.executable,
+                    "-m",
+                    "benchmarks.invoke",
+                    "--skeleton-server",
+                    f"unix:{root}/skeleton.sock",
+                ],
+                "ready",
+            )[0],
         }
         for runtime in ("python", "bash"):
             procs[runtime] = spawn_serve(
@@ -171,6 +227,15 @@ def run(root: Path, calls: int) -> dict[str, object]:
         ECHO_METHOD
     )
     results["echo"] = measure(lambda: echo(PAYLOAD, timeout=10), calls)
+    skeleton = pb_grpc.FunctionRuntimeStub(
+        grpc.insecure_channel(f"unix:{root}/skeleton.sock", options=CHANNEL_OPTIONS)
+    )
+    skeleton_request = pb.InvokeFunctionRequest(input=PAYLOAD, content_type="application/json")
+    answer = skeleton.InvokeFunction(skeleton_request, timeout=10).output
+    assert json.loads(answer) == json.loads(PAYLOAD)
+    results["skeleton"] = measure(
+        lambda: skeleton.InvokeFunction(skeleton_request, timeout=10), calls
+    )
     spawn = grpc.insecure_channel(f"unix:{root}/spawn.sock", options=CHANNEL_OPTIONS).unary_unary(
         ECHO_METHOD
     )
@@ -220,6 +285,8 @@ def report(results: dict[str, object]) -> int:
 
     row("grpc echo (floor)", "echo", None, "")
     row("bash spawned per call (baseline)", "spawn", spawn / floor, "")
+    skeleton = statistics.median(results["skeleton"])  # type: ignore[arg-type]
+    row("skeleton: gRPC + pipes + json", "skeleton", skeleton / floor, "the design's least")
     for runtime, limit in (("python", 1.3), ("bash", 3.0)):
         ratio = statistics.median(results[runtime]) / floor  # type: ignore[arg-type]
         row(f"{runtime} invoke", runtime, ratio, f"<= {limit}x echo")
