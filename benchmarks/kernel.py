@@ -4,6 +4,9 @@
   (``python3``), alternating, median of N each — target <= 1.1x;
 * round trip: an ``%invoke`` cell (embedded runtime, warm) vs a plain ``1+1`` cell, each from
   jupyter_client's execute_request to the idle status and the execute_reply — target <= 1.3x;
+  also both without output (``x = 1+1``, ``r = bench.invoke({})``), which splits the ``%invoke``
+  cell into the cell itself, its output and the invocation (kernel → gateway → runtimed →
+  Runtime Server → worker, whose least cost benchmarks.gateway measures);
 * cold: the first ``%%function`` in a fresh kernel, which starts the embedded runtime — reported;
 * interrupt: from interrupt_request to the cell's error, during an invocation — reported (the
   issue asks for the call to be cancelled within 100 ms).
@@ -97,6 +100,8 @@ def measure(start_count: int, cell_count: int) -> int:
         cold_ms = (time.perf_counter() - cold_started) * 1000
         plain = cell_ms(kernel, "1+1", cell_count)
         invoke = cell_ms(kernel, "%invoke bench {}", cell_count)
+        silent = cell_ms(kernel, "x = 1+1", cell_count)
+        silent_invoke = cell_ms(kernel, "r = bench.invoke({})", cell_count)
         interrupts = interrupt_ms(kernel, 5)
     finally:
         kernel.shutdown()
@@ -111,6 +116,13 @@ def measure(start_count: int, cell_count: int) -> int:
     print(
         f"{'%invoke cell':<38}{p(invoke, 50):>9.2f} ms{p(invoke, 99):>7.2f} ms{trip_ratio:>7.2f}x"
     )
+    for label, samples in (
+        ("x = 1+1 (no output)", silent),
+        ("r = bench.invoke({})", silent_invoke),
+    ):
+        ratio = p(samples, 50) / p(plain, 50)
+        print(f"{label:<38}{p(samples, 50):>9.2f} ms{p(samples, 99):>7.2f} ms{ratio:>7.2f}x")
+    print(f"{'  of which the invocation':<38}{p(silent_invoke, 50) - p(silent, 50):>9.2f} ms")
     print(f"{'first %%function (cold runtime)':<38}{cold_ms:>9.0f} ms")
     label = "interrupt → KeyboardInterrupt in cell"
     print(f"{label:<38}{statistics.median(interrupts):>9.1f} ms{max(interrupts):>7.1f} ms (max)")
