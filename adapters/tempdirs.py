@@ -13,6 +13,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from adapters.worker import proc_stat
+
 
 def private_tempdir(kind: str) -> Path:
     """A new 0700 directory in the system temp dir, owned by this process."""
@@ -28,7 +30,7 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True  # somebody else's process
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        state = proc_stat(pid)[0]
     except (OSError, IndexError):
         return True
     return state not in ("Z", "X")

@@ -460,6 +460,14 @@ class WorkerSupervisor:
         worker.reap()
 
 
+def proc_stat(pid: int | str) -> list[str]:
+    """The fields of ``/proc/PID/stat`` after the command name: [state, ppid, ...].
+
+    OSError if there is no such process.
+    """
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+
+
 def reap_orphans() -> int:
     """Reap zombie children this process did not spawn itself (SPEC §3.1).
 
@@ -473,10 +481,9 @@ def reap_orphans() -> int:
             if not entry.name.isdigit() or int(entry.name) in _live_pids:
                 continue
             try:
-                stat = Path(entry.path, "stat").read_text()
+                fields = proc_stat(entry.name)
             except OSError:
                 continue
-            fields = stat.rpartition(")")[2].split()
             if len(fields) > 1 and fields[0] == "Z" and fields[1] == me:
                 with contextlib.suppress(ChildProcessError):
                     os.waitpid(int(entry.name), os.WNOHANG)

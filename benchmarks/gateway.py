@@ -27,10 +27,11 @@ from pathlib import Path
 
 import grpc
 
-from benchmarks.invoke import ECHO_METHOD, PAYLOAD, PY_HANDLER, measure, p, start, verdicts
+from benchmarks.invoke import ECHO_METHOD, PAYLOAD, PY_HANDLER, bench_server, measure, p, verdicts
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from runtime_server.client import Client
+from runtime_server.launch import announcement, start
 from runtime_server.runtimed import POD_KEY
 from runtime_server.server import CHANNEL_OPTIONS
 from runtime_server.stack import Stack
@@ -49,7 +50,8 @@ def serve_http_echo() -> None:
     async def serve() -> None:
         sockets = netutil.bind_sockets(0, "127.0.0.1")
         httpserver.HTTPServer(web.Application([(r"/", Echo)])).add_sockets(sockets)
-        print(f"ready {sockets[0].getsockname()[1]}", flush=True)
+        address = f"127.0.0.1:{sockets[0].getsockname()[1]}"
+        print(announcement("bench", "tornado echo", address), flush=True)
         await asyncio.Event().wait()
 
     asyncio.run(serve())
@@ -64,25 +66,21 @@ def main() -> int:
         serve_http_echo()
         return 0
     with tempfile.TemporaryDirectory(prefix="fnkernel-bench-") as tmp:
-        grpc_echo = f"unix:{tmp}/echo.sock"
-        echo = [sys.executable, "-m", "benchmarks.invoke", "--echo-server", grpc_echo]
-        procs = [start(echo, "ready")[0]]
-        http_echo, announced = start(
-            [sys.executable, "-m", "benchmarks.gateway", "--http-echo"], "ready"
-        )
-        procs.append(http_echo)
+        echoes = [
+            bench_server("--echo-server", f"unix:{tmp}/echo.sock"),
+            start([sys.executable, "-m", "benchmarks.gateway", "--http-echo"]),
+        ]
         stack = Stack(Path(tmp) / "state", {"python": 1}, gateway_listen="127.0.0.1:0")
         stack.start()
         try:
-            return run(stack, args.calls, grpc_echo, int(announced.split()[1]))
+            return run(stack, args.calls, *(echo.address for echo in echoes))
         finally:
             stack.stop()
-            for proc in procs:
-                proc.terminate()
-                proc.wait(10)
+            for echo in echoes:
+                echo.stop(10)
 
 
-def run(stack: Stack, calls: int, grpc_echo: str, http_echo_port: int) -> int:
+def run(stack: Stack, calls: int, grpc_echo: str, http_echo: str) -> int:
     client = Client(stack.gateway_address)
     client.create_run(
         "bench", runtime="python", handler="handler.handle", files={"handler.py": PY_HANDLER}
@@ -108,9 +106,9 @@ def run(stack: Stack, calls: int, grpc_echo: str, http_echo_port: int) -> int:
     )
     pod = ((POD_KEY, "python-0"),)
     echo = grpc.insecure_channel(grpc_echo, options=CHANNEL_OPTIONS).unary_unary(ECHO_METHOD)
-    connection = http.client.HTTPConnection("127.0.0.1", http_echo_port)
+    connection = http.client.HTTPConnection(http_echo)
 
-    def http_echo() -> bytes:
+    def echo_over_http() -> bytes:
         connection.request("POST", "/", body=PAYLOAD, headers={"Content-Type": "application/json"})
         return connection.getresponse().read()
 
@@ -121,7 +119,7 @@ def run(stack: Stack, calls: int, grpc_echo: str, http_echo_port: int) -> int:
         ),
         "gateway (HTTP)": lambda: client.invoke("bench", data=PAYLOAD),
         "bare gRPC echo": lambda: echo(PAYLOAD, timeout=30),
-        "bare HTTP echo (tornado)": http_echo,
+        "bare HTTP echo (tornado)": echo_over_http,
     }
     results = {}
     for name, call in cases.items():

@@ -34,7 +34,7 @@ import grpc
 
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
-from runtime_server.launch import spawn_serve
+from runtime_server.launch import Child, announcement, spawn_serve, start
 from runtime_server.limits import sha256_digest
 from runtime_server.server import CHANNEL_OPTIONS
 
@@ -69,9 +69,14 @@ def serve_echo(address: str, spawn_bash: str | None) -> None:
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler("bench.Echo", {"Echo": handler}),)
     )
+    serve_until_signal(server, address, "spawn-bash baseline" if spawn_bash else "grpc echo")
+
+
+def serve_until_signal(server: grpc.Server, address: str, what: str) -> None:
+    """Bind, announce the address the fnkernel way (runtime_server.launch), serve until SIGTERM."""
     server.add_insecure_port(address)
     server.start()
-    print("ready", flush=True)
+    print(announcement("bench", what, address), flush=True)
     signal.sigwait({signal.SIGTERM, signal.SIGINT})
     server.stop(0)
 
@@ -105,22 +110,12 @@ def serve_skeleton(address: str) -> None:
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=CHANNEL_OPTIONS)
     pb_grpc.add_FunctionRuntimeServicer_to_server(Skeleton(), server)
-    server.add_insecure_port(address)
-    server.start()
-    print("ready", flush=True)
-    signal.sigwait({signal.SIGTERM, signal.SIGINT})
-    server.stop(0)
+    serve_until_signal(server, address, "skeleton")
 
 
-def start(argv: list[str], ready_marker: str) -> tuple[subprocess.Popen[str], str]:
-    """Start a server process; returns it and the line it announced itself with."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if ready_marker not in line:
-        proc.kill()
-        raise SystemExit(f"server did not start: {argv}")
-    return proc, line
+def bench_server(*args: str) -> Child:
+    """Start one of this module's servers (``python -m benchmarks.invoke ARGS...``)."""
+    return start([sys.executable, "-m", "benchmarks.invoke", *args])
 
 
 def measure(call, calls: int, warmup: int = 100) -> list[float]:  # type: ignore[no-untyped-def]
@@ -173,51 +168,22 @@ def main() -> int:
         root = Path(tmp)
         (root / "fn.sh").write_text(BASH_HANDLER)
         (root / "handler.py").write_text(PY_HANDLER)
-        procs = {
-            "echo": start(
-                [
-                    sys.executable,
-                    "-m",
-                    "benchmarks.invoke",
-                    "--echo-server",
-                    f"unix:{root}/echo.sock",
-                ],
-                "ready",
-            )[0],
-            "spawn": start(
-                [
-                    sys.executable,
-                    "-m",
-                    "benchmarks.invoke",
-                    "--echo-server",
-                    f"unix:{root}/spawn.sock",
-                    "--spawn-bash",
-                    str(root / "fn.sh"),
-                ],
-                "ready",
-            )[0],
-            "skeleton": start(
-                [
-                    sys.executable,
-                    "-m",
-                    "benchmarks.invoke",
-                    "--skeleton-server",
-                    f"unix:{root}/skeleton.sock",
-                ],
-                "ready",
-            )[0],
-        }
+        children = [
+            bench_server("--echo-server", f"unix:{root}/echo.sock"),
+            bench_server(
+                "--echo-server", f"unix:{root}/spawn.sock", "--spawn-bash", f"{root}/fn.sh"
+            ),
+            bench_server("--skeleton-server", f"unix:{root}/skeleton.sock"),
+        ]
         for runtime in ("python", "bash"):
-            procs[runtime] = spawn_serve(
-                root, "--runtime", runtime, listen=f"unix:{root}/{runtime}.sock"
-            ).proc
+            children.append(
+                spawn_serve(root, "--runtime", runtime, listen=f"unix:{root}/{runtime}.sock")
+            )
         try:
             rows = run(root, args.calls)
         finally:
-            for proc in procs.values():
-                proc.send_signal(signal.SIGTERM)
-            for proc in procs.values():
-                proc.wait(30)
+            for child in children:
+                child.stop()
     return report(rows)
 
 

@@ -25,7 +25,6 @@ if TYPE_CHECKING:
     from runtime_server.stack import Stack
 
 RUNTIME_ENV = "FNKERNEL_RUNTIME"
-RUNTIMES = ("python", "bash")
 
 
 class TracedClient(Client):

@@ -57,6 +57,33 @@ class ServeProcess(Child):
     workspace_root: Path = field(default_factory=Path)
 
 
+def start(
+    argv: Sequence[str],
+    *,
+    stderr: int | IO[str] = subprocess.DEVNULL,
+    env: dict[str, str] | None = None,
+    new_session: bool = False,
+) -> Child:
+    """Start `argv`, a program that announces itself (``announcement``), and wait for that line."""
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        env=env,
+        start_new_session=new_session,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline().strip()
+    if LISTENING_ON not in line:
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"{' '.join(argv[2:])} did not start: {line!r}")
+    address = line.split(LISTENING_ON, 1)[1].split(", ", 1)[0]
+    return Child(list(argv), proc, address, line)
+
+
 def spawn(
     args: Sequence[str],
     *,
@@ -71,27 +98,11 @@ def spawn(
     (Ctrl-C in a terminal, a kernel interrupt, which ipykernel sends with ``killpg``) stays with
     the parent, which stops its children in order.
     """
-    argv = [sys.executable, "-m", "runtime_server.cli", *args]
     env = None
     if die_with_parent:
         env = {**os.environ, process.PARENT_ENV: str(os.getpid())}
-    proc = subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=stderr,
-        stdin=subprocess.DEVNULL,
-        text=True,
-        env=env,
-        start_new_session=die_with_parent,
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline().strip()
-    if LISTENING_ON not in line:
-        proc.kill()
-        proc.wait()
-        raise RuntimeError(f"fnkernel {' '.join(args)} did not start: {line!r}")
-    address = line.split(LISTENING_ON, 1)[1].split(", ", 1)[0]
-    return Child(argv, proc, address, line)
+    argv = [sys.executable, "-m", "runtime_server.cli", *args]
+    return start(argv, stderr=stderr, env=env, new_session=die_with_parent)
 
 
 def spawn_serve(workspace_root: Path, *args: str, listen: str = "127.0.0.1:0") -> ServeProcess:

@@ -33,7 +33,6 @@ RETRYING = "Retrying"  # an infrastructure failure; the retry engine decides wha
 FAILED = "Failed"  # terminal: user-code failure, unsupported runtime, or retries exhausted
 DELETING = "Deleting"  # delete requested; its runtimed unregisters it (bounded drain)
 DELETED = "Deleted"  # unregistered; the control plane removes the working dir and the row
-PHASES = (PENDING, READY, IDLE, RETRYING, FAILED, DELETING, DELETED)
 
 POD_HEARTBEAT_TIMEOUT = 3.0  # seconds without a heartbeat before a pod counts as gone
 DEFAULT_DRAIN_MILLIS = 5_000  # how long a delete lets the in-flight invocation finish
