@@ -109,9 +109,11 @@ class WorkerAdapter:
     _ended: Callable[[Call, int], tuple[bytes, str, dict[str, str]]] | None = None
 
     def _environment(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED_ENV}
-        env.update(self.spec.env)
-        env["FNKERNEL_RUN_UID"] = self.spec.run_uid
+        env = {**os.environ, **self.spec.env, "FNKERNEL_RUN_UID": self.spec.run_uid}
+        # After the Run's own env, which could name them too: bash sources them before the
+        # runner's first line runs.
+        for name in _SCRUBBED_ENV:
+            env.pop(name, None)
         return env
 
     def start(self) -> None:

@@ -64,7 +64,8 @@ class LogLine:
 
 
 class _WorkerExited(Exception):
-    """EOF on the response pipe: the worker died (killed by us, or crashed)."""
+    """The worker died (killed by us, or crashed): its process exited, or its response pipe
+    reached EOF."""
 
 
 class Worker:
@@ -99,6 +100,9 @@ class Worker:
         finally:
             os.close(req_r)
             os.close(resp_w)
+        # The worker's exit is seen on its pidfd, not only as EOF on the response pipe: a child
+        # the handler left running keeps the pipe open after the worker itself is gone.
+        self.pidfd = os.pidfd_open(self.proc.pid)
         self._buf = bytearray()
 
     # Frame I/O. Reads honour the deadline; a worker that dies gives EOF (_WorkerExited).
@@ -114,8 +118,13 @@ class Worker:
 
     def _fill(self, deadline: float) -> None:
         remaining = deadline - time.monotonic()
-        if remaining <= 0 or not select.select([self.resp], [], [], remaining)[0]:
-            raise TimeoutError
+        ready = select.select([self.resp, self.pidfd], [], [], max(0.0, remaining))[0]
+        if self.resp not in ready:
+            if not ready:
+                raise TimeoutError
+            # It exited. Everything it wrote before is in the pipe already: take that first.
+            if not select.select([self.resp], [], [], 0)[0]:
+                raise _WorkerExited()
         chunk = os.read(self.resp, _PIPE_SIZE)
         if not chunk:
             raise _WorkerExited()
@@ -191,7 +200,7 @@ class Worker:
         self.proc.wait()
         with _spawn_lock:
             _live_pids.discard(self.proc.pid)
-        for fd in (self.req, self.resp, *self.logs.values()):
+        for fd in (self.req, self.resp, self.pidfd, *self.logs.values()):
             with contextlib.suppress(OSError):
                 os.close(fd)
 

@@ -447,3 +447,46 @@ def test_unregister_stops_the_worker_process(python_rt: Client) -> None:
     assert pid != os.getpid() and pid_alive(pid)
     python_rt.unregister(reg.registration)
     wait_until(lambda: not pid_alive(pid), timeout=2)
+
+
+def test_a_runs_own_env_cannot_name_bash_env_either(bash_rt: Client, tmp_path: Path) -> None:
+    # README, "Bash handlers": BASH_ENV and ENV are removed from the environment bash starts
+    # with, the registration's own env included.
+    evil = tmp_path / "bashenv.sh"
+    evil.write_text("touch " + str(tmp_path / "ran") + "\n")
+    reg = bash_rt.register(ECHO_SH, env={"BASH_ENV": str(evil)})
+    assert bash_rt.invoke(reg.registration, b"x").output == b"x"
+    assert not (tmp_path / "ran").exists()
+
+
+def test_a_worker_crash_is_seen_at_once_although_its_child_holds_the_pipe(
+    python_rt: Client,
+) -> None:
+    # The worker's own exit ends the call (WorkerCrashed), not end-of-file on the response
+    # pipe, which a child the handler left running keeps open: before, the call waited for its
+    # whole timeout and answered DEADLINE_EXCEEDED.
+    wd = python_rt.workdir(
+        {
+            "handler.py": (
+                "import os, time\n"
+                "def handle(event):\n"
+                "    if event == 'fork':\n"
+                "        if os.fork() == 0:\n"
+                "            time.sleep(120)\n"
+                "            os._exit(0)\n"
+                "        return os.getpid()\n"
+                "    if event == 'crash':\n"
+                "        os._exit(3)\n"
+                "    return 'ok'\n"
+            )
+        }
+    )
+    reg = python_rt.register(working_dir=wd)
+    python_rt.invoke(reg.registration, b'"fork"')
+    error = failure(
+        lambda: python_rt.invoke(reg.registration, b'"crash"', timeout_millis=60_000, timeout=90)
+    )
+    assert error.code() == grpc.StatusCode.UNKNOWN, error.details()
+    assert trailers(error)[ERROR_TYPE_KEY] == "WorkerCrashed"
+    assert "exit status 3" in (error.details() or "")
+    assert python_rt.invoke(reg.registration, b'"again"').output == b'"ok"'
