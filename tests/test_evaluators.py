@@ -14,6 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from runtime_server._proto.evaluator.v1 import evaluator_pb2, evaluator_pb2_grpc
 from runtime_server.evaluator.base import (
     DeadlineExceeded,
     EvalRequest,
@@ -267,6 +268,29 @@ def test_evaluator_server_refuses_a_resource_list_over_6_mib(evaluator_server: s
             remote.evaluate(EvalRequest(b"#" * (6 * 1024 * 1024 + 1), "set-namespace"))
     finally:
         remote.close()
+
+
+@pytest.mark.parametrize(
+    ("exec_path", "field"),
+    [("/bin/true\0x", "NUL byte"), ("/" + "a" * 100_000, "at most 4096")],
+)
+def test_a_malformed_exec_path_is_invalid_argument_with_a_bounded_message(
+    evaluator_server: str, exec_path: str, field: str
+) -> None:
+    # Before: UNKNOWN for the NUL byte, RESOURCE_EXHAUSTED (a status message over the client's
+    # header limit) for the 100 KB path.
+    with grpc.insecure_channel(evaluator_server) as channel:
+        stub = evaluator_pb2_grpc.FunctionEvaluatorStub(channel)
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.EvaluateFunction(
+                evaluator_pb2.EvaluateFunctionRequest(
+                    resource_list=INPUT, image="x", exec_path=exec_path
+                ),
+                timeout=10,
+            )
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
+    details = caught.value.details() or ""
+    assert "exec_path" in details and field in details and len(details) < 4096
 
 
 def test_fnkernel_evaluator_command_serves_the_chain(functions: Path, store_file: Path) -> None:

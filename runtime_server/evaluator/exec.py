@@ -74,12 +74,25 @@ class FunctionConfigStore:
         return ""
 
 
+MAX_EXEC_PATH_BYTES = 4096  # PATH_MAX
+
+
 def confined(exec_path: str, functions_dir: Path) -> Path:
     """`exec_path` with symlinks resolved, if it stays inside `functions_dir`."""
+    shown = exec_path if len(exec_path) <= 200 else exec_path[:200] + "..."
+    if "\0" in exec_path:
+        raise InvalidRequest(f"exec_path {shown!r} contains a NUL byte")
+    if len(exec_path.encode()) > MAX_EXEC_PATH_BYTES:
+        raise InvalidRequest(
+            f"exec_path is {len(exec_path.encode())} bytes; at most {MAX_EXEC_PATH_BYTES}"
+        )
     path = Path(exec_path)
     if not path.is_absolute():
-        raise InvalidRequest(f"exec_path {exec_path!r} must be absolute")
-    real = path.resolve()
+        raise InvalidRequest(f"exec_path {shown!r} must be absolute")
+    try:
+        real = path.resolve()
+    except OSError as exc:  # a symlink loop, say
+        raise InvalidRequest(f"exec_path {shown!r} cannot be resolved: {exc.strerror}") from None
     root = functions_dir.resolve()
     if not real.is_relative_to(root):
         raise InvalidRequest(

@@ -57,6 +57,10 @@ def status_of(error: EvaluatorError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+# A status message travels in a header; a client refuses headers over 8 KiB in all.
+_MAX_MESSAGE_BYTES = 4096
+
+
 def failure_message(error: FunctionError) -> str:
     lines = [str(error)]
     lines += [format_result(result) for result in error.results]
@@ -97,8 +101,8 @@ class FunctionEvaluatorServicer(pb_grpc.FunctionEvaluatorServicer):
                         (EXIT_CODE_KEY, str(error.exit_code)),
                     )
                 )
-                context.abort(code, failure_message(error))
-            context.abort(code, str(error))
+                context.abort(code, limits.bounded(failure_message(error), _MAX_MESSAGE_BYTES))
+            context.abort(code, limits.bounded(str(error), _MAX_MESSAGE_BYTES))
         if response.evaluator:
             context.send_initial_metadata(((EVALUATOR_KEY, response.evaluator),))
         return pb.EvaluateFunctionResponse(resource_list=response.resource_list, log=response.log)
