@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
+from google.protobuf import descriptor_pb2
 
 from runtime_server._proto import gen
+from runtime_server._proto.evaluator.v1 import evaluator_pb2
+from runtime_server._proto.executor.v1 import runtime_pb2
 
 
 def test_committed_stubs_match_a_fresh_generation(tmp_path: Path) -> None:
@@ -57,3 +61,17 @@ def test_evaluator_is_wire_compatible_with_porch() -> None:
     assert request == {"resource_list": 1, "image": 2, "tag": 3, "exec_path": 4}
     response = {f.name: f.number for f in pb.EvaluateFunctionResponse.DESCRIPTOR.fields}
     assert response == {"resource_list": 1, "log": 2}
+
+
+@pytest.mark.parametrize("module", [runtime_pb2, evaluator_pb2])
+def test_every_field_carries_its_json_name_for_grpcurl(module: Any) -> None:
+    # The descriptor reflection serves is the serialized one, and the Python generator keeps
+    # json_name there only when the .proto sets it: without it grpcurl prints `registration_id`
+    # where the seed's examples show `registrationId`.
+    served = descriptor_pb2.FileDescriptorProto.FromString(module.DESCRIPTOR.serialized_pb)
+    fields = [(m.name, f) for m in served.message_type for f in m.field]
+    assert fields
+    for message, field in fields:
+        assert field.HasField("json_name"), f"{message}.{field.name} has no json_name"
+        parts = field.name.split("_")
+        assert field.json_name == parts[0] + "".join(p.capitalize() for p in parts[1:])

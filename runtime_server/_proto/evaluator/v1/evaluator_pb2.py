@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n2runtime_server/_proto/evaluator/v1/evaluator.proto\x12\tevaluator\"_\n\x17\x45valuateFunctionRequest\x12\x15\n\rresource_list\x18\x01 \x01(\x0c\x12\r\n\x05image\x18\x02 \x01(\t\x12\x0b\n\x03tag\x18\x03 \x01(\t\x12\x11\n\texec_path\x18\x04 \x01(\t\">\n\x18\x45valuateFunctionResponse\x12\x15\n\rresource_list\x18\x01 \x01(\x0c\x12\x0b\n\x03log\x18\x02 \x01(\x0c\x32p\n\x11\x46unctionEvaluator\x12[\n\x10\x45valuateFunction\x12\".evaluator.EvaluateFunctionRequest\x1a#.evaluator.EvaluateFunctionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n2runtime_server/_proto/evaluator/v1/evaluator.proto\x12\tevaluator\"\x83\x01\n\x17\x45valuateFunctionRequest\x12#\n\rresource_list\x18\x01 \x01(\x0cR\x0cresourceList\x12\x14\n\x05image\x18\x02 \x01(\tR\x05image\x12\x10\n\x03tag\x18\x03 \x01(\tR\x03tag\x12\x1b\n\texec_path\x18\x04 \x01(\tR\x08\x65xecPath\"Q\n\x18\x45valuateFunctionResponse\x12#\n\rresource_list\x18\x01 \x01(\x0cR\x0cresourceList\x12\x10\n\x03log\x18\x02 \x01(\x0cR\x03log2p\n\x11\x46unctionEvaluator\x12[\n\x10\x45valuateFunction\x12\".evaluator.EvaluateFunctionRequest\x1a#.evaluator.EvaluateFunctionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'runtime_server._proto.evaluator.v1.evaluator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_EVALUATEFUNCTIONREQUEST']._serialized_start=65
-  _globals['_EVALUATEFUNCTIONREQUEST']._serialized_end=160
-  _globals['_EVALUATEFUNCTIONRESPONSE']._serialized_start=162
-  _globals['_EVALUATEFUNCTIONRESPONSE']._serialized_end=224
-  _globals['_FUNCTIONEVALUATOR']._serialized_start=226
-  _globals['_FUNCTIONEVALUATOR']._serialized_end=338
+  _globals['_EVALUATEFUNCTIONREQUEST']._serialized_start=66
+  _globals['_EVALUATEFUNCTIONREQUEST']._serialized_end=197
+  _globals['_EVALUATEFUNCTIONRESPONSE']._serialized_start=199
+  _globals['_EVALUATEFUNCTIONRESPONSE']._serialized_end=280
+  _globals['_FUNCTIONEVALUATOR']._serialized_start=282
+  _globals['_FUNCTIONEVALUATOR']._serialized_end=394
 # @@protoc_insertion_point(module_scope)
