@@ -23,7 +23,7 @@ from runtime_server.evaluator.base import Evaluator
 from runtime_server.evaluator.base import FunctionError as KrmFunctionError
 from runtime_server.evaluator.builtin import BuiltinEvaluator
 from runtime_server.evaluator.multi import MultiEvaluator
-from runtime_server.krm.package import KPTFILE, read_documents
+from runtime_server.krm.package import KPTFILE, PackageError, read_documents
 from runtime_server.krm.pipeline import Outcome, PipelineError, evaluate_one, render
 from runtime_server.krm.resourcelist import (
     ResourceList,
@@ -320,7 +320,7 @@ def krm_magic(chain: Chain, line: str, cell: str | None) -> PipelineView:
 
         display(failure.view)
         raise PipelineFailed({"code": "Failed", "message": failure.view.error}, 0) from None
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, PackageError) as exc:
         raise UsageError(f"%krm: {exc}") from None
 
 

@@ -647,6 +647,7 @@ def _report(outcome: Any, output: str) -> None:
 
 
 def _render(args: argparse.Namespace) -> int:
+    from runtime_server.krm.package import PackageError
     from runtime_server.krm.pipeline import PipelineError, render
     from runtime_server.krm.resourcelist import InvalidResourceList
 
@@ -661,7 +662,7 @@ def _render(args: argparse.Namespace) -> int:
             progress=lambda step: print(_step_line(step, next(counter)), file=sys.stderr),
             diffs=False,  # a progress line per step; the files themselves show the change
         )
-    except PipelineError as exc:
+    except (PipelineError, PackageError) as exc:
         print(f"fnkernel render: {exc}; no file was changed", file=sys.stderr)
         return EXIT_FAILURE
     except (FileNotFoundError, InvalidResourceList) as exc:
@@ -673,7 +674,7 @@ def _render(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     from runtime_server.client import parse_pairs
-    from runtime_server.krm.package import read_documents
+    from runtime_server.krm.package import PackageError, read_documents
     from runtime_server.krm.pipeline import PipelineError, evaluate_one
     from runtime_server.krm.resourcelist import InvalidResourceList
 
@@ -698,7 +699,7 @@ def _eval(args: argparse.Namespace) -> int:
             dry_run=args.dry_run,
             progress=lambda step: print(_step_line(step, 1), file=sys.stderr),
         )
-    except PipelineError as exc:
+    except (PipelineError, PackageError) as exc:
         print(f"fnkernel eval: {exc}; no file was changed", file=sys.stderr)
         return EXIT_FAILURE
     except (OSError, InvalidResourceList) as exc:

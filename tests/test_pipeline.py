@@ -3,6 +3,7 @@ executables for `exec` steps, and the `fnkernel render` / `fnkernel eval` comman
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -344,3 +345,92 @@ def test_fnkernel_bench_refuses_an_unknown_benchmark() -> None:
     )
     assert done.returncode == 2
     assert "choose from invoke, gateway, kernel, krm" in done.stderr
+
+
+def fnkernel_render(package: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "runtime_server.cli", "render", str(package)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize(
+    ("link", "target", "why"),
+    [
+        ("loop", ".", "symlink loop"),
+        ("sub/up", "..", "symlink loop"),
+        ("self", "self", "symlink loop"),
+        ("gone.yaml", "nowhere.yaml", "dangling symlink"),
+    ],
+)
+def test_a_symlink_loop_or_dangling_link_fails_naming_it_and_writes_nothing(
+    package: Path, link: str, target: str, why: str
+) -> None:
+    # README, "KRM pipelines": symlinks inside a package are not followed (kpt ignores them);
+    # a loop or a dangling one is an error naming its path, exit 1, every file untouched.
+    (package / link).parent.mkdir(exist_ok=True)
+    (package / link).symlink_to(target)
+    before = snapshot(package)
+    done = fnkernel_render(package)
+    assert done.returncode == 1, done.stderr
+    assert f"{link}: {why}" in done.stderr
+    assert snapshot(package) == before
+
+
+def test_a_symlink_to_a_directory_outside_is_not_followed(package: Path, tmp_path: Path) -> None:
+    elsewhere = write(tmp_path / "elsewhere", {"cm.yaml": DB.replace("name: db", "name: other")})
+    (package / "linked").symlink_to(elsewhere)
+    (package / "linked.yaml").symlink_to(elsewhere / "cm.yaml")
+    outcome = render(package, BuiltinEvaluator())
+    names = {name for _, _, name in outcome.resources}
+    assert "other" not in names
+    assert "namespace: dev" in (elsewhere / "cm.yaml").read_text()  # never written through
+
+
+def test_a_failure_while_writing_puts_every_file_back(
+    package: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # All or nothing on every path: the second rename fails (a full disk, a signal) and the
+    # first file, already in place, is put back byte for byte; no temporary file is left.
+    from runtime_server.krm import pipeline
+
+    before = snapshot(package)
+    real_replace = os.replace
+    renames = []
+
+    def failing_replace(source: os.PathLike[str], target: os.PathLike[str]) -> None:
+        if str(source).endswith(".fnkernel-tmp"):
+            renames.append(source)
+            if len(renames) == 2:
+                raise OSError(28, "No space left on device")
+        real_replace(source, target)
+
+    monkeypatch.setattr(pipeline.os, "replace", failing_replace)
+    with pytest.raises(PipelineError, match="every file is as it was"):
+        render(package, BuiltinEvaluator())
+    assert len(renames) == 2
+    assert snapshot(package) == before
+    assert not [p for p in package.rglob("*") if ".fnkernel-" in p.name]
+
+
+def test_an_interrupt_while_writing_puts_every_file_back(
+    package: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from runtime_server.krm import pipeline
+
+    before = snapshot(package)
+    real_replace = os.replace
+    calls = []
+
+    def interrupted(source: os.PathLike[str], target: os.PathLike[str]) -> None:
+        calls.append(source)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        real_replace(source, target)
+
+    monkeypatch.setattr(pipeline.os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        render(package, BuiltinEvaluator())
+    assert snapshot(package) == before

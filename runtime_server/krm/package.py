@@ -8,6 +8,7 @@ its own file, in its place, with its comments and key order. The annotations nev
 from __future__ import annotations
 
 import io
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -91,10 +92,36 @@ def load_package(root: Path, relative: str = "", *, require_kptfile: bool = True
     return package
 
 
+class PackageError(Exception):
+    """The package cannot be read: a symlink loop, a dangling symlink, an unreadable file. The
+    message names the path; nothing has been written."""
+
+
+def _check_symlink(path: Path, relative: str) -> None:
+    """Symlinks inside a package are not followed, as kpt ignores them; one that is dangling or
+    loops back into its own directory is an error, so that it is fixed rather than missed."""
+    try:
+        target = path.resolve(strict=True)
+    except FileNotFoundError:
+        raise PackageError(f"{relative}: dangling symlink to {os.readlink(path)}") from None
+    except (OSError, RuntimeError):  # a loop of links: RuntimeError, or ELOOP from the kernel
+        raise PackageError(f"{relative}: symlink loop") from None
+    parent = path.parent.resolve()
+    if target.is_dir() and (target == parent or target in parent.parents):
+        raise PackageError(f"{relative}: symlink loop (it points to {target}, which holds it)")
+
+
 def _read_dir(package: Package, directory: Path, relative: str) -> None:
     """Every YAML file below `directory` into `package`; a directory with a Kptfile is a
-    subpackage, a hidden one is skipped."""
-    for path in sorted(directory.iterdir()):
+    subpackage, a hidden one is skipped, a symlink is not followed (``_check_symlink``)."""
+    try:
+        entries = sorted(directory.iterdir())
+    except OSError as exc:
+        raise PackageError(f"{relative or '.'}: cannot list: {exc.strerror}") from None
+    for path in entries:
+        if path.is_symlink():
+            _check_symlink(path, f"{relative}{path.name}")
+            continue
         if path.is_dir() and not path.name.startswith("."):
             if (path / KPTFILE).is_file():
                 package.subpackages.append(load_package(path, f"{relative}{path.name}/"))
@@ -112,7 +139,10 @@ def sequence_style(text: str) -> str:
 
 
 def _read_file(package: Package, path: Path, relative: str) -> None:
-    text = path.read_text()
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PackageError(f"{relative}: cannot read: {exc}") from None
     resources = read_resources(text, relative)
     if resources:
         package.texts[relative] = text
