@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from runtime_server.client import Client
+    from runtime_server.tokens import GatewayToken
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -83,46 +84,61 @@ def _runtimed(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _gateway_token(args: argparse.Namespace, command: str, listen: str) -> GatewayToken:
+    """The token a gateway on `listen` requires (README, "Security"); a generated one is
+    printed once, and --no-token warns."""
+    from runtime_server import tokens
+
+    try:
+        chosen = tokens.gateway_token(
+            listen,
+            _state_dir(args),
+            token_file=Path(args.token_file) if args.token_file else None,
+            no_token=args.no_token,
+        )
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{command}: {exc}") from None
+    if args.no_token and not listen.startswith("unix:"):
+        print(
+            f"fnkernel {command}: WARNING: --no-token: any program or web page on this machine "
+            "can call the gateway and run code as you",
+            file=sys.stderr,
+        )
+    if chosen.generated:
+        print(
+            f"fnkernel {command}: token {chosen.token} (saved in {chosen.path}; "
+            "fnkernel clients on this machine find it)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return chosen
+
+
 def _gateway(args: argparse.Namespace) -> int:
     import asyncio
 
-    from runtime_server import logs
+    from runtime_server import logs, tokens
     from runtime_server.controlplane import ControlPlane
-    from runtime_server.gateway import Gateway, is_loopback
+    from runtime_server.gateway import Access, Gateway
     from runtime_server.launch import announcement
     from runtime_server.runs import RunStore
 
     logs.configure(logging.DEBUG if args.verbose else logging.INFO)
-    token = None
-    if args.token_file:
-        try:
-            token = Path(args.token_file).read_text().strip()
-        except OSError as exc:
-            print(f"fnkernel gateway: --token-file: {exc}", file=sys.stderr)
-            return EXIT_USAGE
-        if not token:
-            print(f"fnkernel gateway: --token-file {args.token_file} is empty", file=sys.stderr)
-            return EXIT_USAGE
-    elif not is_loopback(args.listen):
-        # SPEC §4: a non-loopback bind requires a bearer token.
-        print(
-            f"fnkernel gateway: refusing to listen on {args.listen} without --token-file "
-            "(only loopback addresses may go without a bearer token)",
-            file=sys.stderr,
-        )
-        return EXIT_USAGE
     state_dir = _state_dir(args)
+    token = _gateway_token(args, "gateway", args.listen).token
+    access = Access(token, frozenset(args.allow_origin), frozenset(args.allow_host))
     workspace_root = state_dir / "workspace"
     workspace_root.mkdir(mode=0o700, parents=True, exist_ok=True)
     control_plane = ControlPlane(RunStore(state_dir / "runs.db"), workspace_root)
 
     async def serve() -> None:
-        gateway = Gateway(control_plane, token)
+        gateway = Gateway(control_plane, access, body_timeout=args.body_timeout)
         try:
             address = gateway.listen(args.listen)
         except OSError as exc:
             print(f"fnkernel gateway: cannot listen on {args.listen}: {exc}", file=sys.stderr)
             raise SystemExit(EXIT_FAILURE) from None
+        gateway_file = tokens.announce(address, token) if token is not None else None
         control_plane.start()
         print(
             announcement("gateway", "control plane + HTTP", address, f"state dir {state_dir}"),
@@ -132,7 +148,11 @@ def _gateway(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        try:
+            await stop.wait()
+        finally:
+            if gateway_file is not None:
+                tokens.withdraw(gateway_file)
         await gateway.close()
         control_plane.stop()
 
@@ -150,11 +170,15 @@ def _up(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"fnkernel up: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    chosen = _gateway_token(args, "up", args.gateway_listen)
     stack = Stack(
         _state_dir(args),
         pods,
         gateway_listen=args.gateway_listen,
-        token_file=Path(args.token_file) if args.token_file else None,
+        token_file=chosen.path,
+        no_token=chosen.token is None,
+        allow_origins=args.allow_origin,
+        allow_hosts=args.allow_host,
         poll_interval=args.poll_interval,
     )
     try:
@@ -174,10 +198,10 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _client(args: argparse.Namespace) -> Client:
-
+    from runtime_server import tokens
     from runtime_server.client import Client
 
-    token = Path(args.token_file).read_text().strip() if args.token_file else None
+    token = tokens.read_token_file(Path(args.token_file)) if args.token_file else None
     return Client(args.gateway, token=token)
 
 
@@ -274,7 +298,41 @@ def _add_client_flags(parser: argparse.ArgumentParser) -> None:
         "(default: $FNKERNEL_RUNTIME or http://127.0.0.1:8080)",
     )
     parser.add_argument(
-        "--token-file", metavar="FILE", help="bearer token for a non-loopback gateway"
+        "--token-file",
+        metavar="FILE",
+        help="the gateway's bearer token (default: $FNKERNEL_TOKEN, or the running gateway's own "
+        "on this machine)",
+    )
+
+
+def _add_access_flags(parser: argparse.ArgumentParser) -> None:
+    """Who may call the gateway (README, "Security")."""
+    parser.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help="require the bearer token in FILE (default on TCP: a new one, saved in "
+        "STATE_DIR/token and printed once)",
+    )
+    parser.add_argument(
+        "--no-token",
+        action="store_true",
+        help="require no token (loopback only; any local program or web page can then run code)",
+    )
+    parser.add_argument(
+        "--allow-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="a browser origin allowed to call the gateway, e.g. https://app.example "
+        "(repeatable; default none)",
+    )
+    parser.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a host name the Host header may carry besides the listen address and localhost "
+        "(repeatable)",
     )
 
 
@@ -288,6 +346,18 @@ def _add_state_dir(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="Run store, working dirs, sockets and logs (default: $FNKERNEL_STATE_DIR or %(default)s)",
     )
+
+
+def _count(text: str) -> int:
+    """argparse type: a non-negative integer in ASCII digits (``int()`` would also take
+    ``"1_000"`` and other scripts' digits)."""
+    from runtime_server import limits
+    from runtime_server.errors import InvalidField
+
+    try:
+        return limits.parse_count(text, "value")
+    except InvalidField as exc:
+        raise argparse.ArgumentTypeError(exc.reason) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -354,8 +424,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gateway.add_argument("--listen", default="127.0.0.1:8080", metavar="ADDR")
     gateway.add_argument(
-        "--token-file", metavar="FILE", help="require this bearer token (needed off loopback)"
+        "--body-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="close a connection whose request body has not arrived whole by then "
+        "(default %(default)s)",
     )
+    _add_access_flags(gateway)
     _add_state_dir(gateway)
     gateway.add_argument("-v", "--verbose", action="store_true")
     gateway.set_defaults(func=_gateway)
@@ -368,7 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--pods", default="python=1,bash=1", metavar="RUNTIME=N,...")
     up.add_argument("--gateway-listen", default="127.0.0.1:8080", metavar="ADDR")
-    up.add_argument("--token-file", metavar="FILE")
+    _add_access_flags(up)
     up.add_argument("--poll-interval", type=float, default=1.0, metavar="SECONDS")
     _add_state_dir(up)
     up.set_defaults(func=_up)
@@ -383,7 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--handler", required=True, metavar="H", help="module.function or file.function"
     )
     create.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
-    create.add_argument("--idle-timeout", type=int, default=0, metavar="SECONDS")
+    create.add_argument("--idle-timeout", type=_count, default=0, metavar="SECONDS")
     create.set_defaults(func=_runs_create)
     listing = runs_commands.add_parser("list", help="list Runs")
     listing.set_defaults(func=_runs_list)
@@ -399,7 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
     invoke = commands.add_parser("invoke", help="invoke a function: JSON payload, or - for stdin")
     invoke.add_argument("name")
     invoke.add_argument("payload", nargs="?", default="{}", metavar="JSON|-")
-    invoke.add_argument("--timeout-ms", type=int, default=0, metavar="MS")
+    invoke.add_argument("--timeout-ms", type=_count, default=0, metavar="MS")
     invoke.add_argument("--invocation-id", default="", metavar="ID")
     _add_client_flags(invoke)
     invoke.set_defaults(func=_invoke)
@@ -438,13 +514,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run ENTRYPOINT once per EvaluateFunction request with the ResourceList on "
         "stdin (SPEC §5.3). Usage: fnkernel wrapper-server --port 9446 -- ENTRYPOINT...",
     )
-    wrapper.add_argument("--port", type=int, default=9446, help="loopback port (0: any free one)")
+    wrapper.add_argument(
+        "--port", type=_count, default=9446, help="loopback port (0: any free one)"
+    )
     wrapper.add_argument(
         "--listen", metavar="ADDR", help="host:port or unix:PATH instead of --port"
     )
     wrapper.add_argument(
         "--max-request-body-size",
-        type=int,
+        type=_count,
         default=6 * 1024 * 1024,
         metavar="BYTES",
         help="largest ResourceList accepted (default 6 MiB)",

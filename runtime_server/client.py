@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from runtime_server import tokens
 from runtime_server.errors import (
     FunctionBusy,
     FunctionError,
@@ -128,7 +129,11 @@ class Client:
         self, address: str | None = None, *, token: str | None = None, timeout: float = 300
     ) -> None:
         self.address = address or default_address()
-        self.token = token if token is not None else os.environ.get("FNKERNEL_TOKEN")
+        # README, "Security": the token given, else $FNKERNEL_TOKEN, else the one the gateway
+        # at this address left in its gateway file on this machine.
+        if token is None:
+            token = os.environ.get(tokens.TOKEN_ENV) or tokens.find_token(self.address)
+        self.token = token
         self.timeout = timeout
         self._lock = threading.Lock()
         self._idle: list[http.client.HTTPConnection] = []  # kept alive, one per concurrent caller

@@ -36,6 +36,8 @@ from runtime_server.runs import (
 
 LOG = logging.getLogger("fnkernel.controlplane")
 MAX_FILES = 1000
+MAX_NAME_BYTES = 255  # one path component (NAME_MAX)
+MAX_PATH_BYTES = 1024
 DELETE_MARGIN_SECONDS = 10.0  # beyond the drain: runtimed's tick and the Unregister round trip
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,62}")
 
@@ -68,12 +70,31 @@ def check_files(files: Mapping[str, str]) -> dict[PurePosixPath, str]:
     total = 0
     for name, text in files.items():
         path = PurePosixPath(name)
-        if not name or "\0" in name or path.is_absolute() or ".." in path.parts:
-            raise InvalidField("files", f"{name!r} must be a relative path inside the run")
+        shown = name if len(name) <= 80 else name[:80] + "..."
+        if (
+            not path.parts
+            or str(path) != name  # ".", "./a", "a//b", "a/": one spelling per file
+            or "\0" in name
+            or path.is_absolute()
+            or ".." in path.parts
+        ):
+            raise InvalidField("files", f"{shown!r} must be a relative path to a file in the run")
+        if len(name.encode()) > MAX_PATH_BYTES or any(
+            len(part.encode()) > MAX_NAME_BYTES for part in path.parts
+        ):
+            raise InvalidField(
+                "files",
+                f"{shown!r} is too long: at most {MAX_NAME_BYTES} bytes a name, "
+                f"{MAX_PATH_BYTES} a path",
+            )
         if not isinstance(text, str):
-            raise InvalidField("files", f"content of {name!r} must be text")
+            raise InvalidField("files", f"content of {shown!r} must be text")
         total += len(text.encode())
         checked[path] = text
+    directories = {parent for path in checked for parent in path.parents}
+    for path in checked:
+        if path in directories:
+            raise InvalidField("files", f"{str(path)!r} is both a file and a directory")
     if total > limits.MAX_PAYLOAD_BYTES:
         raise InvalidField("files", f"{total} bytes in all; at most {limits.MAX_PAYLOAD_BYTES}")
     return checked
@@ -164,8 +185,7 @@ class ControlPlane:
         """Ask the pod's runtimed to unregister — cancelling the in-flight invocation, or
         draining it for at most `drain_timeout_millis` (0: runtimed's default) — then remove
         the working dir."""
-        if drain_timeout_millis < 0:
-            raise InvalidField("drainTimeoutMs", "must not be negative")
+        limits.check_drain_timeout(drain_timeout_millis, "drainTimeoutMs")
         run = self.store.get(name)
         # The write is fenced on attempt and pod: if the retry engine moved the Run meanwhile,
         # read it again and repeat.
@@ -223,7 +243,11 @@ class ControlPlane:
             elif run.phase in (PENDING, READY) and not pod_alive and pod is not None:
                 # SPEC §4: a Runtime Pod that dies moves its Runs to retry.
                 self.store.update(
-                    run, phase=RETRYING, message=f"pod {run.assigned_pod} stopped", failed_at=now
+                    run,
+                    phase=RETRYING,
+                    message=f"pod {run.assigned_pod} stopped",
+                    failed_at=now,
+                    uncharged_attempts=run.uncharged_attempts + 1,  # not the function's fault
                 )
             elif run.phase == IDLE and not pod_alive:
                 # No registration exists, so nothing failed: move it without a new attempt.
@@ -232,16 +256,18 @@ class ControlPlane:
                     self.store.update(run, assigned_pod=target)
 
     def _retry(self, run: Run, pod_alive: bool, now: float) -> None:
-        if run.attempt >= self.policy.max_attempts:
+        # Only failures charged to the Run spend its budget: with its pod down or restarting,
+        # a Run waits and retries for free (README, "Runs").
+        if run.charged_attempts >= self.policy.max_attempts:
             self.store.update(
                 run,
                 phase=FAILED,
                 message=limits.bounded(
-                    f"gave up after {run.attempt} registration attempts: {run.message}"
+                    f"gave up after {run.charged_attempts} registration attempts: {run.message}"
                 ),
             )
             return
-        if now < run.failed_at + self.policy.backoff(run.attempt):
+        if now < run.failed_at + self.policy.backoff(max(1, run.charged_attempts)):
             return
         # Same pod if it is healthy, else reassignment (seed: the retry engine advances the
         # attempt before the scheduler assigns or reassigns a Runtime Pod).

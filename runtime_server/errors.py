@@ -67,6 +67,11 @@ class NoRuntimePod(RuntimeServerError):
     """No live Runtime Pod serves the Run's runtime."""
 
 
+class RegistrationLost(RuntimeServerError):
+    """The pod's Runtime Server no longer holds the Run's registration (it restarted); the Run is
+    being registered again."""
+
+
 class RoutedElsewhere(RuntimeServerError):
     """Routing fence: the Run is not assigned to the pod the call reached."""
 

@@ -14,6 +14,7 @@ import json
 import logging
 import socket
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -50,10 +51,23 @@ HTTP_STATUS: dict[grpc.StatusCode, int] = {
     Code.CANCELLED: 503,
     Code.INTERNAL: 500,
 }
-RETRY_AFTER = {Code.RESOURCE_EXHAUSTED, Code.FAILED_PRECONDITION}
+# Every 429 and 503 says when to come back (a Run re-registering answers UNAVAILABLE).
+RETRY_AFTER = {Code.RESOURCE_EXHAUSTED, Code.FAILED_PRECONDITION, Code.UNAVAILABLE, Code.CANCELLED}
 CREATE_WAIT_SECONDS = 90.0  # POST /v1/runs answers once the Run is Ready or Failed
 DEADLINE_SLACK_SECONDS = 10.0  # room for a cold start on top of the invocation's own timeout
 DEFAULT_LISTEN = "127.0.0.1:8080"
+MAX_HEADER_BYTES = 64 * 1024  # larger request headers get 431
+# Tornado buffers headers up to this size (then closes the connection), so that everything
+# between MAX_HEADER_BYTES and it gets a 431 the client can read.
+_HEADER_BUFFER_BYTES = 1024 * 1024
+IDLE_CONNECTION_SECONDS = 300.0
+# A burst of connections waits in the kernel's accept queue instead of being reset (the kernel
+# caps it at net.core.somaxconn).
+LISTEN_BACKLOG = 4096
+EXPOSED_HEADERS = (
+    "X-Invocation-Id, X-Fn-Outputs, X-Fn-Attempt, X-Fn-Cold-Start, X-Fn-Logs, Retry-After"
+)
+ALLOWED_REQUEST_HEADERS = "Authorization, Content-Type, X-Invocation-Id, X-Timeout-Ms"
 
 
 class GatewayError(Exception):
@@ -66,29 +80,79 @@ class GatewayError(Exception):
         self.extra = extra
 
 
-class PayloadTooLarge(Exception):
-    pass
+class Refused(Exception):
+    """A request refused at the HTTP level, before any Run is looked up: the status is HTTP's
+    own (413, 415, 431, 403), with the same JSON error body as every other failure."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
 
 
-def is_loopback(listen: str) -> bool:
-    if listen.startswith("unix:"):
-        return True
-    host = listen.rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+@dataclass(frozen=True)
+class Access:
+    """Who may call the gateway (README, "Security"): the bearer token (None: no token, which
+    the CLI allows on loopback only), the browser origins allowed (none by default), and the
+    host names the Host header may carry besides the listen address and ``localhost``."""
+
+    token: str | None = None
+    allowed_origins: frozenset[str] = frozenset()
+    allowed_hosts: frozenset[str] = frozenset()
+
+    def token_matches(self, authorization: str) -> bool:
+        if self.token is None:
+            return True
+        scheme, _, credentials = authorization.strip().partition(" ")
+        # RFC 9110 §11.1: the scheme is case-insensitive.
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            credentials.strip().encode(), self.token.encode()
+        )
+
+    def host_allowed(self, host: str, listen_host: str) -> bool:
+        """DNS rebinding: a page served from evil.example that resolves to 127.0.0.1 reaches
+        us with ``Host: evil.example``; only our own names and addresses are answered."""
+        name = _host_name(host)
+        if name == "localhost" or name in self.allowed_hosts:
+            return True
+        try:
+            address = ipaddress.ip_address(name)
+        except ValueError:
+            return False
+        if listen_host in ("", "0.0.0.0", "::"):
+            return True  # bound to every address: any of ours may be named
+        try:
+            bound = ipaddress.ip_address(listen_host)
+        except ValueError:
+            return False
+        return address == bound or (address.is_loopback and bound.is_loopback)
+
+
+def _host_name(host: str) -> str:
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1 : host.find("]")] if "]" in host else host
+    return host.rpartition(":")[0] if host.count(":") == 1 else host
 
 
 class Gateway:
     """The gateway's state: the control plane, runtimed channels, the bearer token."""
 
-    def __init__(self, control_plane: ControlPlane, token: str | None = None) -> None:
+    def __init__(
+        self,
+        control_plane: ControlPlane,
+        access: Access | None = None,
+        *,
+        body_timeout: float = 60.0,
+    ) -> None:
         self.control_plane = control_plane
         self.store = control_plane.store
-        self.token = token
+        self.access = access or Access()
+        # A body that has not arrived whole by then closes the connection: a client that sends
+        # less than its Content-Length does not hold a connection forever.
+        self.body_timeout = body_timeout
+        self.listen_host = ""
         self._stubs: dict[str, pb_grpc.FunctionRuntimeStub] = {}
         self._server: httpserver.HTTPServer | None = None
         self.address = ""
@@ -122,14 +186,25 @@ class Gateway:
 
     def listen(self, listen: str) -> str:
         self._server = httpserver.HTTPServer(
-            self.application(), max_body_size=limits.GRPC_MAX_MESSAGE_BYTES, xheaders=False
+            self.application(),
+            max_body_size=limits.GRPC_MAX_MESSAGE_BYTES,
+            max_header_size=_HEADER_BUFFER_BYTES,
+            body_timeout=self.body_timeout,
+            idle_connection_timeout=IDLE_CONNECTION_SECONDS,
+            xheaders=False,
         )
         if listen.startswith("unix:"):
-            self._server.add_socket(netutil.bind_unix_socket(listen[5:], mode=0o600))
+            self._server.add_socket(
+                netutil.bind_unix_socket(listen[5:], mode=0o600, backlog=LISTEN_BACKLOG)
+            )
             self.address = listen
+            self.listen_host = "localhost"
         else:
             host, _, port = listen.rpartition(":")
-            sockets = netutil.bind_sockets(int(port), host.strip("[]"), family=socket.AF_UNSPEC)
+            self.listen_host = host.strip("[]")
+            sockets = netutil.bind_sockets(
+                int(port), self.listen_host, family=socket.AF_UNSPEC, backlog=LISTEN_BACKLOG
+            )
             self._server.add_sockets(sockets)
             bound = sockets[0].getsockname()[1]
             self.address = f"http://{host}:{bound}"
@@ -148,18 +223,58 @@ class BaseHandler(web.RequestHandler):
         self.gateway = gateway
 
     def prepare(self) -> Awaitable[None] | None:
-        token = self.gateway.token
-        if token is not None:
-            given = self.request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-                raise GatewayError(Code.UNAUTHENTICATED, "missing or wrong bearer token")
+        """The checks of README "Security", before anything is looked up or called."""
+        request, access = self.request, self.gateway.access
+        size = len(request.method or "") + len(request.uri or "")
+        size += sum(len(k) + len(v) + 4 for k, v in request.headers.get_all())
+        if size > MAX_HEADER_BYTES:
+            raise Refused(
+                431,
+                "REQUEST_HEADER_FIELDS_TOO_LARGE",
+                f"request headers are {size} bytes; at most {MAX_HEADER_BYTES}",
+            )
+        if not access.host_allowed(request.host, self.gateway.listen_host):
+            raise Refused(403, "PERMISSION_DENIED", f"Host {request.host[:100]!r} is not allowed")
+        origin = request.headers.get("Origin")
+        if origin is not None:
+            if origin not in access.allowed_origins:
+                raise Refused(403, "PERMISSION_DENIED", f"Origin {origin[:100]!r} is not allowed")
+            self.set_header("Access-Control-Allow-Origin", origin)
+            self.set_header("Vary", "Origin")
+            self.set_header("Access-Control-Expose-Headers", EXPOSED_HEADERS)
+        if request.method == "OPTIONS":
+            return None  # a CORS preflight carries no token; options() answers it
+        if not access.token_matches(request.headers.get("Authorization", "")):
+            raise GatewayError(Code.UNAUTHENTICATED, "missing or wrong bearer token")
+        if request.method in ("POST", "PUT", "PATCH"):
+            content_type = request.headers.get("Content-Type", "")
+            media_type = content_type.split(";", 1)[0].strip().lower()
+            if media_type != "application/json":
+                # A browser sends text/plain and form bodies cross-origin without asking first.
+                raise Refused(
+                    415,
+                    "UNSUPPORTED_MEDIA_TYPE",
+                    f"Content-Type must be application/json, got {content_type[:100]!r}",
+                )
         return None
+
+    def options(self, *_: str) -> None:
+        """The CORS preflight of an allowed origin (prepare refused every other one)."""
+        if "Origin" not in self.request.headers:
+            raise Refused(405, "METHOD_NOT_ALLOWED", "OPTIONS is only a CORS preflight here")
+        self.set_header("Access-Control-Allow-Methods", "GET, POST, DELETE")
+        self.set_header("Access-Control-Allow-Headers", ALLOWED_REQUEST_HEADERS)
+        self.set_header("Access-Control-Max-Age", "600")
+        self.set_status(204)
+        self.finish()
 
     def json_body(self) -> dict[str, Any]:
         try:
             body = json.loads(self.request.body or b"{}")
         except ValueError as exc:
             raise InvalidField("body", f"not JSON: {exc}") from None
+        except RecursionError:
+            raise InvalidField("body", "nested too deeply") from None
         if not isinstance(body, dict):
             raise InvalidField("body", "must be a JSON object")
         return body
@@ -189,8 +304,8 @@ class BaseHandler(web.RequestHandler):
     def _handle_request_exception(self, e: BaseException) -> None:
         if isinstance(e, GatewayError):
             self.send_error_body(e)
-        elif isinstance(e, PayloadTooLarge):
-            self.send_json(413, {"code": "PAYLOAD_TOO_LARGE", "message": str(e)})
+        elif isinstance(e, Refused):
+            self.send_json(e.status, {"code": e.code, "message": e.message})
         elif isinstance(e, Exception) and (code := status_of(e)) is not None:
             self.send_error_body(GatewayError(code, limits.bounded(str(e))))
         elif isinstance(e, web.HTTPError):
@@ -302,14 +417,13 @@ class RunHandler(BaseHandler):
         cancel = self.get_query_argument("cancelInFlight", "false")
         drain = self.get_query_argument("drainTimeoutMs", "0")
         if cancel not in ("true", "false"):
-            raise InvalidField("cancelInFlight", f"must be true or false, got {cancel!r}")
-        if not drain.isdigit():
-            raise InvalidField("drainTimeoutMs", f"must be a non-negative integer, got {drain!r}")
+            raise InvalidField("cancelInFlight", f"must be true or false, got {cancel[:40]!r}")
+        drain_millis = limits.parse_count(drain, "drainTimeoutMs", limits.MAX_DRAIN_TIMEOUT_MILLIS)
         await self.blocking(
             self.gateway.control_plane.delete_run,
             name,
             cancel_in_flight=cancel == "true",
-            drain_timeout_millis=int(drain),
+            drain_timeout_millis=drain_millis,
         )
         self.set_status(204)
         self.finish()
@@ -323,13 +437,14 @@ class InvokeHandler(BaseHandler):
     answer; a larger one is refused at once and the connection closed."""
 
     def prepare(self) -> None:
-        super().prepare()
         self._chunks: list[bytes] = []
         self._size = 0
         self._call: grpc.aio.UnaryUnaryCall | None = None
+        super().prepare()
+        # Tornado has checked that Content-Length is ASCII digits (400 otherwise).
         length = self.request.headers.get("Content-Length", "")
-        if length.isdigit() and int(length) > limits.GRPC_MAX_MESSAGE_BYTES:
-            raise PayloadTooLarge(self._too_large(int(length)))
+        if length.isascii() and length.isdigit() and int(length) > limits.GRPC_MAX_MESSAGE_BYTES:
+            raise Refused(413, "PAYLOAD_TOO_LARGE", self._too_large(int(length)))
 
     @staticmethod
     def _too_large(size: int) -> str:
@@ -349,15 +464,11 @@ class InvokeHandler(BaseHandler):
 
     async def post(self, name: str) -> None:
         if self._size > limits.MAX_PAYLOAD_BYTES:
-            raise PayloadTooLarge(self._too_large(self._size))
+            raise Refused(413, "PAYLOAD_TOO_LARGE", self._too_large(self._size))
         headers = self.request.headers
         invocation_id = limits.check_invocation_id(headers.get("X-Invocation-Id", ""))
-        timeout_header = headers.get("X-Timeout-Ms", "0")
-        if not timeout_header.isdigit():
-            raise InvalidField(
-                "X-Timeout-Ms", f"must be a non-negative integer, got {timeout_header!r}"
-            )
-        timeout_millis = int(timeout_header)
+        # Any int64 is taken, as on the wire, and capped like timeout_millis (limits.py).
+        timeout_millis = limits.parse_count(headers.get("X-Timeout-Ms", "0"), "X-Timeout-Ms")
         run = self.gateway.store.get(name)
         pod, stub = self.gateway.route(run)
         request = pb.InvokeFunctionRequest(

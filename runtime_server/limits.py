@@ -24,6 +24,9 @@ MAX_INVOCATION_ID_BYTES = 128
 MAX_PAYLOAD_BYTES = 6 * 1024 * 1024
 DEFAULT_TIMEOUT_MILLIS = 30_000
 MAX_TIMEOUT_MILLIS = 900_000
+# No call outlives MAX_TIMEOUT_MILLIS, so no drain needs to wait longer for one.
+MAX_DRAIN_TIMEOUT_MILLIS = MAX_TIMEOUT_MILLIS
+INT64_MAX = 2**63 - 1  # the widest integer field on the wire (int64)
 MAX_OUTPUTS = 32
 MAX_OUTPUT_VALUE_BYTES = 1024
 MAX_OUTPUTS_BYTES = 16 * 1024
@@ -37,6 +40,7 @@ _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 _OUTPUT_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 _PRINTABLE_ASCII = re.compile(r"[\x20-\x7e]*")
+_ASCII_DIGITS = re.compile(r"[0-9]{1,19}")  # no sign, no spaces, no '_', no other scripts' digits
 _CROCKFORD = b"0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 _TO_CROCKFORD = bytes.maketrans(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567", _CROCKFORD)
 
@@ -156,12 +160,22 @@ def effective_timeout_millis(timeout_millis: int) -> int:
     return min(timeout_millis, MAX_TIMEOUT_MILLIS)
 
 
-def check_drain_timeout(drain_timeout_millis: int) -> int:
-    if drain_timeout_millis < 0:
+def check_drain_timeout(drain_timeout_millis: int, field: str = "drain_timeout_millis") -> int:
+    if not 0 <= drain_timeout_millis <= MAX_DRAIN_TIMEOUT_MILLIS:
         raise InvalidField(
-            "drain_timeout_millis", f"must not be negative, got {drain_timeout_millis}"
+            field, f"must be 0 to {MAX_DRAIN_TIMEOUT_MILLIS} ms, got {drain_timeout_millis}"
         )
     return drain_timeout_millis
+
+
+def parse_count(text: str, field: str, maximum: int = INT64_MAX) -> int:
+    """A non-negative integer written in ASCII digits, at most `maximum` — for numbers that arrive
+    as text (HTTP headers, query strings, CLI flags). ``int()`` alone would also take ``" 7"``,
+    ``"1_000"`` and other scripts' digits, and ``str.isdigit()`` takes ``"²"``."""
+    if not _ASCII_DIGITS.fullmatch(text) or int(text) > maximum:
+        shown = text if len(text) <= 40 else text[:40] + "..."
+        raise InvalidField(field, f"must be an integer from 0 to {maximum}, got {shown!r}")
+    return int(text)
 
 
 def outputs_problem(outputs: Mapping[str, str]) -> str | None:

@@ -358,12 +358,15 @@ class Registry:
                     f"{run_uid} is untouched"
                 )
             reg.state = DRAINING  # seed: first DRAINING, rejecting new invokes
-            if not cancel_in_flight:
-                # Seed: wait no longer than drain_timeout_millis for the active invocation.
-                self._lock.wait_for(lambda: reg.in_flight == 0, drain_timeout_millis / 1000)
-            if self._current.get(run_uid) is reg:
-                del self._current[run_uid]
-                self._remember(run_uid, reg.attempt)
+            try:
+                if not cancel_in_flight:
+                    # Seed: wait no longer than drain_timeout_millis for the active invocation.
+                    self._lock.wait_for(lambda: reg.in_flight == 0, drain_timeout_millis / 1000)
+            finally:
+                # Whatever happened while draining, a DRAINING registration never stays behind.
+                if self._current.get(run_uid) is reg:
+                    del self._current[run_uid]
+                    self._remember(run_uid, reg.attempt)
         self._release(reg, cancel=True)
 
     def _release(self, reg: Registration, *, cancel: bool) -> None:

@@ -56,7 +56,8 @@ CREATE TABLE IF NOT EXISTS runs (
     created_at REAL NOT NULL,
     registration_digest TEXT NOT NULL DEFAULT '',
     cancel_in_flight INTEGER NOT NULL DEFAULT 0,
-    drain_timeout_millis INTEGER NOT NULL DEFAULT 0
+    drain_timeout_millis INTEGER NOT NULL DEFAULT 0,
+    uncharged_attempts INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS pods (
     name TEXT PRIMARY KEY,
@@ -92,6 +93,14 @@ class Run:
     # drain it for at most drain_timeout_millis (0: runtimed's default).
     cancel_in_flight: bool = False
     drain_timeout_millis: int = 0
+    # How many of its failed attempts do not count against the retry budget: those that failed
+    # because the pod was down or restarted (its server unreachable, or it lost the
+    # registration), which say nothing about the function.
+    uncharged_attempts: int = 0
+
+    @property
+    def charged_attempts(self) -> int:
+        return self.attempt - self.uncharged_attempts
 
     def to_json(self) -> dict[str, Any]:
         """The Run as the gateway shows it: spec and status, camelCase like the seed's JSON."""

@@ -33,6 +33,7 @@ from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from runtime_server.errors import (
     InvalidField,
     NotAllowedHere,
+    RegistrationLost,
     RegistrationNotFound,
     RoutedElsewhere,
     RunNotFound,
@@ -71,6 +72,9 @@ UNSUPPORTED = "runtime does not support function mode"
 INFRASTRUCTURE_FATAL_TYPES = frozenset({"WorkerKilled"})
 _SKIPPED_DIRS = frozenset({"__pycache__"})
 _REGISTER_RPC_TRIES = 3
+# RegisterFunction statuses that mean the server could not be reached at all.
+_POD_DOWN_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+_UNREGISTER_SLACK_SECONDS = 5.0  # the RPC's deadline beyond the drain it asks for
 
 
 def source_tree_hash(working_dir: Path) -> str:
@@ -314,14 +318,29 @@ class Runtimed:
             self.store.update(run, phase=FAILED, message=limits.bounded(fatal_error))
             LOG.warning("run %s failed: %s", run.name, fatal_error)
 
-    def _infrastructure_failure(self, run: Run, message: str) -> None:
+    def _infrastructure_failure(self, run: Run, message: str, *, charged: bool = True) -> None:
+        """Hand the Run to the retry engine. `charged`: the attempt counts against the Run's
+        retry budget — not when the pod was down (README, "Runs")."""
         with self._lock:
             self._active.pop(run.uid, None)
         self._heartbeat()  # so the retry engine sees at once whether this pod can take a retry
         self.store.update(
-            run, phase=RETRYING, message=limits.bounded(message), failed_at=time.time()
+            run,
+            phase=RETRYING,
+            message=limits.bounded(message),
+            failed_at=time.time(),
+            uncharged_attempts=run.uncharged_attempts + int(not charged),
         )
         LOG.warning("run %s attempt %d: %s; retrying", run.name, run.attempt, message)
+
+    def registration_lost(self, run: Run, active: Active) -> None:
+        """The server answered NOT_FOUND for `active`: it restarted. Retry, free of charge."""
+        with self._lock:
+            if self._active.get(run.uid) != active:
+                return  # already handled, or registered again meanwhile
+        self._infrastructure_failure(
+            run, "the Runtime Server lost the registration (restarted)", charged=False
+        )
 
     def _registration_failed(self, run: Run, code: grpc.StatusCode, details: str) -> None:
         if code == grpc.StatusCode.UNIMPLEMENTED:
@@ -330,7 +349,12 @@ class Runtimed:
         elif code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS):
             self.store.update(run, phase=FAILED, message=limits.bounded(details))
         else:
-            self._infrastructure_failure(run, f"RegisterFunction: {code.name}: {details}")
+            # An unreachable server is a pod that is down, not a fault of the function.
+            self._infrastructure_failure(
+                run,
+                f"RegisterFunction: {code.name}: {details}",
+                charged=code not in _POD_DOWN_CODES,
+            )
 
     # Poll: health and idle timeout, at a bounded cadence
 
@@ -350,7 +374,10 @@ class Runtimed:
             status = self._server_status(run.uid, active)
         except grpc.RpcError as err:
             # NOT_FOUND: the server restarted and lost it; UNAVAILABLE: the server is gone.
-            self._infrastructure_failure(run, f"FunctionStatus: {err.code().name}: {err.details()}")
+            # Either way the pod failed, not the function: the retry is free.
+            self._infrastructure_failure(
+                run, f"FunctionStatus: {err.code().name}: {err.details()}", charged=False
+            )
             return
         if status.state == REG_FAILED:
             self._fatal(run, status.fatal_error)
@@ -377,15 +404,22 @@ class Runtimed:
                 self._unregister_active(run.uid, active, cancel=False)
             LOG.info("run %s idle after %ss: unregistered", run.name, run.idle_timeout_seconds)
 
-    def _unregister(self, uid: str, *, cancel: bool, drain_millis: int = 0) -> None:
+    def _unregister(self, uid: str, *, cancel: bool, drain_millis: int = 0) -> bool:
+        """Unregister the Run's active registration; True once the server no longer holds it.
+        On failure the registration stays known here, so a later pass tries again."""
         with self._lock:
             active = self._active.pop(uid, None)
-        if active is not None:
-            self._unregister_active(uid, active, cancel=cancel, drain_millis=drain_millis)
+        if active is None:
+            return True
+        if self._unregister_active(uid, active, cancel=cancel, drain_millis=drain_millis):
+            return True
+        with self._lock:
+            self._active.setdefault(uid, active)
+        return False
 
     def _unregister_active(
         self, uid: str, active: Active, *, cancel: bool, drain_millis: int = 0
-    ) -> None:
+    ) -> bool:
         drain_millis = drain_millis or DEFAULT_DRAIN_MILLIS
         try:
             self.server_stub.UnregisterFunction(
@@ -394,17 +428,63 @@ class Runtimed:
                     cancel_in_flight=cancel,
                     drain_timeout_millis=drain_millis,
                 ),
-                timeout=drain_millis / 1000 + 5,
+                timeout=drain_millis / 1000 + _UNREGISTER_SLACK_SECONDS,
             )
         except grpc.RpcError as err:
-            LOG.warning("unregistering %s: %s", uid, err.details())
+            if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                return True  # stale: a newer registration replaced it, so this one is gone
+            LOG.warning("unregistering %s: %s; will retry", uid, err.details())
+            return False
+        return True
+
+    def _held_by_server(self, run: Run) -> Active | None:
+        """The registration the server holds for `run` that this runtimed does not know (it
+        restarted): learnt by repeating the Run's registration, which the seed makes idempotent
+        for the same attempt and digest. None if the server holds nothing for it."""
+        probe = _reference(run.uid, Active("reg_unknown", run.attempt, ""))
+        try:
+            self.server_stub.FunctionStatus(pb.FunctionStatusRequest(registration=probe), timeout=2)
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.NOT_FOUND:
+                return None
+            if err.code() != grpc.StatusCode.FAILED_PRECONDITION:  # stale id: it holds one
+                raise
+        if not run.registration_digest:
+            return None  # never registered by any runtimed: nothing can be held
+        response = self.server_stub.RegisterFunction(
+            pb.RegisterFunctionRequest(
+                run_uid=run.uid,
+                registration_attempt=run.attempt,
+                working_dir=run.working_dir,
+                handler=run.handler,
+                env=run.env,
+                idle_timeout_seconds=run.idle_timeout_seconds,
+                registration_digest=run.registration_digest,
+            ),
+            timeout=90,
+        )
+        return Active(response.registration.registration_id, run.attempt, run.registration_digest)
 
     def _delete(self, run: Run) -> None:
+        """Deletion converges: the Run becomes Deleted only once the server no longer holds its
+        registration; until then it stays Deleting and the next pass tries again."""
         with self._run_lock(run.uid):
+            with self._lock:
+                known = run.uid in self._active
+            if not known:
+                try:
+                    held = self._held_by_server(run)
+                except grpc.RpcError as err:
+                    LOG.warning("deleting %s: %s; will retry", run.name, err.details())
+                    return
+                if held is not None:
+                    with self._lock:
+                        self._active.setdefault(run.uid, held)
             # SPEC §4: a bounded drain, unless the delete asked to cancel the in-flight call
-            self._unregister(
+            if not self._unregister(
                 run.uid, cancel=run.cancel_in_flight, drain_millis=run.drain_timeout_millis
-            )
+            ):
+                return
             self.store.update(run, expect_phase=DELETING, phase=DELETED, message="unregistered")
 
     # Proxy hop
@@ -489,10 +569,17 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
     ) -> pb.InvokeFunctionResponse:
         _outside_id(request.registration)
         routed_to = _routed_to(context)
-        _, active, cold = self.runtimed.resolve(request.registration.run_uid, routed_to)
+        run, active, cold = self.runtimed.resolve(request.registration.run_uid, routed_to)
         try:
             return self._forward(request, context, active, cold)
         except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.NOT_FOUND:
+                # The server restarted and lost the registration; the Run still exists, so
+                # this is "come back soon" (503), never "no such function" (404).
+                self.runtimed.registration_lost(run, active)
+                raise RegistrationLost(
+                    f"run {run.uid}: its Runtime Server restarted; registering it again"
+                ) from None
             if err.code() != grpc.StatusCode.FAILED_PRECONDITION:
                 raise
         # The server refused the call before running it (the registration was just drained for

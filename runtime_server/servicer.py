@@ -32,6 +32,7 @@ from runtime_server.errors import (
     InvocationInFlight,
     NoRuntimePod,
     NotAllowedHere,
+    RegistrationLost,
     RegistrationNotFound,
     RegistrationNotReady,
     RoutedElsewhere,
@@ -67,6 +68,7 @@ GRPC_STATUS: dict[type[Exception], grpc.StatusCode] = {
     RunNotReady: grpc.StatusCode.FAILED_PRECONDITION,
     RoutedElsewhere: grpc.StatusCode.FAILED_PRECONDITION,
     NoRuntimePod: grpc.StatusCode.UNAVAILABLE,
+    RegistrationLost: grpc.StatusCode.UNAVAILABLE,
     NotAllowedHere: grpc.StatusCode.PERMISSION_DENIED,
 }
 ERROR_TYPE_KEY = "fn-error-type"

@@ -12,17 +12,19 @@ import logging
 import shutil
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
 from adapters.tempdirs import private_tempdir, sweep
+from runtime_server import tokens
 from runtime_server.launch import Child, spawn
 
 LOG = logging.getLogger("fnkernel.up")
 _MAX_UNIX_PATH = 100  # sockaddr_un holds 108 bytes; leave room for the longest file name
-_RESTART_BACKOFF = (0.0, 0.5, 1.0, 2.0, 5.0)
+_RESTART_BACKOFF = (0.0, 0.5, 1.0, 2.0)
+_STABLE_SECONDS = 5.0  # up this long, a component's next restart is immediate again
 
 
 def parse_pods(text: str) -> dict[str, int]:
@@ -48,6 +50,7 @@ class Component:
     log: IO[str] | None = None
     restarts: int = 0
     died_at: float = 0.0
+    started_at: float = 0.0
 
     def start(self, log_dir: Path) -> Child:
         if self.child is not None and self.child.proc.stdout is not None:
@@ -55,6 +58,7 @@ class Component:
         if self.log is None:
             self.log = open(log_dir / f"{self.name}.log", "a")  # noqa: SIM115 — lives with the component
         self.child = spawn(self.args, stderr=self.log, die_with_parent=True)
+        self.started_at = time.monotonic()
         return self.child
 
 
@@ -66,12 +70,21 @@ class Stack:
         *,
         gateway_listen: str = "127.0.0.1:8080",
         token_file: Path | None = None,
+        no_token: bool = False,
+        allow_origins: Sequence[str] = (),
+        allow_hosts: Sequence[str] = (),
         poll_interval: float = 1.0,
     ) -> None:
+        """`token_file`: the gateway's bearer token; without one, a gateway on TCP gets a new
+        token in STATE_DIR/token unless `no_token` (README, "Security")."""
         self.state_dir = state_dir.resolve()
         self.pods = dict(pods)
         self.gateway_listen = gateway_listen
         self.token_file = token_file
+        self.no_token = no_token
+        self.allow_origins = list(allow_origins)
+        self.allow_hosts = list(allow_hosts)
+        self.token: str | None = None
         self.poll_interval = poll_interval
         self.components: list[Component] = []
         self._lock = threading.Lock()
@@ -103,9 +116,19 @@ class Stack:
         for directory in (self.state_dir, self.workspace_root, self.state_dir / "logs"):
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._sockets = self._socket_dir()
+        chosen = tokens.gateway_token(
+            self.gateway_listen, self.state_dir, token_file=self.token_file, no_token=self.no_token
+        )
+        self.token = chosen.token
         gateway = ["gateway", "--listen", self.gateway_listen, *self._common]
-        if self.token_file is not None:
-            gateway += ["--token-file", str(self.token_file)]
+        if chosen.path is not None:  # a file, never argv: argv is visible to every local user
+            gateway += ["--token-file", str(chosen.path)]
+        elif chosen.token is None and not self.gateway_listen.startswith("unix:"):
+            gateway += ["--no-token"]
+        for origin in self.allow_origins:
+            gateway += ["--allow-origin", origin]
+        for host in self.allow_hosts:
+            gateway += ["--allow-host", host]
         try:
             for runtime, count in self.pods.items():
                 for _ in range(count):
@@ -173,9 +196,11 @@ class Stack:
         while not self._stopping.wait(0.1):
             for component in self.components:
                 child = component.child
-                if child is None or child.proc.poll() is None:
-                    continue
                 now = time.monotonic()
+                if child is None or child.proc.poll() is None:
+                    if component.restarts and now - component.started_at > _STABLE_SECONDS:
+                        component.restarts = 0  # it recovered: the back-off starts over
+                    continue
                 if not component.died_at:
                     component.died_at = now
                     LOG.warning("%s exited (%s); restarting", component.name, child.proc.returncode)

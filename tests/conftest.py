@@ -23,6 +23,7 @@ from runtime_server.launch import ServeProcess, spawn_serve
 from runtime_server.limits import sha256_digest
 from runtime_server.server import CHANNEL_OPTIONS, RuntimeServer
 from runtime_server.stack import Stack
+from runtime_server.tokens import find_token
 
 ROOT = Path(__file__).resolve().parents[1]
 _counter = itertools.count()
@@ -230,11 +231,11 @@ def stack_factory(tmp_path: Path) -> Iterator[Callable[..., Stack]]:
     def start(
         pods: dict[str, int] | None = None, *, state_dir: Path | None = None, **kw: object
     ) -> Stack:
+        kw.setdefault("poll_interval", 0.2)
         stack = Stack(
             state_dir or tmp_path / "state",
             pods or {"python": 1, "bash": 1},
             gateway_listen="127.0.0.1:0",
-            poll_interval=0.2,
             **kw,  # type: ignore[arg-type]
         )
         stack.start()
@@ -266,12 +267,22 @@ def http_call(
     path: str,
     body: bytes | None = None,
     headers: dict[str, str] | None = None,
+    *,
+    authenticate: bool = True,
 ) -> tuple[int, http.client.HTTPMessage, bytes]:
-    """One raw HTTP request to a gateway: (status, headers, body), whatever the status."""
+    """One raw HTTP request to a gateway: (status, headers, body), whatever the status. Like
+    the client library, it sends a body as JSON and the gateway's own token (README,
+    "Security") unless `headers` say otherwise or `authenticate` is False."""
     url = urllib.parse.urlsplit(address)
+    sent = dict(headers or {})
+    if body is not None:
+        sent.setdefault("Content-Type", "application/json")
+    token = find_token(address) if authenticate else None
+    if token is not None:
+        sent.setdefault("Authorization", f"Bearer {token}")
     connection = http.client.HTTPConnection(url.hostname or "", url.port, timeout=60)
     try:
-        connection.request(method, path, body=body, headers=headers or {})
+        connection.request(method, path, body=body, headers=sent)
         response = connection.getresponse()
         return response.status, response.headers, response.read()
     finally:

@@ -176,7 +176,8 @@ def test_client_hanging_up_cancels_the_invocation(shared_stack: Stack) -> None:
     name = create(shared_stack, SLOW_PY)
     client = Client(shared_stack.gateway_address)
     connection = client._connect()
-    connection.request("POST", f"/v1/runs/{name}:invoke", body=b'{"sleep": 30}')
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {client.token}"}
+    connection.request("POST", f"/v1/runs/{name}:invoke", body=b'{"sleep": 30}', headers=headers)
     wait_in_flight(shared_stack, name)
     connection.close()
     wait_until(lambda: not client.status(name)["live"]["inFlight"], timeout=5)
@@ -329,7 +330,7 @@ def test_token_gateway_rejects_requests_without_bearer_401(tmp_path: Path) -> No
          "--token-file", str(token_file)]
     )  # fmt: skip
     try:
-        status, headers, body = http_call(gateway.address, "GET", "/v1/runs")
+        status, headers, body = http_call(gateway.address, "GET", "/v1/runs", authenticate=False)
         assert status == 401
         assert headers["WWW-Authenticate"] == "Bearer"
         assert json.loads(body)["code"] == "UNAUTHENTICATED"
@@ -345,13 +346,13 @@ def test_token_gateway_rejects_requests_without_bearer_401(tmp_path: Path) -> No
 
 
 def test_non_loopback_gateway_refuses_to_start_without_a_token(tmp_path: Path) -> None:
-    # SPEC §4: a non-loopback bind requires --token-file. It refuses before binding anything.
+    # README, "Security": --no-token is for loopback only. It refuses before binding anything.
     started = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-m", "runtime_server.cli", "gateway", "--listen", "0.0.0.0:0",
-         "--state-dir", str(tmp_path / "state")],
+         "--state-dir", str(tmp_path / "state"), "--no-token"],
         capture_output=True, text=True, timeout=30,
     )  # fmt: skip
     assert result.returncode == 2
-    assert "--token-file" in result.stderr
+    assert "--no-token" in result.stderr
     assert time.monotonic() - started < 30

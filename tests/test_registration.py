@@ -314,3 +314,23 @@ def test_registration_working_dir_symlink_outside_workspace_is_invalid(
     link = python_rt.workspace / "link"
     link.symlink_to(outside)
     assert code_of(lambda: python_rt.register(working_dir=link)) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("drain_millis", [2**63 - 1, 10**13, 900_001])
+def test_a_drain_over_the_maximum_is_invalid_and_leaves_the_registration_ready(
+    python_rt: Client, drain_millis: int
+) -> None:
+    # README, "Limits": drain_timeout_millis is 0 to 900,000 (no call outlives 900 s). Beyond
+    # it, INVALID_ARGUMENT before anything changes: never a registration stuck DRAINING.
+    reg = python_rt.register(working_dir=python_rt.workdir(SLOW))
+    future = python_rt.invoke_future(reg.registration, b'{"sleep": 0.5}')
+    wait_until(lambda: python_rt.status(reg.registration).in_flight == 1)
+    with pytest.raises(grpc.RpcError) as caught:
+        python_rt.unregister(reg.registration, drain_millis=drain_millis)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "drain_timeout_millis" in (caught.value.details() or "")
+    assert python_rt.status(reg.registration).state == READY
+    assert json.loads(future.result(timeout=10).output) == {"slept": 0.5}
+    assert json.loads(python_rt.invoke(reg.registration, b'{"sleep": 0}').output) == {"slept": 0}
+    python_rt.unregister(reg.registration, drain_millis=900_000)  # the maximum itself is fine
+    assert code_of(lambda: python_rt.status(reg.registration)) == grpc.StatusCode.NOT_FOUND

@@ -16,7 +16,7 @@ import pytest
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from runtime_server.controlplane import ControlPlane, RetryPolicy
-from runtime_server.runs import FAILED, PENDING, READY, Run, RunStore
+from runtime_server.runs import DELETED, DELETING, FAILED, PENDING, READY, Run, RunStore
 from runtime_server.runtimed import POD_KEY, UNSUPPORTED, Runtimed, registration_digest
 from runtime_server.server import CHANNEL_OPTIONS, RuntimeServer
 from tests.conftest import ECHO_PY, wait_until
@@ -261,3 +261,54 @@ def test_worker_killed_by_a_signal_is_retried_then_bounded(pod: Pod) -> None:
     assert run.attempt == 3
     assert run.message.startswith("gave up after 3 registration attempts: WorkerKilled:")
     assert "SIGKILL" in run.message
+
+
+def test_a_delete_converges_even_after_runtimed_forgot_the_registration(pod: Pod) -> None:
+    # README, "Runs": a Run becomes Deleted only once its Runtime Server no longer holds the
+    # registration. A restarted runtimed knows no registration ID: it must find the one the
+    # server holds (the same attempt and digest return it) and unregister it.
+    run = pod.create("echo", ECHO_PY)
+    registration = pod.invoke(run).registration
+    pod.runtimed.stop(0)
+    current = pod.store.get("echo")
+    assert pod.store.update(current, phase=DELETING, message="delete requested")
+    successor = Runtimed(
+        pod.store,
+        pod=POD,
+        runtime="python",
+        server_address=pod.runtimed.server_address,
+        poll_interval=0.2,
+    )
+    successor.start("unix:" + pod.runtimed.address[5:] + "2")
+    try:
+        wait_until(lambda: pod.store.get("echo").phase == DELETED, timeout=10)
+        with pytest.raises(grpc.RpcError) as caught:
+            pod.server.FunctionStatus(
+                pb.FunctionStatusRequest(registration=registration), timeout=5
+            )
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        successor.stop(0)
+
+
+def test_a_registration_the_server_lost_is_503_and_registered_again_free_of_charge(
+    pod: Pod,
+) -> None:
+    # The server lost the registration (it restarted): the Run exists, so the proxy answers
+    # UNAVAILABLE (503 at the gateway), never NOT_FOUND, and the retry is not charged.
+    run = pod.create("echo", ECHO_PY)
+    registration = pod.invoke(run).registration
+    pod.server.UnregisterFunction(
+        pb.UnregisterFunctionRequest(registration=registration), timeout=5
+    )
+    with pytest.raises(grpc.RpcError) as caught:
+        pod.invoke(run)
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE, caught.value.details()
+    pod.control_plane.start()
+    try:
+        wait_until(lambda: pod.store.get("echo").phase == READY, timeout=10)
+    finally:
+        pod.control_plane.stop()
+    again = pod.store.get("echo")
+    assert (again.attempt, again.uncharged_attempts, again.charged_attempts) == (2, 1, 1)
+    assert b'"echo"' in pod.invoke(again).output

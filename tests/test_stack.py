@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -269,3 +270,75 @@ def test_delete_unregisters_and_removes_the_working_dir(shared_stack: Stack) -> 
     assert time.monotonic() - started < 15
     assert len(set(shared_stack.workspace_root.iterdir())) == len(workdirs) - 1
     assert "doomed" not in [run["name"] for run in client.list_runs()]
+
+
+def test_runtime_server_kills_neither_exhaust_the_run_nor_answer_404(
+    stack_factory: StackFactory,
+) -> None:
+    # README, "Runs": an attempt that fails because the pod is down is not charged to the Run's
+    # retry budget (3), and while the Run is registered again every invoke answers 503 with
+    # Retry-After, never 404 ("no such function"). Four kills, waiting for recovery each time.
+    stack = stack_factory({"python": 1}, poll_interval=5.0)  # FunctionStatus polls are rare
+    client = Client(stack.gateway_address)
+    client.create_run("steady", runtime="python", handler="handler.handle", files=ECHO)
+    component = stack.component("python-0-server")
+    refusals: list[tuple[int, str | None]] = []
+
+    def answered() -> bool:
+        status, headers, _ = http_call(
+            stack.gateway_address, "POST", "/v1/runs/steady:invoke", b"{}"
+        )
+        if status != 200:
+            refusals.append((status, headers.get("Retry-After")))
+        return status == 200
+
+    for _ in range(4):
+        server = component.child
+        assert server is not None
+        os.kill(server.pid, signal.SIGKILL)
+        wait_until(lambda: component.child is not server, timeout=10)  # noqa: B023
+        wait_until(answered, timeout=15)
+    phase, attempt = phase_and_attempt(client, "steady")
+    assert phase == "Ready" and attempt >= 2
+    assert refusals, "no invoke ever met the restart"
+    assert all(status == 503 and retry for status, retry in refusals), set(refusals)
+    # The supervisor's back-off starts over once the server has stayed up.
+    wait_until(lambda: component.restarts == 0, timeout=15)
+
+
+def test_delete_with_a_call_in_flight_answers_after_the_call_and_leaves_nothing(
+    shared_stack: Stack,
+) -> None:
+    # README, "HTTP API": DELETE drains the call in flight (at most drainTimeoutMs, 0 to
+    # 900000) and answers once the Runtime Server no longer holds the Run's registration.
+    client = Client(shared_stack.gateway_address)
+    run = client.create_run("draining", runtime="python", handler="handler.handle", files=SLOW_PY)
+    status, _, body = http_call(
+        shared_stack.gateway_address, "DELETE", "/v1/runs/draining?drainTimeoutMs=10000000000000"
+    )
+    assert status == 400 and "drainTimeoutMs" in json.loads(body)["message"]
+    finished: list[float] = []
+
+    def call() -> None:
+        client.invoke("draining", {"sleep": 1})
+        finished.append(time.monotonic())
+
+    slow = threading.Thread(target=call)
+    slow.start()
+    wait_until(lambda: (client.status("draining").get("live") or {}).get("inFlight") == 1)
+    client.delete_run("draining", drain_timeout_millis=10_000)
+    deleted = time.monotonic()
+    slow.join(10)
+    assert finished and finished[0] <= deleted  # drained: the call ended first
+    channel, stub = server_stub(shared_stack)
+    try:
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.FunctionStatus(
+                pb.FunctionStatusRequest(
+                    registration=pb.FunctionRegistration(run_uid=run["uid"], registration_id="x")
+                ),
+                timeout=5,
+            )
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        channel.close()

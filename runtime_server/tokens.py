@@ -1,0 +1,182 @@
+"""The gateway's bearer token: made, stored, announced and found (README, "Security").
+
+Standard library only: the client library (and so the kernel) imports this at start.
+
+* A gateway on TCP requires a token, loopback included, because any web page the user opens can
+  send requests to loopback. When none is given, one is generated at start and stored in
+  ``STATE_DIR/token`` (mode 0600).
+* Every gateway that requires a token also writes a *gateway file* ``gateway-PID.json``
+  ({address, token, pid}, mode 0600) into the runtime directory (0700), and removes it when it
+  stops, as Jupyter Server does with its ``jpserver-PID.json``. A client given only an address
+  finds the token there, so neither the CLI nor the kernel makes the user copy it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import os
+import secrets
+import urllib.parse
+from dataclasses import dataclass
+from pathlib import Path
+
+TOKEN_ENV = "FNKERNEL_TOKEN"
+RUNTIME_DIR_ENV = "FNKERNEL_RUNTIME_DIR"
+TOKEN_FILE = "token"  # inside the state dir
+
+
+def generate() -> str:
+    """A fresh token: 256 random bits, URL-safe."""
+    return secrets.token_urlsafe(32)
+
+
+def write_private(path: Path, text: str) -> Path:
+    """Write `text` to `path`, readable by this user only (0600), replacing it whole."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # an older file of that name may have had another mode
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+    os.replace(temporary, path)
+    return path
+
+
+def read_token_file(path: Path) -> str:
+    """The token in `path`; ValueError if it holds none."""
+    token = path.read_text().strip()
+    if not token or any(c.isspace() for c in token):
+        raise ValueError(f"{path} does not hold a token (one line, no spaces)")
+    return token
+
+
+def is_loopback(listen: str) -> bool:
+    """Whether a listen address (``host:port`` or ``unix:PATH``) is reachable from this machine
+    only."""
+    if listen.startswith("unix:"):
+        return True
+    return _is_local(listen.rpartition(":")[0].strip("[]").lower())
+
+
+@dataclass(frozen=True)
+class GatewayToken:
+    """What a gateway about to listen on `listen` requires: `token` (None: none) and the file
+    that holds it (given, or generated into the state dir)."""
+
+    token: str | None
+    path: Path | None = None
+    generated: bool = False
+
+
+def gateway_token(
+    listen: str, state_dir: Path, *, token_file: Path | None = None, no_token: bool = False
+) -> GatewayToken:
+    """README, "Security": a token on every TCP listener, loopback included — the one in
+    `token_file`, or a new one stored in STATE_DIR/token; none on a Unix socket (its file mode
+    guards it) or with `no_token` on loopback. ValueError for any other combination."""
+    if no_token and token_file is not None:
+        raise ValueError("--no-token and --token-file exclude each other")
+    if token_file is not None:
+        return GatewayToken(read_token_file(token_file), token_file)
+    if listen.startswith("unix:"):
+        return GatewayToken(None)
+    if no_token:
+        if not is_loopback(listen):
+            raise ValueError(
+                f"refusing to listen on {listen} without a token "
+                "(--no-token is for loopback addresses only)"
+            )
+        return GatewayToken(None)
+    token = generate()
+    path = write_private(state_dir / TOKEN_FILE, token + "\n")
+    return GatewayToken(token, path, generated=True)
+
+
+def runtime_dir() -> Path:
+    """Where running gateways leave their gateway files."""
+    explicit = os.environ.get(RUNTIME_DIR_ENV)
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg:
+        return Path(xdg) / "fnkernel"
+    return Path.home() / ".local" / "share" / "fnkernel" / "runtime"
+
+
+def announce(address: str, token: str) -> Path:
+    """Write this process's gateway file; remove it with ``withdraw``."""
+    directory = runtime_dir()
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    body = {"address": address, "token": token, "pid": os.getpid()}
+    return write_private(directory / f"gateway-{os.getpid()}.json", json.dumps(body))
+
+
+def withdraw(path: Path) -> None:
+    path.unlink(missing_ok=True)
+
+
+def _endpoint(address: str) -> tuple[str, int | None]:
+    url = urllib.parse.urlsplit(address if "://" in address else f"http://{address}")
+    try:
+        port = url.port
+    except ValueError:
+        port = None
+    return (url.hostname or "").lower(), port
+
+
+def _is_local(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def same_gateway(announced: str, wanted: str) -> bool:
+    """Whether a client that was given `wanted` talks to the gateway that announced itself at
+    `announced`. A loopback name matches a gateway bound to loopback or to every address; no
+    other host gets a token meant for another."""
+    host, port = _endpoint(announced)
+    want_host, want_port = _endpoint(wanted)
+    if port is None or port != want_port:
+        return False
+    if host == want_host:
+        return True
+    return _is_local(want_host) and (_is_local(host) or host in ("0.0.0.0", "::"))
+
+
+def _alive(pid: object) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def find_token(address: str) -> str | None:
+    """The token of the running gateway at `address`, from its gateway file, if there is one."""
+    if address.startswith("unix:"):
+        return None  # a Unix socket is guarded by its file mode, not by a token
+    try:
+        entries = sorted(runtime_dir().glob("gateway-*.json"))
+    except OSError:
+        return None
+    for entry in entries:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            info = json.loads(entry.read_text())
+            if not _alive(info.get("pid")):
+                continue
+            if same_gateway(str(info.get("address", "")), address):
+                token = info.get("token")
+                if isinstance(token, str) and token:
+                    return token
+    return None

@@ -1,0 +1,331 @@
+"""README, "Security": what a web page, or another program on the same machine, can and cannot do
+to the gateway. Every request here is a real HTTP request to a real `fnkernel gateway` process."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import time
+import urllib.parse
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from runtime_server import tokens
+from runtime_server.client import Client
+from runtime_server.errors import Unauthorized
+from runtime_server.launch import Child, spawn
+from runtime_server.stack import Stack
+from tests.conftest import http_call, wait_until
+
+# The attack of the issue: a module that runs code when it is imported, at registration.
+PWNED = "open('pwned', 'w').write('x')\ndef handler(e):\n    return e\n"
+ATTACK = json.dumps(
+    {"name": "x", "runtime": "python", "handler": "h.handler", "files": {"h.py": PWNED}}
+).encode()
+
+
+def no_code_ran(stack: Stack) -> bool:
+    return not list(stack.workspace_root.rglob("pwned")) and not any(
+        run["name"] == "x" for run in Client(stack.gateway_address).list_runs()
+    )
+
+
+@pytest.fixture
+def gateway(tmp_path: Path) -> Iterator[Child]:
+    """A bare `fnkernel gateway` on loopback TCP with its defaults (no pods: nothing to run)."""
+    child = spawn(
+        ["gateway", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "state"),
+         "--body-timeout", "1"]
+    )  # fmt: skip
+    yield child
+    child.stop()
+
+
+def raw(address: str, request: bytes, timeout: float = 10) -> bytes:
+    """Send `request` bytes as they are; everything the gateway answers until it closes."""
+    url = urllib.parse.urlsplit(address)
+    with socket.create_connection((url.hostname, url.port), timeout=timeout) as sock:
+        sock.sendall(request)
+        sock.shutdown(socket.SHUT_WR)
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def test_a_tcp_gateway_requires_a_token_by_default(shared_stack: Stack) -> None:
+    status, headers, _ = http_call(
+        shared_stack.gateway_address, "GET", "/v1/runs", authenticate=False
+    )
+    assert status == 401 and headers["WWW-Authenticate"] == "Bearer"
+    token_file = shared_stack.state_dir / "token"
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    assert token_file.read_text().strip() == shared_stack.token
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        "text/plain;charset=UTF-8",  # what fetch() and sendBeacon send cross-origin, no preflight
+        "application/x-www-form-urlencoded",  # an HTML form
+        "multipart/form-data; boundary=x",
+        None,  # a Blob without a type: no Content-Type at all
+    ],
+)
+def test_a_cross_origin_simple_post_cannot_create_a_run(
+    shared_stack: Stack, content_type: str | None
+) -> None:
+    # None: an empty header, as http_call would otherwise send a body as JSON.
+    headers = {"Origin": "https://evil.example", "Content-Type": content_type or ""}
+    body = ATTACK
+    if content_type and content_type.startswith("multipart/"):
+        body = (
+            b'--x\r\nContent-Disposition: form-data; name="a"\r\n\r\n' + ATTACK + b"\r\n--x--\r\n"
+        )
+    # What a page can send: no token. Refused for the Origin before anything else is read.
+    status, _, reply = http_call(
+        shared_stack.gateway_address, "POST", "/v1/runs", body, headers, authenticate=False
+    )
+    assert status == 403 and "Origin" in json.loads(reply)["message"]
+    # Even with the token and no Origin, only JSON is taken.
+    headers.pop("Origin")
+    status, _, reply = http_call(shared_stack.gateway_address, "POST", "/v1/runs", body, headers)
+    assert status == 415, reply
+    assert json.loads(reply)["code"] == "UNSUPPORTED_MEDIA_TYPE"
+    assert no_code_ran(shared_stack)
+
+
+def test_a_json_post_from_a_disallowed_origin_is_403(shared_stack: Stack) -> None:
+    status, _, _ = http_call(
+        shared_stack.gateway_address,
+        "POST",
+        "/v1/runs",
+        ATTACK,
+        {"Origin": "http://localhost:8888"},  # even a local Jupyter page: none allowed by default
+    )
+    assert status == 403
+    assert no_code_ran(shared_stack)
+
+
+def test_a_foreign_host_header_is_403_dns_rebinding(shared_stack: Stack) -> None:
+    port = urllib.parse.urlsplit(shared_stack.gateway_address).port
+    for host in (f"evil.example:{port}", "evil.example", f"10.1.2.3:{port}"):
+        status, _, body = http_call(
+            shared_stack.gateway_address, "GET", "/v1/runs", headers={"Host": host}
+        )
+        assert status == 403, host
+        assert "Host" in json.loads(body)["message"]
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", "[::1]"):
+        assert (
+            http_call(shared_stack.gateway_address, "GET", "/v1/runs", headers={"Host": host})[0]
+            == 200
+        ), host
+
+
+def test_allowed_origins_and_hosts_are_answered_with_cors(stack_factory) -> None:  # type: ignore[no-untyped-def]
+    stack = stack_factory(
+        {"python": 1}, allow_origins=["https://app.example"], allow_hosts=["fn.internal"]
+    )
+    origin = {"Origin": "https://app.example"}
+    status, headers, _ = http_call(
+        stack.gateway_address,
+        "OPTIONS",
+        "/v1/runs",
+        headers={**origin, "Access-Control-Request-Method": "POST"},
+        authenticate=False,  # a preflight carries no credentials
+    )
+    assert status == 204
+    assert headers["Access-Control-Allow-Origin"] == "https://app.example"
+    assert "Authorization" in headers["Access-Control-Allow-Headers"]
+    status, headers, _ = http_call(stack.gateway_address, "GET", "/v1/runs", headers=origin)
+    assert status == 200 and headers["Access-Control-Allow-Origin"] == "https://app.example"
+    assert "X-Invocation-Id" in headers["Access-Control-Expose-Headers"]
+    status, _, _ = http_call(
+        stack.gateway_address, "GET", "/v1/runs", headers={"Origin": "https://other.example"}
+    )
+    assert status == 403
+    host = {"Host": "fn.internal"}
+    assert http_call(stack.gateway_address, "GET", "/v1/runs", headers=host)[0] == 200
+
+
+@pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER", "bEaReR"])
+def test_the_bearer_scheme_is_case_insensitive(shared_stack: Stack, scheme: str) -> None:
+    # RFC 9110 §11.1: authentication schemes are case-insensitive.
+    headers = {"Authorization": f"{scheme} {shared_stack.token}"}
+    assert http_call(shared_stack.gateway_address, "GET", "/v1/runs", headers=headers)[0] == 200
+
+
+def test_a_wrong_token_is_401_and_the_client_says_unauthorized(shared_stack: Stack) -> None:
+    with pytest.raises(Unauthorized):
+        Client(shared_stack.gateway_address, token="not-the-token").list_runs()
+
+
+def test_clients_find_the_token_and_the_gateway_file_goes_with_the_gateway(
+    tmp_path: Path,
+) -> None:
+    gateway = spawn(["gateway", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "s")])
+    try:
+        files = list(tokens.runtime_dir().glob(f"gateway-{gateway.pid}.json"))
+        assert len(files) == 1
+        assert stat.S_IMODE(files[0].stat().st_mode) == 0o600
+        assert stat.S_IMODE(files[0].parent.stat().st_mode) == 0o700
+        # The CLI, given the address only, authenticates with it.
+        port = urllib.parse.urlsplit(gateway.address).port
+        listed = subprocess.run(
+            [sys.executable, "-m", "runtime_server.cli", "runs", "list",
+             "--gateway", f"http://localhost:{port}"],
+            capture_output=True, text=True, timeout=60, env={**os.environ, "FNKERNEL_TOKEN": ""},
+        )  # fmt: skip
+        assert listed.returncode == 0, listed.stderr
+        assert listed.stdout.startswith("NAME")
+    finally:
+        assert gateway.stop() == 0
+    assert not files[0].exists()
+
+
+def test_no_token_is_for_loopback_only_and_warns(tmp_path: Path) -> None:
+    log = tmp_path / "gateway.log"
+    with log.open("w") as stderr:
+        gateway = spawn(
+            ["gateway", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "s"),
+             "--no-token"], stderr=stderr,
+        )  # fmt: skip
+    try:
+        status = http_call(gateway.address, "GET", "/v1/runs", authenticate=False)[0]
+        assert status == 200
+    finally:
+        gateway.stop()
+    assert "WARNING: --no-token" in log.read_text()
+
+
+# Bad input is a 4xx naming the field, never a 500.
+
+
+@pytest.mark.parametrize(
+    ("files", "why"),
+    [
+        ({".": "x = 1"}, "relative path"),
+        ({"a": "x = 1", "a/b.py": "y = 2"}, "both a file and a directory"),
+        ({"x" * 300 + ".py": "x = 1"}, "too long"),
+        ({"./h.py": "x = 1"}, "relative path"),
+    ],
+)
+def test_bad_file_names_are_400_naming_files(
+    shared_stack: Stack, files: dict[str, str], why: str
+) -> None:
+    body = {"name": "badfiles", "runtime": "python", "handler": "h.handler", "files": files}
+    status, _, reply = http_call(
+        shared_stack.gateway_address, "POST", "/v1/runs", json.dumps(body).encode()
+    )
+    assert status == 400, reply
+    message = json.loads(reply)["message"]
+    assert message.startswith("files:") and why in message
+
+
+def test_a_deeply_nested_body_is_400(shared_stack: Stack) -> None:
+    body = b"[" * 100_000 + b"]" * 100_000
+    status, _, reply = http_call(shared_stack.gateway_address, "POST", "/v1/runs", body)
+    assert status == 400
+    assert json.loads(reply)["message"].startswith("body:")
+
+
+@pytest.mark.parametrize("value", ["9" * 30, "²", "1_000", "+1", "-1", "0x10", ""])
+def test_x_timeout_ms_takes_ascii_digits_only(shared_stack: Stack, value: str) -> None:
+    status, _, reply = http_call(
+        shared_stack.gateway_address,
+        "POST",
+        "/v1/runs/anything:invoke",
+        b"{}",
+        {"X-Timeout-Ms": value},
+    )
+    assert status == 400, reply
+    assert "X-Timeout-Ms" in json.loads(reply)["message"]
+
+
+@pytest.mark.parametrize("value", ["%C2%B2", "9" * 30, str(10**13), "-5"])
+def test_drain_timeout_ms_takes_bounded_ascii_digits_only(shared_stack: Stack, value: str) -> None:
+    status, _, reply = http_call(
+        shared_stack.gateway_address, "DELETE", f"/v1/runs/anything?drainTimeoutMs={value}"
+    )
+    assert status == 400, reply
+    assert "drainTimeoutMs" in json.loads(reply)["message"]
+
+
+def test_a_100_kb_header_is_431(shared_stack: Stack) -> None:
+    status, _, reply = http_call(
+        shared_stack.gateway_address, "GET", "/v1/runs", headers={"X-Padding": "p" * 100_000}
+    )
+    assert status == 431
+    assert json.loads(reply)["code"] == "REQUEST_HEADER_FIELDS_TOO_LARGE"
+
+
+def test_a_body_shorter_than_its_content_length_does_not_hold_the_connection(
+    gateway: Child,
+) -> None:
+    # The gateway runs with --body-timeout 1: the connection is closed, not held forever.
+    started = time.monotonic()
+    request = (
+        b"POST /v1/runs HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 100\r\n\r\n{"name":'
+    )
+    url = urllib.parse.urlsplit(gateway.address)
+    with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
+        sock.sendall(request)  # and then nothing: the write side stays open
+        assert sock.recv(65536) == b""  # closed by the gateway
+    assert time.monotonic() - started < 8
+
+
+def test_every_connection_of_a_burst_of_1000_gets_an_answer(shared_stack: Stack) -> None:
+    # A listen backlog of 128 reset connections under such a burst; now each one is answered.
+    url = urllib.parse.urlsplit(shared_stack.gateway_address)
+    if shutil.which("ss"):  # the backlog itself: ss shows it as a listening socket's Send-Q
+        listing = subprocess.run(
+            ["ss", "-Hltn", f"sport = :{url.port}"], capture_output=True, text=True, timeout=10
+        ).stdout.split()
+        assert int(listing[2]) >= 1024, listing
+    request = (
+        f"GET /v1/runs HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+        f"Authorization: Bearer {shared_stack.token}\r\n\r\n"
+    ).encode()
+    sockets = []
+    try:
+        for _ in range(1000):
+            sock = socket.socket()
+            sock.setblocking(False)
+            sock.connect_ex((url.hostname, url.port))
+            sockets.append(sock)
+        answers: dict[int, bytes] = {}
+        deadline = time.monotonic() + 60
+        sent: set[int] = set()
+        while len(answers) < len(sockets) and time.monotonic() < deadline:
+            for index, sock in enumerate(sockets):
+                if index in answers:
+                    continue
+                try:
+                    if index not in sent:
+                        sock.send(request)
+                        sent.add(index)
+                    data = sock.recv(64)
+                except (BlockingIOError, OSError) as exc:
+                    if isinstance(exc, BlockingIOError) or getattr(exc, "errno", 0) == 107:
+                        continue  # not connected or not answered yet
+                    answers[index] = repr(exc).encode()
+                    continue
+                answers[index] = data
+            time.sleep(0.01)
+    finally:
+        for sock in sockets:
+            sock.close()
+    statuses = [answer[:12] for answer in answers.values()]
+    assert len(answers) == 1000
+    assert all(status in (b"HTTP/1.1 200", b"HTTP/1.1 429") for status in statuses), {
+        s for s in statuses if s not in (b"HTTP/1.1 200", b"HTTP/1.1 429")
+    }
+    wait_until(lambda: http_call(shared_stack.gateway_address, "GET", "/v1/runs")[0] == 200)
