@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -360,6 +361,19 @@ def _count(text: str) -> int:
         raise argparse.ArgumentTypeError(exc.reason) from None
 
 
+MAX_FLAG_SECONDS = 86_400.0
+
+
+def _seconds(text: str) -> float:
+    """argparse type: a duration in seconds, a plain decimal number from 0 to a day (a wait of
+    1e300 s, ``inf`` or ``nan`` would break the timers it sets)."""
+    if not re.fullmatch(r"[0-9]{1,6}(\.[0-9]{1,6})?", text) or float(text) > MAX_FLAG_SECONDS:
+        raise argparse.ArgumentTypeError(
+            f"must be a number of seconds from 0 to {MAX_FLAG_SECONDS:.0f}, got {text[:40]!r}"
+        )
+    return float(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fnkernel",
@@ -389,7 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--oneshot-only", action="store_true", help="register Runtime only (no function mode)"
     )
-    serve.add_argument("--drain-timeout", type=float, default=10.0, metavar="SECONDS")
+    serve.add_argument("--drain-timeout", type=_seconds, default=10.0, metavar="SECONDS")
     serve.add_argument("-v", "--verbose", action="store_true")
     serve.set_defaults(func=_serve)
 
@@ -407,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     runtimed.add_argument("--listen", default="127.0.0.1:0", metavar="ADDR")
     runtimed.add_argument(
         "--poll-interval",
-        type=float,
+        type=_seconds,
         default=1.0,
         metavar="SECONDS",
         help="FunctionStatus cadence (default %(default)s)",
@@ -425,7 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--listen", default="127.0.0.1:8080", metavar="ADDR")
     gateway.add_argument(
         "--body-timeout",
-        type=float,
+        type=_seconds,
         default=60.0,
         metavar="SECONDS",
         help="close a connection whose request body has not arrived whole by then "
@@ -445,7 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--pods", default="python=1,bash=1", metavar="RUNTIME=N,...")
     up.add_argument("--gateway-listen", default="127.0.0.1:8080", metavar="ADDR")
     _add_access_flags(up)
-    up.add_argument("--poll-interval", type=float, default=1.0, metavar="SECONDS")
+    up.add_argument("--poll-interval", type=_seconds, default=1.0, metavar="SECONDS")
     _add_state_dir(up)
     up.set_defaults(func=_up)
 

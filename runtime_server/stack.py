@@ -23,7 +23,7 @@ from runtime_server.launch import Child, spawn
 
 LOG = logging.getLogger("fnkernel.up")
 _MAX_UNIX_PATH = 100  # sockaddr_un holds 108 bytes; leave room for the longest file name
-_RESTART_BACKOFF = (0.0, 0.5, 1.0, 2.0)
+_RESTART_BACKOFF = (0.0, 0.25, 0.5, 1.0)
 _STABLE_SECONDS = 5.0  # up this long, a component's next restart is immediate again
 
 

@@ -329,3 +329,39 @@ def test_every_connection_of_a_burst_of_1000_gets_an_answer(shared_stack: Stack)
         s for s in statuses if s not in (b"HTTP/1.1 200", b"HTTP/1.1 429")
     }
     wait_until(lambda: http_call(shared_stack.gateway_address, "GET", "/v1/runs")[0] == 200)
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["invoke", "x", "--timeout-ms", "1_000"], "--timeout-ms"),
+        (["invoke", "x", "--timeout-ms", "²"], "--timeout-ms"),
+        (
+            [
+                "runs",
+                "create",
+                "x",
+                "--runtime",
+                "python",
+                "--source",
+                ".",
+                "--handler",
+                "h.h",
+                "--idle-timeout",
+                "-1",
+            ],
+            "--idle-timeout",
+        ),
+        (["up", "--poll-interval", "inf"], "--poll-interval"),
+        (["serve", "--runtime", "python", "--drain-timeout", "1e300"], "--drain-timeout"),
+    ],
+)
+def test_cli_numbers_are_plain_ascii_and_bounded(args: list[str], flag: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "runtime_server.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert flag in done.stderr
