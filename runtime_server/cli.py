@@ -127,7 +127,9 @@ def _gateway(args: argparse.Namespace) -> int:
     logs.configure(logging.DEBUG if args.verbose else logging.INFO)
     state_dir = _state_dir(args)
     token = _gateway_token(args, "gateway", args.listen).token
-    access = Access(token, frozenset(args.allow_origin), frozenset(args.allow_host))
+    access = Access(
+        token, frozenset(args.allow_origin), frozenset(h.lower() for h in args.allow_host)
+    )
     workspace_root = state_dir / "workspace"
     workspace_root.mkdir(mode=0o700, parents=True, exist_ok=True)
     control_plane = ControlPlane(RunStore(state_dir / "runs.db"), workspace_root)

@@ -122,6 +122,8 @@ class Access:
             return False
         if listen_host in ("", "0.0.0.0", "::"):
             return True  # bound to every address: any of ours may be named
+        if listen_host == "localhost":
+            return address.is_loopback
         try:
             bound = ipaddress.ip_address(listen_host)
         except ValueError:

@@ -257,15 +257,7 @@ class Runtimed:
             if not digest:
                 digest = registration_digest(run)
                 run = self.store.update(run, registration_digest=digest) or run
-            request = pb.RegisterFunctionRequest(
-                run_uid=run.uid,
-                registration_attempt=run.attempt,
-                working_dir=run.working_dir,
-                handler=run.handler,
-                env=run.env,
-                idle_timeout_seconds=run.idle_timeout_seconds,
-                registration_digest=digest,
-            )
+            request = _registration_request(run, digest)
             response = None
             for tries in range(1, _REGISTER_RPC_TRIES + 1):
                 try:
@@ -452,16 +444,7 @@ class Runtimed:
         if not run.registration_digest:
             return None  # never registered by any runtimed: nothing can be held
         response = self.server_stub.RegisterFunction(
-            pb.RegisterFunctionRequest(
-                run_uid=run.uid,
-                registration_attempt=run.attempt,
-                working_dir=run.working_dir,
-                handler=run.handler,
-                env=run.env,
-                idle_timeout_seconds=run.idle_timeout_seconds,
-                registration_digest=run.registration_digest,
-            ),
-            timeout=90,
+            _registration_request(run, run.registration_digest), timeout=90
         )
         return Active(response.registration.registration_id, run.attempt, run.registration_digest)
 
@@ -534,6 +517,18 @@ class Runtimed:
                 run = self.store.get_uid(run_uid) or run
         detail = f": {run.message}" if run.message else ""
         raise RunNotReady(f"run {run.name} is {run.phase} (attempt {run.attempt}){detail}")
+
+
+def _registration_request(run: Run, digest: str) -> pb.RegisterFunctionRequest:
+    return pb.RegisterFunctionRequest(
+        run_uid=run.uid,
+        registration_attempt=run.attempt,
+        working_dir=run.working_dir,
+        handler=run.handler,
+        env=run.env,
+        idle_timeout_seconds=run.idle_timeout_seconds,
+        registration_digest=digest,
+    )
 
 
 def _reference(run_uid: str, active: Active) -> pb.FunctionRegistration:

@@ -389,11 +389,19 @@ def test_a_symlink_to_a_directory_outside_is_not_followed(package: Path, tmp_pat
     assert "namespace: dev" in (elsewhere / "cm.yaml").read_text()  # never written through
 
 
+@pytest.mark.parametrize(
+    ("failure", "raised"),
+    [
+        (OSError(28, "No space left on device"), PipelineError),
+        (KeyboardInterrupt(), KeyboardInterrupt),
+    ],
+)
 def test_a_failure_while_writing_puts_every_file_back(
-    package: Path, monkeypatch: pytest.MonkeyPatch
+    package: Path, monkeypatch: pytest.MonkeyPatch, failure: BaseException, raised: type
 ) -> None:
-    # All or nothing on every path: the second rename fails (a full disk, a signal) and the
-    # first file, already in place, is put back byte for byte; no temporary file is left.
+    # All or nothing on every path: the second rename of a staged file fails (a full disk, a
+    # Ctrl-C) and the first file, already in place, is put back byte for byte; no temporary
+    # file is left behind.
     from runtime_server.krm import pipeline
 
     before = snapshot(package)
@@ -404,33 +412,12 @@ def test_a_failure_while_writing_puts_every_file_back(
         if str(source).endswith(".fnkernel-tmp"):
             renames.append(source)
             if len(renames) == 2:
-                raise OSError(28, "No space left on device")
+                raise failure
         real_replace(source, target)
 
     monkeypatch.setattr(pipeline.os, "replace", failing_replace)
-    with pytest.raises(PipelineError, match="every file is as it was"):
+    with pytest.raises(raised):
         render(package, BuiltinEvaluator())
     assert len(renames) == 2
     assert snapshot(package) == before
     assert not [p for p in package.rglob("*") if ".fnkernel-" in p.name]
-
-
-def test_an_interrupt_while_writing_puts_every_file_back(
-    package: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from runtime_server.krm import pipeline
-
-    before = snapshot(package)
-    real_replace = os.replace
-    calls = []
-
-    def interrupted(source: os.PathLike[str], target: os.PathLike[str]) -> None:
-        calls.append(source)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        real_replace(source, target)
-
-    monkeypatch.setattr(pipeline.os, "replace", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        render(package, BuiltinEvaluator())
-    assert snapshot(package) == before

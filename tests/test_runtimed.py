@@ -84,6 +84,20 @@ def pod(tmp_path: Path) -> Iterator[Pod]:
     yield from _pod(tmp_path)
 
 
+def restart_runtimed(pod: Pod) -> tuple[Runtimed, str]:
+    """Stop the pod's runtimed (again, if it is already) and start a new one, which knows none
+    of its predecessor's registration IDs; the caller stops it."""
+    pod.runtimed.stop(0)
+    successor = Runtimed(
+        pod.store,
+        pod=POD,
+        runtime="python",
+        server_address=pod.runtimed.server_address,
+        poll_interval=0.2,
+    )
+    return successor, successor.start("unix:" + pod.runtimed.address[5:] + "2")
+
+
 def test_digest_excludes_the_working_dir_path(tmp_path: Path) -> None:
     # Seed: registration_digest ... excludes the transient working-directory path.
     first, second = tmp_path / "a", tmp_path / "elsewhere" / "b"
@@ -205,15 +219,7 @@ def test_restarted_runtimed_keeps_the_attempt_and_registration(pod: Pod) -> None
     before = pod.invoke(run).registration.registration_id
     # The handler may write into its working dir; the digest was fixed at first registration.
     (Path(run.working_dir) / "cache.json").write_text("{}")
-    pod.runtimed.stop(0)
-    successor = Runtimed(
-        pod.store,
-        pod=POD,
-        runtime="python",
-        server_address=pod.runtimed.server_address,
-        poll_interval=0.2,
-    )
-    address = successor.start("unix:" + pod.runtimed.address[5:] + "2")
+    successor, address = restart_runtimed(pod)
     channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     try:
         pod.proxy = pb_grpc.FunctionRuntimeStub(channel)
@@ -272,14 +278,7 @@ def test_a_delete_converges_even_after_runtimed_forgot_the_registration(pod: Pod
     pod.runtimed.stop(0)
     current = pod.store.get("echo")
     assert pod.store.update(current, phase=DELETING, message="delete requested")
-    successor = Runtimed(
-        pod.store,
-        pod=POD,
-        runtime="python",
-        server_address=pod.runtimed.server_address,
-        poll_interval=0.2,
-    )
-    successor.start("unix:" + pod.runtimed.address[5:] + "2")
+    successor, _ = restart_runtimed(pod)
     try:
         wait_until(lambda: pod.store.get("echo").phase == DELETED, timeout=10)
         with pytest.raises(grpc.RpcError) as caught:

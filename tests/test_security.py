@@ -20,6 +20,7 @@ import pytest
 from runtime_server import tokens
 from runtime_server.client import Client
 from runtime_server.errors import Unauthorized
+from runtime_server.gateway import Access
 from runtime_server.launch import Child, spawn
 from runtime_server.stack import Stack
 from tests.conftest import http_call, wait_until
@@ -365,3 +366,27 @@ def test_cli_numbers_are_plain_ascii_and_bounded(args: list[str], flag: str) -> 
     )
     assert done.returncode == 2
     assert flag in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("host", "listen_host", "allowed"),
+    [
+        ("127.0.0.1:8080", "127.0.0.1", True),
+        ("[::1]:8080", "127.0.0.1", True),
+        ("127.0.0.1:8080", "localhost", True),
+        ("localhost", "10.0.0.5", True),
+        ("10.0.0.5:8080", "10.0.0.5", True),
+        ("10.0.0.6:8080", "10.0.0.5", False),
+        ("127.0.0.1", "10.0.0.5", False),
+        ("10.0.0.6", "0.0.0.0", True),
+        ("evil.example", "0.0.0.0", False),
+        ("fn.internal:80", "127.0.0.1", True),
+        ("FN.INTERNAL", "127.0.0.1", True),
+        ("", "127.0.0.1", False),
+    ],
+)
+def test_the_host_header_names_the_listen_address_localhost_or_an_allowed_host(
+    host: str, listen_host: str, allowed: bool
+) -> None:
+    access = Access(allowed_hosts=frozenset({"fn.internal"}))
+    assert access.host_allowed(host, listen_host) is allowed
