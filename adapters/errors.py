@@ -1,7 +1,7 @@
 """What can go wrong inside an adapter, named for the user (SPEC §2.2, §3).
 
 These carry no gRPC: the Runtime Server maps each class to a status code in exactly one table
-(``runtime_server.servicer.GRPC_STATUS``).
+(``runtime_server.function_runtime.servicer.GRPC_STATUS``).
 """
 
 from __future__ import annotations

@@ -24,12 +24,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks.invoke import measure, verdicts
-from runtime_server.evaluator.base import EvalRequest
-from runtime_server.evaluator.builtin import BuiltinEvaluator
-from runtime_server.evaluator.exec import ExecEvaluator
-from runtime_server.evaluator.pods import LocalBackend, PodCacheManager, PodEvaluator
+from runtime_server.krm.evaluators.base import EvalRequest
+from runtime_server.krm.evaluators.builtin import BuiltinEvaluator
+from runtime_server.krm.evaluators.exec import ExecEvaluator
+from runtime_server.krm.evaluators.pods import LocalBackend, PodCacheManager, PodEvaluator
 from runtime_server.krm.pipeline import render
-from runtime_server.krm.resourcelist import yaml
+from runtime_server.krm.resources.resourcelist import yaml
 
 TARGETS = {"render": 1.5, "exec": 1.15, "pod": 1.5}
 KPTFILE = """\

@@ -1,10 +1,7 @@
-"""A kernel's registered functions (SPEC §6): the callables ``%%function`` binds, and the session
-that owns them, the runtime connection, the trace and the last error.
-"""
+"""A kernel's registered functions (SPEC §6): the callables ``%%function`` binds."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import time
@@ -12,19 +9,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kernel.display import Detail, Invocation, RegistrationCard, pretty_json
-from kernel.runtime import Runtime
-from kernel.trace import Trace
+from kernel.connection import Runtime
+from kernel.display import Invocation, RegistrationCard
 from runtime_server.errors import (
     FunctionError,
-    FunctionNotFound,
-    RegistrationFailed,
     RequestCancelled,
 )
 
 EXTENSIONS = {"python": "py", "bash": "sh"}
 ORIGIN_PREFIX = "%%function cell "  # a Run's spec.source when a cell created it
-_REUSABLE = ("Ready", "Idle")
 _IDLE_WAIT_SECONDS = 2.0  # after an interrupt, for the cancelled invocation to be gone
 
 
@@ -89,8 +82,15 @@ class Status(dict[str, Any]):
 class Function:
     """A registered function: ``NAME(payload)`` returns the decoded output."""
 
-    def __init__(self, session: Session, spec: Spec, timeout: float | None = None) -> None:
-        self._session = session
+    def __init__(
+        self,
+        runtime: Runtime,
+        spec: Spec,
+        timeout: float | None = None,
+        on_unregister: Callable[[Function], None] | None = None,
+    ) -> None:
+        self._runtime = runtime
+        self._on_unregister = on_unregister
         self.spec = spec
         self.timeout = timeout  # seconds; the default for each invocation (--timeout)
         self.__name__ = spec.name
@@ -111,7 +111,7 @@ class Function:
     ) -> Invocation:
         """Invoke with `payload` (JSON-encoded); `timeout` in seconds overrides ``--timeout``."""
         timeout = self.timeout if timeout is None else timeout
-        client = self._session.runtime.client()
+        client = self._runtime.client()
         try:
             result = client.invoke(
                 self.name,
@@ -134,7 +134,7 @@ class Function:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                live = self._session.runtime.client().status(self.name).get("live") or {}
+                live = self._runtime.client().status(self.name).get("live") or {}
             except FunctionError:
                 return
             if not live.get("inFlight"):
@@ -142,17 +142,18 @@ class Function:
             time.sleep(0.005)
 
     def status(self) -> Status:
-        return Status(self._session.runtime.client().status(self.name))
+        return Status(self._runtime.client().status(self.name))
 
     def unregister(self, cancel: bool = False, drain_timeout: float | None = None) -> None:
         """Unregister and delete the function: let the in-flight invocation finish (at most
         `drain_timeout` seconds), or `cancel` it."""
-        self._session.runtime.client().delete_run(
+        self._runtime.client().delete_run(
             self.name,
             cancel_in_flight=cancel,
             drain_timeout_millis=round(drain_timeout * 1000) if drain_timeout else 0,
         )
-        self._session.forget(self)
+        if self._on_unregister is not None:
+            self._on_unregister(self)
 
     def getdoc(self) -> str:
         """What ``NAME?`` shows: runtime, handler, status and the handler source."""
@@ -170,129 +171,3 @@ class Function:
 
     def __repr__(self) -> str:
         return f"<{self.spec.runtime} function {self.name} ({self.spec.handler})>"
-
-
-class Session:
-    """One kernel's (one IPython shell's) functions, runtime connection, trace and last error."""
-
-    def __init__(self, runtime: Runtime | None = None) -> None:
-        self.trace = Trace()
-        self.runtime = runtime or Runtime(trace=self.trace)
-        self.functions: dict[str, Function] = {}
-        self.last_error: BaseException | None = None
-        # Each aborts the calls it has in flight and says how many: the gateway client's, and
-        # those of any FunctionRuntime client the notebook opened (kernel.protocol).
-        self.cancellers: list[Callable[[], int]] = [self.runtime.cancel]
-        self.closers: list[Callable[[], None]] = []
-        self._krm: Any = None
-
-    def register(
-        self,
-        spec: Spec,
-        timeout: float | None,
-        show: Callable[[RegistrationCard], None],
-        *,
-        krm: bool = False,
-    ) -> Function:
-        """Register `spec` and return its callable; `show` receives each progress card. With
-        `krm`, pipelines can use it as ``fn://NAME``.
-
-        Unchanged (the Run's origin names the same fingerprint and it is Ready or Idle): the
-        same Run and registration are kept. Changed, or Failed: the old Run is unregistered and
-        a new one registered.
-        """
-
-        def progress(note: str) -> None:
-            show(RegistrationCard(spec.name, spec.runtime, state="starting", note=note))
-
-        show(RegistrationCard(spec.name, spec.runtime, state="registering"))
-        client = self.runtime.client(spec.runtime, progress)
-        try:
-            existing = client.status(spec.name)
-        except FunctionNotFound:
-            existing = None
-        if existing is not None:
-            same = existing.get("spec", {}).get("source") == spec.origin
-            if same and existing.get("status", {}).get("phase") in _REUSABLE:
-                function = self._bind(spec, timeout, krm)
-                show(RegistrationCard.from_status(spec.name, existing, note="unchanged"))
-                return function
-            progress("unregistering the previous version")
-            client.delete_run(spec.name)
-            self.functions.pop(spec.name, None)
-        run = client.create_run(
-            spec.name,
-            runtime=spec.runtime,
-            handler=spec.handler,
-            files={spec.filename: spec.source},
-            env=spec.env,
-            idle_timeout_seconds=spec.idle_timeout,
-            origin=spec.origin,
-        )
-        if run["status"]["phase"] == "Failed":
-            show(RegistrationCard.from_status(spec.name, run))
-            raise RegistrationFailed(
-                {
-                    "code": "Failed",
-                    "message": f'"{spec.name}" did not register: {run["status"]["message"]}',
-                    "runUid": run["uid"],
-                },
-                0,
-            )
-        function = self._bind(spec, timeout, krm)
-        show(RegistrationCard.from_status(spec.name, client.status(spec.name)))
-        return function
-
-    def _bind(self, spec: Spec, timeout: float | None, krm: bool) -> Function:
-        function = Function(self, spec, timeout)
-        self.functions[spec.name] = function
-        if krm:
-            self.krm_chain().register(function)
-        return function
-
-    def forget(self, function: Function) -> None:
-        if self.functions.get(function.name) is function:
-            del self.functions[function.name]
-
-    def names(self) -> list[str]:
-        """Registered names: this kernel's, and the gateway's once it is started."""
-        names = set(self.functions)
-        if self.runtime.started:
-            with contextlib.suppress(FunctionError):  # completion works with the gateway down
-                names.update(run["name"] for run in self.runtime.client().list_runs())
-        return sorted(names)
-
-    def debug(self) -> Detail:
-        """``%fn_debug``: the full detail of the last error."""
-        error = self.last_error
-        if error is None:
-            return Detail("fn_debug", "no error so far")
-        lines = [f"{type(error).__module__}.{type(error).__name__}: {error}"]
-        if isinstance(error, FunctionError):
-            lines.append(f"HTTP status: {error.status or '(none)'}   code: {error.code or '-'}")
-            if error.run_uid:
-                lines.append(f"run uid: {error.run_uid}")
-            if error.invocation_id:
-                lines.append(f"invocation id: {error.invocation_id}")
-            lines += ["body:", pretty_json(error.body)]
-        lines.append(f"runtime: {self.runtime.describe()}")
-        return Detail(f"fn_debug: last error ({type(error).__name__})", "\n".join(lines))
-
-    def krm_chain(self) -> Any:
-        """The KRM evaluator chain (``kernel.krm.Chain``), created on first use."""
-        if self._krm is None:
-            from kernel.krm import Chain  # loads ruamel.yaml: only when KRM is used
-
-            self._krm = Chain()
-            self.closers.append(self._krm.close)
-        return self._krm
-
-    def cancel_in_flight(self) -> int:
-        """Abort every call in flight (a kernel interrupt); how many there were."""
-        return sum(cancel() for cancel in self.cancellers)
-
-    def shutdown(self, timeout: float = 15.0) -> None:
-        """Stop whatever this session started: teaching servers, then the embedded runtime."""
-        while self.closers:
-            self.closers.pop()()
-        self.runtime.stop(timeout)

@@ -11,7 +11,7 @@ from typing import Any
 
 from ipykernel.ipkernel import IPythonKernel
 
-from kernel.magics import session_of
+from kernel.session import session_of
 
 KERNEL_NAME = "fnkernel"
 DISPLAY_NAME = "Python 3 (fnkernel)"

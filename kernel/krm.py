@@ -17,15 +17,16 @@ from typing import TYPE_CHECKING, Any
 from IPython.core.error import UsageError
 
 from kernel.display import escape, table_html, table_text
+from kernel.session import Session, session_of
 from runtime_server.client import parse_pairs
 from runtime_server.errors import FunctionError as GatewayFunctionError
-from runtime_server.evaluator.base import Evaluator
-from runtime_server.evaluator.base import FunctionError as KrmFunctionError
-from runtime_server.evaluator.builtin import BuiltinEvaluator
-from runtime_server.evaluator.multi import MultiEvaluator
-from runtime_server.krm.package import KPTFILE, PackageError, read_documents
+from runtime_server.krm.evaluators.base import Evaluator
+from runtime_server.krm.evaluators.base import FunctionError as KrmFunctionError
+from runtime_server.krm.evaluators.builtin import BuiltinEvaluator
+from runtime_server.krm.evaluators.multi import MultiEvaluator
 from runtime_server.krm.pipeline import Outcome, PipelineError, evaluate_one, render
-from runtime_server.krm.resourcelist import (
+from runtime_server.krm.resources.package import KPTFILE, PackageError, read_documents
+from runtime_server.krm.resources.resourcelist import (
     ResourceList,
     dump,
     format_result,
@@ -36,7 +37,6 @@ from runtime_server.krm.resourcelist import (
 
 if TYPE_CHECKING:
     from kernel.functions import Function
-
 
 _SEVERITY_COLOUR = {"error": "#cf222e", "warning": "#9a6700", "info": "#0969da"}
 _EVALUATOR_COLOUR = {"builtin": "#1a7f37", "exec": "#0969da", "pod": "#8250df"}
@@ -170,14 +170,14 @@ class Chain:
         self.allow_exec = allow_exec
         self.extra = []
         if functions is not None:
-            from runtime_server.evaluator.exec import ExecEvaluator, FunctionConfigStore
+            from runtime_server.krm.evaluators.exec import ExecEvaluator, FunctionConfigStore
 
             store = None
             if function_config is not None:
                 store = FunctionConfigStore.load(Path(functions), Path(function_config))
             self.extra.append(ExecEvaluator(Path(functions), store))
         if image_catalog is not None:
-            from runtime_server.evaluator.pods import (
+            from runtime_server.krm.evaluators.pods import (
                 LocalBackend,
                 PodCacheManager,
                 PodEvaluator,
@@ -327,15 +327,22 @@ def krm_magic(chain: Chain, line: str, cell: str | None) -> PipelineView:
 # The notebook's Python API (for what a magic line cannot say)
 
 
+def chain_of(session: Session) -> Chain:
+    """The session's KRM evaluator chain, created on first use and closed with the session."""
+    if session.krm is None:
+        session.krm = Chain()
+        session.closers.append(session.krm.close)
+    chain: Chain = session.krm
+    return chain
+
+
 def _session_chain() -> Chain:
     from IPython.core.getipython import get_ipython
-
-    from kernel.magics import session_of
 
     shell = get_ipython()
     if shell is None:
         raise RuntimeError("this needs a running IPython kernel")
-    return session_of(shell).krm_chain()
+    return chain_of(session_of(shell))
 
 
 def configure(**settings: Any) -> str:

@@ -19,21 +19,11 @@ from IPython.core.magic import Magics, cell_magic, line_cell_magic, line_magic, 
 from IPython.display import display
 
 from kernel.display import FunctionsTable, RegistrationCard, short
-from kernel.functions import EXTENSIONS, Function, Session, Spec
+from kernel.functions import EXTENSIONS, Function, Spec
+from kernel.session import _SESSION_ATTRIBUTE, Session, session_of
 from kernel.trace import TraceTable
 from runtime_server.client import parse_pairs
 from runtime_server.errors import FunctionError
-
-_SESSION_ATTRIBUTE = "_fnkernel_session"
-
-
-def session_of(shell: InteractiveShell) -> Session:
-    """The shell's fnkernel session, created on first use."""
-    session: Session | None = getattr(shell, _SESSION_ATTRIBUTE, None)
-    if session is None:
-        session = Session()
-        setattr(shell, _SESSION_ATTRIBUTE, session)
-    return session
 
 
 class _Parser(argparse.ArgumentParser):
@@ -125,7 +115,11 @@ class FunctionMagics(Magics):
             if handle is not None:
                 handle.update(card)
 
-        function = self.session.register(spec, args.timeout, show, krm=args.krm)
+        function = self.session.register(spec, args.timeout, show)
+        if args.krm:
+            from kernel.krm import chain_of  # loads ruamel.yaml: only when KRM is used
+
+            chain_of(self.session).register(function)  # pipelines can use it as fn://NAME
         self.shell_.user_ns[spec.name] = function
 
     @line_magic("invoke")  # type: ignore[arg-type]  # IPython types it as Never
@@ -149,7 +143,7 @@ class FunctionMagics(Magics):
         status = self.session.runtime.client().status(name)
         spec = status["spec"]
         return Function(
-            self.session,
+            self.session.runtime,
             Spec(name, spec["runtime"], spec["handler"], source="", env=spec.get("env", {})),
         )
 
@@ -189,9 +183,9 @@ class FunctionMagics(Magics):
 
         Run a KRM pipeline over the kernel's evaluator chain and show it step by step.
         """
-        from kernel.krm import krm_magic  # loads ruamel.yaml: only when KRM is used
+        from kernel.krm import chain_of, krm_magic  # loads ruamel.yaml: only when KRM is used
 
-        return krm_magic(self.session.krm_chain(), line, cell)
+        return krm_magic(chain_of(self.session), line, cell)
 
     @line_magic("fn_trace")  # type: ignore[arg-type]  # IPython types it as Never
     def fn_trace(self, line: str) -> TraceTable | None:

@@ -31,10 +31,10 @@ from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from runtime_server.client import ERRORS
 from runtime_server.errors import FunctionError
-from runtime_server.gateway import HTTP_STATUS
+from runtime_server.function_runtime.server import CHANNEL_OPTIONS
+from runtime_server.function_runtime.servicer import ERROR_TYPE_KEY
 from runtime_server.launch import Child, spawn
-from runtime_server.server import CHANNEL_OPTIONS
-from runtime_server.servicer import ERROR_TYPE_KEY
+from runtime_server.lifecycle.gateway import HTTP_STATUS
 
 SERVICE = "FunctionRuntime"
 _REQUESTS = {
@@ -176,7 +176,7 @@ def runtime_server(runtime: str = "python") -> TeachingServer:
     """Start a private Runtime Server of `runtime` for this kernel; it stops with the kernel."""
     from IPython.core.getipython import get_ipython
 
-    from kernel.magics import session_of
+    from kernel.session import session_of
 
     shell = get_ipython()
     if shell is None:

@@ -19,10 +19,10 @@ import pytest
 
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
+from runtime_server.function_runtime.server import CHANNEL_OPTIONS, RuntimeServer
 from runtime_server.launch import ServeProcess, spawn_serve
+from runtime_server.lifecycle.stack import Stack
 from runtime_server.limits import sha256_digest
-from runtime_server.server import CHANNEL_OPTIONS, RuntimeServer
-from runtime_server.stack import Stack
 from runtime_server.tokens import find_token
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from runtime_server.controlplane import ControlPlane, RetryPolicy
 from runtime_server.errors import InvalidField, NoRuntimePod, RunAlreadyExists, RunNotFound
-from runtime_server.runs import FAILED, IDLE, PENDING, READY, RETRYING, RunStore
+from runtime_server.lifecycle.controlplane import ControlPlane, RetryPolicy
+from runtime_server.lifecycle.runs import FAILED, IDLE, PENDING, READY, RETRYING, RunStore
 
 HANDLER = {"handler.py": "def handle(event):\n    return event\n"}
 

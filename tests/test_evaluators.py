@@ -15,7 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from runtime_server._proto.evaluator.v1 import evaluator_pb2, evaluator_pb2_grpc
-from runtime_server.evaluator.base import (
+from runtime_server.krm.evaluators.base import (
     DeadlineExceeded,
     EvalRequest,
     FunctionError,
@@ -23,11 +23,11 @@ from runtime_server.evaluator.base import (
     NotFoundError,
     split_image,
 )
-from runtime_server.evaluator.builtin import BuiltinEvaluator, bare_name
-from runtime_server.evaluator.exec import ExecEvaluator, FunctionConfigStore
-from runtime_server.evaluator.multi import MultiEvaluator
-from runtime_server.evaluator.server import RemoteEvaluator, serve
-from runtime_server.krm.resourcelist import ResourceList, format_result
+from runtime_server.krm.evaluators.builtin import BuiltinEvaluator, bare_name
+from runtime_server.krm.evaluators.exec import ExecEvaluator, FunctionConfigStore
+from runtime_server.krm.evaluators.multi import MultiEvaluator
+from runtime_server.krm.evaluators.server import RemoteEvaluator, serve
+from runtime_server.krm.resources.resourcelist import ResourceList, format_result
 from tests.conftest import pid_alive, wait_until
 from tests.reflection_client import ReflectionClient
 

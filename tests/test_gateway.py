@@ -24,7 +24,7 @@ from runtime_server.errors import (
     RequestCancelled,
 )
 from runtime_server.launch import spawn
-from runtime_server.stack import Stack
+from runtime_server.lifecycle.stack import Stack
 from tests.conftest import SLOW_PY, http_call, wait_until
 
 _names = itertools.count()

@@ -18,7 +18,7 @@ import pytest
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from runtime_server.client import Client
-from runtime_server.stack import Stack
+from runtime_server.lifecycle.stack import Stack
 from tests.conftest import pid_alive, wait_until
 from tests.kernels import Kernel, descendants
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from runtime_server.evaluator.builtin import BuiltinEvaluator
+from runtime_server.krm.evaluators.builtin import BuiltinEvaluator
 from runtime_server.krm.pipeline import PipelineError, qualified, render
-from runtime_server.krm.resourcelist import load
+from runtime_server.krm.resources.resourcelist import load
 
 DEPLOY = """\
 # The web tier: two replicas
@@ -227,7 +227,7 @@ def test_selectors_and_exclude_run_a_function_on_a_subset(package: Path) -> None
 
 
 def load_all(path: Path) -> list[object]:
-    from runtime_server.krm.resourcelist import yaml
+    from runtime_server.krm.resources.resourcelist import yaml
 
     return [d for d in yaml().load_all(path.read_text()) if d is not None]
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from runtime_server.evaluator.base import EvalRequest, EvaluatorSystemError, NotFoundError
-from runtime_server.evaluator.pods import (
+from runtime_server.krm.evaluators.base import EvalRequest, EvaluatorSystemError, NotFoundError
+from runtime_server.krm.evaluators.pods import (
     LocalBackend,
     PodCacheManager,
     PodEvaluator,
@@ -23,7 +23,7 @@ from runtime_server.evaluator.pods import (
     load_catalog,
     load_warmup,
 )
-from runtime_server.krm.resourcelist import ResourceList
+from runtime_server.krm.resources.resourcelist import ResourceList
 from tests.conftest import pid_alive, wait_until
 from tests.kernels import descendants
 
@@ -211,7 +211,7 @@ def test_an_image_without_a_pod_entrypoint_is_not_found(
 def test_fnkernel_evaluator_serves_builtin_exec_and_pod(tmp_path: Path, who: Path) -> None:
     # SPEC §5.2: the chain builtin → exec → pod behind one FunctionEvaluator; each response says
     # which evaluator served it, and warm-up pods start with the server.
-    from runtime_server.evaluator.server import RemoteEvaluator
+    from runtime_server.krm.evaluators.server import RemoteEvaluator
     from runtime_server.launch import spawn
 
     functions = tmp_path / "functions"

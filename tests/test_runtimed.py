@@ -15,10 +15,10 @@ import pytest
 
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
-from runtime_server.controlplane import ControlPlane, RetryPolicy
-from runtime_server.runs import DELETED, DELETING, FAILED, PENDING, READY, Run, RunStore
-from runtime_server.runtimed import POD_KEY, UNSUPPORTED, Runtimed, registration_digest
-from runtime_server.server import CHANNEL_OPTIONS, RuntimeServer
+from runtime_server.function_runtime.server import CHANNEL_OPTIONS, RuntimeServer
+from runtime_server.lifecycle.controlplane import ControlPlane, RetryPolicy
+from runtime_server.lifecycle.runs import DELETED, DELETING, FAILED, PENDING, READY, Run, RunStore
+from runtime_server.lifecycle.runtimed import POD_KEY, UNSUPPORTED, Runtimed, registration_digest
 from tests.conftest import ECHO_PY, wait_until
 
 POD = "python-0"

@@ -25,17 +25,17 @@ from typing import Any
 
 from ruamel.yaml.comments import CommentedMap
 
-from runtime_server.evaluator.base import (
+from runtime_server.krm.evaluators.base import (
     EvalRequest,
     Evaluator,
     EvaluatorError,
     FunctionError,
     NotFoundError,
 )
-from runtime_server.evaluator.exec import parse_results, run_function
-from runtime_server.evaluator.multi import MultiEvaluator
-from runtime_server.krm import resourcelist
-from runtime_server.krm.package import (
+from runtime_server.krm.evaluators.exec import parse_results, run_function
+from runtime_server.krm.evaluators.multi import MultiEvaluator
+from runtime_server.krm.resources import resourcelist
+from runtime_server.krm.resources.package import (
     Package,
     load_package,
     read_resources,
@@ -43,7 +43,7 @@ from runtime_server.krm.package import (
     source_of,
     strip_internal,
 )
-from runtime_server.krm.resourcelist import (
+from runtime_server.krm.resources.resourcelist import (
     ResourceList,
     comment_columns,
     kind,

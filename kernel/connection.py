@@ -22,7 +22,7 @@ from runtime_server.client import Client
 from runtime_server.errors import FunctionError
 
 if TYPE_CHECKING:
-    from runtime_server.stack import Stack
+    from runtime_server.lifecycle.stack import Stack
 
 RUNTIME_ENV = "FNKERNEL_RUNTIME"
 
@@ -98,7 +98,7 @@ class Runtime:
 
     def _start_embedded(self) -> None:
         from adapters.tempdirs import private_tempdir, sweep
-        from runtime_server.stack import Stack  # only now: plain cells never pay for it
+        from runtime_server.lifecycle.stack import Stack  # only now: plain cells never pay for it
 
         sweep("kernel")  # what a SIGKILLed kernel left behind
         state_dir = private_tempdir("kernel")

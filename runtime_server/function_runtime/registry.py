@@ -1,6 +1,6 @@
 """The FunctionRuntime state machine: registrations, fencing and limits (seed 000, SPEC §2.1).
 
-Plain Python with no gRPC in it; ``runtime_server.servicer`` translates requests and errors. One
+Plain Python with no gRPC in it; ``runtime_server.function_runtime.servicer`` translates requests and errors. One
 lock guards the map from Run UID to its current registration, so a stale registration ID can never
 change, invoke or remove a newer registration: every operation compares the ID under that lock.
 """

@@ -14,8 +14,8 @@ from adapters.tempdirs import sweep
 from runtime_server import limits
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
-from runtime_server.registry import Registry
-from runtime_server.servicer import FunctionRuntimeServicer, RuntimeServicer
+from runtime_server.function_runtime.registry import Registry
+from runtime_server.function_runtime.servicer import FunctionRuntimeServicer, RuntimeServicer
 
 RUNTIME_SERVICE = pb.DESCRIPTOR.services_by_name["Runtime"].full_name
 FUNCTION_RUNTIME_SERVICE = pb.DESCRIPTOR.services_by_name["FunctionRuntime"].full_name

@@ -15,7 +15,7 @@ from typing import Any
 
 import starlark as sl
 
-from runtime_server.krm.resourcelist import (
+from runtime_server.krm.resources.resourcelist import (
     ERROR,
     INFO,
     ResourceList,

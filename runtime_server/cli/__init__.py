@@ -23,8 +23,8 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 def _serve(args: argparse.Namespace) -> int:
     from runtime_server import logs, process
+    from runtime_server.function_runtime.server import RuntimeServer
     from runtime_server.launch import announcement
-    from runtime_server.server import RuntimeServer
 
     logs.configure(logging.DEBUG if args.verbose else logging.INFO)
     workspace_root = Path(args.workspace_root).resolve()
@@ -60,8 +60,8 @@ def _state_dir(args: argparse.Namespace) -> Path:
 def _runtimed(args: argparse.Namespace) -> int:
     from runtime_server import logs, process
     from runtime_server.launch import announcement
-    from runtime_server.runs import RunStore
-    from runtime_server.runtimed import Runtimed
+    from runtime_server.lifecycle.runs import RunStore
+    from runtime_server.lifecycle.runtimed import Runtimed
 
     logs.configure(logging.DEBUG if args.verbose else logging.INFO)
     state_dir = _state_dir(args)
@@ -119,10 +119,10 @@ def _gateway(args: argparse.Namespace) -> int:
     import asyncio
 
     from runtime_server import logs, tokens
-    from runtime_server.controlplane import ControlPlane
-    from runtime_server.gateway import Access, Gateway
     from runtime_server.launch import announcement
-    from runtime_server.runs import RunStore
+    from runtime_server.lifecycle.controlplane import ControlPlane
+    from runtime_server.lifecycle.gateway import Access, Gateway
+    from runtime_server.lifecycle.runs import RunStore
 
     logs.configure(logging.DEBUG if args.verbose else logging.INFO)
     state_dir = _state_dir(args)
@@ -165,7 +165,7 @@ def _gateway(args: argparse.Namespace) -> int:
 
 def _up(args: argparse.Namespace) -> int:
     from runtime_server import logs, process
-    from runtime_server.stack import Stack, parse_pods
+    from runtime_server.lifecycle.stack import Stack, parse_pods
 
     logs.configure(logging.INFO)
     try:
@@ -599,10 +599,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _evaluator(args: argparse.Namespace) -> int:
     from runtime_server import logs, process
-    from runtime_server.evaluator.builtin import BuiltinEvaluator
-    from runtime_server.evaluator.exec import ExecEvaluator, FunctionConfigStore
-    from runtime_server.evaluator.multi import MultiEvaluator
-    from runtime_server.evaluator.server import serve
+    from runtime_server.krm.evaluators.builtin import BuiltinEvaluator
+    from runtime_server.krm.evaluators.exec import ExecEvaluator, FunctionConfigStore
+    from runtime_server.krm.evaluators.multi import MultiEvaluator
+    from runtime_server.krm.evaluators.server import serve
     from runtime_server.launch import announcement
 
     logs.configure(logging.DEBUG if args.verbose else logging.INFO)
@@ -627,7 +627,7 @@ def _evaluator(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     manager = None
     if args.image_catalog:
-        from runtime_server.evaluator.pods import (
+        from runtime_server.krm.evaluators.pods import (
             LocalBackend,
             PodCacheManager,
             PodEvaluator,
@@ -663,8 +663,8 @@ def _evaluator(args: argparse.Namespace) -> int:
 
 def _wrapper_server(args: argparse.Namespace) -> int:
     from runtime_server import logs, process
-    from runtime_server.evaluator.server import serve
-    from runtime_server.evaluator.wrapper import WrapperEvaluator
+    from runtime_server.krm.evaluators.server import serve
+    from runtime_server.krm.evaluators.wrapper import WrapperEvaluator
     from runtime_server.launch import announcement
 
     logs.configure(logging.INFO)
@@ -706,7 +706,7 @@ def _step_line(step: Any, number: int) -> str:
 
 
 def _krm_chain() -> Any:
-    from runtime_server.evaluator.builtin import BuiltinEvaluator
+    from runtime_server.krm.evaluators.builtin import BuiltinEvaluator
 
     return BuiltinEvaluator()
 
@@ -741,9 +741,9 @@ def _report(outcome: Any, output: str) -> None:
 
 
 def _render(args: argparse.Namespace) -> int:
-    from runtime_server.krm.package import PackageError
     from runtime_server.krm.pipeline import PipelineError, render
-    from runtime_server.krm.resourcelist import InvalidResourceList
+    from runtime_server.krm.resources.package import PackageError
+    from runtime_server.krm.resources.resourcelist import InvalidResourceList
 
     counter = iter(range(1, 10_000))
     try:
@@ -768,9 +768,9 @@ def _render(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     from runtime_server.client import parse_pairs
-    from runtime_server.krm.package import PackageError, read_documents
     from runtime_server.krm.pipeline import PipelineError, evaluate_one
-    from runtime_server.krm.resourcelist import InvalidResourceList
+    from runtime_server.krm.resources.package import PackageError, read_documents
+    from runtime_server.krm.resources.resourcelist import InvalidResourceList
 
     pairs = args.pairs[1:] if args.pairs[:1] == ["--"] else args.pairs
     try:
@@ -809,7 +809,7 @@ BENCHMARKS = ("invoke", "gateway", "kernel", "krm")
 def _bench(args: argparse.Namespace) -> int:
     import subprocess
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     if not (root / "benchmarks" / "__init__.py").is_file():
         print("fnkernel bench: the benchmarks ship with a source checkout", file=sys.stderr)
         return EXIT_USAGE
@@ -867,7 +867,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         for line in getattr(exc, "logs", []):
             print(f"  [{line.get('stream', '')}] {line.get('text', '')}", file=sys.stderr)
         return EXIT_FAILURE
-
-
-if __name__ == "__main__":
-    sys.exit(main())

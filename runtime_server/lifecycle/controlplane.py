@@ -20,8 +20,8 @@ from pathlib import Path, PurePosixPath
 from adapters import ADAPTERS
 from runtime_server import limits
 from runtime_server.errors import InvalidField, NoRuntimePod
-from runtime_server.registry import check_handler
-from runtime_server.runs import (
+from runtime_server.function_runtime.registry import check_handler
+from runtime_server.lifecycle.runs import (
     DEFAULT_DRAIN_MILLIS,
     DELETED,
     DELETING,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime_server.evaluator.base import (
+from runtime_server.krm.evaluators.base import (
     DeadlineExceeded,
     EvalRequest,
     EvalResponse,
@@ -28,7 +28,7 @@ from runtime_server.evaluator.base import (
     remaining,
     split_image,
 )
-from runtime_server.krm import resourcelist
+from runtime_server.krm.resources import resourcelist
 
 
 @dataclass(frozen=True)

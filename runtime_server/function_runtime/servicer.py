@@ -42,8 +42,8 @@ from runtime_server.errors import (
     ShuttingDown,
     StaleRegistration,
 )
-from runtime_server.oneshot import execute
-from runtime_server.registry import RegistrationView, Registry
+from runtime_server.function_runtime.oneshot import execute
+from runtime_server.function_runtime.registry import RegistrationView, Registry
 
 LOG = logging.getLogger("fnkernel.runtime")
 

@@ -39,9 +39,20 @@ from runtime_server.errors import (
     RunNotFound,
     RunNotReady,
 )
-from runtime_server.registry import FAILED as REG_FAILED
-from runtime_server.registry import READY as REG_READY
-from runtime_server.runs import (
+from runtime_server.function_runtime.registry import FAILED as REG_FAILED
+from runtime_server.function_runtime.registry import READY as REG_READY
+from runtime_server.function_runtime.server import (
+    CHANNEL_OPTIONS,
+    FUNCTION_RUNTIME_SERVICE,
+    add_health,
+    add_reflection,
+)
+from runtime_server.function_runtime.servicer import (
+    caller_timeout,
+    relayed_trailers,
+    translate_errors,
+)
+from runtime_server.lifecycle.runs import (
     DEFAULT_DRAIN_MILLIS,
     DELETED,
     DELETING,
@@ -53,13 +64,6 @@ from runtime_server.runs import (
     Run,
     RunStore,
 )
-from runtime_server.server import (
-    CHANNEL_OPTIONS,
-    FUNCTION_RUNTIME_SERVICE,
-    add_health,
-    add_reflection,
-)
-from runtime_server.servicer import caller_timeout, relayed_trailers, translate_errors
 
 LOG = logging.getLogger("fnkernel.runtimed")
 POD_KEY = "x-fn-pod"  # routing fence: the pod the caller routed to

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from runtime_server.evaluator.base import (
+from runtime_server.krm.evaluators.base import (
     DeadlineExceeded,
     EvalRequest,
     EvalResponse,
@@ -34,8 +34,8 @@ from runtime_server.evaluator.base import (
     NotFoundError,
     split_image,
 )
-from runtime_server.evaluator.server import RemoteEvaluator
-from runtime_server.krm import resourcelist
+from runtime_server.krm.evaluators.server import RemoteEvaluator
+from runtime_server.krm.resources import resourcelist
 from runtime_server.launch import Child, spawn
 
 LOG = logging.getLogger("fnkernel.pods")

@@ -19,7 +19,7 @@ from ruamel.yaml.comments import CommentedMap
 from ruamel.yaml.error import CommentMark
 from ruamel.yaml.tokens import CommentToken
 
-from runtime_server.krm.resourcelist import InvalidResourceList, kind, metadata, yaml
+from runtime_server.krm.resources.resourcelist import InvalidResourceList, kind, metadata, yaml
 
 KPTFILE = "Kptfile"
 PATH_ANNOTATION = "internal.config.kubernetes.io/path"

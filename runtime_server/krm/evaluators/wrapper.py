@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from runtime_server.evaluator.base import (
+from runtime_server.krm.evaluators.base import (
     EvalRequest,
     EvalResponse,
     EvaluatorSystemError,
     FunctionError,
 )
-from runtime_server.evaluator.exec import run_function
-from runtime_server.krm.resourcelist import InvalidResourceList, ResourceList
+from runtime_server.krm.evaluators.exec import run_function
+from runtime_server.krm.resources.resourcelist import InvalidResourceList, ResourceList
 
 
 class WrapperEvaluator:

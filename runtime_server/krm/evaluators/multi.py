@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TypeVar
 
-from runtime_server.evaluator.base import (
+from runtime_server.krm.evaluators.base import (
     EvalRequest,
     EvalResponse,
     Evaluator,

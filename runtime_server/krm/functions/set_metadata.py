@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from runtime_server.krm.resourcelist import (
+from runtime_server.krm.resources.resourcelist import (
     ERROR,
     INFO,
     ResourceList,

@@ -19,7 +19,14 @@ from typing import Any
 
 from ruamel.yaml.comments import CommentedMap
 
-from runtime_server.krm.resourcelist import ERROR, INFO, ResourceList, Result, api_group, kind
+from runtime_server.krm.resources.resourcelist import (
+    ERROR,
+    INFO,
+    ResourceList,
+    Result,
+    api_group,
+    kind,
+)
 
 _SPLIT = re.compile(r"(?<!\\)\.")
 

@@ -19,7 +19,8 @@ import grpc
 from runtime_server import limits
 from runtime_server._proto.evaluator.v1 import evaluator_pb2 as pb
 from runtime_server._proto.evaluator.v1 import evaluator_pb2_grpc as pb_grpc
-from runtime_server.evaluator.base import (
+from runtime_server.function_runtime.server import CHANNEL_OPTIONS, add_health, add_reflection
+from runtime_server.krm.evaluators.base import (
     DeadlineExceeded,
     EvalRequest,
     EvalResponse,
@@ -30,9 +31,8 @@ from runtime_server.evaluator.base import (
     InvalidRequest,
     NotFoundError,
 )
-from runtime_server.krm import resourcelist
-from runtime_server.krm.resourcelist import format_result
-from runtime_server.server import CHANNEL_OPTIONS, add_health, add_reflection
+from runtime_server.krm.resources import resourcelist
+from runtime_server.krm.resources.resourcelist import format_result
 
 LOG = logging.getLogger("fnkernel.evaluator")
 SERVICE = "evaluator.FunctionEvaluator"

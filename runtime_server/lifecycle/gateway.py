@@ -24,12 +24,12 @@ from tornado import httpserver, netutil, web
 from runtime_server import limits
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
-from runtime_server.controlplane import ControlPlane
 from runtime_server.errors import InvalidField, NoRuntimePod, RunNotReady
-from runtime_server.runs import IDLE, READY, Run
-from runtime_server.runtimed import ATTEMPT_KEY, COLD_START_KEY, DIGEST_KEY, POD_KEY
-from runtime_server.server import CHANNEL_OPTIONS
-from runtime_server.servicer import ERROR_TYPE_KEY, LOGS_KEY, status_of
+from runtime_server.function_runtime.server import CHANNEL_OPTIONS
+from runtime_server.function_runtime.servicer import ERROR_TYPE_KEY, LOGS_KEY, status_of
+from runtime_server.lifecycle.controlplane import ControlPlane
+from runtime_server.lifecycle.runs import IDLE, READY, Run
+from runtime_server.lifecycle.runtimed import ATTEMPT_KEY, COLD_START_KEY, DIGEST_KEY, POD_KEY
 
 LOG = logging.getLogger("fnkernel.gateway")
 Code = grpc.StatusCode

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping
 
-from runtime_server.evaluator.base import (
+from runtime_server.krm.evaluators.base import (
     EvalRequest,
     EvalResponse,
     FunctionError,
@@ -19,11 +19,11 @@ from runtime_server.evaluator.base import (
     remaining,
     split_image,
 )
-from runtime_server.krm.replacements import apply_replacements
-from runtime_server.krm.resourcelist import ERROR, InvalidResourceList, ResourceList
-from runtime_server.krm.set_metadata import set_annotations, set_labels
-from runtime_server.krm.set_namespace import set_namespace
-from runtime_server.krm.starlark import starlark_run
+from runtime_server.krm.functions.replacements import apply_replacements
+from runtime_server.krm.functions.set_metadata import set_annotations, set_labels
+from runtime_server.krm.functions.set_namespace import set_namespace
+from runtime_server.krm.functions.starlark import starlark_run
+from runtime_server.krm.resources.resourcelist import ERROR, InvalidResourceList, ResourceList
 
 KrmFunction = Callable[[ResourceList], None]
 CATALOG_PREFIXES = ("ghcr.io/kptdev/krm-functions-catalog/", "gcr.io/kpt-fn/")

@@ -1,0 +1,137 @@
+"""One kernel's fnkernel session (SPEC §6): its registered functions, its runtime connection, the
+trace and the last error; and the accessor that finds it on an IPython shell."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+from IPython.core.interactiveshell import InteractiveShell
+
+from kernel.connection import Runtime
+from kernel.display import Detail, RegistrationCard, pretty_json
+from kernel.functions import Function, Spec
+from kernel.trace import Trace
+from runtime_server.errors import FunctionError, FunctionNotFound, RegistrationFailed
+
+_SESSION_ATTRIBUTE = "_fnkernel_session"
+_REUSABLE = ("Ready", "Idle")  # a Run in these phases is kept when its cell is run unchanged
+
+
+def session_of(shell: InteractiveShell) -> Session:
+    """The shell's fnkernel session, created on first use."""
+    session: Session | None = getattr(shell, _SESSION_ATTRIBUTE, None)
+    if session is None:
+        session = Session()
+        setattr(shell, _SESSION_ATTRIBUTE, session)
+    return session
+
+
+class Session:
+    """One kernel's (one IPython shell's) functions, runtime connection, trace and last error."""
+
+    def __init__(self, runtime: Runtime | None = None) -> None:
+        self.trace = Trace()
+        self.runtime = runtime or Runtime(trace=self.trace)
+        self.functions: dict[str, Function] = {}
+        self.last_error: BaseException | None = None
+        # Each aborts the calls it has in flight and says how many: the gateway client's, and
+        # those of any FunctionRuntime client the notebook opened (kernel.protocol).
+        self.cancellers: list[Callable[[], int]] = [self.runtime.cancel]
+        self.closers: list[Callable[[], None]] = []
+        self.krm: Any = None  # the KRM evaluator chain, once used (kernel.krm.chain_of)
+
+    def register(
+        self, spec: Spec, timeout: float | None, show: Callable[[RegistrationCard], None]
+    ) -> Function:
+        """Register `spec` and return its callable; `show` receives each progress card.
+
+        Unchanged (the Run's origin names the same fingerprint and it is Ready or Idle): the
+        same Run and registration are kept. Changed, or Failed: the old Run is unregistered and
+        a new one registered.
+        """
+
+        def progress(note: str) -> None:
+            show(RegistrationCard(spec.name, spec.runtime, state="starting", note=note))
+
+        show(RegistrationCard(spec.name, spec.runtime, state="registering"))
+        client = self.runtime.client(spec.runtime, progress)
+        try:
+            existing = client.status(spec.name)
+        except FunctionNotFound:
+            existing = None
+        if existing is not None:
+            same = existing.get("spec", {}).get("source") == spec.origin
+            if same and existing.get("status", {}).get("phase") in _REUSABLE:
+                function = self._bind(spec, timeout)
+                show(RegistrationCard.from_status(spec.name, existing, note="unchanged"))
+                return function
+            progress("unregistering the previous version")
+            client.delete_run(spec.name)
+            self.functions.pop(spec.name, None)
+        run = client.create_run(
+            spec.name,
+            runtime=spec.runtime,
+            handler=spec.handler,
+            files={spec.filename: spec.source},
+            env=spec.env,
+            idle_timeout_seconds=spec.idle_timeout,
+            origin=spec.origin,
+        )
+        if run["status"]["phase"] == "Failed":
+            show(RegistrationCard.from_status(spec.name, run))
+            raise RegistrationFailed(
+                {
+                    "code": "Failed",
+                    "message": f'"{spec.name}" did not register: {run["status"]["message"]}',
+                    "runUid": run["uid"],
+                },
+                0,
+            )
+        function = self._bind(spec, timeout)
+        show(RegistrationCard.from_status(spec.name, client.status(spec.name)))
+        return function
+
+    def _bind(self, spec: Spec, timeout: float | None) -> Function:
+        function = Function(self.runtime, spec, timeout, on_unregister=self.forget)
+        self.functions[spec.name] = function
+        return function
+
+    def forget(self, function: Function) -> None:
+        if self.functions.get(function.name) is function:
+            del self.functions[function.name]
+
+    def names(self) -> list[str]:
+        """Registered names: this kernel's, and the gateway's once it is started."""
+        names = set(self.functions)
+        if self.runtime.started:
+            with contextlib.suppress(FunctionError):  # completion works with the gateway down
+                names.update(run["name"] for run in self.runtime.client().list_runs())
+        return sorted(names)
+
+    def debug(self) -> Detail:
+        """``%fn_debug``: the full detail of the last error."""
+        error = self.last_error
+        if error is None:
+            return Detail("fn_debug", "no error so far")
+        lines = [f"{type(error).__module__}.{type(error).__name__}: {error}"]
+        if isinstance(error, FunctionError):
+            lines.append(f"HTTP status: {error.status or '(none)'}   code: {error.code or '-'}")
+            if error.run_uid:
+                lines.append(f"run uid: {error.run_uid}")
+            if error.invocation_id:
+                lines.append(f"invocation id: {error.invocation_id}")
+            lines += ["body:", pretty_json(error.body)]
+        lines.append(f"runtime: {self.runtime.describe()}")
+        return Detail(f"fn_debug: last error ({type(error).__name__})", "\n".join(lines))
+
+    def cancel_in_flight(self) -> int:
+        """Abort every call in flight (a kernel interrupt); how many there were."""
+        return sum(cancel() for cancel in self.cancellers)
+
+    def shutdown(self, timeout: float = 15.0) -> None:
+        """Stop whatever this session started: teaching servers, then the embedded runtime."""
+        while self.closers:
+            self.closers.pop()()
+        self.runtime.stop(timeout)
