@@ -30,6 +30,7 @@ fmt: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check runtime_server adapters kernel tests benchmarks
 	$(VENV)/bin/ruff check runtime_server adapters kernel tests benchmarks
+	$(VENV)/bin/lint-imports
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy

@@ -15,7 +15,14 @@ from pathlib import Path
 from typing import ClassVar
 
 from adapters.base import InvocationResult, WorkerAdapter, resolve_inside, send_request
-from adapters.errors import HandlerError, InitError, InvalidHandler, InvalidInput
+from adapters.errors import (
+    HANDLER_NOT_FOUND,
+    OUTPUT_TOO_LARGE,
+    HandlerError,
+    InitError,
+    InvalidHandler,
+    InvalidInput,
+)
 from adapters.worker import Call, describe_exit
 
 RUNNER_SCRIPT = Path(__file__).with_name("bash_runner.sh")
@@ -58,7 +65,7 @@ class BashAdapter(WorkerAdapter):
         file, function = split_handler(self.spec.handler)
         path = resolve_inside(self.spec.working_dir, file)
         if not path.is_file():
-            raise InitError("HandlerNotFound", f"{file} does not exist in the working directory")
+            raise InitError(HANDLER_NOT_FOUND, f"{file} does not exist in the working directory")
         return [
             BASH,
             "--noprofile",
@@ -108,7 +115,7 @@ class BashAdapter(WorkerAdapter):
             size = os.fstat(stdout.fileno()).st_size
             if size > self.max_output_bytes:
                 raise HandlerError(
-                    "OutputTooLarge",
+                    OUTPUT_TOO_LARGE,
                     f"the handler wrote {size} bytes to stdout; the limit is {self.max_output_bytes}",
                 )
             return stdout.read()

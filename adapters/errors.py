@@ -8,6 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
+# Error types that leave the process (fatal_error, fn-error-type): runtimed's retry decision
+# reads WORKER_KILLED, so it is spelled once, here.
+WORKER_KILLED = "WorkerKilled"  # a signal ended the worker while it loaded: retried
+WORKER_CRASHED = "WorkerCrashed"  # the worker exited in the middle of a call
+INITIALIZATION_ERROR = "InitializationError"
+HANDLER_NOT_FOUND = "HandlerNotFound"
+OUTPUT_TOO_LARGE = "OutputTooLarge"
+
 
 class AdapterError(Exception):
     """Base class of every adapter failure; ``str()`` is a one-line message for the user."""

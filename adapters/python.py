@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from adapters.base import JSON, WorkerAdapter, resolve_inside, send_request
-from adapters.errors import HandlerError, InvalidHandler, InvalidInput
+from adapters.errors import OUTPUT_TOO_LARGE, HandlerError, InvalidHandler, InvalidInput
 from adapters.worker import Call
 
 WORKER_SCRIPT = Path(__file__).with_name("_python_worker.py")
@@ -55,7 +55,7 @@ class PythonAdapter(WorkerAdapter):
         if int(output_len) > self.max_output_bytes:
             call.skip(int(output_len))
             raise HandlerError(
-                "OutputTooLarge",
+                OUTPUT_TOO_LARGE,
                 f"the handler returned {int(output_len)} bytes; the limit is {self.max_output_bytes}",
             )
         output = call.read_exact(int(output_len))

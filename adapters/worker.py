@@ -34,6 +34,9 @@ from pathlib import Path
 from typing import TypeVar
 
 from adapters.errors import (
+    INITIALIZATION_ERROR,
+    WORKER_CRASHED,
+    WORKER_KILLED,
     HandlerError,
     InitError,
     InvalidInput,
@@ -154,7 +157,7 @@ class Worker:
             if kind == b"INITFAIL" and len(rest) == 2:
                 message = self.read_exact(int(rest[1]), deadline)
                 raise InitError(rest[0].decode(), message.decode("utf-8", "replace").strip())
-            raise InitError("InitializationError", f"unexpected worker handshake {line[:80]!r}")
+            raise InitError(INITIALIZATION_ERROR, f"unexpected worker handshake {line[:80]!r}")
         except TimeoutError:
             self.kill()
             raise InitError(
@@ -164,7 +167,7 @@ class Worker:
             code = self.proc.wait()
             # Killed by a signal is the platform's doing (OOM killer, an operator): runtimed
             # retries WorkerKilled; an exit status is the handler's own and is final.
-            error_type = "WorkerKilled" if code < 0 else "InitializationError"
+            error_type = WORKER_KILLED if code < 0 else INITIALIZATION_ERROR
             raise InitError(
                 error_type, f"the handler exited while loading ({describe_exit(code)})"
             ) from None
@@ -391,7 +394,7 @@ class WorkerSupervisor:
             code = worker.proc.wait()
             if ended is None:
                 raise HandlerError(
-                    "WorkerCrashed",
+                    WORKER_CRASHED,
                     f"the worker process ended mid-call ({describe_exit(code)})",
                     tuple(call.logs),
                 ) from None

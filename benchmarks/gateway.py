@@ -31,10 +31,10 @@ from benchmarks.invoke import ECHO_METHOD, PAYLOAD, PY_HANDLER, bench_server, me
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from runtime_server.client import Client
-from runtime_server.function_runtime.server import CHANNEL_OPTIONS
-from runtime_server.launch import announcement, start
-from runtime_server.lifecycle.runtimed import POD_KEY
+from runtime_server.daemon import announcement, start
 from runtime_server.lifecycle.stack import Stack
+from runtime_server.rpc import CHANNEL_OPTIONS
+from runtime_server.wire import POD_KEY
 
 TARGET = 1.8
 

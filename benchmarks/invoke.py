@@ -34,9 +34,9 @@ import grpc
 
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
-from runtime_server.function_runtime.server import CHANNEL_OPTIONS
-from runtime_server.launch import Child, announcement, spawn_serve, start
+from runtime_server.daemon import Child, announcement, spawn_serve, start
 from runtime_server.limits import sha256_digest
+from runtime_server.rpc import CHANNEL_OPTIONS
 
 ECHO_METHOD = "/bench.Echo/Echo"
 BASH_HANDLER = "handle() { printf '%s' \"$1\"; }\n"
@@ -176,9 +176,7 @@ def main() -> int:
             bench_server("--skeleton-server", f"unix:{root}/skeleton.sock"),
         ]
         for runtime in ("python", "bash"):
-            children.append(
-                spawn_serve(root, "--runtime", runtime, listen=f"unix:{root}/{runtime}.sock")
-            )
+            children.append(spawn_serve(runtime, root, listen=f"unix:{root}/{runtime}.sock"))
         try:
             rows = run(root, args.calls)
         finally:

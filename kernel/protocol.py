@@ -30,11 +30,10 @@ from kernel.trace import Trace, decode_message
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from runtime_server.client import ERRORS
+from runtime_server.daemon import Child, serve_args, spawn
 from runtime_server.errors import FunctionError
-from runtime_server.function_runtime.server import CHANNEL_OPTIONS
-from runtime_server.function_runtime.servicer import ERROR_TYPE_KEY
-from runtime_server.launch import Child, spawn
-from runtime_server.lifecycle.gateway import HTTP_STATUS
+from runtime_server.rpc import CHANNEL_OPTIONS
+from runtime_server.wire import ERROR_TYPE_KEY, http_status
 
 SERVICE = "FunctionRuntime"
 _REQUESTS = {
@@ -50,7 +49,7 @@ def error_of(err: grpc.RpcError, method: str) -> FunctionError:
     RESOURCE_EXHAUSTED, ...), so the gateway and the protocol read the same in a notebook."""
     code: grpc.StatusCode = err.code()
     details: str = err.details() or ""
-    status = HTTP_STATUS.get(code, 500)
+    status = http_status(code.name)
     body: dict[str, object] = {"code": code.name, "message": f"{method}: {details}"}
     if code == grpc.StatusCode.UNKNOWN:
         metadata: Any = err.trailing_metadata() or ()
@@ -159,8 +158,7 @@ class TeachingServer(FunctionRuntimeClient):
         workspace = self.state_dir / "workspace"
         workspace.mkdir()
         listen = f"unix:{self.state_dir / 'server.sock'}"
-        args = ["serve", "--runtime", runtime, "--listen", listen]
-        self.child: Child = spawn([*args, "--workspace-root", str(workspace)], die_with_parent=True)
+        self.child: Child = spawn(serve_args(runtime, listen, workspace), die_with_parent=True)
         super().__init__(self.child.address, trace, workspace)
 
     def stop(self) -> None:

@@ -13,6 +13,8 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from adapters import WorkerAdapter
+from adapters.errors import InvalidHandler
 from runtime_server.errors import InvalidField
 
 MAX_RUN_UID_BYTES = 128
@@ -84,6 +86,16 @@ def resolve_working_dir(working_dir: str, workspace_root: Path) -> Path:
     if not resolved.is_dir():
         raise InvalidField("working_dir", f"{working_dir} is not an existing directory")
     return resolved
+
+
+def check_handler(adapter_cls: type[WorkerAdapter], handler: str, working_dir: Path) -> str:
+    """The runtime's own handler rules (python: dotted identifiers; bash: a file inside the
+    working dir and a function name), as InvalidField."""
+    try:
+        adapter_cls.check_handler(handler, working_dir)
+    except InvalidHandler as exc:
+        raise InvalidField("handler", str(exc)) from None
+    return handler
 
 
 def check_env(env: Mapping[str, str]) -> dict[str, str]:

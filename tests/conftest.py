@@ -19,10 +19,11 @@ import pytest
 
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
-from runtime_server.function_runtime.server import CHANNEL_OPTIONS, RuntimeServer
-from runtime_server.launch import ServeProcess, spawn_serve
+from runtime_server.daemon import ServeProcess, spawn_serve
+from runtime_server.function_runtime.server import RuntimeServer
 from runtime_server.lifecycle.stack import Stack
 from runtime_server.limits import sha256_digest
+from runtime_server.rpc import CHANNEL_OPTIONS
 from runtime_server.tokens import find_token
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -196,7 +197,8 @@ def server_process(workspace: Path) -> Iterator[Callable[..., ServeProcess]]:
     started: list[ServeProcess] = []
 
     def start(*args: str, listen: str = "127.0.0.1:0") -> ServeProcess:
-        server = spawn_serve(workspace, *args, listen=listen)
+        assert args[0] == "--runtime", "the first flags name the runtime"
+        server = spawn_serve(args[1], workspace, *args[2:], listen=listen)
         started.append(server)
         return server
 

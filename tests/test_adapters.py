@@ -11,7 +11,7 @@ import pytest
 
 from runtime_server import limits
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
-from runtime_server.function_runtime.servicer import ERROR_TYPE_KEY, LOGS_KEY
+from runtime_server.wire import ERROR_TYPE_KEY, LOGS_KEY
 from tests.conftest import ECHO_PY, ECHO_SH, Client, pid_alive, wait_until
 
 READY = pb.FUNCTION_REGISTRATION_STATE_READY

@@ -11,7 +11,8 @@ import pytest
 
 from runtime_server.errors import InvalidField, NoRuntimePod, RunAlreadyExists, RunNotFound
 from runtime_server.lifecycle.controlplane import ControlPlane, RetryPolicy
-from runtime_server.lifecycle.runs import FAILED, IDLE, PENDING, READY, RETRYING, RunStore
+from runtime_server.lifecycle.runs import RunStore
+from runtime_server.wire import FAILED, IDLE, PENDING, READY, RETRYING
 
 HANDLER = {"handler.py": "def handle(event):\n    return event\n"}
 

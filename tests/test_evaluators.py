@@ -294,7 +294,7 @@ def test_a_malformed_exec_path_is_invalid_argument_with_a_bounded_message(
 
 
 def test_fnkernel_evaluator_command_serves_the_chain(functions: Path, store_file: Path) -> None:
-    from runtime_server.launch import spawn
+    from runtime_server.daemon import spawn
 
     child = spawn(
         [

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from runtime_server.client import Client
+from runtime_server.daemon import spawn
 from runtime_server.errors import (
     FunctionBusy,
     FunctionExists,
@@ -23,7 +24,6 @@ from runtime_server.errors import (
     InvalidRequest,
     RequestCancelled,
 )
-from runtime_server.launch import spawn
 from runtime_server.lifecycle.stack import Stack
 from tests.conftest import SLOW_PY, http_call, wait_until
 

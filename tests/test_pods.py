@@ -211,8 +211,8 @@ def test_an_image_without_a_pod_entrypoint_is_not_found(
 def test_fnkernel_evaluator_serves_builtin_exec_and_pod(tmp_path: Path, who: Path) -> None:
     # SPEC §5.2: the chain builtin → exec → pod behind one FunctionEvaluator; each response says
     # which evaluator served it, and warm-up pods start with the server.
+    from runtime_server.daemon import spawn
     from runtime_server.krm.evaluators.server import RemoteEvaluator
-    from runtime_server.launch import spawn
 
     functions = tmp_path / "functions"
     functions.mkdir()

@@ -15,10 +15,12 @@ import pytest
 
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
-from runtime_server.function_runtime.server import CHANNEL_OPTIONS, RuntimeServer
+from runtime_server.function_runtime.server import RuntimeServer
 from runtime_server.lifecycle.controlplane import ControlPlane, RetryPolicy
-from runtime_server.lifecycle.runs import DELETED, DELETING, FAILED, PENDING, READY, Run, RunStore
-from runtime_server.lifecycle.runtimed import POD_KEY, UNSUPPORTED, Runtimed, registration_digest
+from runtime_server.lifecycle.runs import Run, RunStore
+from runtime_server.lifecycle.runtimed import UNSUPPORTED, Runtimed, registration_digest
+from runtime_server.rpc import CHANNEL_OPTIONS
+from runtime_server.wire import DELETED, DELETING, FAILED, PENDING, POD_KEY, READY
 from tests.conftest import ECHO_PY, wait_until
 
 POD = "python-0"

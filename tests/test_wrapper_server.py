@@ -15,10 +15,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from runtime_server._proto.evaluator.v1 import evaluator_pb2 as pb
 from runtime_server._proto.evaluator.v1 import evaluator_pb2_grpc as pb_grpc
+from runtime_server.daemon import Child, spawn
 from runtime_server.krm.evaluators.base import EvalRequest, FunctionError, InvalidRequest
-from runtime_server.krm.evaluators.server import RESULTS_KEY, RemoteEvaluator
+from runtime_server.krm.evaluators.server import RemoteEvaluator
 from runtime_server.krm.resources.resourcelist import ResourceList
-from runtime_server.launch import Child, spawn
+from runtime_server.wire import RESULTS_KEY
 
 INPUT = b"""apiVersion: config.kubernetes.io/v1
 kind: ResourceList

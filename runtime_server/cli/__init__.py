@@ -22,9 +22,9 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from runtime_server import logs, process
+    from runtime_server import daemon, logs
+    from runtime_server.daemon import announcement
     from runtime_server.function_runtime.server import RuntimeServer
-    from runtime_server.launch import announcement
 
     logs.configure(logging.DEBUG if args.verbose else logging.INFO)
     workspace_root = Path(args.workspace_root).resolve()
@@ -34,9 +34,9 @@ def _serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
-    process.become_subreaper()
+    daemon.become_subreaper()
     stop_reaper = threading.Event()
-    process.start_reaper(stop_reaper)
+    daemon.start_reaper(stop_reaper)
     server = RuntimeServer(args.runtime, workspace_root, oneshot_only=args.oneshot_only)
     try:
         address = server.start(args.listen)
@@ -46,7 +46,7 @@ def _serve(args: argparse.Namespace) -> int:
     services = "Runtime" if args.oneshot_only else "Runtime, FunctionRuntime"
     detail = f"{args.runtime} runtime ({services})"
     print(announcement("serve", detail, address, f"workspace root {workspace_root}"), flush=True)
-    process.wait_for_termination()
+    daemon.wait_for_termination()
     logging.getLogger("fnkernel.runtime").info("draining for up to %ss", args.drain_timeout)
     server.stop(args.drain_timeout)
     stop_reaper.set()
@@ -58,8 +58,8 @@ def _state_dir(args: argparse.Namespace) -> Path:
 
 
 def _runtimed(args: argparse.Namespace) -> int:
-    from runtime_server import logs, process
-    from runtime_server.launch import announcement
+    from runtime_server import daemon, logs
+    from runtime_server.daemon import announcement
     from runtime_server.lifecycle.runs import RunStore
     from runtime_server.lifecycle.runtimed import Runtimed
 
@@ -80,7 +80,7 @@ def _runtimed(args: argparse.Namespace) -> int:
         return EXIT_FAILURE
     detail = f"pod {args.pod} ({args.runtime}, server {args.server})"
     print(announcement("runtimed", detail, address), flush=True)
-    process.wait_for_termination()
+    daemon.wait_for_termination()
     runtimed.stop()
     return EXIT_OK
 
@@ -119,7 +119,7 @@ def _gateway(args: argparse.Namespace) -> int:
     import asyncio
 
     from runtime_server import logs, tokens
-    from runtime_server.launch import announcement
+    from runtime_server.daemon import announcement
     from runtime_server.lifecycle.controlplane import ControlPlane
     from runtime_server.lifecycle.gateway import Access, Gateway
     from runtime_server.lifecycle.runs import RunStore
@@ -164,7 +164,7 @@ def _gateway(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from runtime_server import logs, process
+    from runtime_server import daemon, logs
     from runtime_server.lifecycle.stack import Stack, parse_pods
 
     logs.configure(logging.INFO)
@@ -195,7 +195,7 @@ def _up(args: argparse.Namespace) -> int:
     print(
         f"fnkernel up: ready; gateway {stack.gateway_address}; Ctrl-C stops everything", flush=True
     )
-    process.wait_for_termination()
+    daemon.wait_for_termination()
     stack.stop()
     return EXIT_OK
 
@@ -598,12 +598,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _evaluator(args: argparse.Namespace) -> int:
-    from runtime_server import logs, process
+    from runtime_server import daemon, logs
+    from runtime_server.daemon import announcement
     from runtime_server.krm.evaluators.builtin import BuiltinEvaluator
     from runtime_server.krm.evaluators.exec import ExecEvaluator, FunctionConfigStore
     from runtime_server.krm.evaluators.multi import MultiEvaluator
     from runtime_server.krm.evaluators.server import serve
-    from runtime_server.launch import announcement
 
     logs.configure(logging.DEBUG if args.verbose else logging.INFO)
     chain: list[Any] = [BuiltinEvaluator()]
@@ -654,7 +654,7 @@ def _evaluator(args: argparse.Namespace) -> int:
         return EXIT_FAILURE
     order = " → ".join(evaluator.name for evaluator in chain)
     print(announcement("evaluator", f"chain {order}", address), flush=True)
-    process.wait_for_termination()
+    daemon.wait_for_termination()
     server.stop(5).wait()
     if manager is not None:
         manager.stop()
@@ -662,10 +662,10 @@ def _evaluator(args: argparse.Namespace) -> int:
 
 
 def _wrapper_server(args: argparse.Namespace) -> int:
-    from runtime_server import logs, process
+    from runtime_server import daemon, logs
+    from runtime_server.daemon import announcement
     from runtime_server.krm.evaluators.server import serve
     from runtime_server.krm.evaluators.wrapper import WrapperEvaluator
-    from runtime_server.launch import announcement
 
     logs.configure(logging.INFO)
     entrypoint = args.entrypoint[1:] if args.entrypoint[:1] == ["--"] else args.entrypoint
@@ -684,7 +684,7 @@ def _wrapper_server(args: argparse.Namespace) -> int:
         print(f"fnkernel wrapper-server: cannot listen on {listen}: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     print(announcement("wrapper-server", " ".join(entrypoint), address), flush=True)
-    process.wait_for_termination()
+    daemon.wait_for_termination()
     server.stop(5).wait()
     return EXIT_OK
 
@@ -848,9 +848,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from runtime_server.errors import FunctionError, InvalidRequest
 
     args = build_parser().parse_args(argv)
-    from runtime_server import process
+    from runtime_server import daemon
 
-    process.watch_parent()  # started by launch.spawn(die_with_parent=True): stop with the parent
+    daemon.watch_parent()  # started by launch.spawn(die_with_parent=True): stop with the parent
     try:
         return int(args.func(args))
     except UsageError as exc:

@@ -14,7 +14,7 @@ from pathlib import Path
 from adapters import FunctionSpec, WorkerAdapter
 from adapters.errors import HandlerError, InitError
 from runtime_server import limits
-from runtime_server.function_runtime.registry import check_handler
+from runtime_server.limits import check_handler
 
 
 @dataclass(frozen=True)

@@ -16,13 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from adapters import FunctionSpec, InvocationResult, WorkerAdapter
-from adapters.errors import AdapterError, HandlerError, InitError, InvalidHandler
+from adapters.errors import AdapterError, HandlerError, InitError
 from runtime_server import limits
 from runtime_server._proto.executor.v1.runtime_pb2 import FunctionRegistrationState
 from runtime_server.errors import (
     AttemptSuperseded,
     DigestConflict,
-    InvalidField,
     InvocationInFlight,
     RegistrationNotFound,
     RegistrationNotReady,
@@ -91,14 +90,6 @@ class Invocation:
     result: InvocationResult
 
 
-def check_handler(adapter_cls: type[WorkerAdapter], handler: str, working_dir: Path) -> str:
-    try:
-        adapter_cls.check_handler(handler, working_dir)
-    except InvalidHandler as exc:
-        raise InvalidField("handler", str(exc)) from None
-    return handler
-
-
 class Registry:
     """Every registration of one Runtime Server, which serves one built-in runtime (SPEC §2)."""
 
@@ -135,7 +126,7 @@ class Registry:
         limits.check_run_uid(run_uid)
         limits.check_registration_attempt(registration_attempt)
         directory = limits.resolve_working_dir(working_dir, self.workspace_root)
-        check_handler(self.adapter_cls, handler, directory)
+        limits.check_handler(self.adapter_cls, handler, directory)
         env = limits.check_env(env)
         limits.check_idle_timeout(idle_timeout_seconds)
         limits.check_digest(registration_digest)

@@ -6,53 +6,19 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
+from grpc_health.v1 import health
 
 from adapters import ADAPTERS
 from adapters.tempdirs import sweep
-from runtime_server import limits
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from runtime_server.function_runtime.registry import Registry
 from runtime_server.function_runtime.servicer import FunctionRuntimeServicer, RuntimeServicer
+from runtime_server.rpc import CHANNEL_OPTIONS, add_health, add_reflection
 
 RUNTIME_SERVICE = pb.DESCRIPTOR.services_by_name["Runtime"].full_name
 FUNCTION_RUNTIME_SERVICE = pb.DESCRIPTOR.services_by_name["FunctionRuntime"].full_name
-REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 DEFAULT_LISTEN = "127.0.0.1:9090"
-# SPEC §3.1: raise both limits on every server and client; we enforce 6 MiB ourselves.
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", limits.GRPC_MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", limits.GRPC_MAX_MESSAGE_BYTES),
-]
-
-
-def add_reflection(server: grpc.Server, service_names: list[str]) -> None:
-    """Serve reflection as v1alpha and v1: grpcio-reflection only names v1alpha, and the two
-    protocols have identical wire messages (SPEC §3.1), so one servicer answers both."""
-    names = [*service_names, reflection.SERVICE_NAME, REFLECTION_V1]
-    servicer = reflection.ReflectionServicer(names)
-    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
-    v1 = grpc.method_handlers_generic_handler(
-        REFLECTION_V1,
-        {
-            "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
-                servicer.ServerReflectionInfo,
-                request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
-                response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
-            )
-        },
-    )
-    server.add_generic_rpc_handlers((v1,))
-
-
-def add_health(server: grpc.Server, service_names: list[str]) -> health.HealthServicer:
-    servicer = health.HealthServicer()
-    for name in ["", *service_names]:
-        servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    return servicer
 
 
 class RuntimeServer:

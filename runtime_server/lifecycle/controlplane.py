@@ -20,19 +20,9 @@ from pathlib import Path, PurePosixPath
 from adapters import ADAPTERS
 from runtime_server import limits
 from runtime_server.errors import InvalidField, NoRuntimePod
-from runtime_server.function_runtime.registry import check_handler
-from runtime_server.lifecycle.runs import (
-    DEFAULT_DRAIN_MILLIS,
-    DELETED,
-    DELETING,
-    FAILED,
-    IDLE,
-    PENDING,
-    READY,
-    RETRYING,
-    Run,
-    RunStore,
-)
+from runtime_server.lifecycle.runs import DEFAULT_DRAIN_MILLIS, Run, RunStore
+from runtime_server.limits import check_handler
+from runtime_server.wire import DELETED, DELETING, FAILED, IDLE, PENDING, READY, RETRYING
 
 LOG = logging.getLogger("fnkernel.controlplane")
 MAX_FILES = 1000

@@ -1,8 +1,8 @@
 """The HTTP gateway (SPEC §4, §2.3): JSON over HTTP in front of each pod's runtimed.
 
 Tornado (which ipykernel brings) serves it; the control plane runs in the same process. Every
-failure becomes a gRPC status first (``servicer.status_of`` for our own errors, the status itself
-for a call to runtimed) and then an HTTP status through HTTP_STATUS, the one table of SPEC §2.3.
+failure becomes a gRPC status first (``rpc.status_of`` for our own errors, the status itself
+for a call to runtimed) and then an HTTP status through ``wire.HTTP_STATUS``.
 """
 
 from __future__ import annotations
@@ -21,38 +21,27 @@ import grpc
 import grpc.aio
 from tornado import httpserver, netutil, web
 
-from runtime_server import limits
+from runtime_server import limits, wire
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from runtime_server.errors import InvalidField, NoRuntimePod, RunNotReady
-from runtime_server.function_runtime.server import CHANNEL_OPTIONS
-from runtime_server.function_runtime.servicer import ERROR_TYPE_KEY, LOGS_KEY, status_of
 from runtime_server.lifecycle.controlplane import ControlPlane
-from runtime_server.lifecycle.runs import IDLE, READY, Run
-from runtime_server.lifecycle.runtimed import ATTEMPT_KEY, COLD_START_KEY, DIGEST_KEY, POD_KEY
+from runtime_server.lifecycle.runs import Run
+from runtime_server.rpc import CHANNEL_OPTIONS, status_of
+from runtime_server.wire import (
+    ATTEMPT_KEY,
+    COLD_START_KEY,
+    DIGEST_KEY,
+    ERROR_TYPE_KEY,
+    IDLE,
+    LOGS_KEY,
+    POD_KEY,
+    READY,
+)
 
 LOG = logging.getLogger("fnkernel.gateway")
 Code = grpc.StatusCode
 
-# SPEC §2.3: gRPC status → HTTP status.
-HTTP_STATUS: dict[grpc.StatusCode, int] = {
-    Code.OK: 200,
-    Code.INVALID_ARGUMENT: 400,
-    Code.NOT_FOUND: 404,
-    Code.ALREADY_EXISTS: 409,
-    Code.UNAUTHENTICATED: 401,
-    Code.PERMISSION_DENIED: 403,
-    Code.RESOURCE_EXHAUSTED: 429,
-    Code.FAILED_PRECONDITION: 503,
-    Code.DEADLINE_EXCEEDED: 504,
-    Code.UNKNOWN: 502,
-    Code.UNIMPLEMENTED: 501,
-    Code.UNAVAILABLE: 503,
-    Code.CANCELLED: 503,
-    Code.INTERNAL: 500,
-}
-# Every 429 and 503 says when to come back (a Run re-registering answers UNAVAILABLE).
-RETRY_AFTER = {Code.RESOURCE_EXHAUSTED, Code.FAILED_PRECONDITION, Code.UNAVAILABLE, Code.CANCELLED}
 CREATE_WAIT_SECONDS = 90.0  # POST /v1/runs answers once the Run is Ready or Failed
 DEADLINE_SLACK_SECONDS = 10.0  # room for a cold start on top of the invocation's own timeout
 DEFAULT_LISTEN = "127.0.0.1:8080"
@@ -287,8 +276,8 @@ class BaseHandler(web.RequestHandler):
         self.finish(json.dumps(body))
 
     def send_error_body(self, error: GatewayError) -> None:
-        status = HTTP_STATUS.get(error.code, 500)
-        if error.code in RETRY_AFTER:
+        status = wire.http_status(error.code.name)
+        if error.code.name in wire.RETRY_AFTER_CODES:
             self.set_header("Retry-After", "1")
         if status == 401:
             self.set_header("WWW-Authenticate", "Bearer")

@@ -24,15 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime_server.errors import RunAlreadyExists, RunNotFound
-
-# Run.status.phase
-PENDING = "Pending"  # assigned (or waiting for a pod); its runtimed has yet to register it
-READY = "Ready"  # registered and READY on its pod
-IDLE = "Idle"  # scaled to zero after the idle timeout; the next invoke re-registers it
-RETRYING = "Retrying"  # an infrastructure failure; the retry engine decides what happens next
-FAILED = "Failed"  # terminal: user-code failure, unsupported runtime, or retries exhausted
-DELETING = "Deleting"  # delete requested; its runtimed unregisters it (bounded drain)
-DELETED = "Deleted"  # unregistered; the control plane removes the working dir and the row
+from runtime_server.wire import DELETED, FAILED
 
 POD_HEARTBEAT_TIMEOUT = 3.0  # seconds without a heartbeat before a pod counts as gone
 DEFAULT_DRAIN_MILLIS = 5_000  # how long a delete lets the in-flight invocation finish

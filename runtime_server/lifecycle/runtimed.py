@@ -41,39 +41,33 @@ from runtime_server.errors import (
 )
 from runtime_server.function_runtime.registry import FAILED as REG_FAILED
 from runtime_server.function_runtime.registry import READY as REG_READY
-from runtime_server.function_runtime.server import (
+from runtime_server.function_runtime.server import FUNCTION_RUNTIME_SERVICE
+from runtime_server.lifecycle.runs import DEFAULT_DRAIN_MILLIS, Run, RunStore
+from runtime_server.rpc import (
     CHANNEL_OPTIONS,
-    FUNCTION_RUNTIME_SERVICE,
     add_health,
     add_reflection,
-)
-from runtime_server.function_runtime.servicer import (
     caller_timeout,
     relayed_trailers,
     translate_errors,
 )
-from runtime_server.lifecycle.runs import (
-    DEFAULT_DRAIN_MILLIS,
+from runtime_server.wire import (
+    ATTEMPT_KEY,
+    COLD_START_KEY,
     DELETED,
     DELETING,
+    DIGEST_KEY,
     FAILED,
     IDLE,
+    INFRASTRUCTURE_FATAL_TYPES,
     PENDING,
+    POD_KEY,
     READY,
     RETRYING,
-    Run,
-    RunStore,
 )
 
 LOG = logging.getLogger("fnkernel.runtimed")
-POD_KEY = "x-fn-pod"  # routing fence: the pod the caller routed to
-COLD_START_KEY = "x-fn-cold-start"
-DIGEST_KEY = "x-fn-registration-digest"
-ATTEMPT_KEY = "x-fn-registration-attempt"
 UNSUPPORTED = "runtime does not support function mode"
-# Worker deaths by signal at load time are the platform's fault, not the handler's (retry them);
-# every other fatal_error type names a problem in user code (no retry).
-INFRASTRUCTURE_FATAL_TYPES = frozenset({"WorkerKilled"})
 _SKIPPED_DIRS = frozenset({"__pycache__"})
 _REGISTER_RPC_TRIES = 3
 # RegisterFunction statuses that mean the server could not be reached at all.

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import IO
 
 from adapters.tempdirs import private_tempdir, sweep
-from runtime_server import tokens
-from runtime_server.launch import Child, spawn
+from runtime_server import daemon, tokens
+from runtime_server.daemon import Child, spawn
 
 LOG = logging.getLogger("fnkernel.up")
 _MAX_UNIX_PATH = 100  # sockaddr_un holds 108 bytes; leave room for the longest file name
@@ -92,7 +92,6 @@ class Stack:
         self._supervisor: threading.Thread | None = None
         self._sockets = self.state_dir
         self._private_sockets: Path | None = None  # a temp dir of ours, when state_dir is too long
-        self._common = ["--state-dir", str(self.state_dir)]
 
     @property
     def workspace_root(self) -> Path:
@@ -120,15 +119,14 @@ class Stack:
             self.gateway_listen, self.state_dir, token_file=self.token_file, no_token=self.no_token
         )
         self.token = chosen.token
-        gateway = ["gateway", "--listen", self.gateway_listen, *self._common]
-        if chosen.path is not None:  # a file, never argv: argv is visible to every local user
-            gateway += ["--token-file", str(chosen.path)]
-        elif chosen.token is None and not self.gateway_listen.startswith("unix:"):
-            gateway += ["--no-token"]
-        for origin in self.allow_origins:
-            gateway += ["--allow-origin", origin]
-        for host in self.allow_hosts:
-            gateway += ["--allow-host", host]
+        gateway = daemon.gateway_args(
+            self.gateway_listen,
+            self.state_dir,
+            token_file=chosen.path,
+            no_token=chosen.token is None and not self.gateway_listen.startswith("unix:"),
+            allow_origins=self.allow_origins,
+            allow_hosts=self.allow_hosts,
+        )
         try:
             for runtime, count in self.pods.items():
                 for _ in range(count):
@@ -160,11 +158,11 @@ class Stack:
     def _start_pod(self, runtime: str) -> str:
         pod = f"{runtime}-{len(self.pod_names(runtime))}"
         server = f"unix:{self._sockets / pod}.sock"
-        serve = ["serve", "--runtime", runtime, "--listen", server]
-        serve += ["--workspace-root", str(self.workspace_root)]
-        runtimed = ["runtimed", "--pod", pod, "--runtime", runtime, "--server", server]
-        runtimed += ["--listen", f"unix:{self._sockets / pod}.rtd.sock"]
-        runtimed += ["--poll-interval", str(self.poll_interval), *self._common]
+        serve = daemon.serve_args(runtime, server, self.workspace_root)
+        listen = f"unix:{self._sockets / pod}.rtd.sock"
+        runtimed = daemon.runtimed_args(
+            pod, runtime, server, listen, self.poll_interval, self.state_dir
+        )
         self._start(Component(f"{pod}-server", serve))
         self._start(Component(f"{pod}-runtimed", runtimed))
         return pod

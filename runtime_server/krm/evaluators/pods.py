@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from runtime_server.daemon import Child, spawn, wrapper_server_args
 from runtime_server.krm.evaluators.base import (
     DeadlineExceeded,
     EvalRequest,
@@ -36,7 +37,6 @@ from runtime_server.krm.evaluators.base import (
 )
 from runtime_server.krm.evaluators.server import RemoteEvaluator
 from runtime_server.krm.resources import resourcelist
-from runtime_server.launch import Child, spawn
 
 LOG = logging.getLogger("fnkernel.pods")
 DEFAULT_TTL = 30 * 60.0
@@ -147,7 +147,7 @@ class LocalBackend:
         if argv is None:
             raise NotFoundError(f"{image} is not in the image catalog")
         try:
-            child = spawn(["wrapper-server", "--port", "0", "--", *argv], die_with_parent=True)
+            child = spawn(wrapper_server_args(argv), die_with_parent=True)
         except RuntimeError as exc:
             raise EvaluatorSystemError(f"pod for {image} did not start: {exc}") from None
         return LocalPod(image, child)

@@ -19,7 +19,6 @@ import grpc
 from runtime_server import limits
 from runtime_server._proto.evaluator.v1 import evaluator_pb2 as pb
 from runtime_server._proto.evaluator.v1 import evaluator_pb2_grpc as pb_grpc
-from runtime_server.function_runtime.server import CHANNEL_OPTIONS, add_health, add_reflection
 from runtime_server.krm.evaluators.base import (
     DeadlineExceeded,
     EvalRequest,
@@ -33,12 +32,11 @@ from runtime_server.krm.evaluators.base import (
 )
 from runtime_server.krm.resources import resourcelist
 from runtime_server.krm.resources.resourcelist import format_result
+from runtime_server.rpc import CHANNEL_OPTIONS, add_health, add_reflection
+from runtime_server.wire import EVALUATOR_KEY, EXIT_CODE_KEY, RESULTS_KEY
 
 LOG = logging.getLogger("fnkernel.evaluator")
 SERVICE = "evaluator.FunctionEvaluator"
-RESULTS_KEY = "fn-results-bin"  # the failed function's results, as a ResourceList (YAML)
-EXIT_CODE_KEY = "fn-exit-code"
-EVALUATOR_KEY = "fn-evaluator"  # initial metadata: which evaluator of a chain served the call
 _NO_DEADLINE = 1e9  # seconds; grpc reports ~9.2e18 when the client set none (SPEC §3.1)
 
 STATUS: dict[type[EvaluatorError], grpc.StatusCode] = {

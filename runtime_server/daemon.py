@@ -1,0 +1,248 @@
+"""Running fnkernel components as processes: starting one and learning the address it bound
+(the announcement line), the command line of each, and the wiring of a long-running server
+(signals, the child subreaper, orphan reaping, stopping with its parent).
+
+This is the one place that writes and reads the announcement line and the one place that builds
+a component's argv — for ``fnkernel up``, the kernel, the pod backend, the benchmarks and tests.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from adapters.worker import reap_orphans
+
+LISTENING_ON = " listening on "
+
+
+def announcement(component: str, detail: str, address: str, extra: str = "") -> str:
+    tail = f", {extra}" if extra else ""
+    return f"fnkernel {component}: {detail}{LISTENING_ON}{address}{tail}"
+
+
+@dataclass
+class Child:
+    """One component process, started and announced."""
+
+    argv: list[str]
+    proc: subprocess.Popen[str]
+    address: str
+    announced: str
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stop(self, timeout: float = 30) -> int:
+        """SIGTERM (drain, then exit) and wait; SIGKILL if it outlives `timeout`. The exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()  # the announcement pipe
+        return code
+
+
+@dataclass
+class ServeProcess(Child):
+    workspace_root: Path = field(default_factory=Path)
+
+
+def start(
+    argv: Sequence[str],
+    *,
+    stderr: int | IO[str] = subprocess.DEVNULL,
+    env: dict[str, str] | None = None,
+    new_session: bool = False,
+) -> Child:
+    """Start `argv`, a program that announces itself (``announcement``), and wait for that line."""
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        env=env,
+        start_new_session=new_session,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline().strip()
+    if LISTENING_ON not in line:
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"{' '.join(argv[2:])} did not start: {line!r}")
+    address = line.split(LISTENING_ON, 1)[1].split(", ", 1)[0]
+    return Child(list(argv), proc, address, line)
+
+
+def spawn(
+    args: Sequence[str],
+    *,
+    stderr: int | IO[str] = subprocess.DEVNULL,
+    die_with_parent: bool = False,
+) -> Child:
+    """Start ``fnkernel ARGS...`` and wait for its announcement line.
+
+    With `die_with_parent` the child stops itself (SIGTERM, an orderly stop) when this process
+    dies (``watch_parent``), so a killed parent (``fnkernel up``, a kernel) leaves no
+    orphan behind; and it runs in its own session: a signal to the parent's process group
+    (Ctrl-C in a terminal, a kernel interrupt, which ipykernel sends with ``killpg``) stays with
+    the parent, which stops its children in order.
+    """
+    env = None
+    if die_with_parent:
+        env = {**os.environ, PARENT_ENV: str(os.getpid())}
+    argv = [sys.executable, "-m", "runtime_server.cli", *args]
+    return start(argv, stderr=stderr, env=env, new_session=die_with_parent)
+
+
+def spawn_serve(
+    runtime: str, workspace_root: Path, *extra: str, listen: str = "127.0.0.1:0"
+) -> ServeProcess:
+    """Start ``fnkernel serve`` for `runtime` (``serve_args``), with `extra` flags."""
+    child = spawn(serve_args(runtime, listen, workspace_root, *extra))
+    return ServeProcess(child.argv, child.proc, child.address, child.announced, workspace_root)
+
+
+_PR_SET_CHILD_SUBREAPER = 36
+PARENT_ENV = "FNKERNEL_PARENT_PID"  # set by spawn(die_with_parent=True)
+
+
+def _prctl(option: int, value: int) -> bool:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return bool(libc.prctl(option, value, 0, 0, 0) == 0)
+    except OSError:
+        return False
+
+
+def become_subreaper() -> bool:
+    """Adopt our workers' orphaned grandchildren so they can be reaped (SPEC §3.1)."""
+    return _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+
+def watch_parent(interval: float = 0.25) -> threading.Thread | None:
+    """In a component started with ``spawn(die_with_parent=True)``: SIGTERM ourselves
+    (an orderly stop) once the parent that started us is gone — killed, even with SIGKILL.
+
+    A parent-pid watch rather than ``PR_SET_PDEATHSIG``: that needs a ``preexec_fn``, which runs
+    Python between fork and exec, where gRPC's fork handlers can crash the child of a process
+    with gRPC threads. The variable is removed from our environment so that nothing we start
+    inherits it.
+    """
+    expected = os.environ.pop(PARENT_ENV, "")
+    if not expected.isdigit():
+        return None
+    parent = int(expected)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    if os.getppid() != parent:  # gone before we even started
+        os.kill(os.getpid(), signal.SIGTERM)
+    thread = threading.Thread(target=watch, name="parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def start_reaper(stop: threading.Event, interval: float = 1.0) -> threading.Thread:
+    def loop() -> None:
+        while not stop.wait(interval):
+            reap_orphans()
+
+    thread = threading.Thread(target=loop, name="reaper", daemon=True)
+    thread.start()
+    return thread
+
+
+def wait_for_termination(poll: float = 0.1) -> int:
+    """Block until SIGTERM or SIGINT; returns the signal number.
+
+    The handler only appends to a list: it runs in the main thread between bytecodes, possibly
+    inside a lock acquire, so taking any lock there (``Event.set()``) can deadlock the very
+    thread that must stop the server — which left servers running after SIGTERM. Not sigwait
+    either: that needs the signals blocked before gRPC starts its threads.
+    """
+    received: list[int] = []
+
+    def handler(signum: int, _frame: object) -> None:
+        received.append(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+    while not received:
+        time.sleep(poll)  # a signal runs the handler at once; the loop sees it within `poll`
+    return received[0]
+
+
+# The one definition of each component's command line: every process that starts another builds
+# its argv here, and tests/test_daemon.py parses each with the CLI's own parser.
+
+
+def serve_args(runtime: str, listen: str, workspace_root: Path, *extra: str) -> list[str]:
+    """``fnkernel serve``: a Runtime Server for one runtime."""
+    return [
+        "serve",
+        "--runtime",
+        runtime,
+        "--listen",
+        listen,
+        "--workspace-root",
+        str(workspace_root),
+        *extra,
+    ]
+
+
+def runtimed_args(
+    pod: str, runtime: str, server: str, listen: str, poll_interval: float, state_dir: Path
+) -> list[str]:
+    """``fnkernel runtimed``: the agent of one Runtime Pod, beside its server."""
+    return [
+        "runtimed", "--pod", pod, "--runtime", runtime, "--server", server, "--listen", listen,
+        "--poll-interval", str(poll_interval), "--state-dir", str(state_dir),
+    ]  # fmt: skip
+
+
+def gateway_args(
+    listen: str,
+    state_dir: Path,
+    *,
+    token_file: Path | None = None,
+    no_token: bool = False,
+    allow_origins: Sequence[str] = (),
+    allow_hosts: Sequence[str] = (),
+) -> list[str]:
+    """``fnkernel gateway``: the HTTP gateway with the control plane. The token travels in a
+    file, never in argv, which every local user can read."""
+    args = ["gateway", "--listen", listen, "--state-dir", str(state_dir)]
+    if token_file is not None:
+        args += ["--token-file", str(token_file)]
+    if no_token:
+        args += ["--no-token"]
+    for origin in allow_origins:
+        args += ["--allow-origin", origin]
+    for host in allow_hosts:
+        args += ["--allow-host", host]
+    return args
+
+
+def wrapper_server_args(entrypoint: Sequence[str], port: int = 0) -> list[str]:
+    """``fnkernel wrapper-server``: one KRM function entrypoint over FunctionEvaluator."""
+    return ["wrapper-server", "--port", str(port), "--", *entrypoint]

@@ -1,0 +1,139 @@
+"""What every gRPC server and client of fnkernel shares: message limits, reflection, health,
+deadlines, and the translation of our errors into statuses (docs/protocol.md, "Errors")."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
+
+from adapters.errors import HandlerError
+from runtime_server import limits, wire
+
+LOG = logging.getLogger("fnkernel.rpc")
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+# SPEC §3.1: raise both limits on every server and client; we enforce 6 MiB ourselves.
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", limits.GRPC_MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", limits.GRPC_MAX_MESSAGE_BYTES),
+]
+
+
+def add_reflection(server: grpc.Server, service_names: list[str]) -> None:
+    """Serve reflection as v1alpha and v1: grpcio-reflection only names v1alpha, and the two
+    protocols have identical wire messages (SPEC §3.1), so one servicer answers both."""
+    names = [*service_names, reflection.SERVICE_NAME, REFLECTION_V1]
+    servicer = reflection.ReflectionServicer(names)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    v1 = grpc.method_handlers_generic_handler(
+        REFLECTION_V1,
+        {
+            "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+                servicer.ServerReflectionInfo,
+                request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+                response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+            )
+        },
+    )
+    server.add_generic_rpc_handlers((v1,))
+
+
+def add_health(server: grpc.Server, service_names: list[str]) -> health.HealthServicer:
+    servicer = health.HealthServicer()
+    for name in ["", *service_names]:
+        servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    return servicer
+
+
+_MAX_LOGS_TRAILER = 4096
+_NO_DEADLINE = 1e9  # the sync server reports ~9.2e18 s remaining when the client set none
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def status_of(exc: BaseException) -> grpc.StatusCode | None:
+    """The gRPC status wire.GRPC_STATUS gives `exc`, or None for an unexpected error."""
+    name = wire.status_name(exc)
+    return None if name is None else grpc.StatusCode[name]
+
+
+def translate_errors(method: F) -> F:
+    """Abort the RPC with the mapped status; no Python traceback ever reaches a status message."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return method(self, request, context)
+        except grpc.RpcError as exc:  # an upstream call's status passes through (proxy hop)
+            upstream: Any = exc
+            context.set_trailing_metadata(relayed_trailers(upstream.trailing_metadata()))
+            context.abort(upstream.code(), upstream.details() or "")
+        except Exception as exc:
+            code = status_of(exc)
+            if code is None:
+                LOG.exception("internal error in %s", method.__name__)
+                context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+            if isinstance(exc, HandlerError):
+                context.set_trailing_metadata(
+                    ((wire.ERROR_TYPE_KEY, exc.error_type), (wire.LOGS_KEY, logs_trailer(exc.logs)))
+                )
+                context.abort(code, limits.bounded(f"handler error: {exc}"))
+            context.abort(code, limits.bounded(str(exc)))
+
+    return wrapper  # type: ignore[return-value]
+
+
+def relayed_trailers(trailers: Any) -> tuple[tuple[str, str | bytes], ...]:
+    """An upstream call's ``fn-*`` trailers (error type, logs), to pass on unchanged."""
+    return tuple((k, v) for k, v in trailers or () if k.startswith("fn-"))
+
+
+def caller_timeout(context: grpc.ServicerContext) -> float | None:
+    """Seconds left before the caller's deadline, or None if it set none."""
+    remaining = context.time_remaining()
+    if remaining is None or remaining > _NO_DEADLINE:
+        return None
+    return float(remaining)
+
+
+def caller_deadline(context: grpc.ServicerContext) -> float | None:
+    remaining = caller_timeout(context)
+    return None if remaining is None else time.monotonic() + remaining
+
+
+def cancel_on_client_exit(context: grpc.ServicerContext) -> Callable[[Callable[[], object]], None]:
+    """An on_dispatch hook: run `cancel` when the RPC ends early (client cancel or deadline).
+
+    gRPC runs the callback ~0.2 ms after a client cancel (SPEC §3.1); when it runs after a normal
+    completion, cancelling a finished call is a no-op.
+    """
+
+    def on_dispatch(cancel: Callable[[], object]) -> None:
+        def callback() -> None:
+            cancel()
+
+        if not context.add_callback(callback):
+            cancel()  # the RPC already ended
+
+    return on_dispatch
+
+
+def logs_trailer(logs: tuple[Any, ...]) -> bytes:
+    """The last log lines that fit the trailer budget, as JSON [{stream, text}]."""
+    kept: list[dict[str, str]] = []
+    size = 2
+    for line in reversed(logs):
+        entry = {"stream": line.stream, "text": line.text}
+        size += len(json.dumps(entry)) + 1
+        if size > _MAX_LOGS_TRAILER:
+            break
+        kept.append(entry)
+    return json.dumps(kept[::-1]).encode()

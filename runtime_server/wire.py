@@ -1,0 +1,142 @@
+"""Names that cross a process boundary, spelled once (docs/protocol.md).
+
+gRPC metadata keys, HTTP headers, Run phases, the error types a caller can branch on, and the two
+status tables: our errors → gRPC status, and gRPC status → HTTP status. Standard library (and our
+own stdlib-only modules) only: the kernel and the client library import this at start. Status
+codes are named by their gRPC names (``"INVALID_ARGUMENT"``), so no grpc import is needed here;
+``runtime_server.rpc`` turns a name into a ``grpc.StatusCode``.
+"""
+
+from __future__ import annotations
+
+from adapters.errors import (
+    HANDLER_NOT_FOUND,
+    INITIALIZATION_ERROR,
+    OUTPUT_TOO_LARGE,
+    WORKER_CRASHED,
+    WORKER_KILLED,
+    HandlerError,
+    InvalidInput,
+    InvocationCancelled,
+    InvocationTimeout,
+    WorkerUnavailable,
+)
+from runtime_server.errors import (
+    AttemptSuperseded,
+    DigestConflict,
+    InvalidField,
+    InvocationInFlight,
+    NoRuntimePod,
+    NotAllowedHere,
+    RegistrationLost,
+    RegistrationNotFound,
+    RegistrationNotReady,
+    RoutedElsewhere,
+    RunAlreadyExists,
+    RunNotFound,
+    RunNotReady,
+    ShuttingDown,
+    StaleRegistration,
+)
+
+__all__ = [
+    "HANDLER_NOT_FOUND",
+    "INFRASTRUCTURE_FATAL_TYPES",
+    "INITIALIZATION_ERROR",
+    "OUTPUT_TOO_LARGE",
+    "WORKER_CRASHED",
+    "WORKER_KILLED",
+]
+
+# gRPC metadata: runtimed's proxy hop (docs/protocol.md, "Proxy hop")
+POD_KEY = "x-fn-pod"  # the pod the caller routed to (routing fence)
+COLD_START_KEY = "x-fn-cold-start"  # initial metadata: the Run was registered again for this call
+DIGEST_KEY = "x-fn-registration-digest"
+ATTEMPT_KEY = "x-fn-registration-attempt"
+# gRPC metadata: a Runtime Server's handler errors
+ERROR_TYPE_KEY = "fn-error-type"
+LOGS_KEY = "fn-logs-bin"  # the invocation's log lines, JSON, bounded
+# gRPC metadata: FunctionEvaluator
+RESULTS_KEY = "fn-results-bin"  # a failed function's results, as a ResourceList (YAML)
+EXIT_CODE_KEY = "fn-exit-code"
+EVALUATOR_KEY = "fn-evaluator"  # initial metadata: which evaluator of a chain served the call
+
+# HTTP headers of the gateway (docs/protocol.md, "HTTP API")
+INVOCATION_ID_HEADER = "X-Invocation-Id"
+TIMEOUT_HEADER = "X-Timeout-Ms"
+OUTPUTS_HEADER = "X-Fn-Outputs"
+ATTEMPT_HEADER = "X-Fn-Attempt"
+COLD_START_HEADER = "X-Fn-Cold-Start"
+LOGS_HEADER = "X-Fn-Logs"
+
+# Run.status.phase (docs/protocol.md, "Runs")
+PENDING = "Pending"  # assigned (or waiting for a pod); its runtimed has yet to register it
+READY = "Ready"  # registered and READY on its pod
+IDLE = "Idle"  # scaled to zero after the idle timeout; the next invoke re-registers it
+RETRYING = "Retrying"  # an infrastructure failure; the retry engine decides what happens next
+FAILED = "Failed"  # terminal: user-code failure, unsupported runtime, or retries exhausted
+DELETING = "Deleting"  # delete requested; its runtimed unregisters it (bounded drain)
+DELETED = "Deleted"  # unregistered; the control plane removes the working dir and the row
+
+# A FAILED registration whose fatal_error has one of these types failed for the platform's
+# reasons, not the handler's: runtimed retries it (docs/architecture.md, "Retries").
+INFRASTRUCTURE_FATAL_TYPES = frozenset({WORKER_KILLED})
+
+# Our errors → gRPC status (docs/protocol.md, "Errors"). The first class in an exception's MRO
+# that is here decides.
+GRPC_STATUS: dict[type[Exception], str] = {
+    InvalidField: "INVALID_ARGUMENT",
+    InvalidInput: "INVALID_ARGUMENT",
+    RegistrationNotFound: "NOT_FOUND",
+    DigestConflict: "ALREADY_EXISTS",
+    StaleRegistration: "FAILED_PRECONDITION",
+    RegistrationNotReady: "FAILED_PRECONDITION",
+    AttemptSuperseded: "FAILED_PRECONDITION",
+    InvocationInFlight: "RESOURCE_EXHAUSTED",
+    InvocationTimeout: "DEADLINE_EXCEEDED",
+    InvocationCancelled: "CANCELLED",
+    WorkerUnavailable: "UNAVAILABLE",
+    ShuttingDown: "UNAVAILABLE",
+    HandlerError: "UNKNOWN",
+    RunNotFound: "NOT_FOUND",
+    RunAlreadyExists: "ALREADY_EXISTS",
+    RunNotReady: "FAILED_PRECONDITION",
+    RoutedElsewhere: "FAILED_PRECONDITION",
+    NoRuntimePod: "UNAVAILABLE",
+    RegistrationLost: "UNAVAILABLE",
+    NotAllowedHere: "PERMISSION_DENIED",
+}
+
+# gRPC status → HTTP status at the gateway (docs/protocol.md, "Errors").
+HTTP_STATUS: dict[str, int] = {
+    "OK": 200,
+    "INVALID_ARGUMENT": 400,
+    "NOT_FOUND": 404,
+    "ALREADY_EXISTS": 409,
+    "UNAUTHENTICATED": 401,
+    "PERMISSION_DENIED": 403,
+    "RESOURCE_EXHAUSTED": 429,
+    "FAILED_PRECONDITION": 503,
+    "DEADLINE_EXCEEDED": 504,
+    "UNKNOWN": 502,
+    "UNIMPLEMENTED": 501,
+    "UNAVAILABLE": 503,
+    "CANCELLED": 503,
+    "INTERNAL": 500,
+}
+# Every 429 and 503 says when to come back.
+RETRY_AFTER_CODES = frozenset(
+    {"RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "UNAVAILABLE", "CANCELLED"}
+)
+
+
+def status_name(exc: BaseException) -> str | None:
+    """The gRPC status name GRPC_STATUS gives `exc`, or None for an unexpected error."""
+    for cls in type(exc).__mro__:
+        if cls in GRPC_STATUS:
+            return GRPC_STATUS[cls]
+    return None
+
+
+def http_status(code_name: str) -> int:
+    return HTTP_STATUS.get(code_name, 500)
