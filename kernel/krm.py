@@ -20,10 +20,8 @@ from kernel.display import escape, table_html, table_text
 from kernel.session import Session, session_of
 from runtime_server.client import parse_pairs
 from runtime_server.errors import FunctionError as GatewayFunctionError
-from runtime_server.krm.evaluators.base import Evaluator
+from runtime_server.krm import chain
 from runtime_server.krm.evaluators.base import FunctionError as KrmFunctionError
-from runtime_server.krm.evaluators.builtin import BuiltinEvaluator
-from runtime_server.krm.evaluators.multi import MultiEvaluator
 from runtime_server.krm.pipeline import Outcome, PipelineError, evaluate_one, render
 from runtime_server.krm.resources.package import KPTFILE, PackageError, read_documents
 from runtime_server.krm.resources.resourcelist import (
@@ -143,67 +141,25 @@ class PipelineFailed(GatewayFunctionError):
     """A KRM pipeline step failed; nothing was written. Shown as one line."""
 
 
-class Chain:
-    """The kernel's evaluator chain. Builtin always (with ``fn://NAME`` for each ``%%function
-    NAME --krm``); exec and pod once ``configure()`` names their directories and catalogs."""
+class Chain(chain.Chain):
+    """The kernel's evaluator chain (runtime_server.krm.chain): builtin, with ``fn://NAME`` for
+    each ``%%function NAME --krm``; exec and pod once ``configure()`` names their directories
+    and catalogs; a Kptfile's ``exec`` steps only with ``allow_exec``."""
 
     def __init__(self) -> None:
-        self.builtin = BuiltinEvaluator()
-        self.extra: list[Evaluator] = []
+        super().__init__()
         self.allow_exec = False  # a Kptfile's `exec` steps run only when allowed, as in kpt
-        self._manager: Any = None
 
-    def configure(
-        self,
-        *,
-        functions: str | Path | None = None,
-        function_config: str | Path | None = None,
-        image_catalog: str | Path | None = None,
-        pod_cache_config: str | Path | None = None,
-        allow_exec: bool = False,
-    ) -> Chain:
-        """Add the exec evaluator (cached binaries under `functions`, mapped by the
-        `function_config` store) and the pod evaluator (wrapper-server pods from the
-        `image_catalog`, warmed up from `pod_cache_config`); `allow_exec` lets a Kptfile's
-        ``exec`` steps run (``fnkernel render --allow-exec``)."""
-        self.close()
+    def configure(self, *, allow_exec: bool = False, **settings: str | Path | None) -> Chain:
+        """``Chain.configure``'s `functions`, `function_config`, `image_catalog` and
+        `pod_cache_config`; `allow_exec` lets a Kptfile's ``exec`` steps run
+        (``fnkernel render --allow-exec``)."""
+        super().configure(**settings)
         self.allow_exec = allow_exec
-        self.extra = []
-        if functions is not None:
-            from runtime_server.krm.evaluators.exec import ExecEvaluator, FunctionConfigStore
-
-            store = None
-            if function_config is not None:
-                store = FunctionConfigStore.load(Path(functions), Path(function_config))
-            self.extra.append(ExecEvaluator(Path(functions), store))
-        if image_catalog is not None:
-            from runtime_server.krm.evaluators.pods import (
-                LocalBackend,
-                PodCacheManager,
-                PodEvaluator,
-                load_catalog,
-                load_warmup,
-            )
-
-            warmup = load_warmup(Path(pod_cache_config)) if pod_cache_config else {}
-            self._manager = PodCacheManager(LocalBackend(load_catalog(Path(image_catalog))), warmup)
-            self._manager.warm_up(list(warmup))
-            self.extra.append(PodEvaluator(self._manager))
         return self
 
     def register(self, function: Function) -> None:
         self.builtin.register(f"fn://{function.name}", bridge(function))
-
-    def evaluator(self) -> MultiEvaluator:
-        return MultiEvaluator([self.builtin, *self.extra])
-
-    def describe(self) -> str:
-        return " → ".join(e.name for e in [self.builtin, *self.extra])
-
-    def close(self) -> None:
-        if self._manager is not None:
-            self._manager.stop()
-            self._manager = None
 
 
 def bridge(function: Function) -> Any:

@@ -421,3 +421,43 @@ def test_a_failure_while_writing_puts_every_file_back(
     assert len(renames) == 2
     assert snapshot(package) == before
     assert not [p for p in package.rglob("*") if ".fnkernel-" in p.name]
+
+
+def test_fnkernel_render_runs_builtin_then_exec_then_pod_as_configured(
+    package: Path, tmp_path: Path
+) -> None:
+    # docs/architecture.md, "The KRM chain": fnkernel render's chain is builtin → exec (cached
+    # binaries, with --functions) → pod (with --image-catalog), assembled in krm/chain.py.
+    functions = write(
+        tmp_path / "functions",
+        {"stamp.sh": "#!/bin/sh\nsed 's/^kind: ResourceList/kind: ResourceList/'\n"},
+    )
+    store = tmp_path / "functions.yaml"
+    store.write_text("- image: example.com/fn/stamp\n  path: stamp.sh\n")
+    (package / "Kptfile").write_text(
+        kptfile(
+            "app",
+            mutators="- image: example.com/fn/stamp:v1\n- image: set-labels\n  configMap: {a: b}\n",
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "runtime_server.cli", "render", str(package),
+         "--functions", str(functions), "--function-config", str(store)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    assert any("example.com/fn/stamp:v1 (exec)" in line for line in lines), lines
+    assert any("set-labels (builtin)" in line for line in lines), lines
+    without = fnkernel_render(package)  # no --functions: nothing serves the image
+    assert without.returncode == 1 and "not found" in without.stderr
+
+
+def test_a_chain_flag_that_needs_another_is_a_usage_error(package: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "runtime_server.cli", "render", str(package),
+         "--function-config", "x.yaml"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "--function-config needs --functions" in done.stderr

@@ -503,24 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
         "NotFound falls through to the next evaluator.",
     )
     evaluator.add_argument("--listen", default="127.0.0.1:9445", metavar="ADDR")
-    evaluator.add_argument(
-        "--functions", metavar="DIR", help="cached function binaries (enables the exec evaluator)"
-    )
-    evaluator.add_argument(
-        "--function-config",
-        metavar="F",
-        help="FunctionConfig store: YAML list of {image, tags, path} (path relative to --functions)",
-    )
-    evaluator.add_argument(
-        "--image-catalog",
-        metavar="F",
-        help="local image catalog: YAML {image: [entrypoint argv]} (enables the pod evaluator)",
-    )
-    evaluator.add_argument(
-        "--pod-cache-config",
-        metavar="F",
-        help="warm-up list: YAML [{image, timeToLive, maxParallelPods, preferredMaxQueueLength}]",
-    )
+    _add_chain_flags(evaluator)
     evaluator.add_argument("-v", "--verbose", action="store_true")
     evaluator.set_defaults(func=_evaluator)
 
@@ -559,6 +542,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--results-dir", metavar="D", help="write results.yaml (FunctionResultList)"
     )
     render.add_argument("--output", choices=("text", "json"), default="text")
+    _add_chain_flags(render)
     render.set_defaults(func=_render)
 
     evaluate = commands.add_parser(
@@ -572,6 +556,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--fn-config", metavar="F", help="the function config (one KRM object)")
     evaluate.add_argument("--dry-run", action="store_true")
     evaluate.add_argument("--output", choices=("text", "json"), default="text")
+    _add_chain_flags(evaluate)
     evaluate.add_argument("pairs", nargs=argparse.REMAINDER, metavar="-- key=value")
     evaluate.set_defaults(func=_eval)
 
@@ -597,67 +582,61 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _chain(args: argparse.Namespace, command: str) -> Any:
+    """The evaluator chain the flags name (runtime_server.krm.chain); UsageError if they
+    cannot be used."""
+    from runtime_server.krm.chain import Chain
+
+    try:
+        return Chain().configure(
+            functions=args.functions,
+            function_config=args.function_config,
+            image_catalog=args.image_catalog,
+            pod_cache_config=args.pod_cache_config,
+        )
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{command}: {exc}") from None
+
+
+def _add_chain_flags(parser: argparse.ArgumentParser) -> None:
+    """The evaluators after builtin (docs/architecture.md, "The KRM chain")."""
+    parser.add_argument(
+        "--functions", metavar="DIR", help="cached function binaries (enables the exec evaluator)"
+    )
+    parser.add_argument(
+        "--function-config",
+        metavar="F",
+        help="FunctionConfig store: YAML list of {image, tags, path} (path relative to --functions)",
+    )
+    parser.add_argument(
+        "--image-catalog",
+        metavar="F",
+        help="local image catalog: YAML {image: [entrypoint argv]} (enables the pod evaluator)",
+    )
+    parser.add_argument(
+        "--pod-cache-config",
+        metavar="F",
+        help="warm-up list: YAML [{image, timeToLive, maxParallelPods, preferredMaxQueueLength}]",
+    )
+
+
 def _evaluator(args: argparse.Namespace) -> int:
     from runtime_server import daemon, logs
     from runtime_server.daemon import announcement
-    from runtime_server.krm.evaluators.builtin import BuiltinEvaluator
-    from runtime_server.krm.evaluators.exec import ExecEvaluator, FunctionConfigStore
-    from runtime_server.krm.evaluators.multi import MultiEvaluator
     from runtime_server.krm.evaluators.server import serve
 
     logs.configure(logging.DEBUG if args.verbose else logging.INFO)
-    chain: list[Any] = [BuiltinEvaluator()]
-    if args.functions:
-        functions = Path(args.functions)
-        if not functions.is_dir():
-            print(
-                f"fnkernel evaluator: --functions {functions} is not a directory", file=sys.stderr
-            )
-            return EXIT_USAGE
-        store = None
-        if args.function_config:
-            try:
-                store = FunctionConfigStore.load(functions, Path(args.function_config))
-            except (OSError, ValueError) as exc:
-                print(f"fnkernel evaluator: --function-config: {exc}", file=sys.stderr)
-                return EXIT_USAGE
-        chain.append(ExecEvaluator(functions, store))
-    elif args.function_config:
-        print("fnkernel evaluator: --function-config needs --functions", file=sys.stderr)
-        return EXIT_USAGE
-    manager = None
-    if args.image_catalog:
-        from runtime_server.krm.evaluators.pods import (
-            LocalBackend,
-            PodCacheManager,
-            PodEvaluator,
-            load_catalog,
-            load_warmup,
-        )
-
-        try:
-            catalog = load_catalog(Path(args.image_catalog))
-            warmup = load_warmup(Path(args.pod_cache_config)) if args.pod_cache_config else {}
-        except (OSError, ValueError) as exc:
-            print(f"fnkernel evaluator: {exc}", file=sys.stderr)
-            return EXIT_USAGE
-        manager = PodCacheManager(LocalBackend(catalog), warmup)
-        manager.warm_up(list(warmup))
-        chain.append(PodEvaluator(manager))
-    elif args.pod_cache_config:
-        print("fnkernel evaluator: --pod-cache-config needs --image-catalog", file=sys.stderr)
-        return EXIT_USAGE
+    chain = _chain(args, "evaluator")
     try:
-        server, address = serve(MultiEvaluator(chain), args.listen)
+        server, address = serve(chain.evaluator(), args.listen)
     except RuntimeError as exc:
+        chain.close()
         print(f"fnkernel evaluator: {exc}", file=sys.stderr)
         return EXIT_FAILURE
-    order = " → ".join(evaluator.name for evaluator in chain)
-    print(announcement("evaluator", f"chain {order}", address), flush=True)
+    print(announcement("evaluator", f"chain {chain.describe()}", address), flush=True)
     daemon.wait_for_termination()
     server.stop(5).wait()
-    if manager is not None:
-        manager.stop()
+    chain.close()
     return EXIT_OK
 
 
@@ -705,12 +684,6 @@ def _step_line(step: Any, number: int) -> str:
     return line
 
 
-def _krm_chain() -> Any:
-    from runtime_server.krm.evaluators.builtin import BuiltinEvaluator
-
-    return BuiltinEvaluator()
-
-
 def _report(outcome: Any, output: str) -> None:
     if output == "json":
         print(
@@ -746,10 +719,11 @@ def _render(args: argparse.Namespace) -> int:
     from runtime_server.krm.resources.resourcelist import InvalidResourceList
 
     counter = iter(range(1, 10_000))
+    chain = _chain(args, "render")
     try:
         outcome = render(
             Path(args.dir),
-            _krm_chain(),
+            chain.evaluator(),
             allow_exec=args.allow_exec,
             dry_run=args.dry_run,
             results_dir=Path(args.results_dir) if args.results_dir else None,
@@ -762,6 +736,8 @@ def _render(args: argparse.Namespace) -> int:
     except (FileNotFoundError, InvalidResourceList) as exc:
         print(f"fnkernel render: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    finally:
+        chain.close()
     _report(outcome, args.output)
     return EXIT_OK
 
@@ -778,6 +754,7 @@ def _eval(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     config = None
+    chain = _chain(args, "eval")
     try:
         if args.fn_config:
             documents = read_documents(Path(args.fn_config).read_text(), args.fn_config)
@@ -787,7 +764,7 @@ def _eval(args: argparse.Namespace) -> int:
         outcome = evaluate_one(
             Path(args.dir),
             args.image,
-            _krm_chain(),
+            chain.evaluator(),
             config=config,
             data=data,
             dry_run=args.dry_run,
@@ -799,6 +776,8 @@ def _eval(args: argparse.Namespace) -> int:
     except (OSError, InvalidResourceList) as exc:
         print(f"fnkernel eval: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    finally:
+        chain.close()
     _report(outcome, args.output)
     return EXIT_OK
 

@@ -32,8 +32,7 @@ from runtime_server.krm.evaluators.base import (
     FunctionError,
     NotFoundError,
 )
-from runtime_server.krm.evaluators.exec import parse_results, run_function
-from runtime_server.krm.evaluators.multi import MultiEvaluator
+from runtime_server.krm.evaluators.wrapper import WrapperEvaluator
 from runtime_server.krm.resources import resourcelist
 from runtime_server.krm.resources.package import (
     Package,
@@ -184,38 +183,26 @@ class Runner:
         self, image: str, rl: ResourceList, deadline: float
     ) -> tuple[bytes, str, tuple[str, ...]]:
         """Through the chain: (log, the evaluator that served, those that did not have it)."""
-
-        def call(evaluator: Any) -> bytes:
-            if hasattr(evaluator, "evaluate_in_place"):
-                evaluator.evaluate_in_place(image, rl, deadline)
-                return b""
-            request = EvalRequest(rl.to_bytes(), image)
-            response = evaluator.evaluate(request, deadline)
+        response = self.evaluator.evaluate(EvalRequest(b"", image, parsed=rl), deadline)
+        if response.parsed is not rl:
             _take_output(rl, response.resource_list)
-            return bytes(response.log)
-
-        if isinstance(self.evaluator, MultiEvaluator):
-            return self.evaluator.first(image, call)
-        return call(self.evaluator), self.evaluator.name, ()
+        return bytes(response.log), response.evaluator or self.evaluator.name, response.skipped
 
     def _exec(
         self, command: str, rl: ResourceList, package: Package | None, deadline: float
     ) -> bytes:
+        """A Kptfile ``exec`` step: the command, run as a function pod's entrypoint is."""
         if not self.allow_exec:
             raise FunctionError(f"exec: {command}: exec functions need --allow-exec", exit_code=1)
         argv = shlex.split(command)
         if package is not None and not os.path.isabs(argv[0]) and "/" in argv[0]:
             argv[0] = str((package.root / argv[0]).resolve())
-        code, stdout, stderr = run_function(argv, rl.to_bytes(), deadline)
-        if code != 0:
-            raise FunctionError(
-                f"exec: {command} exited with {code}",
-                exit_code=code,
-                stderr=stderr.decode("utf-8", "replace"),
-                results=parse_results(stdout),
-            )
-        _take_output(rl, stdout)
-        return stderr
+        label = f"exec: {command}"
+        response = WrapperEvaluator(argv, label).evaluate(
+            EvalRequest(b"", label, parsed=rl), deadline
+        )
+        _take_output(rl, response.resource_list)
+        return bytes(response.log)
 
     def _record(self, step: Step) -> None:
         self.steps.append(step)

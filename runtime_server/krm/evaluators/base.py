@@ -6,6 +6,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from runtime_server.krm.resources.resourcelist import ResourceList
+
 
 def split_image(image: str) -> tuple[str, str]:
     """``name[:tag][@digest]`` → (name, tag)."""
@@ -19,12 +21,22 @@ def split_image(image: str) -> tuple[str, str]:
 
 @dataclass(frozen=True)
 class EvalRequest:
-    """``EvaluateFunctionRequest``: a ResourceList (YAML bytes) and the function to run on it."""
+    """``EvaluateFunctionRequest``: a ResourceList (YAML bytes) and the function to run on it.
+
+    A pipeline passes the ResourceList it holds as `parsed` (and no bytes): an evaluator that
+    runs functions on parsed nodes (builtin) changes it in place and answers with it, so comments
+    and styles survive without a serialization; every other one takes ``serialized()``."""
 
     resource_list: bytes
     image: str
     tag: str = ""
     exec_path: str = ""
+    parsed: ResourceList | None = None
+
+    def serialized(self) -> bytes:
+        if self.parsed is not None and not self.resource_list:
+            return self.parsed.to_bytes()
+        return self.resource_list
 
 
 @dataclass(frozen=True)
@@ -35,6 +47,7 @@ class EvalResponse:
     log: bytes = b""
     evaluator: str = ""
     skipped: tuple[str, ...] = ()  # evaluators of a chain that answered NotFound first
+    parsed: ResourceList | None = None  # the request's `parsed`, changed in place (builtin)
 
 
 class EvaluatorError(Exception):

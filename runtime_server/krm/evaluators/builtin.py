@@ -71,32 +71,29 @@ class BuiltinEvaluator:
             return self._functions.get(name)
 
     def evaluate(self, request: EvalRequest, deadline: float | None = None) -> EvalResponse:
-        if self.lookup(request.image) is None:
-            raise NotFoundError(f"{request.image} is not a builtin function")
-        try:
-            rl = ResourceList.parse(request.resource_list)
-        except InvalidResourceList as exc:
-            raise InvalidRequest(
-                f"{request.image}: the input is not a ResourceList: {exc}"
-            ) from None
-        self.evaluate_in_place(request.image, rl, deadline)
-        return EvalResponse(rl.to_bytes(), b"", self.name)
-
-    def evaluate_in_place(
-        self, image: str, rl: ResourceList, deadline: float | None = None
-    ) -> None:
-        """Run the function on the parsed ResourceList itself, no serialization (a pipeline's
-        fast path). Raises as ``evaluate`` does; the results stay in `rl`."""
-        function = self.lookup(image)
+        """Run the function on the request's parsed ResourceList itself when it has one (a
+        pipeline's), else on the parsed bytes."""
+        function = self.lookup(request.image)
         if function is None:
-            raise NotFoundError(f"{image} is not a builtin function")
+            raise NotFoundError(f"{request.image} is not a builtin function")
+        rl = request.parsed
+        if rl is None:
+            try:
+                rl = ResourceList.parse(request.resource_list)
+            except InvalidResourceList as exc:
+                raise InvalidRequest(
+                    f"{request.image}: the input is not a ResourceList: {exc}"
+                ) from None
         remaining(deadline)
         function(rl)
         if rl.has_errors():
             errors = [r for r in rl.results if isinstance(r, dict) and r.get("severity") == ERROR]
             first = errors[0].get("message", "") if errors else ""
             raise FunctionError(
-                f"{image} failed: {first}",
+                f"{request.image} failed: {first}",
                 exit_code=1,
                 results=[dict(r) for r in rl.results if isinstance(r, dict)],
             )
+        if request.parsed is not None:
+            return EvalResponse(b"", b"", self.name, parsed=rl)
+        return EvalResponse(rl.to_bytes(), b"", self.name)

@@ -156,7 +156,7 @@ class ExecEvaluator:
         if not exec_path:
             raise NotFoundError(f"no cached binary for {request.image}")
         binary = confined(exec_path, self.functions_dir)
-        code, stdout, stderr = run_function([str(binary)], request.resource_list, deadline)
+        code, stdout, stderr = run_function([str(binary)], request.serialized(), deadline)
         if code != 0:
             log = stderr.decode("utf-8", "replace")
             raise FunctionError(

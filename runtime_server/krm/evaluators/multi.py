@@ -3,9 +3,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import TypeVar
 
 from runtime_server.krm.evaluators.base import (
     EvalRequest,
@@ -14,8 +13,6 @@ from runtime_server.krm.evaluators.base import (
     EvaluatorError,
     NotFoundError,
 )
-
-T = TypeVar("T")
 
 
 class MultiEvaluator:
@@ -27,19 +24,13 @@ class MultiEvaluator:
         self.evaluators = list(evaluators)
 
     def evaluate(self, request: EvalRequest, deadline: float | None = None) -> EvalResponse:
-        response, served, skipped = self.first(
-            request.image, lambda evaluator: evaluator.evaluate(request, deadline)
-        )
-        return replace(response, evaluator=response.evaluator or served, skipped=skipped)
-
-    def first(self, image: str, call: Callable[[Evaluator], T]) -> tuple[T, str, tuple[str, ...]]:
-        """`call` on each evaluator in order until one has the function: its answer, its name
-        and the names of those that did not. Only NotFoundError falls through."""
+        """The first evaluator that has the function answers; only NotFoundError falls through.
+        The response names the evaluator that served and those that did not have it."""
         tried: list[str] = []
         reasons: list[str] = []
         for evaluator in self.evaluators:
             try:
-                answer = call(evaluator)
+                response = evaluator.evaluate(request, deadline)
             except NotFoundError as exc:
                 tried.append(evaluator.name)
                 reasons.append(f"{evaluator.name}: {exc}")
@@ -47,8 +38,10 @@ class MultiEvaluator:
             except EvaluatorError as exc:  # it has the function and it failed: stop here
                 exc.evaluator, exc.skipped = exc.evaluator or evaluator.name, tuple(tried)
                 raise
-            return answer, evaluator.name, tuple(tried)
+            return replace(
+                response, evaluator=response.evaluator or evaluator.name, skipped=tuple(tried)
+            )
         raise NotFoundError(
-            f"function {image} not found; tried {', '.join(tried)} ({'; '.join(reasons)})",
+            f"function {request.image} not found; tried {', '.join(tried)} ({'; '.join(reasons)})",
             tuple(tried),
         )

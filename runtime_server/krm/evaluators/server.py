@@ -143,7 +143,7 @@ class RemoteEvaluator:
     def evaluate(self, request: EvalRequest, deadline: float | None = None) -> EvalResponse:
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         message = pb.EvaluateFunctionRequest(
-            resource_list=request.resource_list,
+            resource_list=request.serialized(),
             image=request.image,
             tag=request.tag,
             exec_path=request.exec_path,

@@ -24,14 +24,15 @@ from runtime_server.krm.resources.resourcelist import InvalidResourceList, Resou
 class WrapperEvaluator:
     name = "wrapper"
 
-    def __init__(self, entrypoint: Sequence[str]) -> None:
+    def __init__(self, entrypoint: Sequence[str], label: str = "") -> None:
         if not entrypoint:
             raise ValueError("the wrapper server needs an entrypoint after --")
         self.entrypoint = list(entrypoint)
+        self.label = label or self.entrypoint[0]  # how its failures name the function
 
     def evaluate(self, request: EvalRequest, deadline: float | None = None) -> EvalResponse:
         try:
-            code, stdout, stderr = run_function(self.entrypoint, request.resource_list, deadline)
+            code, stdout, stderr = run_function(self.entrypoint, request.serialized(), deadline)
         except EvaluatorSystemError as exc:
             raise FunctionError(f"failed to execute: {exc}", exit_code=-1) from None
         log = stderr.decode("utf-8", "replace")
@@ -47,7 +48,7 @@ class WrapperEvaluator:
         results = [dict(result) for result in output.results if isinstance(result, dict)]
         if code != 0:
             raise FunctionError(
-                f"{self.entrypoint[0]} exited with {code}",
+                f"{self.label} exited with {code}",
                 exit_code=code,
                 stderr=log,
                 results=results,
