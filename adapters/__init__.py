@@ -1,4 +1,4 @@
-"""Built-in adapters: how a handler is loaded and called (seed 000, "Built-in Runtime Requirements")."""
+"""Built-in adapters: how a handler is loaded and called ("Built-in Runtime Requirements")."""
 
 from __future__ import annotations
 

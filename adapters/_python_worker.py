@@ -28,7 +28,7 @@ _ENCODER = json.JSONEncoder(ensure_ascii=False)  # built once: json.dumps(**kw) 
 
 
 class Context:
-    """What a handler that takes two arguments gets as its second (SPEC §3)."""
+    """What a handler that takes two arguments gets as its second (docs/protocol.md, "Adapters")."""
 
     def __init__(self, invocation_id: str, run_uid: str, remaining_ms: int, logger: logging.Logger):
         self.invocation_id = invocation_id
@@ -41,7 +41,7 @@ class Context:
         return max(0, (self.deadline_unix_nano - time.time_ns()) // 1_000_000)
 
     def set_output(self, key: str, value: object) -> None:
-        """Record one named output; bounds are checked by the Runtime Server (SPEC §2.2)."""
+        """Record one named output; bounds are checked by the Runtime Server (docs/protocol.md, "Limits")."""
         self.outputs[str(key)] = value if isinstance(value, str) else json.dumps(value)
 
     def __repr__(self) -> str:

@@ -1,4 +1,4 @@
-"""The Adapter protocol and the worker-backed base both built-in adapters share (SPEC §3)."""
+"""The Adapter protocol and the worker-backed base both built-in adapters share (docs/protocol.md, "Adapters")."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from adapters.worker import Call, LogLine, WorkerSupervisor
 
 JSON = "application/json"
 # Environment variables a worker never inherits from the server: they would make bash run code
-# before our runner (SPEC §3.1: clear BASH_ENV).
+# before our runner (docs/architecture.md, "Measured facts the design rests on": clear BASH_ENV).
 _SCRUBBED_ENV = ("BASH_ENV", "ENV")
 
 

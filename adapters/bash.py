@@ -1,4 +1,4 @@
-"""BashAdapter: ``file.function`` handlers, AWS Lambda custom-runtime style (seed 000, SPEC §3).
+"""BashAdapter: ``file.function`` handlers, AWS Lambda custom-runtime style (docs/protocol.md, "Adapters").
 
 A long-lived bash runner sources ``file.sh`` once and, for each call, runs the function in itself
 with the payload as its one quoted argument (adapters/bash_runner.sh says why not in a forked job).

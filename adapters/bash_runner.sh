@@ -1,4 +1,4 @@
-# The long-lived Bash worker (SPEC §3, §3.1); run by BashAdapter as
+# The long-lived Bash worker (docs/protocol.md, "Adapters", §3.1); run by BashAdapter as
 #   bash --noprofile --norc bash_runner.sh HANDLER_FILE FUNCTION SCRATCH_DIR REQ_FD RESP_FD
 # with the registered working directory as cwd and BASH_ENV cleared.
 #
@@ -12,7 +12,7 @@
 #             its outputs in SCRATCH_DIR/outputs (the adapter removes that file after reading it).
 #
 # The function runs in this shell, not in a job forked per call: on this machine a fork costs
-# more than the rest of the call together (SPEC §3.1; benchmarks/invoke.py). So shell state the
+# more than the rest of the call together (docs/architecture.md, "Measured facts the design rests on"; benchmarks/invoke.py). So shell state the
 # function changes (variables, cwd, options) persists to its next call, like a Python handler's
 # module globals. A function that ends the shell (`exit N`, `set -e`, `exec`) ends the worker
 # mid-call: the adapter reports that exit status as the call's result and a fresh worker replaces

@@ -1,4 +1,4 @@
-"""What can go wrong inside an adapter, named for the user (SPEC §2.2, §3).
+"""What can go wrong inside an adapter, named for the user (docs/protocol.md, "Limits", "Adapters").
 
 These carry no gRPC: the Runtime Server maps each class to a status code in exactly one table
 (``runtime_server.function_runtime.servicer.GRPC_STATUS``).
@@ -24,7 +24,7 @@ class AdapterError(Exception):
 class InvalidHandler(AdapterError, ValueError):
     """The handler string is malformed or points outside the working directory.
 
-    Raised before any file is touched (SPEC §2.2, handler rows).
+    Raised before any file is touched (docs/protocol.md, "Limits", handler rows).
     """
 
 

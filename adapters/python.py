@@ -1,4 +1,4 @@
-"""PythonAdapter: ``module.function`` handlers in a long-lived worker (seed 000, SPEC §3)."""
+"""PythonAdapter: ``module.function`` handlers in a long-lived worker (docs/protocol.md, "Adapters")."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from adapters.errors import OUTPUT_TOO_LARGE, HandlerError, InvalidHandler, Inva
 from adapters.worker import Call
 
 WORKER_SCRIPT = Path(__file__).with_name("_python_worker.py")
-# SPEC §2.2: dotted identifiers, at least module.function, at most 256 bytes.
+# docs/protocol.md, "Limits": dotted identifiers, at least module.function, at most 256 bytes.
 _HANDLER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+")
 MAX_HANDLER_BYTES = 256
 

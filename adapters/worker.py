@@ -1,4 +1,4 @@
-"""The worker-process supervisor shared by every adapter (SPEC §3).
+"""The worker-process supervisor shared by every adapter (docs/protocol.md, "Adapters").
 
 One registration owns one long-lived worker process, started at RegisterFunction so the handler is
 imported (Python) or sourced (Bash) once. The supervisor spawns it in its own process group, frames
@@ -13,7 +13,7 @@ Wire between supervisor and worker (the worker gets the two fd numbers as its la
   n-byte message (no traceback); then adapter-specific responses.
 * stdout and stderr: append-only files in the registration's scratch directory. After each call
   the supervisor reads what was appended, one log record per line. Reading files after the call,
-  rather than pumping pipes with threads, keeps the hot path free of thread wake-ups (SPEC §3.1
+  rather than pumping pipes with threads, keeps the hot path free of thread wake-ups (docs/architecture.md, "Measured facts the design rests on"
   budgets a whole invoke at ~1.3x a bare gRPC echo); a worker must flush before it responds.
 """
 
@@ -339,7 +339,7 @@ class WorkerSupervisor:
             worker.reap()
 
     def cancel(self, invocation_id: str | None = None) -> bool:
-        """Kill the call in flight (SPEC §3: within 100 ms); returns whether one was killed.
+        """Kill the call in flight (docs/protocol.md, "Adapters": within 100 ms); returns whether one was killed.
 
         With an `invocation_id`, only that call is cancelled; if it has not reached the worker yet
         it is remembered and refused when it arrives (a client may cancel before dispatch).
@@ -436,7 +436,7 @@ class WorkerSupervisor:
             return self._current
 
     def _replace(self, old: Worker, call: Call) -> None:
-        """Kill `old` now and bring up a fresh worker in the background (SPEC §3)."""
+        """Kill `old` now and bring up a fresh worker in the background (docs/protocol.md, "Adapters")."""
         old.kill()
         with contextlib.suppress(OSError):
             call.collect_logs(final=True)
@@ -481,7 +481,7 @@ def proc_stat(pid: int | str) -> list[str]:
 
 
 def reap_orphans() -> int:
-    """Reap zombie children this process did not spawn itself (SPEC §3.1).
+    """Reap zombie children this process did not spawn itself (docs/architecture.md, "Measured facts the design rests on").
 
     The Runtime Server is a child subreaper, so a handler's killed grandchildren are reparented to
     it. Returns how many were reaped.

@@ -1,4 +1,4 @@
-"""The fnkernel Jupyter kernel and its IPython magics (SPEC §6).
+"""The fnkernel Jupyter kernel and its IPython magics (docs/protocol.md, "Kernel").
 
 ``%load_ext kernel`` loads the magics into any IPython; the ``fnkernel`` kernelspec runs
 ``kernel.kernel.FnKernel``, which preloads them. Importing this package imports nothing heavy:

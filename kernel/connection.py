@@ -1,7 +1,7 @@
-"""Where a kernel's functions run (SPEC §6): the gateway at ``$FNKERNEL_RUNTIME``, or an embedded
+"""Where a kernel's functions run (docs/protocol.md, "Kernel"): the gateway at ``$FNKERNEL_RUNTIME``, or an embedded
 stack started on first use.
 
-The embedded stack is the §4 control plane (in the gateway process) plus one Runtime Pod per
+The embedded stack is the control plane (docs/protocol.md, "Runs") (in the gateway process) plus one Runtime Pod per
 runtime actually used, as child processes on Unix sockets in a private 0700 directory. It is
 started by the first magic that needs it, never at kernel start; the children get SIGTERM if the
 kernel dies, and their own session, so a kernel interrupt (``killpg``) does not reach them.

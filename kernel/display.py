@@ -1,4 +1,4 @@
-"""Rich display (SPEC §6): the registration card, the invocation result, the ``%functions`` table.
+"""Rich display (docs/protocol.md, "Kernel"): the registration card, the invocation result, the ``%functions`` table.
 
 Each object has ``_repr_html_`` for JupyterLab and a ``__repr__`` that reads well as plain text,
 because a notebook executed headless by nbclient is read as text in a CI log.

@@ -1,4 +1,4 @@
-"""A kernel's registered functions (SPEC §6): the callables ``%%function`` binds."""
+"""A kernel's registered functions (docs/protocol.md, "Kernel"): the callables ``%%function`` binds."""
 
 from __future__ import annotations
 

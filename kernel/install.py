@@ -1,4 +1,4 @@
-"""``fnkernel install``: the ``fnkernel`` kernelspec (SPEC §6), written by jupyter_client."""
+"""``fnkernel install``: the ``fnkernel`` kernelspec (docs/protocol.md, "Kernel"), written by jupyter_client."""
 
 from __future__ import annotations
 

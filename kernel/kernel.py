@@ -1,4 +1,4 @@
-"""``FnKernel``: ipykernel's IPython kernel with the fnkernel magics preloaded (SPEC §6).
+"""``FnKernel``: ipykernel's IPython kernel with the fnkernel magics preloaded (docs/protocol.md, "Kernel").
 
 Two additions to ``IPythonKernel``: an interrupt cancels the invocation in flight from the
 control thread (the cell then raises ``KeyboardInterrupt``, the function stays registered), and

@@ -1,4 +1,4 @@
-"""KRM pipelines in the notebook (SPEC §5.4, §6): ``%krm render DIR``, ``%%krm render`` (the body
+"""KRM pipelines in the notebook (docs/protocol.md, "Pipelines", "Kernel"): ``%krm render DIR``, ``%%krm render`` (the body
 is a package as multi-doc YAML with one Kptfile) and ``%%krm eval IMAGE [-- key=value ...]`` (the
 body is the input resources), over the kernel's evaluator chain: builtin (with the notebook's
 ``fn://NAME`` functions) → exec → pod. Imported on first use only: it loads ruamel.yaml.

@@ -1,4 +1,4 @@
-"""The fnkernel magics, exactly as SPEC §6 spells them.
+"""The fnkernel magics, exactly as docs/protocol.md, "Kernel" spells them.
 
 ``%%function NAME [--runtime python|bash] [--handler H] [--env KEY=VALUE]... [--idle-timeout S]
 [--timeout S]``, ``%invoke NAME [JSON]``, ``%functions [NAME...]``, ``%fn_trace on|off|show`` and

@@ -1,13 +1,13 @@
 """The FunctionRuntime protocol itself, from a notebook: for teaching (``protocol_tour.ipynb``).
 
 ``runtime_server("python")`` starts a private Runtime Server (no runtimed, no gateway) and returns
-a client whose calls take and return the seed's JSON, exactly as its grpcurl examples write them::
+a client whose calls take and return the JSON of the grpcurl examples in docs/protocol.md, "Services"::
 
     rt = runtime_server("python")
     rt.RegisterFunction({"runUid": "run-1", "registrationAttempt": 1, ...})
 
 Calls are recorded by ``%fn_trace``, an interrupt cancels the call in flight (the sync stub's
-``.future()``, cancelled from the kernel's control thread), and a failure raises the SPEC §2.3
+``.future()``, cancelled from the kernel's control thread), and a failure raises the docs/protocol.md, "Errors"
 class of its status, shown as one line. grpc is imported here, and only when this is used.
 """
 
@@ -45,7 +45,7 @@ _REQUESTS = {
 
 
 def error_of(err: grpc.RpcError, method: str) -> FunctionError:
-    """A gRPC failure as the SPEC §2.3 class of its status (``FunctionBusy`` for
+    """A gRPC failure as the docs/protocol.md, "Errors" class of its status (``FunctionBusy`` for
     RESOURCE_EXHAUSTED, ...), so the gateway and the protocol read the same in a notebook."""
     code: grpc.StatusCode = err.code()
     details: str = err.details() or ""
@@ -61,7 +61,7 @@ def error_of(err: grpc.RpcError, method: str) -> FunctionError:
 
 class FunctionRuntimeClient:
     """One Runtime Server's FunctionRuntime service, called with JSON requests. The methods
-    carry the RPCs' own names, as the seed's grpcurl examples spell them."""
+    carry the RPCs' own names, as those grpcurl examples spell them."""
 
     def __init__(self, address: str, trace: Trace, workspace_root: Path | None = None) -> None:
         self.address = address
@@ -74,7 +74,7 @@ class FunctionRuntimeClient:
         self._dirs = itertools.count(1)
 
     def call(self, method: str, request: dict[str, Any], timeout: float = 60) -> dict[str, Any]:
-        """``FunctionRuntime/METHOD`` with `request` as the seed's JSON; the reply as JSON."""
+        """``FunctionRuntime/METHOD`` with `request` as grpcurl's JSON; the reply as JSON."""
         if method not in _REQUESTS:
             raise ValueError(f"FunctionRuntime has no method {method!r}; one of {list(_REQUESTS)}")
         message = json_format.ParseDict(request, _REQUESTS[method]())

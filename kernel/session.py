@@ -1,4 +1,4 @@
-"""One kernel's fnkernel session (SPEC §6): its registered functions, its runtime connection, the
+"""One kernel's fnkernel session (docs/protocol.md, "Kernel"): its registered functions, its runtime connection, the
 trace and the last error; and the accessor that finds it on an IPython shell."""
 
 from __future__ import annotations

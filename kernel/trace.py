@@ -1,4 +1,4 @@
-"""``%fn_trace``: every call the kernel makes to the runtime, for teaching (SPEC §6).
+"""``%fn_trace``: every call the kernel makes to the runtime, for teaching (docs/protocol.md, "Kernel").
 
 A call is recorded with its method (``POST /v1/runs/etl:invoke`` at the gateway,
 ``FunctionRuntime/RegisterFunction`` at a Runtime Server), the request as JSON with JSON payloads

@@ -132,7 +132,7 @@ def _prctl(option: int, value: int) -> bool:
 
 
 def become_subreaper() -> bool:
-    """Adopt our workers' orphaned grandchildren so they can be reaped (SPEC §3.1)."""
+    """Adopt our workers' orphaned grandchildren so they can be reaped (docs/architecture.md, "Measured facts the design rests on")."""
     return _prctl(_PR_SET_CHILD_SUBREAPER, 1)
 
 

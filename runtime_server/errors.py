@@ -1,7 +1,7 @@
 """What the FunctionRuntime state machine rejects, named for what the caller did wrong.
 
 No gRPC here: ``runtime_server.function_runtime.servicer.GRPC_STATUS`` maps each class to a status code, in one table
-(SPEC §2.1, §2.2).
+(docs/protocol.md, "Registration" and "Limits").
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ class RuntimeServerError(Exception):
 
 
 class InvalidField(RuntimeServerError):
-    """A request field breaks a SPEC §2.2 limit."""
+    """A request field breaks a docs/protocol.md, "Limits" limit."""
 
     def __init__(self, field: str, reason: str) -> None:
         super().__init__(f"{field}: {reason}")
@@ -21,7 +21,7 @@ class InvalidField(RuntimeServerError):
 
 
 class RegistrationNotFound(RuntimeServerError):
-    """No registration has this Run UID (seed: FunctionStatus NotFound)."""
+    """No registration has this Run UID (docs/protocol.md: FunctionStatus NotFound)."""
 
 
 class StaleRegistration(RuntimeServerError):
@@ -48,7 +48,7 @@ class ShuttingDown(RuntimeServerError):
     """The server is draining for shutdown and accepts no new work."""
 
 
-# The control plane (SPEC §4)
+# The control plane (docs/protocol.md, "Runs")
 
 
 class RunNotFound(RuntimeServerError):
@@ -80,7 +80,7 @@ class NotAllowedHere(RuntimeServerError):
     """Register/Unregister belong to runtimed itself; outside callers may not use them."""
 
 
-# What a client of the gateway sees (SPEC §2.3): one class per HTTP status, named for what went
+# What a client of the gateway sees (docs/protocol.md, "Errors"): one class per HTTP status, named for what went
 # wrong. ``runtime_server.client.ERRORS`` maps each status to its class.
 
 
@@ -97,7 +97,7 @@ class FunctionError(Exception):
         super().__init__(f"{self.message} ({self.code})" if self.code else self.message)
 
     def _render_traceback_(self) -> list[str]:
-        """IPython shows this instead of a stack trace: one readable line (SPEC §6)."""
+        """IPython shows this instead of a stack trace: one readable line (docs/protocol.md, "Kernel")."""
         return [f"{type(self).__name__}: {self}"]
 
 

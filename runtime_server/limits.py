@@ -1,4 +1,4 @@
-"""SPEC §2.2: the limits the seed's "Limits and Error Mapping" section leaves open, checked here.
+"""The limits of docs/protocol.md, "Limits", checked here.
 
 Every check raises InvalidField naming the field, before any work is accepted.
 """
@@ -34,7 +34,7 @@ MAX_OUTPUT_VALUE_BYTES = 1024
 MAX_OUTPUTS_BYTES = 16 * 1024
 MAX_MESSAGE_BYTES = 1024  # fatal_error and handler error messages
 # gRPC's own receive/send limit sits above the 6 MiB payload limit so that we, not the transport,
-# reject an oversized payload, with the status SPEC §2.2 names (SPEC §3.1).
+# reject an oversized payload, with the status docs/protocol.md, "Limits" names (docs/architecture.md, "Measured facts the design rests on").
 GRPC_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 _RUN_UID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -58,7 +58,7 @@ def check_run_uid(run_uid: str) -> str:
 
 
 def check_registration_id(registration_id: str) -> str:
-    # Seed: a Runtime Server itself always requires a non-empty registration ID.
+    # docs/protocol.md: a Runtime Server itself always requires a non-empty registration ID.
     if not registration_id:
         raise InvalidField("registration_id", "must not be empty at a Runtime Server")
     return registration_id
@@ -136,7 +136,7 @@ def sha256_digest(data: bytes) -> str:
 
 
 def check_invocation_id(invocation_id: str) -> str:
-    """Empty → a fresh opaque ID (seed: the response always returns the ID in use)."""
+    """Empty → a fresh opaque ID (docs/protocol.md: the response always returns the ID in use)."""
     if not invocation_id:
         return new_id("inv_")
     if len(invocation_id.encode()) > MAX_INVOCATION_ID_BYTES:
@@ -164,7 +164,7 @@ def check_content_type(content_type: str) -> str:
 
 
 def effective_timeout_millis(timeout_millis: int) -> int:
-    """Seed: zero means the bounded default, never unlimited work."""
+    """docs/protocol.md: zero means the bounded default, never unlimited work."""
     if timeout_millis < 0:
         raise InvalidField("timeout_millis", f"must not be negative, got {timeout_millis}")
     if timeout_millis == 0:

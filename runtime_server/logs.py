@@ -1,4 +1,4 @@
-"""Structured logs: JSON lines with run_uid, invocation_id and stream (seed 000, SPEC §3)."""
+"""Structured logs: JSON lines with run_uid, invocation_id and stream (docs/protocol.md, "Adapters")."""
 
 from __future__ import annotations
 

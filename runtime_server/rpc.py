@@ -19,7 +19,7 @@ from runtime_server import limits, wire
 
 LOG = logging.getLogger("fnkernel.rpc")
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
-# SPEC §3.1: raise both limits on every server and client; we enforce 6 MiB ourselves.
+# docs/architecture.md, "Measured facts the design rests on": raise both limits on every server and client; we enforce 6 MiB ourselves.
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", limits.GRPC_MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", limits.GRPC_MAX_MESSAGE_BYTES),
@@ -28,7 +28,7 @@ CHANNEL_OPTIONS = [
 
 def add_reflection(server: grpc.Server, service_names: list[str]) -> None:
     """Serve reflection as v1alpha and v1: grpcio-reflection only names v1alpha, and the two
-    protocols have identical wire messages (SPEC §3.1), so one servicer answers both."""
+    protocols have identical wire messages (docs/architecture.md, "Measured facts the design rests on"), so one servicer answers both."""
     names = [*service_names, reflection.SERVICE_NAME, REFLECTION_V1]
     servicer = reflection.ReflectionServicer(names)
     reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
@@ -112,7 +112,7 @@ def caller_deadline(context: grpc.ServicerContext) -> float | None:
 def cancel_on_client_exit(context: grpc.ServicerContext) -> Callable[[Callable[[], object]], None]:
     """An on_dispatch hook: run `cancel` when the RPC ends early (client cancel or deadline).
 
-    gRPC runs the callback ~0.2 ms after a client cancel (SPEC §3.1); when it runs after a normal
+    gRPC runs the callback ~0.2 ms after a client cancel (docs/architecture.md, "Measured facts the design rests on"); when it runs after a normal
     completion, cancelling a finished call is a no-op.
     """
 

@@ -62,7 +62,7 @@ def pid_alive(pid: int) -> bool:
 
 @dataclass
 class Client:
-    """Stubs for one server plus helpers that build the seed's requests."""
+    """Stubs for one server plus helpers that build the requests of docs/protocol.md."""
 
     channel: grpc.Channel
     workspace: Path
@@ -222,7 +222,7 @@ ECHO_SH = {
 }
 
 
-# The §4 stack: real Runtime Server, runtimed and gateway processes (SPEC §4).
+# The stack: real Runtime Server, runtimed and gateway processes (docs/protocol.md, "Runs").
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""SPEC §3 / seed "Built-in Runtime Requirements": the Python and Bash adapters through real servers."""
+"""docs/protocol.md, "Adapters": the Python and Bash adapters through real servers."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def trailers(error: grpc.RpcError) -> dict[str, object]:
     return dict(error.trailing_metadata())  # type: ignore[attr-defined]
 
 
-# Bash: the payload is one quoted argument, never evaluated (seed; SPEC §3).
+# Bash: the payload is one quoted argument, never evaluated (docs/protocol.md, "Adapters").
 
 HOSTILE = [
     "$(touch {x})",
@@ -84,7 +84,7 @@ def test_malformed_bash_handlers_are_invalid_argument(bash_rt: Client, handler: 
 def test_handler_file_symlink_leading_out_of_working_dir_is_invalid(
     runtime: str, handler_file: str, source: str, python_rt: Client, bash_rt: Client, tmp_path: Path
 ) -> None:
-    # Seed: both adapters operate beneath the registered working directory.
+    # docs/protocol.md: both adapters operate beneath the registered working directory.
     client = python_rt if runtime == "python" else bash_rt
     outside = tmp_path / f"evil-{handler_file}"
     outside.write_text(source)
@@ -101,7 +101,7 @@ def test_bash_handler_in_a_subdirectory(bash_rt: Client) -> None:
     assert bash_rt.invoke(reg.registration, b"you").output == b"hi you"
 
 
-# Initialisation failures: FAILED with a bounded fatal_error, no traceback (SPEC §2.1).
+# Initialisation failures: FAILED with a bounded fatal_error, no traceback (docs/protocol.md, "Registration").
 
 
 @pytest.mark.parametrize(
@@ -242,7 +242,7 @@ def test_bash_handler_failure_is_unknown_with_error_type_and_stays_usable(
 
 
 # The runner calls the function in itself (adapters/bash_runner.sh): a function that ends the shell
-# ends the worker, and that exit status is the call's result (SPEC §3: the registration stays READY).
+# ends the worker, and that exit status is the call's result (docs/protocol.md, "Adapters": the registration stays READY).
 
 
 @pytest.mark.parametrize(
@@ -431,7 +431,7 @@ def test_bash_cancel_kills_the_job_and_its_children(bash_rt: Client) -> None:
 def test_workers_do_not_inherit_bash_env(
     bash_rt: Client, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # SPEC §3.1: clear BASH_ENV, or bash would run it before our runner.
+    # docs/architecture.md, "Measured facts the design rests on": clear BASH_ENV, or bash would run it before our runner.
     evil = tmp_path / "bashenv.sh"
     evil.write_text("touch " + str(tmp_path / "ran") + "\n")
     monkeypatch.setenv("BASH_ENV", str(evil))

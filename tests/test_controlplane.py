@@ -1,4 +1,4 @@
-"""The control plane (SPEC §4): Run creation, the scheduler and the retry engine, against a real
+"""The control plane (docs/protocol.md, "Runs"): Run creation, the scheduler and the retry engine, against a real
 SQLite store. Pods are rows their runtimed would write (heartbeats); no process is needed here."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def create(plane: ControlPlane, name: str = "fn") -> str:
 
 
 def test_store_is_sqlite_in_wal_mode(plane: ControlPlane) -> None:
-    # SPEC §4: SQLite (stdlib sqlite3, WAL) so that a restart loses nothing.
+    # docs/protocol.md, "Runs": SQLite (stdlib sqlite3, WAL) so that a restart loses nothing.
     mode = sqlite3.connect(plane.store.path).execute("PRAGMA journal_mode").fetchone()[0]
     assert mode == "wal"
 
@@ -89,7 +89,7 @@ def test_duplicate_name_is_refused(plane: ControlPlane) -> None:
 
 
 def test_retry_on_the_same_pod_when_it_is_healthy(plane: ControlPlane) -> None:
-    # Seed: the retry engine advances the attempt before the scheduler (re)assigns a pod.
+    # docs/protocol.md: the retry engine advances the attempt before the scheduler (re)assigns a pod.
     alive(plane, "python-0", "python-1")
     run = plane.store.get_uid(create(plane))
     assert run is not None

@@ -1,4 +1,4 @@
-"""The evaluator chain (seed 004, SPEC §5.2) with real evaluators: builtin functions in-process,
+"""The evaluator chain (docs/protocol.md, "Evaluators") with real evaluators: builtin functions in-process,
 real executables for the exec evaluator, and the chain served over real gRPC."""
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def store_file(tmp_path: Path) -> Path:
 
 
 def test_images_resolve_to_bare_names_and_tags() -> None:
-    # SPEC §5.2: builtin functions answer to the bare name and both catalog registries.
+    # docs/protocol.md, "Evaluators": builtin functions answer to the bare name and both catalog registries.
     for image in (
         "set-namespace",
         "set-namespace:v0.4.1",
@@ -130,7 +130,7 @@ def test_builtin_function_errors_are_function_errors_with_structured_results() -
 
 
 def test_exec_evaluator_without_exec_path_is_not_found(functions: Path) -> None:
-    # Seed 004: "Empty exec_path → NotFoundError".
+    # docs/protocol.md: "Empty exec_path → NotFoundError".
     with pytest.raises(NotFoundError):
         ExecEvaluator(functions).evaluate(EvalRequest(INPUT, "example.com/fn/identity"))
 
@@ -162,7 +162,7 @@ def test_function_config_store_sets_exec_path_by_image_and_tag(
 def test_exec_path_outside_the_functions_dir_is_refused(
     functions: Path, tmp_path: Path, exec_path: str
 ) -> None:
-    # SPEC §5.2: exec_path must resolve (symlinks followed) inside --functions.
+    # docs/protocol.md, "Evaluators": exec_path must resolve (symlinks followed) inside --functions.
     executable(tmp_path / "outside", '#!/bin/sh\ntouch "$0.ran"\ncat\n')
     (functions / "link-out").symlink_to(tmp_path / "outside")
     request = EvalRequest(INPUT, "x", exec_path=exec_path.format(functions=functions))
@@ -195,7 +195,7 @@ def test_exec_deadline_kills_the_process_group(functions: Path) -> None:
 
 
 def test_chain_falls_through_only_on_not_found(functions: Path, store_file: Path) -> None:
-    # Seed 004: "Only NotFoundError triggers fallback; other errors returned immediately".
+    # docs/protocol.md: "Only NotFoundError triggers fallback; other errors returned immediately".
     store = FunctionConfigStore.load(functions, store_file)
     chain = MultiEvaluator([BuiltinEvaluator(), ExecEvaluator(functions, store)])
     served = chain.evaluate(EvalRequest(INPUT, "set-namespace"))
@@ -236,7 +236,7 @@ def evaluator_server(functions: Path, store_file: Path) -> Iterator[str]:
 
 
 def test_evaluator_server_serves_the_chain_over_grpc(evaluator_server: str) -> None:
-    # SPEC §5.1: FunctionEvaluator with health and reflection on every server.
+    # docs/protocol.md, "FunctionEvaluator": FunctionEvaluator with health and reflection on every server.
     remote = RemoteEvaluator(evaluator_server)
     try:
         response = remote.evaluate(EvalRequest(INPUT, "gcr.io/kpt-fn/set-namespace:v0.4"))

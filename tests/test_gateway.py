@@ -1,4 +1,4 @@
-"""The HTTP gateway (SPEC §4) and its error mapping (SPEC §2.3), through real processes: every row
+"""The HTTP gateway (docs/protocol.md, "Runs") and its error mapping (docs/protocol.md, "Errors"), through real processes: every row
 is produced by a real request to `fnkernel gateway` → runtimed → Runtime Server."""
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def test_get_shows_the_run_and_its_live_function_status(shared_stack: Stack) -> 
 
 
 def test_second_concurrent_invoke_is_429_with_retry_after(shared_stack: Stack) -> None:
-    # SPEC §2.3: RESOURCE_EXHAUSTED → 429 + Retry-After: 1.
+    # docs/protocol.md, "Errors": RESOURCE_EXHAUSTED → 429 + Retry-After: 1.
     name = create(shared_stack, SLOW_PY)
     first, result = in_background(lambda: invoke(shared_stack, name, b'{"sleep": 2}'))
     wait_in_flight(shared_stack, name)
@@ -132,7 +132,7 @@ def test_second_concurrent_invoke_is_429_with_retry_after(shared_stack: Stack) -
 
 
 def test_draining_run_is_503_with_retry_after(shared_stack: Stack) -> None:
-    # SPEC §2.3: FAILED_PRECONDITION (draining) → 503 + Retry-After: 1.
+    # docs/protocol.md, "Errors": FAILED_PRECONDITION (draining) → 503 + Retry-After: 1.
     name = create(shared_stack, SLOW_PY)
     slow, slow_result = in_background(lambda: invoke(shared_stack, name, b'{"sleep": 2}'))
     wait_in_flight(shared_stack, name)
@@ -149,7 +149,7 @@ def test_draining_run_is_503_with_retry_after(shared_stack: Stack) -> None:
 
 
 def test_delete_with_cancel_in_flight_stops_the_invocation_at_once(shared_stack: Stack) -> None:
-    # Seed: UnregisterFunction with cancel_in_flight cancels the in-flight invocation; the
+    # docs/protocol.md: UnregisterFunction with cancel_in_flight cancels the in-flight invocation; the
     # gateway passes it through as DELETE ?cancelInFlight=true (NAME.unregister(cancel=True)).
     name = create(shared_stack, SLOW_PY)
     slow, slow_result = in_background(lambda: invoke(shared_stack, name, b'{"sleep": 30}'))
@@ -158,7 +158,7 @@ def test_delete_with_cancel_in_flight_stops_the_invocation_at_once(shared_stack:
     Client(shared_stack.gateway_address).delete_run(name, cancel_in_flight=True)
     assert time.monotonic() - started < 5  # not the 30 s sleep, nor the 5 s default drain
     slow.join(10)
-    assert slow_result[0][0] == 503  # type: ignore[index]  # CANCELLED → 503 (SPEC §2.3)
+    assert slow_result[0][0] == 503  # type: ignore[index]  # CANCELLED → 503 (docs/protocol.md, "Errors")
 
 
 def test_delete_rejects_a_bad_drain_timeout(shared_stack: Stack) -> None:

@@ -1,4 +1,4 @@
-"""The fnkernel kernel through jupyter_client (SPEC §6): a real kernel process, its embedded
+"""The fnkernel kernel through jupyter_client (docs/protocol.md, "Kernel"): a real kernel process, its embedded
 runtime as real child processes, real cells."""
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def registration(kernel: Kernel, name: str) -> dict[str, str]:
 
 
 def test_fnkernel_install_writes_the_kernelspec(tmp_path: Path) -> None:
-    # SPEC §6: kernelspec name fnkernel, display name "Python 3 (fnkernel)"; the issue: an
+    # docs/protocol.md, "Kernel": kernelspec name fnkernel, display name "Python 3 (fnkernel)"; the issue: an
     # interrupt is a message, so the kernel can cancel the invocation itself.
     done = subprocess.run(
         [sys.executable, "-m", "runtime_server.cli", "install", "--prefix", str(tmp_path)],
@@ -85,7 +85,7 @@ def test_fnkernel_install_writes_the_kernelspec(tmp_path: Path) -> None:
 
 
 def test_plain_cells_import_no_grpc_and_start_nothing() -> None:
-    # SPEC §6: "Plain Python cells never pay for it (no grpc import at kernel start)."
+    # docs/protocol.md, "Kernel": "Plain Python cells never pay for it (no grpc import at kernel start)."
     kernel = Kernel()
     try:
         assert kernel.value("1 + 1") == 2
@@ -98,7 +98,7 @@ def test_plain_cells_import_no_grpc_and_start_nothing() -> None:
 
 
 def test_function_cell_registers_and_binds_a_callable(kernel: Kernel) -> None:
-    # SPEC §6: %%function registers the cell body; NAME(payload) returns the decoded output.
+    # docs/protocol.md, "Kernel": %%function registers the cell body; NAME(payload) returns the decoded output.
     cell = kernel.run(ETL)
     assert cell.ok, cell.error
     cards = cell.texts()
@@ -113,7 +113,7 @@ def test_function_cell_registers_and_binds_a_callable(kernel: Kernel) -> None:
 
 
 def test_invoke_returns_a_result_object(kernel: Kernel) -> None:
-    # SPEC §6: NAME.invoke(...) → output, outputs, invocation_id, duration, logs.
+    # docs/protocol.md, "Kernel": NAME.invoke(...) → output, outputs, invocation_id, duration, logs.
     kernel.run(ETL)
     result = kernel.value(
         "(lambda r: {'output': r.output, 'outputs': r.outputs, 'id': r.invocation_id, "
@@ -141,7 +141,7 @@ def test_invoke_magic_displays_output_outputs_logs_and_timing(kernel: Kernel) ->
 
 
 def test_rerunning_an_unchanged_cell_keeps_the_run_and_registration(kernel: Kernel) -> None:
-    # SPEC §6: re-running with identical source is idempotent.
+    # docs/protocol.md, "Kernel": re-running with identical source is idempotent.
     kernel.run(ETL)
     before = registration(kernel, "etl")
     cell = kernel.run(ETL)
@@ -151,7 +151,7 @@ def test_rerunning_an_unchanged_cell_keeps_the_run_and_registration(kernel: Kern
 
 
 def test_an_edited_cell_replaces_the_run(kernel: Kernel) -> None:
-    # SPEC §6: with changed source the old Run is unregistered and a new Run registered.
+    # docs/protocol.md, "Kernel": with changed source the old Run is unregistered and a new Run registered.
     kernel.run(ETL)
     before = registration(kernel, "etl")
     cell = kernel.run(ETL.replace('{"total": sum(event["rows"])}', '{"max": max(event["rows"])}'))
@@ -175,7 +175,7 @@ def test_bash_function_with_env_and_outputs(kernel: Kernel) -> None:
 
 
 def test_interrupt_cancels_the_invocation_and_the_function_stays_usable(kernel: Kernel) -> None:
-    # SPEC §6: interrupting during an invocation cancels it (the handler is killed), raises
+    # docs/protocol.md, "Kernel": interrupting during an invocation cancels it (the handler is killed), raises
     # KeyboardInterrupt in the cell, and the function stays registered and usable.
     assert kernel.run(SLOW).ok
     gateway = Client(gateway_address(kernel))
@@ -196,7 +196,7 @@ def test_interrupt_cancels_the_invocation_and_the_function_stays_usable(kernel: 
 
 
 def test_timeout_flag_bounds_each_invocation(kernel: Kernel) -> None:
-    # SPEC §6: --timeout S is the invocation timeout; past it the handler is stopped and the
+    # docs/protocol.md, "Kernel": --timeout S is the invocation timeout; past it the handler is stopped and the
     # function stays usable.
     assert kernel.run(SLOW.replace("%%function slow", "%%function bounded --timeout 0.3")).ok
     cell = kernel.run('bounded({"s": 5})')
@@ -207,7 +207,7 @@ def test_timeout_flag_bounds_each_invocation(kernel: Kernel) -> None:
 
 
 def test_a_busy_function_fails_with_one_readable_line(kernel: Kernel) -> None:
-    # SPEC §6: errors are short, readable messages (the §2.3 class, the field, the cause).
+    # docs/protocol.md, "Kernel": errors are short, readable messages (the error class, the field, the cause).
     assert kernel.run(SLOW).ok
     cell = kernel.run(
         "import threading\n"
@@ -229,7 +229,7 @@ def test_a_busy_function_fails_with_one_readable_line(kernel: Kernel) -> None:
 
 
 def test_fn_debug_shows_the_full_last_error(kernel: Kernel) -> None:
-    # SPEC §6: the full detail is available with %fn_debug.
+    # docs/protocol.md, "Kernel": the full detail is available with %fn_debug.
     cell = kernel.run('%invoke missing {"a": 1}')
     assert cell.error is not None and cell.error["ename"] == "FunctionNotFound"
     assert cell.error["traceback"] == ["FunctionNotFound: no run named 'missing' (NOT_FOUND)"]
@@ -264,7 +264,7 @@ def test_a_handler_that_cannot_load_fails_the_registration(kernel: Kernel) -> No
     ],
 )
 def test_bad_flags_raise_a_one_line_usage_error(kernel: Kernel, line: str, message: str) -> None:
-    # SPEC §6 / issue: bad flags raise IPython's UsageError with a one-line message.
+    # docs/protocol.md, "Kernel" / issue: bad flags raise IPython's UsageError with a one-line message.
     cell = kernel.run(f"{line}\ndef handler(event):\n    return 1\n")
     assert not cell.ok
     assert cell.reply["content"]["ename"] == "UsageError"
@@ -275,7 +275,7 @@ def test_bad_flags_raise_a_one_line_usage_error(kernel: Kernel, line: str, messa
 
 
 def test_fn_trace_records_each_gateway_call(kernel: Kernel) -> None:
-    # SPEC §6: %fn_trace on records every call the kernel makes (method, request with the JSON
+    # docs/protocol.md, "Kernel": %fn_trace on records every call the kernel makes (method, request with the JSON
     # payload decoded, status, latency); %fn_trace show renders them as a table.
     kernel.run(ETL)
     assert kernel.run("%fn_trace on").ok
@@ -305,7 +305,7 @@ def test_functions_table_lists_live_state(kernel: Kernel) -> None:
 
 
 def test_completion_offers_registered_names(kernel: Kernel) -> None:
-    # SPEC §6: %invoke <TAB> and %functions complete registered names.
+    # docs/protocol.md, "Kernel": %invoke <TAB> and %functions complete registered names.
     kernel.run(ETL)
     for code in ("%invoke e", "%functions e"):
         reply = kernel.request("complete", code=code, cursor_pos=len(code))
@@ -359,7 +359,7 @@ def test_kernel_shutdown_leaves_no_child_process() -> None:
 
 
 def test_sigkill_of_the_kernel_leaves_no_child_process_after_5s() -> None:
-    # SPEC §6: the children also exit on their own if the kernel dies.
+    # docs/protocol.md, "Kernel": the children also exit on their own if the kernel dies.
     kernel, children = _children_of_a_kernel_with_functions()
     state_dir = Path(kernel.value("str(get_ipython()._fnkernel_session.runtime._stack.state_dir)"))
     os.kill(kernel.pid, signal.SIGKILL)
@@ -381,7 +381,7 @@ def test_sigkill_of_the_kernel_leaves_no_child_process_after_5s() -> None:
 
 
 def test_magics_load_into_a_stock_ipykernel() -> None:
-    # SPEC §6: the same magics load into any ipykernel with %load_ext kernel.
+    # docs/protocol.md, "Kernel": the same magics load into any ipykernel with %load_ext kernel.
     kernel = Kernel("python3")
     try:
         assert kernel.value("'grpc' in __import__('sys').modules") is False
@@ -396,7 +396,7 @@ def test_magics_load_into_a_stock_ipykernel() -> None:
 def test_fnkernel_runtime_points_the_kernel_at_an_existing_gateway(
     stack_factory: Callable[..., Stack],
 ) -> None:
-    # SPEC §6: it connects to $FNKERNEL_RUNTIME when set, instead of an embedded runtime.
+    # docs/protocol.md, "Kernel": it connects to $FNKERNEL_RUNTIME when set, instead of an embedded runtime.
     stack = stack_factory()
     kernel = Kernel(env={"FNKERNEL_RUNTIME": stack.gateway_address})
     try:
@@ -476,7 +476,7 @@ def handler(resource_list):
 
 
 def test_krm_render_cell_runs_builtin_and_notebook_functions_step_by_step(kernel: Kernel) -> None:
-    # SPEC §6 / §5.4: %%krm render (the body is a package) and fn://NAME from %%function --krm.
+    # docs/protocol.md, "Kernel" and "Pipelines": %%krm render (the body is a package) and fn://NAME from %%function --krm.
     assert kernel.run(STAMP).ok
     cell = kernel.run(PACKAGE_CELL)
     assert cell.ok, cell.error
@@ -539,7 +539,7 @@ def test_krm_usage_errors_are_one_line(kernel: Kernel, code: str, message: str) 
 
 
 def test_krm_exec_steps_need_allow_exec_in_the_notebook_too(kernel: Kernel) -> None:
-    # SPEC §5.4: `exec` needs --allow-exec; in the kernel, kernel.krm.configure(allow_exec=True).
+    # docs/protocol.md, "Pipelines": `exec` needs --allow-exec; in the kernel, kernel.krm.configure(allow_exec=True).
     cell = kernel.run(
         "%%krm render\napiVersion: kpt.dev/v1\nkind: Kptfile\nmetadata: {name: x}\n"
         "pipeline:\n  mutators:\n  - exec: /bin/cat\n---\n"

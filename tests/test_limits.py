@@ -1,4 +1,4 @@
-"""SPEC §2.2: one test per limit, each through a real server; violations name the field."""
+"""docs/protocol.md, "Limits": one test per limit, each through a real server; violations name the field."""
 
 from __future__ import annotations
 
@@ -156,7 +156,7 @@ def test_invocation_id_must_be_printable_ascii(
 def test_empty_invocation_id_gets_a_generated_one_and_a_supplied_one_is_echoed(
     python_rt: Client, ready: pb.FunctionRegistration
 ) -> None:
-    # Seed: when it is empty the server generates an opaque ID; the response always returns it.
+    # docs/protocol.md: when it is empty the server generates an opaque ID; the response always returns it.
     generated = python_rt.invoke(ready).invocation_id
     assert generated.startswith("inv_") and len(generated) == 30
     assert python_rt.invoke(ready, invocation_id="trace 01J/x").invocation_id == "trace 01J/x"
@@ -205,14 +205,14 @@ def test_non_json_content_type_is_rejected(
 def test_empty_registration_id_is_rejected_at_a_runtime_server(
     python_rt: Client, ready: pb.FunctionRegistration
 ) -> None:
-    # Seed: a Runtime Server itself always requires a non-empty registration ID.
+    # docs/protocol.md: a Runtime Server itself always requires a non-empty registration ID.
     ref = pb.FunctionRegistration(run_uid=ready.run_uid)
     assert "registration_id" in rejected(lambda: python_rt.invoke(ref)).details()
     assert "registration_id" in rejected(lambda: python_rt.status(ref)).details()
 
 
 def test_outputs_bounds() -> None:
-    # SPEC §2.2 outputs row: ≤ 32 entries; key pattern; value ≤ 1,024 bytes; ≤ 16 KiB total.
+    # docs/protocol.md, "Limits" outputs row: ≤ 32 entries; key pattern; value ≤ 1,024 bytes; ≤ 16 KiB total.
     assert limits.outputs_problem({"rows": "3", "a.b-c_d": "x"}) is None
     assert limits.outputs_problem({f"k{i}": "v" for i in range(33)}) is not None
     assert limits.outputs_problem({"-bad": "v"}) is not None

@@ -1,5 +1,5 @@
 """Every notebook in notebooks/ executes cleanly with nbclient through the fnkernel kernel
-(SPEC §1: "every one is executed by nbclient in the test suite")."""
+(docs/architecture.md, "Layers": "every one is executed by nbclient in the test suite")."""
 
 from __future__ import annotations
 
@@ -43,12 +43,12 @@ def test_the_notebooks_are_the_ones_the_issue_names() -> None:
 def test_protocol_tour_shows_every_state_machine_outcome(
     executed: dict[str, nbformat.NotebookNode],
 ) -> None:
-    # The tour demonstrates the seed's three calls and each row of SPEC §2.1 live: each
+    # The tour demonstrates the grpcurl calls of docs/protocol.md, "Services", and each row of docs/protocol.md, "Registration" live: each
     # outcome appears in its output, produced by a real Runtime Server.
     text = summary(executed["protocol_tour"])
     for outcome in [
         "'state': 'FUNCTION_REGISTRATION_STATE_READY'",  # new run_uid
-        "{'status': 'ok', 'seen': {'command': 'status'}}",  # the seed's base64 input, decoded
+        "{'status': 'ok', 'seen': {'command': 'status'}}",  # the example's base64 input, decoded
         "same reference: True",
         "RegisterFunction → ALREADY_EXISTS",
         "RegisterFunction → FAILED_PRECONDITION: RegisterFunction: registration_attempt 1 is older",

@@ -1,4 +1,4 @@
-"""Pipelines with kpt's semantics (SPEC §5.4): real packages on disk, the builtin evaluator, real
+"""Pipelines with kpt's semantics (docs/protocol.md, "Pipelines"): real packages on disk, the builtin evaluator, real
 executables for `exec` steps, and the `fnkernel render` / `fnkernel eval` commands."""
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def test_each_step_records_its_diff(package: Path) -> None:
 def test_a_failing_step_aborts_and_leaves_every_file_untouched(
     package: Path, tmp_path: Path
 ) -> None:
-    # SPEC §5.4: "any failure aborts and leaves files untouched".
+    # docs/protocol.md, "Pipelines": "any failure aborts and leaves files untouched".
     kpt = package / "Kptfile"
     kpt.write_text(
         kpt.read_text()
@@ -336,7 +336,7 @@ def test_wide_sequence_indentation_is_kept_and_untouched_files_are_not_rewritten
 
 
 def test_fnkernel_bench_refuses_an_unknown_benchmark() -> None:
-    # SPEC §7: `bench` is a subcommand; usage errors exit 2 and name the choices.
+    # docs/protocol.md, "CLI": `bench` is a subcommand; usage errors exit 2 and name the choices.
     done = subprocess.run(
         [sys.executable, "-m", "runtime_server.cli", "bench", "nope"],
         capture_output=True,

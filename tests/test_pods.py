@@ -1,4 +1,4 @@
-"""The pod evaluator and its pod cache manager (seed 004, SPEC §5.2) with the local backend: every
+"""The pod evaluator and its pod cache manager (docs/protocol.md, "Evaluators") with the local backend: every
 pod is a real `fnkernel wrapper-server` process, counted in /proc."""
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def in_parallel(calls: int, fn: Callable[[], int]) -> list[int]:
 def test_a_burst_for_a_cold_image_starts_exactly_one_pod(
     who: Path, managers: Callable[..., PodCacheManager]
 ) -> None:
-    # Seed 004 waitlist: "Single pod creation serves all waiters".
+    # docs/protocol.md waitlist: "Single pod creation serves all waiters".
     before = wrapper_pids()
     evaluator = PodEvaluator(managers(LocalBackend({IMAGE: [str(who)]})))
     served = in_parallel(20, lambda: served_by(evaluator))
@@ -152,7 +152,7 @@ def test_a_killed_pod_is_evicted_and_the_call_succeeds_on_a_fresh_one(
 def test_an_unhealthy_idle_pod_is_evicted(
     who: Path, managers: Callable[..., PodCacheManager]
 ) -> None:
-    # SPEC §5.2: a pod whose health check fails is evicted at once (here: it stops answering).
+    # docs/protocol.md, "Evaluators": a pod whose health check fails is evicted at once (here: it stops answering).
     manager = managers(LocalBackend({IMAGE: [str(who)]}), gc_interval=0.2)
     evaluator = PodEvaluator(manager)
     frozen = served_by(evaluator)
@@ -209,7 +209,7 @@ def test_an_image_without_a_pod_entrypoint_is_not_found(
 
 
 def test_fnkernel_evaluator_serves_builtin_exec_and_pod(tmp_path: Path, who: Path) -> None:
-    # SPEC §5.2: the chain builtin → exec → pod behind one FunctionEvaluator; each response says
+    # docs/protocol.md, "Evaluators": the chain builtin → exec → pod behind one FunctionEvaluator; each response says
     # which evaluator served it, and warm-up pods start with the server.
     from runtime_server.daemon import spawn
     from runtime_server.krm.evaluators.server import RemoteEvaluator
@@ -276,7 +276,7 @@ class FailingBackend(LocalBackend):
 def test_a_pod_that_fails_to_start_fails_every_waiter_once(
     managers: Callable[..., PodCacheManager],
 ) -> None:
-    # Seed 004 waitlist: "Pod creation errors sent to all waiters"; the next request retries.
+    # docs/protocol.md waitlist: "Pod creation errors sent to all waiters"; the next request retries.
     backend = FailingBackend()
     evaluator = PodEvaluator(managers(backend))
     failures: list[BaseException] = []

@@ -1,4 +1,4 @@
-"""SPEC §2.1: one test per row of the registration state machine, against a real server."""
+"""docs/protocol.md, "Registration": one test per row of the registration state machine, against a real server."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def code_of(call) -> grpc.StatusCode:  # type: ignore[no-untyped-def]
 
 
 def test_new_run_uid_registers_ready_with_new_opaque_id(python_any: Client) -> None:
-    # SPEC §2.1 row 1: new run_uid → READY, new opaque registration_id (reg_ + 26 chars).
+    # docs/protocol.md, "Registration" row 1: new run_uid → READY, new opaque registration_id (reg_ + 26 chars).
     first = python_any.register(ECHO_PY)
     second = python_any.register(ECHO_PY)
     assert first.state == READY
@@ -60,7 +60,7 @@ def test_new_run_uid_registers_ready_with_new_opaque_id(python_any: Client) -> N
 def test_same_attempt_same_digest_returns_current_reference_without_reinitialising(
     python_rt: Client,
 ) -> None:
-    # SPEC §2.1 row 2; seed: "returns the current registration reference without reinitializing".
+    # docs/protocol.md, "Registration" row 2; docs/protocol.md: "returns the current registration reference without reinitializing".
     wd = python_rt.workdir(COUNTING)
     first = python_rt.register(working_dir=wd, run_uid="idem")
     again = python_rt.register(working_dir=wd, run_uid="idem")
@@ -72,7 +72,7 @@ def test_same_attempt_same_digest_returns_current_reference_without_reinitialisi
 def test_same_attempt_other_digest_is_already_exists_and_replaces_nothing(
     python_rt: Client,
 ) -> None:
-    # SPEC §2.1 row 3.
+    # docs/protocol.md, "Registration" row 3.
     wd = python_rt.workdir(ECHO_PY)
     first = python_rt.register(working_dir=wd, run_uid="dig", digest_of="one")
     assert (
@@ -84,7 +84,7 @@ def test_same_attempt_other_digest_is_already_exists_and_replaces_nothing(
 
 
 def test_higher_attempt_supersedes_and_stale_id_cannot_invoke(python_rt: Client) -> None:
-    # SPEC §2.1 row 4 and the InvokeFunction/UnregisterFunction stale-ID rows.
+    # docs/protocol.md, "Registration" row 4 and the InvokeFunction/UnregisterFunction stale-ID rows.
     wd = python_rt.workdir(ECHO_PY)
     old = python_rt.register(working_dir=wd, run_uid="sup", attempt=1)
     new = python_rt.register(working_dir=wd, run_uid="sup", attempt=2)
@@ -104,7 +104,7 @@ def test_higher_attempt_supersedes_and_stale_id_cannot_invoke(python_rt: Client)
 
 
 def test_higher_attempt_cancels_the_superseded_in_flight_invocation(python_rt: Client) -> None:
-    # SPEC §2.1 row 4: "old registration superseded (drained/cancelled)".
+    # docs/protocol.md, "Registration" row 4: "old registration superseded (drained/cancelled)".
     wd = python_rt.workdir(SLOW)
     old = python_rt.register(working_dir=wd, run_uid="sup2", attempt=1)
     future = python_rt.invoke_future(old.registration, b'{"sleep": 30}')
@@ -118,7 +118,7 @@ def test_higher_attempt_cancels_the_superseded_in_flight_invocation(python_rt: C
 
 
 def test_lower_attempt_is_failed_precondition(python_rt: Client) -> None:
-    # SPEC §2.1 row 5, also after the newer registration was unregistered.
+    # docs/protocol.md, "Registration" row 5, also after the newer registration was unregistered.
     wd = python_rt.workdir(ECHO_PY)
     newer = python_rt.register(working_dir=wd, run_uid="low", attempt=3)
     assert (
@@ -136,13 +136,13 @@ def test_lower_attempt_is_failed_precondition(python_rt: Client) -> None:
 
 
 def test_status_of_unknown_run_uid_is_not_found(python_rt: Client) -> None:
-    # SPEC §2.1 row 6.
+    # docs/protocol.md, "Registration" row 6.
     ref = pb.FunctionRegistration(run_uid="nobody", registration_id="reg_x")
     assert code_of(lambda: python_rt.status(ref)) == grpc.StatusCode.NOT_FOUND
 
 
 def test_status_of_current_id_reports_state_in_flight_and_last_activity(python_rt: Client) -> None:
-    # SPEC §2.1 row 7; seed: last_activity is set at READY and when an invocation starts/completes.
+    # docs/protocol.md, "Registration" row 7; docs/protocol.md: last_activity is set at READY and when an invocation starts/completes.
     wd = python_rt.workdir(SLOW)
     before = time.time_ns()
     reg = python_rt.register(working_dir=wd)
@@ -158,7 +158,7 @@ def test_status_of_current_id_reports_state_in_flight_and_last_activity(python_r
 
 
 def test_status_of_stale_id_is_failed_precondition(python_rt: Client) -> None:
-    # SPEC §2.1 row 8.
+    # docs/protocol.md, "Registration" row 8.
     wd = python_rt.workdir(ECHO_PY)
     reg = python_rt.register(working_dir=wd, run_uid="st")
     stale = pb.FunctionRegistration(
@@ -168,7 +168,7 @@ def test_status_of_stale_id_is_failed_precondition(python_rt: Client) -> None:
 
 
 def test_invoke_while_draining_is_failed_precondition(python_rt: Client) -> None:
-    # SPEC §2.1 row 10 (DRAINING): unregister first moves the registration to DRAINING.
+    # docs/protocol.md, "Registration" row 10 (DRAINING): unregister first moves the registration to DRAINING.
     wd = python_rt.workdir(SLOW)
     reg = python_rt.register(working_dir=wd)
     future = python_rt.invoke_future(reg.registration, b'{"sleep": 1}')
@@ -187,7 +187,7 @@ def test_invoke_while_draining_is_failed_precondition(python_rt: Client) -> None
 
 
 def test_invoke_of_failed_registration_is_failed_precondition(python_rt: Client) -> None:
-    # SPEC §2.1 row 10 (FAILED); the current ID can still read state and fatal_error.
+    # docs/protocol.md, "Registration" row 10 (FAILED); the current ID can still read state and fatal_error.
     reg = python_rt.register({"handler.py": "def handle(:\n"})
     assert reg.state == FAILED
     assert (
@@ -198,7 +198,7 @@ def test_invoke_of_failed_registration_is_failed_precondition(python_rt: Client)
 
 
 def test_second_concurrent_invoke_is_resource_exhausted(python_rt: Client) -> None:
-    # SPEC §2.1 row 11; seed: one in-flight invocation per function Run, no queueing.
+    # docs/protocol.md, "Registration" row 11; docs/protocol.md: one in-flight invocation per function Run, no queueing.
     reg = python_rt.register(SLOW)
     future = python_rt.invoke_future(reg.registration, b'{"sleep": 1}')
     wait_until(lambda: python_rt.status(reg.registration).in_flight == 1)
@@ -207,7 +207,7 @@ def test_second_concurrent_invoke_is_resource_exhausted(python_rt: Client) -> No
 
 
 def test_timeout_is_deadline_exceeded_and_registration_stays_ready(python_rt: Client) -> None:
-    # SPEC §2.1 row 12; seed: DeadlineExceeded affects only this invocation.
+    # docs/protocol.md, "Registration" row 12; docs/protocol.md: DeadlineExceeded affects only this invocation.
     wd = python_rt.workdir(SLOW)
     reg = python_rt.register(working_dir=wd)
     started = time.monotonic()
@@ -223,7 +223,7 @@ def test_timeout_is_deadline_exceeded_and_registration_stays_ready(python_rt: Cl
 
 
 def test_client_deadline_also_bounds_the_invocation(python_rt: Client) -> None:
-    # Seed: timeout_millis is bounded by the caller's deadline; the handler is killed.
+    # docs/protocol.md: timeout_millis is bounded by the caller's deadline; the handler is killed.
     wd = python_rt.workdir(SLOW)
     reg = python_rt.register(working_dir=wd)
     assert (
@@ -237,7 +237,7 @@ def test_client_deadline_also_bounds_the_invocation(python_rt: Client) -> None:
 
 
 def test_client_cancel_kills_the_handler_and_registration_stays_usable(python_rt: Client) -> None:
-    # SPEC §3: client cancel kills the worker's process group; a fresh worker keeps it READY.
+    # docs/protocol.md, "Adapters": client cancel kills the worker's process group; a fresh worker keeps it READY.
     wd = python_rt.workdir(SLOW)
     reg = python_rt.register(working_dir=wd)
     future = python_rt.invoke_future(reg.registration, b'{"sleep": 30}')
@@ -250,14 +250,14 @@ def test_client_cancel_kills_the_handler_and_registration_stays_usable(python_rt
 
 
 def test_unregister_of_absent_run_uid_succeeds(python_rt: Client) -> None:
-    # SPEC §2.1 row 13.
+    # docs/protocol.md, "Registration" row 13.
     python_rt.unregister(pb.FunctionRegistration(run_uid="absent", registration_id="reg_none"))
 
 
 def test_unregister_with_stale_id_leaves_the_newer_registration_untouched(
     python_rt: Client,
 ) -> None:
-    # SPEC §2.1 row 14.
+    # docs/protocol.md, "Registration" row 14.
     wd = python_rt.workdir(ECHO_PY)
     old = python_rt.register(working_dir=wd, run_uid="keep", attempt=1)
     new = python_rt.register(working_dir=wd, run_uid="keep", attempt=2)
@@ -272,7 +272,7 @@ def test_unregister_with_stale_id_leaves_the_newer_registration_untouched(
 def test_unregister_with_cancel_in_flight_returns_promptly_and_kills_the_handler(
     python_rt: Client,
 ) -> None:
-    # Seed: with cancel_in_flight=true, it cancels immediately, then releases local state.
+    # docs/protocol.md: with cancel_in_flight=true, it cancels immediately, then releases local state.
     wd = python_rt.workdir(SLOW)
     reg = python_rt.register(working_dir=wd)
     future = python_rt.invoke_future(reg.registration, b'{"sleep": 30}')
@@ -288,7 +288,7 @@ def test_unregister_with_cancel_in_flight_returns_promptly_and_kills_the_handler
 
 
 def test_unregister_waits_no_longer_than_drain_timeout_then_cancels(python_rt: Client) -> None:
-    # Seed: with cancel_in_flight=false it waits no longer than drain_timeout_millis; SPEC §2.2:
+    # docs/protocol.md: with cancel_in_flight=false it waits no longer than drain_timeout_millis; docs/protocol.md, "Limits":
     # after the timeout the in-flight call is cancelled.
     wd = python_rt.workdir(SLOW)
     reg = python_rt.register(working_dir=wd)
@@ -307,7 +307,7 @@ def test_unregister_waits_no_longer_than_drain_timeout_then_cancels(python_rt: C
 def test_registration_working_dir_symlink_outside_workspace_is_invalid(
     python_rt: Client, tmp_path: Path
 ) -> None:
-    # SPEC §2.2: working_dir must be inside --workspace-root after resolving symlinks.
+    # docs/protocol.md, "Limits": working_dir must be inside --workspace-root after resolving symlinks.
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "handler.py").write_text("def handle(e): return e\n")

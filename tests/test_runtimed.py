@@ -1,4 +1,4 @@
-"""runtimed (SPEC §4, seed 000 "Registration Identity"): digest, registration, proxy hop, routing
+"""runtimed (docs/protocol.md, "Runs", docs/protocol.md "Registration Identity"): digest, registration, proxy hop, routing
 fence, and how registration failures are classified. A real Runtime Server and a real runtimed on
 Unix sockets, sharing a real SQLite Run store with the control plane."""
 
@@ -101,7 +101,7 @@ def restart_runtimed(pod: Pod) -> tuple[Runtimed, str]:
 
 
 def test_digest_excludes_the_working_dir_path(tmp_path: Path) -> None:
-    # Seed: registration_digest ... excludes the transient working-directory path.
+    # docs/protocol.md: registration_digest ... excludes the transient working-directory path.
     first, second = tmp_path / "a", tmp_path / "elsewhere" / "b"
     for directory in (first, second):
         (directory / "pkg").mkdir(parents=True)
@@ -126,7 +126,7 @@ def test_digest_excludes_the_working_dir_path(tmp_path: Path) -> None:
 
 
 def test_proxy_hop_fills_in_the_active_registration_id(pod: Pod) -> None:
-    # SPEC §4: InvokeFunction with an empty registration_id is resolved to the private active one.
+    # docs/protocol.md, "Runs": InvokeFunction with an empty registration_id is resolved to the private active one.
     run = pod.create("echo", ECHO_PY)
     assert (run.phase, run.attempt) == (READY, 1)
     response = pod.invoke(run, b'{"x": 1}')
@@ -171,7 +171,7 @@ def test_routing_fence_rejects_a_call_routed_for_another_pod(pod: Pod) -> None:
 
 
 def test_routing_fence_rejects_a_run_assigned_elsewhere(pod: Pod) -> None:
-    # SPEC §4: a Run assigned elsewhere gets FAILED_PRECONDITION, even when routed "here".
+    # docs/protocol.md, "Runs": a Run assigned elsewhere gets FAILED_PRECONDITION, even when routed "here".
     run = pod.create("echo", ECHO_PY)
     moved = pod.store.update(run, assigned_pod="python-1")
     assert moved is not None
@@ -208,14 +208,14 @@ def test_missing_function_fails_the_run_with_its_name(pod: Pod) -> None:
 
 
 def test_unimplemented_is_permanent_and_never_falls_back(tmp_path: Path) -> None:
-    # Seed: UNIMPLEMENTED from a pod without FunctionRuntime is a permanent failure.
+    # docs/protocol.md: UNIMPLEMENTED from a pod without FunctionRuntime is a permanent failure.
     for pod in _pod(tmp_path, oneshot_only=True):
         run = pod.create("echo", ECHO_PY)
         assert (run.phase, run.attempt, run.message) == (FAILED, 1, UNSUPPORTED)
 
 
 def test_restarted_runtimed_keeps_the_attempt_and_registration(pod: Pod) -> None:
-    # Seed: repeating RegisterFunction for the same attempt is idempotent and does not change
+    # docs/protocol.md: repeating RegisterFunction for the same attempt is idempotent and does not change
     # Run status: a new runtimed resumes the registration its predecessor made.
     run = pod.create("echo", ECHO_PY)
     before = pod.invoke(run).registration.registration_id

@@ -1,4 +1,4 @@
-"""Seed 000 "Example Calls and Registration Fence": the three grpcurl examples, in order, against
+"""docs/protocol.md "Example Calls and Registration Fence": the three grpcurl examples, in order, against
 `fnkernel serve`, through server reflection only (no .proto files, no generated stubs)."""
 
 from __future__ import annotations

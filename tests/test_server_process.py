@@ -26,7 +26,7 @@ def client_for(server: ServeProcess, runtime: str) -> Client:
 def test_oneshot_only_server_answers_unimplemented_for_every_function_runtime_method(
     server_process: Callable[..., ServeProcess],
 ) -> None:
-    # SPEC §2: a Runtime without function mode registers Runtime alone; seed: runtimed receives
+    # docs/protocol.md, "Services": a Runtime without function mode registers Runtime alone; docs/protocol.md: runtimed receives
     # Unimplemented and there is no fallback through Execute.
     client = client_for(server_process("--runtime", "python", "--oneshot-only"), "python")
     ref = pb.FunctionRegistration(run_uid="r", registration_id="reg_x")
@@ -109,7 +109,7 @@ def test_sigterm_drain_is_bounded(server_process: Callable[..., ServeProcess]) -
 def test_execute_runs_the_handler_once_without_registration(
     runtime: str, python_rt: Client, bash_rt: Client
 ) -> None:
-    # SPEC §2: Execute uses the same adapters, once, without registration.
+    # docs/protocol.md, "Services": Execute uses the same adapters, once, without registration.
     client = python_rt if runtime == "python" else bash_rt
     files, handler = (ECHO_PY, "handler.handle") if runtime == "python" else (ECHO_SH, "fn.handle")
     response = client.runtime_stub.Execute(
@@ -159,7 +159,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_cli_usage_errors_exit_2() -> None:
-    # SPEC §7: exit code 2 on a usage error; --help everywhere.
+    # docs/protocol.md, "CLI": exit code 2 on a usage error; --help everywhere.
     assert run_cli("serve").returncode == 2
     assert run_cli("serve", "--runtime", "cobol").returncode == 2
     assert (

@@ -1,4 +1,4 @@
-"""The function lifecycle across real processes (SPEC §4): a Runtime Server killed under a READY
+"""The function lifecycle across real processes (docs/protocol.md, "Runs"): a Runtime Server killed under a READY
 Run, scale to zero and cold start, restarts that lose nothing, `fnkernel up`, and the client CLI."""
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def test_killed_runtime_server_is_ready_again_with_attempt_2(stack_factory: Stac
 def test_idle_run_scales_to_zero_and_cold_starts_with_the_same_attempt(
     stack_factory: StackFactory,
 ) -> None:
-    # SPEC §4: idle timeout = scale to zero; the next invoke re-registers (same attempt).
+    # docs/protocol.md, "Runs": idle timeout = scale to zero; the next invoke re-registers (same attempt).
     stack = stack_factory({"python": 1})
     client = Client(stack.gateway_address)
     client.create_run(
@@ -137,7 +137,7 @@ def test_restarted_control_plane_and_runtimed_lose_no_run(stack_factory: StackFa
 
 
 def test_reassignment_to_another_pod_when_a_pod_dies(stack_factory: StackFactory) -> None:
-    # SPEC §4: the control plane reassigns on pod death (attempt + 1 on another pod).
+    # docs/protocol.md, "Runs": the control plane reassigns on pod death (attempt + 1 on another pod).
     stack = stack_factory({"python": 2})
     client = Client(stack.gateway_address)
     client.create_run("mover", runtime="python", handler="handler.handle", files=ECHO)
@@ -220,7 +220,7 @@ def fnkernel(*args: str, stdin: str | None = None) -> subprocess.CompletedProces
 
 
 def test_cli_runs_and_invoke_with_exit_codes(shared_stack: Stack, tmp_path: Path) -> None:
-    # SPEC §7: exit codes 0 ok, 1 function/result failure, 2 usage error.
+    # docs/protocol.md, "CLI": exit codes 0 ok, 1 function/result failure, 2 usage error.
     gateway = ["--gateway", shared_stack.gateway_address]
     source = tmp_path / "src"
     source.mkdir()

@@ -1,4 +1,4 @@
-"""SPEC §2.1 as a property: random register / invoke / status / unregister sequences with random
+"""docs/protocol.md, "Registration" as a property: random register / invoke / status / unregister sequences with random
 attempts, digests and stale IDs against a real server. A stale ID never changes, invokes or removes
 a newer registration, and every answer is the one the table predicts (no unexpected code)."""
 
@@ -21,7 +21,7 @@ _examples = itertools.count()
 
 @dataclass
 class Model:
-    """What SPEC §2.1 says the server holds for one run_uid."""
+    """What docs/protocol.md, "Registration" says the server holds for one run_uid."""
 
     current: tuple[int, str, str] | None = None  # (attempt, digest, registration_id)
     newest_removed: int = 0

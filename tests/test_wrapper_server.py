@@ -1,4 +1,4 @@
-"""`fnkernel wrapper-server` (seed 004, SPEC §5.3) as a real process, each outcome from a real
+"""`fnkernel wrapper-server` (docs/protocol.md, "Wrapper server") as a real process, each outcome from a real
 entrypoint: exit 0, non-zero with parsable results, unparsable output, and a failed start."""
 
 from __future__ import annotations

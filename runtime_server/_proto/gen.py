@@ -1,7 +1,7 @@
 """Regenerate the committed protobuf/gRPC stubs from proto/ (``make proto``).
 
 protoc sees proto/ under the virtual path ``runtime_server/_proto`` so the generated modules import
-each other as ``runtime_server._proto.…`` and no top-level ``proto`` package ever exists (SPEC §1).
+each other as ``runtime_server._proto.…`` and no top-level ``proto`` package ever exists (it would collide with proto-plus).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The ``fnkernel`` console script (SPEC §7). Exit codes: 0 ok, 1 failure, 2 usage error."""
+"""The ``fnkernel`` console script (docs/protocol.md, "CLI"). Exit codes: 0 ok, 1 failure, 2 usage error."""
 
 from __future__ import annotations
 
@@ -511,7 +511,7 @@ def build_parser() -> argparse.ArgumentParser:
         "wrapper-server",
         help="serve one KRM function entrypoint over FunctionEvaluator (a function pod)",
         description="Run ENTRYPOINT once per EvaluateFunction request with the ResourceList on "
-        "stdin (SPEC §5.3). Usage: fnkernel wrapper-server --port 9446 -- ENTRYPOINT...",
+        "stdin. Usage: fnkernel wrapper-server --port 9446 -- ENTRYPOINT...",
     )
     wrapper.add_argument(
         "--port", type=_count, default=9446, help="loopback port (0: any free one)"

@@ -1,4 +1,4 @@
-"""The client library of the gateway (SPEC §4): used by the CLI, the kernel and the tests.
+"""The client library of the gateway (docs/protocol.md, "Runs"): used by the CLI, the kernel and the tests.
 
 Standard library only (``http.client``), so importing it costs nothing — the kernel imports it at
 start and must not pay for grpc. Addresses are ``http://host:port`` or ``unix:/path``.
@@ -39,7 +39,7 @@ from runtime_server.errors import (
 )
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8080"
-# SPEC §2.3, read backwards: the HTTP status a gateway answered → the error raised here.
+# docs/protocol.md, "Errors", read backwards: the HTTP status a gateway answered → the error raised here.
 ERRORS: dict[int, type[FunctionError]] = {
     400: InvalidRequest,
     401: Unauthorized,

@@ -1,4 +1,4 @@
-"""executor.v1.Runtime/Execute: one handler call without registration (SPEC §2).
+"""executor.v1.Runtime/Execute: one handler call without registration (docs/protocol.md, "Services").
 
 The same adapters, once: load, invoke, stop. Nothing emulates function mode through Execute.
 """

@@ -1,4 +1,4 @@
-"""The FunctionRuntime state machine: registrations, fencing and limits (seed 000, SPEC §2.1).
+"""The FunctionRuntime state machine: registrations, fencing and limits (docs/protocol.md, "Registration").
 
 Plain Python with no gRPC in it; ``runtime_server.function_runtime.servicer`` translates requests and errors. One
 lock guards the map from Run UID to its current registration, so a stale registration ID can never
@@ -91,7 +91,7 @@ class Invocation:
 
 
 class Registry:
-    """Every registration of one Runtime Server, which serves one built-in runtime (SPEC §2)."""
+    """Every registration of one Runtime Server, which serves one built-in runtime (docs/protocol.md, "Services")."""
 
     def __init__(
         self,
@@ -139,12 +139,12 @@ class Registry:
             current = self._current.get(run_uid)
             if current is not None and registration_attempt == current.attempt:
                 if registration_digest != current.digest:
-                    # SPEC §2.1: same run_uid, same attempt, other digest → ALREADY_EXISTS.
+                    # docs/protocol.md, "Registration": same run_uid, same attempt, other digest → ALREADY_EXISTS.
                     raise DigestConflict(
                         f"run {run_uid} attempt {registration_attempt} is already registered "
                         "with a different registration_digest"
                     )
-                reg = current  # SPEC §2.1: idempotent; the current reference, no re-initialisation
+                reg = current  # docs/protocol.md, "Registration": idempotent; the current reference, no re-initialisation
             else:
                 newest = (
                     current.attempt if current is not None else self._tombstones.get(run_uid, 0)
@@ -154,7 +154,7 @@ class Registry:
                         f"registration_attempt {registration_attempt} is older than attempt "
                         f"{newest} already seen for run {run_uid}"
                     )
-                superseded = current  # SPEC §2.1: a higher attempt supersedes the old registration
+                superseded = current  # docs/protocol.md, "Registration": a higher attempt supersedes the old registration
                 reg = self._new_registration(
                     run_uid,
                     registration_attempt,
@@ -178,7 +178,7 @@ class Registry:
             self._release(superseded, cancel=True)
         if created:
             threading.Thread(target=self._load, args=(reg,), daemon=True).start()
-        # The seed's example answers READY: wait (bounded) for the import; a retry that arrives
+        # RegisterFunction answers READY (docs/protocol.md, "Registration"): wait (bounded) for the import; a retry that arrives
         # while it is still loading waits for the same load.
         reg.loaded.wait(self._register_wait)
         with self._lock:
@@ -227,7 +227,7 @@ class Registry:
             reg.loaded.set()
 
     def _fail(self, run_uid: str, registration_id: str, exc: InitError) -> None:
-        """SPEC §2.1: a permanent initialisation failure leaves the registration FAILED."""
+        """docs/protocol.md, "Registration": a permanent initialisation failure leaves the registration FAILED."""
         with self._lock:
             reg = self._current.get(run_uid)
             if reg is None or reg.registration_id != registration_id:
@@ -342,16 +342,16 @@ class Registry:
         with self._lock:
             reg = self._current.get(run_uid)
             if reg is None:
-                return  # seed: unregistering an absent registration succeeds
+                return  # docs/protocol.md: unregistering an absent registration succeeds
             if reg.registration_id != registration_id:
                 raise StaleRegistration(
                     f"registration_id {registration_id} is stale; the newer registration of run "
                     f"{run_uid} is untouched"
                 )
-            reg.state = DRAINING  # seed: first DRAINING, rejecting new invokes
+            reg.state = DRAINING  # docs/protocol.md: first DRAINING, rejecting new invokes
             try:
                 if not cancel_in_flight:
-                    # Seed: wait no longer than drain_timeout_millis for the active invocation.
+                    # docs/protocol.md: wait no longer than drain_timeout_millis for the active invocation.
                     self._lock.wait_for(lambda: reg.in_flight == 0, drain_timeout_millis / 1000)
             finally:
                 # Whatever happened while draining, a DRAINING registration never stays behind.

@@ -22,7 +22,7 @@ DEFAULT_LISTEN = "127.0.0.1:9090"
 
 
 class RuntimeServer:
-    """One Runtime Server serving one built-in runtime, as a Runtime Pod runs one image (SPEC §2)."""
+    """One Runtime Server serving one built-in runtime, as a Runtime Pod runs one image (docs/protocol.md, "Services")."""
 
     def __init__(
         self,
@@ -44,7 +44,9 @@ class RuntimeServer:
         )
         services = [RUNTIME_SERVICE]
         pb_grpc.add_RuntimeServicer_to_server(RuntimeServicer(self.registry), self.server)
-        if not oneshot_only:  # SPEC §2: a Runtime without function mode registers Runtime alone
+        if (
+            not oneshot_only
+        ):  # docs/protocol.md, "Services": a Runtime without function mode registers Runtime alone
             services.append(FUNCTION_RUNTIME_SERVICE)
             pb_grpc.add_FunctionRuntimeServicer_to_server(
                 FunctionRuntimeServicer(self.registry), self.server

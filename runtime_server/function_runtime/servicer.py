@@ -1,4 +1,4 @@
-"""gRPC servicers: a thin translation layer over the Registry (seed 000, SPEC §2).
+"""gRPC servicers: a thin translation layer over the Registry (docs/protocol.md, "Services").
 
 Requests become keyword calls, results become messages, and every error class maps to a status code
 in GRPC_STATUS, the one table of it.
@@ -103,7 +103,7 @@ class FunctionRuntimeServicer(pb_grpc.FunctionRuntimeServicer):
 
 
 class RuntimeServicer(pb_grpc.RuntimeServicer):
-    """The base one-shot service (SPEC §2)."""
+    """The base one-shot service (docs/protocol.md, "Services")."""
 
     def __init__(self, registry: Registry) -> None:
         self.registry = registry

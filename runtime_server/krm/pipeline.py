@@ -1,4 +1,4 @@
-"""``kpt fn render`` / ``kpt fn eval`` semantics over the evaluator chain (SPEC §5.4).
+"""``kpt fn render`` / ``kpt fn eval`` semantics over the evaluator chain (docs/protocol.md, "Pipelines").
 
 Subpackages render first; then the package's mutators run in order over its resources and its
 subpackages'; then its validators, each on a copy whose output is discarded. ``configMap``

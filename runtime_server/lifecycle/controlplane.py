@@ -1,7 +1,7 @@
-"""The control plane (SPEC §4): Run creation and deletion, the scheduler and the retry engine.
+"""The control plane (docs/protocol.md, "Runs"): Run creation and deletion, the scheduler and the retry engine.
 
 It writes Runs to the store and reads what each pod's runtimed reports back; it never calls a
-Runtime Server (registration is runtimed's job, seed 000). In the embedded default it runs inside
+Runtime Server (registration is runtimed's job, docs/protocol.md). In the embedded default it runs inside
 the gateway process, on a background thread, with its loop ticking every `tick` seconds.
 """
 
@@ -34,7 +34,7 @@ _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,62}")
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """SPEC §4 retry engine: at most `max_attempts` registrations, exponential backoff with a cap."""
+    """docs/protocol.md, "Runs" retry engine: at most `max_attempts` registrations, exponential backoff with a cap."""
 
     max_attempts: int = 3
     base_backoff: float = 0.2
@@ -149,7 +149,7 @@ class ControlPlane:
                 env=env,
                 idle_timeout_seconds=idle,
                 phase=PENDING,
-                attempt=1,  # seed: the initial registration is attempt 1
+                attempt=1,  # docs/protocol.md: the initial registration is attempt 1
                 assigned_pod=pod,
                 created_at=time.time(),
             )
@@ -231,7 +231,7 @@ class ControlPlane:
             elif run.phase == RETRYING:
                 self._retry(run, pod_alive, now)
             elif run.phase in (PENDING, READY) and not pod_alive and pod is not None:
-                # SPEC §4: a Runtime Pod that dies moves its Runs to retry.
+                # docs/protocol.md, "Runs": a Runtime Pod that dies moves its Runs to retry.
                 self.store.update(
                     run,
                     phase=RETRYING,
@@ -259,7 +259,7 @@ class ControlPlane:
             return
         if now < run.failed_at + self.policy.backoff(max(1, run.charged_attempts)):
             return
-        # Same pod if it is healthy, else reassignment (seed: the retry engine advances the
+        # Same pod if it is healthy, else reassignment (docs/protocol.md: the retry engine advances the
         # attempt before the scheduler assigns or reassigns a Runtime Pod).
         target = (
             run.assigned_pod if pod_alive else self.schedule(run.runtime, avoid=run.assigned_pod)

@@ -1,4 +1,4 @@
-"""The HTTP gateway (SPEC §4, §2.3): JSON over HTTP in front of each pod's runtimed.
+"""The HTTP gateway (docs/protocol.md, "HTTP API", "Errors"): JSON over HTTP in front of each pod's runtimed.
 
 Tornado (which ipykernel brings) serves it; the control plane runs in the same process. Every
 failure becomes a gRPC status first (``rpc.status_of`` for our own errors, the status itself
@@ -60,7 +60,7 @@ ALLOWED_REQUEST_HEADERS = "Authorization, Content-Type, X-Invocation-Id, X-Timeo
 
 
 class GatewayError(Exception):
-    """A failure answered with an HTTP status and the JSON error body of SPEC §2.3."""
+    """A failure answered with an HTTP status and the JSON error body of docs/protocol.md, "Errors"."""
 
     def __init__(self, code: grpc.StatusCode, message: str, **extra: Any) -> None:
         super().__init__(message)

@@ -1,10 +1,10 @@
-"""Runs and Runtime Pods, kept in SQLite (SPEC §4): the control plane's record of what should run.
+"""Runs and Runtime Pods, kept in SQLite (docs/protocol.md, "Runs"): the control plane's record of what should run.
 
 A Run is the unit users create. Its spec {uid, name, runtime, handler, source, env,
 idle_timeout_seconds} never changes; its status {phase, attempt, message, outputs, assigned_pod}
 is written by the control plane (scheduling, retry) and by the runtimed of the assigned pod
 (registration outcome, idle). Every status write is conditional on the attempt and pod the writer
-saw, so a late writer can never overwrite a newer decision — the same fence the seed puts on
+saw, so a late writer can never overwrite a newer decision — the same fence docs/protocol.md puts on
 registration IDs, one level up.
 
 The store is one SQLite file in WAL mode shared by the gateway process (which hosts the control
@@ -95,7 +95,7 @@ class Run:
         return self.attempt - self.uncharged_attempts
 
     def to_json(self) -> dict[str, Any]:
-        """The Run as the gateway shows it: spec and status, camelCase like the seed's JSON."""
+        """The Run as the gateway shows it: spec and status, camelCase like the gRPC JSON."""
         return {
             "uid": self.uid,
             "name": self.name,

@@ -1,8 +1,8 @@
-"""runtimed: the agent of one Runtime Pod, colocated with its Runtime Server (seed 000, SPEC §4).
+"""runtimed: the agent of one Runtime Pod, colocated with its Runtime Server (docs/protocol.md, "Runs").
 
 It is the only caller of RegisterFunction and UnregisterFunction. Its loop reconciles the Runs the
 control plane assigned to this pod: it computes each registration_digest, registers (repeating an
-uncertain RPC with the *same* attempt, which the seed makes idempotent), polls FunctionStatus at a
+uncertain RPC with the *same* attempt, which is idempotent), polls FunctionStatus at a
 bounded cadence for health and the idle timeout, and reports what happened in the Run's status.
 
 Its own FunctionRuntime port is the **proxy hop**: InvokeFunction and FunctionStatus arrive with a
@@ -90,7 +90,7 @@ def source_tree_hash(working_dir: Path) -> str:
 
 
 def registration_digest(run: Run) -> str:
-    """Seed: lowercase SHA-256 of the canonical, immutable registration inputs — the resolved
+    """docs/protocol.md: lowercase SHA-256 of the canonical, immutable registration inputs — the resolved
     source identity, handler, environment and runtime-visible settings; never the working-dir
     path, so two working dirs with the same inputs give the same digest."""
     canonical = {
@@ -267,7 +267,7 @@ class Runtimed:
                         grpc.StatusCode.DEADLINE_EXCEEDED,
                     )
                     if transient and tries < _REGISTER_RPC_TRIES:
-                        # Seed: repeating an uncertain RegisterFunction for the same attempt is
+                        # docs/protocol.md: repeating an uncertain RegisterFunction for the same attempt is
                         # idempotent and does not change Run status.
                         time.sleep(0.2 * tries)
                         continue
@@ -304,7 +304,7 @@ class Runtimed:
         if fatal_is_infrastructure(fatal_error):
             self._infrastructure_failure(run, fatal_error)
         else:
-            # SPEC §4 / issue: user-code init failures → Failed with the fatal_error, no retry.
+            # docs/protocol.md, "Runs" / issue: user-code init failures → Failed with the fatal_error, no retry.
             self.store.update(run, phase=FAILED, message=limits.bounded(fatal_error))
             LOG.warning("run %s failed: %s", run.name, fatal_error)
 
@@ -334,7 +334,7 @@ class Runtimed:
 
     def _registration_failed(self, run: Run, code: grpc.StatusCode, details: str) -> None:
         if code == grpc.StatusCode.UNIMPLEMENTED:
-            # Seed: permanent; never a fallback to one-shot Execute.
+            # docs/protocol.md: permanent; never a fallback to one-shot Execute.
             self.store.update(run, phase=FAILED, message=UNSUPPORTED)
         elif code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS):
             self.store.update(run, phase=FAILED, message=limits.bounded(details))
@@ -429,7 +429,7 @@ class Runtimed:
 
     def _held_by_server(self, run: Run) -> Active | None:
         """The registration the server holds for `run` that this runtimed does not know (it
-        restarted): learnt by repeating the Run's registration, which the seed makes idempotent
+        restarted): learnt by repeating the Run's registration, which is idempotent
         for the same attempt and digest. None if the server holds nothing for it."""
         probe = _reference(run.uid, Active("reg_unknown", run.attempt, ""))
         try:
@@ -461,7 +461,7 @@ class Runtimed:
                 if held is not None:
                     with self._lock:
                         self._active.setdefault(run.uid, held)
-            # SPEC §4: a bounded drain, unless the delete asked to cancel the in-flight call
+            # docs/protocol.md, "Runs": a bounded drain, unless the delete asked to cancel the in-flight call
             if not self._unregister(
                 run.uid, cancel=run.cancel_in_flight, drain_millis=run.drain_timeout_millis
             ):
@@ -551,7 +551,7 @@ def _outside_id(registration: pb.FunctionRegistration) -> None:
 
 
 class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
-    """runtimed's own FunctionRuntime port (seed 000: the gateway routes here, never to a server)."""
+    """runtimed's own FunctionRuntime port (docs/protocol.md: the gateway routes here, never to a server)."""
 
     def __init__(self, runtimed: Runtimed) -> None:
         self.runtimed = runtimed
@@ -592,7 +592,7 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
         forwarded.registration.registration_id = active.registration_id
         timeout = caller_timeout(context)
         if timeout is not None:
-            # Seed: runtimed bounds timeout_millis by the caller's (gateway's) deadline.
+            # docs/protocol.md: runtimed bounds timeout_millis by the caller's (gateway's) deadline.
             bound = max(1, int(timeout * 1000))
             forwarded.timeout_millis = min(
                 limits.effective_timeout_millis(request.timeout_millis), bound

@@ -1,4 +1,4 @@
-"""The whole local stack as child processes (SPEC §4 ``fnkernel up``; the kernel's embedded runtime).
+"""The whole local stack as child processes (docs/protocol.md, "Runs" ``fnkernel up``; the kernel's embedded runtime).
 
 Each Runtime Pod is a Runtime Server process plus its runtimed process; the gateway process hosts
 the control plane. Like a kubelet with ``restartPolicy: Always``, the supervisor restarts any

@@ -1,4 +1,4 @@
-"""The one interface every evaluator implements, and the errors it may raise (SPEC §5.2)."""
+"""The one interface every evaluator implements, and the errors it may raise (docs/protocol.md, "Evaluators")."""
 
 from __future__ import annotations
 

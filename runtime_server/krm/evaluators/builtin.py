@@ -1,4 +1,4 @@
-"""The builtin evaluator: KRM functions implemented in Python, run in-process (SPEC §5.2).
+"""The builtin evaluator: KRM functions implemented in Python, run in-process (docs/protocol.md, "Evaluators").
 
 Each function answers to its bare name and to the two catalog registries' names, with any tag or
 digest: ``set-namespace``, ``ghcr.io/kptdev/krm-functions-catalog/set-namespace:v0.4.1``,

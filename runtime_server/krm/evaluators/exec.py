@@ -1,4 +1,4 @@
-"""The exec evaluator: a cached function binary run locally (seed 004, SPEC §5.2).
+"""The exec evaluator: a cached function binary run locally (docs/protocol.md, "Evaluators").
 
 The FunctionConfig store (a YAML list of ``{image, tags, path}``, ``path`` relative to
 ``--functions``) maps an image to its binary and so sets ``exec_path``; a request whose

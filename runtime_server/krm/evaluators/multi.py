@@ -1,4 +1,4 @@
-"""The multi-evaluator: the chain (SPEC §5.2). Evaluators are tried in a fixed order; only
+"""The multi-evaluator: the chain (docs/protocol.md, "Evaluators"). Evaluators are tried in a fixed order; only
 ``NotFoundError`` falls through to the next; any other error is returned at once."""
 
 from __future__ import annotations

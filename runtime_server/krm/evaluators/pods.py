@@ -1,4 +1,4 @@
-"""The pod evaluator and its pod cache manager (seed 004, SPEC §5.2).
+"""The pod evaluator and its pod cache manager (docs/protocol.md, "Evaluators").
 
 The manager is the single owner of the image → pods map: one thread reads a request queue and
 answers each caller through its own reply slot, so no lock guards the map. Per image it keeps up

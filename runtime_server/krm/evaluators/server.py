@@ -1,4 +1,4 @@
-"""FunctionEvaluator over gRPC (SPEC §5.1): the servicer in front of any Evaluator, and the client
+"""FunctionEvaluator over gRPC (docs/protocol.md, "FunctionEvaluator"): the servicer in front of any Evaluator, and the client
 that makes a remote FunctionEvaluator an Evaluator again.
 
 Errors map to status codes in one table. A failed function is INTERNAL, with its structured
@@ -37,7 +37,7 @@ from runtime_server.wire import EVALUATOR_KEY, EXIT_CODE_KEY, RESULTS_KEY
 
 LOG = logging.getLogger("fnkernel.evaluator")
 SERVICE = "evaluator.FunctionEvaluator"
-_NO_DEADLINE = 1e9  # seconds; grpc reports ~9.2e18 when the client set none (SPEC §3.1)
+_NO_DEADLINE = 1e9  # seconds; grpc reports ~9.2e18 when the client set none (docs/architecture.md, "Measured facts the design rests on")
 
 STATUS: dict[type[EvaluatorError], grpc.StatusCode] = {
     NotFoundError: grpc.StatusCode.NOT_FOUND,

@@ -1,4 +1,4 @@
-"""The wrapper server's evaluator (seed 004, SPEC §5.3): one function entrypoint, run per request.
+"""The wrapper server's evaluator (docs/protocol.md, "Wrapper server"): one function entrypoint, run per request.
 
 ``fnkernel wrapper-server --port P -- ENTRYPOINT...`` serves FunctionEvaluator with it: the
 ResourceList goes to the entrypoint's stdin; exit 0 and a ResourceList on stdout is the answer;

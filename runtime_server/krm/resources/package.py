@@ -1,4 +1,4 @@
-"""A kpt package on disk: its Kptfile, its resources, its subpackages (SPEC §5.4).
+"""A kpt package on disk: its Kptfile, its resources, its subpackages (docs/protocol.md, "Pipelines").
 
 Resources are read with ruamel.yaml round-trip nodes and annotated with where they came from
 (``internal.config.kubernetes.io/path`` and ``index``), so a render can write each one back into

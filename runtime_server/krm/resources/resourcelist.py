@@ -1,4 +1,4 @@
-"""The KRM function wire format: a ``config.kubernetes.io/v1`` ResourceList (seed 004, SPEC §5).
+"""The KRM function wire format: a ``config.kubernetes.io/v1`` ResourceList (docs/protocol.md, "FunctionEvaluator").
 
 Items are ruamel.yaml round-trip nodes, so a function that edits them keeps comments, key order and
 quoting of everything it did not touch. ``results`` are the structured results every function may
