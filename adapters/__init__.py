@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from adapters.base import Adapter, FunctionSpec, InvocationResult, WorkerAdapter
+from adapters.base import Adapter, FunctionSpec, HandlerResult, WorkerAdapter
 from adapters.bash import BashAdapter
 from adapters.python import PythonAdapter
 
@@ -16,6 +16,6 @@ __all__ = [
     "Adapter",
     "BashAdapter",
     "FunctionSpec",
-    "InvocationResult",
+    "HandlerResult",
     "PythonAdapter",
 ]

@@ -11,7 +11,7 @@ from typing import ClassVar, Protocol
 
 from adapters.errors import InitError, InvalidHandler
 from adapters.tempdirs import private_tempdir
-from adapters.worker import Call, LogLine, WorkerSupervisor
+from adapters.worker import LogLine, WorkerCall, WorkerSupervisor
 
 JSON = "application/json"
 # Environment variables a worker never inherits from the server: they would make bash run code
@@ -30,7 +30,7 @@ class FunctionSpec:
 
 
 @dataclass(frozen=True)
-class InvocationResult:
+class HandlerResult:
     output: bytes
     content_type: str
     outputs: dict[str, str]
@@ -51,7 +51,7 @@ class Adapter(Protocol):
         """Load the handler; raise InitError when it cannot be loaded."""
         ...
 
-    def invoke(self, invocation_id: str, payload: bytes, deadline: float) -> InvocationResult:
+    def invoke(self, invocation_id: str, payload: bytes, deadline: float) -> HandlerResult:
         """Run one call; `deadline` is a time.monotonic() value."""
         ...
 
@@ -101,12 +101,12 @@ class WorkerAdapter:
     def _argv(self) -> list[str]:
         raise NotImplementedError
 
-    def _exchange(self, call: Call, payload: bytes) -> tuple[bytes, str, dict[str, str]]:
+    def _exchange(self, call: WorkerCall, payload: bytes) -> tuple[bytes, str, dict[str, str]]:
         """Send one request frame, read its response: (output, content type, outputs)."""
         raise NotImplementedError
 
     # The worker exited mid-call with this exit code (negative: a signal); None: it crashed.
-    _ended: Callable[[Call, int], tuple[bytes, str, dict[str, str]]] | None = None
+    _ended: Callable[[WorkerCall, int], tuple[bytes, str, dict[str, str]]] | None = None
 
     def _environment(self) -> dict[str, str]:
         env = {**os.environ, **self.spec.env, "FNKERNEL_RUN_UID": self.spec.run_uid}
@@ -128,12 +128,12 @@ class WorkerAdapter:
         )
         self._supervisor.start()
 
-    def invoke(self, invocation_id: str, payload: bytes, deadline: float) -> InvocationResult:
+    def invoke(self, invocation_id: str, payload: bytes, deadline: float) -> HandlerResult:
         assert self._supervisor is not None, "start() first"
         (output, content_type, outputs), call = self._supervisor.run(
             invocation_id, deadline, lambda call: self._exchange(call, payload), self._ended
         )
-        return InvocationResult(output, content_type, outputs, tuple(call.logs))
+        return HandlerResult(output, content_type, outputs, tuple(call.logs))
 
     def cancel(self, invocation_id: str | None = None) -> bool:
         if self._supervisor is None:
@@ -146,7 +146,7 @@ class WorkerAdapter:
         shutil.rmtree(self.scratch, ignore_errors=True)
 
 
-def send_request(call: Call, payload: bytes) -> None:
+def send_request(call: WorkerCall, payload: bytes) -> None:
     """The request frame both workers read: id length, input length, time left; id; input."""
     invocation_id = call.invocation_id.encode()
     header = b"%d %d %d\n" % (len(invocation_id), len(payload), call.remaining_millis())

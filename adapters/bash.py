@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import ClassVar
 
-from adapters.base import InvocationResult, WorkerAdapter, resolve_inside, send_request
+from adapters.base import HandlerResult, WorkerAdapter, resolve_inside, send_request
 from adapters.errors import (
     HANDLER_NOT_FOUND,
     OUTPUT_TOO_LARGE,
@@ -23,7 +23,7 @@ from adapters.errors import (
     InvalidHandler,
     InvalidInput,
 )
-from adapters.worker import Call, describe_exit
+from adapters.worker import WorkerCall, describe_exit
 
 RUNNER_SCRIPT = Path(__file__).with_name("bash_runner.sh")
 BASH = shutil.which("bash") or "/bin/bash"
@@ -85,21 +85,21 @@ class BashAdapter(WorkerAdapter):
     def _relative(self, text: str) -> str:
         return text.replace(f"{self.spec.working_dir.resolve()}/", "")
 
-    def invoke(self, invocation_id: str, payload: bytes, deadline: float) -> InvocationResult:
+    def invoke(self, invocation_id: str, payload: bytes, deadline: float) -> HandlerResult:
         if b"\0" in payload:
             # Checked before the frame is sent: a bash argument cannot carry a NUL byte.
             raise InvalidInput("input contains a NUL byte, which a bash argument cannot carry")
         return super().invoke(invocation_id, payload, deadline)
 
-    def _exchange(self, call: Call, payload: bytes) -> tuple[bytes, str, dict[str, str]]:
+    def _exchange(self, call: WorkerCall, payload: bytes) -> tuple[bytes, str, dict[str, str]]:
         send_request(call, payload)
         return self._result(call, int(call.read_line().removeprefix(b"D ")))
 
-    def _ended(self, call: Call, code: int) -> tuple[bytes, str, dict[str, str]]:
+    def _ended(self, call: WorkerCall, code: int) -> tuple[bytes, str, dict[str, str]]:
         """The function ended the runner (`exit N`, `set -e`, `exec`, a signal): that is its status."""
         return self._result(call, code if code >= 0 else 128 - code)
 
-    def _result(self, call: Call, status: int) -> tuple[bytes, str, dict[str, str]]:
+    def _result(self, call: WorkerCall, status: int) -> tuple[bytes, str, dict[str, str]]:
         outputs = self._read_outputs()
         output = self._read_output()
         if status != 0:
@@ -141,7 +141,7 @@ class BashAdapter(WorkerAdapter):
             outputs[key] = value
         return outputs
 
-    def _describe_failure(self, call: Call, status: int) -> tuple[str, str]:
+    def _describe_failure(self, call: WorkerCall, status: int) -> tuple[str, str]:
         _, function = split_handler(self.spec.handler)
         call.collect_logs()
         stderr = [line.text for line in call.logs if line.stream == "stderr" and line.text.strip()]

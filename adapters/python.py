@@ -10,7 +10,7 @@ from typing import ClassVar
 
 from adapters.base import JSON, WorkerAdapter, resolve_inside, send_request
 from adapters.errors import OUTPUT_TOO_LARGE, HandlerError, InvalidHandler, InvalidInput
-from adapters.worker import Call
+from adapters.worker import WorkerCall
 
 WORKER_SCRIPT = Path(__file__).with_name("_python_worker.py")
 # docs/protocol.md, "Limits": dotted identifiers, at least module.function, at most 256 bytes.
@@ -47,7 +47,7 @@ class PythonAdapter(WorkerAdapter):
         env.setdefault("PYTHONDONTWRITEBYTECODE", "1")  # keep the working directory as registered
         return env
 
-    def _exchange(self, call: Call, payload: bytes) -> tuple[bytes, str, dict[str, str]]:
+    def _exchange(self, call: WorkerCall, payload: bytes) -> tuple[bytes, str, dict[str, str]]:
         send_request(call, payload)
         status, meta_len, output_len = call.read_line().split(b" ")
         raw_meta = call.read_exact(int(meta_len))

@@ -219,7 +219,7 @@ def describe_exit(code: int) -> str:
 
 
 @dataclass
-class Call:
+class WorkerCall:
     """One invocation in progress on a worker: frame I/O bounded by the invocation deadline."""
 
     worker: Worker
@@ -291,7 +291,7 @@ class WorkerSupervisor:
         self._on_fatal = on_fatal
         self._lock = threading.Condition()
         self._worker: Worker | None = None
-        self._current: Call | None = None
+        self._current: WorkerCall | None = None
         self._cancelled = False
         self._cancel_pending: str | None = None
         self._closed = False
@@ -359,11 +359,11 @@ class WorkerSupervisor:
         self,
         invocation_id: str,
         deadline: float,
-        exchange: Callable[[Call], T],
-        ended: Callable[[Call, int], T] | None = None,
-    ) -> tuple[T, Call]:
+        exchange: Callable[[WorkerCall], T],
+        ended: Callable[[WorkerCall, int], T] | None = None,
+    ) -> tuple[T, WorkerCall]:
         """Run `exchange` (one request/response) on the ready worker; translate its death, the
-        deadline and cancellation. Returns its result and the Call, whose logs are complete.
+        deadline and cancellation. Returns its result and the WorkerCall, whose logs are complete.
 
         A worker that exits mid-call (not cancelled) is replaced; `ended(call, exit code)` then
         makes the call's result or raises its HandlerError (default: WorkerCrashed).
@@ -413,7 +413,7 @@ class WorkerSupervisor:
         call.collect_logs()
         return result, call
 
-    def _begin(self, invocation_id: str, deadline: float) -> Call:
+    def _begin(self, invocation_id: str, deadline: float) -> WorkerCall:
         """Claim the ready worker for one call (waiting, bounded, for a replacement to load)."""
         with self._lock:
             if self._worker is None and not self._closed and self._fatal is None:
@@ -432,10 +432,10 @@ class WorkerSupervisor:
             if pending is not None and pending == invocation_id:
                 raise InvocationCancelled("the invocation was cancelled")
             self._cancelled = False
-            self._current = Call(self._worker, invocation_id, deadline, self._run_uid)
+            self._current = WorkerCall(self._worker, invocation_id, deadline, self._run_uid)
             return self._current
 
-    def _replace(self, old: Worker, call: Call) -> None:
+    def _replace(self, old: Worker, call: WorkerCall) -> None:
         """Kill `old` now and bring up a fresh worker in the background (docs/protocol.md, "Adapters")."""
         old.kill()
         with contextlib.suppress(OSError):

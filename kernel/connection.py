@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from kernel.trace import Trace, decode_payload
 from runtime_server.client import Client
-from runtime_server.errors import FunctionError
+from runtime_server.client.errors import GatewayError
 
 if TYPE_CHECKING:
     from runtime_server.lifecycle.stack import Stack
@@ -47,7 +47,7 @@ class TracedClient(Client):
         request = decode_payload(body) if body else None
         try:
             result = super().request(method, path, body, headers)
-        except FunctionError as exc:
+        except GatewayError as exc:
             status = f"{exc.status} {exc.code}".strip() if exc.status else exc.code or "failed"
             self.trace.record(f"{method} {path}", request, status, _ms(started))
             raise

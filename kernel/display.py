@@ -121,7 +121,7 @@ class RegistrationCard:
 
 
 @dataclass(frozen=True)
-class Invocation:
+class InvocationView:
     """One invocation's result: output, outputs, invocation ID, duration and logs."""
 
     name: str

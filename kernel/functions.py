@@ -10,11 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kernel.connection import Runtime
-from kernel.display import Invocation, RegistrationCard
-from runtime_server.errors import (
-    FunctionError,
-    RequestCancelled,
-)
+from kernel.display import InvocationView, RegistrationCard
+from runtime_server.client.errors import GatewayError, RequestCancelled
 
 EXTENSIONS = {"python": "py", "bash": "sh"}
 ORIGIN_PREFIX = "%%function cell "  # a Run's spec.source when a cell created it
@@ -108,7 +105,7 @@ class Function:
         payload: Any = None,
         timeout: float | None = None,
         invocation_id: str | None = None,
-    ) -> Invocation:
+    ) -> InvocationView:
         """Invoke with `payload` (JSON-encoded); `timeout` in seconds overrides ``--timeout``."""
         timeout = self.timeout if timeout is None else timeout
         client = self._runtime.client()
@@ -128,14 +125,14 @@ class Function:
                 f"invocation of {self.name} cancelled; the handler was killed and "
                 f"{self.name} stays registered"
             ) from None
-        return Invocation(self.name, result)
+        return InvocationView(self.name, result)
 
     def _wait_until_idle(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
                 live = self._runtime.client().status(self.name).get("live") or {}
-            except FunctionError:
+            except GatewayError:
                 return
             if not live.get("inFlight"):
                 return
@@ -162,7 +159,7 @@ class Function:
         ]
         try:
             lines.append(repr(self.status()))
-        except FunctionError as exc:
+        except GatewayError as exc:
             lines.append(f"status unavailable: {type(exc).__name__}: {exc}")
         if self.spec.env:
             lines.append("env: " + ", ".join(f"{k}={v}" for k, v in self.spec.env.items()))

@@ -19,9 +19,9 @@ from IPython.core.error import UsageError
 from kernel.display import escape, table_html, table_text
 from kernel.session import Session, session_of
 from runtime_server.client import parse_pairs
-from runtime_server.errors import FunctionError as GatewayFunctionError
+from runtime_server.client.errors import GatewayError
+from runtime_server.errors import FunctionError
 from runtime_server.krm import chain
-from runtime_server.krm.evaluators.base import FunctionError as KrmFunctionError
 from runtime_server.krm.pipeline import Outcome, PipelineError, evaluate_one, render
 from runtime_server.krm.resources.package import KPTFILE, PackageError, read_documents
 from runtime_server.krm.resources.resourcelist import (
@@ -137,7 +137,7 @@ def _diff_html(diff: str) -> str:
     return "\n".join(lines)
 
 
-class PipelineFailed(GatewayFunctionError):
+class PipelineFailed(GatewayError):
     """A KRM pipeline step failed; nothing was written. Shown as one line."""
 
 
@@ -171,10 +171,10 @@ def bridge(function: Function) -> Any:
         payload = json.loads(json.dumps(rl.document, default=str))
         try:
             output = function.invoke(payload).output
-        except GatewayFunctionError as exc:
-            raise KrmFunctionError(f"fn://{function.name}: {exc}") from None
+        except GatewayError as exc:
+            raise FunctionError(f"fn://{function.name}: {exc}") from None
         if not isinstance(output, dict) or not isinstance(output.get("items", []), list):
-            raise KrmFunctionError(
+            raise FunctionError(
                 f"fn://{function.name} must return a ResourceList (a JSON object with items)"
             )
         update_in_place(rl.document, output)
@@ -275,7 +275,7 @@ def krm_magic(chain: Chain, line: str, cell: str | None) -> PipelineView:
         from IPython.display import display
 
         display(failure.view)
-        raise PipelineFailed({"code": "Failed", "message": failure.view.error}, 0) from None
+        raise PipelineFailed(failure.view.error, code="Failed") from None
     except (FileNotFoundError, PackageError) as exc:
         raise UsageError(f"%krm: {exc}") from None
 

@@ -23,7 +23,7 @@ from kernel.functions import EXTENSIONS, Function, Spec
 from kernel.session import _SESSION_ATTRIBUTE, Session, session_of
 from kernel.trace import TraceTable
 from runtime_server.client import parse_pairs
-from runtime_server.errors import FunctionError
+from runtime_server.client.errors import GatewayError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -168,7 +168,7 @@ class FunctionMagics(Magics):
             if run["status"]["phase"] == "Ready":
                 try:
                     live = client.status(run["name"]).get("live") or {}
-                except FunctionError:
+                except GatewayError:
                     live = {}
                 row["state"] = str(live.get("state", ""))
                 row["registration"] = short(str(live.get("registrationId", "")))

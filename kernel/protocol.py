@@ -29,9 +29,8 @@ from kernel.functions import InvocationInterrupted
 from kernel.trace import Trace, decode_message
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
-from runtime_server.client import ERRORS
+from runtime_server.client.errors import ERRORS, GatewayError
 from runtime_server.daemon import Child, serve_args, spawn
-from runtime_server.errors import FunctionError
 from runtime_server.rpc import CHANNEL_OPTIONS
 from runtime_server.wire import ERROR_TYPE_KEY, http_status
 
@@ -44,19 +43,19 @@ _REQUESTS = {
 }
 
 
-def error_of(err: grpc.RpcError, method: str) -> FunctionError:
+def error_of(err: grpc.RpcError, method: str) -> GatewayError:
     """A gRPC failure as the docs/protocol.md, "Errors" class of its status (``FunctionBusy`` for
     RESOURCE_EXHAUSTED, ...), so the gateway and the protocol read the same in a notebook."""
     code: grpc.StatusCode = err.code()
     details: str = err.details() or ""
     status = http_status(code.name)
-    body: dict[str, object] = {"code": code.name, "message": f"{method}: {details}"}
+    detail: dict[str, object] = {}
     if code == grpc.StatusCode.UNKNOWN:
         metadata: Any = err.trailing_metadata() or ()
         trailers = {key: value for key, value in metadata}
-        body["errorType"] = str(trailers.get(ERROR_TYPE_KEY, ""))
-        body["errorMessage"] = details
-    return ERRORS.get(status, FunctionError)(body, status)
+        detail = {"errorType": str(trailers.get(ERROR_TYPE_KEY, "")), "errorMessage": details}
+    error_class = ERRORS.get(status, GatewayError)
+    return error_class(f"{method}: {details}", code=code.name, status=status, detail=detail)
 
 
 class FunctionRuntimeClient:
@@ -122,7 +121,7 @@ class FunctionRuntimeClient:
         and return the reply or the error. For showing failures on purpose."""
         try:
             reply = self.call(method, request, timeout)
-        except FunctionError as error:
+        except GatewayError as error:
             print(f"{method} → {error.code}: {error.message} ({type(error).__name__})")
             return error
         print(f"{method} → OK {json.dumps(decode_message(reply))}")

@@ -13,7 +13,7 @@ from kernel.connection import Runtime
 from kernel.display import Detail, RegistrationCard, pretty_json
 from kernel.functions import Function, Spec
 from kernel.trace import Trace
-from runtime_server.errors import FunctionError, FunctionNotFound, RegistrationFailed
+from runtime_server.client.errors import FunctionNotFound, GatewayError, RegistrationFailed
 
 _SESSION_ATTRIBUTE = "_fnkernel_session"
 _REUSABLE = ("Ready", "Idle")  # a Run in these phases is kept when its cell is run unchanged
@@ -82,12 +82,9 @@ class Session:
         if run["status"]["phase"] == "Failed":
             show(RegistrationCard.from_status(spec.name, run))
             raise RegistrationFailed(
-                {
-                    "code": "Failed",
-                    "message": f'"{spec.name}" did not register: {run["status"]["message"]}',
-                    "runUid": run["uid"],
-                },
-                0,
+                f'"{spec.name}" did not register: {run["status"]["message"]}',
+                code="Failed",
+                run_uid=run["uid"],
             )
         function = self._bind(spec, timeout)
         show(RegistrationCard.from_status(spec.name, client.status(spec.name)))
@@ -106,7 +103,7 @@ class Session:
         """Registered names: this kernel's, and the gateway's once it is started."""
         names = set(self.functions)
         if self.runtime.started:
-            with contextlib.suppress(FunctionError):  # completion works with the gateway down
+            with contextlib.suppress(GatewayError):  # completion works with the gateway down
                 names.update(run["name"] for run in self.runtime.client().list_runs())
         return sorted(names)
 
@@ -116,13 +113,14 @@ class Session:
         if error is None:
             return Detail("fn_debug", "no error so far")
         lines = [f"{type(error).__module__}.{type(error).__name__}: {error}"]
-        if isinstance(error, FunctionError):
+        if isinstance(error, GatewayError):
             lines.append(f"HTTP status: {error.status or '(none)'}   code: {error.code or '-'}")
             if error.run_uid:
                 lines.append(f"run uid: {error.run_uid}")
             if error.invocation_id:
                 lines.append(f"invocation id: {error.invocation_id}")
-            lines += ["body:", pretty_json(error.body)]
+            if error.detail:
+                lines += ["body:", pretty_json(error.detail)]
         lines.append(f"runtime: {self.runtime.describe()}")
         return Detail(f"fn_debug: last error ({type(error).__name__})", "\n".join(lines))
 

@@ -19,7 +19,7 @@ _PAYLOAD_FIELDS = ("input", "output")  # bytes fields of the FunctionRuntime mes
 
 
 @dataclass(frozen=True)
-class Call:
+class TracedCall:
     method: str
     request: Any
     status: str
@@ -59,7 +59,7 @@ class Trace:
 
     def __init__(self) -> None:
         self.on = False
-        self._calls: list[Call] = []
+        self._calls: list[TracedCall] = []
         self._lock = threading.Lock()
 
     def record(
@@ -67,7 +67,7 @@ class Trace:
     ) -> None:
         if self.on:
             with self._lock:
-                self._calls.append(Call(method, request, status, latency_ms, response))
+                self._calls.append(TracedCall(method, request, status, latency_ms, response))
 
     def start(self) -> None:
         with self._lock:
@@ -77,7 +77,7 @@ class Trace:
     def stop(self) -> None:
         self.on = False
 
-    def calls(self) -> list[Call]:
+    def calls(self) -> list[TracedCall]:
         with self._lock:
             return list(self._calls)
 
@@ -90,7 +90,7 @@ def _compact(value: Any, limit: int = 160) -> str:
 class TraceTable:
     """``%fn_trace show``: the calls as a table (HTML, and aligned text for a CI log)."""
 
-    def __init__(self, calls: list[Call]) -> None:
+    def __init__(self, calls: list[TracedCall]) -> None:
         self.calls = calls
 
     def _rows(self) -> list[tuple[str, str, str, str, str]]:

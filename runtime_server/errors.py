@@ -6,6 +6,8 @@ No gRPC here: ``runtime_server.function_runtime.servicer.GRPC_STATUS`` maps each
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class RuntimeServerError(Exception):
     """Base class; ``str()`` is the one-line status message (it names the field or the cause)."""
@@ -80,91 +82,52 @@ class NotAllowedHere(RuntimeServerError):
     """Register/Unregister belong to runtimed itself; outside callers may not use them."""
 
 
-# What a client of the gateway sees (docs/protocol.md, "Errors"): one class per HTTP status, named for what went
-# wrong. ``runtime_server.client.ERRORS`` maps each status to its class.
+# The evaluator chain (docs/protocol.md, "Evaluators")
 
 
-class FunctionError(Exception):
-    """A gateway request failed; ``str()`` is one line: the message and the gRPC code."""
+class EvaluatorError(Exception):
+    """Base class; ``str()`` is one line naming the function and the cause. A chain fills in
+    which evaluator raised it and which ones it skipped first."""
 
-    def __init__(self, body: dict[str, object], status: int) -> None:
-        self.body = body
-        self.status = status
-        self.code = str(body.get("code", ""))
-        self.message = str(body.get("message", ""))
-        self.run_uid = str(body.get("runUid", ""))
-        self.invocation_id = str(body.get("invocationId", ""))
-        super().__init__(f"{self.message} ({self.code})" if self.code else self.message)
-
-    def _render_traceback_(self) -> list[str]:
-        """IPython shows this instead of a stack trace: one readable line (docs/protocol.md, "Kernel")."""
-        return [f"{type(self).__name__}: {self}"]
+    evaluator: str = ""
+    skipped: tuple[str, ...] = ()
 
 
-class InvalidRequest(FunctionError):
-    """400: a field of the request is invalid; the message names it."""
+class NotFoundError(EvaluatorError):
+    """The function is not available from this evaluator: the chain may try the next one."""
+
+    def __init__(self, message: str, tried: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.tried = tried
 
 
-class Unauthorized(FunctionError):
-    """401: the gateway wants a bearer token (``--token`` / ``$FNKERNEL_TOKEN``)."""
+class FunctionError(EvaluatorError):
+    """The function ran and failed. Keeps the exit code, stderr and the structured results (the
+    ``results`` of the ResourceList it printed, when that parsed), not a flattened text."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        exit_code: int = 1,
+        stderr: str = "",
+        results: list[dict[str, Any]] | None = None,
+        resource_list: bytes = b"",
+    ) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+        self.stderr = stderr
+        self.results = results or []
+        self.resource_list = resource_list
 
 
-class PermissionDenied(FunctionError):
-    """403: the call is not allowed from outside runtimed."""
+class InvalidEvaluateRequest(EvaluatorError):
+    """The request itself is wrong: unparsable input, an exec_path outside the sandbox, ..."""
 
 
-class FunctionNotFound(FunctionError):
-    """404: no function (Run) has this name, or it has no live registration."""
+class DeadlineExceeded(EvaluatorError):
+    """The function did not finish before the deadline; it was stopped."""
 
 
-class FunctionExists(FunctionError):
-    """409: a function with this name exists already."""
-
-
-class PayloadTooLarge(FunctionError):
-    """413: the request body is over the 6 MiB limit."""
-
-
-class FunctionBusy(FunctionError):
-    """429: the function already has an invocation in flight (v0.x does not queue)."""
-
-
-class FunctionUnavailable(FunctionError):
-    """503: the function is not ready (registering, retrying, draining) or its pod is down."""
-
-
-class HandlerFailed(FunctionError):
-    """502: the handler ran and failed; ``error_type``, ``error_message`` and ``logs`` tell why."""
-
-    def __init__(self, body: dict[str, object], status: int) -> None:
-        super().__init__(body, status)
-        self.error_type = str(body.get("errorType", ""))
-        self.error_message = str(body.get("errorMessage", ""))
-        logs = body.get("logs")
-        self.logs = list(logs) if isinstance(logs, list) else []
-
-
-class InvocationTimedOut(FunctionError):
-    """504: the invocation ran past its timeout and was stopped."""
-
-
-class NotSupported(FunctionError):
-    """501: the runtime does not support function mode."""
-
-
-class GatewayInternalError(FunctionError):
-    """500: a bug in the gateway; its log has the detail."""
-
-
-class RegistrationFailed(FunctionError):
-    """The Run ended ``Failed``: its handler cannot load (the message is the fatal error), or
-    its registration failed past the retry policy."""
-
-
-class GatewayUnreachable(FunctionError):
-    """The gateway could not be reached at all."""
-
-
-class RequestCancelled(FunctionError):
-    """This client cancelled the request (``Client.cancel``, e.g. a kernel interrupt): its
-    connection was closed, so the gateway cancelled the call and the handler was killed."""
+class EvaluatorSystemError(EvaluatorError):
+    """Infrastructure failed (a pod did not start, a connection broke): not the function's fault."""

@@ -23,11 +23,16 @@ from adapters.errors import (
 )
 from runtime_server.errors import (
     AttemptSuperseded,
+    DeadlineExceeded,
     DigestConflict,
+    EvaluatorSystemError,
+    FunctionError,
+    InvalidEvaluateRequest,
     InvalidField,
     InvocationInFlight,
     NoRuntimePod,
     NotAllowedHere,
+    NotFoundError,
     RegistrationLost,
     RegistrationNotFound,
     RegistrationNotReady,
@@ -105,6 +110,12 @@ GRPC_STATUS: dict[type[Exception], str] = {
     NoRuntimePod: "UNAVAILABLE",
     RegistrationLost: "UNAVAILABLE",
     NotAllowedHere: "PERMISSION_DENIED",
+    # FunctionEvaluator (docs/protocol.md, "Evaluators", "Wrapper server")
+    NotFoundError: "NOT_FOUND",
+    InvalidEvaluateRequest: "INVALID_ARGUMENT",
+    FunctionError: "INTERNAL",
+    DeadlineExceeded: "DEADLINE_EXCEEDED",
+    EvaluatorSystemError: "UNAVAILABLE",
 }
 
 # gRPC status → HTTP status at the gateway (docs/protocol.md, "Errors").

@@ -15,14 +15,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from runtime_server._proto.evaluator.v1 import evaluator_pb2, evaluator_pb2_grpc
-from runtime_server.krm.evaluators.base import (
+from runtime_server.errors import (
     DeadlineExceeded,
-    EvalRequest,
     FunctionError,
-    InvalidRequest,
+    InvalidEvaluateRequest,
     NotFoundError,
-    split_image,
 )
+from runtime_server.krm.evaluators.base import EvalRequest, split_image
 from runtime_server.krm.evaluators.builtin import BuiltinEvaluator, bare_name
 from runtime_server.krm.evaluators.exec import ExecEvaluator, FunctionConfigStore
 from runtime_server.krm.evaluators.multi import MultiEvaluator
@@ -166,7 +165,7 @@ def test_exec_path_outside_the_functions_dir_is_refused(
     executable(tmp_path / "outside", '#!/bin/sh\ntouch "$0.ran"\ncat\n')
     (functions / "link-out").symlink_to(tmp_path / "outside")
     request = EvalRequest(INPUT, "x", exec_path=exec_path.format(functions=functions))
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(InvalidEvaluateRequest):
         ExecEvaluator(functions).evaluate(request)
     assert not (tmp_path / "outside.ran").exists()
 
@@ -264,7 +263,7 @@ def test_evaluator_server_serves_the_chain_over_grpc(evaluator_server: str) -> N
 def test_evaluator_server_refuses_a_resource_list_over_6_mib(evaluator_server: str) -> None:
     remote = RemoteEvaluator(evaluator_server)
     try:
-        with pytest.raises(InvalidRequest, match="6 MiB"):
+        with pytest.raises(InvalidEvaluateRequest, match="6 MiB"):
             remote.evaluate(EvalRequest(b"#" * (6 * 1024 * 1024 + 1), "set-namespace"))
     finally:
         remote.close()

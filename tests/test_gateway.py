@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 
 from runtime_server.client import Client
-from runtime_server.daemon import spawn
-from runtime_server.errors import (
+from runtime_server.client.errors import (
     FunctionBusy,
     FunctionExists,
     HandlerFailed,
     InvalidRequest,
     RequestCancelled,
 )
+from runtime_server.daemon import spawn
 from runtime_server.lifecycle.stack import Stack
 from tests.conftest import SLOW_PY, http_call, wait_until
 

@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from runtime_server.krm.evaluators.base import EvalRequest, EvaluatorSystemError, NotFoundError
+from runtime_server.errors import EvaluatorSystemError, NotFoundError
+from runtime_server.krm.evaluators.base import EvalRequest
 from runtime_server.krm.evaluators.pods import (
     LocalBackend,
     PodCacheManager,

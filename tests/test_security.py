@@ -19,8 +19,8 @@ import pytest
 
 from runtime_server import tokens
 from runtime_server.client import Client
+from runtime_server.client.errors import Unauthorized
 from runtime_server.daemon import Child, spawn
-from runtime_server.errors import Unauthorized
 from runtime_server.lifecycle.gateway import Access
 from runtime_server.lifecycle.stack import Stack
 from tests.conftest import http_call, wait_until

@@ -16,7 +16,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from runtime_server._proto.evaluator.v1 import evaluator_pb2 as pb
 from runtime_server._proto.evaluator.v1 import evaluator_pb2_grpc as pb_grpc
 from runtime_server.daemon import Child, spawn
-from runtime_server.krm.evaluators.base import EvalRequest, FunctionError, InvalidRequest
+from runtime_server.errors import FunctionError, InvalidEvaluateRequest
+from runtime_server.krm.evaluators.base import EvalRequest
 from runtime_server.krm.evaluators.server import RemoteEvaluator
 from runtime_server.krm.resources.resourcelist import ResourceList
 from runtime_server.wire import RESULTS_KEY
@@ -123,7 +124,7 @@ def test_an_entrypoint_that_cannot_start_is_failed_to_execute(
 
 def test_max_request_body_size_is_enforced(wrapper: Callable[..., Child], tmp_path: Path) -> None:
     child = wrapper("cat", extra=("--max-request-body-size", "100"))
-    with pytest.raises(InvalidRequest, match="over the limit of 100 bytes"):
+    with pytest.raises(InvalidEvaluateRequest, match="over the limit of 100 bytes"):
         evaluate(child, INPUT + b"#" * 100)
 
 

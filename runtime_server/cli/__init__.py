@@ -824,7 +824,7 @@ def _install(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from runtime_server.errors import FunctionError, InvalidRequest
+    from runtime_server.client.errors import GatewayError, InvalidRequest
 
     args = build_parser().parse_args(argv)
     from runtime_server import daemon
@@ -841,7 +841,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except InvalidRequest as exc:
         print(f"fnkernel: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except FunctionError as exc:
+    except GatewayError as exc:
         print(f"fnkernel: {type(exc).__name__}: {exc}", file=sys.stderr)
         for line in getattr(exc, "logs", []):
             print(f"  [{line.get('stream', '')}] {line.get('text', '')}", file=sys.stderr)

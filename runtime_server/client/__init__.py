@@ -20,40 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from runtime_server import tokens
-from runtime_server.errors import (
-    FunctionBusy,
-    FunctionError,
-    FunctionExists,
-    FunctionNotFound,
-    FunctionUnavailable,
-    GatewayInternalError,
+from runtime_server.client.errors import (
     GatewayUnreachable,
-    HandlerFailed,
-    InvalidRequest,
-    InvocationTimedOut,
-    NotSupported,
-    PayloadTooLarge,
-    PermissionDenied,
     RequestCancelled,
-    Unauthorized,
+    from_response,
 )
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8080"
-# docs/protocol.md, "Errors", read backwards: the HTTP status a gateway answered → the error raised here.
-ERRORS: dict[int, type[FunctionError]] = {
-    400: InvalidRequest,
-    401: Unauthorized,
-    403: PermissionDenied,
-    404: FunctionNotFound,
-    409: FunctionExists,
-    413: PayloadTooLarge,
-    429: FunctionBusy,
-    500: GatewayInternalError,
-    501: NotSupported,
-    502: HandlerFailed,
-    503: FunctionUnavailable,
-    504: InvocationTimedOut,
-}
 _STALE_CONNECTION = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
 _SKIPPED = frozenset({"__pycache__", ".git", ".ipynb_checkpoints"})
 
@@ -156,7 +129,7 @@ class Client:
         body: bytes | None = None,
         headers: Mapping[str, str] | None = None,
     ) -> tuple[int, http.client.HTTPMessage, bytes]:
-        """Send one request; raise the ERRORS class for a failure status."""
+        """Send one request; raise the class of a failure status (``errors.ERRORS``)."""
         sent = {"Content-Type": "application/json", **(headers or {})}
         if self.token:
             sent["Authorization"] = f"Bearer {self.token}"
@@ -180,12 +153,12 @@ class Client:
                     cancelled = self._busy.pop(connection, False)
                 if cancelled:
                     raise RequestCancelled(
-                        {"code": "CANCELLED", "message": f"{method} {path} was cancelled"}, 0
+                        f"{method} {path} was cancelled", code="CANCELLED"
                     ) from None
                 if reused and isinstance(exc, _STALE_CONNECTION):
                     continue  # a kept-alive connection the gateway had closed: never ran
                 raise GatewayUnreachable(
-                    {"message": f"cannot reach the gateway at {self.address}: {exc}"}, 0
+                    f"cannot reach the gateway at {self.address}: {exc}"
                 ) from None
             except BaseException:  # KeyboardInterrupt mid-request: the connection is unusable
                 connection.close()
@@ -204,7 +177,7 @@ class Client:
                 error_body = json.loads(data)
             except ValueError:
                 error_body = {"message": data.decode("utf-8", "replace")[:500]}
-            raise ERRORS.get(response.status, FunctionError)(error_body, response.status)
+            raise from_response(error_body, response.status)
         return response.status, response.headers, data
 
     def cancel(self) -> int:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from adapters import FunctionSpec, InvocationResult, WorkerAdapter
+from adapters import FunctionSpec, HandlerResult, WorkerAdapter
 from adapters.errors import AdapterError, HandlerError, InitError
 from runtime_server import limits
 from runtime_server._proto.executor.v1.runtime_pb2 import FunctionRegistrationState
@@ -85,9 +85,9 @@ class RegistrationView:
 
 
 @dataclass(frozen=True)
-class Invocation:
+class InvocationOutcome:
     invocation_id: str
-    result: InvocationResult
+    result: HandlerResult
 
 
 class Registry:
@@ -269,7 +269,7 @@ class Registry:
         timeout_millis: int,
         deadline: float | None = None,
         on_dispatch: Callable[[Callable[[], object]], None] | None = None,
-    ) -> Invocation:
+    ) -> InvocationOutcome:
         """Run one invocation. `deadline` (monotonic) is the caller's own, if it has one.
 
         `on_dispatch(cancel)` is called once the call is accepted, with a function that cancels
@@ -315,7 +315,7 @@ class Registry:
         problem = limits.outputs_problem(result.outputs)
         if problem is not None:
             raise HandlerError("InvalidOutputs", problem, result.logs)
-        return Invocation(invocation_id, result)
+        return InvocationOutcome(invocation_id, result)
 
     def _cancel_invocation(self, run_uid: str, registration_id: str, invocation_id: str) -> None:
         """Cancel `invocation_id` if it is still the one in flight (a client went away)."""

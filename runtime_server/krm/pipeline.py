@@ -25,13 +25,8 @@ from typing import Any
 
 from ruamel.yaml.comments import CommentedMap
 
-from runtime_server.krm.evaluators.base import (
-    EvalRequest,
-    Evaluator,
-    EvaluatorError,
-    FunctionError,
-    NotFoundError,
-)
+from runtime_server.errors import EvaluatorError, FunctionError, NotFoundError
+from runtime_server.krm.evaluators.base import EvalRequest, Evaluator
 from runtime_server.krm.evaluators.wrapper import WrapperEvaluator
 from runtime_server.krm.resources import resourcelist
 from runtime_server.krm.resources.package import (

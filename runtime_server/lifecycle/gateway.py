@@ -1,7 +1,7 @@
 """The HTTP gateway (docs/protocol.md, "HTTP API", "Errors"): JSON over HTTP in front of each pod's runtimed.
 
 Tornado (which ipykernel brings) serves it; the control plane runs in the same process. Every
-failure becomes a gRPC status first (``rpc.status_of`` for our own errors, the status itself
+failure becomes a gRPC status first (``wire.status_name`` for our own errors, the status itself
 for a call to runtimed) and then an HTTP status through ``wire.HTTP_STATUS``.
 """
 
@@ -27,7 +27,7 @@ from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from runtime_server.errors import InvalidField, NoRuntimePod, RunNotReady
 from runtime_server.lifecycle.controlplane import ControlPlane
 from runtime_server.lifecycle.runs import Run
-from runtime_server.rpc import CHANNEL_OPTIONS, status_of
+from runtime_server.rpc import CHANNEL_OPTIONS
 from runtime_server.wire import (
     ATTEMPT_KEY,
     COLD_START_KEY,
@@ -59,25 +59,18 @@ EXPOSED_HEADERS = (
 ALLOWED_REQUEST_HEADERS = "Authorization, Content-Type, X-Invocation-Id, X-Timeout-Ms"
 
 
-class GatewayError(Exception):
-    """A failure answered with an HTTP status and the JSON error body of docs/protocol.md, "Errors"."""
+class FailureResponse(Exception):
+    """A failure, as the gateway answers it: the status name `code` (a gRPC status name, or
+    HTTP's own for what the gateway refuses before any call: PAYLOAD_TOO_LARGE, ...), the HTTP
+    `status` (from wire.HTTP_STATUS unless given) and the JSON body of docs/protocol.md,
+    "Errors", `extra` included."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, **extra: Any) -> None:
+    def __init__(self, code: str, message: str, *, status: int = 0, **extra: Any) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.status = status or wire.http_status(code)
         self.extra = extra
-
-
-class Refused(Exception):
-    """A request refused at the HTTP level, before any Run is looked up: the status is HTTP's
-    own (413, 415, 431, 403), with the same JSON error body as every other failure."""
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
 
 
 @dataclass(frozen=True)
@@ -219,40 +212,50 @@ class BaseHandler(web.RequestHandler):
         size = len(request.method or "") + len(request.uri or "")
         size += sum(len(k) + len(v) + 4 for k, v in request.headers.get_all())
         if size > MAX_HEADER_BYTES:
-            raise Refused(
-                431,
+            raise FailureResponse(
                 "REQUEST_HEADER_FIELDS_TOO_LARGE",
-                f"request headers are {size} bytes; at most {MAX_HEADER_BYTES}",
+                status=431,
+                message=f"request headers are {size} bytes; at most {MAX_HEADER_BYTES}",
             )
         if not access.host_allowed(request.host, self.gateway.listen_host):
-            raise Refused(403, "PERMISSION_DENIED", f"Host {request.host[:100]!r} is not allowed")
+            raise FailureResponse(
+                "PERMISSION_DENIED",
+                status=403,
+                message=f"Host {request.host[:100]!r} is not allowed",
+            )
         origin = request.headers.get("Origin")
         if origin is not None:
             if origin not in access.allowed_origins:
-                raise Refused(403, "PERMISSION_DENIED", f"Origin {origin[:100]!r} is not allowed")
+                raise FailureResponse(
+                    "PERMISSION_DENIED",
+                    status=403,
+                    message=f"Origin {origin[:100]!r} is not allowed",
+                )
             self.set_header("Access-Control-Allow-Origin", origin)
             self.set_header("Vary", "Origin")
             self.set_header("Access-Control-Expose-Headers", EXPOSED_HEADERS)
         if request.method == "OPTIONS":
             return None  # a CORS preflight carries no token; options() answers it
         if not access.token_matches(request.headers.get("Authorization", "")):
-            raise GatewayError(Code.UNAUTHENTICATED, "missing or wrong bearer token")
+            raise FailureResponse("UNAUTHENTICATED", "missing or wrong bearer token")
         if request.method in ("POST", "PUT", "PATCH"):
             content_type = request.headers.get("Content-Type", "")
             media_type = content_type.split(";", 1)[0].strip().lower()
             if media_type != "application/json":
                 # A browser sends text/plain and form bodies cross-origin without asking first.
-                raise Refused(
-                    415,
+                raise FailureResponse(
                     "UNSUPPORTED_MEDIA_TYPE",
-                    f"Content-Type must be application/json, got {content_type[:100]!r}",
+                    status=415,
+                    message=f"Content-Type must be application/json, got {content_type[:100]!r}",
                 )
         return None
 
     def options(self, *_: str) -> None:
         """The CORS preflight of an allowed origin (prepare refused every other one)."""
         if "Origin" not in self.request.headers:
-            raise Refused(405, "METHOD_NOT_ALLOWED", "OPTIONS is only a CORS preflight here")
+            raise FailureResponse(
+                "METHOD_NOT_ALLOWED", status=405, message="OPTIONS is only a CORS preflight here"
+            )
         self.set_header("Access-Control-Allow-Methods", "GET, POST, DELETE")
         self.set_header("Access-Control-Allow-Headers", ALLOWED_REQUEST_HEADERS)
         self.set_header("Access-Control-Max-Age", "600")
@@ -275,42 +278,40 @@ class BaseHandler(web.RequestHandler):
         self.set_header("Content-Type", "application/json")
         self.finish(json.dumps(body))
 
-    def send_error_body(self, error: GatewayError) -> None:
-        status = wire.http_status(error.code.name)
-        if error.code.name in wire.RETRY_AFTER_CODES:
+    def send_failure(self, failure: FailureResponse) -> None:
+        if failure.code in wire.RETRY_AFTER_CODES:
             self.set_header("Retry-After", "1")
-        if status == 401:
+        if failure.status == 401:
             self.set_header("WWW-Authenticate", "Bearer")
         self.send_json(
-            status,
+            failure.status,
             {
-                "code": error.code.name,
-                "message": error.message,
-                "runUid": error.extra.pop("runUid", ""),
-                "invocationId": error.extra.pop("invocationId", ""),
-                **error.extra,
+                "code": failure.code,
+                "message": failure.message,
+                "runUid": failure.extra.pop("runUid", ""),
+                "invocationId": failure.extra.pop("invocationId", ""),
+                **failure.extra,
             },
         )
 
     def _handle_request_exception(self, e: BaseException) -> None:
-        if isinstance(e, GatewayError):
-            self.send_error_body(e)
-        elif isinstance(e, Refused):
-            self.send_json(e.status, {"code": e.code, "message": e.message})
-        elif isinstance(e, Exception) and (code := status_of(e)) is not None:
-            self.send_error_body(GatewayError(code, limits.bounded(str(e))))
+        if isinstance(e, FailureResponse):
+            self.send_failure(e)
+        elif isinstance(e, Exception) and (code := wire.status_name(e)) is not None:
+            self.send_failure(FailureResponse(code, limits.bounded(str(e))))
         elif isinstance(e, web.HTTPError):
             super()._handle_request_exception(e)
         else:
             LOG.exception("internal error", exc_info=e)
-            self.send_error_body(GatewayError(Code.INTERNAL, f"internal error: {type(e).__name__}"))
+            self.send_failure(FailureResponse("INTERNAL", f"internal error: {type(e).__name__}"))
 
     async def blocking(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(None, lambda: fn(*args, **kwargs))
 
 
-def rpc_error(err: grpc.aio.AioRpcError, run: Run, invocation_id: str = "") -> GatewayError:
-    """A status from runtimed as a GatewayError; a handler error keeps its type and logs."""
+def rpc_error(err: grpc.aio.AioRpcError, run: Run, invocation_id: str = "") -> FailureResponse:
+    """A status from runtimed as the gateway answers it; a handler error keeps its type and
+    logs."""
     code, message = err.code(), err.details() or ""
     message = message.replace(f"run {run.uid}", f'"{run.name}"')  # gateway users know the name
     extra: dict[str, Any] = {"runUid": run.uid, "invocationId": invocation_id}
@@ -321,7 +322,7 @@ def rpc_error(err: grpc.aio.AioRpcError, run: Run, invocation_id: str = "") -> G
         extra["errorType"] = error_type
         extra["errorMessage"] = message.removeprefix(prefix)
         extra["logs"] = _logs(trailers)
-    return GatewayError(code, message, **extra)
+    return FailureResponse(code.name, message, **extra)
 
 
 def _metadata(metadata: Any) -> dict[str, Any]:
@@ -435,7 +436,9 @@ class InvokeHandler(BaseHandler):
         # Tornado has checked that Content-Length is ASCII digits (400 otherwise).
         length = self.request.headers.get("Content-Length", "")
         if length.isascii() and length.isdigit() and int(length) > limits.GRPC_MAX_MESSAGE_BYTES:
-            raise Refused(413, "PAYLOAD_TOO_LARGE", self._too_large(int(length)))
+            raise FailureResponse(
+                "PAYLOAD_TOO_LARGE", status=413, message=self._too_large(int(length))
+            )
 
     @staticmethod
     def _too_large(size: int) -> str:
@@ -455,7 +458,9 @@ class InvokeHandler(BaseHandler):
 
     async def post(self, name: str) -> None:
         if self._size > limits.MAX_PAYLOAD_BYTES:
-            raise Refused(413, "PAYLOAD_TOO_LARGE", self._too_large(self._size))
+            raise FailureResponse(
+                "PAYLOAD_TOO_LARGE", status=413, message=self._too_large(self._size)
+            )
         headers = self.request.headers
         invocation_id = limits.check_invocation_id(headers.get("X-Invocation-Id", ""))
         # Any int64 is taken, as on the wire, and capped like timeout_millis (limits.py).

@@ -1,11 +1,13 @@
-"""The one interface every evaluator implements, and the errors it may raise (docs/protocol.md, "Evaluators")."""
+"""The one interface every evaluator implements (docs/protocol.md, "Evaluators"); the errors it
+may raise are in runtime_server.errors."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
+from runtime_server.errors import DeadlineExceeded
 from runtime_server.krm.resources.resourcelist import ResourceList
 
 
@@ -48,54 +50,6 @@ class EvalResponse:
     evaluator: str = ""
     skipped: tuple[str, ...] = ()  # evaluators of a chain that answered NotFound first
     parsed: ResourceList | None = None  # the request's `parsed`, changed in place (builtin)
-
-
-class EvaluatorError(Exception):
-    """Base class; ``str()`` is one line naming the function and the cause. A chain fills in
-    which evaluator raised it and which ones it skipped first."""
-
-    evaluator: str = ""
-    skipped: tuple[str, ...] = ()
-
-
-class NotFoundError(EvaluatorError):
-    """The function is not available from this evaluator: the chain may try the next one."""
-
-    def __init__(self, message: str, tried: tuple[str, ...] = ()) -> None:
-        super().__init__(message)
-        self.tried = tried
-
-
-class FunctionError(EvaluatorError):
-    """The function ran and failed. Keeps the exit code, stderr and the structured results (the
-    ``results`` of the ResourceList it printed, when that parsed), not a flattened text."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        exit_code: int = 1,
-        stderr: str = "",
-        results: list[dict[str, Any]] | None = None,
-        resource_list: bytes = b"",
-    ) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
-        self.stderr = stderr
-        self.results = results or []
-        self.resource_list = resource_list
-
-
-class InvalidRequest(EvaluatorError):
-    """The request itself is wrong: unparsable input, an exec_path outside the sandbox, ..."""
-
-
-class DeadlineExceeded(EvaluatorError):
-    """The function did not finish before the deadline; it was stopped."""
-
-
-class EvaluatorSystemError(EvaluatorError):
-    """Infrastructure failed (a pod did not start, a connection broke): not the function's fault."""
 
 
 class Evaluator(Protocol):

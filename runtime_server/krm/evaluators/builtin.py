@@ -10,15 +10,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping
 
-from runtime_server.krm.evaluators.base import (
-    EvalRequest,
-    EvalResponse,
-    FunctionError,
-    InvalidRequest,
-    NotFoundError,
-    remaining,
-    split_image,
-)
+from runtime_server.errors import FunctionError, InvalidEvaluateRequest, NotFoundError
+from runtime_server.krm.evaluators.base import EvalRequest, EvalResponse, remaining, split_image
 from runtime_server.krm.functions.replacements import apply_replacements
 from runtime_server.krm.functions.set_metadata import set_annotations, set_labels
 from runtime_server.krm.functions.set_namespace import set_namespace
@@ -81,7 +74,7 @@ class BuiltinEvaluator:
             try:
                 rl = ResourceList.parse(request.resource_list)
             except InvalidResourceList as exc:
-                raise InvalidRequest(
+                raise InvalidEvaluateRequest(
                     f"{request.image}: the input is not a ResourceList: {exc}"
                 ) from None
         remaining(deadline)

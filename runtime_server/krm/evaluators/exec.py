@@ -17,17 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime_server.krm.evaluators.base import (
+from runtime_server.errors import (
     DeadlineExceeded,
-    EvalRequest,
-    EvalResponse,
     EvaluatorSystemError,
     FunctionError,
-    InvalidRequest,
+    InvalidEvaluateRequest,
     NotFoundError,
-    remaining,
-    split_image,
 )
+from runtime_server.krm.evaluators.base import EvalRequest, EvalResponse, remaining, split_image
 from runtime_server.krm.resources import resourcelist
 
 
@@ -81,25 +78,27 @@ def confined(exec_path: str, functions_dir: Path) -> Path:
     """`exec_path` with symlinks resolved, if it stays inside `functions_dir`."""
     shown = exec_path if len(exec_path) <= 200 else exec_path[:200] + "..."
     if "\0" in exec_path:
-        raise InvalidRequest(f"exec_path {shown!r} contains a NUL byte")
+        raise InvalidEvaluateRequest(f"exec_path {shown!r} contains a NUL byte")
     if len(exec_path.encode()) > MAX_EXEC_PATH_BYTES:
-        raise InvalidRequest(
+        raise InvalidEvaluateRequest(
             f"exec_path is {len(exec_path.encode())} bytes; at most {MAX_EXEC_PATH_BYTES}"
         )
     path = Path(exec_path)
     if not path.is_absolute():
-        raise InvalidRequest(f"exec_path {shown!r} must be absolute")
+        raise InvalidEvaluateRequest(f"exec_path {shown!r} must be absolute")
     try:
         real = path.resolve()
     except OSError as exc:  # a symlink loop, say
-        raise InvalidRequest(f"exec_path {shown!r} cannot be resolved: {exc.strerror}") from None
+        raise InvalidEvaluateRequest(
+            f"exec_path {shown!r} cannot be resolved: {exc.strerror}"
+        ) from None
     root = functions_dir.resolve()
     if not real.is_relative_to(root):
-        raise InvalidRequest(
+        raise InvalidEvaluateRequest(
             f"exec_path {exec_path} resolves to {real}, outside --functions {root}"
         )
     if not real.is_file() or not os.access(real, os.X_OK):
-        raise InvalidRequest(f"exec_path {exec_path} is not an executable file")
+        raise InvalidEvaluateRequest(f"exec_path {exec_path} is not an executable file")
     return real
 
 

@@ -27,14 +27,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from runtime_server.daemon import Child, spawn, wrapper_server_args
-from runtime_server.krm.evaluators.base import (
-    DeadlineExceeded,
-    EvalRequest,
-    EvalResponse,
-    EvaluatorSystemError,
-    NotFoundError,
-    split_image,
-)
+from runtime_server.errors import DeadlineExceeded, EvaluatorSystemError, NotFoundError
+from runtime_server.krm.evaluators.base import EvalRequest, EvalResponse, split_image
 from runtime_server.krm.evaluators.server import RemoteEvaluator
 from runtime_server.krm.resources import resourcelist
 

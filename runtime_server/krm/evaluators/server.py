@@ -16,43 +16,38 @@ from typing import Any
 
 import grpc
 
-from runtime_server import limits
+from runtime_server import limits, wire
 from runtime_server._proto.evaluator.v1 import evaluator_pb2 as pb
 from runtime_server._proto.evaluator.v1 import evaluator_pb2_grpc as pb_grpc
-from runtime_server.krm.evaluators.base import (
+from runtime_server.errors import (
     DeadlineExceeded,
-    EvalRequest,
-    EvalResponse,
-    Evaluator,
     EvaluatorError,
     EvaluatorSystemError,
     FunctionError,
-    InvalidRequest,
+    InvalidEvaluateRequest,
     NotFoundError,
 )
+from runtime_server.krm.evaluators.base import EvalRequest, EvalResponse, Evaluator
 from runtime_server.krm.resources import resourcelist
 from runtime_server.krm.resources.resourcelist import format_result
-from runtime_server.rpc import CHANNEL_OPTIONS, add_health, add_reflection
+from runtime_server.rpc import CHANNEL_OPTIONS, add_health, add_reflection, status_of
 from runtime_server.wire import EVALUATOR_KEY, EXIT_CODE_KEY, RESULTS_KEY
 
 LOG = logging.getLogger("fnkernel.evaluator")
 SERVICE = "evaluator.FunctionEvaluator"
 _NO_DEADLINE = 1e9  # seconds; grpc reports ~9.2e18 when the client set none (docs/architecture.md, "Measured facts the design rests on")
 
-STATUS: dict[type[EvaluatorError], grpc.StatusCode] = {
-    NotFoundError: grpc.StatusCode.NOT_FOUND,
-    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
-    FunctionError: grpc.StatusCode.INTERNAL,
-    DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
-    EvaluatorSystemError: grpc.StatusCode.UNAVAILABLE,
+# What a FunctionEvaluator status stands for, read back by a client (wire.GRPC_STATUS, backwards).
+_ERROR_OF_STATUS = {
+    wire.GRPC_STATUS[kind]: kind
+    for kind in (
+        NotFoundError,
+        InvalidEvaluateRequest,
+        FunctionError,
+        DeadlineExceeded,
+        EvaluatorSystemError,
+    )
 }
-
-
-def status_of(error: EvaluatorError) -> grpc.StatusCode:
-    for kind, status in STATUS.items():
-        if isinstance(error, kind):
-            return status
-    return grpc.StatusCode.INTERNAL
 
 
 # A status message travels in a header; a client refuses headers over 8 KiB in all.
@@ -91,7 +86,7 @@ class FunctionEvaluatorServicer(pb_grpc.FunctionEvaluatorServicer):
         try:
             response = self.evaluator.evaluate(call, deadline)
         except EvaluatorError as error:
-            code = status_of(error)
+            code = status_of(error) or grpc.StatusCode.INTERNAL
             if isinstance(error, FunctionError):
                 context.set_trailing_metadata(
                     (
@@ -177,7 +172,7 @@ def error_of(err: grpc.RpcError, image: str) -> EvaluatorError:
         exit_code = int(trailers.get(EXIT_CODE_KEY, "1") or 1)
         first = details.splitlines()[0] if details else f"{image} failed"
         return FunctionError(first, exit_code=exit_code, results=results, stderr=details)
-    for kind, status in STATUS.items():
-        if status == code:
-            return kind(details)
+    kind = _ERROR_OF_STATUS.get(code.name)
+    if kind is not None:
+        return kind(details)
     return EvaluatorSystemError(f"{image}: {code.name}: {details}")

@@ -11,12 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from runtime_server.krm.evaluators.base import (
-    EvalRequest,
-    EvalResponse,
-    EvaluatorSystemError,
-    FunctionError,
-)
+from runtime_server.errors import EvaluatorSystemError, FunctionError
+from runtime_server.krm.evaluators.base import EvalRequest, EvalResponse
 from runtime_server.krm.evaluators.exec import run_function
 from runtime_server.krm.resources.resourcelist import InvalidResourceList, ResourceList
 

@@ -1,0 +1,150 @@
+"""What a client of the gateway sees (docs/protocol.md, "Errors"): one class per HTTP status,
+named for what went wrong, under one base, ``GatewayError``. ``ERRORS`` maps a status to its
+class; ``from_response`` builds the one a failed response names. Standard library only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+
+class GatewayError(Exception):
+    """A gateway request failed; ``str()`` is one line: the message and the status name."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str = "",
+        status: int = 0,
+        run_uid: str = "",
+        invocation_id: str = "",
+        detail: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.message = message
+        self.code = code  # the gRPC status name, or the gateway's own (PAYLOAD_TOO_LARGE, ...)
+        self.status = status  # the HTTP status; 0 when no response was had
+        self.run_uid = run_uid
+        self.invocation_id = invocation_id
+        self.detail = dict(detail or {})  # the whole JSON error body, for %fn_debug
+        super().__init__(f"{message} ({code})" if code else message)
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any], status: int) -> GatewayError:
+        return cls(
+            str(body.get("message", "")),
+            code=str(body.get("code", "")),
+            status=status,
+            run_uid=str(body.get("runUid", "")),
+            invocation_id=str(body.get("invocationId", "")),
+            detail=body,
+        )
+
+    def _render_traceback_(self) -> list[str]:
+        """IPython shows this instead of a stack trace: one readable line (docs/protocol.md,
+        "Kernel")."""
+        return [f"{type(self).__name__}: {self}"]
+
+
+class InvalidRequest(GatewayError):
+    """400: a field of the request is invalid; the message names it."""
+
+
+class Unauthorized(GatewayError):
+    """401: the gateway wants a bearer token (README, "Security")."""
+
+
+class PermissionDenied(GatewayError):
+    """403: a disallowed Origin or Host, or a call outside callers may not make."""
+
+
+class FunctionNotFound(GatewayError):
+    """404: no function (Run) has this name."""
+
+
+class FunctionExists(GatewayError):
+    """409: a function with this name exists already."""
+
+
+class PayloadTooLarge(GatewayError):
+    """413: the request body is over the 6 MiB limit."""
+
+
+class UnsupportedMediaType(GatewayError):
+    """415: the request body is not application/json."""
+
+
+class FunctionBusy(GatewayError):
+    """429: the function already has an invocation in flight (no queueing)."""
+
+
+class FunctionUnavailable(GatewayError):
+    """503: the function is not ready (registering, retrying, draining) or its pod is down."""
+
+
+class HandlerFailed(GatewayError):
+    """502: the handler ran and failed; ``error_type``, ``error_message`` and ``logs`` tell why."""
+
+    @property
+    def error_type(self) -> str:
+        return str(self.detail.get("errorType", ""))
+
+    @property
+    def error_message(self) -> str:
+        return str(self.detail.get("errorMessage", ""))
+
+    @property
+    def logs(self) -> list[Any]:
+        logs = self.detail.get("logs")
+        return list(logs) if isinstance(logs, list) else []
+
+
+class InvocationTimedOut(GatewayError):
+    """504: the invocation ran past its timeout and was stopped."""
+
+
+class NotSupported(GatewayError):
+    """501: the runtime does not support function mode."""
+
+
+class GatewayInternalError(GatewayError):
+    """500: a bug in the gateway; its log has the detail."""
+
+
+class RegistrationFailed(GatewayError):
+    """The Run ended ``Failed``: its handler cannot load (the message is the fatal error), or
+    its registration failed past the retry policy."""
+
+
+class GatewayUnreachable(GatewayError):
+    """The gateway could not be reached at all."""
+
+
+class RequestCancelled(GatewayError):
+    """This client cancelled the request (``Client.cancel``, e.g. a kernel interrupt): its
+    connection was closed, so the gateway cancelled the call and the handler was killed."""
+
+
+# The HTTP status a gateway answered → the class raised (docs/protocol.md, "Errors", read
+# backwards).
+ERRORS: dict[int, type[GatewayError]] = {
+    400: InvalidRequest,
+    401: Unauthorized,
+    403: PermissionDenied,
+    404: FunctionNotFound,
+    409: FunctionExists,
+    413: PayloadTooLarge,
+    415: UnsupportedMediaType,
+    429: FunctionBusy,
+    500: GatewayInternalError,
+    501: NotSupported,
+    502: HandlerFailed,
+    503: FunctionUnavailable,
+    504: InvocationTimedOut,
+}
+
+
+def from_response(body: Mapping[str, Any], status: int) -> GatewayError:
+    """The error a failed response names: the class of its status, built from its JSON body."""
+    return ERRORS.get(status, GatewayError).from_body(body, status)
