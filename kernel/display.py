@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime_server.client import InvocationResult
+from runtime_server.client import InvocationResult, Run
 
 _CARD = (
     "<div class='fn-card' style='border:1px solid #d0d7de;border-left:4px solid {colour};"
@@ -72,19 +72,17 @@ class RegistrationCard:
     note: str = ""
 
     @classmethod
-    def from_status(cls, name: str, status: Mapping[str, Any], note: str = "") -> RegistrationCard:
-        """From ``GET /v1/runs/{name}``: the live registration if any, else the Run's phase."""
-        live = status.get("live") or {}
-        run_status = status.get("status", {})
-        phase = run_status.get("phase", "")
+    def from_run(cls, run: Run, note: str = "") -> RegistrationCard:
+        """From a Run (``GET /v1/runs/{name}``): its live registration if any, else its phase."""
+        live = run.live
         return cls(
-            name=name,
-            runtime=status.get("spec", {}).get("runtime", ""),
-            state=str(live.get("state") if live and phase == "Ready" else phase),
-            attempt=int(live.get("registrationAttempt") or run_status.get("attempt") or 0),
-            registration_id=str(live.get("registrationId", "")),
-            digest=str(live.get("registrationDigest", "")),
-            message=str(run_status.get("message", "")) if phase == "Failed" else "",
+            name=run.name,
+            runtime=run.runtime,
+            state=live.state if live is not None and run.ready else run.phase,
+            attempt=(live.registration_attempt if live is not None else 0) or run.attempt,
+            registration_id=live.registration_id if live is not None else "",
+            digest=live.registration_digest if live is not None else "",
+            message=run.message if run.failed else "",
             note=note,
         )
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from kernel.connection import Runtime
 from kernel.display import InvocationView, RegistrationCard
+from runtime_server.client import Run
 from runtime_server.client.errors import GatewayError, RequestCancelled
 
 EXTENSIONS = {"python": "py", "bash": "sh"}
@@ -58,18 +59,17 @@ class InvocationInterrupted(KeyboardInterrupt):
         return [f"KeyboardInterrupt: {self}"]
 
 
-class Status(dict[str, Any]):
-    """``NAME.status()``: the gateway's answer (Run + live FunctionStatus) as a dict, shown as a
-    registration card."""
+class Status(Run):
+    """``NAME.status()``: the Run with its live registration (a typed view that is still the
+    gateway's JSON), shown as a registration card."""
 
     def card(self) -> RegistrationCard:
-        return RegistrationCard.from_status(str(self.get("name", "")), self)
+        return RegistrationCard.from_run(self)
 
     def __repr__(self) -> str:
-        live = self.get("live") or {}
         text = repr(self.card())
-        if live:
-            text += f"\n  in flight: {live.get('inFlight', 0)}"
+        if self.live is not None:
+            text += f"\n  in flight: {self.live.in_flight}"
         return text
 
     def _repr_html_(self) -> str:
@@ -131,10 +131,10 @@ class Function:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                live = self._runtime.client().status(self.name).get("live") or {}
+                live = self._runtime.client().status(self.name).live
             except GatewayError:
                 return
-            if not live.get("inFlight"):
+            if live is None or not live.in_flight:
                 return
             time.sleep(0.005)
 

@@ -140,11 +140,9 @@ class FunctionMagics(Magics):
 
     def _attach(self, name: str) -> Function:
         """A function registered elsewhere (another kernel, the CLI) on this gateway."""
-        status = self.session.runtime.client().status(name)
-        spec = status["spec"]
+        run = self.session.runtime.client().status(name)
         return Function(
-            self.session.runtime,
-            Spec(name, spec["runtime"], spec["handler"], source="", env=spec.get("env", {})),
+            self.session.runtime, Spec(name, run.runtime, run.handler, source="", env=run.env)
         )
 
     @line_magic("functions")  # type: ignore[arg-type]  # IPython types it as Never
@@ -157,22 +155,22 @@ class FunctionMagics(Magics):
         client = session.runtime.client()
         rows = []
         for run in client.list_runs():
-            if wanted and run["name"] not in wanted:
+            if wanted and run.name not in wanted:
                 continue
             row = {
-                "name": run["name"],
-                "runtime": run["spec"]["runtime"],
-                "phase": run["status"]["phase"],
-                "attempt": str(run["status"]["attempt"]),
+                "name": run.name,
+                "runtime": run.runtime,
+                "phase": run.phase,
+                "attempt": str(run.attempt),
             }
-            if run["status"]["phase"] == "Ready":
+            if run.ready:
                 try:
-                    live = client.status(run["name"]).get("live") or {}
+                    live = client.status(run.name).live
                 except GatewayError:
-                    live = {}
-                row["state"] = str(live.get("state", ""))
-                row["registration"] = short(str(live.get("registrationId", "")))
-                row["in flight"] = str(live.get("inFlight", ""))
+                    live = None
+                row["state"] = live.state if live is not None else ""
+                row["registration"] = short(live.registration_id) if live is not None else ""
+                row["in flight"] = str(live.in_flight) if live is not None else ""
             rows.append(row)
         return FunctionsTable(rows, session.runtime.describe())
 

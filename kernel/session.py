@@ -62,10 +62,9 @@ class Session:
         except FunctionNotFound:
             existing = None
         if existing is not None:
-            same = existing.get("spec", {}).get("source") == spec.origin
-            if same and existing.get("status", {}).get("phase") in _REUSABLE:
+            if existing.source == spec.origin and existing.phase in _REUSABLE:
                 function = self._bind(spec, timeout)
-                show(RegistrationCard.from_status(spec.name, existing, note="unchanged"))
+                show(RegistrationCard.from_run(existing, note="unchanged"))
                 return function
             progress("unregistering the previous version")
             client.delete_run(spec.name)
@@ -79,15 +78,13 @@ class Session:
             idle_timeout_seconds=spec.idle_timeout,
             origin=spec.origin,
         )
-        if run["status"]["phase"] == "Failed":
-            show(RegistrationCard.from_status(spec.name, run))
+        if run.failed:
+            show(RegistrationCard.from_run(run))
             raise RegistrationFailed(
-                f'"{spec.name}" did not register: {run["status"]["message"]}',
-                code="Failed",
-                run_uid=run["uid"],
+                f'"{spec.name}" did not register: {run.message}', code="Failed", run_uid=run.uid
             )
         function = self._bind(spec, timeout)
-        show(RegistrationCard.from_status(spec.name, client.status(spec.name)))
+        show(RegistrationCard.from_run(client.status(spec.name)))
         return function
 
     def _bind(self, spec: Spec, timeout: float | None) -> Function:
@@ -104,7 +101,7 @@ class Session:
         names = set(self.functions)
         if self.runtime.started:
             with contextlib.suppress(GatewayError):  # completion works with the gateway down
-                names.update(run["name"] for run in self.runtime.client().list_runs())
+                names.update(run.name for run in self.runtime.client().list_runs())
         return sorted(names)
 
     def debug(self) -> Detail:

@@ -312,24 +312,25 @@ def test_delete_with_a_call_in_flight_answers_after_the_call_and_leaves_nothing(
     # README, "HTTP API": DELETE drains the call in flight (at most drainTimeoutMs, 0 to
     # 900000) and answers once the Runtime Server no longer holds the Run's registration.
     client = Client(shared_stack.gateway_address)
-    run = client.create_run("draining", runtime="python", handler="handler.handle", files=SLOW_PY)
+    ends_at = {
+        "handler.py": "import time\ndef handle(event):\n    time.sleep(event)\n    return time.time()\n"
+    }
+    run = client.create_run("draining", runtime="python", handler="handler.handle", files=ends_at)
     status, _, body = http_call(
         shared_stack.gateway_address, "DELETE", "/v1/runs/draining?drainTimeoutMs=10000000000000"
     )
     assert status == 400 and "drainTimeoutMs" in json.loads(body)["message"]
-    finished: list[float] = []
-
-    def call() -> None:
-        client.invoke("draining", {"sleep": 1})
-        finished.append(time.monotonic())
-
-    slow = threading.Thread(target=call)
+    handler_ended: list[float] = []
+    slow = threading.Thread(
+        target=lambda: handler_ended.append(client.invoke("draining", 1).value())
+    )
     slow.start()
     wait_until(lambda: (client.status("draining").get("live") or {}).get("inFlight") == 1)
     client.delete_run("draining", drain_timeout_millis=10_000)
-    deleted = time.monotonic()
+    deleted = time.time()
     slow.join(10)
-    assert finished and finished[0] <= deleted  # drained: the call ended first
+    assert handler_ended, "the call was not drained"
+    assert handler_ended[0] <= deleted  # the handler returned before the 204
     channel, stub = server_stub(shared_stack)
     try:
         with pytest.raises(grpc.RpcError) as caught:

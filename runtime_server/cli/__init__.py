@@ -235,23 +235,15 @@ def _runs_create(args: argparse.Namespace) -> int:
         idle_timeout_seconds=args.idle_timeout,
     )
     _print_json(run)
-    return EXIT_OK if run["status"]["phase"] != "Failed" else EXIT_FAILURE
+    return EXIT_FAILURE if run.failed else EXIT_OK
 
 
 def _runs_list(args: argparse.Namespace) -> int:
     runs = _client(args).list_runs()
     rows = [("NAME", "RUNTIME", "PHASE", "ATTEMPT", "POD", "MESSAGE")]
     for run in runs:
-        status = run["status"]
         rows.append(
-            (
-                run["name"],
-                run["spec"]["runtime"],
-                status["phase"],
-                str(status["attempt"]),
-                status["assignedPod"],
-                status["message"][:60],
-            )
+            (run.name, run.runtime, run.phase, str(run.attempt), run.assigned_pod, run.message[:60])
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:

@@ -15,16 +15,16 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runtime_server import tokens
+from runtime_server import tokens, wire
 from runtime_server.client.errors import (
     GatewayUnreachable,
     RequestCancelled,
     from_response,
 )
+from runtime_server.client.views import InvocationResult, Run
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8080"
 _STALE_CONNECTION = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
@@ -64,24 +64,6 @@ def read_source(path: Path) -> dict[str, str]:
         return {name: file.read_text(encoding="utf-8") for name, file in files.items()}
     except UnicodeDecodeError as exc:
         raise ValueError(f"source {path}: every file must be UTF-8 text ({exc.reason})") from None
-
-
-@dataclass(frozen=True)
-class InvocationResult:
-    """One invocation's answer: the raw output, its outputs and how it went."""
-
-    output: bytes
-    content_type: str
-    outputs: dict[str, str]
-    invocation_id: str
-    duration: float
-    attempt: int
-    cold_start: bool
-    logs: list[dict[str, str]] = field(default_factory=list)
-
-    def value(self) -> Any:
-        """The output decoded as JSON."""
-        return json.loads(self.output) if self.output else None
 
 
 class _UnixConnection(http.client.HTTPConnection):
@@ -229,7 +211,7 @@ class Client:
         env: Mapping[str, str] | None = None,
         idle_timeout_seconds: int = 0,
         origin: str = "",
-    ) -> dict[str, Any]:
+    ) -> Run:
         """Create a Run from `files` or from the file or directory `source`; the Run as it
         stands once Ready or Failed. `origin` (default: the `source` path) is recorded as the
         Run's ``spec.source``."""
@@ -246,17 +228,14 @@ class Client:
             "idleTimeoutSeconds": idle_timeout_seconds,
             "source": origin or (str(source) if source is not None else ""),
         }
-        result: dict[str, Any] = self._json("POST", "/v1/runs", body)
-        return result
+        return Run(self._json("POST", "/v1/runs", body))
 
-    def list_runs(self) -> list[dict[str, Any]]:
-        runs: list[dict[str, Any]] = self._json("GET", "/v1/runs")["runs"]
-        return runs
+    def list_runs(self) -> list[Run]:
+        return [Run(run) for run in self._json("GET", "/v1/runs")["runs"]]
 
-    def status(self, name: str) -> dict[str, Any]:
-        """The Run and, under ``live``, its registration's FunctionStatus (None when it has none)."""
-        result: dict[str, Any] = self._json("GET", f"/v1/runs/{_quote(name)}")
-        return result
+    def status(self, name: str) -> Run:
+        """The Run and, as ``live``, its registration's FunctionStatus (None when it has none)."""
+        return Run(self._json("GET", f"/v1/runs/{_quote(name)}"))
 
     def delete_run(
         self, name: str, *, cancel_in_flight: bool = False, drain_timeout_millis: int = 0
@@ -286,20 +265,20 @@ class Client:
         body = data if data is not None else json.dumps(payload).encode()
         headers = {}
         if timeout_millis:
-            headers["X-Timeout-Ms"] = str(timeout_millis)
+            headers[wire.TIMEOUT_HEADER] = str(timeout_millis)
         if invocation_id:
-            headers["X-Invocation-Id"] = invocation_id
+            headers[wire.INVOCATION_ID_HEADER] = invocation_id
         started = time.perf_counter()
         _, reply, output = self.request("POST", f"/v1/runs/{_quote(name)}:invoke", body, headers)
         return InvocationResult(
             output=output,
             content_type=reply.get("Content-Type", ""),
-            outputs=json.loads(reply.get("X-Fn-Outputs") or "{}"),
-            invocation_id=reply.get("X-Invocation-Id", ""),
+            outputs=json.loads(reply.get(wire.OUTPUTS_HEADER) or "{}"),
+            invocation_id=reply.get(wire.INVOCATION_ID_HEADER, ""),
             duration=time.perf_counter() - started,
-            attempt=int(reply.get("X-Fn-Attempt") or 0),
-            cold_start=reply.get("X-Fn-Cold-Start") == "1",
-            logs=json.loads(reply.get("X-Fn-Logs") or "[]"),
+            attempt=int(reply.get(wire.ATTEMPT_HEADER) or 0),
+            cold_start=reply.get(wire.COLD_START_HEADER) == "1",
+            logs=json.loads(reply.get(wire.LOGS_HEADER) or "[]"),
         )
 
 

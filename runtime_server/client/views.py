@@ -1,0 +1,141 @@
+"""Typed views of what the gateway answers (docs/protocol.md, "HTTP API"). Standard library only.
+
+Each view is the JSON it was read from — a dict, so ``run["status"]["phase"]`` and
+``json.dumps(run)`` work as they always did — with attributes named in Python on top
+(``run.phase``, ``run.live.in_flight``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime_server import wire
+
+
+class LiveStatus(dict[str, Any]):
+    """A Run's registration as its Runtime Server reports it (FunctionStatus)."""
+
+    @property
+    def state(self) -> str:
+        return str(self.get("state", ""))
+
+    @property
+    def registration_id(self) -> str:
+        return str(self.get("registrationId", ""))
+
+    @property
+    def registration_attempt(self) -> int:
+        return int(self.get("registrationAttempt") or 0)
+
+    @property
+    def registration_digest(self) -> str:
+        return str(self.get("registrationDigest", ""))
+
+    @property
+    def in_flight(self) -> int:
+        return int(self.get("inFlight") or 0)
+
+    @property
+    def last_activity_unix_nano(self) -> int:
+        return int(self.get("lastActivityUnixNano") or 0)
+
+    @property
+    def fatal_error(self) -> str:
+        return str(self.get("fatalError", ""))
+
+
+class Run(dict[str, Any]):
+    """A Run: its spec, its status, and — from ``Client.status`` — its live registration
+    (``live``, None when it has none; ``live_error`` says why)."""
+
+    def _spec(self, key: str, default: Any = "") -> Any:
+        return (self.get("spec") or {}).get(key, default)
+
+    def _status(self, key: str, default: Any = "") -> Any:
+        return (self.get("status") or {}).get(key, default)
+
+    @property
+    def uid(self) -> str:
+        return str(self.get("uid", ""))
+
+    @property
+    def name(self) -> str:
+        return str(self.get("name", ""))
+
+    @property
+    def runtime(self) -> str:
+        return str(self._spec("runtime"))
+
+    @property
+    def handler(self) -> str:
+        return str(self._spec("handler"))
+
+    @property
+    def source(self) -> str:
+        return str(self._spec("source"))
+
+    @property
+    def env(self) -> dict[str, str]:
+        return dict(self._spec("env", None) or {})
+
+    @property
+    def idle_timeout_seconds(self) -> int:
+        return int(self._spec("idleTimeoutSeconds", 0) or 0)
+
+    @property
+    def phase(self) -> str:
+        return str(self._status("phase"))
+
+    @property
+    def attempt(self) -> int:
+        return int(self._status("attempt", 0) or 0)
+
+    @property
+    def message(self) -> str:
+        return str(self._status("message"))
+
+    @property
+    def outputs(self) -> dict[str, str]:
+        return dict(self._status("outputs", None) or {})
+
+    @property
+    def assigned_pod(self) -> str:
+        return str(self._status("assignedPod"))
+
+    @property
+    def live(self) -> LiveStatus | None:
+        live = self.get("live")
+        return LiveStatus(live) if isinstance(live, Mapping) else None
+
+    @property
+    def live_error(self) -> str:
+        return str(self.get("liveError", ""))
+
+    @property
+    def ready(self) -> bool:
+        return self.phase == wire.READY
+
+    @property
+    def failed(self) -> bool:
+        return self.phase == wire.FAILED
+
+
+@dataclass(frozen=True)
+class InvocationResult:
+    """One invocation's answer: the raw output, its outputs and how it went."""
+
+    output: bytes
+    content_type: str
+    outputs: dict[str, str]
+    invocation_id: str
+    duration: float
+    attempt: int
+    cold_start: bool
+    logs: list[dict[str, str]] = field(default_factory=list)
+
+    def value(self) -> Any:
+        """The output decoded as JSON."""
+        return json.loads(self.output) if self.output else None
