@@ -1,0 +1,100 @@
+"""What every command group of the CLI shares: exit codes, the usage error, number and duration
+types, the state dir, the evaluator chain flags (docs/protocol.md, "CLI")."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    pass
+
+
+def state_dir_of(args: argparse.Namespace) -> Path:
+    return Path(args.state_dir).expanduser().resolve()
+
+
+def add_state_dir(parser: argparse.ArgumentParser) -> None:
+    default = os.environ.get("FNKERNEL_STATE_DIR") or str(
+        Path(os.environ.get("XDG_STATE_HOME") or "~/.local/state").expanduser() / "fnkernel"
+    )
+    parser.add_argument(
+        "--state-dir",
+        default=default,
+        metavar="DIR",
+        help="Run store, working dirs, sockets and logs (default: $FNKERNEL_STATE_DIR or %(default)s)",
+    )
+
+
+def count(text: str) -> int:
+    """argparse type: a non-negative integer in ASCII digits (``int()`` would also take
+    ``"1_000"`` and other scripts' digits)."""
+    from runtime_server import limits
+    from runtime_server.errors import InvalidField
+
+    try:
+        return limits.parse_count(text, "value")
+    except InvalidField as exc:
+        raise argparse.ArgumentTypeError(exc.reason) from None
+
+
+MAX_FLAG_SECONDS = 86_400.0
+
+
+def seconds(text: str) -> float:
+    """argparse type: a duration in seconds, a plain decimal number from 0 to a day (a wait of
+    1e300 s, ``inf`` or ``nan`` would break the timers it sets)."""
+    if not re.fullmatch(r"[0-9]{1,6}(\.[0-9]{1,6})?", text) or float(text) > MAX_FLAG_SECONDS:
+        raise argparse.ArgumentTypeError(
+            f"must be a number of seconds from 0 to {MAX_FLAG_SECONDS:.0f}, got {text[:40]!r}"
+        )
+    return float(text)
+
+
+def print_json(value: object) -> None:
+    print(json.dumps(value, indent=2, sort_keys=True))
+
+
+def chain_from_flags(args: argparse.Namespace, command: str) -> Any:
+    """The evaluator chain the flags name (runtime_server.krm.chain); UsageError if they
+    cannot be used."""
+    from runtime_server.krm.chain import Chain
+
+    try:
+        return Chain().configure(
+            functions=args.functions,
+            function_config=args.function_config,
+            image_catalog=args.image_catalog,
+            pod_cache_config=args.pod_cache_config,
+        )
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{command}: {exc}") from None
+
+
+def add_chain_flags(parser: argparse.ArgumentParser) -> None:
+    """The evaluators after builtin (docs/architecture.md, "The KRM chain")."""
+    parser.add_argument(
+        "--functions", metavar="DIR", help="cached function binaries (enables the exec evaluator)"
+    )
+    parser.add_argument(
+        "--function-config",
+        metavar="F",
+        help="FunctionConfig store: YAML list of {image, tags, path} (path relative to --functions)",
+    )
+    parser.add_argument(
+        "--image-catalog",
+        metavar="F",
+        help="local image catalog: YAML {image: [entrypoint argv]} (enables the pod evaluator)",
+    )
+    parser.add_argument(
+        "--pod-cache-config",
+        metavar="F",
+        help="warm-up list: YAML [{image, timeToLive, maxParallelPods, preferredMaxQueueLength}]",
+    )

@@ -1,0 +1,400 @@
+"""The long-running components: ``serve``, ``runtimed``, ``gateway``, ``up``, ``evaluator``,
+``wrapper-server`` — each one's flags beside its handler."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from runtime_server.cli.common import (
+    EXIT_FAILURE,
+    EXIT_OK,
+    EXIT_USAGE,
+    UsageError,
+    add_chain_flags,
+    add_state_dir,
+    chain_from_flags,
+    count,
+    seconds,
+    state_dir_of,
+)
+
+if TYPE_CHECKING:
+    from runtime_server.tokens import GatewayToken
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from runtime_server import daemon, logs
+    from runtime_server.daemon import announcement
+    from runtime_server.function_runtime.server import RuntimeServer
+
+    logs.configure(logging.DEBUG if args.verbose else logging.INFO)
+    workspace_root = Path(args.workspace_root).resolve()
+    if not workspace_root.is_dir():
+        print(
+            f"fnkernel serve: --workspace-root {args.workspace_root} is not a directory",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    daemon.become_subreaper()
+    stop_reaper = threading.Event()
+    daemon.start_reaper(stop_reaper)
+    server = RuntimeServer(args.runtime, workspace_root, oneshot_only=args.oneshot_only)
+    try:
+        address = server.start(args.listen)
+    except RuntimeError as exc:
+        print(f"fnkernel serve: cannot listen on {args.listen}: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    services = "Runtime" if args.oneshot_only else "Runtime, FunctionRuntime"
+    detail = f"{args.runtime} runtime ({services})"
+    print(announcement("serve", detail, address, f"workspace root {workspace_root}"), flush=True)
+    daemon.wait_for_termination()
+    logging.getLogger("fnkernel.runtime").info("draining for up to %ss", args.drain_timeout)
+    server.stop(args.drain_timeout)
+    stop_reaper.set()
+    return EXIT_OK
+
+
+def _runtimed(args: argparse.Namespace) -> int:
+    from runtime_server import daemon, logs
+    from runtime_server.daemon import announcement
+    from runtime_server.lifecycle.runs import RunStore
+    from runtime_server.lifecycle.runtimed import Runtimed
+
+    logs.configure(logging.DEBUG if args.verbose else logging.INFO)
+    state_dir = state_dir_of(args)
+    state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    runtimed = Runtimed(
+        RunStore(state_dir / "runs.db"),
+        pod=args.pod,
+        runtime=args.runtime,
+        server_address=args.server,
+        poll_interval=args.poll_interval,
+    )
+    try:
+        address = runtimed.start(args.listen)
+    except RuntimeError as exc:
+        print(f"fnkernel runtimed: cannot listen on {args.listen}: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    detail = f"pod {args.pod} ({args.runtime}, server {args.server})"
+    print(announcement("runtimed", detail, address), flush=True)
+    daemon.wait_for_termination()
+    runtimed.stop()
+    return EXIT_OK
+
+
+def _gateway_token(args: argparse.Namespace, command: str, listen: str) -> GatewayToken:
+    """The token a gateway on `listen` requires (README, "Security"); a generated one is
+    printed once, and --no-token warns."""
+    from runtime_server import tokens
+
+    try:
+        chosen = tokens.gateway_token(
+            listen,
+            state_dir_of(args),
+            token_file=Path(args.token_file) if args.token_file else None,
+            no_token=args.no_token,
+        )
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{command}: {exc}") from None
+    if args.no_token and not listen.startswith("unix:"):
+        print(
+            f"fnkernel {command}: WARNING: --no-token: any program or web page on this machine "
+            "can call the gateway and run code as you",
+            file=sys.stderr,
+        )
+    if chosen.generated:
+        print(
+            f"fnkernel {command}: token {chosen.token} (saved in {chosen.path}; "
+            "fnkernel clients on this machine find it)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return chosen
+
+
+def _gateway(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from runtime_server import logs, tokens
+    from runtime_server.daemon import announcement
+    from runtime_server.lifecycle.controlplane import ControlPlane
+    from runtime_server.lifecycle.gateway import Access, Gateway
+    from runtime_server.lifecycle.runs import RunStore
+
+    logs.configure(logging.DEBUG if args.verbose else logging.INFO)
+    state_dir = state_dir_of(args)
+    token = _gateway_token(args, "gateway", args.listen).token
+    access = Access(
+        token, frozenset(args.allow_origin), frozenset(h.lower() for h in args.allow_host)
+    )
+    workspace_root = state_dir / "workspace"
+    workspace_root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    control_plane = ControlPlane(RunStore(state_dir / "runs.db"), workspace_root)
+
+    async def serve() -> None:
+        gateway = Gateway(control_plane, access, body_timeout=args.body_timeout)
+        try:
+            address = gateway.listen(args.listen)
+        except OSError as exc:
+            print(f"fnkernel gateway: cannot listen on {args.listen}: {exc}", file=sys.stderr)
+            raise SystemExit(EXIT_FAILURE) from None
+        gateway_file = tokens.announce(address, token) if token is not None else None
+        control_plane.start()
+        print(
+            announcement("gateway", "control plane + HTTP", address, f"state dir {state_dir}"),
+            flush=True,
+        )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await stop.wait()
+        finally:
+            if gateway_file is not None:
+                tokens.withdraw(gateway_file)
+        await gateway.close()
+        control_plane.stop()
+
+    asyncio.run(serve())
+    return EXIT_OK
+
+
+def _up(args: argparse.Namespace) -> int:
+    from runtime_server import daemon, logs
+    from runtime_server.lifecycle.stack import Stack, parse_pods
+
+    logs.configure(logging.INFO)
+    try:
+        pods = parse_pods(args.pods)
+    except ValueError as exc:
+        print(f"fnkernel up: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    chosen = _gateway_token(args, "up", args.gateway_listen)
+    stack = Stack(
+        state_dir_of(args),
+        pods,
+        gateway_listen=args.gateway_listen,
+        token_file=chosen.path,
+        no_token=chosen.token is None,
+        allow_origins=args.allow_origin,
+        allow_hosts=args.allow_host,
+        poll_interval=args.poll_interval,
+    )
+    try:
+        stack.start()
+    except RuntimeError as exc:
+        print(f"fnkernel up: {exc} (logs in {stack.state_dir / 'logs'})", file=sys.stderr)
+        return EXIT_FAILURE
+    print(f"fnkernel up: state dir {stack.state_dir}")
+    for line in stack.describe():
+        print(f"  {line}")
+    print(
+        f"fnkernel up: ready; gateway {stack.gateway_address}; Ctrl-C stops everything", flush=True
+    )
+    daemon.wait_for_termination()
+    stack.stop()
+    return EXIT_OK
+
+
+def _add_access_flags(parser: argparse.ArgumentParser) -> None:
+    """Who may call the gateway (README, "Security")."""
+    parser.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help="require the bearer token in FILE (default on TCP: a new one, saved in "
+        "STATE_DIR/token and printed once)",
+    )
+    parser.add_argument(
+        "--no-token",
+        action="store_true",
+        help="require no token (loopback only; any local program or web page can then run code)",
+    )
+    parser.add_argument(
+        "--allow-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="a browser origin allowed to call the gateway, e.g. https://app.example "
+        "(repeatable; default none)",
+    )
+    parser.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a host name the Host header may carry besides the listen address and localhost "
+        "(repeatable)",
+    )
+
+
+def _evaluator(args: argparse.Namespace) -> int:
+    from runtime_server import daemon, logs
+    from runtime_server.daemon import announcement
+    from runtime_server.krm.evaluators.server import serve
+
+    logs.configure(logging.DEBUG if args.verbose else logging.INFO)
+    chain = chain_from_flags(args, "evaluator")
+    try:
+        server, address = serve(chain.evaluator(), args.listen)
+    except RuntimeError as exc:
+        chain.close()
+        print(f"fnkernel evaluator: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    print(announcement("evaluator", f"chain {chain.describe()}", address), flush=True)
+    daemon.wait_for_termination()
+    server.stop(5).wait()
+    chain.close()
+    return EXIT_OK
+
+
+def _wrapper_server(args: argparse.Namespace) -> int:
+    from runtime_server import daemon, logs
+    from runtime_server.daemon import announcement
+    from runtime_server.krm.evaluators.server import serve
+    from runtime_server.krm.evaluators.wrapper import WrapperEvaluator
+
+    logs.configure(logging.INFO)
+    entrypoint = args.entrypoint[1:] if args.entrypoint[:1] == ["--"] else args.entrypoint
+    if not entrypoint:
+        print("fnkernel wrapper-server: give the function's entrypoint after --", file=sys.stderr)
+        return EXIT_USAGE
+    if args.max_request_body_size <= 0:
+        print("fnkernel wrapper-server: --max-request-body-size must be positive", file=sys.stderr)
+        return EXIT_USAGE
+    listen = args.listen or f"127.0.0.1:{args.port}"
+    try:
+        server, address = serve(
+            WrapperEvaluator(entrypoint), listen, max_bytes=args.max_request_body_size
+        )
+    except RuntimeError as exc:
+        print(f"fnkernel wrapper-server: cannot listen on {listen}: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    print(announcement("wrapper-server", " ".join(entrypoint), address), flush=True)
+    daemon.wait_for_termination()
+    server.stop(5).wait()
+    return EXIT_OK
+
+
+def register(commands: Any) -> None:
+    """Add the subcommands of this group to `commands` (argparse subparsers)."""
+
+    serve = commands.add_parser(
+        "serve",
+        help="run a Runtime Server (executor.v1 Runtime + FunctionRuntime)",
+        description="Run a Runtime Server for one built-in runtime. SIGTERM drains in-flight "
+        "invocations (bounded by --drain-timeout) and exits 0.",
+    )
+    serve.add_argument("--runtime", choices=("python", "bash"), required=True)
+    serve.add_argument(
+        "--listen",
+        default="127.0.0.1:9090",
+        metavar="ADDR",
+        help="host:port or unix:PATH (default %(default)s)",
+    )
+    serve.add_argument(
+        "--workspace-root",
+        default=os.environ.get("FNKERNEL_WORKSPACE_ROOT", os.getcwd()),
+        metavar="DIR",
+        help="every working_dir must be inside DIR (default: $FNKERNEL_WORKSPACE_ROOT or the current directory)",
+    )
+    serve.add_argument(
+        "--oneshot-only", action="store_true", help="register Runtime only (no function mode)"
+    )
+    serve.add_argument("--drain-timeout", type=seconds, default=10.0, metavar="SECONDS")
+    serve.add_argument("-v", "--verbose", action="store_true")
+    serve.set_defaults(func=_serve)
+
+    runtimed = commands.add_parser(
+        "runtimed",
+        help="run the runtimed agent of one Runtime Pod",
+        description="Registers the Runs assigned to this pod with its Runtime Server, polls their "
+        "status, scales idle ones to zero, and serves the proxy hop on its own port.",
+    )
+    runtimed.add_argument("--pod", required=True, metavar="NAME")
+    runtimed.add_argument("--runtime", choices=("python", "bash"), required=True)
+    runtimed.add_argument(
+        "--server", required=True, metavar="ADDR", help="the colocated Runtime Server"
+    )
+    runtimed.add_argument("--listen", default="127.0.0.1:0", metavar="ADDR")
+    runtimed.add_argument(
+        "--poll-interval",
+        type=seconds,
+        default=1.0,
+        metavar="SECONDS",
+        help="FunctionStatus cadence (default %(default)s)",
+    )
+    add_state_dir(runtimed)
+    runtimed.add_argument("-v", "--verbose", action="store_true")
+    runtimed.set_defaults(func=_runtimed)
+
+    gateway = commands.add_parser(
+        "gateway",
+        help="run the HTTP gateway and the control plane",
+        description="HTTP/JSON in front of runtimed, with the control plane (Run store, "
+        "scheduler, retry engine) in the same process.",
+    )
+    gateway.add_argument("--listen", default="127.0.0.1:8080", metavar="ADDR")
+    gateway.add_argument(
+        "--body-timeout",
+        type=seconds,
+        default=60.0,
+        metavar="SECONDS",
+        help="close a connection whose request body has not arrived whole by then "
+        "(default %(default)s)",
+    )
+    _add_access_flags(gateway)
+    add_state_dir(gateway)
+    gateway.add_argument("-v", "--verbose", action="store_true")
+    gateway.set_defaults(func=_gateway)
+
+    up = commands.add_parser(
+        "up",
+        help="run the whole local stack: control plane, pods and gateway",
+        description="Start the control plane, the Runtime Pods (each a Runtime Server and a "
+        "runtimed) and the gateway; print their addresses; Ctrl-C or SIGTERM stops them all.",
+    )
+    up.add_argument("--pods", default="python=1,bash=1", metavar="RUNTIME=N,...")
+    up.add_argument("--gateway-listen", default="127.0.0.1:8080", metavar="ADDR")
+    _add_access_flags(up)
+    up.add_argument("--poll-interval", type=seconds, default=1.0, metavar="SECONDS")
+    add_state_dir(up)
+    up.set_defaults(func=_up)
+
+    evaluator = commands.add_parser(
+        "evaluator",
+        help="serve the evaluator chain over FunctionEvaluator (KRM functions)",
+        description="Serve evaluator.FunctionEvaluator over the chain builtin → exec → pod: only "
+        "NotFound falls through to the next evaluator.",
+    )
+    evaluator.add_argument("--listen", default="127.0.0.1:9445", metavar="ADDR")
+    add_chain_flags(evaluator)
+    evaluator.add_argument("-v", "--verbose", action="store_true")
+    evaluator.set_defaults(func=_evaluator)
+
+    wrapper = commands.add_parser(
+        "wrapper-server",
+        help="serve one KRM function entrypoint over FunctionEvaluator (a function pod)",
+        description="Run ENTRYPOINT once per EvaluateFunction request with the ResourceList on "
+        "stdin. Usage: fnkernel wrapper-server --port 9446 -- ENTRYPOINT...",
+    )
+    wrapper.add_argument("--port", type=count, default=9446, help="loopback port (0: any free one)")
+    wrapper.add_argument(
+        "--listen", metavar="ADDR", help="host:port or unix:PATH instead of --port"
+    )
+    wrapper.add_argument(
+        "--max-request-body-size",
+        type=count,
+        default=6 * 1024 * 1024,
+        metavar="BYTES",
+        help="largest ResourceList accepted (default 6 MiB)",
+    )
+    wrapper.add_argument("entrypoint", nargs=argparse.REMAINDER, metavar="-- ENTRYPOINT...")
+    wrapper.set_defaults(func=_wrapper_server)
