@@ -193,7 +193,7 @@ def wait_for_termination(poll: float = 0.1) -> int:
 
 
 # The one definition of each component's command line: every process that starts another builds
-# its argv here, and tests/test_daemon.py parses each with the CLI's own parser.
+# its argv here, and tests/lifecycle/test_daemon.py parses each with the CLI's own parser.
 
 
 def serve_args(runtime: str, listen: str, workspace_root: Path, *extra: str) -> list[str]:

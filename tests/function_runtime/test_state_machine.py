@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
-from tests.conftest import ECHO_SH, Client
+from tests.support import ECHO_SH, Client
 
 OK = grpc.StatusCode.OK
 _examples = itertools.count()

@@ -11,12 +11,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.conftest import ServeProcess, digest
+from runtime_server.daemon import ServeProcess
 from tests.reflection_client import ReflectionClient
+from tests.support import digest
 
 FR = "executor.v1.FunctionRuntime"
 
-# The seed's request bodies, character for character.
+# The request bodies of the grpcurl calls (docs/protocol.md, "Services"), character for character.
 SEED_REGISTER = """{
      "runUid": "2b5d...",
      "registrationAttempt": 1,
@@ -43,7 +44,7 @@ def handle(event, context):
 
 
 @pytest.fixture
-def seed_server(server_process: Callable[..., ServeProcess]) -> tuple[ReflectionClient, Path]:
+def example_server(server_process: Callable[..., ServeProcess]) -> tuple[ReflectionClient, Path]:
     server = server_process("--runtime", "python")
     workdir = server.workspace_root / "runs" / "2b5d"
     workdir.mkdir(parents=True)
@@ -52,16 +53,16 @@ def seed_server(server_process: Callable[..., ServeProcess]) -> tuple[Reflection
 
 
 def fill(body: str, **values: str) -> str:
-    """Replace the seed's elided placeholders ("...") with real values, keeping its shape."""
+    """Replace the elided placeholders ("...") with real values, keeping its shape."""
     for placeholder, value in values.items():
         body = body.replace(placeholder, value)
     return body
 
 
 def test_reflection_lists_the_services_under_v1_and_v1alpha(
-    seed_server: tuple[ReflectionClient, Path],
+    example_server: tuple[ReflectionClient, Path],
 ) -> None:
-    client, _ = seed_server
+    client, _ = example_server
     for version in ("v1", "v1alpha"):
         services = ReflectionClient(client.channel, version).list_services()
         assert {"executor.v1.Runtime", FR, "grpc.health.v1.Health"} <= set(services)
@@ -71,17 +72,17 @@ def test_reflection_lists_the_services_under_v1_and_v1alpha(
         } <= set(services)
 
 
-def test_the_verbatim_seed_request_is_answered_with_a_field_named_error(
-    seed_server: tuple[ReflectionClient, Path],
+def test_the_verbatim_example_request_is_answered_with_a_field_named_error(
+    example_server: tuple[ReflectionClient, Path],
 ) -> None:
     # Its "/workspace/..." path and "sha256:..." digest are placeholders; the server names the field.
-    client, _ = seed_server
+    client, _ = example_server
     code, details, _ = client.call(f"{FR}/RegisterFunction", SEED_REGISTER)
     assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("working_dir:")
 
 
-def test_seed_example_calls_in_order(seed_server: tuple[ReflectionClient, Path]) -> None:
-    client, workdir = seed_server
+def test_the_example_calls_in_order(example_server: tuple[ReflectionClient, Path]) -> None:
+    client, workdir = example_server
     real_digest = digest("canonical registration inputs")
 
     # 1. runtimed A registers the function: READY with a server-generated opaque registration ID.

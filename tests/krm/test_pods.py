@@ -25,8 +25,8 @@ from runtime_server.krm.evaluators.pods import (
     load_warmup,
 )
 from runtime_server.krm.resources.resourcelist import ResourceList
-from tests.conftest import pid_alive, wait_until
-from tests.kernels import descendants
+from tests.kernel.kernels import descendants
+from tests.support import pid_alive, wait_until
 
 INPUT = b"apiVersion: config.kubernetes.io/v1\nkind: ResourceList\nitems: []\n"
 # Answers with one ConfigMap named after its wrapper server's pid: which pod served the call.

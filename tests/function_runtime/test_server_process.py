@@ -16,7 +16,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
-from tests.conftest import ECHO_PY, ECHO_SH, Client, ServeProcess, pid_alive, wait_until
+from runtime_server.daemon import ServeProcess
+from tests.support import ECHO_PY, ECHO_SH, Client, pid_alive, wait_until
 
 
 def client_for(server: ServeProcess, runtime: str) -> Client:

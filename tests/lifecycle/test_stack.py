@@ -23,7 +23,7 @@ from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from runtime_server.client import Client
 from runtime_server.lifecycle.stack import Stack
 from runtime_server.rpc import CHANNEL_OPTIONS
-from tests.conftest import ECHO_PY, SLOW_PY, http_call, pid_alive, wait_until
+from tests.support import ECHO_PY, SLOW_PY, http_call, pid_alive, wait_until
 
 ECHO = {name: textwrap.dedent(text) for name, text in ECHO_PY.items()}
 StackFactory = Callable[..., Stack]

@@ -27,8 +27,8 @@ from runtime_server.krm.evaluators.exec import ExecEvaluator, FunctionConfigStor
 from runtime_server.krm.evaluators.multi import MultiEvaluator
 from runtime_server.krm.evaluators.server import RemoteEvaluator, serve
 from runtime_server.krm.resources.resourcelist import ResourceList, format_result
-from tests.conftest import pid_alive, wait_until
 from tests.reflection_client import ReflectionClient
+from tests.support import pid_alive, wait_until
 
 INPUT = b"""apiVersion: config.kubernetes.io/v1
 kind: ResourceList

@@ -23,7 +23,7 @@ from runtime_server.client.errors import Unauthorized
 from runtime_server.daemon import Child, spawn
 from runtime_server.lifecycle.gateway import Access
 from runtime_server.lifecycle.stack import Stack
-from tests.conftest import http_call, wait_until
+from tests.support import http_call, wait_until
 
 # The attack of the issue: a module that runs code when it is imported, at registration.
 PWNED = "open('pwned', 'w').write('x')\ndef handler(e):\n    return e\n"

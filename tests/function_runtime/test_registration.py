@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
-from tests.conftest import ECHO_PY, Client, pid_alive, wait_until
+from tests.support import ECHO_PY, Client, pid_alive, wait_until
 
 READY = pb.FUNCTION_REGISTRATION_STATE_READY
 DRAINING = pb.FUNCTION_REGISTRATION_STATE_DRAINING

@@ -19,8 +19,8 @@ from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from runtime_server.client import Client
 from runtime_server.lifecycle.stack import Stack
-from tests.conftest import pid_alive, wait_until
-from tests.kernels import Kernel, descendants
+from tests.kernel.kernels import Kernel, descendants
+from tests.support import pid_alive, wait_until
 
 pytestmark = pytest.mark.usefixtures("fnkernel_spec")
 

@@ -25,7 +25,7 @@ from runtime_server.client.errors import (
 )
 from runtime_server.daemon import spawn
 from runtime_server.lifecycle.stack import Stack
-from tests.conftest import SLOW_PY, http_call, wait_until
+from tests.support import SLOW_PY, http_call, wait_until
 
 _names = itertools.count()
 

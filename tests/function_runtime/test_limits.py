@@ -7,7 +7,7 @@ import pytest
 
 from runtime_server import limits
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
-from tests.conftest import ECHO_PY, Client, digest
+from tests.support import ECHO_PY, Client, digest
 
 
 def rejected(call) -> grpc.RpcError:  # type: ignore[no-untyped-def]

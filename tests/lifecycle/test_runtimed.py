@@ -21,7 +21,7 @@ from runtime_server.lifecycle.runs import Run, RunStore
 from runtime_server.lifecycle.runtimed import UNSUPPORTED, Runtimed, registration_digest
 from runtime_server.rpc import CHANNEL_OPTIONS
 from runtime_server.wire import DELETED, DELETING, FAILED, PENDING, POD_KEY, READY
-from tests.conftest import ECHO_PY, wait_until
+from tests.support import ECHO_PY, wait_until
 
 POD = "python-0"
 

@@ -9,7 +9,7 @@ import nbformat
 import pytest
 
 from kernel.demo import execute, output_text, summary
-from tests.conftest import ROOT
+from tests.support import ROOT
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 CELL_TIMEOUT = 60
