@@ -23,7 +23,7 @@ import time
 
 from benchmarks.invoke import p, verdicts
 from runtime_server.client import Client
-from tests.kernels import Kernel, install_kernelspec
+from tests.kernel.kernels import Kernel, install_kernelspec
 
 START_TARGET = 1.1
 ROUND_TRIP_TARGET = 1.3
