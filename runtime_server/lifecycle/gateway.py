@@ -219,17 +219,13 @@ class BaseHandler(web.RequestHandler):
             )
         if not access.host_allowed(request.host, self.gateway.listen_host):
             raise FailureResponse(
-                "PERMISSION_DENIED",
-                status=403,
-                message=f"Host {request.host[:100]!r} is not allowed",
+                "PERMISSION_DENIED", f"Host {request.host[:100]!r} is not allowed"
             )
         origin = request.headers.get("Origin")
         if origin is not None:
             if origin not in access.allowed_origins:
                 raise FailureResponse(
-                    "PERMISSION_DENIED",
-                    status=403,
-                    message=f"Origin {origin[:100]!r} is not allowed",
+                    "PERMISSION_DENIED", f"Origin {origin[:100]!r} is not allowed"
                 )
             self.set_header("Access-Control-Allow-Origin", origin)
             self.set_header("Vary", "Origin")
