@@ -9,6 +9,8 @@ from runtime_server import limits
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from tests.support import ECHO_PY, Client, digest
 
+READY = pb.FUNCTION_REGISTRATION_STATE_READY
+
 
 def rejected(call) -> grpc.RpcError:  # type: ignore[no-untyped-def]
     with pytest.raises(grpc.RpcError) as err:
@@ -224,3 +226,99 @@ def test_outputs_bounds() -> None:
 def test_fatal_error_is_truncated_to_1024_bytes() -> None:
     assert len(limits.bounded("é" * 2000).encode()) <= 1024
     assert limits.bounded("short") == "short"
+
+
+# Each limit is accepted at exactly its value (docs/protocol.md, "Limits"): a bound moved by one, or
+# `>` turned into `>=`, fails one of these.
+
+
+def test_env_of_exactly_128_entries_and_64_kib_is_accepted(python_rt: Client) -> None:
+    assert register_with(python_rt, env={f"K{i}": "v" for i in range(128)}).state == READY
+    # 64 entries of a 3-byte key and a 1,021-byte value: 65,536 bytes in all, exactly.
+    exact = {f"K{i:02d}": "v" * (1024 - 3) for i in range(64)}
+    assert sum(len(k) + len(v) for k, v in exact.items()) == limits.MAX_ENV_BYTES
+    assert register_with(python_rt, run_uid="limits2", env=exact).state == READY
+    over = dict(exact, K00="v" * (1024 - 2))
+    assert (
+        "env" in rejected(lambda: register_with(python_rt, run_uid="limits3", env=over)).details()
+    )
+
+
+@pytest.mark.parametrize("seconds", [0, 86_400])
+def test_idle_timeout_of_0_and_86400_is_accepted(python_rt: Client, seconds: int) -> None:
+    assert register_with(python_rt, idle_timeout_seconds=seconds).state == READY
+
+
+@pytest.mark.parametrize(
+    ("env", "why"),
+    [({"A=B": "x"}, "key"), ({"": "x"}, "key"), ({"OK": "x\0"}, "NUL")],
+)
+def test_env_keys_that_would_corrupt_the_environment_are_refused(
+    python_rt: Client, env: dict[str, str], why: str
+) -> None:
+    details = rejected(lambda: register_with(python_rt, env=env)).details() or ""
+    assert details.startswith("env:") and why in details
+
+
+@pytest.mark.parametrize(
+    "value", ["sha256" + "a" * 64, "sha256::" + "a" * 63, " sha256:" + "a" * 64]
+)
+def test_a_digest_must_be_spelled_exactly(python_rt: Client, value: str) -> None:
+    assert (
+        "registration_digest"
+        in rejected(lambda: register_with(python_rt, registration_digest=value)).details()
+    )
+
+
+def test_an_empty_working_dir_names_the_field(python_rt: Client) -> None:
+    details = rejected(lambda: register_with(python_rt, working_dir="")).details() or ""
+    assert details.startswith("working_dir:")
+
+
+def test_an_invocation_id_of_exactly_128_printable_bytes_is_accepted(
+    python_rt: Client, ready: pb.FunctionRegistration
+) -> None:
+    exact = "~" * 128
+    assert python_rt.invoke(ready, invocation_id=exact).invocation_id == exact
+
+
+@pytest.mark.parametrize("invocation_id", ["del\x7f", "nul\x00", "é"])
+def test_an_invocation_id_outside_printable_ascii_is_refused(
+    python_rt: Client, ready: pb.FunctionRegistration, invocation_id: str
+) -> None:
+    details = rejected(lambda: python_rt.invoke(ready, invocation_id=invocation_id)).details()
+    assert (details or "").startswith("invocation_id:")
+
+
+def test_json_with_a_charset_parameter_is_json(
+    python_rt: Client, ready: pb.FunctionRegistration
+) -> None:
+    request = pb.InvokeFunctionRequest(
+        registration=ready, input=b'{"a": 1}', content_type="application/json; charset=utf-8"
+    )
+    assert b'"echo": {"a": 1}' in python_rt.fn.InvokeFunction(request, timeout=30).output
+
+
+def test_an_input_and_an_output_of_exactly_6_mib_are_accepted(python_rt: Client) -> None:
+    identity = python_rt.register({"handler.py": "def handle(event):\n    return event\n"})
+    payload = b'"' + b"x" * (limits.MAX_PAYLOAD_BYTES - 2) + b'"'
+    assert len(payload) == limits.MAX_PAYLOAD_BYTES
+    assert python_rt.invoke(identity.registration, payload).output == payload
+
+
+def test_outputs_at_exactly_their_bounds_are_accepted() -> None:
+    assert limits.outputs_problem({f"k{i}": "v" for i in range(32)}) is None
+    assert limits.outputs_problem({"k" * 63: "v"}) is None
+    assert limits.outputs_problem({"big": "x" * 1024}) is None
+    assert limits.outputs_problem({"big": "x" * 1025}) is not None
+    # 16 entries of a 3-byte key and a 1,021-byte value: 16 KiB in all, exactly.
+    exact = {f"k{i:02d}": "v" * 1021 for i in range(16)}
+    assert sum(len(k) + len(v) for k, v in exact.items()) == limits.MAX_OUTPUTS_BYTES
+    assert limits.outputs_problem(exact) is None
+    assert limits.outputs_problem(dict(exact, k00="v" * 1022)) is not None
+
+
+def test_messages_are_bounded_to_exactly_1024_bytes() -> None:
+    assert limits.bounded("x" * 1024) == "x" * 1024
+    cut = limits.bounded("x" * 1025)
+    assert len(cut.encode()) == 1024 and cut.endswith("...")

@@ -250,8 +250,10 @@ def test_client_cancel_kills_the_handler_and_registration_stays_usable(python_rt
 
 
 def test_unregister_of_absent_run_uid_succeeds(python_rt: Client) -> None:
-    # docs/protocol.md, "Registration" row 13.
-    python_rt.unregister(pb.FunctionRegistration(run_uid="absent", registration_id="reg_none"))
+    # docs/protocol.md, "Registration" row 13: OK, and the reference is answered as given.
+    absent = pb.FunctionRegistration(run_uid="absent", registration_id="reg_none")
+    assert python_rt.unregister(absent).registration == absent
+    assert code_of(lambda: python_rt.status(absent)) == grpc.StatusCode.NOT_FOUND
 
 
 def test_unregister_with_stale_id_leaves_the_newer_registration_untouched(
@@ -334,3 +336,83 @@ def test_a_drain_over_the_maximum_is_invalid_and_leaves_the_registration_ready(
     assert json.loads(python_rt.invoke(reg.registration, b'{"sleep": 0}').output) == {"slept": 0}
     python_rt.unregister(reg.registration, drain_millis=900_000)  # the maximum itself is fine
     assert code_of(lambda: python_rt.status(reg.registration)) == grpc.StatusCode.NOT_FOUND
+
+
+def test_the_caller_deadline_is_the_handler_deadline(python_rt: Client) -> None:
+    # docs/protocol.md, "Registration": timeout_millis (30 s by default) is bounded by the
+    # caller's own deadline, which the handler sees in its context; without one, the default.
+    wd = python_rt.workdir(
+        {"handler.py": "def handle(event, context):\n    return context.remaining_millis()\n"}
+    )
+    reg = python_rt.register(working_dir=wd)
+    bounded = int(python_rt.invoke(reg.registration, timeout=2).output)
+    assert 0 < bounded <= 2100  # gRPC rounds a deadline up when it encodes it
+    request = pb.InvokeFunctionRequest(
+        registration=reg.registration, input=b"{}", content_type="application/json"
+    )
+    unbounded = int(python_rt.fn.InvokeFunction(request).output)  # no gRPC deadline at all
+    assert 25_000 < unbounded <= 30_000
+
+
+def test_a_ready_registration_whose_worker_cannot_restart_becomes_failed(
+    python_rt: Client,
+) -> None:
+    # docs/protocol.md, "Registration": a permanent load failure leaves the registration FAILED
+    # with its fatal_error — also when it happens to the fresh worker of a READY registration.
+    wd = python_rt.workdir(
+        {
+            "handler.py": (
+                "import os\n"
+                "if os.path.exists('broken'):\n"
+                "    raise ImportError('the handler broke')\n"
+                "def handle(event):\n"
+                "    open('broken', 'w').close()\n"
+                "    os._exit(3)\n"
+            )
+        }
+    )
+    reg = python_rt.register(working_dir=wd)
+    assert reg.state == READY
+    assert code_of(lambda: python_rt.invoke(reg.registration)) == grpc.StatusCode.UNKNOWN
+    status = wait_until(
+        lambda: (s := python_rt.status(reg.registration)).state == FAILED and s, timeout=10
+    )
+    assert "the handler broke" in status.fatal_error  # type: ignore[union-attr]
+    assert code_of(lambda: python_rt.invoke(reg.registration)) == (
+        grpc.StatusCode.FAILED_PRECONDITION
+    )
+
+
+def test_a_superseded_generation_failing_later_leaves_the_newer_one_ready(
+    python_rt: Client,
+) -> None:
+    # docs/protocol.md, "Registration": a stale registration can change nothing — not even by
+    # failing. Attempt 1's worker is still loading (slowly, then failing) when attempt 2
+    # replaces it; attempt 2 stays READY.
+    wd = python_rt.workdir(
+        {
+            "handler.py": (
+                "import os, time\n"
+                "if os.environ['GENERATION'] == '1':\n"
+                "    open('loading', 'w').close()\n"
+                "    time.sleep(1)\n"
+                "    raise ImportError('the first generation fails late')\n"
+                "def handle(event):\n"
+                "    return os.environ['GENERATION']\n"
+            )
+        }
+    )
+    first = threading.Thread(
+        target=lambda: python_rt.register(
+            working_dir=wd, run_uid="late", attempt=1, env={"GENERATION": "1"}, timeout=30
+        )
+    )
+    first.start()
+    wait_until(lambda: (wd / "loading").exists(), timeout=10)  # attempt 1 is mid-import
+    newer = python_rt.register(
+        working_dir=wd, run_uid="late", attempt=2, env={"GENERATION": "2"}, digest_of="v2"
+    )
+    assert newer.state == READY
+    first.join(30)  # attempt 1's load has failed by now
+    assert python_rt.status(newer.registration).state == READY
+    assert python_rt.invoke(newer.registration).output == b'"2"'
