@@ -490,3 +490,28 @@ def test_a_worker_crash_is_seen_at_once_although_its_child_holds_the_pipe(
     assert trailers(error)[ERROR_TYPE_KEY] == "WorkerCrashed"
     assert "exit status 3" in (error.details() or "")
     assert python_rt.invoke(reg.registration, b'"again"').output == b'"ok"'
+
+
+def test_the_logs_trailer_keeps_the_last_lines_in_order_within_4_kib(python_rt: Client) -> None:
+    # docs/protocol.md, "Errors": a call's log lines come back as JSON in fn-logs-bin, bounded:
+    # past the 4 KiB budget, the last lines are kept, in the order they were written.
+    handler = (
+        "def handle(event):\n"
+        "    for i in range(200):\n"
+        "        print(f'line {i:03d} ' + 'x' * 40)\n"
+        "    return 'done'\n"
+    )
+    reg = python_rt.register({"handler.py": handler})
+    response, call = python_rt.fn.InvokeFunction.with_call(
+        pb.InvokeFunctionRequest(
+            registration=reg.registration, input=b"{}", content_type="application/json"
+        ),
+        timeout=30,
+    )
+    assert response.output == b'"done"'
+    raw = dict(call.trailing_metadata())[LOGS_KEY]
+    assert len(raw) <= 4096
+    texts = [line["text"] for line in json.loads(raw)]
+    assert texts[-1].startswith("line 199 ")
+    numbers = [int(text.split()[1]) for text in texts]
+    assert numbers == list(range(200 - len(numbers), 200))  # the last ones, in order

@@ -416,3 +416,17 @@ def test_a_superseded_generation_failing_later_leaves_the_newer_one_ready(
     first.join(30)  # attempt 1's load has failed by now
     assert python_rt.status(newer.registration).state == READY
     assert python_rt.invoke(newer.registration).output == b'"2"'
+
+
+def test_unregister_returns_when_the_drained_call_ends_not_at_the_drain_timeout(
+    python_rt: Client,
+) -> None:
+    # docs/protocol.md, "Registration": the drain waits for the call in flight *at most*
+    # drain_timeout_millis; it ends as soon as the call does (0.3 s here, against 60 s).
+    reg = python_rt.register(working_dir=python_rt.workdir(SLOW))
+    future = python_rt.invoke_future(reg.registration, b'{"sleep": 0.3}')
+    wait_until(lambda: python_rt.status(reg.registration).in_flight == 1)
+    started = time.monotonic()
+    python_rt.unregister(reg.registration, drain_millis=60_000)
+    assert time.monotonic() - started < 30
+    assert json.loads(future.result(timeout=10).output) == {"slept": 0.3}

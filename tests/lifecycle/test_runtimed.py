@@ -4,6 +4,7 @@ Unix sockets, sharing a real SQLite Run store with the control plane."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import textwrap
 from collections.abc import Iterator
@@ -20,7 +21,16 @@ from runtime_server.lifecycle.controlplane import ControlPlane, RetryPolicy
 from runtime_server.lifecycle.runs import Run, RunStore
 from runtime_server.lifecycle.runtimed import UNSUPPORTED, Runtimed, registration_digest
 from runtime_server.rpc import CHANNEL_OPTIONS
-from runtime_server.wire import DELETED, DELETING, FAILED, PENDING, POD_KEY, READY
+from runtime_server.wire import (
+    DELETED,
+    DELETING,
+    ERROR_TYPE_KEY,
+    FAILED,
+    LOGS_KEY,
+    PENDING,
+    POD_KEY,
+    READY,
+)
 from tests.support import ECHO_PY, wait_until
 
 POD = "python-0"
@@ -313,3 +323,20 @@ def test_a_registration_the_server_lost_is_503_and_registered_again_free_of_char
     again = pod.store.get("echo")
     assert (again.attempt, again.uncharged_attempts, again.charged_attempts) == (2, 1, 1)
     assert b'"echo"' in pod.invoke(again).output
+
+
+def test_the_proxy_hop_relays_a_handler_error_with_its_trailers(pod: Pod) -> None:
+    # docs/protocol.md, "Proxy hop": runtimed passes the Runtime Server's status on unchanged,
+    # UNKNOWN with the fn-error-type and fn-logs-bin trailers of a handler error included.
+    failing = {
+        "handler.py": "def handle(event):\n    print('before')\n    raise ValueError('no')\n"
+    }
+    run = pod.create("failing", failing)
+    with pytest.raises(grpc.RpcError) as caught:
+        pod.invoke(run)
+    assert caught.value.code() == grpc.StatusCode.UNKNOWN
+    assert (caught.value.details() or "").startswith("handler error: ValueError: no")
+    trailers = dict(caught.value.trailing_metadata())  # type: ignore[attr-defined]
+    assert trailers[ERROR_TYPE_KEY] == "ValueError"
+    logs = json.loads(trailers[LOGS_KEY])
+    assert {"stream": "stdout", "text": "before"} in logs
