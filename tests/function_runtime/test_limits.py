@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from concurrent import futures
+from pathlib import Path
+
 import grpc
 import pytest
 
-from runtime_server import limits
+from adapters.errors import InvalidInput, InvocationCancelled, InvocationTimeout, WorkerUnavailable
+from runtime_server import limits, wire
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
+from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
+from runtime_server.rpc import translate_errors
 from tests.support import ECHO_PY, Client, digest
 
 READY = pb.FUNCTION_REGISTRATION_STATE_READY
@@ -322,3 +328,49 @@ def test_messages_are_bounded_to_exactly_1024_bytes() -> None:
     assert limits.bounded("x" * 1024) == "x" * 1024
     cut = limits.bounded("x" * 1025)
     assert len(cut.encode()) == 1024 and cut.endswith("...")
+
+
+def test_a_long_invalid_value_gives_a_status_message_of_at_most_1_kib(bash_rt: Client) -> None:
+    # docs/protocol.md, "Limits": error messages are truncated to 1 KiB, whatever they quote.
+    details = rejected(lambda: register_with(bash_rt, handler="x" * 5000 + ".fn")).details() or ""
+    assert details.startswith("handler:") and len(details.encode()) <= 1024
+
+
+def test_an_unexpected_error_is_internal_and_names_only_its_type(tmp_path: Path) -> None:
+    # docs/protocol.md, "Errors": no traceback and no exception text of an unexpected error
+    # reaches a status message (it may hold paths or secrets); the log has the detail.
+    class Broken(pb_grpc.FunctionRuntimeServicer):
+        @translate_errors
+        def FunctionStatus(self, request, context):  # type: ignore[no-untyped-def]
+            raise RuntimeError("/secret/path token=abc")
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    pb_grpc.add_FunctionRuntimeServicer_to_server(Broken(), server)
+    address = f"unix:{tmp_path}/broken.sock"
+    server.add_insecure_port(address)
+    server.start()
+    try:
+        with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as caught:
+            pb_grpc.FunctionRuntimeStub(channel).FunctionStatus(
+                pb.FunctionStatusRequest(), timeout=10
+            )
+    finally:
+        server.stop(None)
+    assert caught.value.code() == grpc.StatusCode.INTERNAL
+    assert caught.value.details() == "internal error: RuntimeError"
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        (WorkerUnavailable("no worker"), "UNAVAILABLE"),  # retry or evict, never "bad input"
+        (InvocationCancelled("cancelled"), "CANCELLED"),
+        (InvocationTimeout("late"), "DEADLINE_EXCEEDED"),
+        (InvalidInput("not JSON"), "INVALID_ARGUMENT"),
+    ],
+)
+def test_the_adapter_failures_map_to_the_statuses_of_the_errors_table(
+    error: Exception, code: str
+) -> None:
+    # docs/protocol.md, "Errors": one table, wire.GRPC_STATUS.
+    assert wire.status_name(error) == code
