@@ -78,8 +78,10 @@ class FunctionRuntimeClient:
             raise ValueError(f"FunctionRuntime has no method {method!r}; one of {list(_REQUESTS)}")
         message = json_format.ParseDict(request, _REQUESTS[method]())
         started = time.perf_counter()
-        future = getattr(self._stub, method).future(message, timeout=timeout)
         with self._lock:
+            # Under the lock that cancel() takes: once the server sees the call, an interrupt
+            # finds it here (not in the instant between sending it and recording it).
+            future = getattr(self._stub, method).future(message, timeout=timeout)
             self._in_flight.add(future)
         shown = decode_message(request)
         try:
