@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import pytest
 
+from adapters.python import PythonAdapter
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
-from tests.support import ECHO_PY, Client, pid_alive, wait_until
+from runtime_server.function_runtime.registry import Registry
+from tests.support import ECHO_PY, Client, digest, pid_alive, wait_until
 
 READY = pb.FUNCTION_REGISTRATION_STATE_READY
 DRAINING = pb.FUNCTION_REGISTRATION_STATE_DRAINING
@@ -430,3 +433,62 @@ def test_unregister_returns_when_the_drained_call_ends_not_at_the_drain_timeout(
     python_rt.unregister(reg.registration, drain_millis=60_000)
     assert time.monotonic() - started < 30
     assert json.loads(future.result(timeout=10).output) == {"slept": 0.3}
+
+
+def test_a_late_cancel_of_a_stale_generation_spares_the_newer_generations_call(
+    workspace: Path,
+) -> None:
+    # docs/protocol.md, "Registration": a stale registration can change nothing. A client that
+    # goes away cancels its call through the registry — here, late: after a higher attempt
+    # replaced its registration and a new call with the *same* invocation_id (clients choose
+    # them; retries reuse them) is in flight on the newer one. That call must run on.
+    registry = Registry(PythonAdapter, workspace)
+    wd = workspace / "gen"
+    wd.mkdir()
+    (wd / "h.py").write_text(
+        "import time\ndef handle(event):\n    time.sleep(event)\n    return event\n"
+    )
+    args = {"working_dir": str(wd), "handler": "h.handle", "env": {}, "idle_timeout_seconds": 60}
+    first = registry.register(
+        run_uid="gen", registration_attempt=1, registration_digest=digest("1"), **args
+    )
+    late_cancels: list[Callable[[], object]] = []
+
+    def invoke(registration_id: str, seconds: float, **kw: object) -> object:
+        try:
+            return registry.invoke(
+                run_uid="gen",
+                registration_id=registration_id,
+                invocation_id="retry-1",
+                input=str(seconds).encode(),
+                content_type="application/json",
+                timeout_millis=30_000,
+                **kw,  # type: ignore[arg-type]
+            )
+        except Exception as exc:
+            return exc
+
+    try:
+        old_call = threading.Thread(
+            target=lambda: invoke(first.registration_id, 30, on_dispatch=late_cancels.append)
+        )
+        old_call.start()
+        wait_until(lambda: late_cancels)
+        second = registry.register(
+            run_uid="gen", registration_attempt=2, registration_digest=digest("2"), **args
+        )
+        old_call.join(10)
+        results: list[object] = []
+        new_call = threading.Thread(
+            target=lambda: results.append(invoke(second.registration_id, 1))
+        )
+        new_call.start()
+        wait_until(
+            lambda: registry.status(run_uid="gen", registration_id=second.registration_id).in_flight
+        )
+        late_cancels[0]()  # the first generation's client goes away now
+        new_call.join(15)
+        assert results and not isinstance(results[0], Exception), results
+        assert results[0].result.output == b"1"  # type: ignore[attr-defined]
+    finally:
+        registry.shutdown(0)
