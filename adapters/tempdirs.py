@@ -13,27 +13,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from adapters.worker import proc_stat
+from adapters.procfs import running
 
 
 def private_tempdir(kind: str) -> Path:
     """A new 0700 directory in the system temp dir, owned by this process."""
     return Path(tempfile.mkdtemp(prefix=f"fnkernel-{kind}-{os.getpid()}-"))
-
-
-def _alive(pid: int) -> bool:
-    """Running: not gone and not a zombie (a killed process its parent has not reaped yet)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # somebody else's process
-    try:
-        state = proc_stat(pid)[0]
-    except (OSError, IndexError):
-        return True
-    return state not in ("Z", "X")
 
 
 def sweep(kind: str) -> int:
@@ -47,7 +32,7 @@ def sweep(kind: str) -> int:
     for entry in Path(tempfile.gettempdir()).glob(f"fnkernel-{kind}-*-*"):
         pid = entry.name.removeprefix(f"fnkernel-{kind}-").partition("-")[0]
         try:
-            if not pid.isdigit() or _alive(int(pid)) or entry.lstat().st_uid != uid:
+            if not pid.isdigit() or running(int(pid)) or entry.lstat().st_uid != uid:
                 continue
         except OSError:
             continue

@@ -44,6 +44,7 @@ from adapters.errors import (
     InvocationTimeout,
     WorkerUnavailable,
 )
+from adapters.procfs import proc_stat
 
 LOG = logging.getLogger("fnkernel.function")
 T = TypeVar("T")
@@ -470,14 +471,6 @@ class WorkerSupervisor:
                 self._lock.notify_all()
                 return
         worker.reap()
-
-
-def proc_stat(pid: int | str) -> list[str]:
-    """The fields of ``/proc/PID/stat`` after the command name: [state, ppid, ...].
-
-    OSError if there is no such process.
-    """
-    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
 
 
 def reap_orphans() -> int:

@@ -1,6 +1,7 @@
 """The gateway's bearer token: made, stored, announced and found (README, "Security").
 
-Standard library only: the client library (and so the kernel) imports this at start.
+Standard library only (and adapters.procfs): the client library, and so the kernel, imports
+this at start.
 
 * A gateway on TCP requires a token, loopback included, because any web page the user opens can
   send requests to loopback. When none is given, one is generated at start and stored in
@@ -21,6 +22,8 @@ import secrets
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
+
+from adapters.procfs import running
 
 TOKEN_ENV = "FNKERNEL_TOKEN"
 RUNTIME_DIR_ENV = "FNKERNEL_RUNTIME_DIR"
@@ -150,18 +153,6 @@ def same_gateway(announced: str, wanted: str) -> bool:
     return _is_local(want_host) and (_is_local(host) or host in ("0.0.0.0", "::"))
 
 
-def _alive(pid: object) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def find_token(address: str) -> str | None:
     """The token of the running gateway at `address`, from its gateway file, if there is one."""
     if address.startswith("unix:"):
@@ -173,8 +164,9 @@ def find_token(address: str) -> str | None:
     for entry in entries:
         with contextlib.suppress(OSError, ValueError, AttributeError):
             info = json.loads(entry.read_text())
-            if not _alive(info.get("pid")):
-                continue
+            pid = info.get("pid")
+            if not isinstance(pid, int) or pid <= 0 or not running(pid):
+                continue  # the gateway file of a gateway that was killed
             if same_gateway(str(info.get("address", "")), address):
                 token = info.get("token")
                 if isinstance(token, str) and token:
