@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test proto lint fmt typecheck bench clean
+.PHONY: demo test proto lint fmt typecheck bench kpt-e2e clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=python3)"; exit 2; }
@@ -25,11 +25,11 @@ proto: $(STAMP)
 	$(PY) -m runtime_server._proto.gen
 
 fmt: $(STAMP)
-	$(VENV)/bin/ruff format runtime_server adapters kernel tests benchmarks
+	$(VENV)/bin/ruff format runtime_server adapters kernel tests benchmarks tools
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff format --check runtime_server adapters kernel tests benchmarks
-	$(VENV)/bin/ruff check runtime_server adapters kernel tests benchmarks
+	$(VENV)/bin/ruff format --check runtime_server adapters kernel tests benchmarks tools
+	$(VENV)/bin/ruff check runtime_server adapters kernel tests benchmarks tools
 	$(VENV)/bin/lint-imports
 
 typecheck: $(STAMP)
@@ -39,6 +39,11 @@ typecheck: $(STAMP)
 # were met.
 bench: $(STAMP)
 	$(VENV)/bin/fnkernel bench
+
+# kpt's own fn render / fn eval cases, judged as kpt judges them (docs/krm.md): KPT is a kpt
+# checkout, or KPT_MIRROR a bare clone of github.com/kptdev/kpt. Not part of `make test`.
+kpt-e2e: $(STAMP)
+	$(PY) -m tools.kpt_e2e $(if $(KPT_MIRROR),--mirror $(KPT_MIRROR),--kpt $(KPT))
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -13,7 +13,7 @@ from runtime_server.krm.functions.replacements import apply_replacements
 from runtime_server.krm.functions.set_metadata import set_annotations, set_labels
 from runtime_server.krm.functions.set_namespace import set_namespace
 from runtime_server.krm.functions.starlark import starlark_run
-from runtime_server.krm.resources.resourcelist import ResourceList, load
+from runtime_server.krm.resources.resourcelist import FunctionFailure, ResourceList, load
 
 KrmFunction = Callable[[ResourceList], None]
 
@@ -61,6 +61,8 @@ data: {namespace: prod}
 
 class TestSetNamespace:
     def test_namespaced_objects_move_and_unset_ones_are_set(self) -> None:
+        """docs/krm.md, "set-namespace": a known namespaced kind gets the namespace, set or not;
+        a kind the function does not know is namespaced only if it already has a namespace."""
         rl = run_twice(
             set_namespace,
             rl_of(
@@ -73,12 +75,23 @@ class TestSetNamespace:
                   metadata: {name: web}
                 - apiVersion: example.com/v1
                   kind: Widget
-                  metadata: {name: w}
+                  metadata: {name: w, namespace: dev}
+                - apiVersion: example.com/v1
+                  kind: Widget
+                  metadata: {name: unscoped}
+                - apiVersion: kpt.dev/v1
+                  kind: Kptfile
+                  metadata: {name: app}
                 """,
                 NS_CONFIG,
             ),
         )
-        assert [i["metadata"]["namespace"] for i in rl.items] == ["prod", "prod", "prod"]
+        namespaces = [i["metadata"].get("namespace") for i in rl.items]
+        assert namespaces == ["prod", "prod", "prod", None, None]
+        assert (
+            rl.results[0]["message"]
+            == 'namespace [default dev] updated to "prod", 3 value(s) changed'
+        )
 
     def test_cluster_scoped_objects_get_no_namespace_and_namespace_objects_are_renamed(
         self,
@@ -357,6 +370,8 @@ class TestSetLabels:
         assert item(rl, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"]["app"] == "web"
 
     def test_statefulset_claim_templates_and_networkpolicy_peers(self) -> None:
+        """docs/krm.md, "set-labels": a NetworkPolicy's selectors are optional, so only the keys
+        they already have are updated; a claim template's labels are created."""
         rl = run_twice(
             set_labels,
             rl_of(
@@ -371,7 +386,7 @@ class TestSetLabels:
                   kind: NetworkPolicy
                   metadata: {name: np}
                   spec:
-                    podSelector: {matchLabels: {role: db}}
+                    podSelector: {matchLabels: {role: db, app: old}}
                     ingress:
                     - from:
                       - podSelector: {matchLabels: {role: api}}
@@ -383,10 +398,36 @@ class TestSetLabels:
         claims = item(rl, "StatefulSet")["spec"]["volumeClaimTemplates"]
         assert claims[0]["metadata"]["labels"]["app"] == "web"
         policy = item(rl, "NetworkPolicy")["spec"]
-        assert policy["podSelector"]["matchLabels"] == {"role": "db", "app": "web", "tier": "front"}
+        assert policy["podSelector"]["matchLabels"] == {"role": "db", "app": "web"}
         peers = policy["ingress"][0]["from"]
-        assert peers[0]["podSelector"]["matchLabels"]["app"] == "web"
+        assert peers[0]["podSelector"]["matchLabels"] == {"role": "api"}
         assert "podSelector" not in peers[1]
+
+    def test_no_template_is_created_and_local_config_is_skipped(self) -> None:
+        """docs/krm.md, "set-labels": a Deployment without a pod template gets its selector
+        but no template; a local-config object is not labelled; every place visited counts."""
+        rl = run_twice(
+            set_labels,
+            rl_of(
+                """
+                - apiVersion: apps/v1
+                  kind: Deployment
+                  metadata: {name: d}
+                  spec: {replicas: 3}
+                - apiVersion: v1
+                  kind: ConfigMap
+                  metadata:
+                    name: local
+                    annotations: {config.kubernetes.io/local-config: "true"}
+                """,
+                LABELS,
+            ),
+        )
+        spec = item(rl, "Deployment")["spec"]
+        assert "template" not in spec
+        assert dict(spec["selector"]["matchLabels"]) == {"app": "web", "tier": "front"}
+        assert "labels" not in item(rl, "ConfigMap")["metadata"]
+        assert rl.results[-1]["message"] == "set 4 labels in total"
 
     def test_set_labels_custom_resource_config(self) -> None:
         rl = run_twice(
@@ -398,10 +439,16 @@ class TestSetLabels:
         )
         assert dict(item(rl, "ConfigMap")["metadata"]["labels"]) == {"env": "staging"}
 
-    def test_missing_config_is_an_error_result(self) -> None:
-        rl = ResourceList.parse(b"kind: ResourceList\nitems: []\n")
-        set_labels(rl)
-        assert rl.has_errors() and "FunctionConfig is missing" in rl.results[0]["message"]
+    def test_missing_config_fails_with_an_info_result(self) -> None:
+        """docs/krm.md, "set-labels": without a config the function says so and fails."""
+        rl = ResourceList.parse(
+            b"kind: ResourceList\nitems: [{apiVersion: v1, kind: ConfigMap, metadata: {name: c}}]\n"
+        )
+        with pytest.raises(FunctionFailure):
+            set_labels(rl)
+        assert [dict(r) for r in rl.results] == [
+            {"message": "`FunctionConfig` is not given", "severity": "info"}
+        ]
 
 
 ANNOTATIONS = """

@@ -16,9 +16,17 @@ from runtime_server.krm.functions.replacements import apply_replacements
 from runtime_server.krm.functions.set_metadata import set_annotations, set_labels
 from runtime_server.krm.functions.set_namespace import set_namespace
 from runtime_server.krm.functions.starlark import starlark_run
-from runtime_server.krm.resources.resourcelist import ERROR, InvalidResourceList, ResourceList
+from runtime_server.krm.resources.resourcelist import (
+    ERROR,
+    FunctionFailure,
+    InvalidResourceList,
+    ResourceList,
+)
 
 KrmFunction = Callable[[ResourceList], None]
+# What the catalog's functions print on stderr when they fail; kpt shows it and records it in the
+# render status, so ours say the same (docs/krm.md, "Results").
+FAILURE_STDERR = "failed to evaluate function: error: function failure"
 CATALOG_PREFIXES = ("ghcr.io/kptdev/krm-functions-catalog/", "gcr.io/kpt-fn/")
 FUNCTIONS: dict[str, KrmFunction] = {
     "set-namespace": set_namespace,
@@ -78,13 +86,18 @@ class BuiltinEvaluator:
                     f"{request.image}: the input is not a ResourceList: {exc}"
                 ) from None
         remaining(deadline)
-        function(rl)
-        if rl.has_errors():
+        try:
+            function(rl)
+            failed = rl.has_errors()
+        except FunctionFailure:
+            failed = True
+        if failed:
             errors = [r for r in rl.results if isinstance(r, dict) and r.get("severity") == ERROR]
-            first = errors[0].get("message", "") if errors else ""
+            first = errors[0].get("message", "") if errors else "function failure"
             raise FunctionError(
                 f"{request.image} failed: {first}",
                 exit_code=1,
+                stderr=FAILURE_STDERR,
                 results=[dict(r) for r in rl.results if isinstance(r, dict)],
             )
         if request.parsed is not None:

@@ -12,12 +12,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ruamel.yaml.comments import CommentedMap
+
 from runtime_server.krm.resources.resourcelist import (
     ERROR,
     INFO,
+    WARNING,
+    FunctionFailure,
     ResourceList,
     Result,
     api_group,
+    is_local_config,
     kind,
     walk,
 )
@@ -45,37 +50,6 @@ _AFFINITY = [
     )
 ]
 _TOPOLOGY = "spec/template/spec/topologySpreadConstraints/labelSelector/matchLabels"
-
-LABEL_SPECS = (
-    FieldSpec("metadata/labels", create=True),
-    FieldSpec("spec/selector", True, "Service", ""),
-    FieldSpec("spec/selector", True, "ReplicationController", ""),
-    FieldSpec("spec/template/metadata/labels", True, "ReplicationController", ""),
-    FieldSpec("spec/selector/matchLabels", True, "Deployment"),
-    FieldSpec("spec/template/metadata/labels", True, "Deployment"),
-    *(FieldSpec(path, False, "Deployment", "apps") for path in (*_AFFINITY, _TOPOLOGY)),
-    FieldSpec("spec/selector/matchLabels", True, "ReplicaSet"),
-    FieldSpec("spec/template/metadata/labels", True, "ReplicaSet"),
-    FieldSpec("spec/selector/matchLabels", True, "DaemonSet"),
-    FieldSpec("spec/template/metadata/labels", True, "DaemonSet"),
-    FieldSpec("spec/selector/matchLabels", True, "StatefulSet", "apps"),
-    FieldSpec("spec/template/metadata/labels", True, "StatefulSet", "apps"),
-    *(FieldSpec(path, False, "StatefulSet", "apps") for path in (*_AFFINITY, _TOPOLOGY)),
-    FieldSpec("spec/volumeClaimTemplates[]/metadata/labels", True, "StatefulSet", "apps"),
-    FieldSpec("spec/selector/matchLabels", False, "Job", "batch"),
-    FieldSpec("spec/template/metadata/labels", True, "Job", "batch"),
-    FieldSpec("spec/jobTemplate/spec/selector/matchLabels", False, "CronJob", "batch"),
-    FieldSpec("spec/jobTemplate/metadata/labels", True, "CronJob", "batch"),
-    FieldSpec("spec/jobTemplate/spec/template/metadata/labels", True, "CronJob", "batch"),
-    FieldSpec("spec/selector/matchLabels", False, "PodDisruptionBudget", "policy"),
-    FieldSpec("spec/podSelector/matchLabels", False, "NetworkPolicy", "networking.k8s.io"),
-    FieldSpec(
-        "spec/ingress/from/podSelector/matchLabels", False, "NetworkPolicy", "networking.k8s.io"
-    ),
-    FieldSpec(
-        "spec/egress/to/podSelector/matchLabels", False, "NetworkPolicy", "networking.k8s.io"
-    ),
-)
 
 ANNOTATION_SPECS = (
     FieldSpec("metadata/annotations", create=True),
@@ -133,8 +107,162 @@ def _run(rl: ResourceList, custom_kind: str, field: str, specs: tuple[FieldSpec,
     rl.add_results([Result(f"set {len(pairs)} {what}(s): {changed} value(s) changed", INFO)])
 
 
+def is_gvk(obj: Mapping[str, Any], group: str, version: str, kind_: str) -> bool:
+    """The catalog's loose match: a part given on neither side is not compared (so
+    ``("", "", "Deployment")`` is any Deployment, and an object without a kind matches all)."""
+    api_version = str(obj.get("apiVersion", "") or "")
+    have_group, _, have_version = api_version.rpartition("/")
+    for have, want in ((kind(obj), kind_), (have_group, group), (have_version, version)):  # type: ignore[arg-type]
+        if have and want and have != want:
+            return False
+    return True
+
+
+class _LabelSetter:
+    """set-labels as the catalog's function does it: ``metadata.labels`` always, and the
+    selectors and templates of the kinds it knows; a selector is created only where the kind's
+    selector is required (a Deployment's), otherwise only keys already there are updated. Every
+    place visited counts toward "set N labels in total", changed or not."""
+
+    def __init__(self, labels: Mapping[str, str]) -> None:
+        self.labels = dict(sorted(labels.items()))
+        self.count = 0
+
+    def update(self, node: Any, path: tuple[str, ...], create: bool) -> None:
+        if not isinstance(node, dict):
+            return
+        for key, value in self.labels.items():
+            target: Any = node
+            for part in path:
+                target = target.get(part) if isinstance(target, dict) else None
+            present = isinstance(target, dict) and key in target
+            if (present and target[key] != value) or (not present and create):
+                _set_path(node, (*path, key), value)
+            self.count += 1
+
+    def pod(self, template: Any) -> None:
+        if not isinstance(template, dict):
+            return
+        self.update(template, ("metadata", "labels"), True)
+        spec = template.get("spec")
+        if not isinstance(spec, dict):
+            return
+        for constraint in _list(spec.get("topologySpreadConstraints")):
+            self.update(constraint, ("labelSelector", "matchLabels"), False)
+        affinity = spec.get("affinity")
+        if isinstance(affinity, dict):
+            for name in ("podAffinity", "podAntiAffinity"):
+                if not isinstance(affinity.get(name), dict):
+                    continue
+                # As the catalog's function does, the terms are looked for under `affinity`.
+                preferred = "preferredDuringSchedulingIgnoredDuringExecution"
+                for term in _list(affinity.get(preferred)):
+                    if isinstance(term, dict) and isinstance(term.get("podAffinityTerm"), dict):
+                        self.update(
+                            term["podAffinityTerm"], ("labelSelector", "matchLabels"), False
+                        )
+                required = "requiredDuringSchedulingIgnoredDuringExecution"
+                for term in _list(affinity.get(required)):
+                    self.update(term, ("labelSelector", "matchLabels"), False)
+
+    def object(self, obj: Any) -> None:
+        self.update(obj, ("metadata", "labels"), True)
+        if is_gvk(obj, "", "v1", "Service") or is_gvk(obj, "", "v1", "ReplicationController"):
+            self.update(obj, ("spec", "selector"), True)
+        workload = any(is_gvk(obj, "", "", k) for k in ("Deployment", "ReplicaSet", "DaemonSet"))
+        if workload or is_gvk(obj, "apps", "", "StatefulSet"):
+            self.update(obj, ("spec", "selector", "matchLabels"), True)
+        elif is_gvk(obj, "batch", "", "Job") or is_gvk(obj, "policy", "", "PodDisruptionBudget"):
+            self.update(obj, ("spec", "selector", "matchLabels"), False)
+        network_policy = is_gvk(obj, "networking.k8s.io", "", "NetworkPolicy")
+        if network_policy:
+            self.update(obj, ("spec", "podSelector", "matchLabels"), False)
+        spec = obj.get("spec")
+        if not isinstance(spec, dict):
+            return
+        has_pod = is_gvk(obj, "", "v1", "ReplicationController") or workload
+        if has_pod or is_gvk(obj, "apps", "", "StatefulSet") or is_gvk(obj, "batch", "", "Job"):
+            self.pod(spec.get("template"))
+        if is_gvk(obj, "batch", "", "CronJob") and isinstance(spec.get("jobTemplate"), dict):
+            job = spec["jobTemplate"]
+            self.update(job, ("metadata", "labels"), True)
+            if isinstance(job.get("spec"), dict):
+                self.update(job["spec"], ("selector", "matchLabels"), False)
+                self.pod(job["spec"].get("template"))
+        if is_gvk(obj, "apps", "", "StatefulSet"):
+            for claim in _list(spec.get("volumeClaimTemplates")):
+                self.update(claim, ("metadata", "labels"), True)
+                self.update(claim, ("selector", "matchLabels"), False)
+        if network_policy:
+            for rule in _list(spec.get("ingress")):
+                for peer in _list(rule.get("from") if isinstance(rule, dict) else None):
+                    self.update(peer, ("podSelector", "matchLabels"), False)
+            for rule in _list(spec.get("egress")):
+                for peer in _list(rule.get("to") if isinstance(rule, dict) else None):
+                    self.update(peer, ("podSelector", "matchLabels"), False)
+
+
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _set_path(node: dict[str, Any], path: tuple[str, ...], value: str) -> None:
+    for part in path[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = node[part] = CommentedMap()
+        node = child
+    node[path[-1]] = value
+
+
+NO_CONFIG = "`FunctionConfig` is not given"
+
+
+def config_pairs(
+    config: Mapping[str, Any] | None, custom_kind: str, field: str
+) -> dict[str, str] | None:
+    """The pairs a catalog function built on the functions SDK reads from its functionConfig:
+    a ConfigMap's ``data``, or the ``fn.kpt.dev`` kind's `field`; None when there is no config
+    (nothing, or kpt's empty ``function-input`` ConfigMap)."""
+    if not config or not (kind(config) or (config.get("metadata") or {}).get("name")):  # type: ignore[arg-type]
+        return None
+    if kind(config) == "ConfigMap":  # type: ignore[arg-type]
+        data = config.get("data")
+        if not data and (config.get("metadata") or {}).get("name") == "function-input":
+            return None
+        pairs = data or {}
+    elif kind(config) == custom_kind and api_group(config) == "fn.kpt.dev":  # type: ignore[arg-type]
+        pairs = config.get(field) or {}
+    else:
+        raise ValueError(f"unknown FunctionConfig `{kind(config)}`, expect {custom_kind}")  # type: ignore[arg-type]
+    if not isinstance(pairs, Mapping) or not all(
+        isinstance(v, str | int | float | bool) for v in pairs.values()
+    ):
+        raise ValueError(f"`{field}` must be a map of strings")
+    return {str(key): str(value) for key, value in pairs.items()}
+
+
 def set_labels(rl: ResourceList) -> None:
-    _run(rl, "SetLabels", "labels", LABEL_SPECS)
+    try:
+        labels = config_pairs(rl.function_config, "SetLabels", "labels")
+    except ValueError as exc:
+        rl.add_results([Result(str(exc), ERROR)])
+        return
+    if labels is None:
+        rl.add_results([Result(NO_CONFIG, INFO)])
+    objects = [obj for obj in rl.items if not is_local_config(obj)]
+    if not objects:
+        rl.add_results([Result("no input resources", INFO)])
+        return
+    if labels is None:
+        raise FunctionFailure()
+    if not labels:
+        rl.add_results([Result("no `labels` arguments are given in FunctionConfig", WARNING)])
+        return
+    setter = _LabelSetter(labels)
+    for obj in objects:
+        setter.object(obj)
+    rl.add_results([Result(f"set {setter.count} labels in total", INFO)])
 
 
 def set_annotations(rl: ResourceList) -> None:

@@ -33,33 +33,62 @@ DEFAULT_NAMESPACE = "default"
 DEPENDS_ON = "config.kubernetes.io/depends-on"
 UPSTREAM = "internal.kpt.dev/upstream-identifier"  # group|Kind|namespace|name
 PACKAGE_CONTEXT = "kptfile.kpt.dev"
-CLUSTER_SCOPED = frozenset(
-    {
-        "APIService",
-        "CertificateSigningRequest",
-        "ClusterRole",
-        "ClusterRoleBinding",
-        "ComponentStatus",
-        "CSIDriver",
-        "CSINode",
-        "CustomResourceDefinition",
-        "FlowSchema",
-        "IngressClass",
-        "MutatingWebhookConfiguration",
-        "Namespace",
-        "Node",
-        "PersistentVolume",
-        "PodSecurityPolicy",
-        "PriorityClass",
-        "PriorityLevelConfiguration",
-        "RuntimeClass",
-        "StorageClass",
-        "ValidatingAdmissionPolicy",
-        "ValidatingAdmissionPolicyBinding",
-        "ValidatingWebhookConfiguration",
-        "VolumeAttachment",
-    }
-)
+# The scope of the Kubernetes kinds the catalog's function knows, by apiVersion. Any other kind
+# is namespace-scoped exactly when it already has a ``metadata.namespace`` (docs/krm.md,
+# "set-namespace"): a custom resource without one is left alone.
+_NAMESPACED = {
+    "apps/v1": "ControllerRevision DaemonSet Deployment ReplicaSet StatefulSet",
+    "autoscaling/v1": "HorizontalPodAutoscaler Scale",
+    "autoscaling/v2beta1": "HorizontalPodAutoscaler",
+    "autoscaling/v2beta2": "HorizontalPodAutoscaler",
+    "batch/v1": "CronJob Job",
+    "batch/v1beta1": "CronJob",
+    "coordination.k8s.io/v1": "Lease",
+    "coordination.k8s.io/v1beta1": "Lease",
+    "discovery.k8s.io/v1": "EndpointSlice",
+    "discovery.k8s.io/v1beta1": "EndpointSlice",
+    "events.k8s.io/v1": "Event",
+    "events.k8s.io/v1beta1": "Event",
+    "extensions/v1beta1": "Ingress",
+    "networking.k8s.io/v1": "Ingress NetworkPolicy",
+    "networking.k8s.io/v1beta1": "Ingress",
+    "policy/v1": "PodDisruptionBudget",
+    "policy/v1beta1": "PodDisruptionBudget",
+    "rbac.authorization.k8s.io/v1": "Role RoleBinding",
+    "rbac.authorization.k8s.io/v1beta1": "Role RoleBinding",
+    "storage.k8s.io/v1beta1": "CSIStorageCapacity",
+    "v1": "ConfigMap Endpoints Event LimitRange PersistentVolumeClaim Pod PodAttachOptions "
+    "PodExecOptions PodPortForwardOptions PodProxyOptions PodTemplate ReplicationController "
+    "ResourceQuota Secret Service ServiceAccount ServiceProxyOptions",
+}
+_CLUSTER = {
+    "admissionregistration.k8s.io/v1": "MutatingWebhookConfiguration ValidatingWebhookConfiguration",
+    "admissionregistration.k8s.io/v1beta1": "MutatingWebhookConfiguration "
+    "ValidatingWebhookConfiguration",
+    "apiextensions.k8s.io/v1": "CustomResourceDefinition",
+    "apiextensions.k8s.io/v1beta1": "CustomResourceDefinition",
+    "apiregistration.k8s.io/v1": "APIService",
+    "apiregistration.k8s.io/v1beta1": "APIService",
+    "certificates.k8s.io/v1": "CertificateSigningRequest",
+    "certificates.k8s.io/v1beta1": "CertificateSigningRequest",
+    "flowcontrol.apiserver.k8s.io/v1beta1": "FlowSchema PriorityLevelConfiguration",
+    "networking.k8s.io/v1": "IngressClass",
+    "networking.k8s.io/v1beta1": "IngressClass",
+    "node.k8s.io/v1": "RuntimeClass",
+    "node.k8s.io/v1beta1": "RuntimeClass",
+    "policy/v1beta1": "PodSecurityPolicy",
+    "rbac.authorization.k8s.io/v1": "ClusterRole ClusterRoleBinding",
+    "rbac.authorization.k8s.io/v1beta1": "ClusterRole ClusterRoleBinding",
+    "scheduling.k8s.io/v1": "PriorityClass",
+    "scheduling.k8s.io/v1beta1": "PriorityClass",
+    "storage.k8s.io/v1": "CSIDriver CSINode StorageClass VolumeAttachment",
+    "storage.k8s.io/v1beta1": "CSIDriver CSINode StorageClass VolumeAttachment",
+    "v1": "ComponentStatus Namespace Node NodeProxyOptions PersistentVolume",
+}
+KNOWN_SCOPE: dict[tuple[str, str], bool] = {
+    **{(v, k): False for v, kinds in _CLUSTER.items() for k in kinds.split()},
+    **{(v, k): True for v, kinds in _NAMESPACED.items() for k in kinds.split()},
+}
 
 
 class ConfigError(ValueError):
@@ -93,8 +122,22 @@ def read_config(config: dict[str, Any] | None) -> tuple[str, str]:
     )
 
 
+def go_list(values: set[str]) -> str:
+    """A sorted list as the Go functions print one in a message: ``[a b]``."""
+    return "[" + " ".join(sorted(values)) + "]"
+
+
+def namespace_scoped(obj: dict[str, Any]) -> bool:
+    """Known kinds by their scope; any other by whether it has a namespace already."""
+    known = KNOWN_SCOPE.get((str(obj.get("apiVersion", "")), kind(obj)))
+    if known is not None:
+        return known
+    meta = obj.get("metadata")
+    return isinstance(meta, dict) and "namespace" in meta
+
+
 def cluster_scoped(obj: dict[str, Any]) -> bool:
-    return kind(obj) in CLUSTER_SCOPED
+    return not namespace_scoped(obj)
 
 
 def _upstream_namespace(obj: dict[str, Any]) -> str | None:
@@ -150,7 +193,7 @@ def set_namespace(rl: ResourceList) -> None:
                 [
                     Result(
                         "unable to use origin `namespace` to match. expect a single upstream "
-                        f"namespace, found {sorted(origins)}. please switch to use "
+                        f"namespace, found {go_list(origins)}. please switch to use "
                         "`namespaceMatcher` to specify the namespace value you want to change",
                         ERROR,
                     )
@@ -169,25 +212,29 @@ def set_namespace(rl: ResourceList) -> None:
         if not cluster_scoped(obj)
     }
     replace = _Replacer(new, matcher)
+    # Cluster-scoped objects that name a namespace first, then the namespaced ones.
     for obj in objects:
+        if namespace_scoped(obj):
+            continue
         meta = metadata(obj)
-        match kind(obj):
-            case "Namespace":
-                meta["name"] = replace(str(meta.get("name", "")))
-            case "CustomResourceDefinition":
-                _set_nested(
-                    obj,
-                    ["spec", "conversion", "webhook", "clientConfig", "service", "namespace"],
-                    replace,
-                )
-            case "APIService":
-                _set_nested(obj, ["spec", "service", "namespace"], replace)
-        if kind(obj) in ("RoleBinding", "ClusterRoleBinding"):
+        api_version = str(obj.get("apiVersion", ""))
+        if (api_version, kind(obj)) == ("v1", "Namespace"):
+            meta["name"] = replace(str(meta.get("name", "")))
+        elif (api_version, kind(obj)) == ("apiextensions.k8s.io/v1", "CustomResourceDefinition"):
+            _set_nested(
+                obj,
+                ["spec", "conversion", "webhook", "clientConfig", "service", "namespace"],
+                replace,
+            )
+        elif (api_version, kind(obj)) == ("apiregistration.k8s.io/v1", "APIService"):
+            _set_nested(obj, ["spec", "service", "namespace"], replace)
+        elif kind(obj) in ("RoleBinding", "ClusterRoleBinding"):
             for subject in obj.get("subjects") or []:
-                is_account = isinstance(subject, dict) and subject.get("kind") == "ServiceAccount"
-                if is_account and subject.get("namespace"):
-                    subject["namespace"] = replace(str(subject["namespace"]))
-        if not cluster_scoped(obj):
+                if isinstance(subject, dict) and "namespace" in subject:
+                    subject["namespace"] = replace(str(subject["namespace"] or ""))
+    for obj in objects:
+        if namespace_scoped(obj):
+            meta = metadata(obj)
             current = str(meta.get("namespace") or "")
             updated = replace(current, _upstream_namespace(obj))
             if updated != current:
@@ -201,7 +248,7 @@ def _summary(replace: _Replacer, new: str) -> Result:
     if not replace.changed:
         return Result(f'all matching namespaces are already "{new}". no value changed', INFO)
     return Result(
-        f'namespace {sorted(replace.old)} updated to "{new}", {replace.changed} value(s) changed',
+        f'namespace {go_list(replace.old)} updated to "{new}", {replace.changed} value(s) changed',
         INFO,
     )
 
@@ -223,7 +270,7 @@ def _update_depends_on(objects: list[Any], before: set[str], new: str, matcher: 
     if not changed:
         return Result("all `depends-on` annotations are up-to-date. no `namespace` changed", INFO)
     return Result(
-        f'`depends-on` annotation namespace {sorted(old)} updated to "{new}", '
+        f'`depends-on` annotation namespace {go_list(old)} updated to "{new}", '
         f"{changed} value(s) changed",
         INFO,
     )

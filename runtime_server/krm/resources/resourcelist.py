@@ -23,6 +23,11 @@ LOCAL_CONFIG = "config.kubernetes.io/local-config"
 ERROR, WARNING, INFO = "error", "warning", "info"
 
 
+class FunctionFailure(Exception):
+    """Raised by a builtin function that fails without an error result, as a catalog function
+    does by returning false (set-labels without a config, say)."""
+
+
 class InvalidResourceList(ValueError):
     """The bytes are not a ResourceList (not YAML, or not the right shape)."""
 
