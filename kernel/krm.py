@@ -81,7 +81,7 @@ class PipelineView:
             if step.diff:
                 lines += [f"    {line}" for line in step.diff.rstrip("\n").splitlines()]
         if self.error:
-            lines.append(f"no file was changed: {self.error}")
+            lines.append(f"failed: {self.error}")
         elif self.resources:
             lines += ["", "output resources:"]
             table = table_text(["kind", "namespace", "name"], [list(r) for r in self.resources])
@@ -104,7 +104,7 @@ class PipelineView:
                     [
                         f"<span style='color:{_SEVERITY_COLOUR.get(str(r.get('severity')), '#000')};"
                         f"font-weight:600'>{escape(r.get('severity', 'info'))}</span>",
-                        escape(format_result(r).partition("] ")[2]),
+                        escape(format_result(r).partition("]")[2].removeprefix(":").strip()),
                     ]
                     for r in step.results
                 )
@@ -120,7 +120,7 @@ class PipelineView:
             )
         tail = ""
         if self.error:
-            tail = f"<p style='color:#cf222e'>no file was changed: {escape(self.error)}</p>"
+            tail = f"<p style='color:#cf222e'>failed: {escape(self.error)}</p>"
         elif self.resources:
             tail = table_html(
                 ["kind", "namespace", "name"], ([escape(c) for c in r] for r in self.resources)
@@ -231,7 +231,8 @@ def eval_cell(chain: Chain, image: str, pairs: Mapping[str, str], body: str) -> 
         root = Path(tmp)
         _write_documents(root / "resources.yaml", documents)
         return _run(
-            f"eval {image}", lambda: evaluate_one(root, image, chain.evaluator(), data=dict(pairs))
+            f"eval {image}",
+            lambda: evaluate_one(root, {"image": image}, chain.evaluator(), data=dict(pairs)),
         )
 
 

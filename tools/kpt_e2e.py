@@ -185,7 +185,7 @@ def _strip(text: str, lines: list[str]) -> str:
     return "\n".join(line for line in text.split("\n") if line.strip() not in lines)
 
 
-def run_once(case: Case, shims: Path, scratch: Path) -> str:
+def run_once(case: Case, shims: Path, scratch: Path, e2e: Path) -> str:
     """Run the case once in `scratch`; "" when kpt would be satisfied, else why not."""
     config = case.config
     package = scratch / case.path.name
@@ -204,7 +204,8 @@ def run_once(case: Case, shims: Path, scratch: Path) -> str:
     if exec_script.is_file():
         argv, cwd = ["bash", str(exec_script)], package
     else:
-        argv, cwd = kpt_argv(case, package, results, out), scratch
+        # kpt's runner runs kpt from its e2e directory: Kptfile `exec:` paths are relative to it
+        argv, cwd = kpt_argv(case, package, results, out), e2e
     done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     stderr = _strip(_timings_zeroed(done.stderr), config.get("stdErrStripLines") or [])
     stderr = re.sub(r"/?\w+/kpt-pipeline-e2e-\d+/", "", stderr.replace(f"{scratch}/", ""))
@@ -250,11 +251,11 @@ def _differs(what: str, expected: str, actual: str) -> str:
     return f"{what} differs:\n" + "\n".join(lines)
 
 
-def run_case(case: Case, shims: Path) -> str:
+def run_case(case: Case, shims: Path, e2e: Path) -> str:
     """Twice, each in a fresh copy, as kpt's runner does; a failing command runs once."""
     for _ in range(2):
         with tempfile.TemporaryDirectory(prefix="kpt-pipeline-e2e-") as scratch:
-            why = run_once(case, shims, Path(scratch))
+            why = run_once(case, shims, Path(scratch), e2e)
         if why == "stop":
             return ""
         if why:
@@ -299,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
                 counts["n/a"] += 1
                 print(f"n/a     {case.name}: {reason}")
                 continue
-            why = run_case(case, shims)
+            why = run_case(case, shims, testdata / "e2e")
             counts["agree" if not why else "differ"] += 1
             print(f"{'agree' if not why else 'DIFFER':<7} {case.name}")
             if why and args.verbose:

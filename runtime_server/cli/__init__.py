@@ -27,7 +27,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     from runtime_server.client.errors import GatewayError, InvalidRequest
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pairs = None
+    # For eval, `-- key=value ...` ends the command line: the pairs for the function's ConfigMap.
+    if (argv[:1] == ["eval"] or argv[:2] == ["fn", "eval"]) and "--" in argv:
+        cut = argv.index("--")
+        argv, pairs = argv[:cut], argv[cut + 1 :]
     args = build_parser().parse_args(argv)
+    if pairs is not None:
+        args.pairs = pairs
     from runtime_server import daemon
 
     daemon.watch_parent()  # started by launch.spawn(die_with_parent=True): stop with the parent

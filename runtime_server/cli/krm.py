@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from runtime_server.cli.common import (
     EXIT_FAILURE,
@@ -16,9 +16,6 @@ from runtime_server.cli.common import (
     add_chain_flags,
     chain_from_flags,
 )
-
-if TYPE_CHECKING:
-    pass
 
 
 def _step_line(step: Any, number: int) -> str:
@@ -83,7 +80,10 @@ def _render(args: argparse.Namespace) -> int:
             progress=lambda step: print(_step_line(step, next(counter)), file=sys.stderr),
             diffs=False,  # a progress line per step; the files themselves show the change
         )
-    except (PipelineError, PackageError) as exc:
+    except PipelineError as exc:
+        print(f"fnkernel render: {exc} (the Kptfile's status records it)", file=sys.stderr)
+        return EXIT_FAILURE
+    except PackageError as exc:
         print(f"fnkernel render: {exc}; no file was changed", file=sys.stderr)
         return EXIT_FAILURE
     except (FileNotFoundError, InvalidResourceList) as exc:
@@ -101,9 +101,8 @@ def _eval(args: argparse.Namespace) -> int:
     from runtime_server.krm.resources.package import PackageError, read_documents
     from runtime_server.krm.resources.resourcelist import InvalidResourceList
 
-    pairs = args.pairs[1:] if args.pairs[:1] == ["--"] else args.pairs
     try:
-        data = parse_pairs(pairs)
+        data = parse_pairs(args.pairs)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     config = None
@@ -116,7 +115,7 @@ def _eval(args: argparse.Namespace) -> int:
             config = documents[0]
         outcome = evaluate_one(
             Path(args.dir),
-            args.image,
+            {"image": args.image},
             chain.evaluator(),
             config=config,
             data=data,
@@ -133,6 +132,318 @@ def _eval(args: argparse.Namespace) -> int:
         chain.close()
     _report(outcome, args.output)
     return EXIT_OK
+
+
+def go_duration(seconds: float) -> str:
+    """A duration as Go prints a ``time.Duration`` truncated to milliseconds: 0s, 12ms, 1.5s."""
+    millis = int(seconds * 1000)
+    if millis == 0:
+        return "0s"
+    if millis < 1000:
+        return f"{millis}ms"
+    return f"{millis / 1000:.3f}".rstrip("0").rstrip(".") + "s"
+
+
+class KptReport:
+    """kpt's progress on stderr: a ``Package "NAME":`` line per package, ``[RUNNING]`` and
+    ``[PASS]``/``[FAIL]`` per function with its results and stderr (docs/krm.md, "CLI")."""
+
+    def __init__(self, top: Path | None = None) -> None:
+        self.top = top
+        self.package_name = ""
+        self.packages = 0
+        self.out = sys.stderr
+
+    def package(self, package: Any) -> None:
+        if self.packages:
+            print("", file=self.out)
+        self.packages += 1
+        name = Path(package.root).resolve().name
+        self.package_name = (
+            f"{Path(self.top).resolve().name}/{package.relative.rstrip('/')}"
+            if (package.relative and self.top is not None)
+            else name
+        )
+        print(f'Package "{self.package_name}":', file=self.out)
+
+    def step(self, step: Any) -> None:
+        from runtime_server.krm.pipeline import EXEC_NOT_ALLOWED
+        from runtime_server.krm.resources.resourcelist import format_result
+
+        if step.execution_error == EXEC_NOT_ALLOWED:
+            return  # kpt refuses it before running anything
+        name = step.function.removeprefix("exec: ")
+        running = f"[RUNNING] {json.dumps(name)}"
+        if self.package_name:
+            running += f" on package {json.dumps(self.package_name)}"
+        print(running, file=self.out)
+        verdict = "PASS" if step.ok else "FAIL"
+        print(f"[{verdict}] {json.dumps(name)} in {go_duration(step.duration)}", file=self.out)
+        if step.results:
+            print("  [Results]:", file=self.out)
+            for result in step.results:
+                print(f"    {format_result(result)}", file=self.out)
+        stderr = step.stderr if step.ran else ""
+        if stderr:
+            print("  Stderr:", file=self.out)
+            for line in stderr.rstrip("\n").split("\n"):
+                print(f"    {line.strip()}", file=self.out)
+        if not step.ok and step.ran:
+            print(f"  Exit code: {step.exit_code}", file=self.out)
+
+    def summary(self, steps: list[Any], failed: bool) -> None:
+        ran = sum(1 for s in steps if s.ok)
+        if self.packages:
+            print("", file=self.out)
+        if not failed:
+            print(
+                f"Successfully executed {ran} function(s) in {self.packages} package(s).",
+                file=self.out,
+            )
+        elif ran:
+            print(
+                f"Partially executed {ran} function(s) in {self.packages} package(s).",
+                file=self.out,
+            )
+        else:
+            print(f"Failed to execute any functions in {self.packages} package(s).", file=self.out)
+
+
+def _kpt_error(exc: Exception) -> int:
+    from runtime_server.krm.pipeline import PipelineError
+
+    if not (isinstance(exc, PipelineError) and exc.handled):
+        text = str(exc)
+        print(text if text.startswith("Error:") else f"Error: {text}", file=sys.stderr)
+    return EXIT_FAILURE
+
+
+def _write_output(items: list[Any], output: str, package: Path | None) -> int:
+    """``-o``: a ResourceList on stdout (``stdout``), the bare resources (``unwrap``), or the
+    package's files in a new directory."""
+    from runtime_server.krm.resources.package import render_files, unwrapped
+    from runtime_server.krm.resources.resourcelist import ResourceList
+
+    if output == "stdout":
+        sys.stdout.write(ResourceList.of(items).to_bytes().decode())
+    elif output == "unwrap":
+        sys.stdout.write(unwrapped(items))
+    else:
+        destination = Path(output)
+        if destination.exists():
+            print(
+                f'directory "{output}" already exists, please delete the directory and retry',
+                file=sys.stderr,
+            )
+            return EXIT_FAILURE
+        for path, text in render_files(items).items():
+            target = destination / path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(text)
+    return EXIT_OK
+
+
+def _fn_render(args: argparse.Namespace) -> int:
+    from runtime_server.krm.pipeline import PipelineError, render
+    from runtime_server.krm.resources.package import PackageError
+
+    root = Path(args.dir)
+    if args.output and args.output not in ("stdout", "unwrap") and Path(args.output).exists():
+        print(
+            f'directory "{args.output}" already exists, please delete the directory and retry',
+            file=sys.stderr,
+        )
+        return EXIT_FAILURE
+    report = KptReport(root)
+    chain = chain_from_flags(args, "render")
+    try:
+        outcome = render(
+            root,
+            chain.evaluator(),
+            allow_exec=args.allow_exec,
+            dry_run=args.dry_run,
+            results_dir=Path(args.results_dir) if args.results_dir else None,
+            progress=report.step,
+            on_package=report.package,
+            diffs=False,
+            in_place=not args.output,
+        )
+    except PipelineError as exc:
+        report.summary(exc.steps, failed=True)
+        return _kpt_error(exc)
+    except (PackageError, FileNotFoundError, ValueError) as exc:
+        return _kpt_error(exc)
+    finally:
+        chain.close()
+    if args.output:
+        return _write_output(outcome.items, args.output, root)
+    report.summary(outcome.steps, failed=False)
+    return EXIT_OK
+
+
+def _fn_config(path: str) -> Any:
+    """``--fn-config``: one KRM object, as kpt reads it."""
+    from runtime_server.krm.resources.package import not_krm, read_documents
+
+    text = Path(path).read_text()
+    documents = read_documents(text, path)
+    if len(documents) > 1:
+        raise UsageError(f"must not contain more than one config, got {len(documents)}")
+    if not documents or not isinstance(documents[0], dict):
+        raise UsageError(
+            "wrong node kind: expected MappingNode but got ScalarNode: node contents:\n" + text
+        )
+    why = not_krm(documents[0], path)
+    if why:
+        raise UsageError(why)
+    return documents[0]
+
+
+def _selectors(args: argparse.Namespace, prefix: str) -> list[dict[str, Any]]:
+    selector: dict[str, Any] = {}
+    for flag, key in (
+        ("api_version", "apiVersion"),
+        ("kind", "kind"),
+        ("name", "name"),
+        ("namespace", "namespace"),
+    ):
+        value = getattr(args, f"{prefix}_{flag}")
+        if value:
+            selector[key] = value
+    for flag in ("labels", "annotations"):
+        pairs = getattr(args, f"{prefix}_{flag}")
+        if pairs:
+            selector[flag] = dict(pair.split("=", 1) for pair in pairs)
+    return [selector] if selector else []
+
+
+def _fn_eval(args: argparse.Namespace) -> int:
+    from runtime_server.client import parse_pairs
+    from runtime_server.krm.pipeline import PipelineError, evaluate_one
+    from runtime_server.krm.resources.package import PackageError
+    from runtime_server.krm.resources.resourcelist import InvalidResourceList, ResourceList
+
+    if bool(args.image) == bool(args.exec_command):
+        raise UsageError("must specify exactly one of --image and --exec")
+    try:
+        data = parse_pairs(args.pairs)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    spec: dict[str, Any] = {"image": args.image} if args.image else {"exec": args.exec_command}
+    spec["selectors"] = _selectors(args, "match")
+    spec["exclude"] = _selectors(args, "exclude")
+    from_stdin = args.dir == "-"
+    if args.output and args.output not in ("stdout", "unwrap") and Path(args.output).exists():
+        print(
+            f'directory "{args.output}" already exists, please delete the directory and retry',
+            file=sys.stderr,
+        )
+        return EXIT_FAILURE
+    report = KptReport()
+    chain = chain_from_flags(args, "eval")
+    try:
+        config = _fn_config(args.fn_config) if args.fn_config else None
+        items = None
+        if from_stdin:
+            items = list(ResourceList.parse(sys.stdin.read()).items)
+        outcome = evaluate_one(
+            None if from_stdin else Path(args.dir),
+            spec,
+            chain.evaluator(),
+            config=config,
+            data=data,
+            dry_run=args.dry_run or bool(args.output),
+            progress=report.step,
+            include_meta=args.include_meta_resources,
+            items=items,
+            results_dir=Path(args.results_dir) if args.results_dir else None,
+        )
+    except (PipelineError, PackageError, UsageError, InvalidResourceList, OSError) as exc:
+        return _kpt_error(exc)
+    finally:
+        chain.close()
+    if args.output:
+        return _write_output(outcome.items, args.output, None)
+    if from_stdin:
+        return _write_output(outcome.items, "stdout", None)
+    return EXIT_OK
+
+
+def _fn_source(args: argparse.Namespace) -> int:
+    """``kpt fn source DIR``: the package's resources as a ResourceList on stdout."""
+    from runtime_server.krm.resources.package import PackageError, load_package
+
+    try:
+        package = load_package(Path(args.dir), require_kptfile=False)
+    except (PackageError, FileNotFoundError) as exc:
+        return _kpt_error(exc)
+    return _write_output(package.all_resources(meta=True), "stdout", None)
+
+
+def _fn_sink(args: argparse.Namespace) -> int:
+    """``kpt fn sink DIR``: a ResourceList from stdin written out as files in DIR."""
+    from runtime_server.krm.resources.resourcelist import ResourceList
+
+    items = list(ResourceList.parse(sys.stdin.read()).items)
+    return _write_output(items, args.dir, None)
+
+
+def _add_fn_group(commands: Any) -> None:
+    """``fnkernel fn render|eval|source|sink``: kpt's own commands and flags, so that kpt's
+    scripts run unchanged (docs/krm.md, "CLI")."""
+    fn = commands.add_parser(
+        "fn", help="kpt's fn commands: render, eval, source, sink (same flags as kpt)"
+    )
+    group = fn.add_subparsers(dest="fn_command", metavar="COMMAND", required=True)
+
+    render = group.add_parser("render", help="run a package's Kptfile pipeline (kpt fn render)")
+    render.add_argument("dir", metavar="DIR", nargs="?", default=".")
+    render.add_argument("--allow-exec", action="store_true", help="allow `exec` pipeline steps")
+    render.add_argument("--results-dir", metavar="D", help="write results.yaml there")
+    render.add_argument(
+        "-o", "--output", metavar="stdout|unwrap|DIR", help="send the output elsewhere"
+    )
+    render.add_argument("--dry-run", action="store_true", help="run, but write no file")
+    _add_accepted(render, "--allow-network", "--allow-alpha-wasm")
+    render.add_argument("--image-pull-policy", help=argparse.SUPPRESS)
+    render.add_argument("--truncate-output", help=argparse.SUPPRESS)
+    add_chain_flags(render)
+    render.set_defaults(func=_fn_render)
+
+    evaluate = group.add_parser("eval", help="run one function over a package (kpt fn eval)")
+    evaluate.add_argument("dir", metavar="DIR|-", nargs="?", default=".")
+    evaluate.add_argument("-i", "--image", help="the function's image")
+    evaluate.add_argument("--exec", dest="exec_command", metavar="CMD", help="a local program")
+    evaluate.add_argument("--fn-config", metavar="F", help="the function config (one KRM object)")
+    evaluate.add_argument("--results-dir", metavar="D", help="write results.yaml there")
+    evaluate.add_argument("-o", "--output", metavar="stdout|unwrap|DIR")
+    evaluate.add_argument(
+        "-m", "--include-meta-resources", action="store_true", help="give it the Kptfiles too"
+    )
+    evaluate.add_argument("--dry-run", action="store_true", help="run, but write no file")
+    for prefix in ("match", "exclude"):
+        for flag in ("api-version", "kind", "name", "namespace"):
+            evaluate.add_argument(f"--{prefix}-{flag}", metavar="VALUE")
+        for flag in ("labels", "annotations"):
+            evaluate.add_argument(f"--{prefix}-{flag}", metavar="K=V", action="append")
+    _add_accepted(evaluate, "--network", "--as-current-user", "--allow-alpha-wasm")
+    for flag in ("--tag", "--image-pull-policy", "--mount", "-e", "--env"):
+        evaluate.add_argument(flag, action="append", help=argparse.SUPPRESS)
+    add_chain_flags(evaluate)
+    evaluate.set_defaults(func=_fn_eval, pairs=[])
+
+    source = group.add_parser("source", help="print a package as a ResourceList (kpt fn source)")
+    source.add_argument("dir", metavar="DIR", nargs="?", default=".")
+    source.set_defaults(func=_fn_source)
+    sink = group.add_parser("sink", help="write a ResourceList from stdin as files (kpt fn sink)")
+    sink.add_argument("dir", metavar="DIR")
+    sink.set_defaults(func=_fn_sink)
+
+
+def _add_accepted(parser: argparse.ArgumentParser, *flags: str) -> None:
+    """kpt flags that change nothing here (no containers, no network to allow)."""
+    for flag in flags:
+        parser.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
 
 
 def register(commands: Any) -> None:
@@ -165,5 +476,5 @@ def register(commands: Any) -> None:
     evaluate.add_argument("--dry-run", action="store_true")
     evaluate.add_argument("--output", choices=("text", "json"), default="text")
     add_chain_flags(evaluate)
-    evaluate.add_argument("pairs", nargs=argparse.REMAINDER, metavar="-- key=value")
-    evaluate.set_defaults(func=_eval)
+    evaluate.set_defaults(func=_eval, pairs=[])  # `-- key=value ...`: cli.main takes them
+    _add_fn_group(commands)

@@ -1,12 +1,13 @@
-"""``kpt fn render`` / ``kpt fn eval`` semantics over the evaluator chain (docs/protocol.md, "Pipelines").
+"""``kpt fn render`` / ``kpt fn eval`` semantics over the evaluator chain (docs/krm.md).
 
-Subpackages render first; then the package's mutators run in order over its resources and its
-subpackages'; then its validators, each on a copy whose output is discarded. ``configMap``
-becomes a ConfigMap named ``function-input``; a short image name gets the catalog prefix; an
-``exec`` step needs ``allow_exec``; ``selectors``/``exclude`` run a function on a subset and merge
-the result back. Any failure aborts before anything is written: the files are untouched. Each
-step records the function, the evaluator that served it, its duration, its results and the
-unified diff it made.
+Subpackages render first; then the package's mutators run in order over its resources, its
+Kptfile and its subpackages'; then its validators, each on a copy whose output is discarded.
+``configMap`` becomes a ConfigMap named ``function-input``; a short image name gets the catalog
+prefix; an ``exec`` step needs ``allow_exec``; ``selectors``/``exclude`` run a function on a
+subset and merge the result back. After a render the top Kptfile records it (``status``). A
+failure writes nothing but that status, unless the Kptfile asks to keep what succeeded
+(``kpt.dev/save-on-render-failure``). Each step records the function, the evaluator that served
+it, its duration, its results and the unified diff it made.
 """
 
 from __future__ import annotations
@@ -21,17 +22,19 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from ruamel.yaml.comments import CommentedMap
 
 from runtime_server.errors import EvaluatorError, FunctionError, NotFoundError
 from runtime_server.krm.evaluators.base import EvalRequest, Evaluator
 from runtime_server.krm.evaluators.wrapper import WrapperEvaluator
-from runtime_server.krm.resources import resourcelist
+from runtime_server.krm.resources import kptfile, resourcelist
 from runtime_server.krm.resources.package import (
+    KPTFILE,
     Package,
     load_package,
+    not_krm,
     read_resources,
     render_files,
     source_of,
@@ -45,6 +48,8 @@ from runtime_server.krm.resources.resourcelist import (
 )
 
 CATALOG = "ghcr.io/kptdev/krm-functions-catalog/"
+EXEC_NOT_ALLOWED = "must run with `--allow-exec` option to allow running function binaries"
+NOT_KRM = "input resource list must contain only KRM resources"
 FUNCTION_INPUT = "function-input"
 RESULT_LIST = {"apiVersion": "kpt.dev/v1", "kind": "FunctionResultList"}
 
@@ -69,18 +74,64 @@ class Step:
     exit_code: int = 0
     stderr: str = ""
     error: str = ""
+    # Set when the step could not run at all (kpt's "executionError"), rather than ran and failed.
+    execution_error: str = ""
+    spec: Mapping[str, Any] = field(default_factory=dict)  # the Kptfile's step, for the status
+    ran: bool = True  # false for a step refused before running (it gets no results entry)
 
     @property
     def ok(self) -> bool:
         return not self.error
 
+    def status(self) -> dict[str, Any]:
+        """The step as kpt records it in the Kptfile's ``status.renderStatus``."""
+        entry: dict[str, Any] = {"name": self.spec.get("name", "")}
+        if self.function.startswith("exec: "):
+            entry["exec"] = self.function.removeprefix("exec: ")
+        else:
+            entry["image"] = self.function
+        if self.execution_error:
+            entry.update(executionError=self.execution_error, exitCode=1)
+            return entry
+        errors = [r for r in self.results if r.get("severity") == resourcelist.ERROR]
+        entry.update(
+            stderr=self.stderr.rstrip("\n"),
+            exitCode=self.exit_code if not self.ok else 0,
+            results=self.results,
+            errorResults=errors,
+        )
+        return entry
+
 
 class PipelineError(Exception):
-    """A step failed; nothing was written. ``steps`` holds every step run, the failed one last."""
+    """A step (or the package) failed. ``steps`` holds every step run, the failed one last;
+    ``items`` what the pipeline had made when it stopped (kept with save-on-render-failure);
+    ``package`` the package that failed, as kpt names it ("." or "./sub"); ``in_step`` whether
+    it failed running its pipeline (kpt reports those one level deeper)."""
 
-    def __init__(self, message: str, steps: list[Step]) -> None:
+    def __init__(
+        self,
+        message: str,
+        steps: list[Step],
+        *,
+        items: list[Any] | None = None,
+        package: str = ".",
+        in_step: bool = True,
+        handled: bool = False,
+    ) -> None:
         super().__init__(message)
         self.steps = steps
+        self.items = items
+        self.package = package
+        self.in_step = in_step
+        self.handled = handled  # a function failure: its output already says why
+
+    def condition(self) -> str:
+        """The message kpt writes in the Kptfile's ``Rendered`` condition."""
+        why = "already handled error" if self.handled else str(self)
+        if self.in_step:
+            return f"pkg.render: pkg {self.package}:\n\tpipeline.run: {why}"
+        return f"pkg.render: pkg {self.package}: {why}"
 
 
 @dataclass
@@ -91,6 +142,7 @@ class Outcome:
     resources: list[tuple[str, str, str]]  # (kind, namespace, name) of every output resource
     written: list[str] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
+    items: list[Any] = field(default_factory=list)  # the output resources, annotated
 
 
 def outcome_of(steps: list[Step], before: dict[str, str], items: list[Any]) -> Outcome:
@@ -98,10 +150,11 @@ def outcome_of(steps: list[Step], before: dict[str, str], items: list[Any]) -> O
     for item in items:
         meta = item.get("metadata") or {}
         identities.append((kind(item), str(meta.get("namespace", "")), str(meta.get("name", ""))))
-    return Outcome(steps, before, render_files(items), identities)
+    return Outcome(steps, before, render_files(items), identities, items=items)
 
 
 Progress = Callable[[Step], None]
+PackageStarted = Callable[[Package], None]
 
 
 @dataclass
@@ -117,6 +170,7 @@ class Runner:
     progress: Progress | None = None
     diffs: bool = True
     steps: list[Step] = field(default_factory=list)
+    on_package: PackageStarted | None = None  # told as each package's pipeline starts
 
     def run(
         self,
@@ -135,9 +189,17 @@ class Runner:
                 self.steps,
             )
         label = qualified(image) if image else f"exec: {exec_command}"
-        step = Step(package.relative if package else "", stage, label)
+        step = Step(package.relative if package else "", stage, label, spec=spec)
+        where = package.display if package else "."
+        if exec_command and not self.allow_exec:
+            self._refuse(step, EXEC_NOT_ALLOWED, items, where)
         validator = stage == "validator"
         chosen = select(items, spec.get("selectors") or [], spec.get("exclude") or [])
+        refused = [
+            f"{source_of(i)[0]}: {why}" for i in chosen if (why := not_krm(i, source_of(i)[0]))
+        ]
+        if refused:
+            self._refuse(step, f"{NOT_KRM}: {refused[0]}", items, where)
         if config is None:
             config = function_config(spec, package, items)
         before = render_files(items) if self.diffs and not validator else {}
@@ -157,11 +219,14 @@ class Runner:
             if isinstance(exc, NotFoundError):
                 step.skipped = exc.tried
             step.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            step.exit_code, step.stderr = 1, str(exc)
             if isinstance(exc, FunctionError):
                 step.results, step.exit_code, step.stderr = exc.results, exc.exit_code, exc.stderr
             self._record(step)
             message = step.error if label in step.error else f"{label}: {step.error}"
-            raise PipelineError(message, self.steps) from None
+            raise PipelineError(
+                message, self.steps, items=items, package=where, handled=True
+            ) from None
         step.duration = time.perf_counter() - started
         step.stderr = log.decode("utf-8", "replace")
         step.results = [dict(r) for r in rl.results if isinstance(r, dict)]
@@ -173,6 +238,13 @@ class Runner:
             step.diff = diff(before, render_files(merged))
         self._record(step)
         return merged
+
+    def _refuse(self, step: Step, why: str, items: list[Any], package: str) -> NoReturn:
+        """The step cannot run: record it as kpt does (an execution error, no result) and stop."""
+        step.error = step.execution_error = why
+        step.ran = False
+        self._record(step)
+        raise PipelineError(why, self.steps, items=items, package=package)
 
     def _evaluate(
         self, image: str, rl: ResourceList, deadline: float
@@ -187,11 +259,7 @@ class Runner:
         self, command: str, rl: ResourceList, package: Package | None, deadline: float
     ) -> bytes:
         """A Kptfile ``exec`` step: the command, run as a function pod's entrypoint is."""
-        if not self.allow_exec:
-            raise FunctionError(f"exec: {command}: exec functions need --allow-exec", exit_code=1)
-        argv = shlex.split(command)
-        if package is not None and not os.path.isabs(argv[0]) and "/" in argv[0]:
-            argv[0] = str((package.root / argv[0]).resolve())
+        argv = shlex.split(command)  # a relative path is the current directory's, as in kpt
         label = f"exec: {command}"
         response = WrapperEvaluator(argv, label).evaluate(
             EvalRequest(b"", label, parsed=rl), deadline
@@ -305,15 +373,71 @@ def diff(before: Mapping[str, str], after: Mapping[str, str]) -> str:
 
 
 def _render(package: Package, runner: Runner) -> list[Any]:
-    items = list(package.resources)
+    """kpt's depth-first render of `package`: its subpackages, then its own pipeline over its
+    resources, its Kptfile and the subpackages' output. A PipelineError carries the items made
+    so far (``items``), in the order kpt would save them."""
+    items = package.local_resources()
     for sub in package.subpackages:
-        items += _render(sub, runner)
+        try:
+            items += _render(sub, runner)
+        except PipelineError as exc:
+            exc.items = items + (exc.items or [])
+            raise
+    if runner.on_package is not None:
+        runner.on_package(package)
     pipeline = package.pipeline
-    for spec in pipeline.get("mutators") or []:
+    mutators, validators = pipeline.get("mutators") or [], pipeline.get("validators") or []
+    if not mutators and not validators:
+        refused = [
+            f"{source_of(i)[0]}: {why}" for i in items if (why := not_krm(i, source_of(i)[0]))
+        ]
+        if refused:
+            raise PipelineError(
+                f"{NOT_KRM}: {refused[0]}",
+                runner.steps,
+                items=items,
+                package=package.display,
+                in_step=False,
+            )
+        return items
+    for spec in mutators:
         items = runner.run(items, spec, package, "mutator")
-    for spec in pipeline.get("validators") or []:
+    for spec in validators:
         runner.run(items, spec, package, "validator")
     return items
+
+
+def _flag(document: Any, annotation: str) -> bool:
+    notes = (document.get("metadata") or {}).get("annotations") or {}
+    return str(notes.get(annotation, "")).lower() == "true"
+
+
+def _top_kptfile(items: list[Any]) -> Any:
+    for item in items:
+        if source_of(item) == (KPTFILE, 0) and kind(item) == KPTFILE:
+            return item
+    return None
+
+
+def status_text(kptfile_node: Any, steps: list[Step], error: PipelineError | None) -> str:
+    """The top Kptfile as kpt writes it after a render: its ``Rendered`` condition and the status
+    of every step (docs/krm.md, "The Kptfile")."""
+    document = _copy(kptfile_node)
+    strip_internal(document)
+    mutation = [s.status() for s in steps if s.stage == "mutator"]
+    validation = [s.status() for s in steps if s.stage == "validator"]
+    summary = ""
+    if error is not None:
+        failed = [s for s in steps if not s.ok]
+        summary = "\n".join(
+            f"{s.function.removeprefix('exec: ')}: "
+            + (s.execution_error or f"exit code {s.exit_code}")
+            for s in failed
+        )
+    condition = kptfile.rendered_condition(error.condition() if error is not None else "")
+    return kptfile.canonical_text(
+        kptfile.with_status(document, condition, mutation, validation, summary)
+    )
 
 
 def render(
@@ -325,47 +449,88 @@ def render(
     results_dir: Path | None = None,
     progress: Progress | None = None,
     diffs: bool = True,
+    on_package: PackageStarted | None = None,
+    in_place: bool = True,
 ) -> Outcome:
-    """Render the package at `root` in place (unless `dry_run`); raises PipelineError, having
-    written nothing but the results, if any step fails. `diffs`: record each step's diff."""
+    """Render the package at `root` in place (unless `dry_run`). On a failure, raises
+    PipelineError having written the results and the Kptfile's status, and, when the Kptfile
+    asks for it (``kpt.dev/save-on-render-failure``), what the pipeline made before it failed.
+    `diffs`: record each step's diff. Not `in_place`: the output goes elsewhere (``-o``), so
+    the package is not touched and its Kptfile gets no status."""
     package = load_package(root)
-    runner = Runner(evaluator, allow_exec=allow_exec, progress=progress, diffs=diffs)
+    runner = Runner(
+        evaluator, allow_exec=allow_exec, progress=progress, diffs=diffs, on_package=on_package
+    )
     before = package.all_texts()
+    failure: PipelineError | None = None
     try:
         items = _render(package, runner)
     except PipelineError as exc:
-        raise PipelineError(str(exc), runner.steps) from None  # every step run, to show
+        failure = PipelineError(
+            str(exc),
+            runner.steps,
+            items=exc.items,
+            package=exc.package,
+            in_step=exc.in_step,
+            handled=exc.handled,
+        )
+        items = exc.items or []
     finally:
         if results_dir is not None:
             write_results(results_dir, runner.steps)
-    outcome = outcome_of(runner.steps, before, items)
+    save = failure is None or _flag(package.kptfile, kptfile.SAVE_ON_FAILURE)
+    outcome = outcome_of(runner.steps, before, items if save else [])
+    if not in_place:
+        if failure is not None:
+            raise failure
+        return outcome
+    top = _top_kptfile(items) if save else None
+    outcome.after[KPTFILE] = status_text(
+        top if top is not None else package.kptfile_resource, runner.steps, failure
+    )
     if not dry_run:
-        write_package(root, outcome)
+        write_package(root, outcome, prune=failure is None)
+    if failure is not None:
+        failure.steps = runner.steps
+        raise failure
     return outcome
 
 
 def evaluate_one(
-    root: Path,
-    image: str,
+    root: Path | None,
+    spec: Mapping[str, Any],
     evaluator: Evaluator,
     *,
     config: Any = None,
     data: Mapping[str, str] | None = None,
     dry_run: bool = False,
     progress: Progress | None = None,
+    include_meta: bool = False,
+    items: list[Any] | None = None,
+    results_dir: Path | None = None,
 ) -> Outcome:
-    """``kpt fn eval IMAGE DIR``: one function over the resources under `root`, configured by
-    `config` (a KRM object, ``--fn-config``) or by `data` (``-- key=value``: a ConfigMap)."""
-    package = load_package(root, require_kptfile=False)
-    items = package.all_resources()
+    """``kpt fn eval``: one function (`spec`: ``image`` or ``exec``, and ``selectors`` /
+    ``exclude`` as in a Kptfile) over the resources under `root` (with `include_meta`, the
+    Kptfiles too), or over `items` (a ResourceList's, ``root`` None: nothing is written).
+    Configured by `config` (a KRM object, ``--fn-config``) or by `data` (``-- key=value``: a
+    ConfigMap)."""
+    before: dict[str, str] = {}
+    if root is not None:
+        package = load_package(root, require_kptfile=False)
+        items = package.all_resources(meta=include_meta)
+        before = package.all_texts()
+    items = list(items or [])
     if config is None and data:
-        config = function_config({"configMap": dict(data)}, package, items)
-    runner = Runner(evaluator, progress=progress)
-    before = package.all_texts()
-    items = runner.run(items, {"image": image}, None, "eval", config=config)
+        config = function_config({"configMap": dict(data)}, None, items)
+    runner = Runner(evaluator, allow_exec=True, progress=progress)
+    try:
+        items = runner.run(items, spec, None, "eval", config=config)
+    finally:
+        if results_dir is not None:
+            write_results(results_dir, runner.steps)
     outcome = outcome_of(runner.steps, before, items)
-    if not dry_run:
-        write_package(root, outcome)
+    if root is not None and not dry_run:
+        write_package(root, outcome, prune=True)
     return outcome
 
 
@@ -378,14 +543,15 @@ def changed(path: str, before: str | None, after: str) -> bool:
     return render_files(read_resources(before, path)).get(path) != after
 
 
-def write_package(root: Path, outcome: Outcome) -> None:
-    """Write the changed files and remove the emptied ones, all or nothing: every new text is
-    staged beside its file first; only then are they renamed into place, with what they replace
-    kept aside until the last one is in, so that a failure (or Ctrl-C) on the way puts every
-    file back as it was. Each path must stay inside `root`."""
+def write_package(root: Path, outcome: Outcome, *, prune: bool = True) -> None:
+    """Write the changed files and (with `prune`) remove the emptied ones, all or nothing: every
+    new text is staged beside its file first; only then are they renamed into place, with what
+    they replace kept aside until the last one is in, so that a failure (or Ctrl-C) on the way
+    puts every file back as it was. Each path must stay inside `root`."""
     root = root.resolve()
     changes: list[tuple[str, Path, str | None]] = []  # (path, target, new text or None: remove)
-    for path in sorted(set(outcome.before) | set(outcome.after)):
+    paths = set(outcome.before) | set(outcome.after) if prune else set(outcome.after)
+    for path in sorted(paths):
         text = outcome.after.get(path)
         if text is not None and not changed(path, outcome.before.get(path), text):
             continue
@@ -468,25 +634,26 @@ def _signals_held() -> Iterator[None]:
 
 
 def write_results(results_dir: Path, steps: list[Step]) -> Path:
-    """``results.yaml``: a ``kpt.dev/v1 FunctionResultList``."""
+    """``results.yaml``: a ``kpt.dev/v1 FunctionResultList`` of the functions that ran."""
     results_dir.mkdir(parents=True, exist_ok=True)
-    document = CommentedMap(RESULT_LIST)
-    document["metadata"] = CommentedMap(name="fnresults")
-    document["exitCode"] = 1 if any(not step.ok for step in steps) else 0
     entries = []
-    for step in steps:
-        entry = CommentedMap()
+    for step in (s for s in steps if s.ran):
+        entry: dict[str, Any] = {
+            "stderr": step.stderr,
+            "exitCode": step.exit_code if not step.ok else 0,
+        }
         if step.function.startswith("exec: "):
             entry["exec"] = step.function.removeprefix("exec: ")
         else:
             entry["image"] = step.function
-        entry["exitCode"] = step.exit_code if not step.ok else 0
-        if step.results:
-            entry["results"] = step.results
-        if step.stderr.strip():
-            entry["stderr"] = step.stderr
+        entry["results"] = step.results
         entries.append(entry)
-    document["items"] = entries
+    document = {
+        **RESULT_LIST,
+        "metadata": {"name": "fnresults"},
+        "exitCode": 1 if any(not step.ok for step in steps if step.ran) else 0,
+        "items": entries,
+    }
     path = results_dir / "results.yaml"
-    path.write_text(resourcelist.dump(document).decode())
+    path.write_text(kptfile.canonical_text(document, kptfile.RESULTS_SCHEMA))
     return path

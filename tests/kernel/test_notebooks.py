@@ -82,7 +82,7 @@ def test_krm_notebook_shows_the_three_evaluators_a_notebook_function_and_a_faili
         "name: cart # the cart service",
         "validator example.com/fn/check-replicas · builtin ✗ → exec ✗ → pod ✗",
         "[error] apps/v1/Deployment/cart spec.replicas: cart needs at least 2 replicas, has 1",
-        "no file was changed",
+        "failed: ",
         "ConfigMap             cart-settings",
     ]:
         assert shown in text, shown

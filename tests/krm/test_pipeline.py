@@ -117,7 +117,23 @@ def test_render_runs_subpackages_first_then_mutators_in_order_then_validators(
     assert db["metadata"]["labels"]["app"] == "web"
     # a validator's output is discarded
     assert "validated" not in (package / "deploy.yaml").read_text()
-    assert sorted(outcome.written) == ["db/configmap.yaml", "deploy.yaml"]
+    # kpt gives each package's Kptfile to its functions and records the render in the top one
+    # (docs/krm.md, "The Kptfile")
+    assert sorted(outcome.written) == ["Kptfile", "db/Kptfile", "db/configmap.yaml", "deploy.yaml"]
+    top = load((package / "Kptfile").read_text())
+    assert dict(top["status"]["conditions"][0]) == {
+        "type": "Rendered",
+        "status": "True",
+        "reason": "RenderSuccess",
+    }
+    status = top["status"]["renderStatus"]
+    assert [s["image"] for s in status["mutationSteps"]] == [
+        qualified("set-annotations"),
+        qualified("set-namespace:v0.4.1"),
+        "gcr.io/kpt-fn/set-labels:v0.2",
+    ]
+    assert [s["exitCode"] for s in status["validationSteps"]] == [0]
+    assert load((package / "db/Kptfile").read_text())["metadata"]["labels"]["app"] == "web"
 
 
 def test_render_keeps_comments_key_order_and_layout(package: Path) -> None:
@@ -135,12 +151,25 @@ def test_render_keeps_comments_key_order_and_layout(package: Path) -> None:
     )
 
 
-def test_a_second_render_changes_nothing(package: Path) -> None:
+def test_a_second_render_changes_nothing_but_the_status(package: Path) -> None:
+    """The resources are a fixed point; the Kptfile's status records the second render (whose
+    results say that nothing changed), as kpt's does."""
     render(package, BuiltinEvaluator())
     once = snapshot(package)
     outcome = render(package, BuiltinEvaluator())
-    assert outcome.written == [] and snapshot(package) == once
+    assert outcome.written == ["Kptfile"]
+    again = snapshot(package)
+    assert {k: v for k, v in again.items() if k != "Kptfile"} == {
+        k: v for k, v in once.items() if k != "Kptfile"
+    }
     assert all(step.diff == "" for step in outcome.steps)
+    status = load(again["Kptfile"])["status"]["renderStatus"]["mutationSteps"][1]
+    assert (
+        status["results"][0]["message"]
+        == 'all matching namespaces are already "prod". no value changed'
+    )
+    render(package, BuiltinEvaluator())
+    assert snapshot(package) == again
 
 
 def test_each_step_records_its_diff(package: Path) -> None:
@@ -151,10 +180,11 @@ def test_each_step_records_its_diff(package: Path) -> None:
     assert outcome.written == []  # dry run
 
 
-def test_a_failing_step_aborts_and_leaves_every_file_untouched(
+def test_a_failing_step_writes_nothing_but_the_kptfile_status(
     package: Path, tmp_path: Path
 ) -> None:
-    # docs/protocol.md, "Pipelines": "any failure aborts and leaves files untouched".
+    """docs/krm.md, "Failures": a failed render changes no resource; the top Kptfile records
+    the failure (condition False, the failed step's results and stderr), as kpt's does."""
     kpt = package / "Kptfile"
     kpt.write_text(
         kpt.read_text()
@@ -164,7 +194,18 @@ def test_a_failing_step_aborts_and_leaves_every_file_untouched(
     before = snapshot(package)
     with pytest.raises(PipelineError) as caught:
         render(package, BuiltinEvaluator(), results_dir=tmp_path / "results")
-    assert snapshot(package) == before
+    after = snapshot(package)
+    assert {k: v for k, v in after.items() if k != "Kptfile"} == {
+        k: v for k, v in before.items() if k != "Kptfile"
+    }
+    status = load(after["Kptfile"])["status"]
+    condition = status["conditions"][0]
+    assert (condition["status"], condition["reason"]) == ("False", "RenderFailed")
+    assert condition["message"] == "pkg.render: pkg .:\n\tpipeline.run: already handled error"
+    failed_step = status["renderStatus"]["mutationSteps"][-1]
+    assert failed_step["exitCode"] == 1
+    assert failed_step["errorResults"][0]["message"] == "`data.namespace` should not be empty"
+    assert status["renderStatus"]["errorSummary"] == f"{qualified('set-namespace')}: exit code 1"
     failed = caught.value.steps[-1]
     assert not failed.ok and failed.results[-1]["severity"] == "error"
     results = load((tmp_path / "results" / "results.yaml").read_text())
@@ -173,11 +214,35 @@ def test_a_failing_step_aborts_and_leaves_every_file_untouched(
     assert results["items"][-1]["exitCode"] == 1
 
 
+def test_save_on_render_failure_keeps_what_succeeded(package: Path) -> None:
+    """docs/krm.md, "Failures": with kpt.dev/save-on-render-failure, the steps before the
+    failure are written; the failure is still reported."""
+    kpt = package / "Kptfile"
+    kpt.write_text(
+        kpt.read_text()
+        .replace(
+            "  name: app\n",
+            "  name: app\n  annotations:\n    kpt.dev/save-on-render-failure: 'true'\n",
+        )
+        .replace("configMap: {app: web}", "configMap: {}")
+        .replace("gcr.io/kpt-fn/set-labels:v0.2", "set-namespace")
+    )
+    with pytest.raises(PipelineError):
+        render(package, BuiltinEvaluator())
+    deploy = load_all(package / "deploy.yaml")[0]
+    assert deploy["metadata"]["namespace"] == "prod"  # the first mutator's work is kept
+    assert load_all(package / "db/configmap.yaml")[0]["metadata"]["annotations"]["team"] == "data"
+    assert load(kpt.read_text())["status"]["conditions"][0]["status"] == "False"
+
+
 def test_exec_steps_need_allow_exec_and_get_a_function_input_configmap(
-    package: Path, tmp_path: Path
+    package: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """docs/krm.md, "exec steps": refused without --allow-exec (recorded in the status as an
+    execution error); the path is the current directory's, as in kpt."""
     capture = tmp_path / "seen.yaml"
     write(package, {"capture.sh": f"#!/bin/sh\ntee {capture}\n"})
+    monkeypatch.chdir(package)
     kpt = package / "Kptfile"
     kpt.write_text(
         kptfile(
@@ -189,9 +254,19 @@ def test_exec_steps_need_allow_exec_and_get_a_function_input_configmap(
         )
     )
     before = snapshot(package)
-    with pytest.raises(PipelineError, match="need --allow-exec"):
+    with pytest.raises(PipelineError, match="must run with `--allow-exec` option"):
         render(package, BuiltinEvaluator())
-    assert snapshot(package) == before and not capture.exists()
+    assert not capture.exists()
+    after = snapshot(package)
+    assert {k: v for k, v in after.items() if k != "Kptfile"} == {
+        k: v for k, v in before.items() if k != "Kptfile"
+    }
+    step = load(after["Kptfile"])["status"]["renderStatus"]["mutationSteps"][-1]
+    assert dict(step) == {
+        "exec": "./capture.sh",
+        "executionError": "must run with `--allow-exec` option to allow running function binaries",
+        "exitCode": 1,
+    }
     outcome = render(package, BuiltinEvaluator(), allow_exec=True)
     assert outcome.steps[-1].evaluator == "exec"
     seen = load(capture.read_text())
@@ -267,7 +342,7 @@ def test_fnkernel_render_prints_a_line_per_step_and_eval_takes_key_values(packag
         "[1] db/: mutator ghcr.io/kptdev/krm-functions-catalog/set-annotations (builtin)"
     )
     assert lines[3].startswith("[4] validator") and lines[3].endswith("ok · 1 info")
-    assert "files changed: db/configmap.yaml, deploy.yaml" in done.stdout
+    assert "files changed: Kptfile, db/Kptfile, db/configmap.yaml, deploy.yaml" in done.stdout
     done = subprocess.run(
         [
             sys.executable,
@@ -329,7 +404,7 @@ def test_wide_sequence_indentation_is_kept_and_untouched_files_are_not_rewritten
     )
     other_before = (root / "other.yaml").read_text()
     outcome = render(root, BuiltinEvaluator())
-    assert outcome.written == ["deploy.yaml"]
+    assert outcome.written == ["Kptfile", "deploy.yaml"]  # the Kptfile: its status
     assert (root / "other.yaml").read_text() == other_before
     text = (root / "deploy.yaml").read_text()
     assert "      containers:\n        - name: web\n          image: nginx\n" in text

@@ -92,7 +92,7 @@ def test_non_zero_exit_is_internal_with_listed_and_structured_results(
     err = caught.value
     assert err.code() == grpc.StatusCode.INTERNAL
     assert "[error] v1/ConfigMap/dev/c metadata.name: name must end in -cfg" in err.details()
-    assert "[warning] consider adding labels" in err.details()
+    assert "[warning]: consider adding labels" in err.details()  # kpt's form of a result
     assert "policy check failed" in err.details()
     raw = dict(err.trailing_metadata())[RESULTS_KEY]
     assert ResourceList.parse(raw).results[0]["field"]["path"] == "metadata.name"

@@ -7,6 +7,7 @@ its own file, in its place, with its comments and key order. The annotations nev
 
 from __future__ import annotations
 
+import fnmatch
 import io
 import os
 import re
@@ -19,18 +20,30 @@ from ruamel.yaml.comments import CommentedMap
 from ruamel.yaml.error import CommentMark
 from ruamel.yaml.tokens import CommentToken
 
+from runtime_server.krm.resources import kptfile
 from runtime_server.krm.resources.resourcelist import InvalidResourceList, kind, metadata, yaml
 
 KPTFILE = "Kptfile"
-PATH_ANNOTATION = "internal.config.kubernetes.io/path"
+# Where each resource came from, as kpt annotates what it reads, in kpt's order: the legacy
+# names (functions written for older kpt read these) and the internal ones.
+LEGACY_INDEX_ANNOTATION = "config.kubernetes.io/index"
+LEGACY_PATH_ANNOTATION = "config.kubernetes.io/path"
 INDEX_ANNOTATION = "internal.config.kubernetes.io/index"
-# A document's leading comment rides along as an annotation: as a ResourceList item, a mapping's
-# start comment would be lost.
-HEADER_ANNOTATION = "internal.fnkernel.dev/header-comment"
+PATH_ANNOTATION = "internal.config.kubernetes.io/path"
 # How the file indents a sequence under its key, as kpt records it: "compact" (``key:\n- a``) or
 # "wide" (``key:\n  - a``); the file is written back the same way.
 SEQ_ANNOTATION = "internal.config.kubernetes.io/seqindent"
-INTERNAL = (PATH_ANNOTATION, INDEX_ANNOTATION, HEADER_ANNOTATION, SEQ_ANNOTATION)
+# A document's leading comment rides along as an annotation: as a ResourceList item, a mapping's
+# start comment would be lost.
+HEADER_ANNOTATION = "internal.fnkernel.dev/header-comment"
+INTERNAL = (
+    LEGACY_INDEX_ANNOTATION,
+    LEGACY_PATH_ANNOTATION,
+    INDEX_ANNOTATION,
+    PATH_ANNOTATION,
+    SEQ_ANNOTATION,
+    HEADER_ANNOTATION,
+)
 _SEQUENCE_UNDER_KEY = re.compile(
     r"^(?P<prefix>(?: |- )*)[^\s#-][^\n:]*:[ \t]*(?:#[^\n]*)?\n(?P<indent> *)- ", re.M
 )
@@ -40,16 +53,28 @@ YAML_SUFFIXES = (".yaml", ".yml")
 @dataclass
 class Package:
     root: Path  # the package directory
-    kptfile: CommentedMap
+    kptfile: CommentedMap  # as read; its resource form (annotated, a copy) is `kptfile_resource`
     resources: list[Any] = field(default_factory=list)  # this package's own, annotated
     texts: dict[str, str] = field(default_factory=dict)  # its files with resources, as read
     subpackages: list[Package] = field(default_factory=list)
     relative: str = ""  # from the top package, "" for itself
+    kptfile_resource: Any = None
+    not_krm: list[str] = field(default_factory=list)  # "PATH: why", for documents kpt refuses
 
     @property
     def pipeline(self) -> dict[str, Any]:
         pipeline = self.kptfile.get("pipeline")
         return pipeline if isinstance(pipeline, dict) else {}
+
+    @property
+    def display(self) -> str:
+        """How kpt names the package in messages: "." for the top, "./sub" below it."""
+        return f"./{self.relative.rstrip('/')}" if self.relative else "."
+
+    def local_resources(self) -> list[Any]:
+        """Its own resources and, as kpt gives them to functions, its Kptfile last."""
+        meta = [self.kptfile_resource] if self.kptfile_resource is not None else []
+        return [*self.resources, *meta]
 
     def all_texts(self) -> dict[str, str]:
         """The text of every file with resources, its subpackages' included, by relative path."""
@@ -58,11 +83,17 @@ class Package:
             texts.update(sub.all_texts())
         return texts
 
-    def all_resources(self) -> list[Any]:
-        """Its own resources and every subpackage's, depth first."""
-        found = list(self.resources)
+    def all_resources(self, *, meta: bool = False) -> list[Any]:
+        """Its own resources and every subpackage's, depth first; with `meta`, the Kptfiles too."""
+        found = self.local_resources() if meta else list(self.resources)
         for sub in self.subpackages:
-            found += sub.all_resources()
+            found += sub.all_resources(meta=meta)
+        return found
+
+    def all_not_krm(self) -> list[str]:
+        found = list(self.not_krm)
+        for sub in self.subpackages:
+            found += sub.all_not_krm()
         return found
 
 
@@ -74,27 +105,159 @@ def read_documents(text: str, source: str) -> list[Any]:
     return [doc for doc in documents if doc is not None]
 
 
+def _yaml_error(exc: Exception) -> str:
+    """A YAML parse error as Go's reader words it: ``yaml: line N: problem``."""
+    mark = getattr(exc, "context_mark", None) or getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc)
+    return f"yaml: line {mark.line + 1}: {problem}" if mark is not None else f"yaml: {problem}"
+
+
+def read_kptfile(root: Path, display: str) -> CommentedMap:
+    """The package's Kptfile, checked as kpt checks it (kptfile.check, validate_function)."""
+    path = root / KPTFILE
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise PackageError(f'No Kptfile found at "{display}".') from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PackageError(f'Kptfile at "{display}" can\'t be read: {exc}') from None
+    try:
+        documents = [doc for doc in yaml().load_all(text) if doc is not None]
+    except Exception as exc:  # ruamel raises several unrelated types for bad input
+        raise PackageError(
+            f'Kptfile at "{display}" can\'t be read.\n\nDetails:\n{_yaml_error(exc)}'
+        ) from None
+    document = documents[0] if documents else CommentedMap()
+    try:
+        kptfile.check(document)
+        pipeline = document.get("pipeline") or {}
+        for stage in ("mutators", "validators"):
+            for index, spec in enumerate(pipeline.get(stage) or []):
+                kptfile.validate_function(spec, f"pipeline.{stage}[{index}]")
+    except kptfile.KptfileError as exc:
+        text = str(exc)
+        prefix = "" if text.startswith("Kptfile is invalid") else f'Kptfile at "{display}" '
+        raise PackageError(prefix + text) from None
+    return document
+
+
 def load_package(root: Path, relative: str = "", *, require_kptfile: bool = True) -> Package:
     """Read the package at `root` (it must hold a Kptfile, unless not `require_kptfile`) and
-    its subpackages."""
+    its subpackages. Files the package's ``.krmignore`` names are passed over."""
     if not root.is_dir():
         raise FileNotFoundError(f"{root} is not a directory")
-    kptfile_path = root / KPTFILE
-    if kptfile_path.is_file():
-        documents = read_documents(kptfile_path.read_text(), str(kptfile_path))
-        kptfile = documents[0] if documents else CommentedMap()
-    elif require_kptfile:
-        raise FileNotFoundError(f"{root} is not a kpt package: it has no {KPTFILE}")
+    display = f"./{relative.rstrip('/')}" if relative else str(root)
+    if (root / KPTFILE).is_file() or require_kptfile:
+        document = read_kptfile(root, display)
+        resource = _copy_node(document)
+        _annotate(resource, f"{relative}{KPTFILE}", 0, sequence_style((root / KPTFILE).read_text()))
     else:
-        kptfile = CommentedMap()
-    package = Package(root, kptfile, relative=relative)
-    _read_dir(package, root, relative)
+        document, resource = CommentedMap(), None
+    package = Package(root, document, relative=relative, kptfile_resource=resource)
+    if resource is not None:
+        package.texts[f"{relative}{KPTFILE}"] = (root / KPTFILE).read_text()
+    _check_config_files(package)
+    _read_dir(package, root, relative, _ignore_patterns(root))
+    _check_config_paths(package)
     return package
 
 
+def _config_paths(package: Package) -> list[tuple[str, str, str]]:
+    """(field, stage, configPath) of each pipeline step that names a config file."""
+    found = []
+    for stage in ("mutators", "validators"):
+        for index, spec in enumerate(package.pipeline.get(stage) or []):
+            if isinstance(spec, dict) and spec.get("configPath"):
+                found.append((f"pipeline.{stage}[{index}]", stage, str(spec["configPath"])))
+    return found
+
+
+def _check_config_files(package: Package) -> None:
+    """A configPath names a file of the package holding exactly one KRM object."""
+    for field_name, _, path in _config_paths(package):
+
+        def refuse(reason: str, field_name: str = field_name, path: str = path) -> PackageError:
+            return PackageError(kptfile.invalid(f"{field_name}.configPath", path, reason))
+
+        try:
+            text = (package.root / path).read_text()
+        except OSError as exc:
+            where = f"{package.root.name}/{path}"
+            raise refuse(
+                f"failed to open functionConfig from path {kptfile.go_quote(path)}: "
+                f"open {where}: {(exc.strerror or str(exc)).lower()}"
+            ) from None
+        try:
+            documents = read_documents(text, path)
+        except InvalidResourceList as exc:
+            raise refuse(f"failed to read functionConfig {kptfile.go_quote(path)}: {exc}") from None
+        if len(documents) > 1:
+            raise refuse(
+                f"functionConfig {kptfile.go_quote(path)} must not contain more than one config, "
+                f"got {len(documents)}"
+            )
+        why = not_krm(documents[0] if documents else None, path)
+        if why:
+            raise refuse(f"functionConfig {kptfile.go_quote(path)}: {why}")
+
+
+def _check_config_paths(package: Package) -> None:
+    """A configPath names one of the package's own resources (not a subpackage's)."""
+    own = {source_of(resource)[0] for resource in package.resources}
+    for field_name, stage, path in _config_paths(package):
+        if f"{package.relative}{os.path.normpath(path)}" not in own:
+            step = stage.removesuffix("s")
+            spec = package.pipeline[stage][int(field_name.rpartition("[")[2].rstrip("]"))]
+            name = str(spec.get("name") or "") or _image_name(str(spec.get("image") or ""))
+            raise PackageError(
+                kptfile.invalid(
+                    f"{field_name}.configPath",
+                    path,
+                    f"functionConfig resource for {step} {kptfile.go_quote(name)} is missing from "
+                    f"path {kptfile.go_quote(path)}, this also occurs if "
+                    f"{kptfile.go_quote(path)} is part of a subpackage",
+                )
+            )
+
+
+def _image_name(image: str) -> str:
+    """An image's base name, without registry, tag or digest."""
+    name = image.partition("@")[0].rpartition("/")[2]
+    return name.partition(":")[0]
+
+
+def _copy_node(node: Any) -> Any:
+    out = io.StringIO()
+    yaml().dump(node, out)
+    return yaml().load(out.getvalue())
+
+
+def _ignore_patterns(root: Path) -> list[str]:
+    """The package's ``.krmignore``: one gitignore-style pattern a line."""
+    path = root / ".krmignore"
+    if not path.is_file():
+        return []
+    lines = (line.strip() for line in path.read_text().splitlines())
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def _ignored(relative: str, patterns: list[str]) -> bool:
+    """Whether a path (relative to the package, "/"-separated) matches a .krmignore pattern: one
+    with a "/" inside is matched against the whole path, others against each name in it."""
+    names = relative.split("/")
+    for pattern in patterns:
+        pattern = pattern.rstrip("/")
+        if "/" in pattern:
+            if fnmatch.fnmatchcase(relative, pattern.lstrip("/")):
+                return True
+        elif any(fnmatch.fnmatchcase(name, pattern) for name in names):
+            return True
+    return False
+
+
 class PackageError(Exception):
-    """The package cannot be read: a symlink loop, a dangling symlink, an unreadable file. The
-    message names the path; nothing has been written."""
+    """The package cannot be read: a symlink loop, a dangling symlink, an unreadable file, an
+    invalid Kptfile. The message names the path; nothing has been written."""
 
 
 def _check_symlink(path: Path, relative: str) -> None:
@@ -111,14 +274,17 @@ def _check_symlink(path: Path, relative: str) -> None:
         raise PackageError(f"{relative}: symlink loop (it points to {target}, which holds it)")
 
 
-def _read_dir(package: Package, directory: Path, relative: str) -> None:
+def _read_dir(package: Package, directory: Path, relative: str, ignore: list[str]) -> None:
     """Every YAML file below `directory` into `package`; a directory with a Kptfile is a
     subpackage, a hidden one is skipped, a symlink is not followed (``_check_symlink``)."""
     try:
         entries = sorted(directory.iterdir())
     except OSError as exc:
         raise PackageError(f"{relative or '.'}: cannot list: {exc.strerror}") from None
+    inside = relative.removeprefix(package.relative)  # the path .krmignore patterns see
     for path in entries:
+        if _ignored(f"{inside}{path.name}", ignore):
+            continue
         if path.is_symlink():
             _check_symlink(path, f"{relative}{path.name}")
             continue
@@ -126,8 +292,8 @@ def _read_dir(package: Package, directory: Path, relative: str) -> None:
             if (path / KPTFILE).is_file():
                 package.subpackages.append(load_package(path, f"{relative}{path.name}/"))
             else:
-                _read_dir(package, path, f"{relative}{path.name}/")
-        elif path.suffix in YAML_SUFFIXES:
+                _read_dir(package, path, f"{relative}{path.name}/", ignore)
+        elif path.suffix in YAML_SUFFIXES or path.name in KUSTOMIZATION_FILES[2:]:
             _read_file(package, path, f"{relative}{path.name}")
 
 
@@ -143,28 +309,64 @@ def _read_file(package: Package, path: Path, relative: str) -> None:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
         raise PackageError(f"{relative}: cannot read: {exc}") from None
-    resources = read_resources(text, relative)
+    resources = read_resources(text, relative, refused=package.not_krm)
     if resources:
         package.texts[relative] = text
         package.resources += resources
 
 
-def read_resources(text: str, relative: str) -> list[Any]:
-    """The KRM objects of one file, annotated with where they came from."""
+KUSTOMIZATION_FILES = ("kustomization.yaml", "kustomization.yml", "Kustomization")
+
+
+def not_krm(document: Any, relative: str) -> str:
+    """Why kpt would not pass `document` to a function ("" if it would): a KRM object needs
+    ``apiVersion``, ``kind`` and ``metadata.name``; a kustomization is let through."""
+    if not isinstance(document, dict):
+        return "resource must have `apiVersion`, `kind`, and `name`"
+    api_version, kind_ = str(document.get("apiVersion") or ""), str(document.get("kind") or "")
+    if relative.rpartition("/")[2] in KUSTOMIZATION_FILES:
+        return ""
+    if api_version.startswith("kustomize.config.k8s.io") or (
+        not api_version and kind_ == "Kustomization"
+    ):
+        return ""
+    meta = document.get("metadata")
+    if not api_version:
+        return "resource must have `apiVersion`"
+    if not kind_:
+        return "resource must have `kind`"
+    if not isinstance(meta, dict) or not meta.get("name"):
+        return "resource must have `metadata.name`"
+    return ""
+
+
+def read_resources(text: str, relative: str, *, refused: list[str] | None = None) -> list[Any]:
+    """The objects of one file, annotated with where they came from. A document that is not a
+    KRM object is an error, or, given `refused`, noted there ("PATH: why") and kept."""
     documents = read_documents(text, relative)
     style = sequence_style(text)
     for index, document in enumerate(documents):
-        if not isinstance(document, dict) or not kind(document):
-            raise InvalidResourceList(f"{relative}: document {index} is not a KRM object")
-        header = _take_header(document)
-        annotations = metadata(document).setdefault("annotations", CommentedMap())
-        annotations[PATH_ANNOTATION] = relative
-        annotations[INDEX_ANNOTATION] = str(index)
-        if header:
-            annotations[HEADER_ANNOTATION] = header
-        if style == "wide":
-            annotations[SEQ_ANNOTATION] = style
+        why = not_krm(document, relative)
+        if why and (refused is None or not isinstance(document, dict)):
+            raise InvalidResourceList(f"{relative}: document {index} is not a KRM object: {why}")
+        if why:
+            refused.append(f"{relative}: {why}")  # type: ignore[union-attr]
+        _annotate(document, relative, index, style)
     return documents
+
+
+def _annotate(document: Any, relative: str, index: int, style: str) -> None:
+    header = _take_header(document)
+    annotations = metadata(document).setdefault("annotations", CommentedMap())
+    for key in INTERNAL:  # a file that came with them (a ResourceList written by kpt) loses them
+        annotations.pop(key, None)
+    annotations[LEGACY_INDEX_ANNOTATION] = str(index)
+    annotations[LEGACY_PATH_ANNOTATION] = relative
+    annotations[INDEX_ANNOTATION] = str(index)
+    annotations[PATH_ANNOTATION] = relative
+    annotations[SEQ_ANNOTATION] = style
+    if header:
+        annotations[HEADER_ANNOTATION] = header
 
 
 def _take_header(document: Any) -> str:
@@ -181,22 +383,28 @@ def source_of(resource: Any) -> tuple[str, int]:
 
 
 def strip_internal(resource: Any) -> Callable[[], None]:
-    """Remove the internal annotations (and an annotations map left empty); returns a function
-    that puts them back where they were."""
+    """Remove the internal annotations (and an annotations map left empty, and a metadata map
+    left empty: a document without metadata, a kustomization say); returns a function that puts
+    them back where they were."""
     meta = resource.get("metadata")
     notes = meta.get("annotations") if isinstance(meta, dict) else None
     if not isinstance(notes, dict):
         return lambda: None
     saved = [(key, notes.pop(key)) for key in INTERNAL if key in notes]
-    position = None
+    position = meta_position = None
     if not notes:
         position = list(meta).index("annotations")
         del meta["annotations"]
+        if not meta:
+            meta_position = list(resource).index("metadata")
+            del resource["metadata"]
     header = dict(saved).get(HEADER_ANNOTATION)
     if header:
         resource.ca.comment = [None, [CommentToken(str(header), CommentMark(0), None)]]
 
     def restore() -> None:
+        if meta_position is not None:
+            resource.insert(meta_position, "metadata", meta)
         if position is not None:
             meta.insert(position, "annotations", notes)
         for key, value in saved:
@@ -210,6 +418,19 @@ def strip_internal(resource: Any) -> Callable[[], None]:
 def default_path(resource: Any) -> str:
     meta = resource.get("metadata") or {}
     return f"{kind(resource).lower()}_{meta.get('name', 'unnamed')}.yaml"
+
+
+def unwrapped(resources: list[Any]) -> str:
+    """The resources as one YAML stream, without the annotations that say where they came from
+    (``kpt fn eval -o unwrap``)."""
+    restores = [strip_internal(resource) for resource in resources]
+    try:
+        out = io.StringIO()
+        yaml().dump_all(resources, out)
+        return out.getvalue()
+    finally:
+        for restore in restores:
+            restore()
 
 
 def render_files(resources: list[Any]) -> dict[str, str]:

@@ -185,15 +185,18 @@ def restore_comment_columns(node: Any, columns: Mapping[CommentKey, int]) -> Non
 
 
 def format_result(result: Mapping[str, Any]) -> str:
-    """``[severity] apiVersion/kind/namespace/name field: message`` (parts present only)."""
+    """A result as kpt prints it: ``[severity] apiVersion/kind/namespace/name field: message``,
+    each part only when present (severity defaults to info)."""
     ref = result.get("resourceRef") or {}
+    line = f"[{result.get('severity') or INFO}]"
     where = "/".join(
         str(ref[key]) for key in ("apiVersion", "kind", "namespace", "name") if ref.get(key)
     )
     field = (result.get("field") or {}).get("path", "")
-    subject = " ".join(part for part in (where, str(field)) if part)
-    severity = result.get("severity", "error")
-    return f"[{severity}] {subject + ': ' if subject else ''}{result.get('message', '')}"
+    for part in (where, field):
+        if part:
+            line += f" {part}"
+    return f"{line}: {result.get('message', '')}"
 
 
 def update_in_place(node: Any, value: Any) -> Any:
