@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -148,11 +149,12 @@ class KptReport:
     """kpt's progress on stderr: a ``Package "NAME":`` line per package, ``[RUNNING]`` and
     ``[PASS]``/``[FAIL]`` per function with its results and stderr (docs/krm.md, "CLI")."""
 
-    def __init__(self, top: Path | None = None) -> None:
+    def __init__(self, top: Path | None = None, count_resources: bool = False) -> None:
         self.top = top
         self.package_name = ""
         self.packages = 0
         self.out = sys.stderr
+        self.count_resources = count_resources  # kpt says "on N resource(s)" with selectors
 
     def package(self, package: Any) -> None:
         if self.packages:
@@ -174,6 +176,8 @@ class KptReport:
             return  # kpt refuses it before running anything
         name = step.function.removeprefix("exec: ")
         running = f"[RUNNING] {json.dumps(name)}"
+        if self.count_resources:
+            running += f" on {step.inputs} resource(s)"
         if self.package_name:
             running += f" on package {json.dumps(self.package_name)}"
         print(running, file=self.out)
@@ -186,7 +190,7 @@ class KptReport:
         stderr = step.stderr if step.ran else ""
         if stderr:
             print("  Stderr:", file=self.out)
-            for line in stderr.rstrip("\n").split("\n"):
+            for line in stderr.split("\n"):
                 print(f"    {line.strip()}", file=self.out)
         if not step.ok and step.ran:
             print(f"  Exit code: {step.exit_code}", file=self.out)
@@ -247,7 +251,7 @@ def _fn_render(args: argparse.Namespace) -> int:
     from runtime_server.krm.pipeline import PipelineError, render
     from runtime_server.krm.resources.package import PackageError
 
-    root = Path(args.dir)
+    root = _package_argument(args.dir)
     if args.output and args.output not in ("stdout", "unwrap") and Path(args.output).exists():
         print(
             f'directory "{args.output}" already exists, please delete the directory and retry',
@@ -279,6 +283,20 @@ def _fn_render(args: argparse.Namespace) -> int:
         return _write_output(outcome.items, args.output, root)
     report.summary(outcome.steps, failed=False)
     return EXIT_OK
+
+
+def _package_argument(directory: str) -> Path:
+    """The package a command names; a symlink is resolved, with kpt's warning."""
+    path = Path(directory)
+    if path.is_symlink():
+        resolved = os.path.relpath(path.resolve())
+        print(
+            f"[WARN] resolved symlink {json.dumps(directory)} to {json.dumps(resolved)}, please "
+            "note that the symlinks within the package are ignored",
+            file=sys.stderr,
+        )
+        return Path(resolved)
+    return path
 
 
 def _fn_config(path: str) -> Any:
@@ -319,10 +337,14 @@ def _selectors(args: argparse.Namespace, prefix: str) -> list[dict[str, Any]]:
 
 def _fn_eval(args: argparse.Namespace) -> int:
     from runtime_server.client import parse_pairs
-    from runtime_server.krm.pipeline import PipelineError, evaluate_one
+    from runtime_server.krm.pipeline import PipelineError, evaluate_one, save_function
     from runtime_server.krm.resources.package import PackageError
     from runtime_server.krm.resources.resourcelist import InvalidResourceList, ResourceList
 
+    if args.save and not args.type:
+        return _kpt_error(
+            UsageError("--type must be specified if saving functions to Kptfile (--save=true)")
+        )
     if bool(args.image) == bool(args.exec_command):
         raise UsageError("must specify exactly one of --image and --exec")
     try:
@@ -333,13 +355,20 @@ def _fn_eval(args: argparse.Namespace) -> int:
     spec["selectors"] = _selectors(args, "match")
     spec["exclude"] = _selectors(args, "exclude")
     from_stdin = args.dir == "-"
+    if args.include_meta_resources:
+        return _kpt_error(
+            UsageError(
+                "--include-meta-resources is no longer necessary because meta resources are now "
+                "included by default"
+            )
+        )
     if args.output and args.output not in ("stdout", "unwrap") and Path(args.output).exists():
         print(
             f'directory "{args.output}" already exists, please delete the directory and retry',
             file=sys.stderr,
         )
         return EXIT_FAILURE
-    report = KptReport()
+    report = KptReport(count_resources=bool(spec["selectors"] or spec["exclude"]))
     chain = chain_from_flags(args, "eval")
     try:
         config = _fn_config(args.fn_config) if args.fn_config else None
@@ -347,14 +376,14 @@ def _fn_eval(args: argparse.Namespace) -> int:
         if from_stdin:
             items = list(ResourceList.parse(sys.stdin.read()).items)
         outcome = evaluate_one(
-            None if from_stdin else Path(args.dir),
+            None if from_stdin else _package_argument(args.dir),
             spec,
             chain.evaluator(),
             config=config,
             data=data,
             dry_run=args.dry_run or bool(args.output),
             progress=report.step,
-            include_meta=args.include_meta_resources,
+            include_meta=True,
             items=items,
             results_dir=Path(args.results_dir) if args.results_dir else None,
         )
@@ -366,6 +395,9 @@ def _fn_eval(args: argparse.Namespace) -> int:
         return _write_output(outcome.items, args.output, None)
     if from_stdin:
         return _write_output(outcome.items, "stdout", None)
+    if args.save:
+        config_path = Path(args.fn_config) if args.fn_config else None
+        print(save_function(Path(args.dir), spec, args.type, config_path, data), file=sys.stderr)
     return EXIT_OK
 
 
@@ -421,6 +453,12 @@ def _add_fn_group(commands: Any) -> None:
         "-m", "--include-meta-resources", action="store_true", help="give it the Kptfiles too"
     )
     evaluate.add_argument("--dry-run", action="store_true", help="run, but write no file")
+    evaluate.add_argument(
+        "-s", "--save", action="store_true", help="add the function to the Kptfile's pipeline"
+    )
+    evaluate.add_argument(
+        "-t", "--type", choices=("mutator", "validator"), help="with --save: where it goes"
+    )
     for prefix in ("match", "exclude"):
         for flag in ("api-version", "kind", "name", "namespace"):
             evaluate.add_argument(f"--{prefix}-{flag}", metavar="VALUE")

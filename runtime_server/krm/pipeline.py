@@ -31,7 +31,11 @@ from runtime_server.krm.evaluators.base import EvalRequest, Evaluator
 from runtime_server.krm.evaluators.wrapper import WrapperEvaluator
 from runtime_server.krm.resources import kptfile, resourcelist
 from runtime_server.krm.resources.package import (
+    INDEX_ANNOTATION,
     KPTFILE,
+    LEGACY_INDEX_ANNOTATION,
+    LEGACY_PATH_ANNOTATION,
+    PATH_ANNOTATION,
     Package,
     load_package,
     not_krm,
@@ -42,6 +46,7 @@ from runtime_server.krm.resources.package import (
 )
 from runtime_server.krm.resources.resourcelist import (
     ResourceList,
+    annotations_of,
     comment_columns,
     kind,
     restore_comment_columns,
@@ -78,6 +83,7 @@ class Step:
     execution_error: str = ""
     spec: Mapping[str, Any] = field(default_factory=dict)  # the Kptfile's step, for the status
     ran: bool = True  # false for a step refused before running (it gets no results entry)
+    inputs: int = 0  # how many resources it was given
 
     @property
     def ok(self) -> bool:
@@ -205,8 +211,11 @@ class Runner:
         before = render_files(items) if self.diffs and not validator else {}
         # A validator works on a copy: whatever it changes is discarded.
         rl = ResourceList.of([_copy(i) for i in chosen] if validator else list(chosen), config)
+        step.inputs = len(chosen)
         deadline = time.monotonic() + self.timeout
         started = time.perf_counter()
+        prefix = package.relative if package else ""
+        before_paths = _enter(rl.items, prefix)
         try:
             if exec_command:
                 log = self._exec(exec_command, rl, package, deadline)
@@ -218,6 +227,7 @@ class Runner:
             step.evaluator, step.skipped = exc.evaluator, exc.skipped
             if isinstance(exc, NotFoundError):
                 step.skipped = exc.tried
+            _leave(chosen, prefix, before_paths)
             step.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             step.exit_code, step.stderr = 1, str(exc)
             if isinstance(exc, FunctionError):
@@ -230,6 +240,9 @@ class Runner:
         step.duration = time.perf_counter() - started
         step.stderr = log.decode("utf-8", "replace")
         step.results = [dict(r) for r in rl.results if isinstance(r, dict)]
+        wrong_path = _leave(rl.items, prefix, before_paths)
+        if wrong_path:
+            self._refuse(step, wrong_path, items, where)
         if validator:
             self._record(step)
             return items
@@ -271,6 +284,58 @@ class Runner:
         self.steps.append(step)
         if self.progress is not None:
             self.progress(step)
+
+
+def _enter(items: list[Any], prefix: str) -> dict[int, tuple[str, str]]:
+    """Before a subpackage's function runs, make the items' paths its package's, as kpt gives
+    them; returns each item's (path, index) to tell later which annotation the function moved."""
+    before = {}
+    for item in items:
+        notes = annotations_of(item)
+        for key in (PATH_ANNOTATION, LEGACY_PATH_ANNOTATION):
+            if key in notes and prefix:
+                notes[key] = str(notes[key]).removeprefix(prefix)
+        before[id(item)] = (
+            str(notes.get(PATH_ANNOTATION, "")),
+            str(notes.get(INDEX_ANNOTATION, "")),
+        )
+    return before
+
+
+def _leave(items: list[Any], prefix: str, before: dict[int, tuple[str, str]]) -> str:
+    """After a function: reconcile the legacy and internal path/index annotations (the one the
+    function changed wins), make paths the top package's again, and check kpt's rules: a path
+    stays inside the package (an absolute one is taken from the package's root) and names one
+    document once. Returns what is wrong, or ""."""
+    seen: set[tuple[str, str]] = set()
+    for item in items:
+        notes = annotations_of(item)
+        if not notes:
+            continue  # a new resource without a path: it gets a file of its own (render_files)
+        old_path, old_index = before.get(id(item), (None, None))
+        for internal, legacy, old in (
+            (PATH_ANNOTATION, LEGACY_PATH_ANNOTATION, old_path),
+            (INDEX_ANNOTATION, LEGACY_INDEX_ANNOTATION, old_index),
+        ):
+            new, new_legacy = notes.get(internal), notes.get(legacy)
+            if new_legacy is not None and (new is None or (new == old and new_legacy != old)):
+                notes[internal] = new_legacy
+            elif new is not None and new_legacy != new:
+                notes[legacy] = new
+        path = notes.get(PATH_ANNOTATION)
+        if path is None:
+            continue
+        clean = os.path.normpath(str(path).lstrip("/"))
+        if clean == ".." or clean.startswith("../"):
+            return (
+                f"function must not modify resources outside of package: resource has path {path}"
+            )
+        key = (clean, str(notes.get(INDEX_ANNOTATION, "0")))
+        if key in seen:
+            return f'resource at path "{clean}" and index "{key[1]}" already exists'
+        seen.add(key)
+        notes[PATH_ANNOTATION] = notes[LEGACY_PATH_ANNOTATION] = f"{prefix}{clean}"
+    return ""
 
 
 def _take_output(rl: ResourceList, output: bytes) -> None:
@@ -532,6 +597,51 @@ def evaluate_one(
     if root is not None and not dry_run:
         write_package(root, outcome, prune=True)
     return outcome
+
+
+def save_function(
+    root: Path,
+    spec: Mapping[str, Any],
+    stage: str,
+    config_path: Path | None,
+    data: Mapping[str, str],
+) -> str:
+    """``kpt fn eval --save``: put the function that ran in the package's Kptfile pipeline
+    (`stage` "mutator" or "validator"), replacing one of the same image or command. Returns
+    what kpt says about it."""
+    try:
+        text = (root / KPTFILE).read_text()
+    except FileNotFoundError:
+        return "function not added: Kptfile not exists"
+    document = resourcelist.load(text)
+    function: dict[str, Any] = {}
+    if spec.get("image"):
+        function["image"] = qualified(str(spec["image"]))
+    else:
+        function["exec"] = str(spec["exec"])
+    if config_path is not None:
+        function["configPath"] = os.path.relpath(config_path.resolve(), root.resolve())
+    elif data:
+        function["configMap"] = dict(data)
+    for key in ("selectors", "exclude"):
+        if spec.get(key):
+            function[key] = list(spec[key])
+    pipeline = document.setdefault("pipeline", CommentedMap())
+    functions = list(pipeline.get(f"{stage}s") or [])
+    name = function.get("image") or function["exec"]
+    message = f'Added "{name}" as {stage} in the Kptfile.'
+    for index, existing in enumerate(functions):
+        same = existing.get("image") if "image" in function else existing.get("exec")
+        if same == name:
+            functions[index] = function
+            message = f'Updated "{name}" as {stage} in the Kptfile.'
+            break
+    else:
+        functions.append(function)
+    pipeline[f"{stage}s"] = functions
+    target = root / KPTFILE
+    os.replace(_stage(target, kptfile.canonical_text(document)), target)
+    return message
 
 
 def changed(path: str, before: str | None, after: str) -> bool:

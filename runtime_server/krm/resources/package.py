@@ -261,17 +261,15 @@ class PackageError(Exception):
 
 
 def _check_symlink(path: Path, relative: str) -> None:
-    """Symlinks inside a package are not followed, as kpt ignores them; one that is dangling or
-    loops back into its own directory is an error, so that it is fixed rather than missed."""
+    """Symlinks inside a package are not followed, as kpt ignores them (one back to the package
+    or above it included); one that is dangling or a loop of links is an error, so that it is
+    fixed rather than missed."""
     try:
-        target = path.resolve(strict=True)
+        path.resolve(strict=True)
     except FileNotFoundError:
         raise PackageError(f"{relative}: dangling symlink to {os.readlink(path)}") from None
     except (OSError, RuntimeError):  # a loop of links: RuntimeError, or ELOOP from the kernel
         raise PackageError(f"{relative}: symlink loop") from None
-    parent = path.parent.resolve()
-    if target.is_dir() and (target == parent or target in parent.parents):
-        raise PackageError(f"{relative}: symlink loop (it points to {target}, which holds it)")
 
 
 def _read_dir(package: Package, directory: Path, relative: str, ignore: list[str]) -> None:
