@@ -149,12 +149,12 @@ class KptReport:
     """kpt's progress on stderr: a ``Package "NAME":`` line per package, ``[RUNNING]`` and
     ``[PASS]``/``[FAIL]`` per function with its results and stderr (docs/krm.md, "CLI")."""
 
-    def __init__(self, top: Path | None = None, count_resources: bool = False) -> None:
+    def __init__(self, top: Path | None = None, results_dir: str | None = None) -> None:
         self.top = top
         self.package_name = ""
         self.packages = 0
         self.out = sys.stderr
-        self.count_resources = count_resources  # kpt says "on N resource(s)" with selectors
+        self.results_dir = results_dir
 
     def package(self, package: Any) -> None:
         if self.packages:
@@ -176,7 +176,7 @@ class KptReport:
             return  # kpt refuses it before running anything
         name = step.function.removeprefix("exec: ")
         running = f"[RUNNING] {json.dumps(name)}"
-        if self.count_resources:
+        if step.spec.get("selectors") or step.spec.get("exclude"):
             running += f" on {step.inputs} resource(s)"
         if self.package_name:
             running += f" on package {json.dumps(self.package_name)}"
@@ -211,6 +211,12 @@ class KptReport:
             )
         else:
             print(f"Failed to execute any functions in {self.packages} package(s).", file=self.out)
+        self.results()
+
+    def results(self) -> None:
+        if self.results_dir:
+            path = os.path.join(self.results_dir, "results.yaml")
+            print(f"For complete results, see {path}", file=self.out)
 
 
 def _kpt_error(exc: Exception) -> int:
@@ -258,7 +264,7 @@ def _fn_render(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_FAILURE
-    report = KptReport(root)
+    report = KptReport(root, args.results_dir)
     chain = chain_from_flags(args, "render")
     try:
         outcome = render(
@@ -368,7 +374,7 @@ def _fn_eval(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_FAILURE
-    report = KptReport(count_resources=bool(spec["selectors"] or spec["exclude"]))
+    report = KptReport(results_dir=args.results_dir)
     chain = chain_from_flags(args, "eval")
     try:
         config = _fn_config(args.fn_config) if args.fn_config else None
@@ -387,10 +393,14 @@ def _fn_eval(args: argparse.Namespace) -> int:
             items=items,
             results_dir=Path(args.results_dir) if args.results_dir else None,
         )
-    except (PipelineError, PackageError, UsageError, InvalidResourceList, OSError) as exc:
+    except PipelineError as exc:
+        report.results()
+        return _kpt_error(exc)
+    except (PackageError, UsageError, InvalidResourceList, OSError) as exc:
         return _kpt_error(exc)
     finally:
         chain.close()
+    report.results()
     if args.output:
         return _write_output(outcome.items, args.output, None)
     if from_stdin:

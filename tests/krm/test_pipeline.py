@@ -341,7 +341,9 @@ def test_fnkernel_render_prints_a_line_per_step_and_eval_takes_key_values(packag
     assert lines[0].startswith(
         "[1] db/: mutator ghcr.io/kptdev/krm-functions-catalog/set-annotations (builtin)"
     )
-    assert lines[3].startswith("[4] validator") and lines[3].endswith("ok · 1 info")
+    # set-annotations reports each place it annotated: two Kptfiles, the Deployment and its pod
+    # template, the Service and the ConfigMap
+    assert lines[3].startswith("[4] validator") and lines[3].endswith("ok · 6 info")
     assert "files changed: Kptfile, db/Kptfile, db/configmap.yaml, deploy.yaml" in done.stdout
     done = subprocess.run(
         [

@@ -1,19 +1,22 @@
-"""``set-labels`` and ``set-annotations`` (krm-functions-catalog, written from their documentation).
+"""``set-labels`` and ``set-annotations``, as the catalog's functions behave (docs/krm.md,
+"Builtin functions").
 
-Each label/annotation is added or replaced on every object's metadata and, as kustomize's
-commonLabels / commonAnnotations field specs say, in the selectors and pod templates that must
-agree with it (a Service's selector, a Deployment's matchLabels and template, ...). A field spec
-with ``create`` makes missing maps; without it only existing ones change.
+set-labels labels every object's metadata and, by kind, the selectors and pod templates that
+must agree with it, creating a selector only where the kind requires one. set-annotations
+annotates at kustomize's commonAnnotations field specs plus the config's
+``additionalAnnotationFields``.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ruamel.yaml.comments import CommentedMap
 
+from runtime_server.krm.resources.package import INDEX_ANNOTATION, PATH_ANNOTATION
 from runtime_server.krm.resources.resourcelist import (
     ERROR,
     INFO,
@@ -21,6 +24,7 @@ from runtime_server.krm.resources.resourcelist import (
     FunctionFailure,
     ResourceList,
     Result,
+    annotations_of,
     api_group,
     is_local_config,
     kind,
@@ -30,15 +34,35 @@ from runtime_server.krm.resources.resourcelist import (
 
 @dataclass(frozen=True)
 class FieldSpec:
+    """A kustomize field spec: the `path` (``/``-separated) in objects of a kind; an empty
+    kind, group or version matches any. With `create`, missing maps on the path are made."""
+
     path: str
     create: bool = False
     kind: str = ""
-    group: str | None = None  # None: any group
+    group: str = ""
+    version: str = ""
 
     def applies(self, obj: Mapping[str, Any]) -> bool:
-        if self.kind and kind(obj) != self.kind:  # type: ignore[arg-type]
-            return False
-        return self.group is None or api_group(obj) == self.group  # type: ignore[arg-type]
+        api_version = str(obj.get("apiVersion", "") or "")
+        group, _, version = api_version.rpartition("/")
+        return all(
+            not want or have == want
+            for have, want in ((kind(obj), self.kind), (group, self.group), (version, self.version))  # type: ignore[arg-type]
+        )
+
+    @classmethod
+    def of(cls, node: Any) -> FieldSpec:
+        """From a config's ``additionalAnnotationFields`` entry."""
+        if not isinstance(node, Mapping) or not node.get("path"):
+            raise ValueError("each of `additionalAnnotationFields` needs a `path`")
+        return cls(
+            str(node["path"]),
+            bool(node.get("create", False)),
+            str(node.get("kind", "") or ""),
+            str(node.get("group", "") or ""),
+            str(node.get("version", "") or ""),
+        )
 
 
 _AFFINITY = [
@@ -53,7 +77,7 @@ _TOPOLOGY = "spec/template/spec/topologySpreadConstraints/labelSelector/matchLab
 
 ANNOTATION_SPECS = (
     FieldSpec("metadata/annotations", create=True),
-    FieldSpec("spec/template/metadata/annotations", True, "ReplicationController", ""),
+    FieldSpec("spec/template/metadata/annotations", True, "ReplicationController", "", "v1"),
     FieldSpec("spec/template/metadata/annotations", True, "Deployment"),
     FieldSpec("spec/template/metadata/annotations", True, "ReplicaSet"),
     FieldSpec("spec/template/metadata/annotations", True, "DaemonSet"),
@@ -64,47 +88,71 @@ ANNOTATION_SPECS = (
 )
 
 
-def read_pairs(config: Mapping[str, Any] | None, custom_kind: str, field: str) -> dict[str, str]:
-    """The key/value pairs from a ConfigMap's ``data`` or a ``fn.kpt.dev`` custom resource."""
-    if not config:
-        raise ValueError(f"FunctionConfig is missing. Expect `ConfigMap.v1` or `{custom_kind}`")
-    if kind(config) == "ConfigMap":  # type: ignore[arg-type]
+def _annotation_config(config: Mapping[str, Any] | None) -> tuple[dict[str, str], list[FieldSpec]]:
+    """(annotations, extra field specs) from set-annotations' functionConfig: a ConfigMap's
+    data, or ``fn.kpt.dev/v1alpha1 SetAnnotations`` (``annotations`` and
+    ``additionalAnnotationFields``; ``fieldSpecs`` is the old name of the latter)."""
+    config = config or {}
+    api_version, kind_ = config.get("apiVersion"), config.get("kind")
+    extra: list[FieldSpec] = []
+    if (api_version, kind_) == ("v1", "ConfigMap"):
         pairs = config.get("data") or {}
-    elif kind(config) == custom_kind:  # type: ignore[arg-type]
-        pairs = config.get(field) or {}
+    elif api_version == "fn.kpt.dev/v1alpha1" and kind_ in (
+        "SetAnnotations",
+        "SetAnnotationConfig",
+    ):
+        pairs = config.get("annotations") or {}
+        fields, old_fields = config.get("additionalAnnotationFields"), config.get("fieldSpecs")
+        if fields is not None and old_fields is not None:
+            raise ValueError(
+                "`fieldSpecs` has been deprecated, please rename it to `additionalAnnotationFields`"
+            )
+        extra = [
+            FieldSpec.of(node) for node in (fields if fields is not None else old_fields) or []
+        ]
     else:
-        raise ValueError(
-            f"unknown functionConfig Kind={kind(config)}, expect `ConfigMap.v1` or `{custom_kind}`"  # type: ignore[arg-type]
-        )
+        raise ValueError("`functionConfig` must be a `ConfigMap` or `SetAnnotations`")
     if not isinstance(pairs, Mapping):
-        raise ValueError(f"`{field}` must be a map of strings")
-    return {str(key): str(value) for key, value in pairs.items()}
+        raise ValueError("`annotations` must be a map of strings")
+    if not pairs:
+        raise ValueError("input annotation list cannot be empty")
+    return {str(k): str(v) for k, v in pairs.items()}, extra
 
 
-def apply_pairs(rl: ResourceList, pairs: Mapping[str, str], specs: tuple[FieldSpec, ...]) -> int:
-    """Write `pairs` at every field spec that applies; how many values changed."""
-    changed = 0
-    for obj in rl.items:
-        for spec in specs:
-            if not spec.applies(obj):
-                continue
-            for target in walk(obj, spec.path.split("/"), create=spec.create):
-                for key, value in pairs.items():
-                    if target.get(key) != value:
-                        target[key] = value
-                        changed += 1
-    return changed
-
-
-def _run(rl: ResourceList, custom_kind: str, field: str, specs: tuple[FieldSpec, ...]) -> None:
+def set_annotations(rl: ResourceList) -> None:
+    """set-annotations as the catalog's function does it: every object (local-config ones too)
+    at each field spec, with one result per file, document and field listing what was set."""
     try:
-        pairs = read_pairs(rl.function_config, custom_kind, field)
+        annotations, extra = _annotation_config(rl.function_config)
     except ValueError as exc:
         rl.add_results([Result(str(exc), ERROR)])
         return
-    changed = apply_pairs(rl, pairs, specs)
-    what = "label" if field == "labels" else "annotation"
-    rl.add_results([Result(f"set {len(pairs)} {what}(s): {changed} value(s) changed", INFO)])
+    specs = (*extra, *ANNOTATION_SPECS)
+    applied: dict[tuple[str, int, str], dict[str, str]] = {}
+    for obj in rl.items:
+        notes = annotations_of(obj)
+        path = str(notes.get(PATH_ANNOTATION, ""))
+        index = int(str(notes.get(INDEX_ANNOTATION, "0")) or 0)
+        for spec in specs:
+            if not spec.applies(obj):
+                continue
+            parts = spec.path.split("/")
+            for target in walk(obj, parts, create=spec.create):
+                target.update(annotations)
+                field = ".".join(part.removesuffix("[]") for part in parts)
+                applied.setdefault((path, index, field), {}).update(annotations)
+    if not applied:
+        rl.add_results([Result("no annotations applied", "")])
+        return
+    results = []
+    for (path, index, field), values in sorted(applied.items()):
+        text = json.dumps(dict(sorted(values.items())), separators=(",", ":"))
+        results.append(
+            Result(
+                f"set annotations: {text}", "", field_path=field, file_path=path, file_index=index
+            )
+        )
+    rl.add_results(results)
 
 
 def is_gvk(obj: Mapping[str, Any], group: str, version: str, kind_: str) -> bool:
@@ -243,6 +291,7 @@ def config_pairs(
 
 
 def set_labels(rl: ResourceList) -> None:
+    """set-labels (the catalog's rules: ``_LabelSetter``)."""
     try:
         labels = config_pairs(rl.function_config, "SetLabels", "labels")
     except ValueError as exc:
@@ -263,7 +312,3 @@ def set_labels(rl: ResourceList) -> None:
     for obj in objects:
         setter.object(obj)
     rl.add_results([Result(f"set {setter.count} labels in total", INFO)])
-
-
-def set_annotations(rl: ResourceList) -> None:
-    _run(rl, "SetAnnotations", "annotations", ANNOTATION_SPECS)

@@ -105,10 +105,17 @@ def read_documents(text: str, source: str) -> list[Any]:
     return [doc for doc in documents if doc is not None]
 
 
+# ruamel.yaml's words for a problem → Go's YAML reader's, which kpt prints.
+_GO_YAML_WORDS = {
+    "mapping values are not allowed here": "mapping values are not allowed in this context"
+}
+
+
 def _yaml_error(exc: Exception) -> str:
     """A YAML parse error as Go's reader words it: ``yaml: line N: problem``."""
     mark = getattr(exc, "context_mark", None) or getattr(exc, "problem_mark", None)
     problem = getattr(exc, "problem", None) or str(exc)
+    problem = _GO_YAML_WORDS.get(problem, problem)
     return f"yaml: line {mark.line + 1}: {problem}" if mark is not None else f"yaml: {problem}"
 
 

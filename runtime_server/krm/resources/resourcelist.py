@@ -63,15 +63,20 @@ class Result:
     field_path: str = ""
     file_path: str = ""
     tags: dict[str, str] = field(default_factory=dict)
+    file_index: int = 0
 
     def to_yaml(self) -> CommentedMap:
-        node = CommentedMap(message=self.message, severity=self.severity)
+        node = CommentedMap(message=self.message)
+        if self.severity:  # a catalog function may leave it out
+            node["severity"] = self.severity
         if self.resource:
             node["resourceRef"] = CommentedMap(self.resource)
         if self.field_path:
             node["field"] = CommentedMap(path=self.field_path)
         if self.file_path:
             node["file"] = CommentedMap(path=self.file_path)
+            if self.file_index:
+                node["file"]["index"] = self.file_index
         if self.tags:
             node["tags"] = CommentedMap(self.tags)
         return node
