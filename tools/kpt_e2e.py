@@ -108,6 +108,12 @@ def not_applicable(case: Case) -> str:
     for script in (case.path / EXPECTED).glob("*.sh"):
         if FOREIGN_TOOLS.search(script.read_text()):
             return f"{script.name} uses a container runtime or the network"
+    if any(
+        "tag:" in kptfile.read_text()
+        for kptfile in case.path.rglob("Kptfile")
+        if EXPECTED not in kptfile.parts
+    ):
+        return "a semver `tag:` (resolving it needs the image registry)"
     for image in sorted(images_of(case)):
         name = bare_name(image).split(":")[0]
         if name not in FUNCTIONS and name not in MISSING_IMAGES:

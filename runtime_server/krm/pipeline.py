@@ -37,6 +37,9 @@ from runtime_server.krm.resources.package import (
     LEGACY_PATH_ANNOTATION,
     PATH_ANNOTATION,
     Package,
+    PackageError,
+    check_config_paths,
+    default_path,
     load_package,
     not_krm,
     read_resources,
@@ -49,6 +52,7 @@ from runtime_server.krm.resources.resourcelist import (
     annotations_of,
     comment_columns,
     kind,
+    metadata,
     restore_comment_columns,
 )
 
@@ -310,8 +314,12 @@ def _leave(items: list[Any], prefix: str, before: dict[int, tuple[str, str]]) ->
     seen: set[tuple[str, str]] = set()
     for item in items:
         notes = annotations_of(item)
-        if not notes:
-            continue  # a new resource without a path: it gets a file of its own (render_files)
+        if PATH_ANNOTATION not in notes and LEGACY_PATH_ANNOTATION not in notes:
+            if prefix:  # a resource a subpackage's function made lives in that subpackage
+                notes = metadata(item).setdefault("annotations", CommentedMap())
+                notes[PATH_ANNOTATION] = notes[LEGACY_PATH_ANNOTATION] = default_path(item)
+            else:
+                continue  # it gets a file of its own in the package (render_files)
         old_path, old_index = before.get(id(item), (None, None))
         for internal, legacy, old in (
             (PATH_ANNOTATION, LEGACY_PATH_ANNOTATION, old_path),
@@ -450,6 +458,12 @@ def _render(package: Package, runner: Runner) -> list[Any]:
             raise
     if runner.on_package is not None:
         runner.on_package(package)
+    try:
+        check_config_paths(package)
+    except PackageError as exc:
+        raise PipelineError(
+            str(exc), runner.steps, items=items, package=package.display, in_step=False
+        ) from None
     pipeline = package.pipeline
     mutators, validators = pipeline.get("mutators") or [], pipeline.get("validators") or []
     if not mutators and not validators:

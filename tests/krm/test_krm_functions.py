@@ -633,16 +633,31 @@ class TestStarlark:
         assert rl.results[-1]["message"] == "starlark script: fail: replicas too low"
         assert item(rl, "Deployment")["spec"]["replicas"] == 1
 
-    def test_print_lines_become_info_results(self) -> None:
-        rl = run_twice(
-            starlark_run,
+    def test_print_goes_to_stderr_not_results(self) -> None:
+        """docs/krm.md, "starlark": print() writes the function's stderr, as the catalog's
+        function does; it adds no result."""
+        rl = ResourceList.parse(
             rl_of(
                 DEPLOYMENTS,
                 starlark_config('print("seen", len(ctx.resource_list["items"]), "items")\n'),
-            ),
+            )
         )
-        assert rl.results[-1]["message"] == "seen 2 items"
-        assert rl.results[-1]["severity"] == "info"
+        starlark_run(rl)
+        assert rl.stderr == ["seen 2 items"]
+        assert rl.results == []
+
+    def test_untouched_items_keep_their_layout_when_others_are_removed(self) -> None:
+        """docs/krm.md, "starlark": a script that drops items leaves the others' nodes as they
+        were (no file is rewritten for nothing)."""
+        rl = ResourceList.parse(
+            rl_of(
+                DEPLOYMENTS,
+                starlark_config('ctx.resource_list["items"] = ctx.resource_list["items"][1:]\n'),
+            )
+        )
+        kept = rl.items[1]
+        starlark_run(rl)
+        assert len(rl.items) == 1 and rl.items[0] is kept
 
     def test_unchanged_parts_keep_their_comments(self) -> None:
         rl = run_twice(

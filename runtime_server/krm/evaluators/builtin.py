@@ -97,9 +97,10 @@ class BuiltinEvaluator:
             raise FunctionError(
                 f"{request.image} failed: {first}",
                 exit_code=1,
-                stderr=FAILURE_STDERR,
+                stderr="\n".join([*rl.stderr, FAILURE_STDERR]),
                 results=[dict(r) for r in rl.results if isinstance(r, dict)],
             )
+        log = "\n".join(rl.stderr).encode()
         if request.parsed is not None:
-            return EvalResponse(b"", b"", self.name, parsed=rl)
-        return EvalResponse(rl.to_bytes(), b"", self.name)
+            return EvalResponse(b"", log, self.name, parsed=rl)
+        return EvalResponse(rl.to_bytes(), log, self.name)

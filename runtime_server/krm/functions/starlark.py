@@ -3,7 +3,8 @@ implementation (Rust ``starlark``), not a homegrown interpreter.
 
 functionConfig: ``fn.kpt.dev/v1alpha1 StarlarkRun`` with ``source`` (the script) and optional
 ``params``. The script sees ``ctx.resource_list`` (items, functionConfig, results) and changes it
-in place; ``fail(msg)`` ends it with an error result; ``print(...)`` lines become info results.
+in place; ``fail(msg)`` ends it with an error result; ``print(...)`` goes to the function's
+stderr, as in the catalog's function.
 The changes are applied onto the ResourceList node by node, so what the script did not change
 keeps its comments and style.
 """
@@ -17,7 +18,6 @@ import starlark as sl
 
 from runtime_server.krm.resources.resourcelist import (
     ERROR,
-    INFO,
     ResourceList,
     Result,
     api_group,
@@ -53,14 +53,15 @@ def starlark_run(rl: ResourceList) -> None:
     try:
         sl.eval(module, sl.parse(f"{name}.star", PRELUDE + source, _dialect()), globals_)
     except sl.StarlarkError as exc:
+        rl.stderr += printed
         rl.add_results([Result(f"starlark {name}: {_first_error(str(exc))}", ERROR)])
         return
+    rl.stderr += printed
     changed: Any = module["_resource_list"]
     if not isinstance(changed, dict) or not isinstance(changed.get("items"), list):
         rl.add_results([Result(f"starlark {name}: ctx.resource_list lost its items", ERROR)])
         return
     update_in_place(rl.document, changed)
-    rl.add_results([Result(line, INFO, tags={"source": "print"}) for line in printed])
 
 
 def _first_error(text: str) -> str:

@@ -222,7 +222,7 @@ def invalid(field: str, value: str, reason: str) -> str:
     text = f"Kptfile is invalid:\nField: `{field}`\n"
     if value:
         text += f"Value: {go_quote(value)}\n"
-    return text + f"Reason: {reason}"
+    return text + f"Reason: {reason}\n"
 
 
 def go_quote(text: str) -> str:

@@ -165,7 +165,6 @@ def load_package(root: Path, relative: str = "", *, require_kptfile: bool = True
         package.texts[f"{relative}{KPTFILE}"] = (root / KPTFILE).read_text()
     _check_config_files(package)
     _read_dir(package, root, relative, _ignore_patterns(root))
-    _check_config_paths(package)
     return package
 
 
@@ -208,8 +207,9 @@ def _check_config_files(package: Package) -> None:
             raise refuse(f"functionConfig {kptfile.go_quote(path)}: {why}")
 
 
-def _check_config_paths(package: Package) -> None:
-    """A configPath names one of the package's own resources (not a subpackage's)."""
+def check_config_paths(package: Package) -> None:
+    """A configPath names one of the package's own resources (not a subpackage's); kpt checks
+    it as the package's pipeline starts."""
     own = {source_of(resource)[0] for resource in package.resources}
     for field_name, stage, path in _config_paths(package):
         if f"{package.relative}{os.path.normpath(path)}" not in own:

@@ -87,6 +87,7 @@ class ResourceList:
 
     def __init__(self, document: dict[str, Any]) -> None:
         self.document = document
+        self.stderr: list[str] = []  # what a builtin function prints on its stderr
 
     @classmethod
     def parse(cls, data: bytes | str) -> ResourceList:
@@ -218,9 +219,39 @@ def update_in_place(node: Any, value: Any) -> Any:
         for index, new in enumerate(value):
             node[index] = update_in_place(node[index], new)
         return node
+    if isinstance(node, list) and isinstance(value, list):
+        # Elements were added or removed: keep each surviving object's node (found by its
+        # identity), so that it keeps its comments and style.
+        old = {_identity(element): element for element in node if _identity(element)}
+        merged = [
+            update_in_place(old[key], new) if (key := _identity(new)) in old else block_style(new)
+            for new in value
+        ]
+        node[:] = merged
+        return node
     if isinstance(node, dict | list) or isinstance(value, dict | list) or node != value:
         return block_style(value)
     return node
+
+
+def _identity(value: Any) -> tuple[str, ...] | None:
+    """What names a KRM object in a list: where it came from if known, else its kind and name."""
+    if not isinstance(value, dict) or not isinstance(value.get("metadata"), dict):
+        return None
+    meta = value["metadata"]
+    notes = meta.get("annotations") if isinstance(meta.get("annotations"), dict) else {}
+    where = tuple(
+        str(notes.get(k, ""))
+        for k in ("internal.config.kubernetes.io/path", "internal.config.kubernetes.io/index")
+    )
+    if any(where):
+        return where
+    return (
+        str(value.get("apiVersion")),
+        str(value.get("kind")),
+        str(meta.get("namespace")),
+        str(meta.get("name")),
+    )
 
 
 def block_style(value: Any) -> Any:
