@@ -563,9 +563,9 @@ def render(
         if failure is not None:
             raise failure
         return outcome
-    top = _top_kptfile(items) if save else None
+    top = _top_kptfile(items) if save else None  # else the Kptfile as it is on disk
     outcome.after[KPTFILE] = status_text(
-        top if top is not None else package.kptfile_resource, runner.steps, failure
+        top if top is not None else package.kptfile, runner.steps, failure
     )
     if not dry_run:
         write_package(root, outcome, prune=failure is None)

@@ -630,7 +630,7 @@ class TestStarlark:
         data = rl_of(DEPLOYMENTS, starlark_config('fail("replicas too low")\n'))
         rl = run(starlark_run, data)
         assert rl.has_errors()
-        assert rl.results[-1]["message"] == "starlark script: fail: replicas too low"
+        assert rl.results[-1]["message"] == "fail: replicas too low"  # the catalog's words
         assert item(rl, "Deployment")["spec"]["replicas"] == 1
 
     def test_print_goes_to_stderr_not_results(self) -> None:

@@ -12,6 +12,7 @@ keeps its comments and style.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import starlark as sl
@@ -54,7 +55,7 @@ def starlark_run(rl: ResourceList) -> None:
         sl.eval(module, sl.parse(f"{name}.star", PRELUDE + source, _dialect()), globals_)
     except sl.StarlarkError as exc:
         rl.stderr += printed
-        rl.add_results([Result(f"starlark {name}: {_first_error(str(exc))}", ERROR)])
+        rl.add_results([Result(_error_message(str(exc), name), ERROR)])
         return
     rl.stderr += printed
     changed: Any = module["_resource_list"]
@@ -64,8 +65,20 @@ def starlark_run(rl: ResourceList) -> None:
     update_in_place(rl.document, changed)
 
 
-def _first_error(text: str) -> str:
+def _error_message(text: str, name: str) -> str:
+    """A Starlark error as the catalog's function words one: ``fail: why`` for ``fail()``,
+    ``NAME:LINE:COL: problem`` for an error at a place in the script."""
+    problem = ""
     for line in text.splitlines():
         if line.startswith("error:"):
-            return line.removeprefix("error:").strip()
-    return text.strip().splitlines()[-1] if text.strip() else "failed"
+            problem = line.removeprefix("error:").strip()
+            break
+    if not problem:
+        problem = text.strip().splitlines()[-1] if text.strip() else "failed"
+    if problem.startswith("fail:"):
+        return problem
+    place = re.search(rf"{re.escape(name)}\.star:(\d+):(\d+)", text)
+    if place:
+        line_number = int(place.group(1)) - PRELUDE.count("\n")  # our prelude is not theirs
+        return f"{name}:{line_number}:{place.group(2)}: {problem}"
+    return f"{name}: {problem}"
