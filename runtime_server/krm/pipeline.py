@@ -135,10 +135,13 @@ class PipelineError(Exception):
         self.package = package
         self.in_step = in_step
         self.handled = handled  # a function failure: its output already says why
+        self.breadth_first_in = ""  # the subpackage a breadth-first render failed in
 
     def condition(self) -> str:
         """The message kpt writes in the Kptfile's ``Rendered`` condition."""
         why = "already handled error" if self.handled else str(self)
+        if self.breadth_first_in:
+            why = f"pkg {self.breadth_first_in}: {why}"
         if self.in_step:
             return f"pkg.render: pkg {self.package}:\n\tpipeline.run: {why}"
         return f"pkg.render: pkg {self.package}: {why}"
@@ -231,7 +234,7 @@ class Runner:
             step.evaluator, step.skipped = exc.evaluator, exc.skipped
             if isinstance(exc, NotFoundError):
                 step.skipped = exc.tried
-            _leave(chosen, prefix, before_paths)
+            _leave(rl.items, prefix, before_paths)  # what _enter changed (a validator's copies)
             step.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             step.exit_code, step.stderr = 1, str(exc)
             if isinstance(exc, FunctionError):
@@ -456,6 +459,62 @@ def _render(package: Package, runner: Runner) -> list[Any]:
         except PipelineError as exc:
             exc.items = items + (exc.items or [])
             raise
+    return _run_pipeline(package, items, runner)
+
+
+def _render_breadth_first(top: Package, runner: Runner) -> list[Any]:
+    """kpt's breadth-first render (``kpt.dev/bfs-rendering``): each package's pipeline runs
+    before its subpackages', over its resources and all its descendants' as they are then; the
+    output goes back to the package each resource belongs to."""
+    order, queue = [], [top]
+    while queue:
+        package = queue.pop(0)
+        order.append(package)
+        queue += package.subpackages
+    owned = {package.relative: package.local_resources() for package in order}
+
+    def descendants(package: Package) -> list[Any]:
+        found = []
+        for sub in package.subpackages:
+            found += owned[sub.relative] + descendants(sub)
+        return found
+
+    def give_back(package: Package, output: list[Any]) -> None:
+        mine = {package.relative, *(p.relative for p in _all_below(package))}
+        for relative in mine:
+            owned[relative] = []
+        for item in output:
+            path = source_of(item)[0]
+            owner = max(
+                (r for r in mine if r and path.startswith(r)), key=len, default=package.relative
+            )
+            owned[owner].append(item)
+
+    for package in order:
+        items = owned[package.relative] + descendants(package)
+        try:
+            output = _run_pipeline(package, items, runner)
+        except PipelineError as exc:
+            give_back(package, exc.items if exc.items is not None else items)
+            exc.items = [item for p in order for item in owned[p.relative]]
+            if package is not top:  # kpt reports it under the top package's pipeline
+                exc.breadth_first_in = package.display
+            exc.package = top.display
+            exc.in_step = True
+            raise
+        give_back(package, output)
+    return [item for package in order for item in owned[package.relative]]
+
+
+def _all_below(package: Package) -> list[Package]:
+    found = []
+    for sub in package.subpackages:
+        found += [sub, *_all_below(sub)]
+    return found
+
+
+def _run_pipeline(package: Package, items: list[Any], runner: Runner) -> list[Any]:
+    """One package's own pipeline over `items`: mutators in order, then validators."""
     if runner.on_package is not None:
         runner.on_package(package)
     try:
@@ -542,17 +601,11 @@ def render(
     )
     before = package.all_texts()
     failure: PipelineError | None = None
+    breadth_first = _flag(package.kptfile, kptfile.BFS_RENDER)
     try:
-        items = _render(package, runner)
+        items = (_render_breadth_first if breadth_first else _render)(package, runner)
     except PipelineError as exc:
-        failure = PipelineError(
-            str(exc),
-            runner.steps,
-            items=exc.items,
-            package=exc.package,
-            in_step=exc.in_step,
-            handled=exc.handled,
-        )
+        failure = exc
         items = exc.items or []
     finally:
         if results_dir is not None:
