@@ -155,10 +155,15 @@ class KptReport:
         self.packages = 0
         self.out = sys.stderr
         self.results_dir = results_dir
+        self.blank_pending = False  # kpt ends each package whose pipeline ran with a blank line
+
+    def _end_package(self) -> None:
+        if self.blank_pending:
+            print("", file=self.out)
+            self.blank_pending = False
 
     def package(self, package: Any) -> None:
-        if self.packages:
-            print("", file=self.out)
+        self._end_package()
         self.packages += 1
         name = Path(package.root).resolve().name
         self.package_name = (
@@ -172,6 +177,7 @@ class KptReport:
         from runtime_server.krm.pipeline import EXEC_NOT_ALLOWED
         from runtime_server.krm.resources.resourcelist import format_result
 
+        self.blank_pending = bool(self.package_name) and step.ok
         if step.execution_error == EXEC_NOT_ALLOWED:
             return  # kpt refuses it before running anything
         name = step.function.removeprefix("exec: ")
@@ -195,22 +201,19 @@ class KptReport:
         if not step.ok and step.ran:
             print(f"  Exit code: {step.exit_code}", file=self.out)
 
-    def summary(self, steps: list[Any], failed: bool) -> None:
+    def finish(self, steps: list[Any], *, summary: bool, failed: bool = False) -> None:
+        """The end of a render: kpt's summary line (in place only; after a failure only when
+        what succeeded was saved), then where results.yaml went."""
+        self._end_package()
         ran = sum(1 for s in steps if s.ok)
-        if self.packages:
-            print("", file=self.out)
-        if not failed:
-            print(
-                f"Successfully executed {ran} function(s) in {self.packages} package(s).",
-                file=self.out,
-            )
-        elif ran:
-            print(
-                f"Partially executed {ran} function(s) in {self.packages} package(s).",
-                file=self.out,
-            )
-        else:
-            print(f"Failed to execute any functions in {self.packages} package(s).", file=self.out)
+        if summary and not failed:
+            line = f"Successfully executed {ran} function(s) in {self.packages} package(s)."
+        elif summary and ran:
+            line = f"Partially executed {ran} function(s) in {self.packages} package(s)."
+        elif summary:
+            line = f"Failed to execute any functions in {self.packages} package(s)."
+        if summary:
+            print(line, file=self.out)
         self.results()
 
     def results(self) -> None:
@@ -231,11 +234,10 @@ def _kpt_error(exc: Exception) -> int:
 def _write_output(items: list[Any], output: str, package: Path | None) -> int:
     """``-o``: a ResourceList on stdout (``stdout``), the bare resources (``unwrap``), or the
     package's files in a new directory."""
-    from runtime_server.krm.resources.package import render_files, unwrapped
-    from runtime_server.krm.resources.resourcelist import ResourceList
+    from runtime_server.krm.resources.package import render_files, resource_list_text, unwrapped
 
     if output == "stdout":
-        sys.stdout.write(ResourceList.of(items).to_bytes().decode())
+        sys.stdout.write(resource_list_text(items))
     elif output == "unwrap":
         sys.stdout.write(unwrapped(items))
     else:
@@ -246,7 +248,7 @@ def _write_output(items: list[Any], output: str, package: Path | None) -> int:
                 file=sys.stderr,
             )
             return EXIT_FAILURE
-        for path, text in render_files(items).items():
+        for path, text in render_files(items, tidy=True).items():
             target = destination / path
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(text)
@@ -279,15 +281,15 @@ def _fn_render(args: argparse.Namespace) -> int:
             in_place=not args.output,
         )
     except PipelineError as exc:
-        report.summary(exc.steps, failed=True)
+        report.finish(exc.steps, summary=exc.saved, failed=True)
         return _kpt_error(exc)
     except (PackageError, FileNotFoundError, ValueError) as exc:
         return _kpt_error(exc)
     finally:
         chain.close()
+    report.finish(outcome.steps, summary=not args.output)
     if args.output:
         return _write_output(outcome.items, args.output, root)
-    report.summary(outcome.steps, failed=False)
     return EXIT_OK
 
 
@@ -344,8 +346,8 @@ def _selectors(args: argparse.Namespace, prefix: str) -> list[dict[str, Any]]:
 def _fn_eval(args: argparse.Namespace) -> int:
     from runtime_server.client import parse_pairs
     from runtime_server.krm.pipeline import PipelineError, evaluate_one, save_function
-    from runtime_server.krm.resources.package import PackageError
-    from runtime_server.krm.resources.resourcelist import InvalidResourceList, ResourceList
+    from runtime_server.krm.resources.package import PackageError, resource_list_items
+    from runtime_server.krm.resources.resourcelist import InvalidResourceList
 
     if args.save and not args.type:
         return _kpt_error(
@@ -380,7 +382,7 @@ def _fn_eval(args: argparse.Namespace) -> int:
         config = _fn_config(args.fn_config) if args.fn_config else None
         items = None
         if from_stdin:
-            items = list(ResourceList.parse(sys.stdin.read()).items)
+            items = resource_list_items(sys.stdin.read())
         outcome = evaluate_one(
             None if from_stdin else _package_argument(args.dir),
             spec,
@@ -424,10 +426,9 @@ def _fn_source(args: argparse.Namespace) -> int:
 
 def _fn_sink(args: argparse.Namespace) -> int:
     """``kpt fn sink DIR``: a ResourceList from stdin written out as files in DIR."""
-    from runtime_server.krm.resources.resourcelist import ResourceList
+    from runtime_server.krm.resources.package import resource_list_items
 
-    items = list(ResourceList.parse(sys.stdin.read()).items)
-    return _write_output(items, args.dir, None)
+    return _write_output(resource_list_items(sys.stdin.read()), args.dir, None)
 
 
 def _add_fn_group(commands: Any) -> None:

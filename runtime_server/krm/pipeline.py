@@ -105,7 +105,7 @@ class Step:
             return entry
         errors = [r for r in self.results if r.get("severity") == resourcelist.ERROR]
         entry.update(
-            stderr=self.stderr.rstrip("\n"),
+            stderr=self.stderr,
             exitCode=self.exit_code if not self.ok else 0,
             results=self.results,
             errorResults=errors,
@@ -136,6 +136,7 @@ class PipelineError(Exception):
         self.in_step = in_step
         self.handled = handled  # a function failure: its output already says why
         self.breadth_first_in = ""  # the subpackage a breadth-first render failed in
+        self.saved = False  # what succeeded was written (kpt.dev/save-on-render-failure)
 
     def condition(self) -> str:
         """The message kpt writes in the Kptfile's ``Rendered`` condition."""
@@ -624,6 +625,7 @@ def render(
         write_package(root, outcome, prune=failure is None)
     if failure is not None:
         failure.steps = runner.steps
+        failure.saved = save
         raise failure
     return outcome
 

@@ -22,6 +22,7 @@ from runtime_server.krm.resources.resourcelist import (
     ResourceList,
     Result,
     api_group,
+    identity,
     kind,
     update_in_place,
 )
@@ -62,7 +63,19 @@ def starlark_run(rl: ResourceList) -> None:
     if not isinstance(changed, dict) or not isinstance(changed.get("items"), list):
         rl.add_results([Result(f"starlark {name}: ctx.resource_list lost its items", ERROR)])
         return
+    known = {identity(item) for item in rl.items}
+    for index, item in enumerate(changed["items"]):
+        if identity(item) not in known:  # made by the script: the catalog writes it sorted
+            changed["items"][index] = _sorted(item)
     update_in_place(rl.document, changed)
+
+
+def _sorted(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _sorted(value[key]) for key in sorted(value)}
+    if isinstance(value, list):
+        return [_sorted(element) for element in value]
+    return value
 
 
 def _error_message(text: str, name: str) -> str:

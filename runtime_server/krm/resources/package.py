@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ruamel.yaml.comments import CommentedMap
+from ruamel.yaml.comments import CommentedMap, CommentedSeq
 from ruamel.yaml.error import CommentMark
+from ruamel.yaml.scalarstring import SingleQuotedScalarString
 from ruamel.yaml.tokens import CommentToken
 
 from runtime_server.krm.resources import kptfile
@@ -387,10 +388,11 @@ def source_of(resource: Any) -> tuple[str, int]:
     return str(notes.get(PATH_ANNOTATION, "")), int(notes.get(INDEX_ANNOTATION, 0) or 0)
 
 
-def strip_internal(resource: Any) -> Callable[[], None]:
+def strip_internal(resource: Any, *, tidy: bool = False) -> Callable[[], None]:
     """Remove the internal annotations (and an annotations map left empty, and a metadata map
     left empty: a document without metadata, a kustomization say); returns a function that puts
-    them back where they were."""
+    them back where they were. `tidy`: drop the blank lines after the leading comment, as kpt
+    does writing a package somewhere new."""
     meta = resource.get("metadata")
     notes = meta.get("annotations") if isinstance(meta, dict) else None
     if not isinstance(notes, dict):
@@ -405,7 +407,8 @@ def strip_internal(resource: Any) -> Callable[[], None]:
             del resource["metadata"]
     header = dict(saved).get(HEADER_ANNOTATION)
     if header:
-        resource.ca.comment = [None, [CommentToken(str(header), CommentMark(0), None)]]
+        text = str(header).rstrip("\n") + "\n" if tidy else str(header)
+        resource.ca.comment = [None, [CommentToken(text, CommentMark(0), None)]]
 
     def restore() -> None:
         if meta_position is not None:
@@ -428,19 +431,93 @@ def default_path(resource: Any) -> str:
 def unwrapped(resources: list[Any]) -> str:
     """The resources as one YAML stream, without the annotations that say where they came from
     (``kpt fn eval -o unwrap``)."""
-    restores = [strip_internal(resource) for resource in resources]
-    try:
-        out = io.StringIO()
-        yaml().dump_all(resources, out)
-        return out.getvalue()
-    finally:
-        for restore in restores:
+    documents = []
+    for resource in resources:
+        style = _seq_style(resource)
+        restore = strip_internal(resource, tidy=True)
+        try:
+            documents.append(_dump(resource, style))
+        finally:
             restore()
+    return "---\n".join(documents)
 
 
-def render_files(resources: list[Any]) -> dict[str, str]:
+def resource_list_items(text: str) -> list[Any]:
+    """The items of a ResourceList as kpt prints one (``fn source``, ``-o stdout``), each with
+    the comment written before it kept as its leading comment."""
+    from runtime_server.krm.resources.resourcelist import ResourceList
+
+    document = ResourceList.parse(text).document
+    items = document["items"]
+    comments = [_take_first_comment(items)]
+    for previous in list(items)[:-1]:
+        comments.append(_take_trailing_comment(previous))
+    for item, comment in zip(items, comments, strict=True):
+        if comment:
+            metadata(item).setdefault("annotations", CommentedMap())[HEADER_ANNOTATION] = comment
+    return list(items)
+
+
+def _take_first_comment(items: Any) -> str:
+    comment = getattr(items, "ca", None) and items.ca.comment
+    if not comment or len(comment) < 2 or not comment[1]:
+        return ""
+    items.ca.comment = None
+    return "".join(token.value for token in comment[1] if token is not None)
+
+
+def _take_trailing_comment(node: Any) -> str:
+    """The whole-line comments after the last value of `node` (ruamel hangs the comment that
+    precedes the next list item there), taken off it."""
+    while True:
+        if isinstance(node, dict) and node:
+            key: Any = list(node)[-1]
+        elif isinstance(node, list) and node:
+            key = len(node) - 1
+        else:
+            return ""
+        child = node[key]
+        if isinstance(child, dict | list) and child:
+            node = child
+            continue
+        slot = node.ca.items.get(key) if hasattr(node, "ca") else None
+        position = 2 if isinstance(node, dict) else 0
+        token = slot[position] if slot and len(slot) > position else None
+        if token is None or "\n#" not in token.value:
+            return ""
+        end_of_line, _, rest = token.value.partition("\n")
+        token.value = end_of_line + "\n" if end_of_line.strip() else "\n"
+        return "".join(line + "\n" for line in rest.splitlines() if line.startswith("#"))
+
+
+def resource_list_text(resources: list[Any]) -> str:
+    """The resources as the ResourceList kpt prints (``-o stdout``, ``fn source``): each keeps
+    the annotations that say where it came from, quoted as kpt quotes them, and its leading
+    comment comes before it."""
+    items = CommentedSeq()
+    for resource in resources:
+        item = _copy_node(resource)
+        notes = metadata(item).get("annotations") or {}
+        header = notes.pop(HEADER_ANNOTATION, None)
+        if "annotations" in metadata(item) and not notes:
+            del metadata(item)["annotations"]
+        for key in INTERNAL:
+            if key in notes:
+                notes[key] = SingleQuotedScalarString(str(notes[key]))
+        items.append(item)
+        if header:
+            slot = items.ca.items.setdefault(len(items) - 1, [None, [], None, None])
+            slot[1] = [CommentToken(str(header).rstrip("\n") + "\n", CommentMark(0), None)]
+    document = CommentedMap(apiVersion="config.kubernetes.io/v1", kind="ResourceList")
+    document["items"] = items
+    out = io.StringIO()
+    yaml().dump(document, out)
+    return out.getvalue()
+
+
+def render_files(resources: list[Any], *, tidy: bool = False) -> dict[str, str]:
     """The package's files as they would be written: relative path → text, without the
-    internal annotations. `resources` are left as they were."""
+    internal annotations. `resources` are left as they were. `tidy`: see strip_internal."""
     by_file: dict[str, list[tuple[int, Any]]] = {}
     for position, resource in enumerate(resources):
         path, index = source_of(resource)
@@ -450,16 +527,29 @@ def render_files(resources: list[Any]) -> dict[str, str]:
     files = {}
     for path, entries in sorted(by_file.items()):
         documents = [resource for _, resource in sorted(entries, key=lambda entry: entry[0])]
-        notes = (documents[0].get("metadata") or {}).get("annotations") or {}
-        codec = yaml()
-        if notes.get(SEQ_ANNOTATION) == "wide":
-            codec.indent(mapping=2, sequence=4, offset=2)
-        restores = [strip_internal(document) for document in documents]
+        style = _seq_style(documents[0])
+        restores = [strip_internal(document, tidy=tidy) for document in documents]
         try:
-            out = io.StringIO()
-            codec.dump_all(documents, out)
-            files[path] = out.getvalue()
+            files[path] = _dump(documents, style, many=True)
         finally:
             for restore in restores:
                 restore()
     return files
+
+
+def _seq_style(resource: Any) -> str:
+    notes = (resource.get("metadata") or {}).get("annotations") or {}
+    return str(notes.get(SEQ_ANNOTATION, "compact"))
+
+
+def _dump(value: Any, style: str, *, many: bool = False) -> str:
+    """YAML text with sequences indented under their key or not (``style`` wide / compact)."""
+    codec = yaml()
+    if style == "wide":
+        codec.indent(mapping=2, sequence=4, offset=2)
+    out = io.StringIO()
+    if many:
+        codec.dump_all(value, out)
+    else:
+        codec.dump(value, out)
+    return out.getvalue()

@@ -222,9 +222,9 @@ def update_in_place(node: Any, value: Any) -> Any:
     if isinstance(node, list) and isinstance(value, list):
         # Elements were added or removed: keep each surviving object's node (found by its
         # identity), so that it keeps its comments and style.
-        old = {_identity(element): element for element in node if _identity(element)}
+        old = {identity(element): element for element in node if identity(element)}
         merged = [
-            update_in_place(old[key], new) if (key := _identity(new)) in old else block_style(new)
+            update_in_place(old[key], new) if (key := identity(new)) in old else block_style(new)
             for new in value
         ]
         node[:] = merged
@@ -234,7 +234,7 @@ def update_in_place(node: Any, value: Any) -> Any:
     return node
 
 
-def _identity(value: Any) -> tuple[str, ...] | None:
+def identity(value: Any) -> tuple[str, ...] | None:
     """What names a KRM object in a list: where it came from if known, else its kind and name."""
     if not isinstance(value, dict) or not isinstance(value.get("metadata"), dict):
         return None
