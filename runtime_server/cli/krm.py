@@ -222,12 +222,14 @@ class KptReport:
             print(f"For complete results, see {path}", file=self.out)
 
 
-def _kpt_error(exc: Exception) -> int:
+def _kpt_error(exc: Exception, prefix: str = "Error") -> int:
+    """kpt's last word on a failure ("Error: why"; fn eval says "error: why"); nothing more
+    after a function's own failure, which its output has shown."""
     from runtime_server.krm.pipeline import PipelineError
 
     if not (isinstance(exc, PipelineError) and exc.handled):
         text = str(exc)
-        print(text if text.startswith("Error:") else f"Error: {text}", file=sys.stderr)
+        print(text if text.startswith("Error:") else f"{prefix}: {text}", file=sys.stderr)
     return EXIT_FAILURE
 
 
@@ -316,8 +318,9 @@ def _fn_config(path: str) -> Any:
     if len(documents) > 1:
         raise UsageError(f"must not contain more than one config, got {len(documents)}")
     if not documents or not isinstance(documents[0], dict):
+        contents = f"{documents[0]}\n" if documents else ""
         raise UsageError(
-            "wrong node kind: expected MappingNode but got ScalarNode: node contents:\n" + text
+            f"wrong node kind: expected MappingNode but got ScalarNode: node contents:\n{contents}"
         )
     why = not_krm(documents[0], path)
     if why:
@@ -345,7 +348,12 @@ def _selectors(args: argparse.Namespace, prefix: str) -> list[dict[str, Any]]:
 
 def _fn_eval(args: argparse.Namespace) -> int:
     from runtime_server.client import parse_pairs
-    from runtime_server.krm.pipeline import PipelineError, evaluate_one, save_function
+    from runtime_server.krm.pipeline import (
+        PipelineError,
+        evaluate_one,
+        function_config,
+        save_function,
+    )
     from runtime_server.krm.resources.package import PackageError, resource_list_items
     from runtime_server.krm.resources.resourcelist import InvalidResourceList
 
@@ -379,7 +387,12 @@ def _fn_eval(args: argparse.Namespace) -> int:
     report = KptReport(results_dir=args.results_dir)
     chain = chain_from_flags(args, "eval")
     try:
-        config = _fn_config(args.fn_config) if args.fn_config else None
+        # kpt gives the function a ConfigMap named function-input, empty without `-- k=v`
+        config = (
+            _fn_config(args.fn_config)
+            if args.fn_config
+            else function_config({"configMap": data}, None, [])
+        )
         items = None
         if from_stdin:
             items = resource_list_items(sys.stdin.read())
@@ -397,9 +410,9 @@ def _fn_eval(args: argparse.Namespace) -> int:
         )
     except PipelineError as exc:
         report.results()
-        return _kpt_error(exc)
+        return _kpt_error(exc, "error")
     except (PackageError, UsageError, InvalidResourceList, OSError) as exc:
-        return _kpt_error(exc)
+        return _kpt_error(exc, "error")
     finally:
         chain.close()
     report.results()

@@ -95,6 +95,20 @@ class ConfigError(ValueError):
     pass
 
 
+def reference(obj: dict[str, Any] | None) -> dict[str, str] | None:
+    """A result's ``resourceRef`` to `obj` (apiVersion, kind, name, namespace as present)."""
+    if not obj:
+        return None
+    meta = obj.get("metadata") or {}
+    found = {
+        "apiVersion": str(obj.get("apiVersion") or ""),
+        "kind": kind(obj),
+        "name": str(meta.get("name") or ""),
+        "namespace": str(meta.get("namespace") or ""),
+    }
+    return {key: value for key, value in found.items() if value}
+
+
 def read_config(config: dict[str, Any] | None) -> tuple[str, str]:
     """(new namespace, matcher) from the functionConfig."""
     if not config:
@@ -181,7 +195,7 @@ def set_namespace(rl: ResourceList) -> None:
     try:
         new, matcher = read_config(rl.function_config)
     except ConfigError as exc:
-        rl.add_results([Result(str(exc), ERROR)])
+        rl.add_results([Result(str(exc), ERROR, resource=reference(rl.function_config))])
         return
     objects = [obj for obj in rl.items if not is_local_config(obj)]
     if not matcher:

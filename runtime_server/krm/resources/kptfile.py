@@ -16,7 +16,11 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
-from ruamel.yaml.scalarstring import DoubleQuotedScalarString, LiteralScalarString
+from ruamel.yaml.scalarstring import (
+    DoubleQuotedScalarString,
+    LiteralScalarString,
+    SingleQuotedScalarString,
+)
 
 from runtime_server.krm.resources.resourcelist import yaml
 
@@ -249,6 +253,9 @@ def canonical(node: Any, schema: Any = SCHEMA) -> Any:
 
 
 def _scalar(value: Any, schema: Any = str) -> Any:
+    """A string quoted as Go's YAML writer quotes it: a literal block when it has lines,
+    double quotes when plain it would read back as another type, single quotes when it cannot
+    be plain, plain otherwise."""
     if schema is int:
         return int(value)
     text = str(value)
@@ -256,7 +263,19 @@ def _scalar(value: Any, schema: Any = str) -> Any:
         return LiteralScalarString(text)
     if text.lower() in _NOT_PLAIN or _looks_numeric(text):
         return DoubleQuotedScalarString(text)
+    if _not_plain(text):
+        return SingleQuotedScalarString(text)
     return text
+
+
+def _not_plain(text: str) -> bool:
+    return (
+        text[0] in "-?:,[]{}#&*!|>'\"%@`"
+        or text != text.strip()
+        or ": " in text
+        or " #" in text
+        or text.endswith(":")
+    )
 
 
 def _looks_numeric(text: str) -> bool:
