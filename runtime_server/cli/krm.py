@@ -407,6 +407,7 @@ def _fn_eval(args: argparse.Namespace) -> int:
             include_meta=True,
             items=items,
             results_dir=Path(args.results_dir) if args.results_dir else None,
+            config_file=Path(args.fn_config) if args.fn_config else None,
         )
     except PipelineError as exc:
         report.results()

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ruamel.yaml.comments import CommentedMap
+from ruamel.yaml.comments import CommentedMap, CommentedSeq
 
 from runtime_server.errors import EvaluatorError, FunctionError, NotFoundError
 from runtime_server.krm.evaluators.base import EvalRequest, Evaluator
@@ -40,6 +40,7 @@ from runtime_server.krm.resources.package import (
     PackageError,
     check_config_paths,
     default_path,
+    dump_text,
     load_package,
     not_krm,
     read_resources,
@@ -642,6 +643,7 @@ def evaluate_one(
     include_meta: bool = False,
     items: list[Any] | None = None,
     results_dir: Path | None = None,
+    config_file: Path | None = None,
 ) -> Outcome:
     """``kpt fn eval``: one function (`spec`: ``image`` or ``exec``, and ``selectors`` /
     ``exclude`` as in a Kptfile) over the resources under `root` (with `include_meta`, the
@@ -653,6 +655,11 @@ def evaluate_one(
         package = load_package(root, require_kptfile=False)
         items = package.all_resources(meta=include_meta)
         before = package.all_texts()
+        if config_file is not None and config_file.resolve().is_relative_to(root.resolve()):
+            # the function's own config, kept in the package, is not among its input (kpt)
+            own = os.path.relpath(config_file.resolve(), root.resolve())
+            items = [item for item in items if source_of(item)[0] != own]
+            before.pop(own, None)  # nor is its file the function's to keep or remove
     items = list(items or [])
     if config is None and data:
         config = function_config({"configMap": dict(data)}, None, items)
@@ -696,20 +703,23 @@ def save_function(
         if spec.get(key):
             function[key] = list(spec[key])
     pipeline = document.setdefault("pipeline", CommentedMap())
-    functions = list(pipeline.get(f"{stage}s") or [])
+    functions = pipeline.get(f"{stage}s")
+    if not isinstance(functions, list):
+        functions = pipeline[f"{stage}s"] = CommentedSeq()
     name = function.get("image") or function["exec"]
     message = f'Added "{name}" as {stage} in the Kptfile.'
+    node = resourcelist.block_style(function)
     for index, existing in enumerate(functions):
         same = existing.get("image") if "image" in function else existing.get("exec")
         if same == name:
-            functions[index] = function
+            functions[index] = node
             message = f'Updated "{name}" as {stage} in the Kptfile.'
             break
     else:
-        functions.append(function)
-    pipeline[f"{stage}s"] = functions
+        functions.append(node)
+    # kpt writes the Kptfile with its sequences indented, keeping its comments
     target = root / KPTFILE
-    os.replace(_stage(target, kptfile.canonical_text(document)), target)
+    os.replace(_stage(target, dump_text(document, "wide")), target)
     return message
 
 

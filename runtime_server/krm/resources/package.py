@@ -436,7 +436,7 @@ def unwrapped(resources: list[Any]) -> str:
         style = _seq_style(resource)
         restore = strip_internal(resource, tidy=True)
         try:
-            documents.append(_dump(resource, style))
+            documents.append(dump_text(resource, style))
         finally:
             restore()
     return "---\n".join(documents)
@@ -530,7 +530,7 @@ def render_files(resources: list[Any], *, tidy: bool = False) -> dict[str, str]:
         style = _seq_style(documents[0])
         restores = [strip_internal(document, tidy=tidy) for document in documents]
         try:
-            files[path] = _dump(documents, style, many=True)
+            files[path] = dump_text(documents, style, many=True)
         finally:
             for restore in restores:
                 restore()
@@ -542,7 +542,7 @@ def _seq_style(resource: Any) -> str:
     return str(notes.get(SEQ_ANNOTATION, "compact"))
 
 
-def _dump(value: Any, style: str, *, many: bool = False) -> str:
+def dump_text(value: Any, style: str, *, many: bool = False) -> str:
     """YAML text with sequences indented under their key or not (``style`` wide / compact)."""
     codec = yaml()
     if style == "wide":

@@ -37,7 +37,12 @@ def yaml() -> YAML:
     codec = YAML(typ="rt")
     codec.preserve_quotes = True
     codec.width = 4096  # never fold a long string
+    codec.representer.add_representer(type(None), _null)  # `key: null`, as Go writes it
     return codec
+
+
+def _null(representer: Any, _: None) -> Any:
+    return representer.represent_scalar("tag:yaml.org,2002:null", "null")
 
 
 def load(data: bytes | str) -> Any:
