@@ -22,7 +22,7 @@ from runtime_server.krm.resources.resourcelist import (
     ResourceList,
     Result,
     api_group,
-    identity,
+    block_style,
     kind,
     update_in_place,
 )
@@ -36,16 +36,55 @@ def _dialect() -> sl.Dialect:
     return dialect
 
 
+DEFAULT_NAME = "starlark-function-run"
+# Modules a script may load(), as the catalog's function offers them; only JSON is here.
+LOADABLE = {"encoding/json.star": "json"}
+
+
+def read_config(config: Any) -> tuple[str, str]:
+    """(script name, source) from a ``StarlarkRun`` or a ConfigMap (``data.source``)."""
+    if not config:
+        raise ValueError("FunctionConfig is missing. Expect `ConfigMap` or `StarlarkRun`")
+    if kind(config) == "ConfigMap" and api_group(config) == "":
+        source = (config.get("data") or {}).get("source")
+    elif kind(config) == "StarlarkRun" and api_group(config) == "fn.kpt.dev":
+        source = config.get("source")
+    else:
+        found = f"{config.get('apiVersion')}, Kind={kind(config)}"
+        raise ValueError(
+            "`functionConfig` must be either /v1, Kind=ConfigMap or "
+            f"fn.kpt.dev/v1alpha1, Kind=StarlarkRun, but we got: {found}"
+        )
+    name = str((config.get("metadata") or {}).get("name") or DEFAULT_NAME)
+    if not isinstance(source, str) or not source:
+        raise ValueError("`source` must not be empty")
+    return name, source
+
+
+def _loader(name: str) -> sl.FrozenModule:
+    """``load()``: the modules in LOADABLE, each a builtin of starlark-pyo3 under its name."""
+    module = sl.Module()
+    if name == "builtin.star":  # a builtin can only leave its scope through a function
+        globals_ = sl.Globals.extended_by([sl.LibraryExtension.Json])
+        source = "def _get():\n  return json\nbuiltin_json = _get()\n"
+        sl.eval(module, sl.parse(name, source, _dialect()), globals_)
+    elif name in LOADABLE:
+        source = f"load('builtin.star', 'builtin_json')\n{LOADABLE[name]} = builtin_json\n"
+        sl.eval(module, sl.parse(name, source, _dialect()), sl.Globals.standard(), _LOADER)
+    else:
+        raise FileNotFoundError(f"cannot load {name}: only {', '.join(LOADABLE)} can be loaded")
+    return module.freeze()
+
+
+_LOADER = sl.FileLoader(_loader)
+
+
 def starlark_run(rl: ResourceList) -> None:
-    config = rl.function_config
-    if not config or kind(config) != "StarlarkRun" or api_group(config) != "fn.kpt.dev":
-        rl.add_results([Result("functionConfig must be a fn.kpt.dev/v1alpha1 StarlarkRun", ERROR)])
+    try:
+        name, source = read_config(rl.function_config)
+    except ValueError as exc:
+        rl.add_results([Result(str(exc), ERROR)])
         return
-    source = config.get("source")
-    if not isinstance(source, str) or not source.strip():
-        rl.add_results([Result("StarlarkRun: `source` (the script) is required", ERROR)])
-        return
-    name = str((config.get("metadata") or {}).get("name") or "starlark")
     document = json.loads(json.dumps(rl.document, default=str))  # plain values for Starlark
     printed: list[str] = []
     module = sl.Module()
@@ -53,7 +92,7 @@ def starlark_run(rl: ResourceList) -> None:
     module.add_callable("print", lambda *args: printed.append(" ".join(map(str, args))))
     globals_ = sl.Globals.extended_by([sl.LibraryExtension.StructType, sl.LibraryExtension.Json])
     try:
-        sl.eval(module, sl.parse(f"{name}.star", PRELUDE + source, _dialect()), globals_)
+        sl.eval(module, sl.parse(f"{name}.star", PRELUDE + source, _dialect()), globals_, _LOADER)
     except sl.StarlarkError as exc:
         rl.stderr += printed
         rl.add_results([Result(_error_message(str(exc), name), ERROR)])
@@ -63,11 +102,8 @@ def starlark_run(rl: ResourceList) -> None:
     if not isinstance(changed, dict) or not isinstance(changed.get("items"), list):
         rl.add_results([Result(f"starlark {name}: ctx.resource_list lost its items", ERROR)])
         return
-    known = {identity(item) for item in rl.items}
-    for index, item in enumerate(changed["items"]):
-        if identity(item) not in known:  # made by the script: the catalog writes it sorted
-            changed["items"][index] = _sorted(item)
-    update_in_place(rl.document, changed)
+    # What the script made is written as the catalog's function writes it: keys sorted.
+    update_in_place(rl.document, changed, made=lambda value: block_style(_sorted(value)))
 
 
 def _sorted(value: Any) -> Any:

@@ -8,7 +8,7 @@ add (severity error, warning or info).
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -210,32 +210,38 @@ def format_result(result: Mapping[str, Any]) -> str:
     return f"{line}: {result.get('message', '')}"
 
 
-def update_in_place(node: Any, value: Any) -> Any:
+def update_in_place(node: Any, value: Any, made: Callable[[Any], Any] | None = None) -> Any:
     """Make the ruamel.yaml `node` equal to the JSON `value`, changing only what differs, so
     the comments and the flow or block style of everything unchanged survive a JSON round trip.
-    Returns the node to use (a new one when the types differ)."""
+    Returns the node to use (a new one when the types differ). `made` turns a new value into
+    its node (default: block_style)."""
+    made = made or block_style
     if isinstance(node, dict) and isinstance(value, dict):
         for key in [k for k in node if k not in value]:
             del node[key]
         for key, new in value.items():
-            node[key] = update_in_place(node[key], new) if key in node else block_style(new)
+            node[key] = update_in_place(node[key], new, made) if key in node else made(new)
         return node
     if isinstance(node, list) and isinstance(value, list) and len(node) == len(value):
         for index, new in enumerate(value):
-            node[index] = update_in_place(node[index], new)
+            node[index] = update_in_place(node[index], new, made)
         return node
     if isinstance(node, list) and isinstance(value, list):
         # Elements were added or removed: keep each surviving object's node (found by its
-        # identity), so that it keeps its comments and style.
+        # identity, or by position in a list of anonymous elements), so that it keeps its
+        # comments and style.
         old = {identity(element): element for element in node if identity(element)}
-        merged = [
-            update_in_place(old[key], new) if (key := identity(new)) in old else block_style(new)
+        if not old:
+            kept = [update_in_place(n, v, made) for n, v in zip(node, value, strict=False)]
+            node[:] = kept + [made(new) for new in value[len(kept) :]]
+            return node
+        node[:] = [
+            update_in_place(old[key], new, made) if (key := identity(new)) in old else made(new)
             for new in value
         ]
-        node[:] = merged
         return node
     if isinstance(node, dict | list) or isinstance(value, dict | list) or node != value:
-        return block_style(value)
+        return made(value)
     return node
 
 
