@@ -515,7 +515,7 @@ def test_a_failing_krm_step_shows_its_results_and_raises_one_line(kernel: Kernel
     [line] = cell.error["traceback"]
     assert "`data.namespace` should not be empty" in line
     shown = cell.texts("display_data")[-1]
-    assert "[error]: `data.namespace` should not be empty" in shown
+    assert "[error] v1/ConfigMap/function-input: `data.namespace` should not be empty" in shown
     assert "failed: " in shown
 
 
