@@ -503,6 +503,57 @@ def _add_fn_group(commands: Any) -> None:
     sink.set_defaults(func=_fn_sink)
 
 
+# kpt pkg init's package context: a ConfigMap set-namespace reads the package name from.
+PACKAGE_CONTEXT = """\
+apiVersion: v1
+kind: ConfigMap
+metadata:
+  name: kptfile.kpt.dev
+  annotations:
+    config.kubernetes.io/local-config: "true"
+data:
+  name: example
+"""
+
+
+def _pkg_init(args: argparse.Namespace) -> int:
+    """``kpt pkg init [DIR]``: the files a package needs, each only if it is missing."""
+    from runtime_server.krm.resources import kptfile
+
+    root = Path(args.dir)
+    name = root.resolve().name
+    if not root.is_dir():
+        print(f"creating package directory {args.dir}", file=sys.stderr)
+        root.mkdir(parents=True)
+    document = {
+        "apiVersion": kptfile.API_VERSION,
+        "kind": kptfile.KIND,
+        "metadata": {"name": name, "annotations": {"config.kubernetes.io/local-config": "true"}},
+        "info": {"description": args.description},
+    }
+    files = {
+        "Kptfile": lambda: kptfile.canonical_text(document),
+        "README.md": lambda: f"# {name}\n\n## Description\n{args.description}\n",
+        "package-context.yaml": lambda: PACKAGE_CONTEXT,
+    }
+    for file_name, text in files.items():
+        if not (root / file_name).exists():
+            print(f"writing {os.path.join(args.dir, file_name)}", file=sys.stderr)
+            (root / file_name).write_text(text())
+    return EXIT_OK
+
+
+def _add_pkg_group(commands: Any) -> None:
+    pkg = commands.add_parser("pkg", help="kpt's pkg init (the rest of kpt pkg is not here)")
+    group = pkg.add_subparsers(dest="pkg_command", metavar="COMMAND", required=True)
+    init = group.add_parser(
+        "init", help="add a Kptfile, README.md and package context (kpt pkg init)"
+    )
+    init.add_argument("dir", metavar="DIR", nargs="?", default=".")
+    init.add_argument("--description", default="sample description")
+    init.set_defaults(func=_pkg_init)
+
+
 def _add_accepted(parser: argparse.ArgumentParser, *flags: str) -> None:
     """kpt flags that change nothing here (no containers, no network to allow)."""
     for flag in flags:
@@ -541,3 +592,4 @@ def register(commands: Any) -> None:
     add_chain_flags(evaluate)
     evaluate.set_defaults(func=_eval, pairs=[])  # `-- key=value ...`: cli.main takes them
     _add_fn_group(commands)
+    _add_pkg_group(commands)

@@ -638,3 +638,19 @@ def test_source_eval_sink_and_output_forms(tmp_path: Path) -> None:
     assert snapshot(package) == files  # -o: the package itself is not written
     code, _, err = fnkernel("fn", "render", str(package), "-o", str(tmp_path / "out"))
     assert code == 1 and 'directory "' in err and "already exists" in err
+
+
+def test_pkg_init_adds_only_the_missing_files(tmp_path: Path) -> None:
+    """docs/krm.md, "CLI": kpt pkg init writes a Kptfile, README.md and the package context
+    (a ConfigMap named kptfile.kpt.dev that set-namespace can read), each only if missing."""
+    files = {"Kptfile": kptfile(), "resources.yaml": DEPLOYMENT}
+    run = twice(tmp_path, files, "pkg", "init")
+    assert run.code == 0, run.stderr
+    assert run.files["Kptfile"] == files["Kptfile"]
+    context = documents(run.files["package-context.yaml"])[0]
+    assert (context["kind"], context["metadata"]["name"]) == ("ConfigMap", "kptfile.kpt.dev")
+    assert run.files["README.md"].startswith("# pkg\n")
+    fresh = tmp_path / "fresh"
+    code, _, err = fnkernel("pkg", "init", str(fresh))
+    assert code == 0, err
+    assert documents((fresh / "Kptfile").read_text())[0]["metadata"]["name"] == "fresh"
