@@ -729,6 +729,27 @@ class TestApplyReplacements:
         other = item(rl, "Deployment", "other")["spec"]["template"]["spec"]["containers"][0]
         assert other["image"] == "cart:0.9"
 
+    def test_a_bracketed_key_may_hold_dots(self) -> None:
+        """docs/krm.md, "Builtin functions": ``data.[app.kubernetes.io/app]`` names the key
+        ``app.kubernetes.io/app``, as in kustomize's field paths."""
+        rl = run_twice(
+            apply_replacements,
+            rl_of(
+                APP,
+                replacements_config(
+                    """\
+                    - source: {kind: ConfigMap, name: settings, fieldPath: data.image}
+                      targets:
+                      - select: {kind: Deployment, name: other}
+                        fieldPaths: ["metadata.labels.[app.kubernetes.io/image]"]
+                        options: {create: true}
+                    """
+                ),
+            ),
+        )
+        labels = item(rl, "Deployment", "other")["metadata"]["labels"]
+        assert labels["app.kubernetes.io/image"] == "registry.local/cart:2.1"
+
     def test_delimiter_and_index_replace_part_of_a_string(self) -> None:
         rl = run_twice(
             apply_replacements,
