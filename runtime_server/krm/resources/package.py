@@ -376,6 +376,7 @@ def _annotate(document: Any, relative: str, index: int, style: str) -> None:
 
 
 def _take_header(document: Any) -> str:
+    """The comment before a node's first entry, taken off it."""
     comment = getattr(document, "ca", None) and document.ca.comment
     if not comment or len(comment) < 2 or not comment[1]:
         return ""
@@ -449,21 +450,13 @@ def resource_list_items(text: str) -> list[Any]:
 
     document = ResourceList.parse(text).document
     items = document["items"]
-    comments = [_take_first_comment(items)]
+    comments = [_take_header(items)]  # the first item's comment hangs on the list itself
     for previous in list(items)[:-1]:
         comments.append(_take_trailing_comment(previous))
     for item, comment in zip(items, comments, strict=True):
         if comment:
             metadata(item).setdefault("annotations", CommentedMap())[HEADER_ANNOTATION] = comment
     return list(items)
-
-
-def _take_first_comment(items: Any) -> str:
-    comment = getattr(items, "ca", None) and items.ca.comment
-    if not comment or len(comment) < 2 or not comment[1]:
-        return ""
-    items.ca.comment = None
-    return "".join(token.value for token in comment[1] if token is not None)
 
 
 def _take_trailing_comment(node: Any) -> str:
