@@ -41,9 +41,11 @@ bench: $(STAMP)
 	$(VENV)/bin/fnkernel bench
 
 # kpt's own fn render / fn eval cases, judged as kpt judges them (docs/krm.md): KPT is a kpt
-# checkout, or KPT_MIRROR a bare clone of github.com/kptdev/kpt. Not part of `make test`.
+# checkout, or KPT_MIRROR a bare clone of github.com/kptdev/kpt; CATALOG_MIRROR, a bare clone of
+# github.com/kptdev/krm-functions-catalog, adds its examples. Not part of `make test`.
 kpt-e2e: $(STAMP)
-	$(PY) -m tools.kpt_e2e $(if $(KPT_MIRROR),--mirror $(KPT_MIRROR),--kpt $(KPT))
+	$(PY) -m tools.kpt_e2e $(if $(KPT_MIRROR),--mirror $(KPT_MIRROR),$(if $(KPT),--kpt $(KPT))) \
+		$(if $(CATALOG_MIRROR),--catalog $(CATALOG_MIRROR))
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -354,8 +354,10 @@ def main(argv: list[str] | None = None) -> int:
             suites.append(("catalog", catalog_cases(catalog), catalog / CATALOG_SUITE))
         if not suites:
             parser.error("give --kpt, --mirror or --catalog")
-        counts = {"agree": 0, "differ": 0, "n/a": 0}
+        summary = []
+        differ = 0
         for label, cases, workdir in suites:
+            counts = {"agree": 0, "differ": 0, "n/a": 0}
             for case in cases:
                 if args.only and args.only not in case.name:
                     continue
@@ -369,12 +371,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{'agree' if not why else 'DIFFER':<7} {label}: {case.name}")
                 if why and args.verbose:
                     print("    " + why.replace("\n", "\n    "))
-        applicable = counts["agree"] + counts["differ"]
-        print(
-            f"\n{counts['agree']} of {applicable} applicable cases agree with kpt "
-            f"({counts['n/a']} not applicable)"
-        )
-    return 0 if counts["differ"] == 0 else 1
+            applicable = counts["agree"] + counts["differ"]
+            summary.append(
+                f"{label}: {counts['agree']} of {applicable} applicable cases agree with kpt "
+                f"({counts['n/a']} not applicable)"
+            )
+            differ += counts["differ"]
+        print("\n" + "\n".join(summary))
+    return 0 if differ == 0 else 1
 
 
 if __name__ == "__main__":
