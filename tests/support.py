@@ -217,3 +217,8 @@ SLOW_PY = {
         """
     )
 }
+
+
+def but_kptfile(files: dict[str, str]) -> dict[str, str]:
+    """A package's files without the top Kptfile (the one a render writes its status to)."""
+    return {path: text for path, text in files.items() if path != "Kptfile"}

@@ -19,6 +19,7 @@ mirror (``--mirror GIT_DIR``). Not part of ``make test``: ``make kpt-e2e KPT=DIR
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import re
 import shutil
@@ -208,9 +209,9 @@ def run_once(case: Case, shims: Path, scratch: Path, e2e: Path) -> str:
     out = package / "out" if (case.path / "out").is_dir() else None
     env = dict(os.environ, PATH=f"{shims}{os.pathsep}{os.environ['PATH']}")
     env.update({str(k): str(v) for k, v in (config.get("env") or {}).items()})
-    for script in ("setup.sh",):
-        if (case.path / EXPECTED / script).is_file():
-            subprocess.run(["bash", str(case.path / EXPECTED / script)], cwd=package, env=env)
+    setup = case.path / EXPECTED / "setup.sh"
+    if setup.is_file():
+        subprocess.run(["bash", str(setup)], cwd=package, env=env, check=False)
     exec_script = case.path / EXPECTED / "exec.sh"
     if exec_script.is_file():
         argv, cwd = ["bash", str(exec_script)], package
@@ -270,8 +271,6 @@ def _normalized(diff: str, strip: str) -> str:
 
 
 def _differs(what: str, expected: str, actual: str) -> str:
-    import difflib
-
     lines = difflib.unified_diff(
         expected.splitlines(), actual.splitlines(), "expected", "actual", lineterm=""
     )

@@ -99,21 +99,16 @@ def _render(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     from runtime_server.client import parse_pairs
     from runtime_server.krm.pipeline import PipelineError, evaluate_one
-    from runtime_server.krm.resources.package import PackageError, read_documents
+    from runtime_server.krm.resources.package import PackageError
     from runtime_server.krm.resources.resourcelist import InvalidResourceList
 
     try:
         data = parse_pairs(args.pairs)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    config = None
     chain = chain_from_flags(args, "eval")
     try:
-        if args.fn_config:
-            documents = read_documents(Path(args.fn_config).read_text(), args.fn_config)
-            if len(documents) != 1:
-                raise UsageError(f"--fn-config {args.fn_config} must hold exactly one object")
-            config = documents[0]
+        config = _fn_config(args.fn_config) if args.fn_config else None
         outcome = evaluate_one(
             Path(args.dir),
             {"image": args.image},
@@ -180,7 +175,7 @@ class KptReport:
         self.blank_pending = bool(self.package_name) and step.ok
         if step.execution_error == EXEC_NOT_ALLOWED:
             return  # kpt refuses it before running anything
-        name = step.function.removeprefix("exec: ")
+        name = step.name
         running = f"[RUNNING] {json.dumps(name)}"
         if step.spec.get("selectors") or step.spec.get("exclude"):
             running += f" on {step.inputs} resource(s)"
@@ -233,7 +228,18 @@ def _kpt_error(exc: Exception, prefix: str = "Error") -> int:
     return EXIT_FAILURE
 
 
-def _write_output(items: list[Any], output: str, package: Path | None) -> int:
+def _taken(output: str | None) -> bool:
+    """``-o DIR`` must name a new directory (kpt's rule); says so if it does not."""
+    if output in (None, "", "stdout", "unwrap") or not Path(str(output)).exists():
+        return False
+    print(
+        f'directory "{output}" already exists, please delete the directory and retry',
+        file=sys.stderr,
+    )
+    return True
+
+
+def _write_output(items: list[Any], output: str) -> int:
     """``-o``: a ResourceList on stdout (``stdout``), the bare resources (``unwrap``), or the
     package's files in a new directory."""
     from runtime_server.krm.resources.package import render_files, resource_list_text, unwrapped
@@ -242,16 +248,11 @@ def _write_output(items: list[Any], output: str, package: Path | None) -> int:
         sys.stdout.write(resource_list_text(items))
     elif output == "unwrap":
         sys.stdout.write(unwrapped(items))
+    elif _taken(output):
+        return EXIT_FAILURE
     else:
-        destination = Path(output)
-        if destination.exists():
-            print(
-                f'directory "{output}" already exists, please delete the directory and retry',
-                file=sys.stderr,
-            )
-            return EXIT_FAILURE
         for path, text in render_files(items, tidy=True).items():
-            target = destination / path
+            target = Path(output) / path
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(text)
     return EXIT_OK
@@ -262,11 +263,7 @@ def _fn_render(args: argparse.Namespace) -> int:
     from runtime_server.krm.resources.package import PackageError
 
     root = _package_argument(args.dir)
-    if args.output and args.output not in ("stdout", "unwrap") and Path(args.output).exists():
-        print(
-            f'directory "{args.output}" already exists, please delete the directory and retry',
-            file=sys.stderr,
-        )
+    if _taken(args.output):
         return EXIT_FAILURE
     report = KptReport(root, args.results_dir)
     chain = chain_from_flags(args, "render")
@@ -291,7 +288,7 @@ def _fn_render(args: argparse.Namespace) -> int:
         chain.close()
     report.finish(outcome.steps, summary=not args.output)
     if args.output:
-        return _write_output(outcome.items, args.output, root)
+        return _write_output(outcome.items, args.output)
     return EXIT_OK
 
 
@@ -378,11 +375,7 @@ def _fn_eval(args: argparse.Namespace) -> int:
                 "included by default"
             )
         )
-    if args.output and args.output not in ("stdout", "unwrap") and Path(args.output).exists():
-        print(
-            f'directory "{args.output}" already exists, please delete the directory and retry',
-            file=sys.stderr,
-        )
+    if _taken(args.output):
         return EXIT_FAILURE
     report = KptReport(results_dir=args.results_dir)
     chain = chain_from_flags(args, "eval")
@@ -418,9 +411,9 @@ def _fn_eval(args: argparse.Namespace) -> int:
         chain.close()
     report.results()
     if args.output:
-        return _write_output(outcome.items, args.output, None)
+        return _write_output(outcome.items, args.output)
     if from_stdin:
-        return _write_output(outcome.items, "stdout", None)
+        return _write_output(outcome.items, "stdout")
     if args.save:
         config_path = Path(args.fn_config) if args.fn_config else None
         print(save_function(Path(args.dir), spec, args.type, config_path, data), file=sys.stderr)
@@ -435,14 +428,14 @@ def _fn_source(args: argparse.Namespace) -> int:
         package = load_package(Path(args.dir), require_kptfile=False)
     except (PackageError, FileNotFoundError) as exc:
         return _kpt_error(exc)
-    return _write_output(package.all_resources(meta=True), "stdout", None)
+    return _write_output(package.all_resources(meta=True), "stdout")
 
 
 def _fn_sink(args: argparse.Namespace) -> int:
     """``kpt fn sink DIR``: a ResourceList from stdin written out as files in DIR."""
     from runtime_server.krm.resources.package import resource_list_items
 
-    return _write_output(resource_list_items(sys.stdin.read()), args.dir, None)
+    return _write_output(resource_list_items(sys.stdin.read()), args.dir)
 
 
 def _add_fn_group(commands: Any) -> None:

@@ -94,13 +94,18 @@ class Step:
     def ok(self) -> bool:
         return not self.error
 
+    @property
+    def name(self) -> str:
+        """How kpt names the function: its image, or the exec command."""
+        return self.function.removeprefix("exec: ")
+
+    def reference(self) -> dict[str, str]:
+        """``{"image": IMAGE}`` or ``{"exec": COMMAND}``, as kpt's records name a function."""
+        return {"exec" if self.function.startswith("exec: ") else "image": self.name}
+
     def status(self) -> dict[str, Any]:
         """The step as kpt records it in the Kptfile's ``status.renderStatus``."""
-        entry: dict[str, Any] = {"name": self.spec.get("name", "")}
-        if self.function.startswith("exec: "):
-            entry["exec"] = self.function.removeprefix("exec: ")
-        else:
-            entry["image"] = self.function
+        entry: dict[str, Any] = {"name": self.spec.get("name", ""), **self.reference()}
         if self.execution_error:
             entry.update(executionError=self.execution_error, exitCode=1)
             return entry
@@ -210,16 +215,16 @@ class Runner:
             self._refuse(step, EXEC_NOT_ALLOWED, items, where)
         validator = stage == "validator"
         chosen = select(items, spec.get("selectors") or [], spec.get("exclude") or [])
-        refused = [
-            f"{source_of(i)[0]}: {why}" for i in chosen if (why := not_krm(i, source_of(i)[0]))
-        ]
+        refused = _not_krm_reason(chosen)
         if refused:
-            self._refuse(step, f"{NOT_KRM}: {refused[0]}", items, where)
+            self._refuse(step, refused, items, where)
         if config is None:
             config = function_config(spec, package, items)
         before = render_files(items) if self.diffs and not validator else {}
         # A validator works on a copy: whatever it changes is discarded.
-        rl = ResourceList.of([_copy(i) for i in chosen] if validator else list(chosen), config)
+        rl = ResourceList.of(
+            [resourcelist.deep_copy(i) for i in chosen] if validator else list(chosen), config
+        )
         step.inputs = len(chosen)
         deadline = time.monotonic() + self.timeout
         started = time.perf_counter()
@@ -295,6 +300,16 @@ class Runner:
             self.progress(step)
 
 
+def _not_krm_reason(items: list[Any]) -> str:
+    """kpt's refusal of the first item that is not a KRM object, or ""."""
+    for item in items:
+        path = source_of(item)[0]
+        why = not_krm(item, path)
+        if why:
+            return f"{NOT_KRM}: {path}: {why}"
+    return ""
+
+
 def _enter(items: list[Any], prefix: str) -> dict[int, tuple[str, str]]:
     """Before a subpackage's function runs, make the items' paths its package's, as kpt gives
     them; returns each item's (path, index) to tell later which annotation the function moved."""
@@ -364,11 +379,6 @@ def _take_output(rl: ResourceList, output: bytes) -> None:
     rl.document = out.document
 
 
-def _copy(node: Any) -> Any:
-    """A deep copy, comments included."""
-    return resourcelist.load(resourcelist.dump(node))
-
-
 def matches(resource: Any, selector: Mapping[str, Any]) -> bool:
     meta = resource.get("metadata") or {}
     for key, value in (
@@ -429,7 +439,7 @@ def function_config(spec: Mapping[str, Any], package: Package | None, items: lis
         wanted = f"{package.relative if package else ''}{spec['configPath']}"
         for item in items:
             if source_of(item)[0] == wanted:
-                config = _copy(item)
+                config = resourcelist.deep_copy(item)
                 strip_internal(config)
                 return config
         raise PipelineError(f"configPath {spec['configPath']} is not a resource of the package", [])
@@ -528,12 +538,10 @@ def _run_pipeline(package: Package, items: list[Any], runner: Runner) -> list[An
     pipeline = package.pipeline
     mutators, validators = pipeline.get("mutators") or [], pipeline.get("validators") or []
     if not mutators and not validators:
-        refused = [
-            f"{source_of(i)[0]}: {why}" for i in items if (why := not_krm(i, source_of(i)[0]))
-        ]
+        refused = _not_krm_reason(items)
         if refused:
             raise PipelineError(
-                f"{NOT_KRM}: {refused[0]}",
+                refused,
                 runner.steps,
                 items=items,
                 package=package.display,
@@ -562,7 +570,7 @@ def _top_kptfile(items: list[Any]) -> Any:
 def status_text(kptfile_node: Any, steps: list[Step], error: PipelineError | None) -> str:
     """The top Kptfile as kpt writes it after a render: its ``Rendered`` condition and the status
     of every step (docs/krm.md, "The Kptfile")."""
-    document = _copy(kptfile_node)
+    document = resourcelist.deep_copy(kptfile_node)
     strip_internal(document)
     mutation = [s.status() for s in steps if s.stage == "mutator"]
     validation = [s.status() for s in steps if s.stage == "validator"]
@@ -570,9 +578,7 @@ def status_text(kptfile_node: Any, steps: list[Step], error: PipelineError | Non
     if error is not None:
         failed = [s for s in steps if not s.ok]
         summary = "\n".join(
-            f"{s.function.removeprefix('exec: ')}: "
-            + (s.execution_error or f"exit code {s.exit_code}")
-            for s in failed
+            f"{s.name}: {s.execution_error or f'exit code {s.exit_code}'}" for s in failed
         )
     condition = kptfile.rendered_condition(error.condition() if error is not None else "")
     return kptfile.canonical_text(
@@ -827,16 +833,14 @@ def write_results(results_dir: Path, steps: list[Step]) -> Path:
     results_dir.mkdir(parents=True, exist_ok=True)
     entries = []
     for step in (s for s in steps if s.ran):
-        entry: dict[str, Any] = {
-            "stderr": step.stderr,
-            "exitCode": step.exit_code if not step.ok else 0,
-        }
-        if step.function.startswith("exec: "):
-            entry["exec"] = step.function.removeprefix("exec: ")
-        else:
-            entry["image"] = step.function
-        entry["results"] = step.results
-        entries.append(entry)
+        entries.append(
+            {
+                **step.reference(),
+                "stderr": step.stderr,
+                "exitCode": step.exit_code if not step.ok else 0,
+                "results": step.results,
+            }
+        )
     document = {
         **RESULT_LIST,
         "metadata": {"name": "fnresults"},

@@ -14,8 +14,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ruamel.yaml.comments import CommentedMap
-
 from runtime_server.krm.resources.package import INDEX_ANNOTATION, PATH_ANNOTATION
 from runtime_server.krm.resources.resourcelist import (
     ERROR,
@@ -185,7 +183,8 @@ class _LabelSetter:
                 target = target.get(part) if isinstance(target, dict) else None
             present = isinstance(target, dict) and key in target
             if (present and target[key] != value) or (not present and create):
-                _set_path(node, (*path, key), value)
+                for place in walk(node, list(path), create=True):
+                    place[key] = value
             self.count += 1
 
     def pod(self, template: Any) -> None:
@@ -252,15 +251,6 @@ class _LabelSetter:
 
 def _list(value: Any) -> list[Any]:
     return value if isinstance(value, list) else []
-
-
-def _set_path(node: dict[str, Any], path: tuple[str, ...], value: str) -> None:
-    for part in path[:-1]:
-        child = node.get(part)
-        if not isinstance(child, dict):
-            child = node[part] = CommentedMap()
-        node = child
-    node[path[-1]] = value
 
 
 NO_CONFIG = "`FunctionConfig` is not given"

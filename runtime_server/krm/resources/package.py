@@ -22,7 +22,13 @@ from ruamel.yaml.scalarstring import SingleQuotedScalarString
 from ruamel.yaml.tokens import CommentToken
 
 from runtime_server.krm.resources import kptfile
-from runtime_server.krm.resources.resourcelist import InvalidResourceList, kind, metadata, yaml
+from runtime_server.krm.resources.resourcelist import (
+    InvalidResourceList,
+    deep_copy,
+    kind,
+    metadata,
+    yaml,
+)
 
 KPTFILE = "Kptfile"
 # Where each resource came from, as kpt annotates what it reads, in kpt's order: the legacy
@@ -120,8 +126,9 @@ def _yaml_error(exc: Exception) -> str:
     return f"yaml: line {mark.line + 1}: {problem}" if mark is not None else f"yaml: {problem}"
 
 
-def read_kptfile(root: Path, display: str) -> CommentedMap:
-    """The package's Kptfile, checked as kpt checks it (kptfile.check, validate_function)."""
+def read_kptfile(root: Path, display: str) -> tuple[CommentedMap, str]:
+    """The package's Kptfile (and its text), checked as kpt checks it (kptfile.check,
+    validate_function)."""
     path = root / KPTFILE
     try:
         text = path.read_text()
@@ -143,10 +150,10 @@ def read_kptfile(root: Path, display: str) -> CommentedMap:
             for index, spec in enumerate(pipeline.get(stage) or []):
                 kptfile.validate_function(spec, f"pipeline.{stage}[{index}]")
     except kptfile.KptfileError as exc:
-        text = str(exc)
-        prefix = "" if text.startswith("Kptfile is invalid") else f'Kptfile at "{display}" '
-        raise PackageError(prefix + text) from None
-    return document
+        why = str(exc)
+        prefix = "" if why.startswith("Kptfile is invalid") else f'Kptfile at "{display}" '
+        raise PackageError(prefix + why) from None
+    return document, text
 
 
 def load_package(root: Path, relative: str = "", *, require_kptfile: bool = True) -> Package:
@@ -155,33 +162,30 @@ def load_package(root: Path, relative: str = "", *, require_kptfile: bool = True
     if not root.is_dir():
         raise FileNotFoundError(f"{root} is not a directory")
     display = f"./{relative.rstrip('/')}" if relative else str(root)
+    package = Package(root, CommentedMap(), relative=relative)
     if (root / KPTFILE).is_file() or require_kptfile:
-        document = read_kptfile(root, display)
-        resource = _copy_node(document)
-        _annotate(resource, f"{relative}{KPTFILE}", 0, sequence_style((root / KPTFILE).read_text()))
-    else:
-        document, resource = CommentedMap(), None
-    package = Package(root, document, relative=relative, kptfile_resource=resource)
-    if resource is not None:
-        package.texts[f"{relative}{KPTFILE}"] = (root / KPTFILE).read_text()
+        package.kptfile, text = read_kptfile(root, display)
+        package.kptfile_resource = deep_copy(package.kptfile)
+        _annotate(package.kptfile_resource, f"{relative}{KPTFILE}", 0, sequence_style(text))
+        package.texts[f"{relative}{KPTFILE}"] = text
     _check_config_files(package)
     _read_dir(package, root, relative, _ignore_patterns(root))
     return package
 
 
-def _config_paths(package: Package) -> list[tuple[str, str, str]]:
-    """(field, stage, configPath) of each pipeline step that names a config file."""
+def _config_paths(package: Package) -> list[tuple[str, str, dict[str, Any]]]:
+    """(field, configPath, step) of each pipeline step that names a config file."""
     found = []
     for stage in ("mutators", "validators"):
         for index, spec in enumerate(package.pipeline.get(stage) or []):
             if isinstance(spec, dict) and spec.get("configPath"):
-                found.append((f"pipeline.{stage}[{index}]", stage, str(spec["configPath"])))
+                found.append((f"pipeline.{stage}[{index}]", str(spec["configPath"]), spec))
     return found
 
 
 def _check_config_files(package: Package) -> None:
     """A configPath names a file of the package holding exactly one KRM object."""
-    for field_name, _, path in _config_paths(package):
+    for field_name, path, _ in _config_paths(package):
 
         def refuse(reason: str, field_name: str = field_name, path: str = path) -> PackageError:
             return PackageError(kptfile.invalid(f"{field_name}.configPath", path, reason))
@@ -212,10 +216,9 @@ def check_config_paths(package: Package) -> None:
     """A configPath names one of the package's own resources (not a subpackage's); kpt checks
     it as the package's pipeline starts."""
     own = {source_of(resource)[0] for resource in package.resources}
-    for field_name, stage, path in _config_paths(package):
+    for field_name, path, spec in _config_paths(package):
         if f"{package.relative}{os.path.normpath(path)}" not in own:
-            step = stage.removesuffix("s")
-            spec = package.pipeline[stage][int(field_name.rpartition("[")[2].rstrip("]"))]
+            step = "validator" if field_name.startswith("pipeline.validators") else "mutator"
             name = str(spec.get("name") or "") or _image_name(str(spec.get("image") or ""))
             raise PackageError(
                 kptfile.invalid(
@@ -232,12 +235,6 @@ def _image_name(image: str) -> str:
     """An image's base name, without registry, tag or digest."""
     name = image.partition("@")[0].rpartition("/")[2]
     return name.partition(":")[0]
-
-
-def _copy_node(node: Any) -> Any:
-    out = io.StringIO()
-    yaml().dump(node, out)
-    return yaml().load(out.getvalue())
 
 
 def _ignore_patterns(root: Path) -> list[str]:
@@ -489,7 +486,7 @@ def resource_list_text(resources: list[Any]) -> str:
     comment comes before it."""
     items = CommentedSeq()
     for resource in resources:
-        item = _copy_node(resource)
+        item = deep_copy(resource)
         notes = metadata(item).get("annotations") or {}
         header = notes.pop(HEADER_ANNOTATION, None)
         if "annotations" in metadata(item) and not notes:

@@ -52,6 +52,11 @@ def load(data: bytes | str) -> Any:
         raise InvalidResourceList(f"not YAML: {exc}") from None
 
 
+def deep_copy(node: Any) -> Any:
+    """A deep copy of a ruamel.yaml node, comments included."""
+    return load(dump(node))
+
+
 def dump(value: Any) -> bytes:
     out = io.StringIO()
     yaml().dump(value, out)
