@@ -152,7 +152,7 @@ def check_input(payload: bytes) -> bytes:
     return payload
 
 
-def check_content_type(content_type: str) -> str:
+def check_content_type(content_type: str) -> None:
     """The built-in runtimes take JSON; empty means JSON (the gateway's first encoding)."""
     media_type = content_type.split(";", 1)[0].strip().lower()
     if media_type not in ("", "application/json"):
@@ -160,7 +160,6 @@ def check_content_type(content_type: str) -> str:
             "content_type",
             f"{content_type!r} is not supported; the built-in runtimes take application/json",
         )
-    return "application/json"
 
 
 def effective_timeout_millis(timeout_millis: int) -> int:

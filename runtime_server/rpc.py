@@ -127,13 +127,18 @@ def cancel_on_client_exit(context: grpc.ServicerContext) -> Callable[[Callable[[
 
 
 def logs_trailer(logs: tuple[Any, ...]) -> bytes:
-    """The last log lines that fit the trailer budget, as JSON [{stream, text}]."""
+    """The last log lines that fit the trailer budget, oldest first, as compact JSON
+    [{stream, text}] (docs/protocol.md, "Errors")."""
     kept: list[dict[str, str]] = []
-    size = 2
+    size = 1  # "["; each entry then adds itself and one "," or the closing "]"
     for line in reversed(logs):
         entry = {"stream": line.stream, "text": line.text}
-        size += len(json.dumps(entry)) + 1
+        size += len(_compact(entry)) + 1
         if size > _MAX_LOGS_TRAILER:
             break
         kept.append(entry)
-    return json.dumps(kept[::-1]).encode()
+    return _compact(kept[::-1]).encode()
+
+
+def _compact(value: object) -> str:
+    return json.dumps(value, separators=(",", ":"))

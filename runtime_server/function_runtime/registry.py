@@ -51,7 +51,6 @@ class Registration:
     attempt: int
     digest: str
     spec: FunctionSpec
-    idle_timeout_seconds: int
     adapter: WorkerAdapter
     state: int = REGISTERING
     in_flight: int = 0
@@ -128,11 +127,10 @@ class Registry:
         directory = limits.resolve_working_dir(working_dir, self.workspace_root)
         limits.check_handler(self.adapter_cls, handler, directory)
         env = limits.check_env(env)
-        limits.check_idle_timeout(idle_timeout_seconds)
+        limits.check_idle_timeout(idle_timeout_seconds)  # runtimed acts on it; we only bound it
         limits.check_digest(registration_digest)
 
         superseded: Registration | None = None
-        created = False
         with self._lock:
             if self._shutting_down:
                 raise ShuttingDown("the Runtime Server is shutting down")
@@ -162,12 +160,12 @@ class Registry:
                     directory,
                     handler,
                     env,
-                    idle_timeout_seconds,
                 )
                 if superseded is not None:
                     superseded.state = DRAINING
                 self._current[run_uid] = reg
-                created = True
+                # Loads beside the superseded worker's teardown; _load takes the lock only at its end.
+                threading.Thread(target=self._load, args=(reg,), daemon=True).start()
         if superseded is not None:
             LOG.info(
                 "attempt %d supersedes %s",
@@ -176,8 +174,6 @@ class Registry:
                 extra={"run_uid": run_uid},
             )
             self._release(superseded, cancel=True)
-        if created:
-            threading.Thread(target=self._load, args=(reg,), daemon=True).start()
         # RegisterFunction answers READY (docs/protocol.md, "Registration"): wait (bounded) for the import; a retry that arrives
         # while it is still loading waits for the same load.
         reg.loaded.wait(self._register_wait)
@@ -192,7 +188,6 @@ class Registry:
         working_dir: Path,
         handler: str,
         env: dict[str, str],
-        idle_timeout_seconds: int,
     ) -> Registration:
         spec = FunctionSpec(run_uid, working_dir, handler, env)
         registration_id = limits.new_id("reg_")
@@ -201,9 +196,7 @@ class Registry:
             max_output_bytes=limits.MAX_PAYLOAD_BYTES,
             on_fatal=lambda exc: self._fail(run_uid, registration_id, exc),
         )
-        return Registration(
-            run_uid, registration_id, attempt, digest, spec, idle_timeout_seconds, adapter
-        )
+        return Registration(run_uid, registration_id, attempt, digest, spec, adapter)
 
     def _load(self, reg: Registration) -> None:
         """Start the worker (import / source once); READY or FAILED with a bounded fatal_error."""
@@ -376,15 +369,16 @@ class Registry:
 
     # Shutdown
 
-    def shutdown(self, drain_seconds: float) -> None:
-        """Refuse new work, wait (bounded) for in-flight invocations, then stop every worker."""
+    def shutdown(self) -> None:
+        """Refuse new work, cancel what is still in flight and stop every worker.
+
+        The drain happens before, in RuntimeServer.stop: gRPC's own graceful stop lets the
+        calls in flight finish for the drain time; what outlives it is cancelled here."""
         with self._lock:
             self._shutting_down = True
-            self._lock.wait_for(
-                lambda: all(reg.in_flight == 0 for reg in self._current.values()), drain_seconds
-            )
             registrations = list(self._current.values())
             self._current.clear()
+            for reg in registrations:
+                reg.state = DRAINING  # a load that finishes now closes its worker
         for reg in registrations:
-            reg.state = DRAINING
             self._release(reg, cancel=True)

@@ -70,4 +70,4 @@ class RuntimeServer:
         """Refuse new RPCs, let in-flight invocations finish (bounded), then stop every worker."""
         self.health.enter_graceful_shutdown()
         self.server.stop(drain_seconds).wait()
-        self.registry.shutdown(0)
+        self.registry.shutdown()

@@ -13,7 +13,7 @@ import pytest
 
 from runtime_server.daemon import ServeProcess
 from tests.reflection_client import ReflectionClient
-from tests.support import digest
+from tests.support import Client, digest
 
 FR = "executor.v1.FunctionRuntime"
 
@@ -59,12 +59,11 @@ def fill(body: str, **values: str) -> str:
     return body
 
 
-def test_reflection_lists_the_services_under_v1_and_v1alpha(
-    example_server: tuple[ReflectionClient, Path],
-) -> None:
-    client, _ = example_server
+def test_reflection_lists_the_services_under_v1_and_v1alpha(python_rt: Client) -> None:
+    # docs/protocol.md, "Services": every server registers reflection, v1 and v1alpha (here the
+    # Runtime Server `fnkernel serve` assembles, in this process).
     for version in ("v1", "v1alpha"):
-        services = ReflectionClient(client.channel, version).list_services()
+        services = ReflectionClient(python_rt.channel, version).list_services()
         assert {"executor.v1.Runtime", FR, "grpc.health.v1.Health"} <= set(services)
         assert {
             "grpc.reflection.v1.ServerReflection",

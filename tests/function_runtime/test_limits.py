@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import time
 from concurrent import futures
 from pathlib import Path
 
@@ -9,20 +11,28 @@ import grpc
 import pytest
 
 from adapters.errors import InvalidInput, InvocationCancelled, InvocationTimeout, WorkerUnavailable
+from adapters.worker import LogLine
 from runtime_server import limits, wire
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
-from runtime_server.rpc import translate_errors
+from runtime_server.errors import InvalidField
+from runtime_server.rpc import logs_trailer, translate_errors
 from tests.support import ECHO_PY, Client, digest
 
 READY = pb.FUNCTION_REGISTRATION_STATE_READY
 
 
-def rejected(call) -> grpc.RpcError:  # type: ignore[no-untyped-def]
+def rejected(call, field: str, *words: str) -> str:  # type: ignore[no-untyped-def]
+    """INVALID_ARGUMENT whose message is ``<field>: <the rule broken>`` (docs/protocol.md,
+    "Limits"), the rule naming each of `words`; returns the message."""
     with pytest.raises(grpc.RpcError) as err:
         call()
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
-    return err.value
+    details = err.value.details() or ""
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, details
+    assert details.startswith(f"{field}: "), details
+    for word in words:
+        assert word in details, (word, details)
+    return details
 
 
 def register_with(client: Client, **fields: object) -> pb.RegisterFunctionResponse:
@@ -41,13 +51,24 @@ def register_with(client: Client, **fields: object) -> pb.RegisterFunctionRespon
     return client.fn.RegisterFunction(request, timeout=30)
 
 
+RUN_UID_PATTERN = "^[A-Za-z0-9][A-Za-z0-9._-]*$"
+
+
 @pytest.mark.parametrize(
-    "run_uid", ["", "-leading-dash", "has space", "slash/uid", "x" * 129, "ünïcode"]
+    ("run_uid", "rule"),
+    [
+        ("", "must not be empty"),
+        ("-leading-dash", RUN_UID_PATTERN),
+        ("has space", RUN_UID_PATTERN),
+        ("slash/uid", RUN_UID_PATTERN),
+        ("x" * 129, "128 bytes"),
+        ("ünïcode", RUN_UID_PATTERN),
+    ],
 )
 def test_run_uid_must_be_1_to_128_bytes_of_the_allowed_characters(
-    python_rt: Client, run_uid: str
+    python_rt: Client, run_uid: str, rule: str
 ) -> None:
-    assert "run_uid" in rejected(lambda: register_with(python_rt, run_uid=run_uid)).details()
+    rejected(lambda: register_with(python_rt, run_uid=run_uid), "run_uid", rule)
 
 
 def test_run_uid_of_128_bytes_with_dots_is_accepted(python_rt: Client) -> None:
@@ -59,29 +80,31 @@ def test_run_uid_of_128_bytes_with_dots_is_accepted(python_rt: Client) -> None:
 
 @pytest.mark.parametrize("attempt", [0, -1])
 def test_registration_attempt_must_be_at_least_one(python_rt: Client, attempt: int) -> None:
-    assert (
-        "registration_attempt"
-        in rejected(lambda: register_with(python_rt, registration_attempt=attempt)).details()
+    rejected(
+        lambda: register_with(python_rt, registration_attempt=attempt),
+        "registration_attempt",
+        ">= 1",
+        str(attempt),
     )
 
 
 def test_working_dir_must_be_absolute(python_rt: Client) -> None:
-    assert (
-        "working_dir"
-        in rejected(lambda: register_with(python_rt, working_dir="relative/dir")).details()
+    rejected(
+        lambda: register_with(python_rt, working_dir="relative/dir"), "working_dir", "absolute"
     )
 
 
 def test_working_dir_must_exist(python_rt: Client) -> None:
     missing = python_rt.workspace / "missing"
-    assert (
-        "working_dir"
-        in rejected(lambda: register_with(python_rt, working_dir=str(missing))).details()
+    rejected(
+        lambda: register_with(python_rt, working_dir=str(missing)),
+        "working_dir",
+        "not an existing directory",
     )
 
 
 def test_working_dir_must_be_inside_the_workspace_root(python_rt: Client) -> None:
-    assert "working_dir" in rejected(lambda: register_with(python_rt, working_dir="/tmp")).details()
+    rejected(lambda: register_with(python_rt, working_dir="/tmp"), "working_dir", "outside")
 
 
 @pytest.mark.parametrize(
@@ -99,32 +122,35 @@ def test_working_dir_must_be_inside_the_workspace_root(python_rt: Client) -> Non
 def test_python_handler_must_be_dotted_identifiers_within_256_bytes(
     python_rt: Client, handler: str
 ) -> None:
-    assert "handler" in rejected(lambda: register_with(python_rt, handler=handler)).details()
+    rule = "256 bytes" if len(handler) > 256 else repr(handler)
+    rejected(lambda: register_with(python_rt, handler=handler), "handler", rule)
 
 
 def test_env_keys_must_be_identifiers(python_rt: Client) -> None:
-    assert "env" in rejected(lambda: register_with(python_rt, env={"1BAD": "x"})).details()
+    rejected(lambda: register_with(python_rt, env={"1BAD": "x"}), "env", "1BAD")
 
 
 def test_env_values_must_not_contain_nul(python_rt: Client) -> None:
-    assert "env" in rejected(lambda: register_with(python_rt, env={"OK": "a\0b"})).details()
+    rejected(lambda: register_with(python_rt, env={"OK": "a\0b"}), "env", "NUL")
 
 
 def test_env_has_at_most_128_entries(python_rt: Client) -> None:
     env = {f"K{i}": "v" for i in range(129)}
-    assert "env" in rejected(lambda: register_with(python_rt, env=env)).details()
+    rejected(lambda: register_with(python_rt, env=env), "env", "129 entries", "128")
 
 
 def test_env_is_at_most_64_kib_in_all(python_rt: Client) -> None:
     env = {f"K{i}": "v" * 1024 for i in range(65)}
-    assert "env" in rejected(lambda: register_with(python_rt, env=env)).details()
+    rejected(lambda: register_with(python_rt, env=env), "env", str(limits.MAX_ENV_BYTES))
 
 
 @pytest.mark.parametrize("seconds", [-1, 86_401])
 def test_idle_timeout_is_0_to_86400_seconds(python_rt: Client, seconds: int) -> None:
-    assert (
-        "idle_timeout_seconds"
-        in rejected(lambda: register_with(python_rt, idle_timeout_seconds=seconds)).details()
+    rejected(
+        lambda: register_with(python_rt, idle_timeout_seconds=seconds),
+        "idle_timeout_seconds",
+        "86400",
+        str(seconds),
     )
 
 
@@ -132,9 +158,10 @@ def test_idle_timeout_is_0_to_86400_seconds(python_rt: Client, seconds: int) -> 
     "value", ["", "sha256:...", "sha256:" + "A" * 64, "sha1:" + "a" * 64, "sha256:" + "a" * 63]
 )
 def test_registration_digest_is_sha256_and_64_lowercase_hex(python_rt: Client, value: str) -> None:
-    assert (
-        "registration_digest"
-        in rejected(lambda: register_with(python_rt, registration_digest=value)).details()
+    rejected(
+        lambda: register_with(python_rt, registration_digest=value),
+        "registration_digest",
+        "64 lowercase hex digits",
     )
 
 
@@ -146,18 +173,14 @@ def ready(python_rt: Client) -> pb.FunctionRegistration:
 def test_invocation_id_over_128_bytes_is_rejected(
     python_rt: Client, ready: pb.FunctionRegistration
 ) -> None:
-    assert (
-        "invocation_id"
-        in rejected(lambda: python_rt.invoke(ready, invocation_id="i" * 129)).details()
-    )
+    rejected(lambda: python_rt.invoke(ready, invocation_id="i" * 129), "invocation_id", "128")
 
 
 def test_invocation_id_must_be_printable_ascii(
     python_rt: Client, ready: pb.FunctionRegistration
 ) -> None:
-    assert (
-        "invocation_id"
-        in rejected(lambda: python_rt.invoke(ready, invocation_id="tab\there")).details()
+    rejected(
+        lambda: python_rt.invoke(ready, invocation_id="tab\there"), "invocation_id", "printable"
     )
 
 
@@ -174,15 +197,13 @@ def test_input_over_6_mib_is_invalid_argument_not_a_transport_error(
     python_rt: Client, ready: pb.FunctionRegistration
 ) -> None:
     payload = b'"' + b"x" * limits.MAX_PAYLOAD_BYTES + b'"'
-    assert "input" in rejected(lambda: python_rt.invoke(ready, payload)).details()
+    rejected(lambda: python_rt.invoke(ready, payload), "input", str(limits.MAX_PAYLOAD_BYTES))
 
 
 def test_negative_timeout_millis_is_rejected(
     python_rt: Client, ready: pb.FunctionRegistration
 ) -> None:
-    assert (
-        "timeout_millis" in rejected(lambda: python_rt.invoke(ready, timeout_millis=-1)).details()
-    )
+    rejected(lambda: python_rt.invoke(ready, timeout_millis=-1), "timeout_millis", "negative")
 
 
 def test_timeout_millis_zero_means_the_30_s_default_and_is_capped_at_900_s() -> None:
@@ -194,20 +215,14 @@ def test_timeout_millis_zero_means_the_30_s_default_and_is_capped_at_900_s() -> 
 def test_negative_drain_timeout_is_rejected(
     python_rt: Client, ready: pb.FunctionRegistration
 ) -> None:
-    assert (
-        "drain_timeout_millis"
-        in rejected(lambda: python_rt.unregister(ready, drain_millis=-5)).details()
-    )
+    rejected(lambda: python_rt.unregister(ready, drain_millis=-5), "drain_timeout_millis", "900000")
 
 
 def test_non_json_content_type_is_rejected(
     python_rt: Client, ready: pb.FunctionRegistration
 ) -> None:
     request = pb.InvokeFunctionRequest(registration=ready, input=b"x", content_type="text/csv")
-    assert (
-        "content_type"
-        in rejected(lambda: python_rt.fn.InvokeFunction(request, timeout=10)).details()
-    )
+    rejected(lambda: python_rt.fn.InvokeFunction(request, timeout=10), "content_type", "text/csv")
 
 
 def test_empty_registration_id_is_rejected_at_a_runtime_server(
@@ -215,8 +230,8 @@ def test_empty_registration_id_is_rejected_at_a_runtime_server(
 ) -> None:
     # docs/protocol.md: a Runtime Server itself always requires a non-empty registration ID.
     ref = pb.FunctionRegistration(run_uid=ready.run_uid)
-    assert "registration_id" in rejected(lambda: python_rt.invoke(ref)).details()
-    assert "registration_id" in rejected(lambda: python_rt.status(ref)).details()
+    rejected(lambda: python_rt.invoke(ref), "registration_id", "must not be empty")
+    rejected(lambda: python_rt.status(ref), "registration_id", "must not be empty")
 
 
 def test_outputs_bounds() -> None:
@@ -245,9 +260,7 @@ def test_env_of_exactly_128_entries_and_64_kib_is_accepted(python_rt: Client) ->
     assert sum(len(k) + len(v) for k, v in exact.items()) == limits.MAX_ENV_BYTES
     assert register_with(python_rt, run_uid="limits2", env=exact).state == READY
     over = dict(exact, K00="v" * (1024 - 2))
-    assert (
-        "env" in rejected(lambda: register_with(python_rt, run_uid="limits3", env=over)).details()
-    )
+    rejected(lambda: register_with(python_rt, run_uid="limits3", env=over), "env", "65537 bytes")
 
 
 @pytest.mark.parametrize("seconds", [0, 86_400])
@@ -262,23 +275,22 @@ def test_idle_timeout_of_0_and_86400_is_accepted(python_rt: Client, seconds: int
 def test_env_keys_that_would_corrupt_the_environment_are_refused(
     python_rt: Client, env: dict[str, str], why: str
 ) -> None:
-    details = rejected(lambda: register_with(python_rt, env=env)).details() or ""
-    assert details.startswith("env:") and why in details
+    rejected(lambda: register_with(python_rt, env=env), "env", why)
 
 
 @pytest.mark.parametrize(
     "value", ["sha256" + "a" * 64, "sha256::" + "a" * 63, " sha256:" + "a" * 64]
 )
 def test_a_digest_must_be_spelled_exactly(python_rt: Client, value: str) -> None:
-    assert (
-        "registration_digest"
-        in rejected(lambda: register_with(python_rt, registration_digest=value)).details()
+    rejected(
+        lambda: register_with(python_rt, registration_digest=value),
+        "registration_digest",
+        "64 lowercase hex digits",
     )
 
 
 def test_an_empty_working_dir_names_the_field(python_rt: Client) -> None:
-    details = rejected(lambda: register_with(python_rt, working_dir="")).details() or ""
-    assert details.startswith("working_dir:")
+    rejected(lambda: register_with(python_rt, working_dir=""), "working_dir", "must not be empty")
 
 
 def test_an_invocation_id_of_exactly_128_printable_bytes_is_accepted(
@@ -292,8 +304,7 @@ def test_an_invocation_id_of_exactly_128_printable_bytes_is_accepted(
 def test_an_invocation_id_outside_printable_ascii_is_refused(
     python_rt: Client, ready: pb.FunctionRegistration, invocation_id: str
 ) -> None:
-    details = rejected(lambda: python_rt.invoke(ready, invocation_id=invocation_id)).details()
-    assert (details or "").startswith("invocation_id:")
+    rejected(lambda: python_rt.invoke(ready, invocation_id=invocation_id), "invocation_id")
 
 
 def test_json_with_a_charset_parameter_is_json(
@@ -332,8 +343,8 @@ def test_messages_are_bounded_to_exactly_1024_bytes() -> None:
 
 def test_a_long_invalid_value_gives_a_status_message_of_at_most_1_kib(bash_rt: Client) -> None:
     # docs/protocol.md, "Limits": error messages are truncated to 1 KiB, whatever they quote.
-    details = rejected(lambda: register_with(bash_rt, handler="x" * 5000 + ".fn")).details() or ""
-    assert details.startswith("handler:") and len(details.encode()) <= 1024
+    details = rejected(lambda: register_with(bash_rt, handler="x" * 5000 + ".fn"), "handler")
+    assert len(details.encode()) <= 1024
 
 
 def test_an_unexpected_error_is_internal_and_names_only_its_type(tmp_path: Path) -> None:
@@ -374,3 +385,131 @@ def test_the_adapter_failures_map_to_the_statuses_of_the_errors_table(
 ) -> None:
     # docs/protocol.md, "Errors": one table, wire.GRPC_STATUS.
     assert wire.status_name(error) == code
+
+
+def test_a_working_dir_with_a_nul_byte_names_the_field(python_rt: Client) -> None:
+    wd = python_rt.workdir(ECHO_PY)
+    rejected(lambda: register_with(python_rt, working_dir=f"{wd}\0x"), "working_dir", "NUL")
+
+
+def test_json_with_several_parameters_is_json(
+    python_rt: Client, ready: pb.FunctionRegistration
+) -> None:
+    # The media type is what comes before the first ";" (RFC 9110, 8.3.1).
+    request = pb.InvokeFunctionRequest(
+        registration=ready, input=b"1", content_type="application/json; charset=utf-8; q=1"
+    )
+    assert b'"echo": 1' in python_rt.fn.InvokeFunction(request, timeout=30).output
+
+
+def test_generated_ids_are_ulids_of_the_current_millisecond() -> None:
+    # docs/protocol.md, "Registration": `reg_` + a ULID — 48 bits of Unix milliseconds, then 80
+    # random bits, in Crockford's base32 (no I, L, O or U), so IDs sort by creation time.
+    before = time.time_ns() // 1_000_000
+    ids = [limits.new_id("reg_") for _ in range(50)]
+    after = time.time_ns() // 1_000_000
+    crockford = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+    for generated in ids:
+        digits = generated.removeprefix("reg_")
+        assert generated.startswith("reg_") and len(digits) == 26
+        assert set(digits) <= set(crockford), generated
+        value = 0
+        for digit in digits:
+            value = value * 32 + crockford.index(digit)
+        assert value < 2**128  # 26 digits carry 130 bits; the top two are zero
+        assert before <= value >> 80 <= after
+    assert len(set(ids)) == len(ids)
+
+
+@pytest.mark.parametrize(
+    ("text", "value"), [("0", 0), ("7", 7), ("0900000", 900_000), ("9" * 19, None)]
+)
+def test_a_number_written_as_text_is_ascii_digits_up_to_its_maximum(
+    text: str, value: int | None
+) -> None:
+    # docs/protocol.md, "Limits": numbers that arrive as text are ASCII digits only.
+    if value is None:  # nineteen nines is over int64's maximum
+        with pytest.raises(InvalidField) as caught:
+            limits.parse_count(text, "X-Timeout-Ms")
+        assert str(caught.value).startswith("X-Timeout-Ms: must be an integer from 0 to ")
+    else:
+        assert limits.parse_count(text, "X-Timeout-Ms") == value
+    assert limits.parse_count("900000", "drainTimeoutMs", 900_000) == 900_000
+
+
+@pytest.mark.parametrize("text", ["", " 7", "7 ", "+7", "-1", "1_000", "²", "٣", "0x10", "9" * 20])
+def test_anything_but_ascii_digits_is_refused_naming_the_field_and_the_range(text: str) -> None:
+    with pytest.raises(InvalidField) as caught:
+        limits.parse_count(text, "drainTimeoutMs", 900_000)
+    assert caught.value.field == "drainTimeoutMs"
+    assert str(caught.value) == (
+        f"drainTimeoutMs: must be an integer from 0 to 900000, got {text!r}"
+    )
+
+
+def test_a_number_over_its_maximum_is_refused_and_a_long_one_is_shown_cut() -> None:
+    with pytest.raises(InvalidField) as caught:
+        limits.parse_count("900001", "drainTimeoutMs", 900_000)
+    assert str(caught.value).endswith("got '900001'")
+    with pytest.raises(InvalidField) as caught:
+        limits.parse_count("x" * 41, "value")
+    assert str(caught.value).endswith(f"got {'x' * 40 + '...'!r}")
+    with pytest.raises(InvalidField) as caught:
+        limits.parse_count("x" * 40, "value")
+    assert str(caught.value).endswith(f"got {'x' * 40!r}")
+
+
+def test_every_grpc_status_has_its_http_status_and_anything_else_is_500() -> None:
+    # docs/protocol.md, "Errors": the gRPC → HTTP table.
+    table = {
+        "OK": 200,
+        "INVALID_ARGUMENT": 400,
+        "NOT_FOUND": 404,
+        "ALREADY_EXISTS": 409,
+        "UNAUTHENTICATED": 401,
+        "PERMISSION_DENIED": 403,
+        "RESOURCE_EXHAUSTED": 429,
+        "FAILED_PRECONDITION": 503,
+        "DEADLINE_EXCEEDED": 504,
+        "UNKNOWN": 502,
+        "UNIMPLEMENTED": 501,
+        "UNAVAILABLE": 503,
+        "CANCELLED": 503,
+        "INTERNAL": 500,
+    }
+    assert {name: wire.http_status(name) for name in table} == table
+    assert wire.http_status("DATA_LOSS") == 500
+
+
+def _lines(*texts: str) -> tuple[LogLine, ...]:
+    return tuple(LogLine("stderr" if i % 2 else "stdout", text) for i, text in enumerate(texts))
+
+
+def test_the_logs_trailer_keeps_the_last_lines_that_fit_4_kib_oldest_first() -> None:
+    # docs/protocol.md, "Errors": the call's log lines, as JSON, in fn-logs-bin — the last ones
+    # that fit 4 KiB, in the order they were written.
+    lines = _lines(*(f"line {i:03d} " + "x" * 50 for i in range(200)))
+    trailer = logs_trailer(lines)
+    kept = json.loads(trailer)
+    assert len(trailer) <= 4096
+    assert kept == [{"stream": x.stream, "text": x.text} for x in lines[-len(kept) :]]
+    assert len(kept) == 4096 // len(json.dumps(kept[0], separators=(",", ":")) + ",")
+    assert json.loads(logs_trailer(_lines("one", "two"))) == [
+        {"stream": "stdout", "text": "one"},
+        {"stream": "stderr", "text": "two"},
+    ]
+    assert logs_trailer(()) == b"[]"
+
+
+def test_the_logs_trailer_uses_its_budget_to_the_byte() -> None:
+    # One entry is '{"stream":"stdout","text":"…"}': 29 bytes and its text. Two lines whose
+    # trailer is exactly 4,096 bytes are both kept; one byte more and only the last one is.
+    overhead = len('[{"stream":"stdout","text":""},{"stream":"stderr","text":""}]')
+    first = "a" * 100
+    exact = _lines(first, "b" * (4096 - overhead - len(first)))
+    assert len(logs_trailer(exact)) == 4096
+    assert len(json.loads(logs_trailer(exact))) == 2
+    over = _lines(first, "b" * (4097 - overhead - len(first)))
+    assert [entry["text"] for entry in json.loads(logs_trailer(over))] == [over[1].text]
+    # A single line over the budget leaves the trailer empty rather than over it.
+    assert logs_trailer(_lines("x" * 5000)) == b"[]"

@@ -6,16 +6,22 @@ import json
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import grpc
 import pytest
 
 from adapters.python import PythonAdapter
+from runtime_server import wire
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
+from runtime_server.errors import AttemptSuperseded, ShuttingDown
+from runtime_server.function_runtime import registry as registry_module
 from runtime_server.function_runtime.registry import Registry
+from runtime_server.function_runtime.server import RuntimeServer
 from tests.support import ECHO_PY, Client, digest, pid_alive, wait_until
 
+REGISTERING = pb.FUNCTION_REGISTRATION_STATE_REGISTERING
 READY = pb.FUNCTION_REGISTRATION_STATE_READY
 DRAINING = pb.FUNCTION_REGISTRATION_STATE_DRAINING
 FAILED = pb.FUNCTION_REGISTRATION_STATE_FAILED
@@ -50,6 +56,18 @@ def code_of(call) -> grpc.StatusCode:  # type: ignore[no-untyped-def]
     return err.value.code()
 
 
+def refused(call, code: grpc.StatusCode, *words: str) -> str:  # type: ignore[no-untyped-def]
+    """`call` fails with `code`, its message naming each of `words` (docs/protocol.md,
+    "Errors": every failure names its field or cause); returns the message."""
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    details = err.value.details() or ""
+    assert err.value.code() == code, details
+    for word in words:
+        assert word in details, (word, details)
+    return details
+
+
 def test_new_run_uid_registers_ready_with_new_opaque_id(python_any: Client) -> None:
     # docs/protocol.md, "Registration" row 1: new run_uid → READY, new opaque registration_id (reg_ + 26 chars).
     first = python_any.register(ECHO_PY)
@@ -78,9 +96,11 @@ def test_same_attempt_other_digest_is_already_exists_and_replaces_nothing(
     # docs/protocol.md, "Registration" row 3.
     wd = python_rt.workdir(ECHO_PY)
     first = python_rt.register(working_dir=wd, run_uid="dig", digest_of="one")
-    assert (
-        code_of(lambda: python_rt.register(working_dir=wd, run_uid="dig", digest_of="two"))
-        == grpc.StatusCode.ALREADY_EXISTS
+    refused(
+        lambda: python_rt.register(working_dir=wd, run_uid="dig", digest_of="two"),
+        grpc.StatusCode.ALREADY_EXISTS,
+        "run dig attempt 1",
+        "registration_digest",
     )
     assert python_rt.status(first.registration).state == READY
     assert json.loads(python_rt.invoke(first.registration, b'{"a": 1}').output)["echo"] == {"a": 1}
@@ -92,16 +112,11 @@ def test_higher_attempt_supersedes_and_stale_id_cannot_invoke(python_rt: Client)
     old = python_rt.register(working_dir=wd, run_uid="sup", attempt=1)
     new = python_rt.register(working_dir=wd, run_uid="sup", attempt=2)
     assert new.registration.registration_id != old.registration.registration_id
-    assert (
-        code_of(lambda: python_rt.invoke(old.registration)) == grpc.StatusCode.FAILED_PRECONDITION
-    )
-    assert (
-        code_of(lambda: python_rt.unregister(old.registration))
-        == grpc.StatusCode.FAILED_PRECONDITION
-    )
-    assert (
-        code_of(lambda: python_rt.status(old.registration)) == grpc.StatusCode.FAILED_PRECONDITION
-    )
+    stale = old.registration.registration_id
+    for call in (python_rt.invoke, python_rt.unregister, python_rt.status):
+        refused(
+            partial(call, old.registration), grpc.StatusCode.FAILED_PRECONDITION, stale, "stale"
+        )
     assert python_rt.status(new.registration).state == READY
     assert json.loads(python_rt.invoke(new.registration, b"7").output)["echo"] == 7
 
@@ -124,14 +139,16 @@ def test_lower_attempt_is_failed_precondition(python_rt: Client) -> None:
     # docs/protocol.md, "Registration" row 5, also after the newer registration was unregistered.
     wd = python_rt.workdir(ECHO_PY)
     newer = python_rt.register(working_dir=wd, run_uid="low", attempt=3)
-    assert (
-        code_of(lambda: python_rt.register(working_dir=wd, run_uid="low", attempt=2))
-        == grpc.StatusCode.FAILED_PRECONDITION
+    refused(
+        lambda: python_rt.register(working_dir=wd, run_uid="low", attempt=2),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "registration_attempt 2 is older than attempt 3",
     )
     python_rt.unregister(newer.registration)
-    assert (
-        code_of(lambda: python_rt.register(working_dir=wd, run_uid="low", attempt=1))
-        == grpc.StatusCode.FAILED_PRECONDITION
+    refused(
+        lambda: python_rt.register(working_dir=wd, run_uid="low", attempt=1),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "registration_attempt 1 is older than attempt 3",
     )
     # The same attempt may register again after an unregister (scale to zero) and gets a new ID.
     again = python_rt.register(working_dir=wd, run_uid="low", attempt=3)
@@ -141,7 +158,7 @@ def test_lower_attempt_is_failed_precondition(python_rt: Client) -> None:
 def test_status_of_unknown_run_uid_is_not_found(python_rt: Client) -> None:
     # docs/protocol.md, "Registration" row 6.
     ref = pb.FunctionRegistration(run_uid="nobody", registration_id="reg_x")
-    assert code_of(lambda: python_rt.status(ref)) == grpc.StatusCode.NOT_FOUND
+    refused(lambda: python_rt.status(ref), grpc.StatusCode.NOT_FOUND, "run_uid nobody")
 
 
 def test_status_of_current_id_reports_state_in_flight_and_last_activity(python_rt: Client) -> None:
@@ -181,8 +198,10 @@ def test_invoke_while_draining_is_failed_precondition(python_rt: Client) -> None
     )
     unregistering.start()
     wait_until(lambda: python_rt.status(reg.registration).state == DRAINING)
-    assert (
-        code_of(lambda: python_rt.invoke(reg.registration)) == grpc.StatusCode.FAILED_PRECONDITION
+    refused(
+        lambda: python_rt.invoke(reg.registration),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "is DRAINING, not READY",
     )
     assert json.loads(future.result(timeout=10).output) == {"slept": 1}  # drained, not cancelled
     unregistering.join(10)
@@ -193,19 +212,26 @@ def test_invoke_of_failed_registration_is_failed_precondition(python_rt: Client)
     # docs/protocol.md, "Registration" row 10 (FAILED); the current ID can still read state and fatal_error.
     reg = python_rt.register({"handler.py": "def handle(:\n"})
     assert reg.state == FAILED
-    assert (
-        code_of(lambda: python_rt.invoke(reg.registration)) == grpc.StatusCode.FAILED_PRECONDITION
-    )
     status = python_rt.status(reg.registration)
     assert status.state == FAILED and "SyntaxError" in status.fatal_error
+    # The refusal says why: the state, and the load failure itself.
+    refused(
+        lambda: python_rt.invoke(reg.registration),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        f"is FAILED, not READY: {status.fatal_error}",
+    )
 
 
 def test_second_concurrent_invoke_is_resource_exhausted(python_rt: Client) -> None:
     # docs/protocol.md, "Registration" row 11; docs/protocol.md: one in-flight invocation per function Run, no queueing.
     reg = python_rt.register(SLOW)
-    future = python_rt.invoke_future(reg.registration, b'{"sleep": 1}')
+    future = python_rt.invoke_future(reg.registration, b'{"sleep": 1}', invocation_id="first")
     wait_until(lambda: python_rt.status(reg.registration).in_flight == 1)
-    assert code_of(lambda: python_rt.invoke(reg.registration)) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    refused(
+        lambda: python_rt.invoke(reg.registration),
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "invocation first in flight",
+    )
     assert json.loads(future.result(timeout=10).output) == {"slept": 1}
 
 
@@ -266,9 +292,11 @@ def test_unregister_with_stale_id_leaves_the_newer_registration_untouched(
     wd = python_rt.workdir(ECHO_PY)
     old = python_rt.register(working_dir=wd, run_uid="keep", attempt=1)
     new = python_rt.register(working_dir=wd, run_uid="keep", attempt=2)
-    assert (
-        code_of(lambda: python_rt.unregister(old.registration, cancel=True))
-        == grpc.StatusCode.FAILED_PRECONDITION
+    refused(
+        lambda: python_rt.unregister(old.registration, cancel=True),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        old.registration.registration_id,
+        "stale",
     )
     assert python_rt.status(new.registration).state == READY
     assert json.loads(python_rt.invoke(new.registration, b'"hi"').output)["echo"] == "hi"
@@ -491,4 +519,170 @@ def test_a_late_cancel_of_a_stale_generation_spares_the_newer_generations_call(
         assert results and not isinstance(results[0], Exception), results
         assert results[0].result.output == b"1"  # type: ignore[attr-defined]
     finally:
-        registry.shutdown(0)
+        registry.shutdown()
+
+
+def test_outputs_over_their_bounds_end_the_call_as_a_handler_error_named_invalid_outputs(
+    python_rt: Client,
+) -> None:
+    # docs/protocol.md, "Limits", outputs row: beyond the bounds, handler error `InvalidOutputs`,
+    # with the call's logs; the registration stays READY.
+    reg = python_rt.register(
+        {
+            "handler.py": """
+                def handle(event, context):
+                    print("setting", event, "outputs")
+                    for i in range(event):
+                        context.set_output(f"k{i}", "v")
+                    return "done"
+            """
+        }
+    )
+    with pytest.raises(grpc.RpcError) as err:
+        python_rt.invoke(reg.registration, b"33")
+    trailers = dict(err.value.trailing_metadata() or ())
+    assert err.value.code() == grpc.StatusCode.UNKNOWN
+    assert err.value.details() == "handler error: InvalidOutputs: 33 outputs; at most 32"
+    assert trailers[wire.ERROR_TYPE_KEY] == "InvalidOutputs"
+    assert json.loads(trailers[wire.LOGS_KEY]) == [
+        {"stream": "stdout", "text": "setting 33 outputs"}
+    ]
+    assert python_rt.invoke(reg.registration, b"32").output == b'"done"'
+
+
+def test_register_answers_when_its_bounded_wait_ends_and_the_load_goes_on(
+    workspace: Path,
+) -> None:
+    # docs/protocol.md, "Registration": RegisterFunction waits, bounded, for the handler to load;
+    # past the bound it answers REGISTERING and FunctionStatus tells the outcome later.
+    registry = Registry(PythonAdapter, workspace, register_wait=0.2)
+    wd = workspace / "slowload"
+    wd.mkdir()
+    (wd / "h.py").write_text(
+        "import time\nfrom pathlib import Path\nwhile not Path('go').exists():\n"
+        "    time.sleep(0.01)\ndef handle(event):\n    return event\n"
+    )
+    try:
+        view = registry.register(
+            run_uid="slowload",
+            registration_attempt=1,
+            working_dir=str(wd),
+            handler="h.handle",
+            env={},
+            idle_timeout_seconds=0,
+            registration_digest=digest("s"),
+        )
+        assert view.state == REGISTERING
+        (wd / "go").touch()
+        status = partial(registry.status, run_uid="slowload", registration_id=view.registration_id)
+        wait_until(lambda: status().state == READY, timeout=20)
+    finally:
+        registry.shutdown()
+
+
+def _register(registry: Registry, wd: Path, run_uid: str, attempt: int) -> str:
+    return registry.register(
+        run_uid=run_uid,
+        registration_attempt=attempt,
+        working_dir=str(wd),
+        handler="h.handle",
+        env={},
+        idle_timeout_seconds=0,
+        registration_digest=digest(str(attempt)),
+    ).registration_id
+
+
+def test_the_server_remembers_the_attempts_of_its_most_recently_removed_runs(
+    workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # docs/protocol.md, "Registration": a lower attempt is refused also after an unregister. The
+    # server remembers this for its last 10,000 removed runs (2 here); the oldest is forgotten.
+    monkeypatch.setattr(registry_module, "_MAX_TOMBSTONES", 2)
+    registry = Registry(PythonAdapter, workspace)
+    wd = workspace / "tomb"
+    wd.mkdir()
+    (wd / "h.py").write_text("def handle(event):\n    return event\n")
+    try:
+        for run_uid in ("a", "b", "c"):
+            registration_id = _register(registry, wd, run_uid, 2)
+            registry.unregister(
+                run_uid=run_uid,
+                registration_id=registration_id,
+                cancel_in_flight=False,
+                drain_timeout_millis=0,
+            )
+        for remembered in ("b", "c"):
+            with pytest.raises(AttemptSuperseded, match="older than attempt 2"):
+                _register(registry, wd, remembered, 1)
+        assert _register(registry, wd, "a", 1)  # forgotten: the oldest of the three
+    finally:
+        registry.shutdown()
+
+
+class _SpawnFails(PythonAdapter):
+    """A worker that cannot be spawned at all, as when the process runs out of file
+    descriptors: an error no adapter names."""
+
+    def start(self) -> None:
+        raise OSError(24, "Too many open files")
+
+
+def test_an_unexpected_error_while_loading_leaves_the_registration_failed(
+    workspace: Path,
+) -> None:
+    # docs/protocol.md, "Registration": the answer is READY or FAILED — never REGISTERING
+    # forever, also when the load fails in a way nobody planned for.
+    registry = Registry(_SpawnFails, workspace)
+    wd = workspace / "nofds"
+    wd.mkdir()
+    (wd / "h.py").write_text("def handle(event):\n    return event\n")
+    try:
+        registration_id = _register(registry, wd, "nofds", 1)
+        view = registry.status(run_uid="nofds", registration_id=registration_id)
+        assert view.state == FAILED
+        assert view.fatal_error == "InitializationError: [Errno 24] Too many open files"
+    finally:
+        registry.shutdown()
+
+
+def test_after_shutdown_nothing_new_is_accepted(workspace: Path) -> None:
+    # docs/protocol.md, "Services": a stopping server starts no new worker, whatever reaches it
+    # late (gRPC's graceful stop may leave a slow request running past it).
+    registry = Registry(PythonAdapter, workspace)
+    wd = workspace / "late"
+    wd.mkdir()
+    (wd / "h.py").write_text("def handle(event):\n    return event\n")
+    registration_id = _register(registry, wd, "late", 1)
+    registry.shutdown()
+    with pytest.raises(ShuttingDown, match="shutting down"):
+        _register(registry, wd, "late2", 1)
+    with pytest.raises(ShuttingDown, match="shutting down"):
+        registry.invoke(
+            run_uid="late",
+            registration_id=registration_id,
+            invocation_id="",
+            input=b"1",
+            content_type="",
+            timeout_millis=0,
+        )
+
+
+def test_stop_cancels_what_outlives_the_drain_and_stops_every_worker(workspace: Path) -> None:
+    # docs/protocol.md, "Services": stopping lets calls in flight finish for the drain time, then
+    # cancels them and stops the workers — it does not wait for a 60 s call.
+    server = RuntimeServer("python", workspace)
+    channel = grpc.insecure_channel(server.start(f"unix:{workspace}/stop.sock"))
+    client = Client(channel, workspace, "python")
+    try:
+        wd = client.workdir(SLOW)
+        reg = client.register(working_dir=wd)
+        future = client.invoke_future(reg.registration, b'{"sleep": 60}')
+        pid = int(wait_until(lambda: (wd / "pid").exists() and (wd / "pid").read_text()))
+        started = time.monotonic()
+        server.stop(drain_seconds=0.2)
+        assert time.monotonic() - started < 4  # the cancel settles within 100 ms, not 5 s
+        assert not pid_alive(pid)
+        with pytest.raises(grpc.RpcError):
+            future.result(timeout=5)
+    finally:
+        channel.close()

@@ -1,4 +1,5 @@
-"""`fnkernel serve` as a real process: SIGTERM drain, --oneshot-only, health, Execute, CLI usage."""
+"""`fnkernel serve` as a real process (SIGTERM drain, --oneshot-only, Execute, CLI usage), and the
+services every Runtime Server assembles (health)."""
 
 from __future__ import annotations
 
@@ -54,9 +55,9 @@ def test_oneshot_only_server_answers_unimplemented_for_every_function_runtime_me
     assert response.exit_code == 0 and json.loads(response.output)["echo"] == 5
 
 
-def test_health_service_reports_serving(server_process: Callable[..., ServeProcess]) -> None:
-    server = server_process("--runtime", "bash")
-    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(server.address))
+def test_health_service_reports_serving(bash_rt: Client) -> None:
+    # docs/protocol.md, "Services": grpc.health.v1, for the server ("") and each service.
+    health = health_pb2_grpc.HealthStub(bash_rt.channel)
     for service in ("", "executor.v1.FunctionRuntime", "executor.v1.Runtime"):
         reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING

@@ -151,6 +151,22 @@ def test_proxy_hop_fills_in_the_active_registration_id(pod: Pod) -> None:
     assert status.registration.registration_id == response.registration.registration_id
 
 
+def test_the_proxy_hop_passes_the_callers_deadline_on_or_the_30_s_default(pod: Pod) -> None:
+    # docs/protocol.md, "Runs": runtimed bounds timeout_millis by its caller's deadline; a caller
+    # without one gets the default of docs/protocol.md, "Limits" (30 s), never unbounded work.
+    run = pod.create(
+        "deadline",
+        {"handler.py": "def handle(event, context):\n    return context.remaining_millis()\n"},
+    )
+    request = pb.InvokeFunctionRequest(
+        registration=pb.FunctionRegistration(run_uid=run.uid), content_type="application/json"
+    )
+    routed = ((POD_KEY, POD),)
+    assert 0 < int(pod.proxy.InvokeFunction(request, metadata=routed, timeout=2).output) <= 2100
+    unbounded = int(pod.proxy.InvokeFunction(request, metadata=routed).output)  # no deadline
+    assert 25_000 < unbounded <= 30_000
+
+
 def test_a_registration_id_from_outside_is_invalid_argument(pod: Pod) -> None:
     run = pod.create("echo", ECHO_PY)
     active = pod.invoke(run).registration.registration_id
