@@ -48,7 +48,8 @@ kpt-e2e: $(STAMP)
 		$(if $(CATALOG_MIRROR),--catalog $(CATALOG_MIRROR))
 
 # Mutation testing of the Runtime Server's core (tools/mutate.py): the score per file, and each
-# surviving mutant. Not part of `make test`; about 15 minutes on 2 cores.
+# surviving mutant (docs/architecture.md, "Mutation testing"). Not part of `make test`; under 30
+# minutes on 2 cores.
 mutate: $(STAMP)
 	$(PY) -m tools.mutate
 

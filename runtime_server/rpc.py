@@ -46,8 +46,8 @@ def add_reflection(server: grpc.Server, service_names: list[str]) -> None:
 
 
 def add_health(server: grpc.Server, service_names: list[str]) -> health.HealthServicer:
-    servicer = health.HealthServicer()
-    for name in ["", *service_names]:
+    servicer = health.HealthServicer()  # it answers SERVING for the server itself ("") already
+    for name in service_names:
         servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     return servicer

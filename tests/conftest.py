@@ -3,6 +3,8 @@ as a subprocess), real stacks, and the fnkernel kernelspec. Helpers are in tests
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,6 +17,17 @@ from tests.support import (
     Client,
     serve_in_process,
 )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under mutation testing (docs/architecture.md, "Mutation testing"), fastest tests first:
+    a mutant then dies at the cheapest test that catches it, not after every slower one before
+    it in file order. mutmut runs in mutants/, beside the durations it measured."""
+    stats = Path("mutmut-stats.json")
+    if "MUTANT_UNDER_TEST" not in os.environ or not stats.is_file():
+        return
+    durations = json.loads(stats.read_text())["duration_by_test"]
+    items.sort(key=lambda item: durations.get(item.nodeid, 0.0))
 
 
 @pytest.fixture

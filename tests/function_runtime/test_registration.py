@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import textwrap
 import threading
 import time
 from collections.abc import Callable
@@ -12,6 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from adapters.errors import InvocationCancelled
 from adapters.python import PythonAdapter
 from runtime_server import wire
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
@@ -23,6 +25,7 @@ from tests.support import ECHO_PY, Client, digest, pid_alive, wait_until
 
 REGISTERING = pb.FUNCTION_REGISTRATION_STATE_REGISTERING
 READY = pb.FUNCTION_REGISTRATION_STATE_READY
+FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
 DRAINING = pb.FUNCTION_REGISTRATION_STATE_DRAINING
 FAILED = pb.FUNCTION_REGISTRATION_STATE_FAILED
 
@@ -46,6 +49,19 @@ SLOW = {
             Path("pid").write_text(str(os.getpid()))
             time.sleep(event.get("sleep", 0))
             return {"slept": event.get("sleep", 0)}
+    """
+}
+
+FINISHES_LATE = {
+    # A call that leaves a trace if it is allowed to finish: `finished`, after `event` seconds.
+    "handler.py": """
+        import os, time
+        from pathlib import Path
+
+        def handle(event):
+            Path("pid").write_text(str(os.getpid()))
+            time.sleep(event)
+            Path("finished").touch()
     """
 }
 
@@ -123,9 +139,10 @@ def test_higher_attempt_supersedes_and_stale_id_cannot_invoke(python_rt: Client)
 
 def test_higher_attempt_cancels_the_superseded_in_flight_invocation(python_rt: Client) -> None:
     # docs/protocol.md, "Registration" row 4: "old registration superseded (drained/cancelled)".
-    wd = python_rt.workdir(SLOW)
+    # Cancelled, not left to finish: the old call would write `finished` after 1.5 s.
+    wd = python_rt.workdir(FINISHES_LATE)
     old = python_rt.register(working_dir=wd, run_uid="sup2", attempt=1)
-    future = python_rt.invoke_future(old.registration, b'{"sleep": 30}')
+    future = python_rt.invoke_future(old.registration, b"1.5")
     pid = int(wait_until(lambda: (wd / "pid").exists() and (wd / "pid").read_text()))
     new = python_rt.register(working_dir=wd, run_uid="sup2", attempt=2)
     assert new.state == READY
@@ -133,6 +150,7 @@ def test_higher_attempt_cancels_the_superseded_in_flight_invocation(python_rt: C
         future.result(timeout=10)
     assert err.value.code() == grpc.StatusCode.CANCELLED
     wait_until(lambda: not pid_alive(pid))
+    assert not (wd / "finished").exists()
 
 
 def test_lower_attempt_is_failed_precondition(python_rt: Client) -> None:
@@ -198,11 +216,8 @@ def test_invoke_while_draining_is_failed_precondition(python_rt: Client) -> None
     )
     unregistering.start()
     wait_until(lambda: python_rt.status(reg.registration).state == DRAINING)
-    refused(
-        lambda: python_rt.invoke(reg.registration),
-        grpc.StatusCode.FAILED_PRECONDITION,
-        "is DRAINING, not READY",
-    )
+    draining = refused(lambda: python_rt.invoke(reg.registration), FAILED_PRECONDITION)
+    assert draining == f"run {reg.registration.run_uid} is DRAINING, not READY"
     assert json.loads(future.result(timeout=10).output) == {"slept": 1}  # drained, not cancelled
     unregistering.join(10)
     assert code_of(lambda: python_rt.status(reg.registration)) == grpc.StatusCode.NOT_FOUND
@@ -580,12 +595,14 @@ def test_register_answers_when_its_bounded_wait_ends_and_the_load_goes_on(
         registry.shutdown()
 
 
-def _register(registry: Registry, wd: Path, run_uid: str, attempt: int) -> str:
+def _register(
+    registry: Registry, wd: Path, run_uid: str, attempt: int, handler: str = "h.handle"
+) -> str:
     return registry.register(
         run_uid=run_uid,
         registration_attempt=attempt,
         working_dir=str(wd),
-        handler="h.handle",
+        handler=handler,
         env={},
         idle_timeout_seconds=0,
         registration_digest=digest(str(attempt)),
@@ -665,6 +682,41 @@ def test_after_shutdown_nothing_new_is_accepted(workspace: Path) -> None:
             content_type="",
             timeout_millis=0,
         )
+
+
+def test_shutdown_cancels_the_call_in_flight_rather_than_letting_it_finish(
+    workspace: Path,
+) -> None:
+    # docs/protocol.md, "Services": what outlives the drain is cancelled, not waited for.
+    registry = Registry(PythonAdapter, workspace)
+    wd = workspace / "cut"
+    wd.mkdir()
+    for name, text in FINISHES_LATE.items():
+        (wd / name).write_text(textwrap.dedent(text))
+    registration_id = _register(registry, wd, "cut", 1, handler="handler.handle")
+    outcome: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            registry.invoke(
+                run_uid="cut",
+                registration_id=registration_id,
+                invocation_id="",
+                input=b"1.5",
+                content_type="",
+                timeout_millis=0,
+            )
+        except BaseException as exc:
+            outcome.append(exc)
+
+    calling = threading.Thread(target=call)
+    calling.start()
+    pid = int(wait_until(lambda: (wd / "pid").exists() and (wd / "pid").read_text()))
+    registry.shutdown()
+    calling.join(10)
+    assert not pid_alive(pid)
+    assert not (wd / "finished").exists()
+    assert [type(exc) for exc in outcome] == [InvocationCancelled]
 
 
 def test_stop_cancels_what_outlives_the_drain_and_stops_every_worker(workspace: Path) -> None:
