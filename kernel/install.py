@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
 
 from kernel.kernel import DISPLAY_NAME, KERNEL_NAME
+
+RESOURCES = Path(__file__).with_name("resources")
+LOGOS = ("logo-32x32.png", "logo-64x64.png", "logo-svg.svg")
 
 
 def kernel_json(python: str | None = None) -> dict[str, object]:
@@ -19,7 +24,8 @@ def kernel_json(python: str | None = None) -> dict[str, object]:
         "language": "python",
         # An interrupt is a message, so the kernel cancels the invocation in flight itself.
         "interrupt_mode": "message",
-        "metadata": {"debugger": False},
+        # ipykernel's debugger works in FnKernel as in IPythonKernel, given debugpy.
+        "metadata": {"debugger": importlib.util.find_spec("debugpy") is not None},
     }
 
 
@@ -30,6 +36,8 @@ def install(*, user: bool = False, prefix: str | None = None) -> Path:
 
     with tempfile.TemporaryDirectory() as staging:
         (Path(staging) / "kernel.json").write_text(json.dumps(kernel_json(), indent=1) + "\n")
+        for logo in LOGOS:  # the launcher tile and the kernel indicator
+            shutil.copy(RESOURCES / logo, staging)
         return Path(
             KernelSpecManager().install_kernel_spec(
                 staging, KERNEL_NAME, user=user, prefix=prefix, replace=None
