@@ -8,18 +8,57 @@ from __future__ import annotations
 
 import html
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from runtime_server.client import InvocationResult, Run
 
-_CARD = (
-    "<div class='fn-card' style='border:1px solid #d0d7de;border-left:4px solid {colour};"
-    "border-radius:4px;padding:6px 10px;margin:2px 0;font-family:var(--jp-code-font-family,"
-    "monospace);font-size:12px'>{body}</div>"
+# One stylesheet for every fnkernel output (docs/protocol.md, "Kernel"). Text colours come from
+# JupyterLab's theme variables, the variant of each that reads at WCAG AA (4.5:1) on that theme's
+# background: color0 on the light theme, color1/2 on the dark one, which JupyterLab marks with
+# data-jp-theme-light on <body>. Outside JupyterLab the fallbacks (the light values) apply.
+STYLE = (
+    "<style>"
+    ".fnk{--fnk-error:var(--jp-error-color0,#b71c1c);--fnk-ok:var(--jp-success-color0,#1b5e20);"
+    "--fnk-warn:#8a4b00;--fnk-info:var(--jp-brand-color0,#0d47a1);--fnk-pod:#6a1b9a;"
+    "--fnk-muted:var(--jp-content-font-color2,rgba(0,0,0,.54))}"
+    "[data-jp-theme-light='false'] .fnk{--fnk-error:var(--jp-error-color2,#e57373);"
+    "--fnk-ok:var(--jp-success-color1,#4caf50);--fnk-warn:var(--jp-warn-color1,#ff9800);"
+    "--fnk-info:var(--jp-brand-color2,#64b5f6);--fnk-pod:#ce93d8}"
+    ".fnk .fnk-error{color:var(--fnk-error)}.fnk .fnk-ok{color:var(--fnk-ok)}"
+    ".fnk .fnk-warn{color:var(--fnk-warn)}.fnk .fnk-info{color:var(--fnk-info)}"
+    ".fnk .fnk-pod{color:var(--fnk-pod)}.fnk .fnk-muted{color:var(--fnk-muted)}"
+    # JupyterLab right-aligns the cells of HTML outputs with a more specific selector.
+    ".fnk table th,.fnk table td,.fnk table tr{text-align:left!important;vertical-align:top}"
+    ".fnk pre{margin:2px 0;white-space:pre-wrap}"
+    ".fnk .fnk-scroll{max-height:24em;overflow:auto}"
+    ".fnk .fnk-card{border:1px solid var(--jp-border-color2,#e0e0e0);border-left-width:4px;"
+    "border-radius:4px;padding:6px 10px;margin:2px 0;"
+    "font-family:var(--jp-code-font-family,monospace);font-size:var(--jp-code-font-size,13px)}"
+    ".fnk .fnk-edge-ok{border-left-color:var(--fnk-ok)}"
+    ".fnk .fnk-edge-error{border-left-color:var(--fnk-error)}"
+    ".fnk .fnk-edge-busy{border-left-color:var(--fnk-warn)}"
+    ".fnk .fnk-edge-info{border-left-color:var(--fnk-info)}"
+    ".fnk .fnk-badge{border:1px solid currentColor;border-radius:3px;padding:0 4px}"
+    "</style>"
 )
-_STATE_COLOUR = {"READY": "#1a7f37", "Ready": "#1a7f37", "Idle": "#6e7781", "Failed": "#cf222e"}
+_EDGE = {"READY": "ok", "Ready": "ok", "Idle": "ok", "Failed": "error", "FAILED": "error"}
+TEXT_LINES = 20  # the text form of a result shows this many lines, then "… N more lines"
+
+
+def fragment(body: str) -> str:
+    """An output's HTML: `body` inside the stylesheet's scope."""
+    return f"<div class='fnk'>{STYLE}{body}</div>"
+
+
+def card(body: str, edge: str) -> str:
+    """A bordered card whose left edge colours its state (``ok``, ``error``, ``busy``, ``info``)."""
+    return fragment(f"<div class='fnk-card fnk-edge-{edge}'>{body}</div>")
+
+
+def muted(text: str) -> str:
+    return f"<span class='fnk-muted'>{escape(text)}</span>"
 
 
 def escape(value: object) -> str:
@@ -37,6 +76,14 @@ def pretty_json(value: Any) -> str:
     return json.dumps(value, indent=2, ensure_ascii=False, default=str)
 
 
+def head_lines(text: str, keep: int = TEXT_LINES) -> str:
+    """`text` cut to `keep` lines, with how many more there were (as pandas does)."""
+    lines = text.splitlines()
+    if len(lines) <= keep:
+        return text
+    return "\n".join([*lines[:keep], f"… {len(lines) - keep} more lines"])
+
+
 def _json_text(value: Any) -> str:
     if isinstance(value, str | bytes):
         return value if isinstance(value, str) else value.decode("utf-8", "replace")
@@ -44,7 +91,8 @@ def _json_text(value: Any) -> str:
 
 
 def table_html(headers: Iterable[str], rows: Iterable[Iterable[object]]) -> str:
-    head = "".join(f"<th style='text-align:left'>{escape(h)}</th>" for h in headers)
+    """A table of HTML cells; the stylesheet aligns headers and cells alike (left)."""
+    head = "".join(f"<th>{escape(h)}</th>" for h in headers)
     body = "".join("<tr>" + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>" for row in rows)
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
@@ -106,16 +154,21 @@ class RegistrationCard:
 
     def _repr_html_(self) -> str:
         fields = " &nbsp;·&nbsp; ".join(
-            f"<span style='color:#6e7781'>{escape(key)}</span> <b>{escape(value)}</b>"
+            f"{muted(key)} <b{_full(key, self)}>{escape(value)}</b>"
             for key, value in self._fields()
         )
-        body = f"<b style='font-size:13px'>{escape(self.name)}</b> &nbsp; {fields}"
+        body = f"<b style='font-size:1.1em'>{escape(self.name)}</b> &nbsp; {fields}"
         if self.note:
-            body += f" &nbsp;<i style='color:#6e7781'>({escape(self.note)})</i>"
+            body += f" &nbsp;<i class='fnk-muted'>({escape(self.note)})</i>"
         if self.message:
-            body += f"<pre style='color:#cf222e;margin:4px 0 0'>{escape(self.message)}</pre>"
-        colour = _STATE_COLOUR.get(self.state, "#bf8700")
-        return _CARD.format(colour=colour, body=body)
+            body += f"<pre class='fnk-error'>{escape(self.message)}</pre>"
+        return card(body, _EDGE.get(self.state, "busy"))
+
+
+def _full(key: str, card: RegistrationCard) -> str:
+    """The whole ID or digest on hover (the card shows it shortened)."""
+    value = {"registration": card.registration_id, "digest": card.digest}.get(key)
+    return f" title='{escape(value)}'" if value else ""
 
 
 @dataclass(frozen=True)
@@ -163,21 +216,19 @@ class InvocationView:
         return text
 
     def __repr__(self) -> str:
-        lines = [f"{self.name} → {_json_text(self.output)}"]
+        lines = [f"{self.name} → {head_lines(_json_text(self.output))}"]
         if self.outputs:
             lines.append(
                 "  outputs: " + ", ".join(f"{key}={value}" for key, value in self.outputs.items())
             )
         lines.append(f"  {self._timing()}")
-        if self.logs:
-            lines.append("  logs:")
-            lines.extend(f"    {_log_line(entry)}" for entry in self.logs)
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
+        # The handler's own prints are the cell's stream output (kernel.functions), not here.
         parts = [
-            f"<b>{escape(self.name)}</b> → <pre style='margin:2px 0'>{escape(_json_text(self.output))}"
-            "</pre>"
+            f"<b>{escape(self.name)}</b> →"
+            f"<pre class='fnk-scroll'>{escape(_json_text(self.output))}</pre>"
         ]
         if self.outputs:
             parts.append(
@@ -186,19 +237,8 @@ class InvocationView:
                     ([f"<code>{escape(k)}</code>", escape(v)] for k, v in self.outputs.items()),
                 )
             )
-        if self.logs:
-            lines = "\n".join(_log_line(entry) for entry in self.logs)
-            parts.append(
-                f"<details><summary>logs ({len(self.logs)})</summary><pre>{escape(lines)}</pre>"
-                "</details>"
-            )
-        parts.append(f"<div style='color:#6e7781'>{escape(self._timing())}</div>")
-        return _CARD.format(colour="#0969da", body="".join(parts))
-
-
-def _log_line(entry: Mapping[str, Any]) -> str:
-    stream = entry.get("stream") or entry.get("level") or "log"
-    return f"[{stream}] {entry.get('text', '')}"
+        parts.append(f"<div>{muted(self._timing())}</div>")
+        return card("".join(parts), "info")
 
 
 @dataclass(frozen=True)
@@ -222,10 +262,18 @@ class FunctionsTable:
     def _repr_html_(self) -> str:
         if not self.rows:
             return f"<p>no functions registered <i>({escape(self.where)})</i></p>"
-        table = table_html(self._HEADERS, ([escape(c) for c in row] for row in self._cells()))
-        return table + (
-            f"<div style='color:#6e7781'>{escape(self.where)}</div>" if self.where else ""
+        registration = self._HEADERS.index("registration")
+        rows = (
+            [
+                f"<span title='{escape(c)}'>{escape(short(c))}</span>"
+                if i == registration and c
+                else escape(c)
+                for i, c in enumerate(row)
+            ]
+            for row in self._cells()
         )
+        table = table_html(self._HEADERS, rows)
+        return fragment(table + (f"<div>{muted(self.where)}</div>" if self.where else ""))
 
 
 @dataclass(frozen=True)
@@ -239,4 +287,4 @@ class Detail:
         return f"{self.title}\n{self.text}"
 
     def _repr_html_(self) -> str:
-        return f"<b>{escape(self.title)}</b><pre>{escape(self.text)}</pre>"
+        return fragment(f"<b>{escape(self.title)}</b><pre>{escape(self.text)}</pre>")

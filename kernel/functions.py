@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kernel.connection import Runtime
 from kernel.display import InvocationView, RegistrationCard
 from runtime_server.client import Run
-from runtime_server.client.errors import GatewayError, RequestCancelled
+from runtime_server.client.errors import GatewayError, HandlerFailed, RequestCancelled
 
 EXTENSIONS = {"python": "py", "bash": "sh"}
 ORIGIN_PREFIX = "%%function cell "  # a Run's spec.source when a cell created it
@@ -49,6 +52,104 @@ class Spec:
     @property
     def origin(self) -> str:
         return ORIGIN_PREFIX + self.fingerprint
+
+
+_TRACEBACK_START = "Traceback (most recent call last):"
+
+
+def cell_line(file_line: int) -> int:
+    """A line of the handler file as a line of its cell: the ``%%function`` line comes first."""
+    return file_line + 1
+
+
+def show_logs(logs: list[dict[str, str]]) -> None:
+    """A handler's log lines as the stream output a local call would give (stdout, stderr)."""
+    for entry in logs:
+        stream = sys.stderr if entry.get("stream") == "stderr" else sys.stdout
+        print(entry.get("text", ""), file=stream)
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def split_traceback(logs: list[dict[str, str]]) -> tuple[list[dict[str, str]], list[str]]:
+    """The handler's own log lines, and the traceback the worker logged after them (if any)."""
+    for index in range(len(logs) - 1, -1, -1):
+        entry = logs[index]
+        if entry.get("stream") == "stderr" and entry.get("text") == _TRACEBACK_START:
+            return logs[:index], [line.get("text", "") for line in logs[index:]]
+    return logs, []
+
+
+_FRAME = re.compile(r'\s*File "(?P<path>[^"]*)", line (?P<line>\d+), in (?P<function>.*)')
+
+
+class HandlerFailedInCell(HandlerFailed):
+    """HandlerFailed told against the handler's cell: one line naming the exception and the
+    cell line (``ZeroDivisionError: division by zero (etl, cell line 4)``); ``%fn_debug``
+    shows the traceback (docs/protocol.md, "Kernel")."""
+
+    def __init__(self, failed: HandlerFailed, spec: Spec) -> None:
+        super().__init__(
+            failed.message,
+            code=failed.code,
+            status=failed.status,
+            run_uid=failed.run_uid,
+            invocation_id=failed.invocation_id,
+            detail=failed.detail,
+        )
+        self.spec = spec
+        self.traceback_lines = split_traceback(failed.logs)[1]
+
+    @property
+    def line(self) -> int | None:
+        """The cell line of the innermost frame in the handler's cell, if the traceback has one."""
+        lines = [
+            cell_line(int(frame["line"]))
+            for frame in map(_FRAME.match, self.traceback_lines)
+            if frame is not None and Path(frame["path"]).name == self.spec.filename
+        ]
+        return lines[-1] if lines else None
+
+    def _render_traceback_(self) -> list[str]:
+        where = self.spec.name if self.line is None else f"{self.spec.name}, cell line {self.line}"
+        what = f"{self.error_type}: {self.error_message}" if self.error_type else self.message
+        return [f"{what} ({where})"]
+
+    def traceback_text(self) -> str:
+        """The handler's traceback as IPython shows one: its own frames with the cell's line
+        numbers and two lines of context, other frames as files."""
+        out = [
+            "-" * 75,
+            f"{self.error_type:<42}Traceback (most recent call last)",
+        ]
+        source = self.spec.source.splitlines()
+        frame_kind = ""  # "cell" or "file" while reading a frame's lines; "" after the frames
+        for text in self.traceback_lines[1:]:
+            frame = _FRAME.match(text)
+            if frame is not None and Path(frame["path"]).name == self.spec.filename:
+                frame_kind = "cell"
+                line = cell_line(int(frame["line"]))
+                out.append(f"Cell {self.spec.name}, line {line}, in {frame['function']}")
+                for number in range(max(2, line - 2), line + 1):  # cell line 1 is the magic
+                    code = source[number - 2] if number - 2 < len(source) else ""
+                    out.append(f"{'---->' if number == line else '':<5} {number:>2} {code}")
+            elif frame is not None:
+                frame_kind = "file"
+                out.append(f"File {frame['path']}:{frame['line']}, in {frame['function']}")
+            elif frame_kind and text.startswith("    "):
+                if frame_kind == "file":  # the cell's frames show the cell's own lines instead
+                    out.append(text)
+            else:
+                frame_kind = ""
+                out.append(text)
+        return "\n".join(out)
+
+
+class PayloadNotJSON(TypeError):
+    """The payload cannot be encoded as JSON: one line naming the type, not json's frames."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"{type(self).__name__}: {self}"]
 
 
 class InvocationInterrupted(KeyboardInterrupt):
@@ -108,23 +209,32 @@ class Function:
     ) -> InvocationView:
         """Invoke with `payload` (JSON-encoded); `timeout` in seconds overrides ``--timeout``."""
         timeout = self.timeout if timeout is None else timeout
+        try:
+            data = json.dumps(payload).encode()
+        except (TypeError, ValueError) as exc:
+            raise PayloadNotJSON(f"the payload of {self.name} is not JSON: {exc}") from None
         client = self._runtime.client()
         try:
             result = client.invoke(
                 self.name,
-                payload,
+                data=data,
                 timeout_millis=round(timeout * 1000) if timeout else 0,
                 invocation_id=invocation_id or "",
             )
+        except HandlerFailed as failed:
+            show_logs(split_traceback(failed.logs)[0])
+            raise HandlerFailedInCell(failed, self.spec) from None
         except RequestCancelled:
             # The kernel was interrupted: the gateway cancels the call and the handler is
             # killed; the function stays registered. Wait (briefly) until it is free again, so
             # the next cell's call is not refused as busy.
-            self._wait_until_idle(_IDLE_WAIT_SECONDS)
+            with self._runtime.trace.bookkeeping():
+                self._wait_until_idle(_IDLE_WAIT_SECONDS)
             raise InvocationInterrupted(
                 f"invocation of {self.name} cancelled; the handler was killed and "
                 f"{self.name} stays registered"
             ) from None
+        show_logs(result.logs)
         return InvocationView(self.name, result)
 
     def _wait_until_idle(self, timeout: float) -> None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from IPython.core.error import UsageError
 
-from kernel.display import escape, table_html, table_text
+from kernel.display import escape, fragment, table_html, table_text
 from kernel.session import Session, session_of
 from runtime_server.client import parse_pairs
 from runtime_server.client.errors import GatewayError
@@ -36,53 +36,91 @@ from runtime_server.krm.resources.resourcelist import (
 if TYPE_CHECKING:
     from kernel.functions import Function
 
-_SEVERITY_COLOUR = {"error": "#cf222e", "warning": "#9a6700", "info": "#0969da"}
-_EVALUATOR_COLOUR = {"builtin": "#1a7f37", "exec": "#0969da", "pod": "#8250df"}
+_SEVERITY_CLASS = {"error": "fnk-error", "warning": "fnk-warn", "info": "fnk-info"}
+_EVALUATOR_CLASS = {"builtin": "fnk-ok", "exec": "fnk-info", "pod": "fnk-pod"}
 
 
 def _trace(step: Any) -> str:
-    """The fallback trace: ``builtin ✗ → exec ✗ → pod ✓``."""
-    tried = [f"{name} ✗" for name in step.skipped]
+    """The fallback trace: ``no builtin → no exec → pod ✓`` — "no" where an evaluator does not
+    have the function (the chain moved on), ✓ or ✗ where one ran it."""
+    tried = [f"no {name}" for name in step.skipped]
     if step.evaluator:
         tried.append(f"{step.evaluator} {'✓' if step.ok else '✗'}")
     return " → ".join(tried)
 
 
+def _shown_in_results(step: Any) -> bool:
+    """Whether the step's error says only what one of its results says already (it may name
+    the function before the message)."""
+    messages = [str(result.get("message", "")) for result in step.results]
+    return bool(step.error) and any(
+        message and (message in step.error or step.error in message) for message in messages
+    )
+
+
 @dataclass(frozen=True)
 class PipelineView:
     """A KRM pipeline run (``%krm``): one section per step — evaluator, time, results coloured
-    by severity, the diff — then the output resources."""
+    by severity, the diff — then the files changed and the output resources. Each message is
+    said once: a step's error only when its results do not say it, the failure itself only
+    when no step shows it."""
 
     steps: list[Any]
     resources: list[tuple[str, str, str]]
     error: str = ""
     title: str = "KRM pipeline"
+    changed: tuple[str, ...] | None = None  # the package's files written; None: not a directory
+    dry_run: bool = False
 
-    def _summary(self, number: int, step: Any) -> str:
+    def _summary(self, number: int, step: Any) -> tuple[str, str]:
+        """The step's line, and its status (``ok`` or ``FAILED (1 error)``)."""
         counts: dict[str, int] = {}
         for result in step.results:
             severity = str(result.get("severity", "info"))
             counts[severity] = counts.get(severity, 0) + 1
         tally = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
         where = f"{step.package}: " if step.package else ""
-        status = "ok" if step.ok else "FAILED"
         parts = [f"[{number}] {where}{step.stage} {step.function}", _trace(step) or "-"]
         parts.append(f"{step.duration * 1000:.0f} ms")
-        parts.append(status + (f" ({tally})" if tally else ""))
-        return " · ".join(parts)
+        status = ("ok" if step.ok else "FAILED") + (f" ({tally})" if tally else "")
+        return " · ".join(parts), status
+
+    def _step_error(self, step: Any) -> str:
+        return "" if not step.error or _shown_in_results(step) else step.error
+
+    def _unshown_error(self) -> str:
+        """The pipeline's error, unless a step shows it already (it may name the function)."""
+        shown = any(
+            _shown_in_results(s) or (s.error and (s.error in self.error or self.error in s.error))
+            for s in self.steps
+        )
+        return "" if not self.error or shown else self.error
+
+    def _files_line(self) -> str:
+        if self.changed is None or self.error:
+            return ""
+        files = ", ".join(self.changed) or "none"
+        return (
+            f"dry run, nothing written; would change: {files}"
+            if self.dry_run
+            else (f"files changed: {files}")
+        )
 
     def __repr__(self) -> str:
         lines = [f"{self.title}: {len(self.steps)} step(s)" + (" — FAILED" if self.error else "")]
         for number, step in enumerate(self.steps, 1):
-            lines.append(self._summary(number, step))
+            summary, status = self._summary(number, step)
+            lines.append(f"{summary} · {status}")
             lines += [f"    {format_result(r)}" for r in step.results]
-            if step.error:
-                lines.append(f"    error: {step.error}")
+            if self._step_error(step):
+                lines.append(f"    error: {self._step_error(step)}")
             if step.diff:
                 lines += [f"    {line}" for line in step.diff.rstrip("\n").splitlines()]
-        if self.error:
-            lines.append(f"failed: {self.error}")
-        elif self.resources:
+        if self._unshown_error():
+            lines.append(f"failed: {self._unshown_error()}")
+        if self._files_line():
+            lines.append(self._files_line())
+        if self.resources and not self.error:
             lines += ["", "output resources:"]
             table = table_text(["kind", "namespace", "name"], [list(r) for r in self.resources])
             lines += [f"  {line}" for line in table.splitlines()]
@@ -91,49 +129,51 @@ class PipelineView:
     def _repr_html_(self) -> str:
         sections = []
         for number, step in enumerate(self.steps, 1):
-            badge_colour = _EVALUATOR_COLOUR.get(step.evaluator, "#6e7781")
             badge = (
-                f"<span style='background:{badge_colour};color:white;border-radius:3px;"
-                f"padding:0 4px'>{escape(step.evaluator or '-')}</span>"
+                f"<span class='fnk-badge {_EVALUATOR_CLASS.get(step.evaluator, 'fnk-muted')}'>"
+                f"{escape(step.evaluator or '-')}</span>"
             )
-            trace = f" <small>({escape(_trace(step))})</small>" if step.skipped else ""
-            summary = escape(self._summary(number, step))
+            summary, status = self._summary(number, step)
+            status_class = "fnk-ok" if step.ok else "fnk-error"
             body = []
             if step.results:
                 rows = (
                     [
-                        f"<span style='color:{_SEVERITY_COLOUR.get(str(r.get('severity')), '#000')};"
-                        f"font-weight:600'>{escape(r.get('severity', 'info'))}</span>",
+                        f"<span class='{_SEVERITY_CLASS.get(str(r.get('severity')), '')}' "
+                        f"style='font-weight:600'>{escape(r.get('severity', 'info'))}</span>",
                         escape(format_result(r).partition("]")[2].removeprefix(":").strip()),
                     ]
                     for r in step.results
                 )
                 body.append(table_html(["severity", "result"], rows))
-            if step.error:
-                body.append(f"<pre style='color:#cf222e'>{escape(step.error)}</pre>")
+            if self._step_error(step):
+                body.append(f"<pre class='fnk-error'>{escape(self._step_error(step))}</pre>")
             if step.diff:
                 body.append(f"<pre>{_diff_html(step.diff)}</pre>")
             opened = " open" if not step.ok else ""
             sections.append(
-                f"<details{opened}><summary>{badge}{trace} {summary}</summary>{''.join(body)}"
-                "</details>"
+                f"<details{opened}><summary>{badge} {escape(summary)} · "
+                f"<span class='{status_class}' style='font-weight:600'>{escape(status)}</span>"
+                f"</summary>{''.join(body)}</details>"
             )
         tail = ""
-        if self.error:
-            tail = f"<p style='color:#cf222e'>failed: {escape(self.error)}</p>"
-        elif self.resources:
-            tail = table_html(
+        if self._unshown_error():
+            tail += f"<p class='fnk-error'>failed: {escape(self._unshown_error())}</p>"
+        if self._files_line():
+            tail += f"<p>{escape(self._files_line())}</p>"
+        if self.resources and not self.error:
+            tail += table_html(
                 ["kind", "namespace", "name"], ([escape(c) for c in r] for r in self.resources)
             )
-        return f"<div class='fn-krm'><b>{escape(self.title)}</b>{''.join(sections)}{tail}</div>"
+        return fragment(f"<b>{escape(self.title)}</b>{''.join(sections)}{tail}")
 
 
 def _diff_html(diff: str) -> str:
     lines = []
     for line in diff.splitlines():
-        colour = "#1a7f37" if line.startswith("+") else "#cf222e" if line.startswith("-") else ""
+        kind_ = "fnk-ok" if line.startswith("+") else "fnk-error" if line.startswith("-") else ""
         text = escape(line)
-        lines.append(f"<span style='color:{colour}'>{text}</span>" if colour else text)
+        lines.append(f"<span class='{kind_}'>{text}</span>" if kind_ else text)
     return "\n".join(lines)
 
 
@@ -188,9 +228,17 @@ class _Failure(Exception):
         self.view = view
 
 
-def _run(title: str, pipeline: Callable[[], Outcome], *, check: bool = True) -> PipelineView:
+def _run(
+    title: str,
+    pipeline: Callable[[], Outcome],
+    *,
+    check: bool = True,
+    files: bool = False,
+    dry_run: bool = False,
+) -> PipelineView:
     """The view of `pipeline`'s outcome; a failed step is raised as ``_Failure`` (the magic
-    shows its view, then a one-line error), or returned when not `check`."""
+    shows its view, then a one-line error), or returned when not `check`. `files`: the
+    package is the user's directory, so the view says which of its files changed."""
     try:
         outcome = pipeline()
     except PipelineError as exc:
@@ -198,14 +246,27 @@ def _run(title: str, pipeline: Callable[[], Outcome], *, check: bool = True) -> 
         if check:
             raise _Failure(view) from None
         return view
-    return PipelineView(outcome.steps, outcome.resources, "", title)
+    changed = (*outcome.written, *(f"{path} (removed)" for path in outcome.removed))
+    return PipelineView(
+        outcome.steps, outcome.resources, "", title, changed if files else None, dry_run
+    )
 
 
-def run_render(chain: Chain, directory: Path, title: str, *, check: bool = True) -> PipelineView:
+def run_render(
+    chain: Chain,
+    directory: Path,
+    title: str,
+    *,
+    check: bool = True,
+    files: bool = True,
+    dry_run: bool = False,
+) -> PipelineView:
     return _run(
         title,
-        lambda: render(directory, chain.evaluator(), allow_exec=chain.allow_exec),
+        lambda: render(directory, chain.evaluator(), allow_exec=chain.allow_exec, dry_run=dry_run),
         check=check,
+        files=files,
+        dry_run=dry_run,
     )
 
 
@@ -221,7 +282,7 @@ def render_cell(chain: Chain, body: str, *, check: bool = True) -> PipelineView:
         resources = [d for d in documents if d is not kptfiles[0]]
         _write_documents(root / "resources.yaml", resources)
         name = (kptfiles[0].get("metadata") or {}).get("name", "package")
-        return run_render(chain, root, f"render {name}", check=check)
+        return run_render(chain, root, f"render {name}", check=check, files=False)
 
 
 def eval_cell(chain: Chain, image: str, pairs: Mapping[str, str], body: str) -> PipelineView:
@@ -251,9 +312,13 @@ def krm_magic(chain: Chain, line: str, cell: str | None) -> PipelineView:
         raise UsageError("%krm: expected `render DIR`, `%%krm render` or `%%krm eval IMAGE`")
     try:
         if words[0] == "render" and cell is None:
-            if len(words) != 2:
-                raise UsageError("%krm render: expected exactly one DIR")
-            return run_render(chain, Path(words[1]), f"render {words[1]}")
+            dry_run = "--dry-run" in words
+            directories = [word for word in words[1:] if word != "--dry-run"]
+            if len(directories) != 1:
+                raise UsageError("%krm render: expected exactly one DIR (and --dry-run)")
+            return run_render(
+                chain, Path(directories[0]), f"render {directories[0]}", dry_run=dry_run
+            )
         if words[0] == "render":
             if len(words) != 1:
                 raise UsageError("%%krm render takes no arguments: the cell is the package")

@@ -1,7 +1,7 @@
 """The fnkernel magics, exactly as docs/protocol.md, "Kernel" spells them.
 
 ``%%function NAME [--runtime python|bash] [--handler H] [--env KEY=VALUE]... [--idle-timeout S]
-[--timeout S]``, ``%invoke NAME [JSON]``, ``%functions [NAME...]``, ``%fn_trace on|off|show`` and
+[--timeout S]``, ``%invoke NAME [JSON]``, ``%functions [NAME...]``, ``%fn_trace on|off|show [--all]`` and
 ``%fn_debug``. Bad flags raise ``UsageError`` with a one-line message.
 """
 
@@ -13,12 +13,18 @@ import json
 import shlex
 from typing import Any, NoReturn
 
+from IPython.core.completer import (
+    CompletionContext,
+    SimpleCompletion,
+    SimpleMatcherResult,
+    context_matcher,
+)
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import ExecutionResult, InteractiveShell
 from IPython.core.magic import Magics, cell_magic, line_cell_magic, line_magic, magics_class
 from IPython.display import display
 
-from kernel.display import FunctionsTable, RegistrationCard, short
+from kernel.display import FunctionsTable, RegistrationCard
 from kernel.functions import EXTENSIONS, Function, Spec
 from kernel.session import _SESSION_ATTRIBUTE, Session, session_of
 from kernel.trace import TraceTable
@@ -169,14 +175,14 @@ class FunctionMagics(Magics):
                 except GatewayError:
                     live = None
                 row["state"] = live.state if live is not None else ""
-                row["registration"] = short(live.registration_id) if live is not None else ""
+                row["registration"] = live.registration_id if live is not None else ""
                 row["in flight"] = str(live.in_flight) if live is not None else ""
             rows.append(row)
         return FunctionsTable(rows, session.runtime.describe())
 
     @line_cell_magic("krm")  # type: ignore[arg-type]  # IPython types it as Never
     def krm(self, line: str, cell: str | None = None) -> Any:
-        """%krm render DIR | %%krm render (the cell: a package) |
+        """%krm render DIR [--dry-run] | %%krm render (the cell: a package) |
         %%krm eval IMAGE [-- key=value ...] (the cell: the input resources)
 
         Run a KRM pipeline over the kernel's evaluator chain and show it step by step.
@@ -187,7 +193,8 @@ class FunctionMagics(Magics):
 
     @line_magic("fn_trace")  # type: ignore[arg-type]  # IPython types it as Never
     def fn_trace(self, line: str) -> TraceTable | None:
-        """%fn_trace on|off|show — record every call the kernel makes to the runtime."""
+        """%fn_trace on|off|show [--all] — record every call the kernel makes to the runtime
+        (show: the calls your cells caused; --all: also the kernel's own status polls)."""
         trace = self.session.trace
         command = line.strip() or "show"
         if command == "on":
@@ -198,9 +205,9 @@ class FunctionMagics(Magics):
             trace.stop()
             print(f"fn_trace: off ({len(trace.calls())} calls recorded; %fn_trace show)")
             return None
-        if command == "show":
-            return TraceTable(trace.calls())
-        raise UsageError(f"%fn_trace: expected on, off or show, got {command!r}")
+        if command in ("show", "show --all"):
+            return TraceTable(trace.calls(), show_all=command.endswith("--all"))
+        raise UsageError(f"%fn_trace: expected on, off, show or show --all, got {command!r}")
 
     @line_magic("fn_debug")  # type: ignore[arg-type]  # IPython types it as Never
     def fn_debug(self, line: str) -> Any:
@@ -217,11 +224,25 @@ def _remember_error(session: Session) -> Any:
     return post_run_cell
 
 
-def _complete_names(session: Session) -> Any:
-    def complete(_shell: Any, event: Any) -> list[str]:
-        return session.names()
+def _name_matcher(session: Session) -> Any:
+    """Completion after ``%invoke `` (its first word) and ``%functions ``: the registered names
+    alone, typed as functions, failed ones left out (docs/protocol.md, "Kernel")."""
 
-    return complete
+    @context_matcher(identifier="fnkernel.names")
+    def match(context: CompletionContext) -> SimpleMatcherResult:
+        words = context.text_until_cursor.lstrip().split(" ")
+        ours = (words[0] == "%invoke" and len(words) == 2) or (
+            words[0] == "%functions" and len(words) >= 2
+        )
+        if not ours:
+            return {"completions": [], "suppress": False}
+        names = [name for name in session.names() if name.startswith(context.token)]
+        return {
+            "completions": [SimpleCompletion(name, type="function") for name in names],
+            "suppress": True,
+        }
+
+    return match
 
 
 def load(shell: InteractiveShell) -> None:
@@ -229,8 +250,7 @@ def load(shell: InteractiveShell) -> None:
     atexit.register(session.shutdown)  # also in a stock ipykernel, which has no shutdown hook
     shell.register_magics(FunctionMagics)
     shell.events.register("post_run_cell", _remember_error(session))
-    for magic in ("%invoke", "%functions"):
-        shell.set_hook("complete_command", _complete_names(session), str_key=magic)
+    shell.Completer.custom_matchers.append(_name_matcher(session))
 
 
 def unload(shell: InteractiveShell) -> None:

@@ -4,6 +4,7 @@ trace and the last error; and the accessor that finds it on an IPython shell."""
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -11,12 +12,21 @@ from IPython.core.interactiveshell import InteractiveShell
 
 from kernel.connection import Runtime
 from kernel.display import Detail, RegistrationCard, pretty_json
-from kernel.functions import Function, Spec
+from kernel.functions import Function, HandlerFailedInCell, Spec, cell_line
 from kernel.trace import Trace
 from runtime_server.client.errors import FunctionNotFound, GatewayError, RegistrationFailed
 
 _SESSION_ATTRIBUTE = "_fnkernel_session"
 _REUSABLE = ("Ready", "Idle")  # a Run in these phases is kept when its cell is run unchanged
+
+
+def in_cell(message: str, spec: Spec) -> str:
+    """A load failure's message with the handler file's lines told as cell lines."""
+    return re.sub(
+        rf"\b{re.escape(spec.filename)} line (\d+)",
+        lambda found: f"cell line {cell_line(int(found[1]))}",
+        message,
+    )
 
 
 def session_of(shell: InteractiveShell) -> Session:
@@ -52,6 +62,12 @@ class Session:
         a new one registered.
         """
 
+        with self.trace.bookkeeping():  # its status reads are the kernel's, not the user's
+            return self._register(spec, timeout, show)
+
+    def _register(
+        self, spec: Spec, timeout: float | None, show: Callable[[RegistrationCard], None]
+    ) -> Function:
         def progress(note: str) -> None:
             show(RegistrationCard(spec.name, spec.runtime, state="starting", note=note))
 
@@ -69,6 +85,11 @@ class Session:
             progress("unregistering the previous version")
             client.delete_run(spec.name)
             self.functions.pop(spec.name, None)
+        show(
+            RegistrationCard(
+                spec.name, spec.runtime, state="registering", note="loading the handler"
+            )
+        )
         run = client.create_run(
             spec.name,
             runtime=spec.runtime,
@@ -79,9 +100,11 @@ class Session:
             origin=spec.origin,
         )
         if run.failed:
-            show(RegistrationCard.from_run(run))
+            failed = RegistrationCard.from_run(run)
+            failed.message = in_cell(run.message, spec)
+            show(failed)
             raise RegistrationFailed(
-                f'"{spec.name}" did not register: {run.message}', code="Failed", run_uid=run.uid
+                f'"{spec.name}" did not register: {failed.message}', code="Failed", run_uid=run.uid
             )
         function = self._bind(spec, timeout)
         show(RegistrationCard.from_run(client.status(spec.name)))
@@ -97,11 +120,14 @@ class Session:
             del self.functions[function.name]
 
     def names(self) -> list[str]:
-        """Registered names: this kernel's, and the gateway's once it is started."""
+        """Names one can invoke: this kernel's functions, and the gateway's Runs once it is
+        started, less those that failed."""
         names = set(self.functions)
         if self.runtime.started:
             with contextlib.suppress(GatewayError):  # completion works with the gateway down
-                names.update(run.name for run in self.runtime.client().list_runs())
+                runs = self.runtime.client().list_runs()
+                names.update(run.name for run in runs)
+                names.difference_update(run.name for run in runs if run.failed)
         return sorted(names)
 
     def debug(self) -> Detail:
@@ -110,14 +136,18 @@ class Session:
         if error is None:
             return Detail("fn_debug", "no error so far")
         lines = [f"{type(error).__module__}.{type(error).__name__}: {error}"]
+        if isinstance(error, HandlerFailedInCell) and error.traceback_lines:
+            lines += ["", error.traceback_text(), ""]
         if isinstance(error, GatewayError):
             lines.append(f"HTTP status: {error.status or '(none)'}   code: {error.code or '-'}")
             if error.run_uid:
                 lines.append(f"run uid: {error.run_uid}")
             if error.invocation_id:
                 lines.append(f"invocation id: {error.invocation_id}")
-            if error.detail:
-                lines += ["body:", pretty_json(error.detail)]
+            # The handler's log lines were the cell's output, and its traceback is above.
+            body = {key: value for key, value in error.detail.items() if key != "logs"}
+            if body:
+                lines += ["body:", pretty_json(body)]
         lines.append(f"runtime: {self.runtime.describe()}")
         return Detail(f"fn_debug: last error ({type(error).__name__})", "\n".join(lines))
 

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import html
 import json
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+
+from kernel.display import fragment
 
 _PAYLOAD_FIELDS = ("input", "output")  # bytes fields of the FunctionRuntime messages
 
@@ -25,6 +29,7 @@ class TracedCall:
     status: str
     latency_ms: float
     response: Any = None
+    internal: bool = False  # the kernel's own bookkeeping (a status poll), not the user's call
 
 
 def decode_payload(data: bytes) -> Any:
@@ -61,13 +66,27 @@ class Trace:
         self.on = False
         self._calls: list[TracedCall] = []
         self._lock = threading.Lock()
+        self._bookkeeping = threading.local()
+
+    @contextlib.contextmanager
+    def bookkeeping(self) -> Iterator[None]:
+        """The reads made inside are the kernel's own (polling while it registers or waits):
+        recorded as internal, shown by ``%fn_trace show --all`` only."""
+        outer = getattr(self._bookkeeping, "on", False)
+        self._bookkeeping.on = True
+        try:
+            yield
+        finally:
+            self._bookkeeping.on = outer
 
     def record(
         self, method: str, request: Any, status: str, latency_ms: float, response: Any = None
     ) -> None:
         if self.on:
+            internal = getattr(self._bookkeeping, "on", False) and method.startswith("GET ")
+            call = TracedCall(method, request, status, latency_ms, response, internal)
             with self._lock:
-                self._calls.append(TracedCall(method, request, status, latency_ms, response))
+                self._calls.append(call)
 
     def start(self) -> None:
         with self._lock:
@@ -88,10 +107,17 @@ def _compact(value: Any, limit: int = 160) -> str:
 
 
 class TraceTable:
-    """``%fn_trace show``: the calls as a table (HTML, and aligned text for a CI log)."""
+    """``%fn_trace show``: the calls as a table (HTML, and aligned text for a CI log); the
+    kernel's own status polls only with ``show_all``."""
 
-    def __init__(self, calls: list[TracedCall]) -> None:
-        self.calls = calls
+    def __init__(self, calls: list[TracedCall], show_all: bool = False) -> None:
+        self.calls = [call for call in calls if show_all or not call.internal]
+        self.hidden = len(calls) - len(self.calls)
+
+    def _note(self) -> str:
+        if not self.hidden:
+            return ""
+        return f"{self.hidden} status polls of the kernel's own not shown (%fn_trace show --all)"
 
     def _rows(self) -> list[tuple[str, str, str, str, str]]:
         return [
@@ -115,6 +141,8 @@ class TraceTable:
         for row in rows:
             cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)]
             lines.append("  ".join([*cells, row[4]]).rstrip())
+        if self.hidden:
+            lines.append(f"({self._note()})")
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
@@ -123,18 +151,18 @@ class TraceTable:
         body = "".join(
             "<tr>"
             f"<td>{number}</td><td><code>{html.escape(method)}</code></td>"
-            f"<td>{_status_badge(status)}</td><td style='text-align:right'>{latency}</td>"
+            f"<td>{_status_badge(status)}</td><td>{latency}</td>"
             f"<td><code>{html.escape(request)}</code></td>"
             "</tr>"
             for number, method, status, latency, request in self._rows()
         )
-        return (
+        note = f"<div class='fnk-muted'>{html.escape(self._note())}</div>" if self.hidden else ""
+        return fragment(
             "<table class='fn-trace'><thead><tr><th>#</th><th>method</th><th>status</th>"
-            f"<th>latency</th><th>request</th></tr></thead><tbody>{body}</tbody></table>"
+            f"<th>latency</th><th>request</th></tr></thead><tbody>{body}</tbody></table>{note}"
         )
 
 
 def _status_badge(status: str) -> str:
-    ok = status.startswith(("OK", "2"))
-    colour = "#1a7f37" if ok else "#cf222e"
-    return f"<span style='color:{colour};font-weight:600'>{html.escape(status)}</span>"
+    kind = "ok" if status.startswith(("OK", "2")) else "error"
+    return f"<span class='fnk-{kind}' style='font-weight:600'>{html.escape(status)}</span>"

@@ -132,7 +132,8 @@ class Kernel:
         """Evaluate `expression` in the kernel and return it (it must be JSON-serializable)."""
         cell = self.run(f"import json as _json; print(_json.dumps({expression}))")
         assert cell.ok, cell.error
-        return json.loads(cell.stdout)
+        # The last line: a handler the expression calls may print before it (its own stdout).
+        return json.loads(cell.stdout.splitlines()[-1])
 
     def request(self, kind: str, **content: Any) -> dict[str, Any]:
         """A shell request (complete, inspect, ...) and its reply's content."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -82,6 +83,15 @@ def test_fnkernel_install_writes_the_kernelspec(tmp_path: Path) -> None:
     assert spec["interrupt_mode"] == "message"
     assert spec["argv"][-4:] == ["-m", "kernel", "-f", "{connection_file}"]
     assert "installed kernelspec fnkernel" in done.stdout
+    # The launcher tile's logo, in the sizes and the SVG JupyterLab looks for.
+    installed = tmp_path / "share/jupyter/kernels/fnkernel"
+    for logo, size in (("logo-32x32.png", 32), ("logo-64x64.png", 64)):
+        png = (installed / logo).read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n"
+        assert struct.unpack(">II", png[16:24]) == (size, size)
+    assert (installed / "logo-svg.svg").read_text().startswith("<svg")
+    # ipykernel's debugger works in FnKernel when debugpy is there (it is, in the dev install).
+    assert spec["metadata"]["debugger"] is True
 
 
 def test_plain_cells_import_no_grpc_and_start_nothing() -> None:
@@ -127,7 +137,7 @@ def test_invoke_returns_a_result_object(kernel: Kernel) -> None:
     assert {"stream": "stdout", "text": "processing 2 rows"} in result["logs"]
 
 
-def test_invoke_magic_displays_output_outputs_logs_and_timing(kernel: Kernel) -> None:
+def test_invoke_magic_displays_output_outputs_and_timing(kernel: Kernel) -> None:
     kernel.run(ETL)
     cell = kernel.run('%invoke etl {"rows": [1, 1]}')
     assert cell.ok, cell.error
@@ -135,9 +145,88 @@ def test_invoke_magic_displays_output_outputs_logs_and_timing(kernel: Kernel) ->
     assert text.startswith("etl → {")
     assert '"total": 2' in text
     assert "outputs: rows=2" in text
-    assert "[stdout] processing 2 rows" in text
     assert " ms" in text and "invocation inv_" in text
     assert "<table>" in cell.htmls()[-1]
+    # The handler's print is the cell's stream output, not part of the result.
+    assert cell.stdout == "processing 2 rows\n"
+    assert "processing" not in text
+
+
+@pytest.mark.parametrize(
+    "code", ['etl({"rows": [1]})', 'etl.invoke({"rows": [1]})', '%invoke etl {"rows": [1]}']
+)
+def test_a_handlers_prints_are_the_cells_stream_output(kernel: Kernel, code: str) -> None:
+    # docs/protocol.md, "Kernel": a handler's stdout and stderr are the cell's stream output, as a
+    # local call's would be, however the function is called.
+    kernel.run(ETL)
+    kernel.run(
+        "%%function noisy\nimport sys\ndef handler(event):\n"
+        "    print('to stdout')\n    print('to stderr', file=sys.stderr)\n    return 1\n"
+    )
+    cell = kernel.run(code.replace("etl", "noisy").replace('{"rows": [1]}', "0"))
+    assert cell.ok, cell.error
+    assert cell.stdout == "to stdout\n"
+    assert cell.stderr == "to stderr\n"
+
+
+FAILS = """%%function fails
+def handler(event):
+    print("about to divide")
+    return event / 0
+"""
+
+
+def test_a_handler_error_is_one_line_naming_the_exception_and_its_cell_line(
+    kernel: Kernel,
+) -> None:
+    # docs/protocol.md, "Kernel": the exception and the cell line (the %%function line is cell
+    # line 1, so `return event / 0` is cell line 4); the handler's prints come first.
+    assert kernel.run(FAILS).ok
+    cell = kernel.run("fails(1)")
+    assert cell.error is not None
+    assert cell.error["traceback"] == ["ZeroDivisionError: division by zero (fails, cell line 4)"]
+    assert cell.stdout == "about to divide\n"
+    assert "Traceback" not in cell.stderr
+    # Still a HandlerFailed, for code that catches one.
+    assert kernel.run("from runtime_server.client.errors import HandlerFailed").ok
+    assert kernel.value("isinstance(__import__('sys').last_value, HandlerFailed)") is True
+
+
+def test_fn_debug_shows_the_handlers_traceback_in_cell_lines_then_the_request(
+    kernel: Kernel,
+) -> None:
+    # docs/protocol.md, "Kernel": %fn_debug shows the traceback as IPython shows one — the
+    # cell's line numbers with context — then the request's detail, without JSON escapes.
+    assert kernel.run(FAILS).ok
+    kernel.run("fails(2)")
+    text = kernel.run("%fn_debug").result
+    assert "ZeroDivisionError                         Traceback (most recent call last)" in text
+    assert "Cell fails, line 4, in handler" in text
+    assert "---->  4     return event / 0" in text
+    assert '       3     print("about to divide")' in text
+    assert text.index("Traceback (most recent") < text.index("HTTP status: 502")
+    assert '\\"' not in text and "\\n" not in text
+    assert '"logs"' not in text
+
+
+def test_a_payload_that_is_not_json_fails_in_one_line_naming_its_type(kernel: Kernel) -> None:
+    kernel.run(ETL)
+    cell = kernel.run("etl({1, 2})")
+    assert cell.error is not None
+    assert cell.error["traceback"] == [
+        "PayloadNotJSON: the payload of etl is not JSON: "
+        "Object of type set is not JSON serializable"
+    ]
+
+
+def test_a_big_result_shows_its_first_lines_as_text_and_scrolls_in_html(kernel: Kernel) -> None:
+    # docs/protocol.md, "Kernel": 20 lines of text, then how many more; HTML scrolls.
+    kernel.run("%%function many\ndef handler(event):\n    return list(range(event))\n")
+    cell = kernel.run("%invoke many 300")
+    text = cell.texts()[-1]
+    assert "… 282 more lines" in text
+    assert len(text.splitlines()) <= 22
+    assert "class='fnk-scroll'" in cell.htmls()[-1]
 
 
 def test_rerunning_an_unchanged_cell_keeps_the_run_and_registration(kernel: Kernel) -> None:
@@ -243,8 +332,9 @@ def test_a_handler_that_cannot_load_fails_the_registration(kernel: Kernel) -> No
     cell = kernel.run("%%function broken\ndef handler(event:\n    return 1\n")
     assert cell.error is not None and cell.error["ename"] == "RegistrationFailed"
     [line] = cell.error["traceback"]
+    # The file's line 1 is the cell's line 2 (docs/protocol.md, "Kernel").
     assert line.startswith(
-        'RegistrationFailed: "broken" did not register: UserCodeSyntaxError: broken.py line 1'
+        'RegistrationFailed: "broken" did not register: UserCodeSyntaxError: cell line 2'
     )
     assert "state Failed" in cell.texts()[-1]
     fixed = kernel.run("%%function broken\ndef handler(event):\n    return 1\n")
@@ -292,6 +382,19 @@ def test_fn_trace_records_each_gateway_call(kernel: Kernel) -> None:
     assert "<table class='fn-trace'>" in table.htmls()[-1]
 
 
+def test_fn_trace_shows_the_calls_cells_caused_and_all_with_all(kernel: Kernel) -> None:
+    # docs/protocol.md, "Kernel": a registration's own status polls are the kernel's, not the
+    # user's: `show` leaves them out (and says so), `show --all` has them.
+    assert kernel.run("%fn_trace on").ok
+    kernel.run(SLOW.replace("%%function slow", "%%function traced"))
+    kernel.run("%fn_trace off")
+    shown = kernel.run("%fn_trace show").result
+    every = kernel.run("%fn_trace show --all").result
+    assert "POST /v1/runs " in shown and "GET /v1/runs/traced" not in shown
+    assert "status polls of the kernel's own not shown (%fn_trace show --all)" in shown
+    assert "GET /v1/runs/traced" in every and "404 NOT_FOUND" in every
+
+
 def test_functions_table_lists_live_state(kernel: Kernel) -> None:
     kernel.run(ETL)
     text = kernel.run("%functions").result
@@ -305,11 +408,18 @@ def test_functions_table_lists_live_state(kernel: Kernel) -> None:
 
 
 def test_completion_offers_registered_names(kernel: Kernel) -> None:
-    # docs/protocol.md, "Kernel": %invoke <TAB> and %functions complete registered names.
+    # docs/protocol.md, "Kernel": after %invoke and %functions, the registered names alone,
+    # typed as functions; a failed one is left out.
     kernel.run(ETL)
-    for code in ("%invoke e", "%functions e"):
+    kernel.run("%%function eviltwin\ndef handler(event:\n    pass\n")  # fails to load
+    for code in ("%invoke e", "%functions e", "%functions etl e"):
         reply = kernel.request("complete", code=code, cursor_pos=len(code))
-        assert "etl" in reply["matches"], reply
+        assert reply["matches"] == ["etl"], reply
+        types = reply["metadata"]["_jupyter_types_experimental"]
+        assert [(t["text"], t["type"]) for t in types] == [("etl", "function")]
+    # Past %invoke's NAME comes the payload: no names there.
+    code = "%invoke etl e"
+    assert "etl" not in kernel.request("complete", code=code, cursor_pos=len(code))["matches"]
 
 
 def test_inspection_shows_source_runtime_and_status(kernel: Kernel) -> None:
@@ -516,7 +626,8 @@ def test_a_failing_krm_step_shows_its_results_and_raises_one_line(kernel: Kernel
     assert "`data.namespace` should not be empty" in line
     shown = cell.texts("display_data")[-1]
     assert "[error] v1/ConfigMap/function-input: `data.namespace` should not be empty" in shown
-    assert "failed: " in shown
+    # Said once in the view (its result), then once as the cell's error line.
+    assert shown.count("should not be empty") == 1
 
 
 @pytest.mark.parametrize(
