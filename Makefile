@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test proto lint fmt typecheck bench kpt-e2e mutate clean
+.PHONY: demo test test-ui proto lint fmt typecheck bench kpt-e2e mutate clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=python3)"; exit 2; }
@@ -21,15 +21,26 @@ demo: $(STAMP)
 test: $(STAMP) lint typecheck
 	$(PY) -m pytest
 
+UI_STAMP := $(VENV)/.installed-ui
+$(UI_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[dev,ui]'
+	touch $(UI_STAMP)
+
+# The notebook in a real browser (docs/architecture.md, "Testing in a browser"): JupyterLab on
+# 127.0.0.1 and Debian's Chromium (apt-get install -y chromium) driven by Playwright. Screenshots
+# of failures go to ui-failures/. Not part of `make test`.
+test-ui: $(UI_STAMP)
+	$(PY) -m pytest tests_ui -p no:cacheprovider
+
 proto: $(STAMP)
 	$(PY) -m runtime_server._proto.gen
 
 fmt: $(STAMP)
-	$(VENV)/bin/ruff format runtime_server adapters kernel tests benchmarks tools
+	$(VENV)/bin/ruff format runtime_server adapters kernel tests tests_ui benchmarks tools
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff format --check runtime_server adapters kernel tests benchmarks tools
-	$(VENV)/bin/ruff check runtime_server adapters kernel tests benchmarks tools
+	$(VENV)/bin/ruff format --check runtime_server adapters kernel tests tests_ui benchmarks tools
+	$(VENV)/bin/ruff check runtime_server adapters kernel tests tests_ui benchmarks tools
 	$(VENV)/bin/lint-imports
 
 typecheck: $(STAMP)
@@ -54,4 +65,4 @@ mutate: $(STAMP)
 	$(PY) -m tools.mutate
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache mutants
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache mutants ui-failures
