@@ -160,6 +160,14 @@ class InvocationInterrupted(KeyboardInterrupt):
         return [f"KeyboardInterrupt: {self}"]
 
 
+class RegistrationInterrupted(KeyboardInterrupt):
+    """The kernel was interrupted while a ``%%function`` cell registered: the half-made Run was
+    deleted. Shown as one line."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"KeyboardInterrupt: {self}"]
+
+
 class Status(Run):
     """``NAME.status()``: the Run with its live registration (a typed view that is still the
     gateway's JSON), shown as a registration card."""
@@ -224,10 +232,13 @@ class Function:
         except HandlerFailed as failed:
             show_logs(split_traceback(failed.logs)[0])
             raise HandlerFailedInCell(failed, self.spec) from None
-        except RequestCancelled:
-            # The kernel was interrupted: the gateway cancels the call and the handler is
-            # killed; the function stays registered. Wait (briefly) until it is free again, so
-            # the next cell's call is not refused as busy.
+        except (RequestCancelled, KeyboardInterrupt):
+            # The kernel was interrupted: FnKernel cancels the request from its control thread
+            # (RequestCancelled); a stock ipykernel's SIGINT lands here as KeyboardInterrupt,
+            # inside the HTTP read, so the request is cancelled now. Either way the gateway
+            # cancels the call and the handler is killed; the function stays registered. Wait
+            # (briefly) until it is free again, so the next cell's call is not refused as busy.
+            self._runtime.cancel()
             with self._runtime.trace.bookkeeping():
                 self._wait_until_idle(_IDLE_WAIT_SECONDS)
             raise InvocationInterrupted(

@@ -12,9 +12,20 @@ from IPython.core.interactiveshell import InteractiveShell
 
 from kernel.connection import Runtime
 from kernel.display import Detail, RegistrationCard, pretty_json
-from kernel.functions import Function, HandlerFailedInCell, Spec, cell_line
+from kernel.functions import (
+    Function,
+    HandlerFailedInCell,
+    RegistrationInterrupted,
+    Spec,
+    cell_line,
+)
 from kernel.trace import Trace
-from runtime_server.client.errors import FunctionNotFound, GatewayError, RegistrationFailed
+from runtime_server.client.errors import (
+    FunctionNotFound,
+    GatewayError,
+    RegistrationFailed,
+    RequestCancelled,
+)
 
 _SESSION_ATTRIBUTE = "_fnkernel_session"
 _REUSABLE = ("Ready", "Idle")  # a Run in these phases is kept when its cell is run unchanged
@@ -90,15 +101,26 @@ class Session:
                 spec.name, spec.runtime, state="registering", note="loading the handler"
             )
         )
-        run = client.create_run(
-            spec.name,
-            runtime=spec.runtime,
-            handler=spec.handler,
-            files={spec.filename: spec.source},
-            env=spec.env,
-            idle_timeout_seconds=spec.idle_timeout,
-            origin=spec.origin,
-        )
+        try:
+            run = client.create_run(
+                spec.name,
+                runtime=spec.runtime,
+                handler=spec.handler,
+                files={spec.filename: spec.source},
+                env=spec.env,
+                idle_timeout_seconds=spec.idle_timeout,
+                origin=spec.origin,
+            )
+        except (RequestCancelled, KeyboardInterrupt):
+            # Interrupted while it registered: nothing half-registered stays behind (a Run left
+            # Pending would make the cell's next run wait for it).
+            self.runtime.cancel()
+            with contextlib.suppress(GatewayError):
+                client.delete_run(spec.name, cancel_in_flight=True)
+            show(RegistrationCard(spec.name, spec.runtime, state="interrupted"))
+            raise RegistrationInterrupted(
+                f"registration of {spec.name} interrupted; nothing is registered"
+            ) from None
         if run.failed:
             failed = RegistrationCard.from_run(run)
             failed.message = in_cell(run.message, spec)

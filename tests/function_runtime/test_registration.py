@@ -571,11 +571,13 @@ def test_register_answers_when_its_bounded_wait_ends_and_the_load_goes_on(
     # docs/protocol.md, "Registration": RegisterFunction waits, bounded, for the handler to load;
     # past the bound it answers REGISTERING and FunctionStatus tells the outcome later.
     registry = Registry(PythonAdapter, workspace, register_wait=0.2)
-    wd = workspace / "slowload"
-    wd.mkdir()
-    (wd / "h.py").write_text(
-        "import time\nfrom pathlib import Path\nwhile not Path('go').exists():\n"
-        "    time.sleep(0.01)\ndef handle(event):\n    return event\n"
+    wd = _workdir(
+        workspace,
+        "slowload",
+        {
+            "h.py": "import time\nfrom pathlib import Path\nwhile not Path('go').exists():\n"
+            "    time.sleep(0.01)\ndef handle(event):\n    return event\n"
+        },
     )
     try:
         view = registry.register(
@@ -593,6 +595,29 @@ def test_register_answers_when_its_bounded_wait_ends_and_the_load_goes_on(
         wait_until(lambda: status().state == READY, timeout=20)
     finally:
         registry.shutdown()
+
+
+IDENTITY = {"h.py": "def handle(event):\n    return event\n"}
+
+
+def _workdir(workspace: Path, name: str, files: dict[str, str]) -> Path:
+    """A working directory for a Registry driven in this process."""
+    wd = workspace / name
+    wd.mkdir()
+    for file, text in files.items():
+        (wd / file).write_text(textwrap.dedent(text))
+    return wd
+
+
+def _invoke(registry: Registry, run_uid: str, registration_id: str, payload: bytes) -> object:
+    return registry.invoke(
+        run_uid=run_uid,
+        registration_id=registration_id,
+        invocation_id="",
+        input=payload,
+        content_type="",
+        timeout_millis=0,
+    )
 
 
 def _register(
@@ -616,9 +641,7 @@ def test_the_server_remembers_the_attempts_of_its_most_recently_removed_runs(
     # server remembers this for its last 10,000 removed runs (2 here); the oldest is forgotten.
     monkeypatch.setattr(registry_module, "_MAX_TOMBSTONES", 2)
     registry = Registry(PythonAdapter, workspace)
-    wd = workspace / "tomb"
-    wd.mkdir()
-    (wd / "h.py").write_text("def handle(event):\n    return event\n")
+    wd = _workdir(workspace, "tomb", IDENTITY)
     try:
         for run_uid in ("a", "b", "c"):
             registration_id = _register(registry, wd, run_uid, 2)
@@ -650,9 +673,7 @@ def test_an_unexpected_error_while_loading_leaves_the_registration_failed(
     # docs/protocol.md, "Registration": the answer is READY or FAILED — never REGISTERING
     # forever, also when the load fails in a way nobody planned for.
     registry = Registry(_SpawnFails, workspace)
-    wd = workspace / "nofds"
-    wd.mkdir()
-    (wd / "h.py").write_text("def handle(event):\n    return event\n")
+    wd = _workdir(workspace, "nofds", IDENTITY)
     try:
         registration_id = _register(registry, wd, "nofds", 1)
         view = registry.status(run_uid="nofds", registration_id=registration_id)
@@ -666,22 +687,13 @@ def test_after_shutdown_nothing_new_is_accepted(workspace: Path) -> None:
     # docs/protocol.md, "Services": a stopping server starts no new worker, whatever reaches it
     # late (gRPC's graceful stop may leave a slow request running past it).
     registry = Registry(PythonAdapter, workspace)
-    wd = workspace / "late"
-    wd.mkdir()
-    (wd / "h.py").write_text("def handle(event):\n    return event\n")
+    wd = _workdir(workspace, "late", IDENTITY)
     registration_id = _register(registry, wd, "late", 1)
     registry.shutdown()
     with pytest.raises(ShuttingDown, match="shutting down"):
         _register(registry, wd, "late2", 1)
     with pytest.raises(ShuttingDown, match="shutting down"):
-        registry.invoke(
-            run_uid="late",
-            registration_id=registration_id,
-            invocation_id="",
-            input=b"1",
-            content_type="",
-            timeout_millis=0,
-        )
+        _invoke(registry, "late", registration_id, b"1")
 
 
 def test_shutdown_cancels_the_call_in_flight_rather_than_letting_it_finish(
@@ -689,23 +701,13 @@ def test_shutdown_cancels_the_call_in_flight_rather_than_letting_it_finish(
 ) -> None:
     # docs/protocol.md, "Services": what outlives the drain is cancelled, not waited for.
     registry = Registry(PythonAdapter, workspace)
-    wd = workspace / "cut"
-    wd.mkdir()
-    for name, text in FINISHES_LATE.items():
-        (wd / name).write_text(textwrap.dedent(text))
+    wd = _workdir(workspace, "cut", FINISHES_LATE)
     registration_id = _register(registry, wd, "cut", 1, handler="handler.handle")
     outcome: list[BaseException] = []
 
     def call() -> None:
         try:
-            registry.invoke(
-                run_uid="cut",
-                registration_id=registration_id,
-                invocation_id="",
-                input=b"1.5",
-                content_type="",
-                timeout_millis=0,
-            )
+            _invoke(registry, "cut", registration_id, b"1.5")
         except BaseException as exc:
             outcome.append(exc)
 

@@ -19,6 +19,7 @@ import pytest
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from runtime_server.client import Client
+from runtime_server.client.errors import FunctionNotFound
 from runtime_server.lifecycle.stack import Stack
 from tests.kernel.kernels import Kernel, descendants
 from tests.support import pid_alive, wait_until
@@ -503,6 +504,58 @@ def test_magics_load_into_a_stock_ipykernel() -> None:
         kernel.shutdown()
 
 
+def test_an_interrupt_in_a_stock_ipykernel_ends_the_call_in_one_line() -> None:
+    # docs/protocol.md, "Kernel": there the interrupt is SIGINT, which lands inside the HTTP
+    # read; the call is cancelled all the same, in one line, and the function stays usable.
+    kernel = Kernel("python3")
+    try:
+        assert kernel.run("%load_ext kernel").ok
+        assert kernel.run(SLOW).ok
+        gateway = Client(gateway_address(kernel))
+        msg_id = kernel.send('slow({"s": 30})')
+        wait_until(lambda: (gateway.status("slow")["live"] or {}).get("inFlight") == 1, timeout=10)
+        kernel.manager.interrupt_kernel()
+        cell = kernel.collect(msg_id, timeout=10)
+        assert cell.error is not None
+        assert cell.error["traceback"] == [
+            "KeyboardInterrupt: invocation of slow cancelled; the handler was killed and slow "
+            "stays registered"
+        ]
+        assert kernel.value('slow({"s": 0})') == 0
+    finally:
+        kernel.shutdown()
+
+
+def test_an_interrupted_registration_leaves_nothing_registered(kernel: Kernel) -> None:
+    # docs/protocol.md, "Kernel": interrupting a %%function cell while its handler loads ends
+    # it in one line and deletes the half-made Run, so running the cell again starts afresh.
+    slow_load = (
+        "%%function loads_slowly\nimport time\ntime.sleep(30)\ndef handler(event):\n    return 1\n"
+    )
+    kernel.run("1")  # the embedded runtime is up (other tests started it)
+    gateway = Client(gateway_address(kernel))
+    msg_id = kernel.send(slow_load)
+
+    def pending() -> bool:
+        try:
+            return bool(gateway.status("loads_slowly").phase == "Pending")
+        except FunctionNotFound:
+            return False
+
+    wait_until(pending, timeout=20)
+    kernel.manager.interrupt_kernel()
+    cell = kernel.collect(msg_id, timeout=20)
+    assert cell.error is not None
+    assert cell.error["traceback"] == [
+        "KeyboardInterrupt: registration of loads_slowly interrupted; nothing is registered"
+    ]
+    assert "state interrupted" in cell.texts()[-1]
+    wait_until(lambda: "loads_slowly" not in [run.name for run in gateway.list_runs()], timeout=10)
+    again = kernel.run(slow_load.replace("time.sleep(30)", "time.sleep(0)"))
+    assert again.ok, again.error
+    assert kernel.value("loads_slowly(None)") == 1
+
+
 def test_fnkernel_runtime_points_the_kernel_at_an_existing_gateway(
     stack_factory: Callable[..., Stack],
 ) -> None:
@@ -630,11 +683,35 @@ def test_a_failing_krm_step_shows_its_results_and_raises_one_line(kernel: Kernel
     assert shown.count("should not be empty") == 1
 
 
+def test_krm_render_of_a_directory_names_the_files_changed_or_would_with_dry_run(
+    kernel: Kernel, tmp_path: Path
+) -> None:
+    # docs/protocol.md, "Kernel": as the CLI does, the view ends with the files changed; with
+    # --dry-run nothing is written and it says what would change.
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "Kptfile").write_text(
+        "apiVersion: kpt.dev/v1\nkind: Kptfile\nmetadata: {name: pkg}\npipeline:\n"
+        "  mutators:\n  - image: set-labels\n    configMap: {app: shop}\n"
+    )
+    resources = package / "cm.yaml"
+    resources.write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\n")
+    dry = kernel.run(f"%krm render {package} --dry-run")
+    assert dry.ok, dry.error
+    assert "dry run, nothing written; would change: " in dry.result and "cm.yaml" in dry.result
+    assert "app: shop" not in resources.read_text()
+    done = kernel.run(f"%krm render {package}")
+    assert done.ok, done.error
+    assert "files changed: " in done.result and "cm.yaml" in done.result
+    assert "app: shop" in resources.read_text()
+
+
 @pytest.mark.parametrize(
     ("code", "message"),
     [
         ("%krm", "expected `render DIR`"),
         ("%krm render", "expected exactly one DIR"),
+        ("%krm render a b", "expected exactly one DIR"),
         (
             "%%krm render\napiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\n",
             "exactly one Kptfile",
