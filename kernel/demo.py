@@ -7,6 +7,7 @@ what each cell produced, as a CI log would show it.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import textwrap
 import time
@@ -38,15 +39,21 @@ def execute(path: Path, *, cell_timeout: int = CELL_TIMEOUT) -> nbformat.Noteboo
     return notebook
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
 def output_text(output: dict[str, Any]) -> str:
+    """What an output shows as text, without terminal colours (a CI log is a file)."""
     kind = output["output_type"]
     if kind == "stream":
-        return str(output["text"]).rstrip("\n")
-    if kind in ("execute_result", "display_data"):
-        return str(output["data"].get("text/plain", "")).rstrip("\n")
-    if kind == "error":
-        return "\n".join(output["traceback"])
-    return ""
+        text = str(output["text"]).rstrip("\n")
+    elif kind in ("execute_result", "display_data"):
+        text = str(output["data"].get("text/plain", "")).rstrip("\n")
+    elif kind == "error":
+        text = "\n".join(output["traceback"])
+    else:
+        text = ""
+    return _ANSI.sub("", text)
 
 
 def summary(notebook: nbformat.NotebookNode) -> str:

@@ -278,13 +278,16 @@ class FunctionsTable:
 
 @dataclass(frozen=True)
 class Detail:
-    """A titled block of text: ``%fn_debug`` and ``NAME.status()``."""
+    """A titled block of text: ``%fn_debug`` and ``NAME.status()``. `terminal`, when given, is
+    the text with ANSI colours, for the plain-text form a terminal shows (as IPython colours a
+    traceback there); the HTML form is the plain text."""
 
     title: str
     text: str
+    terminal: str = ""
 
     def __repr__(self) -> str:
-        return f"{self.title}\n{self.text}"
+        return f"{self.title}\n{self.terminal or self.text}"
 
     def _repr_html_(self) -> str:
         return fragment(f"<b>{escape(self.title)}</b><pre>{escape(self.text)}</pre>")

@@ -115,12 +115,16 @@ class HandlerFailedInCell(HandlerFailed):
         what = f"{self.error_type}: {self.error_message}" if self.error_type else self.message
         return [f"{what} ({where})"]
 
-    def traceback_text(self) -> str:
+    def traceback_text(self, colour: bool = False) -> str:
         """The handler's traceback as IPython shows one: its own frames with the cell's line
-        numbers and two lines of context, other frames as files."""
+        numbers and two lines of context, other frames as files; `colour`: with IPython's
+        terminal colours (ANSI)."""
+        red, green, cyan, reset = ("\x1b[0;31m", "\x1b[0;32m", "\x1b[0;36m", "\x1b[0m")
+        if not colour:
+            red = green = cyan = reset = ""
         out = [
-            "-" * 75,
-            f"{self.error_type:<42}Traceback (most recent call last)",
+            red + "-" * 75 + reset,
+            f"{red}{self.error_type:<42}{reset}Traceback (most recent call last)",
         ]
         source = self.spec.source.splitlines()
         frame_kind = ""  # "cell" or "file" while reading a frame's lines; "" after the frames
@@ -129,10 +133,14 @@ class HandlerFailedInCell(HandlerFailed):
             if frame is not None and Path(frame["path"]).name == self.spec.filename:
                 frame_kind = "cell"
                 line = cell_line(int(frame["line"]))
-                out.append(f"Cell {self.spec.name}, line {line}, in {frame['function']}")
+                out.append(
+                    f"{green}Cell {self.spec.name}, line {line}{reset}, "
+                    f"in {cyan}{frame['function']}{reset}"
+                )
                 for number in range(max(2, line - 2), line + 1):  # cell line 1 is the magic
                     code = source[number - 2] if number - 2 < len(source) else ""
-                    out.append(f"{'---->' if number == line else '':<5} {number:>2} {code}")
+                    arrow = f"{green}---->{reset}" if number == line else "     "
+                    out.append(f"{arrow} {number:>2} {code}")
             elif frame is not None:
                 frame_kind = "file"
                 out.append(f"File {frame['path']}:{frame['line']}, in {frame['function']}")
@@ -141,7 +149,8 @@ class HandlerFailedInCell(HandlerFailed):
                     out.append(text)
             else:
                 frame_kind = ""
-                out.append(text)
+                name, colon, rest = text.partition(":")
+                out.append(f"{red}{name}{reset}{colon}{rest}" if colon else text)
         return "\n".join(out)
 
 

@@ -158,8 +158,10 @@ class Session:
         if error is None:
             return Detail("fn_debug", "no error so far")
         lines = [f"{type(error).__module__}.{type(error).__name__}: {error}"]
+        coloured = list(lines)
         if isinstance(error, HandlerFailedInCell) and error.traceback_lines:
             lines += ["", error.traceback_text(), ""]
+            coloured += ["", error.traceback_text(colour=True), ""]
         if isinstance(error, GatewayError):
             lines.append(f"HTTP status: {error.status or '(none)'}   code: {error.code or '-'}")
             if error.run_uid:
@@ -171,7 +173,12 @@ class Session:
             if body:
                 lines += ["body:", pretty_json(body)]
         lines.append(f"runtime: {self.runtime.describe()}")
-        return Detail(f"fn_debug: last error ({type(error).__name__})", "\n".join(lines))
+        coloured += lines[len(coloured) :]
+        return Detail(
+            f"fn_debug: last error ({type(error).__name__})",
+            "\n".join(lines),
+            "\n".join(coloured) if coloured != lines else "",
+        )
 
     def cancel_in_flight(self) -> int:
         """Abort every call in flight (a kernel interrupt); how many there were."""

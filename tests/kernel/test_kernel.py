@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import struct
 import subprocess
@@ -200,7 +201,11 @@ def test_fn_debug_shows_the_handlers_traceback_in_cell_lines_then_the_request(
     # cell's line numbers with context — then the request's detail, without JSON escapes.
     assert kernel.run(FAILS).ok
     kernel.run("fails(2)")
-    text = kernel.run("%fn_debug").result
+    cell = kernel.run("%fn_debug")
+    # Coloured as IPython colours a traceback in the terminal (text/plain); plain in HTML.
+    assert "\x1b[0;31mZeroDivisionError" in cell.result
+    assert "\x1b[" not in cell.htmls()[-1]
+    text = re.sub(r"\x1b\[[0-9;]*m", "", cell.result)
     assert "ZeroDivisionError                         Traceback (most recent call last)" in text
     assert "Cell fails, line 4, in handler" in text
     assert "---->  4     return event / 0" in text
