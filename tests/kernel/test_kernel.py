@@ -121,6 +121,8 @@ def test_function_cell_registers_and_binds_a_callable(kernel: Kernel) -> None:
     updates = [m for m in cell.messages if m["msg_type"] == "update_display_data"]
     display_ids = {m["content"]["transient"]["display_id"] for m in updates}
     assert len(display_ids) == 1 and len(updates) >= 2
+    # Once the pod is up, the card says the handler is loading (not still "starting a pod").
+    assert any("(loading the handler)" in text for text in cards)
     assert kernel.value('etl({"rows": [1, 2, 3]})') == {"total": 6}
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import nbformat
@@ -15,10 +16,26 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 CELL_TIMEOUT = 60
 
 
+def _demo_dirs() -> set[Path]:
+    return set(Path(tempfile.gettempdir()).glob("krm-demo-*"))
+
+
 @pytest.fixture(scope="module")
-def executed(fnkernel_spec: Path) -> dict[str, nbformat.NotebookNode]:
+def demo_dirs_before() -> set[Path]:
+    """The krm-demo-* directories there were before the notebooks ran."""
+    return _demo_dirs()
+
+
+@pytest.fixture(scope="module")
+def executed(fnkernel_spec: Path, demo_dirs_before: set[Path]) -> dict[str, nbformat.NotebookNode]:
     """Each notebook, executed once for this module's tests."""
     return {path.stem: execute(path, cell_timeout=CELL_TIMEOUT) for path in NOTEBOOKS}
+
+
+def test_the_krm_notebook_removes_its_temporary_directory(
+    executed: dict[str, nbformat.NotebookNode], demo_dirs_before: set[Path]
+) -> None:
+    assert _demo_dirs() - demo_dirs_before == set()
 
 
 def outputs(notebook: nbformat.NotebookNode) -> list[dict[str, object]]:
