@@ -262,15 +262,17 @@ def test_fnkernel_evaluator_serves_builtin_exec_and_pod(tmp_path: Path, who: Pat
 
 
 class FailingBackend(LocalBackend):
-    """A backend whose pods never come up (an image that cannot start), counting the attempts."""
+    """A backend whose pods never come up (an image that cannot start), counting the attempts.
+    Each start fails once `fail` is set (at once, if it is set already)."""
 
     def __init__(self) -> None:
         super().__init__({IMAGE: ["/bin/cat"]})
         self.starts = 0
+        self.fail = threading.Event()
 
     def start(self, image: str) -> Any:
         self.starts += 1
-        time.sleep(0.3)  # long enough for the whole burst to join the waitlist
+        self.fail.wait(30)
         raise EvaluatorSystemError(f"pod for {image} did not start: image pull failed")
 
 
@@ -279,7 +281,8 @@ def test_a_pod_that_fails_to_start_fails_every_waiter_once(
 ) -> None:
     # docs/protocol.md waitlist: "Pod creation errors sent to all waiters"; the next request retries.
     backend = FailingBackend()
-    evaluator = PodEvaluator(managers(backend))
+    manager = managers(backend)
+    evaluator = PodEvaluator(manager)
     failures: list[BaseException] = []
 
     def call() -> None:
@@ -291,6 +294,8 @@ def test_a_pod_that_fails_to_start_fails_every_waiter_once(
     threads = [threading.Thread(target=call) for _ in range(8)]
     for thread in threads:
         thread.start()
+    wait_until(lambda: manager.waiting(IMAGE) == 8, timeout=10)  # the whole burst waits
+    backend.fail.set()
     for thread in threads:
         thread.join(30)
     assert len(failures) == 8 and backend.starts == 1

@@ -244,6 +244,12 @@ class PodCacheManager:
         result: dict[str, list[tuple[str, int]]] = slot.get(timeout=10)
         return result
 
+    def waiting(self, image: str) -> int:
+        """How many callers wait on the waitlists of `image`'s starting pods, now."""
+        slot: queue.Queue[int] = queue.Queue(maxsize=1)
+        self._requests.put(("waiting", (image, slot)))
+        return slot.get(timeout=10)
+
     def stop(self) -> None:
         self._requests.put(("stop", None))
         self._thread.join(30)
@@ -375,6 +381,11 @@ class PodCacheManager:
                 for image, state in self._images.items()
             }
         )
+
+    def _on_waiting(self, payload: tuple[str, queue.Queue[int]]) -> None:
+        image, slot = payload
+        state = self._images.get(image)
+        slot.put(sum(len(s.waiters) for s in state.starting) if state is not None else 0)
 
     def _drop(self, image: str, state: _Image, pod: _Pod) -> None:
         state.pods.remove(pod)
