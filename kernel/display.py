@@ -165,9 +165,9 @@ class RegistrationCard:
         return card(body, _EDGE.get(self.state, "busy"))
 
 
-def _full(key: str, card: RegistrationCard) -> str:
+def _full(key: str, shown: RegistrationCard) -> str:
     """The whole ID or digest on hover (the card shows it shortened)."""
-    value = {"registration": card.registration_id, "digest": card.digest}.get(key)
+    value = {"registration": shown.registration_id, "digest": shown.digest}.get(key)
     return f" title='{escape(value)}'" if value else ""
 
 

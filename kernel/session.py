@@ -153,31 +153,31 @@ class Session:
         return sorted(names)
 
     def debug(self) -> Detail:
-        """``%fn_debug``: the full detail of the last error."""
+        """``%fn_debug``: the full detail of the last error — what it is, a handler's
+        traceback (plain, and coloured for a terminal), then the request."""
         error = self.last_error
         if error is None:
             return Detail("fn_debug", "no error so far")
-        lines = [f"{type(error).__module__}.{type(error).__name__}: {error}"]
-        coloured = list(lines)
-        if isinstance(error, HandlerFailedInCell) and error.traceback_lines:
-            lines += ["", error.traceback_text(), ""]
-            coloured += ["", error.traceback_text(colour=True), ""]
+        head = f"{type(error).__module__}.{type(error).__name__}: {error}"
+        request = []
         if isinstance(error, GatewayError):
-            lines.append(f"HTTP status: {error.status or '(none)'}   code: {error.code or '-'}")
+            request.append(f"HTTP status: {error.status or '(none)'}   code: {error.code or '-'}")
             if error.run_uid:
-                lines.append(f"run uid: {error.run_uid}")
+                request.append(f"run uid: {error.run_uid}")
             if error.invocation_id:
-                lines.append(f"invocation id: {error.invocation_id}")
+                request.append(f"invocation id: {error.invocation_id}")
             # The handler's log lines were the cell's output, and its traceback is above.
             body = {key: value for key, value in error.detail.items() if key != "logs"}
             if body:
-                lines += ["body:", pretty_json(body)]
-        lines.append(f"runtime: {self.runtime.describe()}")
-        coloured += lines[len(coloured) :]
+                request += ["body:", pretty_json(body)]
+        request.append(f"runtime: {self.runtime.describe()}")
+        title = f"fn_debug: last error ({type(error).__name__})"
+        if not (isinstance(error, HandlerFailedInCell) and error.traceback_lines):
+            return Detail(title, "\n".join([head, *request]))
         return Detail(
-            f"fn_debug: last error ({type(error).__name__})",
-            "\n".join(lines),
-            "\n".join(coloured) if coloured != lines else "",
+            title,
+            "\n".join([head, "", error.traceback_text(), "", *request]),
+            "\n".join([head, "", error.traceback_text(colour=True), "", *request]),
         )
 
     def cancel_in_flight(self) -> int:

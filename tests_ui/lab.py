@@ -83,7 +83,7 @@ class NotebookPage:
 
     def start(self, index: int) -> None:
         """Run cell `index` (click it, Shift+Enter, as a user does) without waiting for it."""
-        self._wait(lambda: self.prompt(index).startswith("["), 10)
+        self.wait(lambda: self.prompt(index).startswith("["), 10)
         before = self.prompt(index)
         # Right after a page load JupyterLab may not act on the first key press yet; a press it
         # did not act on left the prompt as it was, so pressing again cannot run a cell twice.
@@ -91,7 +91,7 @@ class NotebookPage:
             self.cell(index).locator(".jp-InputPrompt").click()
             self.page.keyboard.press("Shift+Enter")
             try:
-                self._wait(lambda: "*" in self.prompt(index) or self.finished(index, before), 5)
+                self.wait(lambda: "*" in self.prompt(index) or self.finished(index, before), 5)
                 return
             except AssertionError:
                 continue
@@ -106,7 +106,7 @@ class NotebookPage:
         """Run cell `index` and wait for it to finish; returns its output area."""
         before = self.prompt(index)
         self.start(index)
-        self._wait(lambda: self.finished(index, before), timeout)
+        self.wait(lambda: self.finished(index, before), timeout)
         return self.outputs(index)
 
     def run_all(self, timeout: float = 240) -> None:
@@ -120,11 +120,11 @@ class NotebookPage:
             self.page.get_by_role("menuitem", name="Run", exact=True).click()
             self.page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
             try:
-                self._wait(lambda: any("*" in self.prompt(i) or self.finished(i) for i in code), 5)
+                self.wait(lambda: any("*" in self.prompt(i) or self.finished(i) for i in code), 5)
                 break
             except AssertionError:
                 continue
-        self._wait(lambda: all(self.finished(i) for i in code), timeout)
+        self.wait(lambda: all(self.finished(i) for i in code), timeout)
 
     def save(self) -> None:
         """Ctrl+S, and wait until the file on disk has what the page shows."""
@@ -132,7 +132,7 @@ class NotebookPage:
         self.page.wait_for_selector(
             ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook", timeout=10_000
         )
-        self._wait(
+        self.wait(
             lambda: not self.page.locator(".lm-TabBar-tab.jp-mod-current.jp-mod-dirty").count(),
             10,
         )
@@ -149,7 +149,8 @@ class NotebookPage:
         found = self.cell(index).locator(f".jp-OutputArea-output[data-mime-type='{mime}']")
         return "\n".join(found.nth(i).inner_text() for i in range(found.count()))
 
-    def _wait(self, condition: Any, timeout: float) -> None:
+    def wait(self, condition: Any, timeout: float) -> None:
+        """Poll `condition` (through the page's own timer) until it holds; fail after `timeout` s."""
         deadline = time.monotonic() + timeout
         while not condition():
             if time.monotonic() > deadline:
