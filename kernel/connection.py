@@ -3,7 +3,8 @@ stack started on first use.
 
 The embedded stack is the control plane (docs/protocol.md, "Runs") (in the gateway process) plus one Runtime Pod per
 runtime actually used, as child processes on Unix sockets in a private 0700 directory. It is
-started by the first magic that needs it, never at kernel start; the children get SIGTERM if the
+started by the first magic that needs it, never at kernel start (which only starts the waiting
+processes it then takes: docs/architecture.md, "The first registration"); the children get SIGTERM if the
 kernel dies, and their own session, so a kernel interrupt (``killpg``) does not reach them.
 Nothing here imports grpc: the kernel speaks HTTP to the gateway with the stdlib client.
 """
@@ -22,9 +23,11 @@ from runtime_server.client import Client
 from runtime_server.client.errors import GatewayError
 
 if TYPE_CHECKING:
+    from runtime_server.daemon import Prewarmed
     from runtime_server.lifecycle.stack import Stack
 
 RUNTIME_ENV = "FNKERNEL_RUNTIME"
+PREWARM_ENV = "FNKERNEL_PREWARM"  # "0": start the embedded stack's processes only when needed
 
 
 class TracedClient(Client):
@@ -70,6 +73,7 @@ class Runtime:
         self.trace = trace or Trace()
         self._client: TracedClient | None = None
         self._stack: Stack | None = None
+        self._prewarmed: Prewarmed | None = None
         self._lock = threading.RLock()
 
     @property
@@ -93,6 +97,17 @@ class Runtime:
                 self._stack.add_pod(runtime)
             return self._client
 
+    def prewarm(self) -> None:
+        """Start the embedded stack's processes ahead of the first ``%%function``: they import
+        what they need and wait (docs/architecture.md, "The first registration"). Nothing to
+        do for an external gateway, or once started."""
+        with self._lock:
+            if self.address or self._prewarmed is not None or os.environ.get(PREWARM_ENV) == "0":
+                return
+            from runtime_server.daemon import Prewarmed
+
+            self._prewarmed = Prewarmed()
+
     def pods(self) -> dict[str, int]:
         return dict(self._stack.pods) if self._stack is not None else {}
 
@@ -103,7 +118,11 @@ class Runtime:
         sweep("kernel")  # what a SIGKILLed kernel left behind
         state_dir = private_tempdir("kernel")
         stack = Stack(
-            state_dir, {}, gateway_listen=f"unix:{state_dir / 'gateway.sock'}", poll_interval=1.0
+            state_dir,
+            {},
+            gateway_listen=f"unix:{state_dir / 'gateway.sock'}",
+            poll_interval=1.0,
+            prewarmed=self._prewarmed,
         )
         try:
             stack.start()
@@ -133,6 +152,9 @@ class Runtime:
                 self._client.close()
                 self._client = None
             stack, self._stack = self._stack, None
+            prewarmed, self._prewarmed = self._prewarmed, None
+            if prewarmed is not None:
+                prewarmed.close()
             if stack is not None:
                 self.address = ""
                 stack.stop(timeout)

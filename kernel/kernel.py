@@ -27,6 +27,7 @@ class FnKernel(IPythonKernel):
         assert self.shell is not None
         self.shell.extension_manager.load_extension("kernel")
         self.fn_session = session_of(self.shell)
+        self.fn_session.runtime.prewarm()
 
     @property
     def banner(self) -> str:  # type: ignore[override]

@@ -8,8 +8,9 @@ a component's argv — for ``fnkernel up``, the kernel, the pod backend, the ben
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
-import ctypes.util
+import json
 import os
 import signal
 import subprocess
@@ -80,6 +81,11 @@ def start(
         env=env,
         start_new_session=new_session,
     )
+    return announced(proc, argv)
+
+
+def announced(proc: subprocess.Popen[str], argv: Sequence[str]) -> Child:
+    """Wait for the announcement line of `proc`, started as `argv`; kill it if there is none."""
     assert proc.stdout is not None
     line = proc.stdout.readline().strip()
     if LISTENING_ON not in line:
@@ -90,11 +96,67 @@ def start(
     return Child(list(argv), proc, address, line)
 
 
+class Prewarmed:
+    """Component processes started ahead of need, one per command (docs/architecture.md, "The
+    first registration"): each has imported what ``fnkernel COMMAND`` imports and waits for its
+    command line (``runtime_server.prewarm``). ``spawn`` takes one when it can, so a component
+    starts in tens of milliseconds rather than hundreds.
+
+    They are started as ``spawn(die_with_parent=True)`` starts a component: their own session,
+    and the parent's pid to watch once they run. Closing the pool ends those not taken.
+    """
+
+    def __init__(self, commands: Sequence[str] = ("serve", "runtimed", "gateway")) -> None:
+        env = {**os.environ, PARENT_ENV: str(os.getpid())}
+        self._procs: dict[str, subprocess.Popen[str]] = {}
+        for command in commands:
+            self._procs[command] = subprocess.Popen(
+                [sys.executable, "-m", "runtime_server.prewarm", command],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+                env=env,
+                start_new_session=True,
+            )
+
+    def pids(self) -> dict[str, int]:
+        """The waiting processes, by command."""
+        return {command: proc.pid for command, proc in self._procs.items()}
+
+    def take(self, command: str) -> subprocess.Popen[str] | None:
+        """The waiting process for `command`, if there is one and it is still alive."""
+        proc = self._procs.pop(command, None)
+        if proc is not None and proc.poll() is not None:
+            _discard(proc)
+            return None
+        return proc
+
+    def close(self) -> None:
+        procs, self._procs = list(self._procs.values()), {}
+        for proc in procs:
+            _discard(proc)
+
+
+def _discard(proc: subprocess.Popen[str]) -> None:
+    """End a prewarmed process that was not used: end of stdin makes it exit."""
+    for stream in (proc.stdin, proc.stdout):
+        if stream is not None:
+            with contextlib.suppress(OSError):
+                stream.close()
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def spawn(
     args: Sequence[str],
     *,
     stderr: int | IO[str] = subprocess.DEVNULL,
     die_with_parent: bool = False,
+    prewarmed: Prewarmed | None = None,
 ) -> Child:
     """Start ``fnkernel ARGS...`` and wait for its announcement line.
 
@@ -103,11 +165,24 @@ def spawn(
     orphan behind; and it runs in its own session: a signal to the parent's process group
     (Ctrl-C in a terminal, a kernel interrupt, which ipykernel sends with ``killpg``) stays with
     the parent, which stops its children in order.
+
+    From `prewarmed` (started with die_with_parent) a waiting process runs ARGS, with `stderr`
+    appended to by its name; if it fails to announce itself, a fresh process is started.
     """
+    argv = [sys.executable, "-m", "runtime_server.cli", *args]
+    proc = prewarmed.take(args[0]) if prewarmed is not None else None
+    if proc is not None and proc.stdin is not None:
+        log = getattr(stderr, "name", None)
+        request = {"args": list(args), "stderr": log if isinstance(log, str) else None}
+        try:
+            proc.stdin.write(json.dumps(request) + "\n")
+            proc.stdin.close()
+            return announced(proc, argv)
+        except (OSError, RuntimeError):
+            _discard(proc)  # it died meanwhile: start afresh
     env = None
     if die_with_parent:
         env = {**os.environ, PARENT_ENV: str(os.getpid())}
-    argv = [sys.executable, "-m", "runtime_server.cli", *args]
     return start(argv, stderr=stderr, env=env, new_session=die_with_parent)
 
 
@@ -125,7 +200,8 @@ PARENT_ENV = "FNKERNEL_PARENT_PID"  # set by spawn(die_with_parent=True)
 
 def _prctl(option: int, value: int) -> bool:
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        # The C library this process already has loaded (find_library would run ldconfig).
+        libc = ctypes.CDLL(None, use_errno=True)
         return bool(libc.prctl(option, value, 0, 0, 0) == 0)
     except OSError:
         return False

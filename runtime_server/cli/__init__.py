@@ -4,6 +4,7 @@ subcommand's flags beside its handler. Exit codes: 0 ok, 1 failure, 2 usage erro
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from collections.abc import Sequence
 
@@ -13,6 +14,7 @@ from runtime_server.cli.common import EXIT_FAILURE, EXIT_USAGE, UsageError
 GROUPS = (daemons, runs, krm, tools)
 
 
+@functools.cache  # built once; a prewarmed component builds it before it is needed
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fnkernel",

@@ -160,12 +160,18 @@ class ControlPlane:
         LOG.info("run %s (%s) created on %s", name, uid, pod)
         return run
 
-    def wait_settled(self, name: str, timeout: float, poll: float = 0.02) -> Run:
-        """The Run once it is Ready or Failed, or as it stands after `timeout` seconds."""
+    def wait_settled(self, name: str, timeout: float, poll: float = 0.005) -> Run:
+        """The Run once it is Ready or Failed, or as it stands after `timeout` seconds. It is
+        read again only when the store changed (``RunStore.version``)."""
         deadline = time.monotonic() + timeout
+        version = None
         while True:
-            run = self.store.get(name)
-            if run.phase in (READY, FAILED) or time.monotonic() >= deadline:
+            seen = self.store.version()
+            if seen != version:
+                version, run = seen, self.store.get(name)
+                if run.phase in (READY, FAILED):
+                    return run
+            if time.monotonic() >= deadline:
                 return run
             time.sleep(poll)
 

@@ -189,6 +189,12 @@ class RunStore:
             db.close()
             self._local.db = None
 
+    def version(self) -> int:
+        """A number that changes whenever another connection (another thread or process) has
+        committed a write since this thread last asked: a cheap "has anything changed?"
+        (SQLite's data_version, a few microseconds)."""
+        return int(self._connection().execute("PRAGMA data_version").fetchone()[0])
+
     # Runs
 
     def insert(self, run: Run) -> None:

@@ -73,6 +73,7 @@ _REGISTER_RPC_TRIES = 3
 # RegisterFunction statuses that mean the server could not be reached at all.
 _POD_DOWN_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 _UNREGISTER_SLACK_SECONDS = 5.0  # the RPC's deadline beyond the drain it asks for
+_WAKE_SECONDS = 0.005  # how often the loop asks the store whether anything changed
 
 
 def source_tree_hash(working_dir: Path) -> str:
@@ -180,19 +181,26 @@ class Runtimed:
         self._channel.close()
 
     def _loop(self) -> None:
-        next_poll = 0.0
+        """Reconcile every tick, and within a wake-up (a few ms) of any write to the store: a
+        new Run is registered at once (docs/architecture.md, "The first registration")."""
+        next_poll = next_pass = 0.0
+        version = None
         while not self._stop.is_set():
             try:
-                self.reconcile()
-                due = time.monotonic() >= next_poll
-                if due or not self._healthy:  # an unhealthy server is re-checked every tick
-                    self._heartbeat()
-                if due:
-                    next_poll = time.monotonic() + self.poll_interval
-                    self.poll()
+                now = time.monotonic()
+                seen = self.store.version()
+                if seen != version or now >= next_pass:
+                    version, next_pass = seen, now + self.tick
+                    self.reconcile()
+                    due = now >= next_poll
+                    if due or not self._healthy:  # an unhealthy server is re-checked every tick
+                        self._heartbeat()
+                    if due:
+                        next_poll = time.monotonic() + self.poll_interval
+                        self.poll()
             except Exception:
                 LOG.exception("runtimed pass failed")
-            self._stop.wait(self.tick)
+            self._stop.wait(_WAKE_SECONDS)
 
     def _server_healthy(self) -> bool:
         try:

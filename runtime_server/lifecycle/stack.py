@@ -52,12 +52,12 @@ class Component:
     died_at: float = 0.0
     started_at: float = 0.0
 
-    def start(self, log_dir: Path) -> Child:
+    def start(self, log_dir: Path, prewarmed: daemon.Prewarmed | None = None) -> Child:
         if self.child is not None and self.child.proc.stdout is not None:
             self.child.proc.stdout.close()  # the exited child's announcement pipe
         if self.log is None:
             self.log = open(log_dir / f"{self.name}.log", "a")  # noqa: SIM115 — lives with the component
-        self.child = spawn(self.args, stderr=self.log, die_with_parent=True)
+        self.child = spawn(self.args, stderr=self.log, die_with_parent=True, prewarmed=prewarmed)
         self.started_at = time.monotonic()
         return self.child
 
@@ -74,9 +74,11 @@ class Stack:
         allow_origins: Sequence[str] = (),
         allow_hosts: Sequence[str] = (),
         poll_interval: float = 1.0,
+        prewarmed: daemon.Prewarmed | None = None,
     ) -> None:
         """`token_file`: the gateway's bearer token; without one, a gateway on TCP gets a new
-        token in STATE_DIR/token unless `no_token` (README, "Security")."""
+        token in STATE_DIR/token unless `no_token` (README, "Security"). `prewarmed`: processes
+        the first start of each component may take (``daemon.Prewarmed``)."""
         self.state_dir = state_dir.resolve()
         self.pods = dict(pods)
         self.gateway_listen = gateway_listen
@@ -86,6 +88,7 @@ class Stack:
         self.allow_hosts = list(allow_hosts)
         self.token: str | None = None
         self.poll_interval = poll_interval
+        self.prewarmed = prewarmed
         self.components: list[Component] = []
         self._lock = threading.Lock()
         self._stopping = threading.Event()
@@ -169,7 +172,7 @@ class Stack:
 
     def _start(self, component: Component) -> None:
         self.components.append(component)
-        child = component.start(self.state_dir / "logs")
+        child = component.start(self.state_dir / "logs", self.prewarmed)
         if component.name == "gateway":
             # Restart the gateway where it was, not on a fresh ephemeral port.
             listen = component.args.index("--listen") + 1

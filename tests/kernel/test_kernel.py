@@ -96,15 +96,38 @@ def test_fnkernel_install_writes_the_kernelspec(tmp_path: Path) -> None:
     assert spec["metadata"]["debugger"] is True
 
 
-def test_plain_cells_import_no_grpc_and_start_nothing() -> None:
-    # docs/protocol.md, "Kernel": "Plain Python cells never pay for it (no grpc import at kernel start)."
+def command_lines(pids: set[int]) -> list[str]:
+    return sorted(Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ") for pid in pids)
+
+
+def test_plain_cells_import_no_grpc_and_start_only_the_prewarmed_processes() -> None:
+    # docs/protocol.md, "Kernel": a plain cell never pays for the runtime — no grpc in the
+    # kernel; at start only the waiting processes of the embedded stack, which serve nothing
+    # (docs/architecture.md, "The first registration").
     kernel = Kernel()
     try:
         assert kernel.value("1 + 1") == 2
         assert kernel.value("'grpc' in __import__('sys').modules") is False
         assert kernel.value("'tornado.web' in __import__('sys').modules") is False
         assert kernel.value("'ruamel.yaml' in __import__('sys').modules") is False
+        waiting = command_lines(descendants(kernel.pid))
+        assert [line.split(" -m ", 1)[1].strip() for line in waiting] == [
+            "runtime_server.prewarm gateway",
+            "runtime_server.prewarm runtimed",
+            "runtime_server.prewarm serve",
+        ]
+    finally:
+        kernel.shutdown()
+
+
+def test_without_prewarm_a_plain_kernel_starts_nothing() -> None:
+    # README, "Environment": FNKERNEL_PREWARM=0 starts the embedded stack only when needed.
+    kernel = Kernel(env={"FNKERNEL_PREWARM": "0"})
+    try:
+        assert kernel.value("1 + 1") == 2
         assert descendants(kernel.pid) == set()
+        assert kernel.run("%%function f\ndef handler(event):\n    return event\n").ok
+        assert kernel.value("f(7)") == 7
     finally:
         kernel.shutdown()
 

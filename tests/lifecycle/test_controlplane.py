@@ -4,6 +4,7 @@ SQLite store. Pods are rows their runtimed would write (heartbeats); no process 
 from __future__ import annotations
 
 import sqlite3
+import threading
 import time
 from pathlib import Path
 
@@ -193,3 +194,24 @@ def test_status_writes_are_fenced_on_attempt_and_pod(plane: ControlPlane) -> Non
     plane.store.update(seen, attempt=2)
     assert plane.store.update(seen, phase=FAILED, message="late") is None
     assert plane.store.get("fn").phase == PENDING
+
+
+def test_store_version_changes_with_another_connections_write(plane: ControlPlane) -> None:
+    # RunStore.version: what runtimed's loop and wait_settled ask before reading every Run
+    # again, so a write by any other connection (another process) must change it.
+    seen = plane.store.version()
+    assert plane.store.version() == seen  # nothing written meanwhile
+    other = RunStore(plane.store.path)
+    other.heartbeat("python-9", "python", "unix:/nowhere", True)
+    assert plane.store.version() != seen
+
+
+def test_wait_settled_sees_another_processes_write_at_once(plane: ControlPlane) -> None:
+    alive(plane, "python-0")
+    files = {"handler.py": "def handle(e):\n    return e\n"}
+    run = plane.create_run(name="fn", runtime="python", handler="handler.handle", files=files)
+    other = RunStore(plane.store.path)
+    threading.Timer(0.2, lambda: other.update(run, phase=READY)).start()
+    started = time.monotonic()
+    assert plane.wait_settled("fn", timeout=10).phase == READY
+    assert time.monotonic() - started < 5  # not the whole timeout

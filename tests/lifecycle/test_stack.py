@@ -21,6 +21,7 @@ import pytest
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from runtime_server.client import Client
+from runtime_server.daemon import Prewarmed, serve_args, spawn
 from runtime_server.lifecycle.stack import Stack
 from runtime_server.rpc import CHANNEL_OPTIONS
 from tests.support import ECHO_PY, SLOW_PY, http_call, pid_alive, wait_until
@@ -343,3 +344,68 @@ def test_delete_with_a_call_in_flight_answers_after_the_call_and_leaves_nothing(
         assert caught.value.code() == grpc.StatusCode.NOT_FOUND
     finally:
         channel.close()
+
+
+def test_a_stack_takes_its_first_components_from_prewarmed_processes(
+    stack_factory: StackFactory,
+) -> None:
+    # docs/architecture.md, "The first registration": each component's first start takes the
+    # waiting process of its command; it logs where a component started afresh logs, and a
+    # restart after its death starts afresh.
+    prewarmed = Prewarmed()
+    try:
+        waiting = prewarmed.pids()
+        assert set(waiting) == {"serve", "runtimed", "gateway"}
+        stack = stack_factory({"python": 1}, prewarmed=prewarmed)
+        started = {
+            "serve": stack.component("python-0-server").child,
+            "runtimed": stack.component("python-0-runtimed").child,
+            "gateway": stack.component("gateway").child,
+        }
+        assert {c: child.pid for c, child in started.items() if child} == waiting
+        client = Client(stack.gateway_address)
+        client.create_run("echo", runtime="python", handler="handler.handle", files=ECHO)
+        assert client.invoke("echo", {"n": 1}).value()["echo"] == {"n": 1}
+        log = stack.state_dir / "logs" / "python-0-runtimed.log"
+        wait_until(lambda: "attempt 1 READY as reg_" in log.read_text(), timeout=5)
+        os.kill(waiting["serve"], signal.SIGKILL)
+        wait_until(lambda: phase_and_attempt(client, "echo") == ("Ready", 2), timeout=10)
+        server = stack.component("python-0-server").child
+        assert server is not None and server.pid != waiting["serve"]
+    finally:
+        prewarmed.close()
+
+
+def test_a_prewarmed_process_that_died_is_replaced_by_a_fresh_one(tmp_path: Path) -> None:
+    # daemon.spawn: a waiting process that is gone costs a fresh start, never a failed one.
+    prewarmed = Prewarmed(["serve"])
+    dead = prewarmed.pids()["serve"]
+    os.kill(dead, signal.SIGKILL)
+    wait_until(lambda: not pid_alive(dead), timeout=5)
+    (tmp_path / "ws").mkdir()
+    child = spawn(
+        serve_args("python", f"unix:{tmp_path}/s.sock", tmp_path / "ws"), prewarmed=prewarmed
+    )
+    try:
+        assert child.pid != dead and "listening on unix:" in child.announced
+    finally:
+        child.stop()
+
+
+def test_closing_the_pool_or_losing_its_owner_ends_the_waiting_processes() -> None:
+    # A pool not used leaves nothing behind: close() ends its processes, and so does the death
+    # of the process that started them (end of their stdin).
+    prewarmed = Prewarmed(["runtimed"])
+    waiting = prewarmed.pids()["runtimed"]
+    prewarmed.close()
+    assert not pid_alive(waiting)
+    owner = subprocess.Popen(
+        [sys.executable, "-c", "from runtime_server.daemon import Prewarmed; import time; "
+         "p = Prewarmed(['gateway']); print(p.pids()['gateway'], flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert owner.stdout is not None
+    pid = int(owner.stdout.readline())
+    owner.kill()
+    owner.wait()
+    wait_until(lambda: not pid_alive(pid), timeout=10)

@@ -1,0 +1,64 @@
+"""A component process started ahead of need (docs/architecture.md, "The first registration").
+
+``python -m runtime_server.prewarm COMMAND`` imports what ``fnkernel COMMAND`` imports (grpc,
+protobuf, tornado, our modules: most of a component's start-up), then waits on stdin for one JSON
+line ``{"args": [...], "stderr": PATH}`` and runs ``fnkernel ARGS...`` with its stderr appended to
+PATH. End of stdin before that line (the pool was closed, or its owner died) exits at once.
+
+No fork: the process is an ordinary child of whoever started it (``daemon.Prewarmed``), so it is
+stopped, watched and restarted like any other component, and gRPC's fork rules never apply.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+
+# What each component imports on its way to announcing itself.
+MODULES = {
+    "serve": ("runtime_server.function_runtime.server", "adapters.python", "adapters.bash"),
+    "runtimed": ("runtime_server.lifecycle.runtimed",),
+    "gateway": (
+        "runtime_server.lifecycle.controlplane",
+        "runtime_server.lifecycle.gateway",
+        "tornado.platform.asyncio",
+    ),
+}
+COMMON = (
+    "concurrent.futures.thread",
+    "grpc._channel",
+    "grpc._server",
+    "runtime_server.cli",
+    "runtime_server.client.errors",
+    "runtime_server.daemon",
+    "runtime_server.logs",
+    "runtime_server.tokens",
+)
+
+
+def main(command: str) -> int:
+    for module in (*COMMON, *MODULES[command]):
+        importlib.import_module(module)
+    from runtime_server.cli import build_parser
+    from runtime_server.cli import main as cli_main
+
+    build_parser()  # cached: cli_main uses this one
+    line = sys.stdin.readline()
+    if not line:
+        return 0
+    request = json.loads(line)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)  # as for a component started directly: stdin is /dev/null
+    os.close(devnull)
+    if request.get("stderr"):
+        log = os.open(request["stderr"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        os.dup2(log, 2)
+        os.close(log)
+    sys.argv = ["fnkernel", *request["args"]]
+    return cli_main(request["args"])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
