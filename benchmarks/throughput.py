@@ -1,0 +1,292 @@
+"""Throughput: N concurrent clients over M Runs, against a chain of bare hops (issue 13).
+
+One `Stack` (one python pod, the gateway), M trivial Runs. Each client owns M/N of them and
+calls them in turn, one call at a time (a Run takes one invocation at a time), for a fixed time:
+
+* gateway: POST /v1/runs/NAME:invoke on kept-alive HTTP connections (HTTP → gateway → runtimed →
+  Runtime Server → worker);
+* runtimed: InvokeFunction on runtimed's socket, empty registration ID, ``x-fn-pod`` set;
+* Runtime Server: InvokeFunction on the server's socket with each Run's registration ID;
+* floor chain: the same HTTP load on bare hops — a tornado server that relays the body over
+  grpc.aio to a bare grpc.aio proxy, which relays it to a bare gRPC echo (benchmarks.invoke's).
+  Three processes, as many hops as gateway → runtimed → server, with none of our code.
+
+The load comes from this process: asyncio, one connection per client. Prints invokes/s, p50 and
+p99 per case. Targets: the gateway at >= 2x the 424/s measured when the issue was filed, and at
+>= 0.6x the floor chain. Usage: python -m benchmarks.throughput [--clients N] [--runs M]
+[--seconds S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import grpc
+import grpc.aio
+
+from benchmarks.invoke import ECHO_METHOD, PAYLOAD, PY_HANDLER, Target, bench_server, p, verdicts
+from runtime_server._proto.executor.v1 import runtime_pb2 as pb
+from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
+from runtime_server.client import Client
+from runtime_server.daemon import announcement, start
+from runtime_server.lifecycle.stack import Stack
+from runtime_server.rpc import CHANNEL_OPTIONS
+from runtime_server.wire import POD_KEY
+
+FILED_RATE = (
+    424.0  # invokes/s through the gateway, 10 clients over 50 Runs, when issue 13 was filed
+)
+RATE_TARGET = 2.0  # x FILED_RATE
+FLOOR_TARGET = 0.6  # x the floor chain
+MAX_CALLS = 200_000  # a bound on the count as well as the time
+
+
+def serve_relay(listen: str, upstream: str, http: bool) -> None:
+    """A bare relay hop: an HTTP server (tornado) or a gRPC server (grpc.aio) that passes the
+    body on to `upstream` with grpc.aio and answers with what comes back."""
+
+    async def serve() -> None:
+        channel = grpc.aio.insecure_channel(upstream, options=CHANNEL_OPTIONS)
+        relay = channel.unary_unary(ECHO_METHOD)
+        if http:
+            from tornado import httpserver, netutil, web
+
+            class Relay(web.RequestHandler):
+                async def post(self) -> None:
+                    self.finish(await relay(self.request.body, timeout=30))
+
+            sockets = netutil.bind_sockets(0, "127.0.0.1", backlog=1024)
+            httpserver.HTTPServer(web.Application([(r"/", Relay)])).add_sockets(sockets)
+            address = f"127.0.0.1:{sockets[0].getsockname()[1]}"
+        else:
+
+            async def proxy(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+                return await relay(request, timeout=30)
+
+            server = grpc.aio.server(options=CHANNEL_OPTIONS)
+            handler = grpc.unary_unary_rpc_method_handler(proxy)
+            server.add_generic_rpc_handlers(
+                (grpc.method_handlers_generic_handler("bench.Echo", {"Echo": handler}),)
+            )
+            server.add_insecure_port(listen)
+            await server.start()
+            address = listen
+        print(announcement("bench", "relay", address), flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(serve())
+
+
+class HttpConnection:
+    """One kept-alive HTTP/1.1 connection: the load generator's client (a request line, three
+    headers, a Content-Length body; nothing else of HTTP is needed here)."""
+
+    def __init__(self, address: str, token: str | None) -> None:
+        self.address = address
+        self.headers = "Content-Type: application/json\r\n"
+        if token:
+            self.headers += f"Authorization: Bearer {token}\r\n"
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def connect(self) -> None:
+        if self.address.startswith("unix:"):
+            self.reader, self.writer = await asyncio.open_unix_connection(self.address[5:])
+            self.host = "localhost"
+        else:
+            parts = urlsplit(self.address if "//" in self.address else f"http://{self.address}")
+            self.reader, self.writer = await asyncio.open_connection(parts.hostname, parts.port)
+            self.host = parts.netloc
+
+    async def post(self, path: str, body: bytes) -> bytes:
+        assert self.reader is not None and self.writer is not None
+        self.writer.write(
+            f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\n{self.headers}"
+            f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        status = head[9:12]
+        length = 0
+        for line in head.split(b"\r\n"):
+            if line[:15].lower() == b"content-length:":
+                length = int(line[15:])
+        answer = await self.reader.readexactly(length)
+        if status != b"200":
+            raise RuntimeError(f"{path}: HTTP {status.decode()} {answer[:200]!r}")
+        return answer
+
+
+async def drive(
+    calls: list[Callable[[], Awaitable[object]]], clients: int, seconds: float
+) -> tuple[float, list[float]]:
+    """`clients` loops, client i calling calls[i], calls[i + clients], ... in turn, for
+    `seconds` after a one-second warm-up. Returns (invokes/s, latencies in ms)."""
+    latencies: list[float] = []
+    measuring = False
+    stop = False
+    count = 0
+
+    async def client(mine: list[Callable[[], Awaitable[object]]]) -> None:
+        nonlocal count
+        turn = 0
+        while not stop:
+            call = mine[turn % len(mine)]
+            turn += 1
+            started = time.perf_counter()
+            await call()
+            if measuring:
+                latencies.append((time.perf_counter() - started) * 1000)
+                count += 1
+
+    tasks = [asyncio.create_task(client(calls[i::clients])) for i in range(clients)]
+    await asyncio.sleep(1.0)
+    measuring, began = True, time.perf_counter()
+    deadline = began + seconds
+    while time.perf_counter() < deadline and count < MAX_CALLS:
+        await asyncio.sleep(0.05)
+    measuring = False
+    elapsed = time.perf_counter() - began
+    rate = count / elapsed
+    stop = True
+    await asyncio.gather(*tasks)
+    return rate, latencies
+
+
+async def run_cases(
+    stack: Stack, runs: list[dict[str, str]], floor_http: str, clients: int, seconds: float
+) -> dict[str, tuple[float, list[float]]]:
+    results: dict[str, tuple[float, list[float]]] = {}
+
+    async def http_calls(address: str, paths: list[str], token: str | None) -> list:  # type: ignore[type-arg]
+        connections = [HttpConnection(address, token) for _ in range(clients)]
+        for connection in connections:
+            await connection.connect()
+        # client i owns paths i, i + clients, ...: give each path its owner's connection
+        return [
+            (lambda c=connections[i % clients], path=path: c.post(path, PAYLOAD))
+            for i, path in enumerate(paths)
+        ]
+
+    gateway = await http_calls(
+        stack.gateway_address, [f"/v1/runs/{run['name']}:invoke" for run in runs], stack.token
+    )
+    results["gateway (HTTP)"] = await drive(gateway, clients, seconds)
+
+    runtimed = stack.component("python-0-runtimed").child
+    server = stack.component("python-0-server").child
+    assert runtimed is not None and server is not None
+    channels = []
+    for label, address, with_id in (
+        ("runtimed (gRPC)", runtimed.address, False),
+        ("Runtime Server (gRPC)", server.address, True),
+    ):
+        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        channels.append(channel)
+        stub = pb_grpc.FunctionRuntimeStub(channel)
+        calls = []
+        for run in runs:
+            request = pb.InvokeFunctionRequest(
+                registration=pb.FunctionRegistration(
+                    run_uid=run["uid"], registration_id=run["registrationId"] if with_id else ""
+                ),
+                input=PAYLOAD,
+                content_type="application/json",
+            )
+            metadata = () if with_id else ((POD_KEY, "python-0"),)
+            calls.append(
+                lambda request=request, metadata=metadata, stub=stub: stub.InvokeFunction(
+                    request, timeout=30, metadata=metadata
+                )
+            )
+        results[label] = await drive(calls, clients, seconds)
+
+    floor = await http_calls(floor_http, ["/"] * len(runs), None)
+    results["floor chain: HTTP → gRPC proxy → gRPC echo"] = await drive(floor, clients, seconds)
+    for channel in channels:
+        await channel.close()
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clients", type=int, default=10)
+    parser.add_argument("--runs", type=int, default=50)
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--relay", nargs=2, metavar=("LISTEN", "UPSTREAM"), help=argparse.SUPPRESS)
+    parser.add_argument("--http", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.relay:
+        serve_relay(*args.relay, http=args.http)
+        return 0
+    with tempfile.TemporaryDirectory(prefix="fnkernel-bench-") as tmp:
+        echo = bench_server("--echo-server", f"unix:{tmp}/echo.sock")
+        relay = [sys.executable, "-m", "benchmarks.throughput", "--relay"]
+        proxy = start([*relay, f"unix:{tmp}/proxy.sock", echo.address])
+        front = start([*relay, "-", proxy.address, "--http"])
+        stack = Stack(Path(tmp) / "state", {"python": 1}, gateway_listen="127.0.0.1:0")
+        stack.start()
+        try:
+            client = Client(stack.gateway_address, token=stack.token)
+            runs = []
+            for i in range(args.runs):
+                name = f"bench-{i}"
+                files = {"handler.py": PY_HANDLER}
+                client.create_run(name, runtime="python", handler="handler.handle", files=files)
+                status = client.status(name)
+                runs.append(
+                    {
+                        "name": name,
+                        "uid": status["uid"],
+                        "registrationId": status["live"]["registrationId"],
+                    }
+                )
+            results = asyncio.run(run_cases(stack, runs, front.address, args.clients, args.seconds))
+        finally:
+            stack.stop()
+            for child in (front, proxy, echo):
+                child.stop(10)
+    return report(results, args.clients, args.runs, args.seconds)
+
+
+def report(
+    results: dict[str, tuple[float, list[float]]], clients: int, runs: int, seconds: float
+) -> int:
+    print(f"{clients} clients over {runs} Runs, {seconds:g} s each; payload {PAYLOAD.decode()}")
+    floor_rate = results["floor chain: HTTP → gRPC proxy → gRPC echo"][0]
+    print(f"{'case':<44}{'invokes/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'of floor':>10}")
+    for name, (rate, latencies) in results.items():
+        print(
+            f"{name:<44}{rate:>10.0f}{statistics.median(latencies):>9.2f}"
+            f"{p(latencies, 99):>9.2f}{rate / floor_rate:>9.2f}x"
+        )
+    gateway_rate = results["gateway (HTTP)"][0]
+    print(f"floor chain: {floor_rate:.0f}/s; as filed: {FILED_RATE:.0f}/s")
+    return verdicts(
+        [
+            Target(
+                "gateway invokes/s / as filed",
+                gateway_rate / FILED_RATE,
+                RATE_TARGET,
+                at_least=True,
+            ),
+            Target(
+                "gateway invokes/s / floor chain",
+                gateway_rate / floor_rate,
+                FLOOR_TARGET,
+                at_least=True,
+            ),
+        ]
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
