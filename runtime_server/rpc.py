@@ -6,9 +6,10 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -57,6 +58,8 @@ _MAX_LOGS_TRAILER = 4096
 _NO_DEADLINE = 1e9  # the sync server reports ~9.2e18 s remaining when the client set none
 
 F = TypeVar("F", bound=Callable[..., Any])
+S = TypeVar("S")
+T = TypeVar("T")
 
 
 def status_of(exc: BaseException) -> grpc.StatusCode | None:
@@ -142,3 +145,61 @@ def logs_trailer(logs: tuple[Any, ...]) -> bytes:
 
 def _compact(value: object) -> str:
     return json.dumps(value, separators=(",", ":"))
+
+
+class CancellableCalls(Generic[S]):
+    """Blocking calls to one target that the caller of a servicer can still cancel
+    (docs/architecture.md, "The proxy hop").
+
+    grpc's blocking call gives no handle to cancel it; ``.future()`` does, but hands every
+    answer from the channel's own thread to the caller's (0.15 ms a call, measured). So each
+    call here takes a channel of its own from a pool — channels to one target share one
+    connection — and a caller that goes away closes that channel, which cancels its one call.
+    A channel goes back to the pool only if its call ended without that."""
+
+    _MAX_IDLE = 64
+
+    def __init__(self, target: str, stub: Callable[[grpc.Channel], S]) -> None:
+        self._target = target
+        self._stub = stub
+        self._lock = threading.Lock()
+        self._idle: list[tuple[grpc.Channel, S]] = []
+
+    def call(self, rpc: Callable[[S], T], context: grpc.ServicerContext) -> T:
+        """``rpc(stub)`` on a channel of its own, cancelled if `context`'s RPC ends first."""
+        with self._lock:
+            pair = self._idle.pop() if self._idle else None
+        if pair is None:
+            channel = grpc.insecure_channel(self._target, options=CHANNEL_OPTIONS)
+            pair = (channel, self._stub(channel))
+        channel, stub = pair
+        state = {"ended": False, "cancelled": False}
+        guard = threading.Lock()
+
+        def cancel() -> None:  # gRPC runs it when the caller's RPC ends, however it ends
+            with guard:
+                if state["ended"]:
+                    return  # our call ended first: the channel may serve another by now
+                state["cancelled"] = True
+            channel.close()
+
+        if not context.add_callback(cancel):
+            cancel()  # the caller's RPC has ended already
+        try:
+            return rpc(stub)
+        finally:
+            with guard:
+                state["ended"] = True
+            if not state["cancelled"]:
+                with self._lock:
+                    if len(self._idle) < self._MAX_IDLE:
+                        self._idle.append(pair)
+                        pair = None
+                if pair is not None:
+                    channel.close()
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for channel, _ in idle:
+            channel.close()

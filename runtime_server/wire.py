@@ -55,7 +55,7 @@ __all__ = [
 
 # gRPC metadata: runtimed's proxy hop (docs/protocol.md, "Proxy hop")
 POD_KEY = "x-fn-pod"  # the pod the caller routed to (routing fence)
-COLD_START_KEY = "x-fn-cold-start"  # initial metadata: the Run was registered again for this call
+COLD_START_KEY = "x-fn-cold-start"  # the Run was registered again for this call
 DIGEST_KEY = "x-fn-registration-digest"
 ATTEMPT_KEY = "x-fn-registration-attempt"
 # gRPC metadata: a Runtime Server's handler errors

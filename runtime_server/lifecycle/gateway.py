@@ -153,7 +153,7 @@ class Gateway:
         if run.phase not in (READY, IDLE):  # runtimed checks too, but its view may lag a tick
             detail = f": {run.message}" if run.message else ""
             raise RunNotReady(f"run {run.name} is {run.phase} (attempt {run.attempt}){detail}")
-        pod = self.store.pod(run.assigned_pod)
+        pod = self.store.pod_fresh(run.assigned_pod)
         if pod is None or not pod.alive():
             raise NoRuntimePod(f"run {run.name}: pod {run.assigned_pod or '(none)'} is not serving")
         return pod.name, self.stub(pod.address)
@@ -166,6 +166,7 @@ class Gateway:
                 (r"/v1/runs/([^/:]+):invoke", InvokeHandler, args),
                 (r"/v1/runs/([^/:]+)", RunHandler, args),
             ],
+            log_function=_log_failure,
         )
 
     def listen(self, listen: str) -> str:
@@ -198,6 +199,15 @@ class Gateway:
         if self._server is not None:
             self._server.stop()
             await self._server.close_all_connections()
+
+
+def _log_failure(handler: web.RequestHandler) -> None:
+    """The access log names the requests that failed (4xx as a warning, 5xx as an error); a
+    line per successful call would cost more than the call's own work in the gateway."""
+    status = handler.get_status()
+    if status >= 400:
+        level = logging.ERROR if status >= 500 else logging.WARNING
+        LOG.log(level, "%d %s", status, handler._request_summary())
 
 
 class BaseHandler(web.RequestHandler):
@@ -461,7 +471,7 @@ class InvokeHandler(BaseHandler):
         invocation_id = limits.check_invocation_id(headers.get("X-Invocation-Id", ""))
         # Any int64 is taken, as on the wire, and capped like timeout_millis (limits.py).
         timeout_millis = limits.parse_count(headers.get("X-Timeout-Ms", "0"), "X-Timeout-Ms")
-        run = self.gateway.store.get(name)
+        run = self.gateway.store.get_fresh(name)
         pod, stub = self.gateway.route(run)
         request = pb.InvokeFunctionRequest(
             registration=pb.FunctionRegistration(run_uid=run.uid),
@@ -474,7 +484,6 @@ class InvokeHandler(BaseHandler):
         self._call = stub.InvokeFunction(request, timeout=deadline, metadata=((POD_KEY, pod),))
         try:
             response = await self._call
-            initial = _metadata(await self._call.initial_metadata())
             trailers = _metadata(await self._call.trailing_metadata())
         except grpc.aio.AioRpcError as err:
             raise rpc_error(err, run, invocation_id) from None
@@ -482,9 +491,10 @@ class InvokeHandler(BaseHandler):
             return  # the client went away
         self.set_header("Content-Type", response.content_type or "application/json")
         self.set_header("X-Invocation-Id", response.invocation_id)
-        self.set_header("X-Fn-Outputs", json.dumps(dict(response.outputs), sort_keys=True))
-        self.set_header("X-Fn-Attempt", str(initial.get(ATTEMPT_KEY, run.attempt)))
-        if initial.get(COLD_START_KEY) == "1":
+        outputs = json.dumps(dict(response.outputs), sort_keys=True) if response.outputs else "{}"
+        self.set_header("X-Fn-Outputs", outputs)
+        self.set_header("X-Fn-Attempt", str(trailers.get(ATTEMPT_KEY, run.attempt)))
+        if trailers.get(COLD_START_KEY) == "1":
             self.set_header("X-Fn-Cold-Start", "1")
         logs = _logs(trailers)
         if logs:

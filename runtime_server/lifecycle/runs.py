@@ -175,6 +175,7 @@ class RunStore:
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
         db = self._connection()
+        self._local.seen = None  # our own writes do not change data_version: forget the cache
         db.execute("BEGIN IMMEDIATE")
         try:
             yield db
@@ -218,6 +219,41 @@ class RunStore:
     def get_uid(self, uid: str) -> Run | None:
         row = self._connection().execute("SELECT * FROM runs WHERE uid = ?", (uid,)).fetchone()
         return None if row is None else _run(row)
+
+    def fresh(self) -> dict[Any, Any]:
+        """This thread's cache of rows, emptied whenever anything was written since it last
+        asked (``version``; its own writes too): reads that must be current on every call —
+        the proxy hop's fence, the gateway's route — read the row only when it may have
+        changed."""
+        version = self.version()
+        if getattr(self._local, "seen", None) != version:
+            self._local.seen, self._local.cache = version, {}
+        cache: dict[Any, Any] = self._local.cache
+        return cache
+
+    def get_uid_fresh(self, uid: str) -> Run | None:
+        """``get_uid`` through ``fresh``."""
+        cache = self.fresh()
+        key = ("uid", uid)
+        if key not in cache:
+            cache[key] = self.get_uid(uid)
+        return cache[key]
+
+    def get_fresh(self, name: str) -> Run:
+        """``get`` through ``fresh`` (RunNotFound is not kept)."""
+        cache = self.fresh()
+        key = ("name", name)
+        if key not in cache:
+            cache[key] = self.get(name)
+        return cache[key]
+
+    def pod_fresh(self, name: str) -> Pod | None:
+        """``pod`` through ``fresh``; whether it is alive is the caller's to ask, now."""
+        cache = self.fresh()
+        key = ("pod", name)
+        if key not in cache:
+            cache[key] = self.pod(name)
+        return cache[key]
 
     def runs(self, *, pod: str | None = None, phase: str | None = None) -> list[Run]:
         query, params = "SELECT * FROM runs WHERE 1=1", list[str]()

@@ -45,6 +45,7 @@ from runtime_server.function_runtime.server import FUNCTION_RUNTIME_SERVICE
 from runtime_server.lifecycle.runs import DEFAULT_DRAIN_MILLIS, Run, RunStore
 from runtime_server.rpc import (
     CHANNEL_OPTIONS,
+    CancellableCalls,
     add_health,
     add_reflection,
     caller_timeout,
@@ -139,6 +140,7 @@ class Runtimed:
         self._channel = grpc.insecure_channel(server_address, options=CHANNEL_OPTIONS)
         self.server_stub = pb_grpc.FunctionRuntimeStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        self.calls = CancellableCalls(server_address, pb_grpc.FunctionRuntimeStub)  # proxied
         self._lock = threading.Lock()
         self._active: dict[str, Active] = {}
         self._runs: dict[str, Run] = {}  # this pod's Runs as of the last reconcile pass
@@ -178,6 +180,7 @@ class Runtimed:
         if self._loop_thread is not None:
             self._loop_thread.join(5)
         self._workers.shutdown(wait=False, cancel_futures=True)
+        self.calls.close()
         self._channel.close()
 
     def _loop(self) -> None:
@@ -481,12 +484,13 @@ class Runtimed:
     def fenced_run(self, run_uid: str, routed_to: str | None) -> Run:
         """The Run behind a proxied call, if the caller routed it here and it is assigned here.
 
-        Read from the store on every call (a primary-key read, ~16 us): the fence must see a
-        reassignment at once, not a tick later.
+        Read from the store on every call (``get_uid_fresh``: SQLite's data_version, then the
+        row only if anything was written since): the fence must see a reassignment at once, not
+        a tick later.
         """
         if routed_to is not None and routed_to != self.pod:
             raise RoutedElsewhere(f"this is pod {self.pod}, not {routed_to}")
-        run = self.store.get_uid(run_uid)
+        run = self.store.get_uid_fresh(run_uid)
         if run is None:
             raise RunNotFound(f"no run has uid {run_uid}")
         if run.assigned_pod != self.pod:
@@ -605,14 +609,16 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
             forwarded.timeout_millis = min(
                 limits.effective_timeout_millis(request.timeout_millis), bound
             )
-        call = self.runtimed.server_stub.InvokeFunction.future(forwarded, timeout=timeout)
-        context.add_callback(call.cancel)  # the caller went away: cancel, and the handler dies
-        response = call.result()
+        # The caller went away: the call is cancelled, and the handler dies.
+        response, call = self.runtimed.calls.call(
+            lambda stub: stub.InvokeFunction.with_call(forwarded, timeout=timeout), context
+        )
+        # In the trailers, beside the server's own: one metadata batch, not two (docs/protocol.md,
+        # "Proxy hop").
         metadata: tuple[tuple[str, str | bytes], ...] = ((ATTEMPT_KEY, str(active.attempt)),)
         if cold:
             metadata += ((COLD_START_KEY, "1"),)
-        context.send_initial_metadata(metadata)
-        context.set_trailing_metadata(relayed_trailers(call.trailing_metadata()))
+        context.set_trailing_metadata(metadata + relayed_trailers(call.trailing_metadata()))
         return response
 
     @translate_errors
