@@ -106,34 +106,49 @@ class Prewarmed:
     and the parent's pid to watch once they run. Closing the pool ends those not taken.
     """
 
-    def __init__(self, commands: Sequence[str] = ("serve", "runtimed", "gateway")) -> None:
-        env = {**os.environ, PARENT_ENV: str(os.getpid())}
+    def __init__(
+        self, commands: Sequence[str] = ("serve", "runtimed", "gateway"), *, refill: bool = False
+    ) -> None:
+        """`refill`: each process taken is replaced at once by a new one, so that every start
+        of the command (a pod backend's) is a fast one, not only the first."""
+        self._refill = refill
+        self._lock = threading.Lock()
         self._procs: dict[str, subprocess.Popen[str]] = {}
         for command in commands:
-            self._procs[command] = subprocess.Popen(
-                [sys.executable, "-m", "runtime_server.prewarm", command],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
-                text=True,
-                env=env,
-                start_new_session=True,
-            )
+            self._procs[command] = self._launch(command)
+
+    @staticmethod
+    def _launch(command: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [sys.executable, "-m", "runtime_server.prewarm", command],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env={**os.environ, PARENT_ENV: str(os.getpid())},
+            start_new_session=True,
+        )
 
     def pids(self) -> dict[str, int]:
         """The waiting processes, by command."""
-        return {command: proc.pid for command, proc in self._procs.items()}
+        with self._lock:
+            return {command: proc.pid for command, proc in self._procs.items()}
 
     def take(self, command: str) -> subprocess.Popen[str] | None:
         """The waiting process for `command`, if there is one and it is still alive."""
-        proc = self._procs.pop(command, None)
+        with self._lock:
+            proc = self._procs.pop(command, None)
+            if proc is not None and self._refill:
+                self._procs[command] = self._launch(command)
         if proc is not None and proc.poll() is not None:
             _discard(proc)
             return None
         return proc
 
     def close(self) -> None:
-        procs, self._procs = list(self._procs.values()), {}
+        with self._lock:
+            procs, self._procs = list(self._procs.values()), {}
+            self._refill = False
         for proc in procs:
             _discard(proc)
 

@@ -25,6 +25,10 @@ MODULES = {
         "runtime_server.lifecycle.gateway",
         "tornado.platform.asyncio",
     ),
+    "wrapper-server": (
+        "runtime_server.krm.evaluators.server",
+        "runtime_server.krm.evaluators.wrapper",
+    ),
 }
 COMMON = (
     "concurrent.futures.thread",

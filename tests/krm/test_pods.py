@@ -106,7 +106,8 @@ def test_a_burst_for_a_cold_image_starts_exactly_one_pod(
 ) -> None:
     # docs/protocol.md waitlist: "Single pod creation serves all waiters".
     before = wrapper_pids()
-    evaluator = PodEvaluator(managers(LocalBackend({IMAGE: [str(who)]})))
+    # Counted by command line: without the waiting process, which would look like a pod.
+    evaluator = PodEvaluator(managers(LocalBackend({IMAGE: [str(who)]}, prewarm=False)))
     served = in_parallel(20, lambda: served_by(evaluator))
     assert len(served) == 20
     started = wrapper_pids() - before
@@ -192,7 +193,7 @@ def test_warm_up_starts_pods_before_the_first_request(
     policies = load_warmup(config)
     assert policies[IMAGE] == PodPolicy(ttl=1800, max_parallel_pods=2, preferred_max_queue_length=4)
     before = wrapper_pids()
-    manager = managers(LocalBackend({IMAGE: [str(who)]}), policies=policies)
+    manager = managers(LocalBackend({IMAGE: [str(who)]}, prewarm=False), policies=policies)
     manager.warm_up(list(policies))
     wait_until(lambda: manager.snapshot().get(IMAGE), timeout=10)
     [warm] = wrapper_pids() - before
@@ -302,3 +303,19 @@ def test_a_pod_that_fails_to_start_fails_every_waiter_once(
     assert all("image pull failed" in str(f) for f in failures)
     call()
     assert backend.starts == 2  # the waitlist was cleared: a new request tries again
+
+
+def test_a_cold_pod_is_the_waiting_process_and_another_waits_after_it(
+    who: Path, managers: Callable[..., PodCacheManager]
+) -> None:
+    # docs/architecture.md, "The first registration": the local backend keeps one prewarmed
+    # wrapper-server process waiting; a cold pod takes it, and a new one waits for the next.
+    backend = LocalBackend({IMAGE: [str(who)]})
+    waiting = backend.waiting()
+    assert waiting is not None
+    evaluator = PodEvaluator(managers(backend))
+    assert served_by(evaluator) == waiting
+    after = backend.waiting()
+    assert after is not None and after != waiting and pid_alive(after)
+    backend.close()
+    wait_until(lambda: not pid_alive(after), timeout=10)
