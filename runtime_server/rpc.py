@@ -15,7 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
-from adapters.errors import HandlerError
+from adapters.errors import HandlerError, InvocationCancelled
 from runtime_server import limits, wire
 
 LOG = logging.getLogger("fnkernel.rpc")
@@ -183,20 +183,23 @@ class CancellableCalls(Generic[S]):
                 state["cancelled"] = True
             channel.close()
 
-        if not context.add_callback(cancel):
-            cancel()  # the caller's RPC has ended already
+        if not context.add_callback(cancel):  # the caller's RPC has ended already
+            self._give_back(pair)
+            raise InvocationCancelled("the caller went away before the call was made")
         try:
             return rpc(stub)
         finally:
             with guard:
                 state["ended"] = True
             if not state["cancelled"]:
-                with self._lock:
-                    if len(self._idle) < self._MAX_IDLE:
-                        self._idle.append(pair)
-                        pair = None
-                if pair is not None:
-                    channel.close()
+                self._give_back(pair)
+
+    def _give_back(self, pair: tuple[grpc.Channel, S]) -> None:
+        with self._lock:
+            if len(self._idle) < self._MAX_IDLE:
+                self._idle.append(pair)
+                return
+        pair[0].close()
 
     def close(self) -> None:
         with self._lock:

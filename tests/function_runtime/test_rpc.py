@@ -1,0 +1,161 @@
+"""rpc.CancellableCalls (docs/architecture.md, "The proxy hop"): blocking calls that the caller of
+a servicer can still cancel, each on a pooled channel of its own, against a real grpcio server."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+
+from adapters.errors import InvocationCancelled
+from runtime_server.rpc import CHANNEL_OPTIONS, CancellableCalls
+
+FAST, SLOW = "/bench.Up/Fast", "/bench.Up/Slow"
+
+
+class Upstream:
+    """A server whose Slow call waits until its caller cancels it (then notes that)."""
+
+    def __init__(self, address: str) -> None:
+        self.cancelled = threading.Event()
+        self.started = threading.Event()
+        self.arrived = threading.Semaphore(0)
+
+        def slow(request: bytes, context: grpc.ServicerContext) -> bytes:
+            context.add_callback(self.cancelled.set)
+            self.started.set()
+            self.arrived.release()
+            self.cancelled.wait(30)
+            return request
+
+        handlers = {
+            "Fast": grpc.unary_unary_rpc_method_handler(lambda request, context: request),
+            "Slow": grpc.unary_unary_rpc_method_handler(slow),
+        }
+        self.server = grpc.server(futures.ThreadPoolExecutor(4), options=CHANNEL_OPTIONS)
+        self.server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("bench.Up", handlers),)
+        )
+        self.server.add_insecure_port(address)
+        self.server.start()
+
+
+class Context:
+    """What CancellableCalls asks of a servicer context: ``add_callback``, whose callbacks gRPC
+    runs when the caller's RPC ends — here, when the test says so."""
+
+    def __init__(self, ended: bool = False) -> None:
+        self.callbacks: list[Callable[[], None]] = []
+        self.ended = ended
+
+    def add_callback(self, callback: Callable[[], None]) -> bool:
+        if self.ended:
+            return False
+        self.callbacks.append(callback)
+        return True
+
+    def end(self) -> None:
+        for callback in self.callbacks:
+            callback()
+
+
+@pytest.fixture
+def upstream(tmp_path: Path) -> Iterator[tuple[Upstream, str]]:
+    address = f"unix:{tmp_path}/up.sock"
+    server = Upstream(address)
+    yield server, address
+    server.server.stop(0)
+
+
+def counting(made: list[grpc.Channel]) -> Callable[[grpc.Channel], grpc.Channel]:
+    def stub(channel: grpc.Channel) -> grpc.Channel:
+        made.append(channel)
+        return channel
+
+    return stub
+
+
+def call(method: str, payload: bytes) -> Callable[[grpc.Channel], bytes]:
+    return lambda channel: channel.unary_unary(method)(payload, timeout=10)
+
+
+def test_a_call_that_ended_leaves_its_channel_open_for_the_next(
+    upstream: tuple[Upstream, str],
+) -> None:
+    # The caller's RPC ends after ours (gRPC runs its callbacks then): that must not close the
+    # channel, which is back in the pool and serves the next call.
+    made: list[grpc.Channel] = []
+    calls = CancellableCalls(upstream[1], counting(made))
+    for n in range(3):
+        context = Context()
+        assert calls.call(call(FAST, b"%d" % n), context) == b"%d" % n  # type: ignore[arg-type]
+        context.end()
+    assert len(made) == 1
+    calls.close()
+
+
+def test_a_caller_that_goes_away_cancels_the_call_and_its_channel_is_not_reused(
+    upstream: tuple[Upstream, str],
+) -> None:
+    server, address = upstream
+    made: list[grpc.Channel] = []
+    calls = CancellableCalls(address, counting(made))
+    context = Context()
+    outcome: list[BaseException | bytes] = []
+
+    def slow() -> None:
+        try:
+            outcome.append(calls.call(call(SLOW, b"slow"), context))  # type: ignore[arg-type]
+        except grpc.RpcError as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=slow)
+    thread.start()
+    assert server.started.wait(10)
+    context.end()  # the caller went away
+    assert server.cancelled.wait(5)  # the upstream call saw it
+    thread.join(10)
+    assert isinstance(outcome[0], grpc.RpcError)
+    assert outcome[0].code() == grpc.StatusCode.CANCELLED
+    assert calls.call(call(FAST, b"next"), Context()) == b"next"  # type: ignore[arg-type]
+    assert len(made) == 2  # a fresh channel: the closed one never goes back
+    calls.close()
+
+
+def test_a_caller_gone_before_the_call_starts_makes_no_call(
+    upstream: tuple[Upstream, str],
+) -> None:
+    # Its answer could reach no one: InvocationCancelled (CANCELLED), and the channel stays usable.
+    made: list[grpc.Channel] = []
+    calls = CancellableCalls(upstream[1], counting(made))
+    with pytest.raises(InvocationCancelled):
+        calls.call(call(SLOW, b"late"), Context(ended=True))  # type: ignore[arg-type]
+    assert not upstream[0].started.is_set()
+    assert calls.call(call(FAST, b"next"), Context()) == b"next"  # type: ignore[arg-type]
+    assert len(made) == 1
+    calls.close()
+
+
+def test_the_pool_keeps_a_bounded_number_of_idle_channels(upstream: tuple[Upstream, str]) -> None:
+    # Three calls at a time, each on a channel of its own; two go back to the pool, one closes.
+    server, address = upstream
+    made: list[grpc.Channel] = []
+    calls = CancellableCalls(address, counting(made))
+    calls._MAX_IDLE = 2  # type: ignore[misc]
+    threads = [
+        threading.Thread(target=calls.call, args=(call(SLOW, b"x"), Context())) for _ in range(3)
+    ]
+    for thread in threads:
+        thread.start()
+    for _ in threads:
+        assert server.arrived.acquire(timeout=10)  # all three in flight together
+    server.cancelled.set()  # now they answer
+    for thread in threads:
+        thread.join(10)
+    assert len(made) == 3 and len(calls._idle) == 2
+    calls.close()
+    assert calls._idle == []
