@@ -3,8 +3,9 @@ stack started on first use.
 
 The embedded stack is the control plane (docs/protocol.md, "Runs") (in the gateway process) plus one Runtime Pod per
 runtime actually used, as child processes on Unix sockets in a private 0700 directory. It is
-started by the first magic that needs it, never at kernel start (which only starts the waiting
-processes it then takes: docs/architecture.md, "The first registration"); the children get SIGTERM if the
+started by the first magic that needs it, never at kernel start (the kernel's first kernel_info
+reply only starts the waiting processes it then takes: docs/architecture.md, "The first
+registration"); the children get SIGTERM if the
 kernel dies, and their own session, so a kernel interrupt (``killpg``) does not reach them.
 Nothing here imports grpc: the kernel speaks HTTP to the gateway with the stdlib client.
 """
@@ -107,6 +108,11 @@ class Runtime:
             from runtime_server.daemon import Prewarmed
 
             self._prewarmed = Prewarmed()
+
+    def wait_prewarmed(self, timeout: float) -> bool:
+        """Whether the waiting processes have imported what they need (waits up to `timeout`)."""
+        prewarmed = self._prewarmed
+        return prewarmed is not None and prewarmed.wait_ready(timeout)
 
     def pods(self) -> dict[str, int]:
         return dict(self._stack.pods) if self._stack is not None else {}

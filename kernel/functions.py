@@ -63,7 +63,10 @@ def cell_line(file_line: int) -> int:
 
 
 def show_logs(logs: list[dict[str, str]]) -> None:
-    """A handler's log lines as the stream output a local call would give (stdout, stderr)."""
+    """A handler's log lines as the stream output a local call would give (stdout, stderr).
+    Nothing to show, nothing to flush: a flush waits for ipykernel's IO thread."""
+    if not logs:
+        return
     for entry in logs:
         stream = sys.stderr if entry.get("stream") == "stderr" else sys.stdout
         print(entry.get("text", ""), file=stream)

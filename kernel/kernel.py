@@ -1,8 +1,9 @@
 """``FnKernel``: ipykernel's IPython kernel with the fnkernel magics preloaded (docs/protocol.md, "Kernel").
 
-Two additions to ``IPythonKernel``: an interrupt cancels the invocation in flight from the
-control thread (the cell then raises ``KeyboardInterrupt``, the function stays registered), and
-shutdown stops the embedded runtime.
+Three additions to ``IPythonKernel``: its first kernel_info reply is followed by the embedded
+stack's prewarmed processes; an interrupt cancels the invocation in flight from the control
+thread (the cell then raises ``KeyboardInterrupt``, the function stays registered); and shutdown
+stops the embedded runtime.
 """
 
 from __future__ import annotations
@@ -27,13 +28,19 @@ class FnKernel(IPythonKernel):
         assert self.shell is not None
         self.shell.extension_manager.load_extension("kernel")
         self.fn_session = session_of(self.shell)
-        self.fn_session.runtime.prewarm()
 
     @property
     def banner(self) -> str:  # type: ignore[override]
         return (
             super().banner + "\nfnkernel: %%function, %invoke, %functions, %fn_trace, %fn_debug\n"
         )
+
+    async def kernel_info_request(self, stream: Any, ident: Any, parent: Any) -> None:
+        """Answer, then start the embedded stack's waiting processes: a client asks this first,
+        so they import while the user writes the first cell, not while the kernel starts
+        (docs/architecture.md, "The first registration")."""
+        await super().kernel_info_request(stream, ident, parent)
+        self.fn_session.runtime.prewarm()
 
     async def interrupt_request(self, stream: Any, ident: Any, parent: Any) -> None:
         """Cancel the invocation in flight, if any: its cell raises KeyboardInterrupt as soon

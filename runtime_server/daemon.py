@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -112,8 +113,9 @@ class Prewarmed:
         """`refill`: each process taken is replaced at once by a new one, so that every start
         of the command (a pod backend's) is a fast one, not only the first."""
         self._refill = refill
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # also held while a ready line is read
         self._procs: dict[str, subprocess.Popen[str]] = {}
+        self._ready: set[int] = set()  # pids whose ready line was read
         for command in commands:
             self._procs[command] = self._launch(command)
 
@@ -134,15 +136,40 @@ class Prewarmed:
         with self._lock:
             return {command: proc.pid for command, proc in self._procs.items()}
 
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait until every waiting process has imported what it needs; False on `timeout`."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            for proc in self._procs.values():
+                if not self._read_ready(proc, deadline):
+                    return False
+        return True
+
+    def _read_ready(self, proc: subprocess.Popen[str], deadline: float) -> bool:
+        """Read `proc`'s ready line (lock held), by `deadline`; False if it did not come."""
+        if proc.pid in self._ready:
+            return True
+        assert proc.stdout is not None
+        remaining = max(0.0, deadline - time.monotonic())
+        if not select.select([proc.stdout], [], [], remaining)[0]:
+            return False
+        if proc.stdout.readline().strip() != READY_LINE:
+            return False
+        self._ready.add(proc.pid)
+        return True
+
     def take(self, command: str) -> subprocess.Popen[str] | None:
-        """The waiting process for `command`, if there is one and it is still alive."""
+        """The waiting process for `command` once it is ready, if there is one and it is
+        alive; else None (and a caller starts a fresh process)."""
         with self._lock:
             proc = self._procs.pop(command, None)
             if proc is not None and self._refill:
                 self._procs[command] = self._launch(command)
-        if proc is not None and proc.poll() is not None:
-            _discard(proc)
-            return None
+            if proc is not None and not self._read_ready(proc, time.monotonic() + 60):
+                _discard(proc)
+                return None
+            if proc is not None:
+                self._ready.discard(proc.pid)
         return proc
 
     def close(self) -> None:
@@ -211,6 +238,7 @@ def spawn_serve(
 
 _PR_SET_CHILD_SUBREAPER = 36
 PARENT_ENV = "FNKERNEL_PARENT_PID"  # set by spawn(die_with_parent=True)
+READY_LINE = "fnkernel prewarm: ready"  # a prewarmed process has imported what it needs
 
 
 def _prctl(option: int, value: int) -> bool:

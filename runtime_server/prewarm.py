@@ -1,8 +1,8 @@
 """A component process started ahead of need (docs/architecture.md, "The first registration").
 
 ``python -m runtime_server.prewarm COMMAND`` imports what ``fnkernel COMMAND`` imports (grpc,
-protobuf, tornado, our modules: most of a component's start-up), then waits on stdin for one JSON
-line ``{"args": [...], "stderr": PATH}`` and runs ``fnkernel ARGS...`` with its stderr appended to
+protobuf, tornado, our modules: most of a component's start-up), says so on stdout (``daemon.READY_LINE``),
+then waits on stdin for one JSON line ``{"args": [...], "stderr": PATH}`` and runs ``fnkernel ARGS...`` with its stderr appended to
 PATH. End of stdin before that line (the pool was closed, or its owner died) exits at once.
 
 No fork: the process is an ordinary child of whoever started it (``daemon.Prewarmed``), so it is
@@ -47,8 +47,10 @@ def main(command: str) -> int:
         importlib.import_module(module)
     from runtime_server.cli import build_parser
     from runtime_server.cli import main as cli_main
+    from runtime_server.daemon import READY_LINE
 
     build_parser()  # cached: cli_main uses this one
+    print(READY_LINE, flush=True)  # daemon.Prewarmed reads it before it hands over a command line
     line = sys.stdin.readline()
     if not line:
         return 0

@@ -356,6 +356,7 @@ def test_a_stack_takes_its_first_components_from_prewarmed_processes(
     try:
         waiting = prewarmed.pids()
         assert set(waiting) == {"serve", "runtimed", "gateway"}
+        assert prewarmed.wait_ready(30)  # each has imported what it needs, and says so
         stack = stack_factory({"python": 1}, prewarmed=prewarmed)
         started = {
             "serve": stack.component("python-0-server").child,

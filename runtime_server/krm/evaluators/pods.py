@@ -171,6 +171,10 @@ class LocalBackend:
         assert isinstance(pod, LocalPod)
         pod.child.stop(5)
 
+    def wait_ready(self, timeout: float) -> bool:
+        """Whether the waiting process has imported what it needs (waits up to `timeout`)."""
+        return self._prewarmed is not None and self._prewarmed.wait_ready(timeout)
+
     def waiting(self) -> int | None:
         """The pid of the process the next pod start takes, if one waits."""
         if self._prewarmed is None:
