@@ -10,8 +10,10 @@ same run:
 
 To tell the cost of our code from the cost of the topology, the same run also measures the two
 extra hops bare: a grpcio echo server (benchmarks.invoke's floor) and a tornado server that echoes
-the POST body. direct + both bare hops is the least the gateway path can cost with no code of ours
-in runtimed or the gateway at all.
+the POST body. direct + both bare hops is the floor the gateway path is judged against. And, to
+show how low that floor is: a bare grpcio relay in front of the same Runtime Server (the least a
+proxy hop of runtimed's kind costs) and a chain of bare parts — tornado relaying with grpc.aio
+to a grpc.aio relay to the echo — against the same sum of bare hops.
 
 Targets (issue 13): the gateway's p50 <= 1.2x that floor; runtimed's proxy hop (its p50 minus
 direct's) at most 0.10 ms above the bare gRPC hop. Usage: python -m benchmarks.gateway [--calls N]
@@ -38,6 +40,7 @@ from benchmarks.invoke import (
     p,
     verdicts,
 )
+from benchmarks.throughput import INVOKE_METHOD, relay
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from runtime_server.client import Client
@@ -83,15 +86,30 @@ def main() -> int:
         ]
         stack = Stack(Path(tmp) / "state", {"python": 1}, gateway_listen="127.0.0.1:0")
         stack.start()
+        server = stack.component("python-0-server").child
+        assert server is not None
+        # The measured floors of the two hops, made of the same frameworks with none of our code.
+        bare_proxy = relay("sync", f"unix:{tmp}/bare.sock", server.address, INVOKE_METHOD)
+        chain_proxy = relay("aio", f"unix:{tmp}/chain.sock", echoes[0].address)
+        chain_front = relay("http", "-", chain_proxy.address)
+        relays = [bare_proxy, chain_proxy, chain_front]
         try:
-            return run(stack, args.calls, *(echo.address for echo in echoes))
+            return run(
+                stack,
+                args.calls,
+                *(echo.address for echo in echoes),
+                bare_proxy.address,
+                chain_front.address,
+            )
         finally:
             stack.stop()
-            for echo in echoes:
-                echo.stop(10)
+            for child in (*echoes, *relays):
+                child.stop(10)
 
 
-def run(stack: Stack, calls: int, grpc_echo: str, http_echo: str) -> int:
+def run(
+    stack: Stack, calls: int, grpc_echo: str, http_echo: str, bare_proxy: str, chain: str
+) -> int:
     client = Client(stack.gateway_address)
     client.create_run(
         "bench", runtime="python", handler="handler.handle", files={"handler.py": PY_HANDLER}
@@ -118,8 +136,12 @@ def run(stack: Stack, calls: int, grpc_echo: str, http_echo: str) -> int:
     pod = ((POD_KEY, "python-0"),)
     echo = grpc.insecure_channel(grpc_echo, options=CHANNEL_OPTIONS).unary_unary(ECHO_METHOD)
     connection = http.client.HTTPConnection(http_echo)
+    chain_connection = http.client.HTTPConnection(chain)
+    bare_channel = grpc.insecure_channel(bare_proxy, options=CHANNEL_OPTIONS)
+    channels.append(bare_channel)
+    bare_stub = pb_grpc.FunctionRuntimeStub(bare_channel)
 
-    def echo_over_http() -> bytes:
+    def echo_over_http(connection: http.client.HTTPConnection = connection) -> bytes:
         connection.request("POST", "/", body=PAYLOAD, headers={"Content-Type": "application/json"})
         return connection.getresponse().read()
 
@@ -131,6 +153,8 @@ def run(stack: Stack, calls: int, grpc_echo: str, http_echo: str) -> int:
         "gateway (HTTP)": lambda: client.invoke("bench", data=PAYLOAD),
         "bare gRPC echo": lambda: echo(PAYLOAD, timeout=30),
         "bare HTTP echo (tornado)": echo_over_http,
+        "bare relay → Runtime Server": lambda: bare_stub.InvokeFunction(direct_request, timeout=30),
+        "bare chain: HTTP → relay → echo": lambda: echo_over_http(chain_connection),
     }
     results: dict[str, list[float]] = {name: [] for name in cases}
     for call in cases.values():
@@ -146,15 +170,26 @@ def run(stack: Stack, calls: int, grpc_echo: str, http_echo: str) -> int:
     grpc_hop = p(results["bare gRPC echo"], 50)
     floor = direct + grpc_hop + p(results["bare HTTP echo (tornado)"], 50)
     print(f"{len(results['gateway (HTTP)'])} calls each; payload {PAYLOAD.decode()}")
-    print(f"{'case':<26}{'p50 ms':>9}{'p99 ms':>9}{'/ direct':>9}")
+    print(f"{'case':<32}{'p50 ms':>9}{'p99 ms':>9}{'/ direct':>9}")
     for name, samples in results.items():
         print(
-            f"{name:<26}{p(samples, 50):>9.3f}{p(samples, 99):>9.3f}{p(samples, 50) / direct:>8.2f}x"
+            f"{name:<32}{p(samples, 50):>9.3f}{p(samples, 99):>9.3f}{p(samples, 50) / direct:>8.2f}x"
         )
     print(f"floor of the gateway path (direct + both bare hops): {floor:.3f} ms")
     gateway = p(results["gateway (HTTP)"], 50) / floor
     proxy_hop = p(results["runtimed proxy hop"], 50) - direct
-    print(f"runtimed's proxy hop: {proxy_hop:.3f} ms; a bare gRPC hop: {grpc_hop:.3f} ms")
+    bare_hop = p(results["bare relay → Runtime Server"], 50) - direct
+    chain_ratio = p(results["bare chain: HTTP → relay → echo"], 50) / (
+        p(results["bare HTTP echo (tornado)"], 50) + 2 * grpc_hop
+    )
+    print(
+        f"runtimed's proxy hop: {proxy_hop:.3f} ms; a bare gRPC hop: {grpc_hop:.3f} ms; "
+        f"a bare relay hop: {bare_hop:.3f} ms ({bare_hop - grpc_hop:+.3f} ms)"
+    )
+    print(
+        f"the same floor for a chain of bare parts (HTTP echo + 2 gRPC hops): it costs "
+        f"{chain_ratio:.2f}x that"
+    )
     return verdicts(
         [
             Target("gateway path / its floor", gateway, TARGETS["gateway"]),

@@ -9,7 +9,10 @@ calls them in turn, one call at a time (a Run takes one invocation at a time), f
 * Runtime Server: InvokeFunction on the server's socket with each Run's registration ID;
 * floor chain: the same HTTP load on bare hops — a tornado server that relays the body over
   grpc.aio to a bare grpc.aio proxy, which relays it to a bare gRPC echo (benchmarks.invoke's).
-  Three processes, as many hops as gateway → runtimed → server, with none of our code.
+  Three processes, as many hops as gateway → runtimed → server, with none of our code;
+* bare relays in front of the Runtime Server, in place of runtimed: a grpcio thread-pool server
+  relaying with a blocking call (runtimed's design) and a grpc.aio one — what a proxy hop of
+  each kind leaves of the server's rate (reported).
 
 The load comes from this process: asyncio, one connection per client. Prints invokes/s, p50 and
 p99 per case. Targets: the gateway at >= 2x the 424/s measured when the issue was filed, and at
@@ -21,11 +24,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
+from concurrent import futures
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -36,7 +41,7 @@ from benchmarks.invoke import ECHO_METHOD, PAYLOAD, PY_HANDLER, Target, bench_se
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from runtime_server.client import Client
-from runtime_server.daemon import announcement, start
+from runtime_server.daemon import Child, announcement, start
 from runtime_server.lifecycle.stack import Stack
 from runtime_server.rpc import CHANNEL_OPTIONS
 from runtime_server.wire import POD_KEY
@@ -49,14 +54,30 @@ FLOOR_TARGET = 0.6  # x the floor chain
 MAX_CALLS = 200_000  # a bound on the count as well as the time
 
 
-def serve_relay(listen: str, upstream: str, http: bool) -> None:
-    """A bare relay hop: an HTTP server (tornado) or a gRPC server (grpc.aio) that passes the
-    body on to `upstream` with grpc.aio and answers with what comes back."""
+INVOKE_METHOD = "/executor.v1.FunctionRuntime/InvokeFunction"
+
+
+def serve_relay(listen: str, upstream: str, kind: str, method: str) -> None:
+    """A bare relay hop for `method`'s bytes, with none of our code: ``http`` (tornado, POST /,
+    relayed with grpc.aio), ``aio`` (a grpc.aio server relaying with grpc.aio) or ``sync`` (a
+    grpcio thread-pool server relaying with a blocking call, as runtimed does)."""
+    if kind == "sync":
+        channel = grpc.insecure_channel(upstream, options=CHANNEL_OPTIONS)
+        blocking = channel.unary_unary(method)
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=CHANNEL_OPTIONS)
+        server.add_generic_rpc_handlers(
+            (_relay_handlers(method, lambda r, c: blocking(r, timeout=30)),)
+        )
+        server.add_insecure_port(listen)
+        server.start()
+        print(announcement("bench", "relay", listen), flush=True)
+        signal.sigwait({signal.SIGTERM, signal.SIGINT})
+        return
 
     async def serve() -> None:
         channel = grpc.aio.insecure_channel(upstream, options=CHANNEL_OPTIONS)
-        relay = channel.unary_unary(ECHO_METHOD)
-        if http:
+        relay = channel.unary_unary(method)
+        if kind == "http":
             from tornado import httpserver, netutil, web
 
             class Relay(web.RequestHandler):
@@ -72,10 +93,7 @@ def serve_relay(listen: str, upstream: str, http: bool) -> None:
                 return await relay(request, timeout=30)
 
             server = grpc.aio.server(options=CHANNEL_OPTIONS)
-            handler = grpc.unary_unary_rpc_method_handler(proxy)
-            server.add_generic_rpc_handlers(
-                (grpc.method_handlers_generic_handler("bench.Echo", {"Echo": handler}),)
-            )
+            server.add_generic_rpc_handlers((_relay_handlers(method, proxy),))
             server.add_insecure_port(listen)
             await server.start()
             address = listen
@@ -83,6 +101,18 @@ def serve_relay(listen: str, upstream: str, http: bool) -> None:
         await asyncio.Event().wait()
 
     asyncio.run(serve())
+
+
+def _relay_handlers(method: str, behaviour: Callable[..., object]) -> grpc.GenericRpcHandler:
+    service, name = method.strip("/").split("/")
+    handler = grpc.unary_unary_rpc_method_handler(behaviour)
+    return grpc.method_handlers_generic_handler(service, {name: handler})
+
+
+def relay(kind: str, listen: str, upstream: str, method: str = ECHO_METHOD) -> Child:
+    """Start a ``serve_relay`` process."""
+    argv = [sys.executable, "-m", "benchmarks.throughput", "--relay", listen, upstream, kind]
+    return start([*argv, method])
 
 
 class HttpConnection:
@@ -162,7 +192,12 @@ async def drive(
 
 
 async def run_cases(
-    stack: Stack, runs: list[dict[str, str]], floor_http: str, clients: int, seconds: float
+    stack: Stack,
+    runs: list[dict[str, str]],
+    floor_http: str,
+    bare: dict[str, Child],
+    clients: int,
+    seconds: float,
 ) -> dict[str, tuple[float, list[float]]]:
     results: dict[str, tuple[float, list[float]]] = {}
 
@@ -188,6 +223,8 @@ async def run_cases(
     for label, address, with_id in (
         ("runtimed (gRPC)", runtimed.address, False),
         ("Runtime Server (gRPC)", server.address, True),
+        ("  bare grpcio relay → Runtime Server", bare["sync"].address, True),
+        ("  bare grpc.aio relay → Runtime Server", bare["aio"].address, True),
     ):
         channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         channels.append(channel)
@@ -221,19 +258,24 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=10)
     parser.add_argument("--runs", type=int, default=50)
     parser.add_argument("--seconds", type=float, default=5.0)
-    parser.add_argument("--relay", nargs=2, metavar=("LISTEN", "UPSTREAM"), help=argparse.SUPPRESS)
-    parser.add_argument("--http", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--relay", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.relay:
-        serve_relay(*args.relay, http=args.http)
+        listen, upstream, kind, method = args.relay
+        serve_relay(listen, upstream, kind, method)
         return 0
     with tempfile.TemporaryDirectory(prefix="fnkernel-bench-") as tmp:
         echo = bench_server("--echo-server", f"unix:{tmp}/echo.sock")
-        relay = [sys.executable, "-m", "benchmarks.throughput", "--relay"]
-        proxy = start([*relay, f"unix:{tmp}/proxy.sock", echo.address])
-        front = start([*relay, "-", proxy.address, "--http"])
+        proxy = relay("aio", f"unix:{tmp}/proxy.sock", echo.address)
+        front = relay("http", "-", proxy.address)
         stack = Stack(Path(tmp) / "state", {"python": 1}, gateway_listen="127.0.0.1:0")
         stack.start()
+        server = stack.component("python-0-server").child
+        assert server is not None
+        bare = {
+            kind: relay(kind, f"unix:{tmp}/{kind}.sock", server.address, INVOKE_METHOD)
+            for kind in ("sync", "aio")
+        }
         try:
             client = Client(stack.gateway_address, token=stack.token)
             runs = []
@@ -249,10 +291,12 @@ def main() -> int:
                         "registrationId": status["live"]["registrationId"],
                     }
                 )
-            results = asyncio.run(run_cases(stack, runs, front.address, args.clients, args.seconds))
+            results = asyncio.run(
+                run_cases(stack, runs, front.address, bare, args.clients, args.seconds)
+            )
         finally:
             stack.stop()
-            for child in (front, proxy, echo):
+            for child in (front, proxy, echo, *bare.values()):
                 child.stop(10)
     return report(results, args.clients, args.runs, args.seconds)
 
