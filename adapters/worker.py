@@ -477,20 +477,42 @@ def reap_orphans() -> int:
     """Reap zombie children this process did not spawn itself (docs/architecture.md, "Measured facts the design rests on").
 
     The Runtime Server is a child subreaper, so a handler's killed grandchildren are reparented to
-    it. Returns how many were reaped.
+    it. Only our own children are looked at, not all of /proc: this runs every second beside the
+    calls. Returns how many were reaped.
     """
-    me = str(os.getpid())
     reaped = 0
     with _spawn_lock:
-        for entry in os.scandir("/proc"):
-            if not entry.name.isdigit() or int(entry.name) in _live_pids:
+        for pid in _children():
+            if pid in _live_pids:
                 continue
             try:
-                fields = proc_stat(entry.name)
+                fields = proc_stat(pid)
             except OSError:
                 continue
-            if len(fields) > 1 and fields[0] == "Z" and fields[1] == me:
+            if fields and fields[0] == "Z":
                 with contextlib.suppress(ChildProcessError):
-                    os.waitpid(int(entry.name), os.WNOHANG)
+                    os.waitpid(pid, os.WNOHANG)
                     reaped += 1
     return reaped
+
+
+def _children() -> set[int]:
+    """This process's children: those of each of its threads (``/proc/self/task/*/children``),
+    or, where the kernel does not list them, every process whose parent we are."""
+    found: set[int] = set()
+    listed = False
+    for task in os.scandir("/proc/self/task"):
+        try:
+            found.update(int(pid) for pid in Path(task.path, "children").read_text().split())
+            listed = True
+        except OSError:
+            continue
+    if listed:
+        return found
+    me = str(os.getpid())
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if proc_stat(entry.name)[1:2] == [me]:
+                    found.add(int(entry.name))
+    return found

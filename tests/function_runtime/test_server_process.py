@@ -191,3 +191,41 @@ def test_scratch_dirs_of_a_killed_server_are_removed_by_the_next_server(
     server_process("--runtime", "bash")
     assert not left[0].exists()
     assert kept[0].exists()
+
+
+ORPHANING_PY = {
+    "handler.py": """
+        import subprocess, time
+        def handle(event):
+            subprocess.Popen(["sleep", "60"])  # never waited for: killed with the worker
+            time.sleep(60)
+        """
+}
+
+
+def server_zombies(server: ServeProcess) -> list[int]:
+    """Zombie children of the server process."""
+    zombies = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rpartition(")")[2].split()
+            except OSError:
+                continue
+            if fields[0] == "Z" and fields[1] == str(server.pid):
+                zombies.append(int(entry.name))
+    return zombies
+
+
+def test_a_killed_handlers_children_are_reaped_by_the_server(
+    server_process: Callable[..., ServeProcess],
+) -> None:
+    # docs/architecture.md, "Measured facts the design rests on": the Runtime Server is a child
+    # subreaper; the grandchildren a killed handler leaves are reparented to it and reaped.
+    server = server_process("--runtime", "python")
+    client = client_for(server, "python")
+    registration = client.register(ORPHANING_PY).registration
+    with pytest.raises(grpc.RpcError) as err:
+        client.invoke(registration, timeout_millis=500)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_until(lambda: not server_zombies(server), timeout=10)
