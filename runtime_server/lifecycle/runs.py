@@ -17,7 +17,7 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -231,29 +231,26 @@ class RunStore:
         cache: dict[Any, Any] = self._local.cache
         return cache
 
+    def _cached(self, key: tuple[str, str], read: Callable[[], Any]) -> Any:
+        cache = self.fresh()
+        if key not in cache:
+            cache[key] = read()
+        return cache[key]
+
     def get_uid_fresh(self, uid: str) -> Run | None:
         """``get_uid`` through ``fresh``."""
-        cache = self.fresh()
-        key = ("uid", uid)
-        if key not in cache:
-            cache[key] = self.get_uid(uid)
-        return cache[key]
+        run: Run | None = self._cached(("uid", uid), lambda: self.get_uid(uid))
+        return run
 
     def get_fresh(self, name: str) -> Run:
         """``get`` through ``fresh`` (RunNotFound is not kept)."""
-        cache = self.fresh()
-        key = ("name", name)
-        if key not in cache:
-            cache[key] = self.get(name)
-        return cache[key]
+        run: Run = self._cached(("name", name), lambda: self.get(name))
+        return run
 
     def pod_fresh(self, name: str) -> Pod | None:
         """``pod`` through ``fresh``; whether it is alive is the caller's to ask, now."""
-        cache = self.fresh()
-        key = ("pod", name)
-        if key not in cache:
-            cache[key] = self.pod(name)
-        return cache[key]
+        pod: Pod | None = self._cached(("pod", name), lambda: self.pod(name))
+        return pod
 
     def runs(self, *, pod: str | None = None, phase: str | None = None) -> list[Run]:
         query, params = "SELECT * FROM runs WHERE 1=1", list[str]()

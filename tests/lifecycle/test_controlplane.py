@@ -215,3 +215,20 @@ def test_wait_settled_sees_another_processes_write_at_once(plane: ControlPlane) 
     started = time.monotonic()
     assert plane.wait_settled("fn", timeout=10).phase == READY
     assert time.monotonic() - started < 5  # not the whole timeout
+
+
+def test_fresh_reads_see_every_write_their_own_and_others(plane: ControlPlane) -> None:
+    # RunStore.fresh: the proxy hop's fence reads through it on every call, so a write by this
+    # thread (its own connection) and by any other connection must both show at once.
+    alive(plane, "python-0")
+    files = {"handler.py": "def handle(e):\n    return e\n"}
+    run = plane.create_run(name="fn", runtime="python", handler="handler.handle", files=files)
+    store = plane.store
+    assert store.get_uid_fresh(run.uid) == run and store.get_fresh("fn") == run
+    own = store.update(run, phase=READY)
+    assert own is not None
+    assert store.get_uid_fresh(run.uid) == own and store.get_fresh("fn") == own
+    other = RunStore(store.path).update(own, phase=IDLE)
+    assert other is not None
+    assert store.get_uid_fresh(run.uid) == other and store.get_fresh("fn") == other
+    assert store.pod_fresh("python-0") is not None and store.pod_fresh("nowhere") is None
