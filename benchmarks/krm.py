@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks.invoke import Target, measure, verdicts
+from benchmarks.invoke import Target, verdicts
 from runtime_server.krm.evaluators.base import EvalRequest
 from runtime_server.krm.evaluators.builtin import BuiltinEvaluator
 from runtime_server.krm.evaluators.exec import ExecEvaluator
@@ -61,10 +61,6 @@ spec:
       - name: web
         image: nginx:1.{n}
 """
-
-
-def median_ms(fn: Callable[[], object], rounds: int) -> float:
-    return statistics.median(measure(fn, rounds, warmup=1))
 
 
 def in_turns(cases: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
@@ -167,16 +163,8 @@ def main() -> int:
             .replace("  apiVersion", "- apiVersion", 1)
             .encode()
         )
-        direct = median_ms(
-            lambda: subprocess.run([str(program)], input=small, capture_output=True, check=True),
-            args.rounds * 4,
-        )
         exec_evaluator = ExecEvaluator(program.parent)
         request = EvalRequest(small, "example.com/fn/identity", exec_path=str(program))
-        exec_ms = median_ms(lambda: exec_evaluator.evaluate(request), args.rounds * 4)
-        rows += [("subprocess.run of the binary", direct, None)]
-        rows += [("exec evaluator call", exec_ms, exec_ms / direct)]
-
         pod_request = EvalRequest(small, "example.com/fn/identity")
         catalog = {"example.com/fn/identity": [str(program)]}
         # From nothing: the wrapper-server's own start (imports) and the call.
@@ -197,10 +185,22 @@ def main() -> int:
             pods.evaluate(pod_request)
             cold = (time.perf_counter() - started) * 1000
             assert backend.wait_ready(30)  # steady state: the next waiting process has imported
-            warm = median_ms(lambda: pods.evaluate(pod_request), args.rounds * 4)
+            calls = in_turns(
+                {
+                    "direct": lambda: subprocess.run(
+                        [str(program)], input=small, capture_output=True, check=True
+                    ),
+                    "exec": lambda: exec_evaluator.evaluate(request),
+                    "warm pod": lambda: pods.evaluate(pod_request),
+                },
+                args.rounds * 8,
+            )
         finally:
             manager.stop()
-        rows += [("warm pod call", warm, warm / exec_ms)]
+        exec_ratio, pod_ratio = ratio(calls, "exec", "direct"), ratio(calls, "warm pod", "exec")
+        rows += [("subprocess.run of the binary", statistics.median(calls["direct"]), None)]
+        rows += [("exec evaluator call", statistics.median(calls["exec"]), exec_ratio)]
+        rows += [("warm pod call", statistics.median(calls["warm pod"]), pod_ratio)]
         rows += [("cold pod start (first call)", cold, None)]
         rows += [("  the same with no process waiting", unwarmed, None)]
 
@@ -210,8 +210,8 @@ def main() -> int:
     return verdicts(
         [
             Target("render / load input + dump output", render_ratio, TARGETS["render"]),
-            Target("exec evaluator / direct subprocess", exec_ms / direct, TARGETS["exec"]),
-            Target("warm pod / exec evaluator", warm / exec_ms, TARGETS["pod"]),
+            Target("exec evaluator / direct subprocess", exec_ratio, TARGETS["exec"]),
+            Target("warm pod / exec evaluator", pod_ratio, TARGETS["pod"]),
             Target("cold pod start (first call)", cold, TARGETS["cold pod ms"], " ms"),
         ]
     )
