@@ -1,9 +1,10 @@
 """A component process started ahead of need (docs/architecture.md, "The first registration").
 
 ``python -m runtime_server.prewarm COMMAND`` imports what ``fnkernel COMMAND`` imports (grpc,
-protobuf, tornado, our modules: most of a component's start-up), says so on stdout (``daemon.READY_LINE``),
-then waits on stdin for one JSON line ``{"args": [...], "stderr": PATH}`` and runs ``fnkernel ARGS...`` with its stderr appended to
-PATH. End of stdin before that line (the pool was closed, or its owner died) exits at once.
+protobuf, tornado, our modules: most of a component's start-up), says so on stdout
+(``daemon.READY_LINE``), then waits on stdin for one JSON line ``{"args": [...], "stderr":
+PATH}`` and runs ``fnkernel ARGS...`` with its stderr appended to PATH. End of stdin before that
+line (the pool was closed, or its owner died) exits at once.
 
 No fork: the process is an ordinary child of whoever started it (``daemon.Prewarmed``), so it is
 stopped, watched and restarted like any other component, and gRPC's fork rules never apply.

@@ -74,7 +74,8 @@ _REGISTER_RPC_TRIES = 3
 # RegisterFunction statuses that mean the server could not be reached at all.
 _POD_DOWN_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 _UNREGISTER_SLACK_SECONDS = 5.0  # the RPC's deadline beyond the drain it asks for
-_WAKE_SECONDS = 0.005  # how often the loop asks the store whether anything changed
+_WAKE_SECONDS = 0.005  # how often the loop asks the store whether anything changed, when busy
+_BUSY_SECONDS = 10.0  # busy: this long after the last change (then every tick: idle CPU)
 
 
 def source_tree_hash(working_dir: Path) -> str:
@@ -184,14 +185,17 @@ class Runtimed:
         self._channel.close()
 
     def _loop(self) -> None:
-        """Reconcile every tick, and within a wake-up (a few ms) of any write to the store: a
-        new Run is registered at once (docs/architecture.md, "The first registration")."""
-        next_poll = next_pass = 0.0
+        """Reconcile every tick, and within a wake-up of any write to the store: a new Run is
+        registered at once (docs/architecture.md, "The first registration"). The wake-ups are
+        5 ms apart for a while after a change, a tick apart once all is quiet (idle CPU)."""
+        next_poll = next_pass = last_change = 0.0
         version = None
         while not self._stop.is_set():
+            now = time.monotonic()
             try:
-                now = time.monotonic()
                 seen = self.store.version()
+                if seen != version:
+                    last_change = now
                 if seen != version or now >= next_pass:
                     version, next_pass = seen, now + self.tick
                     self.reconcile()
@@ -203,7 +207,7 @@ class Runtimed:
                         self.poll()
             except Exception:
                 LOG.exception("runtimed pass failed")
-            self._stop.wait(_WAKE_SECONDS)
+            self._stop.wait(_WAKE_SECONDS if now - last_change < _BUSY_SECONDS else self.tick)
 
     def _server_healthy(self) -> bool:
         try:
