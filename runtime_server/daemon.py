@@ -100,7 +100,7 @@ def announced(proc: subprocess.Popen[str], argv: Sequence[str]) -> Child:
 class Prewarmed:
     """Component processes started ahead of need, one per command (docs/architecture.md, "The
     first registration"): each has imported what ``fnkernel COMMAND`` imports and waits for its
-    command line (``runtime_server.prewarm``). ``spawn`` takes one when it can, so a component
+    command line (``runtime_server.cli.prewarm``). ``spawn`` takes one when it can, so a component
     starts in tens of milliseconds rather than hundreds.
 
     They are started as ``spawn(die_with_parent=True)`` starts a component: their own session,
@@ -122,7 +122,7 @@ class Prewarmed:
     @staticmethod
     def _launch(command: str) -> subprocess.Popen[str]:
         return subprocess.Popen(
-            [sys.executable, "-m", "runtime_server.prewarm", command],
+            [sys.executable, "-m", "runtime_server.cli.prewarm", command],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,

@@ -112,9 +112,9 @@ def test_plain_cells_import_no_grpc_and_start_only_the_prewarmed_processes() -> 
         assert kernel.value("'ruamel.yaml' in __import__('sys').modules") is False
         waiting = command_lines(descendants(kernel.pid))
         assert [line.split(" -m ", 1)[1].strip() for line in waiting] == [
-            "runtime_server.prewarm gateway",
-            "runtime_server.prewarm runtimed",
-            "runtime_server.prewarm serve",
+            "runtime_server.cli.prewarm gateway",
+            "runtime_server.cli.prewarm runtimed",
+            "runtime_server.cli.prewarm serve",
         ]
     finally:
         kernel.shutdown()

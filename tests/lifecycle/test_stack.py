@@ -401,8 +401,9 @@ def test_closing_the_pool_or_losing_its_owner_ends_the_waiting_processes() -> No
     prewarmed.close()
     assert not pid_alive(waiting)
     owner = subprocess.Popen(
-        [sys.executable, "-c", "from runtime_server.daemon import Prewarmed; import time; "
-         "p = Prewarmed(['gateway']); print(p.pids()['gateway'], flush=True); time.sleep(60)"],
+        [sys.executable, "-c", "from runtime_server.daemon import Prewarmed; "
+         "p = Prewarmed(['gateway']); print(p.pids()['gateway'], flush=True); "
+         "import signal; signal.pause()"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert owner.stdout is not None

@@ -1,6 +1,6 @@
 """A component process started ahead of need (docs/architecture.md, "The first registration").
 
-``python -m runtime_server.prewarm COMMAND`` imports what ``fnkernel COMMAND`` imports (grpc,
+``python -m runtime_server.cli.prewarm COMMAND`` imports what ``fnkernel COMMAND`` imports (grpc,
 protobuf, tornado, our modules: most of a component's start-up), says so on stdout
 (``daemon.READY_LINE``), then waits on stdin for one JSON line ``{"args": [...], "stderr":
 PATH}`` and runs ``fnkernel ARGS...`` with its stderr appended to PATH. End of stdin before that
