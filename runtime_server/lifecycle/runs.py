@@ -14,6 +14,8 @@ plane) and every runtimed process, so a restart of any of them loses no Run.
 from __future__ import annotations
 
 import json
+import mmap
+import os
 import sqlite3
 import threading
 import time
@@ -28,6 +30,9 @@ from runtime_server.wire import DELETED, FAILED
 
 POD_HEARTBEAT_TIMEOUT = 3.0  # seconds without a heartbeat before a pod counts as gone
 DEFAULT_DRAIN_MILLIS = 5_000  # how long a delete lets the in-flight invocation finish
+# The first copy of the WAL-index header, at the start of the store's -shm file: every commit,
+# by any connection, changes it (docs/architecture.md, "The proxy hop").
+_WAL_HEADER_BYTES = 48
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -131,6 +136,20 @@ class Pod:
         return self.healthy and now - self.heartbeat < POD_HEARTBEAT_TIMEOUT
 
 
+def _map_wal_header(path: Path) -> mmap.mmap | None:
+    """The store's WAL-index header, mapped read-only; None if there is no -shm file to map."""
+    try:
+        fd = os.open(f"{path}-shm", os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        return mmap.mmap(fd, _WAL_HEADER_BYTES, mmap.MAP_SHARED, mmap.PROT_READ)
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+
+
 def _run(row: sqlite3.Row) -> Run:
     values = dict(row)
     values["env"] = json.loads(values["env"])
@@ -148,6 +167,10 @@ class RunStore:
         db = self._connection()
         db.executescript(_SCHEMA)  # idempotent; executescript commits by itself
         self._add_missing_columns(db)
+        # While a connection of ours is open, SQLite keeps the -shm file that _wal_header maps
+        # (only the last connection to close removes it): this one stays open as long as we do.
+        self._keeper = db
+        self._wal_header = _map_wal_header(path)
 
     @staticmethod
     def _add_missing_columns(db: sqlite3.Connection) -> None:
@@ -175,7 +198,7 @@ class RunStore:
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
         db = self._connection()
-        self._local.seen = None  # our own writes do not change data_version: forget the cache
+        self._local.seen = None  # our writes do not change data_version (fresh's fallback)
         db.execute("BEGIN IMMEDIATE")
         try:
             yield db
@@ -187,6 +210,8 @@ class RunStore:
     def close(self) -> None:
         db = getattr(self._local, "db", None)
         if db is not None:
+            if db is self._keeper:
+                self._wal_header = None  # the file it maps may now go away
             db.close()
             self._local.db = None
 
@@ -222,12 +247,16 @@ class RunStore:
 
     def fresh(self) -> dict[Any, Any]:
         """This thread's cache of rows, emptied whenever anything was written since it last
-        asked (``version``; its own writes too): reads that must be current on every call —
-        the proxy hop's fence, the gateway's route — read the row only when it may have
-        changed."""
-        version = self.version()
-        if getattr(self._local, "seen", None) != version:
-            self._local.seen, self._local.cache = version, {}
+        asked (its own writes too): reads that must be current on every call — the proxy
+        hop's fence, the gateway's route — read the row only when it may have changed.
+
+        Whether anything was written is the WAL-index header, read from shared memory with no
+        SQL statement and no system call (docs/architecture.md, "The proxy hop"); ``version``
+        if it could not be mapped."""
+        header = self._wal_header
+        stamp = header[:_WAL_HEADER_BYTES] if header is not None else self.version()
+        if getattr(self._local, "seen", None) != stamp:
+            self._local.seen, self._local.cache = stamp, {}
         cache: dict[Any, Any] = self._local.cache
         return cache
 
