@@ -148,6 +148,9 @@ class Runtimed:
         # Per Run: registration, scale to zero, delete and the proxy's slow path never interleave.
         self._run_locks: dict[str, threading.RLock] = {}
         self._busy: set[str] = set()  # Runs with a registration or delete job queued or running
+        # Runs whose proxied call succeeded since the last poll, with the registration it used:
+        # that call showed what a FunctionStatus poll would (docs/architecture.md, "The proxy hop").
+        self._served: dict[str, Active] = {}
         self._workers = futures.ThreadPoolExecutor(8, thread_name_prefix="register")
         self._stop = threading.Event()
         self._loop_thread: threading.Thread | None = None
@@ -372,7 +375,13 @@ class Runtimed:
                 # runtimed restarted: the same attempt and digest return the current reference.
                 self._submit(run, lambda r: self._register(r, expect_phase=READY))
                 continue
+            if self._served.pop(run.uid, None) == active:
+                continue  # a call succeeded on it since the last poll: it is READY, not idle
             self._poll_one(run, active)
+
+    def served(self, run_uid: str, active: Active) -> None:
+        """A proxied call on `active` succeeded: the next poll of the Run can be skipped."""
+        self._served[run_uid] = active
 
     def _poll_one(self, run: Run, active: Active) -> None:
         try:
@@ -623,6 +632,7 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
         if cold:
             metadata += ((COLD_START_KEY, "1"),)
         context.set_trailing_metadata(metadata + relayed_trailers(call.trailing_metadata()))
+        self.runtimed.served(request.registration.run_uid, active)
         return response
 
     @translate_errors

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 import textwrap
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -149,6 +150,27 @@ def test_proxy_hop_fills_in_the_active_registration_id(pod: Pod) -> None:
         timeout=5,
     )
     assert status.registration.registration_id == response.registration.registration_id
+
+
+def test_a_run_is_not_polled_while_its_calls_succeed_and_polled_again_after(pod: Pod) -> None:
+    # docs/architecture.md, "The proxy hop": a proxied call that succeeded shows what a
+    # FunctionStatus poll would (READY, and active within the interval), so runtimed polls a Run
+    # only in an interval without one; the cadence stays bounded (poll_interval 0.2 s here).
+    run = pod.create("busy", ECHO_PY)
+    polls: list[str] = []
+    status = pod.runtimed.server_stub.FunctionStatus
+
+    def counted(request: pb.FunctionStatusRequest, **kwargs: object) -> object:
+        polls.append(request.registration.run_uid)
+        return status(request, **kwargs)
+
+    pod.runtimed.server_stub.FunctionStatus = counted  # type: ignore[method-assign]
+    calling = time.monotonic() + 1.5  # seven poll intervals
+    while time.monotonic() < calling:
+        pod.invoke(run)
+    assert len(polls) <= 1  # at most a pass that came before the first call ended
+    polled = len(polls)
+    wait_until(lambda: len(polls) >= polled + 2, timeout=10)  # no calls: polled again
 
 
 def test_the_proxy_hop_passes_the_callers_deadline_on_or_the_30_s_default(pod: Pod) -> None:
