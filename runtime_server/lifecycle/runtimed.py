@@ -188,22 +188,27 @@ class Runtimed:
         self._channel.close()
 
     def _loop(self) -> None:
-        """Reconcile every tick, and within a wake-up of any write to the store: a new Run is
-        registered at once (docs/architecture.md, "The first registration"). The wake-ups are
-        5 ms apart for a while after a change, a tick apart once all is quiet (idle CPU)."""
-        next_poll = next_pass = last_change = 0.0
+        """Reconcile within a wake-up of any write to the store — a new Run is registered at
+        once (docs/architecture.md, "The first registration") — and once a poll interval
+        regardless: reading every Run of the pod each tick cost CPU in proportion to the Runs
+        (0.8 ms a pass for 50). The wake-ups are 5 ms apart for a while after a change, a tick
+        apart once all is quiet (idle CPU); an unhealthy server is re-checked every tick."""
+        next_poll = next_pass = next_reconcile = last_change = 0.0
         version = None
         while not self._stop.is_set():
             now = time.monotonic()
             try:
                 seen = self.store.version()
-                if seen != version:
+                changed = seen != version
+                if changed:
                     last_change = now
-                if seen != version or now >= next_pass:
+                if changed or now >= next_pass:
                     version, next_pass = seen, now + self.tick
-                    self.reconcile()
+                    if changed or now >= next_reconcile:
+                        next_reconcile = now + self.poll_interval
+                        self.reconcile()
                     due = now >= next_poll
-                    if due or not self._healthy:  # an unhealthy server is re-checked every tick
+                    if due or not self._healthy:
                         self._heartbeat()
                     if due:
                         next_poll = time.monotonic() + self.poll_interval

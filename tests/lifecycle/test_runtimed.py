@@ -173,6 +173,24 @@ def test_a_run_is_not_polled_while_its_calls_succeed_and_polled_again_after(pod:
     wait_until(lambda: len(polls) >= polled + 2, timeout=10)  # no calls: polled again
 
 
+def test_a_quiet_store_is_read_once_a_poll_interval_not_every_tick(pod: Pod) -> None:
+    # docs/architecture.md, "The first registration": runtimed reconciles within a wake-up of a
+    # write to the store, and otherwise once a poll interval (0.2 s here), not every tick
+    # (0.05 s): each pass reads every Run of the pod.
+    pod.create("quiet", ECHO_PY)
+    passes: list[float] = []
+    reconcile = pod.runtimed.reconcile
+
+    def counted() -> None:
+        passes.append(time.monotonic())
+        reconcile()
+
+    pod.runtimed.reconcile = counted  # type: ignore[method-assign]
+    started = time.monotonic()
+    wait_until(lambda: time.monotonic() - started >= 1.0, timeout=5)
+    assert 3 <= len(passes) <= 7  # 1.0 s / 0.2 s, not 1.0 s / 0.05 s
+
+
 def test_the_proxy_hop_passes_the_callers_deadline_on_or_the_30_s_default(pod: Pod) -> None:
     # docs/protocol.md, "Runs": runtimed bounds timeout_millis by its caller's deadline; a caller
     # without one gets the default of docs/protocol.md, "Limits" (30 s), never unbounded work.
