@@ -92,6 +92,48 @@ while header := requests.readline():
 """
 
 
+PING_WORKER = """\
+import os, sys
+requests, answers = int(sys.argv[1]), int(sys.argv[2])
+while os.read(requests, 1):
+    os.write(answers, b".")
+"""
+
+
+def pipe_round_trips(calls: int) -> dict[str, list[float]]:
+    """One byte to another process and back over two pipes, as the scheduler places the two
+    processes and with both pinned to one CPU: the difference is what waking a process on the
+    other CPU costs on this machine, which every hop of every case pays (docs/architecture.md,
+    "What the benchmarks compare")."""
+    req_r, req_w = os.pipe()
+    resp_r, resp_w = os.pipe()
+    child = subprocess.Popen(
+        [sys.executable, "-c", PING_WORKER, str(req_r), str(resp_w)], pass_fds=(req_r, resp_w)
+    )
+    os.close(req_r)
+    os.close(resp_w)
+
+    def round_trip() -> None:
+        os.write(req_w, b".")
+        os.read(resp_r, 1)
+
+    mine = os.sched_getaffinity(0)
+    one_cpu = {min(mine)}
+    samples: dict[str, list[float]] = {"free": [], "one CPU": []}
+    try:
+        for _ in range(ROUNDS):
+            for placement, cpus in (("free", mine), ("one CPU", one_cpu)):
+                os.sched_setaffinity(0, cpus)
+                os.sched_setaffinity(child.pid, cpus)
+                samples[placement] += measure(round_trip, calls // ROUNDS, warmup=20)
+    finally:
+        os.sched_setaffinity(0, mine)
+        os.close(req_w)  # EOF: the child's loop ends
+        child.wait(10)
+        os.close(resp_r)
+    return samples
+
+
 def serve_skeleton(address: str) -> None:
     """The skeleton server (see the module docstring); small payloads only (one read)."""
     req_r, req_w = os.pipe()
@@ -254,6 +296,7 @@ def run(root: Path, calls: int) -> dict[str, object]:
         for name, call in cases.items():
             samples[name] += measure(call, calls // ROUNDS, warmup=20)
     results.update(samples)
+    results["pipe"] = pipe_round_trips(calls)
     return results
 
 
@@ -285,6 +328,13 @@ def report(results: dict[str, object]) -> int:
             f"{runtime + ' 6 MiB round trip':<34}{1:>7}{elapsed:>9.1f}{'':>9}{'':>9}  {'identical' if ok else 'MISMATCH'}"
         )
         assert ok, f"the {runtime} 6 MiB payload came back changed"
+    pipe: dict[str, list[float]] = results["pipe"]  # type: ignore[assignment]
+    free, pinned = (statistics.median(pipe[key]) for key in ("free", "one CPU"))
+    print(
+        f"pipe round trip between two processes: {free:.3f} ms as placed, {pinned:.3f} ms on one "
+        f"CPU (p90 {p(pipe['free'], 90):.3f} / {p(pipe['one CPU'], 90):.3f}): waking a process on "
+        f"the other CPU costs ~{(free - pinned) / 2:.3f} ms here, on every hop"
+    )
     return verdicts(
         [
             Target("python invoke / skeleton", python, 1.10),
