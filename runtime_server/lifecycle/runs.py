@@ -170,7 +170,10 @@ class RunStore:
         # While a connection of ours is open, SQLite keeps the -shm file that _wal_header maps
         # (only the last connection to close removes it): this one stays open as long as we do.
         self._keeper = db
-        self._wal_header = _map_wal_header(path)
+        # Only a store in WAL mode writes the header; a -shm file left by an earlier one would
+        # never change again.
+        in_wal = db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        self._wal_header = _map_wal_header(path) if in_wal else None
 
     @staticmethod
     def _add_missing_columns(db: sqlite3.Connection) -> None:
