@@ -215,6 +215,7 @@ class Runtimed:
                         self.poll()
             except Exception:
                 LOG.exception("runtimed pass failed")
+                next_reconcile = 0.0  # the next pass, a tick later, tries again
             self._stop.wait(_WAKE_SECONDS if now - last_change < _BUSY_SECONDS else self.tick)
 
     def _server_healthy(self) -> bool:
