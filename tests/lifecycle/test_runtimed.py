@@ -186,9 +186,9 @@ def test_a_quiet_store_is_read_once_a_poll_interval_not_every_tick(pod: Pod) -> 
         reconcile()
 
     pod.runtimed.reconcile = counted  # type: ignore[method-assign]
-    started = time.monotonic()
-    wait_until(lambda: time.monotonic() - started >= 1.0, timeout=5)
-    assert 3 <= len(passes) <= 7  # 1.0 s / 0.2 s, not 1.0 s / 0.05 s
+    wait_until(lambda: len(passes) >= 4, timeout=10)
+    # Three intervals between four passes: >= 0.6 s at one a poll interval, 0.15 s at one a tick.
+    assert passes[-1] - passes[0] >= 0.5
 
 
 def test_the_proxy_hop_passes_the_callers_deadline_on_or_the_30_s_default(pod: Pod) -> None:
