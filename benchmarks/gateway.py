@@ -24,8 +24,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import http.client
+import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import grpc
@@ -47,7 +49,7 @@ from runtime_server.client import Client
 from runtime_server.daemon import announcement, start
 from runtime_server.lifecycle.stack import Stack
 from runtime_server.rpc import CHANNEL_OPTIONS
-from runtime_server.wire import POD_KEY
+from runtime_server.wire import POD_KEY, TIMELINE_HEADER
 
 ROUNDS = 10
 TARGETS = {"gateway": 1.2, "proxy hop": 0.10}  # issue 13: x the floor; ms above a bare hop
@@ -165,6 +167,7 @@ def run(
             results[name] += measure(call, calls // ROUNDS, warmup=20)
     for channel in channels:
         channel.close()
+    segments = timeline(client, calls // 4)
 
     direct = p(results["direct Runtime Server"], 50)
     grpc_hop = p(results["bare gRPC echo"], 50)
@@ -190,6 +193,9 @@ def run(
         f"the same floor for a chain of bare parts (HTTP echo + 2 gRPC hops): it costs "
         f"{chain_ratio:.2f}x that"
     )
+    print(f"where a gateway call's time goes (X-Fn-Timeline, median of {calls // 4} calls):")
+    for segment, samples in segments.items():
+        print(f"  {segment:<46}{p(samples, 50):>7.3f} ms")
     return verdicts(
         [
             Target("gateway path / its floor", gateway, TARGETS["gateway"]),
@@ -201,6 +207,38 @@ def run(
             ),
         ]
     )
+
+
+# Each segment of a call's path, between two clock readings (docs/protocol.md, "Timeline"); the
+# client's own are "client.sent" and "client.received".
+SEGMENTS = {
+    "client → gateway handler (HTTP request headers)": ("client.sent", "gateway.received"),
+    "gateway: the checks, then the body (streamed)": ("gateway.received", "gateway.body"),
+    "gateway: routing and the gRPC request": ("gateway.body", "gateway.called"),
+    "gateway → runtimed handler (gRPC request)": ("gateway.called", "runtimed.received"),
+    "runtimed, before its call (fence, routing)": ("runtimed.received", "runtimed.called"),
+    "runtimed → Runtime Server handler (gRPC request)": ("runtimed.called", "server.received"),
+    "Runtime Server: checks, the worker, the answer": ("server.received", "server.answered"),
+    "Runtime Server → runtimed (gRPC response)": ("server.answered", "runtimed.answered"),
+    "runtimed → gateway (gRPC response)": ("runtimed.answered", "gateway.answered"),
+    "gateway → client (HTTP response)": ("gateway.answered", "client.received"),
+}
+
+
+def timeline(client: Client, calls: int) -> dict[str, list[float]]:
+    """`calls` gateway invokes that ask for X-Fn-Timeline; each segment's durations in ms."""
+    segments: dict[str, list[float]] = {name: [] for name in SEGMENTS}
+    path = "/v1/runs/bench:invoke"
+    for _ in range(calls):
+        sent = time.monotonic_ns()
+        _, headers, _ = client.request("POST", path, PAYLOAD, {TIMELINE_HEADER: "1"})
+        received = time.monotonic_ns()
+        hops = json.loads(headers[TIMELINE_HEADER])
+        readings = {f"{hop}.{name}": value for hop in hops for name, value in hops[hop].items()}
+        readings |= {"client.sent": sent, "client.received": received}
+        for name, (first, last) in SEGMENTS.items():
+            segments[name].append((readings[last] - readings[first]) / 1e6)
+    return segments
 
 
 if __name__ == "__main__":

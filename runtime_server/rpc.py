@@ -99,6 +99,14 @@ def relayed_trailers(trailers: Any) -> tuple[tuple[str, str | bytes], ...]:
     return tuple((k, v) for k, v in trailers or () if k.startswith("fn-"))
 
 
+def metadata_value(context: grpc.ServicerContext, key: str) -> str | None:
+    """The value of the caller's metadata `key`, or None."""
+    for name, value in context.invocation_metadata():
+        if name == key:
+            return str(value)
+    return None
+
+
 def caller_timeout(context: grpc.ServicerContext) -> float | None:
     """Seconds left before the caller's deadline, or None if it set none."""
     remaining = context.time_remaining()

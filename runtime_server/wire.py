@@ -58,6 +58,12 @@ POD_KEY = "x-fn-pod"  # the pod the caller routed to (routing fence)
 COLD_START_KEY = "x-fn-cold-start"  # the Run was registered again for this call
 DIGEST_KEY = "x-fn-registration-digest"
 ATTEMPT_KEY = "x-fn-registration-attempt"
+# gRPC metadata: the per-hop timeline (docs/protocol.md, "Timeline"). Asked for with TIMELINE_KEY
+# "1" on the request; each hop answers with its monotonic clock readings in a trailer of its own
+# (``fn-``: runtimed relays the server's with the rest).
+TIMELINE_KEY = "x-fn-timeline"
+TIMELINE_RUNTIMED_KEY = "fn-timeline-runtimed"
+TIMELINE_SERVER_KEY = "fn-timeline-server"
 # gRPC metadata: a Runtime Server's handler errors
 ERROR_TYPE_KEY = "fn-error-type"
 LOGS_KEY = "fn-logs-bin"  # the invocation's log lines, JSON, bounded
@@ -73,6 +79,23 @@ OUTPUTS_HEADER = "X-Fn-Outputs"
 ATTEMPT_HEADER = "X-Fn-Attempt"
 COLD_START_HEADER = "X-Fn-Cold-Start"
 LOGS_HEADER = "X-Fn-Logs"
+TIMELINE_HEADER = "X-Fn-Timeline"  # request "1": the answer's is the timeline, JSON
+
+
+def timeline_stamps(**readings: int) -> str:
+    """One hop's clock readings (``time.monotonic_ns()``, the same clock in every process of a
+    machine) as a trailer value: ``received=…,called=…``."""
+    return ",".join(f"{name}={value}" for name, value in readings.items())
+
+
+def parse_timeline_stamps(text: str) -> dict[str, int]:
+    readings = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        if name and value.isdigit():
+            readings[name] = int(value)
+    return readings
+
 
 # Run.status.phase (docs/protocol.md, "Runs")
 PENDING = "Pending"  # assigned (or waiting for a pod); its runtimed has yet to register it

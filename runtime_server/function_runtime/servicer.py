@@ -7,6 +7,7 @@ in GRPC_STATUS, the one table of it.
 from __future__ import annotations
 
 import logging
+import time
 
 import grpc
 
@@ -18,9 +19,10 @@ from runtime_server.rpc import (
     caller_deadline,
     cancel_on_client_exit,
     logs_trailer,
+    metadata_value,
     translate_errors,
 )
-from runtime_server.wire import LOGS_KEY
+from runtime_server.wire import LOGS_KEY, TIMELINE_KEY, TIMELINE_SERVER_KEY, timeline_stamps
 
 LOG = logging.getLogger("fnkernel.runtime")
 
@@ -68,6 +70,8 @@ class FunctionRuntimeServicer(pb_grpc.FunctionRuntimeServicer):
     def InvokeFunction(
         self, request: pb.InvokeFunctionRequest, context: grpc.ServicerContext
     ) -> pb.InvokeFunctionResponse:
+        # docs/protocol.md, "Timeline": the caller asked for this hop's clock readings.
+        received = time.monotonic_ns() if metadata_value(context, TIMELINE_KEY) == "1" else 0
         invocation = self.registry.invoke(
             run_uid=request.registration.run_uid,
             registration_id=request.registration.registration_id,
@@ -79,8 +83,16 @@ class FunctionRuntimeServicer(pb_grpc.FunctionRuntimeServicer):
             on_dispatch=cancel_on_client_exit(context),
         )
         result = invocation.result
+        trailers: list[tuple[str, str | bytes]] = []
         if result.logs:
-            context.set_trailing_metadata(((LOGS_KEY, logs_trailer(result.logs)),))
+            trailers.append((LOGS_KEY, logs_trailer(result.logs)))
+        if received:
+            answered = time.monotonic_ns()
+            trailers.append(
+                (TIMELINE_SERVER_KEY, timeline_stamps(received=received, answered=answered))
+            )
+        if trailers:
+            context.set_trailing_metadata(tuple(trailers))
         return pb.InvokeFunctionResponse(
             registration=request.registration,
             invocation_id=invocation.invocation_id,

@@ -13,6 +13,7 @@ import ipaddress
 import json
 import logging
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,11 @@ from runtime_server.wire import (
     LOGS_KEY,
     POD_KEY,
     READY,
+    TIMELINE_HEADER,
+    TIMELINE_KEY,
+    TIMELINE_RUNTIMED_KEY,
+    TIMELINE_SERVER_KEY,
+    parse_timeline_stamps,
 )
 
 LOG = logging.getLogger("fnkernel.gateway")
@@ -54,9 +60,12 @@ IDLE_CONNECTION_SECONDS = 300.0
 # caps it at net.core.somaxconn).
 LISTEN_BACKLOG = 4096
 EXPOSED_HEADERS = (
-    "X-Invocation-Id, X-Fn-Outputs, X-Fn-Attempt, X-Fn-Cold-Start, X-Fn-Logs, Retry-After"
+    "X-Invocation-Id, X-Fn-Outputs, X-Fn-Attempt, X-Fn-Cold-Start, X-Fn-Logs, X-Fn-Timeline, "
+    "Retry-After"
 )
-ALLOWED_REQUEST_HEADERS = "Authorization, Content-Type, X-Invocation-Id, X-Timeout-Ms"
+ALLOWED_REQUEST_HEADERS = (
+    "Authorization, Content-Type, X-Invocation-Id, X-Timeout-Ms, X-Fn-Timeline"
+)
 
 
 class FailureResponse(Exception):
@@ -335,6 +344,15 @@ def _metadata(metadata: Any) -> dict[str, Any]:
     return {key: value for key, value in metadata or ()}
 
 
+def _timeline(gateway: dict[str, int], trailers: dict[str, Any]) -> str:
+    """The X-Fn-Timeline answer: each hop's monotonic clock readings, in ns (docs/protocol.md,
+    "Timeline")."""
+    hops = {"gateway": gateway}
+    for hop, key in (("runtimed", TIMELINE_RUNTIMED_KEY), ("server", TIMELINE_SERVER_KEY)):
+        hops[hop] = parse_timeline_stamps(str(trailers.get(key, "")))
+    return json.dumps(hops, separators=(",", ":"))
+
+
 def _logs(metadata: dict[str, Any]) -> list[Any]:
     raw = metadata.get(LOGS_KEY)
     if not raw:
@@ -435,6 +453,7 @@ class InvokeHandler(BaseHandler):
     answer; a larger one is refused at once and the connection closed."""
 
     def prepare(self) -> None:
+        self._received = time.monotonic_ns()  # the timeline's first reading (docs/protocol.md)
         self._chunks: list[bytes] = []
         self._size = 0
         self._call: grpc.aio.UnaryUnaryCall | None = None
@@ -463,6 +482,7 @@ class InvokeHandler(BaseHandler):
             self._call.cancel()
 
     async def post(self, name: str) -> None:
+        body_read = time.monotonic_ns()  # the whole body is in: the timeline's second reading
         if self._size > limits.MAX_PAYLOAD_BYTES:
             raise FailureResponse(
                 "PAYLOAD_TOO_LARGE", status=413, message=self._too_large(self._size)
@@ -481,7 +501,12 @@ class InvokeHandler(BaseHandler):
             timeout_millis=timeout_millis,
         )
         deadline = limits.effective_timeout_millis(timeout_millis) / 1000 + DEADLINE_SLACK_SECONDS
-        self._call = stub.InvokeFunction(request, timeout=deadline, metadata=((POD_KEY, pod),))
+        metadata: tuple[tuple[str, str], ...] = ((POD_KEY, pod),)
+        timeline = headers.get(TIMELINE_HEADER) == "1"
+        if timeline:
+            metadata += ((TIMELINE_KEY, "1"),)
+        called = time.monotonic_ns()
+        self._call = stub.InvokeFunction(request, timeout=deadline, metadata=metadata)
         try:
             response = await self._call
             trailers = _metadata(await self._call.trailing_metadata())
@@ -499,4 +524,12 @@ class InvokeHandler(BaseHandler):
         logs = _logs(trailers)
         if logs:
             self.set_header("X-Fn-Logs", json.dumps(logs))  # ASCII: non-ASCII text is \u-escaped
+        if timeline:
+            readings = {
+                "received": self._received,
+                "body": body_read,
+                "called": called,
+                "answered": time.monotonic_ns(),
+            }
+            self.set_header(TIMELINE_HEADER, _timeline(readings, trailers))
         self.finish(response.output)

@@ -49,6 +49,7 @@ from runtime_server.rpc import (
     add_health,
     add_reflection,
     caller_timeout,
+    metadata_value,
     relayed_trailers,
     translate_errors,
 )
@@ -65,6 +66,9 @@ from runtime_server.wire import (
     POD_KEY,
     READY,
     RETRYING,
+    TIMELINE_KEY,
+    TIMELINE_RUNTIMED_KEY,
+    timeline_stamps,
 )
 
 LOG = logging.getLogger("fnkernel.runtimed")
@@ -564,13 +568,6 @@ def _reference(run_uid: str, active: Active) -> pb.FunctionRegistration:
     return pb.FunctionRegistration(run_uid=run_uid, registration_id=active.registration_id)
 
 
-def _routed_to(context: grpc.ServicerContext) -> str | None:
-    for key, value in context.invocation_metadata():
-        if key == POD_KEY:
-            return str(value)
-    return None
-
-
 def _outside_id(registration: pb.FunctionRegistration) -> None:
     if registration.registration_id:
         raise InvalidField(
@@ -591,11 +588,13 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
     def InvokeFunction(
         self, request: pb.InvokeFunctionRequest, context: grpc.ServicerContext
     ) -> pb.InvokeFunctionResponse:
+        # docs/protocol.md, "Timeline": the caller asked for this hop's clock readings.
+        received = time.monotonic_ns() if metadata_value(context, TIMELINE_KEY) == "1" else 0
         _outside_id(request.registration)
-        routed_to = _routed_to(context)
+        routed_to = metadata_value(context, POD_KEY)
         run, active, cold = self.runtimed.resolve(request.registration.run_uid, routed_to)
         try:
-            return self._forward(request, context, active, cold)
+            return self._forward(request, context, active, cold, received)
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.NOT_FOUND:
                 # The server restarted and lost the registration; the Run still exists, so
@@ -609,7 +608,7 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
         # The server refused the call before running it (the registration was just drained for
         # idling, or superseded): resolve again under the run lock, once.
         _, active, cold = self.runtimed.resolve(request.registration.run_uid, routed_to, fast=False)
-        return self._forward(request, context, active, cold)
+        return self._forward(request, context, active, cold, received)
 
     def _forward(
         self,
@@ -617,7 +616,10 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
         context: grpc.ServicerContext,
         active: Active,
         cold: bool,
+        received: int,
     ) -> pb.InvokeFunctionResponse:
+        """Call the server with the active registration; `received`: the monotonic time the
+        call arrived, if the caller asked for the timeline (0 otherwise)."""
         forwarded = pb.InvokeFunctionRequest()
         forwarded.CopyFrom(request)
         forwarded.registration.registration_id = active.registration_id
@@ -628,15 +630,25 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
             forwarded.timeout_millis = min(
                 limits.effective_timeout_millis(request.timeout_millis), bound
             )
+        upstream = ((TIMELINE_KEY, "1"),) if received else None
+        called = time.monotonic_ns() if received else 0
         # The caller went away: the call is cancelled, and the handler dies.
         response, call = self.runtimed.calls.call(
-            lambda stub: stub.InvokeFunction.with_call(forwarded, timeout=timeout), context
+            lambda stub: stub.InvokeFunction.with_call(
+                forwarded, timeout=timeout, metadata=upstream
+            ),
+            context,
         )
         # In the trailers, beside the server's own: one metadata batch, not two (docs/protocol.md,
         # "Proxy hop").
         metadata: tuple[tuple[str, str | bytes], ...] = ((ATTEMPT_KEY, str(active.attempt)),)
         if cold:
             metadata += ((COLD_START_KEY, "1"),)
+        if received:
+            readings = timeline_stamps(
+                received=received, called=called, answered=time.monotonic_ns()
+            )
+            metadata += ((TIMELINE_RUNTIMED_KEY, readings),)
         context.set_trailing_metadata(metadata + relayed_trailers(call.trailing_metadata()))
         self.runtimed.served(request.registration.run_uid, active)
         return response
@@ -646,7 +658,9 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
         self, request: pb.FunctionStatusRequest, context: grpc.ServicerContext
     ) -> pb.FunctionStatusResponse:
         _outside_id(request.registration)
-        run = self.runtimed.fenced_run(request.registration.run_uid, _routed_to(context))
+        run = self.runtimed.fenced_run(
+            request.registration.run_uid, metadata_value(context, POD_KEY)
+        )
         active = self.runtimed.active(run)
         if active is None:
             raise RegistrationNotFound(f"run {run.name} has no registration now ({run.phase})")

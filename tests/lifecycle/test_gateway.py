@@ -103,6 +103,36 @@ def test_bash_function_outputs_come_back_in_a_header(shared_stack: Stack) -> Non
     assert headers["X-Invocation-Id"].startswith("inv_")
 
 
+def test_a_call_asking_for_the_timeline_gets_each_hops_clock_readings_in_order(
+    shared_stack: Stack,
+) -> None:
+    # docs/protocol.md, "Timeline": X-Fn-Timeline: 1 asks every hop for its monotonic clock
+    # readings; the answer lists them per hop, and one call's readings follow its path.
+    name = create(shared_stack, {"handler.py": "def handle(event):\n    return event\n"})
+    before = time.monotonic_ns()
+    status, headers, _ = invoke(shared_stack, name, headers={"X-Fn-Timeline": "1"})
+    after = time.monotonic_ns()
+    assert status == 200
+    hops = json.loads(headers["X-Fn-Timeline"])
+    gateway, runtimed, server = hops["gateway"], hops["runtimed"], hops["server"]
+    path = [
+        before,
+        gateway["received"],
+        gateway["body"],
+        gateway["called"],
+        runtimed["received"],
+        runtimed["called"],
+        server["received"],
+        server["answered"],
+        runtimed["answered"],
+        gateway["answered"],
+        after,
+    ]
+    assert path == sorted(path), hops
+    status, headers, _ = invoke(shared_stack, name)
+    assert status == 200 and "X-Fn-Timeline" not in headers  # only when asked for
+
+
 def test_get_shows_the_run_and_its_live_function_status(shared_stack: Stack) -> None:
     name = create(shared_stack, SLOW_PY)
     status, _, body = http_call(shared_stack.gateway_address, "GET", f"/v1/runs/{name}")
