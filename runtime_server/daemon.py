@@ -50,11 +50,7 @@ class Child:
         """SIGTERM (drain, then exit) and wait; SIGKILL if it outlives `timeout`. The exit code."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-        try:
-            code = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait()
+        code = _wait_or_kill(self.proc, timeout)
         if self.proc.stdout is not None:
             self.proc.stdout.close()  # the announcement pipe
         return code
@@ -186,11 +182,16 @@ def _discard(proc: subprocess.Popen[str]) -> None:
         if stream is not None:
             with contextlib.suppress(OSError):
                 stream.close()
+    _wait_or_kill(proc, 5)
+
+
+def _wait_or_kill(proc: subprocess.Popen[str], timeout: float) -> int:
+    """Wait `timeout` seconds for `proc` to exit, then SIGKILL it; its exit code."""
     try:
-        proc.wait(5)
+        return proc.wait(timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
-        proc.wait()
+        return proc.wait()
 
 
 def spawn(
