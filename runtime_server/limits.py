@@ -5,7 +5,6 @@ Every check raises InvalidField naming the field, before any work is accepted.
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import re
 import secrets
@@ -43,8 +42,14 @@ _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 _OUTPUT_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 _PRINTABLE_ASCII = re.compile(r"[\x20-\x7e]*")
 _ASCII_DIGITS = re.compile(r"[0-9]{1,19}")  # no sign, no spaces, no '_', no other scripts' digits
+# A ULID's digits, built with as little Python as can be: every invocation makes one, and
+# base64.b32encode (a Python loop) cost 30-45 us of each one's latency (docs/architecture.md,
+# "The hot path"). The time's 10 digits are 5 lookups of a pair of digits (10 bits); the 16
+# random digits are 16 random bytes, each mapped by its low 5 bits (256 is a multiple of 32, so
+# every digit is equally likely).
 _CROCKFORD = b"0123456789ABCDEFGHJKMNPQRSTVWXYZ"
-_TO_CROCKFORD = bytes.maketrans(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567", _CROCKFORD)
+_DIGIT_PAIRS = [bytes((high, low)).decode() for high in _CROCKFORD for low in _CROCKFORD]
+_RANDOM_DIGIT = bytes(_CROCKFORD[byte & 31] for byte in range(256))
 
 
 def check_run_uid(run_uid: str) -> str:
@@ -216,7 +221,14 @@ def bounded(text: str, limit: int = MAX_MESSAGE_BYTES) -> str:
 
 def new_id(prefix: str) -> str:
     """An unguessable, time-ordered ID: a ULID (48-bit ms time + 80 random bits), Crockford base32."""
-    value = (time.time_ns() // 1_000_000) << 80 | secrets.randbits(80)
-    # 130 bits → 26 base32 digits: pad to 160 bits so b32encode needs no "=", keep the first 26.
-    digits = base64.b32encode((value << 30).to_bytes(20, "big"))[:26]
-    return prefix + digits.translate(_TO_CROCKFORD).decode()
+    ms = time.time_ns() // 1_000_000  # 48 bits in 10 digits: the top two bits are zero
+    pairs = _DIGIT_PAIRS
+    return (
+        prefix
+        + pairs[ms >> 40 & 1023]
+        + pairs[ms >> 30 & 1023]
+        + pairs[ms >> 20 & 1023]
+        + pairs[ms >> 10 & 1023]
+        + pairs[ms & 1023]
+        + secrets.token_bytes(16).translate(_RANDOM_DIGIT).decode()
+    )
