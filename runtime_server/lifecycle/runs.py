@@ -174,6 +174,7 @@ class RunStore:
         # never change again.
         in_wal = db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         self._wal_header = _map_wal_header(path) if in_wal else None
+        self._shared: tuple[bytes, dict[Any, Any]] = (b"", {})  # fresh's cache, with its header
 
     @staticmethod
     def _add_missing_columns(db: sqlite3.Connection) -> None:
@@ -249,18 +250,29 @@ class RunStore:
         return None if row is None else _run(row)
 
     def fresh(self) -> dict[Any, Any]:
-        """This thread's cache of rows, emptied whenever anything was written since it last
-        asked (its own writes too): reads that must be current on every call — the proxy
-        hop's fence, the gateway's route — read the row only when it may have changed.
+        """A cache of rows, emptied whenever anything was written since it was last asked for
+        (our own writes too): reads that must be current on every call — the proxy hop's
+        fence, the gateway's route — read the row only when it may have changed.
 
         Whether anything was written is the WAL-index header, read from shared memory with no
-        SQL statement and no system call (docs/architecture.md, "The proxy hop"); ``version``
-        if it could not be mapped."""
+        SQL statement and no system call (docs/architecture.md, "The proxy hop"). Every thread
+        shares the one cache of the header it saw: a row read once after a write serves every
+        thread until the next. Without the header, it is this thread's cache, emptied when its
+        connection's ``version`` changes (a number only that connection can compare)."""
         header = self._wal_header
-        stamp = header[:_WAL_HEADER_BYTES] if header is not None else self.version()
-        if getattr(self._local, "seen", None) != stamp:
-            self._local.seen, self._local.cache = stamp, {}
-        cache: dict[Any, Any] = self._local.cache
+        if header is None:
+            version = self.version()
+            if getattr(self._local, "seen", None) != version:
+                self._local.seen, self._local.cache = version, {}
+            cache: dict[Any, Any] = self._local.cache
+            return cache
+        stamp = header[:_WAL_HEADER_BYTES]
+        seen, cache = self._shared
+        if seen != stamp:
+            # A thread that saw the older header keeps filling the older dict, which no later
+            # call takes: a row read after a write is only ever kept for a header at least as new.
+            cache = {}
+            self._shared = (stamp, cache)
         return cache
 
     def _cached(self, key: tuple[str, str], read: Callable[[], Any]) -> Any:

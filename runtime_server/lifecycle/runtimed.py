@@ -507,9 +507,9 @@ class Runtimed:
     def fenced_run(self, run_uid: str, routed_to: str | None) -> Run:
         """The Run behind a proxied call, if the caller routed it here and it is assigned here.
 
-        Read from the store on every call (``get_uid_fresh``: SQLite's data_version, then the
-        row only if anything was written since): the fence must see a reassignment at once, not
-        a tick later.
+        Read from the store on every call (``get_uid_fresh``: the row again only if anything
+        was written since it was last read): the fence must see a reassignment at once, not a
+        tick later.
         """
         if routed_to is not None and routed_to != self.pod:
             raise RoutedElsewhere(f"this is pod {self.pod}, not {routed_to}")

@@ -252,6 +252,35 @@ def test_fresh_reads_of_an_unchanged_store_run_no_sql(plane: ControlPlane) -> No
     assert statements == [f"SELECT * FROM runs WHERE uid = '{run.uid}'"]  # the first read only
 
 
+def test_a_row_read_by_one_thread_serves_every_thread_until_the_next_write(
+    plane: ControlPlane,
+) -> None:
+    # docs/architecture.md, "The proxy hop": runtimed answers from a pool of threads, and a
+    # heartbeat is written every second; with a cache per thread, each write made every thread
+    # read every Run again, and under load nearly every call read its row.
+    run = create_ready(plane)
+    store = plane.store
+    assert store.get_uid_fresh(run.uid) == run  # read by this thread
+
+    def read_in_a_new_thread() -> list[str]:
+        statements: list[str] = []
+
+        def read() -> None:
+            store._connection().set_trace_callback(statements.append)
+            assert store.get_uid_fresh(run.uid) is not None
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        reader.join(10)
+        return statements
+
+    assert read_in_a_new_thread() == []  # served from the first thread's read
+    written = RunStore(store.path).update(run, message="written elsewhere")
+    assert written is not None
+    assert read_in_a_new_thread() == [f"SELECT * FROM runs WHERE uid = '{run.uid}'"]
+    assert store.get_uid_fresh(run.uid) == written  # and that read serves this thread
+
+
 def test_fresh_reads_see_a_later_write_when_the_store_was_opened_by_a_finished_thread(
     plane: ControlPlane,
 ) -> None:
