@@ -52,13 +52,14 @@ class PythonAdapter(WorkerAdapter):
         status, meta_len, output_len = call.read_line().split(b" ")
         raw_meta = call.read_exact(int(meta_len))
         meta = json.loads(raw_meta) if raw_meta else {}
-        if int(output_len) > self.max_output_bytes:
-            call.skip(int(output_len))
+        size = int(output_len)
+        if size > self.max_output_bytes:
+            call.skip(size)
             raise HandlerError(
                 OUTPUT_TOO_LARGE,
-                f"the handler returned {int(output_len)} bytes; the limit is {self.max_output_bytes}",
+                f"the handler returned {size} bytes; the limit is {self.max_output_bytes}",
             )
-        output = call.read_exact(int(output_len))
+        output = call.read_exact(size)
         if status == b"ok":
             return output, JSON, meta
         if status == b"invalid":

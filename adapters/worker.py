@@ -182,7 +182,9 @@ class Worker:
         lines: list[LogLine] = []
         for stream, fd in self.logs.items():
             offset = self._log_offsets[stream]
-            size = os.fstat(fd).st_size
+            # The file's size: a quarter of what os.fstat costs, and this runs twice a call. The
+            # worker's writes are O_APPEND and ours are preads, so the offset moved is no one's.
+            size = os.lseek(fd, 0, os.SEEK_END)
             if size <= offset:
                 continue
             data = os.pread(fd, size - offset, offset)
