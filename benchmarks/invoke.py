@@ -9,7 +9,12 @@ Every server runs in its own process (so client and server do not share a GIL), 
 * skeleton: the least our design can cost — a FunctionRuntime server whose InvokeFunction relays
   the input over two pipes to one persistent Python process that JSON-decodes and re-encodes it,
   with none of the Runtime Server's checks, fencing, deadlines, logs or cancellation. What the
-  Runtime Server costs beyond it is ours; what it costs beyond the echo is the design's.
+  Runtime Server costs beyond it is ours; what it costs beyond the echo is the design's;
+* checked skeleton: the skeleton with what every call must do in our design, written flat in
+  one function with none of the Runtime Server's structure — our worker (its frames, its log
+  files), the request's checks, an invocation ID, the deadline, the cancel hook, one call at a
+  time, the log files' sizes. What it costs beyond the skeleton is what those guarantees cost
+  by themselves (reported beside the target).
 
 Prints p50/p99 over N calls and the ratios against the targets — issue 13's python invoke <=
 1.10x the skeleton; bash <= 3x the echo and <= 0.8x the spawn baseline — and a 6 MiB payload
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import signal
 import statistics
 import subprocess
@@ -34,6 +40,8 @@ from typing import NamedTuple
 
 import grpc
 
+from adapters.python import WORKER_SCRIPT
+from runtime_server import limits
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from runtime_server.daemon import Child, announcement, spawn_serve, start
@@ -45,6 +53,7 @@ ROUNDS = 10
 BASH_HANDLER = "handle() { printf '%s' \"$1\"; }\n"
 PY_HANDLER = "def handle(event):\n    return event\n"
 PAYLOAD = b'{"command":"status"}'
+CHECKED_RUN = "bench-checked"  # the checked skeleton's run_uid
 
 
 def serve_echo(address: str, spawn_bash: str | None) -> None:
@@ -158,6 +167,63 @@ def serve_skeleton(address: str) -> None:
     serve_until_signal(server, address, "skeleton")
 
 
+def serve_checked_skeleton(address: str, root: str) -> None:
+    """The checked skeleton (see the module docstring): our worker, and the checks and guards
+    of every call, in one flat function."""
+    req_r, req_w = os.pipe()
+    resp_r, resp_w = os.pipe()
+    flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+    logs = [os.open(f"{root}/checked.{stream}", flags, 0o600) for stream in ("stdout", "stderr")]
+    fds = (str(req_r), str(resp_w))  # the worker's arguments after the handler: its frame pipes
+    worker = subprocess.Popen(
+        [sys.executable, "-P", str(WORKER_SCRIPT), CHECKED_RUN, "handler", "handle", *fds],
+        cwd=root,
+        stdin=subprocess.DEVNULL,
+        stdout=logs[0],
+        stderr=logs[1],
+        pass_fds=(req_r, resp_w),
+    )
+    pidfd = os.pidfd_open(worker.pid)
+    assert os.read(resp_r, 64) == b"READY\n"
+    lock = threading.Lock()
+
+    class CheckedSkeleton(pb_grpc.FunctionRuntimeServicer):
+        def InvokeFunction(
+            self, request: pb.InvokeFunctionRequest, context: grpc.ServicerContext
+        ) -> pb.InvokeFunctionResponse:
+            registration = request.registration
+            limits.check_run_uid(registration.run_uid)
+            limits.check_registration_id(registration.registration_id)
+            invocation_id = limits.check_invocation_id(request.invocation_id)
+            limits.check_input(request.input)
+            limits.check_content_type(request.content_type)
+            timeout = limits.effective_timeout_millis(request.timeout_millis) / 1000
+            deadline = time.monotonic() + min(timeout, context.time_remaining() or timeout)
+            with lock:  # one invocation at a time
+                context.add_callback(lambda: None)  # the hook that cancels it if the caller goes
+                header = b"%d %d %d\n" % (len(invocation_id), len(request.input), timeout * 1000)
+                os.write(req_w, header + invocation_id.encode() + request.input)
+                ready = select.select([resp_r, pidfd], [], [], deadline - time.monotonic())[0]
+                if resp_r not in ready:
+                    context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer in time")
+                answer = os.read(resp_r, 1 << 16)  # small payloads only (one read)
+                for fd in logs:  # has the handler logged anything?
+                    os.lseek(fd, 0, os.SEEK_END)
+            head, _, body = answer.partition(b"\n")
+            _, meta_len, output_len = head.split(b" ")
+            output = body[int(meta_len) : int(meta_len) + int(output_len)]
+            return pb.InvokeFunctionResponse(
+                registration=registration,
+                invocation_id=invocation_id,
+                output=output,
+                content_type="application/json",
+            )
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=CHANNEL_OPTIONS)
+    pb_grpc.add_FunctionRuntimeServicer_to_server(CheckedSkeleton(), server)
+    serve_until_signal(server, address, "checked skeleton")
+
+
 def bench_server(*args: str) -> Child:
     """Start one of this module's servers (``python -m benchmarks.invoke ARGS...``)."""
     return start([sys.executable, "-m", "benchmarks.invoke", *args])
@@ -216,12 +282,16 @@ def main() -> int:
     parser.add_argument("--echo-server", metavar="ADDR", help=argparse.SUPPRESS)
     parser.add_argument("--spawn-bash", metavar="FILE", help=argparse.SUPPRESS)
     parser.add_argument("--skeleton-server", metavar="ADDR", help=argparse.SUPPRESS)
+    parser.add_argument("--checked-skeleton-server", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.echo_server:
         serve_echo(args.echo_server, args.spawn_bash)
         return 0
     if args.skeleton_server:
         serve_skeleton(args.skeleton_server)
+        return 0
+    if args.checked_skeleton_server:
+        serve_checked_skeleton(*args.checked_skeleton_server)
         return 0
 
     with tempfile.TemporaryDirectory(prefix="fnkernel-bench-") as tmp:
@@ -234,6 +304,7 @@ def main() -> int:
                 "--echo-server", f"unix:{root}/spawn.sock", "--spawn-bash", f"{root}/fn.sh"
             ),
             bench_server("--skeleton-server", f"unix:{root}/skeleton.sock"),
+            bench_server("--checked-skeleton-server", f"unix:{root}/checked.sock", str(root)),
         ]
         for runtime in ("python", "bash"):
             children.append(spawn_serve(runtime, root, listen=f"unix:{root}/{runtime}.sock"))
@@ -261,9 +332,20 @@ def run(root: Path, calls: int) -> dict[str, object]:
     )
     assert spawn(PAYLOAD, timeout=10) == PAYLOAD
     results["spawn"] = measure(lambda: spawn(PAYLOAD, timeout=10), max(200, calls // 4), warmup=20)
+    checked = pb_grpc.FunctionRuntimeStub(
+        grpc.insecure_channel(f"unix:{root}/checked.sock", options=CHANNEL_OPTIONS)
+    )
+    checked_request = pb.InvokeFunctionRequest(
+        registration=pb.FunctionRegistration(run_uid=CHECKED_RUN, registration_id="reg_bench"),
+        input=PAYLOAD,
+        content_type="application/json",
+    )
+    answer = checked.InvokeFunction(checked_request, timeout=10).output
+    assert json.loads(answer) == json.loads(PAYLOAD)
     cases = {
         "echo": lambda: echo(PAYLOAD, timeout=10),
         "skeleton": lambda: skeleton.InvokeFunction(skeleton_request, timeout=10),
+        "checked": lambda: checked.InvokeFunction(checked_request, timeout=10),
     }
     big = json.dumps("x" * (6 * 1024 * 1024 - 2)).encode()
     for runtime, handler in (("python", "handler.handle"), ("bash", "fn.handle")):
@@ -316,8 +398,15 @@ def report(results: dict[str, object]) -> int:
     row("grpc echo (floor)", "echo", None, "")
     row("bash spawned per call (baseline)", "spawn", spawn / floor, "echo")
     row("skeleton: gRPC + pipes + json", "skeleton", skeleton / floor, "echo (the design's least)")
+    checked = statistics.median(results["checked"])  # type: ignore[arg-type]
+    row("checked skeleton: + every check", "checked", checked / skeleton, "skeleton")
     python = statistics.median(results["python"]) / skeleton  # type: ignore[arg-type]
     row("python invoke", "python", python, "skeleton")
+    print(
+        f"{'python invoke / checked skeleton':<34}{'':>7}{'':>9}{'':>9}"
+        f"{statistics.median(results['python']) / checked:>8.2f}x"  # type: ignore[arg-type]
+        "  (what our structure costs above the guarantees themselves)"
+    )
     bash = statistics.median(results["bash"]) / floor  # type: ignore[arg-type]
     row("bash invoke", "bash", bash, "echo")
     bash_vs_spawn = statistics.median(results["bash"]) / spawn  # type: ignore[arg-type]
