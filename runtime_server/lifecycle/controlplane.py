@@ -8,6 +8,7 @@ the gateway process, on a background thread, with its loop ticking every `tick` 
 from __future__ import annotations
 
 import logging
+import math
 import re
 import shutil
 import threading
@@ -20,7 +21,12 @@ from pathlib import Path, PurePosixPath
 from adapters import ADAPTERS
 from runtime_server import limits
 from runtime_server.errors import InvalidField, NoRuntimePod
-from runtime_server.lifecycle.runs import DEFAULT_DRAIN_MILLIS, Run, RunStore
+from runtime_server.lifecycle.runs import (
+    DEFAULT_DRAIN_MILLIS,
+    POD_HEARTBEAT_TIMEOUT,
+    Run,
+    RunStore,
+)
 from runtime_server.limits import check_handler
 from runtime_server.wire import DELETED, DELETING, FAILED, IDLE, PENDING, READY, RETRYING
 
@@ -225,17 +231,26 @@ class ControlPlane:
 
     # Retry engine
 
-    def reconcile(self) -> None:
-        """One pass: retry or fail Runs in Retrying, rescue Runs on dead pods, finish deletes."""
+    def reconcile(self) -> float:
+        """One pass: retry or fail Runs in Retrying, rescue Runs on dead pods, finish deletes.
+
+        Returns when (``time.time()``) the passing of time alone can next give a pass work: the
+        soonest a live pod's heartbeat runs out or a retry's backoff ends; now, if this pass
+        wrote anything. Everything else a pass acts on comes from a write to the store."""
         now = time.time()
         pods = {pod.name: pod for pod in self.store.pods()}
+        due = min(
+            (pod.heartbeat + POD_HEARTBEAT_TIMEOUT for pod in pods.values() if pod.alive(now)),
+            default=math.inf,
+        )
         for run in self.store.runs():
             pod = pods.get(run.assigned_pod)
             pod_alive = pod is not None and pod.alive(now)
             if run.phase == DELETED or (run.phase == DELETING and not pod_alive):
                 self._remove(run)
+                due = now
             elif run.phase == RETRYING:
-                self._retry(run, pod_alive, now)
+                due = min(due, self._retry(run, pod_alive, now))
             elif run.phase in (PENDING, READY) and not pod_alive and pod is not None:
                 # docs/protocol.md, "Runs": a Runtime Pod that dies moves its Runs to retry.
                 self.store.update(
@@ -245,13 +260,18 @@ class ControlPlane:
                     failed_at=now,
                     uncharged_attempts=run.uncharged_attempts + 1,  # not the function's fault
                 )
+                due = now
             elif run.phase == IDLE and not pod_alive:
                 # No registration exists, so nothing failed: move it without a new attempt.
                 target = self.schedule(run.runtime, avoid=run.assigned_pod)
                 if target and target != run.assigned_pod:
                     self.store.update(run, assigned_pod=target)
+                    due = now
+        return due
 
-    def _retry(self, run: Run, pod_alive: bool, now: float) -> None:
+    def _retry(self, run: Run, pod_alive: bool, now: float) -> float:
+        """Fail a Retrying Run out of budget, or register it again once its backoff is over;
+        returns when it is next due (``reconcile``)."""
         # Only failures charged to the Run spend its budget: with its pod down or restarting,
         # a Run waits and retries for free (README, "Runs").
         if run.charged_attempts >= self.policy.max_attempts:
@@ -262,16 +282,18 @@ class ControlPlane:
                     f"gave up after {run.charged_attempts} registration attempts: {run.message}"
                 ),
             )
-            return
-        if now < run.failed_at + self.policy.backoff(max(1, run.charged_attempts)):
-            return
+            return now
+        backoff_ends = run.failed_at + self.policy.backoff(max(1, run.charged_attempts))
+        if now < backoff_ends:
+            return backoff_ends
         # Same pod if it is healthy, else reassignment (docs/protocol.md: the retry engine advances the
         # attempt before the scheduler assigns or reassigns a Runtime Pod).
         target = (
             run.assigned_pod if pod_alive else self.schedule(run.runtime, avoid=run.assigned_pod)
         )
         if not target:
-            return  # no live pod yet: try again on a later pass, same attempt
+            # No live pod yet: the same attempt, once a pod's heartbeat (a write) says one is.
+            return math.inf
         updated = self.store.update(
             run, expect_phase=RETRYING, phase=PENDING, attempt=run.attempt + 1, assigned_pod=target
         )
@@ -283,6 +305,7 @@ class ControlPlane:
                 target,
                 run.message,
             )
+        return now
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="control-plane", daemon=True)
@@ -294,8 +317,18 @@ class ControlPlane:
             self._thread.join(5)
 
     def _loop(self) -> None:
+        """A pass in the tick after another connection writes to the store, and when the last
+        pass said time alone would give one work — not every tick: a pass reads every Run and
+        pod, CPU in proportion to the Runs (docs/architecture.md, "The control plane's pass")."""
+        version: int | None = None
+        due = 0.0
         while not self._stop.wait(self.tick):
             try:
-                self.reconcile()
+                seen = self.store.version()
+                if seen == version and time.time() < due:
+                    continue
+                version = seen
+                due = self.reconcile()
             except Exception:
                 LOG.exception("control plane pass failed")
+                due = 0.0  # the next tick tries again

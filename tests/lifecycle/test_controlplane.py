@@ -15,8 +15,9 @@ import pytest
 
 from runtime_server.errors import InvalidField, NoRuntimePod, RunAlreadyExists, RunNotFound
 from runtime_server.lifecycle.controlplane import ControlPlane, RetryPolicy
-from runtime_server.lifecycle.runs import Run, RunStore
-from runtime_server.wire import FAILED, IDLE, PENDING, READY, RETRYING
+from runtime_server.lifecycle.runs import POD_HEARTBEAT_TIMEOUT, Run, RunStore
+from runtime_server.wire import DELETED, FAILED, IDLE, PENDING, READY, RETRYING
+from tests.support import wait_until
 
 HANDLER = {"handler.py": "def handle(event):\n    return event\n"}
 
@@ -187,6 +188,73 @@ def test_an_idle_run_moves_off_a_dead_pod_without_a_new_attempt(plane: ControlPl
     plane.reconcile()
     moved = plane.store.get("fn")
     assert (moved.phase, moved.attempt, moved.assigned_pod) == (IDLE, 1, "python-1")
+
+
+def counted_passes(plane: ControlPlane) -> list[float]:
+    """The times of the loop's passes from now on."""
+    passes: list[float] = []
+    reconcile = plane.reconcile
+
+    def counted() -> float:
+        passes.append(time.monotonic())
+        return reconcile()
+
+    plane.reconcile = counted  # type: ignore[method-assign]
+    return passes
+
+
+def test_the_loop_notices_a_heartbeat_running_out_with_no_pass_every_tick(
+    plane: ControlPlane,
+) -> None:
+    # docs/architecture.md, "The control plane's pass": a pass reads every Run, so the loop
+    # makes one only after a write to the store or when time alone can give it work — here,
+    # the pod's last heartbeat going stale one second from now. A pass every 0.1 s tick
+    # would make ten or more before that.
+    alive(plane, "python-0")
+    run = plane.store.update(plane.store.get_uid(create(plane)), phase=READY)  # type: ignore[arg-type]
+    assert run is not None
+    stale_in_one_second = time.time() - POD_HEARTBEAT_TIMEOUT + 1.0
+    RunStore(plane.store.path)._connection().execute(
+        "UPDATE pods SET heartbeat = ?", (stale_in_one_second,)
+    )
+    passes = counted_passes(plane)
+    plane.start()
+    try:
+        wait_until(lambda: plane.store.get("fn").phase != READY, timeout=10)
+        assert time.time() >= stale_in_one_second + POD_HEARTBEAT_TIMEOUT  # not before
+        moved = plane.store.get("fn")
+        assert (moved.phase, moved.message) == (RETRYING, "pod python-0 stopped")
+        # The first pass, the one when the heartbeat ran out, and the one after its own write.
+        assert len(passes) <= 4, [round(t - passes[0], 2) for t in passes]
+        # A write by another connection is seen in a tick or so, with nothing due by time.
+        RunStore(plane.store.path).update(moved, phase=DELETED)
+        wait_until(lambda: plane.store.get_uid(run.uid) is None, timeout=5)
+    finally:
+        plane.stop()
+
+
+def test_the_loop_retries_when_the_backoff_ends_with_no_write_to_wake_it(
+    tmp_path: Path,
+) -> None:
+    plane = ControlPlane(
+        RunStore(tmp_path / "runs.db"),
+        tmp_path,
+        policy=RetryPolicy(base_backoff=1.0, max_backoff=1.0),
+    )
+    alive(plane, "python-0")
+    run = plane.store.get_uid(create(plane))
+    assert run is not None
+    failed = plane.store.update(run, phase=RETRYING, message="x", failed_at=time.time())
+    assert failed is not None
+    passes = counted_passes(plane)
+    plane.start()
+    try:
+        wait_until(lambda: plane.store.get("fn").phase == PENDING, timeout=10)
+        assert time.time() >= failed.failed_at + 1.0
+        assert plane.store.get("fn").attempt == 2
+        assert len(passes) <= 4, [round(t - passes[0], 2) for t in passes]
+    finally:
+        plane.stop()
 
 
 def test_status_writes_are_fenced_on_attempt_and_pod(plane: ControlPlane) -> None:
