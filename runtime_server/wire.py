@@ -92,7 +92,7 @@ def parse_timeline_stamps(text: str) -> dict[str, int]:
     readings = {}
     for item in text.split(","):
         name, _, value = item.partition("=")
-        if name and value.isdigit():
+        if name and value.isascii() and value.isdigit():  # isdigit alone takes "²"
             readings[name] = int(value)
     return readings
 

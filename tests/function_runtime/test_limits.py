@@ -516,3 +516,14 @@ def test_the_logs_trailer_uses_its_budget_to_the_byte() -> None:
     assert [entry["text"] for entry in json.loads(logs_trailer(over))] == [over[1].text]
     # A single line over the budget leaves the trailer empty rather than over it.
     assert logs_trailer(_lines("x" * 5000)) == b"[]"
+
+
+def test_timeline_readings_read_back_and_what_is_not_a_reading_is_skipped() -> None:
+    # docs/protocol.md, "Timeline": one hop's readings travel as `name=ns,name=ns`.
+    written = wire.timeline_stamps(received=12, called=34, answered=56)
+    assert written == "received=12,called=34,answered=56"
+    assert wire.parse_timeline_stamps(written) == {"received": 12, "called": 34, "answered": 56}
+    # A reading is a name and ASCII digits; anything else in the trailer is left out.
+    odd = "=5,called=,a=b=1,x=-1,y=1.5,z=\u00b2,,answered=7"
+    assert wire.parse_timeline_stamps(odd) == {"answered": 7}
+    assert wire.parse_timeline_stamps("") == {}

@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import shutil
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
+from concurrent import futures
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -21,7 +23,7 @@ from runtime_server.function_runtime.server import RuntimeServer
 from runtime_server.lifecycle.controlplane import ControlPlane, RetryPolicy
 from runtime_server.lifecycle.runs import Run, RunStore
 from runtime_server.lifecycle.runtimed import UNSUPPORTED, Runtimed, registration_digest
-from runtime_server.rpc import CHANNEL_OPTIONS
+from runtime_server.rpc import CHANNEL_OPTIONS, CancellableCalls
 from runtime_server.wire import (
     DELETED,
     DELETING,
@@ -31,6 +33,10 @@ from runtime_server.wire import (
     PENDING,
     POD_KEY,
     READY,
+    TIMELINE_KEY,
+    TIMELINE_RUNTIMED_KEY,
+    TIMELINE_SERVER_KEY,
+    parse_timeline_stamps,
 )
 from tests.support import ECHO_PY, wait_until
 
@@ -398,3 +404,93 @@ def test_the_proxy_hop_relays_a_handler_error_with_its_trailers(pod: Pod) -> Non
     assert trailers[ERROR_TYPE_KEY] == "ValueError"
     logs = json.loads(trailers[LOGS_KEY])
     assert {"stream": "stdout", "text": "before"} in logs
+
+
+def test_the_proxy_hop_answers_each_hops_clock_readings_when_asked(pod: Pod) -> None:
+    # docs/protocol.md, "Timeline": with x-fn-timeline: 1, runtimed answers fn-timeline-runtimed
+    # (received, called, answered) beside the server's fn-timeline-server (received, answered),
+    # monotonic readings in the order the call went; a call that does not ask gets neither.
+    run = pod.create("echo", ECHO_PY)
+    request = pb.InvokeFunctionRequest(
+        registration=pb.FunctionRegistration(run_uid=run.uid), input=b"{}"
+    )
+    before = time.monotonic_ns()
+    _, call = pod.proxy.InvokeFunction.with_call(
+        request, metadata=((POD_KEY, POD), (TIMELINE_KEY, "1")), timeout=20
+    )
+    after = time.monotonic_ns()
+    trailers = dict(call.trailing_metadata())
+    runtimed = parse_timeline_stamps(trailers[TIMELINE_RUNTIMED_KEY])
+    server = parse_timeline_stamps(trailers[TIMELINE_SERVER_KEY])
+    assert list(runtimed) == ["received", "called", "answered"]
+    assert list(server) == ["received", "answered"]
+    readings = [
+        before,
+        runtimed["received"],
+        runtimed["called"],
+        server["received"],
+        server["answered"],
+        runtimed["answered"],
+        after,
+    ]
+    assert readings == sorted(readings)
+    _, plain = pod.proxy.InvokeFunction.with_call(request, metadata=((POD_KEY, POD),), timeout=20)
+    names = {name for name, _ in plain.trailing_metadata()}
+    assert not names & {TIMELINE_RUNTIMED_KEY, TIMELINE_SERVER_KEY}
+
+
+def test_a_5_mib_payload_crosses_the_proxy_hop_both_ways(pod: Pod) -> None:
+    # docs/protocol.md, "Limits": payloads up to 6 MiB on every hop — above grpc's default
+    # 4 MiB, so each channel runtimed calls the server on must carry our message limits.
+    run = pod.create("echo", ECHO_PY)
+    text = "x" * (5 * 1024 * 1024)
+    response = pod.invoke(run, json.dumps(text).encode())
+    assert json.loads(response.output)["echo"] == text
+
+
+def test_calls_beyond_the_idle_pool_close_their_channel_and_still_answer(tmp_path: Path) -> None:
+    # docs/architecture.md, "The proxy hop": each proxied call takes a channel of its own from a
+    # pool, which keeps a bounded number idle; a channel there is no room for is closed once its
+    # call has answered. One call more than the pool keeps is in flight at once here.
+    count = CancellableCalls._MAX_IDLE + 1
+    held = threading.Semaphore(0)
+    release = threading.Event()
+
+    def hold(request: bytes, context: grpc.ServicerContext) -> bytes:
+        held.release()
+        release.wait(30)
+        return request
+
+    calls = CancellableCalls(f"unix:{tmp_path}/upstream.sock", lambda c: c.unary_unary("/t.T/Hold"))
+
+    def relay(request: bytes, context: grpc.ServicerContext) -> bytes:
+        answer: bytes = calls.call(lambda stub: stub(request, timeout=30), context)
+        return answer
+
+    servers = []
+    for name, behaviour in (("upstream", hold), ("front", relay)):
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=count + 8))
+        handler = grpc.unary_unary_rpc_method_handler(behaviour)
+        method = "Hold" if name == "upstream" else "Relay"
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("t.T", {method: handler}),)
+        )
+        server.add_insecure_port(f"unix:{tmp_path}/{name}.sock")
+        server.start()
+        servers.append(server)
+    channel = grpc.insecure_channel(f"unix:{tmp_path}/front.sock")
+    front = channel.unary_unary("/t.T/Relay")
+    try:
+        with futures.ThreadPoolExecutor(count) as clients:
+            answers = [clients.submit(front, b"%d" % i, timeout=30) for i in range(count)]
+            for _ in range(count):  # all in flight together, so each took a channel of its own
+                assert held.acquire(timeout=30)
+            release.set()
+            assert [answer.result() for answer in answers] == [b"%d" % i for i in range(count)]
+        assert front(b"after", timeout=30) == b"after"  # the pool serves the next call
+    finally:
+        release.set()
+        channel.close()
+        for server in servers:
+            server.stop(0)
+        calls.close()
