@@ -39,7 +39,6 @@ from runtime_server.wire import (
     LOGS_KEY,
     POD_KEY,
     READY,
-    TIMELINE_HEADER,
     TIMELINE_KEY,
     TIMELINE_RUNTIMED_KEY,
     TIMELINE_SERVER_KEY,
@@ -60,12 +59,25 @@ IDLE_CONNECTION_SECONDS = 300.0
 # A burst of connections waits in the kernel's accept queue instead of being reset (the kernel
 # caps it at net.core.somaxconn).
 LISTEN_BACKLOG = 4096
-EXPOSED_HEADERS = (
-    "X-Invocation-Id, X-Fn-Outputs, X-Fn-Attempt, X-Fn-Cold-Start, X-Fn-Logs, X-Fn-Timeline, "
-    "Retry-After"
+EXPOSED_HEADERS = ", ".join(
+    (
+        wire.INVOCATION_ID_HEADER,
+        wire.OUTPUTS_HEADER,
+        wire.ATTEMPT_HEADER,
+        wire.COLD_START_HEADER,
+        wire.LOGS_HEADER,
+        wire.TIMELINE_HEADER,
+        "Retry-After",
+    )
 )
-ALLOWED_REQUEST_HEADERS = (
-    "Authorization, Content-Type, X-Invocation-Id, X-Timeout-Ms, X-Fn-Timeline"
+ALLOWED_REQUEST_HEADERS = ", ".join(
+    (
+        "Authorization",
+        "Content-Type",
+        wire.INVOCATION_ID_HEADER,
+        wire.TIMEOUT_HEADER,
+        wire.TIMELINE_HEADER,
+    )
 )
 
 
@@ -497,9 +509,11 @@ class InvokeHandler(BaseHandler):
                 "PAYLOAD_TOO_LARGE", status=413, message=self._too_large(self._size)
             )
         headers = self.request.headers
-        invocation_id = limits.check_invocation_id(headers.get("X-Invocation-Id", ""))
+        invocation_id = limits.check_invocation_id(headers.get(wire.INVOCATION_ID_HEADER, ""))
         # Any int64 is taken, as on the wire, and capped like timeout_millis (limits.py).
-        timeout_millis = limits.parse_count(headers.get("X-Timeout-Ms", "0"), "X-Timeout-Ms")
+        timeout_millis = limits.parse_count(
+            headers.get(wire.TIMEOUT_HEADER, "0"), wire.TIMEOUT_HEADER
+        )
         run = self.gateway.store.get_fresh(name)
         pod, stub = self.gateway.route(run)
         request = pb.InvokeFunctionRequest(
@@ -511,7 +525,7 @@ class InvokeHandler(BaseHandler):
         )
         deadline = limits.effective_timeout_millis(timeout_millis) / 1000 + DEADLINE_SLACK_SECONDS
         metadata: tuple[tuple[str, str], ...] = ((POD_KEY, pod),)
-        timeline = headers.get(TIMELINE_HEADER) == "1"
+        timeline = headers.get(wire.TIMELINE_HEADER) == "1"
         if timeline:
             metadata += ((TIMELINE_KEY, "1"),)
         called = time.monotonic_ns()
@@ -524,15 +538,17 @@ class InvokeHandler(BaseHandler):
         except asyncio.CancelledError:
             return  # the client went away
         self.set_header("Content-Type", response.content_type or "application/json")
-        self.set_header("X-Invocation-Id", response.invocation_id)
+        self.set_header(wire.INVOCATION_ID_HEADER, response.invocation_id)
         outputs = json.dumps(dict(response.outputs), sort_keys=True) if response.outputs else "{}"
-        self.set_header("X-Fn-Outputs", outputs)
-        self.set_header("X-Fn-Attempt", str(trailers.get(ATTEMPT_KEY, run.attempt)))
+        self.set_header(wire.OUTPUTS_HEADER, outputs)
+        self.set_header(wire.ATTEMPT_HEADER, str(trailers.get(ATTEMPT_KEY, run.attempt)))
         if trailers.get(COLD_START_KEY) == "1":
-            self.set_header("X-Fn-Cold-Start", "1")
+            self.set_header(wire.COLD_START_HEADER, "1")
         logs = _logs(trailers)
         if logs:
-            self.set_header("X-Fn-Logs", json.dumps(logs))  # ASCII: non-ASCII text is \u-escaped
+            self.set_header(
+                wire.LOGS_HEADER, json.dumps(logs)
+            )  # ASCII: non-ASCII text is \u-escaped
         if timeline:
             readings = {
                 "received": self._received,
@@ -540,5 +556,5 @@ class InvokeHandler(BaseHandler):
                 "called": called,
                 "answered": time.monotonic_ns(),
             }
-            self.set_header(TIMELINE_HEADER, _timeline(readings, trailers))
+            self.set_header(wire.TIMELINE_HEADER, _timeline(readings, trailers))
         self.finish(response.output)
