@@ -41,6 +41,7 @@ from typing import NamedTuple
 import grpc
 
 from adapters.python import WORKER_SCRIPT
+from adapters.worker import STREAMS
 from runtime_server import limits
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
@@ -173,7 +174,7 @@ def serve_checked_skeleton(address: str, root: str) -> None:
     req_r, req_w = os.pipe()
     resp_r, resp_w = os.pipe()
     flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-    logs = [os.open(f"{root}/checked.{stream}", flags, 0o600) for stream in ("stdout", "stderr")]
+    logs = [os.open(f"{root}/checked.{stream}", flags, 0o600) for stream in STREAMS]
     fds = (str(req_r), str(resp_w))  # the worker's arguments after the handler: its frame pipes
     worker = subprocess.Popen(
         [sys.executable, "-P", str(WORKER_SCRIPT), CHECKED_RUN, "handler", "handle", *fds],
