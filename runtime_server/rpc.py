@@ -54,6 +54,21 @@ def add_health(server: grpc.Server, service_names: list[str]) -> health.HealthSe
     return servicer
 
 
+def listen_on(server: grpc.Server, listen: str) -> str:
+    """Bind `listen` (``host:port`` or ``unix:PATH``); the address clients dial (the port a
+    ``host:0`` was given). RuntimeError, naming why, if it cannot be bound or reached."""
+    if listen.startswith("unix:"):
+        problem = wire.unix_target_problem(listen[5:])
+        if problem is not None:
+            raise RuntimeError(problem)
+        server.add_insecure_port(listen)
+        return listen
+    port = server.add_insecure_port(listen)
+    if port == 0:  # older grpcio answers 0 instead of raising
+        raise RuntimeError(f"cannot listen on {listen}")
+    return f"{listen.rpartition(':')[0]}:{port}"
+
+
 _MAX_LOGS_TRAILER = 4096
 _NO_DEADLINE = 1e9  # the sync server reports ~9.2e18 s remaining when the client set none
 

@@ -82,6 +82,20 @@ LOGS_HEADER = "X-Fn-Logs"
 TIMELINE_HEADER = "X-Fn-Timeline"  # request "1": the answer's is the timeline, JSON
 
 
+# gRPC reads a ``unix:PATH`` target as a URI: "," separates addresses, "?" and "#" begin a query
+# and a fragment, "%" an escape. A socket whose path holds one binds but cannot be reached, or
+# does not bind (docs/architecture.md, "Measured facts the design rests on").
+UNIX_TARGET_RESERVED = ",?#%"
+
+
+def unix_target_problem(path: str) -> str | None:
+    """Why gRPC cannot name the socket `path` in a ``unix:`` target, or None if it can."""
+    reserved = "".join(c for c in UNIX_TARGET_RESERVED if c in path)
+    if not reserved:
+        return None
+    return f"gRPC cannot name a Unix socket whose path holds {' '.join(reserved)}: {path}"
+
+
 def timeline_stamps(**readings: int) -> str:
     """One hop's clock readings (``time.monotonic_ns()``, the same clock in every process of a
     machine) as a trailer value: ``received=…,called=…``."""

@@ -14,7 +14,7 @@ from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from runtime_server.function_runtime.registry import Registry
 from runtime_server.function_runtime.servicer import FunctionRuntimeServicer, RuntimeServicer
-from runtime_server.rpc import CHANNEL_OPTIONS, add_health, add_reflection
+from runtime_server.rpc import CHANNEL_OPTIONS, add_health, add_reflection, listen_on
 
 RUNTIME_SERVICE = pb.DESCRIPTOR.services_by_name["Runtime"].full_name
 FUNCTION_RUNTIME_SERVICE = pb.DESCRIPTOR.services_by_name["FunctionRuntime"].full_name
@@ -57,12 +57,7 @@ class RuntimeServer:
 
     def start(self, listen: str = DEFAULT_LISTEN) -> str:
         """Bind `listen` (``host:port`` or ``unix:PATH``) and start; returns the bound address."""
-        port = self.server.add_insecure_port(listen)
-        if listen.startswith("unix:"):
-            self.address = listen
-        else:
-            host = listen.rpartition(":")[0]
-            self.address = f"{host}:{port}"
+        self.address = listen_on(self.server, listen)
         self.server.start()
         return self.address
 

@@ -49,6 +49,7 @@ from runtime_server.rpc import (
     add_health,
     add_reflection,
     caller_timeout,
+    listen_on,
     metadata_value,
     relayed_trailers,
     translate_errors,
@@ -171,10 +172,7 @@ class Runtimed:
         pb_grpc.add_FunctionRuntimeServicer_to_server(ProxyServicer(self), self._grpc)
         add_health(self._grpc, [FUNCTION_RUNTIME_SERVICE])
         add_reflection(self._grpc, [FUNCTION_RUNTIME_SERVICE, HEALTH_SERVICE])
-        port = self._grpc.add_insecure_port(listen)
-        self.address = (
-            listen if listen.startswith("unix:") else f"{listen.rpartition(':')[0]}:{port}"
-        )
+        self.address = listen_on(self._grpc, listen)
         self._grpc.start()
         self._heartbeat()
         self._loop_thread = threading.Thread(target=self._loop, name="runtimed", daemon=True)

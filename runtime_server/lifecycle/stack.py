@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import IO
 
 from adapters.tempdirs import private_tempdir, sweep
-from runtime_server import daemon, tokens
+from runtime_server import daemon, tokens, wire
 from runtime_server.daemon import Child, spawn
 
 LOG = logging.getLogger("fnkernel.up")
@@ -94,7 +94,7 @@ class Stack:
         self._stopping = threading.Event()
         self._supervisor: threading.Thread | None = None
         self._sockets = self.state_dir
-        self._private_sockets: Path | None = None  # a temp dir of ours, when state_dir is too long
+        self._private_sockets: Path | None = None  # a temp dir of ours (_socket_dir)
 
     @property
     def workspace_root(self) -> Path:
@@ -106,8 +106,10 @@ class Stack:
         return gateway.address if gateway is not None else ""
 
     def _socket_dir(self) -> Path:
+        """STATE_DIR/sock, unless a socket there could not be bound or named in a gRPC target
+        (too long, or a character gRPC reads as syntax): then a private temp dir of ours."""
         sockets = self.state_dir / "sock"
-        if len(str(sockets)) > _MAX_UNIX_PATH - 24:
+        if len(str(sockets)) > _MAX_UNIX_PATH - 24 or wire.unix_target_problem(str(sockets)):
             sweep("sock")
             sockets = self._private_sockets = private_tempdir("sock")  # 0700, short enough to bind
         sockets.mkdir(mode=0o700, exist_ok=True)

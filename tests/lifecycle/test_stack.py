@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -208,6 +209,44 @@ def test_up_rejects_a_bad_pods_flag(tmp_path: Path) -> None:
     )  # fmt: skip
     assert result.returncode == 2
     assert "--pods" in result.stderr
+
+
+# gRPC reads these in a unix: target as URI syntax (docs/architecture.md, "Measured facts the
+# design rests on"); "%41" is a valid escape, so it is read as "A".
+GRPC_SYNTAX_PATH = "team,a?b#c%41"
+
+
+def test_a_state_dir_whose_path_grpc_reads_as_syntax_still_serves(
+    stack_factory: StackFactory,
+) -> None:
+    # `fnkernel up --state-dir` takes any directory: the state stays there, and the sockets go
+    # where gRPC can name them. A short path, so that its length alone would not move them.
+    with tempfile.TemporaryDirectory(prefix=f"{GRPC_SYNTAX_PATH}-") as parent:
+        state_dir = Path(parent, "state")
+        stack = stack_factory({"python": 1}, state_dir=state_dir)
+        client = Client(stack.gateway_address)
+        client.create_run("echo", runtime="python", handler="handler.handle", files=ECHO)
+        assert client.invoke("echo", 5).value()["echo"] == 5
+        assert (state_dir / "runs.db").is_file()
+        stack.stop()
+
+
+@pytest.mark.parametrize("command", ["serve", "runtimed"])
+def test_a_socket_path_grpc_cannot_name_is_refused_with_the_reason(
+    tmp_path: Path, command: str
+) -> None:
+    # Bound as given, a "," path listens where no client can reach it: refused before binding.
+    listen = f"unix:{tmp_path}/{GRPC_SYNTAX_PATH}.sock"
+    args = ["--runtime", "python", "--listen", listen]
+    if command == "serve":
+        args += ["--workspace-root", str(tmp_path)]
+    else:
+        args += ["--pod", "p", "--server", "unix:/nonexistent.sock", "--state-dir", str(tmp_path)]
+    result = fnkernel(command, *args)
+    assert result.returncode == 1, result.stderr
+    assert "gRPC cannot name a Unix socket whose path holds , ? # %" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not list(tmp_path.glob("*.sock"))
 
 
 def fnkernel(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:

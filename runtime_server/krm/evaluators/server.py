@@ -30,7 +30,7 @@ from runtime_server.errors import (
 from runtime_server.krm.evaluators.base import EvalRequest, EvalResponse, Evaluator
 from runtime_server.krm.resources import resourcelist
 from runtime_server.krm.resources.resourcelist import format_result
-from runtime_server.rpc import CHANNEL_OPTIONS, add_health, add_reflection, status_of
+from runtime_server.rpc import CHANNEL_OPTIONS, add_health, add_reflection, listen_on, status_of
 from runtime_server.wire import EVALUATOR_KEY, EXIT_CODE_KEY, RESULTS_KEY
 
 LOG = logging.getLogger("fnkernel.evaluator")
@@ -118,11 +118,8 @@ def serve(
     pb_grpc.add_FunctionEvaluatorServicer_to_server(servicer, server)
     add_health(server, [SERVICE])
     add_reflection(server, [SERVICE])
-    port = server.add_insecure_port(listen)
-    if port == 0 and not listen.startswith("unix:"):
-        raise RuntimeError(f"cannot listen on {listen}")
+    address = listen_on(server, listen)
     server.start()
-    address = listen if listen.startswith("unix:") else f"{listen.rpartition(':')[0]}:{port}"
     return server, address
 
 
