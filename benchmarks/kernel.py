@@ -3,7 +3,8 @@
 * start: launching the kernel until its kernel_info reply, fnkernel vs stock ipykernel
   (``python3``), alternating, median of N each — target <= 1.1x;
 * round trip: an ``%invoke`` cell (embedded runtime, warm) vs a plain ``1+1`` cell, each from
-  jupyter_client's execute_request to the idle status and the execute_reply — target <= 1.4x;
+  jupyter_client's execute_request to the idle status and the execute_reply, the cells in turn
+  in rounds — target <= 1.4x;
   and, in the kernel, what IPython's formatters take to build a small result's HTML and text
   forms — target <= 0.3 ms;
   also both without output (``x = 1+1``, ``r = bench.invoke({})``), which splits the ``%invoke``
@@ -14,7 +15,10 @@
   time after its kernel is up) — target <= 300 ms; and, reported, the same right after the
   kernel_info reply, when they are still importing;
 * interrupt: from interrupt_request to the cell's error, during an invocation — reported (the
-  issue asks for the call to be cancelled within 100 ms).
+  issue asks for the call to be cancelled within 100 ms);
+* the ``%invoke`` cell's floor: the ``1+1`` cell plus what the gateway path's floor parts
+  (benchmarks.gateway: a direct call on the same Runtime Server, a bare gRPC echo, a bare tornado
+  echo) take when called from a cell — reported beside the 1.4x target.
 
 Usage: python -m benchmarks.kernel [--starts N] [--cells N]
 """
@@ -24,10 +28,13 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
+import sys
+import tempfile
 import time
 
-from benchmarks.invoke import Target, p, verdicts
+from benchmarks.invoke import ECHO_METHOD, PAYLOAD, Target, bench_server, p, verdicts
 from runtime_server.client import Client
+from runtime_server.daemon import start
 from tests.kernel.kernels import Kernel, install_kernelspec
 
 START_TARGET = 1.1
@@ -43,6 +50,37 @@ DISPLAY_MS = (
 )
 FUNCTION = "%%function bench\ndef handler(event):\n    return event\n"
 SLOW = "%%function slow\nimport time\ndef handler(event):\n    time.sleep(event)\n"
+# In the kernel: _fnk_floor() makes the gateway path's floor calls (benchmarks.gateway), one each,
+# on the embedded runtime's own Runtime Server with bench's registration. It imports grpc into the
+# kernel, so it is set up after every other measurement.
+FLOOR_SETUP = """
+import http.client, grpc
+from runtime_server._proto.executor.v1 import runtime_pb2 as _pb, runtime_pb2_grpc as _pb_grpc
+from runtime_server.rpc import CHANNEL_OPTIONS as _OPTIONS
+_runtime = get_ipython()._fnkernel_session.runtime
+_live = _runtime.client().status("bench")
+_server = _runtime._stack.component("python-0-server").child.address
+_direct = _pb_grpc.FunctionRuntimeStub(grpc.insecure_channel(_server, options=_OPTIONS))
+_request = _pb.InvokeFunctionRequest(
+    registration=_pb.FunctionRegistration(
+        run_uid=_live["uid"], registration_id=_live["live"]["registrationId"]
+    ),
+    input={payload!r},
+    content_type="application/json",
+)
+_echo = grpc.insecure_channel({grpc_echo!r}, options=_OPTIONS).unary_unary({method!r})
+_http = http.client.HTTPConnection({http_echo!r})
+
+
+def _fnk_floor():
+    _direct.InvokeFunction(_request, timeout=30)
+    _echo({payload!r}, timeout=30)
+    _http.request("POST", "/", body={payload!r}, headers={{"Content-Type": "application/json"}})
+    _http.getresponse().read()
+"""
+ROUNDS = 5
+# The timed cells: an %invoke cell against a 1+1 cell, and both without output.
+CELLS = ["1+1", "%invoke bench {}", "x = 1+1", "r = bench.invoke({})"]
 
 
 def start_seconds(kernel_name: str) -> float:
@@ -87,6 +125,39 @@ def interrupt_ms(kernel: Kernel, times: int) -> list[float]:
     return samples
 
 
+def floor_calls_ms(kernel: Kernel, cells: int) -> tuple[float, float]:
+    """p50 of a cell making the gateway path's floor calls, and of ``x = 1+1``, in turn."""
+    with tempfile.TemporaryDirectory(prefix="fnkernel-bench-") as tmp:
+        echoes = [
+            bench_server("--echo-server", f"unix:{tmp}/echo.sock"),
+            start([sys.executable, "-m", "benchmarks.gateway", "--http-echo"]),
+        ]
+        try:
+            setup = FLOOR_SETUP.format(
+                payload=PAYLOAD,
+                grpc_echo=echoes[0].address,
+                http_echo=echoes[1].address,
+                method=ECHO_METHOD,
+            )
+            cell = kernel.run(setup)
+            assert cell.ok, cell.error
+            samples = cells_in_turn(kernel, ["_fnk_floor()", "x = 1+1"], cells)
+        finally:
+            for echo in echoes:
+                echo.stop(10)
+    return p(samples["_fnk_floor()"], 50), p(samples["x = 1+1"], 50)
+
+
+def cells_in_turn(kernel: Kernel, codes: list[str], cells: int) -> dict[str, list[float]]:
+    """`cells` runs of each cell, in ROUNDS rounds of all of them in turn: a slow stretch of
+    this noisy machine falls on every one."""
+    samples: dict[str, list[float]] = {code: [] for code in codes}
+    for _ in range(ROUNDS):
+        for code in codes:
+            samples[code] += cell_ms(kernel, code, cells // ROUNDS)
+    return samples
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     # 15 of each: with 7, this machine's noise alone moved the ratio by more than the 10% margin.
@@ -124,13 +195,12 @@ def measure(start_count: int, cell_count: int) -> int:
         cold_started = time.perf_counter()
         assert kernel.run(FUNCTION).ok
         cold_ms = (time.perf_counter() - cold_started) * 1000
-        plain = cell_ms(kernel, "1+1", cell_count)
-        invoke = cell_ms(kernel, "%invoke bench {}", cell_count)
-        silent = cell_ms(kernel, "x = 1+1", cell_count)
-        silent_invoke = cell_ms(kernel, "r = bench.invoke({})", cell_count)
+        cells = cells_in_turn(kernel, CELLS, cell_count)
+        plain, invoke, silent, silent_invoke = (cells[code] for code in CELLS)
         assert kernel.run("_fnk_result = %invoke bench {}").ok
         display_ms = float(kernel.value(DISPLAY_MS))
         interrupts = interrupt_ms(kernel, 5)
+        floor_cell, silent_again = floor_calls_ms(kernel, cell_count)
     finally:
         kernel.shutdown()
     trip_ratio = p(invoke, 50) / p(plain, 50)
@@ -154,6 +224,16 @@ def measure(start_count: int, cell_count: int) -> int:
     print(f"{'  display of its result (formatters)':<38}{display_ms:>9.3f} ms")
     print(f"{'first %%function (cold runtime)':<38}{cold_ms:>9.0f} ms")
     print(f"{'  the same, right after kernel_info':<38}{at_once_ms:>9.0f} ms")
+    floor_calls = floor_cell - silent_again
+    cell_floor = p(plain, 50) + floor_calls
+    print(f"{'_fnk_floor() (the floor calls, no output)':<38}{floor_cell:>9.2f} ms")
+    print(f"{'  x = 1+1 in turn with it':<38}{silent_again:>9.2f} ms")
+    print(f"{'  of which the floor calls':<38}{floor_calls:>9.2f} ms")
+    print(
+        f"floor of the %invoke cell (1+1 cell + the floor calls): {cell_floor:.2f} ms, "
+        f"{cell_floor / p(plain, 50):.2f}x the 1+1 cell; %invoke cell / its floor: "
+        f"{p(invoke, 50) / cell_floor:.2f}x"
+    )
     label = "interrupt → KeyboardInterrupt in cell"
     print(f"{label:<38}{statistics.median(interrupts):>9.1f} ms{max(interrupts):>7.1f} ms (max)")
     return verdicts(
