@@ -56,7 +56,8 @@ def add_health(server: grpc.Server, service_names: list[str]) -> health.HealthSe
 
 def listen_on(server: grpc.Server, listen: str) -> str:
     """Bind `listen` (``host:port`` or ``unix:PATH``); the address clients dial (the port a
-    ``host:0`` was given). RuntimeError, naming why, if it cannot be bound or reached."""
+    ``host:0`` was given). RuntimeError if it cannot be bound (grpcio's), or reached (ours,
+    naming why)."""
     if listen.startswith("unix:"):
         problem = wire.unix_target_problem(listen[5:])
         if problem is not None:
@@ -64,8 +65,6 @@ def listen_on(server: grpc.Server, listen: str) -> str:
         server.add_insecure_port(listen)
         return listen
     port = server.add_insecure_port(listen)
-    if port == 0:  # older grpcio answers 0 instead of raising
-        raise RuntimeError(f"cannot listen on {listen}")
     return f"{listen.rpartition(':')[0]}:{port}"
 
 

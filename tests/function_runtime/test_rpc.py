@@ -1,8 +1,10 @@
 """rpc.CancellableCalls (docs/architecture.md, "The proxy hop"): blocking calls that the caller of
-a servicer can still cancel, each on a pooled channel of its own, against a real grpcio server."""
+a servicer can still cancel, each on a pooled channel of its own, against a real grpcio server.
+And rpc.listen_on, which binds every gRPC server of ours."""
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -12,7 +14,8 @@ import grpc
 import pytest
 
 from adapters.errors import InvocationCancelled
-from runtime_server.rpc import CHANNEL_OPTIONS, CancellableCalls
+from runtime_server import wire
+from runtime_server.rpc import CHANNEL_OPTIONS, CancellableCalls, listen_on
 
 FAST, SLOW = "/bench.Up/Fast", "/bench.Up/Slow"
 
@@ -159,3 +162,32 @@ def test_the_pool_keeps_a_bounded_number_of_idle_channels(upstream: tuple[Upstre
     assert len(made) == 3 and len(calls._idle) == 2
     calls.close()
     assert calls._idle == []
+
+
+def test_listen_on_answers_the_address_clients_dial(tmp_path: Path) -> None:
+    server = grpc.server(futures.ThreadPoolExecutor(1))
+    try:
+        unix = f"unix:{tmp_path}/ok.sock"
+        assert listen_on(server, unix) == unix
+        host, _, port = listen_on(server, "127.0.0.1:0").rpartition(":")
+        assert host == "127.0.0.1" and int(port) > 0
+    finally:
+        server.stop(0)
+
+
+def test_listen_on_refuses_each_character_grpc_reads_in_a_unix_target(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # docs/architecture.md, "Measured facts the design rests on": refused before binding, and
+    # the message names the character — here the path's first, right after "unix:".
+    monkeypatch.chdir(tmp_path)
+    for char in ",?#%":
+        server = grpc.server(futures.ThreadPoolExecutor(1))
+        try:
+            with pytest.raises(RuntimeError, match=f"holds {re.escape(char)}: {re.escape(char)}x"):
+                listen_on(server, f"unix:{char}x.sock")
+        finally:
+            server.stop(0)
+    assert list(tmp_path.iterdir()) == []
+    # What gRPC reads as a plain path character is taken (each connects, measured).
+    assert wire.unix_target_problem(f"{tmp_path}/a b;c:d\\X.sock") is None
