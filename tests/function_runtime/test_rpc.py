@@ -169,8 +169,9 @@ def test_listen_on_answers_the_address_clients_dial(tmp_path: Path) -> None:
     try:
         unix = f"unix:{tmp_path}/ok.sock"
         assert listen_on(server, unix) == unix
-        host, _, port = listen_on(server, "127.0.0.1:0").rpartition(":")
-        assert host == "127.0.0.1" and int(port) > 0
+        for host in ("127.0.0.1", "[::1]"):
+            bound, _, port = listen_on(server, f"{host}:0").rpartition(":")
+            assert bound == host and int(port) > 0
     finally:
         server.stop(0)
 
@@ -189,5 +190,8 @@ def test_listen_on_refuses_each_character_grpc_reads_in_a_unix_target(
         finally:
             server.stop(0)
     assert list(tmp_path.iterdir()) == []
+    assert wire.unix_target_problem("/srv/a,b%c/x.sock") == (
+        "gRPC cannot name a Unix socket whose path holds , %: /srv/a,b%c/x.sock"
+    )
     # What gRPC reads as a plain path character is taken (each connects, measured).
     assert wire.unix_target_problem(f"{tmp_path}/a b;c:d\\X.sock") is None
