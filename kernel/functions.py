@@ -19,7 +19,7 @@ from runtime_server.client.errors import GatewayError, HandlerFailed, RequestCan
 
 EXTENSIONS = {"python": "py", "bash": "sh"}
 ORIGIN_PREFIX = "%%function cell "  # a Run's spec.source when a cell created it
-_IDLE_WAIT_SECONDS = 2.0  # after an interrupt, for the cancelled invocation to be gone
+IDLE_WAIT_SECONDS = 2.0  # after an interrupt, for the cancelled invocation to be gone
 
 
 @dataclass(frozen=True)
@@ -252,7 +252,7 @@ class Function:
             # (briefly) until it is free again, so the next cell's call is not refused as busy.
             self._runtime.cancel()
             with self._runtime.trace.bookkeeping():
-                self._wait_until_idle(_IDLE_WAIT_SECONDS)
+                self._wait_until_idle(IDLE_WAIT_SECONDS)
             raise InvocationInterrupted(
                 f"invocation of {self.name} cancelled; the handler was killed and "
                 f"{self.name} stays registered"

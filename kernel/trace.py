@@ -59,6 +59,11 @@ def decode_message(message: Any) -> Any:
     return message
 
 
+def _is_read(method: str) -> bool:
+    """A call that changes nothing: a gateway GET, or FunctionRuntime's FunctionStatus."""
+    return method.startswith("GET ") or method.endswith("/FunctionStatus")
+
+
 class Trace:
     """The recorded calls, in order. Thread-safe: an interrupt may record from another thread."""
 
@@ -83,7 +88,7 @@ class Trace:
         self, method: str, request: Any, status: str, latency_ms: float, response: Any = None
     ) -> None:
         if self.on:
-            internal = getattr(self._bookkeeping, "on", False) and method.startswith("GET ")
+            internal = getattr(self._bookkeeping, "on", False) and _is_read(method)
             call = TracedCall(method, request, status, latency_ms, response, internal)
             with self._lock:
                 self._calls.append(call)

@@ -606,7 +606,8 @@ def test_interrupt_cancels_a_function_runtime_call_from_the_protocol_client(
     kernel: Kernel,
 ) -> None:
     # Issue: the sync stub's .future(), cancelled from the interrupt_request override; the
-    # server then kills the handler, so the registration takes the next call at once.
+    # server then kills the handler, and the client waits until it has (its own FunctionStatus
+    # polls, shown by `%fn_trace show --all` only), so the registration takes the next call.
     setup = kernel.run(
         "import base64, hashlib, json\n"
         "from kernel.protocol import runtime_server\n"
@@ -632,6 +633,7 @@ def test_interrupt_cancels_a_function_runtime_call_from_the_protocol_client(
         )
     )
     try:
+        assert kernel.run("%fn_trace on").ok
         msg_id = kernel.send("call(10)")
         wait_until(lambda: stub.FunctionStatus(status_request, timeout=5).in_flight == 1, 10)
         started = time.monotonic()
@@ -640,6 +642,14 @@ def test_interrupt_cancels_a_function_runtime_call_from_the_protocol_client(
         assert time.monotonic() - started < 1.0
         assert cell.error is not None and cell.error["ename"] == "InvocationInterrupted"
         assert cell.error["traceback"] == ["KeyboardInterrupt: InvokeFunction cancelled"]
+        calls = kernel.value(
+            "[(c.method, c.status, c.internal, int((c.response or {}).get('inFlight', 0)))"
+            " for c in rt.trace.calls()]"
+        )
+        cancelled, *polls = calls
+        assert cancelled == ["FunctionRuntime/InvokeFunction", "CANCELLED", False, 0]
+        assert polls and all(p[:3] == ["FunctionRuntime/FunctionStatus", "OK", True] for p in polls)
+        assert polls[-1][3] == 0
         assert kernel.value("call(0)") == 0
     finally:
         channel.close()
