@@ -19,7 +19,21 @@ from runtime_server.client.errors import GatewayError, HandlerFailed, RequestCan
 
 EXTENSIONS = {"python": "py", "bash": "sh"}
 ORIGIN_PREFIX = "%%function cell "  # a Run's spec.source when a cell created it
-IDLE_WAIT_SECONDS = 2.0  # after an interrupt, for the cancelled invocation to be gone
+_IDLE_WAIT_SECONDS = 2.0  # after an interrupt, for the cancelled invocation to be gone
+
+
+def wait_until_free(in_flight: Callable[[], bool]) -> None:
+    """After an interrupt: wait (briefly) until the function's cancelled invocation is gone —
+    the server kills the handler once it sees the cancel — so the next call is not refused as
+    busy. `in_flight` asks the server; a GatewayError (gone, unreachable) ends the wait."""
+    deadline = time.monotonic() + _IDLE_WAIT_SECONDS
+    while time.monotonic() < deadline:
+        try:
+            if not in_flight():
+                return
+        except GatewayError:
+            return
+        time.sleep(0.005)
 
 
 @dataclass(frozen=True)
@@ -252,7 +266,7 @@ class Function:
             # (briefly) until it is free again, so the next cell's call is not refused as busy.
             self._runtime.cancel()
             with self._runtime.trace.bookkeeping():
-                self._wait_until_idle(IDLE_WAIT_SECONDS)
+                wait_until_free(self._in_flight)
             raise InvocationInterrupted(
                 f"invocation of {self.name} cancelled; the handler was killed and "
                 f"{self.name} stays registered"
@@ -260,16 +274,9 @@ class Function:
         show_logs(result.logs)
         return InvocationView(self.name, result)
 
-    def _wait_until_idle(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                live = self._runtime.client().status(self.name).live
-            except GatewayError:
-                return
-            if live is None or not live.in_flight:
-                return
-            time.sleep(0.005)
+    def _in_flight(self) -> bool:
+        live = self._runtime.client().status(self.name).live
+        return live is not None and bool(live.in_flight)
 
     def status(self) -> Status:
         return Status(self._runtime.client().status(self.name))

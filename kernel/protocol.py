@@ -25,7 +25,7 @@ import grpc
 from google.protobuf import json_format
 
 from adapters.tempdirs import private_tempdir, sweep
-from kernel.functions import IDLE_WAIT_SECONDS, InvocationInterrupted
+from kernel.functions import InvocationInterrupted, wait_until_free
 from kernel.trace import Trace, decode_message
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
@@ -88,11 +88,9 @@ class FunctionRuntimeClient:
             reply = future.result()
         except grpc.FutureCancelledError:
             self._record(method, shown, "CANCELLED", started)
-            if method == "InvokeFunction":
-                # The server kills the handler once it sees the cancel: wait (briefly) until it
-                # has, so the next call is not refused as busy — as a %%function's invoke does.
+            if method == "InvokeFunction":  # as a %%function's invoke does
                 with self.trace.bookkeeping():
-                    self._wait_until_idle(request.get("registration", {}))
+                    wait_until_free(lambda: self._busy(request.get("registration", {})))
             raise InvocationInterrupted(f"{method} cancelled") from None
         except grpc.RpcError as err:
             error = error_of(err, method)
@@ -105,16 +103,9 @@ class FunctionRuntimeClient:
         self._record(method, shown, "OK", started, decode_message(answer))
         return answer
 
-    def _wait_until_idle(self, registration: dict[str, Any]) -> None:
-        deadline = time.monotonic() + IDLE_WAIT_SECONDS
-        while time.monotonic() < deadline:
-            try:
-                status = self.call("FunctionStatus", {"registration": registration}, timeout=1)
-            except GatewayError:
-                return  # not there any more, or not reachable: nothing to wait for
-            if not int(status.get("inFlight", 0)):
-                return
-            time.sleep(0.005)
+    def _busy(self, registration: dict[str, Any]) -> bool:
+        status = self.call("FunctionStatus", {"registration": registration}, timeout=1)
+        return bool(int(status.get("inFlight", 0)))
 
     def _record(
         self, method: str, request: Any, status: str, started: float, response: Any = None

@@ -545,10 +545,8 @@ class InvokeHandler(BaseHandler):
         if trailers.get(COLD_START_KEY) == "1":
             self.set_header(wire.COLD_START_HEADER, "1")
         logs = _logs(trailers)
-        if logs:
-            self.set_header(
-                wire.LOGS_HEADER, json.dumps(logs)
-            )  # ASCII: non-ASCII text is \u-escaped
+        if logs:  # json.dumps writes ASCII: non-ASCII text is \u-escaped
+            self.set_header(wire.LOGS_HEADER, json.dumps(logs))
         if timeline:
             readings = {
                 "received": self._received,
