@@ -19,6 +19,7 @@ import os
 import sqlite3
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -136,18 +137,68 @@ class Pod:
         return self.healthy and now - self.heartbeat < POD_HEARTBEAT_TIMEOUT
 
 
-def _map_wal_header(path: Path) -> mmap.mmap | None:
-    """The store's WAL-index header, mapped read-only; None if there is no -shm file to map."""
-    try:
-        fd = os.open(f"{path}-shm", os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        return mmap.mmap(fd, _WAL_HEADER_BYTES, mmap.MAP_SHARED, mmap.PROT_READ)
-    except (OSError, ValueError):
-        return None
-    finally:
-        os.close(fd)
+@dataclass
+class _Mapped:
+    """One -shm file opened by this process: its header (None if it could not be mapped)."""
+
+    header: mmap.mmap | None
+    fd: int
+    users: int = 0
+
+
+class _WalHeaders:
+    """The WAL-index header of each store file, mapped once per process.
+
+    Closing a descriptor of a file drops every POSIX lock this process holds on that file,
+    SQLite's own included (and mmap keeps a duplicate of the one it maps, closed with it). One of
+    SQLite's locks on the -shm file tells a new connection that the file is in use; without it,
+    the next process to open the store takes itself for the first, truncates the -shm file and
+    rebuilds the index under the processes using it (docs/architecture.md, "Measured facts the
+    design rests on"). So a -shm file is opened and mapped once, shared by every store of this
+    process that reads it, and closed only when the last of them is closed.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._mapped: dict[tuple[int, int], _Mapped] = {}  # by the -shm file's (st_dev, st_ino)
+
+    def map(self, path: Path) -> tuple[tuple[int, int], mmap.mmap | None] | None:
+        """The header of `path`'s -shm file and the key to give back to ``unmap``; None if there
+        is no -shm file. The mapping is None if the file could not be mapped."""
+        shm = f"{path}-shm"
+        with self._lock:
+            try:
+                stat = os.stat(shm)
+            except OSError:
+                return None
+            key = (stat.st_dev, stat.st_ino)
+            entry = self._mapped.get(key)
+            if entry is None:
+                try:
+                    fd = os.open(shm, os.O_RDONLY)
+                except OSError:
+                    return None
+                try:
+                    header = mmap.mmap(fd, _WAL_HEADER_BYTES, mmap.MAP_SHARED, mmap.PROT_READ)
+                except (OSError, ValueError):
+                    header = None  # the descriptor stays open all the same: see above
+                entry = self._mapped[key] = _Mapped(header, fd)
+            entry.users += 1
+            return key, entry.header
+
+    def unmap(self, key: tuple[int, int]) -> None:
+        """One store of this process no longer reads the header; the last one closes the file."""
+        with self._lock:
+            entry = self._mapped[key]
+            entry.users -= 1
+            if entry.users == 0:
+                del self._mapped[key]
+                if entry.header is not None:
+                    entry.header.close()
+                os.close(entry.fd)
+
+
+_WAL_HEADERS = _WalHeaders()
 
 
 def _run(row: sqlite3.Row) -> Run:
@@ -173,7 +224,10 @@ class RunStore:
         # Only a store in WAL mode writes the header; a -shm file left by an earlier one would
         # never change again.
         in_wal = db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-        self._wal_header = _map_wal_header(path) if in_wal else None
+        mapped = _WAL_HEADERS.map(path) if in_wal else None
+        self._wal_header = mapped[1] if mapped else None
+        # Given back when the store is closed (after its connection) or collected.
+        self._unmap = weakref.finalize(self, _WAL_HEADERS.unmap, mapped[0]) if mapped else None
         self._shared: tuple[bytes, dict[Any, Any]] = (b"", {})  # fresh's cache, with its header
 
     @staticmethod
@@ -218,6 +272,8 @@ class RunStore:
                 self._wal_header = None  # the file it maps may now go away
             db.close()
             self._local.db = None
+            if db is self._keeper and self._unmap is not None:
+                self._unmap()  # after the connection: see _WalHeaders
 
     def version(self) -> int:
         """A number that changes whenever another connection (another thread or process) has

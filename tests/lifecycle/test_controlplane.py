@@ -372,6 +372,42 @@ def test_fresh_reads_see_a_later_write_when_the_store_was_opened_by_a_finished_t
     assert store.get_uid_fresh(run.uid).message == "from another process"  # type: ignore[union-attr]
 
 
+# Asked from another process (a process never sees its own locks): does anyone hold SQLite's
+# in-use lock on the store's -shm file (byte 128)? A connection that finds it free takes itself
+# for the first, truncates the -shm file and rebuilds the WAL index (docs/architecture.md,
+# "Measured facts the design rests on").
+SHM_IN_USE = """
+import fcntl, os, struct, sys
+fd = os.open(sys.argv[1] + "-shm", os.O_RDONLY)
+probe = struct.pack("hhqqi", fcntl.F_WRLCK, os.SEEK_SET, 128, 1, 0)
+print(struct.unpack("hhqqi", fcntl.fcntl(fd, fcntl.F_GETLK, probe))[0] != fcntl.F_UNLCK)
+"""
+
+
+def shm_in_use(store: RunStore) -> bool:
+    probe = [sys.executable, "-c", SHM_IN_USE, str(store.path)]
+    answer = subprocess.run(probe, capture_output=True, text=True, check=True, timeout=60)
+    return answer.stdout.strip() == "True"
+
+
+def test_an_open_store_keeps_its_shm_file_marked_in_use(tmp_path: Path) -> None:
+    # Reading the WAL-index header must not cost the store SQLite's lock on the -shm file:
+    # without it, the next process to open the store truncated the file under the others, and a
+    # runtimed reading its header through SQLite died of SIGBUS.
+    store = RunStore(tmp_path / "runs.db")
+    store.heartbeat("python-0", "python", "unix:/nowhere", True)
+    assert store._wal_header is not None  # the header is mapped: the case that lost the lock
+    assert shm_in_use(store)
+    # A second store of the same file in this process, opened and closed, leaves it so too.
+    second = RunStore(store.path)
+    assert second.pod_fresh("python-0") is not None
+    second.close()
+    del second
+    gc.collect()
+    assert shm_in_use(store)
+    assert store.pod_fresh("python-0") is not None
+
+
 def create_ready(plane: ControlPlane) -> Run:
     alive(plane, "python-0")
     run = plane.store.update(
