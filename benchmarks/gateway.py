@@ -13,7 +13,9 @@ extra hops bare: a grpcio echo server (benchmarks.invoke's floor) and a tornado 
 the POST body. direct + both bare hops is the floor the gateway path is judged against. And, to
 show how low that floor is: a bare grpcio relay in front of the same Runtime Server (the least a
 proxy hop of runtimed's kind costs) and a chain of bare parts — tornado relaying with grpc.aio
-to a grpc.aio relay to the echo — against the same sum of bare hops.
+to a grpc.aio relay to the echo — against the same sum of bare hops. Between the bare relay and
+runtimed, a *checked relay*: the bare relay plus what runtimed's hop must do on every call,
+written flat (``serve_checked_relay``) — what the guarantees cost by themselves.
 
 Targets (issue 13): the gateway's p50 <= 1.2x that floor; runtimed's proxy hop (its p50 minus
 direct's) at most 0.10 ms above the bare gRPC hop. Usage: python -m benchmarks.gateway [--calls N]
@@ -49,7 +51,7 @@ from runtime_server.client import Client
 from runtime_server.daemon import announcement, start
 from runtime_server.lifecycle.stack import Stack
 from runtime_server.rpc import CHANNEL_OPTIONS
-from runtime_server.wire import POD_KEY, TIMELINE_HEADER
+from runtime_server.wire import ATTEMPT_KEY, POD_KEY, READY, TIMELINE_HEADER
 
 ROUNDS = 10
 TARGETS = {"gateway": 1.2, "proxy hop": 0.10}  # issue 13: x the floor; ms above a bare hop
@@ -73,13 +75,68 @@ def serve_http_echo() -> None:
     asyncio.run(serve())
 
 
+def serve_checked_relay(
+    listen: str, upstream: str, store_path: str, pod: str, registration_id: str
+) -> None:
+    """runtimed's hop with none of runtimed's structure: a grpcio thread-pool server (as
+    runtimed's) doing, on every InvokeFunction, what docs/protocol.md asks of the proxy hop —
+    the typed request, the empty-ID check, the routing fence on the caller's pod and on the
+    Run's row read fresh from the store, the registration ID filled in, the caller's deadline
+    passed on, a call its caller can cancel, the attempt and the server's trailers relayed.
+    The registration ID is given: runtimed registers; this relay only forwards."""
+    import signal
+    from concurrent import futures
+
+    from runtime_server.lifecycle.runs import RunStore
+    from runtime_server.rpc import CancellableCalls, caller_timeout, relayed_trailers
+
+    store = RunStore(Path(store_path))
+    calls = CancellableCalls(upstream, pb_grpc.FunctionRuntimeStub)
+
+    class Checked(pb_grpc.FunctionRuntimeServicer):
+        def InvokeFunction(
+            self, request: pb.InvokeFunctionRequest, context: grpc.ServicerContext
+        ) -> pb.InvokeFunctionResponse:
+            registration = request.registration
+            if registration.registration_id or not registration.run_uid:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "registration")
+            routed_to = dict(context.invocation_metadata()).get(POD_KEY)
+            run = store.get_uid_fresh(registration.run_uid)
+            elsewhere = routed_to is not None and routed_to != pod
+            if elsewhere or run is None or run.assigned_pod != pod or run.phase != READY:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, "routed elsewhere")
+            forwarded = pb.InvokeFunctionRequest()
+            forwarded.CopyFrom(request)
+            forwarded.registration.registration_id = registration_id
+            timeout = caller_timeout(context)
+            response, call = calls.call(
+                lambda stub: stub.InvokeFunction.with_call(forwarded, timeout=timeout), context
+            )
+            trailers = ((ATTEMPT_KEY, str(run.attempt)),)
+            context.set_trailing_metadata(trailers + relayed_trailers(call.trailing_metadata()))
+            return response
+
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=CHANNEL_OPTIONS)
+    pb_grpc.add_FunctionRuntimeServicer_to_server(Checked(), server)
+    server.add_insecure_port(listen)
+    server.start()
+    print(announcement("bench", "checked relay", listen), flush=True)
+    signal.sigwait({signal.SIGTERM, signal.SIGINT})
+    server.stop(0)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--http-echo", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--checked-relay", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.http_echo:
         serve_http_echo()
+        return 0
+    if args.checked_relay:
+        serve_checked_relay(*args.checked_relay)
         return 0
     with tempfile.TemporaryDirectory(prefix="fnkernel-bench-") as tmp:
         echoes = [
@@ -102,6 +159,7 @@ def main() -> int:
                 *(echo.address for echo in echoes),
                 bare_proxy.address,
                 chain_front.address,
+                f"unix:{tmp}/checked.sock",
             )
         finally:
             stack.stop()
@@ -110,7 +168,13 @@ def main() -> int:
 
 
 def run(
-    stack: Stack, calls: int, grpc_echo: str, http_echo: str, bare_proxy: str, chain: str
+    stack: Stack,
+    calls: int,
+    grpc_echo: str,
+    http_echo: str,
+    bare_proxy: str,
+    chain: str,
+    checked_listen: str,
 ) -> int:
     client = Client(stack.gateway_address)
     client.create_run(
@@ -123,10 +187,45 @@ def run(
     server = stack.component("python-0-server").child
     runtimed = stack.component("python-0-runtimed").child
     assert server is not None and runtimed is not None
+    store = str(stack.state_dir / "runs.db")
+    relay_args = [checked_listen, server.address, store, "python-0", registration.registration_id]
+    checked = start([sys.executable, "-m", "benchmarks.gateway", "--checked-relay", *relay_args])
+    try:
+        results = measure_cases(
+            client,
+            registration,
+            server.address,
+            runtimed.address,
+            checked.address,
+            grpc_echo,
+            http_echo,
+            bare_proxy,
+            chain,
+            calls,
+        )
+    finally:
+        checked.stop(10)
+    return report(results, timeline(client, calls // 4))
+
+
+def measure_cases(
+    client: Client,
+    registration: pb.FunctionRegistration,
+    server: str,
+    runtimed: str,
+    checked: str,
+    grpc_echo: str,
+    http_echo: str,
+    bare_proxy: str,
+    chain: str,
+    calls: int,
+) -> dict[str, list[float]]:
+    """Every case's latencies (ms), measured in rounds, the cases in turn."""
     channels = [
-        grpc.insecure_channel(c.address, options=CHANNEL_OPTIONS) for c in (server, runtimed)
+        grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        for address in (server, runtimed, checked)
     ]
-    direct_stub, proxy_stub = (pb_grpc.FunctionRuntimeStub(c) for c in channels)
+    direct_stub, proxy_stub, checked_stub = (pb_grpc.FunctionRuntimeStub(c) for c in channels)
     direct_request = pb.InvokeFunctionRequest(
         registration=registration, input=PAYLOAD, content_type="application/json"
     )
@@ -156,6 +255,9 @@ def run(
         "bare gRPC echo": lambda: echo(PAYLOAD, timeout=30),
         "bare HTTP echo (tornado)": echo_over_http,
         "bare relay → Runtime Server": lambda: bare_stub.InvokeFunction(direct_request, timeout=30),
+        "checked relay → Runtime Server": lambda: checked_stub.InvokeFunction(
+            proxy_request, timeout=30, metadata=pod
+        ),
         "bare chain: HTTP → relay → echo": lambda: echo_over_http(chain_connection),
     }
     results: dict[str, list[float]] = {name: [] for name in cases}
@@ -167,8 +269,10 @@ def run(
             results[name] += measure(call, calls // ROUNDS, warmup=20)
     for channel in channels:
         channel.close()
-    segments = timeline(client, calls // 4)
+    return results
 
+
+def report(results: dict[str, list[float]], segments: dict[str, list[float]]) -> int:
     direct = p(results["direct Runtime Server"], 50)
     grpc_hop = p(results["bare gRPC echo"], 50)
     floor = direct + grpc_hop + p(results["bare HTTP echo (tornado)"], 50)
@@ -182,18 +286,22 @@ def run(
     gateway = p(results["gateway (HTTP)"], 50) / floor
     proxy_hop = p(results["runtimed proxy hop"], 50) - direct
     bare_hop = p(results["bare relay → Runtime Server"], 50) - direct
+    checked_hop = p(results["checked relay → Runtime Server"], 50) - direct
     chain_ratio = p(results["bare chain: HTTP → relay → echo"], 50) / (
         p(results["bare HTTP echo (tornado)"], 50) + 2 * grpc_hop
     )
     print(
         f"runtimed's proxy hop: {proxy_hop:.3f} ms; a bare gRPC hop: {grpc_hop:.3f} ms; "
-        f"a bare relay hop: {bare_hop:.3f} ms ({bare_hop - grpc_hop:+.3f} ms)"
+        f"a bare relay hop: {bare_hop:.3f} ms ({bare_hop - grpc_hop:+.3f} ms); "
+        f"a checked relay hop (the guarantees, flat): {checked_hop:.3f} ms "
+        f"({checked_hop - grpc_hop:+.3f} ms)"
     )
     print(
         f"the same floor for a chain of bare parts (HTTP echo + 2 gRPC hops): it costs "
         f"{chain_ratio:.2f}x that"
     )
-    print(f"where a gateway call's time goes (X-Fn-Timeline, median of {calls // 4} calls):")
+    timed = len(next(iter(segments.values())))
+    print(f"where a gateway call's time goes (X-Fn-Timeline, median of {timed} calls):")
     for segment, samples in segments.items():
         print(f"  {segment:<46}{p(samples, 50):>7.3f} ms")
     return verdicts(
