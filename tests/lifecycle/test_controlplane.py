@@ -393,7 +393,7 @@ def shm_in_use(store: RunStore) -> bool:
 def test_an_open_store_keeps_its_shm_file_marked_in_use(tmp_path: Path) -> None:
     # Reading the WAL-index header must not cost the store SQLite's lock on the -shm file:
     # without it, the next process to open the store truncated the file under the others, and a
-    # runtimed reading its header through SQLite died of SIGBUS.
+    # runtimed touching the WAL index through SQLite died of SIGBUS.
     store = RunStore(tmp_path / "runs.db")
     store.heartbeat("python-0", "python", "unix:/nowhere", True)
     assert store._wal_header is not None  # the header is mapped: the case that lost the lock
