@@ -42,6 +42,7 @@ from benchmarks.invoke import (
     bench_server,
     measure,
     p,
+    serve_until_signal,
     verdicts,
 )
 from benchmarks.throughput import INVOKE_METHOD, relay
@@ -84,11 +85,15 @@ def serve_checked_relay(
     Run's row read fresh from the store, the registration ID filled in, the caller's deadline
     passed on, a call its caller can cancel, the attempt and the server's trailers relayed.
     The registration ID is given: runtimed registers; this relay only forwards."""
-    import signal
     from concurrent import futures
 
     from runtime_server.lifecycle.runs import RunStore
-    from runtime_server.rpc import CancellableCalls, caller_timeout, relayed_trailers
+    from runtime_server.rpc import (
+        CancellableCalls,
+        caller_timeout,
+        metadata_value,
+        relayed_trailers,
+    )
 
     store = RunStore(Path(store_path))
     calls = CancellableCalls(upstream, pb_grpc.FunctionRuntimeStub)
@@ -100,7 +105,7 @@ def serve_checked_relay(
             registration = request.registration
             if registration.registration_id or not registration.run_uid:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, "registration")
-            routed_to = dict(context.invocation_metadata()).get(POD_KEY)
+            routed_to = metadata_value(context, POD_KEY)
             run = store.get_uid_fresh(registration.run_uid)
             elsewhere = routed_to is not None and routed_to != pod
             if elsewhere or run is None or run.assigned_pod != pod or run.phase != READY:
@@ -116,14 +121,9 @@ def serve_checked_relay(
             context.set_trailing_metadata(trailers + relayed_trailers(call.trailing_metadata()))
             return response
 
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=CHANNEL_OPTIONS)
     pb_grpc.add_FunctionRuntimeServicer_to_server(Checked(), server)
-    server.add_insecure_port(listen)
-    server.start()
-    print(announcement("bench", "checked relay", listen), flush=True)
-    signal.sigwait({signal.SIGTERM, signal.SIGINT})
-    server.stop(0)
+    serve_until_signal(server, listen, "checked relay")
 
 
 def main() -> int:
