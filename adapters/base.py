@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import ClassVar, Protocol
 
 from adapters.errors import InitError, InvalidHandler
-from adapters.tempdirs import private_tempdir
+from adapters.private import private_tempdir
 from adapters.worker import LogLine, WorkerCall, WorkerSupervisor
 
 JSON = "application/json"

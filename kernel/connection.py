@@ -118,7 +118,7 @@ class Runtime:
         return dict(self._stack.pods) if self._stack is not None else {}
 
     def _start_embedded(self) -> None:
-        from adapters.tempdirs import private_tempdir, sweep
+        from adapters.private import private_tempdir, sweep
         from runtime_server.lifecycle.stack import Stack  # only now: plain cells never pay for it
 
         sweep("kernel")  # what a SIGKILLed kernel left behind

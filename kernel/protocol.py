@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
-from adapters.tempdirs import private_tempdir, sweep
+from adapters.private import private_tempdir, sweep
 from kernel.functions import InvocationInterrupted, wait_until_free
 from kernel.trace import Trace, decode_message
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb

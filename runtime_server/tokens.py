@@ -1,7 +1,7 @@
 """The gateway's bearer token: made, stored, announced and found (README, "Security").
 
-Standard library only (and adapters.procfs): the client library, and so the kernel, imports
-this at start.
+Standard library only (and adapters.procfs, adapters.private): the client library, and so the
+kernel, imports this at start.
 
 * A gateway on TCP requires a token, loopback included, because any web page the user opens can
   send requests to loopback. When none is given, one is generated at start and stored in
@@ -9,7 +9,11 @@ this at start.
 * Every gateway that requires a token also writes a *gateway file* ``gateway-PID.json``
   ({address, token, pid}, mode 0600) into the runtime directory (0700), and removes it when it
   stops, as Jupyter Server does with its ``jpserver-PID.json``. A client given only an address
-  finds the token there, so neither the CLI nor the kernel makes the user copy it.
+  finds the token there, so neither the CLI nor the kernel makes the user copy it. A gateway
+  that was killed cannot remove its file: the next gateway to announce itself, or client to look,
+  removes every file whose process is gone.
+* Both directories must be this user's alone (``adapters.private``): a token is never written
+  into, nor read from, a directory another user made or may write.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
+from adapters.private import check_private_dir, create_private, private_dir
 from adapters.procfs import running
 
 TOKEN_ENV = "FNKERNEL_TOKEN"
@@ -36,16 +41,23 @@ def generate() -> str:
 
 
 def write_private(path: Path, text: str) -> Path:
-    """Write `text` to `path`, readable by this user only (0600), replacing it whole."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    """Write `text` to `path`, readable by this user only (0600), replacing it whole: through a
+    new temporary file (O_EXCL) in a directory that is this user's alone (NotPrivate otherwise),
+    which is removed again if the write fails (a full disk)."""
+    private_dir(path.parent)
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    fd = create_private(temporary)
     try:
-        os.fchmod(fd, 0o600)  # an older file of that name may have had another mode
-        os.write(fd, text.encode())
-    finally:
-        os.close(fd)
-    os.replace(temporary, path)
+        try:
+            view = memoryview(text.encode())
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
     return path
 
 
@@ -111,9 +123,10 @@ def runtime_dir() -> Path:
 
 
 def announce(address: str, token: str) -> Path:
-    """Write this process's gateway file; remove it with ``withdraw``."""
-    directory = runtime_dir()
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    """Write this process's gateway file; remove it with ``withdraw``. NotPrivate if the runtime
+    dir is not this user's alone."""
+    directory = private_dir(runtime_dir())
+    _gateway_files(directory)  # removes those of gateways that are gone
     body = {"address": address, "token": token, "pid": os.getpid()}
     return write_private(directory / f"gateway-{os.getpid()}.json", json.dumps(body))
 
@@ -153,22 +166,34 @@ def same_gateway(announced: str, wanted: str) -> bool:
     return _is_local(want_host) and (_is_local(host) or host in ("0.0.0.0", "::"))
 
 
+def _gateway_files(directory: Path) -> list[dict[str, object]]:
+    """What the gateway files in `directory` say, of gateways still running; the file of a
+    gateway that is gone (SIGKILLed: it could not remove it) is removed, token and all."""
+    found = []
+    for entry in sorted(directory.glob("gateway-*.json")):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            if entry.lstat().st_uid != os.geteuid():
+                continue  # not ours: never trusted, and not ours to remove
+            info = json.loads(entry.read_text())
+            pid = info.get("pid")
+            if not isinstance(pid, int) or pid <= 0 or not running(pid):
+                entry.unlink(missing_ok=True)
+                continue
+            found.append(info)
+    return found
+
+
 def find_token(address: str) -> str | None:
     """The token of the running gateway at `address`, from its gateway file, if there is one."""
     if address.startswith("unix:"):
         return None  # a Unix socket is guarded by its file mode, not by a token
     try:
-        entries = sorted(runtime_dir().glob("gateway-*.json"))
+        directory = check_private_dir(runtime_dir())
     except OSError:
-        return None
-    for entry in entries:
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            info = json.loads(entry.read_text())
-            pid = info.get("pid")
-            if not isinstance(pid, int) or pid <= 0 or not running(pid):
-                continue  # the gateway file of a gateway that was killed
-            if same_gateway(str(info.get("address", "")), address):
-                token = info.get("token")
-                if isinstance(token, str) and token:
-                    return token
+        return None  # none, or one another user may write: nothing there is trusted
+    for info in _gateway_files(directory):
+        if same_gateway(str(info.get("address", "")), address):
+            token = info.get("token")
+            if isinstance(token, str) and token:
+                return token
     return None

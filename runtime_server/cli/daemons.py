@@ -62,14 +62,14 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _runtimed(args: argparse.Namespace) -> int:
+    from adapters.private import private_dir
     from runtime_server import daemon, logs
     from runtime_server.daemon import announcement
     from runtime_server.lifecycle.runs import RunStore
     from runtime_server.lifecycle.runtimed import Runtimed
 
     logs.configure(logging.DEBUG if args.verbose else logging.INFO)
-    state_dir = state_dir_of(args)
-    state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    state_dir = private_dir(state_dir_of(args))
     runtimed = Runtimed(
         RunStore(state_dir / "runs.db"),
         pod=args.pod,
@@ -122,6 +122,7 @@ def _gateway_token(args: argparse.Namespace, command: str, listen: str) -> Gatew
 def _gateway(args: argparse.Namespace) -> int:
     import asyncio
 
+    from adapters.private import private_dir
     from runtime_server import logs, tokens
     from runtime_server.daemon import announcement
     from runtime_server.lifecycle.controlplane import ControlPlane
@@ -134,8 +135,7 @@ def _gateway(args: argparse.Namespace) -> int:
     access = Access(
         token, frozenset(args.allow_origin), frozenset(h.lower() for h in args.allow_host)
     )
-    workspace_root = state_dir / "workspace"
-    workspace_root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    workspace_root = private_dir(state_dir / "workspace")
     control_plane = ControlPlane(RunStore(state_dir / "runs.db"), workspace_root)
 
     async def serve() -> None:
@@ -145,7 +145,11 @@ def _gateway(args: argparse.Namespace) -> int:
         except OSError as exc:
             print(f"fnkernel gateway: cannot listen on {args.listen}: {exc}", file=sys.stderr)
             raise SystemExit(EXIT_FAILURE) from None
-        gateway_file = tokens.announce(address, token) if token is not None else None
+        try:
+            gateway_file = tokens.announce(address, token) if token is not None else None
+        except OSError as exc:
+            print(f"fnkernel gateway: cannot write its gateway file: {exc}", file=sys.stderr)
+            raise SystemExit(EXIT_FAILURE) from None
         control_plane.start()
         print(
             announcement("gateway", "control plane + HTTP", address, f"state dir {state_dir}"),

@@ -16,6 +16,7 @@ import importlib
 import json
 import os
 import sys
+from pathlib import Path
 
 # What each component imports on its way to announcing itself.
 MODULES = {
@@ -60,7 +61,9 @@ def main(command: str) -> int:
     os.dup2(devnull, 0)  # as for a component started directly: stdin is /dev/null
     os.close(devnull)
     if request.get("stderr"):
-        log = os.open(request["stderr"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        from adapters.private import open_private
+
+        log = open_private(Path(request["stderr"]))
         os.dup2(log, 2)
         os.close(log)
     sys.argv = ["fnkernel", *request["args"]]

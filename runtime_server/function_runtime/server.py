@@ -9,7 +9,7 @@ import grpc
 from grpc_health.v1 import health
 
 from adapters import ADAPTERS
-from adapters.tempdirs import sweep
+from adapters.private import sweep
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from runtime_server.function_runtime.registry import Registry

@@ -13,10 +13,13 @@ plane) and every runtimed process, so a restart of any of them loses no Run.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import mmap
 import os
 import sqlite3
+import stat
 import threading
 import time
 import weakref
@@ -26,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from adapters.private import NotPrivate
 from runtime_server.errors import RunAlreadyExists, RunNotFound
 from runtime_server.wire import DELETED, FAILED
 
@@ -168,10 +172,10 @@ class _WalHeaders:
         shm = f"{path}-shm"
         with self._lock:
             try:
-                stat = os.stat(shm)
+                found = os.stat(shm)
             except OSError:
                 return None
-            key = (stat.st_dev, stat.st_ino)
+            key = (found.st_dev, found.st_ino)
             entry = self._mapped.get(key)
             if entry is None:
                 try:
@@ -201,6 +205,25 @@ class _WalHeaders:
 _WAL_HEADERS = _WalHeaders()
 
 
+def _make_private(path: Path) -> None:
+    """The store and its -wal and -shm files are 0600: they hold every Run's env (README,
+    "Security"). SQLite gives the -wal and -shm files the database file's mode, so the database
+    file is created 0600 before SQLite opens it; an older store's looser files are tightened.
+    By path, never through a descriptor of our own: closing one would drop the locks SQLite holds
+    on the file in this process (_WalHeaders)."""
+    with contextlib.suppress(FileExistsError):
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+    for name in (str(path), f"{path}-wal", f"{path}-shm"):
+        try:
+            found = os.lstat(name)
+        except FileNotFoundError:
+            continue
+        if found.st_uid != os.geteuid():
+            raise NotPrivate(errno.EPERM, f"owned by uid {found.st_uid}, not by this user", name)
+        if stat.S_ISREG(found.st_mode) and stat.S_IMODE(found.st_mode) & 0o077:
+            os.chmod(name, 0o600)
+
+
 def _run(row: sqlite3.Row) -> Run:
     values = dict(row)
     values["env"] = json.loads(values["env"])
@@ -215,6 +238,7 @@ class RunStore:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._local = threading.local()
+        _make_private(path)
         db = self._connection()
         db.executescript(_SCHEMA)  # idempotent; executescript commits by itself
         self._add_missing_columns(db)

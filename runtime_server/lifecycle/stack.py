@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from adapters.tempdirs import private_tempdir, sweep
+from adapters.private import open_private, private_dir, private_tempdir, sweep
 from runtime_server import daemon, tokens, wire
 from runtime_server.daemon import Child, spawn
 
@@ -56,7 +56,9 @@ class Component:
         if self.child is not None and self.child.proc.stdout is not None:
             self.child.proc.stdout.close()  # the exited child's announcement pipe
         if self.log is None:
-            self.log = open(log_dir / f"{self.name}.log", "a")  # noqa: SIM115 — lives with the component
+            # 0600: a log may hold what a handler printed (README, "Security").
+            path = log_dir / f"{self.name}.log"
+            self.log = open(path, "a", opener=open_private)  # noqa: SIM115 — lives with the component
         self.child = spawn(self.args, stderr=self.log, die_with_parent=True, prewarmed=prewarmed)
         self.started_at = time.monotonic()
         return self.child
@@ -112,13 +114,14 @@ class Stack:
         if len(str(sockets)) > _MAX_UNIX_PATH - 24 or wire.unix_target_problem(str(sockets)):
             sweep("sock")
             sockets = self._private_sockets = private_tempdir("sock")  # 0700, short enough to bind
-        sockets.mkdir(mode=0o700, exist_ok=True)
-        return sockets
+        return private_dir(sockets)
 
     def start(self) -> None:
-        """Start every pod, then the gateway; each is announced before the next starts."""
+        """Start every pod, then the gateway; each is announced before the next starts.
+        NotPrivate (before anything is written) if the state dir or one of its directories is
+        not this user's alone (README, "Security")."""
         for directory in (self.state_dir, self.workspace_root, self.state_dir / "logs"):
-            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            private_dir(directory)
         self._sockets = self._socket_dir()
         chosen = tokens.gateway_token(
             self.gateway_listen, self.state_dir, token_file=self.token_file, no_token=self.no_token

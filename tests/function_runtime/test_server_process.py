@@ -174,7 +174,7 @@ def test_cli_usage_errors_exit_2() -> None:
 def test_scratch_dirs_of_a_killed_server_are_removed_by_the_next_server(
     server_process: Callable[..., ServeProcess],
 ) -> None:
-    # A SIGKILLed server cannot clean up; the next one removes what it left (adapters/tempdirs.py),
+    # A SIGKILLed server cannot clean up; the next one removes what it left (adapters/private.py),
     # never the scratch dirs of a server that is still running.
     killed, live = server_process("--runtime", "bash"), server_process("--runtime", "bash")
     for server in (killed, live):
