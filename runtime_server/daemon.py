@@ -69,6 +69,7 @@ def start(
     new_session: bool = False,
 ) -> Child:
     """Start `argv`, a program that announces itself (``announcement``), and wait for that line."""
+    log = _Log.of(stderr)
     proc = subprocess.Popen(
         argv,
         stdout=subprocess.PIPE,
@@ -78,19 +79,64 @@ def start(
         env=env,
         start_new_session=new_session,
     )
-    return announced(proc, argv)
+    return announced(proc, argv, log)
 
 
-def announced(proc: subprocess.Popen[str], argv: Sequence[str]) -> Child:
-    """Wait for the announcement line of `proc`, started as `argv`; kill it if there is none."""
+@dataclass(frozen=True)
+class _Log:
+    """Where a component's stderr goes, if it is a file, and how long it was before the start:
+    what the component writes there from then on is its own."""
+
+    fd: int
+    start: int
+
+    @classmethod
+    def of(cls, stderr: int | IO[str]) -> _Log | None:
+        try:
+            fd = stderr if isinstance(stderr, int) else stderr.fileno()
+            return cls(fd, os.fstat(fd).st_size) if fd >= 0 else None
+        except (OSError, ValueError, AttributeError):
+            return None
+
+    def last_line(self) -> str:
+        """The last line the component wrote there (a traceback's last line names the error)."""
+        with contextlib.suppress(OSError), open(f"/proc/self/fd/{self.fd}", "rb") as log:
+            size = os.fstat(log.fileno()).st_size  # opened anew: ours is for appending only
+            log.seek(max(self.start, size - 8192))
+            lines = log.read().decode("utf-8", "replace").splitlines()
+            return next((line.strip() for line in reversed(lines) if line.strip()), "")
+        return ""
+
+
+def announced(proc: subprocess.Popen[str], argv: Sequence[str], log: _Log | None = None) -> Child:
+    """Wait for the announcement line of `proc`, started as `argv`; kill it if there is none, and
+    say why it did not start: what it printed instead, its exit status and the last line it
+    wrote to its log (`log`), so that the reason reaches the terminal, not only the log."""
     assert proc.stdout is not None
     line = proc.stdout.readline().strip()
     if LISTENING_ON not in line:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(2)  # it is exiting: give its last words time to reach the log
+        code = proc.poll()
         proc.kill()
         proc.wait()
-        raise RuntimeError(f"{' '.join(argv[2:])} did not start: {line!r}")
+        reason = [line] if line else []
+        if code is not None:
+            reason.append(f"exit status {code}")
+        last = log.last_line() if log is not None else ""
+        if last:
+            reason.append(_message_of(last))
+        raise RuntimeError(f"{' '.join(argv[2:])} did not start: {'; '.join(reason) or '?'}")
     address = line.split(LISTENING_ON, 1)[1].split(", ", 1)[0]
     return Child(list(argv), proc, address, line)
+
+
+def _message_of(line: str) -> str:
+    """A log line as a person reads it: a structured one's message (``logs``), else the line."""
+    with contextlib.suppress(ValueError, KeyError, TypeError):
+        record = json.loads(line)
+        return str(record["message"]) if isinstance(record, dict) else line
+    return line
 
 
 class Prewarmed:
@@ -220,7 +266,7 @@ def spawn(
         try:
             proc.stdin.write(json.dumps(request) + "\n")
             proc.stdin.close()
-            return announced(proc, argv)
+            return announced(proc, argv, _Log.of(stderr))
         except (OSError, RuntimeError):
             _discard(proc)  # it died meanwhile: start afresh
     env = None

@@ -78,6 +78,11 @@ class RoutedElsewhere(RuntimeServerError):
     """Routing fence: the Run is not assigned to the pod the call reached."""
 
 
+class StoreDamaged(RuntimeServerError):
+    """The Run store cannot be used: SQLite finds its file damaged (``PRAGMA quick_check``) or
+    not a database at all. ``str()`` names the file and gives SQLite's own words."""
+
+
 class NotAllowedHere(RuntimeServerError):
     """Register/Unregister belong to runtimed itself; outside callers may not use them."""
 

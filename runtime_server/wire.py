@@ -42,6 +42,7 @@ from runtime_server.errors import (
     RunNotReady,
     ShuttingDown,
     StaleRegistration,
+    StoreDamaged,
 )
 
 __all__ = [
@@ -147,6 +148,7 @@ GRPC_STATUS: dict[type[Exception], str] = {
     NoRuntimePod: "UNAVAILABLE",
     RegistrationLost: "UNAVAILABLE",
     NotAllowedHere: "PERMISSION_DENIED",
+    StoreDamaged: "INTERNAL",
     # FunctionEvaluator (docs/protocol.md, "Evaluators", "Wrapper server")
     NotFoundError: "NOT_FOUND",
     InvalidEvaluateRequest: "INVALID_ARGUMENT",

@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from runtime_server.client.errors import GatewayError, InvalidRequest
+    from runtime_server.errors import StoreDamaged
 
     argv = list(sys.argv[1:] if argv is None else argv)
     pairs = None
@@ -46,6 +47,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(f"fnkernel: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except StoreDamaged as exc:
+        print(f"fnkernel: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
     except (OSError, ValueError) as exc:  # a source that cannot be read
         print(f"fnkernel: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -65,13 +65,13 @@ def _runtimed(args: argparse.Namespace) -> int:
     from adapters.private import private_dir
     from runtime_server import daemon, logs
     from runtime_server.daemon import announcement
-    from runtime_server.lifecycle.runs import RunStore
+    from runtime_server.lifecycle.runs import STORE_FILE, RunStore
     from runtime_server.lifecycle.runtimed import Runtimed
 
     logs.configure(logging.DEBUG if args.verbose else logging.INFO)
     state_dir = private_dir(state_dir_of(args))
     runtimed = Runtimed(
-        RunStore(state_dir / "runs.db"),
+        RunStore(state_dir / STORE_FILE),
         pod=args.pod,
         runtime=args.runtime,
         server_address=args.server,
@@ -127,7 +127,7 @@ def _gateway(args: argparse.Namespace) -> int:
     from runtime_server.daemon import announcement
     from runtime_server.lifecycle.controlplane import ControlPlane
     from runtime_server.lifecycle.gateway import Access, Gateway
-    from runtime_server.lifecycle.runs import RunStore
+    from runtime_server.lifecycle.runs import STORE_FILE, RunStore
 
     logs.configure(logging.DEBUG if args.verbose else logging.INFO)
     state_dir = state_dir_of(args)
@@ -136,7 +136,7 @@ def _gateway(args: argparse.Namespace) -> int:
         token, frozenset(args.allow_origin), frozenset(h.lower() for h in args.allow_host)
     )
     workspace_root = private_dir(state_dir / "workspace")
-    control_plane = ControlPlane(RunStore(state_dir / "runs.db"), workspace_root)
+    control_plane = ControlPlane(RunStore(state_dir / STORE_FILE), workspace_root)
 
     async def serve() -> None:
         gateway = Gateway(control_plane, access, body_timeout=args.body_timeout)
@@ -173,6 +173,7 @@ def _gateway(args: argparse.Namespace) -> int:
 
 def _up(args: argparse.Namespace) -> int:
     from runtime_server import daemon, logs
+    from runtime_server.errors import StoreDamaged
     from runtime_server.lifecycle.stack import Stack, parse_pods
 
     logs.configure(logging.INFO)
@@ -196,6 +197,9 @@ def _up(args: argparse.Namespace) -> int:
         stack.start()
     except RuntimeError as exc:
         print(f"fnkernel up: {exc} (logs in {stack.state_dir / 'logs'})", file=sys.stderr)
+        return EXIT_FAILURE
+    except StoreDamaged as exc:
+        print(f"fnkernel up: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     print(f"fnkernel up: state dir {stack.state_dir}")
     for line in stack.describe():

@@ -20,6 +20,7 @@ from typing import IO
 from adapters.private import open_private, private_dir, private_tempdir, sweep
 from runtime_server import daemon, tokens, wire
 from runtime_server.daemon import Child, spawn
+from runtime_server.lifecycle.runs import STORE_FILE, RunStore
 
 LOG = logging.getLogger("fnkernel.up")
 _MAX_UNIX_PATH = 100  # sockaddr_un holds 108 bytes; leave room for the longest file name
@@ -123,6 +124,8 @@ class Stack:
         for directory in (self.state_dir, self.workspace_root, self.state_dir / "logs"):
             private_dir(directory)
         self._sockets = self._socket_dir()
+        # StoreDamaged, said here, before any component starts on a store it cannot use.
+        RunStore(self.state_dir / STORE_FILE).close()
         chosen = tokens.gateway_token(
             self.gateway_listen, self.state_dir, token_file=self.token_file, no_token=self.no_token
         )

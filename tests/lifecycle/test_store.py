@@ -1,0 +1,102 @@
+"""docs/protocol.md, "State on disk": a Run store that SQLite finds damaged is refused when a
+component starts, with the file's path and SQLite's own words, in the terminal — never a stack
+that says it is ready and then answers 500 to every read that reaches a bad page."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from runtime_server.daemon import spawn
+from runtime_server.errors import StoreDamaged
+from runtime_server.lifecycle.runs import Run, RunStore
+from runtime_server.wire import PENDING
+
+
+def filled_store(path: Path, runs: int = 300) -> None:
+    """A store with enough Runs to span many pages, closed (its WAL folded into the file)."""
+    store = RunStore(path)
+    for n in range(runs):
+        store.insert(
+            Run(uid=f"uid-{n}", name=f"run-{n}", runtime="python", handler="h.handle",
+                source="1 file(s)", working_dir=f"/w/{n}", env={"KEY": "v" * 200},
+                idle_timeout_seconds=900, phase=PENDING, attempt=1, created_at=time.time())
+        )  # fmt: skip
+    store.close()
+    assert not Path(f"{path}-wal").exists()
+
+
+def scribble(path: Path) -> None:
+    """4 KiB of random bytes over the middle of the file, as a bad disk or a stray write would."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 4096] = random.Random(26).randbytes(4096)
+    path.write_bytes(bytes(data))
+
+
+def up(state_dir: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "runtime_server.cli", "up", "--pods", "python=1",
+         "--state-dir", str(state_dir), "--gateway-listen", "127.0.0.1:0"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("damage", ["scribbled", "truncated"])
+def test_up_refuses_a_damaged_store_naming_it_with_sqlites_words(
+    tmp_path: Path, damage: str
+) -> None:
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    store = state / "runs.db"
+    filled_store(store)
+    if damage == "scribbled":
+        scribble(store)
+    else:
+        store.write_bytes(store.read_bytes()[:1000])
+    result = up(state)
+    assert result.returncode == 1, result.stderr
+    assert f"{store}: the Run store is damaged: " in result.stderr
+    assert "(SQLite)" in result.stderr and "Traceback" not in result.stderr
+    assert "ready;" not in result.stdout
+
+
+def test_a_damaged_store_is_found_by_quick_check_not_by_the_first_read(tmp_path: Path) -> None:
+    path = tmp_path / "runs.db"
+    filled_store(path)
+    scribble(path)
+    with pytest.raises(StoreDamaged, match=r"the Run store is damaged: .+ \(SQLite\)"):
+        RunStore(path)
+
+
+def test_a_component_that_does_not_start_says_why_not_only_in_its_log(tmp_path: Path) -> None:
+    # What the gateway printed before it exited reaches whoever started it: `fnkernel up`'s
+    # terminal, the kernel's error.
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    (state / "runs.db").write_bytes(b"not a database, but long enough to be read as one" * 100)
+    with (tmp_path / "gateway.log").open("a") as log:
+        log.write("a line of an earlier run\n")
+        log.flush()
+        with pytest.raises(RuntimeError) as failed:
+            spawn(["gateway", "--listen", "127.0.0.1:0", "--state-dir", str(state)], stderr=log)
+    message = str(failed.value)
+    assert "gateway --listen 127.0.0.1:0" in message
+    assert "did not start: exit status 1; fnkernel: " in message
+    assert "the Run store is damaged: file is not a database (SQLite)" in message
+    assert "earlier run" not in message
+
+
+def test_a_sound_store_opens_and_keeps_every_run(tmp_path: Path) -> None:
+    path = tmp_path / "runs.db"
+    filled_store(path, runs=50)
+    store = RunStore(path)
+    try:
+        assert len(store.runs()) == 50
+    finally:
+        store.close()
