@@ -23,7 +23,7 @@ from runtime_server import limits
 from runtime_server.errors import InvalidField, NoRuntimePod
 from runtime_server.lifecycle.runs import (
     DEFAULT_DRAIN_MILLIS,
-    POD_HEARTBEAT_TIMEOUT,
+    POD_GRACE_SECONDS,
     Run,
     RunStore,
 )
@@ -240,7 +240,7 @@ class ControlPlane:
         now = time.time()
         pods = {pod.name: pod for pod in self.store.pods()}
         due = min(
-            (pod.heartbeat + POD_HEARTBEAT_TIMEOUT for pod in pods.values() if pod.alive(now)),
+            (pod.heartbeat + POD_GRACE_SECONDS for pod in pods.values() if pod.alive(now)),
             default=math.inf,
         )
         for run in self.store.runs():

@@ -34,7 +34,12 @@ from runtime_server.errors import RunAlreadyExists, RunNotFound, StoreDamaged
 from runtime_server.wire import DELETED, FAILED
 
 STORE_FILE = "runs.db"  # in the state dir
-POD_HEARTBEAT_TIMEOUT = 3.0  # seconds without a heartbeat before a pod counts as gone
+# A pod counts as gone after this long without a heartbeat from its runtimed, or with no answer
+# from its Runtime Server to runtimed's health checks (docs/architecture.md, "Retries"): twice
+# the longest pause of a component (5 s: a GC, a busy CPU, a VM's stolen time) that must cost
+# no attempt and kill no call, with room for the heartbeat's second and a slow store write.
+POD_GRACE_SECONDS = 10.0
+HEARTBEAT_SECONDS = 1.0  # how often runtimed writes its pod's heartbeat
 DEFAULT_DRAIN_MILLIS = 5_000  # how long a delete lets the in-flight invocation finish
 # The first copy of the WAL-index header, at the start of the store's -shm file: every commit,
 # by any connection, changes it (docs/architecture.md, "The proxy hop").
@@ -129,7 +134,8 @@ class Run:
 
 @dataclass(frozen=True)
 class Pod:
-    """A Runtime Pod as its runtimed last reported it."""
+    """A Runtime Pod as its runtimed last reported it: `healthy` is whether its Runtime Server
+    answered a health check within the last POD_GRACE_SECONDS."""
 
     name: str
     runtime: str
@@ -139,7 +145,7 @@ class Pod:
 
     def alive(self, now: float | None = None) -> bool:
         now = time.time() if now is None else now
-        return self.healthy and now - self.heartbeat < POD_HEARTBEAT_TIMEOUT
+        return self.healthy and now - self.heartbeat < POD_GRACE_SECONDS
 
 
 @dataclass

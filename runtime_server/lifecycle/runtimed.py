@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -42,7 +43,13 @@ from runtime_server.errors import (
 from runtime_server.function_runtime.registry import FAILED as REG_FAILED
 from runtime_server.function_runtime.registry import READY as REG_READY
 from runtime_server.function_runtime.server import FUNCTION_RUNTIME_SERVICE
-from runtime_server.lifecycle.runs import DEFAULT_DRAIN_MILLIS, Run, RunStore
+from runtime_server.lifecycle.runs import (
+    DEFAULT_DRAIN_MILLIS,
+    HEARTBEAT_SECONDS,
+    POD_GRACE_SECONDS,
+    Run,
+    RunStore,
+)
 from runtime_server.rpc import (
     CHANNEL_OPTIONS,
     CancellableCalls,
@@ -76,8 +83,10 @@ LOG = logging.getLogger("fnkernel.runtimed")
 UNSUPPORTED = "runtime does not support function mode"
 _SKIPPED_DIRS = frozenset({"__pycache__"})
 _REGISTER_RPC_TRIES = 3
-# RegisterFunction statuses that mean the server could not be reached at all.
-_POD_DOWN_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# Statuses that mean the server did not answer (down, or paused): they say nothing of what it
+# holds, so they cost no attempt (docs/architecture.md, "Retries": a pause is not a death).
+_NO_ANSWER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+_HEALTH_CHECK_SECONDS = 0.5
 _UNREGISTER_SLACK_SECONDS = 5.0  # the RPC's deadline beyond the drain it asks for
 _WAKE_SECONDS = 0.005  # how often the loop asks the store whether anything changed, when busy
 _BUSY_SECONDS = 10.0  # busy: this long after the last change (then every tick: idle CPU)
@@ -160,7 +169,10 @@ class Runtimed:
         self._stop = threading.Event()
         self._loop_thread: threading.Thread | None = None
         self._grpc: grpc.Server | None = None
-        self._healthy = False
+        self._healthy = False  # the last health check's answer
+        self._server_answered = -math.inf  # when a health check last succeeded: not yet
+        self._reported: bool | None = None  # the health the last heartbeat wrote
+        self._next_beat = 0.0
 
     # Lifecycle
 
@@ -194,7 +206,9 @@ class Runtimed:
         once (docs/architecture.md, "The first registration") — and once a poll interval
         regardless: reading every Run of the pod each tick cost CPU in proportion to the Runs
         (0.8 ms a pass for 50). The wake-ups are 5 ms apart for a while after a change, a tick
-        apart once all is quiet (idle CPU); an unhealthy server is re-checked every tick."""
+        apart once all is quiet (idle CPU); a server that did not answer its last health check
+        is checked again every tick. The heartbeat is written every HEARTBEAT_SECONDS,
+        whatever the poll interval."""
         next_poll = next_pass = next_reconcile = last_change = 0.0
         version = None
         while not self._stop.is_set():
@@ -210,7 +224,7 @@ class Runtimed:
                         next_reconcile = now + self.poll_interval
                         self.reconcile()
                     due = now >= next_poll
-                    if due or not self._healthy:
+                    if now >= self._next_beat or not self._healthy:
                         self._heartbeat()
                     if due:
                         next_poll = time.monotonic() + self.poll_interval
@@ -222,14 +236,27 @@ class Runtimed:
 
     def _server_healthy(self) -> bool:
         try:
-            reply = self._health.Check(health_pb2.HealthCheckRequest(), timeout=0.5)
+            reply = self._health.Check(
+                health_pb2.HealthCheckRequest(), timeout=_HEALTH_CHECK_SECONDS
+            )
         except grpc.RpcError:
             return False
         return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
-    def _heartbeat(self) -> None:
+    def _heartbeat(self, *, now: bool = False) -> None:
+        """Check the server and write the pod's heartbeat: when one is due, when the health it
+        reports changed, or `now`. The pod is reported unhealthy only once its server has not
+        answered for POD_GRACE_SECONDS: one missed check is a pause (a GC, a busy CPU), not a
+        death, and declaring the pod gone would cost each of its Runs an attempt and its call."""
+        checked = time.monotonic()
         self._healthy = self._server_healthy()
-        self.store.heartbeat(self.pod, self.runtime, self.address, self._healthy)
+        if self._healthy:
+            self._server_answered = checked
+        healthy = checked - self._server_answered < POD_GRACE_SECONDS
+        if now or healthy != self._reported or checked >= self._next_beat:
+            self.store.heartbeat(self.pod, self.runtime, self.address, healthy)
+            self._reported = healthy
+            self._next_beat = checked + min(self.poll_interval, HEARTBEAT_SECONDS)
 
     # Reconcile: make the server match the Runs assigned to this pod
 
@@ -288,11 +315,7 @@ class Runtimed:
                     response = self.server_stub.RegisterFunction(request, timeout=90)
                     break
                 except grpc.RpcError as err:
-                    transient = err.code() in (
-                        grpc.StatusCode.UNAVAILABLE,
-                        grpc.StatusCode.DEADLINE_EXCEEDED,
-                    )
-                    if transient and tries < _REGISTER_RPC_TRIES:
+                    if err.code() in _NO_ANSWER_CODES and tries < _REGISTER_RPC_TRIES:
                         # docs/protocol.md: repeating an uncertain RegisterFunction for the same attempt is
                         # idempotent and does not change Run status.
                         time.sleep(0.2 * tries)
@@ -339,7 +362,9 @@ class Runtimed:
         retry budget — not when the pod was down (README, "Runs")."""
         with self._lock:
             self._active.pop(run.uid, None)
-        self._heartbeat()  # so the retry engine sees at once whether this pod can take a retry
+        self._heartbeat(
+            now=True
+        )  # so the retry engine sees at once whether this pod can take a retry
         self.store.update(
             run,
             phase=RETRYING,
@@ -364,13 +389,19 @@ class Runtimed:
             self.store.update(run, phase=FAILED, message=UNSUPPORTED)
         elif code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS):
             self.store.update(run, phase=FAILED, message=limits.bounded(details))
-        else:
-            # An unreachable server is a pod that is down, not a fault of the function.
-            self._infrastructure_failure(
-                run,
-                f"RegisterFunction: {code.name}: {details}",
-                charged=code not in _POD_DOWN_CODES,
+        elif code in _NO_ANSWER_CODES:
+            # The server did not answer (down, or paused): nothing was registered, so nothing is
+            # superseded. The Run stays as it is and the next pass repeats the same attempt; if
+            # the pod is really gone, the control plane moves the Run once its grace is over.
+            LOG.warning(
+                "run %s attempt %d: RegisterFunction: %s: %s; will try again",
+                run.name,
+                run.attempt,
+                code.name,
+                details,
             )
+        else:
+            self._infrastructure_failure(run, f"RegisterFunction: {code.name}: {details}")
 
     # Poll: health and idle timeout, at a bounded cadence
 
@@ -395,7 +426,13 @@ class Runtimed:
         try:
             status = self._server_status(run.uid, active)
         except grpc.RpcError as err:
-            # NOT_FOUND: the server restarted and lost it; UNAVAILABLE: the server is gone.
+            if err.code() in _NO_ANSWER_CODES:
+                # No answer (the server is paused, busy or restarting) says nothing about the
+                # registration: it is kept, and the next poll asks again. A server that really
+                # went away lost it, and says so (NOT_FOUND) once it is back.
+                LOG.info("run %s: FunctionStatus: %s; polling again", run.name, err.code().name)
+                return
+            # NOT_FOUND: the server restarted and lost it; FAILED_PRECONDITION: it holds another.
             # Either way the pod failed, not the function: the retry is free.
             self._infrastructure_failure(
                 run, f"FunctionStatus: {err.code().name}: {err.details()}", charged=False

@@ -389,6 +389,37 @@ def test_a_registration_the_server_lost_is_503_and_registered_again_free_of_char
     assert b'"echo"' in pod.invoke(again).output
 
 
+def test_a_register_the_server_does_not_answer_repeats_the_same_attempt_until_it_does(
+    tmp_path: Path,
+) -> None:
+    # docs/architecture.md, "Retries": no answer (the server is down or paused) says nothing was
+    # registered, so nothing is superseded: the Run stays Pending at attempt 1, and the same
+    # attempt registers once the server answers.
+    workspace = tmp_path / "workspace"
+    workspace.mkdir()
+    store = RunStore(tmp_path / "runs.db")
+    listen = f"unix:{tmp_path}/server.sock"
+    first = RuntimeServer("python", workspace)
+    first.start(listen)
+    runtimed = Runtimed(store, pod=POD, runtime="python", server_address=listen, poll_interval=0.2)
+    runtimed.start(f"unix:{tmp_path}/runtimed.sock")
+    first.stop(0)  # answered once, gone now: for a while the pod may be paused, not dead
+    server = RuntimeServer("python", workspace)
+    try:
+        plane = ControlPlane(store, workspace)
+        files = {path: textwrap.dedent(text) for path, text in ECHO_PY.items()}
+        plane.create_run(name="echo", runtime="python", handler="handler.handle", files=files)
+        # For 3 s, pass after pass tries RegisterFunction (three times each) and finds no server.
+        run = plane.wait_settled("echo", timeout=3)
+        assert (run.phase, run.attempt, run.uncharged_attempts) == (PENDING, 1, 0)
+        server.start(listen)
+        run = plane.wait_settled("echo", timeout=20)
+        assert (run.phase, run.attempt) == (READY, 1)
+    finally:
+        runtimed.stop(0)
+        server.stop(0)
+
+
 def test_the_proxy_hop_relays_a_handler_error_with_its_trailers(pod: Pod) -> None:
     # docs/protocol.md, "Proxy hop": runtimed passes the Runtime Server's status on unchanged,
     # UNKNOWN with the fn-error-type and fn-logs-bin trailers of a handler error included.

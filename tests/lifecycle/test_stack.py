@@ -23,6 +23,7 @@ from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from runtime_server.client import Client
 from runtime_server.daemon import Prewarmed, serve_args, spawn
+from runtime_server.lifecycle.runs import POD_GRACE_SECONDS
 from runtime_server.lifecycle.stack import Stack
 from runtime_server.rpc import CHANNEL_OPTIONS
 from tests.support import ECHO_PY, SLOW_PY, http_call, pid_alive, wait_until
@@ -151,7 +152,10 @@ def test_reassignment_to_another_pod_when_a_pod_dies(stack_factory: StackFactory
         assert component.child is not None
         component.child.proc.kill()
         component.child.proc.wait()
-    wait_until(lambda: phase_and_attempt(client, "mover") == ("Ready", 2), timeout=15)
+    # Gone once its heartbeat is POD_GRACE_SECONDS old (a pause is not a death), then moved.
+    wait_until(
+        lambda: phase_and_attempt(client, "mover") == ("Ready", 2), timeout=POD_GRACE_SECONDS + 15
+    )
     moved = client.status("mover")["status"]["assignedPod"]
     assert moved != pod
     assert client.invoke("mover", {"y": 2}).value()["echo"] == {"y": 2}
