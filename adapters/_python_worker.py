@@ -5,11 +5,14 @@ registered working directory as cwd. It uses the standard library only and impor
 fnkernel, so user modules named like ours cannot shadow it (``-P``: the script's own directory is
 not put on sys.path; the working directory is).
 
-Frames (see adapters/worker.py for the handshake and the log files):
-  request:  ``<id_len> <input_len> <remaining_ms>\\n`` + invocation id + input bytes
-  response: ``<ok|error|invalid> <meta_len> <output_len>\\n`` + meta JSON + output bytes, where
-            meta is the outputs object for ``ok`` (0 bytes when there are none) and
-            ``{"errorType", "errorMessage"}`` otherwise
+Frames (see adapters/worker.py for the handshake, the nonce and the log files):
+  request:  ``<id_len> <input_len> <remaining_ms> <nonce>\\n`` + invocation id + input bytes
+  response: ``<ok|error|invalid> <meta_len> <output_len> <nonce>\\n`` + meta JSON + output bytes,
+            where meta is the outputs object for ``ok`` (0 bytes when there are none) and
+            ``{"errorType", "errorMessage"}`` otherwise, and the nonce is the request's
+
+The two descriptor numbers are taken off ``sys.argv`` before the handler is imported: a handler
+has no easy way to its answers' pipe, and an answer it forged anyway lacks the call's nonce.
 """
 
 from __future__ import annotations
@@ -111,12 +114,13 @@ def _read_exact(stream, size: int) -> bytes:
     return data
 
 
-def _respond(fd: int, status: bytes, meta: dict | None, output: bytes = b"") -> None:
+def _respond(fd: int, nonce: bytes, status: bytes, meta: dict | None, output: bytes = b"") -> None:
     """One response frame; an empty meta (the common "ok" with no outputs) is sent as 0 bytes."""
     sys.stdout.flush()  # the supervisor reads the log files once it has the response
     sys.stderr.flush()
     encoded = json.dumps(meta).encode() if meta else b""
-    _write(fd, b"%s %d %d\n%s%s" % (status, len(encoded), len(output), encoded, output))
+    header = b"%s %d %d %s\n" % (status, len(encoded), len(output), nonce)
+    _write(fd, header + encoded + output)
 
 
 def serve(function, run_uid: str, requests, resp_fd: int) -> None:
@@ -126,15 +130,15 @@ def serve(function, run_uid: str, requests, resp_fd: int) -> None:
         header = requests.readline()
         if not header:
             return  # the supervisor closed the pipe: it is gone, so are we
-        id_len, input_len, remaining_ms = map(int, header.split())
+        *sizes, nonce = header.split()
+        id_len, input_len, remaining_ms = map(int, sizes)
         invocation_id = _read_exact(requests, id_len).decode()
         payload = _read_exact(requests, input_len)
         try:
             event = json.loads(payload) if payload.strip() else None
         except ValueError as exc:
-            _respond(
-                resp_fd, b"invalid", {"errorMessage": _bounded(f"input is not valid JSON: {exc}")}
-            )
+            message = _bounded(f"input is not valid JSON: {exc}")
+            _respond(resp_fd, nonce, b"invalid", {"errorMessage": message})
             continue
         context = Context(invocation_id, run_uid, remaining_ms, logger)
         try:
@@ -142,6 +146,7 @@ def serve(function, run_uid: str, requests, resp_fd: int) -> None:
         except SystemExit as exc:
             _respond(
                 resp_fd,
+                nonce,
                 b"error",
                 {
                     "errorType": "SystemExit",
@@ -154,6 +159,7 @@ def serve(function, run_uid: str, requests, resp_fd: int) -> None:
             traceback.print_exception(type(exc), exc, tb.tb_next if tb else None)
             _respond(
                 resp_fd,
+                nonce,
                 b"error",
                 {"errorType": type(exc).__name__, "errorMessage": _bounded(str(exc))},
             )
@@ -164,15 +170,17 @@ def serve(function, run_uid: str, requests, resp_fd: int) -> None:
             message = f"the return value cannot be encoded as JSON: {exc}"
             _respond(
                 resp_fd,
+                nonce,
                 b"error",
                 {"errorType": "ResultNotJSONSerializable", "errorMessage": _bounded(message)},
             )
             continue
-        _respond(resp_fd, b"ok", context.outputs, output)
+        _respond(resp_fd, nonce, b"ok", context.outputs, output)
 
 
 def main() -> None:
     run_uid, module_name, function_name, req_fd, resp_fd = sys.argv[1:6]
+    del sys.argv[4:6]  # the handler sees no descriptor numbers (see above)
     req, resp = int(req_fd), int(resp_fd)
     os.set_inheritable(req, False)  # the handler's own subprocesses must not hold our frame pipes
     os.set_inheritable(resp, False)

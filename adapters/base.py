@@ -147,9 +147,15 @@ class WorkerAdapter:
 
 
 def send_request(call: WorkerCall, payload: bytes) -> None:
-    """The request frame both workers read: id length, input length, time left; id; input."""
+    """The request frame both workers read: id length, input length, time left, the call's
+    nonce (adapters/worker.py); id; input."""
     invocation_id = call.invocation_id.encode()
-    header = b"%d %d %d\n" % (len(invocation_id), len(payload), call.remaining_millis())
+    header = b"%d %d %d %s\n" % (
+        len(invocation_id),
+        len(payload),
+        call.remaining_millis(),
+        call.nonce,
+    )
     if len(payload) < 65536:
         call.send(header + invocation_id + payload)  # one write for the common small payload
     else:

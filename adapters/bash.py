@@ -18,6 +18,7 @@ from adapters.base import HandlerResult, WorkerAdapter, resolve_inside, send_req
 from adapters.errors import (
     HANDLER_NOT_FOUND,
     OUTPUT_TOO_LARGE,
+    CorruptResponse,
     HandlerError,
     InitError,
     InvalidHandler,
@@ -93,7 +94,10 @@ class BashAdapter(WorkerAdapter):
 
     def _exchange(self, call: WorkerCall, payload: bytes) -> tuple[bytes, str, dict[str, str]]:
         send_request(call, payload)
-        return self._result(call, int(call.read_line().removeprefix(b"D ")))
+        done, status = call.read_header(2)
+        if done != b"D" or not status.isdigit():
+            raise CorruptResponse(f"its header was {done + b' ' + status!r}")
+        return self._result(call, int(status))
 
     def _ended(self, call: WorkerCall, code: int) -> tuple[bytes, str, dict[str, str]]:
         """The function ended the runner (`exit N`, `set -e`, `exec`, a signal): that is its status."""

@@ -7,9 +7,10 @@
 # file is sourced once, here; each call runs the function with the payload as one quoted argument.
 #
 # Frames (see adapters/worker.py for the handshake and the log files):
-#   request:  "<id_len> <input_len> <remaining_ms>\n" + invocation id + input bytes
-#   response: "D <status>\n" once the function returned; its stdout is in SCRATCH_DIR/stdout and
-#             its outputs in SCRATCH_DIR/outputs (the adapter removes that file after reading it).
+#   request:  "<id_len> <input_len> <remaining_ms> <nonce>\n" + invocation id + input bytes
+#   response: "D <status> <nonce>\n" once the function returned; its stdout is in
+#             SCRATCH_DIR/stdout and its outputs in SCRATCH_DIR/outputs (the adapter removes that
+#             file after reading it). The nonce is the request's: it proves which call this answers.
 #
 # The function runs in this shell, not in a job forked per call: on this machine a fork costs
 # more than the rest of the call together (docs/architecture.md, "Measured facts the design rests on"; benchmarks/invoke.py). So shell state the
@@ -38,12 +39,12 @@ declare -F -- "$fn" >/dev/null || initfail HandlerNotFound "${file##*/} does not
 export FUNCTION_OUTPUTS=$scratch/outputs
 printf 'READY\n' >&"$resp_fd"
 
-while IFS=' ' read -r -u "$req_fd" id_len input_len _; do
+while IFS=' ' read -r -u "$req_fd" id_len input_len _ __fnkernel_nonce; do
     IFS= LC_ALL=C read -r -u "$req_fd" -N "$id_len" invocation_id
     IFS= LC_ALL=C read -r -u "$req_fd" -N "$input_len" payload
     # stdin is /dev/null so the call cannot read the next frame; the frame pipes are closed
     # for the call (bash restores them after it).
     FUNCTION_INVOCATION_ID=$invocation_id "$fn" "$payload" \
         >"$scratch/stdout" </dev/null {req_fd}<&- {resp_fd}>&-
-    printf 'D %d\n' "$?" >&"$resp_fd"
+    printf 'D %d %s\n' "$?" "$__fnkernel_nonce" >&"$resp_fd"
 done

@@ -15,6 +15,7 @@ WORKER_CRASHED = "WorkerCrashed"  # the worker exited in the middle of a call
 INITIALIZATION_ERROR = "InitializationError"
 HANDLER_NOT_FOUND = "HandlerNotFound"
 OUTPUT_TOO_LARGE = "OutputTooLarge"
+CORRUPT_RESPONSE = "CorruptResponse"  # the worker's answer was not this call's: it is restarted
 
 
 class AdapterError(Exception):
@@ -72,3 +73,17 @@ class InvocationCancelled(AdapterError):
 
 class WorkerUnavailable(AdapterError):
     """No worker could be made ready in time (for example a replacement is still importing)."""
+
+
+class CorruptResponse(HandlerError):
+    """What the worker wrote on its response pipe is not a well-formed answer to this call —
+    junk, or a frame without this call's nonce (a handler that wrote to the worker's own
+    descriptor). The frame stream can no longer be trusted, so the worker is killed and replaced:
+    this call fails with this error and the next one gets a fresh worker, never another call's
+    answer."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(
+            CORRUPT_RESPONSE,
+            f"the worker's answer was not this call's ({what}); the worker was restarted",
+        )

@@ -9,7 +9,13 @@ from pathlib import Path
 from typing import ClassVar
 
 from adapters.base import JSON, WorkerAdapter, resolve_inside, send_request
-from adapters.errors import OUTPUT_TOO_LARGE, HandlerError, InvalidHandler, InvalidInput
+from adapters.errors import (
+    OUTPUT_TOO_LARGE,
+    CorruptResponse,
+    HandlerError,
+    InvalidHandler,
+    InvalidInput,
+)
 from adapters.worker import WorkerCall
 
 WORKER_SCRIPT = Path(__file__).with_name("_python_worker.py")
@@ -49,10 +55,16 @@ class PythonAdapter(WorkerAdapter):
 
     def _exchange(self, call: WorkerCall, payload: bytes) -> tuple[bytes, str, dict[str, str]]:
         send_request(call, payload)
-        status, meta_len, output_len = call.read_line().split(b" ")
-        raw_meta = call.read_exact(int(meta_len))
-        meta = json.loads(raw_meta) if raw_meta else {}
-        size = int(output_len)
+        status, meta_len, output_len = call.read_header(3)
+        try:
+            meta = json.loads(call.read_exact(int(meta_len)) or b"{}")
+            size = int(output_len)
+            if status not in (b"ok", b"invalid", b"error") or not isinstance(meta, dict):
+                raise ValueError(status)
+            if status != b"ok":
+                message, error_type = str(meta["errorMessage"]), str(meta.get("errorType", ""))
+        except (ValueError, KeyError) as exc:  # the nonce was right, the rest is not ours
+            raise CorruptResponse(f"a malformed answer: {type(exc).__name__}") from None
         if size > self.max_output_bytes:
             call.skip(size)
             raise HandlerError(
@@ -63,5 +75,5 @@ class PythonAdapter(WorkerAdapter):
         if status == b"ok":
             return output, JSON, meta
         if status == b"invalid":
-            raise InvalidInput(meta["errorMessage"])
-        raise HandlerError(meta["errorType"], meta["errorMessage"])
+            raise InvalidInput(message)
+        raise HandlerError(error_type, message)

@@ -8,9 +8,14 @@ background so the registration stays READY.
 
 Wire between supervisor and worker (the worker gets the two fd numbers as its last two arguments):
 
-* request fd (worker reads): adapter-specific frames.
+* request fd (worker reads): adapter-specific frames, each header ending in the call's *nonce*
+  (16 random hex digits, new for every call).
 * response fd (worker writes): first ``READY\\n``, or ``INITFAIL <errorType> <n>\\n`` followed by an
-  n-byte message (no traceback); then adapter-specific responses.
+  n-byte message (no traceback); then adapter-specific responses, each header ending in the
+  nonce of the call it answers. A header without this call's nonce — junk, or a frame a handler
+  wrote to the worker's descriptor itself — is a corrupt worker: it is killed and replaced, and
+  the call fails with CorruptResponse (``WorkerCall.read_header``). Without the nonce, one forged
+  frame shifted every later answer by one call: each caller got the previous call's result.
 * stdout and stderr: append-only files in the registration's scratch directory. After each call
   the supervisor reads what was appended, one log record per line. Reading files after the call,
   rather than pumping pipes with threads, keeps the hot path free of thread wake-ups (docs/architecture.md, "Measured facts the design rests on"
@@ -37,6 +42,7 @@ from adapters.errors import (
     INITIALIZATION_ERROR,
     WORKER_CRASHED,
     WORKER_KILLED,
+    CorruptResponse,
     HandlerError,
     InitError,
     InvalidInput,
@@ -233,6 +239,8 @@ class WorkerCall:
     invocation_id: str
     deadline: float
     run_uid: str
+    # Unguessable, new for every call: the worker echoes it in the answer's header.
+    nonce: bytes = field(default_factory=lambda: os.urandom(8).hex().encode())
     logs: list[LogLine] = field(default_factory=list)
     logs_final: bool = False  # the worker is gone (its log files may be closed): logs are complete
 
@@ -241,6 +249,16 @@ class WorkerCall:
 
     def read_line(self) -> bytes:
         return self.worker.read_line(self.deadline)
+
+    def read_header(self, fields: int) -> list[bytes]:
+        """The answer's header line: its `fields` space-separated fields before the nonce.
+        CorruptResponse unless it has exactly those and ends in this call's nonce."""
+        line = self.read_line()
+        *values, nonce = line.split(b" ")
+        if len(values) != fields or nonce != self.nonce:
+            shown = line[:60].decode("ascii", "backslashreplace")
+            raise CorruptResponse(f"its header was {shown!r}")
+        return values
 
     def read_exact(self, size: int) -> bytes:
         return self.worker.read_exact(size, self.deadline)
@@ -379,6 +397,10 @@ class WorkerSupervisor:
         worker = call.worker
         try:
             result = exchange(call)
+        except CorruptResponse as exc:
+            self._replace(worker, call)  # its frame stream is out of step: never reuse it
+            exc.logs = tuple(call.logs)
+            raise
         except (HandlerError, InvalidInput) as exc:
             # A complete response that reports a failure: the worker is fine.
             exc.logs = tuple(call.collect_logs())

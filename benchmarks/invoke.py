@@ -11,7 +11,7 @@ Every server runs in its own process (so client and server do not share a GIL), 
   with none of the Runtime Server's checks, fencing, deadlines, logs or cancellation. What the
   Runtime Server costs beyond it is ours; what it costs beyond the echo is the design's;
 * checked skeleton: the skeleton with what every call must do in our design, written flat in
-  one function with none of the Runtime Server's structure — our worker (its frames, its log
+  one function with none of the Runtime Server's structure — our worker (its frames and nonce, its log
   files), the request's checks, an invocation ID, the deadline, the cancel hook, one call at a
   time, the log files' sizes. What it costs beyond the skeleton is what those guarantees cost
   by themselves (reported beside the target).
@@ -202,7 +202,9 @@ def serve_checked_skeleton(address: str, root: str) -> None:
             deadline = time.monotonic() + min(timeout, context.time_remaining() or timeout)
             with lock:  # one invocation at a time
                 context.add_callback(lambda: None)  # the hook that cancels it if the caller goes
-                header = b"%d %d %d\n" % (len(invocation_id), len(request.input), timeout * 1000)
+                nonce = os.urandom(8).hex().encode()  # the answer must echo it
+                sizes = (len(invocation_id), len(request.input), timeout * 1000)
+                header = b"%d %d %d %s\n" % (*sizes, nonce)
                 os.write(req_w, header + invocation_id.encode() + request.input)
                 ready = select.select([resp_r, pidfd], [], [], deadline - time.monotonic())[0]
                 if resp_r not in ready:
@@ -211,7 +213,9 @@ def serve_checked_skeleton(address: str, root: str) -> None:
                 for fd in logs:  # has the handler logged anything?
                     os.lseek(fd, 0, os.SEEK_END)
             head, _, body = answer.partition(b"\n")
-            _, meta_len, output_len = head.split(b" ")
+            _, meta_len, output_len, answered = head.split(b" ")
+            if answered != nonce:
+                context.abort(grpc.StatusCode.UNKNOWN, "not this call's answer")
             output = body[int(meta_len) : int(meta_len) + int(output_len)]
             return pb.InvokeFunctionResponse(
                 registration=registration,
