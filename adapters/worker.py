@@ -20,12 +20,20 @@ Wire between supervisor and worker (the worker gets the two fd numbers as its la
   the supervisor reads what was appended, one log record per line. Reading files after the call,
   rather than pumping pipes with threads, keeps the hot path free of thread wake-ups (docs/architecture.md, "Measured facts the design rests on"
   budgets a whole invoke at ~1.3x a bare gRPC echo); a worker must flush before it responds.
+
+What one call may log is bounded (docs/protocol.md, "Limits"): of each stream, the first and the
+last half MiB and at most 10,000 lines are kept — read in two bounded reads, never the whole
+file — with one line between them saying how much was dropped. On disk, ``trim_logs`` (the
+server's reaper, every second) frees what lies between those halves while the call runs, so a
+call that prints without end takes its 1 MiB plus what it wrote in the last second.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
+import functools
 import logging
 import os
 import select
@@ -33,6 +41,7 @@ import signal
 import subprocess
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,14 +69,19 @@ _PIPE_SIZE = 1 << 20  # fewer wakeups for multi-MiB payloads; best effort (F_SET
 # for what the frame still needs, at least this much and at most _PIPE_SIZE.
 _MIN_READ = 1 << 16
 _F_SETPIPE_SZ = 1031
-_MAX_LOG_LINES = 256  # per call, kept for the caller; every line still goes to the server log
+_MAX_LOG_LINES = 256  # per call, the last ones, kept for the caller's trailer
 _MAX_LOG_LINE = 4096
 _ROTATE_LOG_BYTES = 8 << 20
+CALL_LOG_BYTES = 1 << 20  # of each stream, per call: what goes to the server log and memory
+CALL_LOG_LINES = 10_000  # of each stream, per call
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 1, 2
+_BLOCK = 4096
 
 # Every worker pid this process spawned and has not yet waited for. The orphan reaper must never
 # reap these: their Popen objects own their exit status.
 _spawn_lock = threading.Lock()
 _live_pids: set[int] = set()
+_live_workers: weakref.WeakSet[Worker] = weakref.WeakSet()  # whose log files trim_logs bounds
 
 
 @dataclass(frozen=True)
@@ -97,6 +111,8 @@ class Worker:
             stream: os.open(scratch / f"worker.{stream}", flags, 0o600) for stream in STREAMS
         }
         self._log_offsets = dict.fromkeys(STREAMS, 0)
+        self._logs_lock = threading.Lock()  # trim_logs never touches a descriptor reap closed
+        self._logs_closed = False
         try:
             with _spawn_lock:
                 self.proc = subprocess.Popen(
@@ -110,6 +126,7 @@ class Worker:
                     start_new_session=True,  # its own process group: killpg reaches the handler's children
                 )
                 _live_pids.add(self.proc.pid)
+                _live_workers.add(self)
         finally:
             os.close(req_r)
             os.close(resp_w)
@@ -183,8 +200,11 @@ class Worker:
                 error_type, f"the handler exited while loading ({describe_exit(code)})"
             ) from None
 
-    def read_logs(self, *, final: bool = False) -> list[LogLine]:
-        """The complete lines appended to stdout/stderr since the last read (all bytes if final)."""
+    def read_logs(self) -> list[LogLine]:
+        """The lines appended to stdout/stderr since the last read, bounded (module docstring).
+        Everything appended counts as read, a last line without its newline included: the call
+        it belongs to is over, and a partial line left behind would be read again by every
+        later call."""
         lines: list[LogLine] = []
         for stream, fd in self.logs.items():
             offset = self._log_offsets[stream]
@@ -193,17 +213,27 @@ class Worker:
             size = os.lseek(fd, 0, os.SEEK_END)
             if size <= offset:
                 continue
-            data = os.pread(fd, size - offset, offset)
-            if not final:
-                data = data[: data.rfind(b"\n") + 1]  # a partial line waits for its end
-            self._log_offsets[stream] = offset + len(data)
-            for raw in data.splitlines():
-                text = raw[:_MAX_LOG_LINE].decode("utf-8", "replace")
-                lines.append(LogLine(stream, text))
-            if self._log_offsets[stream] > _ROTATE_LOG_BYTES and not final:
+            lines += _bounded_lines(stream, fd, offset, size)
+            self._log_offsets[stream] = size
+            if size > _ROTATE_LOG_BYTES:
                 os.ftruncate(fd, 0)  # O_APPEND: the worker's next write lands at offset 0
                 self._log_offsets[stream] = 0
         return lines
+
+    def trim_logs(self) -> None:
+        """Free on disk what a call in progress appended beyond what ``read_logs`` will keep of
+        it: the middle, between its first and last half MiB (a hole: the file keeps its size)."""
+        half = CALL_LOG_BYTES // 2
+        with self._logs_lock:
+            if self._logs_closed:
+                return
+            for stream, fd in self.logs.items():
+                offset = self._log_offsets[stream]
+                size = os.lseek(fd, 0, os.SEEK_END)
+                start = -(-(offset + half) // _BLOCK) * _BLOCK
+                end = (size - half) // _BLOCK * _BLOCK
+                if end - start >= CALL_LOG_BYTES:  # not for every block: once it is worth it
+                    _punch_hole(fd, start, end - start)
 
     def kill(self) -> None:
         """SIGKILL the worker's process group: the worker and everything its handler started."""
@@ -216,9 +246,67 @@ class Worker:
         self.proc.wait()
         with _spawn_lock:
             _live_pids.discard(self.proc.pid)
-        for fd in (self.req, self.resp, self.pidfd, *self.logs.values()):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        with self._logs_lock:
+            self._logs_closed = True
+            for fd in (self.req, self.resp, self.pidfd, *self.logs.values()):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+
+def _bounded_lines(stream: str, fd: int, offset: int, size: int) -> list[LogLine]:
+    """The lines of `fd` between `offset` and `size`, keeping the first and the last half of
+    CALL_LOG_BYTES and of CALL_LOG_LINES, and between them one line saying what was dropped."""
+    appended = size - offset
+    half = CALL_LOG_BYTES // 2
+    if appended <= CALL_LOG_BYTES:
+        head, tail = os.pread(fd, appended, offset), b""
+    else:  # two bounded reads, cut at the line ends nearest the middle
+        head, tail = os.pread(fd, half, offset), os.pread(fd, half, size - half)
+        head = head[: head.rfind(b"\n") + 1] or head
+        start = tail.find(b"\n") + 1
+        tail = tail[start:] if 0 < start < len(tail) else tail
+    dropped = appended - len(head) - len(tail)
+    first, last = head.splitlines(), tail.splitlines()
+    lines_dropped = len(first) + len(last) - CALL_LOG_LINES
+    if lines_dropped > 0:
+        every = first + last
+        keep = CALL_LOG_LINES // 2
+        dropped += sum(len(raw) + 1 for raw in every[keep:-keep])
+        first, last = every[:keep], every[-keep:]
+    lines = [LogLine(stream, raw[:_MAX_LOG_LINE].decode("utf-8", "replace")) for raw in first]
+    if dropped:
+        what = f"{dropped} bytes" + (f" ({lines_dropped} lines)" if lines_dropped > 0 else "")
+        limit = f"the first and last {half >> 10} KiB and {CALL_LOG_LINES} lines of each stream"
+        lines.append(
+            LogLine(stream, f"[fnkernel: {what} of {stream} dropped: a call keeps {limit}]")
+        )
+    lines += [LogLine(stream, raw[:_MAX_LOG_LINE].decode("utf-8", "replace")) for raw in last]
+    return lines
+
+
+def _punch_hole(fd: int, offset: int, length: int) -> None:
+    """Deallocate a range of `fd` (``fallocate(PUNCH_HOLE)``); on a file system that cannot,
+    nothing happens, and the call's logs stay bounded in memory only."""
+    libc = _libc()
+    if libc is not None:
+        libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def trim_logs() -> None:
+    """``Worker.trim_logs`` for every live worker of this process (the reaper calls it)."""
+    for worker in list(_live_workers):
+        with contextlib.suppress(OSError):
+            worker.trim_logs()
 
 
 def describe_exit(code: int) -> str:
@@ -275,9 +363,8 @@ class WorkerCall:
         if self.logs_final:
             return self.logs
         self.logs_final = final
-        fresh = self.worker.read_logs(final=final)
-        room = _MAX_LOG_LINES - len(self.logs)
-        self.logs.extend(fresh[: max(0, room)])
+        fresh = self.worker.read_logs()
+        self.logs = (self.logs + fresh)[-_MAX_LOG_LINES:]  # the caller's trailer keeps the last
         for line in fresh:
             LOG.info(
                 line.text,
@@ -339,15 +426,15 @@ class WorkerSupervisor:
         try:
             worker.wait_ready(time.monotonic() + self._init_timeout)
         except InitError:
-            self._log_init(worker, final=True)
+            self._log_init(worker)
             worker.reap()
             raise
         self._log_init(worker)
         return worker
 
-    def _log_init(self, worker: Worker, *, final: bool = False) -> None:
+    def _log_init(self, worker: Worker) -> None:
         """What the handler printed while loading goes to the server log, without an invocation."""
-        for line in worker.read_logs(final=final):
+        for line in worker.read_logs():
             LOG.info(line.text, extra={"run_uid": self._run_uid, "stream": line.stream})
 
     def close(self) -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from adapters.worker import reap_orphans
+from adapters.worker import reap_orphans, trim_logs
 
 LISTENING_ON = " listening on "
 
@@ -329,9 +329,13 @@ def watch_parent(interval: float = 0.25) -> threading.Thread | None:
 
 
 def start_reaper(stop: threading.Event, interval: float = 1.0) -> threading.Thread:
+    """Once a second, in a Runtime Server: reap the orphans its workers left, and free on disk
+    what calls in progress logged beyond what they keep (``adapters.worker.trim_logs``)."""
+
     def loop() -> None:
         while not stop.wait(interval):
             reap_orphans()
+            trim_logs()
 
     thread = threading.Thread(target=loop, name="reaper", daemon=True)
     thread.start()

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
 import sys
 import time
+from pathlib import Path
+
+from adapters.private import create_private
 
 _FIELDS = ("run_uid", "invocation_id", "stream")
+COMPONENT_LOG_BYTES = 32 << 20  # a component's log, before it is rotated (one older one is kept)
 
 
 class JsonLines(logging.Formatter):
@@ -34,3 +40,21 @@ def configure(level: int = logging.INFO) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+
+
+def rotate(path: Path, limit: int | None = None) -> bool:
+    """Keep a component's log (``fnkernel up``'s STATE_DIR/logs/NAME.log) under `limit`: once it
+    is larger, its lines move to ``NAME.log.1``, replacing the older ones there, and the log
+    starts empty. Copied and truncated rather than renamed: the component appends through a
+    descriptor of its own (O_APPEND), which would go on writing into a renamed file. A line
+    written between the copy and the truncation is lost. True if it rotated."""
+    try:
+        if path.stat().st_size <= (COMPONENT_LOG_BYTES if limit is None else limit):
+            return False
+        older = path.with_name(f"{path.name}.1")
+        with path.open("rb") as log, os.fdopen(create_private(older), "wb") as kept:
+            shutil.copyfileobj(log, kept)
+        os.truncate(path, 0)
+    except OSError:
+        return False
+    return True

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import IO
 
 from adapters.private import open_private, private_dir, private_tempdir, sweep
-from runtime_server import daemon, tokens, wire
+from runtime_server import daemon, logs, tokens, wire
 from runtime_server.daemon import Child, spawn
 from runtime_server.lifecycle.runs import STORE_FILE, RunStore
 
@@ -53,13 +53,15 @@ class Component:
     died_at: float = 0.0
     started_at: float = 0.0
 
+    def log_file(self, log_dir: Path) -> Path:
+        return log_dir / f"{self.name}.log"
+
     def start(self, log_dir: Path, prewarmed: daemon.Prewarmed | None = None) -> Child:
         if self.child is not None and self.child.proc.stdout is not None:
             self.child.proc.stdout.close()  # the exited child's announcement pipe
         if self.log is None:
             # 0600: a log may hold what a handler printed (README, "Security").
-            path = log_dir / f"{self.name}.log"
-            self.log = open(path, "a", opener=open_private)  # noqa: SIM115 — lives with the component
+            self.log = open(self.log_file(log_dir), "a", opener=open_private)  # noqa: SIM115 — lives with the component
         self.child = spawn(self.args, stderr=self.log, die_with_parent=True, prewarmed=prewarmed)
         self.started_at = time.monotonic()
         return self.child
@@ -104,6 +106,10 @@ class Stack:
         return self.state_dir / "workspace"
 
     @property
+    def log_dir(self) -> Path:
+        return self.state_dir / "logs"
+
+    @property
     def gateway_address(self) -> str:
         gateway = self.component("gateway").child
         return gateway.address if gateway is not None else ""
@@ -121,7 +127,7 @@ class Stack:
         """Start every pod, then the gateway; each is announced before the next starts.
         NotPrivate (before anything is written) if the state dir or one of its directories is
         not this user's alone (README, "Security")."""
-        for directory in (self.state_dir, self.workspace_root, self.state_dir / "logs"):
+        for directory in (self.state_dir, self.workspace_root, self.log_dir):
             private_dir(directory)
         self._sockets = self._socket_dir()
         # StoreDamaged, said here, before any component starts on a store it cannot use.
@@ -180,7 +186,7 @@ class Stack:
 
     def _start(self, component: Component) -> None:
         self.components.append(component)
-        child = component.start(self.state_dir / "logs", self.prewarmed)
+        child = component.start(self.log_dir, self.prewarmed)
         if component.name == "gateway":
             # Restart the gateway where it was, not on a fresh ephemeral port.
             listen = component.args.index("--listen") + 1
@@ -201,8 +207,14 @@ class Stack:
         return lines
 
     def _supervise(self) -> None:
-        # Restart any component that exited, with a growing backoff.
+        # Restart any component that exited, with a growing backoff; once a second, keep each
+        # component's log bounded (logs.rotate).
+        next_rotation = 0.0
         while not self._stopping.wait(0.1):
+            if time.monotonic() >= next_rotation:
+                next_rotation = time.monotonic() + 1.0
+                for component in self.components:
+                    logs.rotate(component.log_file(self.log_dir))
             for component in self.components:
                 child = component.child
                 now = time.monotonic()
@@ -220,7 +232,7 @@ class Stack:
                     if self._stopping.is_set():
                         return
                     try:
-                        component.start(self.state_dir / "logs")
+                        component.start(self.log_dir)
                         component.restarts += 1
                         component.died_at = 0.0
                         LOG.warning("%s restarted (pid %d)", component.name, component.child.pid)  # type: ignore[union-attr]
