@@ -139,7 +139,12 @@ def _gateway(args: argparse.Namespace) -> int:
     control_plane = ControlPlane(RunStore(state_dir / STORE_FILE), workspace_root)
 
     async def serve() -> None:
-        gateway = Gateway(control_plane, access, body_timeout=args.body_timeout)
+        gateway = Gateway(
+            control_plane,
+            access,
+            body_timeout=args.body_timeout,
+            header_timeout=args.header_timeout,
+        )
         try:
             address = gateway.listen(args.listen)
         except OSError as exc:
@@ -356,6 +361,15 @@ def register(commands: Any) -> None:
         default=60.0,
         metavar="SECONDS",
         help="close a connection whose request body has not arrived whole by then "
+        "(default %(default)s)",
+    )
+    gateway.add_argument(
+        "--header-timeout",
+        type=seconds,
+        default=10.0,
+        metavar="SECONDS",
+        help="close a connection whose request headers have not arrived whole this long after "
+        "it opened or its last answer; also how long a kept-alive connection may idle "
         "(default %(default)s)",
     )
     _add_access_flags(gateway)

@@ -115,9 +115,10 @@ class Client:
         sent = {"Content-Type": "application/json", **(headers or {})}
         if self.token:
             sent["Authorization"] = f"Bearer {self.token}"
-        for _ in range(2):
+        for attempt in range(2):
             with self._lock:
-                connection = self._idle.pop() if self._idle else None
+                # A retry takes a new connection: the other kept-alive ones may be as stale.
+                connection = self._idle.pop() if self._idle and not attempt else None
             reused = connection is not None
             if connection is None:
                 connection = self._connect()

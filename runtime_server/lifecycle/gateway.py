@@ -55,7 +55,11 @@ MAX_HEADER_BYTES = 64 * 1024  # larger request headers get 431
 # Tornado buffers headers up to this size (then closes the connection), so that everything
 # between MAX_HEADER_BYTES and it gets a 431 the client can read.
 _HEADER_BUFFER_BYTES = 1024 * 1024
-IDLE_CONNECTION_SECONDS = 300.0
+# Request headers must arrive whole within this long of the connection or of the answer before
+# on it: a client sending a byte every few seconds does not hold a connection for ever. Tornado
+# has one timer for both, so a kept-alive connection idle this long is closed too (clients
+# reconnect: the client library repeats a request that met a closed kept-alive connection).
+HEADER_TIMEOUT_SECONDS = 10.0
 # A burst of connections waits in the kernel's accept queue instead of being reset (the kernel
 # caps it at net.core.somaxconn).
 LISTEN_BACKLOG = 4096
@@ -159,6 +163,7 @@ class Gateway:
         access: Access | None = None,
         *,
         body_timeout: float = 60.0,
+        header_timeout: float = HEADER_TIMEOUT_SECONDS,
     ) -> None:
         self.control_plane = control_plane
         self.store = control_plane.store
@@ -166,6 +171,7 @@ class Gateway:
         # A body that has not arrived whole by then closes the connection: a client that sends
         # less than its Content-Length does not hold a connection forever.
         self.body_timeout = body_timeout
+        self.header_timeout = header_timeout
         self.listen_host = ""
         self._stubs: dict[str, pb_grpc.FunctionRuntimeStub] = {}
         self._server: httpserver.HTTPServer | None = None
@@ -205,7 +211,7 @@ class Gateway:
             max_body_size=limits.GRPC_MAX_MESSAGE_BYTES,
             max_header_size=_HEADER_BUFFER_BYTES,
             body_timeout=self.body_timeout,
-            idle_connection_timeout=IDLE_CONNECTION_SECONDS,
+            idle_connection_timeout=self.header_timeout,
             xheaders=False,
         )
         if listen.startswith("unix:"):
@@ -300,7 +306,7 @@ class BaseHandler(web.RequestHandler):
 
     def json_body(self) -> dict[str, Any]:
         try:
-            body = json.loads(self.request.body or b"{}")
+            body = json.loads(self.body() or b"{}")
         except ValueError as exc:
             raise InvalidField("body", f"not JSON: {exc}") from None
         except RecursionError:
@@ -308,6 +314,9 @@ class BaseHandler(web.RequestHandler):
         if not isinstance(body, dict):
             raise InvalidField("body", "must be a JSON object")
         return body
+
+    def body(self) -> bytes:
+        return self.request.body  # BodyHandler streams its bodies instead
 
     def send_json(self, status: int, body: Any) -> None:
         self.set_status(status)
@@ -361,6 +370,16 @@ def rpc_error(err: grpc.aio.AioRpcError, run: Run, invocation_id: str = "") -> F
     return FailureResponse(code.name, message, **extra)
 
 
+def header_text(headers: Any, name: str, default: str = "") -> str:
+    """A request header as its sender wrote it: tornado gives header values as Latin-1, so UTF-8
+    bytes arrive garbled (``'Ù£'`` for ``'٣'``) and an error message quoting one would be too."""
+    value = str(headers.get(name, default))
+    try:
+        return value.encode("latin-1").decode("utf-8")
+    except UnicodeError:
+        return value
+
+
 def _metadata(metadata: Any) -> dict[str, Any]:
     return {key: value for key, value in metadata or ()}
 
@@ -384,7 +403,49 @@ def _logs(metadata: dict[str, Any]) -> list[Any]:
         return []
 
 
-class RunsHandler(BaseHandler):
+@web.stream_request_body
+class BodyHandler(BaseHandler):
+    """A handler of requests with a body, which is streamed: one larger than `max_body` is
+    refused with 413 before anything is looked up or called — once it has arrived, read and
+    dropped as it came, so the client gets a clean answer; at once when its Content-Length is
+    past the transport's cap (where tornado itself would answer 400 and reset the connection)."""
+
+    max_body = limits.MAX_PAYLOAD_BYTES
+
+    def prepare(self) -> None:
+        self._chunks: list[bytes] = []
+        self._size = 0
+        super().prepare()
+        # Tornado has checked that Content-Length is ASCII digits (400 otherwise).
+        length = self.request.headers.get("Content-Length", "")
+        if length.isascii() and length.isdigit() and int(length) > limits.GRPC_MAX_MESSAGE_BYTES:
+            raise self._too_large(int(length))
+
+    def _too_large(self, size: int) -> FailureResponse:
+        return FailureResponse(
+            "PAYLOAD_TOO_LARGE",
+            status=413,
+            message=f"request body is {size} bytes; at most {self.max_body}",
+        )
+
+    def data_received(self, chunk: bytes) -> None:
+        self._size += len(chunk)
+        if self._size > self.max_body:
+            self._chunks.clear()  # keep reading, keep nothing
+        else:
+            self._chunks.append(chunk)
+
+    def body(self) -> bytes:
+        """The whole body; 413 if it was larger than `max_body`."""
+        if self._size > self.max_body:
+            raise self._too_large(self._size)
+        return b"".join(self._chunks)
+
+
+class RunsHandler(BodyHandler):
+    # The files' text, at most 6 MiB in all (controlplane.check_files), grows when JSON escapes it.
+    max_body = limits.GRPC_MAX_MESSAGE_BYTES
+
     async def get(self) -> None:
         runs = self.gateway.store.runs()
         self.send_json(200, {"runs": [run.to_json() for run in runs]})
@@ -451,8 +512,9 @@ class RunHandler(BaseHandler):
         self.send_json(200, body)
 
     async def delete(self, name: str) -> None:
-        cancel = self.get_query_argument("cancelInFlight", "false")
-        drain = self.get_query_argument("drainTimeoutMs", "0")
+        # strip=False: numbers are ASCII digits only, so " 5" and "5 " are refused, not trimmed.
+        cancel = self.get_query_argument("cancelInFlight", "false", strip=False)
+        drain = self.get_query_argument("drainTimeoutMs", "0", strip=False)
         if cancel not in ("true", "false"):
             raise InvalidField("cancelInFlight", f"must be true or false, got {cancel[:40]!r}")
         drain_millis = limits.parse_count(drain, "drainTimeoutMs", limits.MAX_DRAIN_TIMEOUT_MILLIS)
@@ -466,36 +528,14 @@ class RunHandler(BaseHandler):
         self.finish()
 
 
-@web.stream_request_body
-class InvokeHandler(BaseHandler):
-    """POST /v1/runs/{name}:invoke — the body is the JSON payload. It is streamed so that an
-    oversized one is dropped as it arrives and refused with 413 before anything is looked up or
-    called. A body up to the transport cap is read and discarded, so the client gets a clean
-    answer; a larger one is refused at once and the connection closed."""
+class InvokeHandler(BodyHandler):
+    """POST /v1/runs/{name}:invoke — the body is the JSON payload (BodyHandler: bounded by
+    MAX_PAYLOAD_BYTES, refused with 413 before anything is looked up or called)."""
 
     def prepare(self) -> None:
         self._received = time.monotonic_ns()  # the timeline's first reading (docs/protocol.md)
-        self._chunks: list[bytes] = []
-        self._size = 0
         self._call: grpc.aio.UnaryUnaryCall | None = None
         super().prepare()
-        # Tornado has checked that Content-Length is ASCII digits (400 otherwise).
-        length = self.request.headers.get("Content-Length", "")
-        if length.isascii() and length.isdigit() and int(length) > limits.GRPC_MAX_MESSAGE_BYTES:
-            raise FailureResponse(
-                "PAYLOAD_TOO_LARGE", status=413, message=self._too_large(int(length))
-            )
-
-    @staticmethod
-    def _too_large(size: int) -> str:
-        return f"request body is {size} bytes; at most {limits.MAX_PAYLOAD_BYTES}"
-
-    def data_received(self, chunk: bytes) -> None:
-        self._size += len(chunk)
-        if self._size > limits.MAX_PAYLOAD_BYTES:
-            self._chunks.clear()  # keep reading, keep nothing
-        else:
-            self._chunks.append(chunk)
 
     def on_connection_close(self) -> None:
         # The client hung up (an interrupted notebook cell): cancel, so the handler is killed.
@@ -504,22 +544,19 @@ class InvokeHandler(BaseHandler):
 
     async def post(self, name: str) -> None:
         body_read = time.monotonic_ns()  # the whole body is in: the timeline's second reading
-        if self._size > limits.MAX_PAYLOAD_BYTES:
-            raise FailureResponse(
-                "PAYLOAD_TOO_LARGE", status=413, message=self._too_large(self._size)
-            )
+        payload = self.body()
         headers = self.request.headers
-        invocation_id = limits.check_invocation_id(headers.get(wire.INVOCATION_ID_HEADER, ""))
+        invocation_id = limits.check_invocation_id(header_text(headers, wire.INVOCATION_ID_HEADER))
         # Any int64 is taken, as on the wire, and capped like timeout_millis (limits.py).
         timeout_millis = limits.parse_count(
-            headers.get(wire.TIMEOUT_HEADER, "0"), wire.TIMEOUT_HEADER
+            header_text(headers, wire.TIMEOUT_HEADER, "0"), wire.TIMEOUT_HEADER
         )
         run = self.gateway.store.get_fresh(name)
         pod, stub = self.gateway.route(run)
         request = pb.InvokeFunctionRequest(
             registration=pb.FunctionRegistration(run_uid=run.uid),
             invocation_id=invocation_id,
-            input=b"".join(self._chunks),
+            input=payload,
             content_type=headers.get("Content-Type", "application/json"),
             timeout_millis=timeout_millis,
         )

@@ -41,10 +41,11 @@ def no_code_ran(stack: Stack) -> bool:
 
 @pytest.fixture
 def gateway(tmp_path: Path) -> Iterator[Child]:
-    """A bare `fnkernel gateway` on loopback TCP with its defaults (no pods: nothing to run)."""
+    """A bare `fnkernel gateway` on loopback TCP with its defaults (no pods: nothing to run),
+    but for one-second body and header timeouts."""
     child = spawn(
         ["gateway", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "state"),
-         "--body-timeout", "1"]
+         "--body-timeout", "1", "--header-timeout", "1"]
     )  # fmt: skip
     yield child
     child.stop()
@@ -251,7 +252,7 @@ def test_x_timeout_ms_takes_ascii_digits_only(shared_stack: Stack, value: str) -
     assert "X-Timeout-Ms" in json.loads(reply)["message"]
 
 
-@pytest.mark.parametrize("value", ["%C2%B2", "9" * 30, str(10**13), "-5"])
+@pytest.mark.parametrize("value", ["%C2%B2", "9" * 30, str(10**13), "-5", "%205", "5%20", "5+"])
 def test_drain_timeout_ms_takes_bounded_ascii_digits_only(shared_stack: Stack, value: str) -> None:
     status, _, reply = http_call(
         shared_stack.gateway_address, "DELETE", f"/v1/runs/anything?drainTimeoutMs={value}"
@@ -273,10 +274,14 @@ def test_a_body_shorter_than_its_content_length_does_not_hold_the_connection(
 ) -> None:
     # The gateway runs with --body-timeout 1: the connection is closed, not held forever.
     started = time.monotonic()
+    token = tokens.read_token_file(
+        Path(gateway.argv[gateway.argv.index("--state-dir") + 1]) / "token"
+    )
     request = (
         b"POST /v1/runs HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer %s\r\n"
         b'Content-Length: 100\r\n\r\n{"name":'
-    )
+    ) % token.encode()
     url = urllib.parse.urlsplit(gateway.address)
     with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
         sock.sendall(request)  # and then nothing: the write side stays open
@@ -391,3 +396,73 @@ def test_the_host_header_names_the_listen_address_localhost_or_an_allowed_host(
 ) -> None:
     access = Access(allowed_hosts=frozenset({"fn.internal"}))
     assert access.host_allowed(host, listen_host) is allowed
+
+
+def test_headers_sent_a_byte_at_a_time_do_not_hold_connections(gateway: Child) -> None:
+    # Slowloris: 20 connections, each sending one more byte of its headers every 0.3 s, are
+    # each closed once --header-timeout (1 s here) has passed, though none ever stops sending.
+    url = urllib.parse.urlsplit(gateway.address)
+    sockets = [socket.create_connection((url.hostname, url.port), timeout=10) for _ in range(20)]
+    started = time.monotonic()
+    try:
+        for sock in sockets:
+            sock.sendall(b"GET /v1/runs HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        open_ones = list(sockets)
+        while open_ones and time.monotonic() - started < 8:
+            for sock in list(open_ones):
+                try:
+                    sock.sendall(b"X")
+                except OSError:
+                    open_ones.remove(sock)  # closed by the gateway
+                    continue
+                if select.select([sock], [], [], 0)[0] and sock.recv(1) == b"":
+                    open_ones.remove(sock)
+            select.select([], [], [], 0.3)
+        assert not open_ones, f"{len(open_ones)} of 20 still open after 8 s"
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+@pytest.mark.parametrize("path", ["/v1/runs", "/v1/runs/anything:invoke"])
+def test_a_50_mib_body_is_413_before_it_is_read_on_every_route(
+    shared_stack: Stack, path: str
+) -> None:
+    request = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {shared_stack.token}\r\nContent-Length: {50 << 20}\r\n\r\n"
+    ).encode()  # and none of the body: the answer comes before it
+    answer = raw(shared_stack.gateway_address, request)
+    assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
+    assert json.loads(answer.partition(b"\r\n\r\n")[2])["code"] == "PAYLOAD_TOO_LARGE"
+
+
+def test_a_non_ascii_number_is_quoted_as_it_was_sent(shared_stack: Stack) -> None:
+    # "٣" (ARABIC-INDIC DIGIT THREE) in UTF-8: refused, and named as such, not as 'Ù£'.
+    request = (
+        "POST /v1/runs/anything:invoke HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        "Content-Type: application/json\r\nConnection: close\r\n"
+        f"Authorization: Bearer {shared_stack.token}\r\nX-Timeout-Ms: \u0663\r\n"
+        "Content-Length: 2\r\n\r\n{}"
+    ).encode()
+    answer = raw(shared_stack.gateway_address, request)
+    assert answer.startswith(b"HTTP/1.1 400 ")
+    message = json.loads(answer.partition(b"\r\n\r\n")[2])["message"]
+    assert message == "X-Timeout-Ms: must be an integer from 0 to 9223372036854775807, got '\u0663'"
+
+
+def test_the_client_reconnects_when_the_gateway_closed_every_kept_alive_connection(
+    gateway: Child,
+) -> None:
+    # The gateway closes a connection idle for --header-timeout (1 s here). A client holding two
+    # such connections (one per concurrent caller) must not try the second stale one as well.
+    client = Client(gateway.address)
+    idle = [client._connect(), client._connect()]
+    for connection in idle:
+        connection.request("GET", "/v1/runs", headers={"Authorization": f"Bearer {client.token}"})
+        assert connection.getresponse().read()
+    for connection in idle:
+        assert connection.sock is not None
+        wait_until(lambda: select.select([connection.sock], [], [], 0)[0], timeout=10)  # noqa: B023
+    client._idle[:] = idle
+    assert client.list_runs() == []
