@@ -6,6 +6,7 @@ No gRPC here: ``runtime_server.function_runtime.servicer.GRPC_STATUS`` maps each
 
 from __future__ import annotations
 
+import errno
 from typing import Any
 
 
@@ -81,6 +82,29 @@ class RoutedElsewhere(RuntimeServerError):
 class StoreDamaged(RuntimeServerError):
     """The Run store cannot be used: SQLite finds its file damaged (``PRAGMA quick_check``) or
     not a database at all. ``str()`` names the file and gives SQLite's own words."""
+
+
+class StorageFull(RuntimeServerError):
+    """The disk holding the state dir is full (ENOSPC, EDQUOT, or SQLite's "database or disk is
+    full"): nothing was written, and the request may succeed once there is room."""
+
+
+_NO_ROOM_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+_SQLITE_FULL = 13
+
+
+def storage_full(exc: BaseException) -> StorageFull | None:
+    """`exc` as StorageFull if it says the disk is full, naming what could not be written."""
+    if isinstance(exc, OSError) and exc.errno in _NO_ROOM_ERRNOS:
+        where = f" writing {exc.filename}" if exc.filename else ""
+        reason = f"{errno.errorcode[exc.errno]}: {exc.strerror}"
+    elif getattr(exc, "sqlite_errorcode", None) == _SQLITE_FULL:
+        where, reason = " writing the Run store", f"SQLITE_FULL: {exc}"
+    else:
+        return None
+    return StorageFull(
+        f"no space left on the state dir's disk{where} ({reason}): free some and try again"
+    )
 
 
 class NotAllowedHere(RuntimeServerError):

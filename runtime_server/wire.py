@@ -42,6 +42,7 @@ from runtime_server.errors import (
     RunNotReady,
     ShuttingDown,
     StaleRegistration,
+    StorageFull,
     StoreDamaged,
 )
 
@@ -149,6 +150,7 @@ GRPC_STATUS: dict[type[Exception], str] = {
     RegistrationLost: "UNAVAILABLE",
     NotAllowedHere: "PERMISSION_DENIED",
     StoreDamaged: "INTERNAL",
+    StorageFull: "UNAVAILABLE",
     # FunctionEvaluator (docs/protocol.md, "Evaluators", "Wrapper server")
     NotFoundError: "NOT_FOUND",
     InvalidEvaluateRequest: "INVALID_ARGUMENT",

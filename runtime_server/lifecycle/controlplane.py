@@ -7,6 +7,7 @@ the gateway process, on a background thread, with its loop ticking every `tick` 
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import re
@@ -20,7 +21,7 @@ from pathlib import Path, PurePosixPath
 
 from adapters import ADAPTERS
 from runtime_server import limits
-from runtime_server.errors import InvalidField, NoRuntimePod
+from runtime_server.errors import InvalidField, NoRuntimePod, RunAlreadyExists, RunNotFound
 from runtime_server.lifecycle.runs import (
     DEFAULT_DRAIN_MILLIS,
     POD_GRACE_SECONDS,
@@ -96,6 +97,25 @@ def check_files(files: Mapping[str, str]) -> dict[PurePosixPath, str]:
     return checked
 
 
+def spec_digest(
+    runtime: str,
+    handler: str,
+    files: Mapping[PurePosixPath, str],
+    env: Mapping[str, str],
+    idle_timeout_seconds: int,
+) -> str:
+    """The SHA-256 of a create's checked spec: what makes two creates the same one."""
+    canonical = {
+        "runtime": runtime,
+        "handler": handler,
+        "files": {str(path): text for path, text in sorted(files.items())},
+        "env": dict(env),
+        "idleTimeoutSeconds": idle_timeout_seconds,
+    }
+    text = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return limits.sha256_digest(text.encode())
+
+
 class ControlPlane:
     def __init__(
         self,
@@ -125,7 +145,11 @@ class ControlPlane:
         idle_timeout_seconds: int = 0,
         source: str = "",
     ) -> Run:
-        """Validate, copy the source into a fresh working dir, assign a pod; phase Pending."""
+        """Validate, copy the source into a fresh working dir, assign a pod; phase Pending.
+
+        Idempotent: a Run of that name created with the same spec (runtime, handler, files, env,
+        idle timeout) is returned as it is — a client that lost the answer to its create (the
+        gateway crashed) can repeat it. Another spec under a taken name is RunAlreadyExists."""
         check_name(name)
         if runtime not in ADAPTERS:
             raise InvalidField("runtime", f"must be one of {', '.join(ADAPTERS)}, got {runtime!r}")
@@ -134,6 +158,10 @@ class ControlPlane:
         idle = (
             limits.check_idle_timeout(idle_timeout_seconds) or limits.DEFAULT_IDLE_TIMEOUT_SECONDS
         )
+        digest = spec_digest(runtime, handler, checked, env, idle)
+        existing = self._created_as(name, digest)
+        if existing is not None:
+            return existing
         pod = self.schedule(runtime)
         if not pod:
             raise NoRuntimePod(f"no live Runtime Pod serves the {runtime} runtime")
@@ -143,7 +171,10 @@ class ControlPlane:
             for path, text in checked.items():
                 target = working_dir / path
                 target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_text(text)
+                try:
+                    target.write_text(text)
+                except OSError as exc:  # a failed write (ENOSPC) names no file by itself
+                    raise OSError(exc.errno, exc.strerror, str(target)) from None
             check_handler(ADAPTERS[runtime], handler, working_dir)
             run = Run(
                 uid=uid,
@@ -158,12 +189,30 @@ class ControlPlane:
                 attempt=1,  # docs/protocol.md: the initial registration is attempt 1
                 assigned_pod=pod,
                 created_at=time.time(),
+                spec_digest=digest,
             )
             self.store.insert(run)
+        except RunAlreadyExists:
+            shutil.rmtree(working_dir, ignore_errors=True)
+            existing = self._created_as(name, digest)  # the same create, made meanwhile
+            if existing is None:
+                raise
+            return existing
         except BaseException:
             shutil.rmtree(working_dir, ignore_errors=True)
             raise
         LOG.info("run %s (%s) created on %s", name, uid, pod)
+        return run
+
+    def _created_as(self, name: str, digest: str) -> Run | None:
+        """The live Run named `name` if it was created with the spec of `digest`; None if there
+        is none; RunAlreadyExists if the name is taken by another spec, or by a Run going away."""
+        try:
+            run = self.store.get(name)
+        except RunNotFound:
+            return None
+        if run.spec_digest != digest or run.phase in (DELETING, DELETED):
+            raise RunAlreadyExists(f"a run named {name!r} already exists")
         return run
 
     def wait_settled(self, name: str, timeout: float, poll: float = 0.005) -> Run:

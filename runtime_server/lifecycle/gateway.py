@@ -26,7 +26,7 @@ from tornado import httpserver, netutil, web
 from runtime_server import limits, wire
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
-from runtime_server.errors import InvalidField, NoRuntimePod, RunNotReady
+from runtime_server.errors import InvalidField, NoRuntimePod, RunNotReady, storage_full
 from runtime_server.lifecycle.controlplane import ControlPlane
 from runtime_server.lifecycle.runs import Run
 from runtime_server.rpc import CHANNEL_OPTIONS
@@ -340,6 +340,7 @@ class BaseHandler(web.RequestHandler):
         )
 
     def _handle_request_exception(self, e: BaseException) -> None:
+        e = storage_full(e) or e  # a full disk is 503 naming it, not an internal error
         if isinstance(e, FailureResponse):
             self.send_failure(e)
         elif isinstance(e, Exception) and (code := wire.status_name(e)) is not None:

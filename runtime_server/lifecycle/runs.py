@@ -65,7 +65,8 @@ CREATE TABLE IF NOT EXISTS runs (
     registration_digest TEXT NOT NULL DEFAULT '',
     cancel_in_flight INTEGER NOT NULL DEFAULT 0,
     drain_timeout_millis INTEGER NOT NULL DEFAULT 0,
-    uncharged_attempts INTEGER NOT NULL DEFAULT 0
+    uncharged_attempts INTEGER NOT NULL DEFAULT 0,
+    spec_digest TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS pods (
     name TEXT PRIMARY KEY,
@@ -105,6 +106,9 @@ class Run:
     # because the pod was down or restarted (its server unreachable, or it lost the
     # registration), which say nothing about the function.
     uncharged_attempts: int = 0
+    # The SHA-256 of what its create asked for (ControlPlane.spec_digest): a create repeated
+    # with the same spec (a retry after a lost answer) is given this Run, not a name clash.
+    spec_digest: str = ""
 
     @property
     def charged_attempts(self) -> int:

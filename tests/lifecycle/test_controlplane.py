@@ -16,7 +16,7 @@ import pytest
 from runtime_server.errors import InvalidField, NoRuntimePod, RunAlreadyExists, RunNotFound
 from runtime_server.lifecycle.controlplane import ControlPlane, RetryPolicy
 from runtime_server.lifecycle.runs import POD_GRACE_SECONDS, Run, RunStore
-from runtime_server.wire import DELETED, FAILED, IDLE, PENDING, READY, RETRYING
+from runtime_server.wire import DELETED, DELETING, FAILED, IDLE, PENDING, READY, RETRYING
 from tests.support import wait_until
 
 HANDLER = {"handler.py": "def handle(event):\n    return event\n"}
@@ -85,12 +85,28 @@ def test_a_bad_handler_is_refused_and_its_working_dir_removed(plane: ControlPlan
     assert list(plane.workspace_root.iterdir()) == []
 
 
-def test_duplicate_name_is_refused(plane: ControlPlane) -> None:
+def test_a_taken_name_with_another_spec_is_refused(plane: ControlPlane) -> None:
     alive(plane, "python-0")
     create(plane)
-    with pytest.raises(RunAlreadyExists):
-        create(plane)
+    for change in ({"files": {"handler.py": "def handle(e):\n    return 2\n"}},
+                   {"env": {"A": "1"}}, {"idle_timeout_seconds": 60}):  # fmt: skip
+        spec = {"name": "fn", "runtime": "python", "handler": "handler.handle", "files": HANDLER}
+        with pytest.raises(RunAlreadyExists):
+            plane.create_run(**{**spec, **change})  # type: ignore[arg-type]
     assert len(list(plane.workspace_root.iterdir())) == 1
+
+
+def test_a_create_repeated_with_the_same_spec_is_given_the_same_run(plane: ControlPlane) -> None:
+    # Its client lost the first answer (the gateway crashed): the repeat is not a name clash.
+    alive(plane, "python-0")
+    first = create(plane)
+    assert create(plane) == first
+    assert len(list(plane.workspace_root.iterdir())) == 1
+    run = plane.store.get_uid(first)
+    assert run is not None
+    plane.store.update(run, phase=DELETING)
+    with pytest.raises(RunAlreadyExists):  # unless that Run is going away
+        create(plane)
 
 
 def test_retry_on_the_same_pod_when_it_is_healthy(plane: ControlPlane) -> None:

@@ -25,7 +25,7 @@ from runtime_server.client.errors import (
 )
 from runtime_server.daemon import spawn
 from runtime_server.lifecycle.stack import Stack
-from tests.support import SLOW_PY, http_call, wait_until
+from tests.support import ECHO_PY, SLOW_PY, http_call, wait_until
 
 _names = itertools.count()
 
@@ -312,13 +312,24 @@ def test_bad_create_request_is_400_naming_the_field(
     assert field in json.loads(reply)["message"]
 
 
-def test_creating_an_existing_name_is_409(shared_stack: Stack) -> None:
+def test_creating_an_existing_name_with_another_spec_is_409(shared_stack: Stack) -> None:
     name = create(shared_stack, SLOW_PY)
     with pytest.raises(FunctionExists) as caught:
         Client(shared_stack.gateway_address).create_run(
-            name, runtime="python", handler="handler.handle", files=SLOW_PY
+            name, runtime="python", handler="handler.handle", files=ECHO_PY
         )
     assert caught.value.status == 409 and caught.value.code == "ALREADY_EXISTS"
+
+
+def test_a_create_repeated_with_the_same_spec_answers_with_the_existing_run(
+    shared_stack: Stack,
+) -> None:
+    name = create(shared_stack, SLOW_PY)
+    uid = Client(shared_stack.gateway_address).status(name)["uid"]
+    again = Client(shared_stack.gateway_address).create_run(
+        name, runtime="python", handler="handler.handle", files=SLOW_PY
+    )
+    assert (again["uid"], again["status"]["phase"], again["status"]["attempt"]) == (uid, "Ready", 1)
 
 
 def test_body_over_6_mib_is_413_without_calling_anything(shared_stack: Stack) -> None:

@@ -23,7 +23,7 @@ from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from runtime_server.client import Client
 from runtime_server.daemon import Prewarmed, serve_args, spawn
-from runtime_server.lifecycle.runs import POD_GRACE_SECONDS
+from runtime_server.lifecycle.runs import POD_GRACE_SECONDS, RunStore
 from runtime_server.lifecycle.stack import Stack
 from runtime_server.rpc import CHANNEL_OPTIONS
 from tests.support import ECHO_PY, SLOW_PY, http_call, pid_alive, wait_until
@@ -454,3 +454,46 @@ def test_closing_the_pool_or_losing_its_owner_ends_the_waiting_processes() -> No
     owner.kill()
     owner.wait()
     wait_until(lambda: not pid_alive(pid), timeout=10)
+
+
+def test_a_create_cut_off_by_a_gateway_crash_can_be_repeated(stack_factory: StackFactory) -> None:
+    # The gateway dies while POST /v1/runs waits for the Run to be Ready: its client never learns
+    # whether the Run was made. Repeating the same create answers with that Run, not a 409.
+    stack = stack_factory({"python": 1})
+    files = {"handler.py": "import time\ntime.sleep(2)\ndef handle(event):\n    return event\n"}
+    spec = {"name": "cut", "runtime": "python", "handler": "handler.handle", "files": files}
+    body = json.dumps(spec).encode()
+    gateway = stack.component("gateway").child
+    assert gateway is not None
+    answers: list[object] = []
+    first = threading.Thread(
+        target=lambda: answers.append(_answer(stack.gateway_address, body)), daemon=True
+    )
+    first.start()
+    store = RunStore(stack.state_dir / "runs.db")
+    try:
+        wait_until(lambda: any(run.name == "cut" for run in store.runs()), timeout=10)
+        uid = store.get("cut").uid
+    finally:
+        store.close()
+    os.kill(gateway.pid, signal.SIGKILL)
+    first.join(30)
+    assert answers and not isinstance(answers[0], tuple), answers  # the answer was lost
+    wait_until(lambda: (child := stack.component("gateway").child) is not None
+               and child.pid != gateway.pid, timeout=10)  # fmt: skip
+    answered = wait_until(
+        lambda: isinstance(a := _answer(stack.gateway_address, body), tuple) and a
+    )
+    status, _, reply = answered  # type: ignore[misc]
+    run = json.loads(reply)
+    assert status == 201 and (run["uid"], run["status"]["phase"]) == (uid, "Ready")
+    assert run["status"]["attempt"] == 1
+    assert len(list(stack.workspace_root.iterdir())) == 1
+
+
+def _answer(address: str, body: bytes) -> tuple[int, object, bytes] | str:
+    """POST /v1/runs: (status, headers, body), or the error that cut it off."""
+    try:
+        return http_call(address, "POST", "/v1/runs", body)
+    except OSError as exc:
+        return repr(exc)

@@ -4,7 +4,9 @@ that says it is ready and then answers 500 to every read that reaches a bad page
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -16,6 +18,7 @@ from runtime_server.daemon import spawn
 from runtime_server.errors import StoreDamaged
 from runtime_server.lifecycle.runs import Run, RunStore
 from runtime_server.wire import PENDING
+from tests.support import http_call
 
 
 def filled_store(path: Path, runs: int = 300) -> None:
@@ -100,3 +103,74 @@ def test_a_sound_store_opens_and_keeps_every_run(tmp_path: Path) -> None:
         assert len(store.runs()) == 50
     finally:
         store.close()
+
+
+def _can_mount_a_small_disk() -> bool:
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return False
+    probe = subprocess.run(
+        [unshare, "--user", "--map-root-user", "--mount", "sh", "-c",
+         "mount -t tmpfs -o size=64k tmpfs /mnt"],
+        capture_output=True, timeout=30,
+    )  # fmt: skip
+    return probe.returncode == 0
+
+
+small_disk = pytest.mark.skipif(
+    not _can_mount_a_small_disk(), reason="needs unshare and a tmpfs in a mount namespace"
+)
+
+
+def on_a_small_disk(state: Path, size: str, script: str) -> subprocess.Popen[str]:
+    """`script` (sh, the state dir as $0) in a mount namespace of its own where the state dir is a
+    tmpfs of `size`: a full disk of the test's own, that nothing else on the machine sees."""
+    state.mkdir(mode=0o700)
+    mount = f'mount -t tmpfs -o size={size},mode=0700 tmpfs "$0" && {script}'
+    return subprocess.Popen(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", mount, str(state)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+@small_disk
+def test_a_create_that_meets_a_full_disk_is_503_naming_enospc_and_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    up = f'exec {sys.executable} -m runtime_server.cli up --pods python=1 --state-dir "$0" '
+    up += "--gateway-listen 127.0.0.1:0 --no-token"
+    proc = on_a_small_disk(tmp_path / "state", "4m", up)
+    try:
+        assert proc.stdout is not None
+        ready = next(line for line in proc.stdout if "ready;" in line)
+        address = ready.split("gateway ", 1)[1].split(";", 1)[0]
+        files = {f"data{n}.txt": "x" * (1 << 20) for n in range(5)}  # 5 MiB: under 6, over 4
+        files["handler.py"] = "def handle(event):\n    return event\n"
+        spec = {"name": "big", "runtime": "python", "handler": "handler.handle", "files": files}
+        status, headers, reply = http_call(address, "POST", "/v1/runs", json.dumps(spec).encode())
+        assert status == 503 and headers["Retry-After"] == "1", reply
+        message = json.loads(reply)["message"]
+        assert "no space left on the state dir's disk writing " in message and "ENOSPC" in message
+        assert json.loads(http_call(address, "GET", "/v1/runs")[2]) == {"runs": []}
+        del files["data0.txt"], files["data1.txt"], files["data2.txt"], files["data3.txt"]
+        spec["files"] = files  # what was written for the first was removed: room for this one
+        assert http_call(address, "POST", "/v1/runs", json.dumps(spec).encode())[0] == 201
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
+
+
+@small_disk
+def test_a_gateway_that_starts_on_a_full_disk_says_so_and_leaves_no_temporary_file(
+    tmp_path: Path,
+) -> None:
+    script = (
+        'head -c 1M /dev/zero > "$0/filler" 2>/dev/null; '
+        f'{sys.executable} -m runtime_server.cli gateway --listen 127.0.0.1:0 --state-dir "$0"; '
+        'echo "exit $?"; ls -A "$0"'
+    )
+    proc = on_a_small_disk(tmp_path / "state", "64k", script)
+    out, err = proc.communicate(timeout=60)
+    assert "No space left on device" in err, err
+    assert "exit 0" not in out and "exit " in out
+    assert out.split("\n", 1)[1].split() == ["filler"], out  # no token, and no .token.PID.tmp
