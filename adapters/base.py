@@ -11,7 +11,7 @@ from typing import ClassVar, Protocol
 
 from adapters.errors import InitError, InvalidHandler
 from adapters.private import private_tempdir
-from adapters.worker import LogLine, WorkerCall, WorkerSupervisor
+from adapters.worker import RUN_UID_ENV, LogLine, WorkerCall, WorkerSupervisor
 
 JSON = "application/json"
 # Environment variables a worker never inherits from the server: they would make bash run code
@@ -109,7 +109,7 @@ class WorkerAdapter:
     _ended: Callable[[WorkerCall, int], tuple[bytes, str, dict[str, str]]] | None = None
 
     def _environment(self) -> dict[str, str]:
-        env = {**os.environ, **self.spec.env, "FNKERNEL_RUN_UID": self.spec.run_uid}
+        env = {**os.environ, **self.spec.env, RUN_UID_ENV: self.spec.run_uid}
         # After the Run's own env, which could name them too: bash sources them before the
         # runner's first line runs.
         for name in _SCRUBBED_ENV:

@@ -77,6 +77,7 @@ CALL_LOG_LINES = 10_000  # of each stream, per call
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 1, 2
 _BLOCK = 4096
 
+RUN_UID_ENV = "FNKERNEL_RUN_UID"  # in every worker's environment, and so its descendants'
 # Every worker pid this process spawned and has not yet waited for. The orphan reaper must never
 # reap these: their Popen objects own their exit status.
 _spawn_lock = threading.Lock()
@@ -449,6 +450,7 @@ class WorkerSupervisor:
             current.worker.kill()
         if worker is not None:
             worker.reap()
+        kill_orphans(self._run_uid)  # what its handler left running outside its process group
 
     def cancel(self, invocation_id: str | None = None) -> bool:
         """Kill the call in flight (docs/protocol.md, "Adapters": within 100 ms); returns whether one was killed.
@@ -609,6 +611,42 @@ def reap_orphans() -> int:
                     os.waitpid(pid, os.WNOHANG)
                     reaped += 1
     return reaped
+
+
+def kill_orphans(run_uid: str | None = None) -> int:
+    """SIGKILL what handlers left behind by leaving their worker's process group (``setsid()``
+    and a second fork): in a Runtime Server, a child subreaper, such a process is reparented to
+    us, and it is our child but no worker of ours. With `run_uid`, only those whose environment
+    names that Run (``FNKERNEL_RUN_UID``, which every worker's descendants inherit): a
+    registration's end. Without, every such child: for a ``fnkernel serve`` process that is
+    stopping, whose children are its workers and nothing else. Rounds repeat while killing one
+    brings its own children to us (at most 5). Returns how many were killed."""
+    killed = 0
+    for _ in range(5):
+        with _spawn_lock:
+            left = [pid for pid in _children() if pid not in _live_pids and _left_by(pid, run_uid)]
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+        if not left:
+            break
+        time.sleep(0.01)  # their children, if any, are reparented to us meanwhile
+    reap_orphans()
+    return killed
+
+
+def _left_by(pid: int, run_uid: str | None) -> bool:
+    """Whether child `pid` (not a worker) is a handler's leftover for `run_uid` (None: any)."""
+    try:
+        if proc_stat(pid)[0] in ("Z", "X"):
+            return False  # gone already: the reaper's
+        if run_uid is None:
+            return True
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except (OSError, IndexError):
+        return False
+    return f"{RUN_UID_ENV}={run_uid}".encode() in environ
 
 
 def _children() -> set[int]:

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from adapters.worker import kill_orphans
     from runtime_server import daemon, logs
     from runtime_server.daemon import announcement
     from runtime_server.function_runtime.server import RuntimeServer
@@ -58,6 +59,7 @@ def _serve(args: argparse.Namespace) -> int:
     logging.getLogger("fnkernel.runtime").info("draining for up to %ss", args.drain_timeout)
     server.stop(args.drain_timeout)
     stop_reaper.set()
+    kill_orphans()  # nothing a handler started outlives its server
     return EXIT_OK
 
 

@@ -1,0 +1,80 @@
+"""docs/protocol.md, "Adapters": nothing a handler starts outlives its registration. A process
+that leaves the worker's process group (``setsid()`` and a second fork) is reparented to the
+Runtime Server, a child subreaper, which kills it when the registration ends and when the server
+stops."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable, Iterator
+
+import grpc
+import pytest
+
+from runtime_server.daemon import ServeProcess
+from runtime_server.rpc import CHANNEL_OPTIONS
+from tests.support import Client, pid_alive, wait_until
+
+# Leaves a process running in a session of its own, no child of the worker's any more.
+ESCAPES = {
+    "handler.py": """
+        import os, time
+
+        def handle(event):
+            child = os.fork()
+            if child == 0:
+                os.setsid()
+                if os.fork() == 0:
+                    with open(f"escaped.{os.getpid()}", "w"):
+                        pass
+                    time.sleep(300)
+                os._exit(0)
+            os.waitpid(child, 0)
+            deadline = time.monotonic() + 10
+            while not (escaped := [n for n in os.listdir() if n.startswith("escaped.")]):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the escaped process did not start")
+                time.sleep(0.01)
+            return int(escaped[0].split(".")[1])
+    """
+}
+
+
+@pytest.fixture
+def served(
+    server_process: Callable[..., ServeProcess], workspace
+) -> Iterator[tuple[ServeProcess, Client]]:  # type: ignore[no-untyped-def]
+    server = server_process("--runtime", "python")
+    channel = grpc.insecure_channel(server.address, options=CHANNEL_OPTIONS)
+    yield server, Client(channel, workspace, "python")
+    channel.close()
+
+
+def escape(rt: Client) -> tuple[object, int]:
+    registration = rt.register(ESCAPES).registration
+    pid = int(rt.invoke(registration).output)
+    assert pid_alive(pid)
+    return registration, pid
+
+
+def test_a_process_that_left_the_workers_group_dies_with_its_registration(
+    served: tuple[ServeProcess, Client],
+) -> None:
+    _, rt = served
+    registration, pid = escape(rt)
+    second, other = escape(rt)  # another Run's: not this registration's to kill
+    rt.unregister(registration)  # type: ignore[arg-type]
+    wait_until(lambda: not pid_alive(pid), timeout=5)
+    assert pid_alive(other)
+    rt.unregister(second)  # type: ignore[arg-type]
+    wait_until(lambda: not pid_alive(other), timeout=5)
+
+
+def test_nothing_a_handler_started_outlives_its_server(
+    served: tuple[ServeProcess, Client],
+) -> None:
+    server, rt = served
+    _, pid = escape(rt)
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(30) == 0
+    wait_until(lambda: not pid_alive(pid), timeout=5)
