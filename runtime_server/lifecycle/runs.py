@@ -66,7 +66,8 @@ CREATE TABLE IF NOT EXISTS runs (
     cancel_in_flight INTEGER NOT NULL DEFAULT 0,
     drain_timeout_millis INTEGER NOT NULL DEFAULT 0,
     uncharged_attempts INTEGER NOT NULL DEFAULT 0,
-    spec_digest TEXT NOT NULL DEFAULT ''
+    spec_digest TEXT NOT NULL DEFAULT '',
+    server_deaths INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS pods (
     name TEXT PRIMARY KEY,
@@ -109,6 +110,10 @@ class Run:
     # The SHA-256 of what its create asked for (ControlPlane.spec_digest): a create repeated
     # with the same spec (a retry after a lost answer) is given this Run, not a name clash.
     spec_digest: str = ""
+    # How many times in a row its Runtime Server died while one of its calls was in flight (and
+    # lost its registration): a handler that kills its server is Failed after a few, not retried
+    # for ever free of charge. A call that succeeds starts the count again.
+    server_deaths: int = 0
 
     @property
     def charged_attempts(self) -> int:

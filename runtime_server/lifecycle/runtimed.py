@@ -87,6 +87,9 @@ _REGISTER_RPC_TRIES = 3
 # holds, so they cost no attempt (docs/architecture.md, "Retries": a pause is not a death).
 _NO_ANSWER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 _HEALTH_CHECK_SECONDS = 0.5
+# A Run whose calls were in flight this many times in a row when its server died is Failed: the
+# retry budget's size, for a fault the budget does not see (the pod's deaths are never charged).
+MAX_SERVER_DEATHS = 3
 _UNREGISTER_SLACK_SECONDS = 5.0  # the RPC's deadline beyond the drain it asks for
 _WAKE_SECONDS = 0.005  # how often the loop asks the store whether anything changed, when busy
 _BUSY_SECONDS = 10.0  # busy: this long after the last change (then every tick: idle CPU)
@@ -165,6 +168,9 @@ class Runtimed:
         # Runs whose proxied call succeeded since the last poll, with the registration it used:
         # that call showed what a FunctionStatus poll would (docs/architecture.md, "The proxy hop").
         self._served: dict[str, Active] = {}
+        # Runs whose proxied call broke off (UNAVAILABLE) with the registration and invocation:
+        # if that registration turns out lost, the server died while the call ran.
+        self._cut_off: dict[str, tuple[Active, str]] = {}
         self._workers = futures.ThreadPoolExecutor(8, thread_name_prefix="register")
         self._stop = threading.Event()
         self._loop_thread: threading.Thread | None = None
@@ -357,9 +363,12 @@ class Runtimed:
             self.store.update(run, phase=FAILED, message=limits.bounded(fatal_error))
             LOG.warning("run %s failed: %s", run.name, fatal_error)
 
-    def _infrastructure_failure(self, run: Run, message: str, *, charged: bool = True) -> None:
+    def _infrastructure_failure(
+        self, run: Run, message: str, *, charged: bool = True, server_deaths: int | None = None
+    ) -> None:
         """Hand the Run to the retry engine. `charged`: the attempt counts against the Run's
-        retry budget — not when the pod was down (README, "Runs")."""
+        retry budget — not when the pod was down (README, "Runs"). `server_deaths`: the Run's new
+        count of them (``registration_lost``), if it changed."""
         with self._lock:
             self._active.pop(run.uid, None)
         self._heartbeat(
@@ -371,17 +380,41 @@ class Runtimed:
             message=limits.bounded(message),
             failed_at=time.time(),
             uncharged_attempts=run.uncharged_attempts + int(not charged),
+            server_deaths=run.server_deaths if server_deaths is None else server_deaths,
         )
         LOG.warning("run %s attempt %d: %s; retrying", run.name, run.attempt, message)
 
-    def registration_lost(self, run: Run, active: Active) -> None:
-        """The server answered NOT_FOUND for `active`: it restarted. Retry, free of charge."""
+    def registration_lost(self, run: Run, active: Active, how: str = "") -> None:
+        """The server answered NOT_FOUND for `active`: it restarted. Retry, free of charge —
+        unless the Run's own calls were in flight the last MAX_SERVER_DEATHS times the server
+        died: then its handler is likely what kills it, and the Run is Failed, saying so."""
         with self._lock:
             if self._active.get(run.uid) != active:
                 return  # already handled, or registered again meanwhile
+            cut_off = self._cut_off.pop(run.uid, None)
+        message = how or "the Runtime Server lost the registration (restarted)"
+        if cut_off is None or cut_off[0] != active:
+            self._infrastructure_failure(run, message, charged=False)
+            return
+        deaths = run.server_deaths + 1
+        if deaths >= MAX_SERVER_DEATHS:
+            with self._lock:
+                self._active.pop(run.uid, None)
+            reason = (
+                f"its calls were in flight each of the last {deaths} times its Runtime Server "
+                f"died (the last: {cut_off[1]}): its handler may be killing the server"
+            )
+            self.store.update(run, phase=FAILED, message=limits.bounded(reason))
+            LOG.warning("run %s failed: %s", run.name, reason)
+            return
         self._infrastructure_failure(
-            run, "the Runtime Server lost the registration (restarted)", charged=False
+            run, f"{message}, with call {cut_off[1]} in flight", charged=False, server_deaths=deaths
         )
+
+    def call_cut_off(self, run: Run, active: Active, invocation_id: str) -> None:
+        """A proxied call on `active` broke off: the server may have died under it."""
+        with self._lock:
+            self._cut_off[run.uid] = (active, invocation_id)
 
     def _registration_failed(self, run: Run, code: grpc.StatusCode, details: str) -> None:
         if code == grpc.StatusCode.UNIMPLEMENTED:
@@ -418,9 +451,13 @@ class Runtimed:
                 continue  # a call succeeded on it since the last poll: it is READY, not idle
             self._poll_one(run, active)
 
-    def served(self, run_uid: str, active: Active) -> None:
-        """A proxied call on `active` succeeded: the next poll of the Run can be skipped."""
-        self._served[run_uid] = active
+    def served(self, run: Run, active: Active) -> None:
+        """A proxied call on `active` succeeded: the next poll of the Run can be skipped, and
+        its count of server deaths starts again (``registration_lost``)."""
+        self._served[run.uid] = active
+        self._cut_off.pop(run.uid, None)
+        if run.server_deaths:
+            self.store.update(run, server_deaths=0)
 
     def _poll_one(self, run: Run, active: Active) -> None:
         try:
@@ -430,12 +467,12 @@ class Runtimed:
                 # No answer (the server is paused, busy or restarting) says nothing about the
                 # registration: it is kept, and the next poll asks again. A server that really
                 # went away lost it, and says so (NOT_FOUND) once it is back.
-                LOG.info("run %s: FunctionStatus: %s; polling again", run.name, err.code().name)
+                LOG.debug("run %s: FunctionStatus: %s; polling again", run.name, err.code().name)
                 return
             # NOT_FOUND: the server restarted and lost it; FAILED_PRECONDITION: it holds another.
-            # Either way the pod failed, not the function: the retry is free.
-            self._infrastructure_failure(
-                run, f"FunctionStatus: {err.code().name}: {err.details()}", charged=False
+            # Either way the pod failed, not the function: the retry is free (registration_lost).
+            self.registration_lost(
+                run, active, f"FunctionStatus: {err.code().name}: {err.details()}"
             )
             return
         if status.state == REG_FAILED:
@@ -629,8 +666,12 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
         routed_to = metadata_value(context, POD_KEY)
         run, active, cold = self.runtimed.resolve(request.registration.run_uid, routed_to)
         try:
-            return self._forward(request, context, active, cold, received)
+            return self._forward(request, context, run, active, cold, received)
         except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.UNAVAILABLE and context.is_active():
+                # The call broke off with its caller still there: the server may have died.
+                self.runtimed.call_cut_off(run, active, request.invocation_id or "a call")
+                raise
             if err.code() == grpc.StatusCode.NOT_FOUND:
                 # The server restarted and lost the registration; the Run still exists, so
                 # this is "come back soon" (503), never "no such function" (404).
@@ -642,13 +683,16 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
                 raise
         # The server refused the call before running it (the registration was just drained for
         # idling, or superseded): resolve again under the run lock, once.
-        _, active, cold = self.runtimed.resolve(request.registration.run_uid, routed_to, fast=False)
-        return self._forward(request, context, active, cold, received)
+        run, active, cold = self.runtimed.resolve(
+            request.registration.run_uid, routed_to, fast=False
+        )
+        return self._forward(request, context, run, active, cold, received)
 
     def _forward(
         self,
         request: pb.InvokeFunctionRequest,
         context: grpc.ServicerContext,
+        run: Run,
         active: Active,
         cold: bool,
         received: int,
@@ -685,7 +729,7 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
             )
             metadata += ((TIMELINE_RUNTIMED_KEY, readings),)
         context.set_trailing_metadata(metadata + relayed_trailers(call.trailing_metadata()))
-        self.runtimed.served(request.registration.run_uid, active)
+        self.runtimed.served(run, active)
         return response
 
     @translate_errors

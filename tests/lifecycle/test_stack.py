@@ -497,3 +497,63 @@ def _answer(address: str, body: bytes) -> tuple[int, object, bytes] | str:
         return http_call(address, "POST", "/v1/runs", body)
     except OSError as exc:
         return repr(exc)
+
+
+KILLS_ITS_SERVER = {
+    "handler.py": textwrap.dedent(
+        """
+        import os, signal
+
+        def handle(event):
+            if event.get("kill"):
+                os.kill(os.getppid(), signal.SIGKILL)  # its Runtime Server
+            return "alive"
+        """
+    )
+}
+
+
+def _ready_again(client: Client, name: str, attempt: int) -> Callable[[], bool]:
+    return lambda: phase_and_attempt(client, name) == ("Ready", attempt)
+
+
+def test_a_run_whose_calls_keep_killing_its_server_ends_failed_saying_so(
+    stack_factory: StackFactory,
+) -> None:
+    # The pod's deaths are never charged to a Run, so without a bound this Run would take the pod
+    # down on every call for ever. A bystander on the same pod is not blamed.
+    stack = stack_factory({"python": 1})
+    client = Client(stack.gateway_address)
+    client.create_run("killer", runtime="python", handler="handler.handle", files=KILLS_ITS_SERVER)
+    client.create_run("bystander", runtime="python", handler="handler.handle", files=ECHO)
+    for attempt in (2, 3):
+        status, _, _ = http_call(
+            stack.gateway_address, "POST", "/v1/runs/killer:invoke", b'{"kill": 1}'
+        )
+        assert status == 503
+        wait_until(_ready_again(client, "killer", attempt), timeout=20)
+    status, _, _ = http_call(
+        stack.gateway_address, "POST", "/v1/runs/killer:invoke", b'{"kill": 1}'
+    )
+    assert status == 503
+    wait_until(lambda: client.status("killer")["status"]["phase"] == "Failed", timeout=20)
+    message = client.status("killer")["status"]["message"]
+    assert "in flight each of the last 3 times its Runtime Server died" in message
+    # Each death lost the bystander's registration too: registered again each time, for free.
+    wait_until(lambda: phase_and_attempt(client, "bystander") == ("Ready", 4), timeout=20)
+    assert client.invoke("bystander", {"n": 1}).value()["echo"] == {"n": 1}
+
+
+def test_a_call_that_succeeds_between_server_deaths_starts_the_count_again(
+    stack_factory: StackFactory,
+) -> None:
+    stack = stack_factory({"python": 1})
+    client = Client(stack.gateway_address)
+    client.create_run(
+        "sometimes", runtime="python", handler="handler.handle", files=KILLS_ITS_SERVER
+    )
+    for attempt in (2, 3, 4):
+        http_call(stack.gateway_address, "POST", "/v1/runs/sometimes:invoke", b'{"kill": 1}')
+        wait_until(_ready_again(client, "sometimes", attempt), timeout=20)
+        assert client.invoke("sometimes", {}).value() == "alive"
+    assert phase_and_attempt(client, "sometimes") == ("Ready", 4)
