@@ -1,7 +1,8 @@
 """The long-lived Python worker: imports one handler once, then serves framed invocations.
 
-Run by PythonAdapter as ``python -P _python_worker.py RUN_UID MODULE FUNCTION REQ_FD RESP_FD`` with the
-registered working directory as cwd. It uses the standard library only and imports nothing from
+Run by PythonAdapter as ``python -P _python_worker.py RUN_UID MODULE FUNCTION MEMORY REQ_FD RESP_FD``
+with the registered working directory as cwd; MEMORY is the bytes of memory (RLIMIT_DATA) the
+worker and the processes it starts may take, 0 for no limit. It uses the standard library only and imports nothing from
 fnkernel, so user modules named like ours cannot shadow it (``-P``: the script's own directory is
 not put on sys.path; the working directory is).
 
@@ -22,6 +23,7 @@ import inspect
 import json
 import logging
 import os
+import resource
 import sys
 import time
 import traceback
@@ -134,54 +136,55 @@ def serve(function, run_uid: str, requests, resp_fd: int) -> None:
         id_len, input_len, remaining_ms = map(int, sizes)
         invocation_id = _read_exact(requests, id_len).decode()
         payload = _read_exact(requests, input_len)
-        try:
-            event = json.loads(payload) if payload.strip() else None
-        except ValueError as exc:
-            message = _bounded(f"input is not valid JSON: {exc}")
-            _respond(resp_fd, nonce, b"invalid", {"errorMessage": message})
-            continue
         context = Context(invocation_id, run_uid, remaining_ms, logger)
         try:
-            result = function(event, context) if with_context else function(event)
-        except SystemExit as exc:
-            _respond(
-                resp_fd,
-                nonce,
-                b"error",
-                {
-                    "errorType": "SystemExit",
-                    "errorMessage": f"handler called sys.exit({exc.code!r})",
-                },
-            )
-            continue
-        except Exception as exc:
-            tb = exc.__traceback__
-            traceback.print_exception(type(exc), exc, tb.tb_next if tb else None)
-            _respond(
-                resp_fd,
-                nonce,
-                b"error",
-                {"errorType": type(exc).__name__, "errorMessage": _bounded(str(exc))},
-            )
-            continue
-        try:
-            output = _ENCODER.encode(result).encode()
-        except (TypeError, ValueError) as exc:
-            message = f"the return value cannot be encoded as JSON: {exc}"
-            _respond(
-                resp_fd,
-                nonce,
-                b"error",
-                {"errorType": "ResultNotJSONSerializable", "errorMessage": _bounded(message)},
-            )
-            continue
-        _respond(resp_fd, nonce, b"ok", context.outputs, output)
+            _answer(function, with_context, context, payload, resp_fd, nonce)
+        except MemoryError:
+            # Out of its memory (RLIMIT_DATA) anywhere in the call — the handler, decoding its
+            # input, encoding its result: the supervisor names the limit and replaces us.
+            _respond(resp_fd, nonce, b"error", {"errorType": "MemoryError", "errorMessage": ""})
+
+
+def _answer(
+    function, with_context: bool, context: Context, payload: bytes, resp_fd: int, nonce: bytes
+) -> None:
+    """One call: decode, run the handler, encode, respond (MemoryError is the caller's)."""
+    try:
+        event = json.loads(payload) if payload.strip() else None
+    except ValueError as exc:
+        message = _bounded(f"input is not valid JSON: {exc}")
+        _respond(resp_fd, nonce, b"invalid", {"errorMessage": message})
+        return
+    try:
+        result = function(event, context) if with_context else function(event)
+    except SystemExit as exc:
+        message = f"handler called sys.exit({exc.code!r})"
+        _respond(resp_fd, nonce, b"error", {"errorType": "SystemExit", "errorMessage": message})
+        return
+    except MemoryError:
+        raise
+    except Exception as exc:
+        tb = exc.__traceback__
+        traceback.print_exception(type(exc), exc, tb.tb_next if tb else None)
+        meta = {"errorType": type(exc).__name__, "errorMessage": _bounded(str(exc))}
+        _respond(resp_fd, nonce, b"error", meta)
+        return
+    try:
+        output = _ENCODER.encode(result).encode()
+    except (TypeError, ValueError) as exc:
+        message = _bounded(f"the return value cannot be encoded as JSON: {exc}")
+        meta = {"errorType": "ResultNotJSONSerializable", "errorMessage": message}
+        _respond(resp_fd, nonce, b"error", meta)
+        return
+    _respond(resp_fd, nonce, b"ok", context.outputs, output)
 
 
 def main() -> None:
-    run_uid, module_name, function_name, req_fd, resp_fd = sys.argv[1:6]
-    del sys.argv[4:6]  # the handler sees no descriptor numbers (see above)
+    run_uid, module_name, function_name, memory, req_fd, resp_fd = sys.argv[1:7]
+    del sys.argv[4:7]  # the handler sees no descriptor numbers (see above)
     req, resp = int(req_fd), int(resp_fd)
+    if int(memory):  # before the handler is imported; what the interpreter has taken counts
+        resource.setrlimit(resource.RLIMIT_DATA, (int(memory), int(memory)))
     os.set_inheritable(req, False)  # the handler's own subprocesses must not hold our frame pipes
     os.set_inheritable(resp, False)
     sys.path.insert(0, os.getcwd())

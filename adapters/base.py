@@ -27,6 +27,7 @@ class FunctionSpec:
     working_dir: Path
     handler: str
     env: Mapping[str, str] = field(default_factory=dict)
+    memory_mb: int = 0  # what each of its processes may take, in MiB (0: no limit)
 
 
 @dataclass(frozen=True)

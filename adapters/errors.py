@@ -16,6 +16,7 @@ INITIALIZATION_ERROR = "InitializationError"
 HANDLER_NOT_FOUND = "HandlerNotFound"
 OUTPUT_TOO_LARGE = "OutputTooLarge"
 CORRUPT_RESPONSE = "CorruptResponse"  # the worker's answer was not this call's: it is restarted
+MEMORY_LIMIT_EXCEEDED = "MemoryLimitExceeded"  # the handler needed more than its memoryMb
 
 
 class AdapterError(Exception):
@@ -50,6 +51,9 @@ class HandlerError(AdapterError):
     the message).
     """
 
+    # The worker cannot be trusted after it (its frames, its memory): it is replaced.
+    spoils_worker = False
+
     def __init__(self, error_type: str, message: str, logs: tuple[Any, ...] = ()) -> None:
         super().__init__(f"{error_type}: {message}")
         self.error_type = error_type
@@ -82,8 +86,25 @@ class CorruptResponse(HandlerError):
     this call fails with this error and the next one gets a fresh worker, never another call's
     answer."""
 
+    spoils_worker = True
+
     def __init__(self, what: str) -> None:
         super().__init__(
             CORRUPT_RESPONSE,
             f"the worker's answer was not this call's ({what}); the worker was restarted",
+        )
+
+
+class MemoryLimitExceeded(HandlerError):
+    """The handler needed more memory than its registration's memory_mb allows (docs/protocol.md,
+    "Limits"): the call fails naming the limit, and the worker, whose state a failed allocation
+    may have left half made, is replaced; the registration stays READY."""
+
+    spoils_worker = True
+
+    def __init__(self, memory_mb: int) -> None:
+        super().__init__(
+            MEMORY_LIMIT_EXCEEDED,
+            f"the handler needed more than its {memory_mb} MiB of memory (memoryMb); "
+            "its worker was restarted",
         )

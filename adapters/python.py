@@ -15,6 +15,7 @@ from adapters.errors import (
     HandlerError,
     InvalidHandler,
     InvalidInput,
+    MemoryLimitExceeded,
 )
 from adapters.worker import WorkerCall
 
@@ -46,7 +47,16 @@ class PythonAdapter(WorkerAdapter):
     def _argv(self) -> list[str]:
         module, _, function = self.spec.handler.rpartition(".")
         # -P: the worker script's directory is not put on sys.path; it adds the working directory.
-        return [sys.executable, "-P", str(WORKER_SCRIPT), self.spec.run_uid, module, function]
+        memory = str(self.spec.memory_mb << 20)  # bytes; 0: no limit
+        return [
+            sys.executable,
+            "-P",
+            str(WORKER_SCRIPT),
+            self.spec.run_uid,
+            module,
+            function,
+            memory,
+        ]
 
     def _environment(self) -> dict[str, str]:
         env = super()._environment()
@@ -76,4 +86,6 @@ class PythonAdapter(WorkerAdapter):
             return output, JSON, meta
         if status == b"invalid":
             raise InvalidInput(message)
+        if error_type == "MemoryError" and self.spec.memory_mb:
+            raise MemoryLimitExceeded(self.spec.memory_mb)
         raise HandlerError(error_type, message)

@@ -486,12 +486,11 @@ class WorkerSupervisor:
         worker = call.worker
         try:
             result = exchange(call)
-        except CorruptResponse as exc:
-            self._replace(worker, call)  # its frame stream is out of step: never reuse it
-            exc.logs = tuple(call.logs)
-            raise
         except (HandlerError, InvalidInput) as exc:
-            # A complete response that reports a failure: the worker is fine.
+            # A complete response that reports a failure: the worker is fine, unless the failure
+            # says otherwise (CorruptResponse: its frames are out of step; MemoryLimitExceeded).
+            if isinstance(exc, HandlerError) and exc.spoils_worker:
+                self._replace(worker, call)
             exc.logs = tuple(call.collect_logs())
             raise
         except TimeoutError:

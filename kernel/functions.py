@@ -46,6 +46,7 @@ class Spec:
     source: str
     env: Mapping[str, str] = field(default_factory=dict)
     idle_timeout: int = 0
+    memory: int = 0  # MiB (0: the default)
 
     @property
     def filename(self) -> str:
@@ -60,6 +61,8 @@ class Spec:
             "runtime": self.runtime,
             "idleTimeoutSeconds": self.idle_timeout,
         }
+        if self.memory:  # only then: a cell without --memory keeps the fingerprint it had
+            canonical["memoryMb"] = self.memory
         text = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
         return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 

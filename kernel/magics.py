@@ -1,7 +1,7 @@
 """The fnkernel magics, exactly as docs/protocol.md, "Kernel" spells them.
 
 ``%%function NAME [--runtime python|bash] [--handler H] [--env KEY=VALUE]... [--idle-timeout S]
-[--timeout S]``, ``%invoke NAME [JSON]``, ``%functions [NAME...]``, ``%fn_trace on|off|show [--all]`` and
+[--timeout S] [--memory MIB]``, ``%invoke NAME [JSON]``, ``%functions [NAME...]``, ``%fn_trace on|off|show [--all]`` and
 ``%fn_debug``. Bad flags raise ``UsageError`` with a one-line message.
 """
 
@@ -40,12 +40,12 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}")
 
 
-def _seconds(kind: type[int] | type[float]) -> Any:
+def _number(kind: type[int] | type[float], unit: str = "seconds") -> Any:
     def parse(text: str) -> int | float:
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of {unit}") from None
         if value < 0:
             raise argparse.ArgumentTypeError(f"{text!r} must not be negative")
         return value
@@ -66,8 +66,9 @@ FUNCTION_PARSER.add_argument("name")
 FUNCTION_PARSER.add_argument("--runtime", choices=sorted(EXTENSIONS), default="python")
 FUNCTION_PARSER.add_argument("--handler")
 FUNCTION_PARSER.add_argument("--env", type=_env_pair, action="append", default=[])
-FUNCTION_PARSER.add_argument("--idle-timeout", type=_seconds(int), default=0)
-FUNCTION_PARSER.add_argument("--timeout", type=_seconds(float))
+FUNCTION_PARSER.add_argument("--idle-timeout", type=_number(int), default=0)
+FUNCTION_PARSER.add_argument("--memory", type=_number(int, "MiB"), default=0)
+FUNCTION_PARSER.add_argument("--timeout", type=_number(float))
 FUNCTION_PARSER.add_argument("--krm", action="store_true")
 
 
@@ -96,7 +97,7 @@ class FunctionMagics(Magics):
     @cell_magic("function")  # type: ignore[arg-type]  # IPython types it as Never
     def function(self, line: str, cell: str) -> None:
         """%%function NAME [--runtime python|bash] [--handler H] [--env KEY=VALUE]...
-        [--idle-timeout S] [--timeout S]
+        [--idle-timeout S] [--timeout S] [--memory MIB]
 
         Register the cell as the handler source (NAME.py / NAME.sh, default handler
         NAME.handler) and bind NAME to a callable: NAME(payload), NAME.invoke(...),
@@ -114,6 +115,7 @@ class FunctionMagics(Magics):
             source=cell,
             env=dict(args.env),
             idle_timeout=args.idle_timeout,
+            memory=args.memory,
         )
         handle = display(RegistrationCard(spec.name, spec.runtime), display_id=True)
 

@@ -109,6 +109,7 @@ class Session:
                 files={spec.filename: spec.source},
                 env=spec.env,
                 idle_timeout_seconds=spec.idle_timeout,
+                memory_mb=spec.memory,
                 origin=spec.origin,
             )
         except (RequestCancelled, KeyboardInterrupt):

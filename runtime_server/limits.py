@@ -23,6 +23,11 @@ MAX_IDLE_TIMEOUT_SECONDS = 86_400
 DEFAULT_IDLE_TIMEOUT_SECONDS = 900
 MAX_INVOCATION_ID_BYTES = 128
 MAX_PAYLOAD_BYTES = 6 * 1024 * 1024
+# docs/protocol.md, "Limits": the memory each of a handler's processes may take (Lambda's
+# MemorySize is the model: a default, a range, and an error that names it).
+DEFAULT_MEMORY_MB = 1024
+MIN_MEMORY_MB = 64  # a Python worker takes ~30 MiB before the handler
+MAX_MEMORY_MB = 16384
 DEFAULT_TIMEOUT_MILLIS = 30_000
 MAX_TIMEOUT_MILLIS = 900_000
 # No call outlives MAX_TIMEOUT_MILLIS, so no drain needs to wait longer for one.
@@ -125,6 +130,18 @@ def check_idle_timeout(seconds: int) -> int:
             "idle_timeout_seconds", f"must be 0 to {MAX_IDLE_TIMEOUT_SECONDS}, got {seconds}"
         )
     return seconds
+
+
+def check_memory_mb(memory_mb: int, field: str = "memory_mb") -> int:
+    """The memory limit in MiB: 0 → DEFAULT_MEMORY_MB, else MIN_MEMORY_MB to MAX_MEMORY_MB."""
+    if memory_mb == 0:
+        return DEFAULT_MEMORY_MB
+    if not MIN_MEMORY_MB <= memory_mb <= MAX_MEMORY_MB:
+        raise InvalidField(
+            field,
+            f"must be 0 (the default, {DEFAULT_MEMORY_MB}) or {MIN_MEMORY_MB} to {MAX_MEMORY_MB} MiB, got {memory_mb}",
+        )
+    return memory_mb
 
 
 def check_digest(digest: str) -> str:

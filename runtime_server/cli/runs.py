@@ -46,6 +46,7 @@ def _runs_create(args: argparse.Namespace) -> int:
         source=Path(args.source),
         env=_parse_env(args.env),
         idle_timeout_seconds=args.idle_timeout,
+        memory_mb=args.memory,
     )
     print_json(run)
     return EXIT_FAILURE if run.failed else EXIT_OK
@@ -126,6 +127,13 @@ def register(commands: Any) -> None:
     )
     create.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
     create.add_argument("--idle-timeout", type=count, default=0, metavar="SECONDS")
+    create.add_argument(
+        "--memory",
+        type=count,
+        default=0,
+        metavar="MIB",
+        help="what each of the handler's processes may take (default 1024)",
+    )
     create.set_defaults(func=_runs_create)
     listing = runs_commands.add_parser("list", help="list Runs")
     listing.set_defaults(func=_runs_list)

@@ -211,6 +211,7 @@ class Client:
         source: Path | None = None,
         env: Mapping[str, str] | None = None,
         idle_timeout_seconds: int = 0,
+        memory_mb: int = 0,
         origin: str = "",
     ) -> Run:
         """Create a Run from `files` or from the file or directory `source`; the Run as it
@@ -227,6 +228,7 @@ class Client:
             "files": dict(files),
             "env": dict(env or {}),
             "idleTimeoutSeconds": idle_timeout_seconds,
+            "memoryMb": memory_mb,
             "source": origin or (str(source) if source is not None else ""),
         }
         return Run(self._json("POST", "/v1/runs", body))

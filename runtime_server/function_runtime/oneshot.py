@@ -56,7 +56,7 @@ def execute(
     if deadline is not None:
         effective = min(effective, deadline)
     adapter = adapter_cls(
-        FunctionSpec(run_uid, directory, handler, env),
+        FunctionSpec(run_uid, directory, handler, env, limits.DEFAULT_MEMORY_MB),
         max_output_bytes=limits.MAX_PAYLOAD_BYTES,
         init_timeout=max(0.0, effective - time.monotonic()),
     )

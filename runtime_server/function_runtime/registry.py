@@ -121,6 +121,7 @@ class Registry:
         env: Mapping[str, str],
         idle_timeout_seconds: int,
         registration_digest: str,
+        memory_mb: int = 0,
     ) -> RegistrationView:
         limits.check_run_uid(run_uid)
         limits.check_registration_attempt(registration_attempt)
@@ -129,6 +130,7 @@ class Registry:
         env = limits.check_env(env)
         limits.check_idle_timeout(idle_timeout_seconds)  # runtimed acts on it; we only bound it
         limits.check_digest(registration_digest)
+        memory_mb = limits.check_memory_mb(memory_mb)
 
         superseded: Registration | None = None
         with self._lock:
@@ -160,6 +162,7 @@ class Registry:
                     directory,
                     handler,
                     env,
+                    memory_mb,
                 )
                 if superseded is not None:
                     superseded.state = DRAINING
@@ -188,8 +191,9 @@ class Registry:
         working_dir: Path,
         handler: str,
         env: dict[str, str],
+        memory_mb: int,
     ) -> Registration:
-        spec = FunctionSpec(run_uid, working_dir, handler, env)
+        spec = FunctionSpec(run_uid, working_dir, handler, env, memory_mb)
         registration_id = limits.new_id("reg_")
         adapter = self.adapter_cls(
             spec,

@@ -47,6 +47,7 @@ class FunctionRuntimeServicer(pb_grpc.FunctionRuntimeServicer):
             env=dict(request.env),
             idle_timeout_seconds=request.idle_timeout_seconds,
             registration_digest=request.registration_digest,
+            memory_mb=request.memory_mb,
         )
         return pb.RegisterFunctionResponse(registration=_registration(view), state=view.state)  # type: ignore[arg-type]
 

@@ -103,6 +103,7 @@ def spec_digest(
     files: Mapping[PurePosixPath, str],
     env: Mapping[str, str],
     idle_timeout_seconds: int,
+    memory_mb: int,
 ) -> str:
     """The SHA-256 of a create's checked spec: what makes two creates the same one."""
     canonical = {
@@ -111,6 +112,7 @@ def spec_digest(
         "files": {str(path): text for path, text in sorted(files.items())},
         "env": dict(env),
         "idleTimeoutSeconds": idle_timeout_seconds,
+        "memoryMb": memory_mb,
     }
     text = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return limits.sha256_digest(text.encode())
@@ -144,6 +146,7 @@ class ControlPlane:
         env: Mapping[str, str] | None = None,
         idle_timeout_seconds: int = 0,
         source: str = "",
+        memory_mb: int = 0,
     ) -> Run:
         """Validate, copy the source into a fresh working dir, assign a pod; phase Pending.
 
@@ -158,7 +161,8 @@ class ControlPlane:
         idle = (
             limits.check_idle_timeout(idle_timeout_seconds) or limits.DEFAULT_IDLE_TIMEOUT_SECONDS
         )
-        digest = spec_digest(runtime, handler, checked, env, idle)
+        memory = limits.check_memory_mb(memory_mb, "memoryMb")
+        digest = spec_digest(runtime, handler, checked, env, idle, memory)
         existing = self._created_as(name, digest)
         if existing is not None:
             return existing
@@ -190,6 +194,7 @@ class ControlPlane:
                 assigned_pod=pod,
                 created_at=time.time(),
                 spec_digest=digest,
+                memory_mb=memory,
             )
             self.store.insert(run)
         except RunAlreadyExists:

@@ -462,6 +462,9 @@ class RunsHandler(BodyHandler):
         idle = body.get("idleTimeoutSeconds", 0)
         if not isinstance(idle, int) or isinstance(idle, bool):
             raise InvalidField("idleTimeoutSeconds", "must be an integer")
+        memory = body.get("memoryMb", 0)
+        if not isinstance(memory, int) or isinstance(memory, bool):
+            raise InvalidField("memoryMb", "must be an integer (MiB)")
         fields = {}
         for key in ("name", "runtime", "handler"):
             value = body.get(key)
@@ -475,6 +478,7 @@ class RunsHandler(BodyHandler):
             files=files,
             env=env,
             idle_timeout_seconds=idle,
+            memory_mb=memory,
             source=str(body.get("source", "")),
         )
         run = await self.blocking(control_plane.wait_settled, run.name, CREATE_WAIT_SECONDS)

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from adapters.private import NotPrivate
+from runtime_server import limits
 from runtime_server.errors import RunAlreadyExists, RunNotFound, StoreDamaged
 from runtime_server.wire import DELETED, FAILED
 
@@ -67,7 +68,8 @@ CREATE TABLE IF NOT EXISTS runs (
     drain_timeout_millis INTEGER NOT NULL DEFAULT 0,
     uncharged_attempts INTEGER NOT NULL DEFAULT 0,
     spec_digest TEXT NOT NULL DEFAULT '',
-    server_deaths INTEGER NOT NULL DEFAULT 0
+    server_deaths INTEGER NOT NULL DEFAULT 0,
+    memory_mb INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS pods (
     name TEXT PRIMARY KEY,
@@ -114,6 +116,9 @@ class Run:
     # lost its registration): a handler that kills its server is Failed after a few, not retried
     # for ever free of charge. A call that succeeds starts the count again.
     server_deaths: int = 0
+    # What each of its handler's processes may take, in MiB (0: the default; docs/protocol.md,
+    # "Limits"). Part of its spec: it never changes.
+    memory_mb: int = 0
 
     @property
     def charged_attempts(self) -> int:
@@ -130,6 +135,7 @@ class Run:
                 "source": self.source,
                 "env": self.env,
                 "idleTimeoutSeconds": self.idle_timeout_seconds,
+                "memoryMb": limits.check_memory_mb(self.memory_mb),
             },
             "status": {
                 "phase": self.phase,

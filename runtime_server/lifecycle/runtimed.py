@@ -119,6 +119,7 @@ def registration_digest(run: Run) -> str:
         "env": run.env,
         "runtime": run.runtime,
         "idleTimeoutSeconds": run.idle_timeout_seconds,
+        "memoryMb": limits.check_memory_mb(run.memory_mb),
     }
     text = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return limits.sha256_digest(text.encode())
@@ -633,6 +634,7 @@ def _registration_request(run: Run, digest: str) -> pb.RegisterFunctionRequest:
         env=run.env,
         idle_timeout_seconds=run.idle_timeout_seconds,
         registration_digest=digest,
+        memory_mb=run.memory_mb,
     )
 
 

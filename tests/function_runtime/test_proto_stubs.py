@@ -43,6 +43,9 @@ def test_service_keeps_the_seed_field_names_and_numbers() -> None:
         "env": 5,
         "idle_timeout_seconds": 6,
         "registration_digest": 7,
+        # Ours, after the seed's (docs/protocol.md, "Limits"): a client that does not know it
+        # leaves it 0, the default.
+        "memory_mb": 8,
     }
     assert pb.FunctionRegistrationState.Name(4) == "FUNCTION_REGISTRATION_STATE_FAILED"
     methods = [m.name for m in pb.DESCRIPTOR.services_by_name["FunctionRuntime"].methods]

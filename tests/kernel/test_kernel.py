@@ -219,6 +219,22 @@ def test_a_handler_error_is_one_line_naming_the_exception_and_its_cell_line(
     assert kernel.value("isinstance(__import__('sys').last_value, HandlerFailed)") is True
 
 
+def test_a_function_past_its_memory_limit_fails_in_one_line_naming_it(kernel: Kernel) -> None:
+    # docs/protocol.md, "Limits": --memory MIB is the Run's memoryMb; past it the call fails
+    # naming the limit and the function stays registered.
+    hog = (
+        "%%function hog --memory 100\ndef handler(event):\n    return len(bytearray(event << 20))\n"
+    )
+    assert kernel.run(hog).ok
+    assert kernel.value("hog(10)") == 10 << 20
+    cell = kernel.run("hog(400)")
+    assert cell.error is not None
+    [line] = cell.error["traceback"]
+    assert line.startswith("MemoryLimitExceeded: the handler needed more than its 100 MiB"), line
+    assert kernel.value("hog(1)") == 1 << 20
+    assert kernel.value("hog.status()['spec']['memoryMb']") == 100
+
+
 def test_fn_debug_shows_the_handlers_traceback_in_cell_lines_then_the_request(
     kernel: Kernel,
 ) -> None:

@@ -397,3 +397,33 @@ def test_non_loopback_gateway_refuses_to_start_without_a_token(tmp_path: Path) -
     assert result.returncode == 2
     assert "--no-token" in result.stderr
     assert time.monotonic() - started < 30
+
+
+def test_a_runs_memory_limit_is_its_spec_and_a_handler_past_it_is_502_naming_it(
+    shared_stack: Stack,
+) -> None:
+    hungry = {"handler.py": "def handle(event):\n    return len(bytearray(event << 20))\n"}
+    name = create(shared_stack, hungry, memory_mb=200)
+    assert Client(shared_stack.gateway_address).status(name)["spec"]["memoryMb"] == 200
+    status, _, body = invoke(shared_stack, name, b"100")
+    assert (status, body) == (200, str(100 << 20).encode())
+    status, _, body = invoke(shared_stack, name, b"400")
+    failure = json.loads(body)
+    assert status == 502 and failure["errorType"] == "MemoryLimitExceeded", failure
+    assert "its 200 MiB of memory (memoryMb)" in failure["errorMessage"]
+    status, _, _ = invoke(shared_stack, name, b"1")  # the Run stays Ready, on a fresh worker
+    assert status == 200
+    assert Client(shared_stack.gateway_address).status(name)["status"]["phase"] == "Ready"
+
+
+@pytest.mark.parametrize("memory", [32, 10**6, "1024", True])
+def test_a_memory_limit_out_of_range_is_400_naming_memory_mb(
+    shared_stack: Stack, memory: object
+) -> None:
+    body = {"name": "mem", "runtime": "python", "handler": "handler.handle",
+            "files": SLOW_PY, "memoryMb": memory}  # fmt: skip
+    status, _, reply = http_call(
+        shared_stack.gateway_address, "POST", "/v1/runs", json.dumps(body).encode()
+    )
+    assert status == 400, reply
+    assert json.loads(reply)["message"].startswith("memoryMb: ")

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n/runtime_server/_proto/executor/v1/runtime.proto\x12\x0b\x65xecutor.v1\"\xa8\x02\n\x0e\x45xecuteRequest\x12\x17\n\x07run_uid\x18\x01 \x01(\tR\x06runUid\x12\x1f\n\x0bworking_dir\x18\x02 \x01(\tR\nworkingDir\x12\x18\n\x07handler\x18\x03 \x01(\tR\x07handler\x12\x36\n\x03\x65nv\x18\x04 \x03(\x0b\x32$.executor.v1.ExecuteRequest.EnvEntryR\x03\x65nv\x12\x14\n\x05input\x18\x05 \x01(\x0cR\x05input\x12!\n\x0c\x63ontent_type\x18\x06 \x01(\tR\x0b\x63ontentType\x12%\n\x0etimeout_millis\x18\x07 \x01(\x03R\rtimeoutMillis\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xde\x01\n\x0f\x45xecuteResponse\x12\x16\n\x06output\x18\x01 \x01(\x0cR\x06output\x12!\n\x0c\x63ontent_type\x18\x02 \x01(\tR\x0b\x63ontentType\x12\x43\n\x07outputs\x18\x03 \x03(\x0b\x32).executor.v1.ExecuteResponse.OutputsEntryR\x07outputs\x12\x1b\n\texit_code\x18\x04 \x01(\x05R\x08\x65xitCode\x1a.\n\x0cOutputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"X\n\x14\x46unctionRegistration\x12\x17\n\x07run_uid\x18\x01 \x01(\tR\x06runUid\x12\'\n\x0fregistration_id\x18\x02 \x01(\tR\x0eregistrationId\"\xf0\x02\n\x17RegisterFunctionRequest\x12\x17\n\x07run_uid\x18\x01 \x01(\tR\x06runUid\x12\x31\n\x14registration_attempt\x18\x02 \x01(\x05R\x13registrationAttempt\x12\x1f\n\x0bworking_dir\x18\x03 \x01(\tR\nworkingDir\x12\x18\n\x07handler\x18\x04 \x01(\tR\x07handler\x12?\n\x03\x65nv\x18\x05 \x03(\x0b\x32-.executor.v1.RegisterFunctionRequest.EnvEntryR\x03\x65nv\x12\x30\n\x14idle_timeout_seconds\x18\x06 \x01(\x03R\x12idleTimeoutSeconds\x12/\n\x13registration_digest\x18\x07 \x01(\tR\x12registrationDigest\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x9f\x01\n\x18RegisterFunctionResponse\x12\x45\n\x0cregistration\x18\x01 \x01(\x0b\x32!.executor.v1.FunctionRegistrationR\x0cregistration\x12<\n\x05state\x18\x02 \x01(\x0e\x32&.executor.v1.FunctionRegistrationStateR\x05state\"^\n\x15\x46unctionStatusRequest\x12\x45\n\x0cregistration\x18\x01 \x01(\x0b\x32!.executor.v1.FunctionRegistrationR\x0cregistration\"\x92\x02\n\x16\x46unctionStatusResponse\x12\x45\n\x0cregistration\x18\x01 \x01(\x0b\x32!.executor.v1.FunctionRegistrationR\x0cregistration\x12<\n\x05state\x18\x02 \x01(\x0e\x32&.executor.v1.FunctionRegistrationStateR\x05state\x12\x1b\n\tin_flight\x18\x03 \x01(\x05R\x08inFlight\x12\x35\n\x17last_activity_unix_nano\x18\x04 \x01(\x03R\x14lastActivityUnixNano\x12\x1f\n\x0b\x66\x61tal_error\x18\x05 \x01(\tR\nfatalError\"\xe3\x01\n\x15InvokeFunctionRequest\x12\x45\n\x0cregistration\x18\x01 \x01(\x0b\x32!.executor.v1.FunctionRegistrationR\x0cregistration\x12#\n\rinvocation_id\x18\x02 \x01(\tR\x0cinvocationId\x12\x14\n\x05input\x18\x03 \x01(\x0cR\x05input\x12!\n\x0c\x63ontent_type\x18\x04 \x01(\tR\x0b\x63ontentType\x12%\n\x0etimeout_millis\x18\x05 \x01(\x03R\rtimeoutMillis\"\xbb\x02\n\x16InvokeFunctionResponse\x12\x45\n\x0cregistration\x18\x01 \x01(\x0b\x32!.executor.v1.FunctionRegistrationR\x0cregistration\x12#\n\rinvocation_id\x18\x02 \x01(\tR\x0cinvocationId\x12\x16\n\x06output\x18\x03 \x01(\x0cR\x06output\x12!\n\x0c\x63ontent_type\x18\x04 \x01(\tR\x0b\x63ontentType\x12J\n\x07outputs\x18\x05 \x03(\x0b\x32\x30.executor.v1.InvokeFunctionResponse.OutputsEntryR\x07outputs\x1a.\n\x0cOutputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xbe\x01\n\x19UnregisterFunctionRequest\x12\x45\n\x0cregistration\x18\x01 \x01(\x0b\x32!.executor.v1.FunctionRegistrationR\x0cregistration\x12(\n\x10\x63\x61ncel_in_flight\x18\x02 \x01(\x08R\x0e\x63\x61ncelInFlight\x12\x30\n\x14\x64rain_timeout_millis\x18\x03 \x01(\x03R\x12\x64rainTimeoutMillis\"c\n\x1aUnregisterFunctionResponse\x12\x45\n\x0cregistration\x18\x01 \x01(\x0b\x32!.executor.v1.FunctionRegistrationR\x0cregistration*\xee\x01\n\x19\x46unctionRegistrationState\x12+\n\'FUNCTION_REGISTRATION_STATE_UNSPECIFIED\x10\x00\x12+\n\'FUNCTION_REGISTRATION_STATE_REGISTERING\x10\x01\x12%\n!FUNCTION_REGISTRATION_STATE_READY\x10\x02\x12(\n$FUNCTION_REGISTRATION_STATE_DRAINING\x10\x03\x12&\n\"FUNCTION_REGISTRATION_STATE_FAILED\x10\x04\x32O\n\x07Runtime\x12\x44\n\x07\x45xecute\x12\x1b.executor.v1.ExecuteRequest\x1a\x1c.executor.v1.ExecuteResponse2\x8f\x03\n\x0f\x46unctionRuntime\x12_\n\x10RegisterFunction\x12$.executor.v1.RegisterFunctionRequest\x1a%.executor.v1.RegisterFunctionResponse\x12Y\n\x0e\x46unctionStatus\x12\".executor.v1.FunctionStatusRequest\x1a#.executor.v1.FunctionStatusResponse\x12Y\n\x0eInvokeFunction\x12\".executor.v1.InvokeFunctionRequest\x1a#.executor.v1.InvokeFunctionResponse\x12\x65\n\x12UnregisterFunction\x12&.executor.v1.UnregisterFunctionRequest\x1a\'.executor.v1.UnregisterFunctionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n/runtime_server/_proto/executor/v1/runtime.proto\x12\x0b\x65xecutor.v1\"\xa8\x02\n\x0e\x45xecuteRequest\x12\x17\n\x07run_uid\x18\x01 \x01(\tR\x06runUid\x12\x1f\n\x0bworking_dir\x18\x02 \x01(\tR\nworkingDir\x12\x18\n\x07handler\x18\x03 \x01(\tR\x07handler\x12\x36\n\x03\x65nv\x18\x04 \x03(\x0b\x32$.executor.v1.ExecuteRequest.EnvEntryR\x03\x65nv\x12\x14\n\x05input\x18\x05 \x01(\x0cR\x05input\x12!\n\x0c\x63ontent_type\x18\x06 \x01(\tR\x0b\x63ontentType\x12%\n\x0etimeout_millis\x18\x07 \x01(\x03R\rtimeoutMillis\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xde\x01\n\x0f\x45xecuteResponse\x12\x16\n\x06output\x18\x01 \x01(\x0cR\x06output\x12!\n\x0c\x63ontent_type\x18\x02 \x01(\tR\x0b\x63ontentType\x12\x43\n\x07outputs\x18\x03 \x03(\x0b\x32).executor.v1.ExecuteResponse.OutputsEntryR\x07outputs\x12\x1b\n\texit_code\x18\x04 \x01(\x05R\x08\x65xitCode\x1a.\n\x0cOutputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"X\n\x14\x46unctionRegistration\x12\x17\n\x07run_uid\x18\x01 \x01(\tR\x06runUid\x12\'\n\x0fregistration_id\x18\x02 \x01(\tR\x0eregistrationId\"\x8d\x03\n\x17RegisterFunctionRequest\x12\x17\n\x07run_uid\x18\x01 \x01(\tR\x06runUid\x12\x31\n\x14registration_attempt\x18\x02 \x01(\x05R\x13registrationAttempt\x12\x1f\n\x0bworking_dir\x18\x03 \x01(\tR\nworkingDir\x12\x18\n\x07handler\x18\x04 \x01(\tR\x07handler\x12?\n\x03\x65nv\x18\x05 \x03(\x0b\x32-.executor.v1.RegisterFunctionRequest.EnvEntryR\x03\x65nv\x12\x30\n\x14idle_timeout_seconds\x18\x06 \x01(\x03R\x12idleTimeoutSeconds\x12/\n\x13registration_digest\x18\x07 \x01(\tR\x12registrationDigest\x12\x1b\n\tmemory_mb\x18\x08 \x01(\x05R\x08memoryMb\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x9f\x01\n\x18RegisterFunctionResponse\x12\x45\n\x0cregistration\x18\x01 \x01(\x0b\x32!.executor.v1.FunctionRegistrationR\x0cregistration\x12<\n\x05state\x18\x02 \x01(\x0e\x32&.executor.v1.FunctionRegistrationStateR\x05state\"^\n\x15\x46unctionStatusRequest\x12\x45\n\x0cregistration\x18\x01 \x01(\x0b\x32!.executor.v1.FunctionRegistrationR\x0cregistration\"\x92\x02\n\x16\x46unctionStatusResponse\x12\x45\n\x0cregistration\x18\x01 \x01(\x0b\x32!.executor.v1.FunctionRegistrationR\x0cregistration\x12<\n\x05state\x18\x02 \x01(\x0e\x32&.executor.v1.FunctionRegistrationStateR\x05state\x12\x1b\n\tin_flight\x18\x03 \x01(\x05R\x08inFlight\x12\x35\n\x17last_activity_unix_nano\x18\x04 \x01(\x03R\x14lastActivityUnixNano\x12\x1f\n\x0b\x66\x61tal_error\x18\x05 \x01(\tR\nfatalError\"\xe3\x01\n\x15InvokeFunctionRequest\x12\x45\n\x0cregistration\x18\x01 \x01(\x0b\x32!.executor.v1.FunctionRegistrationR\x0cregistration\x12#\n\rinvocation_id\x18\x02 \x01(\tR\x0cinvocationId\x12\x14\n\x05input\x18\x03 \x01(\x0cR\x05input\x12!\n\x0c\x63ontent_type\x18\x04 \x01(\tR\x0b\x63ontentType\x12%\n\x0etimeout_millis\x18\x05 \x01(\x03R\rtimeoutMillis\"\xbb\x02\n\x16InvokeFunctionResponse\x12\x45\n\x0cregistration\x18\x01 \x01(\x0b\x32!.executor.v1.FunctionRegistrationR\x0cregistration\x12#\n\rinvocation_id\x18\x02 \x01(\tR\x0cinvocationId\x12\x16\n\x06output\x18\x03 \x01(\x0cR\x06output\x12!\n\x0c\x63ontent_type\x18\x04 \x01(\tR\x0b\x63ontentType\x12J\n\x07outputs\x18\x05 \x03(\x0b\x32\x30.executor.v1.InvokeFunctionResponse.OutputsEntryR\x07outputs\x1a.\n\x0cOutputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xbe\x01\n\x19UnregisterFunctionRequest\x12\x45\n\x0cregistration\x18\x01 \x01(\x0b\x32!.executor.v1.FunctionRegistrationR\x0cregistration\x12(\n\x10\x63\x61ncel_in_flight\x18\x02 \x01(\x08R\x0e\x63\x61ncelInFlight\x12\x30\n\x14\x64rain_timeout_millis\x18\x03 \x01(\x03R\x12\x64rainTimeoutMillis\"c\n\x1aUnregisterFunctionResponse\x12\x45\n\x0cregistration\x18\x01 \x01(\x0b\x32!.executor.v1.FunctionRegistrationR\x0cregistration*\xee\x01\n\x19\x46unctionRegistrationState\x12+\n\'FUNCTION_REGISTRATION_STATE_UNSPECIFIED\x10\x00\x12+\n\'FUNCTION_REGISTRATION_STATE_REGISTERING\x10\x01\x12%\n!FUNCTION_REGISTRATION_STATE_READY\x10\x02\x12(\n$FUNCTION_REGISTRATION_STATE_DRAINING\x10\x03\x12&\n\"FUNCTION_REGISTRATION_STATE_FAILED\x10\x04\x32O\n\x07Runtime\x12\x44\n\x07\x45xecute\x12\x1b.executor.v1.ExecuteRequest\x1a\x1c.executor.v1.ExecuteResponse2\x8f\x03\n\x0f\x46unctionRuntime\x12_\n\x10RegisterFunction\x12$.executor.v1.RegisterFunctionRequest\x1a%.executor.v1.RegisterFunctionResponse\x12Y\n\x0e\x46unctionStatus\x12\".executor.v1.FunctionStatusRequest\x1a#.executor.v1.FunctionStatusResponse\x12Y\n\x0eInvokeFunction\x12\".executor.v1.InvokeFunctionRequest\x1a#.executor.v1.InvokeFunctionResponse\x12\x65\n\x12UnregisterFunction\x12&.executor.v1.UnregisterFunctionRequest\x1a\'.executor.v1.UnregisterFunctionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,8 +39,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERFUNCTIONREQUEST_ENVENTRY']._serialized_options = b'8\001'
   _globals['_INVOKEFUNCTIONRESPONSE_OUTPUTSENTRY']._loaded_options = None
   _globals['_INVOKEFUNCTIONRESPONSE_OUTPUTSENTRY']._serialized_options = b'8\001'
-  _globals['_FUNCTIONREGISTRATIONSTATE']._serialized_start=2427
-  _globals['_FUNCTIONREGISTRATIONSTATE']._serialized_end=2665
+  _globals['_FUNCTIONREGISTRATIONSTATE']._serialized_start=2456
+  _globals['_FUNCTIONREGISTRATIONSTATE']._serialized_end=2694
   _globals['_EXECUTEREQUEST']._serialized_start=65
   _globals['_EXECUTEREQUEST']._serialized_end=361
   _globals['_EXECUTEREQUEST_ENVENTRY']._serialized_start=319
@@ -52,27 +52,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FUNCTIONREGISTRATION']._serialized_start=588
   _globals['_FUNCTIONREGISTRATION']._serialized_end=676
   _globals['_REGISTERFUNCTIONREQUEST']._serialized_start=679
-  _globals['_REGISTERFUNCTIONREQUEST']._serialized_end=1047
+  _globals['_REGISTERFUNCTIONREQUEST']._serialized_end=1076
   _globals['_REGISTERFUNCTIONREQUEST_ENVENTRY']._serialized_start=319
   _globals['_REGISTERFUNCTIONREQUEST_ENVENTRY']._serialized_end=361
-  _globals['_REGISTERFUNCTIONRESPONSE']._serialized_start=1050
-  _globals['_REGISTERFUNCTIONRESPONSE']._serialized_end=1209
-  _globals['_FUNCTIONSTATUSREQUEST']._serialized_start=1211
-  _globals['_FUNCTIONSTATUSREQUEST']._serialized_end=1305
-  _globals['_FUNCTIONSTATUSRESPONSE']._serialized_start=1308
-  _globals['_FUNCTIONSTATUSRESPONSE']._serialized_end=1582
-  _globals['_INVOKEFUNCTIONREQUEST']._serialized_start=1585
-  _globals['_INVOKEFUNCTIONREQUEST']._serialized_end=1812
-  _globals['_INVOKEFUNCTIONRESPONSE']._serialized_start=1815
-  _globals['_INVOKEFUNCTIONRESPONSE']._serialized_end=2130
+  _globals['_REGISTERFUNCTIONRESPONSE']._serialized_start=1079
+  _globals['_REGISTERFUNCTIONRESPONSE']._serialized_end=1238
+  _globals['_FUNCTIONSTATUSREQUEST']._serialized_start=1240
+  _globals['_FUNCTIONSTATUSREQUEST']._serialized_end=1334
+  _globals['_FUNCTIONSTATUSRESPONSE']._serialized_start=1337
+  _globals['_FUNCTIONSTATUSRESPONSE']._serialized_end=1611
+  _globals['_INVOKEFUNCTIONREQUEST']._serialized_start=1614
+  _globals['_INVOKEFUNCTIONREQUEST']._serialized_end=1841
+  _globals['_INVOKEFUNCTIONRESPONSE']._serialized_start=1844
+  _globals['_INVOKEFUNCTIONRESPONSE']._serialized_end=2159
   _globals['_INVOKEFUNCTIONRESPONSE_OUTPUTSENTRY']._serialized_start=540
   _globals['_INVOKEFUNCTIONRESPONSE_OUTPUTSENTRY']._serialized_end=586
-  _globals['_UNREGISTERFUNCTIONREQUEST']._serialized_start=2133
-  _globals['_UNREGISTERFUNCTIONREQUEST']._serialized_end=2323
-  _globals['_UNREGISTERFUNCTIONRESPONSE']._serialized_start=2325
-  _globals['_UNREGISTERFUNCTIONRESPONSE']._serialized_end=2424
-  _globals['_RUNTIME']._serialized_start=2667
-  _globals['_RUNTIME']._serialized_end=2746
-  _globals['_FUNCTIONRUNTIME']._serialized_start=2749
-  _globals['_FUNCTIONRUNTIME']._serialized_end=3148
+  _globals['_UNREGISTERFUNCTIONREQUEST']._serialized_start=2162
+  _globals['_UNREGISTERFUNCTIONREQUEST']._serialized_end=2352
+  _globals['_UNREGISTERFUNCTIONRESPONSE']._serialized_start=2354
+  _globals['_UNREGISTERFUNCTIONRESPONSE']._serialized_end=2453
+  _globals['_RUNTIME']._serialized_start=2696
+  _globals['_RUNTIME']._serialized_end=2775
+  _globals['_FUNCTIONRUNTIME']._serialized_start=2778
+  _globals['_FUNCTIONRUNTIME']._serialized_end=3177
 # @@protoc_insertion_point(module_scope)

@@ -73,7 +73,7 @@ class FunctionRegistration(_message.Message):
     def __init__(self, run_uid: _Optional[str] = ..., registration_id: _Optional[str] = ...) -> None: ...
 
 class RegisterFunctionRequest(_message.Message):
-    __slots__ = ("run_uid", "registration_attempt", "working_dir", "handler", "env", "idle_timeout_seconds", "registration_digest")
+    __slots__ = ("run_uid", "registration_attempt", "working_dir", "handler", "env", "idle_timeout_seconds", "registration_digest", "memory_mb")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,7 @@ class RegisterFunctionRequest(_message.Message):
     ENV_FIELD_NUMBER: _ClassVar[int]
     IDLE_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REGISTRATION_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_MB_FIELD_NUMBER: _ClassVar[int]
     run_uid: str
     registration_attempt: int
     working_dir: str
@@ -95,7 +96,8 @@ class RegisterFunctionRequest(_message.Message):
     env: _containers.ScalarMap[str, str]
     idle_timeout_seconds: int
     registration_digest: str
-    def __init__(self, run_uid: _Optional[str] = ..., registration_attempt: _Optional[int] = ..., working_dir: _Optional[str] = ..., handler: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., idle_timeout_seconds: _Optional[int] = ..., registration_digest: _Optional[str] = ...) -> None: ...
+    memory_mb: int
+    def __init__(self, run_uid: _Optional[str] = ..., registration_attempt: _Optional[int] = ..., working_dir: _Optional[str] = ..., handler: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., idle_timeout_seconds: _Optional[int] = ..., registration_digest: _Optional[str] = ..., memory_mb: _Optional[int] = ...) -> None: ...
 
 class RegisterFunctionResponse(_message.Message):
     __slots__ = ("registration", "state")

@@ -1,0 +1,103 @@
+"""docs/protocol.md, "Limits": a memory limit per registration (``memory_mb``, Lambda's MemorySize
+as the model): a default, a range, and when a handler needs more, a call that fails naming the
+limit, a fresh worker, and a registration that stays READY."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+
+from adapters.errors import MEMORY_LIMIT_EXCEEDED
+from runtime_server import limits
+from runtime_server._proto.executor.v1 import runtime_pb2 as pb
+from runtime_server.wire import ERROR_TYPE_KEY
+from tests.support import Client, digest
+
+HUNGRY_PY = {
+    "handler.py": """
+        import os
+
+        def handle(event):
+            if event.get("mib"):
+                hoard = bytearray(event["mib"] << 20)  # touched, not only reserved
+                return len(hoard)
+            return os.getpid()
+    """
+}
+HUNGRY_SH = {
+    "fn.sh": """
+        handle() {
+            if [ "$1" = big ]; then
+                local hoard
+                hoard=$(head -c 200000000 /dev/zero | tr '\\0' a)
+                printf '%s' "${#hoard}"
+            else
+                printf '%s' "$$"
+            fi
+        }
+    """
+}
+
+
+def register(rt: Client, files: dict[str, str], memory_mb: int) -> pb.FunctionRegistration:
+    workdir = rt.workdir(files)
+    response = rt.fn.RegisterFunction(
+        pb.RegisterFunctionRequest(
+            run_uid=f"mem-{memory_mb}-{workdir.name}",
+            registration_attempt=1,
+            working_dir=str(workdir),
+            handler="handler.handle" if rt.runtime == "python" else "fn.handle",
+            idle_timeout_seconds=300,
+            registration_digest=digest(workdir.name),
+            memory_mb=memory_mb,
+        ),
+        timeout=30,
+    )
+    assert response.state == pb.FUNCTION_REGISTRATION_STATE_READY
+    return response.registration
+
+
+def exceeded(rt: Client, registration: pb.FunctionRegistration, payload: bytes) -> str:
+    with pytest.raises(grpc.RpcError) as failed:
+        rt.invoke(registration, payload)
+    error = failed.value
+    assert error.code() == grpc.StatusCode.UNKNOWN, error.details()
+    assert dict(error.trailing_metadata())[ERROR_TYPE_KEY] == MEMORY_LIMIT_EXCEEDED  # type: ignore[attr-defined]
+    return str(error.details())
+
+
+def test_a_python_handler_over_its_memory_fails_naming_it_and_gets_a_fresh_worker(
+    python_rt: Client,
+) -> None:
+    registration = register(python_rt, HUNGRY_PY, 128)
+    before = int(python_rt.invoke(registration, b"{}").output)
+    assert int(python_rt.invoke(registration, b'{"mib": 32}').output) == 32 << 20  # under it
+    message = exceeded(python_rt, registration, b'{"mib": 512}')
+    assert "needed more than its 128 MiB of memory (memoryMb); its worker was restarted" in message
+    assert python_rt.status(registration).state == pb.FUNCTION_REGISTRATION_STATE_READY
+    assert int(python_rt.invoke(registration, b"{}").output) != before  # a fresh worker
+
+
+def test_a_bash_handler_over_its_memory_fails_naming_it(bash_rt: Client) -> None:
+    registration = register(bash_rt, HUNGRY_SH, 64)
+    assert bash_rt.invoke(registration, b"small").output.isdigit()
+    assert "its 64 MiB of memory" in exceeded(bash_rt, registration, b"big")
+    assert bash_rt.invoke(registration, b"small").output.isdigit()  # a fresh worker serves
+
+
+def test_the_default_limit_holds_a_handler_that_would_take_2_gib(python_rt: Client) -> None:
+    registration = register(python_rt, HUNGRY_PY, 0)
+    message = exceeded(python_rt, registration, json.dumps({"mib": 2048}).encode())
+    assert f"its {limits.DEFAULT_MEMORY_MB} MiB" in message
+
+
+@pytest.mark.parametrize("memory_mb", [1, limits.MIN_MEMORY_MB - 1, limits.MAX_MEMORY_MB + 1, -5])
+def test_a_memory_limit_out_of_range_is_invalid_argument_naming_it(
+    python_rt: Client, memory_mb: int
+) -> None:
+    with pytest.raises(grpc.RpcError) as refused:
+        register(python_rt, HUNGRY_PY, memory_mb)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details().startswith("memory_mb: must be 0 (the default, 1024) or 64")
