@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shlex
 import tempfile
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from runtime_server.client.errors import GatewayError
 from runtime_server.errors import FunctionError
 from runtime_server.krm import chain
 from runtime_server.krm.pipeline import Outcome, PipelineError, evaluate_one, render
+from runtime_server.krm.processes import Bounds, current
 from runtime_server.krm.resources.package import KPTFILE, PackageError, read_documents
 from runtime_server.krm.resources.resourcelist import (
     ResourceList,
@@ -32,6 +34,7 @@ from runtime_server.krm.resources.resourcelist import (
     update_in_place,
     yaml,
 )
+from runtime_server.limits import MIN_MEMORY_MB
 
 if TYPE_CHECKING:
     from kernel.functions import Function
@@ -189,13 +192,28 @@ class Chain(chain.Chain):
     def __init__(self) -> None:
         super().__init__()
         self.allow_exec = False  # a Kptfile's `exec` steps run only when allowed, as in kpt
+        self.bounds = Bounds()
 
-    def configure(self, *, allow_exec: bool = False, **settings: str | Path | None) -> Chain:
+    def configure(
+        self,
+        *,
+        allow_exec: bool = False,
+        timeout: float | None = None,
+        memory_mb: int | None = None,
+        **settings: str | Path | None,
+    ) -> Chain:
         """``Chain.configure``'s `functions`, `function_config`, `image_catalog` and
         `pod_cache_config`; `allow_exec` lets a Kptfile's ``exec`` steps run
-        (``fnkernel render --allow-exec``)."""
+        (``fnkernel render --allow-exec``); `timeout` and `memory_mb` bound each function
+        (``--timeout``, ``--memory``; docs/krm.md, "Limits")."""
+        bounds = Bounds(
+            timeout=self.bounds.timeout if timeout is None else timeout,
+            memory_mb=self.bounds.memory_mb if memory_mb is None else memory_mb,
+        )
+        if bounds.timeout <= 0 or bounds.memory_mb < MIN_MEMORY_MB:
+            raise ValueError(f"timeout must be > 0 and memory_mb >= {MIN_MEMORY_MB}, got {bounds}")
         super().configure(**settings)
-        self.allow_exec = allow_exec
+        self.allow_exec, self.bounds = allow_exec, bounds
         return self
 
     def register(self, function: Function) -> None:
@@ -209,8 +227,9 @@ def bridge(function: Function) -> Any:
 
     def run(rl: ResourceList) -> None:
         payload = json.loads(json.dumps(rl.document, default=str))
+        left = max(0.001, current().deadline - time.monotonic())  # the step's time limit
         try:
-            output = function.invoke(payload).output
+            output = function.invoke(payload, timeout=min(function.timeout or left, left)).output
         except GatewayError as exc:
             raise FunctionError(f"fn://{function.name}: {exc}") from None
         if not isinstance(output, dict) or not isinstance(output.get("items", []), list):
@@ -263,7 +282,13 @@ def run_render(
 ) -> PipelineView:
     return _run(
         title,
-        lambda: render(directory, chain.evaluator(), allow_exec=chain.allow_exec, dry_run=dry_run),
+        lambda: render(
+            directory,
+            chain.evaluator(),
+            allow_exec=chain.allow_exec,
+            dry_run=dry_run,
+            bounds=chain.bounds,
+        ),
         check=check,
         files=files,
         dry_run=dry_run,
@@ -293,7 +318,9 @@ def eval_cell(chain: Chain, image: str, pairs: Mapping[str, str], body: str) -> 
         _write_documents(root / "resources.yaml", documents)
         return _run(
             f"eval {image}",
-            lambda: evaluate_one(root, {"image": image}, chain.evaluator(), data=dict(pairs)),
+            lambda: evaluate_one(
+                root, {"image": image}, chain.evaluator(), data=dict(pairs), bounds=chain.bounds
+            ),
         )
 
 

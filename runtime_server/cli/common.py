@@ -62,6 +62,39 @@ def print_json(value: object) -> None:
     print(json.dumps(value, indent=2, sort_keys=True))
 
 
+def add_bound_flags(parser: argparse.ArgumentParser) -> None:
+    """Each function's time limit and memory bound (docs/krm.md, "Limits")."""
+    from runtime_server.krm import processes
+
+    parser.add_argument(
+        "--timeout",
+        type=seconds,
+        default=processes.DEFAULT_TIMEOUT_SECONDS,
+        metavar="SECONDS",
+        help="stop a function that runs longer (default %(default)g)",
+    )
+    parser.add_argument(
+        "--memory",
+        type=count,
+        default=processes.DEFAULT_MEMORY_MB,
+        metavar="MIB",
+        help="what each process a function runs in may take (default %(default)s)",
+    )
+
+
+def bounds_from_flags(args: argparse.Namespace) -> Any:
+    """The ``krm.processes.Bounds`` the flags name; UsageError for a memory bound below 64 MiB
+    (what an interpreter takes to start) or a zero timeout."""
+    from runtime_server import limits
+    from runtime_server.krm.processes import Bounds
+
+    if args.memory < limits.MIN_MEMORY_MB:
+        raise UsageError(f"--memory: at least {limits.MIN_MEMORY_MB} MiB, got {args.memory}")
+    if args.timeout <= 0:
+        raise UsageError("--timeout: must be more than 0 seconds")
+    return Bounds(timeout=args.timeout, memory_mb=args.memory)
+
+
 def chain_from_flags(args: argparse.Namespace, command: str) -> Any:
     """The evaluator chain the flags name (runtime_server.krm.chain); UsageError if they
     cannot be used."""

@@ -14,7 +14,9 @@ from runtime_server.cli.common import (
     EXIT_OK,
     EXIT_USAGE,
     UsageError,
+    add_bound_flags,
     add_chain_flags,
+    bounds_from_flags,
     chain_from_flags,
 )
 
@@ -80,6 +82,7 @@ def _render(args: argparse.Namespace) -> int:
             results_dir=Path(args.results_dir) if args.results_dir else None,
             progress=lambda step: print(_step_line(step, next(counter)), file=sys.stderr),
             diffs=False,  # a progress line per step; the files themselves show the change
+            bounds=bounds_from_flags(args),
         )
     except PipelineError as exc:
         print(f"fnkernel render: {exc} (the Kptfile's status records it)", file=sys.stderr)
@@ -117,6 +120,7 @@ def _eval(args: argparse.Namespace) -> int:
             data=data,
             dry_run=args.dry_run,
             progress=lambda step: print(_step_line(step, 1), file=sys.stderr),
+            bounds=bounds_from_flags(args),
         )
     except (PipelineError, PackageError) as exc:
         print(f"fnkernel eval: {exc}; no file was changed", file=sys.stderr)
@@ -278,6 +282,7 @@ def _fn_render(args: argparse.Namespace) -> int:
             on_package=report.package,
             diffs=False,
             in_place=not args.output,
+            bounds=bounds_from_flags(args),
         )
     except PipelineError as exc:
         report.finish(exc.steps, summary=exc.saved, failed=True)
@@ -398,6 +403,7 @@ def _fn_eval(args: argparse.Namespace) -> int:
             dry_run=args.dry_run or bool(args.output),
             progress=report.step,
             include_meta=True,
+            bounds=bounds_from_flags(args),
             items=items,
             results_dir=Path(args.results_dir) if args.results_dir else None,
             config_file=Path(args.fn_config) if args.fn_config else None,
@@ -458,6 +464,7 @@ def _add_fn_group(commands: Any) -> None:
     render.add_argument("--image-pull-policy", help=argparse.SUPPRESS)
     render.add_argument("--truncate-output", help=argparse.SUPPRESS)
     add_chain_flags(render)
+    add_bound_flags(render)
     render.set_defaults(func=_fn_render)
 
     evaluate = group.add_parser("eval", help="run one function over a package (kpt fn eval)")
@@ -486,6 +493,7 @@ def _add_fn_group(commands: Any) -> None:
     for flag in ("--tag", "--image-pull-policy", "--mount", "-e", "--env"):
         evaluate.add_argument(flag, action="append", help=argparse.SUPPRESS)
     add_chain_flags(evaluate)
+    add_bound_flags(evaluate)
     evaluate.set_defaults(func=_fn_eval, pairs=[])
 
     source = group.add_parser("source", help="print a package as a ResourceList (kpt fn source)")
@@ -569,6 +577,7 @@ def register(commands: Any) -> None:
     )
     render.add_argument("--output", choices=("text", "json"), default="text")
     add_chain_flags(render)
+    add_bound_flags(render)
     render.set_defaults(func=_render)
 
     evaluate = commands.add_parser(
@@ -583,6 +592,7 @@ def register(commands: Any) -> None:
     evaluate.add_argument("--dry-run", action="store_true")
     evaluate.add_argument("--output", choices=("text", "json"), default="text")
     add_chain_flags(evaluate)
+    add_bound_flags(evaluate)
     evaluate.set_defaults(func=_eval, pairs=[])  # `-- key=value ...`: cli.main takes them
     _add_fn_group(commands)
     _add_pkg_group(commands)

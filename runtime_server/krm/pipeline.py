@@ -29,6 +29,7 @@ from ruamel.yaml.comments import CommentedMap, CommentedSeq
 from runtime_server.errors import EvaluatorError, FunctionError, NotFoundError
 from runtime_server.krm.evaluators.base import EvalRequest, Evaluator
 from runtime_server.krm.evaluators.wrapper import WrapperEvaluator
+from runtime_server.krm.processes import Bounds, running
 from runtime_server.krm.resources import kptfile, resourcelist
 from runtime_server.krm.resources.package import (
     INDEX_ANNOTATION,
@@ -186,7 +187,7 @@ class Runner:
 
     evaluator: Evaluator
     allow_exec: bool = False
-    timeout: float = 300.0
+    bounds: Bounds = field(default_factory=Bounds)  # each step's time limit and memory
     progress: Progress | None = None
     diffs: bool = True
     steps: list[Step] = field(default_factory=list)
@@ -226,16 +227,16 @@ class Runner:
             [resourcelist.deep_copy(i) for i in chosen] if validator else list(chosen), config
         )
         step.inputs = len(chosen)
-        deadline = time.monotonic() + self.timeout
         started = time.perf_counter()
         prefix = package.relative if package else ""
         before_paths = _enter(rl.items, prefix)
         try:
-            if exec_command:
-                log = self._exec(exec_command, rl, package, deadline)
-                step.evaluator = "exec"
-            else:
-                log, step.evaluator, step.skipped = self._evaluate(label, rl, deadline)
+            with running(self.bounds) as bounded:  # docs/krm.md, "Limits"
+                if exec_command:
+                    log = self._exec(exec_command, rl, package, bounded.deadline)
+                    step.evaluator = "exec"
+                else:
+                    log, step.evaluator, step.skipped = self._evaluate(label, rl, bounded.deadline)
         except EvaluatorError as exc:
             step.duration = time.perf_counter() - started
             step.evaluator, step.skipped = exc.evaluator, exc.skipped
@@ -597,6 +598,7 @@ def render(
     diffs: bool = True,
     on_package: PackageStarted | None = None,
     in_place: bool = True,
+    bounds: Bounds | None = None,
 ) -> Outcome:
     """Render the package at `root` in place (unless `dry_run`). On a failure, raises
     PipelineError having written the results and the Kptfile's status, and, when the Kptfile
@@ -605,7 +607,12 @@ def render(
     the package is not touched and its Kptfile gets no status."""
     package = load_package(root)
     runner = Runner(
-        evaluator, allow_exec=allow_exec, progress=progress, diffs=diffs, on_package=on_package
+        evaluator,
+        allow_exec=allow_exec,
+        bounds=bounds or Bounds(),
+        progress=progress,
+        diffs=diffs,
+        on_package=on_package,
     )
     before = package.all_texts()
     failure: PipelineError | None = None
@@ -650,6 +657,7 @@ def evaluate_one(
     items: list[Any] | None = None,
     results_dir: Path | None = None,
     config_file: Path | None = None,
+    bounds: Bounds | None = None,
 ) -> Outcome:
     """``kpt fn eval``: one function (`spec`: ``image`` or ``exec``, and ``selectors`` /
     ``exclude`` as in a Kptfile) over the resources under `root` (with `include_meta`, the
@@ -669,7 +677,7 @@ def evaluate_one(
     items = list(items or [])
     if config is None and data:
         config = function_config({"configMap": dict(data)}, None, items)
-    runner = Runner(evaluator, allow_exec=True, progress=progress)
+    runner = Runner(evaluator, allow_exec=True, bounds=bounds or Bounds(), progress=progress)
     try:
         items = runner.run(items, spec, None, "eval", config=config)
     finally:

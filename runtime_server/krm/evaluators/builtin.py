@@ -16,6 +16,7 @@ from runtime_server.krm.functions.replacements import apply_replacements
 from runtime_server.krm.functions.set_metadata import set_annotations, set_labels
 from runtime_server.krm.functions.set_namespace import set_namespace
 from runtime_server.krm.functions.starlark import starlark_run
+from runtime_server.krm.processes import Bounds, running
 from runtime_server.krm.resources.resourcelist import (
     ERROR,
     FunctionFailure,
@@ -87,7 +88,8 @@ class BuiltinEvaluator:
                 ) from None
         remaining(deadline)
         try:
-            function(rl)
+            with running(Bounds(), deadline):  # within a pipeline's step, the step's bounds
+                function(rl)
             failed = rl.has_errors()
         except FunctionFailure:
             failed = True

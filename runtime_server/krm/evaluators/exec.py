@@ -4,27 +4,20 @@ The FunctionConfig store (a YAML list of ``{image, tags, path}``, ``path`` relat
 ``--functions``) maps an image to its binary and so sets ``exec_path``; a request whose
 ``exec_path`` is empty is ``NotFoundError``, so the chain falls through to the pod evaluator. The
 binary must resolve — symlinks followed — inside ``--functions``. It reads the ResourceList on
-stdin, prints the result on stdout and logs on stderr; the deadline kills its process group.
+stdin, prints the result on stdout and logs on stderr; it runs within the step's bounds
+(``krm.processes``): the deadline kills its process group, and its memory is bounded.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime_server.errors import (
-    DeadlineExceeded,
-    EvaluatorSystemError,
-    FunctionError,
-    InvalidEvaluateRequest,
-    NotFoundError,
-)
-from runtime_server.krm.evaluators.base import EvalRequest, EvalResponse, remaining, split_image
+from runtime_server.errors import FunctionError, InvalidEvaluateRequest, NotFoundError
+from runtime_server.krm.evaluators.base import EvalRequest, EvalResponse, split_image
+from runtime_server.krm.processes import memory_message, out_of_memory, run_function
 from runtime_server.krm.resources import resourcelist
 
 
@@ -111,36 +104,6 @@ def parse_results(stdout: bytes) -> list[dict[str, Any]]:
     return [dict(result) for result in rl.results if isinstance(result, dict)]
 
 
-def run_function(argv: list[str], stdin: bytes, deadline: float | None) -> tuple[int, bytes, bytes]:
-    """Run `argv` with `stdin`, in its own process group; (exit code, stdout, stderr). The
-    deadline kills the whole group."""
-    try:
-        proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-        )
-    except OSError as exc:
-        raise EvaluatorSystemError(f"failed to execute {argv[0]}: {exc}") from None
-    try:
-        stdout, stderr = proc.communicate(stdin, timeout=remaining(deadline))
-    except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        raise DeadlineExceeded(f"{argv[0]} did not finish before the deadline") from None
-    except BaseException:
-        _kill_group(proc)
-        raise
-    return proc.returncode, stdout, stderr
-
-
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    with contextlib.suppress(ProcessLookupError):  # the group is gone already
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.communicate()
-
-
 class ExecEvaluator:
     name = "exec"
 
@@ -158,8 +121,12 @@ class ExecEvaluator:
         code, stdout, stderr = run_function([str(binary)], request.serialized(), deadline)
         if code != 0:
             log = stderr.decode("utf-8", "replace")
+            detail = log.strip()[-500:]
+            if out_of_memory(code, stderr):  # in stderr too: kpt's report shows a failed stderr
+                detail = memory_message(request.image)
+                log = f"{log.rstrip()}\nfnkernel: {detail}\n"
             raise FunctionError(
-                f"{request.image} exited with {code}: {log.strip()[-500:]}",
+                f"{request.image} exited with {code}: {detail}",
                 exit_code=code,
                 stderr=log,
                 results=parse_results(stdout),

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from runtime_server.errors import EvaluatorSystemError, FunctionError
 from runtime_server.krm.evaluators.base import EvalRequest, EvalResponse
-from runtime_server.krm.evaluators.exec import run_function
+from runtime_server.krm.processes import memory_message, out_of_memory, run_function
 from runtime_server.krm.resources.resourcelist import InvalidResourceList, ResourceList
 
 
@@ -32,6 +32,14 @@ class WrapperEvaluator:
         except EvaluatorSystemError as exc:
             raise FunctionError(f"failed to execute: {exc}", exit_code=-1) from None
         log = stderr.decode("utf-8", "replace")
+        if out_of_memory(code, stderr):
+            why = memory_message(self.label)
+            raise FunctionError(  # in stderr too: kpt's report shows a failed step's stderr
+                f"{self.label} exited with {code}: {why}",
+                exit_code=code,
+                stderr=f"{log.rstrip()}\nfnkernel: {why}\n",
+                resource_list=stdout,
+            )
         try:
             output = ResourceList.parse(stdout)
         except InvalidResourceList as exc:

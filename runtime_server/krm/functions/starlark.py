@@ -5,6 +5,10 @@ functionConfig: ``fn.kpt.dev/v1alpha1 StarlarkRun`` with ``source`` (the script)
 ``params``. The script sees ``ctx.resource_list`` (items, functionConfig, results) and changes it
 in place; ``fail(msg)`` ends it with an error result; ``print(...)`` goes to the function's
 stderr, as in the catalog's function.
+The script runs in a process of its own (``_starlark_worker.py``), within the pipeline step's
+time limit and memory bound (docs/krm.md, "Limits"): it is the user's code, and one that loops
+for ever or builds a list of two billion items is stopped with a message naming the bound, not
+left to take the render — or the kernel — with it.
 The changes are applied onto the ResourceList node by node, so what the script did not change
 keeps its comments and style.
 """
@@ -13,10 +17,12 @@ from __future__ import annotations
 
 import json
 import re
+import sys
+from pathlib import Path
 from typing import Any
 
-import starlark as sl
-
+from runtime_server.errors import DeadlineExceeded
+from runtime_server.krm.processes import current, memory_message, out_of_memory, run_function
 from runtime_server.krm.resources.resourcelist import (
     ERROR,
     ResourceList,
@@ -27,18 +33,9 @@ from runtime_server.krm.resources.resourcelist import (
     update_in_place,
 )
 
-PRELUDE = "ctx = struct(resource_list = _resource_list)\n"
-
-
-def _dialect() -> sl.Dialect:
-    dialect = sl.Dialect.extended()
-    dialect.enable_top_level_stmt = True  # kpt scripts loop at the top level
-    return dialect
-
-
+WORKER = Path(__file__).with_name("_starlark_worker.py")
+PRELUDE = "ctx = struct(resource_list = _resource_list)\n"  # before the script, in the worker
 DEFAULT_NAME = "starlark-function-run"
-# Modules a script may load(), as the catalog's function offers them; only JSON is here.
-LOADABLE = {"encoding/json.star": "json"}
 
 
 def read_config(config: Any) -> tuple[str, str]:
@@ -61,24 +58,6 @@ def read_config(config: Any) -> tuple[str, str]:
     return name, source
 
 
-def _loader(name: str) -> sl.FrozenModule:
-    """``load()``: the modules in LOADABLE, each a builtin of starlark-pyo3 under its name."""
-    module = sl.Module()
-    if name == "builtin.star":  # a builtin can only leave its scope through a function
-        globals_ = sl.Globals.extended_by([sl.LibraryExtension.Json])
-        source = "def _get():\n  return json\nbuiltin_json = _get()\n"
-        sl.eval(module, sl.parse(name, source, _dialect()), globals_)
-    elif name in LOADABLE:
-        source = f"load('builtin.star', 'builtin_json')\n{LOADABLE[name]} = builtin_json\n"
-        sl.eval(module, sl.parse(name, source, _dialect()), sl.Globals.standard(), _LOADER)
-    else:
-        raise FileNotFoundError(f"cannot load {name}: only {', '.join(LOADABLE)} can be loaded")
-    return module.freeze()
-
-
-_LOADER = sl.FileLoader(_loader)
-
-
 def starlark_run(rl: ResourceList) -> None:
     try:
         name, source = read_config(rl.function_config)
@@ -86,24 +65,35 @@ def starlark_run(rl: ResourceList) -> None:
         rl.add_results([Result(str(exc), ERROR)])
         return
     document = json.loads(json.dumps(rl.document, default=str))  # plain values for Starlark
-    printed: list[str] = []
-    module = sl.Module()
-    module["_resource_list"] = document
-    module.add_callable("print", lambda *args: printed.append(" ".join(map(str, args))))
-    globals_ = sl.Globals.extended_by([sl.LibraryExtension.StructType, sl.LibraryExtension.Json])
+    script = {"name": name, "source": PRELUDE + source, "resource_list": document}
+    request = json.dumps(script).encode()
     try:
-        sl.eval(module, sl.parse(f"{name}.star", PRELUDE + source, _dialect()), globals_, _LOADER)
-    except sl.StarlarkError as exc:
-        rl.stderr += printed
-        rl.add_results([Result(_error_message(str(exc), name), ERROR)])
+        code, stdout, stderr = run_function([sys.executable, "-P", str(WORKER)], request, None)
+    except DeadlineExceeded:
+        raise DeadlineExceeded(
+            f"starlark {name}: the script did not finish within the step's time limit of "
+            f"{current().bounds.timeout:g} s (--timeout); it was stopped"
+        ) from None
+    if code != 0:
+        why = memory_message("the script") if out_of_memory(code, stderr) else _crash(code, stderr)
+        rl.add_results([Result(f"starlark {name}: {why}", ERROR)])
         return
-    rl.stderr += printed
-    changed: Any = module["_resource_list"]
+    answer = json.loads(stdout)
+    rl.stderr += answer["printed"]
+    if answer["error"] is not None:
+        rl.add_results([Result(_error_message(answer["error"], name), ERROR)])
+        return
+    changed: Any = answer["resource_list"]
     if not isinstance(changed, dict) or not isinstance(changed.get("items"), list):
         rl.add_results([Result(f"starlark {name}: ctx.resource_list lost its items", ERROR)])
         return
     # What the script made is written as the catalog's function writes it: keys sorted.
     update_in_place(rl.document, changed, made=lambda value: block_style(_sorted(value)))
+
+
+def _crash(code: int, stderr: bytes) -> str:
+    last = stderr.decode("utf-8", "replace").strip().splitlines()[-1:] or [f"exit status {code}"]
+    return f"the interpreter ended ({last[0][:200]})"
 
 
 def _sorted(value: Any) -> Any:

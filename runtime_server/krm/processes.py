@@ -1,0 +1,138 @@
+"""KRM functions as processes, and what each may take (docs/krm.md, "Limits"): a time limit per
+pipeline step, and a memory bound for each process a function runs in.
+
+A pipeline (``pipeline.Runner``) runs each step within its ``Bounds``; whatever starts a process
+for the step — the starlark function's interpreter, an exec function, a Kptfile ``exec`` step, a
+wrapper server's entrypoint — does it through ``run_function``, which reads the step's bounds
+(``current()``): they are the pipeline's, not each evaluator's, so one pair of flags
+(``--timeout``, ``--memory``) bounds them all. Outside a pipeline (``fnkernel evaluator``) the
+defaults hold.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import resource
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+from runtime_server.errors import DeadlineExceeded, EvaluatorSystemError
+
+DEFAULT_TIMEOUT_SECONDS = 300.0
+DEFAULT_MEMORY_MB = 1024
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """A pipeline's: each step's time limit, and what each of its processes may take."""
+
+    timeout: float = DEFAULT_TIMEOUT_SECONDS
+    memory_mb: int = DEFAULT_MEMORY_MB
+
+
+@dataclass(frozen=True)
+class Step:
+    """The step running now: until `deadline` (``time.monotonic()``), `memory_mb` a process;
+    `bounds` says where those came from, for the messages that name them."""
+
+    deadline: float
+    memory_mb: int
+    bounds: Bounds
+
+
+_CURRENT: ContextVar[Step | None] = ContextVar("krm_step", default=None)
+
+
+def current() -> Step:
+    """The running step's bounds; outside any, the defaults from now."""
+    step = _CURRENT.get()
+    if step is None:
+        defaults = Bounds()
+        return Step(time.monotonic() + defaults.timeout, defaults.memory_mb, defaults)
+    return step
+
+
+@contextmanager
+def running(bounds: Bounds, deadline: float | None = None) -> Iterator[Step]:
+    """Run a step within `bounds` (and `deadline`, if sooner); nested, the sooner deadline and
+    the smaller memory win."""
+    outer = _CURRENT.get()
+    until = time.monotonic() + bounds.timeout
+    memory_mb = bounds.memory_mb
+    if deadline is not None:
+        until = min(until, deadline)
+    if outer is not None:
+        until, memory_mb = min(until, outer.deadline), min(memory_mb, outer.memory_mb)
+        bounds = outer.bounds
+    step = Step(until, memory_mb, bounds)
+    token = _CURRENT.set(step)
+    try:
+        yield step
+    finally:
+        _CURRENT.reset(token)
+
+
+def run_function(argv: list[str], stdin: bytes, deadline: float | None) -> tuple[int, bytes, bytes]:
+    """Run `argv` with `stdin`, in its own process group, held to the running step's memory bound
+    (RLIMIT_DATA, set on it as soon as it exists: what it maps before that is not counted);
+    (exit code, stdout, stderr). The deadline — or the step's, if sooner — kills the whole group:
+    DeadlineExceeded."""
+    step = current()
+    deadline = step.deadline if deadline is None else min(deadline, step.deadline)
+    try:
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+    except OSError as exc:
+        raise EvaluatorSystemError(f"failed to execute {argv[0]}: {exc}") from None
+    limit = step.memory_mb << 20
+    with contextlib.suppress(ProcessLookupError):  # it is gone already: nothing to bound
+        resource.prlimit(proc.pid, resource.RLIMIT_DATA, (limit, limit))
+    try:
+        stdout, stderr = proc.communicate(stdin, timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        raise DeadlineExceeded(
+            f"{argv[0]} did not finish within the step's time limit of "
+            f"{step.bounds.timeout:g} s (--timeout)"
+        ) from None
+    except BaseException:
+        _kill_group(proc)
+        raise
+    return proc.returncode, stdout, stderr
+
+
+# How a program says that an allocation failed as it dies of it: Rust (then SIGABRT), Python,
+# Go, C's and bash's xmalloc.
+_OUT_OF_MEMORY = re.compile(
+    rb"memory allocation of \d+ bytes failed|^MemoryError\b|fatal error: runtime: out of memory"
+    rb"|\bx(?:m|re)alloc: .*cannot allocate",
+    re.MULTILINE,
+)
+
+
+def out_of_memory(code: int, stderr: bytes) -> bool:
+    """Whether a function process that ended with `code` and `stderr` died of its memory bound."""
+    return code != 0 and _OUT_OF_MEMORY.search(stderr[-4096:]) is not None
+
+
+def memory_message(what: str) -> str:
+    step = current()
+    return f"{what} needed more than the step's memory bound of {step.memory_mb} MiB (--memory)"
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):  # the group is gone already
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
