@@ -18,24 +18,22 @@ from tests.support import Client, pid_alive, wait_until
 # Leaves a process running in a session of its own, no child of the worker's any more.
 ESCAPES = {
     "handler.py": """
-        import os, time
+        import os, signal
 
         def handle(event):
+            read, write = os.pipe()
             child = os.fork()
             if child == 0:
                 os.setsid()
-                if os.fork() == 0:
-                    with open(f"escaped.{os.getpid()}", "w"):
-                        pass
-                    time.sleep(300)
+                if os.fork() == 0:  # the escaped one: says who it is, then waits to be killed
+                    os.write(write, str(os.getpid()).encode())
+                    os.close(write)
+                    signal.pause()
                 os._exit(0)
+            os.close(write)
             os.waitpid(child, 0)
-            deadline = time.monotonic() + 10
-            while not (escaped := [n for n in os.listdir() if n.startswith("escaped.")]):
-                if time.monotonic() > deadline:
-                    raise TimeoutError("the escaped process did not start")
-                time.sleep(0.01)
-            return int(escaped[0].split(".")[1])
+            with os.fdopen(read) as escaped:
+                return int(escaped.read())
     """
 }
 
