@@ -539,8 +539,10 @@ def test_a_run_whose_calls_keep_killing_its_server_ends_failed_saying_so(
     wait_until(lambda: client.status("killer")["status"]["phase"] == "Failed", timeout=20)
     message = client.status("killer")["status"]["message"]
     assert "in flight each of the last 3 times its Runtime Server died" in message
-    # Each death lost the bystander's registration too: registered again each time, for free.
-    wait_until(lambda: phase_and_attempt(client, "bystander") == ("Ready", 4), timeout=20)
+    # A death that found the bystander registered lost that registration too (one that found
+    # it registering cost nothing): registered again each time, for free, and never Failed.
+    wait_until(lambda: client.status("bystander")["status"]["phase"] == "Ready", timeout=20)
+    assert 2 <= phase_and_attempt(client, "bystander")[1] <= 4
     assert client.invoke("bystander", {"n": 1}).value()["echo"] == {"n": 1}
 
 
