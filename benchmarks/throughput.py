@@ -140,13 +140,25 @@ class HttpConnection:
             self.host = parts.netloc
 
     async def post(self, path: str, body: bytes) -> bytes:
-        assert self.reader is not None and self.writer is not None
-        self.writer.write(
+        request = (
             f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\n{self.headers}"
             f"Content-Length: {len(body)}\r\n\r\n".encode()
             + body
         )
-        head = await self.reader.readuntil(b"\r\n\r\n")
+        for attempt in range(2):
+            assert self.reader is not None and self.writer is not None
+            self.writer.write(request)
+            try:
+                head = await self.reader.readuntil(b"\r\n\r\n")
+                break
+            except (asyncio.IncompleteReadError, ConnectionError) as exc:
+                # The gateway closed it while it was idle (its header timeout: between rounds,
+                # a connection waits longer than that): as any HTTP client, reconnect and resend
+                # — only if no answer had begun.
+                self.writer.close()
+                if attempt or getattr(exc, "partial", b""):
+                    raise
+                await self.connect()
         status = head[9:12]
         length = 0
         for line in head.split(b"\r\n"):
