@@ -67,13 +67,16 @@ class PythonAdapter(WorkerAdapter):
         send_request(call, payload)
         status, meta_len, output_len = call.read_header(3)
         try:
-            meta = json.loads(call.read_exact(int(meta_len)) or b"{}")
-            size = int(output_len)
-            if status not in (b"ok", b"invalid", b"error") or not isinstance(meta, dict):
-                raise ValueError(status)
-            if status != b"ok":
+            size, raw_meta = int(output_len), call.read_exact(int(meta_len))
+            meta = json.loads(raw_meta) if raw_meta else {}  # none: the common ok, no outputs
+            if status == b"ok":
+                if not isinstance(meta, dict):
+                    raise ValueError("outputs")
+            elif status in (b"invalid", b"error"):
                 message, error_type = str(meta["errorMessage"]), str(meta.get("errorType", ""))
-        except (ValueError, KeyError) as exc:  # the nonce was right, the rest is not ours
+            else:
+                raise ValueError(status)
+        except (ValueError, KeyError, TypeError) as exc:  # the nonce was right, the rest is not
             raise CorruptResponse(f"a malformed answer: {type(exc).__name__}") from None
         if size > self.max_output_bytes:
             call.skip(size)
