@@ -23,8 +23,8 @@ from runtime_server.client import parse_pairs
 from runtime_server.client.errors import GatewayError
 from runtime_server.errors import FunctionError
 from runtime_server.krm import chain
+from runtime_server.krm.functions.processes import Bounds, current
 from runtime_server.krm.pipeline import Outcome, PipelineError, evaluate_one, render
-from runtime_server.krm.processes import Bounds, current
 from runtime_server.krm.resources.package import KPTFILE, PackageError, read_documents
 from runtime_server.krm.resources.resourcelist import (
     ResourceList,

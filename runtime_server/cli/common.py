@@ -64,7 +64,7 @@ def print_json(value: object) -> None:
 
 def add_bound_flags(parser: argparse.ArgumentParser) -> None:
     """Each function's time limit and memory bound (docs/krm.md, "Limits")."""
-    from runtime_server.krm import processes
+    from runtime_server.krm.functions import processes
 
     parser.add_argument(
         "--timeout",
@@ -83,10 +83,10 @@ def add_bound_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def bounds_from_flags(args: argparse.Namespace) -> Any:
-    """The ``krm.processes.Bounds`` the flags name; UsageError for a memory bound below 64 MiB
+    """The ``krm.functions.processes.Bounds`` the flags name; UsageError for a memory bound below 64 MiB
     (what an interpreter takes to start) or a zero timeout."""
     from runtime_server import limits
-    from runtime_server.krm.processes import Bounds
+    from runtime_server.krm.functions.processes import Bounds
 
     if args.memory < limits.MIN_MEMORY_MB:
         raise UsageError(f"--memory: at least {limits.MIN_MEMORY_MB} MiB, got {args.memory}")

@@ -29,7 +29,7 @@ from ruamel.yaml.comments import CommentedMap, CommentedSeq
 from runtime_server.errors import EvaluatorError, FunctionError, NotFoundError
 from runtime_server.krm.evaluators.base import EvalRequest, Evaluator
 from runtime_server.krm.evaluators.wrapper import WrapperEvaluator
-from runtime_server.krm.processes import Bounds, running
+from runtime_server.krm.functions.processes import Bounds, running
 from runtime_server.krm.resources import kptfile, resourcelist
 from runtime_server.krm.resources.package import (
     INDEX_ANNOTATION,

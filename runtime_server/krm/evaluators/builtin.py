@@ -12,11 +12,11 @@ from collections.abc import Callable, Mapping
 
 from runtime_server.errors import FunctionError, InvalidEvaluateRequest, NotFoundError
 from runtime_server.krm.evaluators.base import EvalRequest, EvalResponse, remaining, split_image
+from runtime_server.krm.functions.processes import Bounds, running
 from runtime_server.krm.functions.replacements import apply_replacements
 from runtime_server.krm.functions.set_metadata import set_annotations, set_labels
 from runtime_server.krm.functions.set_namespace import set_namespace
 from runtime_server.krm.functions.starlark import starlark_run
-from runtime_server.krm.processes import Bounds, running
 from runtime_server.krm.resources.resourcelist import (
     ERROR,
     FunctionFailure,

@@ -5,7 +5,7 @@ The FunctionConfig store (a YAML list of ``{image, tags, path}``, ``path`` relat
 ``exec_path`` is empty is ``NotFoundError``, so the chain falls through to the pod evaluator. The
 binary must resolve — symlinks followed — inside ``--functions``. It reads the ResourceList on
 stdin, prints the result on stdout and logs on stderr; it runs within the step's bounds
-(``krm.processes``): the deadline kills its process group, and its memory is bounded.
+(``krm.functions.processes``): the deadline kills its process group, and its memory is bounded.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 from runtime_server.errors import FunctionError, InvalidEvaluateRequest, NotFoundError
 from runtime_server.krm.evaluators.base import EvalRequest, EvalResponse, split_image
-from runtime_server.krm.processes import memory_message, out_of_memory, run_function
+from runtime_server.krm.functions.processes import memory_message, out_of_memory, run_function
 from runtime_server.krm.resources import resourcelist
 
 

@@ -22,7 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from runtime_server.errors import DeadlineExceeded
-from runtime_server.krm.processes import current, memory_message, out_of_memory, run_function
+from runtime_server.krm.functions.processes import (
+    current,
+    memory_message,
+    out_of_memory,
+    run_function,
+)
 from runtime_server.krm.resources.resourcelist import (
     ERROR,
     ResourceList,
