@@ -12,8 +12,8 @@ its handler's source, the worker scratch files:
   dir of gateway files), which may already exist. One that someone else made first is taken as
   theirs: `private_dir` refuses a directory not owned by this user or writable by anyone else,
   and says which and why. A file in one is created 0600 and never through a link
-  (`open_private`, `create_private`): inside a directory only we can write, nobody else can
-  have put a file or a link there.
+  (`open_private`, `create_private`; `tighten` checks one another library opens): inside a
+  directory only we can write, nobody else can have put a file or a link there.
 """
 
 from __future__ import annotations
@@ -128,9 +128,25 @@ def create_private(path: Path) -> int:
         return os.open(path, flags, 0o600)
 
 
+def tighten(path: Path) -> None:
+    """``open_private``'s checks on an existing file by path, for a file another library holds
+    open (SQLite's store): opening and closing a descriptor of our own would drop every POSIX
+    lock this process holds on it. Nothing happens if there is no such file."""
+    try:
+        found = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if _loose(found, path) and stat.S_ISREG(found.st_mode):
+        os.chmod(path, 0o600)
+
+
 def _own_it(fd: int, path: str | Path) -> None:
-    found = os.fstat(fd)
+    if _loose(os.fstat(fd), path):
+        os.fchmod(fd, 0o600)
+
+
+def _loose(found: os.stat_result, path: str | Path) -> bool:
+    """NotPrivate if the file is another user's; whether others may read or write it."""
     if found.st_uid != os.geteuid():
         raise NotPrivate(errno.EPERM, f"owned by uid {found.st_uid}, not by this user", str(path))
-    if stat.S_IMODE(found.st_mode) & 0o077:
-        os.fchmod(fd, 0o600)
+    return bool(stat.S_IMODE(found.st_mode) & 0o077)

@@ -34,7 +34,6 @@ from runtime_server.krm.resources.resourcelist import (
     update_in_place,
     yaml,
 )
-from runtime_server.limits import MIN_MEMORY_MB
 
 if TYPE_CHECKING:
     from kernel.functions import Function
@@ -206,12 +205,10 @@ class Chain(chain.Chain):
         `pod_cache_config`; `allow_exec` lets a Kptfile's ``exec`` steps run
         (``fnkernel render --allow-exec``); `timeout` and `memory_mb` bound each function
         (``--timeout``, ``--memory``; docs/krm.md, "Limits")."""
-        bounds = Bounds(
+        bounds = Bounds(  # InvalidField naming the argument out of range
             timeout=self.bounds.timeout if timeout is None else timeout,
             memory_mb=self.bounds.memory_mb if memory_mb is None else memory_mb,
         )
-        if bounds.timeout <= 0 or bounds.memory_mb < MIN_MEMORY_MB:
-            raise ValueError(f"timeout must be > 0 and memory_mb >= {MIN_MEMORY_MB}, got {bounds}")
         super().configure(**settings)
         self.allow_exec, self.bounds = allow_exec, bounds
         return self

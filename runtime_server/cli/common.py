@@ -83,16 +83,16 @@ def add_bound_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def bounds_from_flags(args: argparse.Namespace) -> Any:
-    """The ``krm.functions.processes.Bounds`` the flags name; UsageError for a memory bound below 64 MiB
-    (what an interpreter takes to start) or a zero timeout."""
-    from runtime_server import limits
+    """The ``krm.functions.processes.Bounds`` the flags name; UsageError naming the flag for one
+    out of its range."""
+    from runtime_server.errors import InvalidField
     from runtime_server.krm.functions.processes import Bounds
 
-    if args.memory < limits.MIN_MEMORY_MB:
-        raise UsageError(f"--memory: at least {limits.MIN_MEMORY_MB} MiB, got {args.memory}")
-    if args.timeout <= 0:
-        raise UsageError("--timeout: must be more than 0 seconds")
-    return Bounds(timeout=args.timeout, memory_mb=args.memory)
+    try:
+        return Bounds(timeout=args.timeout, memory_mb=args.memory)
+    except InvalidField as exc:
+        flag = {"timeout": "--timeout", "memory_mb": "--memory"}[exc.field]
+        raise UsageError(f"{flag}: {exc.reason}") from None
 
 
 def chain_from_flags(args: argparse.Namespace, command: str) -> Any:

@@ -14,12 +14,10 @@ plane) and every runtimed process, so a restart of any of them loses no Run.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import mmap
 import os
 import sqlite3
-import stat
 import threading
 import time
 import weakref
@@ -29,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from adapters.private import NotPrivate
+from adapters.private import tighten
 from runtime_server import limits
 from runtime_server.errors import RunAlreadyExists, RunNotFound, StoreDamaged
 from runtime_server.wire import DELETED, FAILED
@@ -236,14 +234,7 @@ def _make_private(path: Path) -> None:
     with contextlib.suppress(FileExistsError):
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
     for name in (str(path), f"{path}-wal", f"{path}-shm"):
-        try:
-            found = os.lstat(name)
-        except FileNotFoundError:
-            continue
-        if found.st_uid != os.geteuid():
-            raise NotPrivate(errno.EPERM, f"owned by uid {found.st_uid}, not by this user", name)
-        if stat.S_ISREG(found.st_mode) and stat.S_IMODE(found.st_mode) & 0o077:
-            os.chmod(name, 0o600)
+        tighten(Path(name))
 
 
 def _run(row: sqlite3.Row) -> Run:

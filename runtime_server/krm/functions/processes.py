@@ -23,18 +23,26 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 
-from runtime_server.errors import DeadlineExceeded, EvaluatorSystemError
+from runtime_server.errors import DeadlineExceeded, EvaluatorSystemError, InvalidField
+from runtime_server.limits import DEFAULT_MEMORY_MB, MIN_MEMORY_MB
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
-DEFAULT_MEMORY_MB = 1024
 
 
 @dataclass(frozen=True)
 class Bounds:
-    """A pipeline's: each step's time limit, and what each of its processes may take."""
+    """A pipeline's: each step's time limit, and what each of its processes may take (a Run's
+    default and least memory: an interpreter needs that much to start). InvalidField naming
+    ``timeout`` or ``memory_mb`` for one out of range."""
 
     timeout: float = DEFAULT_TIMEOUT_SECONDS
     memory_mb: int = DEFAULT_MEMORY_MB
+
+    def __post_init__(self) -> None:
+        if not self.timeout > 0:
+            raise InvalidField("timeout", f"must be more than 0 seconds, got {self.timeout:g}")
+        if self.memory_mb < MIN_MEMORY_MB:
+            raise InvalidField("memory_mb", f"at least {MIN_MEMORY_MB} MiB, got {self.memory_mb}")
 
 
 @dataclass(frozen=True)
