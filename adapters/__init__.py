@@ -2,7 +2,7 @@
 
 The names below load on first use (PEP 562), so that importing ``adapters.errors`` — which the
 client library does at kernel start, through ``runtime_server.wire`` — does not load the worker
-supervisor.
+supervisor. Which adapter serves which runtime is ``adapters.runtimes``.
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ if TYPE_CHECKING:
     from adapters.bash import BashAdapter
     from adapters.python import PythonAdapter
 
-    ADAPTERS: dict[str, type[WorkerAdapter]]
-
 _HOMES = {
     "Adapter": "adapters.base",
     "FunctionSpec": "adapters.base",
@@ -27,7 +25,6 @@ _HOMES = {
 }
 
 __all__ = [
-    "ADAPTERS",
     "Adapter",
     "BashAdapter",
     "FunctionSpec",
@@ -38,13 +35,6 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name == "ADAPTERS":
-        from adapters.bash import BashAdapter
-        from adapters.python import PythonAdapter
-
-        adapters = {PythonAdapter.runtime: PythonAdapter, BashAdapter.runtime: BashAdapter}
-        globals()["ADAPTERS"] = adapters
-        return adapters
     if name in _HOMES:
         value = getattr(importlib.import_module(_HOMES[name]), name)
         globals()[name] = value

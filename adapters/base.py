@@ -39,9 +39,21 @@ class HandlerResult:
 
 
 class Adapter(Protocol):
-    """One registration's handler, loaded once, invoked one call at a time."""
+    """One registration's handler, loaded once, invoked one call at a time. The Runtime Server
+    types against this; ``adapters.runtimes`` names the class serving each runtime."""
 
     runtime: ClassVar[str]
+
+    def __init__(
+        self,
+        spec: FunctionSpec,
+        *,
+        max_output_bytes: int,
+        on_fatal: Callable[[InitError], None] | None = None,
+        init_timeout: float = 60.0,
+    ) -> None:
+        """Nothing starts yet; `on_fatal` hears of a worker that can no longer be replaced."""
+        ...
 
     @classmethod
     def check_handler(cls, handler: str, working_dir: Path) -> None:
@@ -75,7 +87,8 @@ def resolve_inside(working_dir: Path, relative: str) -> Path:
 
 
 class WorkerAdapter:
-    """Shared life cycle: one WorkerSupervisor per registration; subclasses speak the frames."""
+    """An Adapter whose handler runs in a worker process: one WorkerSupervisor per registration;
+    subclasses speak the frames."""
 
     runtime: ClassVar[str]
 

@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from adapters.runtimes import RUNTIMES
 from kernel.connection import Runtime
 from kernel.display import InvocationView, RegistrationCard
 from runtime_server.client import Run
 from runtime_server.client.errors import GatewayError, HandlerFailed, RequestCancelled
 
-EXTENSIONS = {"python": "py", "bash": "sh"}
 ORIGIN_PREFIX = "%%function cell "  # a Run's spec.source when a cell created it
 _IDLE_WAIT_SECONDS = 2.0  # after an interrupt, for the cancelled invocation to be gone
 
@@ -50,7 +50,7 @@ class Spec:
 
     @property
     def filename(self) -> str:
-        return f"{self.name}.{EXTENSIONS[self.runtime]}"
+        return f"{self.name}.{RUNTIMES[self.runtime].extension}"
 
     @property
     def fingerprint(self) -> str:
@@ -71,9 +71,6 @@ class Spec:
         return ORIGIN_PREFIX + self.fingerprint
 
 
-_TRACEBACK_START = "Traceback (most recent call last):"
-
-
 def cell_line(file_line: int) -> int:
     """A line of the handler file as a line of its cell: the ``%%function`` line comes first."""
     return file_line + 1
@@ -91,16 +88,21 @@ def show_logs(logs: list[dict[str, str]]) -> None:
     sys.stderr.flush()
 
 
-def split_traceback(logs: list[dict[str, str]]) -> tuple[list[dict[str, str]], list[str]]:
-    """The handler's own log lines, and the traceback the worker logged after them (if any)."""
-    for index in range(len(logs) - 1, -1, -1):
-        entry = logs[index]
-        if entry.get("stream") == "stderr" and entry.get("text") == _TRACEBACK_START:
-            return logs[:index], [line.get("text", "") for line in logs[index:]]
+def split_traceback(
+    logs: list[dict[str, str]], runtime: str
+) -> tuple[list[dict[str, str]], list[str]]:
+    """The handler's own log lines, and the traceback the worker logged after them (if any, and
+    if the runtime's worker logs one: adapters/runtimes.py)."""
+    traceback = RUNTIMES[runtime].traceback
+    if traceback is not None:
+        for index in range(len(logs) - 1, -1, -1):
+            entry = logs[index]
+            if entry.get("stream") == "stderr" and entry.get("text") == traceback.start:
+                return logs[:index], [line.get("text", "") for line in logs[index:]]
     return logs, []
 
 
-_FRAME = re.compile(r'\s*File "(?P<path>[^"]*)", line (?P<line>\d+), in (?P<function>.*)')
+_NO_FRAME = re.compile(r"(?!)")  # matches nothing: a runtime whose failures have no frames
 
 
 class HandlerFailedInCell(HandlerFailed):
@@ -118,14 +120,16 @@ class HandlerFailedInCell(HandlerFailed):
             detail=failed.detail,
         )
         self.spec = spec
-        self.traceback_lines = split_traceback(failed.logs)[1]
+        self.traceback_lines = split_traceback(failed.logs, spec.runtime)[1]
+        traceback = RUNTIMES[spec.runtime].traceback
+        self._frame = (traceback.frame if traceback else _NO_FRAME).match
 
     @property
     def line(self) -> int | None:
         """The cell line of the innermost frame in the handler's cell, if the traceback has one."""
         lines = [
             cell_line(int(frame["line"]))
-            for frame in map(_FRAME.match, self.traceback_lines)
+            for frame in map(self._frame, self.traceback_lines)
             if frame is not None and Path(frame["path"]).name == self.spec.filename
         ]
         return lines[-1] if lines else None
@@ -149,7 +153,7 @@ class HandlerFailedInCell(HandlerFailed):
         source = self.spec.source.splitlines()
         frame_kind = ""  # "cell" or "file" while reading a frame's lines; "" after the frames
         for text in self.traceback_lines[1:]:
-            frame = _FRAME.match(text)
+            frame = self._frame(text)
             if frame is not None and Path(frame["path"]).name == self.spec.filename:
                 frame_kind = "cell"
                 line = cell_line(int(frame["line"]))
@@ -259,7 +263,7 @@ class Function:
                 invocation_id=invocation_id or "",
             )
         except HandlerFailed as failed:
-            show_logs(split_traceback(failed.logs)[0])
+            show_logs(split_traceback(failed.logs, self.spec.runtime)[0])
             raise HandlerFailedInCell(failed, self.spec) from None
         except (RequestCancelled, KeyboardInterrupt):
             # The kernel was interrupted: FnKernel cancels the request from its control thread

@@ -24,8 +24,9 @@ from IPython.core.interactiveshell import ExecutionResult, InteractiveShell
 from IPython.core.magic import Magics, cell_magic, line_cell_magic, line_magic, magics_class
 from IPython.display import display
 
+from adapters.runtimes import RUNTIMES
 from kernel.display import FunctionsTable, RegistrationCard
-from kernel.functions import EXTENSIONS, Function, Spec
+from kernel.functions import Function, Spec
 from kernel.session import _SESSION_ATTRIBUTE, Session, session_of
 from kernel.trace import TraceTable
 from runtime_server.client import parse_pairs
@@ -63,7 +64,7 @@ def _env_pair(text: str) -> tuple[str, str]:
 
 FUNCTION_PARSER = _Parser("%%function")
 FUNCTION_PARSER.add_argument("name")
-FUNCTION_PARSER.add_argument("--runtime", choices=sorted(EXTENSIONS), default="python")
+FUNCTION_PARSER.add_argument("--runtime", choices=RUNTIMES, default="python")
 FUNCTION_PARSER.add_argument("--handler")
 FUNCTION_PARSER.add_argument("--env", type=_env_pair, action="append", default=[])
 FUNCTION_PARSER.add_argument("--idle-timeout", type=_number(int), default=0)

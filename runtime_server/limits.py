@@ -12,7 +12,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from adapters import WorkerAdapter
+from adapters import Adapter
 from adapters.errors import InvalidHandler
 from runtime_server.errors import InvalidField
 
@@ -98,7 +98,7 @@ def resolve_working_dir(working_dir: str, workspace_root: Path) -> Path:
     return resolved
 
 
-def check_handler(adapter_cls: type[WorkerAdapter], handler: str, working_dir: Path) -> str:
+def check_handler(adapter_cls: type[Adapter], handler: str, working_dir: Path) -> str:
     """The runtime's own handler rules (python: dotted identifiers; bash: a file inside the
     working dir and a function name), as InvalidField."""
     try:

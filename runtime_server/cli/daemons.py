@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from adapters import runtimes
 from runtime_server.cli.common import (
     EXIT_FAILURE,
     EXIT_OK,
@@ -307,7 +308,7 @@ def register(commands: Any) -> None:
         description="Run a Runtime Server for one built-in runtime. SIGTERM drains in-flight "
         "invocations (bounded by --drain-timeout) and exits 0.",
     )
-    serve.add_argument("--runtime", choices=("python", "bash"), required=True)
+    serve.add_argument("--runtime", choices=runtimes.RUNTIMES, required=True)
     serve.add_argument(
         "--listen",
         default="127.0.0.1:9090",
@@ -334,7 +335,7 @@ def register(commands: Any) -> None:
         "status, scales idle ones to zero, and serves the proxy hop on its own port.",
     )
     runtimed.add_argument("--pod", required=True, metavar="NAME")
-    runtimed.add_argument("--runtime", choices=("python", "bash"), required=True)
+    runtimed.add_argument("--runtime", choices=runtimes.RUNTIMES, required=True)
     runtimed.add_argument(
         "--server", required=True, metavar="ADDR", help="the colocated Runtime Server"
     )
@@ -385,7 +386,11 @@ def register(commands: Any) -> None:
         description="Start the control plane, the Runtime Pods (each a Runtime Server and a "
         "runtimed) and the gateway; print their addresses; Ctrl-C or SIGTERM stops them all.",
     )
-    up.add_argument("--pods", default="python=1,bash=1", metavar="RUNTIME=N,...")
+    up.add_argument(
+        "--pods",
+        default=",".join(f"{name}=1" for name in runtimes.RUNTIMES),
+        metavar="RUNTIME=N,...",
+    )
     up.add_argument("--gateway-listen", default="127.0.0.1:8080", metavar="ADDR")
     _add_access_flags(up)
     up.add_argument("--poll-interval", type=seconds, default=1.0, metavar="SECONDS")

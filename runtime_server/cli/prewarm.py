@@ -18,9 +18,11 @@ import os
 import sys
 from pathlib import Path
 
+from adapters.runtimes import RUNTIMES
+
 # What each component imports on its way to announcing itself.
 MODULES = {
-    "serve": ("runtime_server.function_runtime.server", "adapters.python", "adapters.bash"),
+    "serve": ("runtime_server.function_runtime.server",),  # and every runtime's adapter
     "runtimed": ("runtime_server.lifecycle.runtimed",),
     "gateway": (
         "runtime_server.lifecycle.controlplane",
@@ -44,8 +46,16 @@ COMMON = (
 )
 
 
+def modules(command: str) -> list[str]:
+    """What `command` imports before it announces itself."""
+    names = [*COMMON, *MODULES[command]]
+    if command == "serve":
+        names += (runtime.adapter_module for runtime in RUNTIMES.values())
+    return names
+
+
 def main(command: str) -> int:
-    for module in (*COMMON, *MODULES[command]):
+    for module in modules(command):
         importlib.import_module(module)
     from runtime_server.cli import build_parser
     from runtime_server.cli import main as cli_main

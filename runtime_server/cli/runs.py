@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from adapters import runtimes
 from runtime_server.cli.common import (
     EXIT_FAILURE,
     EXIT_OK,
@@ -120,7 +121,7 @@ def register(commands: Any) -> None:
     runs_commands = runs.add_subparsers(dest="runs_command", metavar="ACTION", required=True)
     create = runs_commands.add_parser("create", help="create a function Run from a file or dir")
     create.add_argument("name")
-    create.add_argument("--runtime", choices=("python", "bash"), required=True)
+    create.add_argument("--runtime", choices=runtimes.RUNTIMES, required=True)
     create.add_argument("--source", required=True, metavar="PATH", help="a file or a directory")
     create.add_argument(
         "--handler", required=True, metavar="H", help="module.function or file.function"

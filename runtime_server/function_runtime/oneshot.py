@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from adapters import FunctionSpec, WorkerAdapter
+from adapters import Adapter, FunctionSpec
 from adapters.errors import HandlerError, InitError
 from runtime_server import limits
 from runtime_server.limits import check_handler
@@ -31,7 +31,7 @@ def _failure(error_type: str, message: str) -> ExecuteOutcome:
 
 
 def execute(
-    adapter_cls: type[WorkerAdapter],
+    adapter_cls: type[Adapter],
     workspace_root: Path,
     *,
     run_uid: str,

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from adapters import FunctionSpec, HandlerResult, WorkerAdapter
+from adapters import Adapter, FunctionSpec, HandlerResult
 from adapters.errors import AdapterError, HandlerError, InitError
 from runtime_server import limits
 from runtime_server._proto.executor.v1.runtime_pb2 import FunctionRegistrationState
@@ -51,7 +51,7 @@ class Registration:
     attempt: int
     digest: str
     spec: FunctionSpec
-    adapter: WorkerAdapter
+    adapter: Adapter
     state: int = REGISTERING
     in_flight: int = 0
     invocation_id: str = ""
@@ -94,7 +94,7 @@ class Registry:
 
     def __init__(
         self,
-        adapter_cls: type[WorkerAdapter],
+        adapter_cls: type[Adapter],
         workspace_root: Path,
         *,
         register_wait: float = 60.0,

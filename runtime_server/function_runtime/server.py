@@ -8,7 +8,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health
 
-from adapters import ADAPTERS
+from adapters import runtimes
 from adapters.private import sweep
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
@@ -33,11 +33,10 @@ class RuntimeServer:
         max_workers: int = 32,
         register_wait: float = 60.0,
     ) -> None:
-        if runtime not in ADAPTERS:
-            raise ValueError(f"unknown runtime {runtime!r}; choose one of {', '.join(ADAPTERS)}")
+        adapter = runtimes.runtime(runtime).adapter()  # UnknownRuntime names the choices
         self.runtime = runtime
         sweep(runtime)  # the worker scratch dirs of Runtime Servers that were killed
-        self.registry = Registry(ADAPTERS[runtime], workspace_root, register_wait=register_wait)
+        self.registry = Registry(adapter, workspace_root, register_wait=register_wait)
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
             options=CHANNEL_OPTIONS,

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from adapters import ADAPTERS
+from adapters import runtimes
 from runtime_server import limits
 from runtime_server.errors import InvalidField, NoRuntimePod, RunAlreadyExists, RunNotFound
 from runtime_server.lifecycle.runs import (
@@ -154,8 +154,10 @@ class ControlPlane:
         idle timeout) is returned as it is — a client that lost the answer to its create (the
         gateway crashed) can repeat it. Another spec under a taken name is RunAlreadyExists."""
         check_name(name)
-        if runtime not in ADAPTERS:
-            raise InvalidField("runtime", f"must be one of {', '.join(ADAPTERS)}, got {runtime!r}")
+        try:
+            adapter = runtimes.runtime(runtime).adapter()
+        except runtimes.UnknownRuntime as exc:
+            raise InvalidField("runtime", str(exc)) from None
         checked = check_files(files)
         env = limits.check_env(env or {})
         idle = (
@@ -179,7 +181,7 @@ class ControlPlane:
                     target.write_text(text)
                 except OSError as exc:  # a failed write (ENOSPC) names no file by itself
                     raise OSError(exc.errno, exc.strerror, str(target)) from None
-            check_handler(ADAPTERS[runtime], handler, working_dir)
+            check_handler(adapter, handler, working_dir)
             run = Run(
                 uid=uid,
                 name=name,

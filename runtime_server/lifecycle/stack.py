@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from adapters import runtimes
 from adapters.private import open_private, private_dir, private_tempdir, sweep
 from runtime_server import daemon, logs, tokens, wire
 from runtime_server.daemon import Child, spawn
@@ -33,8 +34,10 @@ def parse_pods(text: str) -> dict[str, int]:
     pods: dict[str, int] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         runtime, sep, count = item.partition("=")
-        if not sep or runtime not in ("python", "bash") or not count.isdigit():
-            raise ValueError(f"--pods: {item!r} is not RUNTIME=COUNT with RUNTIME python or bash")
+        if not sep or runtime not in runtimes.RUNTIMES or not count.isdigit():
+            raise ValueError(
+                f"--pods: {item!r} is not RUNTIME=COUNT with RUNTIME one of {', '.join(runtimes.RUNTIMES)}"
+            )
         pods[runtime] = int(count)
     if not any(pods.values()):
         raise ValueError("--pods: start at least one pod")
