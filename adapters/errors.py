@@ -1,16 +1,20 @@
 """What can go wrong inside an adapter, named for the user (docs/protocol.md, "Limits", "Adapters").
 
 These carry no gRPC: the Runtime Server maps each class to a status code in exactly one table
-(``runtime_server.function_runtime.servicer.GRPC_STATUS``).
+(``runtime_server.wire.GRPC_STATUS``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-# Error types that leave the process (fatal_error, fn-error-type): runtimed's retry decision
-# reads WORKER_KILLED, so it is spelled once, here.
+# Error types that leave the process (fatal_error, fn-error-type), each spelled once, here. Which
+# load failures are retried is runtime_server/lifecycle/retries.py.
+USER_CODE_SYNTAX_ERROR = "UserCodeSyntaxError"  # the handler file does not parse
+IMPORT_MODULE_ERROR = "ImportModuleError"  # its module (or one it imports) failed to import
+INITIALIZATION_TIMEOUT = "InitializationTimeout"  # it did not finish loading in time
 WORKER_KILLED = "WorkerKilled"  # a signal ended the worker while it loaded: retried
+WORKER_START_FAILED = "WorkerStartFailed"  # the OS would not start the worker: retried
 WORKER_CRASHED = "WorkerCrashed"  # the worker exited in the middle of a call
 INITIALIZATION_ERROR = "InitializationError"
 HANDLER_NOT_FOUND = "HandlerNotFound"

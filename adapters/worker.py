@@ -49,6 +49,7 @@ from typing import TypeVar
 
 from adapters.errors import (
     INITIALIZATION_ERROR,
+    INITIALIZATION_TIMEOUT,
     WORKER_CRASHED,
     WORKER_KILLED,
     CorruptResponse,
@@ -190,7 +191,7 @@ class Worker:
         except TimeoutError:
             self.kill()
             raise InitError(
-                "InitializationTimeout", "the handler did not finish loading in time"
+                INITIALIZATION_TIMEOUT, "the handler did not finish loading in time"
             ) from None
         except _WorkerExited:
             code = self.proc.wait()

@@ -48,7 +48,6 @@ from runtime_server.errors import (
 
 __all__ = [
     "HANDLER_NOT_FOUND",
-    "INFRASTRUCTURE_FATAL_TYPES",
     "INITIALIZATION_ERROR",
     "OUTPUT_TOO_LARGE",
     "WORKER_CRASHED",
@@ -121,10 +120,6 @@ RETRYING = "Retrying"  # an infrastructure failure; the retry engine decides wha
 FAILED = "Failed"  # terminal: user-code failure, unsupported runtime, or retries exhausted
 DELETING = "Deleting"  # delete requested; its runtimed unregisters it (bounded drain)
 DELETED = "Deleted"  # unregistered; the control plane removes the working dir and the row
-
-# A FAILED registration whose fatal_error has one of these types failed for the platform's
-# reasons, not the handler's: runtimed retries it (docs/architecture.md, "Retries").
-INFRASTRUCTURE_FATAL_TYPES = frozenset({WORKER_KILLED})
 
 # Our errors → gRPC status (docs/protocol.md, "Errors"). The first class in an exception's MRO
 # that is here decides.

@@ -16,7 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from adapters import Adapter, FunctionSpec, HandlerResult
-from adapters.errors import AdapterError, HandlerError, InitError
+from adapters.errors import (
+    INITIALIZATION_ERROR,
+    WORKER_START_FAILED,
+    AdapterError,
+    HandlerError,
+    InitError,
+)
 from runtime_server import limits
 from runtime_server._proto.executor.v1.runtime_pb2 import FunctionRegistrationState
 from runtime_server.errors import (
@@ -210,9 +216,13 @@ class Registry:
             self._fail(reg.run_uid, reg.registration_id, exc)
         except AdapterError:
             pass  # closed while loading: it was superseded or unregistered
+        except OSError as exc:  # the OS would not start the worker (EAGAIN, ENOMEM, EMFILE, …)
+            LOG.warning("starting a worker for %s: %s", reg.spec.handler, exc)
+            failure = InitError(WORKER_START_FAILED, f"the worker could not be started: {exc}")
+            self._fail(reg.run_uid, reg.registration_id, failure)
         except Exception as exc:  # never leave a registration REGISTERING forever
             LOG.exception("loading %s failed", reg.spec.handler, extra={"run_uid": reg.run_uid})
-            self._fail(reg.run_uid, reg.registration_id, InitError("InitializationError", str(exc)))
+            self._fail(reg.run_uid, reg.registration_id, InitError(INITIALIZATION_ERROR, str(exc)))
         else:
             with self._lock:
                 if reg.state == REGISTERING:

@@ -22,6 +22,7 @@ from pathlib import Path, PurePosixPath
 from adapters import runtimes
 from runtime_server import limits
 from runtime_server.errors import InvalidField, NoRuntimePod, RunAlreadyExists, RunNotFound
+from runtime_server.lifecycle.retries import Step, Verdict, decide
 from runtime_server.lifecycle.runs import (
     DEFAULT_DRAIN_MILLIS,
     POD_GRACE_SECONDS,
@@ -314,7 +315,8 @@ class ControlPlane:
                     phase=RETRYING,
                     message=f"pod {run.assigned_pod} stopped",
                     failed_at=now,
-                    uncharged_attempts=run.uncharged_attempts + 1,  # not the function's fault
+                    uncharged_attempts=run.uncharged_attempts
+                    + int(decide(Step.POD) is Verdict.RETRY_FREE),
                 )
                 due = now
             elif run.phase == IDLE and not pod_alive:

@@ -43,6 +43,7 @@ from runtime_server.errors import (
 from runtime_server.function_runtime.registry import FAILED as REG_FAILED
 from runtime_server.function_runtime.registry import READY as REG_READY
 from runtime_server.function_runtime.server import FUNCTION_RUNTIME_SERVICE
+from runtime_server.lifecycle.retries import Step, Verdict, decide, fatal_error_type
 from runtime_server.lifecycle.runs import (
     DEFAULT_DRAIN_MILLIS,
     HEARTBEAT_SECONDS,
@@ -69,7 +70,6 @@ from runtime_server.wire import (
     DIGEST_KEY,
     FAILED,
     IDLE,
-    INFRASTRUCTURE_FATAL_TYPES,
     PENDING,
     POD_KEY,
     READY,
@@ -83,9 +83,6 @@ LOG = logging.getLogger("fnkernel.runtimed")
 UNSUPPORTED = "runtime does not support function mode"
 _SKIPPED_DIRS = frozenset({"__pycache__"})
 _REGISTER_RPC_TRIES = 3
-# Statuses that mean the server did not answer (down, or paused): they say nothing of what it
-# holds, so they cost no attempt (docs/architecture.md, "Retries": a pause is not a death).
-_NO_ANSWER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 _HEALTH_CHECK_SECONDS = 0.5
 # A Run whose calls were in flight this many times in a row when its server died is Failed: the
 # retry budget's size, for a fault the budget does not see (the pod's deaths are never charged).
@@ -123,10 +120,6 @@ def registration_digest(run: Run) -> str:
     }
     text = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return limits.sha256_digest(text.encode())
-
-
-def fatal_is_infrastructure(fatal_error: str) -> bool:
-    return fatal_error.partition(":")[0] in INFRASTRUCTURE_FATAL_TYPES
 
 
 @dataclass(frozen=True)
@@ -322,12 +315,13 @@ class Runtimed:
                     response = self.server_stub.RegisterFunction(request, timeout=90)
                     break
                 except grpc.RpcError as err:
-                    if err.code() in _NO_ANSWER_CODES and tries < _REGISTER_RPC_TRIES:
+                    verdict = decide(Step.REGISTER, err.code())
+                    if verdict is Verdict.WAIT and tries < _REGISTER_RPC_TRIES:
                         # docs/protocol.md: repeating an uncertain RegisterFunction for the same attempt is
                         # idempotent and does not change Run status.
                         time.sleep(0.2 * tries)
                         continue
-                    self._registration_failed(run, err.code(), err.details() or "")
+                    self._registration_failed(run, verdict, err.code(), err.details() or "")
                     return None
             assert response is not None
             active = Active(response.registration.registration_id, run.attempt, digest)
@@ -356,13 +350,16 @@ class Runtimed:
             return err.details() or ""
 
     def _fatal(self, run: Run, fatal_error: str) -> None:
-        """A FAILED registration: retry infrastructure faults, fail user-code faults for good."""
-        if fatal_is_infrastructure(fatal_error):
+        """A FAILED registration: retry what the platform caused, fail the handler's faults for
+        good (docs/protocol.md, "Runs": user-code init failures → Failed, no retry)."""
+        if decide(Step.LOAD, fatal_error_type(fatal_error)) is Verdict.RETRY_CHARGED:
             self._infrastructure_failure(run, fatal_error)
         else:
-            # docs/protocol.md, "Runs" / issue: user-code init failures → Failed with the fatal_error, no retry.
-            self.store.update(run, phase=FAILED, message=limits.bounded(fatal_error))
-            LOG.warning("run %s failed: %s", run.name, fatal_error)
+            self._failed(run, fatal_error)
+
+    def _failed(self, run: Run, message: str) -> None:
+        self.store.update(run, phase=FAILED, message=limits.bounded(message))
+        LOG.warning("run %s failed: %s", run.name, message)
 
     def _infrastructure_failure(
         self, run: Run, message: str, *, charged: bool = True, server_deaths: int | None = None
@@ -417,13 +414,10 @@ class Runtimed:
         with self._lock:
             self._cut_off[run.uid] = (active, invocation_id)
 
-    def _registration_failed(self, run: Run, code: grpc.StatusCode, details: str) -> None:
-        if code == grpc.StatusCode.UNIMPLEMENTED:
-            # docs/protocol.md: permanent; never a fallback to one-shot Execute.
-            self.store.update(run, phase=FAILED, message=UNSUPPORTED)
-        elif code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS):
-            self.store.update(run, phase=FAILED, message=limits.bounded(details))
-        elif code in _NO_ANSWER_CODES:
+    def _registration_failed(
+        self, run: Run, verdict: Verdict, code: grpc.StatusCode, details: str
+    ) -> None:
+        if verdict is Verdict.WAIT:
             # The server did not answer (down, or paused): nothing was registered, so nothing is
             # superseded. The Run stays as it is and the next pass repeats the same attempt; if
             # the pod is really gone, the control plane moves the Run once its grace is over.
@@ -434,8 +428,12 @@ class Runtimed:
                 code.name,
                 details,
             )
+        elif verdict is Verdict.FATAL:
+            # UNIMPLEMENTED is permanent: never a fallback to one-shot Execute (docs/protocol.md).
+            self._failed(run, UNSUPPORTED if code == grpc.StatusCode.UNIMPLEMENTED else details)
         else:
-            self._infrastructure_failure(run, f"RegisterFunction: {code.name}: {details}")
+            message = f"RegisterFunction: {code.name}: {details}"
+            self._infrastructure_failure(run, message, charged=verdict is Verdict.RETRY_CHARGED)
 
     # Poll: health and idle timeout, at a bounded cadence
 
@@ -464,17 +462,19 @@ class Runtimed:
         try:
             status = self._server_status(run.uid, active)
         except grpc.RpcError as err:
-            if err.code() in _NO_ANSWER_CODES:
+            verdict = decide(Step.STATUS, err.code())
+            message = f"FunctionStatus: {err.code().name}: {err.details()}"
+            if verdict is Verdict.WAIT:
                 # No answer (the server is paused, busy or restarting) says nothing about the
                 # registration: it is kept, and the next poll asks again. A server that really
                 # went away lost it, and says so (NOT_FOUND) once it is back.
                 LOG.debug("run %s: FunctionStatus: %s; polling again", run.name, err.code().name)
-                return
-            # NOT_FOUND: the server restarted and lost it; FAILED_PRECONDITION: it holds another.
-            # Either way the pod failed, not the function: the retry is free (registration_lost).
-            self.registration_lost(
-                run, active, f"FunctionStatus: {err.code().name}: {err.details()}"
-            )
+            elif verdict is Verdict.RETRY_FREE:
+                # NOT_FOUND: the server restarted and lost it; FAILED_PRECONDITION: it holds
+                # another. Either way the pod failed, not the function (registration_lost).
+                self.registration_lost(run, active, message)
+            else:
+                self._infrastructure_failure(run, message)
             return
         if status.state == REG_FAILED:
             self._fatal(run, status.fatal_error)

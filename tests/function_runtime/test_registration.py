@@ -667,18 +667,37 @@ class _SpawnFails(PythonAdapter):
         raise OSError(24, "Too many open files")
 
 
+class _LoadBreaks(PythonAdapter):
+    """A load that fails in a way nobody planned for: a bug, not the OS."""
+
+    def start(self) -> None:
+        raise RuntimeError("unplanned")
+
+
+@pytest.mark.parametrize(
+    ("adapter", "fatal_error"),
+    [
+        # docs/architecture.md, "Retries": the OS refusing a worker is the platform's failure,
+        # which runtimed retries (WorkerStartFailed), not the handler's.
+        (
+            _SpawnFails,
+            "WorkerStartFailed: the worker could not be started: [Errno 24] Too many open files",
+        ),
+        (_LoadBreaks, "InitializationError: unplanned"),
+    ],
+)
 def test_an_unexpected_error_while_loading_leaves_the_registration_failed(
-    workspace: Path,
+    workspace: Path, adapter: type[PythonAdapter], fatal_error: str
 ) -> None:
     # docs/protocol.md, "Registration": the answer is READY or FAILED — never REGISTERING
     # forever, also when the load fails in a way nobody planned for.
-    registry = Registry(_SpawnFails, workspace)
+    registry = Registry(adapter, workspace)
     wd = _workdir(workspace, "nofds", IDENTITY)
     try:
         registration_id = _register(registry, wd, "nofds", 1)
         view = registry.status(run_uid="nofds", registration_id=registration_id)
         assert view.state == FAILED
-        assert view.fatal_error == "InitializationError: [Errno 24] Too many open files"
+        assert view.fatal_error == fatal_error
     finally:
         registry.shutdown()
 
