@@ -179,8 +179,12 @@ def _diff_html(diff: str) -> str:
     return "\n".join(lines)
 
 
-class PipelineFailed(GatewayError):
-    """A KRM pipeline step failed; nothing was written. Shown as one line."""
+class PipelineFailed(Exception):
+    """A KRM pipeline step failed; nothing was written. Shown as one line (its results are in
+    the view displayed above it)."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"{type(self).__name__}: {self}"]
 
 
 class Chain(chain.Chain):
@@ -365,7 +369,7 @@ def krm_magic(chain: Chain, line: str, cell: str | None) -> PipelineView:
         from IPython.display import display
 
         display(failure.view)
-        raise PipelineFailed(failure.view.error, code="Failed") from None
+        raise PipelineFailed(failure.view.error) from None
     except (FileNotFoundError, PackageError) as exc:
         raise UsageError(f"%krm: {exc}") from None
 

@@ -29,10 +29,10 @@ from kernel.functions import InvocationInterrupted, wait_until_free
 from kernel.trace import Trace, decode_message
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
-from runtime_server.client.errors import ERRORS, GatewayError
+from runtime_server.client.errors import GatewayError, from_response
 from runtime_server.daemon import Child, serve_args, spawn
-from runtime_server.rpc import CHANNEL_OPTIONS
-from runtime_server.wire import ERROR_TYPE_KEY, http_status
+from runtime_server.rpc import CHANNEL_OPTIONS, failure_body
+from runtime_server.wire import http_status
 
 SERVICE = "FunctionRuntime"
 _REQUESTS = {
@@ -44,18 +44,12 @@ _REQUESTS = {
 
 
 def error_of(err: grpc.RpcError, method: str) -> GatewayError:
-    """A gRPC failure as the docs/protocol.md, "Errors" class of its status (``FunctionBusy`` for
-    RESOURCE_EXHAUSTED, ...), so the gateway and the protocol read the same in a notebook."""
-    code: grpc.StatusCode = err.code()
-    details: str = err.details() or ""
-    status = http_status(code.name)
-    detail: dict[str, object] = {}
-    if code == grpc.StatusCode.UNKNOWN:
-        metadata: Any = err.trailing_metadata() or ()
-        trailers = {key: value for key, value in metadata}
-        detail = {"errorType": str(trailers.get(ERROR_TYPE_KEY, "")), "errorMessage": details}
-    error_class = ERRORS.get(status, GatewayError)
-    return error_class(f"{method}: {details}", code=code.name, status=status, detail=detail)
+    """A gRPC failure as the gateway would answer it, raised as its client would
+    (``FunctionBusy`` for RESOURCE_EXHAUSTED, ...): the gateway and the protocol read the same
+    in a notebook."""
+    body = failure_body(err)
+    body["message"] = f"{method}: {body['message']}"
+    return from_response(body, http_status(body["code"]))
 
 
 class FunctionRuntimeClient:

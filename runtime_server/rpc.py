@@ -165,6 +165,36 @@ def logs_trailer(logs: tuple[Any, ...]) -> bytes:
     return _compact(kept[::-1]).encode()
 
 
+def trailer_logs(trailers: dict[str, Any]) -> list[Any]:
+    """The log lines of ``logs_trailer``, read back; none if the trailer is absent or garbled."""
+    raw = trailers.get(wire.LOGS_KEY)
+    if not raw:
+        return []
+    try:
+        return list(json.loads(raw))
+    except ValueError:
+        return []
+
+
+def failure_body(err: grpc.RpcError) -> dict[str, Any]:
+    """A failed call's status as the JSON body of docs/protocol.md, "Errors" — the one
+    translation of a Runtime Server's (or runtimed's) status for a client: its code and message,
+    and for a handler error (UNKNOWN) the error's type, its message and the handler's logs from
+    the trailers. The gateway sends it; the teaching client raises it as the gateway's client
+    would (``runtime_server.client.errors.from_response``)."""
+    call: Any = err
+    code: grpc.StatusCode = call.code()
+    message = call.details() or ""
+    body: dict[str, Any] = {"code": code.name, "message": message}
+    if code == grpc.StatusCode.UNKNOWN:
+        trailers = dict(call.trailing_metadata() or ())
+        error_type = str(trailers.get(wire.ERROR_TYPE_KEY, ""))
+        body["errorType"] = error_type
+        body["errorMessage"] = message.removeprefix(f"handler error: {error_type}: ")
+        body["logs"] = trailer_logs(trailers)
+    return body
+
+
 def _compact(value: object) -> str:
     return json.dumps(value, separators=(",", ":"))
 

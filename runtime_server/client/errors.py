@@ -60,11 +60,15 @@ class PermissionDenied(GatewayError):
 
 
 class FunctionNotFound(GatewayError):
-    """404: no function (Run) has this name."""
+    """404: no function (Run) has this name, or the gateway has no such path."""
 
 
 class FunctionExists(GatewayError):
     """409: a function with this name exists already."""
+
+
+class MethodNotAllowed(GatewayError):
+    """405: the path does not take this method; the response's ``Allow`` names those it does."""
 
 
 class PayloadTooLarge(GatewayError):
@@ -73,6 +77,10 @@ class PayloadTooLarge(GatewayError):
 
 class UnsupportedMediaType(GatewayError):
     """415: the request body is not application/json."""
+
+
+class HeadersTooLarge(GatewayError):
+    """431: the request's headers are over 64 KiB."""
 
 
 class FunctionBusy(GatewayError):
@@ -133,10 +141,12 @@ ERRORS: dict[int, type[GatewayError]] = {
     401: Unauthorized,
     403: PermissionDenied,
     404: FunctionNotFound,
+    405: MethodNotAllowed,
     409: FunctionExists,
     413: PayloadTooLarge,
     415: UnsupportedMediaType,
     429: FunctionBusy,
+    431: HeadersTooLarge,
     500: GatewayInternalError,
     501: NotSupported,
     502: HandlerFailed,

@@ -21,7 +21,7 @@ from typing import Any
 
 import grpc
 import grpc.aio
-from tornado import httpserver, netutil, web
+from tornado import httpserver, httputil, netutil, web
 
 from runtime_server import limits, wire
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
@@ -29,14 +29,12 @@ from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from runtime_server.errors import InvalidField, NoRuntimePod, RunNotReady, storage_full
 from runtime_server.lifecycle.controlplane import ControlPlane
 from runtime_server.lifecycle.runs import Run
-from runtime_server.rpc import CHANNEL_OPTIONS
+from runtime_server.rpc import CHANNEL_OPTIONS, failure_body, trailer_logs
 from runtime_server.wire import (
     ATTEMPT_KEY,
     COLD_START_KEY,
     DIGEST_KEY,
-    ERROR_TYPE_KEY,
     IDLE,
-    LOGS_KEY,
     POD_KEY,
     READY,
     TIMELINE_KEY,
@@ -46,7 +44,6 @@ from runtime_server.wire import (
 )
 
 LOG = logging.getLogger("fnkernel.gateway")
-Code = grpc.StatusCode
 
 CREATE_WAIT_SECONDS = 90.0  # POST /v1/runs answers once the Run is Ready or Failed
 DEADLINE_SLACK_SECONDS = 10.0  # room for a cold start on top of the invocation's own timeout
@@ -83,6 +80,18 @@ ALLOWED_REQUEST_HEADERS = ", ".join(
         wire.TIMELINE_HEADER,
     )
 )
+
+
+# The status names of the HTTP statuses tornado answers by itself (a malformed request, a method
+# the path does not take); any other is named for its reason phrase.
+_TORNADO_CODES = {
+    400: "INVALID_ARGUMENT",
+    401: "UNAUTHENTICATED",
+    403: "PERMISSION_DENIED",
+    404: "NOT_FOUND",
+    500: "INTERNAL",
+    503: "UNAVAILABLE",
+}
 
 
 class FailureResponse(Exception):
@@ -203,6 +212,8 @@ class Gateway:
                 (r"/v1/runs/([^/:]+)", RunHandler, args),
             ],
             log_function=_log_failure,
+            default_handler_class=NoSuchPath,
+            default_handler_args=args,
         )
 
     def listen(self, listen: str) -> str:
@@ -243,7 +254,8 @@ def _log_failure(handler: web.RequestHandler) -> None:
     status = handler.get_status()
     if status >= 400:
         level = logging.ERROR if status >= 500 else logging.WARNING
-        LOG.log(level, "%d %s", status, handler._request_summary())
+        request = handler.request
+        LOG.log(level, "%d %s %s (%s)", status, request.method, request.uri, request.remote_ip)
 
 
 class BaseHandler(web.RequestHandler):
@@ -339,36 +351,63 @@ class BaseHandler(web.RequestHandler):
             },
         )
 
-    def _handle_request_exception(self, e: BaseException) -> None:
-        e = storage_full(e) or e  # a full disk is 503 naming it, not an internal error
-        if isinstance(e, FailureResponse):
-            self.send_failure(e)
-        elif isinstance(e, Exception) and (code := wire.status_name(e)) is not None:
-            self.send_failure(FailureResponse(code, limits.bounded(str(e))))
-        elif isinstance(e, web.HTTPError):
-            super()._handle_request_exception(e)
-        else:
-            LOG.exception("internal error", exc_info=e)
-            self.send_failure(FailureResponse("INTERNAL", f"internal error: {type(e).__name__}"))
+    def write_error(self, status_code: int, **kwargs: Any) -> None:
+        """Every failure, ours and tornado's, in the JSON shape of docs/protocol.md, "Errors"."""
+        exc_info = kwargs.get("exc_info")
+        self.send_failure(self.failure(exc_info[1] if exc_info else None, status_code))
+
+    def failure(self, error: BaseException | None, status_code: int) -> FailureResponse:
+        """What the gateway answers for `error` (None: tornado's own `status_code`)."""
+        if error is not None:
+            error = storage_full(error) or error  # a full disk is 503 naming it, not a bug
+        if isinstance(error, FailureResponse):
+            return error
+        if isinstance(error, Exception) and (code := wire.status_name(error)) is not None:
+            return FailureResponse(code, limits.bounded(str(error)))
+        if isinstance(error, web.HTTPError) or error is None:
+            status = error.status_code if isinstance(error, web.HTTPError) else status_code
+            if status == 405:
+                allowed = ", ".join(self.allowed_methods())
+                self.set_header("Allow", allowed)
+                message = (
+                    f"{self.request.method} is not allowed on {self.request.path}; use {allowed}"
+                )
+                return FailureResponse("METHOD_NOT_ALLOWED", message, status=405)
+            reason = httputil.responses.get(status, "Unknown")
+            name = reason.upper().replace(" ", "_").replace("-", "_")
+            return FailureResponse(_TORNADO_CODES.get(status, name), reason, status=status)
+        return FailureResponse("INTERNAL", f"internal error: {type(error).__name__}")
+
+    def log_exception(self, typ: Any, value: BaseException | None, tb: Any) -> None:
+        """Only a bug is logged with its stack: every other failure is an answer (and a line
+        of the access log)."""
+        known = isinstance(value, FailureResponse | web.HTTPError) or (
+            isinstance(value, Exception)
+            and (storage_full(value) is not None or wire.status_name(value) is not None)
+        )
+        if not known:
+            LOG.error("internal error", exc_info=value)
+
+    @classmethod
+    def allowed_methods(cls) -> list[str]:
+        """The methods this handler defines (an unknown path's: none)."""
+        return [
+            method
+            for method in cls.SUPPORTED_METHODS
+            if getattr(cls, method.lower()) is not getattr(web.RequestHandler, method.lower())
+        ]
 
     async def blocking(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(None, lambda: fn(*args, **kwargs))
 
 
 def rpc_error(err: grpc.aio.AioRpcError, run: Run, invocation_id: str = "") -> FailureResponse:
-    """A status from runtimed as the gateway answers it; a handler error keeps its type and
-    logs."""
-    code, message = err.code(), err.details() or ""
-    message = message.replace(f"run {run.uid}", f'"{run.name}"')  # gateway users know the name
-    extra: dict[str, Any] = {"runUid": run.uid, "invocationId": invocation_id}
-    if code == Code.UNKNOWN:
-        trailers = _metadata(err.trailing_metadata())
-        error_type = str(trailers.get(ERROR_TYPE_KEY, ""))
-        prefix = f"handler error: {error_type}: "
-        extra["errorType"] = error_type
-        extra["errorMessage"] = message.removeprefix(prefix)
-        extra["logs"] = _logs(trailers)
-    return FailureResponse(code.name, message, **extra)
+    """A status from runtimed as the gateway answers it (``rpc.failure_body``), naming the Run
+    as gateway users know it; a handler error keeps its type and logs."""
+    body = failure_body(err)
+    code = body.pop("code")
+    message = body.pop("message").replace(f"run {run.uid}", f'"{run.name}"')
+    return FailureResponse(code, message, runUid=run.uid, invocationId=invocation_id, **body)
 
 
 def header_text(headers: Any, name: str, default: str = "") -> str:
@@ -392,16 +431,6 @@ def _timeline(gateway: dict[str, int], trailers: dict[str, Any]) -> str:
     for hop, key in (("runtimed", TIMELINE_RUNTIMED_KEY), ("server", TIMELINE_SERVER_KEY)):
         hops[hop] = parse_timeline_stamps(str(trailers.get(key, "")))
     return json.dumps(hops, separators=(",", ":"))
-
-
-def _logs(metadata: dict[str, Any]) -> list[Any]:
-    raw = metadata.get(LOGS_KEY)
-    if not raw:
-        return []
-    try:
-        return list(json.loads(raw))
-    except ValueError:
-        return []
 
 
 @web.stream_request_body
@@ -441,6 +470,15 @@ class BodyHandler(BaseHandler):
         if self._size > self.max_body:
             raise self._too_large(self._size)
         return b"".join(self._chunks)
+
+
+class NoSuchPath(BaseHandler):
+    """A path the gateway does not serve: 404 in the documented shape, after the checks of
+    README "Security" (a caller without the token learns nothing about the paths)."""
+
+    def prepare(self) -> None:
+        super().prepare()
+        raise FailureResponse("NOT_FOUND", f"no such path: {self.request.path[:200]}")
 
 
 class RunsHandler(BodyHandler):
@@ -586,7 +624,7 @@ class InvokeHandler(BodyHandler):
         self.set_header(wire.ATTEMPT_HEADER, str(trailers.get(ATTEMPT_KEY, run.attempt)))
         if trailers.get(COLD_START_KEY) == "1":
             self.set_header(wire.COLD_START_HEADER, "1")
-        logs = _logs(trailers)
+        logs = trailer_logs(trailers)
         if logs:  # json.dumps writes ASCII: non-ASCII text is \u-escaped
             self.set_header(wire.LOGS_HEADER, json.dumps(logs))
         if timeline:

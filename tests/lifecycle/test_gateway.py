@@ -266,6 +266,45 @@ def test_unknown_run_is_404(shared_stack: Stack) -> None:
     assert http_call(shared_stack.gateway_address, "DELETE", "/v1/runs/no-such-function")[0] == 404
 
 
+# docs/protocol.md, "Errors": every answer of the gateway is the JSON error body, also for what
+# tornado answers by itself (an unknown path, a method the path does not take).
+@pytest.mark.parametrize(
+    ("method", "path", "status", "code", "allow"),
+    [
+        ("GET", "/no/such/path", 404, "NOT_FOUND", None),
+        ("GET", "/v1/runs/a/b", 404, "NOT_FOUND", None),
+        ("POST", "/", 404, "NOT_FOUND", None),
+        ("PUT", "/v1/runs", 405, "METHOD_NOT_ALLOWED", "GET, POST, OPTIONS"),
+        ("DELETE", "/v1/runs", 405, "METHOD_NOT_ALLOWED", "GET, POST, OPTIONS"),
+        ("GET", "/v1/runs/x:invoke", 405, "METHOD_NOT_ALLOWED", "POST, OPTIONS"),
+        ("PATCH", "/v1/runs/x", 405, "METHOD_NOT_ALLOWED", "GET, DELETE, OPTIONS"),
+    ],
+)
+def test_tornados_own_answers_are_the_documented_json(
+    shared_stack: Stack, method: str, path: str, status: int, code: str, allow: str | None
+) -> None:
+    headers = {"Content-Type": "application/json"}
+    got, answer_headers, body = http_call(
+        shared_stack.gateway_address, method, path, b"{}", headers
+    )
+    assert got == status
+    assert answer_headers["Content-Type"] == "application/json"
+    error = json.loads(body)
+    assert error["code"] == code and error["message"], error
+    assert answer_headers.get("Allow") == allow
+    if status == 405:
+        assert method in error["message"] and path in error["message"]
+
+
+def test_an_unknown_path_still_wants_the_token(shared_stack: Stack) -> None:
+    # README, "Security": the checks come before any lookup, so without the token a caller
+    # learns nothing about which paths exist.
+    assert shared_stack.token
+    for path in ("/no/such/path", "/v1/runs/a/b"):
+        status, _, body = http_call(shared_stack.gateway_address, "GET", path, authenticate=False)
+        assert status == 401 and json.loads(body)["code"] == "UNAUTHENTICATED"
+
+
 @pytest.mark.parametrize(
     ("body", "headers", "field"),
     [

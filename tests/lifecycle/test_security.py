@@ -20,7 +20,7 @@ import pytest
 
 from runtime_server import tokens
 from runtime_server.client import Client
-from runtime_server.client.errors import Unauthorized
+from runtime_server.client.errors import HeadersTooLarge, MethodNotAllowed, Unauthorized
 from runtime_server.daemon import Child, spawn
 from runtime_server.lifecycle.gateway import Access
 from runtime_server.lifecycle.stack import Stack
@@ -267,6 +267,12 @@ def test_a_100_kb_header_is_431(shared_stack: Stack) -> None:
     )
     assert status == 431
     assert json.loads(reply)["code"] == "REQUEST_HEADER_FIELDS_TOO_LARGE"
+    # docs/protocol.md, "Errors": the client raises a class of its own for each status.
+    client = Client(shared_stack.gateway_address, token=shared_stack.token)
+    with pytest.raises(HeadersTooLarge, match="at most 65536"):
+        client.request("GET", "/v1/runs", headers={"X-Padding": "p" * 100_000})
+    with pytest.raises(MethodNotAllowed, match="PUT is not allowed on /v1/runs"):
+        client.request("PUT", "/v1/runs", b"{}")
 
 
 def test_a_body_shorter_than_its_content_length_does_not_hold_the_connection(
