@@ -1,4 +1,4 @@
-# The long-lived Bash worker (docs/protocol.md, "Adapters", §3.1); run by BashAdapter as
+# The long-lived Bash worker (docs/protocol.md, "Adapters"); run by BashAdapter as
 #   bash --noprofile --norc bash_runner.sh HANDLER_FILE FUNCTION SCRATCH_DIR MEMORY_KB REQ_FD RESP_FD
 # with the registered working directory as cwd and BASH_ENV cleared. MEMORY_KB is the memory the
 # runner and everything it starts may take each (ulimit -d, RLIMIT_DATA), 0 for no limit.

@@ -1,6 +1,6 @@
 """What the FunctionRuntime state machine rejects, named for what the caller did wrong.
 
-No gRPC here: ``runtime_server.function_runtime.servicer.GRPC_STATUS`` maps each class to a status code, in one table
+No gRPC here: ``runtime_server.wire.GRPC_STATUS`` maps each class to a status code, in one table
 (docs/protocol.md, "Registration" and "Limits").
 """
 

@@ -41,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.pairs = pairs
     from runtime_server import daemon
 
-    daemon.watch_parent()  # started by launch.spawn(die_with_parent=True): stop with the parent
+    daemon.watch_parent()  # started by daemon.spawn(die_with_parent=True): stop with the parent
     try:
         return int(args.func(args))
     except UsageError as exc:

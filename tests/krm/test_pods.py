@@ -167,6 +167,40 @@ def test_an_unhealthy_idle_pod_is_evicted(
     assert served_by(evaluator) != frozen
 
 
+class _HangingHealthChecks(LocalBackend):
+    """Test double: the local backend, whose health checks hang until released — as a check
+    of a pod that stopped answering takes its whole timeout."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.release = threading.Event()
+        self.checking = threading.Event()
+
+    def healthy(self, pod: Any) -> bool:
+        self.checking.set()
+        self.release.wait(60)
+        return super().healthy(pod)
+
+
+def test_a_health_check_does_not_hold_up_an_acquire(
+    who: Path, managers: Callable[..., PodCacheManager]
+) -> None:
+    # docs/architecture.md, "Pod eviction": the GC pass's health checks run off the owner
+    # thread; a call arriving meanwhile is served.
+    backend = _HangingHealthChecks({IMAGE: [str(who)]})
+    manager = managers(backend, gc_interval=0.2)
+    evaluator = PodEvaluator(manager)
+    first = served_by(evaluator)
+    try:
+        assert backend.checking.wait(10), "the GC pass never checked the idle pod"
+        deadline = time.monotonic() + 30
+        pod = manager.acquire(IMAGE, deadline)  # DeadlineExceeded if the owner thread hangs
+        manager.release(IMAGE, pod)
+        assert served_by(evaluator) == first
+    finally:
+        backend.release.set()
+
+
 def test_a_pod_that_dies_mid_call_is_replaced_and_the_call_retried(
     tmp_path: Path, who: Path, managers: Callable[..., PodCacheManager]
 ) -> None:

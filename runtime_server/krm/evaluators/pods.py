@@ -6,8 +6,10 @@ to ``maxParallelPods`` pods, each with a load counter; a call takes the least-lo
 (round-robin among ties) and starts another when every pod has ``preferredMaxQueueLength`` calls
 and the cap allows. Callers that arrive while a pod starts wait on its waitlist and are all
 answered — or all failed — when it is ready: one pod per burst, never two. Use extends a pod's
-TTL; a periodic GC stops idle pods past it; a dead or unhealthy pod is evicted at once and the call
-retried once on a fresh pod. Starting and stopping pods is the backend's job (``PodBackend``): the
+TTL; a periodic GC stops idle pods past it and has their health checked on a thread of its own
+(a check takes up to 2 s a pod, and acquires go on meanwhile); a pod that failed its check and is
+still idle is evicted then. A pod found dead at acquire, or that answers a call UNAVAILABLE, is
+evicted at once and the call retried once on a fresh pod. Starting and stopping pods is the backend's job (``PodBackend``): the
 local backend runs each pod as a ``fnkernel wrapper-server`` child on a loopback port.
 """
 
@@ -230,6 +232,7 @@ class PodCacheManager:
         self._images: dict[str, _Image] = {}
         self._requests: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._serials = itertools.count(1)
+        self._checking = False  # a GC pass's health checks are running
         self._thread = threading.Thread(target=self._run, name="pod-cache", daemon=True)
         self._thread.start()
 
@@ -421,16 +424,39 @@ class PodCacheManager:
         ).start()
 
     def _gc(self) -> None:
-        """Stop idle pods past their TTL, and evict idle pods that fail their health check."""
+        """Stop idle pods past their TTL; have the other idle pods' health checked off this
+        thread (``_on_unhealthy`` hears of each that fails)."""
         now = self.clock()
+        idle: list[tuple[str, _Pod]] = []
         for image, state in self._images.items():
             for pod in [p for p in state.pods if p.load == 0]:
                 if pod.expires <= now:
                     LOG.info("pod %d for %s idle past its TTL", pod.serial, image)
                     self._drop(image, state, pod)
-                elif not self.backend.healthy(pod.handle):
-                    LOG.warning("pod %d for %s failed its health check", pod.serial, image)
-                    self._drop(image, state, pod)
+                else:
+                    idle.append((image, pod))
+        if idle and not self._checking:
+            self._checking = True
+
+            def check() -> None:
+                try:
+                    for image, pod in idle:
+                        if not self.backend.healthy(pod.handle):
+                            self._requests.put(("unhealthy", (image, pod)))
+                finally:
+                    self._requests.put(("checked", None))
+
+            threading.Thread(target=check, name="pod health", daemon=True).start()
+
+    def _on_unhealthy(self, payload: tuple[str, _Pod]) -> None:
+        image, pod = payload
+        state = self._image(image)
+        if pod in state.pods and pod.load == 0:  # a pod in use answers for itself
+            LOG.warning("pod %d for %s failed its health check", pod.serial, image)
+            self._drop(image, state, pod)
+
+    def _on_checked(self, _: None) -> None:
+        self._checking = False
 
     def _stop_all(self) -> None:
         for state in self._images.values():
