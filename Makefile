@@ -42,6 +42,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check runtime_server adapters kernel tests tests_ui benchmarks tools
 	$(VENV)/bin/ruff check runtime_server adapters kernel tests tests_ui benchmarks tools
 	$(VENV)/bin/lint-imports
+	$(PY) -m tools.check_names
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
