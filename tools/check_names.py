@@ -82,9 +82,13 @@ def _attributes(cls: ast.ClassDef) -> set[str]:
         if isinstance(node, ast.ClassDef):
             found.add(node.name)
     for node in ast.walk(cls):
-        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
-            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
-                found.add(node.attr)
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, ast.Store)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in ("self", "cls")
+        ):
+            found.add(node.attr)
     return found
 
 
