@@ -22,9 +22,16 @@ from kernel.session import Session, session_of
 from runtime_server.client import parse_pairs
 from runtime_server.client.errors import GatewayError
 from runtime_server.errors import FunctionError
-from runtime_server.krm import chain
-from runtime_server.krm.functions.processes import Bounds, current
-from runtime_server.krm.pipeline import Outcome, PipelineError, evaluate_one, render
+from runtime_server.krm.chain import Chain
+from runtime_server.krm.functions.processes import current
+from runtime_server.krm.pipeline import (
+    Outcome,
+    PipelineError,
+    PipelineFunction,
+    Step,
+    evaluate_one,
+    render,
+)
 from runtime_server.krm.resources.package import KPTFILE, PackageError, read_documents
 from runtime_server.krm.resources.resourcelist import (
     ResourceList,
@@ -42,7 +49,7 @@ _SEVERITY_CLASS = {"error": "fnk-error", "warning": "fnk-warn", "info": "fnk-inf
 _EVALUATOR_CLASS = {"builtin": "fnk-ok", "exec": "fnk-info", "pod": "fnk-pod"}
 
 
-def _trace(step: Any) -> str:
+def _trace(step: Step) -> str:
     """The fallback trace: ``no builtin → no exec → pod ✓`` — "no" where an evaluator does not
     have the function (the chain moved on), ✓ or ✗ where one ran it."""
     tried = [f"no {name}" for name in step.skipped]
@@ -51,7 +58,7 @@ def _trace(step: Any) -> str:
     return " → ".join(tried)
 
 
-def _shown_in_results(step: Any) -> bool:
+def _shown_in_results(step: Step) -> bool:
     """Whether the step's error says only what one of its results says already (it may name
     the function before the message)."""
     messages = [str(result.get("message", "")) for result in step.results]
@@ -67,14 +74,14 @@ class PipelineView:
     said once: a step's error only when its results do not say it, the failure itself only
     when no step shows it."""
 
-    steps: list[Any]
+    steps: list[Step]
     resources: list[tuple[str, str, str]]
     error: str = ""
     title: str = "KRM pipeline"
     changed: tuple[str, ...] | None = None  # the package's files written; None: not a directory
     dry_run: bool = False
 
-    def _summary(self, number: int, step: Any) -> tuple[str, str]:
+    def _summary(self, number: int, step: Step) -> tuple[str, str]:
         """The step's line, and its status (``ok`` or ``FAILED (1 error)``)."""
         counts: dict[str, int] = {}
         for result in step.results:
@@ -87,7 +94,7 @@ class PipelineView:
         status = ("ok" if step.ok else "FAILED") + (f" ({tally})" if tally else "")
         return " · ".join(parts), status
 
-    def _step_error(self, step: Any) -> str:
+    def _step_error(self, step: Step) -> str:
         return "" if not step.error or _shown_in_results(step) else step.error
 
     def _unshown_error(self) -> str:
@@ -187,38 +194,10 @@ class PipelineFailed(Exception):
         return [f"{type(self).__name__}: {self}"]
 
 
-class Chain(chain.Chain):
-    """The kernel's evaluator chain (runtime_server.krm.chain): builtin, with ``fn://NAME`` for
-    each ``%%function NAME --krm``; exec and pod once ``configure()`` names their directories
-    and catalogs; a Kptfile's ``exec`` steps only with ``allow_exec``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.allow_exec = False  # a Kptfile's `exec` steps run only when allowed, as in kpt
-        self.bounds = Bounds()
-
-    def configure(
-        self,
-        *,
-        allow_exec: bool = False,
-        timeout: float | None = None,
-        memory_mb: int | None = None,
-        **settings: str | Path | None,
-    ) -> Chain:
-        """``Chain.configure``'s `functions`, `function_config`, `image_catalog` and
-        `pod_cache_config`; `allow_exec` lets a Kptfile's ``exec`` steps run
-        (``fnkernel render --allow-exec``); `timeout` and `memory_mb` bound each function
-        (``--timeout``, ``--memory``; docs/krm.md, "Limits")."""
-        bounds = Bounds(  # InvalidField naming the argument out of range
-            timeout=self.bounds.timeout if timeout is None else timeout,
-            memory_mb=self.bounds.memory_mb if memory_mb is None else memory_mb,
-        )
-        super().configure(**settings)
-        self.allow_exec, self.bounds = allow_exec, bounds
-        return self
-
-    def register(self, function: Function) -> None:
-        self.builtin.register(f"fn://{function.name}", bridge(function))
+def register(krm_chain: Chain, function: Function) -> None:
+    """``%%function NAME --krm``: the function, as ``fn://NAME`` in the chain's builtin
+    evaluator."""
+    krm_chain.builtin.register(f"fn://{function.name}", bridge(function))
 
 
 def bridge(function: Function) -> Any:
@@ -320,7 +299,11 @@ def eval_cell(chain: Chain, image: str, pairs: Mapping[str, str], body: str) -> 
         return _run(
             f"eval {image}",
             lambda: evaluate_one(
-                root, {"image": image}, chain.evaluator(), data=dict(pairs), bounds=chain.bounds
+                root,
+                PipelineFunction(image=image),
+                chain.evaluator(),
+                data=dict(pairs),
+                bounds=chain.bounds,
             ),
         )
 

@@ -126,9 +126,9 @@ class FunctionMagics(Magics):
 
         function = self.session.register(spec, args.timeout, show)
         if args.krm:
-            from kernel.krm import chain_of  # loads ruamel.yaml: only when KRM is used
+            from kernel.krm import chain_of, register  # loads ruamel.yaml: only when KRM is used
 
-            chain_of(self.session).register(function)  # pipelines can use it as fn://NAME
+            register(chain_of(self.session), function)  # pipelines can use it as fn://NAME
         self.shell_.user_ns[spec.name] = function
 
     @line_magic("invoke")  # type: ignore[arg-type]  # IPython types it as Never

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runtime_server.cli.common import (
     EXIT_FAILURE,
@@ -20,8 +20,12 @@ from runtime_server.cli.common import (
     chain_from_flags,
 )
 
+if TYPE_CHECKING:  # loaded when a KRM command runs: they load ruamel.yaml
+    from runtime_server.krm.pipeline import Outcome, Step
+    from runtime_server.krm.resources.package import Package
 
-def _step_line(step: Any, number: int) -> str:
+
+def _step_line(step: Step, number: int) -> str:
     mark = "ok" if step.ok else "FAILED"
     where = f"{step.package}: " if step.package else ""
     line = f"[{number}] {where}{step.stage} {step.function} ({step.evaluator or '-'}) "
@@ -37,7 +41,7 @@ def _step_line(step: Any, number: int) -> str:
     return line
 
 
-def _report(outcome: Any, output: str) -> None:
+def _report(outcome: Outcome, output: str) -> None:
     if output == "json":
         print(
             json.dumps(
@@ -101,7 +105,7 @@ def _render(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     from runtime_server.client import parse_pairs
-    from runtime_server.krm.pipeline import PipelineError, evaluate_one
+    from runtime_server.krm.pipeline import PipelineError, PipelineFunction, evaluate_one
     from runtime_server.krm.resources.package import PackageError
     from runtime_server.krm.resources.resourcelist import InvalidResourceList
 
@@ -114,7 +118,7 @@ def _eval(args: argparse.Namespace) -> int:
         config = _fn_config(args.fn_config) if args.fn_config else None
         outcome = evaluate_one(
             Path(args.dir),
-            {"image": args.image},
+            PipelineFunction(image=args.image),
             chain.evaluator(),
             config=config,
             data=data,
@@ -161,7 +165,7 @@ class KptReport:
             print("", file=self.out)
             self.blank_pending = False
 
-    def package(self, package: Any) -> None:
+    def package(self, package: Package) -> None:
         self._end_package()
         self.packages += 1
         name = Path(package.root).resolve().name
@@ -172,7 +176,7 @@ class KptReport:
         )
         print(f'Package "{self.package_name}":', file=self.out)
 
-    def step(self, step: Any) -> None:
+    def step(self, step: Step) -> None:
         from runtime_server.krm.pipeline import EXEC_NOT_ALLOWED
         from runtime_server.krm.resources.resourcelist import format_result
 
@@ -181,7 +185,7 @@ class KptReport:
             return  # kpt refuses it before running anything
         name = step.name
         running = f"[RUNNING] {json.dumps(name)}"
-        if step.spec.get("selectors") or step.spec.get("exclude"):
+        if step.selective:
             running += f" on {step.inputs} resource(s)"
         if self.package_name:
             running += f" on package {json.dumps(self.package_name)}"
@@ -200,7 +204,7 @@ class KptReport:
         if not step.ok and step.ran:
             print(f"  Exit code: {step.exit_code}", file=self.out)
 
-    def finish(self, steps: list[Any], *, summary: bool, failed: bool = False) -> None:
+    def finish(self, steps: list[Step], *, summary: bool, failed: bool = False) -> None:
         """The end of a render: kpt's summary line (in place only; after a failure only when
         what succeeded was saved), then where results.yaml went."""
         self._end_package()
@@ -352,8 +356,9 @@ def _fn_eval(args: argparse.Namespace) -> int:
     from runtime_server.client import parse_pairs
     from runtime_server.krm.pipeline import (
         PipelineError,
+        PipelineFunction,
+        config_map,
         evaluate_one,
-        function_config,
         save_function,
     )
     from runtime_server.krm.resources.package import PackageError, resource_list_items
@@ -369,9 +374,12 @@ def _fn_eval(args: argparse.Namespace) -> int:
         data = parse_pairs(args.pairs)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    spec: dict[str, Any] = {"image": args.image} if args.image else {"exec": args.exec_command}
-    spec["selectors"] = _selectors(args, "match")
-    spec["exclude"] = _selectors(args, "exclude")
+    function = PipelineFunction(
+        image=args.image or "",
+        command="" if args.image else args.exec_command,
+        selectors=tuple(_selectors(args, "match")),
+        exclude=tuple(_selectors(args, "exclude")),
+    )
     from_stdin = args.dir == "-"
     if args.include_meta_resources:
         return _kpt_error(
@@ -386,17 +394,13 @@ def _fn_eval(args: argparse.Namespace) -> int:
     chain = chain_from_flags(args, "eval")
     try:
         # kpt gives the function a ConfigMap named function-input, empty without `-- k=v`
-        config = (
-            _fn_config(args.fn_config)
-            if args.fn_config
-            else function_config({"configMap": data}, None, [])
-        )
+        config = _fn_config(args.fn_config) if args.fn_config else config_map(data)
         items = None
         if from_stdin:
             items = resource_list_items(sys.stdin.read())
         outcome = evaluate_one(
             None if from_stdin else _package_argument(args.dir),
-            spec,
+            function,
             chain.evaluator(),
             config=config,
             data=data,
@@ -422,7 +426,9 @@ def _fn_eval(args: argparse.Namespace) -> int:
         return _write_output(outcome.items, "stdout")
     if args.save:
         config_path = Path(args.fn_config) if args.fn_config else None
-        print(save_function(Path(args.dir), spec, args.type, config_path, data), file=sys.stderr)
+        print(
+            save_function(Path(args.dir), function, args.type, config_path, data), file=sys.stderr
+        )
     return EXIT_OK
 
 

@@ -483,7 +483,7 @@ def test_a_failure_while_writing_puts_every_file_back(
     # All or nothing on every path: the second rename of a staged file fails (a full disk, a
     # Ctrl-C) and the first file, already in place, is put back byte for byte; no temporary
     # file is left behind.
-    from runtime_server.krm import pipeline
+    from runtime_server.krm.pipeline import writer
 
     before = snapshot(package)
     real_replace = os.replace
@@ -496,7 +496,7 @@ def test_a_failure_while_writing_puts_every_file_back(
                 raise failure
         real_replace(source, target)
 
-    monkeypatch.setattr(pipeline.os, "replace", failing_replace)
+    monkeypatch.setattr(writer.os, "replace", failing_replace)
     with pytest.raises(raised):
         render(package, BuiltinEvaluator())
     assert len(renames) == 2
