@@ -36,11 +36,11 @@ proto: $(STAMP)
 	$(PY) -m runtime_server._proto.gen
 
 fmt: $(STAMP)
-	$(VENV)/bin/ruff format runtime_server adapters kernel tests tests_ui benchmarks tools
+	$(VENV)/bin/ruff format runtime_server adapters kernel system tests tests_ui benchmarks tools
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff format --check runtime_server adapters kernel tests tests_ui benchmarks tools
-	$(VENV)/bin/ruff check runtime_server adapters kernel tests tests_ui benchmarks tools
+	$(VENV)/bin/ruff format --check runtime_server adapters kernel system tests tests_ui benchmarks tools
+	$(VENV)/bin/ruff check runtime_server adapters kernel system tests tests_ui benchmarks tools
 	$(VENV)/bin/lint-imports
 	$(PY) -m tools.check_names
 
@@ -51,7 +51,7 @@ typecheck: $(STAMP)
 # were met. The sources are compiled first, as an installed package's are: a process that starts
 # a component would otherwise compile ours each time (with PYTHONDONTWRITEBYTECODE set).
 bench: $(STAMP)
-	$(PY) -m compileall -q runtime_server adapters kernel benchmarks >/dev/null
+	$(PY) -m compileall -q runtime_server adapters kernel system benchmarks >/dev/null
 	$(VENV)/bin/fnkernel bench
 
 # kpt's own fn render / fn eval cases, judged as kpt judges them (docs/krm.md): KPT is a kpt

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import ClassVar, Protocol
 
 from adapters.errors import InitError, InvalidHandler
-from adapters.private import private_tempdir
 from adapters.worker import RUN_UID_ENV, LogLine, WorkerCall, WorkerSupervisor
+from system.private import private_tempdir
 
 JSON = "application/json"
 # Environment variables a worker never inherits from the server: they would make bash run code

@@ -60,7 +60,7 @@ from adapters.errors import (
     InvocationTimeout,
     WorkerUnavailable,
 )
-from adapters.procfs import proc_stat
+from system.procfs import proc_stat
 
 LOG = logging.getLogger("fnkernel.function")
 T = TypeVar("T")

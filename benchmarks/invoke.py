@@ -45,9 +45,10 @@ from adapters.worker import STREAMS
 from runtime_server import limits
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
-from runtime_server.daemon import Child, announcement, spawn_serve, start
+from runtime_server.daemon import Child, announcement, start
 from runtime_server.limits import sha256_digest
 from runtime_server.rpc import CHANNEL_OPTIONS
+from tests.support import spawn_serve
 
 ECHO_METHOD = "/bench.Echo/Echo"
 ROUNDS = 10

@@ -118,8 +118,8 @@ class Runtime:
         return dict(self._stack.pods) if self._stack is not None else {}
 
     def _start_embedded(self) -> None:
-        from adapters.private import private_tempdir, sweep
         from runtime_server.lifecycle.stack import Stack  # only now: plain cells never pay for it
+        from system.private import private_tempdir, sweep
 
         sweep("kernel")  # what a SIGKILLed kernel left behind
         state_dir = private_tempdir("kernel")

@@ -24,7 +24,6 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
-from adapters.private import private_tempdir, sweep
 from kernel.functions import InvocationInterrupted, wait_until_free
 from kernel.trace import Trace, decode_message
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
@@ -33,6 +32,7 @@ from runtime_server.client.errors import GatewayError, from_response
 from runtime_server.daemon import Child, serve_args, spawn
 from runtime_server.rpc import CHANNEL_OPTIONS, failure_body
 from runtime_server.wire import http_status
+from system.private import private_tempdir, sweep
 
 SERVICE = "FunctionRuntime"
 _REQUESTS = {

@@ -1,6 +1,6 @@
 """The gateway's bearer token: made, stored, announced and found (README, "Security").
 
-Standard library only (and adapters.procfs, adapters.private): the client library, and so the
+Standard library only (and system.procfs, system.private): the client library, and so the
 kernel, imports this at start.
 
 * A gateway on TCP requires a token, loopback included, because any web page the user opens can
@@ -12,7 +12,7 @@ kernel, imports this at start.
   finds the token there, so neither the CLI nor the kernel makes the user copy it. A gateway
   that was killed cannot remove its file: the next gateway to announce itself, or client to look,
   removes every file whose process is gone.
-* Both directories must be this user's alone (``adapters.private``): a token is never written
+* Both directories must be this user's alone (``system.private``): a token is never written
   into, nor read from, a directory another user made or may write.
 """
 
@@ -27,8 +27,8 @@ import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
-from adapters.private import check_private_dir, create_private, private_dir
-from adapters.procfs import running
+from system.private import check_private_dir, create_private, private_dir
+from system.procfs import running
 
 TOKEN_ENV = "FNKERNEL_TOKEN"
 RUNTIME_DIR_ENV = "FNKERNEL_RUNTIME_DIR"

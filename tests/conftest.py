@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from runtime_server.daemon import ServeProcess, spawn_serve
 from runtime_server.lifecycle.stack import Stack
 from tests.support import (
     Client,
+    ServeProcess,
     serve_in_process,
+    spawn_serve,
 )
 
 

@@ -10,13 +10,14 @@ import textwrap
 import time
 import urllib.parse
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
+from runtime_server.daemon import Child, serve_args, spawn
 from runtime_server.function_runtime.server import RuntimeServer
 from runtime_server.limits import sha256_digest
 from runtime_server.rpc import CHANNEL_OPTIONS
@@ -150,6 +151,21 @@ class Client:
             ),
             timeout=30,
         )
+
+
+@dataclass
+class ServeProcess(Child):
+    """A ``fnkernel serve`` process the tests started, and the workspace root it serves."""
+
+    workspace_root: Path = field(default_factory=Path)
+
+
+def spawn_serve(
+    runtime: str, workspace_root: Path, *extra: str, listen: str = "127.0.0.1:0"
+) -> ServeProcess:
+    """Start ``fnkernel serve`` for `runtime` (``daemon.serve_args``), with `extra` flags."""
+    child = spawn(serve_args(runtime, listen, workspace_root, *extra))
+    return ServeProcess(child.argv, child.proc, child.address, child.announced, workspace_root)
 
 
 def serve_in_process(runtime: str, workspace: Path, listen: str) -> Iterator[Client]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("runtime_server", "adapters", "kernel")
+PACKAGES = ("runtime_server", "adapters", "kernel", "system")
 TEXTS = ("README.md", "docs", *PACKAGES, "tests", "benchmarks", "tools", "Makefile")
 SKIPPED = ("tests/tools",)  # this checker's own tests, whose names are wrong on purpose
 SUFFIXES = {".md", ".py", ".sh", ""}

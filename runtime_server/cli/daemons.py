@@ -65,11 +65,11 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _runtimed(args: argparse.Namespace) -> int:
-    from adapters.private import private_dir
     from runtime_server import daemon, logs
     from runtime_server.daemon import announcement
     from runtime_server.lifecycle.runs import STORE_FILE, RunStore
     from runtime_server.lifecycle.runtimed import Runtimed
+    from system.private import private_dir
 
     logs.configure(logging.DEBUG if args.verbose else logging.INFO)
     state_dir = private_dir(state_dir_of(args))
@@ -125,12 +125,12 @@ def _gateway_token(args: argparse.Namespace, command: str, listen: str) -> Gatew
 def _gateway(args: argparse.Namespace) -> int:
     import asyncio
 
-    from adapters.private import private_dir
     from runtime_server import logs, tokens
     from runtime_server.daemon import announcement
     from runtime_server.lifecycle.controlplane import ControlPlane
     from runtime_server.lifecycle.gateway import Access, Gateway
     from runtime_server.lifecycle.runs import STORE_FILE, RunStore
+    from system.private import private_dir
 
     logs.configure(logging.DEBUG if args.verbose else logging.INFO)
     state_dir = state_dir_of(args)

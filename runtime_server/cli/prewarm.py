@@ -71,7 +71,7 @@ def main(command: str) -> int:
     os.dup2(devnull, 0)  # as for a component started directly: stdin is /dev/null
     os.close(devnull)
     if request.get("stderr"):
-        from adapters.private import open_private
+        from system.private import open_private
 
         log = open_private(Path(request["stderr"]))
         os.dup2(log, 2)

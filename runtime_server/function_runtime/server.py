@@ -9,12 +9,12 @@ import grpc
 from grpc_health.v1 import health
 
 from adapters import runtimes
-from adapters.private import sweep
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from runtime_server.function_runtime.registry import Registry
 from runtime_server.function_runtime.servicer import FunctionRuntimeServicer, RuntimeServicer
 from runtime_server.rpc import CHANNEL_OPTIONS, add_health, add_reflection, listen_on
+from system.private import sweep
 
 RUNTIME_SERVICE = pb.DESCRIPTOR.services_by_name["Runtime"].full_name
 FUNCTION_RUNTIME_SERVICE = pb.DESCRIPTOR.services_by_name["FunctionRuntime"].full_name

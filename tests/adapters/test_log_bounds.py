@@ -17,10 +17,9 @@ from adapters.worker import CALL_LOG_BYTES, CALL_LOG_LINES
 from runtime_server import logs
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from runtime_server.client import Client as GatewayClient
-from runtime_server.daemon import ServeProcess
 from runtime_server.rpc import CHANNEL_OPTIONS
 from runtime_server.wire import LOGS_KEY
-from tests.support import Client, wait_until
+from tests.support import Client, ServeProcess, wait_until
 
 LOUD = {
     "handler.py": """

@@ -11,9 +11,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from runtime_server.daemon import ServeProcess
 from tests.reflection_client import ReflectionClient
-from tests.support import Client, digest
+from tests.support import Client, ServeProcess, digest
 
 FR = "executor.v1.FunctionRuntime"
 

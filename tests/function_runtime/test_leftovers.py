@@ -11,9 +11,8 @@ from collections.abc import Callable, Iterator
 import grpc
 import pytest
 
-from runtime_server.daemon import ServeProcess
 from runtime_server.rpc import CHANNEL_OPTIONS
-from tests.support import Client, pid_alive, wait_until
+from tests.support import Client, ServeProcess, pid_alive, wait_until
 
 # Leaves a process running in a session of its own, no child of the worker's any more.
 ESCAPES = {

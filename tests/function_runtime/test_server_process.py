@@ -17,8 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from runtime_server._proto.executor.v1 import runtime_pb2 as pb
-from runtime_server.daemon import ServeProcess
-from tests.support import ECHO_PY, ECHO_SH, Client, pid_alive, wait_until
+from tests.support import ECHO_PY, ECHO_SH, Client, ServeProcess, pid_alive, wait_until
 
 
 def client_for(server: ServeProcess, runtime: str) -> Client:
@@ -174,7 +173,7 @@ def test_cli_usage_errors_exit_2() -> None:
 def test_scratch_dirs_of_a_killed_server_are_removed_by_the_next_server(
     server_process: Callable[..., ServeProcess],
 ) -> None:
-    # A SIGKILLed server cannot clean up; the next one removes what it left (adapters/private.py),
+    # A SIGKILLed server cannot clean up; the next one removes what it left (system/private.py),
     # never the scratch dirs of a server that is still running.
     killed, live = server_process("--runtime", "bash"), server_process("--runtime", "bash")
     for server in (killed, live):

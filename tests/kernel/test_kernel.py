@@ -527,7 +527,7 @@ def test_sigkill_of_the_kernel_leaves_no_child_process_after_5s() -> None:
         raise AssertionError(f"still running 5 s after the kernel was killed: {left}") from None
     kernel.client.stop_channels()
     kernel.manager.cleanup_resources()
-    # Nor does its state dir outlive the next kernel's embedded runtime (adapters/private.py).
+    # Nor does its state dir outlive the next kernel's embedded runtime (system/private.py).
     assert state_dir.exists()
     successor = Kernel()
     try:

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from adapters.private import NotPrivate, private_dir
 from runtime_server import tokens
 from runtime_server.daemon import spawn
 from runtime_server.lifecycle.runs import RunStore
 from runtime_server.lifecycle.stack import Stack
+from system.private import NotPrivate, private_dir
 from tests.support import wait_until
 
 NOBODY = 65534

@@ -15,11 +15,12 @@ By concern: ``steps`` (what runs and what each run records), ``runner`` (one ste
 --save``).
 """
 
-from runtime_server.krm.pipeline.render import Outcome, evaluate_one, render
+from runtime_server.krm.pipeline.render import evaluate_one, render
 from runtime_server.krm.pipeline.runner import Runner, config_map
 from runtime_server.krm.pipeline.save import save_function
 from runtime_server.krm.pipeline.steps import (
     EXEC_NOT_ALLOWED,
+    Outcome,
     PipelineError,
     PipelineFunction,
     Step,

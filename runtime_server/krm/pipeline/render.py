@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ from runtime_server.krm.functions.processes import Bounds
 from runtime_server.krm.pipeline.records import status_text, write_results
 from runtime_server.krm.pipeline.runner import Runner, config_map, not_krm_reason
 from runtime_server.krm.pipeline.steps import (
+    Outcome,
     PackageStarted,
     PipelineError,
     PipelineFunction,
@@ -34,17 +34,6 @@ from runtime_server.krm.resources.package import (
     source_of,
 )
 from runtime_server.krm.resources.resourcelist import kind
-
-
-@dataclass
-class Outcome:
-    steps: list[Step]
-    before: dict[str, str]  # relative path → text
-    after: dict[str, str]
-    resources: list[tuple[str, str, str]]  # (kind, namespace, name) of every output resource
-    written: list[str] = field(default_factory=list)
-    removed: list[str] = field(default_factory=list)
-    items: list[Resource] = field(default_factory=list)  # the output resources, annotated
 
 
 def outcome_of(steps: list[Step], before: dict[str, str], items: list[Resource]) -> Outcome:

@@ -159,5 +159,19 @@ class PipelineError(Exception):
         return f"pkg.render: pkg {self.package}: {why}"
 
 
+@dataclass
+class Outcome:
+    """What a render or an eval did: its steps, the package's files before and after, and its
+    output resources."""
+
+    steps: list[Step]
+    before: dict[str, str]  # relative path → text
+    after: dict[str, str]
+    resources: list[tuple[str, str, str]]  # (kind, namespace, name) of every output resource
+    written: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    items: list[Resource] = field(default_factory=list)  # the output resources, annotated
+
+
 Progress = Callable[[Step], None]
 PackageStarted = Callable[["Package"], None]

@@ -8,13 +8,9 @@ import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from runtime_server.krm.pipeline.steps import PipelineError
+from runtime_server.krm.pipeline.steps import Outcome, PipelineError
 from runtime_server.krm.resources.package import read_resources, render_files
-
-if TYPE_CHECKING:
-    from runtime_server.krm.pipeline.render import Outcome
 
 
 def changed(path: str, before: str | None, after: str) -> bool:

@@ -1,0 +1,44 @@
+"""Running fnkernel components as processes, by concern: ``announce`` (starting one and learning
+the address it bound, from its announcement line), ``spawn`` (starting a component, from a
+``prewarmed`` process when there is one), ``server`` (the wiring of a long-running one: signals,
+the child subreaper, orphan reaping, stopping with its parent) and ``argv`` (the one definition
+of each component's command line) — for ``fnkernel up``, the kernel, the pod backend, the
+benchmarks and tests.
+"""
+
+from runtime_server.daemon.announce import LISTENING_ON, Child, announced, announcement, start
+from runtime_server.daemon.argv import (
+    gateway_args,
+    runtimed_args,
+    serve_args,
+    wrapper_server_args,
+)
+from runtime_server.daemon.prewarmed import READY_LINE, Prewarmed
+from runtime_server.daemon.server import (
+    PARENT_ENV,
+    become_subreaper,
+    start_reaper,
+    wait_for_termination,
+    watch_parent,
+)
+from runtime_server.daemon.spawn import spawn
+
+__all__ = [
+    "LISTENING_ON",
+    "PARENT_ENV",
+    "READY_LINE",
+    "Child",
+    "Prewarmed",
+    "announced",
+    "announcement",
+    "become_subreaper",
+    "gateway_args",
+    "runtimed_args",
+    "serve_args",
+    "spawn",
+    "start",
+    "start_reaper",
+    "wait_for_termination",
+    "watch_parent",
+    "wrapper_server_args",
+]

@@ -1,0 +1,89 @@
+"""The wiring of a long-running component: the child subreaper, the parent watch, the orphan
+reaper, and waiting for the signal that stops it."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import threading
+import time
+
+from adapters.worker import reap_orphans, trim_logs
+
+_PR_SET_CHILD_SUBREAPER = 36
+PARENT_ENV = "FNKERNEL_PARENT_PID"  # set by spawn(die_with_parent=True)
+
+
+def _prctl(option: int, value: int) -> bool:
+    try:
+        # The C library this process already has loaded (find_library would run ldconfig).
+        libc = ctypes.CDLL(None, use_errno=True)
+        return bool(libc.prctl(option, value, 0, 0, 0) == 0)
+    except OSError:
+        return False
+
+
+def become_subreaper() -> bool:
+    """Adopt our workers' orphaned grandchildren so they can be reaped (docs/architecture.md, "Measured facts the design rests on")."""
+    return _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+
+def watch_parent(interval: float = 0.25) -> threading.Thread | None:
+    """In a component started with ``spawn(die_with_parent=True)``: SIGTERM ourselves
+    (an orderly stop) once the parent that started us is gone — killed, even with SIGKILL.
+
+    A parent-pid watch rather than ``PR_SET_PDEATHSIG``: that needs a ``preexec_fn``, which runs
+    Python between fork and exec, where gRPC's fork handlers can crash the child of a process
+    with gRPC threads. The variable is removed from our environment so that nothing we start
+    inherits it.
+    """
+    expected = os.environ.pop(PARENT_ENV, "")
+    if not expected.isdigit():
+        return None
+    parent = int(expected)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    if os.getppid() != parent:  # gone before we even started
+        os.kill(os.getpid(), signal.SIGTERM)
+    thread = threading.Thread(target=watch, name="parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def start_reaper(stop: threading.Event, interval: float = 1.0) -> threading.Thread:
+    """Once a second, in a Runtime Server: reap the orphans its workers left, and free on disk
+    what calls in progress logged beyond what they keep (``adapters.worker.trim_logs``)."""
+
+    def loop() -> None:
+        while not stop.wait(interval):
+            reap_orphans()
+            trim_logs()
+
+    thread = threading.Thread(target=loop, name="reaper", daemon=True)
+    thread.start()
+    return thread
+
+
+def wait_for_termination(poll: float = 0.1) -> int:
+    """Block until SIGTERM or SIGINT; returns the signal number.
+
+    The handler only appends to a list: it runs in the main thread between bytecodes, possibly
+    inside a lock acquire, so taking any lock there (``Event.set()``) can deadlock the very
+    thread that must stop the server — which left servers running after SIGTERM. Not sigwait
+    either: that needs the signals blocked before gRPC starts its threads.
+    """
+    received: list[int] = []
+
+    def handler(signum: int, _frame: object) -> None:
+        received.append(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+    while not received:
+        time.sleep(poll)  # a signal runs the handler at once; the loop sees it within `poll`
+    return received[0]
