@@ -11,17 +11,17 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from adapters.base import Adapter, FunctionSpec, HandlerResult, WorkerAdapter
-    from adapters.bash import BashAdapter
-    from adapters.python import PythonAdapter
+    from fnkernel.adapters.base import Adapter, FunctionSpec, HandlerResult, WorkerAdapter
+    from fnkernel.adapters.bash import BashAdapter
+    from fnkernel.adapters.python import PythonAdapter
 
 _HOMES = {
-    "Adapter": "adapters.base",
-    "FunctionSpec": "adapters.base",
-    "HandlerResult": "adapters.base",
-    "WorkerAdapter": "adapters.base",
-    "BashAdapter": "adapters.bash",
-    "PythonAdapter": "adapters.python",
+    "Adapter": "fnkernel.adapters.base",
+    "FunctionSpec": "fnkernel.adapters.base",
+    "HandlerResult": "fnkernel.adapters.base",
+    "WorkerAdapter": "fnkernel.adapters.base",
+    "BashAdapter": "fnkernel.adapters.bash",
+    "PythonAdapter": "fnkernel.adapters.python",
 }
 
 __all__ = [
@@ -39,4 +39,4 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(_HOMES[name]), name)
         globals()[name] = value
         return value
-    raise AttributeError(f"module 'adapters' has no attribute {name!r}")
+    raise AttributeError(f"module 'fnkernel.adapters' has no attribute {name!r}")

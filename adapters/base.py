@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Protocol
 
-from adapters.errors import InitError, InvalidHandler
-from adapters.worker import RUN_UID_ENV, LogLine, WorkerCall, WorkerSupervisor
-from system.private import private_tempdir
+from fnkernel.adapters.errors import InitError, InvalidHandler
+from fnkernel.adapters.worker import RUN_UID_ENV, LogLine, WorkerCall, WorkerSupervisor
+from fnkernel.system.private import private_tempdir
 
 JSON = "application/json"
 # Environment variables a worker never inherits from the server: they would make bash run code

@@ -14,8 +14,8 @@ import shutil
 from pathlib import Path
 from typing import ClassVar
 
-from adapters.base import HandlerResult, WorkerAdapter, resolve_inside, send_request
-from adapters.errors import (
+from fnkernel.adapters.base import HandlerResult, WorkerAdapter, resolve_inside, send_request
+from fnkernel.adapters.errors import (
     HANDLER_NOT_FOUND,
     OUTPUT_TOO_LARGE,
     CorruptResponse,
@@ -25,7 +25,7 @@ from adapters.errors import (
     InvalidInput,
     MemoryLimitExceeded,
 )
-from adapters.worker import WorkerCall, describe_exit
+from fnkernel.adapters.worker import WorkerCall, describe_exit
 
 RUNNER_SCRIPT = Path(__file__).with_name("bash_runner.sh")
 BASH = shutil.which("bash") or "/bin/bash"

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 from typing import ClassVar
 
-from adapters.base import JSON, WorkerAdapter, resolve_inside, send_request
-from adapters.errors import (
+from fnkernel.adapters.base import JSON, WorkerAdapter, resolve_inside, send_request
+from fnkernel.adapters.errors import (
     OUTPUT_TOO_LARGE,
     CorruptResponse,
     HandlerError,
@@ -17,7 +17,7 @@ from adapters.errors import (
     InvalidInput,
     MemoryLimitExceeded,
 )
-from adapters.worker import WorkerCall
+from fnkernel.adapters.worker import WorkerCall
 
 WORKER_SCRIPT = Path(__file__).with_name("_python_worker.py")
 # docs/protocol.md, "Limits": dotted identifiers, at least module.function, at most 256 bytes.

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from adapters.base import Adapter
+    from fnkernel.adapters.base import Adapter
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ RUNTIMES: dict[str, BuiltinRuntime] = {
         BuiltinRuntime(
             "python",
             extension="py",
-            adapter_path="adapters.python:PythonAdapter",
+            adapter_path="fnkernel.adapters.python:PythonAdapter",
             traceback=Traceback(
                 start="Traceback (most recent call last):",
                 frame=re.compile(
@@ -59,7 +59,7 @@ RUNTIMES: dict[str, BuiltinRuntime] = {
                 ),
             ),
         ),
-        BuiltinRuntime("bash", extension="sh", adapter_path="adapters.bash:BashAdapter"),
+        BuiltinRuntime("bash", extension="sh", adapter_path="fnkernel.adapters.bash:BashAdapter"),
     )
 }
 

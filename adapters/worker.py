@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from adapters.errors import (
+from fnkernel.adapters.errors import (
     INITIALIZATION_ERROR,
     INITIALIZATION_TIMEOUT,
     WORKER_CRASHED,
@@ -60,7 +60,7 @@ from adapters.errors import (
     InvocationTimeout,
     WorkerUnavailable,
 )
-from system.procfs import proc_stat
+from fnkernel.system.procfs import proc_stat
 
 LOG = logging.getLogger("fnkernel.function")
 T = TypeVar("T")

@@ -46,13 +46,13 @@ from benchmarks.invoke import (
     verdicts,
 )
 from benchmarks.throughput import INVOKE_METHOD, relay
-from runtime_server._proto.executor.v1 import runtime_pb2 as pb
-from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
-from runtime_server.client import Client
-from runtime_server.daemon import announcement, start
-from runtime_server.lifecycle.stack import Stack
-from runtime_server.rpc import CHANNEL_OPTIONS
-from runtime_server.wire import ATTEMPT_KEY, POD_KEY, READY, TIMELINE_HEADER
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
+from fnkernel.runtime_server.client import Client
+from fnkernel.runtime_server.daemon import announcement, start
+from fnkernel.runtime_server.lifecycle.stack import Stack
+from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS
+from fnkernel.runtime_server.wire import ATTEMPT_KEY, POD_KEY, READY, TIMELINE_HEADER
 
 ROUNDS = 10
 TARGETS = {"gateway": 1.2, "proxy hop": 0.10}  # issue 13: x the floor; ms above a bare hop
@@ -87,8 +87,8 @@ def serve_checked_relay(
     The registration ID is given: runtimed registers; this relay only forwards."""
     from concurrent import futures
 
-    from runtime_server.lifecycle.runs import RunStore
-    from runtime_server.rpc import (
+    from fnkernel.runtime_server.lifecycle.runs import RunStore
+    from fnkernel.runtime_server.rpc import (
         CancellableCalls,
         caller_timeout,
         metadata_value,

@@ -40,14 +40,14 @@ from typing import NamedTuple
 
 import grpc
 
-from adapters.python import WORKER_SCRIPT
-from adapters.worker import STREAMS
-from runtime_server import limits
-from runtime_server._proto.executor.v1 import runtime_pb2 as pb
-from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
-from runtime_server.daemon import Child, announcement, start
-from runtime_server.limits import sha256_digest
-from runtime_server.rpc import CHANNEL_OPTIONS
+from fnkernel.adapters.python import WORKER_SCRIPT
+from fnkernel.adapters.worker import STREAMS
+from fnkernel.runtime_server import limits
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
+from fnkernel.runtime_server.daemon import Child, announcement, start
+from fnkernel.runtime_server.limits import sha256_digest
+from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS
 from tests.support import spawn_serve
 
 ECHO_METHOD = "/bench.Echo/Echo"

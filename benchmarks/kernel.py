@@ -33,8 +33,8 @@ import tempfile
 import time
 
 from benchmarks.invoke import ECHO_METHOD, PAYLOAD, Target, bench_server, p, verdicts
-from runtime_server.client import Client
-from runtime_server.daemon import start
+from fnkernel.runtime_server.client import Client
+from fnkernel.runtime_server.daemon import start
 from tests.kernel.kernels import Kernel, install_kernelspec
 
 START_TARGET = 1.1
@@ -55,8 +55,8 @@ SLOW = "%%function slow\nimport time\ndef handler(event):\n    time.sleep(event)
 # kernel, so it is set up after every other measurement.
 FLOOR_SETUP = """
 import http.client, grpc
-from runtime_server._proto.executor.v1 import runtime_pb2 as _pb, runtime_pb2_grpc as _pb_grpc
-from runtime_server.rpc import CHANNEL_OPTIONS as _OPTIONS
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as _pb, runtime_pb2_grpc as _pb_grpc
+from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS as _OPTIONS
 _runtime = get_ipython()._fnkernel_session.runtime
 _live = _runtime.client().status("bench")
 _server = _runtime._stack.component("python-0-server").child.address

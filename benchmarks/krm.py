@@ -27,12 +27,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks.invoke import Target, verdicts
-from runtime_server.krm.evaluators.base import EvalRequest
-from runtime_server.krm.evaluators.builtin import BuiltinEvaluator
-from runtime_server.krm.evaluators.exec import ExecEvaluator
-from runtime_server.krm.evaluators.pods import LocalBackend, PodCacheManager, PodEvaluator
-from runtime_server.krm.pipeline import render
-from runtime_server.krm.resources.resourcelist import yaml
+from fnkernel.runtime_server.krm.evaluators.base import EvalRequest
+from fnkernel.runtime_server.krm.evaluators.builtin import BuiltinEvaluator
+from fnkernel.runtime_server.krm.evaluators.exec import ExecEvaluator
+from fnkernel.runtime_server.krm.evaluators.pods import LocalBackend, PodCacheManager, PodEvaluator
+from fnkernel.runtime_server.krm.pipeline import render
+from fnkernel.runtime_server.krm.resources.resourcelist import yaml
 
 TARGETS = {"render": 1.3, "exec": 1.15, "pod": 1.2, "cold pod ms": 150.0}  # issue 13
 KPTFILE = """\

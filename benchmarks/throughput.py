@@ -39,13 +39,13 @@ import grpc
 import grpc.aio
 
 from benchmarks.invoke import ECHO_METHOD, PAYLOAD, PY_HANDLER, Target, bench_server, p, verdicts
-from runtime_server._proto.executor.v1 import runtime_pb2 as pb
-from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
-from runtime_server.client import Client
-from runtime_server.daemon import Child, announcement, start
-from runtime_server.lifecycle.stack import Stack
-from runtime_server.rpc import CHANNEL_OPTIONS
-from runtime_server.wire import POD_KEY
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
+from fnkernel.runtime_server.client import Client
+from fnkernel.runtime_server.daemon import Child, announcement, start
+from fnkernel.runtime_server.lifecycle.stack import Stack
+from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS
+from fnkernel.runtime_server.wire import POD_KEY
 
 FILED_RATE = (
     424.0  # invokes/s through the gateway, 10 clients over 50 Runs, when issue 13 was filed

@@ -1,6 +1,6 @@
 """The fnkernel Jupyter kernel and its IPython magics (docs/protocol.md, "Kernel").
 
-``%load_ext kernel`` loads the magics into any IPython; the ``fnkernel`` kernelspec runs
+``%load_ext fnkernel.kernel`` loads the magics into any IPython; the ``fnkernel`` kernelspec runs
 ``kernel.kernel.FnKernel``, which preloads them. Importing this package imports nothing heavy:
 no grpc, and no runtime is started until a magic needs one.
 """
@@ -11,12 +11,12 @@ from typing import Any
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    from kernel.magics import load
+    from fnkernel.kernel.magics import load
 
     load(ipython)
 
 
 def unload_ipython_extension(ipython: Any) -> None:
-    from kernel.magics import unload
+    from fnkernel.kernel.magics import unload
 
     unload(ipython)

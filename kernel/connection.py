@@ -19,13 +19,13 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from kernel.trace import Trace, decode_payload
-from runtime_server.client import Client
-from runtime_server.client.errors import GatewayError
+from fnkernel.kernel.trace import Trace, decode_payload
+from fnkernel.runtime_server.client import Client
+from fnkernel.runtime_server.client.errors import GatewayError
 
 if TYPE_CHECKING:
-    from runtime_server.daemon import Prewarmed
-    from runtime_server.lifecycle.stack import Stack
+    from fnkernel.runtime_server.daemon import Prewarmed
+    from fnkernel.runtime_server.lifecycle.stack import Stack
 
 RUNTIME_ENV = "FNKERNEL_RUNTIME"
 PREWARM_ENV = "FNKERNEL_PREWARM"  # "0": start the embedded stack's processes only when needed
@@ -105,7 +105,7 @@ class Runtime:
         with self._lock:
             if self.address or self._prewarmed is not None or os.environ.get(PREWARM_ENV) == "0":
                 return
-            from runtime_server.daemon import Prewarmed
+            from fnkernel.runtime_server.daemon import Prewarmed
 
             self._prewarmed = Prewarmed()
 
@@ -118,8 +118,10 @@ class Runtime:
         return dict(self._stack.pods) if self._stack is not None else {}
 
     def _start_embedded(self) -> None:
-        from runtime_server.lifecycle.stack import Stack  # only now: plain cells never pay for it
-        from system.private import private_tempdir, sweep
+        from fnkernel.runtime_server.lifecycle.stack import (
+            Stack,  # only now: plain cells never pay for it
+        )
+        from fnkernel.system.private import private_tempdir, sweep
 
         sweep("kernel")  # what a SIGKILLed kernel left behind
         state_dir = private_tempdir("kernel")

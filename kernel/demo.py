@@ -1,7 +1,7 @@
 """``make demo``: execute a notebook headless through the real fnkernel kernel (nbclient) and print
 what each cell produced, as a CI log would show it.
 
-    python -m kernel.demo [NOTEBOOK] [--output EXECUTED.ipynb]
+    python -m fnkernel.kernel.demo [NOTEBOOK] [--output EXECUTED.ipynb]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import nbformat
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
-from kernel.kernel import KERNEL_NAME
+from fnkernel.kernel.kernel import KERNEL_NAME
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_NOTEBOOK = ROOT / "notebooks" / "quickstart.ipynb"

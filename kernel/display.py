@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime_server.client import InvocationResult, Run
+from fnkernel.runtime_server.client import InvocationResult, Run
 
 # One stylesheet for every fnkernel output (docs/protocol.md, "Kernel"). Text colours come from
 # JupyterLab's theme variables, the variant of each that reads at WCAG AA (4.5:1) on that theme's

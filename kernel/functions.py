@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from adapters.runtimes import RUNTIMES
-from kernel.connection import Runtime
-from kernel.display import InvocationView, RegistrationCard
-from runtime_server.client import Run
-from runtime_server.client.errors import GatewayError, HandlerFailed, RequestCancelled
+from fnkernel.adapters.runtimes import RUNTIMES
+from fnkernel.kernel.connection import Runtime
+from fnkernel.kernel.display import InvocationView, RegistrationCard
+from fnkernel.runtime_server.client import Run
+from fnkernel.runtime_server.client.errors import GatewayError, HandlerFailed, RequestCancelled
 
 ORIGIN_PREFIX = "%%function cell "  # a Run's spec.source when a cell created it
 _IDLE_WAIT_SECONDS = 2.0  # after an interrupt, for the cancelled invocation to be gone

@@ -9,7 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kernel.kernel import DISPLAY_NAME, KERNEL_NAME
+from fnkernel.kernel.kernel import DISPLAY_NAME, KERNEL_NAME
 
 RESOURCES = Path(__file__).with_name("resources")
 LOGOS = ("logo-32x32.png", "logo-64x64.png", "logo-svg.svg")
@@ -19,7 +19,14 @@ def kernel_json(python: str | None = None) -> dict[str, object]:
     return {
         # -P: the notebook's directory is not on sys.path while the kernel loads (a local
         # kernel.py must not shadow it); IPython adds it back for the user's code.
-        "argv": [python or sys.executable, "-P", "-m", "kernel", "-f", "{connection_file}"],
+        "argv": [
+            python or sys.executable,
+            "-P",
+            "-m",
+            "fnkernel.kernel",
+            "-f",
+            "{connection_file}",
+        ],
         "display_name": DISPLAY_NAME,
         "language": "python",
         # An interrupt is a message, so the kernel cancels the invocation in flight itself.

@@ -12,7 +12,7 @@ from typing import Any
 
 from ipykernel.ipkernel import IPythonKernel
 
-from kernel.session import session_of
+from fnkernel.kernel.session import session_of
 
 KERNEL_NAME = "fnkernel"
 DISPLAY_NAME = "Python 3 (fnkernel)"
@@ -26,7 +26,7 @@ class FnKernel(IPythonKernel):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         assert self.shell is not None
-        self.shell.extension_manager.load_extension("kernel")
+        self.shell.extension_manager.load_extension("fnkernel.kernel")
         self.fn_session = session_of(self.shell)
 
     @property

@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 from IPython.core.error import UsageError
 
-from kernel.display import escape, fragment, table_html, table_text
-from kernel.session import Session, session_of
-from runtime_server.client import parse_pairs
-from runtime_server.client.errors import GatewayError
-from runtime_server.errors import FunctionError
-from runtime_server.krm.chain import Chain
-from runtime_server.krm.functions.processes import current
-from runtime_server.krm.pipeline import (
+from fnkernel.kernel.display import escape, fragment, table_html, table_text
+from fnkernel.kernel.session import Session, session_of
+from fnkernel.runtime_server.client import parse_pairs
+from fnkernel.runtime_server.client.errors import GatewayError
+from fnkernel.runtime_server.errors import FunctionError
+from fnkernel.runtime_server.krm.chain import Chain
+from fnkernel.runtime_server.krm.functions.processes import current
+from fnkernel.runtime_server.krm.pipeline import (
     Outcome,
     PipelineError,
     PipelineFunction,
@@ -32,8 +32,8 @@ from runtime_server.krm.pipeline import (
     evaluate_one,
     render,
 )
-from runtime_server.krm.resources.package import KPTFILE, PackageError, read_documents
-from runtime_server.krm.resources.resourcelist import (
+from fnkernel.runtime_server.krm.resources.package import KPTFILE, PackageError, read_documents
+from fnkernel.runtime_server.krm.resources.resourcelist import (
     ResourceList,
     dump,
     format_result,
@@ -43,7 +43,7 @@ from runtime_server.krm.resources.resourcelist import (
 )
 
 if TYPE_CHECKING:
-    from kernel.functions import Function
+    from fnkernel.kernel.functions import Function
 
 _SEVERITY_CLASS = {"error": "fnk-error", "warning": "fnk-warn", "info": "fnk-info"}
 _EVALUATOR_CLASS = {"builtin": "fnk-ok", "exec": "fnk-info", "pod": "fnk-pod"}

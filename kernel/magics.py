@@ -24,13 +24,13 @@ from IPython.core.interactiveshell import ExecutionResult, InteractiveShell
 from IPython.core.magic import Magics, cell_magic, line_cell_magic, line_magic, magics_class
 from IPython.display import display
 
-from adapters.runtimes import RUNTIMES
-from kernel.display import FunctionsTable, RegistrationCard
-from kernel.functions import Function, Spec
-from kernel.session import _SESSION_ATTRIBUTE, Session, session_of
-from kernel.trace import TraceTable
-from runtime_server.client import parse_pairs
-from runtime_server.client.errors import GatewayError
+from fnkernel.adapters.runtimes import RUNTIMES
+from fnkernel.kernel.display import FunctionsTable, RegistrationCard
+from fnkernel.kernel.functions import Function, Spec
+from fnkernel.kernel.session import _SESSION_ATTRIBUTE, Session, session_of
+from fnkernel.kernel.trace import TraceTable
+from fnkernel.runtime_server.client import parse_pairs
+from fnkernel.runtime_server.client.errors import GatewayError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -126,7 +126,10 @@ class FunctionMagics(Magics):
 
         function = self.session.register(spec, args.timeout, show)
         if args.krm:
-            from kernel.krm import chain_of, register  # loads ruamel.yaml: only when KRM is used
+            from fnkernel.kernel.krm import (  # loads ruamel.yaml: only when KRM is used
+                chain_of,
+                register,
+            )
 
             register(chain_of(self.session), function)  # pipelines can use it as fn://NAME
         self.shell_.user_ns[spec.name] = function
@@ -190,7 +193,10 @@ class FunctionMagics(Magics):
 
         Run a KRM pipeline over the kernel's evaluator chain and show it step by step.
         """
-        from kernel.krm import chain_of, krm_magic  # loads ruamel.yaml: only when KRM is used
+        from fnkernel.kernel.krm import (  # loads ruamel.yaml: only when KRM is used
+            chain_of,
+            krm_magic,
+        )
 
         return krm_magic(chain_of(self.session), line, cell)
 

@@ -24,15 +24,15 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
-from kernel.functions import InvocationInterrupted, wait_until_free
-from kernel.trace import Trace, decode_message
-from runtime_server._proto.executor.v1 import runtime_pb2 as pb
-from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
-from runtime_server.client.errors import GatewayError, from_response
-from runtime_server.daemon import Child, serve_args, spawn
-from runtime_server.rpc import CHANNEL_OPTIONS, failure_body
-from runtime_server.wire import http_status
-from system.private import private_tempdir, sweep
+from fnkernel.kernel.functions import InvocationInterrupted, wait_until_free
+from fnkernel.kernel.trace import Trace, decode_message
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
+from fnkernel.runtime_server.client.errors import GatewayError, from_response
+from fnkernel.runtime_server.daemon import Child, serve_args, spawn
+from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS, failure_body
+from fnkernel.runtime_server.wire import http_status
+from fnkernel.system.private import private_tempdir, sweep
 
 SERVICE = "FunctionRuntime"
 _REQUESTS = {
@@ -176,7 +176,7 @@ def runtime_server(runtime: str = "python") -> TeachingServer:
     """Start a private Runtime Server of `runtime` for this kernel; it stops with the kernel."""
     from IPython.core.getipython import get_ipython
 
-    from kernel.session import session_of
+    from fnkernel.kernel.session import session_of
 
     shell = get_ipython()
     if shell is None:

@@ -10,17 +10,17 @@ from typing import Any
 
 from IPython.core.interactiveshell import InteractiveShell
 
-from kernel.connection import Runtime
-from kernel.display import Detail, RegistrationCard, pretty_json
-from kernel.functions import (
+from fnkernel.kernel.connection import Runtime
+from fnkernel.kernel.display import Detail, RegistrationCard, pretty_json
+from fnkernel.kernel.functions import (
     Function,
     HandlerFailedInCell,
     RegistrationInterrupted,
     Spec,
     cell_line,
 )
-from kernel.trace import Trace
-from runtime_server.client.errors import (
+from fnkernel.kernel.trace import Trace
+from fnkernel.runtime_server.client.errors import (
     FunctionNotFound,
     GatewayError,
     RegistrationFailed,

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from kernel.display import fragment
+from fnkernel.kernel.display import fragment
 
 _PAYLOAD_FIELDS = ("input", "output")  # bytes fields of the FunctionRuntime messages
 

@@ -12,9 +12,9 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from adapters import Adapter
-from adapters.errors import InvalidHandler
-from runtime_server.errors import InvalidField
+from fnkernel.adapters import Adapter
+from fnkernel.adapters.errors import InvalidHandler
+from fnkernel.runtime_server.errors import InvalidField
 
 MAX_RUN_UID_BYTES = 128
 MAX_ENV_ENTRIES = 128

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from system.private import create_private
+from fnkernel.system.private import create_private
 
 _FIELDS = ("run_uid", "invocation_id", "stream")
 COMPONENT_LOG_BYTES = 32 << 20  # a component's log, before it is rotated (one older one is kept)

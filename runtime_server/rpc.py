@@ -15,8 +15,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
-from adapters.errors import HandlerError, InvocationCancelled
-from runtime_server import limits, wire
+from fnkernel.adapters.errors import HandlerError, InvocationCancelled
+from fnkernel.runtime_server import limits, wire
 
 LOG = logging.getLogger("fnkernel.rpc")
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"

@@ -27,8 +27,8 @@ import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
-from system.private import check_private_dir, create_private, private_dir
-from system.procfs import running
+from fnkernel.system.private import check_private_dir, create_private, private_dir
+from fnkernel.system.procfs import running
 
 TOKEN_ENV = "FNKERNEL_TOKEN"
 RUNTIME_DIR_ENV = "FNKERNEL_RUNTIME_DIR"

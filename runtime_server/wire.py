@@ -9,7 +9,7 @@ codes are named by their gRPC names (``"INVALID_ARGUMENT"``), so no grpc import 
 
 from __future__ import annotations
 
-from adapters.errors import (
+from fnkernel.adapters.errors import (
     HANDLER_NOT_FOUND,
     INITIALIZATION_ERROR,
     OUTPUT_TOO_LARGE,
@@ -21,7 +21,7 @@ from adapters.errors import (
     InvocationTimeout,
     WorkerUnavailable,
 )
-from runtime_server.errors import (
+from fnkernel.runtime_server.errors import (
     AttemptSuperseded,
     DeadlineExceeded,
     DigestConflict,

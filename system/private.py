@@ -26,7 +26,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from system.procfs import running
+from fnkernel.system.procfs import running
 
 _NOT_OURS = stat.S_IWGRP | stat.S_IWOTH
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime_server.lifecycle.stack import Stack
+from fnkernel.runtime_server.lifecycle.stack import Stack
 from tests.support import (
     Client,
     ServeProcess,

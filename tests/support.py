@@ -15,13 +15,13 @@ from pathlib import Path
 
 import grpc
 
-from runtime_server._proto.executor.v1 import runtime_pb2 as pb
-from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
-from runtime_server.daemon import Child, serve_args, spawn
-from runtime_server.function_runtime.server import RuntimeServer
-from runtime_server.limits import sha256_digest
-from runtime_server.rpc import CHANNEL_OPTIONS
-from runtime_server.tokens import find_token
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
+from fnkernel.runtime_server.daemon import Child, serve_args, spawn
+from fnkernel.runtime_server.function_runtime.server import RuntimeServer
+from fnkernel.runtime_server.limits import sha256_digest
+from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS
+from fnkernel.runtime_server.tokens import find_token
 
 ROOT = Path(__file__).resolve().parents[1]
 

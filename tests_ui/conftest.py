@@ -50,7 +50,7 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     prefix, root, settings = base / "prefix", base / "root", base / "settings"
     root.mkdir()
     subprocess.run(
-        [sys.executable, "-m", "runtime_server.cli", "install", "--prefix", str(prefix)],
+        [sys.executable, "-m", "fnkernel.runtime_server.cli", "install", "--prefix", str(prefix)],
         check=True,
         capture_output=True,
         timeout=60,

@@ -37,7 +37,7 @@ CELLS = [
     'etl({"rows": [4]})',
     "%fn_trace show",
     # 11: a KRM render whose validator fails, shown with its results (no cell error)
-    "from kernel import krm\n"
+    "from fnkernel.kernel import krm\n"
     'krm.render_package("""\n'
     "apiVersion: kpt.dev/v1\nkind: Kptfile\nmetadata: {name: shop}\npipeline:\n"
     "  mutators:\n  - image: set-labels\n    configMap: {app: shop}\n"

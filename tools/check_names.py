@@ -19,6 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("runtime_server", "adapters", "kernel", "system")
+DISTRIBUTION = "fnkernel"  # the name they install under: fnkernel.kernel is kernel/
 TEXTS = ("README.md", "docs", *PACKAGES, "tests", "benchmarks", "tools", "Makefile")
 SKIPPED = ("tests/tools",)  # this checker's own tests, whose names are wrong on purpose
 SUFFIXES = {".md", ".py", ".sh", ""}
@@ -145,7 +146,7 @@ class Index:
             if not name or path.suffix != ".py":
                 return None
             return self._in_module(Module.read(path), name.split("."), token)
-        parts = token.split(".")
+        parts = token.removeprefix(f"{DISTRIBUTION}.").split(".")
         if parts[-1] in _FILE_ENDINGS | _DOMAINS or "__mutmut_" in parts[-1]:
             return None  # a file, a domain name (kptfile.kpt.dev), a mutant's name
         for cut in range(len(parts) - 1, 0, -1):  # the longest module prefix wins

@@ -32,7 +32,7 @@ from typing import Any
 
 from ruamel.yaml import YAML
 
-from runtime_server.krm.evaluators.builtin import FUNCTIONS, bare_name
+from fnkernel.runtime_server.krm.evaluators.builtin import FUNCTIONS, bare_name
 
 SUITES = ("e2e/testdata/fn-render", "e2e/testdata/fn-eval")
 CATALOG_SUITE = "examples"  # the function catalog's examples, one package each
@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         shims = Path(scratch) / "bin"
         shims.mkdir()
         kpt = shims / "kpt"
-        kpt.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m runtime_server.cli "$@"\n')
+        kpt.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m fnkernel.runtime_server.cli "$@"\n')
         kpt.chmod(0o755)
         suites: list[tuple[str, list[Case], Path]] = []
         if args.kpt or args.mirror:

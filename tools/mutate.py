@@ -8,6 +8,12 @@ equivalent (no behaviour changes) or accepted (with the reason), are left out of
 listed under their reason; every other survivor is printed with its diff: each is a test to
 write, or a rule to add. Exit status 1 when a file scores under the target.
 
+It runs mutmut in a staged copy of the project, ``build/mutate``, where the folders sit as they
+install, ``src/fnkernel/<folder>``: mutmut names a mutant after its file's path (``src/``
+stripped), and that name must be the module's own (``fnkernel.runtime_server.limits``) for a
+test to reach the mutant. Every process the tests start imports the mutated copy too
+(``PYTHONPATH``).
+
 Usage: python -m tools.mutate [--target 0.9] [--no-run]
 """
 
@@ -17,7 +23,9 @@ import argparse
 import ast
 import difflib
 import io
+import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -28,6 +36,29 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ACCEPTED = Path(__file__).with_name("mutants_accepted.toml")
+ROOT = Path(__file__).resolve().parent.parent
+STAGE = ROOT / "build" / "mutate"
+FOLDERS = ("runtime_server", "adapters", "kernel", "system")  # installed as fnkernel.<folder>
+COPIED = ("tests", "proto", "notebooks", "pyproject.toml")
+
+
+def stage() -> None:
+    """The staged copy of the project (see the module docstring), made afresh but for mutmut's
+    own state (``mutants/``): files keep their times, so that mutmut re-runs only the mutants
+    of functions that changed."""
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.rmtree(STAGE / "src", ignore_errors=True)
+    for folder in FOLDERS:
+        shutil.copytree(ROOT / folder, STAGE / "src" / "fnkernel" / folder, ignore=ignore)
+    for name in COPIED:
+        target = STAGE / name
+        if (ROOT / name).is_dir():
+            shutil.rmtree(target, ignore_errors=True)
+            shutil.copytree(ROOT / name, target, ignore=ignore)
+        else:
+            shutil.copy2(ROOT / name, target)
+
+
 KILLED = {"killed", "timeout", "caught by type check"}
 
 
@@ -38,6 +69,7 @@ def statuses() -> dict[str, str]:
         capture_output=True,
         text=True,
         check=True,
+        cwd=STAGE,
     )
     found = {}
     for line in done.stdout.splitlines():
@@ -48,9 +80,9 @@ def statuses() -> dict[str, str]:
 
 
 def file_of(mutant: str) -> str:
-    """``runtime_server.limits.x_check__mutmut_3`` → ``runtime_server/limits.py``."""
-    module = mutant.partition("__mutmut_")[0].rpartition(".")[0]
-    while module and not Path(module.replace(".", "/") + ".py").is_file():
+    """``fnkernel.runtime_server.limits.x_check__mutmut_3`` → ``runtime_server/limits.py``."""
+    module = mutant.partition("__mutmut_")[0].rpartition(".")[0].removeprefix("fnkernel.")
+    while module and not (ROOT / (module.replace(".", "/") + ".py")).is_file():
         module = module.rpartition(".")[0]
     return module.replace(".", "/") + ".py"
 
@@ -175,10 +207,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--children", type=int, default=2, help="test runs at a time")
     args = parser.parse_args(argv)
     if not args.no_run:
+        stage()
+        mutated = str(STAGE / "mutants" / "src")
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [mutated, os.environ.get("PYTHONPATH")])),
+        }
         subprocess.run(
             [sys.executable, "-m", "mutmut", "run", "--max-children", str(args.children)],
             check=False,
+            cwd=STAGE,
+            env=env,
         )
+    os.chdir(STAGE)  # mutmut reads its results and its mutated copies from there
     known = rules()
     per_file: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
     explained: dict[Rule, list[str]] = defaultdict(list)

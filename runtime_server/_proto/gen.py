@@ -1,22 +1,33 @@
 """Regenerate the committed protobuf/gRPC stubs from proto/ (``make proto``).
 
-protoc sees proto/ under the virtual path ``runtime_server/_proto`` so the generated modules import
-each other as ``runtime_server._proto.…`` and no top-level ``proto`` package ever exists (it would collide with proto-plus).
+protoc sees proto/ under the virtual path ``fnkernel/runtime_server/_proto`` — where the stubs are
+installed — so the generated modules import each other as ``fnkernel.runtime_server._proto.…``
+and no top-level ``proto`` package ever exists (it would collide with proto-plus). They are
+written to ``runtime_server/_proto`` (``REPO_DIR``), which the package maps to that name.
 """
 
 from __future__ import annotations
 
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PROTO_DIR = ROOT / "proto"
-VIRTUAL = "runtime_server/_proto"
+VIRTUAL = "fnkernel/runtime_server/_proto"  # as installed, and as they import each other
+REPO_DIR = "runtime_server/_proto"  # where they are in the repository
 SOURCES = ("executor/v1/runtime.proto", "evaluator/v1/evaluator.proto")
 
 
 def generate(out_dir: Path) -> None:
-    """Write the stubs for every file in SOURCES under out_dir (a checkout root)."""
+    """Write the stubs for every file in SOURCES under out_dir (a checkout root), in REPO_DIR."""
+    with tempfile.TemporaryDirectory() as tmp:
+        _protoc(Path(tmp))
+        shutil.copytree(Path(tmp) / VIRTUAL, out_dir / REPO_DIR, dirs_exist_ok=True)
+
+
+def _protoc(out_dir: Path) -> None:
     from grpc_tools import protoc  # dev dependency: only needed to regenerate
 
     include = Path(protoc.__file__).parent / "_proto"

@@ -8,8 +8,8 @@ import functools
 import sys
 from collections.abc import Sequence
 
-from runtime_server.cli import daemons, krm, runs, tools
-from runtime_server.cli.common import EXIT_FAILURE, EXIT_USAGE, UsageError
+from fnkernel.runtime_server.cli import daemons, krm, runs, tools
+from fnkernel.runtime_server.cli.common import EXIT_FAILURE, EXIT_USAGE, UsageError
 
 GROUPS = (daemons, runs, krm, tools)
 
@@ -27,8 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from runtime_server.client.errors import GatewayError, InvalidRequest
-    from runtime_server.errors import StoreDamaged
+    from fnkernel.runtime_server.client.errors import GatewayError, InvalidRequest
+    from fnkernel.runtime_server.errors import StoreDamaged
 
     argv = list(sys.argv[1:] if argv is None else argv)
     pairs = None
@@ -39,7 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if pairs is not None:
         args.pairs = pairs
-    from runtime_server import daemon
+    from fnkernel.runtime_server import daemon
 
     daemon.watch_parent()  # started by daemon.spawn(die_with_parent=True): stop with the parent
     try:

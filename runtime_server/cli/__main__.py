@@ -1,5 +1,5 @@
 import sys
 
-from runtime_server.cli import main
+from fnkernel.runtime_server.cli import main
 
 sys.exit(main())

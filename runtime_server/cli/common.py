@@ -36,8 +36,8 @@ def add_state_dir(parser: argparse.ArgumentParser) -> None:
 def count(text: str) -> int:
     """argparse type: a non-negative integer in ASCII digits (``int()`` would also take
     ``"1_000"`` and other scripts' digits)."""
-    from runtime_server import limits
-    from runtime_server.errors import InvalidField
+    from fnkernel.runtime_server import limits
+    from fnkernel.runtime_server.errors import InvalidField
 
     try:
         return limits.parse_count(text, "value")
@@ -64,7 +64,7 @@ def print_json(value: object) -> None:
 
 def add_bound_flags(parser: argparse.ArgumentParser) -> None:
     """Each function's time limit and memory bound (docs/krm.md, "Limits")."""
-    from runtime_server.krm.functions import processes
+    from fnkernel.runtime_server.krm.functions import processes
 
     parser.add_argument(
         "--timeout",
@@ -85,8 +85,8 @@ def add_bound_flags(parser: argparse.ArgumentParser) -> None:
 def bounds_from_flags(args: argparse.Namespace) -> Any:
     """The ``krm.functions.processes.Bounds`` the flags name; UsageError naming the flag for one
     out of its range."""
-    from runtime_server.errors import InvalidField
-    from runtime_server.krm.functions.processes import Bounds
+    from fnkernel.runtime_server.errors import InvalidField
+    from fnkernel.runtime_server.krm.functions.processes import Bounds
 
     try:
         return Bounds(timeout=args.timeout, memory_mb=args.memory)
@@ -98,7 +98,7 @@ def bounds_from_flags(args: argparse.Namespace) -> Any:
 def chain_from_flags(args: argparse.Namespace, command: str) -> Any:
     """The evaluator chain the flags name (runtime_server.krm.chain); UsageError if they
     cannot be used."""
-    from runtime_server.krm.chain import Chain
+    from fnkernel.runtime_server.krm.chain import Chain
 
     try:
         return Chain().configure(

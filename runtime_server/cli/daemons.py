@@ -12,8 +12,8 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from adapters import runtimes
-from runtime_server.cli.common import (
+from fnkernel.adapters import runtimes
+from fnkernel.runtime_server.cli.common import (
     EXIT_FAILURE,
     EXIT_OK,
     EXIT_USAGE,
@@ -27,14 +27,14 @@ from runtime_server.cli.common import (
 )
 
 if TYPE_CHECKING:
-    from runtime_server.tokens import GatewayToken
+    from fnkernel.runtime_server.tokens import GatewayToken
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from adapters.worker import kill_orphans
-    from runtime_server import daemon, logs
-    from runtime_server.daemon import announcement
-    from runtime_server.function_runtime.server import RuntimeServer
+    from fnkernel.adapters.worker import kill_orphans
+    from fnkernel.runtime_server import daemon, logs
+    from fnkernel.runtime_server.daemon import announcement
+    from fnkernel.runtime_server.function_runtime.server import RuntimeServer
 
     logs.configure(logging.DEBUG if args.verbose else logging.INFO)
     workspace_root = Path(args.workspace_root).resolve()
@@ -65,11 +65,11 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _runtimed(args: argparse.Namespace) -> int:
-    from runtime_server import daemon, logs
-    from runtime_server.daemon import announcement
-    from runtime_server.lifecycle.runs import STORE_FILE, RunStore
-    from runtime_server.lifecycle.runtimed import Runtimed
-    from system.private import private_dir
+    from fnkernel.runtime_server import daemon, logs
+    from fnkernel.runtime_server.daemon import announcement
+    from fnkernel.runtime_server.lifecycle.runs import STORE_FILE, RunStore
+    from fnkernel.runtime_server.lifecycle.runtimed import Runtimed
+    from fnkernel.system.private import private_dir
 
     logs.configure(logging.DEBUG if args.verbose else logging.INFO)
     state_dir = private_dir(state_dir_of(args))
@@ -95,7 +95,7 @@ def _runtimed(args: argparse.Namespace) -> int:
 def _gateway_token(args: argparse.Namespace, command: str, listen: str) -> GatewayToken:
     """The token a gateway on `listen` requires (README, "Security"); a generated one is
     printed once, and --no-token warns."""
-    from runtime_server import tokens
+    from fnkernel.runtime_server import tokens
 
     try:
         chosen = tokens.gateway_token(
@@ -125,12 +125,12 @@ def _gateway_token(args: argparse.Namespace, command: str, listen: str) -> Gatew
 def _gateway(args: argparse.Namespace) -> int:
     import asyncio
 
-    from runtime_server import logs, tokens
-    from runtime_server.daemon import announcement
-    from runtime_server.lifecycle.controlplane import ControlPlane
-    from runtime_server.lifecycle.gateway import Access, Gateway
-    from runtime_server.lifecycle.runs import STORE_FILE, RunStore
-    from system.private import private_dir
+    from fnkernel.runtime_server import logs, tokens
+    from fnkernel.runtime_server.daemon import announcement
+    from fnkernel.runtime_server.lifecycle.controlplane import ControlPlane
+    from fnkernel.runtime_server.lifecycle.gateway import Access, Gateway
+    from fnkernel.runtime_server.lifecycle.runs import STORE_FILE, RunStore
+    from fnkernel.system.private import private_dir
 
     logs.configure(logging.DEBUG if args.verbose else logging.INFO)
     state_dir = state_dir_of(args)
@@ -180,9 +180,9 @@ def _gateway(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from runtime_server import daemon, logs
-    from runtime_server.errors import StoreDamaged
-    from runtime_server.lifecycle.stack import Stack, parse_pods
+    from fnkernel.runtime_server import daemon, logs
+    from fnkernel.runtime_server.errors import StoreDamaged
+    from fnkernel.runtime_server.lifecycle.stack import Stack, parse_pods
 
     logs.configure(logging.INFO)
     try:
@@ -252,9 +252,9 @@ def _add_access_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _evaluator(args: argparse.Namespace) -> int:
-    from runtime_server import daemon, logs
-    from runtime_server.daemon import announcement
-    from runtime_server.krm.evaluators.server import serve
+    from fnkernel.runtime_server import daemon, logs
+    from fnkernel.runtime_server.daemon import announcement
+    from fnkernel.runtime_server.krm.evaluators.server import serve
 
     logs.configure(logging.DEBUG if args.verbose else logging.INFO)
     chain = chain_from_flags(args, "evaluator")
@@ -272,10 +272,10 @@ def _evaluator(args: argparse.Namespace) -> int:
 
 
 def _wrapper_server(args: argparse.Namespace) -> int:
-    from runtime_server import daemon, logs
-    from runtime_server.daemon import announcement
-    from runtime_server.krm.evaluators.server import serve
-    from runtime_server.krm.evaluators.wrapper import WrapperEvaluator
+    from fnkernel.runtime_server import daemon, logs
+    from fnkernel.runtime_server.daemon import announcement
+    from fnkernel.runtime_server.krm.evaluators.server import serve
+    from fnkernel.runtime_server.krm.evaluators.wrapper import WrapperEvaluator
 
     logs.configure(logging.INFO)
     entrypoint = args.entrypoint[1:] if args.entrypoint[:1] == ["--"] else args.entrypoint

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runtime_server.cli.common import (
+from fnkernel.runtime_server.cli.common import (
     EXIT_FAILURE,
     EXIT_OK,
     EXIT_USAGE,
@@ -21,8 +21,8 @@ from runtime_server.cli.common import (
 )
 
 if TYPE_CHECKING:  # loaded when a KRM command runs: they load ruamel.yaml
-    from runtime_server.krm.pipeline import Outcome, Step
-    from runtime_server.krm.resources.package import Package
+    from fnkernel.runtime_server.krm.pipeline import Outcome, Step
+    from fnkernel.runtime_server.krm.resources.package import Package
 
 
 def _step_line(step: Step, number: int) -> str:
@@ -71,9 +71,9 @@ def _report(outcome: Outcome, output: str) -> None:
 
 
 def _render(args: argparse.Namespace) -> int:
-    from runtime_server.krm.pipeline import PipelineError, render
-    from runtime_server.krm.resources.package import PackageError
-    from runtime_server.krm.resources.resourcelist import InvalidResourceList
+    from fnkernel.runtime_server.krm.pipeline import PipelineError, render
+    from fnkernel.runtime_server.krm.resources.package import PackageError
+    from fnkernel.runtime_server.krm.resources.resourcelist import InvalidResourceList
 
     counter = iter(range(1, 10_000))
     chain = chain_from_flags(args, "render")
@@ -104,10 +104,10 @@ def _render(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from runtime_server.client import parse_pairs
-    from runtime_server.krm.pipeline import PipelineError, PipelineFunction, evaluate_one
-    from runtime_server.krm.resources.package import PackageError
-    from runtime_server.krm.resources.resourcelist import InvalidResourceList
+    from fnkernel.runtime_server.client import parse_pairs
+    from fnkernel.runtime_server.krm.pipeline import PipelineError, PipelineFunction, evaluate_one
+    from fnkernel.runtime_server.krm.resources.package import PackageError
+    from fnkernel.runtime_server.krm.resources.resourcelist import InvalidResourceList
 
     try:
         data = parse_pairs(args.pairs)
@@ -177,8 +177,8 @@ class KptReport:
         print(f'Package "{self.package_name}":', file=self.out)
 
     def step(self, step: Step) -> None:
-        from runtime_server.krm.pipeline import EXEC_NOT_ALLOWED
-        from runtime_server.krm.resources.resourcelist import format_result
+        from fnkernel.runtime_server.krm.pipeline import EXEC_NOT_ALLOWED
+        from fnkernel.runtime_server.krm.resources.resourcelist import format_result
 
         self.blank_pending = bool(self.package_name) and step.ok
         if step.execution_error == EXEC_NOT_ALLOWED:
@@ -228,7 +228,7 @@ class KptReport:
 def _kpt_error(exc: Exception, prefix: str = "Error") -> int:
     """kpt's last word on a failure ("Error: why"; fn eval says "error: why"); nothing more
     after a function's own failure, which its output has shown."""
-    from runtime_server.krm.pipeline import PipelineError
+    from fnkernel.runtime_server.krm.pipeline import PipelineError
 
     if not (isinstance(exc, PipelineError) and exc.handled):
         text = str(exc)
@@ -250,7 +250,11 @@ def _taken(output: str | None) -> bool:
 def _write_output(items: list[Any], output: str) -> int:
     """``-o``: a ResourceList on stdout (``stdout``), the bare resources (``unwrap``), or the
     package's files in a new directory."""
-    from runtime_server.krm.resources.package import render_files, resource_list_text, unwrapped
+    from fnkernel.runtime_server.krm.resources.package import (
+        render_files,
+        resource_list_text,
+        unwrapped,
+    )
 
     if output == "stdout":
         sys.stdout.write(resource_list_text(items))
@@ -267,8 +271,8 @@ def _write_output(items: list[Any], output: str) -> int:
 
 
 def _fn_render(args: argparse.Namespace) -> int:
-    from runtime_server.krm.pipeline import PipelineError, render
-    from runtime_server.krm.resources.package import PackageError
+    from fnkernel.runtime_server.krm.pipeline import PipelineError, render
+    from fnkernel.runtime_server.krm.resources.package import PackageError
 
     root = _package_argument(args.dir)
     if _taken(args.output):
@@ -317,7 +321,7 @@ def _package_argument(directory: str) -> Path:
 
 def _fn_config(path: str) -> Any:
     """``--fn-config``: one KRM object, as kpt reads it."""
-    from runtime_server.krm.resources.package import not_krm, read_documents
+    from fnkernel.runtime_server.krm.resources.package import not_krm, read_documents
 
     text = Path(path).read_text()
     documents = read_documents(text, path)
@@ -353,16 +357,16 @@ def _selectors(args: argparse.Namespace, prefix: str) -> list[dict[str, Any]]:
 
 
 def _fn_eval(args: argparse.Namespace) -> int:
-    from runtime_server.client import parse_pairs
-    from runtime_server.krm.pipeline import (
+    from fnkernel.runtime_server.client import parse_pairs
+    from fnkernel.runtime_server.krm.pipeline import (
         PipelineError,
         PipelineFunction,
         config_map,
         evaluate_one,
         save_function,
     )
-    from runtime_server.krm.resources.package import PackageError, resource_list_items
-    from runtime_server.krm.resources.resourcelist import InvalidResourceList
+    from fnkernel.runtime_server.krm.resources.package import PackageError, resource_list_items
+    from fnkernel.runtime_server.krm.resources.resourcelist import InvalidResourceList
 
     if args.save and not args.type:
         return _kpt_error(
@@ -434,7 +438,7 @@ def _fn_eval(args: argparse.Namespace) -> int:
 
 def _fn_source(args: argparse.Namespace) -> int:
     """``kpt fn source DIR``: the package's resources as a ResourceList on stdout."""
-    from runtime_server.krm.resources.package import PackageError, load_package
+    from fnkernel.runtime_server.krm.resources.package import PackageError, load_package
 
     try:
         package = load_package(Path(args.dir), require_kptfile=False)
@@ -445,7 +449,7 @@ def _fn_source(args: argparse.Namespace) -> int:
 
 def _fn_sink(args: argparse.Namespace) -> int:
     """``kpt fn sink DIR``: a ResourceList from stdin written out as files in DIR."""
-    from runtime_server.krm.resources.package import resource_list_items
+    from fnkernel.runtime_server.krm.resources.package import resource_list_items
 
     return _write_output(resource_list_items(sys.stdin.read()), args.dir)
 
@@ -525,7 +529,7 @@ data:
 
 def _pkg_init(args: argparse.Namespace) -> int:
     """``kpt pkg init [DIR]``: the files a package needs, each only if it is missing."""
-    from runtime_server.krm.resources import kptfile
+    from fnkernel.runtime_server.krm.resources import kptfile
 
     root = Path(args.dir)
     name = root.resolve().name

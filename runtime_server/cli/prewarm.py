@@ -1,6 +1,6 @@
 """A component process started ahead of need (docs/architecture.md, "The first registration").
 
-``python -m runtime_server.cli.prewarm COMMAND`` imports what ``fnkernel COMMAND`` imports (grpc,
+``python -m fnkernel.runtime_server.cli.prewarm COMMAND`` imports what ``fnkernel COMMAND`` imports (grpc,
 protobuf, tornado, our modules: most of a component's start-up), says so on stdout
 (``daemon.READY_LINE``), then waits on stdin for one JSON line ``{"args": [...], "stderr":
 PATH}`` and runs ``fnkernel ARGS...`` with its stderr appended to PATH. End of stdin before that
@@ -18,31 +18,31 @@ import os
 import sys
 from pathlib import Path
 
-from adapters.runtimes import RUNTIMES
+from fnkernel.adapters.runtimes import RUNTIMES
 
 # What each component imports on its way to announcing itself.
 MODULES = {
-    "serve": ("runtime_server.function_runtime.server",),  # and every runtime's adapter
-    "runtimed": ("runtime_server.lifecycle.runtimed",),
+    "serve": ("fnkernel.runtime_server.function_runtime.server",),  # and every runtime's adapter
+    "runtimed": ("fnkernel.runtime_server.lifecycle.runtimed",),
     "gateway": (
-        "runtime_server.lifecycle.controlplane",
-        "runtime_server.lifecycle.gateway",
+        "fnkernel.runtime_server.lifecycle.controlplane",
+        "fnkernel.runtime_server.lifecycle.gateway",
         "tornado.platform.asyncio",
     ),
     "wrapper-server": (
-        "runtime_server.krm.evaluators.server",
-        "runtime_server.krm.evaluators.wrapper",
+        "fnkernel.runtime_server.krm.evaluators.server",
+        "fnkernel.runtime_server.krm.evaluators.wrapper",
     ),
 }
 COMMON = (
     "concurrent.futures.thread",
     "grpc._channel",
     "grpc._server",
-    "runtime_server.cli",
-    "runtime_server.client.errors",
-    "runtime_server.daemon",
-    "runtime_server.logs",
-    "runtime_server.tokens",
+    "fnkernel.runtime_server.cli",
+    "fnkernel.runtime_server.client.errors",
+    "fnkernel.runtime_server.daemon",
+    "fnkernel.runtime_server.logs",
+    "fnkernel.runtime_server.tokens",
 )
 
 
@@ -57,9 +57,9 @@ def modules(command: str) -> list[str]:
 def main(command: str) -> int:
     for module in modules(command):
         importlib.import_module(module)
-    from runtime_server.cli import build_parser
-    from runtime_server.cli import main as cli_main
-    from runtime_server.daemon import READY_LINE
+    from fnkernel.runtime_server.cli import build_parser
+    from fnkernel.runtime_server.cli import main as cli_main
+    from fnkernel.runtime_server.daemon import READY_LINE
 
     build_parser()  # cached: cli_main uses this one
     print(READY_LINE, flush=True)  # daemon.Prewarmed reads it before it hands over a command line
@@ -71,7 +71,7 @@ def main(command: str) -> int:
     os.dup2(devnull, 0)  # as for a component started directly: stdin is /dev/null
     os.close(devnull)
     if request.get("stderr"):
-        from system.private import open_private
+        from fnkernel.system.private import open_private
 
         log = open_private(Path(request["stderr"]))
         os.dup2(log, 2)

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from adapters import runtimes
-from runtime_server.cli.common import (
+from fnkernel.adapters import runtimes
+from fnkernel.runtime_server.cli.common import (
     EXIT_FAILURE,
     EXIT_OK,
     UsageError,
@@ -19,19 +19,19 @@ from runtime_server.cli.common import (
 )
 
 if TYPE_CHECKING:
-    from runtime_server.client import Client
+    from fnkernel.runtime_server.client import Client
 
 
 def _client(args: argparse.Namespace) -> Client:
-    from runtime_server import tokens
-    from runtime_server.client import Client
+    from fnkernel.runtime_server import tokens
+    from fnkernel.runtime_server.client import Client
 
     token = tokens.read_token_file(Path(args.token_file)) if args.token_file else None
     return Client(args.gateway, token=token)
 
 
 def _parse_env(pairs: Sequence[str]) -> dict[str, str]:
-    from runtime_server.client import parse_pairs
+    from fnkernel.runtime_server.client import parse_pairs
 
     try:
         return parse_pairs(pairs)

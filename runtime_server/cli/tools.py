@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runtime_server.cli.common import (
+from fnkernel.runtime_server.cli.common import (
     EXIT_FAILURE,
     EXIT_OK,
     EXIT_USAGE,
@@ -46,7 +46,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _install(args: argparse.Namespace) -> int:
-    from kernel.install import install
+    from fnkernel.kernel.install import install
 
     prefix = sys.prefix if args.sys_prefix else args.prefix
     if not (args.user or prefix):

@@ -18,13 +18,13 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from runtime_server import tokens, wire
-from runtime_server.client.errors import (
+from fnkernel.runtime_server import tokens, wire
+from fnkernel.runtime_server.client.errors import (
     GatewayUnreachable,
     RequestCancelled,
     from_response,
 )
-from runtime_server.client.views import InvocationResult, Run
+from fnkernel.runtime_server.client.views import InvocationResult, Run
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8080"
 _STALE_CONNECTION = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)

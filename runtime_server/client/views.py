@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime_server import wire
+from fnkernel.runtime_server import wire
 
 
 class LiveStatus(dict[str, Any]):

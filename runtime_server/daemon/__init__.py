@@ -6,22 +6,28 @@ of each component's command line) — for ``fnkernel up``, the kernel, the pod b
 benchmarks and tests.
 """
 
-from runtime_server.daemon.announce import LISTENING_ON, Child, announced, announcement, start
-from runtime_server.daemon.argv import (
+from fnkernel.runtime_server.daemon.announce import (
+    LISTENING_ON,
+    Child,
+    announced,
+    announcement,
+    start,
+)
+from fnkernel.runtime_server.daemon.argv import (
     gateway_args,
     runtimed_args,
     serve_args,
     wrapper_server_args,
 )
-from runtime_server.daemon.prewarmed import READY_LINE, Prewarmed
-from runtime_server.daemon.server import (
+from fnkernel.runtime_server.daemon.prewarmed import READY_LINE, Prewarmed
+from fnkernel.runtime_server.daemon.server import (
     PARENT_ENV,
     become_subreaper,
     start_reaper,
     wait_for_termination,
     watch_parent,
 )
-from runtime_server.daemon.spawn import spawn
+from fnkernel.runtime_server.daemon.spawn import spawn
 
 __all__ = [
     "LISTENING_ON",

@@ -11,8 +11,8 @@ import threading
 import time
 from collections.abc import Sequence
 
-from runtime_server.daemon.announce import wait_or_kill
-from runtime_server.daemon.server import PARENT_ENV
+from fnkernel.runtime_server.daemon.announce import wait_or_kill
+from fnkernel.runtime_server.daemon.server import PARENT_ENV
 
 READY_LINE = "fnkernel prewarm: ready"  # a prewarmed process has imported what it needs
 
@@ -42,7 +42,7 @@ class Prewarmed:
     @staticmethod
     def _launch(command: str) -> subprocess.Popen[str]:
         return subprocess.Popen(
-            [sys.executable, "-m", "runtime_server.cli.prewarm", command],
+            [sys.executable, "-m", "fnkernel.runtime_server.cli.prewarm", command],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,

@@ -9,7 +9,7 @@ import signal
 import threading
 import time
 
-from adapters.worker import reap_orphans, trim_logs
+from fnkernel.adapters.worker import reap_orphans, trim_logs
 
 _PR_SET_CHILD_SUBREAPER = 36
 PARENT_ENV = "FNKERNEL_PARENT_PID"  # set by spawn(die_with_parent=True)

@@ -9,9 +9,9 @@ import sys
 from collections.abc import Sequence
 from typing import IO
 
-from runtime_server.daemon.announce import Child, Log, announced, start
-from runtime_server.daemon.prewarmed import Prewarmed, discard
-from runtime_server.daemon.server import PARENT_ENV
+from fnkernel.runtime_server.daemon.announce import Child, Log, announced, start
+from fnkernel.runtime_server.daemon.prewarmed import Prewarmed, discard
+from fnkernel.runtime_server.daemon.server import PARENT_ENV
 
 
 def spawn(
@@ -32,7 +32,7 @@ def spawn(
     From `prewarmed` (started with die_with_parent) a waiting process runs ARGS, with `stderr`
     appended to by its name; if it fails to announce itself, a fresh process is started.
     """
-    argv = [sys.executable, "-m", "runtime_server.cli", *args]
+    argv = [sys.executable, "-m", "fnkernel.runtime_server.cli", *args]
     proc = prewarmed.take(args[0]) if prewarmed is not None else None
     if proc is not None and proc.stdin is not None:
         log = getattr(stderr, "name", None)

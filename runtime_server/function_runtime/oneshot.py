@@ -11,10 +11,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from adapters import Adapter, FunctionSpec
-from adapters.errors import HandlerError, InitError
-from runtime_server import limits
-from runtime_server.limits import check_handler
+from fnkernel.adapters import Adapter, FunctionSpec
+from fnkernel.adapters.errors import HandlerError, InitError
+from fnkernel.runtime_server import limits
+from fnkernel.runtime_server.limits import check_handler
 
 
 @dataclass(frozen=True)

@@ -15,17 +15,17 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from adapters import Adapter, FunctionSpec, HandlerResult
-from adapters.errors import (
+from fnkernel.adapters import Adapter, FunctionSpec, HandlerResult
+from fnkernel.adapters.errors import (
     INITIALIZATION_ERROR,
     WORKER_START_FAILED,
     AdapterError,
     HandlerError,
     InitError,
 )
-from runtime_server import limits
-from runtime_server._proto.executor.v1.runtime_pb2 import FunctionRegistrationState
-from runtime_server.errors import (
+from fnkernel.runtime_server import limits
+from fnkernel.runtime_server._proto.executor.v1.runtime_pb2 import FunctionRegistrationState
+from fnkernel.runtime_server.errors import (
     AttemptSuperseded,
     DigestConflict,
     InvocationInFlight,

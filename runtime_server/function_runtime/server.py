@@ -8,13 +8,16 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health
 
-from adapters import runtimes
-from runtime_server._proto.executor.v1 import runtime_pb2 as pb
-from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
-from runtime_server.function_runtime.registry import Registry
-from runtime_server.function_runtime.servicer import FunctionRuntimeServicer, RuntimeServicer
-from runtime_server.rpc import CHANNEL_OPTIONS, add_health, add_reflection, listen_on
-from system.private import sweep
+from fnkernel.adapters import runtimes
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
+from fnkernel.runtime_server.function_runtime.registry import Registry
+from fnkernel.runtime_server.function_runtime.servicer import (
+    FunctionRuntimeServicer,
+    RuntimeServicer,
+)
+from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS, add_health, add_reflection, listen_on
+from fnkernel.system.private import sweep
 
 RUNTIME_SERVICE = pb.DESCRIPTOR.services_by_name["Runtime"].full_name
 FUNCTION_RUNTIME_SERVICE = pb.DESCRIPTOR.services_by_name["FunctionRuntime"].full_name

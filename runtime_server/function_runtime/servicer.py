@@ -11,18 +11,23 @@ import time
 
 import grpc
 
-from runtime_server._proto.executor.v1 import runtime_pb2 as pb
-from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
-from runtime_server.function_runtime.oneshot import execute
-from runtime_server.function_runtime.registry import RegistrationView, Registry
-from runtime_server.rpc import (
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
+from fnkernel.runtime_server.function_runtime.oneshot import execute
+from fnkernel.runtime_server.function_runtime.registry import RegistrationView, Registry
+from fnkernel.runtime_server.rpc import (
     caller_deadline,
     cancel_on_client_exit,
     logs_trailer,
     metadata_value,
     translate_errors,
 )
-from runtime_server.wire import LOGS_KEY, TIMELINE_KEY, TIMELINE_SERVER_KEY, timeline_stamps
+from fnkernel.runtime_server.wire import (
+    LOGS_KEY,
+    TIMELINE_KEY,
+    TIMELINE_SERVER_KEY,
+    timeline_stamps,
+)
 
 LOG = logging.getLogger("fnkernel.runtime")
 

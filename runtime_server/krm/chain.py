@@ -13,10 +13,10 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from runtime_server.krm.evaluators.base import Evaluator
-from runtime_server.krm.evaluators.builtin import BuiltinEvaluator
-from runtime_server.krm.evaluators.multi import MultiEvaluator
-from runtime_server.krm.functions.processes import Bounds
+from fnkernel.runtime_server.krm.evaluators.base import Evaluator
+from fnkernel.runtime_server.krm.evaluators.builtin import BuiltinEvaluator
+from fnkernel.runtime_server.krm.evaluators.multi import MultiEvaluator
+from fnkernel.runtime_server.krm.functions.processes import Bounds
 
 
 class Chain:
@@ -59,7 +59,10 @@ class Chain:
             raise ValueError("--pod-cache-config needs --image-catalog")
         extra: list[Evaluator] = []
         if functions is not None:
-            from runtime_server.krm.evaluators.exec import ExecEvaluator, FunctionConfigStore
+            from fnkernel.runtime_server.krm.evaluators.exec import (
+                ExecEvaluator,
+                FunctionConfigStore,
+            )
 
             directory = Path(functions)
             if not directory.is_dir():
@@ -73,7 +76,7 @@ class Chain:
             extra.append(ExecEvaluator(directory, store))
         manager = None
         if image_catalog is not None:
-            from runtime_server.krm.evaluators.pods import (
+            from fnkernel.runtime_server.krm.evaluators.pods import (
                 LocalBackend,
                 PodCacheManager,
                 PodEvaluator,
@@ -112,6 +115,6 @@ def exec_step(command: str) -> Evaluator:
     """A Kptfile's ``exec:`` step: the command, run as a function pod's entrypoint is (a relative
     path is the current directory's, as in kpt). Whether it may run at all is the pipeline's
     ``allow_exec``."""
-    from runtime_server.krm.evaluators.wrapper import WrapperEvaluator
+    from fnkernel.runtime_server.krm.evaluators.wrapper import WrapperEvaluator
 
     return WrapperEvaluator(shlex.split(command), f"exec: {command}")

@@ -19,18 +19,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from adapters import runtimes
-from runtime_server import limits
-from runtime_server.errors import InvalidField, NoRuntimePod, RunAlreadyExists, RunNotFound
-from runtime_server.lifecycle.retries import Step, Verdict, decide
-from runtime_server.lifecycle.runs import (
+from fnkernel.adapters import runtimes
+from fnkernel.runtime_server import limits
+from fnkernel.runtime_server.errors import InvalidField, NoRuntimePod, RunAlreadyExists, RunNotFound
+from fnkernel.runtime_server.lifecycle.retries import Step, Verdict, decide
+from fnkernel.runtime_server.lifecycle.runs import (
     DEFAULT_DRAIN_MILLIS,
     POD_GRACE_SECONDS,
     Run,
     RunStore,
 )
-from runtime_server.limits import check_handler
-from runtime_server.wire import DELETED, DELETING, FAILED, IDLE, PENDING, READY, RETRYING
+from fnkernel.runtime_server.limits import check_handler
+from fnkernel.runtime_server.wire import DELETED, DELETING, FAILED, IDLE, PENDING, READY, RETRYING
 
 LOG = logging.getLogger("fnkernel.controlplane")
 MAX_FILES = 1000

@@ -23,14 +23,14 @@ import grpc
 import grpc.aio
 from tornado import httpserver, httputil, netutil, web
 
-from runtime_server import limits, wire
-from runtime_server._proto.executor.v1 import runtime_pb2 as pb
-from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
-from runtime_server.errors import InvalidField, NoRuntimePod, RunNotReady, storage_full
-from runtime_server.lifecycle.controlplane import ControlPlane
-from runtime_server.lifecycle.runs import Run
-from runtime_server.rpc import CHANNEL_OPTIONS, failure_body, trailer_logs
-from runtime_server.wire import (
+from fnkernel.runtime_server import limits, wire
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
+from fnkernel.runtime_server.errors import InvalidField, NoRuntimePod, RunNotReady, storage_full
+from fnkernel.runtime_server.lifecycle.controlplane import ControlPlane
+from fnkernel.runtime_server.lifecycle.runs import Run
+from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS, failure_body, trailer_logs
+from fnkernel.runtime_server.wire import (
     ATTEMPT_KEY,
     COLD_START_KEY,
     DIGEST_KEY,

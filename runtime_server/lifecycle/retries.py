@@ -11,7 +11,7 @@ import enum
 
 import grpc
 
-from adapters.errors import (
+from fnkernel.adapters.errors import (
     HANDLER_NOT_FOUND,
     IMPORT_MODULE_ERROR,
     INITIALIZATION_ERROR,

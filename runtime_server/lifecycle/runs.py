@@ -27,10 +27,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runtime_server import limits
-from runtime_server.errors import RunAlreadyExists, RunNotFound, StoreDamaged
-from runtime_server.wire import DELETED, FAILED
-from system.private import tighten
+from fnkernel.runtime_server import limits
+from fnkernel.runtime_server.errors import RunAlreadyExists, RunNotFound, StoreDamaged
+from fnkernel.runtime_server.wire import DELETED, FAILED
+from fnkernel.system.private import tighten
 
 STORE_FILE = "runs.db"  # in the state dir
 # A pod counts as gone after this long without a heartbeat from its runtimed, or with no answer

@@ -28,10 +28,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import SERVICE_NAME as HEALTH_SERVICE
 
-from runtime_server import limits
-from runtime_server._proto.executor.v1 import runtime_pb2 as pb
-from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
-from runtime_server.errors import (
+from fnkernel.runtime_server import limits
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
+from fnkernel.runtime_server.errors import (
     InvalidField,
     NotAllowedHere,
     RegistrationLost,
@@ -40,18 +40,18 @@ from runtime_server.errors import (
     RunNotFound,
     RunNotReady,
 )
-from runtime_server.function_runtime.registry import FAILED as REG_FAILED
-from runtime_server.function_runtime.registry import READY as REG_READY
-from runtime_server.function_runtime.server import FUNCTION_RUNTIME_SERVICE
-from runtime_server.lifecycle.retries import Step, Verdict, decide, fatal_error_type
-from runtime_server.lifecycle.runs import (
+from fnkernel.runtime_server.function_runtime.registry import FAILED as REG_FAILED
+from fnkernel.runtime_server.function_runtime.registry import READY as REG_READY
+from fnkernel.runtime_server.function_runtime.server import FUNCTION_RUNTIME_SERVICE
+from fnkernel.runtime_server.lifecycle.retries import Step, Verdict, decide, fatal_error_type
+from fnkernel.runtime_server.lifecycle.runs import (
     DEFAULT_DRAIN_MILLIS,
     HEARTBEAT_SECONDS,
     POD_GRACE_SECONDS,
     Run,
     RunStore,
 )
-from runtime_server.rpc import (
+from fnkernel.runtime_server.rpc import (
     CHANNEL_OPTIONS,
     CancellableCalls,
     add_health,
@@ -62,7 +62,7 @@ from runtime_server.rpc import (
     relayed_trailers,
     translate_errors,
 )
-from runtime_server.wire import (
+from fnkernel.runtime_server.wire import (
     ATTEMPT_KEY,
     COLD_START_KEY,
     DELETED,

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from adapters import runtimes
-from runtime_server import daemon, logs, tokens, wire
-from runtime_server.daemon import Child, spawn
-from runtime_server.lifecycle.runs import STORE_FILE, RunStore
-from system.private import open_private, private_dir, private_tempdir, sweep
+from fnkernel.adapters import runtimes
+from fnkernel.runtime_server import daemon, logs, tokens, wire
+from fnkernel.runtime_server.daemon import Child, spawn
+from fnkernel.runtime_server.lifecycle.runs import STORE_FILE, RunStore
+from fnkernel.system.private import open_private, private_dir, private_tempdir, sweep
 
 LOG = logging.getLogger("fnkernel.up")
 _MAX_UNIX_PATH = 100  # sockaddr_un holds 108 bytes; leave room for the longest file name

@@ -9,9 +9,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from runtime_server import limits
-from runtime_server._proto.executor.v1 import runtime_pb2 as pb
-from runtime_server.wire import ERROR_TYPE_KEY, LOGS_KEY
+from fnkernel.runtime_server import limits
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
+from fnkernel.runtime_server.wire import ERROR_TYPE_KEY, LOGS_KEY
 from tests.support import ECHO_PY, ECHO_SH, Client, pid_alive, wait_until
 
 READY = pb.FUNCTION_REGISTRATION_STATE_READY

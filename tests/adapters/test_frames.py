@@ -10,9 +10,9 @@ import json
 import grpc
 import pytest
 
-from adapters.errors import CORRUPT_RESPONSE
-from runtime_server._proto.executor.v1 import runtime_pb2 as pb
-from runtime_server.wire import ERROR_TYPE_KEY
+from fnkernel.adapters.errors import CORRUPT_RESPONSE
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
+from fnkernel.runtime_server.wire import ERROR_TYPE_KEY
 from tests.support import Client
 
 # A handler that finds the worker's response pipe without being told (the write end of a pipe

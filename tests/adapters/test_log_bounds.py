@@ -13,12 +13,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from adapters.worker import CALL_LOG_BYTES, CALL_LOG_LINES
-from runtime_server import logs
-from runtime_server._proto.executor.v1 import runtime_pb2 as pb
-from runtime_server.client import Client as GatewayClient
-from runtime_server.rpc import CHANNEL_OPTIONS
-from runtime_server.wire import LOGS_KEY
+from fnkernel.adapters.worker import CALL_LOG_BYTES, CALL_LOG_LINES
+from fnkernel.runtime_server import logs
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
+from fnkernel.runtime_server.client import Client as GatewayClient
+from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS
+from fnkernel.runtime_server.wire import LOGS_KEY
 from tests.support import Client, ServeProcess, wait_until
 
 LOUD = {

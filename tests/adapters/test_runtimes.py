@@ -7,15 +7,17 @@ import inspect
 
 import pytest
 
-from adapters import runtimes
-from adapters.base import Adapter
-from adapters.runtimes import RUNTIMES, BuiltinRuntime
-from kernel.functions import Spec, split_traceback
-from kernel.magics import FUNCTION_PARSER
-from runtime_server.cli import build_parser, prewarm
-from runtime_server.lifecycle.stack import parse_pods
+from fnkernel.adapters import runtimes
+from fnkernel.adapters.base import Adapter
+from fnkernel.adapters.runtimes import RUNTIMES, BuiltinRuntime
+from fnkernel.kernel.functions import Spec, split_traceback
+from fnkernel.kernel.magics import FUNCTION_PARSER
+from fnkernel.runtime_server.cli import build_parser, prewarm
+from fnkernel.runtime_server.lifecycle.stack import parse_pods
 
-ECHO = BuiltinRuntime("echo", extension="ech", adapter_path="adapters.python:PythonAdapter")
+ECHO = BuiltinRuntime(
+    "echo", extension="ech", adapter_path="fnkernel.adapters.python:PythonAdapter"
+)
 
 
 @pytest.mark.parametrize("name", sorted(RUNTIMES))
@@ -55,7 +57,7 @@ def test_a_new_entry_names_the_cell_file_and_is_prewarmed(echo_runtime: BuiltinR
     assert Spec("etl", "echo", "etl.handler", source="").filename == "etl.ech"
     assert Spec("etl", "bash", "etl.handler", source="").filename == "etl.sh"
     assert echo_runtime.adapter_module in prewarm.modules("serve")
-    assert "adapters.bash" in prewarm.modules("serve")
+    assert "fnkernel.adapters.bash" in prewarm.modules("serve")
 
 
 def test_without_frames_a_runtime_logs_no_traceback_to_split() -> None:

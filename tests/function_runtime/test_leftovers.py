@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 import grpc
 import pytest
 
-from runtime_server.rpc import CHANNEL_OPTIONS
+from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS
 from tests.support import Client, ServeProcess, pid_alive, wait_until
 
 # Leaves a process running in a session of its own, no child of the worker's any more.

@@ -10,13 +10,18 @@ from pathlib import Path
 import grpc
 import pytest
 
-from adapters.errors import InvalidInput, InvocationCancelled, InvocationTimeout, WorkerUnavailable
-from adapters.worker import LogLine
-from runtime_server import limits, wire
-from runtime_server._proto.executor.v1 import runtime_pb2 as pb
-from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
-from runtime_server.errors import InvalidField
-from runtime_server.rpc import logs_trailer, translate_errors
+from fnkernel.adapters.errors import (
+    InvalidInput,
+    InvocationCancelled,
+    InvocationTimeout,
+    WorkerUnavailable,
+)
+from fnkernel.adapters.worker import LogLine
+from fnkernel.runtime_server import limits, wire
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
+from fnkernel.runtime_server.errors import InvalidField
+from fnkernel.runtime_server.rpc import logs_trailer, translate_errors
 from tests.support import ECHO_PY, Client, digest
 
 READY = pb.FUNCTION_REGISTRATION_STATE_READY

@@ -9,10 +9,10 @@ import json
 import grpc
 import pytest
 
-from adapters.errors import MEMORY_LIMIT_EXCEEDED
-from runtime_server import limits
-from runtime_server._proto.executor.v1 import runtime_pb2 as pb
-from runtime_server.wire import ERROR_TYPE_KEY
+from fnkernel.adapters.errors import MEMORY_LIMIT_EXCEEDED
+from fnkernel.runtime_server import limits
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
+from fnkernel.runtime_server.wire import ERROR_TYPE_KEY
 from tests.support import Client, digest
 
 HUNGRY_PY = {

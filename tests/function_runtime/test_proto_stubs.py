@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 from google.protobuf import descriptor_pb2
 
-from runtime_server._proto import gen
-from runtime_server._proto.evaluator.v1 import evaluator_pb2
-from runtime_server._proto.executor.v1 import runtime_pb2
+from fnkernel.runtime_server._proto import gen
+from fnkernel.runtime_server._proto.evaluator.v1 import evaluator_pb2
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2
 
 
 def test_committed_stubs_match_a_fresh_generation(tmp_path: Path) -> None:
@@ -19,8 +19,8 @@ def test_committed_stubs_match_a_fresh_generation(tmp_path: Path) -> None:
     for source in gen.SOURCES:
         package, stem = Path(source).parent, Path(source).stem
         for name in (f"{stem}_pb2.py", f"{stem}_pb2.pyi", f"{stem}_pb2_grpc.py"):
-            fresh = tmp_path / gen.VIRTUAL / package / name
-            committed = gen.ROOT / gen.VIRTUAL / package / name
+            fresh = tmp_path / gen.REPO_DIR / package / name
+            committed = gen.ROOT / gen.REPO_DIR / package / name
             assert fresh.read_text() == committed.read_text(), (
                 f"{package / name} is stale: run `make proto` and commit the result"
             )
@@ -32,7 +32,7 @@ def test_no_importable_top_level_proto_package() -> None:
 
 
 def test_service_keeps_the_seed_field_names_and_numbers() -> None:
-    from runtime_server._proto.executor.v1 import runtime_pb2 as pb
+    from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 
     fields = {f.name: f.number for f in pb.RegisterFunctionRequest.DESCRIPTOR.fields}
     assert fields == {
@@ -55,7 +55,7 @@ def test_service_keeps_the_seed_field_names_and_numbers() -> None:
 def test_evaluator_is_wire_compatible_with_porch() -> None:
     # docs/protocol.md, "FunctionEvaluator": package evaluator, FunctionEvaluator/EvaluateFunction, resource_list = 1,
     # image = 2, tag = 3, exec_path = 4; response resource_list = 1, log = 2.
-    from runtime_server._proto.evaluator.v1 import evaluator_pb2 as pb
+    from fnkernel.runtime_server._proto.evaluator.v1 import evaluator_pb2 as pb
 
     assert pb.DESCRIPTOR.package == "evaluator"
     service = pb.DESCRIPTOR.services_by_name["FunctionEvaluator"]

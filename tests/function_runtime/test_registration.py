@@ -13,14 +13,14 @@ from pathlib import Path
 import grpc
 import pytest
 
-from adapters.errors import InvocationCancelled
-from adapters.python import PythonAdapter
-from runtime_server import wire
-from runtime_server._proto.executor.v1 import runtime_pb2 as pb
-from runtime_server.errors import AttemptSuperseded, ShuttingDown
-from runtime_server.function_runtime import registry as registry_module
-from runtime_server.function_runtime.registry import Registry
-from runtime_server.function_runtime.server import RuntimeServer
+from fnkernel.adapters.errors import InvocationCancelled
+from fnkernel.adapters.python import PythonAdapter
+from fnkernel.runtime_server import wire
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
+from fnkernel.runtime_server.errors import AttemptSuperseded, ShuttingDown
+from fnkernel.runtime_server.function_runtime import registry as registry_module
+from fnkernel.runtime_server.function_runtime.registry import Registry
+from fnkernel.runtime_server.function_runtime.server import RuntimeServer
 from tests.support import ECHO_PY, Client, digest, pid_alive, wait_until
 
 REGISTERING = pb.FUNCTION_REGISTRATION_STATE_REGISTERING

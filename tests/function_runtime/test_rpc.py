@@ -13,9 +13,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from adapters.errors import InvocationCancelled
-from runtime_server import wire
-from runtime_server.rpc import CHANNEL_OPTIONS, CancellableCalls, listen_on
+from fnkernel.adapters.errors import InvocationCancelled
+from fnkernel.runtime_server import wire
+from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS, CancellableCalls, listen_on
 
 FAST, SLOW = "/bench.Up/Fast", "/bench.Up/Slow"
 

@@ -16,7 +16,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from runtime_server._proto.executor.v1 import runtime_pb2 as pb
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from tests.support import ECHO_PY, ECHO_SH, Client, ServeProcess, pid_alive, wait_until
 
 
@@ -152,7 +152,7 @@ def test_execute_timeout_is_deadline_exceeded(python_rt: Client) -> None:
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "runtime_server.cli", *args],
+        [sys.executable, "-m", "fnkernel.runtime_server.cli", *args],
         capture_output=True,
         text=True,
         timeout=60,

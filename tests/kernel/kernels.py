@@ -13,7 +13,7 @@ from typing import Any
 from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.manager import KernelManager
 
-from kernel.install import install
+from fnkernel.kernel.install import install
 
 CELL_TIMEOUT = 60.0
 

@@ -17,11 +17,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from runtime_server._proto.executor.v1 import runtime_pb2 as pb
-from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
-from runtime_server.client import Client
-from runtime_server.client.errors import FunctionNotFound
-from runtime_server.lifecycle.stack import Stack
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
+from fnkernel.runtime_server.client import Client
+from fnkernel.runtime_server.client.errors import FunctionNotFound
+from fnkernel.runtime_server.lifecycle.stack import Stack
 from tests.kernel.kernels import Kernel, descendants
 from tests.support import pid_alive, wait_until
 
@@ -74,7 +74,7 @@ def test_fnkernel_install_writes_the_kernelspec(tmp_path: Path) -> None:
     # docs/protocol.md, "Kernel": kernelspec name fnkernel, display name "Python 3 (fnkernel)"; the issue: an
     # interrupt is a message, so the kernel can cancel the invocation itself.
     done = subprocess.run(
-        [sys.executable, "-m", "runtime_server.cli", "install", "--prefix", str(tmp_path)],
+        [sys.executable, "-m", "fnkernel.runtime_server.cli", "install", "--prefix", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -83,7 +83,7 @@ def test_fnkernel_install_writes_the_kernelspec(tmp_path: Path) -> None:
     spec = json.loads((tmp_path / "share/jupyter/kernels/fnkernel/kernel.json").read_text())
     assert spec["display_name"] == "Python 3 (fnkernel)"
     assert spec["interrupt_mode"] == "message"
-    assert spec["argv"][-4:] == ["-m", "kernel", "-f", "{connection_file}"]
+    assert spec["argv"][-4:] == ["-m", "fnkernel.kernel", "-f", "{connection_file}"]
     assert "installed kernelspec fnkernel" in done.stdout
     # The launcher tile's logo, in the sizes and the SVG JupyterLab looks for.
     installed = tmp_path / "share/jupyter/kernels/fnkernel"
@@ -112,9 +112,9 @@ def test_plain_cells_import_no_grpc_and_start_only_the_prewarmed_processes() -> 
         assert kernel.value("'ruamel.yaml' in __import__('sys').modules") is False
         waiting = command_lines(descendants(kernel.pid))
         assert [line.split(" -m ", 1)[1].strip() for line in waiting] == [
-            "runtime_server.cli.prewarm gateway",
-            "runtime_server.cli.prewarm runtimed",
-            "runtime_server.cli.prewarm serve",
+            "fnkernel.runtime_server.cli.prewarm gateway",
+            "fnkernel.runtime_server.cli.prewarm runtimed",
+            "fnkernel.runtime_server.cli.prewarm serve",
         ]
     finally:
         kernel.shutdown()
@@ -215,7 +215,7 @@ def test_a_handler_error_is_one_line_naming_the_exception_and_its_cell_line(
     assert cell.stdout == "about to divide\n"
     assert "Traceback" not in cell.stderr
     # Still a HandlerFailed, for code that catches one.
-    assert kernel.run("from runtime_server.client.errors import HandlerFailed").ok
+    assert kernel.run("from fnkernel.runtime_server.client.errors import HandlerFailed").ok
     assert kernel.value("isinstance(__import__('sys').last_value, HandlerFailed)") is True
 
 
@@ -538,11 +538,11 @@ def test_sigkill_of_the_kernel_leaves_no_child_process_after_5s() -> None:
 
 
 def test_magics_load_into_a_stock_ipykernel() -> None:
-    # docs/protocol.md, "Kernel": the same magics load into any ipykernel with %load_ext kernel.
+    # docs/protocol.md, "Kernel": the same magics load into any ipykernel with %load_ext fnkernel.kernel.
     kernel = Kernel("python3")
     try:
         assert kernel.value("'grpc' in __import__('sys').modules") is False
-        assert kernel.run("%load_ext kernel").ok
+        assert kernel.run("%load_ext fnkernel.kernel").ok
         cell = kernel.run(ETL)
         assert cell.ok, cell.error
         assert kernel.value('etl({"rows": [2, 2]})') == {"total": 4}
@@ -555,7 +555,7 @@ def test_an_interrupt_in_a_stock_ipykernel_ends_the_call_in_one_line() -> None:
     # read; the call is cancelled all the same, in one line, and the function stays usable.
     kernel = Kernel("python3")
     try:
-        assert kernel.run("%load_ext kernel").ok
+        assert kernel.run("%load_ext fnkernel.kernel").ok
         assert kernel.run(SLOW).ok
         gateway = Client(gateway_address(kernel))
         msg_id = kernel.send('slow({"s": 30})')
@@ -626,7 +626,7 @@ def test_interrupt_cancels_a_function_runtime_call_from_the_protocol_client(
     # polls, shown by `%fn_trace show --all` only), so the registration takes the next call.
     setup = kernel.run(
         "import base64, hashlib, json\n"
-        "from kernel.protocol import runtime_server\n"
+        "from fnkernel.kernel.protocol import runtime_server\n"
         "rt = runtime_server('python')\n"
         'src = \'import time\\ndef handle(e):\\n    time.sleep(e["s"])\\n    return e["s"]\\n\'\n'
         "ref = rt.RegisterFunction({'runUid': 'tour-slow', 'registrationAttempt': 1,\n"
@@ -791,7 +791,7 @@ def test_krm_exec_steps_need_allow_exec_in_the_notebook_too(kernel: Kernel) -> N
     )
     assert cell.error is not None and cell.error["ename"] == "PipelineFailed"
     assert "must run with `--allow-exec` option" in cell.error["traceback"][0]
-    assert kernel.run("from kernel import krm; krm.configure(allow_exec=True)").ok
+    assert kernel.run("from fnkernel.kernel import krm; krm.configure(allow_exec=True)").ok
     cell = kernel.run(
         "%%krm render\napiVersion: kpt.dev/v1\nkind: Kptfile\nmetadata: {name: x}\n"
         "pipeline:\n  mutators:\n  - exec: /bin/cat\n---\n"

@@ -9,7 +9,7 @@ import unittest
 import jupyter_kernel_test
 import pytest
 
-from kernel.kernel import KERNEL_NAME
+from fnkernel.kernel.kernel import KERNEL_NAME
 
 
 @pytest.mark.usefixtures("fnkernel_spec")

@@ -9,7 +9,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from kernel.demo import execute, output_text, summary
+from fnkernel.kernel.demo import execute, output_text, summary
 from tests.support import ROOT
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))

@@ -14,19 +14,19 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from runtime_server._proto.evaluator.v1 import evaluator_pb2, evaluator_pb2_grpc
-from runtime_server.errors import (
+from fnkernel.runtime_server._proto.evaluator.v1 import evaluator_pb2, evaluator_pb2_grpc
+from fnkernel.runtime_server.errors import (
     DeadlineExceeded,
     FunctionError,
     InvalidEvaluateRequest,
     NotFoundError,
 )
-from runtime_server.krm.evaluators.base import EvalRequest, split_image
-from runtime_server.krm.evaluators.builtin import BuiltinEvaluator, bare_name
-from runtime_server.krm.evaluators.exec import ExecEvaluator, FunctionConfigStore
-from runtime_server.krm.evaluators.multi import MultiEvaluator
-from runtime_server.krm.evaluators.server import RemoteEvaluator, serve
-from runtime_server.krm.resources.resourcelist import ResourceList, format_result
+from fnkernel.runtime_server.krm.evaluators.base import EvalRequest, split_image
+from fnkernel.runtime_server.krm.evaluators.builtin import BuiltinEvaluator, bare_name
+from fnkernel.runtime_server.krm.evaluators.exec import ExecEvaluator, FunctionConfigStore
+from fnkernel.runtime_server.krm.evaluators.multi import MultiEvaluator
+from fnkernel.runtime_server.krm.evaluators.server import RemoteEvaluator, serve
+from fnkernel.runtime_server.krm.resources.resourcelist import ResourceList, format_result
 from tests.reflection_client import ReflectionClient
 from tests.support import pid_alive, wait_until
 
@@ -293,7 +293,7 @@ def test_a_malformed_exec_path_is_invalid_argument_with_a_bounded_message(
 
 
 def test_fnkernel_evaluator_command_serves_the_chain(functions: Path, store_file: Path) -> None:
-    from runtime_server.daemon import spawn
+    from fnkernel.runtime_server.daemon import spawn
 
     child = spawn(
         [

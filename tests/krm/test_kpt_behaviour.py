@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime_server.cli import main
-from runtime_server.krm.resources.resourcelist import yaml
+from fnkernel.runtime_server.cli import main
+from fnkernel.runtime_server.krm.resources.resourcelist import yaml
 from tests.support import but_kptfile
 
 DEPLOYMENT = """\

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from runtime_server.krm.functions.replacements import apply_replacements
-from runtime_server.krm.functions.set_metadata import set_annotations, set_labels
-from runtime_server.krm.functions.set_namespace import set_namespace
-from runtime_server.krm.functions.starlark import starlark_run
-from runtime_server.krm.resources.resourcelist import FunctionFailure, ResourceList, load
+from fnkernel.runtime_server.krm.functions.replacements import apply_replacements
+from fnkernel.runtime_server.krm.functions.set_metadata import set_annotations, set_labels
+from fnkernel.runtime_server.krm.functions.set_namespace import set_namespace
+from fnkernel.runtime_server.krm.functions.starlark import starlark_run
+from fnkernel.runtime_server.krm.resources.resourcelist import FunctionFailure, ResourceList, load
 
 KrmFunction = Callable[[ResourceList], None]
 

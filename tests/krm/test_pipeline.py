@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from runtime_server.krm.evaluators.builtin import BuiltinEvaluator
-from runtime_server.krm.pipeline import PipelineError, qualified, render
-from runtime_server.krm.resources.resourcelist import load
+from fnkernel.runtime_server.krm.evaluators.builtin import BuiltinEvaluator
+from fnkernel.runtime_server.krm.pipeline import PipelineError, qualified, render
+from fnkernel.runtime_server.krm.resources.resourcelist import load
 from tests.support import but_kptfile
 
 DEPLOY = """\
@@ -297,7 +297,7 @@ def test_selectors_and_exclude_run_a_function_on_a_subset(package: Path) -> None
 
 
 def load_all(path: Path) -> list[object]:
-    from runtime_server.krm.resources.resourcelist import yaml
+    from fnkernel.runtime_server.krm.resources.resourcelist import yaml
 
     return [d for d in yaml().load_all(path.read_text()) if d is not None]
 
@@ -326,7 +326,7 @@ def test_config_path_names_a_resource_of_the_package(package: Path) -> None:
 
 def test_fnkernel_render_prints_a_line_per_step_and_eval_takes_key_values(package: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "runtime_server.cli", "render", str(package)],
+        [sys.executable, "-m", "fnkernel.runtime_server.cli", "render", str(package)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -344,7 +344,7 @@ def test_fnkernel_render_prints_a_line_per_step_and_eval_takes_key_values(packag
         [
             sys.executable,
             "-m",
-            "runtime_server.cli",
+            "fnkernel.runtime_server.cli",
             "eval",
             "set-annotations",
             str(package),
@@ -358,7 +358,7 @@ def test_fnkernel_render_prints_a_line_per_step_and_eval_takes_key_values(packag
     assert done.returncode == 0, done.stderr
     assert "owner: ops" in (package / "deploy.yaml").read_text()
     missing = subprocess.run(
-        [sys.executable, "-m", "runtime_server.cli", "render", str(package / "nope")],
+        [sys.executable, "-m", "fnkernel.runtime_server.cli", "render", str(package / "nope")],
         capture_output=True,
         text=True,
         timeout=60,
@@ -410,7 +410,7 @@ def test_wide_sequence_indentation_is_kept_and_untouched_files_are_not_rewritten
 def test_fnkernel_bench_refuses_an_unknown_benchmark() -> None:
     # docs/protocol.md, "CLI": `bench` is a subcommand; usage errors exit 2 and name the choices.
     done = subprocess.run(
-        [sys.executable, "-m", "runtime_server.cli", "bench", "nope"],
+        [sys.executable, "-m", "fnkernel.runtime_server.cli", "bench", "nope"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -421,7 +421,7 @@ def test_fnkernel_bench_refuses_an_unknown_benchmark() -> None:
 
 def fnkernel_render(package: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "runtime_server.cli", "render", str(package)],
+        [sys.executable, "-m", "fnkernel.runtime_server.cli", "render", str(package)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -483,7 +483,7 @@ def test_a_failure_while_writing_puts_every_file_back(
     # All or nothing on every path: the second rename of a staged file fails (a full disk, a
     # Ctrl-C) and the first file, already in place, is put back byte for byte; no temporary
     # file is left behind.
-    from runtime_server.krm.pipeline import writer
+    from fnkernel.runtime_server.krm.pipeline import writer
 
     before = snapshot(package)
     real_replace = os.replace
@@ -522,7 +522,7 @@ def test_fnkernel_render_runs_builtin_then_exec_then_pod_as_configured(
         )
     )
     done = subprocess.run(
-        [sys.executable, "-m", "runtime_server.cli", "render", str(package),
+        [sys.executable, "-m", "fnkernel.runtime_server.cli", "render", str(package),
          "--functions", str(functions), "--function-config", str(store)],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
@@ -536,7 +536,7 @@ def test_fnkernel_render_runs_builtin_then_exec_then_pod_as_configured(
 
 def test_a_chain_flag_that_needs_another_is_a_usage_error(package: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "runtime_server.cli", "render", str(package),
+        [sys.executable, "-m", "fnkernel.runtime_server.cli", "render", str(package),
          "--function-config", "x.yaml"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip

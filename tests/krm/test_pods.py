@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from runtime_server.errors import EvaluatorSystemError, NotFoundError
-from runtime_server.krm.evaluators.base import EvalRequest
-from runtime_server.krm.evaluators.pods import (
+from fnkernel.runtime_server.errors import EvaluatorSystemError, NotFoundError
+from fnkernel.runtime_server.krm.evaluators.base import EvalRequest
+from fnkernel.runtime_server.krm.evaluators.pods import (
     LocalBackend,
     PodCacheManager,
     PodEvaluator,
@@ -24,7 +24,7 @@ from runtime_server.krm.evaluators.pods import (
     load_catalog,
     load_warmup,
 )
-from runtime_server.krm.resources.resourcelist import ResourceList
+from fnkernel.runtime_server.krm.resources.resourcelist import ResourceList
 from tests.kernel.kernels import descendants
 from tests.support import pid_alive, wait_until
 
@@ -247,8 +247,8 @@ def test_an_image_without_a_pod_entrypoint_is_not_found(
 def test_fnkernel_evaluator_serves_builtin_exec_and_pod(tmp_path: Path, who: Path) -> None:
     # docs/protocol.md, "Evaluators": the chain builtin → exec → pod behind one FunctionEvaluator; each response says
     # which evaluator served it, and warm-up pods start with the server.
-    from runtime_server.daemon import spawn
-    from runtime_server.krm.evaluators.server import RemoteEvaluator
+    from fnkernel.runtime_server.daemon import spawn
+    from fnkernel.runtime_server.krm.evaluators.server import RemoteEvaluator
 
     functions = tmp_path / "functions"
     functions.mkdir()

@@ -13,14 +13,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from runtime_server._proto.evaluator.v1 import evaluator_pb2 as pb
-from runtime_server._proto.evaluator.v1 import evaluator_pb2_grpc as pb_grpc
-from runtime_server.daemon import Child, spawn
-from runtime_server.errors import FunctionError, InvalidEvaluateRequest
-from runtime_server.krm.evaluators.base import EvalRequest
-from runtime_server.krm.evaluators.server import RemoteEvaluator
-from runtime_server.krm.resources.resourcelist import ResourceList
-from runtime_server.wire import RESULTS_KEY
+from fnkernel.runtime_server._proto.evaluator.v1 import evaluator_pb2 as pb
+from fnkernel.runtime_server._proto.evaluator.v1 import evaluator_pb2_grpc as pb_grpc
+from fnkernel.runtime_server.daemon import Child, spawn
+from fnkernel.runtime_server.errors import FunctionError, InvalidEvaluateRequest
+from fnkernel.runtime_server.krm.evaluators.base import EvalRequest
+from fnkernel.runtime_server.krm.evaluators.server import RemoteEvaluator
+from fnkernel.runtime_server.krm.resources.resourcelist import ResourceList
+from fnkernel.runtime_server.wire import RESULTS_KEY
 
 INPUT = b"""apiVersion: config.kubernetes.io/v1
 kind: ResourceList
@@ -132,7 +132,7 @@ def test_an_entrypoint_is_required() -> None:
     import subprocess
 
     done = subprocess.run(
-        [sys.executable, "-m", "runtime_server.cli", "wrapper-server", "--port", "0"],
+        [sys.executable, "-m", "fnkernel.runtime_server.cli", "wrapper-server", "--port", "0"],
         capture_output=True,
         text=True,
         timeout=30,

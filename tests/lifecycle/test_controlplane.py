@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from runtime_server.errors import InvalidField, NoRuntimePod, RunAlreadyExists, RunNotFound
-from runtime_server.lifecycle.controlplane import ControlPlane, RetryPolicy
-from runtime_server.lifecycle.runs import POD_GRACE_SECONDS, Run, RunStore
-from runtime_server.wire import DELETED, DELETING, FAILED, IDLE, PENDING, READY, RETRYING
+from fnkernel.runtime_server.errors import InvalidField, NoRuntimePod, RunAlreadyExists, RunNotFound
+from fnkernel.runtime_server.lifecycle.controlplane import ControlPlane, RetryPolicy
+from fnkernel.runtime_server.lifecycle.runs import POD_GRACE_SECONDS, Run, RunStore
+from fnkernel.runtime_server.wire import DELETED, DELETING, FAILED, IDLE, PENDING, READY, RETRYING
 from tests.support import wait_until
 
 HANDLER = {"handler.py": "def handle(event):\n    return event\n"}

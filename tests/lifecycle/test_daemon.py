@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime_server import daemon
-from runtime_server.cli import build_parser
+from fnkernel.runtime_server import daemon
+from fnkernel.runtime_server.cli import build_parser
 
 
 @pytest.mark.parametrize(

@@ -15,16 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from runtime_server.client import Client
-from runtime_server.client.errors import (
+from fnkernel.runtime_server.client import Client
+from fnkernel.runtime_server.client.errors import (
     FunctionBusy,
     FunctionExists,
     HandlerFailed,
     InvalidRequest,
     RequestCancelled,
 )
-from runtime_server.daemon import spawn
-from runtime_server.lifecycle.stack import Stack
+from fnkernel.runtime_server.daemon import spawn
+from fnkernel.runtime_server.lifecycle.stack import Stack
 from tests.support import ECHO_PY, SLOW_PY, http_call, wait_until
 
 _names = itertools.count()
@@ -429,7 +429,7 @@ def test_non_loopback_gateway_refuses_to_start_without_a_token(tmp_path: Path) -
     # README, "Security": --no-token is for loopback only. It refuses before binding anything.
     started = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-m", "runtime_server.cli", "gateway", "--listen", "0.0.0.0:0",
+        [sys.executable, "-m", "fnkernel.runtime_server.cli", "gateway", "--listen", "0.0.0.0:0",
          "--state-dir", str(tmp_path / "state"), "--no-token"],
         capture_output=True, text=True, timeout=30,
     )  # fmt: skip

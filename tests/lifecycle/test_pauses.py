@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from runtime_server.client import Client
-from runtime_server.lifecycle.runs import RunStore
-from runtime_server.lifecycle.stack import Stack
+from fnkernel.runtime_server.client import Client
+from fnkernel.runtime_server.lifecycle.runs import RunStore
+from fnkernel.runtime_server.lifecycle.stack import Stack
 from tests.support import SLOW_PY, http_call, wait_until
 
 PAUSE_SECONDS = 5.0  # the longest pause the design promises to ride out

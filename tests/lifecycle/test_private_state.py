@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from runtime_server import tokens
-from runtime_server.daemon import spawn
-from runtime_server.lifecycle.runs import RunStore
-from runtime_server.lifecycle.stack import Stack
-from system.private import NotPrivate, private_dir
+from fnkernel.runtime_server import tokens
+from fnkernel.runtime_server.daemon import spawn
+from fnkernel.runtime_server.lifecycle.runs import RunStore
+from fnkernel.runtime_server.lifecycle.stack import Stack
+from fnkernel.system.private import NotPrivate, private_dir
 from tests.support import wait_until
 
 NOBODY = 65534
@@ -42,7 +42,7 @@ def shared_tmp(tmp_path: Path) -> Path:
 def up(state_dir: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """`fnkernel up` on that state dir; it is stopped at once if it did start."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "runtime_server.cli", "up", "--pods", "python=1",
+        [sys.executable, "-m", "fnkernel.runtime_server.cli", "up", "--pods", "python=1",
          "--state-dir", str(state_dir), "--gateway-listen", "127.0.0.1:0"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})},
     )  # fmt: skip
@@ -161,7 +161,7 @@ def test_a_runtime_dir_others_may_write_gets_no_gateway_file(tmp_path: Path) -> 
     runtime.chmod(0o777)
     env = {**os.environ, tokens.RUNTIME_DIR_ENV: str(runtime)}
     result = subprocess.run(
-        [sys.executable, "-m", "runtime_server.cli", "gateway", "--listen", "127.0.0.1:0",
+        [sys.executable, "-m", "fnkernel.runtime_server.cli", "gateway", "--listen", "127.0.0.1:0",
          "--state-dir", str(tmp_path / "state")],
         capture_output=True, text=True, timeout=60, env=env,
     )  # fmt: skip

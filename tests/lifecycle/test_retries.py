@@ -9,8 +9,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-import adapters
-from runtime_server.lifecycle.retries import LOAD_FAILURES, Step, Verdict, decide
+from fnkernel import adapters
+from fnkernel.runtime_server.lifecycle.retries import LOAD_FAILURES, Step, Verdict, decide
 
 C = grpc.StatusCode
 FATAL, CHARGED, FREE, WAIT = (

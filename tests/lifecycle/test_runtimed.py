@@ -17,14 +17,14 @@ from pathlib import Path
 import grpc
 import pytest
 
-from runtime_server._proto.executor.v1 import runtime_pb2 as pb
-from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
-from runtime_server.function_runtime.server import RuntimeServer
-from runtime_server.lifecycle.controlplane import ControlPlane, RetryPolicy
-from runtime_server.lifecycle.runs import Run, RunStore
-from runtime_server.lifecycle.runtimed import UNSUPPORTED, Runtimed, registration_digest
-from runtime_server.rpc import CHANNEL_OPTIONS, CancellableCalls
-from runtime_server.wire import (
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
+from fnkernel.runtime_server.function_runtime.server import RuntimeServer
+from fnkernel.runtime_server.lifecycle.controlplane import ControlPlane, RetryPolicy
+from fnkernel.runtime_server.lifecycle.runs import Run, RunStore
+from fnkernel.runtime_server.lifecycle.runtimed import UNSUPPORTED, Runtimed, registration_digest
+from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS, CancellableCalls
+from fnkernel.runtime_server.wire import (
     DELETED,
     DELETING,
     ERROR_TYPE_KEY,

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from runtime_server import tokens
-from runtime_server.client import Client
-from runtime_server.client.errors import HeadersTooLarge, MethodNotAllowed, Unauthorized
-from runtime_server.daemon import Child, spawn
-from runtime_server.lifecycle.gateway import Access
-from runtime_server.lifecycle.stack import Stack
+from fnkernel.runtime_server import tokens
+from fnkernel.runtime_server.client import Client
+from fnkernel.runtime_server.client.errors import HeadersTooLarge, MethodNotAllowed, Unauthorized
+from fnkernel.runtime_server.daemon import Child, spawn
+from fnkernel.runtime_server.lifecycle.gateway import Access
+from fnkernel.runtime_server.lifecycle.stack import Stack
 from tests.support import http_call, wait_until
 
 # The attack of the issue: a module that runs code when it is imported, at registration.
@@ -182,7 +182,7 @@ def test_clients_find_the_token_and_the_gateway_file_goes_with_the_gateway(
         # The CLI, given the address only, authenticates with it.
         port = urllib.parse.urlsplit(gateway.address).port
         listed = subprocess.run(
-            [sys.executable, "-m", "runtime_server.cli", "runs", "list",
+            [sys.executable, "-m", "fnkernel.runtime_server.cli", "runs", "list",
              "--gateway", f"http://localhost:{port}"],
             capture_output=True, text=True, timeout=60, env={**os.environ, "FNKERNEL_TOKEN": ""},
         )  # fmt: skip
@@ -371,7 +371,7 @@ def test_every_connection_of_a_burst_of_1000_gets_an_answer(shared_stack: Stack)
 )
 def test_cli_numbers_are_plain_ascii_and_bounded(args: list[str], flag: str) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "runtime_server.cli", *args],
+        [sys.executable, "-m", "fnkernel.runtime_server.cli", *args],
         capture_output=True,
         text=True,
         timeout=60,

@@ -19,13 +19,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from runtime_server._proto.executor.v1 import runtime_pb2 as pb
-from runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
-from runtime_server.client import Client
-from runtime_server.daemon import Prewarmed, serve_args, spawn
-from runtime_server.lifecycle.runs import POD_GRACE_SECONDS, RunStore
-from runtime_server.lifecycle.stack import Stack
-from runtime_server.rpc import CHANNEL_OPTIONS
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
+from fnkernel.runtime_server.client import Client
+from fnkernel.runtime_server.daemon import Prewarmed, serve_args, spawn
+from fnkernel.runtime_server.lifecycle.runs import POD_GRACE_SECONDS, RunStore
+from fnkernel.runtime_server.lifecycle.stack import Stack
+from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS
 from tests.support import ECHO_PY, SLOW_PY, http_call, pid_alive, wait_until
 
 ECHO = {name: textwrap.dedent(text) for name, text in ECHO_PY.items()}
@@ -178,7 +178,7 @@ def test_fnkernel_up_prints_addresses_and_stops_everything(
     tmp_path: Path, stop_with: signal.Signals
 ) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "runtime_server.cli", "up", "--state-dir", str(tmp_path / "s"),
+        [sys.executable, "-m", "fnkernel.runtime_server.cli", "up", "--state-dir", str(tmp_path / "s"),
          "--gateway-listen", "127.0.0.1:0", "--pods", "python=1,bash=1"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )  # fmt: skip
@@ -208,7 +208,7 @@ def test_fnkernel_up_prints_addresses_and_stops_everything(
 
 def test_up_rejects_a_bad_pods_flag(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "runtime_server.cli", "up", "--state-dir", str(tmp_path), "--pods", "ruby=1"],
+        [sys.executable, "-m", "fnkernel.runtime_server.cli", "up", "--state-dir", str(tmp_path), "--pods", "ruby=1"],
         capture_output=True, text=True, timeout=30,
     )  # fmt: skip
     assert result.returncode == 2
@@ -255,7 +255,7 @@ def test_a_socket_path_grpc_cannot_name_is_refused_with_the_reason(
 
 def fnkernel(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "runtime_server.cli", *args],
+        [sys.executable, "-m", "fnkernel.runtime_server.cli", *args],
         capture_output=True,
         text=True,
         input=stdin,
@@ -444,7 +444,7 @@ def test_closing_the_pool_or_losing_its_owner_ends_the_waiting_processes() -> No
     prewarmed.close()
     assert not pid_alive(waiting)
     owner = subprocess.Popen(
-        [sys.executable, "-c", "from runtime_server.daemon import Prewarmed; "
+        [sys.executable, "-c", "from fnkernel.runtime_server.daemon import Prewarmed; "
          "p = Prewarmed(['gateway']); print(p.pids()['gateway'], flush=True); "
          "import signal; signal.pause()"],
         stdout=subprocess.PIPE, text=True,

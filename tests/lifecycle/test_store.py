@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from runtime_server.daemon import spawn
-from runtime_server.errors import StoreDamaged
-from runtime_server.lifecycle.runs import Run, RunStore
-from runtime_server.wire import PENDING
+from fnkernel.runtime_server.daemon import spawn
+from fnkernel.runtime_server.errors import StoreDamaged
+from fnkernel.runtime_server.lifecycle.runs import Run, RunStore
+from fnkernel.runtime_server.wire import PENDING
 from tests.support import http_call
 
 
@@ -44,7 +44,7 @@ def scribble(path: Path) -> None:
 
 def up(state_dir: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "runtime_server.cli", "up", "--pods", "python=1",
+        [sys.executable, "-m", "fnkernel.runtime_server.cli", "up", "--pods", "python=1",
          "--state-dir", str(state_dir), "--gateway-listen", "127.0.0.1:0"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
@@ -137,7 +137,9 @@ def on_a_small_disk(state: Path, size: str, script: str) -> subprocess.Popen[str
 def test_a_create_that_meets_a_full_disk_is_503_naming_enospc_and_leaves_nothing(
     tmp_path: Path,
 ) -> None:
-    up = f'exec {sys.executable} -m runtime_server.cli up --pods python=1 --state-dir "$0" '
+    up = (
+        f'exec {sys.executable} -m fnkernel.runtime_server.cli up --pods python=1 --state-dir "$0" '
+    )
     up += "--gateway-listen 127.0.0.1:0 --no-token"
     proc = on_a_small_disk(tmp_path / "state", "4m", up)
     try:
@@ -166,7 +168,7 @@ def test_a_gateway_that_starts_on_a_full_disk_says_so_and_leaves_no_temporary_fi
 ) -> None:
     script = (
         'head -c 1M /dev/zero > "$0/filler" 2>/dev/null; '
-        f'{sys.executable} -m runtime_server.cli gateway --listen 127.0.0.1:0 --state-dir "$0"; '
+        f'{sys.executable} -m fnkernel.runtime_server.cli gateway --listen 127.0.0.1:0 --state-dir "$0"; '
         'echo "exit $?"; ls -A "$0"'
     )
     proc = on_a_small_disk(tmp_path / "state", "64k", script)

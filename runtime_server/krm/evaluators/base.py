@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from runtime_server.errors import DeadlineExceeded
-from runtime_server.krm.resources.resourcelist import ResourceList
+from fnkernel.runtime_server.errors import DeadlineExceeded
+from fnkernel.runtime_server.krm.resources.resourcelist import ResourceList
 
 
 def split_image(image: str) -> tuple[str, str]:

@@ -10,14 +10,19 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping
 
-from runtime_server.errors import FunctionError, InvalidEvaluateRequest, NotFoundError
-from runtime_server.krm.evaluators.base import EvalRequest, EvalResponse, remaining, split_image
-from runtime_server.krm.functions.processes import Bounds, running
-from runtime_server.krm.functions.replacements import apply_replacements
-from runtime_server.krm.functions.set_metadata import set_annotations, set_labels
-from runtime_server.krm.functions.set_namespace import set_namespace
-from runtime_server.krm.functions.starlark import starlark_run
-from runtime_server.krm.resources.resourcelist import (
+from fnkernel.runtime_server.errors import FunctionError, InvalidEvaluateRequest, NotFoundError
+from fnkernel.runtime_server.krm.evaluators.base import (
+    EvalRequest,
+    EvalResponse,
+    remaining,
+    split_image,
+)
+from fnkernel.runtime_server.krm.functions.processes import Bounds, running
+from fnkernel.runtime_server.krm.functions.replacements import apply_replacements
+from fnkernel.runtime_server.krm.functions.set_metadata import set_annotations, set_labels
+from fnkernel.runtime_server.krm.functions.set_namespace import set_namespace
+from fnkernel.runtime_server.krm.functions.starlark import starlark_run
+from fnkernel.runtime_server.krm.resources.resourcelist import (
     ERROR,
     FunctionFailure,
     InvalidResourceList,

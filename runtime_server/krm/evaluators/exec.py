@@ -15,10 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime_server.errors import FunctionError, InvalidEvaluateRequest, NotFoundError
-from runtime_server.krm.evaluators.base import EvalRequest, EvalResponse, split_image
-from runtime_server.krm.functions.processes import memory_message, out_of_memory, run_function
-from runtime_server.krm.resources import resourcelist
+from fnkernel.runtime_server.errors import FunctionError, InvalidEvaluateRequest, NotFoundError
+from fnkernel.runtime_server.krm.evaluators.base import EvalRequest, EvalResponse, split_image
+from fnkernel.runtime_server.krm.functions.processes import (
+    memory_message,
+    out_of_memory,
+    run_function,
+)
+from fnkernel.runtime_server.krm.resources import resourcelist
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from runtime_server.errors import EvaluatorError, NotFoundError
-from runtime_server.krm.evaluators.base import EvalRequest, EvalResponse, Evaluator
+from fnkernel.runtime_server.errors import EvaluatorError, NotFoundError
+from fnkernel.runtime_server.krm.evaluators.base import EvalRequest, EvalResponse, Evaluator
 
 
 class MultiEvaluator:

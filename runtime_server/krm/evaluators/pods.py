@@ -28,11 +28,11 @@ from typing import Any, Protocol
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from runtime_server.daemon import Child, Prewarmed, spawn, wrapper_server_args
-from runtime_server.errors import DeadlineExceeded, EvaluatorSystemError, NotFoundError
-from runtime_server.krm.evaluators.base import EvalRequest, EvalResponse, split_image
-from runtime_server.krm.evaluators.server import RemoteEvaluator
-from runtime_server.krm.resources import resourcelist
+from fnkernel.runtime_server.daemon import Child, Prewarmed, spawn, wrapper_server_args
+from fnkernel.runtime_server.errors import DeadlineExceeded, EvaluatorSystemError, NotFoundError
+from fnkernel.runtime_server.krm.evaluators.base import EvalRequest, EvalResponse, split_image
+from fnkernel.runtime_server.krm.evaluators.server import RemoteEvaluator
+from fnkernel.runtime_server.krm.resources import resourcelist
 
 LOG = logging.getLogger("fnkernel.pods")
 DEFAULT_TTL = 30 * 60.0

@@ -16,10 +16,10 @@ from typing import Any
 
 import grpc
 
-from runtime_server import limits, wire
-from runtime_server._proto.evaluator.v1 import evaluator_pb2 as pb
-from runtime_server._proto.evaluator.v1 import evaluator_pb2_grpc as pb_grpc
-from runtime_server.errors import (
+from fnkernel.runtime_server import limits, wire
+from fnkernel.runtime_server._proto.evaluator.v1 import evaluator_pb2 as pb
+from fnkernel.runtime_server._proto.evaluator.v1 import evaluator_pb2_grpc as pb_grpc
+from fnkernel.runtime_server.errors import (
     DeadlineExceeded,
     EvaluatorError,
     EvaluatorSystemError,
@@ -27,11 +27,17 @@ from runtime_server.errors import (
     InvalidEvaluateRequest,
     NotFoundError,
 )
-from runtime_server.krm.evaluators.base import EvalRequest, EvalResponse, Evaluator
-from runtime_server.krm.resources import resourcelist
-from runtime_server.krm.resources.resourcelist import format_result
-from runtime_server.rpc import CHANNEL_OPTIONS, add_health, add_reflection, listen_on, status_of
-from runtime_server.wire import EVALUATOR_KEY, EXIT_CODE_KEY, RESULTS_KEY
+from fnkernel.runtime_server.krm.evaluators.base import EvalRequest, EvalResponse, Evaluator
+from fnkernel.runtime_server.krm.resources import resourcelist
+from fnkernel.runtime_server.krm.resources.resourcelist import format_result
+from fnkernel.runtime_server.rpc import (
+    CHANNEL_OPTIONS,
+    add_health,
+    add_reflection,
+    listen_on,
+    status_of,
+)
+from fnkernel.runtime_server.wire import EVALUATOR_KEY, EXIT_CODE_KEY, RESULTS_KEY
 
 LOG = logging.getLogger("fnkernel.evaluator")
 SERVICE = "evaluator.FunctionEvaluator"

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from runtime_server.errors import EvaluatorSystemError, FunctionError
-from runtime_server.krm.evaluators.base import EvalRequest, EvalResponse
-from runtime_server.krm.functions.processes import memory_message, out_of_memory, run_function
-from runtime_server.krm.resources.resourcelist import InvalidResourceList, ResourceList
+from fnkernel.runtime_server.errors import EvaluatorSystemError, FunctionError
+from fnkernel.runtime_server.krm.evaluators.base import EvalRequest, EvalResponse
+from fnkernel.runtime_server.krm.functions.processes import (
+    memory_message,
+    out_of_memory,
+    run_function,
+)
+from fnkernel.runtime_server.krm.resources.resourcelist import InvalidResourceList, ResourceList
 
 
 class WrapperEvaluator:

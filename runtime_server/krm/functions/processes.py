@@ -23,8 +23,8 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 
-from runtime_server.errors import DeadlineExceeded, EvaluatorSystemError, InvalidField
-from runtime_server.limits import DEFAULT_MEMORY_MB, MIN_MEMORY_MB
+from fnkernel.runtime_server.errors import DeadlineExceeded, EvaluatorSystemError, InvalidField
+from fnkernel.runtime_server.limits import DEFAULT_MEMORY_MB, MIN_MEMORY_MB
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from ruamel.yaml.comments import CommentedMap
 
-from runtime_server.krm.resources.resourcelist import (
+from fnkernel.runtime_server.krm.resources.resourcelist import (
     ERROR,
     ResourceList,
     Result,

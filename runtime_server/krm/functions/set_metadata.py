@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from runtime_server.krm.resources.package import INDEX_ANNOTATION, PATH_ANNOTATION
-from runtime_server.krm.resources.resourcelist import (
+from fnkernel.runtime_server.krm.resources.package import INDEX_ANNOTATION, PATH_ANNOTATION
+from fnkernel.runtime_server.krm.resources.resourcelist import (
     ERROR,
     INFO,
     WARNING,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime_server.krm.resources.resourcelist import (
+from fnkernel.runtime_server.krm.resources.resourcelist import (
     ERROR,
     INFO,
     ResourceList,

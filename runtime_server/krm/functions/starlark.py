@@ -21,14 +21,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from runtime_server.errors import DeadlineExceeded
-from runtime_server.krm.functions.processes import (
+from fnkernel.runtime_server.errors import DeadlineExceeded
+from fnkernel.runtime_server.krm.functions.processes import (
     current,
     memory_message,
     out_of_memory,
     run_function,
 )
-from runtime_server.krm.resources.resourcelist import (
+from fnkernel.runtime_server.krm.resources.resourcelist import (
     ERROR,
     ResourceList,
     Result,

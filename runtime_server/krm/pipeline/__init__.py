@@ -15,10 +15,10 @@ By concern: ``steps`` (what runs and what each run records), ``runner`` (one ste
 --save``).
 """
 
-from runtime_server.krm.pipeline.render import evaluate_one, render
-from runtime_server.krm.pipeline.runner import Runner, config_map
-from runtime_server.krm.pipeline.save import save_function
-from runtime_server.krm.pipeline.steps import (
+from fnkernel.runtime_server.krm.pipeline.render import evaluate_one, render
+from fnkernel.runtime_server.krm.pipeline.runner import Runner, config_map
+from fnkernel.runtime_server.krm.pipeline.save import save_function
+from fnkernel.runtime_server.krm.pipeline.steps import (
     EXEC_NOT_ALLOWED,
     Outcome,
     PipelineError,
@@ -26,7 +26,7 @@ from runtime_server.krm.pipeline.steps import (
     Step,
     qualified,
 )
-from runtime_server.krm.pipeline.writer import write_package
+from fnkernel.runtime_server.krm.pipeline.writer import write_package
 
 __all__ = [
     "EXEC_NOT_ALLOWED",

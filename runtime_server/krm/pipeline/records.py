@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runtime_server.krm.pipeline.steps import PipelineError, Resource, Step
-from runtime_server.krm.resources import kptfile, resourcelist
-from runtime_server.krm.resources.package import strip_internal
+from fnkernel.runtime_server.krm.pipeline.steps import PipelineError, Resource, Step
+from fnkernel.runtime_server.krm.resources import kptfile, resourcelist
+from fnkernel.runtime_server.krm.resources.package import strip_internal
 
 RESULT_LIST = {"apiVersion": "kpt.dev/v1", "kind": "FunctionResultList"}
 

@@ -9,11 +9,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from runtime_server.krm.evaluators.base import Evaluator
-from runtime_server.krm.functions.processes import Bounds
-from runtime_server.krm.pipeline.records import status_text, write_results
-from runtime_server.krm.pipeline.runner import Runner, config_map, not_krm_reason
-from runtime_server.krm.pipeline.steps import (
+from fnkernel.runtime_server.krm.evaluators.base import Evaluator
+from fnkernel.runtime_server.krm.functions.processes import Bounds
+from fnkernel.runtime_server.krm.pipeline.records import status_text, write_results
+from fnkernel.runtime_server.krm.pipeline.runner import Runner, config_map, not_krm_reason
+from fnkernel.runtime_server.krm.pipeline.steps import (
     Outcome,
     PackageStarted,
     PipelineError,
@@ -22,9 +22,9 @@ from runtime_server.krm.pipeline.steps import (
     Resource,
     Step,
 )
-from runtime_server.krm.pipeline.writer import write_package
-from runtime_server.krm.resources import kptfile
-from runtime_server.krm.resources.package import (
+from fnkernel.runtime_server.krm.pipeline.writer import write_package
+from fnkernel.runtime_server.krm.resources import kptfile
+from fnkernel.runtime_server.krm.resources.package import (
     KPTFILE,
     Package,
     PackageError,
@@ -33,7 +33,7 @@ from runtime_server.krm.resources.package import (
     render_files,
     source_of,
 )
-from runtime_server.krm.resources.resourcelist import kind
+from fnkernel.runtime_server.krm.resources.resourcelist import kind
 
 
 def outcome_of(steps: list[Step], before: dict[str, str], items: list[Resource]) -> Outcome:

@@ -13,11 +13,11 @@ from typing import NoReturn
 
 from ruamel.yaml.comments import CommentedMap
 
-from runtime_server.errors import EvaluatorError, FunctionError, NotFoundError
-from runtime_server.krm import chain
-from runtime_server.krm.evaluators.base import EvalRequest, Evaluator
-from runtime_server.krm.functions.processes import Bounds, running
-from runtime_server.krm.pipeline.steps import (
+from fnkernel.runtime_server.errors import EvaluatorError, FunctionError, NotFoundError
+from fnkernel.runtime_server.krm import chain
+from fnkernel.runtime_server.krm.evaluators.base import EvalRequest, Evaluator
+from fnkernel.runtime_server.krm.functions.processes import Bounds, running
+from fnkernel.runtime_server.krm.pipeline.steps import (
     EXEC_NOT_ALLOWED,
     PackageStarted,
     PipelineError,
@@ -27,8 +27,8 @@ from runtime_server.krm.pipeline.steps import (
     Selector,
     Step,
 )
-from runtime_server.krm.resources import resourcelist
-from runtime_server.krm.resources.package import (
+from fnkernel.runtime_server.krm.resources import resourcelist
+from fnkernel.runtime_server.krm.resources.package import (
     INDEX_ANNOTATION,
     LEGACY_INDEX_ANNOTATION,
     LEGACY_PATH_ANNOTATION,
@@ -40,7 +40,7 @@ from runtime_server.krm.resources.package import (
     source_of,
     strip_internal,
 )
-from runtime_server.krm.resources.resourcelist import (
+from fnkernel.runtime_server.krm.resources.resourcelist import (
     ResourceList,
     annotations_of,
     comment_columns,

@@ -9,10 +9,10 @@ from typing import Any
 
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
 
-from runtime_server.krm.pipeline.steps import PipelineFunction, qualified
-from runtime_server.krm.pipeline.writer import stage
-from runtime_server.krm.resources import resourcelist
-from runtime_server.krm.resources.package import KPTFILE, dump_text
+from fnkernel.runtime_server.krm.pipeline.steps import PipelineFunction, qualified
+from fnkernel.runtime_server.krm.pipeline.writer import stage
+from fnkernel.runtime_server.krm.resources import resourcelist
+from fnkernel.runtime_server.krm.resources.package import KPTFILE, dump_text
 
 
 def save_function(

@@ -8,10 +8,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from runtime_server.krm.resources import resourcelist
+from fnkernel.runtime_server.krm.resources import resourcelist
 
 if TYPE_CHECKING:
-    from runtime_server.krm.resources.package import Package
+    from fnkernel.runtime_server.krm.resources.package import Package
 
 CATALOG = "ghcr.io/kptdev/krm-functions-catalog/"
 EXEC_NOT_ALLOWED = "must run with `--allow-exec` option to allow running function binaries"

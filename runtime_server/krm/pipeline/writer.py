@@ -9,8 +9,8 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from runtime_server.krm.pipeline.steps import Outcome, PipelineError
-from runtime_server.krm.resources.package import read_resources, render_files
+from fnkernel.runtime_server.krm.pipeline.steps import Outcome, PipelineError
+from fnkernel.runtime_server.krm.resources.package import read_resources, render_files
 
 
 def changed(path: str, before: str | None, after: str) -> bool:

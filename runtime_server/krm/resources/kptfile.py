@@ -22,7 +22,7 @@ from ruamel.yaml.scalarstring import (
     SingleQuotedScalarString,
 )
 
-from runtime_server.krm.resources.resourcelist import yaml
+from fnkernel.runtime_server.krm.resources.resourcelist import yaml
 
 API_VERSION = "kpt.dev/v1"
 KIND = "Kptfile"

@@ -21,8 +21,8 @@ from ruamel.yaml.error import CommentMark
 from ruamel.yaml.scalarstring import SingleQuotedScalarString
 from ruamel.yaml.tokens import CommentToken
 
-from runtime_server.krm.resources import kptfile
-from runtime_server.krm.resources.resourcelist import (
+from fnkernel.runtime_server.krm.resources import kptfile
+from fnkernel.runtime_server.krm.resources.resourcelist import (
     InvalidResourceList,
     deep_copy,
     kind,
@@ -443,7 +443,7 @@ def unwrapped(resources: list[Any]) -> str:
 def resource_list_items(text: str) -> list[Any]:
     """The items of a ResourceList as kpt prints one (``fn source``, ``-o stdout``), each with
     the comment written before it kept as its leading comment."""
-    from runtime_server.krm.resources.resourcelist import ResourceList
+    from fnkernel.runtime_server.krm.resources.resourcelist import ResourceList
 
     document = ResourceList.parse(text).document
     items = document["items"]

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from runtime_server._proto.evaluator.v1 import evaluator_pb2 as runtime__server_dot___proto_dot_evaluator_dot_v1_dot_evaluator__pb2
+from fnkernel.runtime_server._proto.evaluator.v1 import evaluator_pb2 as fnkernel_dot_runtime__server_dot___proto_dot_evaluator_dot_v1_dot_evaluator__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in runtime_server/_proto/evaluator/v1/evaluator_pb2_grpc.py depends on'
+        + ' but the generated code in fnkernel/runtime_server/_proto/evaluator/v1/evaluator_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,8 +36,8 @@ class FunctionEvaluatorStub:
         """
         self.EvaluateFunction = channel.unary_unary(
                 '/evaluator.FunctionEvaluator/EvaluateFunction',
-                request_serializer=runtime__server_dot___proto_dot_evaluator_dot_v1_dot_evaluator__pb2.EvaluateFunctionRequest.SerializeToString,
-                response_deserializer=runtime__server_dot___proto_dot_evaluator_dot_v1_dot_evaluator__pb2.EvaluateFunctionResponse.FromString,
+                request_serializer=fnkernel_dot_runtime__server_dot___proto_dot_evaluator_dot_v1_dot_evaluator__pb2.EvaluateFunctionRequest.SerializeToString,
+                response_deserializer=fnkernel_dot_runtime__server_dot___proto_dot_evaluator_dot_v1_dot_evaluator__pb2.EvaluateFunctionResponse.FromString,
                 _registered_method=True)
 
 
@@ -56,8 +56,8 @@ def add_FunctionEvaluatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'EvaluateFunction': grpc.unary_unary_rpc_method_handler(
                     servicer.EvaluateFunction,
-                    request_deserializer=runtime__server_dot___proto_dot_evaluator_dot_v1_dot_evaluator__pb2.EvaluateFunctionRequest.FromString,
-                    response_serializer=runtime__server_dot___proto_dot_evaluator_dot_v1_dot_evaluator__pb2.EvaluateFunctionResponse.SerializeToString,
+                    request_deserializer=fnkernel_dot_runtime__server_dot___proto_dot_evaluator_dot_v1_dot_evaluator__pb2.EvaluateFunctionRequest.FromString,
+                    response_serializer=fnkernel_dot_runtime__server_dot___proto_dot_evaluator_dot_v1_dot_evaluator__pb2.EvaluateFunctionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -85,8 +85,8 @@ class FunctionEvaluator:
             request,
             target,
             '/evaluator.FunctionEvaluator/EvaluateFunction',
-            runtime__server_dot___proto_dot_evaluator_dot_v1_dot_evaluator__pb2.EvaluateFunctionRequest.SerializeToString,
-            runtime__server_dot___proto_dot_evaluator_dot_v1_dot_evaluator__pb2.EvaluateFunctionResponse.FromString,
+            fnkernel_dot_runtime__server_dot___proto_dot_evaluator_dot_v1_dot_evaluator__pb2.EvaluateFunctionRequest.SerializeToString,
+            fnkernel_dot_runtime__server_dot___proto_dot_evaluator_dot_v1_dot_evaluator__pb2.EvaluateFunctionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from runtime_server._proto.executor.v1 import runtime_pb2 as runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as fnkernel_dot_runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in runtime_server/_proto/executor/v1/runtime_pb2_grpc.py depends on'
+        + ' but the generated code in fnkernel/runtime_server/_proto/executor/v1/runtime_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,8 +37,8 @@ class RuntimeStub:
         """
         self.Execute = channel.unary_unary(
                 '/executor.v1.Runtime/Execute',
-                request_serializer=runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.ExecuteRequest.SerializeToString,
-                response_deserializer=runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.ExecuteResponse.FromString,
+                request_serializer=fnkernel_dot_runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.ExecuteRequest.SerializeToString,
+                response_deserializer=fnkernel_dot_runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.ExecuteResponse.FromString,
                 _registered_method=True)
 
 
@@ -57,8 +57,8 @@ def add_RuntimeServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Execute': grpc.unary_unary_rpc_method_handler(
                     servicer.Execute,
-                    request_deserializer=runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.ExecuteRequest.FromString,
-                    response_serializer=runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.ExecuteResponse.SerializeToString,
+                    request_deserializer=fnkernel_dot_runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.ExecuteRequest.FromString,
+                    response_serializer=fnkernel_dot_runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.ExecuteResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -87,8 +87,8 @@ class Runtime:
             request,
             target,
             '/executor.v1.Runtime/Execute',
-            runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.ExecuteRequest.SerializeToString,
-            runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.ExecuteResponse.FromString,
+            fnkernel_dot_runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.ExecuteRequest.SerializeToString,
+            fnkernel_dot_runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.ExecuteResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -111,23 +111,23 @@ class FunctionRuntimeStub:
         """
         self.RegisterFunction = channel.unary_unary(
                 '/executor.v1.FunctionRuntime/RegisterFunction',
-                request_serializer=runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.RegisterFunctionRequest.SerializeToString,
-                response_deserializer=runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.RegisterFunctionResponse.FromString,
+                request_serializer=fnkernel_dot_runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.RegisterFunctionRequest.SerializeToString,
+                response_deserializer=fnkernel_dot_runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.RegisterFunctionResponse.FromString,
                 _registered_method=True)
         self.FunctionStatus = channel.unary_unary(
                 '/executor.v1.FunctionRuntime/FunctionStatus',
-                request_serializer=runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.FunctionStatusRequest.SerializeToString,
-                response_deserializer=runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.FunctionStatusResponse.FromString,
+                request_serializer=fnkernel_dot_runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.FunctionStatusRequest.SerializeToString,
+                response_deserializer=fnkernel_dot_runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.FunctionStatusResponse.FromString,
                 _registered_method=True)
         self.InvokeFunction = channel.unary_unary(
                 '/executor.v1.FunctionRuntime/InvokeFunction',
-                request_serializer=runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.InvokeFunctionRequest.SerializeToString,
-                response_deserializer=runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.InvokeFunctionResponse.FromString,
+                request_serializer=fnkernel_dot_runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.InvokeFunctionRequest.SerializeToString,
+                response_deserializer=fnkernel_dot_runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.InvokeFunctionResponse.FromString,
                 _registered_method=True)
         self.UnregisterFunction = channel.unary_unary(
                 '/executor.v1.FunctionRuntime/UnregisterFunction',
-                request_serializer=runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.UnregisterFunctionRequest.SerializeToString,
-                response_deserializer=runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.UnregisterFunctionResponse.FromString,
+                request_serializer=fnkernel_dot_runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.UnregisterFunctionRequest.SerializeToString,
+                response_deserializer=fnkernel_dot_runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.UnregisterFunctionResponse.FromString,
                 _registered_method=True)
 
 
@@ -167,23 +167,23 @@ def add_FunctionRuntimeServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'RegisterFunction': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterFunction,
-                    request_deserializer=runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.RegisterFunctionRequest.FromString,
-                    response_serializer=runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.RegisterFunctionResponse.SerializeToString,
+                    request_deserializer=fnkernel_dot_runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.RegisterFunctionRequest.FromString,
+                    response_serializer=fnkernel_dot_runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.RegisterFunctionResponse.SerializeToString,
             ),
             'FunctionStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.FunctionStatus,
-                    request_deserializer=runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.FunctionStatusRequest.FromString,
-                    response_serializer=runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.FunctionStatusResponse.SerializeToString,
+                    request_deserializer=fnkernel_dot_runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.FunctionStatusRequest.FromString,
+                    response_serializer=fnkernel_dot_runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.FunctionStatusResponse.SerializeToString,
             ),
             'InvokeFunction': grpc.unary_unary_rpc_method_handler(
                     servicer.InvokeFunction,
-                    request_deserializer=runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.InvokeFunctionRequest.FromString,
-                    response_serializer=runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.InvokeFunctionResponse.SerializeToString,
+                    request_deserializer=fnkernel_dot_runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.InvokeFunctionRequest.FromString,
+                    response_serializer=fnkernel_dot_runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.InvokeFunctionResponse.SerializeToString,
             ),
             'UnregisterFunction': grpc.unary_unary_rpc_method_handler(
                     servicer.UnregisterFunction,
-                    request_deserializer=runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.UnregisterFunctionRequest.FromString,
-                    response_serializer=runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.UnregisterFunctionResponse.SerializeToString,
+                    request_deserializer=fnkernel_dot_runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.UnregisterFunctionRequest.FromString,
+                    response_serializer=fnkernel_dot_runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.UnregisterFunctionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -211,8 +211,8 @@ class FunctionRuntime:
             request,
             target,
             '/executor.v1.FunctionRuntime/RegisterFunction',
-            runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.RegisterFunctionRequest.SerializeToString,
-            runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.RegisterFunctionResponse.FromString,
+            fnkernel_dot_runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.RegisterFunctionRequest.SerializeToString,
+            fnkernel_dot_runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.RegisterFunctionResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -238,8 +238,8 @@ class FunctionRuntime:
             request,
             target,
             '/executor.v1.FunctionRuntime/FunctionStatus',
-            runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.FunctionStatusRequest.SerializeToString,
-            runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.FunctionStatusResponse.FromString,
+            fnkernel_dot_runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.FunctionStatusRequest.SerializeToString,
+            fnkernel_dot_runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.FunctionStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -265,8 +265,8 @@ class FunctionRuntime:
             request,
             target,
             '/executor.v1.FunctionRuntime/InvokeFunction',
-            runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.InvokeFunctionRequest.SerializeToString,
-            runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.InvokeFunctionResponse.FromString,
+            fnkernel_dot_runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.InvokeFunctionRequest.SerializeToString,
+            fnkernel_dot_runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.InvokeFunctionResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -292,8 +292,8 @@ class FunctionRuntime:
             request,
             target,
             '/executor.v1.FunctionRuntime/UnregisterFunction',
-            runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.UnregisterFunctionRequest.SerializeToString,
-            runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.UnregisterFunctionResponse.FromString,
+            fnkernel_dot_runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.UnregisterFunctionRequest.SerializeToString,
+            fnkernel_dot_runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2.UnregisterFunctionResponse.FromString,
             options,
             channel_credentials,
             insecure,
