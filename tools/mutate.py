@@ -208,11 +208,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.no_run:
         stage()
-        mutated = str(STAGE / "mutants" / "src")
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(filter(None, [mutated, os.environ.get("PYTHONPATH")])),
-        }
+        mutated = STAGE / "mutants" / "src"
+        # There before mutmut starts: a PYTHONPATH entry missing at the first import is cached
+        # as missing for the process's life, and mutmut's in-process test runs would then
+        # import the originals.
+        mutated.mkdir(parents=True, exist_ok=True)
+        paths = [str(mutated), os.environ.get("PYTHONPATH", "")]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths))}
         subprocess.run(
             [sys.executable, "-m", "mutmut", "run", "--max-children", str(args.children)],
             check=False,

@@ -13,7 +13,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent  # where the committed stubs are
+# The checkout: the folder above that holds proto/ (``make mutate`` runs a staged copy, whose
+# folders are one level deeper).
+ROOT = next((p for p in HERE.parents if (p / "proto").is_dir()), HERE.parents[1])
 PROTO_DIR = ROOT / "proto"
 VIRTUAL = "fnkernel/runtime_server/_proto"  # as installed, and as they import each other
 REPO_DIR = "runtime_server/_proto"  # where they are in the repository

@@ -20,7 +20,7 @@ def test_committed_stubs_match_a_fresh_generation(tmp_path: Path) -> None:
         package, stem = Path(source).parent, Path(source).stem
         for name in (f"{stem}_pb2.py", f"{stem}_pb2.pyi", f"{stem}_pb2_grpc.py"):
             fresh = tmp_path / gen.REPO_DIR / package / name
-            committed = gen.ROOT / gen.REPO_DIR / package / name
+            committed = gen.HERE / package / name
             assert fresh.read_text() == committed.read_text(), (
                 f"{package / name} is stale: run `make proto` and commit the result"
             )

@@ -15,7 +15,7 @@ import pytest
 
 from fnkernel.adapters.errors import InvocationCancelled
 from fnkernel.runtime_server import wire
-from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS, CancellableCalls, listen_on
+from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS, CancellableCalls, failure_body, listen_on
 
 FAST, SLOW = "/bench.Up/Fast", "/bench.Up/Slow"
 
@@ -195,3 +195,71 @@ def test_listen_on_refuses_each_character_grpc_reads_in_a_unix_target(
     )
     # What gRPC reads as a plain path character is taken (each connects, measured).
     assert wire.unix_target_problem(f"{tmp_path}/a b;c:d\\X.sock") is None
+
+
+# rpc.failure_body: a failed call's status as the JSON error body of docs/protocol.md, "Errors".
+
+
+def failing(
+    address: str, code: grpc.StatusCode, message: str, trailers: tuple[tuple[str, object], ...]
+) -> grpc.RpcError:
+    """The error a call to a server that aborts with `code`, `message` and `trailers` raises."""
+
+    def fail(request: bytes, context: grpc.ServicerContext) -> bytes:
+        context.set_trailing_metadata(trailers)
+        context.abort(code, message)
+
+    server = grpc.server(futures.ThreadPoolExecutor(1), options=CHANNEL_OPTIONS)
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "bench.Up", {"Fail": grpc.unary_unary_rpc_method_handler(fail)}
+            ),
+        )
+    )
+    server.add_insecure_port(address)
+    server.start()
+    try:
+        with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as caught:
+            channel.unary_unary("/bench.Up/Fail")(b"", timeout=10)
+        return caught.value
+    finally:
+        server.stop(0)
+
+
+def test_a_handler_error_keeps_its_type_message_and_logs(tmp_path: Path) -> None:
+    logs = b'[{"stream":"stderr","text":"about to fail"}]'
+    err = failing(
+        f"unix:{tmp_path}/f.sock",
+        grpc.StatusCode.UNKNOWN,
+        "handler error: ValueError: bad order 7",
+        ((wire.ERROR_TYPE_KEY, "ValueError"), (wire.LOGS_KEY, logs)),
+    )
+    assert failure_body(err) == {
+        "code": "UNKNOWN",
+        "message": "handler error: ValueError: bad order 7",
+        "errorType": "ValueError",
+        "errorMessage": "bad order 7",
+        "logs": [{"stream": "stderr", "text": "about to fail"}],
+    }
+
+
+@pytest.mark.parametrize("logs", [None, b"", b"not json"])
+def test_a_handler_error_without_readable_logs_has_none(tmp_path: Path, logs: bytes | None) -> None:
+    trailers: tuple[tuple[str, object], ...] = ((wire.ERROR_TYPE_KEY, "WorkerCrashed"),)
+    if logs is not None:
+        trailers += ((wire.LOGS_KEY, logs),)
+    err = failing(f"unix:{tmp_path}/f.sock", grpc.StatusCode.UNKNOWN, "x", trailers)
+    body = failure_body(err)
+    assert body["logs"] == [] and body["errorType"] == "WorkerCrashed"
+    assert body["errorMessage"] == "x"
+
+
+def test_any_other_status_is_its_code_and_message_only(tmp_path: Path) -> None:
+    err = failing(
+        f"unix:{tmp_path}/f.sock",
+        grpc.StatusCode.NOT_FOUND,
+        "run r1 is not registered",
+        ((wire.ERROR_TYPE_KEY, "ignored"),),
+    )
+    assert failure_body(err) == {"code": "NOT_FOUND", "message": "run r1 is not registered"}

@@ -733,6 +733,9 @@ def test_a_failing_krm_step_shows_its_results_and_raises_one_line(kernel: Kernel
     assert cell.error is not None and cell.error["ename"] == "PipelineFailed"
     [line] = cell.error["traceback"]
     assert "`data.namespace` should not be empty" in line
+    # No gateway is involved in a render: the line names no gateway status (docs/protocol.md,
+    # "Kernel": the gateway's errors end with their gRPC code).
+    assert line.startswith("PipelineFailed: ") and not line.endswith(")"), line
     shown = cell.texts("display_data")[-1]
     assert "[error] v1/ConfigMap/function-input: `data.namespace` should not be empty" in shown
     # Said once in the view (its result), then once as the cell's error line.
