@@ -14,7 +14,8 @@ stripped), and that name must be the module's own (``fnkernel.runtime_server.lim
 test to reach the mutant. Every process the tests start imports the mutated copy too
 (``PYTHONPATH``).
 
-Usage: python -m tools.mutate [--target 0.9] [--no-run]
+Usage: python -m tools.mutate [--target 0.9] [--no-run] [MUTANT...]   (names: run only those,
+e.g. the survivors a new test is for; shell patterns as ``mutmut run`` takes them)
 """
 
 from __future__ import annotations
@@ -205,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     # the load makes timing-bound tests fail at times, and a flaky failure reads as a kill
     # (docs/architecture.md, "Mutation testing").
     parser.add_argument("--children", type=int, default=2, help="test runs at a time")
+    parser.add_argument("mutants", nargs="*", metavar="MUTANT", help="run only these")
     args = parser.parse_args(argv)
     if not args.no_run:
         stage()
@@ -216,7 +218,15 @@ def main(argv: list[str] | None = None) -> int:
         paths = [str(mutated), os.environ.get("PYTHONPATH", "")]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths))}
         subprocess.run(
-            [sys.executable, "-m", "mutmut", "run", "--max-children", str(args.children)],
+            [
+                sys.executable,
+                "-m",
+                "mutmut",
+                "run",
+                "--max-children",
+                str(args.children),
+                *args.mutants,
+            ],
             check=False,
             cwd=STAGE,
             env=env,

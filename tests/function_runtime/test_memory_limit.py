@@ -101,3 +101,12 @@ def test_a_memory_limit_out_of_range_is_invalid_argument_naming_it(
         register(python_rt, HUNGRY_PY, memory_mb)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert refused.value.details().startswith("memory_mb: must be 0 (the default, 1024) or 64")
+
+
+@pytest.mark.parametrize("memory_mb", [limits.MIN_MEMORY_MB, limits.MAX_MEMORY_MB])
+def test_each_end_of_the_range_is_a_limit_the_server_takes(
+    python_rt: Client, memory_mb: int
+) -> None:
+    # docs/protocol.md, "Limits": memory_mb is 64 to 16384 MiB, both ends included.
+    registration = register(python_rt, HUNGRY_PY, memory_mb)
+    assert python_rt.invoke(registration, b"{}").output.isdigit()

@@ -263,3 +263,16 @@ def test_any_other_status_is_its_code_and_message_only(tmp_path: Path) -> None:
         ((wire.ERROR_TYPE_KEY, "ignored"),),
     )
     assert failure_body(err) == {"code": "NOT_FOUND", "message": "run r1 is not registered"}
+
+
+def test_what_a_status_does_not_say_is_empty_not_made_up(tmp_path: Path) -> None:
+    # No message, and a handler error without its type trailer: empty strings, as the
+    # documented body has every field.
+    err = failing(f"unix:{tmp_path}/f.sock", grpc.StatusCode.UNKNOWN, "", ())
+    assert failure_body(err) == {
+        "code": "UNKNOWN",
+        "message": "",
+        "errorType": "",
+        "errorMessage": "",
+        "logs": [],
+    }
