@@ -354,21 +354,20 @@ class BaseHandler(web.RequestHandler):
     def write_error(self, status_code: int, **kwargs: Any) -> None:
         """Every failure, ours and tornado's, in the JSON shape of docs/protocol.md, "Errors"."""
         exc_info = kwargs.get("exc_info")
-        self.send_failure(self.failure(exc_info[1] if exc_info else None, status_code))
+        failure = self.failure(exc_info[1] if exc_info else None, status_code)
+        if failure.status == 405:
+            self.set_header("Allow", ", ".join(self.allowed_methods()))
+        self.send_failure(failure)
 
     def failure(self, error: BaseException | None, status_code: int) -> FailureResponse:
         """What the gateway answers for `error` (None: tornado's own `status_code`)."""
-        if error is not None:
-            error = storage_full(error) or error  # a full disk is 503 naming it, not a bug
-        if isinstance(error, FailureResponse):
-            return error
-        if isinstance(error, Exception) and (code := wire.status_name(error)) is not None:
-            return FailureResponse(code, limits.bounded(str(error)))
+        known = known_failure(error)
+        if known is not None:
+            return known
         if isinstance(error, web.HTTPError) or error is None:
             status = error.status_code if isinstance(error, web.HTTPError) else status_code
             if status == 405:
                 allowed = ", ".join(self.allowed_methods())
-                self.set_header("Allow", allowed)
                 message = (
                     f"{self.request.method} is not allowed on {self.request.path}; use {allowed}"
                 )
@@ -381,11 +380,7 @@ class BaseHandler(web.RequestHandler):
     def log_exception(self, typ: Any, value: BaseException | None, tb: Any) -> None:
         """Only a bug is logged with its stack: every other failure is an answer (and a line
         of the access log)."""
-        known = isinstance(value, FailureResponse | web.HTTPError) or (
-            isinstance(value, Exception)
-            and (storage_full(value) is not None or wire.status_name(value) is not None)
-        )
-        if not known:
+        if not isinstance(value, web.HTTPError) and known_failure(value) is None:
             LOG.error("internal error", exc_info=value)
 
     @classmethod
@@ -399,6 +394,18 @@ class BaseHandler(web.RequestHandler):
 
     async def blocking(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(None, lambda: fn(*args, **kwargs))
+
+
+def known_failure(error: BaseException | None) -> FailureResponse | None:
+    """The answer to a failure of ours: a FailureResponse as it is, one of our error classes
+    through wire.GRPC_STATUS, a full disk as 503 naming it; None for anything else (a bug)."""
+    if error is not None:
+        error = storage_full(error) or error
+    if isinstance(error, FailureResponse):
+        return error
+    if isinstance(error, Exception) and (code := wire.status_name(error)) is not None:
+        return FailureResponse(code, limits.bounded(str(error)))
+    return None
 
 
 def rpc_error(err: grpc.aio.AioRpcError, run: Run, invocation_id: str = "") -> FailureResponse:
