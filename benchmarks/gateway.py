@@ -87,7 +87,7 @@ def serve_checked_relay(
     The registration ID is given: runtimed registers; this relay only forwards."""
     from concurrent import futures
 
-    from fnkernel.runtime_server.lifecycle.runs import RunStore
+    from fnkernel.runtime_server.lifecycle.sqlite import SqliteRunStore
     from fnkernel.runtime_server.rpc import (
         CancellableCalls,
         caller_timeout,
@@ -95,7 +95,7 @@ def serve_checked_relay(
         relayed_trailers,
     )
 
-    store = RunStore(Path(store_path))
+    store = SqliteRunStore(Path(store_path))
     calls = CancellableCalls(upstream, pb_grpc.FunctionRuntimeStub)
 
     class Checked(pb_grpc.FunctionRuntimeServicer):

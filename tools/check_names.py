@@ -115,7 +115,8 @@ class Index:
                 self.modules.setdefault(".".join(parts[start:]), []).append(module)
             for name in module.own:
                 self.defined.setdefault(name, []).append(module)
-            for name, attributes in module.names.items():
+            for name in module.own:  # where a class is defined, not where it is imported
+                attributes = module.names[name]
                 if attributes or name[:1].isupper():
                     self.classes.setdefault(name, []).append((module, name))
 

@@ -67,14 +67,14 @@ def _serve(args: argparse.Namespace) -> int:
 def _runtimed(args: argparse.Namespace) -> int:
     from fnkernel.runtime_server import daemon, logs
     from fnkernel.runtime_server.daemon import announcement
-    from fnkernel.runtime_server.lifecycle.runs import STORE_FILE, RunStore
     from fnkernel.runtime_server.lifecycle.runtimed import Runtimed
+    from fnkernel.runtime_server.lifecycle.sqlite import STORE_FILE, SqliteRunStore
     from fnkernel.system.private import private_dir
 
     logs.configure(logging.DEBUG if args.verbose else logging.INFO)
     state_dir = private_dir(state_dir_of(args))
     runtimed = Runtimed(
-        RunStore(state_dir / STORE_FILE),
+        SqliteRunStore(state_dir / STORE_FILE),
         pod=args.pod,
         runtime=args.runtime,
         server_address=args.server,
@@ -129,7 +129,7 @@ def _gateway(args: argparse.Namespace) -> int:
     from fnkernel.runtime_server.daemon import announcement
     from fnkernel.runtime_server.lifecycle.controlplane import ControlPlane
     from fnkernel.runtime_server.lifecycle.gateway import Access, Gateway
-    from fnkernel.runtime_server.lifecycle.runs import STORE_FILE, RunStore
+    from fnkernel.runtime_server.lifecycle.sqlite import STORE_FILE, SqliteRunStore
     from fnkernel.system.private import private_dir
 
     logs.configure(logging.DEBUG if args.verbose else logging.INFO)
@@ -139,7 +139,7 @@ def _gateway(args: argparse.Namespace) -> int:
         token, frozenset(args.allow_origin), frozenset(h.lower() for h in args.allow_host)
     )
     workspace_root = private_dir(state_dir / "workspace")
-    control_plane = ControlPlane(RunStore(state_dir / STORE_FILE), workspace_root)
+    control_plane = ControlPlane(SqliteRunStore(state_dir / STORE_FILE), workspace_root)
 
     async def serve() -> None:
         gateway = Gateway(

@@ -1,38 +1,25 @@
-"""Runs and Runtime Pods, kept in SQLite (docs/protocol.md, "Runs"): the control plane's record of what should run.
+"""Runs and Runtime Pods (docs/protocol.md, "Runs"): the control plane's record of what should
+run, and ``RunStore``, the one interface through which everything reads and writes it.
 
 A Run is the unit users create. Its spec {uid, name, runtime, handler, source, env,
-idle_timeout_seconds} never changes; its status {phase, attempt, message, outputs, assigned_pod}
-is written by the control plane (scheduling, retry) and by the runtimed of the assigned pod
-(registration outcome, idle). Every status write is conditional on the attempt and pod the writer
-saw, so a late writer can never overwrite a newer decision — the same fence docs/protocol.md puts on
-registration IDs, one level up.
+idle_timeout_seconds, memory_mb} never changes; its status {phase, attempt, message, outputs,
+assigned_pod} is written by the control plane (scheduling, retry) and by the runtimed of the
+assigned pod (registration outcome, idle). Every status write is conditional on the attempt and
+pod the writer saw, so a late writer can never overwrite a newer decision — the same fence
+docs/protocol.md puts on registration IDs, one level up.
 
-The store is one SQLite file in WAL mode shared by the gateway process (which hosts the control
-plane) and every runtimed process, so a restart of any of them loses no Run.
+The store of the embedded runtime and ``fnkernel up`` is SQLite (``lifecycle/sqlite.py``); the
+control plane, runtimed and the gateway see only this interface (docs/architecture.md, "Seams").
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import mmap
-import os
-import sqlite3
-import threading
 import time
-import weakref
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from fnkernel.runtime_server import limits
-from fnkernel.runtime_server.errors import RunAlreadyExists, RunNotFound, StoreDamaged
-from fnkernel.runtime_server.wire import DELETED, FAILED
-from fnkernel.system.private import tighten
 
-STORE_FILE = "runs.db"  # in the state dir
 # A pod counts as gone after this long without a heartbeat from its runtimed, or with no answer
 # from its Runtime Server to runtimed's health checks (docs/architecture.md, "Retries"): twice
 # the longest pause of a component (5 s: a GC, a busy CPU, a VM's stolen time) that must cost
@@ -40,43 +27,6 @@ STORE_FILE = "runs.db"  # in the state dir
 POD_GRACE_SECONDS = 10.0
 HEARTBEAT_SECONDS = 1.0  # how often runtimed writes its pod's heartbeat
 DEFAULT_DRAIN_MILLIS = 5_000  # how long a delete lets the in-flight invocation finish
-# The first copy of the WAL-index header, at the start of the store's -shm file: every commit,
-# by any connection, changes it (docs/architecture.md, "The proxy hop").
-_WAL_HEADER_BYTES = 48
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS runs (
-    uid TEXT PRIMARY KEY,
-    name TEXT NOT NULL UNIQUE,
-    runtime TEXT NOT NULL,
-    handler TEXT NOT NULL,
-    source TEXT NOT NULL,
-    working_dir TEXT NOT NULL,
-    env TEXT NOT NULL,
-    idle_timeout_seconds INTEGER NOT NULL,
-    phase TEXT NOT NULL,
-    attempt INTEGER NOT NULL,
-    message TEXT NOT NULL DEFAULT '',
-    outputs TEXT NOT NULL DEFAULT '{}',
-    assigned_pod TEXT NOT NULL DEFAULT '',
-    failed_at REAL NOT NULL DEFAULT 0,
-    created_at REAL NOT NULL,
-    registration_digest TEXT NOT NULL DEFAULT '',
-    cancel_in_flight INTEGER NOT NULL DEFAULT 0,
-    drain_timeout_millis INTEGER NOT NULL DEFAULT 0,
-    uncharged_attempts INTEGER NOT NULL DEFAULT 0,
-    spec_digest TEXT NOT NULL DEFAULT '',
-    server_deaths INTEGER NOT NULL DEFAULT 0,
-    memory_mb INTEGER NOT NULL DEFAULT 0
-);
-CREATE TABLE IF NOT EXISTS pods (
-    name TEXT PRIMARY KEY,
-    runtime TEXT NOT NULL,
-    address TEXT NOT NULL,
-    healthy INTEGER NOT NULL,
-    heartbeat REAL NOT NULL
-);
-"""
 
 
 @dataclass(frozen=True)
@@ -161,315 +111,62 @@ class Pod:
         return self.healthy and now - self.heartbeat < POD_GRACE_SECONDS
 
 
-@dataclass
-class _Mapped:
-    """One -shm file opened by this process: its header (None if it could not be mapped)."""
-
-    header: mmap.mmap | None
-    fd: int
-    users: int = 0
-
-
-class _WalHeaders:
-    """The WAL-index header of each store file, mapped once per process.
-
-    Closing a descriptor of a file drops every POSIX lock this process holds on that file,
-    SQLite's own included (and mmap keeps a duplicate of the one it maps, closed with it). One of
-    SQLite's locks on the -shm file tells a new connection that the file is in use; without it,
-    the next process to open the store takes itself for the first, truncates the -shm file and
-    rebuilds the index under the processes using it (docs/architecture.md, "Measured facts the
-    design rests on"). So a -shm file is opened and mapped once, shared by every store of this
-    process that reads it, and closed only when the last of them is closed.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._mapped: dict[tuple[int, int], _Mapped] = {}  # by the -shm file's (st_dev, st_ino)
-
-    def map(self, path: Path) -> tuple[tuple[int, int], mmap.mmap | None] | None:
-        """The header of `path`'s -shm file and the key to give back to ``unmap``; None if there
-        is no -shm file. The mapping is None if the file could not be mapped."""
-        shm = f"{path}-shm"
-        with self._lock:
-            try:
-                found = os.stat(shm)
-            except OSError:
-                return None
-            key = (found.st_dev, found.st_ino)
-            entry = self._mapped.get(key)
-            if entry is None:
-                try:
-                    fd = os.open(shm, os.O_RDONLY)
-                except OSError:
-                    return None
-                try:
-                    header = mmap.mmap(fd, _WAL_HEADER_BYTES, mmap.MAP_SHARED, mmap.PROT_READ)
-                except (OSError, ValueError):
-                    header = None  # the descriptor stays open all the same: see above
-                entry = self._mapped[key] = _Mapped(header, fd)
-            entry.users += 1
-            return key, entry.header
-
-    def unmap(self, key: tuple[int, int]) -> None:
-        """One store of this process no longer reads the header; the last one closes the file."""
-        with self._lock:
-            entry = self._mapped[key]
-            entry.users -= 1
-            if entry.users == 0:
-                del self._mapped[key]
-                if entry.header is not None:
-                    entry.header.close()
-                os.close(entry.fd)
-
-
-_WAL_HEADERS = _WalHeaders()
-
-
-def _make_private(path: Path) -> None:
-    """The store and its -wal and -shm files are 0600: they hold every Run's env (README,
-    "Security"). SQLite gives the -wal and -shm files the database file's mode, so the database
-    file is created 0600 before SQLite opens it; an older store's looser files are tightened.
-    By path, never through a descriptor of our own: closing one would drop the locks SQLite holds
-    on the file in this process (_WalHeaders)."""
-    with contextlib.suppress(FileExistsError):
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
-    for name in (str(path), f"{path}-wal", f"{path}-shm"):
-        tighten(Path(name))
-
-
-def _run(row: sqlite3.Row) -> Run:
-    values = dict(row)
-    values["env"] = json.loads(values["env"])
-    values["outputs"] = json.loads(values["outputs"])
-    values["cancel_in_flight"] = bool(values["cancel_in_flight"])
-    return Run(**values)
-
-
-class RunStore:
-    """Runs and pods in one SQLite database (WAL); safe to share between threads and processes."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._local = threading.local()
-        _make_private(path)
-        try:
-            db = self._connection()
-            problems = self._problems(db)
-            if not problems:
-                db.executescript(_SCHEMA)  # idempotent; executescript commits by itself
-                self._add_missing_columns(db)
-        except sqlite3.DatabaseError as exc:
-            problems = [str(exc)]
-        if problems:
-            if getattr(self._local, "db", None) is not None:
-                self._local.db.close()
-            raise StoreDamaged(f"{path}: the Run store is damaged: {'; '.join(problems)} (SQLite)")
-        # While a connection of ours is open, SQLite keeps the -shm file that _wal_header maps
-        # (only the last connection to close removes it): this one stays open as long as we do.
-        self._keeper = db
-        # Only a store in WAL mode writes the header; a -shm file left by an earlier one would
-        # never change again.
-        in_wal = db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-        mapped = _WAL_HEADERS.map(path) if in_wal else None
-        self._wal_header = mapped[1] if mapped else None
-        # Given back when the store is closed (after its connection) or collected.
-        self._unmap = weakref.finalize(self, _WAL_HEADERS.unmap, mapped[0]) if mapped else None
-        self._shared: tuple[bytes, dict[Any, Any]] = (b"", {})  # fresh's cache, with its header
-
-    @staticmethod
-    def _problems(db: sqlite3.Connection) -> list[str]:
-        """What SQLite finds wrong with the file (``PRAGMA quick_check``: every page and index
-        entry well formed; a few milliseconds for thousands of Runs), its first three findings;
-        none if it is sound. A damaged store would otherwise start, list its Runs, and then fail
-        every read that reaches a bad page."""
-        problems = [str(row[0]) for row in db.execute("PRAGMA quick_check(3)")]
-        return [] if problems == ["ok"] else problems
-
-    @staticmethod
-    def _add_missing_columns(db: sqlite3.Connection) -> None:
-        """A store written by an older fnkernel lacks the newer columns; add them, with the
-        schema's defaults, so no Run is lost to an upgrade."""
-        have = {row["name"] for row in db.execute("PRAGMA table_info(runs)")}
-        table = _SCHEMA.split("CREATE TABLE IF NOT EXISTS runs (", 1)[1].split(");", 1)[0]
-        for line in table.strip().splitlines():
-            column = line.strip().rstrip(",")
-            if column.split()[0] not in have:
-                db.execute(f"ALTER TABLE runs ADD COLUMN {column}")
-
-    def _connection(self) -> sqlite3.Connection:
-        db: sqlite3.Connection | None = getattr(self._local, "db", None)
-        if db is None:
-            # autocommit mode: every transaction is an explicit BEGIN IMMEDIATE (writers never
-            # deadlock upgrading a read lock); busy_timeout covers the other processes' writes.
-            db = sqlite3.connect(self.path, isolation_level=None, timeout=10)
-            db.row_factory = sqlite3.Row
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=NORMAL")
-            self._local.db = db
-        return db
-
-    @contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
-        db = self._connection()
-        self._local.seen = None  # our writes do not change data_version (fresh's fallback)
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            yield db
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-        db.execute("COMMIT")
-
-    def close(self) -> None:
-        db = getattr(self._local, "db", None)
-        if db is not None:
-            if db is self._keeper:
-                self._wal_header = None  # the file it maps may now go away
-            db.close()
-            self._local.db = None
-            if db is self._keeper and self._unmap is not None:
-                self._unmap()  # after the connection: see _WalHeaders
+class RunStore(Protocol):
+    """Where Runs and Runtime Pods are kept; shared by every component, safe between threads."""
 
     def version(self) -> int:
-        """A number that changes whenever another connection (another thread or process) has
-        committed a write since this thread last asked: a cheap "has anything changed?"
-        (SQLite's data_version, a few microseconds)."""
-        return int(self._connection().execute("PRAGMA data_version").fetchone()[0])
+        """A number that changes whenever another writer has written since this thread last
+        asked: a cheap "has anything changed?" for the loops that poll the store."""
+        ...
+
+    def close(self) -> None: ...
 
     # Runs
 
     def insert(self, run: Run) -> None:
-        values = asdict(run)
-        values["env"] = json.dumps(run.env, sort_keys=True)
-        values["outputs"] = json.dumps(run.outputs, sort_keys=True)
-        columns = ", ".join(values)
-        marks = ", ".join(f":{key}" for key in values)
-        try:
-            with self._transaction() as db:
-                db.execute(f"INSERT INTO runs ({columns}) VALUES ({marks})", values)
-        except sqlite3.IntegrityError:
-            raise RunAlreadyExists(f"a run named {run.name!r} already exists") from None
+        """Add a new Run; RunAlreadyExists if its name is taken."""
+        ...
 
     def get(self, name: str) -> Run:
-        row = self._connection().execute("SELECT * FROM runs WHERE name = ?", (name,)).fetchone()
-        if row is None:
-            raise RunNotFound(f"no run named {name!r}")
-        return _run(row)
+        """The Run named `name`; RunNotFound if there is none."""
+        ...
 
-    def get_uid(self, uid: str) -> Run | None:
-        row = self._connection().execute("SELECT * FROM runs WHERE uid = ?", (uid,)).fetchone()
-        return None if row is None else _run(row)
-
-    def fresh(self) -> dict[Any, Any]:
-        """A cache of rows, emptied whenever anything was written since it was last asked for
-        (our own writes too): reads that must be current on every call — the proxy hop's
-        fence, the gateway's route — read the row only when it may have changed.
-
-        Whether anything was written is the WAL-index header, read from shared memory with no
-        SQL statement and no system call (docs/architecture.md, "The proxy hop"). Every thread
-        shares the one cache of the header it saw: a row read once after a write serves every
-        thread until the next. Without the header, it is this thread's cache, emptied when its
-        connection's ``version`` changes (a number only that connection can compare)."""
-        header = self._wal_header
-        if header is None:
-            version = self.version()
-            if getattr(self._local, "seen", None) != version:
-                self._local.seen, self._local.cache = version, {}
-            cache: dict[Any, Any] = self._local.cache
-            return cache
-        stamp = header[:_WAL_HEADER_BYTES]
-        seen, cache = self._shared
-        if seen != stamp:
-            # A thread that saw the older header keeps filling the older dict, which no later
-            # call takes: a row read after a write is only ever kept for a header at least as new.
-            cache = {}
-            self._shared = (stamp, cache)
-        return cache
-
-    def _cached(self, key: tuple[str, str], read: Callable[[], Any]) -> Any:
-        cache = self.fresh()
-        if key not in cache:
-            cache[key] = read()
-        return cache[key]
-
-    def get_uid_fresh(self, uid: str) -> Run | None:
-        """``get_uid`` through ``fresh``."""
-        run: Run | None = self._cached(("uid", uid), lambda: self.get_uid(uid))
-        return run
+    def get_uid(self, uid: str) -> Run | None: ...
 
     def get_fresh(self, name: str) -> Run:
-        """``get`` through ``fresh`` (RunNotFound is not kept)."""
-        run: Run = self._cached(("name", name), lambda: self.get(name))
-        return run
+        """``get``, from a cache emptied by every write: for reads that must be current on every
+        call (the gateway's route)."""
+        ...
 
-    def pod_fresh(self, name: str) -> Pod | None:
-        """``pod`` through ``fresh``; whether it is alive is the caller's to ask, now."""
-        pod: Pod | None = self._cached(("pod", name), lambda: self.pod(name))
-        return pod
+    def get_uid_fresh(self, uid: str) -> Run | None:
+        """``get_uid``, from the same cache (the proxy hop's fence)."""
+        ...
 
     def runs(self, *, pod: str | None = None, phase: str | None = None) -> list[Run]:
-        query, params = "SELECT * FROM runs WHERE 1=1", list[str]()
-        if pod is not None:
-            query += " AND assigned_pod = ?"
-            params.append(pod)
-        if phase is not None:
-            query += " AND phase = ?"
-            params.append(phase)
-        rows = self._connection().execute(query + " ORDER BY created_at", params).fetchall()
-        return [_run(row) for row in rows]
+        """Every Run, oldest first; only those assigned to `pod`, or in `phase`, when given."""
+        ...
 
     def update(self, run: Run, *, expect_phase: str | None = None, **changes: Any) -> Run | None:
-        """Write `changes` to the status if the Run still has `run`'s attempt and assigned pod
-        (and `expect_phase`, when given). Returns the updated Run, or None if it moved on."""
-        if "outputs" in changes:
-            changes["outputs"] = json.dumps(changes["outputs"], sort_keys=True)
-        assignments = ", ".join(f"{key} = :{key}" for key in changes)
-        fence = "uid = :_uid AND attempt = :_attempt AND assigned_pod = :_pod"
-        params = {**changes, "_uid": run.uid, "_attempt": run.attempt, "_pod": run.assigned_pod}
-        if expect_phase is not None:
-            fence += " AND phase = :_phase"
-            params["_phase"] = expect_phase
-        with self._transaction() as db:
-            cursor = db.execute(f"UPDATE runs SET {assignments} WHERE {fence}", params)
-            if cursor.rowcount == 0:
-                return None
-            row = db.execute("SELECT * FROM runs WHERE uid = ?", (run.uid,)).fetchone()
-        return _run(row)
+        """The fenced write: `changes` to the Run's status if it still has `run`'s attempt and
+        assigned pod (and `expect_phase`, when given). The updated Run, or None if it moved on."""
+        ...
 
-    def delete(self, uid: str) -> None:
-        with self._transaction() as db:
-            db.execute("DELETE FROM runs WHERE uid = ?", (uid,))
+    def delete(self, uid: str) -> None: ...
 
     def load_by_pod(self) -> dict[str, int]:
         """How many live (not Failed/Deleted) Runs each pod holds: the scheduler's load."""
-        rows = self._connection().execute(
-            "SELECT assigned_pod, COUNT(*) FROM runs WHERE phase NOT IN (?, ?) "
-            "GROUP BY assigned_pod",
-            (FAILED, DELETED),
-        )
-        return {pod: count for pod, count in rows}
+        ...
 
-    # Pods
+    # Runtime Pods
 
     def heartbeat(self, name: str, runtime: str, address: str, healthy: bool) -> None:
-        with self._transaction() as db:
-            db.execute(
-                "INSERT INTO pods (name, runtime, address, healthy, heartbeat) "
-                "VALUES (?, ?, ?, ?, ?) ON CONFLICT(name) DO UPDATE SET runtime = excluded.runtime, "
-                "address = excluded.address, healthy = excluded.healthy, "
-                "heartbeat = excluded.heartbeat",
-                (name, runtime, address, int(healthy), time.time()),
-            )
+        """A pod's runtimed says it is alive (and whether its Runtime Server answers)."""
+        ...
 
-    def pods(self, runtime: str | None = None) -> list[Pod]:
-        query, params = "SELECT * FROM pods", []
-        if runtime is not None:
-            query, params = query + " WHERE runtime = ?", [runtime]
-        rows = self._connection().execute(query + " ORDER BY name", params).fetchall()
-        return [
-            Pod(row["name"], row["runtime"], row["address"], bool(row["healthy"]), row["heartbeat"])
-            for row in rows
-        ]
+    def pods(self, runtime: str | None = None) -> list[Pod]: ...
 
-    def pod(self, name: str) -> Pod | None:
-        return next((pod for pod in self.pods() if pod.name == name), None)
+    def pod(self, name: str) -> Pod | None: ...
+
+    def pod_fresh(self, name: str) -> Pod | None:
+        """``pod``, from the cache of ``get_fresh``."""
+        ...

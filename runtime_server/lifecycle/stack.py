@@ -20,7 +20,7 @@ from typing import IO
 from fnkernel.adapters import runtimes
 from fnkernel.runtime_server import daemon, logs, tokens, wire
 from fnkernel.runtime_server.daemon import Child, spawn
-from fnkernel.runtime_server.lifecycle.runs import STORE_FILE, RunStore
+from fnkernel.runtime_server.lifecycle.sqlite import STORE_FILE, SqliteRunStore
 from fnkernel.system.private import open_private, private_dir, private_tempdir, sweep
 
 LOG = logging.getLogger("fnkernel.up")
@@ -134,7 +134,7 @@ class Stack:
             private_dir(directory)
         self._sockets = self._socket_dir()
         # StoreDamaged, said here, before any component starts on a store it cannot use.
-        RunStore(self.state_dir / STORE_FILE).close()
+        SqliteRunStore(self.state_dir / STORE_FILE).close()
         chosen = tokens.gateway_token(
             self.gateway_listen, self.state_dir, token_file=self.token_file, no_token=self.no_token
         )

@@ -15,7 +15,8 @@ import pytest
 
 from fnkernel.runtime_server.errors import InvalidField, NoRuntimePod, RunAlreadyExists, RunNotFound
 from fnkernel.runtime_server.lifecycle.controlplane import ControlPlane, RetryPolicy
-from fnkernel.runtime_server.lifecycle.runs import POD_GRACE_SECONDS, Run, RunStore
+from fnkernel.runtime_server.lifecycle.runs import POD_GRACE_SECONDS, Run
+from fnkernel.runtime_server.lifecycle.sqlite import SqliteRunStore
 from fnkernel.runtime_server.wire import DELETED, DELETING, FAILED, IDLE, PENDING, READY, RETRYING
 from tests.support import wait_until
 
@@ -27,7 +28,7 @@ def plane(tmp_path: Path) -> ControlPlane:
     workspace = tmp_path / "workspace"
     workspace.mkdir()
     return ControlPlane(
-        RunStore(tmp_path / "runs.db"),
+        SqliteRunStore(tmp_path / "runs.db"),
         workspace,
         policy=RetryPolicy(max_attempts=3, base_backoff=0.0, max_backoff=0.0),
     )
@@ -58,7 +59,7 @@ def test_create_copies_the_source_and_starts_at_attempt_1(plane: ControlPlane) -
     working_dir = Path(run.working_dir)
     assert working_dir.parent == plane.workspace_root
     assert (working_dir / "lib" / "util.py").read_text() == "X = 1\n"
-    again = RunStore(plane.store.path).get("fn")  # another connection, as after a restart
+    again = SqliteRunStore(plane.store.path).get("fn")  # another connection, as after a restart
     assert again == run
 
 
@@ -170,7 +171,7 @@ def test_backoff_is_exponential_with_a_cap() -> None:
 
 def test_retry_waits_out_the_backoff(tmp_path: Path) -> None:
     plane = ControlPlane(
-        RunStore(tmp_path / "runs.db"), tmp_path, policy=RetryPolicy(base_backoff=60)
+        SqliteRunStore(tmp_path / "runs.db"), tmp_path, policy=RetryPolicy(base_backoff=60)
     )
     alive(plane, "python-0")
     run = plane.store.get_uid(create(plane))
@@ -230,7 +231,7 @@ def test_the_loop_notices_a_heartbeat_running_out_with_no_pass_every_tick(
     run = plane.store.update(plane.store.get_uid(create(plane)), phase=READY)  # type: ignore[arg-type]
     assert run is not None
     stale_in_one_second = time.time() - POD_GRACE_SECONDS + 1.0
-    RunStore(plane.store.path)._connection().execute(
+    SqliteRunStore(plane.store.path)._connection().execute(
         "UPDATE pods SET heartbeat = ?", (stale_in_one_second,)
     )
     passes = counted_passes(plane)
@@ -243,7 +244,7 @@ def test_the_loop_notices_a_heartbeat_running_out_with_no_pass_every_tick(
         # The first pass, the one when the heartbeat ran out, and the one after its own write.
         assert len(passes) <= 4, [round(t - passes[0], 2) for t in passes]
         # A write by another connection is seen in a tick or so, with nothing due by time.
-        RunStore(plane.store.path).update(moved, phase=DELETED)
+        SqliteRunStore(plane.store.path).update(moved, phase=DELETED)
         wait_until(lambda: plane.store.get_uid(run.uid) is None, timeout=5)
     finally:
         plane.stop()
@@ -253,7 +254,7 @@ def test_the_loop_retries_when_the_backoff_ends_with_no_write_to_wake_it(
     tmp_path: Path,
 ) -> None:
     plane = ControlPlane(
-        RunStore(tmp_path / "runs.db"),
+        SqliteRunStore(tmp_path / "runs.db"),
         tmp_path,
         policy=RetryPolicy(base_backoff=1.0, max_backoff=1.0),
     )
@@ -288,7 +289,7 @@ def test_store_version_changes_with_another_connections_write(plane: ControlPlan
     # again, so a write by any other connection (another process) must change it.
     seen = plane.store.version()
     assert plane.store.version() == seen  # nothing written meanwhile
-    other = RunStore(plane.store.path)
+    other = SqliteRunStore(plane.store.path)
     other.heartbeat("python-9", "python", "unix:/nowhere", True)
     assert plane.store.version() != seen
 
@@ -297,7 +298,7 @@ def test_wait_settled_sees_another_processes_write_at_once(plane: ControlPlane) 
     alive(plane, "python-0")
     files = {"handler.py": "def handle(e):\n    return e\n"}
     run = plane.create_run(name="fn", runtime="python", handler="handler.handle", files=files)
-    other = RunStore(plane.store.path)
+    other = SqliteRunStore(plane.store.path)
     threading.Timer(0.2, lambda: other.update(run, phase=READY)).start()
     started = time.monotonic()
     assert plane.wait_settled("fn", timeout=10).phase == READY
@@ -305,7 +306,7 @@ def test_wait_settled_sees_another_processes_write_at_once(plane: ControlPlane) 
 
 
 def test_fresh_reads_see_every_write_their_own_and_others(plane: ControlPlane) -> None:
-    # RunStore.fresh: the proxy hop's fence reads through it on every call, so a write by this
+    # SqliteRunStore.fresh: the proxy hop's fence reads through it on every call, so a write by this
     # thread (its own connection) and by any other connection must both show at once.
     alive(plane, "python-0")
     files = {"handler.py": "def handle(e):\n    return e\n"}
@@ -315,7 +316,7 @@ def test_fresh_reads_see_every_write_their_own_and_others(plane: ControlPlane) -
     own = store.update(run, phase=READY)
     assert own is not None
     assert store.get_uid_fresh(run.uid) == own and store.get_fresh("fn") == own
-    other = RunStore(store.path).update(own, phase=IDLE)
+    other = SqliteRunStore(store.path).update(own, phase=IDLE)
     assert other is not None
     assert store.get_uid_fresh(run.uid) == other and store.get_fresh("fn") == other
     assert store.pod_fresh("python-0") is not None and store.pod_fresh("nowhere") is None
@@ -359,7 +360,7 @@ def test_a_row_read_by_one_thread_serves_every_thread_until_the_next_write(
         return statements
 
     assert read_in_a_new_thread() == []  # served from the first thread's read
-    written = RunStore(store.path).update(run, message="written elsewhere")
+    written = SqliteRunStore(store.path).update(run, message="written elsewhere")
     assert written is not None
     assert read_in_a_new_thread() == [f"SELECT * FROM runs WHERE uid = '{run.uid}'"]
     assert store.get_uid_fresh(run.uid) == written  # and that read serves this thread
@@ -372,8 +373,8 @@ def test_fresh_reads_see_a_later_write_when_the_store_was_opened_by_a_finished_t
     # a thread's connection closes when the thread ends: the store keeps the one it was opened
     # with, so the file it maps stays the one every later writer writes.
     run = create_ready(plane)
-    opened: list[RunStore] = []
-    opener = threading.Thread(target=lambda: opened.append(RunStore(plane.store.path)))
+    opened: list[SqliteRunStore] = []
+    opener = threading.Thread(target=lambda: opened.append(SqliteRunStore(plane.store.path)))
     opener.start()
     opener.join()
     gc.collect()  # what closes the finished thread's connection
@@ -400,7 +401,7 @@ print(struct.unpack("hhqqi", fcntl.fcntl(fd, fcntl.F_GETLK, probe))[0] != fcntl.
 """
 
 
-def shm_in_use(store: RunStore) -> bool:
+def shm_in_use(store: SqliteRunStore) -> bool:
     probe = [sys.executable, "-c", SHM_IN_USE, str(store.path)]
     answer = subprocess.run(probe, capture_output=True, text=True, check=True, timeout=60)
     return answer.stdout.strip() == "True"
@@ -410,12 +411,12 @@ def test_an_open_store_keeps_its_shm_file_marked_in_use(tmp_path: Path) -> None:
     # Reading the WAL-index header must not cost the store SQLite's lock on the -shm file:
     # without it, the next process to open the store truncated the file under the others, and a
     # runtimed touching the WAL index through SQLite died of SIGBUS.
-    store = RunStore(tmp_path / "runs.db")
+    store = SqliteRunStore(tmp_path / "runs.db")
     store.heartbeat("python-0", "python", "unix:/nowhere", True)
     assert store._wal_header is not None  # the header is mapped: the case that lost the lock
     assert shm_in_use(store)
     # A second store of the same file in this process, opened and closed, leaves it so too.
-    second = RunStore(store.path)
+    second = SqliteRunStore(store.path)
     assert second.pod_fresh("python-0") is not None
     second.close()
     del second

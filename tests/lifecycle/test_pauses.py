@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from fnkernel.runtime_server.client import Client
-from fnkernel.runtime_server.lifecycle.runs import RunStore
+from fnkernel.runtime_server.lifecycle.sqlite import SqliteRunStore
 from fnkernel.runtime_server.lifecycle.stack import Stack
 from tests.support import SLOW_PY, http_call, wait_until
 
@@ -49,7 +49,7 @@ class Watch:
     def __init__(self, store_path: Path, name: str) -> None:
         self.seen: set[tuple[str, int]] = set()
         self._stop = threading.Event()
-        self._store = RunStore(store_path)
+        self._store = SqliteRunStore(store_path)
         self._name = name
         self._thread = threading.Thread(target=self._watch, daemon=True)
         self._thread.start()
@@ -86,7 +86,7 @@ def heartbeat_after(stack: Stack, moment: float) -> Callable[[], bool]:
     """True once the pod's runtimed has written a heartbeat after `moment` (time.time())."""
 
     def written() -> bool:
-        store = RunStore(stack.state_dir / "runs.db")
+        store = SqliteRunStore(stack.state_dir / "runs.db")
         try:
             pod = store.pod("python-0")
             return pod is not None and pod.heartbeat > moment

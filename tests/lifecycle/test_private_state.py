@@ -18,7 +18,7 @@ import pytest
 
 from fnkernel.runtime_server import tokens
 from fnkernel.runtime_server.daemon import spawn
-from fnkernel.runtime_server.lifecycle.runs import RunStore
+from fnkernel.runtime_server.lifecycle.sqlite import SqliteRunStore
 from fnkernel.runtime_server.lifecycle.stack import Stack
 from fnkernel.system.private import NotPrivate, private_dir
 from tests.support import wait_until
@@ -131,7 +131,7 @@ def test_an_older_stores_loose_files_are_made_0600(tmp_path: Path) -> None:
     files = [path, Path(f"{path}-wal"), Path(f"{path}-shm")]
     for file in files:
         file.chmod(0o644)
-    store = RunStore(path)
+    store = SqliteRunStore(path)
     try:
         assert [mode(file) for file in files] == [0o600] * 3
     finally:

@@ -21,8 +21,9 @@ from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from fnkernel.runtime_server.function_runtime.server import RuntimeServer
 from fnkernel.runtime_server.lifecycle.controlplane import ControlPlane, RetryPolicy
-from fnkernel.runtime_server.lifecycle.runs import Run, RunStore
+from fnkernel.runtime_server.lifecycle.runs import Run
 from fnkernel.runtime_server.lifecycle.runtimed import UNSUPPORTED, Runtimed, registration_digest
+from fnkernel.runtime_server.lifecycle.sqlite import SqliteRunStore
 from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS, CancellableCalls
 from fnkernel.runtime_server.wire import (
     DELETED,
@@ -45,7 +46,7 @@ POD = "python-0"
 
 @dataclass
 class Pod:
-    store: RunStore
+    store: SqliteRunStore
     control_plane: ControlPlane
     runtimed: Runtimed
     proxy: pb_grpc.FunctionRuntimeStub
@@ -75,7 +76,7 @@ def _pod(tmp_path: Path, *, oneshot_only: bool = False) -> Iterator[Pod]:
     workspace.mkdir()
     server = RuntimeServer("python", workspace, oneshot_only=oneshot_only)
     server_address = server.start(f"unix:{tmp_path}/server.sock")
-    store = RunStore(tmp_path / "runs.db")
+    store = SqliteRunStore(tmp_path / "runs.db")
     runtimed = Runtimed(
         store, pod=POD, runtime="python", server_address=server_address, poll_interval=0.2
     )
@@ -397,7 +398,7 @@ def test_a_register_the_server_does_not_answer_repeats_the_same_attempt_until_it
     # attempt registers once the server answers.
     workspace = tmp_path / "workspace"
     workspace.mkdir()
-    store = RunStore(tmp_path / "runs.db")
+    store = SqliteRunStore(tmp_path / "runs.db")
     listen = f"unix:{tmp_path}/server.sock"
     first = RuntimeServer("python", workspace)
     first.start(listen)

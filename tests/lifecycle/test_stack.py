@@ -23,7 +23,8 @@ from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from fnkernel.runtime_server.client import Client
 from fnkernel.runtime_server.daemon import Prewarmed, serve_args, spawn
-from fnkernel.runtime_server.lifecycle.runs import POD_GRACE_SECONDS, RunStore
+from fnkernel.runtime_server.lifecycle.runs import POD_GRACE_SECONDS
+from fnkernel.runtime_server.lifecycle.sqlite import SqliteRunStore
 from fnkernel.runtime_server.lifecycle.stack import Stack
 from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS
 from tests.support import ECHO_PY, SLOW_PY, http_call, pid_alive, wait_until
@@ -470,7 +471,7 @@ def test_a_create_cut_off_by_a_gateway_crash_can_be_repeated(stack_factory: Stac
         target=lambda: answers.append(_answer(stack.gateway_address, body)), daemon=True
     )
     first.start()
-    store = RunStore(stack.state_dir / "runs.db")
+    store = SqliteRunStore(stack.state_dir / "runs.db")
     try:
         wait_until(lambda: any(run.name == "cut" for run in store.runs()), timeout=10)
         uid = store.get("cut").uid

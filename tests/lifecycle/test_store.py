@@ -16,14 +16,15 @@ import pytest
 
 from fnkernel.runtime_server.daemon import spawn
 from fnkernel.runtime_server.errors import StoreDamaged
-from fnkernel.runtime_server.lifecycle.runs import Run, RunStore
+from fnkernel.runtime_server.lifecycle.runs import Run
+from fnkernel.runtime_server.lifecycle.sqlite import SqliteRunStore
 from fnkernel.runtime_server.wire import PENDING
 from tests.support import http_call
 
 
 def filled_store(path: Path, runs: int = 300) -> None:
     """A store with enough Runs to span many pages, closed (its WAL folded into the file)."""
-    store = RunStore(path)
+    store = SqliteRunStore(path)
     for n in range(runs):
         store.insert(
             Run(uid=f"uid-{n}", name=f"run-{n}", runtime="python", handler="h.handle",
@@ -74,7 +75,7 @@ def test_a_damaged_store_is_found_by_quick_check_not_by_the_first_read(tmp_path:
     filled_store(path)
     scribble(path)
     with pytest.raises(StoreDamaged, match=r"the Run store is damaged: .+ \(SQLite\)"):
-        RunStore(path)
+        SqliteRunStore(path)
 
 
 def test_a_component_that_does_not_start_says_why_not_only_in_its_log(tmp_path: Path) -> None:
@@ -98,7 +99,7 @@ def test_a_component_that_does_not_start_says_why_not_only_in_its_log(tmp_path: 
 def test_a_sound_store_opens_and_keeps_every_run(tmp_path: Path) -> None:
     path = tmp_path / "runs.db"
     filled_store(path, runs=50)
-    store = RunStore(path)
+    store = SqliteRunStore(path)
     try:
         assert len(store.runs()) == 50
     finally:
