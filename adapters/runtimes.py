@@ -36,8 +36,8 @@ class BuiltinRuntime:
     traceback: Traceback | None = None  # None: its failures carry no frames to map
 
     def adapter(self) -> type[Adapter]:
-        module, _, name = self.adapter_path.partition(":")
-        cls: type[Adapter] = getattr(importlib.import_module(module), name)
+        name = self.adapter_path.partition(":")[2]
+        cls: type[Adapter] = getattr(importlib.import_module(self.adapter_module), name)
         return cls
 
     @property
