@@ -99,7 +99,8 @@ def storage_full(exc: BaseException) -> StorageFull | None:
         where = f" writing {exc.filename}" if exc.filename else ""
         reason = f"{errno.errorcode[exc.errno]}: {exc.strerror}"
     elif getattr(exc, "sqlite_errorcode", None) == _SQLITE_FULL:
-        where, reason = " writing the Run store", f"SQLITE_FULL: {exc}"
+        # SQLite's name for a write the disk refused: the same ENOSPC (or EDQUOT) underneath.
+        where, reason = " writing the Run store", f"SQLITE_FULL, SQLite's ENOSPC: {exc}"
     else:
         return None
     return StorageFull(

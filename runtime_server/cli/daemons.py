@@ -73,11 +73,13 @@ def _runtimed(args: argparse.Namespace) -> int:
 
     logs.configure(logging.DEBUG if args.verbose else logging.INFO)
     state_dir = private_dir(state_dir_of(args))
+    workspace = Path(args.workspace) if args.workspace else state_dir / "workspace" / args.pod
     runtimed = Runtimed(
         SqliteRunStore(state_dir / STORE_FILE),
         pod=args.pod,
         runtime=args.runtime,
         server_address=args.server,
+        workspace=private_dir(workspace),
         poll_interval=args.poll_interval,
     )
     try:
@@ -138,8 +140,7 @@ def _gateway(args: argparse.Namespace) -> int:
     access = Access(
         token, frozenset(args.allow_origin), frozenset(h.lower() for h in args.allow_host)
     )
-    workspace_root = private_dir(state_dir / "workspace")
-    control_plane = ControlPlane(SqliteRunStore(state_dir / STORE_FILE), workspace_root)
+    control_plane = ControlPlane(SqliteRunStore(private_dir(state_dir) / STORE_FILE))
 
     async def serve() -> None:
         gateway = Gateway(
@@ -346,6 +347,12 @@ def register(commands: Any) -> None:
         default=1.0,
         metavar="SECONDS",
         help="FunctionStatus cadence (default %(default)s)",
+    )
+    runtimed.add_argument(
+        "--workspace",
+        metavar="DIR",
+        help="where it writes its Runs' files; inside its server's --workspace-root "
+        "(default: STATE_DIR/workspace/POD)",
     )
     add_state_dir(runtimed)
     runtimed.add_argument("-v", "--verbose", action="store_true")

@@ -22,12 +22,20 @@ def serve_args(runtime: str, listen: str, workspace_root: Path, *extra: str) -> 
 
 
 def runtimed_args(
-    pod: str, runtime: str, server: str, listen: str, poll_interval: float, state_dir: Path
+    pod: str,
+    runtime: str,
+    server: str,
+    listen: str,
+    poll_interval: float,
+    state_dir: Path,
+    workspace: Path,
 ) -> list[str]:
-    """``fnkernel runtimed``: the agent of one Runtime Pod, beside its server."""
+    """``fnkernel runtimed``: the agent of one Runtime Pod, beside its server; it writes its
+    Runs' files into `workspace`."""
     return [
         "runtimed", "--pod", pod, "--runtime", runtime, "--server", server, "--listen", listen,
         "--poll-interval", str(poll_interval), "--state-dir", str(state_dir),
+        "--workspace", str(workspace),
     ]  # fmt: skip
 
 

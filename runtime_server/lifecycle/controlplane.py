@@ -1,7 +1,8 @@
 """The control plane (docs/protocol.md, "Runs"): Run creation and deletion, the scheduler and the retry engine.
 
 It writes Runs to the store and reads what each pod's runtimed reports back; it never calls a
-Runtime Server (registration is runtimed's job, docs/protocol.md). In the embedded default it runs inside
+Runtime Server (registration is runtimed's job, docs/protocol.md) and writes no file: a Run's
+files go into the store with it, and the pod's runtimed writes them where its server reads them. In the embedded default it runs inside
 the gateway process, on a background thread, with its loop ticking every `tick` seconds.
 """
 
@@ -11,7 +12,7 @@ import json
 import logging
 import math
 import re
-import shutil
+import tempfile
 import threading
 import time
 import uuid
@@ -123,13 +124,11 @@ class ControlPlane:
     def __init__(
         self,
         store: RunStore,
-        workspace_root: Path,
         *,
         policy: RetryPolicy | None = None,
         tick: float = 0.1,
     ) -> None:
         self.store = store
-        self.workspace_root = workspace_root.resolve()
         self.policy = policy or RetryPolicy()
         self.tick = tick
         self._stop = threading.Event()
@@ -149,7 +148,7 @@ class ControlPlane:
         source: str = "",
         memory_mb: int = 0,
     ) -> Run:
-        """Validate, copy the source into a fresh working dir, assign a pod; phase Pending.
+        """Validate, assign a pod, and store the Run with its files; phase Pending.
 
         Idempotent: a Run of that name created with the same spec (runtime, handler, files, env,
         idle timeout) is returned as it is — a client that lost the answer to its create (the
@@ -160,6 +159,10 @@ class ControlPlane:
         except runtimes.UnknownRuntime as exc:
             raise InvalidField("runtime", str(exc)) from None
         checked = check_files(files)
+        # The runtime's handler rules, against a directory the files cannot reach (they are text
+        # under relative paths, so none is a symlink): what the path in the handler names.
+        with tempfile.TemporaryDirectory(prefix="fnkernel-check-") as empty:
+            check_handler(adapter, handler, Path(empty))
         env = limits.check_env(env or {})
         idle = (
             limits.check_idle_timeout(idle_timeout_seconds) or limits.DEFAULT_IDLE_TIMEOUT_SECONDS
@@ -172,44 +175,29 @@ class ControlPlane:
         pod = self.schedule(runtime)
         if not pod:
             raise NoRuntimePod(f"no live Runtime Pod serves the {runtime} runtime")
-        uid = str(uuid.uuid4())
-        working_dir = self.workspace_root / uid
+        run = Run(
+            uid=str(uuid.uuid4()),
+            name=name,
+            runtime=runtime,
+            handler=handler,
+            source=source or f"{len(checked)} file(s)",
+            env=env,
+            idle_timeout_seconds=idle,
+            phase=PENDING,
+            attempt=1,  # docs/protocol.md: the initial registration is attempt 1
+            assigned_pod=pod,
+            created_at=time.time(),
+            spec_digest=digest,
+            memory_mb=memory,
+        )
         try:
-            for path, text in checked.items():
-                target = working_dir / path
-                target.parent.mkdir(parents=True, exist_ok=True)
-                try:
-                    target.write_text(text)
-                except OSError as exc:  # a failed write (ENOSPC) names no file by itself
-                    raise OSError(exc.errno, exc.strerror, str(target)) from None
-            check_handler(adapter, handler, working_dir)
-            run = Run(
-                uid=uid,
-                name=name,
-                runtime=runtime,
-                handler=handler,
-                source=source or f"{len(checked)} file(s)",
-                working_dir=str(working_dir),
-                env=env,
-                idle_timeout_seconds=idle,
-                phase=PENDING,
-                attempt=1,  # docs/protocol.md: the initial registration is attempt 1
-                assigned_pod=pod,
-                created_at=time.time(),
-                spec_digest=digest,
-                memory_mb=memory,
-            )
-            self.store.insert(run)
+            self.store.insert(run, {str(path): text for path, text in checked.items()})
         except RunAlreadyExists:
-            shutil.rmtree(working_dir, ignore_errors=True)
             existing = self._created_as(name, digest)  # the same create, made meanwhile
             if existing is None:
                 raise
             return existing
-        except BaseException:
-            shutil.rmtree(working_dir, ignore_errors=True)
-            raise
-        LOG.info("run %s (%s) created on %s", name, uid, pod)
+        LOG.info("run %s (%s) created on %s", name, run.uid, pod)
         return run
 
     def _created_as(self, name: str, digest: str) -> Run | None:
@@ -243,7 +231,7 @@ class ControlPlane:
     ) -> None:
         """Ask the pod's runtimed to unregister — cancelling the in-flight invocation, or
         draining it for at most `drain_timeout_millis` (0: runtimed's default) — then remove
-        the working dir."""
+        it from the store."""
         limits.check_drain_timeout(drain_timeout_millis, "drainTimeoutMs")
         run = self.store.get(name)
         # The write is fenced on attempt and pod: if the retry engine moved the Run meanwhile,
@@ -271,7 +259,6 @@ class ControlPlane:
         self._remove(run)
 
     def _remove(self, run: Run) -> None:
-        shutil.rmtree(run.working_dir, ignore_errors=True)
         self.store.delete(run.uid)
         LOG.info("run %s (%s) deleted", run.name, run.uid)
 

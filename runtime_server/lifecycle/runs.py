@@ -2,7 +2,7 @@
 run, and ``RunStore``, the one interface through which everything reads and writes it.
 
 A Run is the unit users create. Its spec {uid, name, runtime, handler, source, env,
-idle_timeout_seconds, memory_mb} never changes; its status {phase, attempt, message, outputs,
+idle_timeout_seconds, memory_mb, and its files} never changes; its status {phase, attempt, message, outputs,
 assigned_pod} is written by the control plane (scheduling, retry) and by the runtimed of the
 assigned pod (registration outcome, idle). Every status write is conditional on the attempt and
 pod the writer saw, so a late writer can never overwrite a newer decision — the same fence
@@ -10,11 +10,14 @@ docs/protocol.md puts on registration IDs, one level up.
 
 The store of the embedded runtime and ``fnkernel up`` is SQLite (``lifecycle/sqlite.py``); the
 control plane, runtimed and the gateway see only this interface (docs/architecture.md, "Seams").
+A Run's files travel in the store too: the control plane writes no directory, and the runtimed
+of the assigned pod writes them into a workspace of its own (``Runtimed.working_dir``).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -36,7 +39,6 @@ class Run:
     runtime: str
     handler: str
     source: str
-    working_dir: str
     env: dict[str, str]
     idle_timeout_seconds: int
     phase: str
@@ -123,8 +125,13 @@ class RunStore(Protocol):
 
     # Runs
 
-    def insert(self, run: Run) -> None:
-        """Add a new Run; RunAlreadyExists if its name is taken."""
+    def insert(self, run: Run, files: Mapping[str, str]) -> None:
+        """Add a new Run with its files (relative path → text); RunAlreadyExists if its name is
+        taken. Both are written or neither."""
+        ...
+
+    def files(self, uid: str) -> dict[str, str]:
+        """The files the Run was created with; RunNotFound if there is no such Run."""
         ...
 
     def get(self, name: str) -> Run:

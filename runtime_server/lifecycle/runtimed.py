@@ -8,6 +8,10 @@ bounded cadence for health and the idle timeout, and reports what happened in th
 Its own FunctionRuntime port is the **proxy hop**: InvokeFunction and FunctionStatus arrive with a
 run_uid and an empty registration_id; runtimed fills in the private active ID and calls the
 colocated server. The caller names the pod it routed to in ``x-fn-pod`` (routing fence).
+
+It shares nothing with the control plane but the Run store: it reads each Run's files from the
+store and writes them into a workspace of its own (one directory a Run, kept while the Run is
+assigned here), which is where its Runtime Server loads them from.
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ import json
 import logging
 import math
 import os
+import shutil
+import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,12 +112,31 @@ def source_tree_hash(working_dir: Path) -> str:
     return tree.hexdigest()
 
 
-def registration_digest(run: Run) -> str:
+def write_files(files: Mapping[str, str], directory: Path) -> None:
+    """Write a Run's files into `directory`, which must not exist: into a sibling first, renamed
+    into place once all are written, so a directory that exists holds every file."""
+    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        for name, text in files.items():
+            target = staging / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                target.write_text(text)
+            except OSError as exc:  # a failed write (ENOSPC) names no file by itself
+                raise OSError(exc.errno, exc.strerror, str(directory / name)) from None
+        staging.chmod(0o700)
+        staging.rename(directory)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def registration_digest(run: Run, working_dir: Path) -> str:
     """docs/protocol.md: lowercase SHA-256 of the canonical, immutable registration inputs — the resolved
     source identity, handler, environment and runtime-visible settings; never the working-dir
     path, so two working dirs with the same inputs give the same digest."""
     canonical = {
-        "source": source_tree_hash(Path(run.working_dir)),
+        "source": source_tree_hash(working_dir),
         "handler": run.handler,
         "env": run.env,
         "runtime": run.runtime,
@@ -139,13 +164,17 @@ class Runtimed:
         pod: str,
         runtime: str,
         server_address: str,
+        workspace: Path,
         poll_interval: float = 1.0,
         tick: float = 0.05,
     ) -> None:
+        """`workspace`: the directory of this pod's Runs' files, inside its server's workspace
+        root (one directory a Run, ``working_dir``)."""
         self.store = store
         self.pod = pod
         self.runtime = runtime
         self.server_address = server_address
+        self.workspace = workspace.resolve()
         self.poll_interval = poll_interval
         self.tick = tick
         self.address = ""
@@ -260,6 +289,10 @@ class Runtimed:
 
     # Reconcile: make the server match the Runs assigned to this pod
 
+    def working_dir(self, uid: str) -> Path:
+        """Where the files of Run `uid` are while it is assigned to this pod."""
+        return self.workspace / uid
+
     def reconcile(self) -> None:
         mine = {run.uid: run for run in self.store.runs(pod=self.pod)}
         with self._lock:
@@ -267,6 +300,7 @@ class Runtimed:
             gone = [uid for uid in self._active if uid not in mine]
         for uid in gone:  # reassigned elsewhere or removed: free the server's state
             self._unregister(uid, cancel=True)
+        self._remove_files(keep=mine)
         for run in mine.values():
             if run.phase == PENDING:
                 self._submit(run, self._register)
@@ -274,6 +308,37 @@ class Runtimed:
                 self._submit(run, self._delete)
             elif run.phase in (FAILED, RETRYING) and run.uid in self._active:
                 self._unregister(run.uid, cancel=True)
+
+    def _remove_files(self, keep: Mapping[str, Run]) -> None:
+        """Remove the files of every Run no longer here: reassigned elsewhere or deleted, and
+        no longer registered or being registered (a staging directory too, once its job ended)."""
+        try:
+            entries = list(self.workspace.iterdir())
+        except OSError:  # none yet, or not a directory: _materialize says so per Run
+            return
+        with self._lock:
+            held = set(self._active) | self._busy
+        for entry in entries:
+            uid = entry.name.lstrip(".").split(".", 1)[0]
+            if uid not in keep and uid not in held:
+                shutil.rmtree(entry, ignore_errors=True)
+
+    def _materialize(self, run: Run) -> Path | None:
+        """The Run's working dir, its files written from the store if they are not there yet
+        (a directory that exists is kept: the handler may have written into it). None if they
+        could not be written: the attempt failed, charged (the pod's disk, not the handler)."""
+        directory = self.working_dir(run.uid)
+        if directory.is_dir():
+            return directory
+        try:
+            self.workspace.mkdir(mode=0o700, parents=True, exist_ok=True)
+            write_files(self.store.files(run.uid), directory)
+        except RunNotFound:
+            return None  # deleted meanwhile
+        except OSError as exc:
+            self._infrastructure_failure(run, f"cannot write the run's files: {exc}")
+            return None
+        return directory
 
     def _submit(self, run: Run, action: Callable[[Run], object]) -> None:
         """Run `action(run)` on the worker pool unless a job for this Run is already queued."""
@@ -304,11 +369,14 @@ class Runtimed:
             if current is None or current.phase != expect_phase or current.assigned_pod != self.pod:
                 return None
             run = current
+            working_dir = self._materialize(run)
+            if working_dir is None:
+                return None
             digest = run.registration_digest
             if not digest:
-                digest = registration_digest(run)
+                digest = registration_digest(run, working_dir)
                 run = self.store.update(run, registration_digest=digest) or run
-            request = _registration_request(run, digest)
+            request = _registration_request(run, digest, working_dir)
             response = None
             for tries in range(1, _REGISTER_RPC_TRIES + 1):
                 try:
@@ -546,11 +614,10 @@ class Runtimed:
                 return None
             if err.code() != grpc.StatusCode.FAILED_PRECONDITION:  # stale id: it holds one
                 raise
-        if not run.registration_digest:
-            return None  # never registered by any runtimed: nothing can be held
-        response = self.server_stub.RegisterFunction(
-            _registration_request(run, run.registration_digest), timeout=90
-        )
+        if not run.registration_digest or not self.working_dir(run.uid).is_dir():
+            return None  # never registered here: nothing can be held
+        request = _registration_request(run, run.registration_digest, self.working_dir(run.uid))
+        response = self.server_stub.RegisterFunction(request, timeout=90)
         return Active(response.registration.registration_id, run.attempt, run.registration_digest)
 
     def _delete(self, run: Run) -> None:
@@ -625,11 +692,11 @@ class Runtimed:
         raise RunNotReady(f"run {run.name} is {run.phase} (attempt {run.attempt}){detail}")
 
 
-def _registration_request(run: Run, digest: str) -> pb.RegisterFunctionRequest:
+def _registration_request(run: Run, digest: str, working_dir: Path) -> pb.RegisterFunctionRequest:
     return pb.RegisterFunctionRequest(
         run_uid=run.uid,
         registration_attempt=run.attempt,
-        working_dir=run.working_dir,
+        working_dir=str(working_dir),
         handler=run.handler,
         env=run.env,
         idle_timeout_seconds=run.idle_timeout_seconds,

@@ -10,11 +10,12 @@ import contextlib
 import json
 import mmap
 import os
+import shutil
 import sqlite3
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,6 +32,8 @@ STORE_FILE = "runs.db"  # in the state dir
 _WAL_HEADER_BYTES = 48
 
 
+# runs.working_dir: where an fnkernel before 0.4 kept a Run's files ('' since they are in
+# run_files, _adopt_working_dirs).
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
     uid TEXT PRIMARY KEY,
@@ -38,7 +41,7 @@ CREATE TABLE IF NOT EXISTS runs (
     runtime TEXT NOT NULL,
     handler TEXT NOT NULL,
     source TEXT NOT NULL,
-    working_dir TEXT NOT NULL,
+    working_dir TEXT NOT NULL DEFAULT '',
     env TEXT NOT NULL,
     idle_timeout_seconds INTEGER NOT NULL,
     phase TEXT NOT NULL,
@@ -55,6 +58,10 @@ CREATE TABLE IF NOT EXISTS runs (
     spec_digest TEXT NOT NULL DEFAULT '',
     server_deaths INTEGER NOT NULL DEFAULT 0,
     memory_mb INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS run_files (
+    uid TEXT PRIMARY KEY,
+    files TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS pods (
     name TEXT PRIMARY KEY,
@@ -142,8 +149,20 @@ def _make_private(path: Path) -> None:
         tighten(Path(name))
 
 
+def _read_tree(root: Path) -> dict[str, str]:
+    """Every text file under `root` by its relative path ({} if there is no such directory)."""
+    files = {}
+    for directory, _, names in os.walk(root):
+        for name in names:
+            path = Path(directory, name)
+            with contextlib.suppress(OSError, UnicodeDecodeError):
+                files[path.relative_to(root).as_posix()] = path.read_text()
+    return files
+
+
 def _run(row: sqlite3.Row) -> Run:
     values = dict(row)
+    del values["working_dir"]
     values["env"] = json.loads(values["env"])
     values["outputs"] = json.loads(values["outputs"])
     values["cancel_in_flight"] = bool(values["cancel_in_flight"])
@@ -163,6 +182,7 @@ class SqliteRunStore:
             if not problems:
                 db.executescript(_SCHEMA)  # idempotent; executescript commits by itself
                 self._add_missing_columns(db)
+                self._adopt_working_dirs(db)
         except sqlite3.DatabaseError as exc:
             problems = [str(exc)]
         if problems:
@@ -188,7 +208,11 @@ class SqliteRunStore:
         none if it is sound. A damaged store would otherwise start, list its Runs, and then fail
         every read that reaches a bad page."""
         problems = [str(row[0]) for row in db.execute("PRAGMA quick_check(3)")]
-        return [] if problems == ["ok"] else problems
+        if problems == ["ok"]:
+            return []
+        # One finding a line; a line such as "*** in database main ***" only heads them.
+        lines = (line.strip() for problem in problems for line in problem.splitlines())
+        return [line for line in lines if line and not line.startswith("***")][:3]
 
     @staticmethod
     def _add_missing_columns(db: sqlite3.Connection) -> None:
@@ -200,6 +224,27 @@ class SqliteRunStore:
             column = line.strip().rstrip(",")
             if column.split()[0] not in have:
                 db.execute(f"ALTER TABLE runs ADD COLUMN {column}")
+
+    @staticmethod
+    def _adopt_working_dirs(db: sqlite3.Connection) -> None:
+        """A store written by an fnkernel before 0.4 has each Run's files in the directory its
+        ``working_dir`` column names, not in run_files: read them in, once, so a pod's runtimed
+        finds them in the store. A directory that is gone leaves the Run with no files (its
+        registration fails, HandlerNotFound), as it would have before."""
+        rows = db.execute(
+            "SELECT uid, working_dir FROM runs WHERE working_dir != '' "
+            "AND uid NOT IN (SELECT uid FROM run_files)"
+        ).fetchall()
+        for row in rows:
+            files = _read_tree(Path(row["working_dir"]))
+            db.execute("BEGIN IMMEDIATE")
+            db.execute(
+                "INSERT OR IGNORE INTO run_files (uid, files) VALUES (?, ?)",
+                (row["uid"], json.dumps(files, sort_keys=True)),
+            )
+            db.execute("UPDATE runs SET working_dir = '' WHERE uid = ?", (row["uid"],))
+            db.execute("COMMIT")
+            shutil.rmtree(row["working_dir"], ignore_errors=True)  # the store holds them now
 
     def _connection(self) -> sqlite3.Connection:
         db: sqlite3.Connection | None = getattr(self._local, "db", None)
@@ -243,17 +288,33 @@ class SqliteRunStore:
 
     # Runs
 
-    def insert(self, run: Run) -> None:
+    def insert(self, run: Run, files: Mapping[str, str]) -> None:
         values = asdict(run)
         values["env"] = json.dumps(run.env, sort_keys=True)
         values["outputs"] = json.dumps(run.outputs, sort_keys=True)
+        values["working_dir"] = ""  # an older store's column has no default
         columns = ", ".join(values)
         marks = ", ".join(f":{key}" for key in values)
         try:
             with self._transaction() as db:
                 db.execute(f"INSERT INTO runs ({columns}) VALUES ({marks})", values)
+                db.execute(
+                    "INSERT OR REPLACE INTO run_files (uid, files) VALUES (?, ?)",
+                    (run.uid, json.dumps(dict(files), sort_keys=True, ensure_ascii=False)),
+                )
         except sqlite3.IntegrityError:
             raise RunAlreadyExists(f"a run named {run.name!r} already exists") from None
+
+    def files(self, uid: str) -> dict[str, str]:
+        row = (
+            self._connection()
+            .execute("SELECT files FROM run_files WHERE uid = ?", (uid,))
+            .fetchone()
+        )
+        if row is None:
+            raise RunNotFound(f"no run has uid {uid}")
+        files: dict[str, str] = json.loads(row["files"])
+        return files
 
     def get(self, name: str) -> Run:
         row = self._connection().execute("SELECT * FROM runs WHERE name = ?", (name,)).fetchone()
@@ -344,6 +405,7 @@ class SqliteRunStore:
     def delete(self, uid: str) -> None:
         with self._transaction() as db:
             db.execute("DELETE FROM runs WHERE uid = ?", (uid,))
+            db.execute("DELETE FROM run_files WHERE uid = ?", (uid,))
 
     def load_by_pod(self) -> dict[str, int]:
         """How many live (not Failed/Deleted) Runs each pod holds: the scheduler's load."""

@@ -1,7 +1,7 @@
 """The whole local stack as child processes (docs/protocol.md, "Runs" ``fnkernel up``; the kernel's embedded runtime).
 
-Each Runtime Pod is a Runtime Server process plus its runtimed process; the gateway process hosts
-the control plane. Like a kubelet with ``restartPolicy: Always``, the supervisor restarts any
+Each Runtime Pod is a Runtime Server process plus its runtimed process (``LocalProvisioner``, the
+local ``PodProvisioner``); the gateway process hosts the control plane. Like a kubelet with ``restartPolicy: Always``, the supervisor restarts any
 component that dies; stopping the stack stops them all, and every child also stops itself if the
 supervising process dies (it watches its parent), so nothing is left behind.
 """
@@ -12,7 +12,7 @@ import logging
 import shutil
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -70,6 +70,77 @@ class Component:
         return self.child
 
 
+class LocalProvisioner:
+    """Runtime Pods as processes of this machine (``PodProvisioner``): pod NAME is the
+    components NAME-server and NAME-runtimed, supervised with the rest of the stack. Each pod
+    has a workspace of its own, WORKSPACE/NAME: its runtimed writes its Runs' files there, and
+    its server loads nothing from anywhere else."""
+
+    def __init__(
+        self,
+        state_dir: Path,
+        workspace_root: Path,
+        sockets: Callable[[], Path],
+        poll_interval: float,
+        components: list[Component],
+        launch: Callable[[Component], None],
+    ) -> None:
+        """`components`: the supervised list its components join; `launch`: starts one."""
+        self.state_dir = state_dir
+        self.workspace_root = workspace_root
+        self._sockets = sockets
+        self.poll_interval = poll_interval
+        self._components = components
+        self._launch = launch
+        self._pods: dict[str, str] = {}  # pod → runtime, in the order started
+
+    def start(self, runtime: str) -> str:
+        pod = f"{runtime}-{len(self.pods(runtime))}"
+        sockets = self._sockets()
+        server = f"unix:{sockets / pod}.sock"
+        workspace = private_dir(self.workspace_root / pod)
+        serve = daemon.serve_args(runtime, server, workspace)
+        listen = f"unix:{sockets / pod}.rtd.sock"
+        runtimed = daemon.runtimed_args(
+            pod, runtime, server, listen, self.poll_interval, self.state_dir, workspace
+        )
+        self._pods[pod] = runtime
+        self._launch(Component(f"{pod}-server", serve))
+        self._launch(Component(f"{pod}-runtimed", runtimed))
+        return pod
+
+    def _parts(self, pod: str) -> list[Component]:
+        if pod not in self._pods:
+            raise KeyError(pod)
+        names = (f"{pod}-runtimed", f"{pod}-server")  # the order they stop in
+        return sorted(
+            (c for c in self._components if c.name in names), key=lambda c: names.index(c.name)
+        )
+
+    def alive(self, pod: str) -> bool:
+        parts = self._parts(pod)
+        return len(parts) == 2 and all(
+            c.child is not None and c.child.proc.poll() is None for c in parts
+        )
+
+    def stop(self, pod: str, timeout: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout
+        for component in self._parts(pod):
+            self._components.remove(component)  # not restarted
+            if component.child is not None:
+                component.child.stop(max(0.1, deadline - time.monotonic()))
+            if component.log is not None:
+                component.log.close()
+                component.log = None
+
+    def address(self, pod: str) -> str:
+        runtimed = next(c for c in self._parts(pod) if c.name.endswith("-runtimed"))
+        return runtimed.child.address if runtimed.child is not None else ""
+
+    def pods(self, runtime: str | None = None) -> list[str]:
+        return [pod for pod, of in self._pods.items() if runtime in (None, of)]
+
+
 class Stack:
     def __init__(
         self,
@@ -103,9 +174,18 @@ class Stack:
         self._supervisor: threading.Thread | None = None
         self._sockets = self.state_dir
         self._private_sockets: Path | None = None  # a temp dir of ours (_socket_dir)
+        self.provisioner = LocalProvisioner(
+            self.state_dir,
+            self.workspace_root,
+            lambda: self._sockets,
+            poll_interval,
+            self.components,
+            self._start,
+        )
 
     @property
     def workspace_root(self) -> Path:
+        """Where each pod's workspace is (WORKSPACE/POD/RUN_UID: ``LocalProvisioner``)."""
         return self.state_dir / "workspace"
 
     @property
@@ -150,7 +230,7 @@ class Stack:
         try:
             for runtime, count in self.pods.items():
                 for _ in range(count):
-                    self._start_pod(runtime)
+                    self.provisioner.start(runtime)
             self._start(Component("gateway", gateway))
         except BaseException:
             self.stop()
@@ -164,28 +244,9 @@ class Stack:
         with self._lock:
             if self._stopping.is_set():
                 raise RuntimeError("the stack is stopping")
-            pod = self._start_pod(runtime)
+            pod = self.provisioner.start(runtime)
             self.pods[runtime] = self.pods.get(runtime, 0) + 1
             return pod
-
-    def pod_names(self, runtime: str) -> list[str]:
-        return [
-            c.name.removesuffix("-server")
-            for c in self.components
-            if c.name.startswith(f"{runtime}-") and c.name.endswith("-server")
-        ]
-
-    def _start_pod(self, runtime: str) -> str:
-        pod = f"{runtime}-{len(self.pod_names(runtime))}"
-        server = f"unix:{self._sockets / pod}.sock"
-        serve = daemon.serve_args(runtime, server, self.workspace_root)
-        listen = f"unix:{self._sockets / pod}.rtd.sock"
-        runtimed = daemon.runtimed_args(
-            pod, runtime, server, listen, self.poll_interval, self.state_dir
-        )
-        self._start(Component(f"{pod}-server", serve))
-        self._start(Component(f"{pod}-runtimed", runtimed))
-        return pod
 
     def _start(self, component: Component) -> None:
         self.components.append(component)

@@ -25,11 +25,8 @@ HANDLER = {"handler.py": "def handle(event):\n    return event\n"}
 
 @pytest.fixture
 def plane(tmp_path: Path) -> ControlPlane:
-    workspace = tmp_path / "workspace"
-    workspace.mkdir()
     return ControlPlane(
         SqliteRunStore(tmp_path / "runs.db"),
-        workspace,
         policy=RetryPolicy(max_attempts=3, base_backoff=0.0, max_backoff=0.0),
     )
 
@@ -51,16 +48,16 @@ def test_store_is_sqlite_in_wal_mode(plane: ControlPlane) -> None:
     assert mode == "wal"
 
 
-def test_create_copies_the_source_and_starts_at_attempt_1(plane: ControlPlane) -> None:
+def test_create_stores_the_files_and_starts_at_attempt_1(plane: ControlPlane) -> None:
+    # docs/architecture.md, "Seams": a Run's files travel in the store; the pod's runtimed
+    # writes them, the control plane writes no directory.
     alive(plane, "python-0")
     files = {"handler.py": "def handle(e):\n    return e\n", "lib/util.py": "X = 1\n"}
     run = plane.create_run(name="fn", runtime="python", handler="handler.handle", files=files)
     assert (run.phase, run.attempt, run.assigned_pod) == (PENDING, 1, "python-0")
-    working_dir = Path(run.working_dir)
-    assert working_dir.parent == plane.workspace_root
-    assert (working_dir / "lib" / "util.py").read_text() == "X = 1\n"
-    again = SqliteRunStore(plane.store.path).get("fn")  # another connection, as after a restart
-    assert again == run
+    again = SqliteRunStore(plane.store.path)  # another connection, as after a restart
+    assert again.get("fn") == run
+    assert again.files(run.uid) == files
 
 
 def test_scheduler_picks_the_least_loaded_live_pod(plane: ControlPlane) -> None:
@@ -73,17 +70,21 @@ def test_scheduler_picks_the_least_loaded_live_pod(plane: ControlPlane) -> None:
 def test_create_without_a_live_pod_is_refused_and_leaves_nothing(plane: ControlPlane) -> None:
     with pytest.raises(NoRuntimePod):
         create(plane)
-    assert list(plane.workspace_root.iterdir()) == []
+    assert plane.store.runs() == []
     with pytest.raises(RunNotFound):
         plane.store.get("fn")
 
 
-def test_a_bad_handler_is_refused_and_its_working_dir_removed(plane: ControlPlane) -> None:
+def test_a_bad_handler_is_refused_and_nothing_is_stored(plane: ControlPlane) -> None:
     alive(plane, "python-0")
     with pytest.raises(InvalidField) as caught:
         plane.create_run(name="fn", runtime="python", handler="../x.handle", files=HANDLER)
     assert caught.value.field == "handler"
-    assert list(plane.workspace_root.iterdir()) == []
+    for handler in ("../x.sh:fn", "/etc/x.sh:fn"):  # a bash script outside its working dir
+        with pytest.raises(InvalidField) as caught:
+            plane.create_run(name="fn", runtime="bash", handler=handler, files={"x.sh": ""})
+        assert caught.value.field == "handler"
+    assert plane.store.runs() == []
 
 
 def test_a_taken_name_with_another_spec_is_refused(plane: ControlPlane) -> None:
@@ -94,7 +95,7 @@ def test_a_taken_name_with_another_spec_is_refused(plane: ControlPlane) -> None:
         spec = {"name": "fn", "runtime": "python", "handler": "handler.handle", "files": HANDLER}
         with pytest.raises(RunAlreadyExists):
             plane.create_run(**{**spec, **change})  # type: ignore[arg-type]
-    assert len(list(plane.workspace_root.iterdir())) == 1
+    assert len(plane.store.runs()) == 1
 
 
 def test_a_create_repeated_with_the_same_spec_is_given_the_same_run(plane: ControlPlane) -> None:
@@ -102,7 +103,7 @@ def test_a_create_repeated_with_the_same_spec_is_given_the_same_run(plane: Contr
     alive(plane, "python-0")
     first = create(plane)
     assert create(plane) == first
-    assert len(list(plane.workspace_root.iterdir())) == 1
+    assert len(plane.store.runs()) == 1
     run = plane.store.get_uid(first)
     assert run is not None
     plane.store.update(run, phase=DELETING)
@@ -170,9 +171,7 @@ def test_backoff_is_exponential_with_a_cap() -> None:
 
 
 def test_retry_waits_out_the_backoff(tmp_path: Path) -> None:
-    plane = ControlPlane(
-        SqliteRunStore(tmp_path / "runs.db"), tmp_path, policy=RetryPolicy(base_backoff=60)
-    )
+    plane = ControlPlane(SqliteRunStore(tmp_path / "runs.db"), policy=RetryPolicy(base_backoff=60))
     alive(plane, "python-0")
     run = plane.store.get_uid(create(plane))
     assert run is not None
@@ -255,7 +254,6 @@ def test_the_loop_retries_when_the_backoff_ends_with_no_write_to_wake_it(
 ) -> None:
     plane = ControlPlane(
         SqliteRunStore(tmp_path / "runs.db"),
-        tmp_path,
         policy=RetryPolicy(base_backoff=1.0, max_backoff=1.0),
     )
     alive(plane, "python-0")

@@ -21,9 +21,10 @@ from fnkernel.runtime_server.cli import build_parser
         ),
         (
             daemon.runtimed_args("python-0", "python", "unix:/s/p.sock", "unix:/s/r.sock", 0.2,
-                                 Path("/st")),
+                                 Path("/st"), Path("/w/python-0")),
             {"pod": "python-0", "runtime": "python", "server": "unix:/s/p.sock",
-             "listen": "unix:/s/r.sock", "poll_interval": 0.2, "state_dir": "/st"},
+             "listen": "unix:/s/r.sock", "poll_interval": 0.2, "state_dir": "/st",
+             "workspace": "/w/python-0"},
         ),
         (
             daemon.gateway_args("127.0.0.1:0", Path("/st"), token_file=Path("/st/token"),

@@ -34,6 +34,7 @@ from fnkernel.runtime_server.wire import (
     PENDING,
     POD_KEY,
     READY,
+    RETRYING,
     TIMELINE_KEY,
     TIMELINE_RUNTIMED_KEY,
     TIMELINE_SERVER_KEY,
@@ -71,15 +72,25 @@ class Pod:
         )
 
 
+def pod_runtimed(store: SqliteRunStore, server_address: str, workspace: Path) -> Runtimed:
+    """The runtimed of pod POD, writing its Runs' files in WORKSPACE/POD (not started)."""
+    return Runtimed(
+        store,
+        pod=POD,
+        runtime="python",
+        server_address=server_address,
+        workspace=workspace / POD,
+        poll_interval=0.2,
+    )
+
+
 def _pod(tmp_path: Path, *, oneshot_only: bool = False) -> Iterator[Pod]:
     workspace = tmp_path / "workspace"
     workspace.mkdir()
     server = RuntimeServer("python", workspace, oneshot_only=oneshot_only)
     server_address = server.start(f"unix:{tmp_path}/server.sock")
     store = SqliteRunStore(tmp_path / "runs.db")
-    runtimed = Runtimed(
-        store, pod=POD, runtime="python", server_address=server_address, poll_interval=0.2
-    )
+    runtimed = pod_runtimed(store, server_address, workspace)
     address = runtimed.start(f"unix:{tmp_path}/runtimed.sock")
     channels = [
         grpc.insecure_channel(a, options=CHANNEL_OPTIONS) for a in (address, server_address)
@@ -87,7 +98,7 @@ def _pod(tmp_path: Path, *, oneshot_only: bool = False) -> Iterator[Pod]:
     try:
         yield Pod(
             store,
-            ControlPlane(store, workspace),
+            ControlPlane(store),
             runtimed,
             pb_grpc.FunctionRuntimeStub(channels[0]),
             pb_grpc.FunctionRuntimeStub(channels[1]),
@@ -113,6 +124,7 @@ def restart_runtimed(pod: Pod) -> tuple[Runtimed, str]:
         pod=POD,
         runtime="python",
         server_address=pod.runtimed.server_address,
+        workspace=pod.runtimed.workspace,
         poll_interval=0.2,
     )
     return successor, successor.start("unix:" + pod.runtimed.address[5:] + "2")
@@ -126,21 +138,21 @@ def test_digest_excludes_the_working_dir_path(tmp_path: Path) -> None:
         (directory / "handler.py").write_text("def handle(e):\n    return e\n")
         (directory / "pkg" / "util.py").write_text("X = 1\n")
     run = Run(
-        uid="u1", name="n", runtime="python", handler="handler.handle", source="", working_dir=str(first),
+        uid="u1", name="n", runtime="python", handler="handler.handle", source="",
         env={"A": "1"}, idle_timeout_seconds=60, phase=PENDING, attempt=1,
     )  # fmt: skip
-    other = replace(run, uid="u2", name="m", working_dir=str(second))
-    digest = registration_digest(run)
-    assert digest == registration_digest(other)
+    other = replace(run, uid="u2", name="m")
+    digest = registration_digest(run, first)
+    assert digest == registration_digest(other, second)
     assert digest.startswith("sha256:") and digest == digest.lower() and len(digest) == 71
     # ...but every canonical input counts: source, handler, env, runtime-visible settings.
-    assert registration_digest(replace(run, env={"A": "2"})) != digest
-    assert registration_digest(replace(run, handler="handler.other")) != digest
-    assert registration_digest(replace(run, idle_timeout_seconds=61)) != digest
+    assert registration_digest(replace(run, env={"A": "2"}), first) != digest
+    assert registration_digest(replace(run, handler="handler.other"), first) != digest
+    assert registration_digest(replace(run, idle_timeout_seconds=61), first) != digest
     (second / "pkg" / "util.py").write_text("X = 2\n")
-    assert registration_digest(other) != digest
+    assert registration_digest(other, second) != digest
     shutil.rmtree(second / "pkg")
-    assert registration_digest(other) != digest
+    assert registration_digest(other, second) != digest
 
 
 def test_proxy_hop_fills_in_the_active_registration_id(pod: Pod) -> None:
@@ -256,9 +268,47 @@ def test_routing_fence_rejects_a_run_assigned_elsewhere(pod: Pod) -> None:
     assert "assigned to pod python-1" in caught.value.details()
 
 
+def test_runtimed_writes_each_runs_files_in_its_own_workspace(pod: Pod) -> None:
+    # docs/architecture.md, "Seams": the pod learns a Run's files from the store alone and
+    # writes them where its server loads them; once the Run is assigned elsewhere they go.
+    files = {"handler.py": ECHO_PY["handler.py"], "lib/data.txt": "x\n"}
+    run = pod.create("echo", files)
+    assert run.phase == READY
+    working_dir = pod.runtimed.working_dir(run.uid)
+    assert working_dir.parent == pod.runtimed.workspace
+    written = {
+        path.relative_to(working_dir).as_posix(): path.read_text()
+        for path in working_dir.rglob("*")
+        if path.is_file() and "__pycache__" not in path.parts
+    }
+    assert written == {name: textwrap.dedent(text) for name, text in files.items()}
+    assert [p.name for p in pod.runtimed.workspace.iterdir()] == [run.uid]  # no staging left
+    assert pod.store.update(run, assigned_pod="python-1") is not None
+    wait_until(lambda: not working_dir.exists(), timeout=10)
+
+
+def test_files_that_cannot_be_written_fail_the_attempt_charged(pod: Pod) -> None:
+    # The pod's disk, not the handler: the retry engine tries again (docs/architecture.md,
+    # "Retries"), and the message says what could not be written.
+    workspace = pod.runtimed.workspace
+    if workspace.exists():
+        workspace.rmdir()
+    workspace.write_text("a file where the workspace should be\n")  # root ignores modes
+    try:
+        pod.control_plane.create_run(
+            name="echo", runtime="python", handler="handler.handle", files=ECHO_PY
+        )
+        wait_until(lambda: pod.store.get("echo").phase == RETRYING, timeout=10)
+        run = pod.store.get("echo")
+        assert run.message.startswith("cannot write the run's files: ")
+        assert run.uncharged_attempts == 0
+    finally:
+        workspace.unlink()
+
+
 def test_unknown_run_uid_is_not_found(pod: Pod) -> None:
     ghost = Run(
-        uid="no-such-run", name="ghost", runtime="python", handler="h.f", source="", working_dir="/",
+        uid="no-such-run", name="ghost", runtime="python", handler="h.f", source="",
         env={}, idle_timeout_seconds=1, phase=READY, attempt=1,
     )  # fmt: skip
     with pytest.raises(grpc.RpcError) as caught:
@@ -295,7 +345,7 @@ def test_restarted_runtimed_keeps_the_attempt_and_registration(pod: Pod) -> None
     run = pod.create("echo", ECHO_PY)
     before = pod.invoke(run).registration.registration_id
     # The handler may write into its working dir; the digest was fixed at first registration.
-    (Path(run.working_dir) / "cache.json").write_text("{}")
+    (pod.runtimed.working_dir(run.uid) / "cache.json").write_text("{}")
     successor, address = restart_runtimed(pod)
     channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     try:
@@ -313,7 +363,8 @@ def test_runtimed_unregisters_a_run_deleted_from_the_store(pod: Pod) -> None:
     run = pod.create("echo", ECHO_PY)
     registration = pod.invoke(run).registration
     pod.control_plane.delete_run("echo")
-    assert not Path(run.working_dir).exists()
+    # Its files go once the Run is gone from the store (runtimed's next pass).
+    wait_until(lambda: not pod.runtimed.working_dir(run.uid).exists(), timeout=10)
 
     def gone() -> bool:
         try:
@@ -402,12 +453,12 @@ def test_a_register_the_server_does_not_answer_repeats_the_same_attempt_until_it
     listen = f"unix:{tmp_path}/server.sock"
     first = RuntimeServer("python", workspace)
     first.start(listen)
-    runtimed = Runtimed(store, pod=POD, runtime="python", server_address=listen, poll_interval=0.2)
+    runtimed = pod_runtimed(store, listen, workspace)
     runtimed.start(f"unix:{tmp_path}/runtimed.sock")
     first.stop(0)  # answered once, gone now: for a while the pod may be paused, not dead
     server = RuntimeServer("python", workspace)
     try:
-        plane = ControlPlane(store, workspace)
+        plane = ControlPlane(store)
         files = {path: textwrap.dedent(text) for path, text in ECHO_PY.items()}
         plane.create_run(name="echo", runtime="python", handler="handler.handle", files=files)
         # For 3 s, pass after pass tries RegisterFunction (three times each) and finds no server.

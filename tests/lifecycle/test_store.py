@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import sqlite3
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from fnkernel.runtime_server.daemon import spawn
-from fnkernel.runtime_server.errors import StoreDamaged
+from fnkernel.runtime_server.errors import RunNotFound, StoreDamaged
 from fnkernel.runtime_server.lifecycle.runs import Run
 from fnkernel.runtime_server.lifecycle.sqlite import SqliteRunStore
 from fnkernel.runtime_server.wire import PENDING
@@ -28,8 +29,9 @@ def filled_store(path: Path, runs: int = 300) -> None:
     for n in range(runs):
         store.insert(
             Run(uid=f"uid-{n}", name=f"run-{n}", runtime="python", handler="h.handle",
-                source="1 file(s)", working_dir=f"/w/{n}", env={"KEY": "v" * 200},
-                idle_timeout_seconds=900, phase=PENDING, attempt=1, created_at=time.time())
+                source="1 file(s)", env={"KEY": "v" * 200},
+                idle_timeout_seconds=900, phase=PENDING, attempt=1, created_at=time.time()),
+            {"h.py": f"def handle(event):\n    return {n}\n"},
         )  # fmt: skip
     store.close()
     assert not Path(f"{path}-wal").exists()
@@ -177,3 +179,38 @@ def test_a_gateway_that_starts_on_a_full_disk_says_so_and_leaves_no_temporary_fi
     assert "No space left on device" in err, err
     assert "exit 0" not in out and "exit " in out
     assert out.split("\n", 1)[1].split() == ["filler"], out  # no token, and no .token.PID.tmp
+
+
+def test_a_store_from_before_run_files_keeps_each_runs_files(tmp_path: Path) -> None:
+    # docs/architecture.md, "Seams": an fnkernel before 0.4 kept a Run's files in the directory
+    # its working_dir column named; opened by this one, the store holds them and the old
+    # directory is gone, so no Run is lost to the upgrade and no pod reads the state dir.
+    path, old_dir = tmp_path / "runs.db", tmp_path / "workspace" / "uid-1"
+    (old_dir / "lib").mkdir(parents=True)
+    files = {"handler.py": "def handle(event):\n    return event\n", "lib/util.py": "X = 1\n"}
+    for name, text in files.items():
+        (old_dir / name).write_text(text)
+    old = sqlite3.connect(path)
+    old.execute(
+        "CREATE TABLE runs (uid TEXT PRIMARY KEY, name TEXT NOT NULL UNIQUE, runtime TEXT NOT NULL,"
+        " handler TEXT NOT NULL, source TEXT NOT NULL, working_dir TEXT NOT NULL,"
+        " env TEXT NOT NULL, idle_timeout_seconds INTEGER NOT NULL, phase TEXT NOT NULL,"
+        " attempt INTEGER NOT NULL, created_at REAL NOT NULL)"
+    )
+    old.execute(
+        "INSERT INTO runs VALUES ('uid-1', 'fn', 'python', 'handler.handle', '2 file(s)', ?,"
+        " '{}', 900, 'Ready', 1, 0)",
+        (str(old_dir),),
+    )
+    old.commit()
+    old.close()
+    store = SqliteRunStore(path)
+    try:
+        assert store.get("fn").phase == "Ready"
+        assert store.files("uid-1") == files
+        assert not old_dir.exists()
+        store.delete("uid-1")
+        with pytest.raises(RunNotFound):
+            store.files("uid-1")
+    finally:
+        store.close()
