@@ -24,7 +24,7 @@ from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_gr
 from fnkernel.runtime_server.client import Client
 from fnkernel.runtime_server.daemon import Prewarmed, serve_args, spawn
 from fnkernel.runtime_server.lifecycle.runs import POD_GRACE_SECONDS
-from fnkernel.runtime_server.lifecycle.sqlite import SqliteRunStore
+from fnkernel.runtime_server.lifecycle.sqlite import STORE_FILE, SqliteRunStore
 from fnkernel.runtime_server.lifecycle.stack import Stack
 from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS
 from tests.support import ECHO_PY, SLOW_PY, http_call, pid_alive, wait_until
@@ -138,6 +138,30 @@ def test_restarted_control_plane_and_runtimed_lose_no_run(stack_factory: StackFa
     # The same attempt resumed the same registration: nothing failed.
     assert client.status("keep")["live"]["registrationId"] == registration
     assert phase_and_attempt(client, "keep") == ("Ready", 1)
+
+
+def test_the_local_provisioner_starts_says_alive_and_stops_a_pod(
+    stack_factory: StackFactory,
+) -> None:
+    # docs/architecture.md, "Seams": a PodProvisioner starts a Runtime Pod (a server and its
+    # runtimed), says whether it is alive and where its runtimed listens, and stops it.
+    stack = stack_factory({"python": 1})
+    provisioner = stack.provisioner
+    pod = provisioner.start("bash")
+    assert provisioner.pods() == ["python-0", pod] and provisioner.pods("bash") == [pod]
+    assert provisioner.alive(pod)
+    address = provisioner.address(pod)
+    assert address == stack.component(f"{pod}-runtimed").child.address  # type: ignore[union-attr]
+    store = SqliteRunStore(stack.state_dir / STORE_FILE)
+    try:  # its runtimed reports it to the store, where the scheduler finds it
+        wait_until(lambda: (found := store.pod(pod)) is not None and found.alive(), timeout=10)
+    finally:
+        store.close()
+    provisioner.stop(pod)
+    assert not provisioner.alive(pod)
+    with pytest.raises(KeyError):
+        stack.component(f"{pod}-server")  # not supervised any more: nothing restarts it
+    assert provisioner.alive("python-0")
 
 
 def test_reassignment_to_another_pod_when_a_pod_dies(stack_factory: StackFactory) -> None:
