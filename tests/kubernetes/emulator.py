@@ -1,0 +1,382 @@
+"""The emulated Kubernetes API server of the Kubernetes tests — a test double, never part of the
+product (docs/kubernetes.md, "What is tested, and with which doubles").
+
+It is KMock's ``KubernetesEmulator`` (PyPI ``kmock``, by Kopf's author), which serves the API's
+discovery documents, parses each request into resource, namespace, name and subresource, renders
+errors as ``Status`` objects and keeps every object's history in ``objects``. Its object
+semantics are simpler than the API server's, and our fences rest on the API server's, so this
+subclass serves object requests by these rules of the Kubernetes API instead (each one tested on
+its own in tests/kubernetes/test_emulator.py, and listed in docs/kubernetes.md):
+
+1. **resourceVersion**: every write gives the object a new one, from one counter for the whole
+   server; a list says the counter's value. ``metadata.uid``, ``creationTimestamp`` and
+   ``generation`` are set on create; ``generateName`` is honoured.
+2. **Optimistic concurrency**: a PUT, or a PATCH that sets ``metadata.resourceVersion``, or a
+   DELETE with ``preconditions``, whose version is not the object's current one is
+   ``409 Conflict``; nothing is written.
+3. **The status subresource**: a write to ``/status`` changes only ``status``; a write to the
+   object itself never changes ``status``; a create drops it.
+4. **Label and field selectors** on list and watch (``=``, ``==``, ``!=``, ``in``, ``notin``,
+   ``key``, ``!key``; fields by dotted path).
+5. **Watch from a resourceVersion**: a watch given one sends every event after it, in order;
+   one older than the server keeps is ``410 Expired`` (an ``ERROR`` event); without one, the
+   current objects come first as ``ADDED``. ``timeoutSeconds`` ends the stream.
+6. **Finalizers**: a DELETE of an object with finalizers sets ``deletionTimestamp``; the write
+   that removes the last finalizer deletes it.
+7. **Request size**: a request body over 3 MiB (the API server's limit) is ``413``.
+
+Run as a program it serves on 127.0.0.1 and prints its URL: ``python -m
+tests.kubernetes.emulator [--history N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import copy
+import datetime
+import json
+import re
+import signal
+import uuid
+from collections import deque
+from typing import Any
+
+import aiohttp.web
+import jsonpatch
+import kmock
+from kmock._internal.rendering import Request
+
+MAX_REQUEST_BYTES = 3 * 1024 * 1024
+_TERM = re.compile(
+    r"^\s*(!?)([A-Za-z0-9_./-]+)\s*(?:(==|=|!=)\s*(\S*)|\s+(in|notin)\s*\(([^)]*)\))?\s*$"
+)
+
+
+class Conflict(kmock.KubernetesError):
+    pass
+
+
+def _now() -> str:
+    return datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _error(status: int, reason: str, message: str) -> kmock.KubernetesError:
+    return kmock.KubernetesError(status=status, reason=reason, message=message, details={})
+
+
+def _split_terms(selector: str) -> list[str]:
+    """A selector's terms: split at the commas outside parentheses."""
+    terms, depth, start = [], 0, 0
+    for at, char in enumerate(selector):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            terms.append(selector[start:at])
+            start = at + 1
+    terms.append(selector[start:])
+    return [term for term in terms if term.strip()]
+
+
+def _field(obj: dict[str, Any], path: str) -> Any:
+    value: Any = obj
+    for part in path.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def matches(selector: str, values: Any, *, fields: bool = False) -> bool:
+    """Whether the labels (or, with `fields`, the object) `values` satisfy `selector`."""
+    for term in _split_terms(selector):
+        found = _TERM.match(term)
+        if found is None:
+            raise _error(400, "BadRequest", f"unable to parse requirement: {term!r}")
+        negated, key, operator, value, set_operator, members = found.groups()
+        have = _field(values, key) if fields else values.get(key)
+        have = None if have is None else str(have)
+        if operator in ("=", "=="):
+            if have != value:
+                return False
+        elif operator == "!=":
+            if have == value:
+                return False
+        elif set_operator is not None:
+            allowed = {member.strip() for member in members.split(",")}
+            if (have in allowed) != (set_operator == "in"):
+                return False
+        elif (have is not None) == bool(negated):  # `key` exists, `!key` does not
+            return False
+    return True
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch (null removes a key)."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = merge_patch(result.get(key), value)
+    return result
+
+
+class FencedEmulator(kmock.KubernetesEmulator):
+    """KMock's emulator with the API rules of the module docstring; `history`: how many events
+    a watch can resume from."""
+
+    def __init__(self, *, history: int = 10_000) -> None:
+        super().__init__()
+        self.revision = 0
+        self.events: deque[tuple[int, Any, str | None, dict[str, Any]]] = deque(maxlen=history)
+        self._changed: asyncio.Condition | None = None
+
+    # Dispatch
+
+    async def _handle(self, request: Request) -> aiohttp.web.StreamResponse:
+        if request.resource is None or request.resource.plural is None:
+            return await super()._handle(request)  # discovery: KMock's own
+        if len(request.body) > MAX_REQUEST_BYTES:
+            raise _error(
+                413,
+                "RequestEntityTooLarge",
+                f"request body of {len(request.body)} bytes; the limit is {MAX_REQUEST_BYTES}",
+            )
+        method = request._raw_request.method.upper()  # type: ignore[union-attr]
+        if request.name is None:
+            if method == "GET" and request.params.get("watch") in ("true", "1"):
+                return await self._watch(request)
+            if method == "GET":
+                return aiohttp.web.json_response(self._list(request))
+            if method == "POST":
+                return aiohttp.web.json_response(self._create(request), status=201)
+        else:
+            key = (request.resource, request.namespace, request.name)
+            if method == "GET" and request.subresource is None:
+                return aiohttp.web.json_response(self._current(key))
+            if method in ("PUT", "PATCH"):
+                return aiohttp.web.json_response(self._update(request, key, method))
+            if method == "DELETE" and request.subresource is None:
+                return aiohttp.web.json_response(self._delete(request, key))
+        raise _error(405, "MethodNotAllowed", f"{method} is not served on {request.url.path}")
+
+    # Rule 1: versions, and the writes that give them
+
+    def _current(self, key: Any) -> dict[str, Any]:
+        if key not in self.objects or self.objects[key].deleted:
+            resource, _, name = key
+            raise _error(404, "NotFound", f'{resource.plural} "{name}" not found')
+        return copy.deepcopy(self.objects[key].raw)
+
+    def _record(self, key: Any, kind: str, obj: dict[str, Any]) -> dict[str, Any]:
+        self.revision += 1
+        obj["metadata"]["resourceVersion"] = str(self.revision)
+        if kind == "DELETED":
+            self.objects[key].delete()
+        else:
+            self.objects[key].create(copy.deepcopy(obj))
+        resource, namespace, _ = key
+        self.events.append((self.revision, resource, namespace, {"type": kind, "object": obj}))
+        if self._changed is not None:
+            changed = self._changed
+
+            async def notify() -> None:
+                async with changed:
+                    changed.notify_all()
+
+            asyncio.get_running_loop().create_task(notify())
+        return obj
+
+    def _create(self, request: Request) -> dict[str, Any]:
+        body = request.data
+        if not isinstance(body, dict):
+            raise _error(400, "BadRequest", "the body must be a JSON object")
+        obj = copy.deepcopy(body)
+        meta = obj.setdefault("metadata", {})
+        if not meta.get("name") and meta.get("generateName"):
+            meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+        if not meta.get("name"):
+            raise _error(422, "Invalid", "metadata.name: Required value")
+        namespace = request.namespace or meta.get("namespace")
+        key = (request.resource, namespace, meta["name"])
+        if key in self.objects and not self.objects[key].deleted:
+            raise _error(
+                409, "AlreadyExists", f'{request.resource.plural} "{meta["name"]}" already exists'
+            )
+        if namespace is not None:
+            meta["namespace"] = namespace
+        meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now(), generation=1)
+        meta.pop("deletionTimestamp", None)
+        obj.pop("status", None)  # rule 3
+        if key not in self.objects:
+            self.objects[key] = {}
+            del self.objects[key].history[:]
+        return self._record(key, "ADDED", obj)
+
+    # Rules 2, 3 and 6
+
+    def _update(self, request: Request, key: Any, method: str) -> dict[str, Any]:
+        current = self._current(key)
+        body = request.data
+        if method == "PATCH":
+            content_type = request.headers.get("Content-Type", "")
+            if "json-patch" in content_type:
+                try:
+                    wanted = jsonpatch.apply_patch(current, body)
+                except (jsonpatch.JsonPatchException, TypeError) as exc:
+                    raise _error(422, "Invalid", f"the JSON patch does not apply: {exc}") from None
+            else:  # merge patch; a strategic merge patch is read as one (lists replaced whole)
+                wanted = merge_patch(current, body)
+            expected = (
+                ((body or {}).get("metadata") or {}).get("resourceVersion")
+                if isinstance(body, dict)
+                else None
+            )
+        else:
+            if not isinstance(body, dict):
+                raise _error(400, "BadRequest", "the body must be a JSON object")
+            wanted = body
+            expected = (body.get("metadata") or {}).get("resourceVersion")
+        if expected and expected != current["metadata"]["resourceVersion"]:
+            resource, _, name = key
+            raise Conflict(
+                status=409,
+                reason="Conflict",
+                message=(
+                    f'Operation cannot be fulfilled on {resource.plural} "{name}": the object has '
+                    "been modified; please apply your changes to the latest version and try again"
+                ),
+                details={},
+            )
+        if request.subresource == "status":
+            new = copy.deepcopy(current)
+            if wanted.get("status") is None:
+                new.pop("status", None)
+            else:
+                new["status"] = copy.deepcopy(wanted["status"])
+        elif request.subresource is None:
+            new = copy.deepcopy(wanted)
+            kept = {k: current["metadata"][k] for k in ("uid", "creationTimestamp", "namespace",
+                                                         "name", "deletionTimestamp", "generation")
+                    if k in current["metadata"]}  # fmt: skip
+            new.setdefault("metadata", {}).update(kept)
+            if "status" in current:
+                new["status"] = current["status"]
+            else:
+                new.pop("status", None)
+            if new.get("spec") != current.get("spec"):
+                new["metadata"]["generation"] = current["metadata"].get("generation", 1) + 1
+        else:
+            raise _error(404, "NotFound", f"no subresource {request.subresource!r} here")
+        meta = new["metadata"]
+        if meta.get("deletionTimestamp") and not meta.get("finalizers"):
+            return self._record(key, "DELETED", new)
+        return self._record(key, "MODIFIED", new)
+
+    def _delete(self, request: Request, key: Any) -> dict[str, Any]:
+        current = self._current(key)
+        options = request.data if isinstance(request.data, dict) else {}
+        preconditions = options.get("preconditions") or {}
+        for field in ("resourceVersion", "uid"):
+            wanted = preconditions.get(field)
+            if wanted and wanted != current["metadata"].get(field):
+                raise _error(409, "Conflict", f"precondition failed: {field} is not {wanted}")
+        if current["metadata"].get("finalizers"):
+            if current["metadata"].get("deletionTimestamp"):
+                return current
+            current["metadata"]["deletionTimestamp"] = _now()
+            return self._record(key, "MODIFIED", current)
+        return self._record(key, "DELETED", current)
+
+    # Rules 4 and 5
+
+    def _selected(self, request: Request, resource: Any, namespace: str | None, obj: Any) -> bool:
+        if resource != request.resource:
+            return False
+        if request.namespace is not None and namespace != request.namespace:
+            return False
+        labels = (obj.get("metadata") or {}).get("labels") or {}
+        label_selector = request.params.get("labelSelector", "")
+        field_selector = request.params.get("fieldSelector", "")
+        return matches(label_selector, labels) and matches(field_selector, obj, fields=True)
+
+    def _list(self, request: Request) -> dict[str, Any]:
+        items = [
+            copy.deepcopy(obj.raw)
+            for (resource, namespace, _), obj in self.objects.items()
+            if not obj.deleted and self._selected(request, resource, namespace, obj.raw)
+        ]
+        items.sort(key=lambda item: int(item["metadata"]["resourceVersion"]))
+        return {
+            "apiVersion": "v1",
+            "kind": "List",
+            "metadata": {"resourceVersion": str(self.revision)},
+            "items": items,
+        }
+
+    async def _watch(self, request: Request) -> aiohttp.web.StreamResponse:
+        if self._changed is None:
+            self._changed = asyncio.Condition()
+        since = request.params.get("resourceVersion", "")
+        timeout = float(request.params.get("timeoutSeconds") or 1800)
+        response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
+        await response.prepare(request._raw_request)  # type: ignore[arg-type]
+
+        async def send(event: dict[str, Any]) -> None:
+            await response.write(json.dumps(event).encode() + b"\n")
+
+        oldest = self.events[0][0] if self.events else self.revision + 1
+        if since in ("", "0"):
+            cursor = self.revision
+            for item in self._list(request)["items"]:
+                await send({"type": "ADDED", "object": item})
+        elif int(since) < oldest - 1 and int(since) < self.revision:
+            await send({"type": "ERROR", "object": {
+                "apiVersion": "v1", "kind": "Status", "status": "Failure", "code": 410,
+                "reason": "Expired", "message": f"too old resource version: {since} ({oldest})",
+            }})  # fmt: skip
+            await response.write_eof()
+            return response
+        else:
+            cursor = int(since)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        with contextlib.suppress(ConnectionResetError, asyncio.CancelledError):
+            while loop.time() < deadline:
+                fresh = []
+                for item in reversed(self.events):  # the newest first, back to the cursor
+                    if item[0] <= cursor:
+                        break
+                    fresh.append(item)
+                for revision, resource, namespace, event in reversed(fresh):
+                    cursor = revision
+                    if self._selected(request, resource, namespace, event["object"]):
+                        await send(event)
+                async with self._changed:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(
+                            self._changed.wait(), max(0.0, min(1.0, deadline - loop.time()))
+                        )
+            await response.write_eof()
+        return response
+
+
+async def serve(host: str = "127.0.0.1", history: int = 10_000) -> None:
+    emulator = FencedEmulator(history=history)
+    async with emulator, kmock.Server(emulator, host=host) as server:
+        print(f"emulated Kubernetes API at {server.url}".rstrip("/"), flush=True)
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        await stop.wait()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m tests.kubernetes.emulator")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument(
+        "--history", type=int, default=10_000, help="events a watch can resume from"
+    )
+    args = parser.parse_args()
+    asyncio.run(serve(args.host, args.history))

@@ -1,0 +1,212 @@
+"""Each API rule the emulated Kubernetes API server (a test double: KMock's emulator, extended in
+tests/kubernetes/emulator.py) adds for our fences, checked on its own through the official
+client — the rules are Kubernetes API behaviour, listed in docs/kubernetes.md."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+from kubernetes import client, watch
+from kubernetes.client.exceptions import ApiException
+
+from tests.kubernetes.conftest import EmulatedApi
+
+G, V, NS, P = "fnkernel.dev", "v1alpha1", "ns", "runs"
+
+
+def run(name: str, labels: dict[str, str] | None = None, **body: Any) -> dict[str, Any]:
+    metadata: dict[str, Any] = {"name": name, "labels": labels or {}}
+    return {"apiVersion": f"{G}/{V}", "kind": "Run", "metadata": metadata, **body}
+
+
+@pytest.fixture
+def api(api_client: client.ApiClient) -> client.CustomObjectsApi:
+    return client.CustomObjectsApi(api_client)
+
+
+def create(api: client.CustomObjectsApi, obj: dict[str, Any]) -> dict[str, Any]:
+    created: dict[str, Any] = api.create_namespaced_custom_object(G, V, NS, P, obj)
+    return created
+
+
+def test_every_write_gives_a_new_resource_version_and_a_list_says_the_latest(
+    api: client.CustomObjectsApi,
+) -> None:
+    # Kubernetes API: resourceVersion changes on every write; a list's is the collection's.
+    first = create(api, run("a", spec={"x": 1}))
+    meta = first["metadata"]
+    assert meta["uid"] and meta["creationTimestamp"].endswith("Z") and meta["namespace"] == NS
+    second = api.patch_namespaced_custom_object(G, V, NS, P, "a", {"spec": {"x": 2}})
+    assert int(second["metadata"]["resourceVersion"]) > int(meta["resourceVersion"])
+    assert second["metadata"]["uid"] == meta["uid"] and second["metadata"]["generation"] == 2
+    listed = api.list_namespaced_custom_object(G, V, NS, P)
+    assert listed["metadata"]["resourceVersion"] == second["metadata"]["resourceVersion"]
+    named = create(api, {"apiVersion": f"{G}/{V}", "kind": "Run",
+                         "metadata": {"generateName": "run-"}})  # fmt: skip
+    assert named["metadata"]["name"].startswith("run-") and len(named["metadata"]["name"]) > 4
+    with pytest.raises(ApiException) as caught:
+        create(api, run("a"))
+    assert caught.value.status == 409 and "AlreadyExists" in str(caught.value.body)
+
+
+def test_a_write_with_a_stale_resource_version_is_a_conflict_and_writes_nothing(
+    api: client.CustomObjectsApi,
+) -> None:
+    # Kubernetes API, optimistic concurrency: an update with a stale resourceVersion is 409.
+    stale = create(api, run("a", spec={"x": 1}))
+    newer = api.patch_namespaced_custom_object(G, V, NS, P, "a", {"spec": {"x": 2}})
+    for write in (
+        lambda: api.replace_namespaced_custom_object(G, V, NS, P, "a", {**stale, "spec": {"x": 3}}),
+        lambda: api.replace_namespaced_custom_object_status(
+            G, V, NS, P, "a", {**stale, "status": {"phase": "Ready"}}
+        ),
+        lambda: api.patch_namespaced_custom_object(
+            G,
+            V,
+            NS,
+            P,
+            "a",
+            {
+                "metadata": {"resourceVersion": stale["metadata"]["resourceVersion"]},
+                "spec": {"x": 3},
+            },
+        ),
+        lambda: api.delete_namespaced_custom_object(
+            G,
+            V,
+            NS,
+            P,
+            "a",
+            body={"preconditions": {"resourceVersion": stale["metadata"]["resourceVersion"]}},
+        ),
+    ):
+        with pytest.raises(ApiException) as caught:
+            write()
+        assert caught.value.status == 409
+    assert api.get_namespaced_custom_object(G, V, NS, P, "a") == newer
+    current = {**newer, "spec": {"x": 3}}
+    assert api.replace_namespaced_custom_object(G, V, NS, P, "a", current)["spec"] == {"x": 3}
+
+
+def test_status_is_written_only_through_the_status_subresource(
+    api: client.CustomObjectsApi,
+) -> None:
+    # Kubernetes API, CRD status subresource: /status changes only status, the object itself
+    # never changes status, and a create drops it.
+    created = create(api, run("a", spec={"x": 1}, status={"phase": "Ready"}))
+    assert "status" not in created
+    written = api.replace_namespaced_custom_object_status(
+        G, V, NS, P, "a", {**created, "spec": {"x": 9}, "status": {"phase": "Pending"}}
+    )
+    assert (written["spec"], written["status"]) == ({"x": 1}, {"phase": "Pending"})
+    replaced = api.replace_namespaced_custom_object(
+        G, V, NS, P, "a", {**written, "spec": {"x": 2}, "status": {"phase": "Failed"}}
+    )
+    assert (replaced["spec"], replaced["status"]) == ({"x": 2}, {"phase": "Pending"})
+    patched = api.patch_namespaced_custom_object_status(
+        G, V, NS, P, "a", {"status": {"attempt": 2}}
+    )
+    assert patched["status"] == {"phase": "Pending", "attempt": 2}
+
+
+def test_label_and_field_selectors_filter_lists_and_watches(
+    api: client.CustomObjectsApi, api_client: client.ApiClient
+) -> None:
+    # Kubernetes API: labelSelector (equality and set based) and fieldSelector.
+    create(api, run("a", {"runtime": "python", "tier": "x"}))
+    create(api, run("b", {"runtime": "bash"}))
+    create(api, run("c", {"runtime": "python"}))
+
+    def names(**selectors: str) -> list[str]:
+        listed = api.list_namespaced_custom_object(G, V, NS, P, **selectors)
+        return [item["metadata"]["name"] for item in listed["items"]]
+
+    assert names(label_selector="runtime=python") == ["a", "c"]
+    assert names(label_selector="runtime!=python") == ["b"]
+    assert names(label_selector="runtime in (bash, go)") == ["b"]
+    assert names(label_selector="runtime notin (bash),tier") == ["a"]
+    assert names(label_selector="!tier") == ["b", "c"]
+    assert names(field_selector="metadata.name=c") == ["c"]
+    assert names(field_selector="metadata.name!=c", label_selector="runtime=python") == ["a"]
+    core = client.CoreV1Api(api_client)
+    pod = {"metadata": {"name": "p", "labels": {"app": "x"}}, "spec": {"nodeName": "n1",
+           "containers": [{"name": "c", "image": "i"}]}}  # fmt: skip
+    core.create_namespaced_pod(NS, pod)
+    core.create_namespaced_pod(NS, {**pod, "metadata": {"name": "q"}, "spec": {**pod["spec"],
+                                                                               "nodeName": "n2"}})  # fmt: skip
+    on_n1 = core.list_namespaced_pod(NS, field_selector="spec.nodeName=n1")
+    assert [p.metadata.name for p in on_n1.items] == ["p"]
+    events = watch.Watch().stream(
+        api.list_namespaced_custom_object, G, V, NS, P, label_selector="runtime=bash",
+        resource_version="0", timeout_seconds=1,
+    )  # fmt: skip
+    assert [(e["type"], e["object"]["metadata"]["name"]) for e in events] == [("ADDED", "b")]
+
+
+def test_a_watch_resumes_from_a_resource_version_and_an_expired_one_is_410(
+    api: client.CustomObjectsApi,
+) -> None:
+    # Kubernetes API, "Efficient detection of changes": a watch from a resourceVersion sends
+    # every change after it, in order; too old is 410 Gone ("Expired").
+    first = create(api, run("a"))
+    since = first["metadata"]["resourceVersion"]
+    api.patch_namespaced_custom_object_status(G, V, NS, P, "a", {"status": {"phase": "Pending"}})
+    create(api, run("b"))
+    api.delete_namespaced_custom_object(G, V, NS, P, "a")
+    events = watch.Watch().stream(
+        api.list_namespaced_custom_object, G, V, NS, P, resource_version=since, timeout_seconds=1
+    )
+    seen = [(e["type"], e["object"]["metadata"]["name"]) for e in events]
+    assert seen == [("MODIFIED", "a"), ("ADDED", "b"), ("DELETED", "a")]
+    # A change made while a watch runs arrives on it (the stream ends after timeoutSeconds).
+    stream = watch.Watch().stream(
+        api.list_namespaced_custom_object, G, V, NS, P,
+        resource_version=api.list_namespaced_custom_object(G, V, NS, P)["metadata"]["resourceVersion"],
+        timeout_seconds=2,
+    )  # fmt: skip
+    threading.Timer(0.3, lambda: create(api, run("c"))).start()
+    assert [e["object"]["metadata"]["name"] for e in stream] == ["c"]
+
+
+def test_a_watch_older_than_the_history_is_expired() -> None:
+    # Kubernetes API: a watch from a resourceVersion the server no longer keeps is 410
+    # ("Expired"); a client lists again. This one keeps 3 events.
+    short = EmulatedApi("--history", "3")
+    try:
+        with short.client() as api_client:
+            api = client.CustomObjectsApi(api_client)
+            since = create(api, run("a"))["metadata"]["resourceVersion"]
+            for n in range(4):
+                api.patch_namespaced_custom_object(G, V, NS, P, "a", {"spec": {"n": n}})
+            with pytest.raises(ApiException) as caught:
+                list(watch.Watch().stream(api.list_namespaced_custom_object, G, V, NS, P,
+                                          resource_version=since, timeout_seconds=1))  # fmt: skip
+            assert caught.value.status == 410 and "Expired" in str(caught.value.reason)
+    finally:
+        short.stop()
+
+
+def test_deleting_an_object_with_finalizers_waits_for_the_last_one(
+    api: client.CustomObjectsApi,
+) -> None:
+    # Kubernetes API, finalizers: DELETE sets deletionTimestamp; removing the last finalizer
+    # deletes the object.
+    create(api, {**run("a"), "metadata": {"name": "a", "finalizers": ["fnkernel.dev/unregister"]}})
+    api.delete_namespaced_custom_object(G, V, NS, P, "a")
+    marked = api.get_namespaced_custom_object(G, V, NS, P, "a")
+    assert marked["metadata"]["deletionTimestamp"]
+    api.patch_namespaced_custom_object(G, V, NS, P, "a", {"metadata": {"finalizers": None}})
+    with pytest.raises(ApiException) as caught:
+        api.get_namespaced_custom_object(G, V, NS, P, "a")
+    assert caught.value.status == 404
+
+
+def test_a_request_over_3_mib_is_413(api: client.CustomObjectsApi) -> None:
+    # Kubernetes API server: request bodies are limited to 3 MiB (413 beyond).
+    with pytest.raises(ApiException) as caught:
+        create(api, run("big", spec={"data": "x" * (3 * 1024 * 1024)}))
+    assert caught.value.status == 413
+    with pytest.raises(ApiException):
+        api.get_namespaced_custom_object(G, V, NS, P, "big")
