@@ -62,6 +62,11 @@ class RunAlreadyExists(RuntimeServerError):
     """A Run with this name exists already; delete it first or pick another name."""
 
 
+class RunTooLarge(RuntimeServerError):
+    """The Run, with its files, is larger than its store can keep (on Kubernetes, an object
+    of the API server); the message names the limit. The gateway answers 413."""
+
+
 class RunNotReady(RuntimeServerError):
     """The Run cannot take an invocation now: it is pending, retrying, failed or being deleted."""
 

@@ -113,13 +113,16 @@ def parse_timeline_stamps(text: str) -> dict[str, int]:
 
 
 # Run.status.phase (docs/protocol.md, "Runs")
+# Created in the store directly (`kubectl apply` of a Run), not through the control plane: no
+# status yet. The control plane checks it as a create would and assigns it (Pending), or fails it.
+NEW = ""
 PENDING = "Pending"  # assigned (or waiting for a pod); its runtimed has yet to register it
 READY = "Ready"  # registered and READY on its pod
 IDLE = "Idle"  # scaled to zero after the idle timeout; the next invoke re-registers it
 RETRYING = "Retrying"  # an infrastructure failure; the retry engine decides what happens next
 FAILED = "Failed"  # terminal: user-code failure, unsupported runtime, or retries exhausted
 DELETING = "Deleting"  # delete requested; its runtimed unregisters it (bounded drain)
-DELETED = "Deleted"  # unregistered; the control plane removes the working dir and the row
+DELETED = "Deleted"  # unregistered; the control plane removes it from the store
 
 # Our errors → gRPC status (docs/protocol.md, "Errors"). The first class in an exception's MRO
 # that is here decides.

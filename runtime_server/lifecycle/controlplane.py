@@ -31,7 +31,16 @@ from fnkernel.runtime_server.lifecycle.runs import (
     RunStore,
 )
 from fnkernel.runtime_server.limits import check_handler
-from fnkernel.runtime_server.wire import DELETED, DELETING, FAILED, IDLE, PENDING, READY, RETRYING
+from fnkernel.runtime_server.wire import (
+    DELETED,
+    DELETING,
+    FAILED,
+    IDLE,
+    NEW,
+    PENDING,
+    READY,
+    RETRYING,
+)
 
 LOG = logging.getLogger("fnkernel.controlplane")
 MAX_FILES = 1000
@@ -120,6 +129,45 @@ def spec_digest(
     return limits.sha256_digest(text.encode())
 
 
+@dataclass(frozen=True)
+class CheckedSpec:
+    """A Run's spec as the control plane accepts it (``checked_spec``)."""
+
+    files: dict[PurePosixPath, str]
+    env: dict[str, str]
+    idle_timeout_seconds: int
+    memory_mb: int
+    digest: str  # spec_digest
+
+
+def checked_spec(
+    name: str,
+    runtime: str,
+    handler: str,
+    files: Mapping[str, str],
+    env: Mapping[str, str],
+    idle_timeout_seconds: int,
+    memory_mb: int,
+) -> CheckedSpec:
+    """Every rule a Run's spec must meet, as InvalidField naming the field: the one check of a
+    create, whether it comes through ``create_run`` or is found in the store (``NEW``)."""
+    check_name(name)
+    try:
+        adapter = runtimes.runtime(runtime).adapter()
+    except runtimes.UnknownRuntime as exc:
+        raise InvalidField("runtime", str(exc)) from None
+    checked = check_files(files)
+    # The runtime's handler rules, against a directory the files cannot reach (they are text
+    # under relative paths, so none is a symlink): what the path in the handler names.
+    with tempfile.TemporaryDirectory(prefix="fnkernel-check-") as empty:
+        check_handler(adapter, handler, Path(empty))
+    env = limits.check_env(env)
+    idle = limits.check_idle_timeout(idle_timeout_seconds) or limits.DEFAULT_IDLE_TIMEOUT_SECONDS
+    memory = limits.check_memory_mb(memory_mb, "memoryMb")
+    digest = spec_digest(runtime, handler, checked, env, idle, memory)
+    return CheckedSpec(checked, env, idle, memory, digest)
+
+
 class ControlPlane:
     def __init__(
         self,
@@ -153,22 +201,10 @@ class ControlPlane:
         Idempotent: a Run of that name created with the same spec (runtime, handler, files, env,
         idle timeout) is returned as it is — a client that lost the answer to its create (the
         gateway crashed) can repeat it. Another spec under a taken name is RunAlreadyExists."""
-        check_name(name)
-        try:
-            adapter = runtimes.runtime(runtime).adapter()
-        except runtimes.UnknownRuntime as exc:
-            raise InvalidField("runtime", str(exc)) from None
-        checked = check_files(files)
-        # The runtime's handler rules, against a directory the files cannot reach (they are text
-        # under relative paths, so none is a symlink): what the path in the handler names.
-        with tempfile.TemporaryDirectory(prefix="fnkernel-check-") as empty:
-            check_handler(adapter, handler, Path(empty))
-        env = limits.check_env(env or {})
-        idle = (
-            limits.check_idle_timeout(idle_timeout_seconds) or limits.DEFAULT_IDLE_TIMEOUT_SECONDS
+        spec = checked_spec(
+            name, runtime, handler, files, env or {}, idle_timeout_seconds, memory_mb
         )
-        memory = limits.check_memory_mb(memory_mb, "memoryMb")
-        digest = spec_digest(runtime, handler, checked, env, idle, memory)
+        digest = spec.digest
         existing = self._created_as(name, digest)
         if existing is not None:
             return existing
@@ -180,18 +216,18 @@ class ControlPlane:
             name=name,
             runtime=runtime,
             handler=handler,
-            source=source or f"{len(checked)} file(s)",
-            env=env,
-            idle_timeout_seconds=idle,
+            source=source or f"{len(spec.files)} file(s)",
+            env=spec.env,
+            idle_timeout_seconds=spec.idle_timeout_seconds,
             phase=PENDING,
             attempt=1,  # docs/protocol.md: the initial registration is attempt 1
             assigned_pod=pod,
             created_at=time.time(),
             spec_digest=digest,
-            memory_mb=memory,
+            memory_mb=spec.memory_mb,
         )
         try:
-            self.store.insert(run, {str(path): text for path, text in checked.items()})
+            run = self.store.insert(run, {str(path): text for path, text in spec.files.items()})
         except RunAlreadyExists:
             existing = self._created_as(name, digest)  # the same create, made meanwhile
             if existing is None:
@@ -284,13 +320,23 @@ class ControlPlane:
         now = time.time()
         pods = {pod.name: pod for pod in self.store.pods()}
         due = min(
-            (pod.heartbeat + POD_GRACE_SECONDS for pod in pods.values() if pod.alive(now)),
+            (
+                pod.heartbeat + POD_GRACE_SECONDS
+                for pod in pods.values()
+                if pod.heartbeat is not None and pod.alive(now)
+            ),
             default=math.inf,
         )
         for run in self.store.runs():
             pod = pods.get(run.assigned_pod)
             pod_alive = pod is not None and pod.alive(now)
-            if run.phase == DELETED or (run.phase == DELETING and not pod_alive):
+            if run.phase == NEW and not run.delete_requested:
+                due = min(due, self._admit(run))
+            elif run.delete_requested and run.phase not in (DELETING, DELETED):
+                # Deleted in the store itself (kubectl delete): unregister it, as delete_run does.
+                self.store.update(run, phase=DELETING, message="delete requested")
+                due = now
+            elif run.phase == DELETED or (run.phase == DELETING and not pod_alive):
                 self._remove(run)
                 due = now
             elif run.phase == RETRYING:
@@ -313,6 +359,37 @@ class ControlPlane:
                     self.store.update(run, assigned_pod=target)
                     due = now
         return due
+
+    def _admit(self, run: Run) -> float:
+        """A Run found in the store with no status (created there directly, ``NEW``): checked
+        as ``create_run`` checks a create, then assigned (Pending, attempt 1) or Failed, naming
+        the field. Returns when it is next due: never, while no pod serves its runtime (a pod's
+        arrival is a write)."""
+        try:
+            files = self.store.files(run.uid)
+        except RunNotFound:
+            return math.inf
+        try:
+            spec = checked_spec(
+                run.name, run.runtime, run.handler, files, run.env,
+                run.idle_timeout_seconds, run.memory_mb,
+            )  # fmt: skip
+        except InvalidField as exc:
+            self.store.update(run, expect_phase=NEW, phase=FAILED, message=str(exc))
+            return time.time()
+        pod = self.schedule(run.runtime)
+        if not pod:
+            message = f"waiting for a live Runtime Pod of the {run.runtime} runtime"
+            if run.message != message:
+                self.store.update(run, expect_phase=NEW, message=message)
+            return math.inf
+        admitted = self.store.update(
+            run, expect_phase=NEW, phase=PENDING, attempt=1, assigned_pod=pod,
+            spec_digest=spec.digest, message="",
+        )  # fmt: skip
+        if admitted is not None:
+            LOG.info("run %s (%s) admitted on %s", run.name, run.uid, pod)
+        return time.time()
 
     def _retry(self, run: Run, pod_alive: bool, now: float) -> float:
         """Fail a Retrying Run out of budget, or register it again once its backoff is over;

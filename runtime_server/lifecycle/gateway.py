@@ -26,7 +26,13 @@ from tornado import httpserver, httputil, netutil, web
 from fnkernel.runtime_server import limits, wire
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
-from fnkernel.runtime_server.errors import InvalidField, NoRuntimePod, RunNotReady, storage_full
+from fnkernel.runtime_server.errors import (
+    InvalidField,
+    NoRuntimePod,
+    RunNotReady,
+    RunTooLarge,
+    storage_full,
+)
 from fnkernel.runtime_server.lifecycle.controlplane import ControlPlane
 from fnkernel.runtime_server.lifecycle.runs import Run
 from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS, failure_body, trailer_logs
@@ -403,6 +409,8 @@ def known_failure(error: BaseException | None) -> FailureResponse | None:
         error = storage_full(error) or error
     if isinstance(error, FailureResponse):
         return error
+    if isinstance(error, RunTooLarge):
+        return FailureResponse("PAYLOAD_TOO_LARGE", limits.bounded(str(error)), status=413)
     if isinstance(error, Exception) and (code := wire.status_name(error)) is not None:
         return FailureResponse(code, limits.bounded(str(error)))
     return None

@@ -69,6 +69,9 @@ class Run:
     # What each of its handler's processes may take, in MiB (0: the default; docs/protocol.md,
     # "Limits"). Part of its spec: it never changes.
     memory_mb: int = 0
+    # Its deletion was asked for in the store itself (on Kubernetes, `kubectl delete`: the
+    # object has a deletionTimestamp); the control plane deletes it as delete_run would.
+    delete_requested: bool = False
 
     @property
     def charged_attempts(self) -> int:
@@ -99,16 +102,20 @@ class Run:
 
 @dataclass(frozen=True)
 class Pod:
-    """A Runtime Pod as its runtimed last reported it: `healthy` is whether its Runtime Server
-    answered a health check within the last POD_GRACE_SECONDS."""
+    """A Runtime Pod as the store knows it: `healthy` is whether its Runtime Server answered a
+    health check within the last POD_GRACE_SECONDS. `heartbeat` is when its runtimed last said
+    so, or None where the pod's liveness is kept by someone else (on Kubernetes, the Pod
+    object's Ready condition, from its readiness probe)."""
 
     name: str
     runtime: str
     address: str  # runtimed's FunctionRuntime port
     healthy: bool
-    heartbeat: float
+    heartbeat: float | None
 
     def alive(self, now: float | None = None) -> bool:
+        if self.heartbeat is None:
+            return self.healthy
         now = time.time() if now is None else now
         return self.healthy and now - self.heartbeat < POD_GRACE_SECONDS
 
@@ -125,9 +132,10 @@ class RunStore(Protocol):
 
     # Runs
 
-    def insert(self, run: Run, files: Mapping[str, str]) -> None:
-        """Add a new Run with its files (relative path → text); RunAlreadyExists if its name is
-        taken. Both are written or neither."""
+    def insert(self, run: Run, files: Mapping[str, str]) -> Run:
+        """Add a new Run with its files (relative path → text) and return it as stored (a store
+        may give it its own uid); RunAlreadyExists if its name is taken, RunTooLarge if the
+        store cannot hold it. Both are written or neither."""
         ...
 
     def files(self, uid: str) -> dict[str, str]:
@@ -167,7 +175,8 @@ class RunStore(Protocol):
     # Runtime Pods
 
     def heartbeat(self, name: str, runtime: str, address: str, healthy: bool) -> None:
-        """A pod's runtimed says it is alive (and whether its Runtime Server answers)."""
+        """A pod's runtimed says it is alive (and whether its Runtime Server answers); a store
+        whose pods' liveness is kept elsewhere ignores it."""
         ...
 
     def pods(self, runtime: str | None = None) -> list[Pod]: ...

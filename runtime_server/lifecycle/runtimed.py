@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_health.v1.health import SERVICE_NAME as HEALTH_SERVICE
 
 from fnkernel.runtime_server import limits
@@ -198,6 +198,7 @@ class Runtimed:
         self._stop = threading.Event()
         self._loop_thread: threading.Thread | None = None
         self._grpc: grpc.Server | None = None
+        self._health_servicer: health.HealthServicer | None = None
         self._healthy = False  # the last health check's answer
         self._server_answered = -math.inf  # when a health check last succeeded: not yet
         self._reported: bool | None = None  # the health the last heartbeat wrote
@@ -211,7 +212,7 @@ class Runtimed:
             options=CHANNEL_OPTIONS,
         )
         pb_grpc.add_FunctionRuntimeServicer_to_server(ProxyServicer(self), self._grpc)
-        add_health(self._grpc, [FUNCTION_RUNTIME_SERVICE])
+        self._health_servicer = add_health(self._grpc, [FUNCTION_RUNTIME_SERVICE])
         add_reflection(self._grpc, [FUNCTION_RUNTIME_SERVICE, HEALTH_SERVICE])
         self.address = listen_on(self._grpc, listen)
         self._grpc.start()
@@ -282,6 +283,12 @@ class Runtimed:
         if self._healthy:
             self._server_answered = checked
         healthy = checked - self._server_answered < POD_GRACE_SECONDS
+        if healthy != self._reported and self._health_servicer is not None:
+            # What a readiness probe of this port sees (on Kubernetes, the pod's liveness).
+            serving = health_pb2.HealthCheckResponse.SERVING
+            status = serving if healthy else health_pb2.HealthCheckResponse.NOT_SERVING
+            for service in ("", FUNCTION_RUNTIME_SERVICE):
+                self._health_servicer.set(service, status)
         if now or healthy != self._reported or checked >= self._next_beat:
             self.store.heartbeat(self.pod, self.runtime, self.address, healthy)
             self._reported = healthy

@@ -57,7 +57,8 @@ CREATE TABLE IF NOT EXISTS runs (
     uncharged_attempts INTEGER NOT NULL DEFAULT 0,
     spec_digest TEXT NOT NULL DEFAULT '',
     server_deaths INTEGER NOT NULL DEFAULT 0,
-    memory_mb INTEGER NOT NULL DEFAULT 0
+    memory_mb INTEGER NOT NULL DEFAULT 0,
+    delete_requested INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS run_files (
     uid TEXT PRIMARY KEY,
@@ -166,6 +167,7 @@ def _run(row: sqlite3.Row) -> Run:
     values["env"] = json.loads(values["env"])
     values["outputs"] = json.loads(values["outputs"])
     values["cancel_in_flight"] = bool(values["cancel_in_flight"])
+    values["delete_requested"] = bool(values["delete_requested"])
     return Run(**values)
 
 
@@ -288,7 +290,7 @@ class SqliteRunStore:
 
     # Runs
 
-    def insert(self, run: Run, files: Mapping[str, str]) -> None:
+    def insert(self, run: Run, files: Mapping[str, str]) -> Run:
         values = asdict(run)
         values["env"] = json.dumps(run.env, sort_keys=True)
         values["outputs"] = json.dumps(run.outputs, sort_keys=True)
@@ -304,6 +306,7 @@ class SqliteRunStore:
                 )
         except sqlite3.IntegrityError:
             raise RunAlreadyExists(f"a run named {run.name!r} already exists") from None
+        return run
 
     def files(self, uid: str) -> dict[str, str]:
         row = (

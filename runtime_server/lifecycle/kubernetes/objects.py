@@ -1,0 +1,176 @@
+"""A Run and a Runtime Pod as Kubernetes objects (docs/kubernetes.md, "The object model").
+
+A Run is an object of the custom resource ``runs.fnkernel.dev/v1alpha1``: its spec (runtime,
+handler, env, idleTimeoutSeconds, memoryMb, source, files) is what was created; its status
+(phase, attempt, assignedPod, message, ...) is written only through the status subresource.
+Its UID is ``metadata.uid``. The Run's own name is ``metadata.name`` where that is a valid
+object name, else (upper case, ``_``) an escaped one with the name in the annotation NAME_KEY.
+
+A Runtime Pod is a pod labelled ROLE_LABEL=RUNTIME_POD and RUNTIME_LABEL=<runtime>, with its
+runtimed's port named RUNTIMED_PORT; it is alive while it is Ready and not being deleted.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from fnkernel.runtime_server import limits
+from fnkernel.runtime_server.errors import RunTooLarge
+from fnkernel.runtime_server.lifecycle.runs import Pod, Run
+from fnkernel.runtime_server.wire import NEW
+
+GROUP = "fnkernel.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "Run"
+PLURAL = "runs"
+# Kept on every Run until its registration is gone: a `kubectl delete` then waits for runtimed.
+FINALIZER = "fnkernel.dev/unregister"
+NAME_KEY = "fnkernel.dev/name"  # annotation: the Run's name where metadata.name cannot be it
+ROLE_LABEL = "app.kubernetes.io/component"
+RUNTIME_POD = "runtime-pod"
+RUNTIME_LABEL = "fnkernel.dev/runtime"
+RUNTIMED_PORT = "runtimed"  # the name of the container port runtimed listens on
+RUNTIME_POD_SELECTOR = f"{ROLE_LABEL}={RUNTIME_POD}"
+# The largest object the API server keeps: etcd's default request limit (1.5 MiB). A Run whose
+# files make it larger is refused before it is sent (RunTooLarge, 413 at the gateway).
+MAX_OBJECT_BYTES = 1_572_864
+
+_OBJECT_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+# Run field → status key, for the fields a status write may change.
+STATUS_KEYS = {
+    "phase": "phase",
+    "attempt": "attempt",
+    "message": "message",
+    "outputs": "outputs",
+    "assigned_pod": "assignedPod",
+    "failed_at": "failedAt",
+    "registration_digest": "registrationDigest",
+    "cancel_in_flight": "cancelInFlight",
+    "drain_timeout_millis": "drainTimeoutMillis",
+    "uncharged_attempts": "unchargedAttempts",
+    "spec_digest": "specDigest",
+    "server_deaths": "serverDeaths",
+}
+
+
+def object_name(name: str) -> str:
+    """The object name of the Run named `name`: itself if Kubernetes allows it (a DNS label),
+    else its lower-case spelling with ``_`` as ``-`` and a hash of the name, so that two names
+    never share one object."""
+    if _OBJECT_NAME.fullmatch(name):
+        return name
+    spelled = re.sub(r"[^a-z0-9-]", "-", name.lower()).strip("-")[:48] or "run"
+    return f"{spelled}-{hashlib.sha256(name.encode()).hexdigest()[:10]}"
+
+
+def _timestamp(text: str | None) -> float:
+    if not text:
+        return 0.0
+    return datetime.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def run_of(obj: Mapping[str, Any]) -> Run:
+    """The Run an object of ours holds (a missing field: its default; no status: NEW)."""
+    meta = obj.get("metadata") or {}
+    spec = obj.get("spec") or {}
+    status = obj.get("status") or {}
+    return Run(
+        uid=meta.get("uid", ""),
+        name=(meta.get("annotations") or {}).get(NAME_KEY) or meta.get("name", ""),
+        runtime=str(spec.get("runtime", "")),
+        handler=str(spec.get("handler", "")),
+        source=str(spec.get("source") or f"{len(spec.get('files') or {})} file(s)"),
+        env=dict(spec.get("env") or {}),
+        idle_timeout_seconds=int(spec.get("idleTimeoutSeconds") or 0)
+        or limits.DEFAULT_IDLE_TIMEOUT_SECONDS,
+        memory_mb=int(spec.get("memoryMb") or 0),
+        phase=str(status.get("phase", NEW)),
+        attempt=int(status.get("attempt", 0)),
+        message=str(status.get("message", "")),
+        outputs=dict(status.get("outputs") or {}),
+        assigned_pod=str(status.get("assignedPod", "")),
+        failed_at=float(status.get("failedAt", 0.0)),
+        created_at=_timestamp(meta.get("creationTimestamp")),
+        registration_digest=str(status.get("registrationDigest", "")),
+        cancel_in_flight=bool(status.get("cancelInFlight", False)),
+        drain_timeout_millis=int(status.get("drainTimeoutMillis", 0)),
+        uncharged_attempts=int(status.get("unchargedAttempts", 0)),
+        spec_digest=str(status.get("specDigest", "")),
+        server_deaths=int(status.get("serverDeaths", 0)),
+        delete_requested=bool(meta.get("deletionTimestamp")),
+    )
+
+
+def files_of(obj: Mapping[str, Any]) -> dict[str, str]:
+    return {str(k): str(v) for k, v in ((obj.get("spec") or {}).get("files") or {}).items()}
+
+
+def new_object(run: Run, files: Mapping[str, str], namespace: str) -> dict[str, Any]:
+    """The object a create sends for `run` (its status is written after, through /status);
+    RunTooLarge if it is larger than the API server keeps."""
+    metadata: dict[str, Any] = {
+        "name": object_name(run.name),
+        "namespace": namespace,
+        "labels": {RUNTIME_LABEL: run.runtime},
+        "finalizers": [FINALIZER],
+    }
+    if metadata["name"] != run.name:
+        metadata["annotations"] = {NAME_KEY: run.name}
+    spec: dict[str, Any] = {
+        "runtime": run.runtime,
+        "handler": run.handler,
+        "source": run.source,
+        "env": dict(run.env),
+        "idleTimeoutSeconds": run.idle_timeout_seconds,
+        "memoryMb": run.memory_mb,
+        "files": dict(files),
+    }
+    obj = {"apiVersion": API_VERSION, "kind": KIND, "metadata": metadata, "spec": spec}
+    size = len(json.dumps(obj, ensure_ascii=False).encode())
+    if size > MAX_OBJECT_BYTES:
+        raise RunTooLarge(
+            f"run {run.name!r} is {size} bytes with its files; a Kubernetes object may be at most "
+            f"{MAX_OBJECT_BYTES} bytes (etcd's request limit)"
+        )
+    return obj
+
+
+def status_with(obj: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
+    """The object's status with `changes` (Run field names) written over it."""
+    status = dict(obj.get("status") or {})
+    for field, value in changes.items():
+        status[STATUS_KEYS[field]] = value  # KeyError: not a status field
+    return status
+
+
+def pod_of(obj: Mapping[str, Any]) -> Pod | None:
+    """The Runtime Pod a pod object is (None if it is not one): alive while Ready and not being
+    deleted; its address is its IP and the port named RUNTIMED_PORT."""
+    meta = obj.get("metadata") or {}
+    runtime = (meta.get("labels") or {}).get(RUNTIME_LABEL)
+    if not runtime:
+        return None
+    status = obj.get("status") or {}
+    ready = any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in status.get("conditions") or ()
+    )
+    port = next(
+        (
+            p.get("containerPort")
+            for c in (obj.get("spec") or {}).get("containers") or ()
+            for p in c.get("ports") or ()
+            if p.get("name") == RUNTIMED_PORT
+        ),
+        None,
+    )
+    ip = status.get("podIP") or ""
+    address = f"{ip}:{port}" if ip and port else ""
+    healthy = ready and bool(address) and not meta.get("deletionTimestamp")
+    return Pod(meta.get("name", ""), runtime, address, healthy, None)

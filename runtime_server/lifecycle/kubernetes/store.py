@@ -1,0 +1,395 @@
+"""The Run store over the Kubernetes API (``RunStore``; docs/kubernetes.md).
+
+Reads come from a cache each process keeps of the namespace's Runs and Runtime Pods, filled by a
+list and kept current by a watch resumed from the last resourceVersion seen (listed again when
+the server says it expired, 410) — the informer pattern of Kubernetes' own controllers. Every
+status write is a PUT to the Run's status subresource carrying the resourceVersion it was
+computed from: if another writer got there first the API server answers 409 Conflict, the
+object is read again, and the write is made again only if the Run still has the attempt and
+pod (and phase) the writer saw. So a stale writer can never overwrite a newer attempt, and the
+fence of ``RunStore.update`` holds across processes and machines.
+
+Runtime Pods are the pods labelled ``objects.RUNTIME_POD_SELECTOR``; whether one is alive is its
+Ready condition, kept by the kubelet from the pod's readiness probe. runtimed writes no
+heartbeat (``heartbeat`` is ignored): it "never writes each activity update to Kubernetes".
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client, config, watch
+from kubernetes.client.exceptions import ApiException
+
+from fnkernel.runtime_server.errors import RunAlreadyExists, RunNotFound
+from fnkernel.runtime_server.lifecycle.kubernetes import objects
+from fnkernel.runtime_server.lifecycle.kubernetes.objects import GROUP, PLURAL, VERSION
+from fnkernel.runtime_server.lifecycle.runs import Pod, Run
+from fnkernel.runtime_server.wire import DELETED, FAILED, NEW
+
+LOG = logging.getLogger("fnkernel.kubernetes")
+WATCH_SECONDS = 60  # how long one watch request lasts before it is made again (server side)
+_RETRY_SECONDS = 1.0  # after a failed list or watch
+_CONFLICT_TRIES = 50  # a status write that keeps meeting newer versions gives up after this
+_SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+
+
+def connect() -> client.ApiClient:
+    """A client of the cluster this process runs in (its service account), else of the
+    kubeconfig's current context ($KUBECONFIG or ~/.kube/config)."""
+    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+        config.load_incluster_config()
+    else:
+        config.load_kube_config()
+    return client.ApiClient()
+
+
+def namespace_of(given: str | None) -> str:
+    """`given`, else $FNKERNEL_NAMESPACE, else the pod's own (its service account's), else
+    ``default``."""
+    if given:
+        return given
+    if os.environ.get("FNKERNEL_NAMESPACE"):
+        return os.environ["FNKERNEL_NAMESPACE"]
+    try:
+        return _SERVICE_ACCOUNT_NAMESPACE.read_text().strip() or "default"
+    except OSError:
+        return "default"
+
+
+def _object(answer: object) -> dict[str, Any]:
+    """An object as the client's custom-object calls answer it: a dict."""
+    if not isinstance(answer, dict):
+        raise TypeError(f"the API server answered {type(answer).__name__}, not an object")
+    return answer
+
+
+def _revision(obj: Mapping[str, Any]) -> int:
+    text = str((obj.get("metadata") or {}).get("resourceVersion", ""))
+    return int(text) if text.isdigit() else -1
+
+
+class _Informer:
+    """One kind of object of the namespace, listed then watched, in a thread of its own."""
+
+    def __init__(
+        self,
+        name: str,
+        list_call: Callable[..., Any],
+        on_change: Callable[[], None],
+        stop: threading.Event,
+        **selectors: Any,
+    ) -> None:
+        self.name = name
+        self._list_call = list_call
+        self._selectors = selectors
+        self._on_change = on_change
+        self._stop = stop
+        self._lock = threading.Lock()
+        self.items: dict[str, dict[str, Any]] = {}  # by metadata.uid
+        self.synced = threading.Event()
+        self._watch: watch.Watch | None = None
+        self._thread = threading.Thread(target=self._run, name=f"watch {name}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
+
+    def learn(self, obj: dict[str, Any], *, deleted: bool = False) -> None:
+        """Put what a write of ours answered (or a watch event) in the cache, unless the cache
+        already holds a newer version of it."""
+        uid = obj["metadata"]["uid"]
+        with self._lock:
+            held = self.items.get(uid)
+            if held is not None and _revision(held) > _revision(obj) >= 0:
+                return
+            if deleted:
+                self.items.pop(uid, None)
+            else:
+                self.items[uid] = obj
+        self._on_change()
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self.items.values())
+
+    def get(self, uid: str) -> dict[str, Any] | None:
+        with self._lock:
+            return self.items.get(uid)
+
+    def _list(self) -> str:
+        response = self._list_call(_preload_content=False, **self._selectors)
+        listed = json.loads(response.data)
+        with self._lock:
+            self.items = {item["metadata"]["uid"]: item for item in listed.get("items") or ()}
+        self.synced.set()
+        self._on_change()
+        return str(listed["metadata"].get("resourceVersion", ""))
+
+    def _run(self) -> None:
+        since = ""
+        while not self._stop.is_set():
+            try:
+                if not since:
+                    since = self._list()
+                self._watch = watch.Watch()
+                for event in self._watch.stream(
+                    self._list_call,
+                    resource_version=since,
+                    timeout_seconds=WATCH_SECONDS,
+                    deserialize=False,
+                    **self._selectors,
+                ):
+                    obj = event["object"]
+                    if event["type"] == "BOOKMARK":
+                        since = obj["metadata"]["resourceVersion"]
+                        continue
+                    self.learn(obj, deleted=event["type"] == "DELETED")
+                    since = obj["metadata"]["resourceVersion"]
+                    if self._stop.is_set():
+                        return
+            except ApiException as exc:
+                if exc.status == 410:  # expired: list again, then watch from there
+                    LOG.info("watch of %s expired; listing again", self.name)
+                    since = ""
+                    continue
+                LOG.warning("watch of %s failed: %s; again in %ss", self.name, exc, _RETRY_SECONDS)
+                since = ""
+                self._stop.wait(_RETRY_SECONDS)
+            except Exception as exc:  # the API server is away: list again once it is back
+                if self._stop.is_set():
+                    return
+                LOG.warning("watch of %s failed: %s; again in %ss", self.name, exc, _RETRY_SECONDS)
+                since = ""
+                self._stop.wait(_RETRY_SECONDS)
+
+
+class KubernetesRunStore:
+    """Runs and Runtime Pods of one namespace, through the API server (``RunStore``)."""
+
+    def __init__(
+        self, api_client: client.ApiClient, namespace: str, *, sync_timeout: float = 30.0
+    ) -> None:
+        self.namespace = namespace
+        self._api_client = api_client
+        self._custom = client.CustomObjectsApi(api_client)
+        self._core = client.CoreV1Api(api_client)
+        self._version = 0
+        self._version_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._runs = _Informer(
+            "runs",
+            lambda **kw: self._custom.list_namespaced_custom_object(
+                GROUP, VERSION, namespace, PLURAL, **kw
+            ),
+            self._changed,
+            self._stop,
+        )
+        self._pods = _Informer(
+            "pods",
+            lambda **kw: self._core.list_namespaced_pod(namespace, **kw),
+            self._changed,
+            self._stop,
+            label_selector=objects.RUNTIME_POD_SELECTOR,
+        )
+        for informer in (self._runs, self._pods):
+            informer.start()
+        deadline = time.monotonic() + sync_timeout
+        for informer in (self._runs, self._pods):
+            if not informer.synced.wait(max(0.0, deadline - time.monotonic())):
+                self.close()
+                raise RuntimeError(
+                    f"cannot list the {informer.name} of namespace {namespace} from the "
+                    f"Kubernetes API at {api_client.configuration.host} within {sync_timeout}s"
+                )
+
+    def _changed(self) -> None:
+        with self._version_lock:
+            self._version += 1
+
+    def version(self) -> int:
+        """Changes with every object the watches deliver and every write of ours."""
+        return self._version
+
+    def close(self) -> None:
+        self._stop.set()
+        for informer in (self._runs, self._pods):
+            informer.close()
+
+    # Runs
+
+    def _all(self) -> list[Run]:
+        runs = [objects.run_of(obj) for obj in self._runs.snapshot()]
+        return sorted(runs, key=lambda run: (run.created_at, run.name))
+
+    def insert(self, run: Run, files: Mapping[str, str]) -> Run:
+        """Create the object, then write its status (a create drops status): a controller that
+        admits it in between (``NEW``) wins, and this returns the Run as it admitted it."""
+        body = objects.new_object(run, files, self.namespace)
+        try:
+            created = _object(
+                self._custom.create_namespaced_custom_object(
+                    GROUP, VERSION, self.namespace, PLURAL, body
+                )
+            )
+        except ApiException as exc:
+            if exc.status == 409:
+                raise RunAlreadyExists(f"a run named {run.name!r} already exists") from None
+            raise
+        self._runs.learn(created)
+        blank = objects.run_of(created)
+        admitted = self.update(
+            blank,
+            expect_phase=NEW,
+            phase=run.phase,
+            attempt=run.attempt,
+            assigned_pod=run.assigned_pod,
+            spec_digest=run.spec_digest,
+            message=run.message,
+        )
+        return admitted or self.get_uid(blank.uid) or blank
+
+    def files(self, uid: str) -> dict[str, str]:
+        obj = self._runs.get(uid)
+        if obj is None:
+            raise RunNotFound(f"no run has uid {uid}")
+        return objects.files_of(obj)
+
+    def get(self, name: str) -> Run:
+        for run in self._all():
+            if run.name == name:
+                return run
+        raise RunNotFound(f"no run named {name!r}")
+
+    def get_uid(self, uid: str) -> Run | None:
+        obj = self._runs.get(uid)
+        return None if obj is None else objects.run_of(obj)
+
+    def get_fresh(self, name: str) -> Run:
+        """``get``: the cache is as fresh as the watch (docs/kubernetes.md, "Fences")."""
+        return self.get(name)
+
+    def get_uid_fresh(self, uid: str) -> Run | None:
+        return self.get_uid(uid)
+
+    def runs(self, *, pod: str | None = None, phase: str | None = None) -> list[Run]:
+        return [
+            run
+            for run in self._all()
+            if (pod is None or run.assigned_pod == pod) and (phase is None or run.phase == phase)
+        ]
+
+    def _read(self, name: str) -> dict[str, Any] | None:
+        try:
+            obj = _object(
+                self._custom.get_namespaced_custom_object(
+                    GROUP, VERSION, self.namespace, PLURAL, name
+                )
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        self._runs.learn(obj)
+        return obj
+
+    def update(self, run: Run, *, expect_phase: str | None = None, **changes: Any) -> Run | None:
+        """The fenced write: a PUT of the status with the resourceVersion it was computed from;
+        on 409 the object is read again and the fence checked again."""
+        obj = self._runs.get(run.uid)
+        for _ in range(_CONFLICT_TRIES):
+            if obj is None:
+                return None
+            current = objects.run_of(obj)
+            if (
+                current.attempt != run.attempt
+                or current.assigned_pod != run.assigned_pod
+                or (expect_phase is not None and current.phase != expect_phase)
+            ):
+                return None
+            body = {
+                "apiVersion": objects.API_VERSION,
+                "kind": objects.KIND,
+                "metadata": {
+                    "name": obj["metadata"]["name"],
+                    "namespace": self.namespace,
+                    "resourceVersion": obj["metadata"]["resourceVersion"],
+                },
+                "status": objects.status_with(obj, changes),
+            }
+            try:
+                written = _object(
+                    self._custom.replace_namespaced_custom_object_status(
+                        GROUP, VERSION, self.namespace, PLURAL, obj["metadata"]["name"], body
+                    )
+                )
+            except ApiException as exc:
+                if exc.status == 409:  # a newer version: read it, and fence again
+                    obj = self._read(obj["metadata"]["name"])
+                    continue
+                if exc.status == 404:
+                    return None
+                raise
+            self._runs.learn(written)
+            return objects.run_of(written)
+        raise RuntimeError(f"run {run.name}: {_CONFLICT_TRIES} conflicting writes in a row")
+
+    def delete(self, uid: str) -> None:
+        """Remove our finalizer and delete the object (both: whichever of them comes last
+        removes it)."""
+        obj = self._runs.get(uid)
+        if obj is None:
+            return
+        name = obj["metadata"]["name"]
+        finalizers = [f for f in obj["metadata"].get("finalizers") or () if f != objects.FINALIZER]
+        try:
+            patched = _object(self._custom.patch_namespaced_custom_object(
+                GROUP, VERSION, self.namespace, PLURAL, name,
+                {"metadata": {"finalizers": finalizers or None}},
+            ))  # fmt: skip
+            if patched.get("metadata", {}).get("deletionTimestamp") and not finalizers:
+                self._runs.learn(patched, deleted=True)
+                return
+            self._custom.delete_namespaced_custom_object(
+                GROUP, VERSION, self.namespace, PLURAL, name,
+                body=client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid)),
+            )  # fmt: skip
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+        self._runs.learn(obj, deleted=True)
+
+    def load_by_pod(self) -> dict[str, int]:
+        load: dict[str, int] = {}
+        for run in self._all():
+            if run.phase not in (FAILED, DELETED) and run.assigned_pod:
+                load[run.assigned_pod] = load.get(run.assigned_pod, 0) + 1
+        return load
+
+    # Runtime Pods
+
+    def heartbeat(self, name: str, runtime: str, address: str, healthy: bool) -> None:
+        """Ignored: a Runtime Pod's liveness is its Pod object's Ready condition."""
+
+    def pods(self, runtime: str | None = None) -> list[Pod]:
+        found = [objects.pod_of(obj) for obj in self._pods.snapshot()]
+        return sorted(
+            (p for p in found if p is not None and runtime in (None, p.runtime)),
+            key=lambda p: p.name,
+        )
+
+    def pod(self, name: str) -> Pod | None:
+        return next((pod for pod in self.pods() if pod.name == name), None)
+
+    def pod_fresh(self, name: str) -> Pod | None:
+        return self.pod(name)

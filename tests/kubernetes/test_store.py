@@ -1,0 +1,214 @@
+"""The Run store over the Kubernetes API (docs/kubernetes.md), against the emulated API server
+(a test double: tests/kubernetes/emulator.py) over real HTTP: what a Run and a Runtime Pod are
+as objects, and the fence of every status write."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from fnkernel.runtime_server.errors import RunAlreadyExists, RunNotFound, RunTooLarge
+from fnkernel.runtime_server.lifecycle.controlplane import ControlPlane
+from fnkernel.runtime_server.lifecycle.kubernetes import objects
+from fnkernel.runtime_server.lifecycle.kubernetes.store import KubernetesRunStore
+from fnkernel.runtime_server.wire import DELETING, FAILED, NEW, PENDING, READY, RETRYING
+from tests.kubernetes.conftest import EmulatedApi
+from tests.support import wait_until
+
+NS = "fn"
+HANDLER = {"handler.py": "def handle(event):\n    return event\n"}
+G, V, P = objects.GROUP, objects.VERSION, objects.PLURAL
+
+
+@pytest.fixture
+def store(kube_api: EmulatedApi) -> Iterator[KubernetesRunStore]:
+    opened = KubernetesRunStore(kube_api.client(), NS)
+    try:
+        yield opened
+    finally:
+        opened.close()
+
+
+@pytest.fixture
+def custom(api_client: client.ApiClient) -> client.CustomObjectsApi:
+    return client.CustomObjectsApi(api_client)
+
+
+def runtime_pod(core: client.CoreV1Api, name: str, ip: str, *, ready: bool = True) -> None:
+    """A Runtime Pod as the kubelet would report it (here the test writes its status)."""
+    core.create_namespaced_pod(NS, {
+        "metadata": {"name": name, "labels": {objects.ROLE_LABEL: objects.RUNTIME_POD,
+                                              objects.RUNTIME_LABEL: "python"}},
+        "spec": {"containers": [{"name": "runtimed", "image": "fnkernel",
+                                 "ports": [{"name": objects.RUNTIMED_PORT, "containerPort": 50051}]}]},
+    })  # fmt: skip
+    status = {"phase": "Running", "podIP": ip,
+              "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}  # fmt: skip
+    core.patch_namespaced_pod_status(name, NS, {"status": status})
+
+
+def plane_with_pod(store: KubernetesRunStore, api_client: client.ApiClient) -> ControlPlane:
+    runtime_pod(client.CoreV1Api(api_client), "python-abc", "127.0.0.9")
+    wait_until(lambda: store.pod("python-abc") is not None, timeout=10)
+    return ControlPlane(store)
+
+
+def test_a_created_run_is_an_object_with_its_spec_files_and_a_fenced_status(
+    store: KubernetesRunStore, custom: client.CustomObjectsApi, api_client: client.ApiClient
+) -> None:
+    # docs/kubernetes.md, "The object model": the UID is metadata.uid, status.attempt the
+    # registration attempt, the assigned pod in the status; a name Kubernetes does not allow
+    # is kept in an annotation.
+    plane = plane_with_pod(store, api_client)
+    run = plane.create_run(name="etl_Job", runtime="python", handler="handler.handle",
+                           files=HANDLER, env={"A": "1"})  # fmt: skip
+    obj = custom.get_namespaced_custom_object(G, V, NS, P, objects.object_name("etl_Job"))
+    assert obj["metadata"]["uid"] == run.uid
+    assert obj["metadata"]["annotations"][objects.NAME_KEY] == "etl_Job"
+    assert obj["metadata"]["finalizers"] == [objects.FINALIZER]
+    assert obj["spec"]["files"] == HANDLER and obj["spec"]["env"] == {"A": "1"}
+    assert obj["status"]["phase"] == PENDING and obj["status"]["attempt"] == 1
+    assert obj["status"]["assignedPod"] == "python-abc"
+    assert store.get("etl_Job") == run and store.files(run.uid) == HANDLER
+    assert [r.name for r in store.runs(pod="python-abc")] == ["etl_Job"]
+    assert store.load_by_pod() == {"python-abc": 1}
+    with pytest.raises(RunAlreadyExists):
+        plane.create_run(name="etl_Job", runtime="python", handler="handler.handle",
+                         files={"handler.py": "def handle(e):\n    return 2\n"})  # fmt: skip
+    # Another process's store sees it through its own watch.
+    other = KubernetesRunStore(store._api_client, NS)
+    try:
+        assert other.get("etl_Job") == run
+    finally:
+        other.close()
+
+
+def test_a_stale_writer_gets_a_conflict_reads_again_and_never_overwrites_a_newer_attempt(
+    store: KubernetesRunStore, kube_api: EmulatedApi, api_client: client.ApiClient
+) -> None:
+    # docs/kubernetes.md, "Fences": every status write is conditional on the resourceVersion
+    # it was computed from; on 409 the writer re-reads, and its fence (attempt, pod) decides.
+    plane = plane_with_pod(store, api_client)
+    run = plane.create_run(name="fn", runtime="python", handler="handler.handle", files=HANDLER)
+    late = KubernetesRunStore(kube_api.client(), NS)
+    try:
+        wait_until(lambda: late.get_uid(run.uid) == run, timeout=10)
+        seen = late._runs.get(run.uid)  # the version the late writer computes from
+        retried = store.update(run, phase=PENDING, attempt=2)  # the retry engine, first
+        assert retried is not None and retried.attempt == 2
+        assert seen is not None
+        late._runs.items[run.uid] = seen  # its watch has not delivered the retry yet
+        # runtimed of attempt 1 reports Ready: 409, read again, attempt 2 ≠ 1: nothing written.
+        assert late.update(run, expect_phase=PENDING, phase=READY) is None
+        assert store.get("fn").attempt == 2 and late.get_uid(run.uid).phase == PENDING  # type: ignore[union-attr]
+        # A writer that saw attempt 2 writes through a conflict on an unrelated change.
+        late._runs.items[run.uid] = seen
+        current = store.get("fn")
+        store.update(current, message="noted")  # a newer version that keeps the attempt
+        late._runs.items[run.uid] = store._runs.get(run.uid) or seen
+        ready = late.update(current, expect_phase=PENDING, phase=READY)
+        assert ready is not None and (ready.phase, ready.attempt, ready.message) == (
+            READY,
+            2,
+            "noted",
+        )
+    finally:
+        late.close()
+
+
+def test_a_run_too_large_for_the_api_server_is_refused_naming_the_limit(
+    store: KubernetesRunStore, api_client: client.ApiClient
+) -> None:
+    plane = plane_with_pod(store, api_client)
+    files = {**HANDLER, "data.txt": "x" * objects.MAX_OBJECT_BYTES}
+    with pytest.raises(RunTooLarge, match=f"at most {objects.MAX_OBJECT_BYTES} bytes"):
+        plane.create_run(name="big", runtime="python", handler="handler.handle", files=files)
+    with pytest.raises(RunNotFound):
+        store.get("big")
+
+
+def test_delete_removes_the_object_and_kubectl_delete_asks_the_control_plane(
+    store: KubernetesRunStore, custom: client.CustomObjectsApi, api_client: client.ApiClient
+) -> None:
+    plane = plane_with_pod(store, api_client)
+    run = plane.create_run(name="fn", runtime="python", handler="handler.handle", files=HANDLER)
+    # `kubectl delete run fn`: the finalizer keeps it; the control plane unregisters it first.
+    custom.delete_namespaced_custom_object(G, V, NS, P, "fn")
+    wait_until(lambda: store.get("fn").delete_requested, timeout=10)
+    plane.reconcile()
+    assert store.get("fn").phase == DELETING
+    store.delete(run.uid)
+    with pytest.raises(ApiException) as caught:
+        custom.get_namespaced_custom_object(G, V, NS, P, "fn")
+    assert caught.value.status == 404
+    with pytest.raises(RunNotFound):
+        store.get("fn")
+
+
+def test_a_run_applied_with_kubectl_is_checked_and_assigned_like_a_create(
+    store: KubernetesRunStore, custom: client.CustomObjectsApi, api_client: client.ApiClient
+) -> None:
+    # docs/kubernetes.md: a Run created with `kubectl apply` is reconciled exactly like one
+    # created through POST /v1/runs — the same checks, the same scheduler.
+    def apply(name: str, **spec: Any) -> None:
+        custom.create_namespaced_custom_object(G, V, NS, P, {
+            "apiVersion": objects.API_VERSION, "kind": "Run", "metadata": {"name": name},
+            "spec": {"runtime": "python", "handler": "handler.handle", "files": HANDLER, **spec},
+        })  # fmt: skip
+
+    apply("applied")
+    apply("bad-env", env={"1X": "v"})
+    wait_until(lambda: len(store.runs()) == 2, timeout=10)
+    plane = ControlPlane(store)
+    plane.reconcile()  # no pod yet: it waits, saying so
+    waiting = store.get("applied")
+    assert waiting.phase == NEW and "waiting for a live Runtime Pod" in waiting.message
+    failed = store.get("bad-env")
+    assert failed.phase == FAILED and failed.message.startswith("env: key '1X'")
+    plane_with_pod(store, api_client)
+    plane.reconcile()
+    admitted = store.get("applied")
+    assert (admitted.phase, admitted.attempt, admitted.assigned_pod) == (PENDING, 1, "python-abc")
+    assert admitted.spec_digest and admitted.message == ""
+
+
+def test_runtime_pods_are_alive_while_ready_and_not_being_deleted(
+    store: KubernetesRunStore, api_client: client.ApiClient
+) -> None:
+    # docs/kubernetes.md: a pod's liveness comes from the Pod object, not heartbeats.
+    core = client.CoreV1Api(api_client)
+    runtime_pod(core, "python-a", "127.0.0.5")
+    runtime_pod(core, "python-b", "127.0.0.6", ready=False)
+    core.create_namespaced_pod(NS, {"metadata": {"name": "other"},
+                                    "spec": {"containers": [{"name": "c", "image": "i"}]}})  # fmt: skip
+    wait_until(lambda: len(store.pods()) == 2, timeout=10)
+    pods = {pod.name: pod for pod in store.pods("python")}
+    assert pods["python-a"].alive() and pods["python-a"].address == "127.0.0.5:50051"
+    assert not pods["python-b"].alive()
+    version = store.version()
+    store.heartbeat("python-b", "python", "x", True)  # ignored: the Pod object says
+    assert not store.pod("python-b").alive()  # type: ignore[union-attr]
+    # Being deleted (its deletionTimestamp set, here held by a finalizer of the test's, as a
+    # kubelet holds a terminating pod): no longer alive, though still Ready.
+    core.patch_namespaced_pod("python-a", NS, {"metadata": {"finalizers": ["test/hold"]}})
+    core.delete_namespaced_pod("python-a", NS)
+    wait_until(lambda: not store.pod("python-a").alive(), timeout=10)  # type: ignore[union-attr]
+    assert store.version() != version
+
+
+def test_the_cache_follows_writes_made_elsewhere(
+    store: KubernetesRunStore, custom: client.CustomObjectsApi, api_client: client.ApiClient
+) -> None:
+    plane = plane_with_pod(store, api_client)
+    run = plane.create_run(name="fn", runtime="python", handler="handler.handle", files=HANDLER)
+    version = store.version()
+    obj = custom.get_namespaced_custom_object(G, V, NS, P, "fn")
+    obj["status"]["phase"] = RETRYING
+    custom.replace_namespaced_custom_object_status(G, V, NS, P, "fn", obj)
+    wait_until(lambda: store.get_uid_fresh(run.uid).phase == RETRYING, timeout=10)  # type: ignore[union-attr]
+    assert store.version() != version
+    assert store.get_fresh("fn").phase == RETRYING
