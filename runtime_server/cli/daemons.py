@@ -1,5 +1,5 @@
-"""The long-running components: ``serve``, ``runtimed``, ``gateway``, ``up``, ``evaluator``,
-``wrapper-server`` — each one's flags beside its handler."""
+"""The long-running components: ``serve``, ``runtimed``, ``gateway``, ``controller``, ``up``,
+``evaluator``, ``wrapper-server`` — each one's flags beside its handler."""
 
 from __future__ import annotations
 
@@ -27,7 +27,44 @@ from fnkernel.runtime_server.cli.common import (
 )
 
 if TYPE_CHECKING:
+    from fnkernel.runtime_server.lifecycle.runs import RunStore
     from fnkernel.runtime_server.tokens import GatewayToken
+
+STORES = ("sqlite", "kubernetes")
+
+
+def _add_store_flags(parser: argparse.ArgumentParser) -> None:
+    """Where Runs are kept (docs/architecture.md, "Seams"; docs/kubernetes.md)."""
+    parser.add_argument(
+        "--store",
+        choices=STORES,
+        default="sqlite",
+        help="sqlite: STATE_DIR/runs.db, shared by the processes of one machine (default); "
+        "kubernetes: Run objects of the cluster's API server",
+    )
+    parser.add_argument(
+        "--namespace",
+        metavar="NS",
+        help="with --store kubernetes: the namespace of the Runs and Runtime Pods (default: "
+        "$FNKERNEL_NAMESPACE, else this pod's own, else default)",
+    )
+
+
+def _open_store(args: argparse.Namespace, *, pods: bool = True) -> RunStore:
+    """The Run store the flags name; the Kubernetes client is imported only for it. `pods`:
+    whether this component reads the Runtime Pods (runtimed does not)."""
+    if args.store == "kubernetes":
+        from fnkernel.runtime_server.lifecycle.kubernetes.store import (
+            KubernetesRunStore,
+            connect,
+            namespace_of,
+        )
+
+        return KubernetesRunStore(connect(), namespace_of(args.namespace), watch_pods=pods)
+    from fnkernel.runtime_server.lifecycle.sqlite import STORE_FILE, SqliteRunStore
+    from fnkernel.system.private import private_dir
+
+    return SqliteRunStore(private_dir(state_dir_of(args)) / STORE_FILE)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -68,14 +105,17 @@ def _runtimed(args: argparse.Namespace) -> int:
     from fnkernel.runtime_server import daemon, logs
     from fnkernel.runtime_server.daemon import announcement
     from fnkernel.runtime_server.lifecycle.runtimed import Runtimed
-    from fnkernel.runtime_server.lifecycle.sqlite import STORE_FILE, SqliteRunStore
     from fnkernel.system.private import private_dir
 
     logs.configure(logging.DEBUG if args.verbose else logging.INFO)
-    state_dir = private_dir(state_dir_of(args))
-    workspace = Path(args.workspace) if args.workspace else state_dir / "workspace" / args.pod
+    if args.workspace:
+        workspace = Path(args.workspace)
+    elif args.store == "sqlite":
+        workspace = state_dir_of(args) / "workspace" / args.pod
+    else:
+        raise UsageError("runtimed: --store kubernetes needs --workspace (the pod's own volume)")
     runtimed = Runtimed(
-        SqliteRunStore(state_dir / STORE_FILE),
+        _open_store(args, pods=False),
         pod=args.pod,
         runtime=args.runtime,
         server_address=args.server,
@@ -131,8 +171,6 @@ def _gateway(args: argparse.Namespace) -> int:
     from fnkernel.runtime_server.daemon import announcement
     from fnkernel.runtime_server.lifecycle.controlplane import ControlPlane
     from fnkernel.runtime_server.lifecycle.gateway import Access, Gateway
-    from fnkernel.runtime_server.lifecycle.sqlite import STORE_FILE, SqliteRunStore
-    from fnkernel.system.private import private_dir
 
     logs.configure(logging.DEBUG if args.verbose else logging.INFO)
     state_dir = state_dir_of(args)
@@ -140,7 +178,9 @@ def _gateway(args: argparse.Namespace) -> int:
     access = Access(
         token, frozenset(args.allow_origin), frozenset(h.lower() for h in args.allow_host)
     )
-    control_plane = ControlPlane(SqliteRunStore(private_dir(state_dir) / STORE_FILE))
+    control_plane = ControlPlane(_open_store(args))
+    # One machine: the control plane's loop runs here. On Kubernetes it is the controller's.
+    embedded = args.store == "sqlite"
 
     async def serve() -> None:
         gateway = Gateway(
@@ -155,15 +195,19 @@ def _gateway(args: argparse.Namespace) -> int:
             print(f"fnkernel gateway: cannot listen on {args.listen}: {exc}", file=sys.stderr)
             raise SystemExit(EXIT_FAILURE) from None
         try:
-            gateway_file = tokens.announce(address, token) if token is not None else None
+            # The gateway file is for clients of this machine: none on Kubernetes.
+            gateway_file = (
+                tokens.announce(address, token) if token is not None and embedded else None
+            )
         except OSError as exc:
             print(f"fnkernel gateway: cannot write its gateway file: {exc}", file=sys.stderr)
             raise SystemExit(EXIT_FAILURE) from None
-        control_plane.start()
-        print(
-            announcement("gateway", "control plane + HTTP", address, f"state dir {state_dir}"),
-            flush=True,
-        )
+        if embedded:
+            control_plane.start()
+            detail, where = "control plane + HTTP", f"state dir {state_dir}"
+        else:
+            detail, where = "HTTP", f"Runs in namespace {args.namespace or '(its own)'}"
+        print(announcement("gateway", detail, address, where), flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -174,9 +218,27 @@ def _gateway(args: argparse.Namespace) -> int:
             if gateway_file is not None:
                 tokens.withdraw(gateway_file)
         await gateway.close()
-        control_plane.stop()
+        if embedded:
+            control_plane.stop()
+        control_plane.store.close()
 
     asyncio.run(serve())
+    return EXIT_OK
+
+
+def _controller(args: argparse.Namespace) -> int:
+    from fnkernel.runtime_server import daemon, logs
+    from fnkernel.runtime_server.lifecycle.controlplane import ControlPlane
+
+    logs.configure(logging.DEBUG if args.verbose else logging.INFO)
+    control_plane = ControlPlane(_open_store(args), tick=args.tick)
+    control_plane.start()
+    print(
+        f"fnkernel controller: scheduler and retry engine over the {args.store} store", flush=True
+    )
+    daemon.wait_for_termination()
+    control_plane.stop()
+    control_plane.store.close()
     return EXIT_OK
 
 
@@ -354,6 +416,7 @@ def register(commands: Any) -> None:
         help="where it writes its Runs' files; inside its server's --workspace-root "
         "(default: STATE_DIR/workspace/POD)",
     )
+    _add_store_flags(runtimed)
     add_state_dir(runtimed)
     runtimed.add_argument("-v", "--verbose", action="store_true")
     runtimed.set_defaults(func=_runtimed)
@@ -383,9 +446,24 @@ def register(commands: Any) -> None:
         "(default %(default)s)",
     )
     _add_access_flags(gateway)
+    _add_store_flags(gateway)
     add_state_dir(gateway)
     gateway.add_argument("-v", "--verbose", action="store_true")
     gateway.set_defaults(func=_gateway)
+
+    controller = commands.add_parser(
+        "controller",
+        help="run the control plane alone: the scheduler and retry engine (on Kubernetes)",
+        description="Admit Runs, assign them to Runtime Pods, retry and reassign them, finish "
+        "deletes: the control plane's loop, without the gateway (docs/kubernetes.md).",
+    )
+    controller.add_argument(
+        "--tick", type=seconds, default=0.1, metavar="SECONDS", help="loop cadence"
+    )
+    _add_store_flags(controller)
+    add_state_dir(controller)
+    controller.add_argument("-v", "--verbose", action="store_true")
+    controller.set_defaults(func=_controller)
 
     up = commands.add_parser(
         "up",

@@ -341,12 +341,13 @@ class ControlPlane:
                 due = now
             elif run.phase == RETRYING:
                 due = min(due, self._retry(run, pod_alive, now))
-            elif run.phase in (PENDING, READY) and not pod_alive and pod is not None:
-                # docs/protocol.md, "Runs": a Runtime Pod that dies moves its Runs to retry.
+            elif run.phase in (PENDING, READY) and not pod_alive:
+                # docs/protocol.md, "Runs": a Runtime Pod that dies moves its Runs to retry —
+                # one whose record is gone too (on Kubernetes, a deleted pod's object).
                 self.store.update(
                     run,
                     phase=RETRYING,
-                    message=f"pod {run.assigned_pod} stopped",
+                    message=f"pod {run.assigned_pod} {'stopped' if pod is not None else 'is gone'}",
                     failed_at=now,
                     uncharged_attempts=run.uncharged_attempts
                     + int(decide(Step.POD) is Verdict.RETRY_FREE),

@@ -3,13 +3,25 @@ a test double) in a process of its own, and clients of it."""
 
 from __future__ import annotations
 
+import json
+import os
+import random
+import secrets
+import shlex
+import shutil
 import subprocess
 import sys
+import sysconfig
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
-from kubernetes import client
+import yaml
+from kubernetes import client, utils
 
+from fnkernel.runtime_server.daemon.announce import LISTENING_ON
 from tests.support import ROOT
 
 
@@ -58,3 +70,192 @@ def kube_api() -> Iterator[EmulatedApi]:
 def api_client(kube_api: EmulatedApi) -> Iterator[client.ApiClient]:
     with kube_api.client() as api_client:
         yield api_client
+
+
+# The pods' user (the manifests' runAsUser): when the tests run as root, the test node agent runs
+# the pods as it, and they cannot read the files of the test, the controller or the gateway.
+POD_USER = 65532
+NAMESPACE = "fnkernel"  # deploy/kustomization.yaml's
+_BOOT = (
+    "import runpy, site, sys; site.addsitedir({site!r}); sys.argv[0] = 'fnkernel'; "
+    "runpy.run_module('fnkernel.runtime_server.cli', run_name='__main__', alter_sys=True)"
+)
+
+
+def pod_entrypoint() -> tuple[list[str], int | None]:
+    """The image's entrypoint for the test node agent — `fnkernel` as a process of this machine
+    — and the user pods run as (None: this one). An interpreter under a directory only root may
+    enter (a pyenv in /root) cannot run as another user: then the system's Python of the same
+    version runs with this environment's packages added."""
+    purelib = sysconfig.get_paths()["purelib"]
+    if os.geteuid() != 0:
+        return [sys.executable, "-m", "fnkernel.runtime_server.cli"], None
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    for python in (sys.executable, shutil.which(version, path="/usr/bin:/usr/local/bin")):
+        if python is None:
+            continue
+        argv = [python, "-c", _BOOT.format(site=purelib)]
+        try:
+            probe = subprocess.run(
+                [*argv, "--help"], user=POD_USER, group=POD_USER, extra_groups=[],
+                capture_output=True, cwd="/", timeout=60,
+            )  # fmt: skip
+        except PermissionError:
+            continue
+        if probe.returncode == 0:
+            return argv, POD_USER
+    pytest.skip(f"no Python this environment's packages load in runs as uid {POD_USER}")
+
+
+def kustomize_build(token: str, target: Path) -> list[dict[str, Any]]:
+    """deploy/ as `kubectl kustomize` builds it (with `token` as the gateway's token file)."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.fail(
+            "kubectl is needed to build deploy/ (Debian: apt-get install kubernetes-client)"
+        )
+    shutil.copytree(ROOT / "deploy", target)
+    (target / "gateway-token").write_text(token + "\n")
+    built = subprocess.run(
+        [kubectl, "kustomize", str(target)], capture_output=True, text=True, timeout=60
+    )
+    assert built.returncode == 0, built.stderr
+    return [doc for doc in yaml.safe_load_all(built.stdout) if doc]
+
+
+class Cluster:
+    """What the Kubernetes end-to-end tests run against: the emulated API server and the test
+    node agent (test doubles, in processes of their own) with deploy/'s manifests applied, and
+    the controller and the gateway as processes of this machine, started from the manifests'
+    command lines (`controller`, `gateway`: see ``start_controller``, ``start_gateway``)."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp = tmp_path
+        self.token = secrets.token_urlsafe(24)
+        self.manifests = kustomize_build(self.token, tmp_path / "deploy")
+        self.api = EmulatedApi()
+        # The node's own directory, which the pods' user may enter (the test's tmp_path is 0700).
+        self.node_root = Path(tempfile.mkdtemp(prefix="fnkernel-node-"))
+        self.node_root.chmod(0o711)
+        self.kubeconfig = self.node_root / "kubeconfig"
+        self.kubeconfig.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config", "current-context": "emulated",
+            "clusters": [{"name": "emulated", "cluster": {"server": self.api.url}}],
+            "contexts": [{"name": "emulated", "context": {"cluster": "emulated", "user": "test",
+                                                          "namespace": NAMESPACE}}],
+            "users": [{"name": "test", "user": {}}],
+        }))  # fmt: skip
+        self.kubeconfig.chmod(0o644)
+        self.client = self.api.client()
+        self.processes: dict[str, subprocess.Popen[str]] = {}
+        self.logs = tmp_path / "logs"
+        self.logs.mkdir()
+        try:
+            for obj in self.manifests:
+                if obj["kind"] == "Namespace":
+                    # Every namespace exists in the emulator; KMock reads /api/v1/namespaces
+                    # as the start of a namespaced path, so a Namespace cannot be created.
+                    continue
+                utils.create_from_dict(self.client, obj, namespace=obj["metadata"].get("namespace"))
+            entrypoint, self.pod_user = pod_entrypoint()
+            prefix = f"127.{random.randint(2, 254)}.{random.randint(0, 254)}"
+            self._start("node-agent", [
+                sys.executable, "-m", "tests.kubernetes.node_agent",
+                "--kubeconfig", str(self.kubeconfig), "--namespace", NAMESPACE,
+                "--root", str(self.node_root), "--ip-prefix", prefix,
+                "--image", "fnkernel=" + shlex.join(entrypoint),
+                "--deployments", "app.kubernetes.io/component=runtime-pod",
+            ], ready="node agent ready")  # fmt: skip
+        except BaseException:
+            self.stop()
+            raise
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "KUBECONFIG": str(self.kubeconfig), "FNKERNEL_NAMESPACE": NAMESPACE}
+
+    def _start(self, name: str, argv: list[str], ready: str) -> str:
+        log = (self.logs / f"{name}.log").open("a")
+        proc = subprocess.Popen(
+            argv, cwd=ROOT, env=self.env(), stdout=subprocess.PIPE, stderr=log, text=True
+        )
+        log.close()
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if ready not in line:
+            proc.kill()
+            raise RuntimeError(f"{name} did not start: {line!r}; {self.log(name)}")
+        self.processes[name] = proc
+        return line
+
+    def log(self, name: str) -> str:
+        path = self.logs / f"{name}.log"
+        return path.read_text()[-3000:] if path.exists() else ""
+
+    def manifest_args(self, kind: str, name: str) -> list[str]:
+        for obj in self.manifests:
+            if obj["kind"] == kind and obj["metadata"]["name"] == name:
+                return list(obj["spec"]["template"]["spec"]["containers"][0]["args"])
+        raise KeyError(name)
+
+    def start_controller(self, name: str = "controller") -> None:
+        args = self.manifest_args("Deployment", "fnkernel-controller")
+        self._start(name, [sys.executable, "-m", "fnkernel.runtime_server.cli", *args],
+                    ready="fnkernel controller:")  # fmt: skip
+
+    def start_gateway(self, listen: str = "127.0.0.1:0") -> str:
+        """The gateway of the manifest, on `listen` with the token in a file of the test's own
+        (0600: the pods' user cannot read it); its address."""
+        token_file = self.tmp / "token"
+        token_file.write_text(self.token + "\n")
+        token_file.chmod(0o600)
+        args = self.manifest_args("Deployment", "fnkernel-gateway")
+        args[args.index("--listen") + 1] = listen
+        args[args.index("--token-file") + 1] = str(token_file)
+        line = self._start("gateway", [sys.executable, "-m", "fnkernel.runtime_server.cli", *args],
+                           ready=LISTENING_ON)  # fmt: skip
+        self.gateway = "http://" + line.split(LISTENING_ON, 1)[1].split(",", 1)[
+            0
+        ].strip().removeprefix("http://")
+        return self.gateway
+
+    def kill(self, name: str) -> None:
+        proc = self.processes.pop(name)
+        proc.kill()
+        proc.wait(10)
+
+    def runtime_pods(self, *, ready: bool = True) -> list[dict[str, Any]]:
+        listed = client.CoreV1Api(self.client).list_namespaced_pod(
+            NAMESPACE, label_selector="app.kubernetes.io/component=runtime-pod",
+            _preload_content=False,
+        )  # fmt: skip
+        pods = json.loads(listed.data)["items"]
+        return [
+            pod for pod in pods
+            if not ready or any(c["type"] == "Ready" and c["status"] == "True"
+                                for c in (pod.get("status") or {}).get("conditions") or ())
+        ]  # fmt: skip
+
+    def server_socket(self, pod: dict[str, Any]) -> str:
+        """The Runtime Server's socket of `pod` (in its volume, as the node agent made it)."""
+        return f"unix:{self.node_root / pod['metadata']['uid'] / 'volumes' / 'sockets' / 'server.sock'}"
+
+    def stop(self) -> None:
+        for name in list(self.processes):
+            proc = self.processes.pop(name)
+            proc.terminate()
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        self.api.stop()
+        shutil.rmtree(self.node_root, ignore_errors=True)
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    started = Cluster(tmp_path)
+    try:
+        yield started
+    finally:
+        started.stop()

@@ -174,6 +174,9 @@ def test_a_run_applied_with_kubectl_is_checked_and_assigned_like_a_create(
     admitted = store.get("applied")
     assert (admitted.phase, admitted.attempt, admitted.assigned_pod) == (PENDING, 1, "python-abc")
     assert admitted.spec_digest and admitted.message == ""
+    # From its first status write on, a `kubectl delete` waits for its registration to go.
+    held = custom.get_namespaced_custom_object(G, V, NS, P, "applied")
+    assert held["metadata"]["finalizers"] == [objects.FINALIZER]
 
 
 def test_runtime_pods_are_alive_while_ready_and_not_being_deleted(

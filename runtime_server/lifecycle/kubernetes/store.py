@@ -178,8 +178,15 @@ class KubernetesRunStore:
     """Runs and Runtime Pods of one namespace, through the API server (``RunStore``)."""
 
     def __init__(
-        self, api_client: client.ApiClient, namespace: str, *, sync_timeout: float = 30.0
+        self,
+        api_client: client.ApiClient,
+        namespace: str,
+        *,
+        watch_pods: bool = True,
+        sync_timeout: float = 30.0,
     ) -> None:
+        """`watch_pods`: keep the Runtime Pods too (the scheduler and the gateway's route need
+        them; runtimed does not, and its service account may not list pods)."""
         self.namespace = namespace
         self._api_client = api_client
         self._custom = client.CustomObjectsApi(api_client)
@@ -202,10 +209,11 @@ class KubernetesRunStore:
             self._stop,
             label_selector=objects.RUNTIME_POD_SELECTOR,
         )
-        for informer in (self._runs, self._pods):
+        self._informers = [self._runs, self._pods] if watch_pods else [self._runs]
+        for informer in self._informers:
             informer.start()
         deadline = time.monotonic() + sync_timeout
-        for informer in (self._runs, self._pods):
+        for informer in self._informers:
             if not informer.synced.wait(max(0.0, deadline - time.monotonic())):
                 self.close()
                 raise RuntimeError(
@@ -223,7 +231,7 @@ class KubernetesRunStore:
 
     def close(self) -> None:
         self._stop.set()
-        for informer in (self._runs, self._pods):
+        for informer in self._informers:
             informer.close()
 
     # Runs
@@ -317,6 +325,9 @@ class KubernetesRunStore:
                 or (expect_phase is not None and current.phase != expect_phase)
             ):
                 return None
+            if not self._held(obj):
+                obj = self._hold(obj)
+                continue
             body = {
                 "apiVersion": objects.API_VERSION,
                 "kind": objects.KIND,
@@ -343,6 +354,31 @@ class KubernetesRunStore:
             self._runs.learn(written)
             return objects.run_of(written)
         raise RuntimeError(f"run {run.name}: {_CONFLICT_TRIES} conflicting writes in a row")
+
+    @staticmethod
+    def _held(obj: Mapping[str, Any]) -> bool:
+        meta = obj["metadata"]
+        return objects.FINALIZER in (meta.get("finalizers") or ()) or bool(
+            meta.get("deletionTimestamp")
+        )
+
+    def _hold(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        """Add our finalizer to a Run created without it (``kubectl apply``), before its first
+        status write: from then on a `kubectl delete` waits until runtimed has unregistered it.
+        The object as it is after (None if it is gone)."""
+        meta = obj["metadata"]
+        patch = {"metadata": {"finalizers": [*(meta.get("finalizers") or ()), objects.FINALIZER],
+                              "resourceVersion": meta["resourceVersion"]}}  # fmt: skip
+        try:
+            held = _object(self._custom.patch_namespaced_custom_object(
+                GROUP, VERSION, self.namespace, PLURAL, meta["name"], patch
+            ))  # fmt: skip
+        except ApiException as exc:
+            if exc.status not in (404, 409):
+                raise
+            return self._read(meta["name"])
+        self._runs.learn(held)
+        return held
 
     def delete(self, uid: str) -> None:
         """Remove our finalizer and delete the object (both: whichever of them comes last
