@@ -80,7 +80,7 @@ def test_a_bad_handler_is_refused_and_nothing_is_stored(plane: ControlPlane) -> 
     with pytest.raises(InvalidField) as caught:
         plane.create_run(name="fn", runtime="python", handler="../x.handle", files=HANDLER)
     assert caught.value.field == "handler"
-    for handler in ("../x.sh:fn", "/etc/x.sh:fn"):  # a bash script outside its working dir
+    for handler in ("../x.fn", "/etc/x.fn"):  # a bash script outside its working dir
         with pytest.raises(InvalidField) as caught:
             plane.create_run(name="fn", runtime="bash", handler=handler, files={"x.sh": ""})
         assert caught.value.field == "handler"

@@ -7,7 +7,8 @@ Its UID is ``metadata.uid``. The Run's own name is ``metadata.name`` where that 
 object name, else (upper case, ``_``) an escaped one with the name in the annotation NAME_KEY.
 
 A Runtime Pod is a pod labelled ROLE_LABEL=RUNTIME_POD and RUNTIME_LABEL=<runtime>, with its
-runtimed's port named RUNTIMED_PORT; it is alive while it is Ready and not being deleted.
+runtimed's port named RUNTIMED_PORT, a pod of the Deployment ``deployment_name(runtime)``; it
+is alive while it is Ready and not being deleted.
 """
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ RUNTIME_POD_SELECTOR = f"{ROLE_LABEL}={RUNTIME_POD}"
 # The largest object the API server keeps: etcd's default request limit (1.5 MiB). A Run whose
 # files make it larger is refused before it is sent (RunTooLarge, 413 at the gateway).
 MAX_OBJECT_BYTES = 1_572_864
+
+
+def deployment_name(runtime: str) -> str:
+    """The Deployment whose pods serve `runtime` (deploy/runtime-pods.yaml)."""
+    return f"fnkernel-{runtime}"
+
 
 _OBJECT_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 # Run field → status key, for the fields a status write may change.

@@ -64,6 +64,12 @@ def namespace_of(given: str | None) -> str:
         return "default"
 
 
+def raw_answer(response: object) -> Any:
+    """The JSON of a call made with ``_preload_content=False`` (the client's hints name the
+    model it would have built)."""
+    return json.loads(getattr(response, "data"))  # noqa: B009 — the hints do not know it
+
+
 def _object(answer: object) -> dict[str, Any]:
     """An object as the client's custom-object calls answer it: a dict."""
     if not isinstance(answer, dict):
@@ -128,8 +134,7 @@ class _Informer:
             return self.items.get(uid)
 
     def _list(self) -> str:
-        response = self._list_call(_preload_content=False, **self._selectors)
-        listed = json.loads(response.data)
+        listed = raw_answer(self._list_call(_preload_content=False, **self._selectors))
         with self._lock:
             self.items = {item["metadata"]["uid"]: item for item in listed.get("items") or ()}
         self.synced.set()
