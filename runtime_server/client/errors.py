@@ -72,7 +72,8 @@ class MethodNotAllowed(GatewayError):
 
 
 class PayloadTooLarge(GatewayError):
-    """413: the request body is over the 6 MiB limit."""
+    """413: the request body is over the 6 MiB limit, or (on Kubernetes) the Run with its files
+    is larger than the API server keeps; the message names the limit."""
 
 
 class UnsupportedMediaType(GatewayError):

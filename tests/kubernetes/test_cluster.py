@@ -18,6 +18,7 @@ from kubernetes.client.exceptions import ApiException
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from fnkernel.runtime_server.client import Client
+from fnkernel.runtime_server.client.errors import PayloadTooLarge
 from fnkernel.runtime_server.lifecycle.kubernetes import objects
 from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS
 from tests.kubernetes.conftest import NAMESPACE, POD_USER, Cluster
@@ -135,6 +136,17 @@ def test_deleting_the_runs_pod_moves_it_to_another_with_attempt_2_and_fences_the
     assert held_by(cluster, moved.uid) == [moved["status"]["assignedPod"]]
     # The Deployment's replacement pod came up: the pods are whole again.
     wait_until(lambda: len(cluster.runtime_pods()) == RUNTIME_PODS, timeout=60)
+
+
+def test_a_run_too_large_for_the_api_server_is_413_naming_the_limit(cluster: Cluster) -> None:
+    # docs/kubernetes.md: a Run's files live in the Run, and an object is at most etcd's limit.
+    gateway = up(cluster)
+    files = {**ECHO, "data.txt": "x" * objects.MAX_OBJECT_BYTES}  # under the gateway's 6 MiB
+    with pytest.raises(PayloadTooLarge) as refused:
+        gateway.create_run("big", runtime="python", handler="handler.handle", files=files)
+    assert refused.value.status == 413
+    assert f"at most {objects.MAX_OBJECT_BYTES} bytes" in str(refused.value)
+    assert gateway.list_runs() == []
 
 
 def test_restarting_the_controller_and_the_gateway_loses_no_run(cluster: Cluster) -> None:
