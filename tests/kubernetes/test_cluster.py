@@ -166,14 +166,21 @@ def test_restarting_the_controller_and_the_gateway_loses_no_run(cluster: Cluster
 
 def test_two_controllers_racing_never_make_two_live_registrations(cluster: Cluster) -> None:
     # docs/kubernetes.md, "Fences": both controllers see every pod death and both try to move
-    # the Run; the conditional status write lets one attempt through.
+    # the Run; the conditional status write lets one attempt through. (That a stale write
+    # cannot land is shown deterministically in test_store.py; here, the whole system.)
     gateway = up(cluster, controllers=2)
     names = ["r0", "r1", "r2"]
     for name in names:
         gateway.create_run(name, runtime="python", handler="handler.handle", files=ECHO)
     core = client.CoreV1Api(cluster.client)
 
+    uids = [gateway.status(name).uid for name in names]
+    most_held = 0
+
     def moved_off(doomed: set[str]) -> bool:
+        # Sampled all along, not only at the end: at no moment two servers hold one Run.
+        nonlocal most_held
+        most_held = max(most_held, *(len(held_by(cluster, uid)) for uid in uids))
         statuses = [gateway.status(name)["status"] for name in names]
         return all(s["phase"] == "Ready" and s["assignedPod"] not in doomed for s in statuses)
 
@@ -182,6 +189,7 @@ def test_two_controllers_racing_never_make_two_live_registrations(cluster: Clust
         for pod in doomed:
             core.delete_namespaced_pod(pod, NAMESPACE)
         wait_until(lambda doomed=doomed: moved_off(doomed), timeout=90)
+    assert most_held == 1
     for name in names:
         run = gateway.status(name)
         assert held_by(cluster, run.uid) == [run["status"]["assignedPod"]]

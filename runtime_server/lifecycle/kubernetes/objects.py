@@ -82,6 +82,12 @@ def _timestamp(text: str | None) -> float:
     return datetime.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
 
 
+def run_name(obj: Mapping[str, Any]) -> str:
+    """The Run's name: the annotation NAME_KEY, else the object's name."""
+    meta = obj.get("metadata") or {}
+    return str((meta.get("annotations") or {}).get(NAME_KEY) or meta.get("name", ""))
+
+
 def run_of(obj: Mapping[str, Any]) -> Run:
     """The Run an object of ours holds (a missing field: its default; no status: NEW)."""
     meta = obj.get("metadata") or {}
@@ -89,7 +95,7 @@ def run_of(obj: Mapping[str, Any]) -> Run:
     status = obj.get("status") or {}
     return Run(
         uid=meta.get("uid", ""),
-        name=(meta.get("annotations") or {}).get(NAME_KEY) or meta.get("name", ""),
+        name=run_name(obj),
         runtime=str(spec.get("runtime", "")),
         handler=str(spec.get("handler", "")),
         source=str(spec.get("source") or f"{len(spec.get('files') or {})} file(s)"),

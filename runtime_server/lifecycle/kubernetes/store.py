@@ -198,6 +198,7 @@ class KubernetesRunStore:
         self._core = client.CoreV1Api(api_client)
         self._version = 0
         self._version_lock = threading.Lock()
+        self._names: tuple[int, dict[str, str]] = (-1, {})  # (version, name → uid): _uid_of
         self._stop = threading.Event()
         self._runs = _Informer(
             "runs",
@@ -278,11 +279,22 @@ class KubernetesRunStore:
             raise RunNotFound(f"no run has uid {uid}")
         return objects.files_of(obj)
 
+    def _uid_of(self, name: str) -> str | None:
+        """The uid of the Run named `name`, from an index rebuilt only after a change (the
+        gateway asks on every call)."""
+        version, names = self._names
+        if version != self._version:
+            version = self._version
+            names = {objects.run_name(obj): obj["metadata"]["uid"] for obj in self._runs.snapshot()}
+            self._names = (version, names)
+        return names.get(name)
+
     def get(self, name: str) -> Run:
-        for run in self._all():
-            if run.name == name:
-                return run
-        raise RunNotFound(f"no run named {name!r}")
+        uid = self._uid_of(name)
+        run = self.get_uid(uid) if uid is not None else None
+        if run is None or run.name != name:
+            raise RunNotFound(f"no run named {name!r}")
+        return run
 
     def get_uid(self, uid: str) -> Run | None:
         obj = self._runs.get(uid)
