@@ -172,6 +172,28 @@ def _full(key: str, shown: RegistrationCard) -> str:
 
 
 @dataclass(frozen=True)
+class MapProgress:
+    """``NAME.map(items)`` as it goes: a bar updated in place in a notebook, a line of text in
+    a log (docs/protocol.md, "Kernel")."""
+
+    name: str
+    done: int
+    total: int
+    failed: int = 0
+    finished: bool = False
+
+    def __repr__(self) -> str:
+        state = "done" if self.finished else "running"
+        failed = f", {self.failed} failed" if self.failed else ""
+        return f"{self.name}.map: {self.done}/{self.total} {state}{failed}"
+
+    def _repr_html_(self) -> str:
+        bar = f"<progress max='{self.total}' value='{self.done}' style='width:16em'></progress>"
+        edge = "error" if self.failed else ("ready" if self.finished else "busy")
+        return card(f"{bar} &nbsp;{escape(repr(self))}", edge)
+
+
+@dataclass(frozen=True)
 class InvocationView:
     """One invocation's result: output, outputs, invocation ID, duration and logs."""
 
@@ -181,10 +203,7 @@ class InvocationView:
     @property
     def output(self) -> Any:
         """The handler's output, decoded from JSON (the raw text when it is not JSON)."""
-        try:
-            return self.result.value()
-        except ValueError:
-            return self.result.output.decode("utf-8", "replace")
+        return self.result.decoded()
 
     @property
     def raw(self) -> bytes:

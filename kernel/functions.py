@@ -7,19 +7,20 @@ import json
 import re
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fnkernel.adapters.runtimes import RUNTIMES
 from fnkernel.kernel.connection import Runtime
-from fnkernel.kernel.display import InvocationView, RegistrationCard
+from fnkernel.kernel.display import InvocationView, MapProgress, RegistrationCard
 from fnkernel.runtime_server.client import Run
 from fnkernel.runtime_server.client.errors import GatewayError, HandlerFailed, RequestCancelled
 
 ORIGIN_PREFIX = "%%function cell "  # a Run's spec.source when a cell created it
 _IDLE_WAIT_SECONDS = 2.0  # after an interrupt, for the cancelled invocation to be gone
+_PROGRESS_SECONDS = 0.5  # a map's bar is updated at most this often (and at the end)
 
 
 def wait_until_free(in_flight: Callable[[], bool]) -> None:
@@ -47,6 +48,7 @@ class Spec:
     env: Mapping[str, str] = field(default_factory=dict)
     idle_timeout: int = 0
     memory: int = 0  # MiB (0: the default)
+    replicas: int = 1  # Runs serving the function (docs/protocol.md, "Replicas")
 
     @property
     def filename(self) -> str:
@@ -63,6 +65,8 @@ class Spec:
         }
         if self.memory:  # only then: a cell without --memory keeps the fingerprint it had
             canonical["memoryMb"] = self.memory
+        if self.replicas != 1:
+            canonical["replicas"] = self.replicas
         text = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
         return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
@@ -280,6 +284,54 @@ class Function:
             ) from None
         show_logs(result.logs)
         return InvocationView(self.name, result)
+
+    def map(
+        self,
+        items: Iterable[Any],
+        concurrency: int | None = None,
+        return_exceptions: bool = False,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        """Call the function once per item, up to `concurrency` at a time (default: its
+        replicas), and return the outputs in input order, with a progress bar while it runs.
+        The first failure is raised once the calls still running are cancelled, or, with
+        `return_exceptions`, every failure is returned in its item's place. An interrupt cancels
+        every call in flight; the function stays registered."""
+        from IPython.display import display  # the kernel's; imported when a map runs
+
+        work = list(items)
+        timeout = self.timeout if timeout is None else timeout
+        handle = display(MapProgress(self.name, 0, len(work)), display_id=True)
+        shown = [0.0]
+
+        def progress(done: int, total: int) -> None:
+            now = time.monotonic()
+            if handle is not None and (done == total or now - shown[0] >= _PROGRESS_SECONDS):
+                shown[0] = now
+                handle.update(MapProgress(self.name, done, total))
+
+        client = self._runtime.client()
+        try:
+            results = client.map(
+                self.name, work, concurrency=concurrency or self.spec.replicas,
+                return_exceptions=return_exceptions,
+                timeout_millis=round(timeout * 1000) if timeout else 0, progress=progress,
+            )  # fmt: skip
+        except HandlerFailed as failed:
+            show_logs(split_traceback(failed.logs, self.spec.runtime)[0])
+            if handle is not None:
+                handle.update(MapProgress(self.name, 0, len(work), failed=1, finished=True))
+            raise HandlerFailedInCell(failed, self.spec) from None
+        except (RequestCancelled, KeyboardInterrupt):
+            raise InvocationInterrupted(
+                f"map of {self.name} cancelled; every call in flight was cancelled and "
+                f"{self.name} stays registered"
+            ) from None
+        failures = sum(isinstance(result, BaseException) for result in results)
+        if handle is not None:
+            handle.update(MapProgress(self.name, len(work), len(work), failures, finished=True))
+        print(repr(MapProgress(self.name, len(work), len(work), failures, finished=True)))
+        return results
 
     def _in_flight(self) -> bool:
         live = self._runtime.client().status(self.name).live

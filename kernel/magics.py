@@ -1,7 +1,7 @@
 """The fnkernel magics, exactly as docs/protocol.md, "Kernel" spells them.
 
 ``%%function NAME [--runtime python|bash] [--handler H] [--env KEY=VALUE]... [--idle-timeout S]
-[--timeout S] [--memory MIB]``, ``%invoke NAME [JSON]``, ``%functions [NAME...]``, ``%fn_trace on|off|show [--all]`` and
+[--timeout S] [--memory MIB] [--replicas N]``, ``%invoke NAME [JSON]``, ``%functions [NAME...]``, ``%fn_trace on|off|show [--all]`` and
 ``%fn_debug``. Bad flags raise ``UsageError`` with a one-line message.
 """
 
@@ -71,6 +71,7 @@ FUNCTION_PARSER.add_argument("--idle-timeout", type=_number(int), default=0)
 FUNCTION_PARSER.add_argument("--memory", type=_number(int, "MiB"), default=0)
 FUNCTION_PARSER.add_argument("--timeout", type=_number(float))
 FUNCTION_PARSER.add_argument("--krm", action="store_true")
+FUNCTION_PARSER.add_argument("--replicas", type=_number(int), default=1)
 
 
 def _parse(parser: _Parser, line: str) -> argparse.Namespace:
@@ -98,11 +99,12 @@ class FunctionMagics(Magics):
     @cell_magic("function")  # type: ignore[arg-type]  # IPython types it as Never
     def function(self, line: str, cell: str) -> None:
         """%%function NAME [--runtime python|bash] [--handler H] [--env KEY=VALUE]...
-        [--idle-timeout S] [--timeout S] [--memory MIB]
+        [--idle-timeout S] [--timeout S] [--memory MIB] [--replicas N]
 
         Register the cell as the handler source (NAME.py / NAME.sh, default handler
         NAME.handler) and bind NAME to a callable: NAME(payload), NAME.invoke(...),
-        NAME.status(), NAME.unregister(...).
+        NAME.map(items), NAME.status(), NAME.unregister(...). With --replicas N, N Runs serve
+        it and a call goes to a free one.
         """
         args = _parse(FUNCTION_PARSER, line)
         if not args.name.isidentifier():
@@ -117,6 +119,7 @@ class FunctionMagics(Magics):
             env=dict(args.env),
             idle_timeout=args.idle_timeout,
             memory=args.memory,
+            replicas=args.replicas,
         )
         handle = display(RegistrationCard(spec.name, spec.runtime), display_id=True)
 

@@ -111,6 +111,7 @@ class Session:
                 idle_timeout_seconds=spec.idle_timeout,
                 memory_mb=spec.memory,
                 origin=spec.origin,
+                replicas=spec.replicas,
             )
         except (RequestCancelled, KeyboardInterrupt):
             # Interrupted while it registered: nothing half-registered stays behind (a Run left

@@ -81,6 +81,7 @@ ATTEMPT_HEADER = "X-Fn-Attempt"
 COLD_START_HEADER = "X-Fn-Cold-Start"
 LOGS_HEADER = "X-Fn-Logs"
 TIMELINE_HEADER = "X-Fn-Timeline"  # request "1": the answer's is the timeline, JSON
+RUN_HEADER = "X-Fn-Run"  # a replica set's answer: the replica (Run) that served the call
 
 
 # gRPC reads a ``unix:PATH`` target as a URI: "," separates addresses, "?" and "#" begin a query

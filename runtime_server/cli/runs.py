@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,6 +49,7 @@ def _runs_create(args: argparse.Namespace) -> int:
         env=_parse_env(args.env),
         idle_timeout_seconds=args.idle_timeout,
         memory_mb=args.memory,
+        replicas=args.replicas,
     )
     print_json(run)
     return EXIT_FAILURE if run.failed else EXIT_OK
@@ -79,7 +81,48 @@ def _runs_delete(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _map(args: argparse.Namespace) -> int:
+    """``invoke NAME --map FILE.jsonl``: one call per line (a JSON payload each), the results
+    as JSON lines in the same order on stdout, progress on stderr."""
+    from fnkernel.runtime_server.client.errors import GatewayError
+
+    source = sys.stdin if args.map == "-" else open(args.map, encoding="utf-8")  # noqa: SIM115
+    items = []
+    with source:
+        for number, line in enumerate(source, 1):
+            if line.strip():
+                try:
+                    items.append(json.loads(line))
+                except ValueError as exc:
+                    raise UsageError(
+                        f"--map {args.map}: line {number} is not JSON: {exc}"
+                    ) from None
+    shown = [0.0]
+
+    def progress(done: int, total: int) -> None:
+        now = time.monotonic()
+        if done == total or now - shown[0] >= 1.0:  # a few lines, not one per item
+            shown[0] = now
+            print(f"{done}/{total} done", file=sys.stderr, flush=True)
+
+    results = _client(args).map(
+        args.name, items, concurrency=args.concurrency or None, return_exceptions=True,
+        timeout_millis=args.timeout_ms, progress=progress,
+    )  # fmt: skip
+    failed = 0
+    for result in results:
+        if isinstance(result, GatewayError):
+            failed += 1
+            result = {"error": {"code": result.code, "message": str(result)}}
+        print(json.dumps(result))
+    if failed:
+        print(f"{failed} of {len(results)} calls failed", file=sys.stderr)
+    return EXIT_FAILURE if failed else EXIT_OK
+
+
 def _invoke(args: argparse.Namespace) -> int:
+    if args.map is not None:
+        return _map(args)
     data = sys.stdin.buffer.read() if args.payload == "-" else args.payload.encode()
     try:
         json.loads(data)
@@ -135,6 +178,13 @@ def register(commands: Any) -> None:
         metavar="MIB",
         help="what each of the handler's processes may take (default 1024)",
     )
+    create.add_argument(
+        "--replicas",
+        type=count,
+        default=1,
+        metavar="N",
+        help="N Runs serve the function, a call going to a free one (default 1)",
+    )
     create.set_defaults(func=_runs_create)
     listing = runs_commands.add_parser("list", help="list Runs")
     listing.set_defaults(func=_runs_list)
@@ -152,5 +202,17 @@ def register(commands: Any) -> None:
     invoke.add_argument("payload", nargs="?", default="{}", metavar="JSON|-")
     invoke.add_argument("--timeout-ms", type=count, default=0, metavar="MS")
     invoke.add_argument("--invocation-id", default="", metavar="ID")
+    invoke.add_argument(
+        "--map",
+        metavar="FILE.jsonl",
+        help="one call per line of FILE (- for stdin), the results as lines in the same order",
+    )
+    invoke.add_argument(
+        "--concurrency",
+        type=count,
+        default=0,
+        metavar="N",
+        help="with --map: calls in flight at once (default: the function's replicas)",
+    )
     _add_client_flags(invoke)
     invoke.set_defaults(func=_invoke)

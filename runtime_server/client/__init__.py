@@ -14,7 +14,8 @@ import socket
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -213,10 +214,12 @@ class Client:
         idle_timeout_seconds: int = 0,
         memory_mb: int = 0,
         origin: str = "",
+        replicas: int = 1,
     ) -> Run:
         """Create a Run from `files` or from the file or directory `source`; the Run as it
         stands once Ready or Failed. `origin` (default: the `source` path) is recorded as the
-        Run's ``spec.source``."""
+        Run's ``spec.source``. `replicas` > 1: that many Runs serve the function, and the
+        answer lists them (docs/protocol.md, "Replicas")."""
         if files is None:
             if source is None:
                 raise ValueError("create_run needs files or source")
@@ -231,6 +234,8 @@ class Client:
             "memoryMb": memory_mb,
             "source": origin or (str(source) if source is not None else ""),
         }
+        if replicas != 1:
+            body["replicas"] = replicas
         return Run(self._json("POST", "/v1/runs", body))
 
     def list_runs(self) -> list[Run]:
@@ -282,7 +287,81 @@ class Client:
             attempt=int(reply.get(wire.ATTEMPT_HEADER) or 0),
             cold_start=reply.get(wire.COLD_START_HEADER) == "1",
             logs=json.loads(reply.get(wire.LOGS_HEADER) or "[]"),
+            run=reply.get(wire.RUN_HEADER, ""),
         )
+
+    def map(
+        self,
+        name: str,
+        items: Iterable[Any],
+        *,
+        concurrency: int | None = None,
+        return_exceptions: bool = False,
+        timeout_millis: int = 0,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> list[Any]:
+        """Invoke `name` once per item, up to `concurrency` calls in flight (default: its
+        replica count), and return the results in input order (docs/protocol.md, "Replicas"):
+        each output decoded from JSON, or as text when it is not JSON.
+
+        The first failure is raised once what is still running has been cancelled (the items
+        not yet sent are never sent); with `return_exceptions`, each failure is returned in its
+        item's place instead, as ``asyncio.gather`` does. `progress(done, total)` is called as
+        calls finish, from the calling thread. An interrupt (KeyboardInterrupt) cancels every
+        call in flight and is raised; the function stays registered."""
+        work = list(items)
+        if concurrency is None:
+            concurrency = int(self.status(name).get("spec", {}).get("replicas", 1))
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be at least 1, got {concurrency}")
+        results: list[Any] = [None] * len(work)
+        if not work:
+            return results
+        # A client of its own: cancelling it cancels this map's calls and nobody else's.
+        calls = Client(self.address, token=self.token, timeout=self.timeout)
+        pending = iter(enumerate(work))
+        running: dict[futures.Future[InvocationResult], int] = {}
+        failure: BaseException | None = None
+        stopped = False  # after a failure or an interrupt: nothing more is sent
+        done = 0
+        with futures.ThreadPoolExecutor(concurrency, thread_name_prefix="map") as pool:
+
+            def submit() -> None:
+                if stopped:
+                    return
+                for index, item in pending:
+                    call = pool.submit(calls.invoke, name, item, timeout_millis=timeout_millis)
+                    running[call] = index
+                    return
+
+            try:
+                for _ in range(concurrency):
+                    submit()
+                while running:
+                    finished, _ = futures.wait(running, return_when=futures.FIRST_COMPLETED)
+                    for future in finished:
+                        index = running.pop(future)
+                        error = future.exception()
+                        if error is None:
+                            results[index] = future.result().decoded()
+                        elif return_exceptions or failure is not None:
+                            results[index] = error
+                        else:
+                            failure, stopped = error, True
+                            calls.cancel()
+                        done += 1
+                        submit()
+                    if progress is not None:
+                        progress(done, len(work))
+            except BaseException:
+                stopped = True
+                calls.cancel()
+                raise
+            finally:
+                calls.close()
+        if failure is not None:
+            raise failure
+        return results
 
 
 def _quote(name: str) -> str:

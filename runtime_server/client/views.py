@@ -135,7 +135,15 @@ class InvocationResult:
     attempt: int
     cold_start: bool
     logs: list[dict[str, str]] = field(default_factory=list)
+    run: str = ""  # of a replica set: the replica that served it (docs/protocol.md, "Replicas")
 
     def value(self) -> Any:
         """The output decoded as JSON."""
         return json.loads(self.output) if self.output else None
+
+    def decoded(self) -> Any:
+        """The output decoded as JSON, or as text when it is not JSON."""
+        try:
+            return self.value()
+        except ValueError:
+            return self.output.decode("utf-8", "replace")

@@ -8,6 +8,7 @@ the gateway process, on a background thread, with its loop ticking every `tick` 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -29,6 +30,7 @@ from fnkernel.runtime_server.lifecycle.runs import (
     POD_GRACE_SECONDS,
     Run,
     RunStore,
+    replica_name,
 )
 from fnkernel.runtime_server.limits import check_handler
 from fnkernel.runtime_server.wire import (
@@ -44,6 +46,7 @@ from fnkernel.runtime_server.wire import (
 
 LOG = logging.getLogger("fnkernel.controlplane")
 MAX_FILES = 1000
+MAX_REPLICAS = 64  # Runs a function may have (docs/protocol.md, "Replicas")
 MAX_NAME_BYTES = 255  # one path component (NAME_MAX)
 MAX_PATH_BYTES = 1024
 DELETE_MARGIN_SECONDS = 10.0  # beyond the drain: runtimed's tick and the Unregister round trip
@@ -195,19 +198,62 @@ class ControlPlane:
         idle_timeout_seconds: int = 0,
         source: str = "",
         memory_mb: int = 0,
+        replicas: int = 1,
     ) -> Run:
-        """Validate, assign a pod, and store the Run with its files; phase Pending.
+        """Validate, assign a pod, and store the Run with its files; phase Pending. With
+        `replicas` N > 1, N Runs of the spec serve the function (docs/protocol.md, "Replicas"),
+        each assigned to the least-loaded pod in turn; replica 0, named `name`, is returned.
 
         Idempotent: a Run of that name created with the same spec (runtime, handler, files, env,
-        idle timeout) is returned as it is — a client that lost the answer to its create (the
-        gateway crashed) can repeat it. Another spec under a taken name is RunAlreadyExists."""
+        idle timeout, replicas) is returned as it is — a client that lost the answer to its
+        create (the gateway crashed) can repeat it, and a repeat creates the replicas a crash
+        left uncreated. Another spec under a taken name is RunAlreadyExists. A create that
+        fails removes the replicas it made."""
+        if (
+            not isinstance(replicas, int)
+            or isinstance(replicas, bool)
+            or not 1 <= replicas <= MAX_REPLICAS
+        ):
+            raise InvalidField("replicas", f"must be 1 to {MAX_REPLICAS}, got {replicas!r}")
         spec = checked_spec(
             name, runtime, handler, files, env or {}, idle_timeout_seconds, memory_mb
         )
         digest = spec.digest
+        if replicas != 1:  # one Run keeps the digest it always had
+            digest = limits.sha256_digest(f"{spec.digest} replicas={replicas}".encode())
+        made: list[Run] = []  # by this call: removed again if a later replica fails
+        first: Run | None = None
+        try:
+            for replica in range(replicas):
+                run, created = self._create_replica(
+                    replica_name(name, replica), name if replica else "", replicas,
+                    runtime, handler, spec, digest, source,
+                )  # fmt: skip
+                first = first or run
+                if created:
+                    made.append(run)
+        except BaseException:
+            for run in made:
+                self.store.delete(run.uid)
+            raise
+        assert first is not None
+        return first
+
+    def _create_replica(
+        self,
+        name: str,
+        replica_of: str,
+        replicas: int,
+        runtime: str,
+        handler: str,
+        spec: CheckedSpec,
+        digest: str,
+        source: str,
+    ) -> tuple[Run, bool]:
+        """One replica: the one a same create made already, else a new one (True)."""
         existing = self._created_as(name, digest)
         if existing is not None:
-            return existing
+            return existing, False
         pod = self.schedule(runtime)
         if not pod:
             raise NoRuntimePod(f"no live Runtime Pod serves the {runtime} runtime")
@@ -225,6 +271,8 @@ class ControlPlane:
             created_at=time.time(),
             spec_digest=digest,
             memory_mb=spec.memory_mb,
+            replicas=replicas,
+            replica_of=replica_of,
         )
         try:
             run = self.store.insert(run, {str(path): text for path, text in spec.files.items()})
@@ -232,9 +280,22 @@ class ControlPlane:
             existing = self._created_as(name, digest)  # the same create, made meanwhile
             if existing is None:
                 raise
-            return existing
+            return existing, False
         LOG.info("run %s (%s) created on %s", name, run.uid, pod)
-        return run
+        return run, True
+
+    def replicas_of(self, run: Run) -> list[Run]:
+        """The Runs of `run`'s replica set, in replica order (those that exist); `run` alone if
+        it is one Run."""
+        if run.replicas == 1:
+            return [run]
+        found = []
+        for replica in range(run.replicas):
+            try:
+                found.append(self.store.get(replica_name(run.function, replica)))
+            except RunNotFound:
+                continue
+        return found
 
     def _created_as(self, name: str, digest: str) -> Run | None:
         """The live Run named `name` if it was created with the spec of `digest`; None if there
@@ -248,9 +309,18 @@ class ControlPlane:
         return run
 
     def wait_settled(self, name: str, timeout: float, poll: float = 0.005) -> Run:
-        """The Run once it is Ready or Failed, or as it stands after `timeout` seconds. It is
-        read again only when the store changed (``RunStore.version``)."""
+        """The Run once it is Ready or Failed — and every replica of its set too — or as it
+        stands after `timeout` seconds. It is read again only when the store changed
+        (``RunStore.version``)."""
         deadline = time.monotonic() + timeout
+        first = self._settled(name, deadline, poll)
+        if first.replicas != 1 and not first.replica_of:
+            for replica in range(1, first.replicas):
+                with contextlib.suppress(RunNotFound):
+                    self._settled(replica_name(name, replica), deadline, poll)
+        return first
+
+    def _settled(self, name: str, deadline: float, poll: float) -> Run:
         version = None
         while True:
             seen = self.store.version()
@@ -267,9 +337,20 @@ class ControlPlane:
     ) -> None:
         """Ask the pod's runtimed to unregister — cancelling the in-flight invocation, or
         draining it for at most `drain_timeout_millis` (0: runtimed's default) — then remove
-        it from the store."""
+        it from the store. A function's replicas go together: every one is asked first, then
+        each awaited."""
         limits.check_drain_timeout(drain_timeout_millis, "drainTimeoutMs")
         run = self.store.get(name)
+        targets = [run] if run.replica_of else self.replicas_of(run)
+        asked = [
+            self._ask_delete(target, cancel_in_flight, drain_timeout_millis) for target in targets
+        ]
+        drain = (drain_timeout_millis or DEFAULT_DRAIN_MILLIS) / 1000
+        deadline = time.monotonic() + drain + DELETE_MARGIN_SECONDS
+        for target in asked:
+            self._await_unregistered(target, deadline)
+
+    def _ask_delete(self, run: Run, cancel_in_flight: bool, drain_timeout_millis: int) -> Run:
         # The write is fenced on attempt and pod: if the retry engine moved the Run meanwhile,
         # read it again and repeat.
         while run.phase not in (DELETING, DELETED):
@@ -281,9 +362,10 @@ class ControlPlane:
                 drain_timeout_millis=drain_timeout_millis,
             ):
                 break
-            run = self.store.get(name)
-        drain = (drain_timeout_millis or DEFAULT_DRAIN_MILLIS) / 1000
-        deadline = time.monotonic() + drain + DELETE_MARGIN_SECONDS
+            run = self.store.get(run.name)
+        return run
+
+    def _await_unregistered(self, run: Run, deadline: float) -> None:
         while time.monotonic() < deadline:
             current = self.store.get_uid(run.uid)
             if current is None:

@@ -8,6 +8,7 @@ for a call to runtimed) and then an HTTP status through ``wire.HTTP_STATUS``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hmac
 import ipaddress
@@ -29,12 +30,13 @@ from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_gr
 from fnkernel.runtime_server.errors import (
     InvalidField,
     NoRuntimePod,
+    RunNotFound,
     RunNotReady,
     RunTooLarge,
     storage_full,
 )
 from fnkernel.runtime_server.lifecycle.controlplane import ControlPlane
-from fnkernel.runtime_server.lifecycle.runs import Run
+from fnkernel.runtime_server.lifecycle.runs import Run, replica_name
 from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS, failure_body, trailer_logs
 from fnkernel.runtime_server.wire import (
     ATTEMPT_KEY,
@@ -191,6 +193,10 @@ class Gateway:
         self._stubs: dict[str, pb_grpc.FunctionRuntimeStub] = {}
         self._server: httpserver.HTTPServer | None = None
         self.address = ""
+        # Calls this gateway has in flight, by Run uid, and where each function's round robin
+        # stands (docs/protocol.md, "Replicas"); the IOLoop's thread alone touches them.
+        self.in_flight: dict[str, int] = {}
+        self._turn: dict[str, int] = {}
 
     def stub(self, address: str) -> pb_grpc.FunctionRuntimeStub:
         stub = self._stubs.get(address)
@@ -208,6 +214,31 @@ class Gateway:
         if pod is None or not pod.alive():
             raise NoRuntimePod(f"run {run.name}: pod {run.assigned_pod or '(none)'} is not serving")
         return pod.name, self.stub(pod.address)
+
+    def replicas(self, run: Run) -> list[Run]:
+        """The replica set of function `run` (replica 0), in the order to try them: those that
+        can take calls, least in flight first and, among equals, round robin from the one after
+        the last chosen. RESOURCE_EXHAUSTED if every one is busy."""
+        found = [run]
+        for replica in range(1, run.replicas):
+            with contextlib.suppress(RunNotFound):
+                found.append(self.store.get_fresh(replica_name(run.name, replica)))
+        turn = self._turn.get(run.name, 0)
+        self._turn[run.name] = turn + 1
+        ready = [r for r in found if r.phase in (READY, IDLE)]
+        if not ready:
+            return found  # none can take calls: route() says why, naming the first
+        count = len(ready)
+        order = sorted(
+            range(count), key=lambda i: (self.in_flight.get(ready[i].uid, 0), (i - turn) % count)
+        )
+        if self.in_flight.get(ready[order[0]].uid, 0):
+            raise FailureResponse(
+                "RESOURCE_EXHAUSTED",
+                f'every replica of "{run.name}" is busy ({len(ready)} in flight); '
+                "try again, or create it with more replicas",
+            )
+        return [ready[i] for i in order if not self.in_flight.get(ready[i].uid, 0)]
 
     def application(self) -> web.Application:
         args = {"gateway": self}
@@ -401,6 +432,24 @@ class BaseHandler(web.RequestHandler):
     async def blocking(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(None, lambda: fn(*args, **kwargs))
 
+    async def described(self, run: Run) -> dict[str, Any]:
+        """The Run as the gateway shows it; a replica set's replica 0 with every replica."""
+        body = run.to_json()
+        if run.replicas != 1 and not run.replica_of:
+            replicas = await self.blocking(self.gateway.control_plane.replicas_of, run)
+            body["replicas"] = [
+                {
+                    "name": replica.name,
+                    "uid": replica.uid,
+                    "phase": replica.phase,
+                    "attempt": replica.attempt,
+                    "assignedPod": replica.assigned_pod,
+                    "inFlight": self.gateway.in_flight.get(replica.uid, 0),
+                }
+                for replica in replicas
+            ]
+        return body
+
 
 def known_failure(error: BaseException | None) -> FailureResponse | None:
     """The answer to a failure of ours: a FailureResponse as it is, one of our error classes
@@ -518,6 +567,9 @@ class RunsHandler(BodyHandler):
         memory = body.get("memoryMb", 0)
         if not isinstance(memory, int) or isinstance(memory, bool):
             raise InvalidField("memoryMb", "must be an integer (MiB)")
+        replicas = body.get("replicas", 1)
+        if not isinstance(replicas, int) or isinstance(replicas, bool):
+            raise InvalidField("replicas", "must be an integer")
         fields = {}
         for key in ("name", "runtime", "handler"):
             value = body.get(key)
@@ -532,16 +584,17 @@ class RunsHandler(BodyHandler):
             env=env,
             idle_timeout_seconds=idle,
             memory_mb=memory,
+            replicas=replicas,
             source=str(body.get("source", "")),
         )
         run = await self.blocking(control_plane.wait_settled, run.name, CREATE_WAIT_SECONDS)
-        self.send_json(201, run.to_json())
+        self.send_json(201, await self.described(run))
 
 
 class RunHandler(BaseHandler):
     async def get(self, name: str) -> None:
         run = self.gateway.store.get(name)
-        body = run.to_json()
+        body = await self.described(run)
         body["live"] = None
         try:
             pod, stub = self.gateway.route(run)
@@ -600,6 +653,50 @@ class InvokeHandler(BodyHandler):
         if self._call is not None:
             self._call.cancel()
 
+    async def _call_run(
+        self,
+        run: Run,
+        payload: bytes,
+        invocation_id: str,
+        timeout_millis: int,
+        timeline: bool,
+        *,
+        counted: bool,
+    ) -> tuple[pb.InvokeFunctionResponse, dict[str, Any], int] | None:
+        """InvokeFunction on `run` through its pod's runtimed: the response, its trailers and
+        when it was called; None if the client went away. `counted`: kept in the gateway's
+        count of calls in flight (a replica set's)."""
+        pod, stub = self.gateway.route(run)
+        request = pb.InvokeFunctionRequest(
+            registration=pb.FunctionRegistration(run_uid=run.uid),
+            invocation_id=invocation_id,
+            input=payload,
+            content_type=self.request.headers.get("Content-Type", "application/json"),
+            timeout_millis=timeout_millis,
+        )
+        deadline = limits.effective_timeout_millis(timeout_millis) / 1000 + DEADLINE_SLACK_SECONDS
+        metadata: tuple[tuple[str, str], ...] = ((POD_KEY, pod),)
+        if timeline:
+            metadata += ((TIMELINE_KEY, "1"),)
+        in_flight = self.gateway.in_flight
+        if counted:
+            in_flight[run.uid] = in_flight.get(run.uid, 0) + 1
+        called = time.monotonic_ns()
+        self._call = stub.InvokeFunction(request, timeout=deadline, metadata=metadata)
+        try:
+            response = await self._call
+            trailers = _metadata(await self._call.trailing_metadata())
+        except grpc.aio.AioRpcError as err:
+            raise rpc_error(err, run, invocation_id) from None
+        except asyncio.CancelledError:
+            return None
+        finally:
+            if counted:
+                left = in_flight.pop(run.uid, 1) - 1
+                if left:
+                    in_flight[run.uid] = left
+        return response, trailers, called
+
     async def post(self, name: str) -> None:
         body_read = time.monotonic_ns()  # the whole body is in: the timeline's second reading
         payload = self.body()
@@ -610,33 +707,41 @@ class InvokeHandler(BodyHandler):
             header_text(headers, wire.TIMEOUT_HEADER, "0"), wire.TIMEOUT_HEADER
         )
         run = self.gateway.store.get_fresh(name)
-        pod, stub = self.gateway.route(run)
-        request = pb.InvokeFunctionRequest(
-            registration=pb.FunctionRegistration(run_uid=run.uid),
-            invocation_id=invocation_id,
-            input=payload,
-            content_type=headers.get("Content-Type", "application/json"),
-            timeout_millis=timeout_millis,
-        )
-        deadline = limits.effective_timeout_millis(timeout_millis) / 1000 + DEADLINE_SLACK_SECONDS
-        metadata: tuple[tuple[str, str], ...] = ((POD_KEY, pod),)
         timeline = headers.get(wire.TIMELINE_HEADER) == "1"
-        if timeline:
-            metadata += ((TIMELINE_KEY, "1"),)
-        called = time.monotonic_ns()
-        self._call = stub.InvokeFunction(request, timeout=deadline, metadata=metadata)
-        try:
-            response = await self._call
-            trailers = _metadata(await self._call.trailing_metadata())
-        except grpc.aio.AioRpcError as err:
-            raise rpc_error(err, run, invocation_id) from None
-        except asyncio.CancelledError:
+        if run.replicas == 1 or run.replica_of:
+            answer = await self._call_run(
+                run, payload, invocation_id, timeout_millis, timeline, counted=False
+            )
+        else:
+            # A replica set: the free replica that has the fewest calls in flight (docs/
+            # protocol.md, "Replicas"); one busy with another gateway's call gives the next.
+            candidates = self.gateway.replicas(run)
+            for index, candidate in enumerate(candidates):
+                last = index == len(candidates) - 1
+                try:
+                    answer = await self._call_run(
+                        candidate, payload, invocation_id, timeout_millis, timeline, counted=True
+                    )
+                except (RunNotReady, NoRuntimePod):
+                    if last:
+                        raise
+                    continue
+                except FailureResponse as failure:
+                    if last or failure.code != "RESOURCE_EXHAUSTED":
+                        raise
+                    continue
+                run = candidate
+                break
+        if answer is None:
             return  # the client went away
+        response, trailers, called = answer
         self.set_header("Content-Type", response.content_type or "application/json")
         self.set_header(wire.INVOCATION_ID_HEADER, response.invocation_id)
         outputs = json.dumps(dict(response.outputs), sort_keys=True) if response.outputs else "{}"
         self.set_header(wire.OUTPUTS_HEADER, outputs)
         self.set_header(wire.ATTEMPT_HEADER, str(trailers.get(ATTEMPT_KEY, run.attempt)))
+        if run.replicas != 1:
+            self.set_header(wire.RUN_HEADER, run.name)
         if trailers.get(COLD_START_KEY) == "1":
             self.set_header(wire.COLD_START_HEADER, "1")
         logs = trailer_logs(trailers)

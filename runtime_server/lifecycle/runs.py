@@ -69,9 +69,19 @@ class Run:
     # What each of its handler's processes may take, in MiB (0: the default; docs/protocol.md,
     # "Limits"). Part of its spec: it never changes.
     memory_mb: int = 0
+    # Replicas (docs/protocol.md, "Replicas"): one function served by `replicas` Runs of the
+    # same spec, each with its own uid, attempt and fence. Replica 0 is named as the function;
+    # replica i is FUNCTION.i (replica_name), with replica_of naming the function.
+    replicas: int = 1
+    replica_of: str = ""
     # Its deletion was asked for in the store itself (on Kubernetes, `kubectl delete`: the
     # object has a deletionTimestamp); the control plane deletes it as delete_run would.
     delete_requested: bool = False
+
+    @property
+    def function(self) -> str:
+        """The function it serves: its own name, or its replica set's."""
+        return self.replica_of or self.name
 
     @property
     def charged_attempts(self) -> int:
@@ -89,6 +99,9 @@ class Run:
                 "env": self.env,
                 "idleTimeoutSeconds": self.idle_timeout_seconds,
                 "memoryMb": limits.check_memory_mb(self.memory_mb),
+                # Only for a replica set: one Run is shown as it always was.
+                **({"replicas": self.replicas} if self.replicas != 1 else {}),
+                **({"replicaOf": self.replica_of} if self.replica_of else {}),
             },
             "status": {
                 "phase": self.phase,
@@ -98,6 +111,12 @@ class Run:
                 "assignedPod": self.assigned_pod,
             },
         }
+
+
+def replica_name(function: str, replica: int) -> str:
+    """The name of replica `replica` of `function`: the function's own for replica 0, else
+    FUNCTION.N — a name no create can take ("." is not allowed in one)."""
+    return function if replica == 0 else f"{function}.{replica}"
 
 
 @dataclass(frozen=True)

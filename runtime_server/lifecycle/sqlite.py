@@ -58,7 +58,9 @@ CREATE TABLE IF NOT EXISTS runs (
     spec_digest TEXT NOT NULL DEFAULT '',
     server_deaths INTEGER NOT NULL DEFAULT 0,
     memory_mb INTEGER NOT NULL DEFAULT 0,
-    delete_requested INTEGER NOT NULL DEFAULT 0
+    delete_requested INTEGER NOT NULL DEFAULT 0,
+    replicas INTEGER NOT NULL DEFAULT 1,
+    replica_of TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS run_files (
     uid TEXT PRIMARY KEY,

@@ -804,3 +804,38 @@ def test_krm_exec_steps_need_allow_exec_in_the_notebook_too(kernel: Kernel) -> N
     assert cell.ok, cell.error
     assert "[1] mutator exec: /bin/cat · exec ✓" in cell.result
     assert kernel.run("krm.configure()").ok  # back to the default for the other tests
+
+
+SQUARE = """%%function square --replicas 2
+import time
+
+def handler(event):
+    time.sleep(0.02)
+    if event == 13:
+        raise KeyError("thirteen")
+    return event * event
+"""
+
+
+def test_map_calls_a_function_of_replicas_once_per_item_with_progress(kernel: Kernel) -> None:
+    # docs/protocol.md, "Replicas": NAME.map returns the outputs in input order, shows a bar
+    # updated in place, and says the end in one line of text for a log.
+    assert kernel.run(SQUARE).ok
+    status = kernel.value("square.status()")
+    assert [r["name"] for r in status["replicas"]] == ["square", "square.1"]
+    cell = kernel.run("squares = square.map(range(12))")
+    assert cell.ok, cell.error
+    assert kernel.value("squares") == [n * n for n in range(12)]
+    texts = cell.texts()
+    assert texts[0] == "square.map: 0/12 running" and texts[-1] == "square.map: 12/12 done"
+    assert len(texts) <= 12 // 2 + 2  # updated in place, not once per item
+    assert "<progress max='12' value='12'" in cell.htmls()[-1]
+    assert cell.stdout.strip().endswith("square.map: 12/12 done")
+    # A failure: the handler's own, with its cell line, after the calls in flight are cancelled.
+    failed = kernel.run("square.map([1, 13, 2])")
+    assert not failed.ok and failed.error is not None
+    assert failed.error["ename"] == "HandlerFailedInCell" and "thirteen" in failed.error["evalue"]
+    mixed = kernel.value("[repr(r) if isinstance(r, Exception) else r "
+                         "for r in square.map([1, 13, 2], return_exceptions=True)]")  # fmt: skip
+    assert mixed[0] == 1 and mixed[2] == 4 and "thirteen" in mixed[1]
+    assert kernel.value("square(3)") == 9  # still registered, both replicas free

@@ -416,7 +416,7 @@ def test_fnkernel_bench_refuses_an_unknown_benchmark() -> None:
         timeout=60,
     )
     assert done.returncode == 2
-    assert "choose from invoke, gateway, throughput, kernel, krm" in done.stderr
+    assert "choose from invoke, gateway, throughput, map, kernel, krm" in done.stderr
 
 
 def fnkernel_render(package: Path) -> subprocess.CompletedProcess[str]:

@@ -103,6 +103,8 @@ def run_of(obj: Mapping[str, Any]) -> Run:
         idle_timeout_seconds=int(spec.get("idleTimeoutSeconds") or 0)
         or limits.DEFAULT_IDLE_TIMEOUT_SECONDS,
         memory_mb=int(spec.get("memoryMb") or 0),
+        replicas=int(spec.get("replicas") or 1),
+        replica_of=str(spec.get("replicaOf", "")),
         phase=str(status.get("phase", NEW)),
         attempt=int(status.get("attempt", 0)),
         message=str(status.get("message", "")),
@@ -144,6 +146,10 @@ def new_object(run: Run, files: Mapping[str, str], namespace: str) -> dict[str, 
         "memoryMb": run.memory_mb,
         "files": dict(files),
     }
+    if run.replicas != 1:
+        spec["replicas"] = run.replicas
+    if run.replica_of:
+        spec["replicaOf"] = run.replica_of
     obj = {"apiVersion": API_VERSION, "kind": KIND, "metadata": metadata, "spec": spec}
     size = len(json.dumps(obj, ensure_ascii=False).encode())
     if size > MAX_OBJECT_BYTES:

@@ -1,0 +1,166 @@
+"""docs/protocol.md, "Replicas": one function served by N Runs of the same spec, each with its
+own uid, attempt and fence; a call goes to a free replica (least in flight, round robin among
+equals), 429 only when every one is busy; ``Client.map`` and ``fnkernel invoke --map`` call it
+once per item. Against a real stack (gateway, runtimeds, Runtime Servers, workers)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from fnkernel.runtime_server.client import Client
+from fnkernel.runtime_server.client.errors import (
+    FunctionExists,
+    GatewayError,
+    HandlerFailed,
+    InvalidRequest,
+)
+from fnkernel.runtime_server.lifecycle.stack import Stack
+from tests.support import SLOW_PY, http_call, wait_until
+
+StackFactory = Callable[..., Stack]
+FAILS_ON_3 = {
+    "handler.py": "import time\n"
+    "def handle(event, context):\n"
+    "    time.sleep(event.get('sleep', 0))\n"
+    "    if event['n'] == 3:\n"
+    "        raise ValueError('three')\n"
+    "    return event['n'] * 10\n"
+}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Stack:
+    started = Stack(tmp_path_factory.mktemp("replicas") / "state", {"python": 2},
+                    gateway_listen="127.0.0.1:0", poll_interval=0.2)  # fmt: skip
+    started.start()
+    yield started  # type: ignore[misc]
+    started.stop()
+
+
+def test_a_function_of_three_replicas_is_three_runs_spread_over_the_pods(stack: Stack) -> None:
+    client = Client(stack.gateway_address)
+    created = client.create_run("spread", runtime="python", handler="handler.handle",
+                                files=SLOW_PY, replicas=3)  # fmt: skip
+    assert created["spec"]["replicas"] == 3
+    replicas = created["replicas"]
+    assert [r["name"] for r in replicas] == ["spread", "spread.1", "spread.2"]
+    assert len({r["uid"] for r in replicas}) == 3
+    assert all(r["phase"] == "Ready" and r["attempt"] == 1 for r in replicas)
+    pods = sorted(r["assignedPod"] for r in replicas)
+    assert pods in (["python-0", "python-0", "python-1"], ["python-0", "python-1", "python-1"])
+    listed = {run.name: run for run in client.list_runs()}
+    assert listed["spread.2"]["spec"]["replicaOf"] == "spread"
+    # Calls one after another go round the replicas.
+    served = [client.invoke("spread", {}).run for _ in range(3)]
+    assert sorted(served) == ["spread", "spread.1", "spread.2"]
+    client.delete_run("spread")
+    assert not [run for run in client.list_runs() if run.name.startswith("spread")]
+
+
+def test_a_call_goes_to_a_free_replica_and_is_429_only_when_all_are_busy(stack: Stack) -> None:
+    client = Client(stack.gateway_address)
+    client.create_run("busy", runtime="python", handler="handler.handle", files=SLOW_PY,
+                      replicas=2)  # fmt: skip
+    answers: list[object] = []
+
+    def call() -> None:
+        try:
+            answers.append(client.invoke("busy", {"sleep": 2}).run)
+        except GatewayError as exc:
+            answers.append(exc)
+
+    threads = [threading.Thread(target=call) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    wait_until(lambda: sum(r["inFlight"] for r in client.status("busy")["replicas"]) == 2,
+               timeout=10)  # fmt: skip
+    status, headers, body = http_call(stack.gateway_address, "POST", "/v1/runs/busy:invoke", b"{}")
+    assert status == 429 and headers["Retry-After"] == "1"
+    assert 'every replica of "busy" is busy' in json.loads(body)["message"]
+    for thread in threads:
+        thread.join(30)
+    assert sorted(answers) == ["busy", "busy.1"]  # type: ignore[type-var]
+    client.delete_run("busy")
+
+
+def test_one_replica_is_a_run_as_it_always_was(stack: Stack) -> None:
+    client = Client(stack.gateway_address)
+    created = client.create_run("single", runtime="python", handler="handler.handle",
+                                files=SLOW_PY)  # fmt: skip
+    assert "replicas" not in created and "replicas" not in created["spec"]
+    assert client.invoke("single", {}).run == ""  # no X-Fn-Run
+    client.delete_run("single")
+
+
+def test_creates_are_checked_and_repeatable(stack: Stack) -> None:
+    client = Client(stack.gateway_address)
+    for replicas in (0, 65):
+        with pytest.raises(InvalidRequest, match="replicas: must be 1 to 64"):
+            client.create_run("bad", runtime="python", handler="handler.handle", files=SLOW_PY,
+                              replicas=replicas)  # fmt: skip
+    first = client.create_run("again", runtime="python", handler="handler.handle", files=SLOW_PY,
+                              replicas=2)  # fmt: skip
+    repeat = client.create_run("again", runtime="python", handler="handler.handle", files=SLOW_PY,
+                               replicas=2)  # fmt: skip
+    assert [r["uid"] for r in repeat["replicas"]] == [r["uid"] for r in first["replicas"]]
+    with pytest.raises(FunctionExists):  # another replica count is another spec
+        client.create_run("again", runtime="python", handler="handler.handle", files=SLOW_PY,
+                          replicas=3)  # fmt: skip
+    client.delete_run("again")
+
+
+def test_map_returns_results_in_input_order_with_progress(stack: Stack) -> None:
+    client = Client(stack.gateway_address)
+    client.create_run("m", runtime="python", handler="handler.handle", files=FAILS_ON_3,
+                      replicas=2)  # fmt: skip
+    seen: list[tuple[int, int]] = []
+    items = [{"n": n, "sleep": 0.05 * (n % 3)} for n in (0, 1, 2, 4, 5, 6, 7)]
+    assert client.map("m", items, progress=lambda d, t: seen.append((d, t))) == [
+        0, 10, 20, 40, 50, 60, 70]  # fmt: skip
+    assert seen[-1] == (7, 7) and [d for d, _ in seen] == sorted(d for d, _ in seen)
+    # return_exceptions: each failure in its item's place, as asyncio.gather returns them.
+    mixed = client.map("m", [{"n": 2}, {"n": 3}, {"n": 4}], return_exceptions=True)
+    assert mixed[0] == 20 and mixed[2] == 40
+    assert isinstance(mixed[1], HandlerFailed) and "three" in str(mixed[1])
+    # The first failure is raised, and items not yet sent are never sent.
+    calls_before = len(seen)
+    with pytest.raises(HandlerFailed, match="three"):
+        client.map("m", [{"n": 3}] + [{"n": 1, "sleep": 0.2}] * 20, concurrency=1,
+                   progress=lambda d, t: seen.append((d, t)))  # fmt: skip
+    assert len(seen) - calls_before == 1  # the failure, and nothing after it
+    assert client.map("m", []) == []
+    client.delete_run("m")
+
+
+def test_invoke_map_from_the_cli_prints_a_line_per_item_in_order(
+    stack: Stack, tmp_path: Path
+) -> None:
+    client = Client(stack.gateway_address)
+    source = tmp_path / "handler.py"
+    source.write_text(FAILS_ON_3["handler.py"])
+    cli = [sys.executable, "-m", "fnkernel.runtime_server.cli"]
+    created = subprocess.run(
+        [*cli, "runs", "create", "cm", "--runtime", "python", "--source", str(source),
+         "--handler", "handler.handle", "--replicas", "2", "--gateway", stack.gateway_address],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert created.returncode == 0, created.stderr
+    lines = tmp_path / "items.jsonl"
+    lines.write_text("".join(json.dumps({"n": n}) + "\n" for n in (1, 3, 2)))
+    mapped = subprocess.run(
+        [*cli, "invoke", "cm", "--map", str(lines), "--gateway", stack.gateway_address],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert mapped.returncode == 1  # one call failed
+    out = [json.loads(line) for line in mapped.stdout.splitlines()]
+    assert out[0] == 10 and out[2] == 20 and out[1]["error"]["code"] == "UNKNOWN"
+    assert "3/3 done" in mapped.stderr and "1 of 3 calls failed" in mapped.stderr
+    assert client.status("cm")["spec"]["replicas"] == 2
+    client.delete_run("cm")
