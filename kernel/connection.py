@@ -81,12 +81,27 @@ class Runtime:
     def started(self) -> bool:
         return self._client is not None
 
+    def connect(self, address: str) -> None:
+        """Use the gateway at `address` (``%fn_connect``); only before the first function needs
+        a stack: ValueError once one is in use."""
+        with self._lock:
+            if self._client is not None and self.address != address:
+                raise ValueError(
+                    f"this kernel already uses the {self.describe()}; restart the kernel to "
+                    "use another stack"
+                )
+            self.address = address
+
     def client(
         self, runtime: str | None = None, progress: Callable[[str], None] | None = None
     ) -> TracedClient:
-        """The gateway client; starts the embedded stack, and a pod of `runtime`, if needed."""
+        """The gateway client; starts the embedded stack, and a pod of `runtime`, if needed.
+        The stack is chosen now, from the environment as it is now (a cell's ``%env
+        FNKERNEL_RUNTIME=...`` before the first function counts)."""
         with self._lock:
             if self._client is None:
+                if not self.address:
+                    self.address = os.environ.get(RUNTIME_ENV) or ""
                 if not self.address:
                     if progress:
                         progress("starting the embedded runtime")
@@ -144,6 +159,12 @@ class Runtime:
         """Abort the requests in flight (an interrupt); how many there were."""
         client = self._client
         return client.cancel() if client is not None else 0
+
+    def where(self) -> str:
+        """The stack, briefly, as a registration card names it."""
+        if self._stack is not None:
+            return "embedded runtime (ends with this kernel)"
+        return f"gateway {self.address}" if self.address else ""
 
     def describe(self) -> str:
         if self._stack is not None:

@@ -118,6 +118,7 @@ class RegistrationCard:
     digest: str = ""
     message: str = ""
     note: str = ""
+    where: str = ""  # the stack it is registered on (Runtime.where)
 
     @classmethod
     def from_run(cls, run: Run, note: str = "") -> RegistrationCard:
@@ -142,6 +143,8 @@ class RegistrationCard:
             fields.append(("registration", short(self.registration_id)))
         if self.digest:
             fields.append(("digest", short(self.digest)))
+        if self.where:
+            fields.append(("on", self.where))
         return fields
 
     def __repr__(self) -> str:
@@ -267,7 +270,10 @@ class FunctionsTable:
     rows: list[dict[str, str]]
     where: str = ""
 
-    _HEADERS = ("name", "runtime", "phase", "state", "attempt", "registration", "in flight")
+    _HEADERS = (
+        "name", "runtime", "phase", "state", "attempt", "registration", "in flight", "replicas",
+        "owner",
+    )  # fmt: skip
 
     def _cells(self) -> list[list[str]]:
         return [[row.get(h, "") for h in self._HEADERS] for row in self.rows]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import json
 import re
@@ -15,8 +16,14 @@ from typing import Any
 from fnkernel.adapters.runtimes import RUNTIMES
 from fnkernel.kernel.connection import Runtime
 from fnkernel.kernel.display import InvocationView, MapProgress, RegistrationCard
+from fnkernel.runtime_server import limits
 from fnkernel.runtime_server.client import Run
-from fnkernel.runtime_server.client.errors import GatewayError, HandlerFailed, RequestCancelled
+from fnkernel.runtime_server.client.errors import (
+    GatewayError,
+    HandlerFailed,
+    InvocationTimedOut,
+    RequestCancelled,
+)
 
 ORIGIN_PREFIX = "%%function cell "  # a Run's spec.source when a cell created it
 _IDLE_WAIT_SECONDS = 2.0  # after an interrupt, for the cancelled invocation to be gone
@@ -182,6 +189,51 @@ class HandlerFailedInCell(HandlerFailed):
         return "\n".join(out)
 
 
+_CATCHABLE: dict[type[Exception], type[HandlerFailedInCell]] = {}
+
+
+def handler_failure(failed: HandlerFailed, spec: Spec) -> HandlerFailedInCell:
+    """`failed` as the cell raises it: a HandlerFailedInCell that is also an instance of the
+    handler's exception type when that is a builtin one (``except KeyError`` catches a
+    handler's KeyError, ``except HandlerFailed`` every handler failure, as Ray's
+    ``RayTaskError`` does). The handler's own exception classes are not in this process: for
+    them it is HandlerFailedInCell alone (``error_type`` names them)."""
+    builtin = getattr(builtins, failed.error_type, None)
+    if not (isinstance(builtin, type) and issubclass(builtin, Exception)):
+        return HandlerFailedInCell(failed, spec)
+    both = _CATCHABLE.get(builtin)
+    if both is None:
+        try:
+            both = type(
+                "HandlerFailedInCell",
+                (HandlerFailedInCell, builtin),
+                # KeyError's str() would quote the message; it reads as any failure's.
+                {"__str__": BaseException.__str__, "__module__": __name__},
+            )
+        except TypeError:  # a lay-out conflict: none of Python 3.11's builtins has one
+            both = HandlerFailedInCell
+        _CATCHABLE[builtin] = both
+    return both(failed, spec)
+
+
+class NotOwned(RuntimeError):
+    """An action only the kernel that registered a function may take (``%use``)."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"NotOwned: {self}"]
+
+
+def get(name: str) -> Function:
+    """The function `name` on the stack this kernel uses, bound as ``%use NAME`` binds it
+    (the kernel's own if it registered it)."""
+    from IPython import get_ipython  # the running kernel's shell
+
+    from fnkernel.kernel.session import session_of  # it imports this module
+
+    session = session_of(get_ipython())
+    return session.functions.get(name) or session.use(name)
+
+
 class PayloadNotJSON(TypeError):
     """The payload cannot be encoded as JSON: one line naming the type, not json's frames."""
 
@@ -231,9 +283,14 @@ class Function:
         spec: Spec,
         timeout: float | None = None,
         on_unregister: Callable[[Function], None] | None = None,
+        *,
+        owned: bool = True,
     ) -> None:
+        """`owned`: this kernel registered it (``%%function``); a function bound with
+        ``%use`` is not, and this kernel never deletes it."""
         self._runtime = runtime
         self._on_unregister = on_unregister
+        self.owned = owned
         self.spec = spec
         self.timeout = timeout  # seconds; the default for each invocation (--timeout)
         self.__name__ = spec.name
@@ -268,7 +325,9 @@ class Function:
             )
         except HandlerFailed as failed:
             show_logs(split_traceback(failed.logs, self.spec.runtime)[0])
-            raise HandlerFailedInCell(failed, self.spec) from None
+            raise handler_failure(failed, self.spec) from None
+        except InvocationTimedOut as exc:
+            raise self._timed_out(exc, timeout) from None
         except (RequestCancelled, KeyboardInterrupt):
             # The kernel was interrupted: FnKernel cancels the request from its control thread
             # (RequestCancelled); a stock ipykernel's SIGINT lands here as KeyboardInterrupt,
@@ -321,7 +380,9 @@ class Function:
             show_logs(split_traceback(failed.logs, self.spec.runtime)[0])
             if handle is not None:
                 handle.update(MapProgress(self.name, 0, len(work), failed=1, finished=True))
-            raise HandlerFailedInCell(failed, self.spec) from None
+            raise handler_failure(failed, self.spec) from None
+        except InvocationTimedOut as exc:
+            raise self._timed_out(exc, timeout) from None
         except (RequestCancelled, KeyboardInterrupt):
             raise InvocationInterrupted(
                 f"map of {self.name} cancelled; every call in flight was cancelled and "
@@ -333,6 +394,16 @@ class Function:
         print(repr(MapProgress(self.name, len(work), len(work), failures, finished=True)))
         return results
 
+    def _timed_out(self, exc: InvocationTimedOut, timeout: float | None) -> InvocationTimedOut:
+        """The deadline as a user can act on it: how long it was, and how to give more."""
+        seconds = timeout or limits.DEFAULT_TIMEOUT_MILLIS / 1000
+        return InvocationTimedOut(
+            f"{self.name} timed out after {seconds:g} s; give it more with %%function "
+            f"{self.name} --timeout S or {self.name}.invoke(payload, timeout=S)",
+            code=exc.code, status=exc.status, run_uid=exc.run_uid,
+            invocation_id=exc.invocation_id, detail=exc.detail,
+        )  # fmt: skip
+
     def _in_flight(self) -> bool:
         live = self._runtime.client().status(self.name).live
         return live is not None and bool(live.in_flight)
@@ -342,7 +413,13 @@ class Function:
 
     def unregister(self, cancel: bool = False, drain_timeout: float | None = None) -> None:
         """Unregister and delete the function: let the in-flight invocation finish (at most
-        `drain_timeout` seconds), or `cancel` it."""
+        `drain_timeout` seconds), or `cancel` it. Not a function bound with ``%use``: it is
+        another's (NotOwned)."""
+        if not self.owned:
+            raise NotOwned(
+                f"{self.name} was bound with %use: this kernel does not own it, and leaves it "
+                f"registered; delete it where it was created (or: fnkernel runs delete {self.name})"
+            )
         self._runtime.client().delete_run(
             self.name,
             cancel_in_flight=cancel,

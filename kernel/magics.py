@@ -1,7 +1,7 @@
 """The fnkernel magics, exactly as docs/protocol.md, "Kernel" spells them.
 
 ``%%function NAME [--runtime python|bash] [--handler H] [--env KEY=VALUE]... [--idle-timeout S]
-[--timeout S] [--memory MIB] [--replicas N]``, ``%invoke NAME [JSON]``, ``%functions [NAME...]``, ``%fn_trace on|off|show [--all]`` and
+[--timeout S] [--memory MIB] [--replicas N]``, ``%invoke NAME [JSON]``, ``%functions [--all] [NAME...]``, ``%use NAME``, ``%fn_connect URL``, ``%fn_trace on|off|show [--all]`` and
 ``%fn_debug``. Bad flags raise ``UsageError`` with a one-line message.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import dataclasses
 import json
 import shlex
 from typing import Any, NoReturn
@@ -30,7 +31,7 @@ from fnkernel.kernel.functions import Function, Spec
 from fnkernel.kernel.session import _SESSION_ATTRIBUTE, Session, session_of
 from fnkernel.kernel.trace import TraceTable
 from fnkernel.runtime_server.client import parse_pairs
-from fnkernel.runtime_server.client.errors import GatewayError
+from fnkernel.runtime_server.client.errors import FunctionNotFound, GatewayError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -154,38 +155,88 @@ class FunctionMagics(Magics):
         display(function.invoke(payload))
 
     def _attach(self, name: str) -> Function:
-        """A function registered elsewhere (another kernel, the CLI) on this gateway."""
-        run = self.session.runtime.client().status(name)
-        return Function(
-            self.session.runtime, Spec(name, run.runtime, run.handler, source="", env=run.env)
-        )
+        """A function registered elsewhere (another kernel, the CLI) on this gateway;
+        FunctionNotFound if there is none."""
+        return self.session.use(name)
+
+    @line_magic("use")  # type: ignore[arg-type]  # IPython types it as Never
+    def use(self, line: str) -> RegistrationCard:
+        """%use NAME — bind NAME, a function on the stack this kernel uses (another notebook's,
+        or one created with the CLI), as a callable. It is never registered again nor deleted
+        by this kernel, and this kernel's shutdown leaves it alone."""
+        name = line.strip()
+        if not name.isidentifier():
+            raise UsageError(f"%use: NAME {name!r} must be a Python identifier: %use NAME")
+        if name in self.session.functions:
+            raise UsageError(f"%use: {name} is this kernel's own already")
+        try:
+            function = self._attach(name)
+        except FunctionNotFound:
+            raise UsageError(
+                f"%use: no function {name!r} on the {self.session.runtime.describe()}"
+            ) from None
+        self.shell_.user_ns[name] = function
+        card = RegistrationCard.from_run(function.status(), note="used: not this kernel's")
+        return dataclasses.replace(card, where=self.session.runtime.where())
+
+    @line_magic("fn_connect")  # type: ignore[arg-type]  # IPython types it as Never
+    def fn_connect(self, line: str) -> str:
+        """%fn_connect URL — use the gateway at URL (a shared stack, ``fnkernel up``) instead of
+        an embedded runtime; before the first function needs a stack."""
+        address = line.strip()
+        if not address:
+            raise UsageError("%fn_connect: URL is required: %fn_connect http://127.0.0.1:8080")
+        try:
+            self.session.runtime.connect(address)
+        except ValueError as exc:
+            raise UsageError(f"%fn_connect: {exc}") from None
+        return f"functions will be registered on the gateway at {address}"
 
     @line_magic("functions")  # type: ignore[arg-type]  # IPython types it as Never
     def functions(self, line: str) -> FunctionsTable:
-        """%functions [NAME...] — the registered functions with their live state."""
-        wanted = set(line.split())
+        """%functions [--all] [NAME...] — this kernel's functions (those it registered and
+        those bound with %use) with their live state; --all: every function on its stack,
+        marking which are this kernel's."""
+        words = line.split()
+        every = "--all" in words
+        wanted = {word for word in words if word != "--all"}
         session = self.session
         if not session.runtime.started:
             return FunctionsTable([], session.runtime.describe())
         client = session.runtime.client()
         rows = []
         for run in client.list_runs():
-            if wanted and run.name not in wanted:
-                continue
+            if (wanted and run.name not in wanted) or run.get("spec", {}).get("replicaOf"):
+                continue  # a replica N > 0 is shown in its function's row
+            owner = session.owner(run.name)
+            if not (every or owner or wanted):
+                continue  # another's: --all shows it
+            replicas = int(run.get("spec", {}).get("replicas", 1))
             row = {
                 "name": run.name,
                 "runtime": run.runtime,
                 "phase": run.phase,
                 "attempt": str(run.attempt),
+                "replicas": str(replicas),
+                "owner": owner,
             }
-            if run.ready:
+            if run.ready or replicas > 1:
                 try:
-                    live = client.status(run.name).live
+                    status = client.status(run.name)
                 except GatewayError:
-                    live = None
+                    status = None
+                live = status.live if status is not None else None
                 row["state"] = live.state if live is not None else ""
                 row["registration"] = live.registration_id if live is not None else ""
                 row["in flight"] = str(live.in_flight) if live is not None else ""
+                if status is not None and replicas > 1:
+                    # The gateway's count of its calls on each replica (docs/protocol.md,
+                    # "Replicas"), and how many replicas are Ready.
+                    members = status.get("replicas") or []
+                    busy = sum(1 for replica in members if replica.get("inFlight"))
+                    ready = sum(1 for replica in members if replica.get("phase") == "Ready")
+                    row["replicas"] = f"{len(members)} ({ready} ready, {busy} busy)"
+                    row["in flight"] = str(sum(r.get("inFlight", 0) for r in members))
             rows.append(row)
         return FunctionsTable(rows, session.runtime.describe())
 

@@ -4,6 +4,7 @@ trace and the last error; and the accessor that finds it on an IPython shell."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 from collections.abc import Callable
 from typing import Any
@@ -56,6 +57,7 @@ class Session:
         self.trace = Trace()
         self.runtime = runtime or Runtime(trace=self.trace)
         self.functions: dict[str, Function] = {}
+        self.used: dict[str, Function] = {}  # bound with %use: on the stack, not this kernel's
         self.last_error: BaseException | None = None
         # Each aborts the calls it has in flight and says how many: the gateway client's, and
         # those of any FunctionRuntime client the notebook opened (kernel.protocol).
@@ -77,8 +79,11 @@ class Session:
             return self._register(spec, timeout, show)
 
     def _register(
-        self, spec: Spec, timeout: float | None, show: Callable[[RegistrationCard], None]
+        self, spec: Spec, timeout: float | None, shown: Callable[[RegistrationCard], None]
     ) -> Function:
+        def show(card: RegistrationCard) -> None:  # each card names the stack, once known
+            shown(dataclasses.replace(card, where=self.runtime.where()))
+
         def progress(note: str) -> None:
             show(RegistrationCard(spec.name, spec.runtime, state="starting", note=note))
 
@@ -133,6 +138,25 @@ class Session:
         function = self._bind(spec, timeout)
         show(RegistrationCard.from_run(client.status(spec.name)))
         return function
+
+    def use(self, name: str) -> Function:
+        """Bind `name`, a function on this kernel's stack that it did not register (another
+        notebook's, or one created with the CLI): never registered again nor deleted by this
+        kernel (``%use``). FunctionNotFound if the stack has none of that name."""
+        run = self.runtime.client().status(name)  # the user's own request: traced as one
+        spec = Spec(
+            name, run.runtime, run.handler, source="", env=run.env,
+            replicas=int(run.get("spec", {}).get("replicas", 1)),
+        )  # fmt: skip
+        function = Function(self.runtime, spec, owned=False)
+        self.used[name] = function
+        return function
+
+    def owner(self, name: str) -> str:
+        """Whose `name` is, as ``%functions`` says it."""
+        if name in self.functions:
+            return "this kernel"
+        return "used here" if name in self.used else ""
 
     def _bind(self, spec: Spec, timeout: float | None) -> Function:
         function = Function(self.runtime, spec, timeout, on_unregister=self.forget)

@@ -51,6 +51,10 @@ CELLS = [
     '    Path(event["mark"]).touch()\n    time.sleep(event["s"])\n    return event["s"]',
     "slow({'s': 30, 'mark': MARK})",
     "slow({'s': 0, 'mark': MARK})",
+    # 16-17: a function of two replicas, mapped over 40 items
+    "%%function sq --replicas 2\nimport time\ndef handler(event):\n    time.sleep(0.05)\n"
+    "    return event * event",
+    "squares = sq.map(range(40))",
 ]
 SHOWN = range(0, 13)  # the cells the display tests look at, run once in order
 
@@ -142,6 +146,19 @@ def test_the_krm_failure_view_says_each_thing_once(notebook: NotebookPage) -> No
     text = notebook.outputs(cell(11)).inner_text()
     assert text.count("should not be empty") == 1, text
     assert "no builtin" not in text  # set-labels and set-namespace are builtin here
+
+
+def test_a_map_shows_one_bar_that_fills_in_place(notebook: NotebookPage) -> None:
+    # docs/protocol.md, "Replicas": NAME.map shows a bar updated in place while it runs, and
+    # says the end in a line (what a log keeps). Run before the theme test, which checks its
+    # colours in both themes with every other output's.
+    notebook.run(cell(16))
+    notebook.run(cell(17))
+    bars = notebook.cell(cell(17)).locator("progress")
+    assert bars.count() == 1
+    assert bars.get_attribute("value") == bars.get_attribute("max") == "40"
+    text = notebook.outputs(cell(17)).inner_text()
+    assert text.count("sq.map: 40/40 done") == 2  # the bar's label and the closing line
 
 
 @pytest.mark.parametrize("theme", ["JupyterLab Light", "JupyterLab Dark"])

@@ -339,6 +339,9 @@ def test_timeout_flag_bounds_each_invocation(kernel: Kernel) -> None:
     cell = kernel.run('bounded({"s": 5})')
     assert cell.error is not None and cell.error["ename"] == "InvocationTimedOut"
     assert cell.error["traceback"][0].endswith("(DEADLINE_EXCEEDED)")
+    # It says the limit and how to change it (issue: errors as a user of plain Python expects).
+    assert "bounded timed out after 0.3 s; give it more with %%function bounded --timeout S " \
+        "or bounded.invoke(payload, timeout=S)" in cell.error["traceback"][0]  # fmt: skip
     assert kernel.value('bounded({"s": 0})') == 0
     assert kernel.value('bounded.invoke({"s": 0.5}, timeout=3).output') == 0.5
 
@@ -839,3 +842,119 @@ def test_map_calls_a_function_of_replicas_once_per_item_with_progress(kernel: Ke
                          "for r in square.map([1, 13, 2], return_exceptions=True)]")  # fmt: skip
     assert mixed[0] == 1 and mixed[2] == 4 and "thirteen" in mixed[1]
     assert kernel.value("square(3)") == 9  # still registered, both replicas free
+    # %functions: one row for the function, with its replicas.
+    rows = kernel.run("%functions square").result.splitlines()
+    assert [row.split()[0] for row in rows[1:-1]] == ["square"]
+    assert "2 (2 ready, 0 busy)" in rows[1] and rows[1].rstrip().endswith("this kernel")
+
+
+def test_interrupting_a_map_cancels_every_call_and_keeps_every_replica(kernel: Kernel) -> None:
+    # docs/protocol.md, "Replicas": an interrupt cancels every call in flight (the handlers are
+    # killed); the function and its replicas stay registered, free for the next call.
+    assert kernel.run(SLOW.replace("%%function slow", "%%function slow --replicas 2")).ok
+    gateway = Client(gateway_address(kernel))
+
+    def busy() -> int:
+        return sum(r["inFlight"] for r in gateway.status("slow")["replicas"])
+
+    msg_id = kernel.send('slow.map([{"s": 10}] * 6)')
+    wait_until(lambda: busy() == 2, timeout=10)
+    kernel.manager.interrupt_kernel()
+    cell = kernel.collect(msg_id, timeout=15)
+    assert cell.error is not None and cell.error["ename"] == "InvocationInterrupted"
+    assert "map of slow cancelled" in cell.error["evalue"]
+    wait_until(lambda: busy() == 0, timeout=10)
+    replicas = gateway.status("slow")["replicas"]
+    assert [(r["name"], r["phase"]) for r in replicas] == [("slow", "Ready"), ("slow.1", "Ready")]
+    assert kernel.value('slow.map([{"s": 0}, {"s": 0}])') == [0, 0]
+
+
+RAISES = """%%function raises
+def handler(event):
+    if event == "key":
+        raise KeyError("missing")
+    if event == "zero":
+        return 1 / 0
+    if event == "os":
+        raise OSError(2, "no such file")
+    class Mine(Exception):
+        pass
+    raise Mine("its own")
+"""
+
+
+def test_a_handlers_builtin_exception_is_caught_by_its_own_type(kernel: Kernel) -> None:
+    # Issue: errors as a user of plain Python expects — `except KeyError` catches a handler's
+    # KeyError, and `except HandlerFailed` every handler failure (as Ray's RayTaskError).
+    assert kernel.run(RAISES).ok
+    setup = kernel.run(
+        "from fnkernel.runtime_server.client.errors import HandlerFailed\n"
+        "def caught(payload):\n"
+        "    try:\n"
+        "        raises(payload)\n"
+        "    except KeyError as exc:\n"
+        "        return ['KeyError', isinstance(exc, HandlerFailed), str(exc)]\n"
+        "    except ArithmeticError as exc:\n"
+        "        return ['ArithmeticError', isinstance(exc, ZeroDivisionError), str(exc)]\n"
+        "    except OSError as exc:\n"
+        "        return ['OSError', isinstance(exc, FileNotFoundError), exc.error_type]\n"
+        "    except HandlerFailed as exc:\n"
+        "        return ['HandlerFailed', isinstance(exc, Exception), exc.error_type]\n"
+    )
+    assert setup.ok, setup.error
+    key = kernel.value("caught('key')")
+    assert key[:2] == ["KeyError", True] and not key[2].startswith('"')
+    assert kernel.value("caught('zero')")[:2] == ["ArithmeticError", True]
+    assert kernel.value("caught('os')") == ["OSError", True, "FileNotFoundError"]
+    assert kernel.value("caught('mine')") == ["HandlerFailed", True, "Mine"]  # not ours to mix
+    # Uncaught, it is the one line it always was.
+    cell = kernel.run("raises('key')")
+    assert cell.error is not None and cell.error["ename"] == "HandlerFailedInCell"
+    assert cell.error["traceback"][0].startswith("KeyError: ")
+    assert "(raises, cell line 4)" in cell.error["traceback"][0]
+
+
+def test_a_shared_stack_chosen_at_first_use_and_a_function_used_from_another_kernel(
+    stack_factory: Callable[..., Stack],
+) -> None:
+    # Issue: functions shared between notebooks. The stack is chosen when the first function
+    # needs it, from the environment as it is then; `%use` binds another notebook's function,
+    # which that kernel never deletes; `%functions --all` marks whose each is.
+    stack = stack_factory({"python": 1})
+    owner, user = Kernel(), Kernel()
+    try:
+        assert owner.run(f"%env FNKERNEL_RUNTIME={stack.gateway_address}").ok
+        cell = owner.run(ETL)
+        assert cell.ok, cell.error
+        assert f"on gateway {stack.gateway_address}" in cell.texts()[-1]
+        gateway = Client(stack.gateway_address)
+        assert [run.name for run in gateway.list_runs()] == ["etl"]  # not an embedded runtime
+        gateway.create_run("other", runtime="python", handler="handler.handle",
+                           files={"handler.py": "def handle(event):\n    return 'other'\n"})  # fmt: skip
+        assert user.run(f"%fn_connect {stack.gateway_address}").ok
+        used = user.run("%use etl")
+        assert used.ok, used.error
+        assert "used: not this kernel's" in used.result
+        assert user.value('etl({"rows": [2, 3]})') == {"total": 5}
+        refused = user.run("etl.unregister()")
+        assert refused.error is not None and refused.error["ename"] == "NotOwned"
+        mine = user.run("%functions").result.splitlines()
+        assert [row.split()[0] for row in mine[1:-1]] == ["etl"] and "used here" in mine[1]
+        every = {
+            row.split()[0]: row for row in user.run("%functions --all").result.splitlines()[1:-1]
+        }
+        assert set(every) == {"etl", "other"} and "used here" in every["etl"]
+        assert "this kernel" in owner.run("%functions --all").result
+        assert (
+            user.value(
+                "__import__('fnkernel.kernel.functions', fromlist=['get']).get('other')(None)"
+            )
+            == "other"
+        )
+        late = user.run("%fn_connect http://127.0.0.1:1")
+        assert "UsageError: %fn_connect: this kernel already uses the gateway" in late.stderr
+        assert "restart the kernel to use another stack" in late.stderr
+        user.shutdown()
+        assert gateway.status("etl").phase == "Ready"  # the user's shutdown left it alone
+    finally:
+        owner.shutdown()
