@@ -72,7 +72,10 @@ class InvalidInput(AdapterError):
 
 
 class InvocationTimeout(AdapterError):
-    """The invocation exceeded its deadline; the worker was killed and is being replaced."""
+    """The invocation exceeded its deadline; the worker was killed and is being replaced.
+    `logs`: what the handler wrote until then (docs/protocol.md, "Errors")."""
+
+    logs: tuple[Any, ...] = ()
 
 
 class InvocationCancelled(AdapterError):

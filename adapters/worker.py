@@ -496,7 +496,7 @@ class WorkerSupervisor:
             raise
         except TimeoutError:
             self._replace(worker, call)
-            raise InvocationTimeout("the handler exceeded its deadline") from None
+            raise _timed_out(call) from None
         except _WorkerExited:
             # EOF also comes from a worker that exec'd the handler's last command (which closed
             # the frame pipes): it is still the call, so it gets the rest of the deadline.
@@ -508,7 +508,7 @@ class WorkerSupervisor:
             if cancelled:
                 raise InvocationCancelled("the invocation was cancelled") from None
             if timed_out:
-                raise InvocationTimeout("the handler exceeded its deadline") from None
+                raise _timed_out(call) from None
             code = worker.proc.wait()
             if ended is None:
                 raise HandlerError(
@@ -670,3 +670,11 @@ def _children() -> set[int]:
                 if proc_stat(entry.name)[1:2] == [me]:
                     found.add(int(entry.name))
     return found
+
+
+def _timed_out(call: WorkerCall) -> InvocationTimeout:
+    """The deadline passed: what the handler wrote until then goes with the error (its worker
+    was replaced, which collected them)."""
+    exc = InvocationTimeout("the handler exceeded its deadline")
+    exc.logs = tuple(call.logs)
+    return exc

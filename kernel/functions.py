@@ -117,9 +117,10 @@ _NO_FRAME = re.compile(r"(?!)")  # matches nothing: a runtime whose failures hav
 
 
 class HandlerFailedInCell(HandlerFailed):
-    """HandlerFailed told against the handler's cell: one line naming the exception and the
-    cell line (``ZeroDivisionError: division by zero (etl, cell line 4)``); ``%fn_debug``
-    shows the traceback (docs/protocol.md, "Kernel")."""
+    """HandlerFailed told against the handler's cell: the handler's traceback with the cell's
+    line numbers, then one line naming the exception and the cell line (``ZeroDivisionError:
+    division by zero (etl, cell line 4)``); ``%fn_debug`` adds the request (docs/protocol.md,
+    "Kernel")."""
 
     def __init__(self, failed: HandlerFailed, spec: Spec) -> None:
         super().__init__(
@@ -145,10 +146,19 @@ class HandlerFailedInCell(HandlerFailed):
         ]
         return lines[-1] if lines else None
 
-    def _render_traceback_(self) -> list[str]:
+    def summary(self) -> str:
+        """One line: the exception and where in the cell (``KeyError: 'x' (etl, cell line 4)``)."""
         where = self.spec.name if self.line is None else f"{self.spec.name}, cell line {self.line}"
         what = f"{self.error_type}: {self.error_message}" if self.error_type else self.message
-        return [f"{what} ({where})"]
+        return f"{what} ({where})"
+
+    def _render_traceback_(self) -> list[str]:
+        """What the cell shows, and a headless log prints (nbconvert, papermill): the handler's
+        traceback as IPython shows a local error — its frames only, with the cell's line
+        numbers — then the summary line. A failure without frames is the summary alone."""
+        if not self.traceback_lines:
+            return [self.summary()]
+        return [*self.traceback_text(colour=True).splitlines(), self.summary()]
 
     def traceback_text(self, colour: bool = False) -> str:
         """The handler's traceback as IPython shows one: its own frames with the cell's line
@@ -395,7 +405,11 @@ class Function:
         return results
 
     def _timed_out(self, exc: InvocationTimedOut, timeout: float | None) -> InvocationTimedOut:
-        """The deadline as a user can act on it: how long it was, and how to give more."""
+        """The deadline as a user can act on it: how long it was, and how to give more; what
+        the handler printed until then is the cell's output first."""
+        logs = exc.detail.get("logs")
+        if isinstance(logs, list):
+            show_logs(logs)
         seconds = timeout or limits.DEFAULT_TIMEOUT_MILLIS / 1000
         return InvocationTimedOut(
             f"{self.name} timed out after {seconds:g} s; give it more with %%function "

@@ -23,7 +23,7 @@ from IPython.core.completer import (
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import ExecutionResult, InteractiveShell
 from IPython.core.magic import Magics, cell_magic, line_cell_magic, line_magic, magics_class
-from IPython.display import display
+from IPython.display import clear_output, display
 
 from fnkernel.adapters.runtimes import RUNTIMES
 from fnkernel.kernel.display import FunctionsTable, RegistrationCard
@@ -123,12 +123,22 @@ class FunctionMagics(Magics):
             replicas=args.replicas,
         )
         handle = display(RegistrationCard(spec.name, spec.runtime), display_id=True)
+        shown: list[RegistrationCard] = []
 
         def show(card: RegistrationCard) -> None:
+            shown[:] = [card]
             if handle is not None:
                 handle.update(card)
 
-        function = self.session.register(spec, args.timeout, show)
+        try:
+            function = self.session.register(spec, args.timeout, show)
+        finally:
+            if shown and handle is not None:
+                # The final state once more, as an output of its own in place of the card: a
+                # log of the notebook (papermill --log-output, nbconvert) keeps outputs, not the
+                # updates that moved the card to it.
+                clear_output(wait=True)
+                display(shown[-1])
         if args.krm:
             from fnkernel.kernel.krm import (  # loads ruamel.yaml: only when KRM is used
                 chain_of,

@@ -103,6 +103,9 @@ def translate_errors(method: F) -> F:
                     ((wire.ERROR_TYPE_KEY, exc.error_type), (wire.LOGS_KEY, logs_trailer(exc.logs)))
                 )
                 context.abort(code, limits.bounded(f"handler error: {exc}"))
+            logs = getattr(exc, "logs", ())  # a timeout's: what the handler wrote until then
+            if logs:
+                context.set_trailing_metadata(((wire.LOGS_KEY, logs_trailer(logs)),))
             context.abort(code, limits.bounded(str(exc)))
 
     return wrapper  # type: ignore[return-value]
@@ -192,6 +195,10 @@ def failure_body(err: grpc.RpcError) -> dict[str, Any]:
         body["errorType"] = error_type
         body["errorMessage"] = message.removeprefix(f"handler error: {error_type}: ")
         body["logs"] = trailer_logs(trailers)
+    elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        logs = trailer_logs(dict(call.trailing_metadata() or ()))
+        if logs:  # what the handler wrote before its deadline
+            body["logs"] = logs
     return body
 
 

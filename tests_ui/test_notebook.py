@@ -100,13 +100,15 @@ def test_a_handlers_prints_are_visible_in_its_cell(notebook: NotebookPage) -> No
     assert "{'total': 6}" in notebook.outputs(cell(1)).inner_text()
 
 
-def test_a_handler_error_is_at_most_3_lines_naming_the_exception_and_line(
+def test_a_handler_error_shows_its_own_frames_and_the_line_naming_the_exception(
     notebook: NotebookPage,
 ) -> None:
-    # docs/protocol.md, "Kernel": one line naming the exception and the cell line.
+    # docs/protocol.md, "Kernel": the handler's traceback as IPython shows a local error (its
+    # frames, the cell's line numbers), then one line naming the exception and the cell line.
     error = notebook.text(cell(3), STDERR).strip()
-    assert len(error.splitlines()) <= 3, error
-    assert "ZeroDivisionError: division by zero (fails, cell line 4)" in error
+    assert error.splitlines()[-1] == "ZeroDivisionError: division by zero (fails, cell line 4)"
+    assert "Cell fails, line 4, in handler" in error and "---->" in error
+    assert "fnkernel" not in error and "Traceback (most recent call last)" in error
     assert notebook.text(cell(3), STDOUT).strip() == "about to divide"
 
 
