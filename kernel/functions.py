@@ -394,6 +394,11 @@ class Function:
         except InvocationTimedOut as exc:
             raise self._timed_out(exc, timeout) from None
         except (RequestCancelled, KeyboardInterrupt):
+            # As after one call: wait (briefly) until every replica's server has let go of its
+            # cancelled call, so the next cell's calls are not refused as busy.
+            with self._runtime.trace.bookkeeping():
+                for name in self._replica_names():
+                    wait_until_free(lambda name=name: self._in_flight(name))  # type: ignore[misc]
             raise InvocationInterrupted(
                 f"map of {self.name} cancelled; every call in flight was cancelled and "
                 f"{self.name} stays registered"
@@ -418,9 +423,18 @@ class Function:
             invocation_id=exc.invocation_id, detail=exc.detail,
         )  # fmt: skip
 
-    def _in_flight(self) -> bool:
-        live = self._runtime.client().status(self.name).live
+    def _in_flight(self, name: str | None = None) -> bool:
+        """Whether the server holds a call of the function (or of its replica `name`)."""
+        live = self._runtime.client().status(name or self.name).live
         return live is not None and bool(live.in_flight)
+
+    def _replica_names(self) -> list[str]:
+        """The Runs serving the function, as the gateway names them ("Replicas")."""
+        try:
+            replicas = self._runtime.client().status(self.name).get("replicas")
+        except GatewayError:
+            return [self.name]
+        return [str(r["name"]) for r in replicas] if replicas else [self.name]
 
     def status(self) -> Status:
         return Status(self._runtime.client().status(self.name))
