@@ -53,7 +53,8 @@ def runtime_pod(core: client.CoreV1Api, name: str, ip: str, *, ready: bool = Tru
 
 def plane_with_pod(store: KubernetesRunStore, api_client: client.ApiClient) -> ControlPlane:
     runtime_pod(client.CoreV1Api(api_client), "python-abc", "127.0.0.9")
-    wait_until(lambda: store.pod("python-abc") is not None, timeout=10)
+    # Alive, not only listed: its Ready status is a second write, seen by a second event.
+    wait_until(lambda: (pod := store.pod("python-abc")) is not None and pod.alive(), timeout=10)
     return ControlPlane(store)
 
 
@@ -188,7 +189,9 @@ def test_runtime_pods_are_alive_while_ready_and_not_being_deleted(
     runtime_pod(core, "python-b", "127.0.0.6", ready=False)
     core.create_namespaced_pod(NS, {"metadata": {"name": "other"},
                                     "spec": {"containers": [{"name": "c", "image": "i"}]}})  # fmt: skip
-    wait_until(lambda: len(store.pods()) == 2, timeout=10)
+    # Both reported: each pod's status is a second write after its create.
+    wait_until(lambda: [p.address for p in store.pods()] == ["127.0.0.5:50051", "127.0.0.6:50051"],
+               timeout=10)  # fmt: skip
     pods = {pod.name: pod for pod in store.pods("python")}
     assert pods["python-a"].alive() and pods["python-a"].address == "127.0.0.5:50051"
     assert not pods["python-b"].alive()
