@@ -31,6 +31,7 @@ from fnkernel.runtime_server.lifecycle.runs import (
     Run,
     RunStore,
     replica_name,
+    replica_names,
 )
 from fnkernel.runtime_server.limits import check_handler
 from fnkernel.runtime_server.wire import (
@@ -290,11 +291,9 @@ class ControlPlane:
         if run.replicas == 1:
             return [run]
         found = []
-        for replica in range(run.replicas):
-            try:
-                found.append(self.store.get(replica_name(run.function, replica)))
-            except RunNotFound:
-                continue
+        for name in replica_names(run):
+            with contextlib.suppress(RunNotFound):
+                found.append(self.store.get(name))
         return found
 
     def _created_as(self, name: str, digest: str) -> Run | None:
@@ -314,10 +313,10 @@ class ControlPlane:
         (``RunStore.version``)."""
         deadline = time.monotonic() + timeout
         first = self._settled(name, deadline, poll)
-        if first.replicas != 1 and not first.replica_of:
-            for replica in range(1, first.replicas):
+        if not first.replica_of:
+            for replica in replica_names(first)[1:]:
                 with contextlib.suppress(RunNotFound):
-                    self._settled(replica_name(name, replica), deadline, poll)
+                    self._settled(replica, deadline, poll)
         return first
 
     def _settled(self, name: str, deadline: float, poll: float) -> Run:

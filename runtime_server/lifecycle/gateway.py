@@ -36,7 +36,7 @@ from fnkernel.runtime_server.errors import (
     storage_full,
 )
 from fnkernel.runtime_server.lifecycle.controlplane import ControlPlane
-from fnkernel.runtime_server.lifecycle.runs import Run, replica_name
+from fnkernel.runtime_server.lifecycle.runs import Run, replica_names
 from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS, failure_body, trailer_logs
 from fnkernel.runtime_server.wire import (
     ATTEMPT_KEY,
@@ -220,9 +220,9 @@ class Gateway:
         can take calls, least in flight first and, among equals, round robin from the one after
         the last chosen. RESOURCE_EXHAUSTED if every one is busy."""
         found = [run]
-        for replica in range(1, run.replicas):
+        for name in replica_names(run)[1:]:
             with contextlib.suppress(RunNotFound):
-                found.append(self.store.get_fresh(replica_name(run.name, replica)))
+                found.append(self.store.get_fresh(name))
         turn = self._turn.get(run.name, 0)
         self._turn[run.name] = turn + 1
         ready = [r for r in found if r.phase in (READY, IDLE)]

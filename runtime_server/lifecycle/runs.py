@@ -119,6 +119,11 @@ def replica_name(function: str, replica: int) -> str:
     return function if replica == 0 else f"{function}.{replica}"
 
 
+def replica_names(run: Run) -> list[str]:
+    """The names of the Runs of `run`'s replica set, replica 0 first (one Run: its own)."""
+    return [replica_name(run.function, replica) for replica in range(run.replicas)]
+
+
 @dataclass(frozen=True)
 class Pod:
     """A Runtime Pod as the store knows it: `healthy` is whether its Runtime Server answered a
