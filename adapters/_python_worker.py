@@ -188,6 +188,9 @@ def main() -> None:
     os.set_inheritable(req, False)  # the handler's own subprocesses must not hold our frame pipes
     os.set_inheritable(resp, False)
     sys.path.insert(0, os.getcwd())
+    # A print is in the log file at once, as on a terminal, for whoever follows the call live
+    # (docs/protocol.md, "Live output"); stderr is line-buffered already.
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # a TextIOWrapper
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     function, failure = load_handler(module_name, function_name)
     if failure is not None:

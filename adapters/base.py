@@ -10,7 +10,13 @@ from pathlib import Path
 from typing import ClassVar, Protocol
 
 from fnkernel.adapters.errors import InitError, InvalidHandler
-from fnkernel.adapters.worker import RUN_UID_ENV, LogLine, WorkerCall, WorkerSupervisor
+from fnkernel.adapters.worker import (
+    RUN_UID_ENV,
+    LiveLog,
+    LogLine,
+    WorkerCall,
+    WorkerSupervisor,
+)
 from fnkernel.system.private import private_tempdir
 
 JSON = "application/json"
@@ -70,6 +76,11 @@ class Adapter(Protocol):
 
     def cancel(self, invocation_id: str | None = None) -> bool:
         """Kill the call in flight (only `invocation_id`, if given); the adapter stays usable."""
+        ...
+
+    def follow(self, invocation_id: str) -> LiveLog | None:
+        """The live log lines of `invocation_id` while it is in flight (docs/protocol.md, "Live
+        output"); None when it is not."""
         ...
 
     def close(self) -> None:
@@ -153,6 +164,11 @@ class WorkerAdapter:
         if self._supervisor is None:
             return False
         return self._supervisor.cancel(invocation_id)
+
+    def follow(self, invocation_id: str) -> LiveLog | None:
+        if self._supervisor is None:
+            return None
+        return self._supervisor.follow(invocation_id)
 
     def close(self) -> None:
         if self._supervisor is not None:

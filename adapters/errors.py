@@ -79,7 +79,10 @@ class InvocationTimeout(AdapterError):
 
 
 class InvocationCancelled(AdapterError):
-    """The invocation was cancelled (client cancel or unregister); the worker was killed."""
+    """The invocation was cancelled (client cancel or unregister); the worker was killed.
+    `logs`: what the handler wrote until then."""
+
+    logs: tuple[Any, ...] = ()
 
 
 class WorkerUnavailable(AdapterError):

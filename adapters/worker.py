@@ -21,6 +21,10 @@ Wire between supervisor and worker (the worker gets the two fd numbers as its la
   rather than pumping pipes with threads, keeps the hot path free of thread wake-ups (docs/architecture.md, "Measured facts the design rests on"
   budgets a whole invoke at ~1.3x a bare gRPC echo); a worker must flush before it responds.
 
+While a call runs, whoever follows it (docs/protocol.md, "Live output") reads the same files with
+``LiveLog``: only then, and on the follower's thread, so a call nobody follows costs nothing more
+and the handler never waits for a reader.
+
 What one call may log is bounded (docs/protocol.md, "Limits"): of each stream, the first and the
 last half MiB and at most 10,000 lines are kept — read in two bounded reads, never the whole
 file — with one line between them saying how much was dropped. On disk, ``trim_logs`` (the
@@ -75,6 +79,10 @@ _MAX_LOG_LINE = 4096
 _ROTATE_LOG_BYTES = 8 << 20
 CALL_LOG_BYTES = 1 << 20  # of each stream, per call: what goes to the server log and memory
 CALL_LOG_LINES = 10_000  # of each stream, per call
+# What one call's live stream carries, both streams together: a quarter of what a call keeps of
+# each stream, so it never reaches what trim_logs frees while the call runs.
+LIVE_LOG_BYTES = 256 << 10
+LIVE_POLL_SECONDS = 0.05  # how often a follower looks for new lines
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 1, 2
 _BLOCK = 4096
 
@@ -90,6 +98,91 @@ _live_workers: weakref.WeakSet[Worker] = weakref.WeakSet()  # whose log files tr
 class LogLine:
     stream: str
     text: str
+    cut: bool = False  # the line saying a live stream stops here (LiveLog)
+
+
+def _log_line(stream: str, raw: bytes) -> LogLine:
+    return LogLine(stream, raw[:_MAX_LOG_LINE].decode("utf-8", "replace"))
+
+
+class LiveLog:
+    """One call's log lines as its handler writes them, for those who follow the call.
+
+    Made by the first follower (``WorkerCall.live_log``); the reads are the followers', every
+    LIVE_POLL_SECONDS at most, and once the call's own as it ends (``finish``: the last lines,
+    an unterminated one included, before the log files may be rotated). The lines are kept in
+    order of reading — within a stream, as written — up to LIVE_LOG_BYTES, where one line says
+    that the stream stops there.
+    """
+
+    def __init__(self, worker: Worker) -> None:
+        self._worker = worker
+        self._positions = dict(worker.log_offsets)  # where this call's lines begin
+        self._partial = dict.fromkeys(STREAMS, b"")
+        self._read_bytes = 0
+        self._cond = threading.Condition()
+        self.lines: list[LogLine] = []
+        self.cut = False  # LIVE_LOG_BYTES reached: no more lines will come
+        self.done = False  # the call is over: no more lines will come
+
+    def after(self, index: int, wait: float = LIVE_POLL_SECONDS) -> tuple[list[LogLine], bool]:
+        """The lines from `index` on, waiting up to `wait` for some, and whether they are the
+        last (the call is over)."""
+        with self._cond:
+            if not self.done and len(self.lines) <= index:
+                self._read(final=False)
+                if len(self.lines) <= index and wait > 0:
+                    self._cond.wait(wait)  # finish() wakes it
+                    if not self.done:
+                        self._read(final=False)
+            return self.lines[index:], self.done
+
+    def finish(self) -> None:
+        """The call is over: read what is left, and wake the followers."""
+        with self._cond:
+            if not self.done:
+                self._read(final=True)
+                self.done = True
+                self._cond.notify_all()
+
+    def _read(self, *, final: bool) -> None:
+        if self.cut:
+            return
+        worker = self._worker
+        with worker._logs_lock:
+            if worker._logs_closed:
+                return
+            for stream, fd in worker.logs.items():
+                position = self._positions[stream]
+                size = os.lseek(fd, 0, os.SEEK_END)
+                budget = LIVE_LOG_BYTES - self._read_bytes
+                if size > position and budget <= 0:
+                    self._stop_here()
+                    return
+                wanted = min(size - position, budget)
+                chunk = os.pread(fd, wanted, position) if wanted > 0 else b""
+                position = self._positions[stream] = position + len(chunk)
+                self._read_bytes += len(chunk)
+                *complete, partial = (self._partial[stream] + chunk).split(b"\n")
+                self.lines += [_log_line(stream, raw) for raw in complete]
+                if position < size:  # the budget ran out within this read
+                    self._stop_here()
+                    return
+                if final and partial:  # the call is over: its last line has no newline
+                    self.lines.append(_log_line(stream, partial))
+                    partial = b""
+                self._partial[stream] = partial
+
+    def _stop_here(self) -> None:
+        self.cut = True
+        self.lines.append(
+            LogLine(
+                "stderr",
+                f"[fnkernel: live output stops after {LIVE_LOG_BYTES >> 10} KiB; "
+                "the call's last lines come with its result]",
+                cut=True,
+            )
+        )
 
 
 class _WorkerExited(Exception):
@@ -112,7 +205,7 @@ class Worker:
         self.logs = {
             stream: os.open(scratch / f"worker.{stream}", flags, 0o600) for stream in STREAMS
         }
-        self._log_offsets = dict.fromkeys(STREAMS, 0)
+        self.log_offsets = dict.fromkeys(STREAMS, 0)  # what read_logs has read
         self._logs_lock = threading.Lock()  # trim_logs never touches a descriptor reap closed
         self._logs_closed = False
         try:
@@ -209,17 +302,17 @@ class Worker:
         later call."""
         lines: list[LogLine] = []
         for stream, fd in self.logs.items():
-            offset = self._log_offsets[stream]
+            offset = self.log_offsets[stream]
             # The file's size: a quarter of what os.fstat costs, and this runs twice a call. The
             # worker's writes are O_APPEND and ours are preads, so the offset moved is no one's.
             size = os.lseek(fd, 0, os.SEEK_END)
             if size <= offset:
                 continue
             lines += _bounded_lines(stream, fd, offset, size)
-            self._log_offsets[stream] = size
+            self.log_offsets[stream] = size
             if size > _ROTATE_LOG_BYTES:
                 os.ftruncate(fd, 0)  # O_APPEND: the worker's next write lands at offset 0
-                self._log_offsets[stream] = 0
+                self.log_offsets[stream] = 0
         return lines
 
     def trim_logs(self) -> None:
@@ -230,7 +323,7 @@ class Worker:
             if self._logs_closed:
                 return
             for stream, fd in self.logs.items():
-                offset = self._log_offsets[stream]
+                offset = self.log_offsets[stream]
                 size = os.lseek(fd, 0, os.SEEK_END)
                 start = -(-(offset + half) // _BLOCK) * _BLOCK
                 end = (size - half) // _BLOCK * _BLOCK
@@ -275,14 +368,14 @@ def _bounded_lines(stream: str, fd: int, offset: int, size: int) -> list[LogLine
         keep = CALL_LOG_LINES // 2
         dropped += sum(len(raw) + 1 for raw in every[keep:-keep])
         first, last = every[:keep], every[-keep:]
-    lines = [LogLine(stream, raw[:_MAX_LOG_LINE].decode("utf-8", "replace")) for raw in first]
+    lines = [_log_line(stream, raw) for raw in first]
     if dropped:
         what = f"{dropped} bytes" + (f" ({lines_dropped} lines)" if lines_dropped > 0 else "")
         limit = f"the first and last {half >> 10} KiB and {CALL_LOG_LINES} lines of each stream"
         lines.append(
             LogLine(stream, f"[fnkernel: {what} of {stream} dropped: a call keeps {limit}]")
         )
-    lines += [LogLine(stream, raw[:_MAX_LOG_LINE].decode("utf-8", "replace")) for raw in last]
+    lines += [_log_line(stream, raw) for raw in last]
     return lines
 
 
@@ -333,6 +426,18 @@ class WorkerCall:
     nonce: bytes = field(default_factory=lambda: os.urandom(8).hex().encode())
     logs: list[LogLine] = field(default_factory=list)
     logs_final: bool = False  # the worker is gone (its log files may be closed): logs are complete
+    live: LiveLog | None = None  # made by its first follower
+    _ended: bool = False  # its logs were collected: nobody may start following it now
+    _live_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def live_log(self) -> LiveLog | None:
+        """This call's LiveLog, made now if nobody followed it yet; None once it is over."""
+        with self._live_lock:
+            if self._ended:
+                return None
+            if self.live is None:
+                self.live = LiveLog(self.worker)
+            return self.live
 
     def send(self, data: bytes | memoryview) -> None:
         self.worker.send(data)
@@ -365,6 +470,11 @@ class WorkerCall:
         if self.logs_final:
             return self.logs
         self.logs_final = final
+        with self._live_lock:
+            self._ended = True
+            live = self.live
+        if live is not None:  # before read_logs, which may rotate the files it reads
+            live.finish()
         fresh = self.worker.read_logs()
         self.logs = (self.logs + fresh)[-_MAX_LOG_LINES:]  # the caller's trailer keeps the last
         for line in fresh:
@@ -468,6 +578,14 @@ class WorkerSupervisor:
         current.worker.kill()
         return True
 
+    def follow(self, invocation_id: str) -> LiveLog | None:
+        """The LiveLog of `invocation_id` while it is the call in flight; None otherwise."""
+        with self._lock:
+            current = self._current
+        if current is None or current.invocation_id != invocation_id:
+            return None
+        return current.live_log()
+
     # Invocations
 
     def run(
@@ -506,7 +624,9 @@ class WorkerSupervisor:
             cancelled = self._cancelled
             self._replace(worker, call)
             if cancelled:
-                raise InvocationCancelled("the invocation was cancelled") from None
+                cut_off = InvocationCancelled("the invocation was cancelled")
+                cut_off.logs = tuple(call.logs)  # what the handler wrote until then
+                raise cut_off from None
             if timed_out:
                 raise _timed_out(call) from None
             code = worker.proc.wait()

@@ -87,16 +87,56 @@ def cell_line(file_line: int) -> int:
     return file_line + 1
 
 
-def show_logs(logs: list[dict[str, str]]) -> None:
-    """A handler's log lines as the stream output a local call would give (stdout, stderr).
-    Nothing to show, nothing to flush: a flush waits for ipykernel's IO thread."""
-    if not logs:
-        return
-    for entry in logs:
-        stream = sys.stderr if entry.get("stream") == "stderr" else sys.stdout
-        print(entry.get("text", ""), file=stream)
-    sys.stdout.flush()
-    sys.stderr.flush()
+class LiveLines:
+    """A call's log lines as the cell's output, each as it comes (``Client.invoke(on_log=)``,
+    docs/protocol.md, "Live output"): on the stream it was written to, after `mark` (a map's
+    item). What the worker logs from a traceback's first line on is held back: a failure shows
+    its traceback itself, told against the cell (``fail``); a call that succeeds prints it
+    after all (``release``)."""
+
+    _FLUSH_SECONDS = 0.01  # a flush waits for ipykernel's IO thread: at most this often
+
+    def __init__(self, runtime: str, mark: str = "") -> None:
+        traceback = RUNTIMES[runtime].traceback
+        self._start = traceback.start if traceback is not None else None
+        self._mark = mark
+        self._streams = {"stdout": sys.stdout, "stderr": sys.stderr}  # this cell's
+        self._held: list[dict[str, str]] = []
+        self._flushed = 0.0
+        self.shown = 0
+
+    def __call__(self, line: dict[str, str]) -> None:
+        if self._held or (line.get("stream") == "stderr" and line.get("text") == self._start):
+            self._held.append(line)
+            return
+        self._print(line)
+        now = time.monotonic()
+        if now - self._flushed >= self._FLUSH_SECONDS:  # else ipykernel's own flush, soon
+            self._flushed = now
+            self._flush()
+
+    def _print(self, line: dict[str, str]) -> None:
+        stream = self._streams["stderr" if line.get("stream") == "stderr" else "stdout"]
+        stream.write(f"{self._mark}{line.get('text', '')}\n")  # one write: threads interleave
+        self.shown += 1
+
+    def _flush(self) -> None:
+        for stream in self._streams.values():
+            stream.flush()
+
+    def release(self) -> None:
+        """The call succeeded: what was held back was the handler's own."""
+        held, self._held = self._held, []
+        for line in held:
+            self._print(line)
+        if held or self.shown:
+            self._flush()
+
+    def fail(self) -> None:
+        """The call failed: print what was held back before its (last) traceback."""
+        starts = [i for i, line in enumerate(self._held) if line.get("text") == self._start]
+        self._held = self._held[: starts[-1]] if starts else self._held
+        self.release()
 
 
 def split_traceback(
@@ -326,17 +366,21 @@ class Function:
         except (TypeError, ValueError) as exc:
             raise PayloadNotJSON(f"the payload of {self.name} is not JSON: {exc}") from None
         client = self._runtime.client()
+        invocation_id = invocation_id or limits.new_id("inv_")
+        lines = LiveLines(self.spec.runtime)
         try:
             result = client.invoke(
                 self.name,
                 data=data,
                 timeout_millis=round(timeout * 1000) if timeout else 0,
-                invocation_id=invocation_id or "",
+                invocation_id=invocation_id,
+                on_log=lines,
             )
         except HandlerFailed as failed:
-            show_logs(split_traceback(failed.logs, self.spec.runtime)[0])
+            lines.fail()
             raise handler_failure(failed, self.spec) from None
         except InvocationTimedOut as exc:
+            lines.release()
             raise self._timed_out(exc, timeout) from None
         except (RequestCancelled, KeyboardInterrupt):
             # The kernel was interrupted: FnKernel cancels the request from its control thread
@@ -347,12 +391,27 @@ class Function:
             self._runtime.cancel()
             with self._runtime.trace.bookkeeping():
                 wait_until_free(self._in_flight)
+                if not lines.shown:  # it was cut off before it was followed
+                    self._show_cut_off(invocation_id, lines)
+            lines.release()
             raise InvocationInterrupted(
                 f"invocation of {self.name} cancelled; the handler was killed and "
                 f"{self.name} stays registered"
             ) from None
-        show_logs(result.logs)
+        lines.release()
         return InvocationView(self.name, result)
+
+    def _show_cut_off(self, invocation_id: str, lines: LiveLines) -> None:
+        """What an interrupted call printed, from its server (docs/protocol.md, "Live output":
+        the last invocation's lines)."""
+        try:
+            for record in self._runtime.client().follow_logs(
+                self.name, invocation_id, follow=False
+            ):
+                if "stream" in record:
+                    lines(record)
+        except GatewayError:
+            pass  # gone with its registration: nothing to show
 
     def map(
         self,
@@ -379,21 +438,35 @@ class Function:
                 shown[0] = now
                 handle.update(MapProgress(self.name, done, total))
 
+        printers: dict[int, LiveLines] = {}
+
+        def on_log(index: int, line: dict[str, str]) -> None:
+            printer = printers.get(index)
+            if printer is None:
+                printer = printers[index] = LiveLines(self.spec.runtime, f"[{index}] ")
+            printer(line)
+
         client = self._runtime.client()
         try:
             results = client.map(
                 self.name, work, concurrency=concurrency or self.spec.replicas,
                 return_exceptions=return_exceptions,
                 timeout_millis=round(timeout * 1000) if timeout else 0, progress=progress,
+                on_log=on_log,
             )  # fmt: skip
         except HandlerFailed as failed:
-            show_logs(split_traceback(failed.logs, self.spec.runtime)[0])
+            for printer in printers.values():
+                printer.fail()
             if handle is not None:
                 handle.update(MapProgress(self.name, 0, len(work), failed=1, finished=True))
             raise handler_failure(failed, self.spec) from None
         except InvocationTimedOut as exc:
+            for printer in printers.values():
+                printer.release()
             raise self._timed_out(exc, timeout) from None
         except (RequestCancelled, KeyboardInterrupt):
+            for printer in printers.values():
+                printer.release()
             # As after one call: wait (briefly) until every replica's server has let go of its
             # cancelled call, so the next cell's calls are not refused as busy.
             with self._runtime.trace.bookkeeping():
@@ -403,6 +476,11 @@ class Function:
                 f"map of {self.name} cancelled; every call in flight was cancelled and "
                 f"{self.name} stays registered"
             ) from None
+        for index, printer in printers.items():
+            if isinstance(results[index], BaseException):
+                printer.fail()
+            else:
+                printer.release()
         failures = sum(isinstance(result, BaseException) for result in results)
         if handle is not None:
             handle.update(MapProgress(self.name, len(work), len(work), failures, finished=True))
@@ -410,11 +488,8 @@ class Function:
         return results
 
     def _timed_out(self, exc: InvocationTimedOut, timeout: float | None) -> InvocationTimedOut:
-        """The deadline as a user can act on it: how long it was, and how to give more; what
-        the handler printed until then is the cell's output first."""
-        logs = exc.detail.get("logs")
-        if isinstance(logs, list):
-            show_logs(logs)
+        """The deadline as a user can act on it: how long it was, and how to give more (what
+        the handler printed until then is the cell's output already: LiveLines)."""
         seconds = timeout or limits.DEFAULT_TIMEOUT_MILLIS / 1000
         return InvocationTimedOut(
             f"{self.name} timed out after {seconds:g} s; give it more with %%function "

@@ -51,6 +51,14 @@ class ShuttingDown(RuntimeServerError):
     """The server is draining for shutdown and accepts no new work."""
 
 
+class InvocationNotFound(RuntimeServerError):
+    """A follower asked for an invocation that is neither in flight nor the last one."""
+
+
+class TooManyFollowers(RuntimeServerError):
+    """Every live-log stream this process allows is open (docs/protocol.md, "Live output")."""
+
+
 # The control plane (docs/protocol.md, "Runs")
 
 

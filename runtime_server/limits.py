@@ -37,6 +37,10 @@ MAX_OUTPUTS = 32
 MAX_OUTPUT_VALUE_BYTES = 1024
 MAX_OUTPUTS_BYTES = 16 * 1024
 MAX_MESSAGE_BYTES = 1024  # fatal_error and handler error messages
+# Live output (docs/protocol.md, "Live output"): the streams one process relays at once (each
+# holds one of its 32 RPC threads), and how long a follower waits for its invocation to start.
+MAX_LOG_FOLLOWERS = 8
+FOLLOW_WAIT_SECONDS = 5.0
 # gRPC's own receive/send limit sits above the 6 MiB payload limit so that we, not the transport,
 # reject an oversized payload, with the status docs/protocol.md, "Limits" names (docs/architecture.md, "Measured facts the design rests on").
 GRPC_MAX_MESSAGE_BYTES = 16 * 1024 * 1024

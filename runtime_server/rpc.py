@@ -4,11 +4,12 @@ deadlines, and the translation of our errors into statuses (docs/protocol.md, "E
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 import grpc
@@ -17,6 +18,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_g
 
 from fnkernel.adapters.errors import HandlerError, InvocationCancelled
 from fnkernel.runtime_server import limits, wire
+from fnkernel.runtime_server.errors import TooManyFollowers
 
 LOG = logging.getLogger("fnkernel.rpc")
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
@@ -74,6 +76,7 @@ _NO_DEADLINE = 1e9  # the sync server reports ~9.2e18 s remaining when the clien
 F = TypeVar("F", bound=Callable[..., Any])
 S = TypeVar("S")
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 def status_of(exc: BaseException) -> grpc.StatusCode | None:
@@ -83,32 +86,47 @@ def status_of(exc: BaseException) -> grpc.StatusCode | None:
 
 
 def translate_errors(method: F) -> F:
-    """Abort the RPC with the mapped status; no Python traceback ever reaches a status message."""
+    """Abort the RPC with the mapped status; no Python traceback ever reaches a status message.
+    A server-streaming method (a generator) is translated as it is iterated."""
+    if inspect.isgeneratorfunction(method):
+
+        @functools.wraps(method)
+        def streaming(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+            try:
+                yield from method(self, request, context)
+            except Exception as exc:
+                _abort(exc, context, method.__name__)
+
+        return streaming  # type: ignore[return-value]
 
     @functools.wraps(method)
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
         try:
             return method(self, request, context)
-        except grpc.RpcError as exc:  # an upstream call's status passes through (proxy hop)
-            upstream: Any = exc
-            context.set_trailing_metadata(relayed_trailers(upstream.trailing_metadata()))
-            context.abort(upstream.code(), upstream.details() or "")
         except Exception as exc:
-            code = status_of(exc)
-            if code is None:
-                LOG.exception("internal error in %s", method.__name__)
-                context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
-            if isinstance(exc, HandlerError):
-                context.set_trailing_metadata(
-                    ((wire.ERROR_TYPE_KEY, exc.error_type), (wire.LOGS_KEY, logs_trailer(exc.logs)))
-                )
-                context.abort(code, limits.bounded(f"handler error: {exc}"))
-            logs = getattr(exc, "logs", ())  # a timeout's: what the handler wrote until then
-            if logs:
-                context.set_trailing_metadata(((wire.LOGS_KEY, logs_trailer(logs)),))
-            context.abort(code, limits.bounded(str(exc)))
+            _abort(exc, context, method.__name__)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _abort(exc: Exception, context: grpc.ServicerContext, method: str) -> None:
+    if isinstance(exc, grpc.RpcError):  # an upstream call's status passes through (proxy hop)
+        upstream: Any = exc
+        context.set_trailing_metadata(relayed_trailers(upstream.trailing_metadata()))
+        context.abort(upstream.code(), upstream.details() or "")
+    code = status_of(exc)
+    if code is None:
+        LOG.exception("internal error in %s", method, exc_info=exc)
+        context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+    if isinstance(exc, HandlerError):
+        context.set_trailing_metadata(
+            ((wire.ERROR_TYPE_KEY, exc.error_type), (wire.LOGS_KEY, logs_trailer(exc.logs)))
+        )
+        context.abort(code, limits.bounded(f"handler error: {exc}"))
+    logs = getattr(exc, "logs", ())  # a timeout's: what the handler wrote until then
+    if logs:
+        context.set_trailing_metadata(((wire.LOGS_KEY, logs_trailer(logs)),))
+    context.abort(code, limits.bounded(str(exc)))
 
 
 def relayed_trailers(trailers: Any) -> tuple[tuple[str, str | bytes], ...]:
@@ -204,6 +222,35 @@ def failure_body(err: grpc.RpcError) -> dict[str, Any]:
 
 def _compact(value: object) -> str:
     return json.dumps(value, separators=(",", ":"))
+
+
+class Followers:
+    """How many live-log streams a process relays at once (limits.MAX_LOG_FOLLOWERS): each
+    holds an RPC thread for as long as its invocation runs, and calls must keep theirs."""
+
+    def __init__(self, limit: int = limits.MAX_LOG_FOLLOWERS) -> None:
+        self.limit = limit
+        self._slots = threading.BoundedSemaphore(limit)
+
+    def stream(
+        self,
+        records: Callable[[], Iterator[R | None]],
+        context: grpc.ServicerContext,
+    ) -> Iterator[R]:
+        """The records `records()` makes, holding a slot until they end or the caller leaves
+        (a None: nothing new, and a moment to look)."""
+        if not self._slots.acquire(blocking=False):
+            raise TooManyFollowers(
+                f"{self.limit} live-log streams are open here; the call's log comes with its result"
+            )
+        try:
+            for record in records():
+                if not context.is_active():
+                    return
+                if record is not None:
+                    yield record
+        finally:
+            self._slots.release()
 
 
 class CancellableCalls(Generic[S]):

@@ -30,6 +30,7 @@ from fnkernel.runtime_server.errors import (
     InvalidEvaluateRequest,
     InvalidField,
     InvocationInFlight,
+    InvocationNotFound,
     NoRuntimePod,
     NotAllowedHere,
     NotFoundError,
@@ -44,6 +45,7 @@ from fnkernel.runtime_server.errors import (
     StaleRegistration,
     StorageFull,
     StoreDamaged,
+    TooManyFollowers,
 )
 
 __all__ = [
@@ -136,6 +138,8 @@ GRPC_STATUS: dict[type[Exception], str] = {
     RegistrationNotReady: "FAILED_PRECONDITION",
     AttemptSuperseded: "FAILED_PRECONDITION",
     InvocationInFlight: "RESOURCE_EXHAUSTED",
+    InvocationNotFound: "NOT_FOUND",
+    TooManyFollowers: "RESOURCE_EXHAUSTED",
     InvocationTimeout: "DEADLINE_EXCEEDED",
     InvocationCancelled: "CANCELLED",
     WorkerUnavailable: "UNAVAILABLE",

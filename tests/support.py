@@ -12,11 +12,13 @@ import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
+from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import logs_pb2, logs_pb2_grpc
 from fnkernel.runtime_server.daemon import Child, serve_args, spawn
 from fnkernel.runtime_server.function_runtime.server import RuntimeServer
 from fnkernel.runtime_server.limits import sha256_digest
@@ -70,6 +72,21 @@ class Client:
     def __post_init__(self) -> None:
         self.fn = pb_grpc.FunctionRuntimeStub(self.channel)
         self.runtime_stub = pb_grpc.RuntimeStub(self.channel)
+        self.logs = logs_pb2_grpc.InvocationLogsStub(self.channel)
+
+    def follow(
+        self, registration: pb.FunctionRegistration, invocation_id: str = "", *, follow: bool = True
+    ) -> Any:
+        """FollowInvocationLogs (docs/protocol.md, "Live output"): the stream of records."""
+        return self.logs.FollowInvocationLogs(
+            logs_pb2.FollowInvocationLogsRequest(
+                run_uid=registration.run_uid,
+                registration_id=registration.registration_id,
+                invocation_id=invocation_id,
+                follow=follow,
+            ),
+            timeout=60,
+        )
 
     def workdir(self, files: dict[str, str]) -> Path:
         directory = self.workspace / f"run{next(_counter)}"

@@ -55,6 +55,10 @@ CELLS = [
     "%%function sq --replicas 2\nimport time\ndef handler(event):\n    time.sleep(0.05)\n"
     "    return event * event",
     "squares = sq.map(range(40))",
+    # 18-19: a handler that prints, then waits for the file GO before it ends
+    "%%function waits\nimport os, time\ndef handler(event):\n    print('started')\n"
+    "    while not os.path.exists(event):\n        time.sleep(0.01)\n    print('finished')",
+    "waits(GO)",
 ]
 SHOWN = range(0, 13)  # the cells the display tests look at, run once in order
 
@@ -66,8 +70,14 @@ def mark(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def notebook(lab: Lab, browser: Browser, mark: Path) -> Iterator[NotebookPage]:
-    name = lab.write_notebook("ui.ipynb", [f"MARK = {str(mark)!r}", *CELLS])
+def go(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The file the waiting handler waits for (the notebook's GO)."""
+    return tmp_path_factory.mktemp("go") / "go"
+
+
+@pytest.fixture(scope="module")
+def notebook(lab: Lab, browser: Browser, mark: Path, go: Path) -> Iterator[NotebookPage]:
+    name = lab.write_notebook("ui.ipynb", [f"MARK, GO = {str(mark)!r}, {str(go)!r}", *CELLS])
     context = browser.new_context(viewport={"width": 1400, "height": 1000})
     page = context.new_page()
     notebook = lab.open(page, name)
@@ -84,7 +94,7 @@ def notebook(lab: Lab, browser: Browser, mark: Path) -> Iterator[NotebookPage]:
 
 
 def cell(index: int) -> int:
-    """The notebook's index of CELLS[index] (the first cell sets MARK)."""
+    """The notebook's index of CELLS[index] (the first cell sets MARK and GO)."""
     return index + 1
 
 
@@ -161,6 +171,19 @@ def test_a_map_shows_one_bar_that_fills_in_place(notebook: NotebookPage) -> None
     assert bars.get_attribute("value") == bars.get_attribute("max") == "40"
     text = notebook.outputs(cell(17)).inner_text()
     assert text.count("sq.map: 40/40 done") == 2  # the bar's label and the closing line
+
+
+def test_a_long_calls_prints_appear_while_it_runs(notebook: NotebookPage, go: Path) -> None:
+    # docs/protocol.md, "Live output": a handler's prints are in the cell as they are written,
+    # each once. The handler waits for GO, which only a line seen in the running cell creates.
+    # Run before the theme test, which reads every output in both themes.
+    notebook.run(cell(18))
+    notebook.start(cell(19))
+    notebook.wait(lambda: "started" in notebook.text(cell(19), STDOUT), 15)
+    assert not notebook.finished(cell(19))
+    go.touch()
+    notebook.wait(lambda: notebook.finished(cell(19)), 15)
+    assert notebook.text(cell(19), STDOUT).split() == ["started", "finished"]
 
 
 @pytest.mark.parametrize("theme", ["JupyterLab Light", "JupyterLab Dark"])

@@ -20,7 +20,11 @@ ROOT = next((p for p in HERE.parents if (p / "proto").is_dir()), HERE.parents[1]
 PROTO_DIR = ROOT / "proto"
 VIRTUAL = "fnkernel/runtime_server/_proto"  # as installed, and as they import each other
 REPO_DIR = "runtime_server/_proto"  # where they are in the repository
-SOURCES = ("executor/v1/runtime.proto", "evaluator/v1/evaluator.proto")
+SOURCES = (
+    "executor/v1/runtime.proto",
+    "evaluator/v1/evaluator.proto",
+    "fnkernel/v1alpha1/logs.proto",
+)
 
 
 def generate(out_dir: Path) -> None:

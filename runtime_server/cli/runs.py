@@ -1,4 +1,4 @@
-"""The gateway's client commands: ``runs create|list|get|delete`` and ``invoke``."""
+"""The gateway's client commands: ``runs create|list|get|delete``, ``invoke`` and ``logs``."""
 
 from __future__ import annotations
 
@@ -105,9 +105,13 @@ def _map(args: argparse.Namespace) -> int:
             shown[0] = now
             print(f"{done}/{total} done", file=sys.stderr, flush=True)
 
+    def on_log(index: int, line: dict[str, Any]) -> None:
+        print(f"[{index}] {line.get('text', '')}", file=sys.stderr, flush=True)
+
     results = _client(args).map(
         args.name, items, concurrency=args.concurrency or None, return_exceptions=True,
         timeout_millis=args.timeout_ms, progress=progress,
+        on_log=on_log if args.follow else None,
     )  # fmt: skip
     failed = 0
     for result in results:
@@ -129,7 +133,11 @@ def _invoke(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(f"payload is not JSON: {exc}") from None
     result = _client(args).invoke(
-        args.name, data=data, timeout_millis=args.timeout_ms, invocation_id=args.invocation_id
+        args.name,
+        data=data,
+        timeout_millis=args.timeout_ms,
+        invocation_id=args.invocation_id,
+        on_log=_log_line if args.follow else None,
     )
     sys.stdout.buffer.write(result.output)
     if not result.output.endswith(b"\n"):
@@ -139,6 +147,28 @@ def _invoke(args: argparse.Namespace) -> int:
         print(f"outputs: {json.dumps(result.outputs, sort_keys=True)}", file=sys.stderr)
     if result.cold_start:
         print("(cold start: the function was registered again after idling)", file=sys.stderr)
+    return EXIT_OK
+
+
+def _log_line(line: dict[str, Any]) -> None:
+    """A handler's line as the call runs (``--follow``): on stderr, so stdout stays the output."""
+    print(line.get("text", ""), file=sys.stderr, flush=True)
+
+
+def _logs(args: argparse.Namespace) -> int:
+    """``logs NAME``: the log of NAME's call in flight, else of its last one (docs/protocol.md,
+    "Live output"); with ``--follow``, each line as it is written until the call ends."""
+    records = _client(args).follow_logs(args.name, args.invocation_id, follow=args.follow)
+    for record in records:
+        if "invocationId" in record:
+            state = "running" if record.get("running") else "over"
+            print(f"invocation {record['invocationId']} of {record['run']} ({state})",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        elif "stream" in record:
+            print(record.get("text", ""), flush=True)
+        elif "error" in record:
+            print(f"the stream broke off: {record['error'].get('message', '')}", file=sys.stderr)
+            return EXIT_FAILURE
     return EXIT_OK
 
 
@@ -214,5 +244,24 @@ def register(commands: Any) -> None:
         metavar="N",
         help="with --map: calls in flight at once (default: the function's replicas)",
     )
+    invoke.add_argument(
+        "--follow",
+        action="store_true",
+        help="print the handler's log lines on stderr as it writes them ([ITEM] first with --map)",
+    )
     _add_client_flags(invoke)
     invoke.set_defaults(func=_invoke)
+
+    logs = commands.add_parser(
+        "logs", help="the log of a function's call in flight, else of its last call"
+    )
+    logs.add_argument("name", help="the function, or one replica of it (NAME.1)")
+    logs.add_argument("--invocation-id", default="", metavar="ID", help="that call's log")
+    logs.add_argument(
+        "-f",
+        "--follow",
+        action="store_true",
+        help="print each line as it is written, until the call ends",
+    )
+    _add_client_flags(logs)
+    logs.set_defaults(func=_logs)

@@ -6,7 +6,9 @@ start and must not pay for grpc. Addresses are ``http://host:port`` or ``unix:/p
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import functools
 import http.client
 import json
 import os
@@ -14,20 +16,28 @@ import socket
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent import futures
 from pathlib import Path
 from typing import Any
 
-from fnkernel.runtime_server import tokens, wire
+from fnkernel.runtime_server import limits, tokens, wire
 from fnkernel.runtime_server.client.errors import (
+    GatewayError,
     GatewayUnreachable,
+    HandlerFailed,
+    InvocationTimedOut,
     RequestCancelled,
     from_response,
 )
 from fnkernel.runtime_server.client.views import InvocationResult, Run
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8080"
+# Live output (docs/protocol.md, "Live output"): a call with an on_log that has not answered by
+# then is followed; how long its answer waits for the stream's last lines.
+FOLLOW_AFTER_SECONDS = 0.05
+_FOLLOW_END_SECONDS = 2.0
+LogCallback = Callable[[dict[str, Any]], None]
 _STALE_CONNECTION = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
 _SKIPPED = frozenset({"__pycache__", ".git", ".ipynb_checkpoints"})
 
@@ -95,15 +105,21 @@ class Client:
         self._idle: list[http.client.HTTPConnection] = []  # kept alive, one per concurrent caller
         self._busy: dict[http.client.HTTPConnection, bool] = {}  # in use → cancelled
 
-    def _connect(self) -> http.client.HTTPConnection:
+    def _connect(self, timeout: float | None = 0) -> http.client.HTTPConnection:
+        """A new connection; `timeout` for its reads (0: the client's, None: none)."""
+        timeout = self.timeout if timeout == 0 else timeout
         if self.address.startswith("unix:"):
-            return _UnixConnection(self.address[5:], self.timeout)
+            return _UnixConnection(self.address[5:], timeout)  # type: ignore[arg-type]
         url = urllib.parse.urlsplit(
             self.address if "://" in self.address else f"http://{self.address}"
         )
-        return http.client.HTTPConnection(
-            url.hostname or "127.0.0.1", url.port, timeout=self.timeout
-        )
+        return http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=timeout)
+
+    def _headers(self, headers: Mapping[str, str] | None = None) -> dict[str, str]:
+        sent = {"Content-Type": "application/json", **(headers or {})}
+        if self.token:
+            sent["Authorization"] = f"Bearer {self.token}"
+        return sent
 
     def request(
         self,
@@ -113,9 +129,7 @@ class Client:
         headers: Mapping[str, str] | None = None,
     ) -> tuple[int, http.client.HTTPMessage, bytes]:
         """Send one request; raise the class of a failure status (``errors.ERRORS``)."""
-        sent = {"Content-Type": "application/json", **(headers or {})}
-        if self.token:
-            sent["Authorization"] = f"Bearer {self.token}"
+        sent = self._headers(headers)
         for attempt in range(2):
             with self._lock:
                 # A retry takes a new connection: the other kept-alive ones may be as stale.
@@ -157,12 +171,45 @@ class Client:
                 connection.close()
             break
         if response.status >= 400:
-            try:
-                error_body = json.loads(data)
-            except ValueError:
-                error_body = {"message": data.decode("utf-8", "replace")[:500]}
-            raise from_response(error_body, response.status)
+            raise _failure(response.status, data)
         return response.status, response.headers, data
+
+    def follow_logs(
+        self, name: str, invocation_id: str = "", *, follow: bool = True
+    ) -> Iterator[dict[str, Any]]:
+        """The NDJSON records of an invocation's log (docs/protocol.md, "Live output"): its
+        head (``invocationId``, ``run``, ``running``), each line (``stream``, ``text``), and
+        ``{"end": true}`` once it is over; with `follow`, lines as they are written. An
+        invocation_id "": the call in flight on `name`, else its last one."""
+        path = f"/v1/runs/{_quote(name)}"
+        if invocation_id:
+            path += f"/invocations/{_quote(invocation_id)}"
+        path += f"/logs?follow={int(follow)}"
+        connection = self._connect(timeout=None)  # a quiet handler may print nothing for long
+        yield from self._records(connection, path)
+
+    def _records(
+        self, connection: http.client.HTTPConnection, path: str
+    ) -> Iterator[dict[str, Any]]:
+        with self._lock:
+            self._busy[connection] = False  # cancel() reaches it too
+        try:
+            connection.request("GET", path, headers=self._headers())
+            response = connection.getresponse()
+            if response.status >= 400:
+                raise _failure(response.status, response.read())
+            while line := response.readline():
+                yield json.loads(line)
+        except (ConnectionError, http.client.HTTPException, OSError) as exc:
+            with self._lock:
+                cancelled = self._busy.get(connection, False)
+            if cancelled:
+                raise RequestCancelled(f"GET {path} was cancelled", code="CANCELLED") from None
+            raise GatewayUnreachable(f"cannot reach the gateway at {self.address}: {exc}") from None
+        finally:
+            with self._lock:
+                self._busy.pop(connection, None)
+            connection.close()
 
     def cancel(self) -> int:
         """From another thread: abort every request in flight. Each connection is shut down, so
@@ -268,16 +315,44 @@ class Client:
         data: bytes | None = None,
         timeout_millis: int = 0,
         invocation_id: str = "",
+        on_log: LogCallback | None = None,
     ) -> InvocationResult:
-        """Invoke with `payload` encoded as JSON (or the raw JSON bytes `data`)."""
+        """Invoke with `payload` encoded as JSON (or the raw JSON bytes `data`).
+
+        `on_log(line)` is given each line the call logs (``{"stream", "text"}``), in order:
+        as it is written once the call has run for FOLLOW_AFTER_SECONDS (from another
+        thread), else — a quicker call, or when no live stream could be had — from its result
+        or failure before this returns or raises (docs/protocol.md, "Live output")."""
         body = data if data is not None else json.dumps(payload).encode()
         headers = {}
         if timeout_millis:
             headers[wire.TIMEOUT_HEADER] = str(timeout_millis)
+        if on_log is not None:
+            invocation_id = invocation_id or limits.new_id("inv_")
+            live = _LiveFollow(self, name, invocation_id, on_log)
         if invocation_id:
             headers[wire.INVOCATION_ID_HEADER] = invocation_id
         started = time.perf_counter()
-        _, reply, output = self.request("POST", f"/v1/runs/{_quote(name)}:invoke", body, headers)
+        if on_log is None:
+            _, reply, output = self.request(
+                "POST", f"/v1/runs/{_quote(name)}:invoke", body, headers
+            )
+        else:
+            try:
+                _, reply, output = self.request(
+                    "POST", f"/v1/runs/{_quote(name)}:invoke", body, headers
+                )
+            except HandlerFailed as failed:
+                live.end(failed.logs)
+                raise
+            except InvocationTimedOut as timed_out:
+                logs = timed_out.detail.get("logs")
+                live.end(logs if isinstance(logs, list) else [])
+                raise
+            except BaseException:
+                live.end([], wait=False)  # it never ran, or was cancelled: nothing more comes
+                raise
+            live.end(json.loads(reply.get(wire.LOGS_HEADER) or "[]"))
         return InvocationResult(
             output=output,
             content_type=reply.get("Content-Type", ""),
@@ -299,6 +374,7 @@ class Client:
         return_exceptions: bool = False,
         timeout_millis: int = 0,
         progress: Callable[[int, int], None] | None = None,
+        on_log: Callable[[int, dict[str, Any]], None] | None = None,
     ) -> list[Any]:
         """Invoke `name` once per item, up to `concurrency` calls in flight (default: its
         replica count), and return the results in input order (docs/protocol.md, "Replicas"):
@@ -330,7 +406,10 @@ class Client:
                 if stopped:
                     return
                 for index, item in pending:
-                    call = pool.submit(calls.invoke, name, item, timeout_millis=timeout_millis)
+                    logged = None if on_log is None else functools.partial(on_log, index)
+                    call = pool.submit(
+                        calls.invoke, name, item, timeout_millis=timeout_millis, on_log=logged
+                    )
                     running[call] = index
                     return
 
@@ -366,3 +445,118 @@ class Client:
 
 def _quote(name: str) -> str:
     return urllib.parse.quote(name, safe="")
+
+
+def _failure(status: int, data: bytes) -> GatewayError:
+    try:
+        body = json.loads(data)
+    except ValueError:
+        body = {"message": data.decode("utf-8", "replace")[:500]}
+    return from_response(body, status)
+
+
+class _Later:
+    """One thread that runs each callback FOLLOW_AFTER_SECONDS after it was added: a call that
+    answers sooner costs no thread of its own. Every callback has the same delay, so they fall
+    due in the order added; the thread wakes at most every _TICK_SECONDS while any wait, not
+    once a call."""
+
+    _TICK_SECONDS = 0.02
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._due: collections.deque[tuple[float, Callable[[], None]]] = collections.deque()
+        self._thread: threading.Thread | None = None
+
+    def call_later(self, callback: Callable[[], None]) -> None:
+        with self._cond:
+            self._due.append((time.monotonic() + FOLLOW_AFTER_SECONDS, callback))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="fn-later", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._due:
+                    self._cond.wait()
+                now = time.monotonic()
+                ready = []
+                while self._due and self._due[0][0] <= now:
+                    ready.append(self._due.popleft()[1])
+                wait = self._due[0][0] - now if self._due else 0.0
+            for callback in ready:
+                callback()
+            if wait > 0:  # the next is due then, and every one added meanwhile after it
+                time.sleep(max(wait, self._TICK_SECONDS))
+
+
+_LATER = _Later()
+
+
+class _LiveFollow:
+    """Follows one invocation's log lines for `on_log`, once it is due (``Client.invoke``)."""
+
+    def __init__(self, client: Client, name: str, invocation_id: str, on_log: LogCallback):
+        self._client = client
+        self._name = name
+        self._invocation_id = invocation_id
+        self._on_log = on_log
+        self._lock = threading.Lock()
+        self._ended = False
+        self._thread: threading.Thread | None = None
+        self._connection: http.client.HTTPConnection | None = None
+        self._closed = False
+        self.shown = 0  # lines given to on_log while the call ran
+        self.complete = False  # the stream ended with the invocation
+        self.cut = False  # ... after its cap: the last lines were not streamed
+        _LATER.call_later(self._start)
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._ended:
+                return
+            self._connection = self._client._connect(timeout=None)
+            self._thread = threading.Thread(target=self._follow, name="fn-follow", daemon=True)
+            self._thread.start()
+
+    def _follow(self) -> None:
+        assert self._connection is not None
+        path = (
+            f"/v1/runs/{_quote(self._name)}/invocations/{_quote(self._invocation_id)}/logs?follow=1"
+        )
+        try:
+            for record in self._client._records(self._connection, path):
+                if self._closed:
+                    return
+                if "stream" in record:
+                    self.cut = self.cut or bool(record.get("cut"))
+                    self._on_log(record)
+                    self.shown += 1
+                elif record.get("end"):
+                    self.complete = True
+        except GatewayError:
+            pass  # not found, too many followers, cancelled: the result's lines stand in
+
+    def end(self, logs: list[dict[str, Any]], *, wait: bool = True) -> None:
+        """The call is over with `logs` (its result's): take the stream's last lines (for a
+        bounded while), then give on_log what the stream did not."""
+        with self._lock:
+            self._ended = True
+            thread, connection = self._thread, self._connection
+        if thread is not None:
+            thread.join(_FOLLOW_END_SECONDS if wait else 0.2)
+            if thread.is_alive() and connection is not None and connection.sock is not None:
+                with contextlib.suppress(OSError):
+                    connection.sock.shutdown(socket.SHUT_RDWR)
+                thread.join()
+        self._closed = True  # a stream still connecting gives on_log nothing now
+        if self.complete and not self.cut:
+            return
+        if self.shown and logs:
+            self._on_log(
+                {"stream": "stderr", "text": "[fnkernel: the call's log, from its result:]"}
+            )
+        for line in logs:
+            self._on_log(line)

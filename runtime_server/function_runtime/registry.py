@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,12 +23,14 @@ from fnkernel.adapters.errors import (
     HandlerError,
     InitError,
 )
+from fnkernel.adapters.worker import LIVE_POLL_SECONDS, LogLine
 from fnkernel.runtime_server import limits
 from fnkernel.runtime_server._proto.executor.v1.runtime_pb2 import FunctionRegistrationState
 from fnkernel.runtime_server.errors import (
     AttemptSuperseded,
     DigestConflict,
     InvocationInFlight,
+    InvocationNotFound,
     RegistrationNotFound,
     RegistrationNotReady,
     ShuttingDown,
@@ -64,6 +66,10 @@ class Registration:
     last_activity_unix_nano: int = 0
     fatal_error: str = ""
     loaded: threading.Event = field(default_factory=threading.Event)
+    # The last invocation that ended, and its log lines (its result's): for a follower that
+    # comes when it is over (docs/protocol.md, "Live output").
+    last_invocation_id: str = ""
+    last_logs: tuple[LogLine, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -307,16 +313,23 @@ class Registry:
             reg.in_flight = 1
             reg.invocation_id = invocation_id
             reg.last_activity_unix_nano = time.time_ns()
+            self._lock.notify_all()  # a follower may be waiting for it
+        logs: tuple[LogLine, ...] = ()
         try:
             if on_dispatch is not None:
                 on_dispatch(
                     lambda: self._cancel_invocation(run_uid, registration_id, invocation_id)
                 )
             result = reg.adapter.invoke(invocation_id, input, effective_deadline)
+            logs = result.logs
+        except AdapterError as exc:
+            logs = getattr(exc, "logs", ())
+            raise
         finally:
             with self._lock:
                 reg.in_flight = 0
                 reg.invocation_id = ""
+                reg.last_invocation_id, reg.last_logs = invocation_id, logs
                 reg.last_activity_unix_nano = time.time_ns()
                 self._lock.notify_all()
         problem = limits.outputs_problem(result.outputs)
@@ -332,6 +345,69 @@ class Registry:
                 return
             if reg.invocation_id == invocation_id:
                 reg.adapter.cancel(invocation_id)
+
+    # Live output (fnkernel's own: docs/protocol.md, "Live output")
+
+    def follow(
+        self,
+        *,
+        run_uid: str,
+        registration_id: str,
+        invocation_id: str,
+        wait: float = limits.FOLLOW_WAIT_SECONDS,
+        caller_there: Callable[[], bool] = lambda: True,
+    ) -> tuple[str, bool, Iterator[list[LogLine]]]:
+        """Follow one invocation's log lines: (its id, whether it is in flight, batches of lines).
+
+        `invocation_id` empty: the call in flight, else the last one. Otherwise that call,
+        waiting up to `wait` for it to start (a client follows a call it has just sent). The
+        batches end when the call does — an empty one every LIVE_POLL_SECONDS while it prints
+        nothing, so the caller can see its own client leave; a call that is over gives its
+        result's lines at once. `caller_there()` ends the wait early when it turns false.
+        """
+        limits.check_run_uid(run_uid)
+        limits.check_registration_id(registration_id)
+        if invocation_id:
+            limits.check_invocation_id(invocation_id)
+        with self._lock:
+            reg = self._lookup(run_uid, registration_id)
+            if invocation_id:
+                deadline = time.monotonic() + wait
+                while (
+                    invocation_id not in (reg.invocation_id, reg.last_invocation_id)
+                    and (left := deadline - time.monotonic()) > 0
+                    and caller_there()
+                ):
+                    self._lock.wait(min(left, LIVE_POLL_SECONDS))
+            else:
+                invocation_id = reg.invocation_id or reg.last_invocation_id
+            if not invocation_id or invocation_id not in (
+                reg.invocation_id,
+                reg.last_invocation_id,
+            ):
+                which = invocation_id or "any invocation"
+                raise InvocationNotFound(
+                    f"run {run_uid} has {which} neither in flight nor as its last one"
+                )
+            running = reg.invocation_id == invocation_id
+        live = reg.adapter.follow(invocation_id) if running else None
+        if live is None:
+            return invocation_id, False, iter([list(self._ended_logs(reg, invocation_id))])
+
+        def batches() -> Iterator[list[LogLine]]:
+            index, done = 0, False
+            while not done:
+                lines, done = live.after(index)
+                index += len(lines)
+                yield lines
+
+        return invocation_id, True, batches()
+
+    def _ended_logs(self, reg: Registration, invocation_id: str) -> tuple[LogLine, ...]:
+        """The lines of `invocation_id` once it is over (it may be ending just now)."""
+        with self._lock:
+            self._lock.wait_for(lambda: reg.invocation_id != invocation_id, timeout=5.0)
+            return reg.last_logs if reg.last_invocation_id == invocation_id else ()
 
     # UnregisterFunction
 

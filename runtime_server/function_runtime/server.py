@@ -11,9 +11,11 @@ from grpc_health.v1 import health
 from fnkernel.adapters import runtimes
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
+from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import logs_pb2, logs_pb2_grpc
 from fnkernel.runtime_server.function_runtime.registry import Registry
 from fnkernel.runtime_server.function_runtime.servicer import (
     FunctionRuntimeServicer,
+    InvocationLogsServicer,
     RuntimeServicer,
 )
 from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS, add_health, add_reflection, listen_on
@@ -21,6 +23,8 @@ from fnkernel.system.private import sweep
 
 RUNTIME_SERVICE = pb.DESCRIPTOR.services_by_name["Runtime"].full_name
 FUNCTION_RUNTIME_SERVICE = pb.DESCRIPTOR.services_by_name["FunctionRuntime"].full_name
+# fnkernel's own, beside FunctionRuntime (docs/protocol.md, "Live output")
+INVOCATION_LOGS_SERVICE = logs_pb2.DESCRIPTOR.services_by_name["InvocationLogs"].full_name
 DEFAULT_LISTEN = "127.0.0.1:9090"
 
 
@@ -53,8 +57,12 @@ class RuntimeServer:
             pb_grpc.add_FunctionRuntimeServicer_to_server(
                 FunctionRuntimeServicer(self.registry), self.server
             )
+            logs_pb2_grpc.add_InvocationLogsServicer_to_server(
+                InvocationLogsServicer(self.registry), self.server
+            )
         self.health = add_health(self.server, services)
-        add_reflection(self.server, [*services, health.SERVICE_NAME])
+        extensions = [] if oneshot_only else [INVOCATION_LOGS_SERVICE]
+        add_reflection(self.server, [*services, *extensions, health.SERVICE_NAME])
         self.address = ""
 
     def start(self, listen: str = DEFAULT_LISTEN) -> str:

@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 
 import grpc
 
+from fnkernel.runtime_server import limits
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
+from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import logs_pb2, logs_pb2_grpc
 from fnkernel.runtime_server.function_runtime.oneshot import execute
 from fnkernel.runtime_server.function_runtime.registry import RegistrationView, Registry
 from fnkernel.runtime_server.rpc import (
+    Followers,
     caller_deadline,
     cancel_on_client_exit,
     logs_trailer,
@@ -120,6 +124,39 @@ class FunctionRuntimeServicer(pb_grpc.FunctionRuntimeServicer):
             drain_timeout_millis=request.drain_timeout_millis,
         )
         return pb.UnregisterFunctionResponse(registration=request.registration)
+
+
+class InvocationLogsServicer(logs_pb2_grpc.InvocationLogsServicer):
+    """fnkernel's own stream of one invocation's log lines (docs/protocol.md, "Live output")."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+        self.followers = Followers()
+
+    @translate_errors
+    def FollowInvocationLogs(
+        self, request: logs_pb2.FollowInvocationLogsRequest, context: grpc.ServicerContext
+    ) -> Iterator[logs_pb2.InvocationLogRecord]:
+        yield from self.followers.stream(lambda: self._records(request, context), context)
+
+    def _records(
+        self, request: logs_pb2.FollowInvocationLogsRequest, context: grpc.ServicerContext
+    ) -> Iterator[logs_pb2.InvocationLogRecord | None]:
+        invocation_id, running, batches = self.registry.follow(
+            run_uid=request.run_uid,
+            registration_id=request.registration_id,
+            invocation_id=request.invocation_id,
+            wait=limits.FOLLOW_WAIT_SECONDS if request.follow else 0.0,
+            caller_there=context.is_active,
+        )
+        yield logs_pb2.InvocationLogRecord(invocation_id=invocation_id, running=running)
+        for batch in batches:
+            for line in batch:
+                yield logs_pb2.InvocationLogRecord(stream=line.stream, text=line.text, cut=line.cut)
+            if not batch:
+                yield None
+            if not request.follow:
+                return
 
 
 class RuntimeServicer(pb_grpc.RuntimeServicer):

@@ -16,17 +16,19 @@ import json
 import logging
 import socket
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import grpc.aio
-from tornado import httpserver, httputil, netutil, web
+from tornado import httpserver, httputil, iostream, netutil, web
 
 from fnkernel.runtime_server import limits, wire
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
+from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import logs_pb2, logs_pb2_grpc
 from fnkernel.runtime_server.errors import (
     InvalidField,
     NoRuntimePod,
@@ -68,6 +70,11 @@ HEADER_TIMEOUT_SECONDS = 10.0
 # A burst of connections waits in the kernel's accept queue instead of being reset (the kernel
 # caps it at net.core.somaxconn).
 LISTEN_BACKLOG = 4096
+# Live output (docs/protocol.md, "Live output"): a follower that has not taken a line this long
+# after it was written is cut off; which replica served an invocation is remembered for the
+# last this many calls to a replica set.
+FOLLOW_FLUSH_SECONDS = 30.0
+_ROUTED_INVOCATIONS = 4096
 EXPOSED_HEADERS = ", ".join(
     (
         wire.INVOCATION_ID_HEADER,
@@ -190,6 +197,7 @@ class Gateway:
         self.body_timeout = body_timeout
         self.header_timeout = header_timeout
         self.listen_host = ""
+        self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, pb_grpc.FunctionRuntimeStub] = {}
         self._server: httpserver.HTTPServer | None = None
         self.address = ""
@@ -197,23 +205,51 @@ class Gateway:
         # stands (docs/protocol.md, "Replicas"); the IOLoop's thread alone touches them.
         self.in_flight: dict[str, int] = {}
         self._turn: dict[str, int] = {}
+        # Invocation ID → the replica that serves it, for a follower of a replica set's call.
+        self.routed: OrderedDict[str, str] = OrderedDict()
+        self._log_stubs: dict[str, logs_pb2_grpc.InvocationLogsStub] = {}
 
     def stub(self, address: str) -> pb_grpc.FunctionRuntimeStub:
         stub = self._stubs.get(address)
         if stub is None:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-            stub = self._stubs[address] = pb_grpc.FunctionRuntimeStub(channel)
+            stub = self._stubs[address] = pb_grpc.FunctionRuntimeStub(self._channel(address))
         return stub
 
-    def route(self, run: Run) -> tuple[str, pb_grpc.FunctionRuntimeStub]:
-        """The pod the Run is assigned to and a stub for its runtimed, if it can take calls."""
+    def logs_stub(self, address: str) -> logs_pb2_grpc.InvocationLogsStub:
+        stub = self._log_stubs.get(address)
+        if stub is None:
+            channel = self._channel(address)
+            stub = self._log_stubs[address] = logs_pb2_grpc.InvocationLogsStub(channel)
+        return stub
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        """The one channel to `address`'s runtimed, which both its stubs share."""
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self._channels[address] = channel
+        return channel
+
+    def pod_of(self, run: Run) -> tuple[str, str]:
+        """The pod the Run is assigned to and its runtimed's address, if it can take calls."""
         if run.phase not in (READY, IDLE):  # runtimed checks too, but its view may lag a tick
             detail = f": {run.message}" if run.message else ""
             raise RunNotReady(f"run {run.name} is {run.phase} (attempt {run.attempt}){detail}")
         pod = self.store.pod_fresh(run.assigned_pod)
         if pod is None or not pod.alive():
             raise NoRuntimePod(f"run {run.name}: pod {run.assigned_pod or '(none)'} is not serving")
-        return pod.name, self.stub(pod.address)
+        return pod.name, pod.address
+
+    def route(self, run: Run) -> tuple[str, pb_grpc.FunctionRuntimeStub]:
+        """The pod the Run is assigned to and a stub for its runtimed, if it can take calls."""
+        pod, address = self.pod_of(run)
+        return pod, self.stub(address)
+
+    def remember_route(self, invocation_id: str, replica: str) -> None:
+        self.routed[invocation_id] = replica
+        self.routed.move_to_end(invocation_id)
+        if len(self.routed) > _ROUTED_INVOCATIONS:
+            self.routed.popitem(last=False)
 
     def replicas(self, run: Run) -> list[Run]:
         """The replica set of function `run` (replica 0), in the order to try them: those that
@@ -246,6 +282,8 @@ class Gateway:
             [
                 (r"/v1/runs", RunsHandler, args),
                 (r"/v1/runs/([^/:]+):invoke", InvokeHandler, args),
+                (r"/v1/runs/([^/:]+)/logs", LogsHandler, args),
+                (r"/v1/runs/([^/:]+)/invocations/([^/]+)/logs", LogsHandler, args),
                 (r"/v1/runs/([^/:]+)", RunHandler, args),
             ],
             log_function=_log_failure,
@@ -681,6 +719,8 @@ class InvokeHandler(BodyHandler):
         in_flight = self.gateway.in_flight
         if counted:
             in_flight[run.uid] = in_flight.get(run.uid, 0) + 1
+            if invocation_id:
+                self.gateway.remember_route(invocation_id, run.name)
         called = time.monotonic_ns()
         self._call = stub.InvokeFunction(request, timeout=deadline, metadata=metadata)
         try:
@@ -756,3 +796,80 @@ class InvokeHandler(BodyHandler):
             }
             self.set_header(wire.TIMELINE_HEADER, _timeline(readings, trailers))
         self.finish(response.output)
+
+
+class LogsHandler(BaseHandler):
+    """GET /v1/runs/{name}/invocations/{id}/logs and /v1/runs/{name}/logs (the call in flight,
+    else the last one): an invocation's log lines as NDJSON, streamed while it runs with
+    ``?follow=1`` (docs/protocol.md, "Live output")."""
+
+    def prepare(self) -> Awaitable[None] | None:
+        self._call: Any = None
+        return super().prepare()
+
+    def on_connection_close(self) -> None:
+        if self._call is not None:
+            self._call.cancel()  # the follower left: so does the stream behind it
+
+    async def get(self, name: str, invocation_id: str = "") -> None:
+        follow = self.get_query_argument("follow", "0", strip=False)
+        if follow not in ("0", "1", "false", "true"):
+            raise InvalidField("follow", f"must be 1 or 0 (true or false), got {follow[:40]!r}")
+        if invocation_id:
+            invocation_id = limits.check_invocation_id(invocation_id)
+        run = self.gateway.store.get_fresh(name)
+        replica = self.gateway.routed.get(invocation_id) if invocation_id else None
+        if replica is not None and run.replicas != 1 and not run.replica_of:
+            run = self.gateway.store.get_fresh(replica)
+        pod, address = self.gateway.pod_of(run)
+        request = logs_pb2.FollowInvocationLogsRequest(
+            run_uid=run.uid, invocation_id=invocation_id, follow=follow in ("1", "true")
+        )
+        deadline = limits.MAX_TIMEOUT_MILLIS / 1000 + DEADLINE_SLACK_SECONDS
+        call = self.gateway.logs_stub(address).FollowInvocationLogs(
+            request, timeout=deadline, metadata=((POD_KEY, pod),)
+        )
+        self._call = call
+        records = aiter(call)
+        try:
+            first = await anext(records)
+        except grpc.aio.AioRpcError as err:
+            raise rpc_error(err, run, invocation_id) from None
+        except StopAsyncIteration:  # runtimed always names the invocation first
+            raise FailureResponse(
+                "UNAVAILABLE", f'"{run.name}": the log stream ended at once'
+            ) from None
+        except asyncio.CancelledError:
+            return  # the client went away
+        self.set_header("Content-Type", "application/x-ndjson")
+        self.set_header("Cache-Control", "no-store")
+        head = {"invocationId": first.invocation_id, "run": run.name, "running": first.running}
+        if not await self._send(head):
+            return
+        try:
+            async for record in records:
+                line = {"stream": record.stream, "text": record.text}
+                if record.cut:
+                    line["cut"] = True
+                if not await self._send(line):
+                    return
+        except grpc.aio.AioRpcError as err:
+            failure = rpc_error(err, run, first.invocation_id)
+            await self._send({"error": {"code": failure.code, "message": failure.message}})
+        except asyncio.CancelledError:
+            return
+        else:
+            await self._send({"end": True})
+        self.finish()
+
+    async def _send(self, record: dict[str, Any]) -> bool:
+        """Write one NDJSON line; False (and the stream cancelled) if the client does not take
+        it within FOLLOW_FLUSH_SECONDS or has gone."""
+        self.write(json.dumps(record) + "\n")
+        try:
+            await asyncio.wait_for(self.flush(), FOLLOW_FLUSH_SECONDS)
+        except (TimeoutError, iostream.StreamClosedError):
+            self._call.cancel()
+            self.request.connection.close()  # type: ignore[union-attr]
+            return False
+        return True

@@ -25,7 +25,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,8 +37,10 @@ from grpc_health.v1.health import SERVICE_NAME as HEALTH_SERVICE
 from fnkernel.runtime_server import limits
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
+from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import logs_pb2, logs_pb2_grpc
 from fnkernel.runtime_server.errors import (
     InvalidField,
+    InvocationNotFound,
     NotAllowedHere,
     RegistrationLost,
     RegistrationNotFound,
@@ -48,7 +50,10 @@ from fnkernel.runtime_server.errors import (
 )
 from fnkernel.runtime_server.function_runtime.registry import FAILED as REG_FAILED
 from fnkernel.runtime_server.function_runtime.registry import READY as REG_READY
-from fnkernel.runtime_server.function_runtime.server import FUNCTION_RUNTIME_SERVICE
+from fnkernel.runtime_server.function_runtime.server import (
+    FUNCTION_RUNTIME_SERVICE,
+    INVOCATION_LOGS_SERVICE,
+)
 from fnkernel.runtime_server.lifecycle.retries import Step, Verdict, decide, fatal_error_type
 from fnkernel.runtime_server.lifecycle.runs import (
     DEFAULT_DRAIN_MILLIS,
@@ -60,6 +65,7 @@ from fnkernel.runtime_server.lifecycle.runs import (
 from fnkernel.runtime_server.rpc import (
     CHANNEL_OPTIONS,
     CancellableCalls,
+    Followers,
     add_health,
     add_reflection,
     caller_timeout,
@@ -180,6 +186,7 @@ class Runtimed:
         self.address = ""
         self._channel = grpc.insecure_channel(server_address, options=CHANNEL_OPTIONS)
         self.server_stub = pb_grpc.FunctionRuntimeStub(self._channel)
+        self.logs_stub = logs_pb2_grpc.InvocationLogsStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self.calls = CancellableCalls(server_address, pb_grpc.FunctionRuntimeStub)  # proxied
         self._lock = threading.Lock()
@@ -212,8 +219,11 @@ class Runtimed:
             options=CHANNEL_OPTIONS,
         )
         pb_grpc.add_FunctionRuntimeServicer_to_server(ProxyServicer(self), self._grpc)
+        logs_pb2_grpc.add_InvocationLogsServicer_to_server(LogsProxyServicer(self), self._grpc)
         self._health_servicer = add_health(self._grpc, [FUNCTION_RUNTIME_SERVICE])
-        add_reflection(self._grpc, [FUNCTION_RUNTIME_SERVICE, HEALTH_SERVICE])
+        add_reflection(
+            self._grpc, [FUNCTION_RUNTIME_SERVICE, INVOCATION_LOGS_SERVICE, HEALTH_SERVICE]
+        )
         self.address = listen_on(self._grpc, listen)
         self._grpc.start()
         self._heartbeat()
@@ -838,3 +848,40 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
         self, request: pb.UnregisterFunctionRequest, context: grpc.ServicerContext
     ) -> pb.UnregisterFunctionResponse:
         raise NotAllowedHere("UnregisterFunction is runtimed's own call; delete the Run instead")
+
+
+class LogsProxyServicer(logs_pb2_grpc.InvocationLogsServicer):
+    """runtimed's relay of an invocation's live log lines (docs/protocol.md, "Live output"):
+    fenced and filled in as an invoke is, then passed through record by record."""
+
+    def __init__(self, runtimed: Runtimed) -> None:
+        self.runtimed = runtimed
+        self.followers = Followers()
+
+    @translate_errors
+    def FollowInvocationLogs(
+        self, request: logs_pb2.FollowInvocationLogsRequest, context: grpc.ServicerContext
+    ) -> Iterator[logs_pb2.InvocationLogRecord]:
+        yield from self.followers.stream(lambda: self._relayed(request, context), context)
+
+    def _relayed(
+        self, request: logs_pb2.FollowInvocationLogsRequest, context: grpc.ServicerContext
+    ) -> Iterator[logs_pb2.InvocationLogRecord]:
+        if request.registration_id:
+            raise InvalidField(
+                "registration_id", "must be empty at runtimed: the relay fills it in"
+            )
+        if not request.run_uid:
+            raise InvalidField("run_uid", "must not be empty")
+        run = self.runtimed.fenced_run(request.run_uid, metadata_value(context, POD_KEY))
+        active = self.runtimed.active(run)
+        if active is None:
+            raise InvocationNotFound(f"run {run.name} has no registration now ({run.phase})")
+        forwarded = logs_pb2.FollowInvocationLogsRequest()
+        forwarded.CopyFrom(request)
+        forwarded.registration_id = active.registration_id
+        records = self.runtimed.logs_stub.FollowInvocationLogs(
+            forwarded, timeout=caller_timeout(context)
+        )
+        context.add_callback(records.cancel)  # the caller left: so does the upstream stream
+        yield from records

@@ -98,6 +98,7 @@ class Kernel:
         self.client: BlockingKernelClient = self.manager.client()
         self.client.start_channels()
         self.client.wait_for_ready(timeout=60)
+        self._early: dict[str, list[dict[str, Any]]] = {}  # read by wait_for_output
 
     @property
     def pid(self) -> int:
@@ -108,8 +109,25 @@ class Kernel:
         """Send an execute_request; its msg_id (collect it with `collect`)."""
         return str(self.client.execute(code, allow_stdin=False))
 
+    def wait_for_output(self, msg_id: str, text: str, timeout: float = CELL_TIMEOUT) -> None:
+        """Read the cell's output until a stream message holds `text` while the cell still
+        runs (AssertionError if it ends first); ``collect`` gives these messages too."""
+        early = self._early.setdefault(msg_id, [])
+        while True:
+            message = self.client.get_iopub_msg(timeout=timeout)
+            if message["parent_header"].get("msg_id") != msg_id:
+                continue
+            if message["msg_type"] == "status":
+                state = message["content"]["execution_state"]
+                assert state != "idle", f"the cell ended before it printed {text!r}"
+                continue
+            early.append(message)
+            if message["msg_type"] == "stream" and text in message["content"]["text"]:
+                return
+
     def collect(self, msg_id: str, timeout: float = CELL_TIMEOUT) -> Cell:
         cell = Cell(reply={})
+        cell.messages += self._early.pop(msg_id, [])
         while True:
             message = self.client.get_iopub_msg(timeout=timeout)
             if message["parent_header"].get("msg_id") != msg_id:

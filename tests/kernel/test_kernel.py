@@ -984,3 +984,65 @@ def test_what_a_handler_printed_before_its_timeout_is_shown(kernel: Kernel) -> N
     assert cell.error is not None and cell.error["ename"] == "InvocationTimedOut"
     assert cell.stdout == "step 1 done\n"
     assert kernel.value("steps.invoke(None, timeout=10).output") == 1  # the worker was replaced
+
+
+WAITS = """%%function waits --replicas 2
+import os, time
+
+def handler(event):
+    print("started", event["say"])
+    while not os.path.exists(event["go"]):
+        time.sleep(0.01)
+    print("finished", event["say"])
+    return event["say"]
+"""
+
+
+@pytest.mark.parametrize("call", ["waits(P)", "waits.invoke(P)", "%invoke waits P"])
+def test_a_long_calls_prints_appear_in_the_cell_while_it_runs(
+    kernel: Kernel, tmp_path: Path, call: str
+) -> None:
+    # docs/protocol.md, "Live output": a handler's prints are the cell's output as they are
+    # written, for NAME(), .invoke() and %invoke; each once, in order, when the call is over.
+    assert kernel.run(WAITS).ok
+    go = tmp_path / "go"
+    msg_id = kernel.send(call.replace("P", json.dumps({"say": "live", "go": str(go)})))
+    kernel.wait_for_output(msg_id, "started live")  # the handler waits for go: it is running
+    go.touch()
+    cell = kernel.collect(msg_id)
+    assert cell.ok, cell.error
+    assert cell.stdout == "started live\nfinished live\n"
+
+
+def test_a_maps_lines_are_marked_with_their_item_as_they_come(
+    kernel: Kernel, tmp_path: Path
+) -> None:
+    # docs/protocol.md, "Live output": in map, each line is marked with its item.
+    assert kernel.run(WAITS).ok
+    go = tmp_path / "go"
+    items = [{"say": say, "go": str(go)} for say in ("a", "b")]
+    msg_id = kernel.send(f"waits.map({items!r})")
+    kernel.wait_for_output(msg_id, "[1] started b")
+    go.touch()
+    cell = kernel.collect(msg_id)
+    assert cell.ok, cell.error
+    lines = cell.stdout.splitlines()
+    assert sorted(lines[:-1]) == ["[0] finished a", "[0] started a", "[1] finished b",
+                                  "[1] started b"]  # fmt: skip
+    assert lines[-1] == "waits.map: 2/2 done"
+
+
+def test_what_a_handler_printed_before_an_interrupt_stays_in_the_cell(kernel: Kernel) -> None:
+    # Issue: output printed before an interrupt was lost; it stays the cell's output.
+    code = (
+        "%%function chatty\nimport time\ndef handler(event):\n"
+        '    print("step 1 done")\n    time.sleep(30)\n    return 1\n'
+    )
+    assert kernel.run(code).ok
+    msg_id = kernel.send("chatty(None)")
+    kernel.wait_for_output(msg_id, "step 1 done")
+    kernel.manager.interrupt_kernel()
+    cell = kernel.collect(msg_id, timeout=15)
+    assert cell.error is not None and cell.error["ename"] == "InvocationInterrupted"
+    assert cell.stdout == "step 1 done\n"
+

@@ -1,0 +1,215 @@
+"""docs/protocol.md, "Live output": an invocation's log lines while it runs, streamed as NDJSON
+by the gateway (relayed by runtimed from the Runtime Server), and ``Client.invoke(on_log=)``.
+Against a real stack. The handlers wait for a file that only a line seen live creates, so a
+line that did not arrive while the call ran fails the test (the call times out)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from fnkernel.runtime_server.client import Client
+from fnkernel.runtime_server.client.errors import FunctionNotFound, InvalidRequest
+from fnkernel.runtime_server.lifecycle.stack import Stack
+from fnkernel.runtime_server.tokens import find_token
+
+pytestmark = pytest.mark.timeout(120)
+
+# Prints its payload's "say", then waits for the file "go" before its last line.
+WAITS = {
+    "handler.py": "import os, time\n"
+    "def handle(event, context):\n"
+    "    print('started', event['say'])\n"
+    "    while not os.path.exists(event['go']):\n"
+    "        time.sleep(0.01)\n"
+    "    print('finished', event['say'])\n"
+    "    return event['say']\n"
+}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Stack:
+    started = Stack(tmp_path_factory.mktemp("live") / "state", {"python": 2},
+                    gateway_listen="127.0.0.1:0", poll_interval=0.2)  # fmt: skip
+    started.start()
+    yield started  # type: ignore[misc]
+    started.stop()
+
+
+@pytest.fixture(scope="module")
+def client(stack: Stack) -> Client:
+    client = Client(stack.gateway_address)
+    client.create_run("waits", runtime="python", handler="handler.handle", files=WAITS)
+    client.create_run("pair", runtime="python", handler="handler.handle", files=WAITS,
+                      replicas=2)  # fmt: skip
+    return client
+
+
+def _get(stack: Stack, path: str) -> tuple[int, str, list[dict]]:
+    host, port = stack.gateway_address.removeprefix("http://").rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    token = find_token(stack.gateway_address)
+    connection.request("GET", path, headers={"Authorization": f"Bearer {token}"})
+    response = connection.getresponse()
+    body = response.read().decode()
+    records = [json.loads(line) for line in body.splitlines()] if response.status == 200 else []
+    return response.status, response.headers.get("Content-Type", ""), records or [json.loads(body)]
+
+
+def test_on_log_sees_each_line_while_the_call_runs(client: Client, tmp_path: Path) -> None:
+    """ "A handler's prints appear while it runs … in the order written; the result still
+    carries the whole log." """
+    go = tmp_path / "go"
+    seen: list[dict] = []
+
+    def on_log(line: dict) -> None:
+        seen.append(line)
+        if line["text"] == "started live":
+            go.touch()  # only a line that came while it ran lets it finish
+
+    result = client.invoke("waits", {"say": "live", "go": str(go)}, on_log=on_log,
+                           timeout_millis=20_000)  # fmt: skip
+    assert result.decoded() == "live"
+    assert [line["text"] for line in seen] == ["started live", "finished live"]
+    assert [line["text"] for line in result.logs] == ["started live", "finished live"]
+
+
+def test_a_quick_call_gives_on_log_its_lines_from_the_result(
+    client: Client, tmp_path: Path
+) -> None:
+    """A call that answers before it is followed: on_log gets the result's lines, once."""
+    go = tmp_path / "go"
+    go.touch()
+    seen: list[str] = []
+    client.invoke(
+        "waits", {"say": "quick", "go": str(go)}, on_log=lambda line: seen.append(line["text"])
+    )
+    assert seen == ["started quick", "finished quick"]
+
+
+def test_the_gateway_streams_ndjson_and_ends_with_the_call(
+    stack: Stack, client: Client, tmp_path: Path
+) -> None:
+    """ "GET /v1/runs/{name}/invocations/{id}/logs?follow=1 as NDJSON … the stream ends when
+    the invocation does." """
+    go = tmp_path / "go"
+    answer: list[object] = []
+    call = threading.Thread(target=lambda: answer.append(client.invoke(
+        "waits", {"say": "ndjson", "go": str(go)}, invocation_id="inv-ndjson")))  # fmt: skip
+    call.start()
+    records = client.follow_logs("waits", "inv-ndjson")
+    head = next(records)
+    assert head == {"invocationId": "inv-ndjson", "run": "waits", "running": True}
+    assert next(records) == {"stream": "stdout", "text": "started ndjson"}
+    assert not answer, "the call is still running"
+    go.touch()
+    assert list(records) == [{"stream": "stdout", "text": "finished ndjson"}, {"end": True}]
+    call.join(30)
+    status, content_type, raw = _get(stack, "/v1/runs/waits/invocations/inv-ndjson/logs")
+    assert (status, content_type) == (200, "application/x-ndjson")
+    assert raw[0]["running"] is False and raw[-1] == {"end": True}
+    # The function's last invocation, unnamed:
+    assert _get(stack, "/v1/runs/waits/logs")[2][0]["invocationId"] == "inv-ndjson"
+
+
+def test_bad_follows_are_refused_naming_what_is_wrong(stack: Stack, client: Client) -> None:
+    """4xx naming the field or the thing not found; never a 500."""
+    status, _, body = _get(stack, "/v1/runs/waits/logs?follow=maybe")
+    assert status == 400 and "follow" in body[0]["message"]
+    status, _, body = _get(stack, "/v1/runs/nosuch/logs")
+    assert status == 404 and body[0]["code"] == "NOT_FOUND"
+    status, _, body = _get(stack, "/v1/runs/waits/invocations/never-sent/logs")
+    assert status == 404 and "never-sent" in body[0]["message"]
+    with pytest.raises(FunctionNotFound):
+        next(client.follow_logs("waits", "never-sent", follow=False))
+    with pytest.raises(InvalidRequest):
+        next(client.follow_logs("waits", "x" * 200, follow=False))
+
+
+def test_a_replica_sets_call_is_followed_on_the_replica_serving_it(
+    client: Client, tmp_path: Path
+) -> None:
+    """Replicas: each call's lines, from whichever replica the gateway chose."""
+    gos = {say: tmp_path / say for say in ("one", "two")}
+    seen: dict[str, list[str]] = {"one": [], "two": []}
+
+    def call(say: str) -> None:
+        def on_log(line: dict) -> None:
+            seen[say].append(line["text"])
+            gos[say].touch()
+
+        client.invoke("pair", {"say": say, "go": str(gos[say])}, on_log=on_log,
+                      timeout_millis=20_000)  # fmt: skip
+
+    threads = [threading.Thread(target=call, args=(say,)) for say in gos]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert seen == {say: [f"started {say}", f"finished {say}"] for say in gos}
+
+
+def test_a_cancelled_call_keeps_what_it_printed_as_the_last_invocation(
+    stack: Stack, client: Client, tmp_path: Path
+) -> None:
+    """Output printed before an interrupt is kept: the cancelled call is the function's last
+    invocation, with the lines it wrote until it was killed."""
+    caller = Client(stack.gateway_address)
+    answer: list[object] = []
+
+    def call() -> None:
+        try:
+            caller.invoke("waits", {"say": "cut", "go": str(tmp_path / "never")},
+                          invocation_id="inv-cut")  # fmt: skip
+        except Exception as exc:
+            answer.append(exc)
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    records = client.follow_logs("waits", "inv-cut")
+    assert next(records)["running"] and next(records)["text"] == "started cut"
+    caller.cancel()
+    thread.join(30)
+    assert type(answer[0]).__name__ == "RequestCancelled"
+    assert list(records)[-1] == {"end": True}
+    kept = list(client.follow_logs("waits", "inv-cut", follow=False))
+    assert kept[0]["running"] is False
+    assert {"stream": "stdout", "text": "started cut"} in kept
+
+
+CLI = [sys.executable, "-m", "fnkernel.runtime_server.cli"]
+
+
+def test_cli_invoke_follow_and_logs(stack: Stack, client: Client, tmp_path: Path) -> None:
+    """README, "CLI": ``fnkernel invoke --follow`` prints the handler's lines on stderr as they
+    come (the output stays stdout's); ``fnkernel logs NAME [-f]`` the call in flight, else the
+    last one."""
+    go = tmp_path / "go"
+    payload = json.dumps({"say": "cli", "go": str(go)})
+    gateway = ["--gateway", stack.gateway_address]
+    invoke = subprocess.Popen([*CLI, "invoke", "waits", payload, "--follow", *gateway],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert invoke.stderr is not None
+        assert invoke.stderr.readline() == "started cli\n"  # while the handler waits for go
+        following = subprocess.Popen([*CLI, "logs", "waits", "-f", *gateway],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        assert following.stdout is not None
+        assert following.stdout.readline() == "started cli\n"
+        go.touch()
+        out, err = invoke.communicate(timeout=60)
+        followed, head = following.communicate(timeout=60)
+    finally:
+        invoke.kill()
+    assert (invoke.returncode, out, err) == (0, '"cli"\n', "finished cli\n")
+    assert followed == "finished cli\n" and "(running)" in head
+    last = subprocess.run([*CLI, "logs", "waits", *gateway], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert last.returncode == 0 and last.stdout == "started cli\nfinished cli\n"
+    assert "(over)" in last.stderr
