@@ -81,6 +81,11 @@ class Runtime:
     def started(self) -> bool:
         return self._client is not None
 
+    @property
+    def embedded(self) -> bool:
+        """Its stack is the embedded runtime, which ends with this kernel."""
+        return self._stack is not None
+
     def connect(self, address: str) -> None:
         """Use the gateway at `address` (``%fn_connect``); only before the first function needs
         a stack: ValueError once one is in use."""

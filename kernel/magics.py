@@ -28,6 +28,7 @@ from IPython.display import clear_output, display
 from fnkernel.adapters.runtimes import RUNTIMES
 from fnkernel.kernel.display import FunctionsTable, RegistrationCard
 from fnkernel.kernel.functions import Function, Spec
+from fnkernel.kernel.previous import name_error_handler
 from fnkernel.kernel.session import _SESSION_ATTRIBUTE, Session, session_of
 from fnkernel.kernel.trace import TraceTable
 from fnkernel.runtime_server.client import parse_pairs
@@ -324,6 +325,7 @@ def load(shell: InteractiveShell) -> None:
     shell.register_magics(FunctionMagics)
     shell.events.register("post_run_cell", _remember_error(session))
     shell.Completer.custom_matchers.append(_name_matcher(session))
+    shell.set_custom_exc((NameError,), name_error_handler(session.previous))
 
 
 def unload(shell: InteractiveShell) -> None:

@@ -20,6 +20,7 @@ from fnkernel.kernel.functions import (
     Spec,
     cell_line,
 )
+from fnkernel.kernel.previous import PreviousKernel
 from fnkernel.kernel.trace import Trace
 from fnkernel.runtime_server.client.errors import (
     FunctionNotFound,
@@ -64,6 +65,7 @@ class Session:
         self.cancellers: list[Callable[[], int]] = [self.runtime.cancel]
         self.closers: list[Callable[[], None]] = []
         self.krm: Any = None  # the KRM evaluator chain, once used (kernel.krm.chain_of)
+        self.previous = PreviousKernel()  # for a NameError after a restart
 
     def register(
         self, spec: Spec, timeout: float | None, show: Callable[[RegistrationCard], None]
@@ -161,11 +163,14 @@ class Session:
     def _bind(self, spec: Spec, timeout: float | None) -> Function:
         function = Function(self.runtime, spec, timeout, on_unregister=self.forget)
         self.functions[spec.name] = function
+        if self.runtime.embedded:  # it ends with this kernel: a later one will say so
+            self.previous.remember(spec.name)
         return function
 
     def forget(self, function: Function) -> None:
         if self.functions.get(function.name) is function:
             del self.functions[function.name]
+            self.previous.forget(function.name)
 
     def names(self) -> list[str]:
         """Names one can invoke: this kernel's functions, and the gateway's Runs once it is

@@ -1046,3 +1046,22 @@ def test_what_a_handler_printed_before_an_interrupt_stays_in_the_cell(kernel: Ke
     assert cell.error is not None and cell.error["ename"] == "InvocationInterrupted"
     assert cell.stdout == "step 1 done\n"
 
+
+def test_after_a_restart_an_embedded_runtimes_function_says_why_it_is_gone() -> None:
+    # Issue: after a kernel restart, calling a function of the old kernel was a bare NameError;
+    # it says that an embedded runtime's functions end with their kernel, and how to keep them.
+    kernel = Kernel()  # its own: it is restarted
+    try:
+        assert kernel.run("%%function gone\ndef handler(event):\n    return 1\n").ok
+        kernel.manager.restart_kernel(now=False)
+        kernel.client.wait_for_ready(timeout=60)
+        cell = kernel.run("gone(None)")
+        assert cell.error is not None and cell.error["ename"] == "NameError"
+        shown = "\n".join(cell.error["traceback"])
+        assert "gone was a function of this notebook's previous kernel" in shown
+        assert "%fn_connect URL" in shown and "%use gone" in shown
+        other = kernel.run("never_defined")
+        assert other.error is not None and other.error["ename"] == "NameError"
+        assert "previous kernel" not in "\n".join(other.error["traceback"])
+    finally:
+        kernel.shutdown()
