@@ -73,6 +73,7 @@ def held_by(cluster: Cluster, run_uid: str) -> list[str]:
     return holders
 
 
+@pytest.mark.usefixtures("fnkernel_spec")  # the kernel it starts, also when run alone
 def test_a_kernel_registers_invokes_and_unregisters_through_a_runtime_pod(
     cluster: Cluster,
 ) -> None:
