@@ -17,7 +17,6 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +36,7 @@ DEFAULT_ADDRESS = "http://127.0.0.1:8080"
 # then is followed; how long its answer waits for the stream's last lines.
 FOLLOW_AFTER_SECONDS = 0.05
 _FOLLOW_END_SECONDS = 2.0
+_MAP_PROGRESS_SECONDS = 0.05  # how often a map reports progress (and at its end)
 LogCallback = Callable[[dict[str, Any]], None]
 _STALE_CONNECTION = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
 _SKIPPED = frozenset({"__pycache__", ".git", ".ipynb_checkpoints"})
@@ -382,9 +382,11 @@ class Client:
 
         The first failure is raised once what is still running has been cancelled (the items
         not yet sent are never sent); with `return_exceptions`, each failure is returned in its
-        item's place instead, as ``asyncio.gather`` does. `progress(done, total)` is called as
-        calls finish, from the calling thread. An interrupt (KeyboardInterrupt) cancels every
-        call in flight and is raised; the function stays registered."""
+        item's place instead, as ``asyncio.gather`` does. `progress(done, total)` is called
+        from the calling thread as calls finish (at most every 50 ms), and once at the end;
+        `on_log(index, line)` is each call's ``invoke(on_log=)``. An interrupt
+        (KeyboardInterrupt) cancels every call in flight and is raised; the function stays
+        registered."""
         work = list(items)
         if concurrency is None:
             concurrency = int(self.status(name).get("spec", {}).get("replicas", 1))
@@ -395,52 +397,103 @@ class Client:
             return results
         # A client of its own: cancelling it cancels this map's calls and nobody else's.
         calls = Client(self.address, token=self.token, timeout=self.timeout)
-        pending = iter(enumerate(work))
-        running: dict[futures.Future[InvocationResult], int] = {}
-        failure: BaseException | None = None
-        stopped = False  # after a failure or an interrupt: nothing more is sent
-        done = 0
-        with futures.ThreadPoolExecutor(concurrency, thread_name_prefix="map") as pool:
-
-            def submit() -> None:
-                if stopped:
-                    return
-                for index, item in pending:
-                    logged = None if on_log is None else functools.partial(on_log, index)
-                    call = pool.submit(
-                        calls.invoke, name, item, timeout_millis=timeout_millis, on_log=logged
-                    )
-                    running[call] = index
-                    return
-
-            try:
-                for _ in range(concurrency):
-                    submit()
-                while running:
-                    finished, _ = futures.wait(running, return_when=futures.FIRST_COMPLETED)
-                    for future in finished:
-                        index = running.pop(future)
-                        error = future.exception()
-                        if error is None:
-                            results[index] = future.result().decoded()
-                        elif return_exceptions or failure is not None:
-                            results[index] = error
-                        else:
-                            failure, stopped = error, True
-                            calls.cancel()
-                        done += 1
-                        submit()
-                    if progress is not None:
-                        progress(done, len(work))
-            except BaseException:
-                stopped = True
-                calls.cancel()
-                raise
-            finally:
-                calls.close()
+        run = _MapRun(calls, name, work, return_exceptions, timeout_millis, on_log)
+        threads = [
+            threading.Thread(target=run.work, name="map", daemon=True)
+            for _ in range(min(concurrency, len(work)))
+        ]
+        try:
+            for thread in threads:
+                thread.start()
+            shown = -1
+            while not run.over.wait(_MAP_PROGRESS_SECONDS) or shown != run.done:
+                if progress is not None and shown != run.done:
+                    shown = run.done
+                    progress(shown, len(work))
+                elif run.over.is_set():
+                    break
+            for thread in threads:
+                thread.join()
+        except BaseException:
+            run.stop()
+            for thread in threads:
+                thread.join(_FOLLOW_END_SECONDS)
+            raise
+        finally:
+            calls.close()
+        failure = run.failure
         if failure is not None:
             raise failure
-        return results
+        return run.results
+
+
+class _MapRun:
+    """One ``Client.map``: its threads each take the next item until none is left or the map
+    stops (a failure, an interrupt). The calling thread only looks at how far it is, every
+    _MAP_PROGRESS_SECONDS: not once a call, which cost a fifth of a no-op map's rate."""
+
+    def __init__(
+        self,
+        calls: Client,
+        name: str,
+        work: list[Any],
+        return_exceptions: bool,
+        timeout_millis: int,
+        on_log: Callable[[int, dict[str, Any]], None] | None,
+    ) -> None:
+        self._calls = calls
+        self._name = name
+        self._work = work
+        self._return_exceptions = return_exceptions
+        self._timeout_millis = timeout_millis
+        self._on_log = on_log
+        self._lock = threading.Lock()
+        self._next = 0
+        self._working = 0
+        self.results: list[Any] = [None] * len(work)
+        self.done = 0
+        self.failure: BaseException | None = None
+        self.stopped = False  # after a failure or an interrupt: nothing more is sent
+        self.over = threading.Event()  # every thread is out
+
+    def stop(self) -> None:
+        self.stopped = True
+        self._calls.cancel()
+
+    def work(self) -> None:
+        with self._lock:
+            self._working += 1
+        try:
+            while True:
+                with self._lock:
+                    if self.stopped or self._next == len(self._work):
+                        return
+                    index = self._next
+                    self._next += 1
+                logged = None if self._on_log is None else functools.partial(self._on_log, index)
+                try:
+                    result = self._calls.invoke(
+                        self._name, self._work[index], timeout_millis=self._timeout_millis,
+                        on_log=logged,
+                    ).decoded()  # fmt: skip
+                except Exception as error:
+                    with self._lock:
+                        first = not (self._return_exceptions or self.failure is not None)
+                        if first:
+                            self.failure = error
+                        self.results[index] = error
+                        self.done += 1
+                    if first:
+                        self.stop()
+                    continue
+                with self._lock:
+                    self.results[index] = result
+                    self.done += 1
+        finally:
+            with self._lock:
+                self._working -= 1
+                if not self._working:
+                    self.over.set()
 
 
 def _quote(name: str) -> str:
