@@ -10,8 +10,9 @@ One `Stack` (two python pods, as this machine has two cores):
   call at a time each) calling the same function.
 
 Targets: 2 replicas >= 1.8x the rate of the calls in a row; the no-op map >= 0.9x the load
-generator's invokes/s. The floor under the second: 10 threads of this process on raw kept-alive
-http.client connections (no client library, no map), what calling from threads costs here.
+generator's invokes/s. The floors under them: threads of this process on raw kept-alive
+http.client connections (no client library, no map) — 2 on the 2 replicas, 10 on the no-op's
+10 — what calling from threads costs here.
 Usage: python -m benchmarks.map [--items N]
 """
 
@@ -75,7 +76,8 @@ def main() -> int:
             # The same function, 10 connections: the gateway gives each call a free replica.
             paths = ["/v1/runs/noop:invoke"] * NOOP_REPLICAS
             generator, _ = asyncio.run(_load(stack, paths, args.seconds))
-            threads = _threaded(stack, len(noop_items))
+            threads = _threaded(stack, "noop", NOOP_REPLICAS, len(noop_items))
+            two_threads = _threaded(stack, "sleepy2", 2, len(items))
         finally:
             stack.stop()
     print(f"{args.items} items; 10 ms handler; two python pods")
@@ -83,6 +85,8 @@ def main() -> int:
     print(f"{'calls in a row (Client.invoke)':<46}{in_a_row:>10.0f}")
     for replicas, value in mapped.items():
         print(f"{f'map, {replicas} replica(s)':<46}{value:>10.0f}{value / in_a_row:>8.2f}x")
+    floor_2 = "2 replicas: 2 threads, raw http.client (floor)"
+    print(f"{floor_2:<46}{two_threads:>10.0f}{two_threads / in_a_row:>8.2f}x")
     print(f"{'no-op: load generator, 10 connections':<46}{generator:>10.0f}")
     floor = "no-op: 10 threads, raw http.client (floor)"
     print(f"{floor:<46}{threads:>10.0f}{threads / generator:>8.2f}x")
@@ -99,29 +103,29 @@ def main() -> int:
     )  # fmt: skip
 
 
-def _threaded(stack: Stack, calls: int) -> float:
-    """The floor of calling from threads of this process: NOOP_REPLICAS threads, each on a
+def _threaded(stack: Stack, name: str, count: int, calls: int) -> float:
+    """The floor of calling `name` from threads of this process: `count` threads, each on a
     kept-alive http.client connection of its own, `calls` in all — no client library, no map."""
     url = urlsplit(stack.gateway_address)
     headers = {"Content-Type": "application/json", "Authorization": f"Bearer {stack.token}"}
-    share = calls // NOOP_REPLICAS
+    share = calls // count
 
     def worker() -> None:
         connection = http.client.HTTPConnection(url.hostname or "", url.port, timeout=30)
         for _ in range(share):
-            connection.request("POST", "/v1/runs/noop:invoke", PAYLOAD, headers)
+            connection.request("POST", f"/v1/runs/{name}:invoke", PAYLOAD, headers)
             answer = connection.getresponse()
             answer.read()
             assert answer.status == 200, answer.status
         connection.close()
 
-    workers = [threading.Thread(target=worker) for _ in range(NOOP_REPLICAS)]
+    workers = [threading.Thread(target=worker) for _ in range(count)]
     started = time.perf_counter()
     for thread in workers:
         thread.start()
     for thread in workers:
         thread.join()
-    return rate(share * NOOP_REPLICAS, started)
+    return rate(share * count, started)
 
 
 async def _load(stack: Stack, paths: list[str], seconds: float) -> tuple[float, list[float]]:
