@@ -16,7 +16,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from fnkernel.kernel.trace import Trace, decode_payload
@@ -60,6 +60,24 @@ class TracedClient(Client):
             raise
         self.trace.record(f"{method} {path}", request, str(result[0]), _ms(started))
         return result
+
+    def _records(self, connection: Any, path: str) -> Iterator[dict[str, Any]]:
+        """A log stream (docs/protocol.md, "Live output"), recorded once it ends, its latency
+        the stream's whole length."""
+        if not self.trace.on:
+            yield from super()._records(connection, path)
+            return
+        started, status = time.perf_counter(), "200"
+        try:
+            yield from super()._records(connection, path)
+        except GatewayError as exc:
+            status = f"{exc.status} {exc.code}".strip() if exc.status else exc.code or "failed"
+            raise
+        except BaseException:
+            status = "interrupted"
+            raise
+        finally:
+            self.trace.record(f"GET {path}", None, status, _ms(started))
 
 
 def _ms(started: float) -> float:

@@ -1065,3 +1065,21 @@ def test_after_a_restart_an_embedded_runtimes_function_says_why_it_is_gone() -> 
         assert "previous kernel" not in "\n".join(other.error["traceback"])
     finally:
         kernel.shutdown()
+
+
+def test_fn_trace_records_a_followed_calls_log_stream(kernel: Kernel, tmp_path: Path) -> None:
+    # docs/protocol.md, "Kernel": %fn_trace records every call the cells cause, so a long
+    # call's log stream ("Live output") too, beside its invoke.
+    assert kernel.run(WAITS).ok
+    go = tmp_path / "go"
+    assert kernel.run("%fn_trace on").ok
+    msg_id = kernel.send(f"waits({json.dumps({'say': 'traced', 'go': str(go)})})")
+    kernel.wait_for_output(msg_id, "started traced")
+    go.touch()
+    assert kernel.collect(msg_id).ok
+    kernel.run("%fn_trace off")
+    rows = kernel.run("%fn_trace show").result.splitlines()
+    assert any("POST /v1/runs/waits:invoke" in row for row in rows)
+    streams = [row for row in rows if "/logs?follow=1" in row]
+    assert len(streams) == 1 and "GET /v1/runs/waits/invocations/inv_" in streams[0]
+    assert " 200 " in streams[0]
