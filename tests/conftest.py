@@ -14,6 +14,7 @@ import pytest
 from fnkernel.runtime_server.lifecycle.stack import Stack
 from tests.support import (
     Client,
+    Gate,
     ServeProcess,
     serve_in_process,
     spawn_serve,
@@ -121,3 +122,17 @@ def fnkernel_spec() -> Iterator[Path]:
     data = install_kernelspec()
     yield data
     shutil.rmtree(data.parents[1], ignore_errors=True)
+
+
+@pytest.fixture
+def gate() -> Iterator[Callable[[], Gate]]:
+    """Make Gates (tests/support.py) for handlers to wait on; all closed at teardown."""
+    made: list[Gate] = []
+
+    def make() -> Gate:
+        made.append(Gate())
+        return made[-1]
+
+    yield make
+    for one in made:
+        one.close()

@@ -6,7 +6,11 @@ from __future__ import annotations
 import http.client
 import itertools
 import os
+import shutil
+import socket
+import tempfile
 import textwrap
+import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Iterator
@@ -255,3 +259,48 @@ SLOW_PY = {
 def but_kptfile(files: dict[str, str]) -> dict[str, str]:
     """A package's files without the top Kptfile (the one a render writes its status to)."""
     return {path: text for path, text in files.items() if path != "Kptfile"}
+
+
+# What a handler calls to wait until the test opens its Gate (prepend it to the handler's source).
+GATE_WAIT = (
+    "def wait_for_gate(path):\n"
+    "    import socket\n"
+    "    with socket.socket(socket.AF_UNIX) as gate:\n"
+    "        gate.connect(path)\n"
+    "        gate.recv(1)  # returns once the test has opened the gate\n"
+)
+
+
+class Gate:
+    """A Unix socket a handler blocks on (``GATE_WAIT``) until the test opens it: the handler
+    waits for an event, not by polling. Connections wait in the backlog until ``open()``, which
+    answers them and every later one by closing it; ``str(gate)`` is the path to give."""
+
+    def __init__(self) -> None:
+        self._dir = tempfile.mkdtemp(prefix="gate-", dir="/tmp")  # short: a socket path's limit
+        self.path = os.path.join(self._dir, "gate")
+        self._server = socket.socket(socket.AF_UNIX)
+        self._server.bind(self.path)
+        self._server.listen(64)
+        self._opened = False
+
+    def __str__(self) -> str:
+        return self.path
+
+    def open(self) -> None:
+        if self._opened:
+            return
+        self._opened = True
+        threading.Thread(target=self._answer, daemon=True).start()
+
+    def _answer(self) -> None:
+        while True:
+            try:
+                connection, _ = self._server.accept()
+            except OSError:  # closed
+                return
+            connection.close()
+
+    def close(self) -> None:
+        self._server.close()  # a handler still waiting gets EOF and goes on
+        shutil.rmtree(self._dir, ignore_errors=True)

@@ -1,35 +1,35 @@
 """Live output (docs/protocol.md, "Live output"): FollowInvocationLogs on a real Runtime Server.
 
-Each test names the sentence of the doc it checks. The handlers wait for a file the test
-creates, so "while it runs" is a condition the test holds, not a timing.
+Each test names the sentence of the doc it checks. The handlers wait on a Gate the test opens,
+so "while it runs" is a condition the test holds, not a timing.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Callable
 
 import grpc
 import pytest
 
 from fnkernel.adapters.worker import LIVE_LOG_BYTES
 from fnkernel.runtime_server.limits import MAX_LOG_FOLLOWERS
-from tests.support import Client
+from tests.support import GATE_WAIT, Client, Gate
 
 pytestmark = pytest.mark.timeout(60)
 
-# Prints, logs, then waits for the file the payload names before its last line.
+# Prints, logs, then waits on the Gate the payload names before its last line.
 WAITS = {
-    "handler.py": """
-        import logging, os, time
+    "handler.py": GATE_WAIT
+    + """
+import logging
 
-        def handle(event, context):
-            print("first line")
-            logging.getLogger("etl").warning("a log record")
-            while not os.path.exists(event["go"]):
-                time.sleep(0.01)
-            print("last line, no newline", end="")
-            return "done"
-    """
+def handle(event, context):
+    print("first line")
+    logging.getLogger("etl").warning("a log record")
+    wait_for_gate(event["go"])
+    print("last line, no newline", end="")
+    return "done"
+"""
 }
 
 
@@ -42,12 +42,12 @@ def _lines(records) -> list[tuple[str, str]]:  # type: ignore[no-untyped-def]
 
 
 def test_lines_arrive_while_the_call_runs_and_the_stream_ends_with_it(
-    python_rt: Client, tmp_path: Path
+    python_rt: Client, gate: Callable[[], Gate]
 ) -> None:
     """ "A handler's prints and log lines appear while it runs … the stream ends when the
     invocation does; the result still carries the whole log." """
     reg = _registration(python_rt, WAITS)
-    go = tmp_path / "go"
+    go = gate()
     call = python_rt.invoke_future(reg, b'{"go": "%s"}' % str(go).encode(), invocation_id="inv-1")
     records = python_rt.follow(reg, "inv-1")
     head = next(records)
@@ -59,19 +59,19 @@ def test_lines_arrive_while_the_call_runs_and_the_stream_ends_with_it(
             break
     assert sorted(seen) == [("stderr", "WARNING etl: a log record"), ("stdout", "first line")]
     assert not call.done()
-    go.touch()
+    go.open()
     rest = _lines(records)  # ends: the invocation is over
     assert rest == [("stdout", "last line, no newline")]
     assert call.result(timeout=30).output == b'"done"'
 
 
 def test_an_invocation_that_is_over_gives_its_result_lines(
-    python_rt: Client, tmp_path: Path
+    python_rt: Client, gate: Callable[[], Gate]
 ) -> None:
     """ "A follower that comes when it is over gets its result's lines." (the last invocation)"""
     reg = _registration(python_rt, WAITS)
-    go = tmp_path / "go"
-    go.touch()
+    go = gate()
+    go.open()
     python_rt.invoke(reg, b'{"go": "%s"}' % str(go).encode(), invocation_id="inv-2")
     for invocation_id in ("inv-2", ""):  # by its ID, and as the last one
         records = list(python_rt.follow(reg, invocation_id, follow=False))
@@ -88,28 +88,28 @@ def test_an_unknown_invocation_is_not_found(python_rt: Client) -> None:
     assert "never-sent" in caught.value.details()
 
 
-def test_the_stream_stops_at_its_cap_and_says_so(python_rt: Client, tmp_path: Path) -> None:
+def test_the_stream_stops_at_its_cap_and_says_so(
+    python_rt: Client, gate: Callable[[], Gate]
+) -> None:
     """ "A per-invocation cap on streamed bytes (say so when it cuts)." """
     reg = _registration(
         python_rt,
         {
-            "handler.py": f"""
-                import os, time
-
-                def handle(event, context):
-                    while not os.path.exists(event["go"]):
-                        time.sleep(0.01)
-                    for i in range({LIVE_LOG_BYTES // 50 + 100}):
-                        print(f"{{i:08d}}" + "x" * 41)
-                    return "ok"
-            """
+            "handler.py": GATE_WAIT
+            + f"""
+def handle(event, context):
+    wait_for_gate(event["go"])
+    for i in range({LIVE_LOG_BYTES // 50 + 100}):
+        print(f"{{i:08d}}" + "x" * 41)
+    return "ok"
+"""
         },
     )
-    go = tmp_path / "go"
+    go = gate()
     call = python_rt.invoke_future(reg, b'{"go": "%s"}' % str(go).encode(), invocation_id="loud")
     stream = python_rt.follow(reg, "loud")
     records = [next(stream)]
-    go.touch()
+    go.open()
     records += list(stream)
     assert call.result(timeout=30).output == b'"ok"'  # the handler was never held back
     cut = [r for r in records if r.cut]
@@ -140,10 +140,10 @@ def test_a_reader_that_never_reads_does_not_hold_the_handler(python_rt: Client) 
         stalled.cancel()
 
 
-def test_followers_are_bounded(python_rt: Client, tmp_path: Path) -> None:
+def test_followers_are_bounded(python_rt: Client, gate: Callable[[], Gate]) -> None:
     """ "At most MAX_LOG_FOLLOWERS streams at once; another is RESOURCE_EXHAUSTED." """
     reg = _registration(python_rt, WAITS)
-    go = tmp_path / "go"
+    go = gate()
     call = python_rt.invoke_future(reg, b'{"go": "%s"}' % str(go).encode(), invocation_id="busy")
     streams = [python_rt.follow(reg, "busy") for _ in range(MAX_LOG_FOLLOWERS)]
     for stream in streams:
@@ -151,7 +151,7 @@ def test_followers_are_bounded(python_rt: Client, tmp_path: Path) -> None:
     with pytest.raises(grpc.RpcError) as caught:
         next(python_rt.follow(reg, "busy"))
     assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    go.touch()
+    go.open()
     for stream in streams:
         assert ("stdout", "last line, no newline") in _lines(stream)
     call.result(timeout=30)

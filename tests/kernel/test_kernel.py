@@ -23,7 +23,7 @@ from fnkernel.runtime_server.client import Client
 from fnkernel.runtime_server.client.errors import FunctionNotFound
 from fnkernel.runtime_server.lifecycle.stack import Stack
 from tests.kernel.kernels import Kernel, descendants
-from tests.support import pid_alive, wait_until
+from tests.support import GATE_WAIT, Gate, pid_alive, wait_until
 
 pytestmark = pytest.mark.usefixtures("fnkernel_spec")
 
@@ -986,13 +986,11 @@ def test_what_a_handler_printed_before_its_timeout_is_shown(kernel: Kernel) -> N
     assert kernel.value("steps.invoke(None, timeout=10).output") == 1  # the worker was replaced
 
 
-WAITS = """%%function waits --replicas 2
-import os, time
-
+WAITS = f"""%%function waits --replicas 2
+{GATE_WAIT}
 def handler(event):
     print("started", event["say"])
-    while not os.path.exists(event["go"]):
-        time.sleep(0.01)
+    wait_for_gate(event["go"])
     print("finished", event["say"])
     return event["say"]
 """
@@ -1000,30 +998,30 @@ def handler(event):
 
 @pytest.mark.parametrize("call", ["waits(P)", "waits.invoke(P)", "%invoke waits P"])
 def test_a_long_calls_prints_appear_in_the_cell_while_it_runs(
-    kernel: Kernel, tmp_path: Path, call: str
+    kernel: Kernel, gate: Callable[[], Gate], call: str
 ) -> None:
     # docs/protocol.md, "Live output": a handler's prints are the cell's output as they are
     # written, for NAME(), .invoke() and %invoke; each once, in order, when the call is over.
     assert kernel.run(WAITS).ok
-    go = tmp_path / "go"
+    go = gate()
     msg_id = kernel.send(call.replace("P", json.dumps({"say": "live", "go": str(go)})))
     kernel.wait_for_output(msg_id, "started live")  # the handler waits for go: it is running
-    go.touch()
+    go.open()
     cell = kernel.collect(msg_id)
     assert cell.ok, cell.error
     assert cell.stdout == "started live\nfinished live\n"
 
 
 def test_a_maps_lines_are_marked_with_their_item_as_they_come(
-    kernel: Kernel, tmp_path: Path
+    kernel: Kernel, gate: Callable[[], Gate]
 ) -> None:
     # docs/protocol.md, "Live output": in map, each line is marked with its item.
     assert kernel.run(WAITS).ok
-    go = tmp_path / "go"
+    go = gate()
     items = [{"say": say, "go": str(go)} for say in ("a", "b")]
     msg_id = kernel.send(f"waits.map({items!r})")
     kernel.wait_for_output(msg_id, "[1] started b")
-    go.touch()
+    go.open()
     cell = kernel.collect(msg_id)
     assert cell.ok, cell.error
     lines = cell.stdout.splitlines()
@@ -1067,15 +1065,17 @@ def test_after_a_restart_an_embedded_runtimes_function_says_why_it_is_gone() -> 
         kernel.shutdown()
 
 
-def test_fn_trace_records_a_followed_calls_log_stream(kernel: Kernel, tmp_path: Path) -> None:
+def test_fn_trace_records_a_followed_calls_log_stream(
+    kernel: Kernel, gate: Callable[[], Gate]
+) -> None:
     # docs/protocol.md, "Kernel": %fn_trace records every call the cells cause, so a long
     # call's log stream ("Live output") too, beside its invoke.
     assert kernel.run(WAITS).ok
-    go = tmp_path / "go"
+    go = gate()
     assert kernel.run("%fn_trace on").ok
     msg_id = kernel.send(f"waits({json.dumps({'say': 'traced', 'go': str(go)})})")
     kernel.wait_for_output(msg_id, "started traced")
-    go.touch()
+    go.open()
     assert kernel.collect(msg_id).ok
     kernel.run("%fn_trace off")
     rows = kernel.run("%fn_trace show").result.splitlines()

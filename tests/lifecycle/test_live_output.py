@@ -1,7 +1,7 @@
 """docs/protocol.md, "Live output": an invocation's log lines while it runs, streamed as NDJSON
 by the gateway (relayed by runtimed from the Runtime Server), and ``Client.invoke(on_log=)``.
-Against a real stack. The handlers wait for a file that only a line seen live creates, so a
-line that did not arrive while the call ran fails the test (the call times out)."""
+Against a real stack. The handlers wait on a Gate that only a line seen live opens, so a line
+that did not arrive while the call ran fails the test (the call times out)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import json
 import subprocess
 import sys
 import threading
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 
@@ -18,16 +18,15 @@ from fnkernel.runtime_server.client import Client
 from fnkernel.runtime_server.client.errors import FunctionNotFound, InvalidRequest
 from fnkernel.runtime_server.lifecycle.stack import Stack
 from fnkernel.runtime_server.tokens import find_token
+from tests.support import GATE_WAIT, Gate
 
 pytestmark = pytest.mark.timeout(120)
 
-# Prints its payload's "say", then waits for the file "go" before its last line.
+# Prints its payload's "say", then waits on the Gate "go" before its last line.
 WAITS = {
-    "handler.py": "import os, time\n"
-    "def handle(event, context):\n"
+    "handler.py": GATE_WAIT + "def handle(event, context):\n"
     "    print('started', event['say'])\n"
-    "    while not os.path.exists(event['go']):\n"
-    "        time.sleep(0.01)\n"
+    "    wait_for_gate(event['go'])\n"
     "    print('finished', event['say'])\n"
     "    return event['say']\n"
 }
@@ -62,16 +61,18 @@ def _get(stack: Stack, path: str) -> tuple[int, str, list[dict]]:
     return response.status, response.headers.get("Content-Type", ""), records or [json.loads(body)]
 
 
-def test_on_log_sees_each_line_while_the_call_runs(client: Client, tmp_path: Path) -> None:
+def test_on_log_sees_each_line_while_the_call_runs(
+    client: Client, gate: Callable[[], Gate]
+) -> None:
     """ "A handler's prints appear while it runs … in the order written; the result still
     carries the whole log." """
-    go = tmp_path / "go"
+    go = gate()
     seen: list[dict] = []
 
     def on_log(line: dict) -> None:
         seen.append(line)
         if line["text"] == "started live":
-            go.touch()  # only a line that came while it ran lets it finish
+            go.open()  # only a line that came while it ran lets it finish
 
     result = client.invoke("waits", {"say": "live", "go": str(go)}, on_log=on_log,
                            timeout_millis=20_000)  # fmt: skip
@@ -81,11 +82,11 @@ def test_on_log_sees_each_line_while_the_call_runs(client: Client, tmp_path: Pat
 
 
 def test_a_quick_call_gives_on_log_its_lines_from_the_result(
-    client: Client, tmp_path: Path
+    client: Client, gate: Callable[[], Gate]
 ) -> None:
     """A call that answers before it is followed: on_log gets the result's lines, once."""
-    go = tmp_path / "go"
-    go.touch()
+    go = gate()
+    go.open()
     seen: list[str] = []
     client.invoke(
         "waits", {"say": "quick", "go": str(go)}, on_log=lambda line: seen.append(line["text"])
@@ -94,11 +95,11 @@ def test_a_quick_call_gives_on_log_its_lines_from_the_result(
 
 
 def test_the_gateway_streams_ndjson_and_ends_with_the_call(
-    stack: Stack, client: Client, tmp_path: Path
+    stack: Stack, client: Client, gate: Callable[[], Gate]
 ) -> None:
     """ "GET /v1/runs/{name}/invocations/{id}/logs?follow=1 as NDJSON … the stream ends when
     the invocation does." """
-    go = tmp_path / "go"
+    go = gate()
     answer: list[object] = []
     call = threading.Thread(target=lambda: answer.append(client.invoke(
         "waits", {"say": "ndjson", "go": str(go)}, invocation_id="inv-ndjson")))  # fmt: skip
@@ -108,7 +109,7 @@ def test_the_gateway_streams_ndjson_and_ends_with_the_call(
     assert head == {"invocationId": "inv-ndjson", "run": "waits", "running": True}
     assert next(records) == {"stream": "stdout", "text": "started ndjson"}
     assert not answer, "the call is still running"
-    go.touch()
+    go.open()
     assert list(records) == [{"stream": "stdout", "text": "finished ndjson"}, {"end": True}]
     call.join(30)
     status, content_type, raw = _get(stack, "/v1/runs/waits/invocations/inv-ndjson/logs")
@@ -133,16 +134,16 @@ def test_bad_follows_are_refused_naming_what_is_wrong(stack: Stack, client: Clie
 
 
 def test_a_replica_sets_call_is_followed_on_the_replica_serving_it(
-    client: Client, tmp_path: Path
+    client: Client, gate: Callable[[], Gate]
 ) -> None:
     """Replicas: each call's lines, from whichever replica the gateway chose."""
-    gos = {say: tmp_path / say for say in ("one", "two")}
+    gos = {say: gate() for say in ("one", "two")}
     seen: dict[str, list[str]] = {"one": [], "two": []}
 
     def call(say: str) -> None:
         def on_log(line: dict) -> None:
             seen[say].append(line["text"])
-            gos[say].touch()
+            gos[say].open()
 
         client.invoke("pair", {"say": say, "go": str(gos[say])}, on_log=on_log,
                       timeout_millis=20_000)  # fmt: skip
@@ -156,7 +157,7 @@ def test_a_replica_sets_call_is_followed_on_the_replica_serving_it(
 
 
 def test_a_cancelled_call_keeps_what_it_printed_as_the_last_invocation(
-    stack: Stack, client: Client, tmp_path: Path
+    stack: Stack, client: Client, gate: Callable[[], Gate]
 ) -> None:
     """Output printed before an interrupt is kept: the cancelled call is the function's last
     invocation, with the lines it wrote until it was killed."""
@@ -165,7 +166,7 @@ def test_a_cancelled_call_keeps_what_it_printed_as_the_last_invocation(
 
     def call() -> None:
         try:
-            caller.invoke("waits", {"say": "cut", "go": str(tmp_path / "never")},
+            caller.invoke("waits", {"say": "cut", "go": str(gate())},
                           invocation_id="inv-cut")  # fmt: skip
         except Exception as exc:
             answer.append(exc)
@@ -186,11 +187,11 @@ def test_a_cancelled_call_keeps_what_it_printed_as_the_last_invocation(
 CLI = [sys.executable, "-m", "fnkernel.runtime_server.cli"]
 
 
-def test_cli_invoke_follow_and_logs(stack: Stack, client: Client, tmp_path: Path) -> None:
+def test_cli_invoke_follow_and_logs(stack: Stack, client: Client, gate: Callable[[], Gate]) -> None:
     """README, "CLI": ``fnkernel invoke --follow`` prints the handler's lines on stderr as they
     come (the output stays stdout's); ``fnkernel logs NAME [-f]`` the call in flight, else the
     last one."""
-    go = tmp_path / "go"
+    go = gate()
     payload = json.dumps({"say": "cli", "go": str(go)})
     gateway = ["--gateway", stack.gateway_address]
     invoke = subprocess.Popen([*CLI, "invoke", "waits", payload, "--follow", *gateway],
@@ -202,7 +203,7 @@ def test_cli_invoke_follow_and_logs(stack: Stack, client: Client, tmp_path: Path
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
         assert following.stdout is not None
         assert following.stdout.readline() == "started cli\n"
-        go.touch()
+        go.open()
         out, err = invoke.communicate(timeout=60)
         followed, head = following.communicate(timeout=60)
     finally:
