@@ -98,6 +98,7 @@ class LiveLines:
 
     def __init__(self, runtime: str, mark: str = "") -> None:
         traceback = RUNTIMES[runtime].traceback
+        self._runtime = runtime
         self._start = traceback.start if traceback is not None else None
         self._mark = mark
         self._streams = {"stdout": sys.stdout, "stderr": sys.stderr}  # this cell's
@@ -134,8 +135,7 @@ class LiveLines:
 
     def fail(self) -> None:
         """The call failed: print what was held back before its (last) traceback."""
-        starts = [i for i, line in enumerate(self._held) if line.get("text") == self._start]
-        self._held = self._held[: starts[-1]] if starts else self._held
+        self._held = split_traceback(self._held, self._runtime)[0]
         self.release()
 
 

@@ -327,32 +327,33 @@ class Client:
         headers = {}
         if timeout_millis:
             headers[wire.TIMEOUT_HEADER] = str(timeout_millis)
+        live = None
         if on_log is not None:
             invocation_id = invocation_id or limits.new_id("inv_")
             live = _LiveFollow(self, name, invocation_id, on_log)
         if invocation_id:
             headers[wire.INVOCATION_ID_HEADER] = invocation_id
         started = time.perf_counter()
-        if on_log is None:
+        try:
             _, reply, output = self.request(
                 "POST", f"/v1/runs/{_quote(name)}:invoke", body, headers
             )
-        else:
-            try:
-                _, reply, output = self.request(
-                    "POST", f"/v1/runs/{_quote(name)}:invoke", body, headers
-                )
-            except HandlerFailed as failed:
+        except HandlerFailed as failed:
+            if live is not None:
                 live.end(failed.logs)
-                raise
-            except InvocationTimedOut as timed_out:
+            raise
+        except InvocationTimedOut as timed_out:
+            if live is not None:
                 logs = timed_out.detail.get("logs")
                 live.end(logs if isinstance(logs, list) else [])
-                raise
-            except BaseException:
+            raise
+        except BaseException:
+            if live is not None:
                 live.end([], wait=False)  # it never ran, or was cancelled: nothing more comes
-                raise
-            live.end(json.loads(reply.get(wire.LOGS_HEADER) or "[]"))
+            raise
+        logs = json.loads(reply.get(wire.LOGS_HEADER) or "[]")
+        if live is not None:
+            live.end(logs)
         return InvocationResult(
             output=output,
             content_type=reply.get("Content-Type", ""),
@@ -361,7 +362,7 @@ class Client:
             duration=time.perf_counter() - started,
             attempt=int(reply.get(wire.ATTEMPT_HEADER) or 0),
             cold_start=reply.get(wire.COLD_START_HEADER) == "1",
-            logs=json.loads(reply.get(wire.LOGS_HEADER) or "[]"),
+            logs=logs,
             run=reply.get(wire.RUN_HEADER, ""),
         )
 
