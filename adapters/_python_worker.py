@@ -2,9 +2,10 @@
 
 Run by PythonAdapter as ``python -P _python_worker.py RUN_UID MODULE FUNCTION MEMORY REQ_FD RESP_FD``
 with the registered working directory as cwd; MEMORY is the bytes of memory (RLIMIT_DATA) the
-worker and the processes it starts may take, 0 for no limit. It uses the standard library only and imports nothing from
-fnkernel, so user modules named like ours cannot shadow it (``-P``: the script's own directory is
-not put on sys.path; the working directory is).
+worker and the processes it starts may take, 0 for no limit. It imports nothing from fnkernel,
+and nothing but the standard library and orjson (a dependency of fnkernel's, for encoding
+results), both before the working directory is put on sys.path: user modules named like ours or
+theirs cannot shadow them (``-P``: the script's own directory is not put on sys.path either).
 
 Frames (see adapters/worker.py for the handshake, the nonce and the log files):
   request:  ``<id_len> <input_len> <remaining_ms> <nonce>\\n`` + invocation id + input bytes
@@ -28,8 +29,14 @@ import sys
 import time
 import traceback
 
+try:
+    import orjson
+except ImportError:  # an interpreter without it: the standard library encodes every result
+    orjson = None  # type: ignore[assignment]
+
 MAX_MESSAGE = 1024
-_ENCODER = json.JSONEncoder(ensure_ascii=False)  # built once: json.dumps(**kw) builds one per call
+# Built once (json.dumps(**kw) builds one per call); compact, as orjson writes.
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
 
 class Context:
@@ -103,6 +110,17 @@ def takes_context(function) -> bool:
     return True
 
 
+def encode_result(result) -> bytes:
+    """The result as JSON: orjson's, else the standard library's where orjson refuses (as
+    runtime_server/jsoncodec.py encodes payloads; docs/architecture.md, "The hot path")."""
+    if orjson is not None:
+        try:
+            return orjson.dumps(result)
+        except orjson.JSONEncodeError:
+            pass
+    return _ENCODER.encode(result).encode()
+
+
 def _write(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
@@ -170,7 +188,7 @@ def _answer(
         _respond(resp_fd, nonce, b"error", meta)
         return
     try:
-        output = _ENCODER.encode(result).encode()
+        output = encode_result(result)
     except (TypeError, ValueError) as exc:
         message = _bounded(f"the return value cannot be encoded as JSON: {exc}")
         meta = {"errorType": "ResultNotJSONSerializable", "errorMessage": message}

@@ -16,7 +16,7 @@ from typing import Any
 from fnkernel.adapters.runtimes import RUNTIMES
 from fnkernel.kernel.connection import Runtime
 from fnkernel.kernel.display import InvocationView, MapProgress, RegistrationCard
-from fnkernel.runtime_server import limits
+from fnkernel.runtime_server import jsoncodec, limits
 from fnkernel.runtime_server.client import Run
 from fnkernel.runtime_server.client.errors import (
     GatewayError,
@@ -362,7 +362,7 @@ class Function:
         """Invoke with `payload` (JSON-encoded); `timeout` in seconds overrides ``--timeout``."""
         timeout = self.timeout if timeout is None else timeout
         try:
-            data = json.dumps(payload).encode()
+            data = jsoncodec.dumps(payload)
         except (TypeError, ValueError) as exc:
             raise PayloadNotJSON(f"the payload of {self.name} is not JSON: {exc}") from None
         client = self._runtime.client()

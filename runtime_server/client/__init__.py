@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from fnkernel.runtime_server import limits, tokens, wire
+from fnkernel.runtime_server import jsoncodec, limits, tokens, wire
 from fnkernel.runtime_server.client.errors import (
     GatewayError,
     GatewayUnreachable,
@@ -317,13 +317,13 @@ class Client:
         invocation_id: str = "",
         on_log: LogCallback | None = None,
     ) -> InvocationResult:
-        """Invoke with `payload` encoded as JSON (or the raw JSON bytes `data`).
+        """Invoke with `payload` encoded as JSON (``jsoncodec.dumps``), or the raw JSON bytes `data`.
 
         `on_log(line)` is given each line the call logs (``{"stream", "text"}``), in order:
         as it is written once the call has run for FOLLOW_AFTER_SECONDS (from another
         thread), else — a quicker call, or when no live stream could be had — from its result
         or failure before this returns or raises (docs/protocol.md, "Live output")."""
-        body = data if data is not None else json.dumps(payload).encode()
+        body = data if data is not None else jsoncodec.dumps(payload)
         headers = {}
         if timeout_millis:
             headers[wire.TIMEOUT_HEADER] = str(timeout_millis)

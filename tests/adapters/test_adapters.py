@@ -288,7 +288,7 @@ def test_invalid_json_input_to_python_is_invalid_argument(python_rt: Client) -> 
     reg = python_rt.register(ECHO_PY)
     err = failure(lambda: python_rt.invoke(reg.registration, b"{not json"))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "JSON" in err.details()
-    assert python_rt.invoke(reg.registration, b"1").output.startswith(b'{"echo": 1')
+    assert python_rt.invoke(reg.registration, b"1").output.startswith(b'{"echo":1')
 
 
 def test_nul_byte_in_bash_input_is_invalid_argument(bash_rt: Client) -> None:

@@ -322,7 +322,7 @@ def test_json_with_parameters_is_json(
     request = pb.InvokeFunctionRequest(
         registration=ready, input=b'{"a": 1}', content_type=content_type
     )
-    assert b'"echo": {"a": 1}' in python_rt.fn.InvokeFunction(request, timeout=30).output
+    assert b'"echo":{"a":1}' in python_rt.fn.InvokeFunction(request, timeout=30).output
 
 
 def test_an_input_and_an_output_of_exactly_6_mib_are_accepted(python_rt: Client) -> None:
