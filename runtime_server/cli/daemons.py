@@ -74,6 +74,7 @@ def _serve(args: argparse.Namespace) -> int:
     from fnkernel.runtime_server.function_runtime.server import RuntimeServer
 
     logs.configure(logging.DEBUG if args.verbose else logging.INFO)
+    daemon.keep_freed_memory()  # payloads pass through (docs/architecture.md)
     workspace_root = Path(args.workspace_root).resolve()
     if not workspace_root.is_dir():
         print(
@@ -108,6 +109,7 @@ def _runtimed(args: argparse.Namespace) -> int:
     from fnkernel.system.private import private_dir
 
     logs.configure(logging.DEBUG if args.verbose else logging.INFO)
+    daemon.keep_freed_memory()  # payloads pass through (docs/architecture.md)
     if args.workspace:
         workspace = Path(args.workspace)
     elif args.store == "sqlite":
@@ -167,12 +169,13 @@ def _gateway_token(args: argparse.Namespace, command: str, listen: str) -> Gatew
 def _gateway(args: argparse.Namespace) -> int:
     import asyncio
 
-    from fnkernel.runtime_server import logs, tokens
+    from fnkernel.runtime_server import daemon, logs, tokens
     from fnkernel.runtime_server.daemon import announcement
     from fnkernel.runtime_server.lifecycle.controlplane import ControlPlane
     from fnkernel.runtime_server.lifecycle.gateway import Access, Gateway
 
     logs.configure(logging.DEBUG if args.verbose else logging.INFO)
+    daemon.keep_freed_memory()  # payloads pass through (docs/architecture.md)
     state_dir = state_dir_of(args)
     token = _gateway_token(args, "gateway", args.listen).token
     access = Access(
@@ -320,6 +323,7 @@ def _evaluator(args: argparse.Namespace) -> int:
     from fnkernel.runtime_server.krm.evaluators.server import serve
 
     logs.configure(logging.DEBUG if args.verbose else logging.INFO)
+    daemon.keep_freed_memory()  # payloads pass through (docs/architecture.md)
     chain = chain_from_flags(args, "evaluator")
     try:
         server, address = serve(chain.evaluator(), args.listen)
@@ -341,6 +345,7 @@ def _wrapper_server(args: argparse.Namespace) -> int:
     from fnkernel.runtime_server.krm.evaluators.wrapper import WrapperEvaluator
 
     logs.configure(logging.INFO)
+    daemon.keep_freed_memory()  # payloads pass through (docs/architecture.md)
     entrypoint = args.entrypoint[1:] if args.entrypoint[:1] == ["--"] else args.entrypoint
     if not entrypoint:
         print("fnkernel wrapper-server: give the function's entrypoint after --", file=sys.stderr)

@@ -23,6 +23,7 @@ from fnkernel.runtime_server.daemon.prewarmed import READY_LINE, Prewarmed
 from fnkernel.runtime_server.daemon.server import (
     PARENT_ENV,
     become_subreaper,
+    keep_freed_memory,
     start_reaper,
     wait_for_termination,
     watch_parent,
@@ -39,6 +40,7 @@ __all__ = [
     "announcement",
     "become_subreaper",
     "gateway_args",
+    "keep_freed_memory",
     "runtimed_args",
     "serve_args",
     "spawn",
