@@ -113,7 +113,7 @@ def takes_context(function) -> bool:
 
 def encode_result(result) -> bytes:
     """The result as JSON: orjson's, else the standard library's where orjson refuses (as
-    runtime_server/jsoncodec.py encodes payloads; docs/architecture.md, "The hot path")."""
+    runtime_server/jsoncodec.py encodes payloads; docs/architecture.md, "A payload's bytes")."""
     if orjson is not None:
         try:
             return orjson.dumps(result)
@@ -201,7 +201,7 @@ def _answer(
 def keep_freed_memory() -> None:
     """glibc's malloc keeps freed memory for the next call's copies of its payload, as the
     components do (runtime_server/daemon/server.py: keep_freed_memory; docs/architecture.md,
-    "The hot path"): blocks up to 16 MiB from the heap, up to 32 MiB of freed memory kept."""
+    "A payload's bytes"): blocks up to 16 MiB from the heap, up to 32 MiB of freed memory kept."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # not glibc

@@ -175,7 +175,7 @@ def _gateway(args: argparse.Namespace) -> int:
     from fnkernel.runtime_server.lifecycle.gateway import Access, Gateway
 
     logs.configure(logging.DEBUG if args.verbose else logging.INFO)
-    daemon.keep_freed_memory()  # payloads pass through (docs/architecture.md)
+    daemon.keep_freed_memory(daemon.GATEWAY_TRIM_THRESHOLD_BYTES)  # docs/architecture.md
     state_dir = state_dir_of(args)
     token = _gateway_token(args, "gateway", args.listen).token
     access = Access(

@@ -21,6 +21,7 @@ from fnkernel.runtime_server.daemon.argv import (
 )
 from fnkernel.runtime_server.daemon.prewarmed import READY_LINE, Prewarmed
 from fnkernel.runtime_server.daemon.server import (
+    GATEWAY_TRIM_THRESHOLD_BYTES,
     PARENT_ENV,
     become_subreaper,
     keep_freed_memory,
@@ -31,6 +32,7 @@ from fnkernel.runtime_server.daemon.server import (
 from fnkernel.runtime_server.daemon.spawn import spawn
 
 __all__ = [
+    "GATEWAY_TRIM_THRESHOLD_BYTES",
     "LISTENING_ON",
     "PARENT_ENV",
     "READY_LINE",
