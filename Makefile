@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-ui proto lint fmt typecheck tree bench kpt-e2e mutate clean
+.PHONY: demo test test-ui proto lint fmt typecheck tree bench bench-peers kpt-e2e mutate clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=python3)"; exit 2; }
@@ -62,6 +62,17 @@ typecheck: $(STAMP) tree
 bench: $(STAMP)
 	$(PY) -m compileall -q runtime_server adapters kernel system benchmarks >/dev/null
 	$(VENV)/bin/fnkernel bench
+
+# fnkernel beside Ray and Jupyter Kernel Gateway, interleaved in one run (benchmarks/peers.py):
+# the peers are an optional extra, installed here. Not part of `make test` or `make bench`.
+PEERS_STAMP := $(VENV)/.installed-peers
+$(PEERS_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[dev,peers]'
+	touch $(PEERS_STAMP)
+
+bench-peers: $(PEERS_STAMP)
+	$(PY) -m compileall -q runtime_server adapters kernel system benchmarks >/dev/null
+	$(PY) -m benchmarks.peers
 
 # kpt's own fn render / fn eval cases, judged as kpt judges them (docs/krm.md): KPT is a kpt
 # checkout, or KPT_MIRROR a bare clone of github.com/kptdev/kpt; CATALOG_MIRROR, a bare clone of

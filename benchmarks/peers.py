@@ -1,0 +1,613 @@
+"""fnkernel beside the peers a user would pick instead, interleaved in one run (issue 30).
+
+Not part of `make bench`: the peers are optional extras (``pip install -e '.[peers]'``; `make
+bench-peers` installs them). A peer that is not installed is left out, and the report says so.
+
+* **Python driver**, one caller, a Python value in and a Python value out (``{"s": "x…"}``, its
+  compact JSON the payload's size): ``Client.invoke(...).decoded()`` on a Run that returns its
+  event; the same request as raw ``http.client`` to the same gateway (encoded as the client
+  encodes, decoded with ``json.loads``); Ray's actor method and task (``ray.get(f.remote(v))``);
+  and the *floor chain*: raw HTTP to a bare tornado server that relays the body over grpc.aio to
+  a bare grpc.aio relay and on to a bare gRPC echo (benchmarks.throughput's) — as many hops as
+  gateway → runtimed → Runtime Server, none of our code, no worker.
+* **HTTP**, one client (raw ``http.client``, the body's bytes in and out, the same code for
+  every server): fnkernel's gateway, Jupyter Kernel Gateway in notebook-http mode (a notebook
+  whose ``# POST /echo`` cell prints the body back), and a bare tornado echo.
+* **Bare hops** (the bytes there and back): a bare gRPC echo on a Unix socket, and a pipe to a
+  process. *The bare hops summed* — the tornado echo, the gRPC echo twice, the pipe — is the
+  least the seed's path can cost with these frameworks (HTTP, two gRPC hops, the worker), before
+  any JSON is decoded: the floor a latency target is judged against.
+* **10 in flight** (small payload): ``Client.invoke`` from 10 threads on 10 Runs; ``Client.map``
+  over a Run with 10 replicas (the kernel's ``NAME.map`` calls it); Ray's 10 outstanding tasks
+  and 10 actors; raw ``http.client`` from 10 threads on the same Runs and on the floor chain (its
+  floor); and over HTTP, benchmarks.throughput's asyncio load generator (10 kept-alive
+  connections) on the gateway's 10 Runs, on Kernel Gateway's kernel pool, on the floor chain and
+  on the tornado echo.
+
+The latency cases of a section are called in batches, the cases in turn and their order turned
+each batch, over rounds: a slow stretch of this noisy machine falls on all of them, and none
+always follows the same one. (Called call by call in turn, each call found the processes it
+needs asleep and their caches cold: in one run every case took about twice its time in a loop,
+fnkernel's and Ray's alike.) Warm-up calls are not counted; p50 and p99 of every case, and each
+ratio.
+
+Targets (issue 30): Python 100 KB and 1 MiB <= Ray's actor call; small <= 1.5x Ray's actor
+call; 10 in flight >= Ray tasks' calls/s; ``Client.invoke`` <= 1.05x the raw request at every
+size; HTTP >= 4x ahead of Kernel Gateway in latency (every size) and in throughput. Where the
+bare hops summed are already past a latency target, the report says so: that target is below
+what this path can reach here.
+Usage: python -m benchmarks.peers [--rounds N] [--seconds S] [--sizes SIZE ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import fcntl
+import http.client
+import json
+import logging
+import os
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import grpc
+
+from benchmarks.invoke import ECHO_METHOD, PY_HANDLER, Target, bench_server, p, verdicts
+from benchmarks.throughput import MAX_CALLS, HttpConnection, drive, relay
+from fnkernel.runtime_server import jsoncodec
+from fnkernel.runtime_server.client import Client
+from fnkernel.runtime_server.daemon import Child, start
+from fnkernel.runtime_server.lifecycle.stack import Stack
+from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS
+
+SIZES = {"small": 16, "100 KB": 100_000, "1 MiB": 1 << 20, "6 MiB": 6 << 20}
+# Calls per case per round at each size (the large ones take long on the slow peers).
+CALLS = {"small": 300, "100 KB": 150, "1 MiB": 30, "6 MiB": 6}
+BATCHES = 3  # each case's calls of a round, in this many batches
+WARMUP = {"small": 30, "100 KB": 10, "1 MiB": 3, "6 MiB": 1}
+IN_FLIGHT = 10
+KG_KERNELS = 2  # Kernel Gateway's pool: a kernel per core
+CASE_SECONDS = 60.0  # a bound on each case's time per round, as well as the count
+TARGETS = {"small": 1.5, "100 KB": 1.0, "1 MiB": 1.0}  # x Ray's actor call
+CLIENT_TARGET = 1.05  # x the raw request
+KG_AHEAD = 4.0  # x Kernel Gateway
+FLOOR_CHAIN = "floor chain (HTTP → gRPC relay → gRPC echo)"
+TORNADO = "tornado echo (floor)"
+GRPC_ECHO = "gRPC echo"
+PIPE = "pipe to a process"
+CLIENT_THREADS = f"fnkernel Client.invoke, {IN_FLIGHT} threads on {IN_FLIGHT} Runs"
+CHAIN_THREADS = f"floor chain, {IN_FLIGHT} threads (raw http.client)"
+F_SETPIPE_SZ = 1031
+
+PIPE_ECHO = """\
+import ctypes, fcntl, os, struct
+ctypes.CDLL(None).mallopt(-3, 16 << 20)  # freed memory kept, as the worker's (keep_freed_memory)
+ctypes.CDLL(None).mallopt(-1, 32 << 20)
+for fd in (0, 1):
+    fcntl.fcntl(fd, 1031, 1 << 20)  # F_SETPIPE_SZ, as the worker's pipes
+while header := os.read(0, 4):
+    size, = struct.unpack("!I", header)
+    data = bytearray(size)
+    view, got = memoryview(data), 0
+    while got < size:
+        got += os.readv(0, [view[got:]])
+    view = memoryview(struct.pack("!I", size) + data)
+    while view:
+        view = view[os.write(1, view):]
+"""
+
+KG_NOTEBOOK = {
+    "cells": [
+        {
+            "cell_type": "code",
+            "metadata": {},
+            "execution_count": None,
+            "outputs": [],
+            "source": '# POST /echo\nimport json\nprint(json.dumps(json.loads(REQUEST)["body"]))\n',
+        }
+    ],
+    "metadata": {
+        "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}
+    },
+    "nbformat": 4,
+    "nbformat_minor": 5,
+}
+
+
+def payload_of(size: int) -> dict[str, str]:
+    """A value whose compact JSON is `size` bytes (6 MiB: the payload limit, exactly)."""
+    return {"s": "x" * (size - len('{"s":""}'))}
+
+
+class PipeEcho:
+    """The floor of calling another process from Python: the bytes there and back over two
+    pipes of 1 MiB, to a process that keeps freed memory (both as the worker's)."""
+
+    def __init__(self) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", PIPE_ECHO], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self._in, self._out = self.process.stdin.fileno(), self.process.stdout.fileno()
+        for fd in (self._in, self._out):
+            fcntl.fcntl(fd, F_SETPIPE_SZ, 1 << 20)
+
+    def call(self, data: bytes) -> bytes:
+        view = memoryview(struct.pack("!I", len(data)) + data)
+        while view:
+            view = view[os.write(self._in, view) :]
+        (size,) = struct.unpack("!I", os.read(self._out, 4))
+        answer = bytearray(size)
+        into, got = memoryview(answer), 0
+        while got < size:
+            got += os.readv(self._out, [into[got:]])
+        return bytes(answer)
+
+    def close(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+class RawHttp:
+    """One kept-alive http.client connection POSTing bytes: the same for every server."""
+
+    def __init__(self, address: str, path: str, token: str | None = None) -> None:
+        url = urlsplit(address if "//" in address else f"http://{address}")
+        self.connection = http.client.HTTPConnection(url.hostname or "", url.port, timeout=120)
+        self.path = path
+        self.headers = {"Content-Type": "application/json"}
+        if token:
+            self.headers["Authorization"] = f"Bearer {token}"
+
+    def post(self, body: bytes) -> bytes:
+        try:
+            self.connection.request("POST", self.path, body, self.headers)
+            answer = self.connection.getresponse()
+        except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
+            # Closed by the server while it sat idle (the gateway's header timeout, between
+            # rounds): as any HTTP client, reconnect and send it again — it had not begun.
+            self.connection.close()
+            self.connection.request("POST", self.path, body, self.headers)
+            answer = self.connection.getresponse()
+        data = answer.read()
+        if answer.status != 200:
+            raise RuntimeError(f"{self.path}: HTTP {answer.status} {data[:200]!r}")
+        return data
+
+
+class KernelGateway:
+    """Jupyter Kernel Gateway in notebook-http mode, serving KG_NOTEBOOK on 127.0.0.1."""
+
+    def __init__(self, root: Path) -> None:
+        notebook = root / "echo.ipynb"
+        notebook.write_text(json.dumps(KG_NOTEBOOK))
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        self.address = f"127.0.0.1:{port}"
+        self.process = subprocess.Popen(
+            [
+                sys.executable, "-m", "kernel_gateway",
+                "--KernelGatewayApp.api=kernel_gateway.notebook_http",
+                f"--KernelGatewayApp.seed_uri={notebook}",
+                "--KernelGatewayApp.ip=127.0.0.1",
+                f"--KernelGatewayApp.port={port}",
+                f"--KernelGatewayApp.prespawn_count={KG_KERNELS}",
+            ],
+            cwd=root,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while True:  # up once a request is answered (the kernels run the notebook first)
+            try:
+                RawHttp(self.address, "/echo").post(b'{"s": "up"}')
+                return
+            except (OSError, RuntimeError, http.client.HTTPException):
+                if time.monotonic() > deadline or self.process.poll() is not None:
+                    self.close()
+                    raise RuntimeError("Kernel Gateway did not come up") from None
+                time.sleep(0.2)
+
+    def close(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def start_ray() -> Any:
+    """Ray on this machine (a local cluster of this process), or None when it is not installed."""
+    try:
+        import ray
+    except ImportError:
+        return None
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        logging_level=logging.ERROR,
+        log_to_driver=False,
+        object_store_memory=1 << 30,
+    )
+    return ray
+
+
+def ray_cases(ray: Any) -> tuple[dict[str, Callable[[Any], Any]], Callable[[int, float], float]]:
+    """Ray's echo as an actor method and as a task, and its 10-in-flight rate of each."""
+
+    @ray.remote
+    class Echo:
+        def handle(self, event: Any) -> Any:
+            return event
+
+    @ray.remote
+    def handle(event: Any) -> Any:
+        return event
+
+    actor = Echo.remote()
+    actors = [Echo.remote() for _ in range(IN_FLIGHT)]
+    ray.get([a.handle.remote(0) for a in [actor, *actors]])
+
+    def outstanding(kind: int, seconds: float) -> float:
+        """Calls/s keeping IN_FLIGHT calls outstanding: tasks (0) or one per actor (1)."""
+        submit = [
+            lambda i: handle.remote({"s": "x"}),
+            lambda i: actors[i].handle.remote({"s": "x"}),
+        ][kind]
+        refs = {submit(i): i for i in range(IN_FLIGHT)}  # each call's slot
+        count, started = 0, time.perf_counter()
+        while time.perf_counter() - started < seconds and count < MAX_CALLS:
+            done, _ = ray.wait(list(refs), num_returns=1)
+            ray.get(done[0])
+            slot = refs.pop(done[0])
+            refs[submit(slot)] = slot
+            count += 1
+        rate = count / (time.perf_counter() - started)
+        ray.get(list(refs))
+        return rate
+
+    return {
+        "Ray actor call": lambda value: ray.get(actor.handle.remote(value)),
+        "Ray task": lambda value: ray.get(handle.remote(value)),
+    }, outstanding
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--seconds", type=float, default=2.0, help="each 10-in-flight case, a round"
+    )
+    parser.add_argument("--sizes", nargs="*", choices=list(SIZES), default=list(SIZES))
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="fnkernel-peers-") as tmp:
+        root = Path(tmp)
+        children: list[Child] = []
+        closers: list[Callable[[], None]] = []
+        stack = Stack(root / "state", {"python": 1}, gateway_listen="127.0.0.1:0")
+        stack.start()
+        try:
+            echo = bench_server("--echo-server", f"unix:{tmp}/echo.sock")
+            children.append(echo)
+            proxy = relay("aio", f"unix:{tmp}/proxy.sock", echo.address)
+            children.append(proxy)
+            front = relay("http", "-", proxy.address)
+            children.append(front)
+            http_echo = start([sys.executable, "-m", "benchmarks.gateway", "--http-echo"])
+            children.append(http_echo)
+            pipe = PipeEcho()
+            closers.append(pipe.close)
+            kernel_gateway = None
+            try:
+                import kernel_gateway as _  # noqa: F401
+            except ImportError:
+                print(
+                    "Jupyter Kernel Gateway is not installed: left out (pip install -e '.[peers]')"
+                )
+            else:
+                kernel_gateway = KernelGateway(root)
+                closers.append(kernel_gateway.close)
+            ray = start_ray()
+            if ray is None:
+                print("Ray is not installed: left out (pip install -e '.[peers]')")
+            else:
+                closers.append(ray.shutdown)
+            bench = Bench(
+                stack, front.address, echo.address, http_echo.address, pipe, kernel_gateway, ray
+            )
+            for number in range(args.rounds):
+                print(f"round {number + 1} of {args.rounds}", flush=True)
+                bench.round(args.sizes, args.seconds, warm=number == 0)
+        finally:
+            for close in reversed(closers):
+                close()
+            stack.stop()
+            for child in children:
+                child.stop(10)
+    return bench.report(args.sizes)
+
+
+class Bench:
+    """The cases, their samples over the rounds, and the report."""
+
+    def __init__(
+        self,
+        stack: Stack,
+        chain: str,
+        grpc_echo: str,
+        http_echo: str,
+        pipe: PipeEcho,
+        kernel_gateway: KernelGateway | None,
+        ray: Any,
+    ) -> None:
+        self.stack = stack
+        self.client = Client(stack.gateway_address, token=stack.token)
+        for i in range(IN_FLIGHT):
+            self.client.create_run(f"echo{i}", runtime="python", handler="handler.handle",
+                                   files={"handler.py": PY_HANDLER})  # fmt: skip
+        self.client.create_run("echo-set", runtime="python", handler="handler.handle",
+                               files={"handler.py": PY_HANDLER}, replicas=IN_FLIGHT)  # fmt: skip
+        self.runs = [f"echo{i}" for i in range(IN_FLIGHT)]
+        invoke_path = "/v1/runs/echo0:invoke"
+        self.raw = RawHttp(stack.gateway_address, invoke_path, stack.token)
+        self.chain = RawHttp(chain, "/")
+        self.chain_address = chain
+        channel = grpc.insecure_channel(grpc_echo, options=CHANNEL_OPTIONS)
+        self.grpc_echo = channel.unary_unary(ECHO_METHOD)
+        self.pipe = pipe
+        self.http = {
+            "fnkernel gateway": self.raw,
+            TORNADO: RawHttp(http_echo, "/"),
+        }
+        self.http_addresses = {
+            "fnkernel gateway": (stack.gateway_address, stack.token, [
+                f"/v1/runs/{run}:invoke" for run in self.runs]),
+            TORNADO: (http_echo, None, ["/"] * IN_FLIGHT),
+            "floor chain": (chain, None, ["/"] * IN_FLIGHT),
+        }  # fmt: skip
+        if kernel_gateway is not None:
+            self.http["Jupyter Kernel Gateway"] = RawHttp(kernel_gateway.address, "/echo")
+            self.http_addresses["Jupyter Kernel Gateway"] = (
+                kernel_gateway.address, None, ["/echo"] * IN_FLIGHT)  # fmt: skip
+        self.ray_calls: dict[str, Callable[[Any], Any]] = {}
+        self.ray_outstanding: Callable[[int, float], float] | None = None
+        if ray is not None:
+            self.ray_calls, self.ray_outstanding = ray_cases(ray)
+        self.latency: dict[tuple[str, str, str], list[float]] = {}  # (section, size, case): ms
+        self.rates: dict[str, list[float]] = {}  # 10 in flight: calls/s per round
+        self._batches = 0  # so far: where the next batch's order of the cases starts
+
+    def python_cases(self, value: Any) -> dict[str, Callable[[], Any]]:
+        """A Python value in, a Python value out."""
+        client, raw, chain = self.client, self.raw, self.chain
+        cases: dict[str, Callable[[], Any]] = {
+            "fnkernel Client.invoke": lambda: client.invoke("echo0", value).decoded(),
+            "raw HTTP to the gateway": lambda: json.loads(raw.post(jsoncodec.dumps(value))),
+        }
+        for label, call in self.ray_calls.items():
+            cases[label] = lambda call=call: call(value)  # type: ignore[misc]
+        cases[FLOOR_CHAIN] = lambda: json.loads(chain.post(jsoncodec.dumps(value)))
+        return cases
+
+    def bare_cases(self, body: bytes) -> dict[str, Callable[[], Any]]:
+        echo, pipe = self.grpc_echo, self.pipe
+        return {GRPC_ECHO: lambda: echo(body, timeout=120), PIPE: lambda: pipe.call(body)}
+
+    def http_cases(self, body: bytes) -> dict[str, Callable[[], Any]]:
+        """The body's bytes in, the answer's bytes out (decoded once, to check it)."""
+        return {
+            label: (lambda c=connection: c.post(body)) for label, connection in self.http.items()
+        }
+
+    def round(self, sizes: list[str], seconds: float, *, warm: bool) -> None:
+        for size in sizes:
+            value = payload_of(SIZES[size])
+            body = jsoncodec.dumps(value)
+            sections = {
+                "python": self.python_cases(value),
+                "http": self.http_cases(body),
+                "bare": self.bare_cases(body),
+            }
+            for section, cases in sections.items():
+                if warm:  # and check each answer once: the same value back
+                    for label, call in cases.items():
+                        answer = call()
+                        got = json.loads(answer) if isinstance(answer, bytes) else answer
+                        assert got == value, f"{label} answered something else at {size}"
+                        for _ in range(WARMUP[size]):
+                            call()
+                # In batches, the cases in turn, the order turned by one each batch: a slow
+                # stretch falls on every case, and none always follows the same one.
+                labels = list(cases)
+                budget = time.monotonic() + CASE_SECONDS * len(cases)
+                for batch in range(BATCHES):
+                    turn = (self._batches + batch) % len(labels)
+                    for label in labels[turn:] + labels[:turn]:
+                        samples = self.latency.setdefault((section, size, label), [])
+                        call = cases[label]
+                        for _ in range(max(1, CALLS[size] // BATCHES)):
+                            started = time.perf_counter()
+                            call()
+                            samples.append((time.perf_counter() - started) * 1000)
+                    if time.monotonic() > budget:
+                        break
+        self._batches += BATCHES
+        self.in_flight(seconds)
+
+    def in_flight(self, seconds: float) -> None:
+        small = payload_of(SIZES["small"])
+        client = self.client
+
+        body = jsoncodec.dumps(small)
+        gateway, token = self.stack.gateway_address, self.stack.token
+        raw = [RawHttp(gateway, f"/v1/runs/{run}:invoke", token) for run in self.runs]
+        chain = [RawHttp(self.chain_address, "/") for _ in range(IN_FLIGHT)]
+
+        def mapped() -> float:
+            items = [small] * max(200, int(seconds * 400))
+            started = time.perf_counter()
+            client.map("echo-set", items, concurrency=IN_FLIGHT)
+            return len(items) / (time.perf_counter() - started)
+
+        cases: dict[str, Callable[[], float]] = {
+            CLIENT_THREADS: lambda: threaded(
+                lambda slot: client.invoke(self.runs[slot], small).decoded(), seconds
+            ),
+            f"fnkernel Client.map, {IN_FLIGHT} replicas": mapped,
+            f"raw http.client, {IN_FLIGHT} threads on the {IN_FLIGHT} Runs": lambda: threaded(
+                lambda slot: json.loads(raw[slot].post(jsoncodec.dumps(small))), seconds
+            ),
+            CHAIN_THREADS: lambda: threaded(
+                lambda slot: json.loads(chain[slot].post(jsoncodec.dumps(small))), seconds
+            ),
+        }
+        outstanding = self.ray_outstanding
+        if outstanding is not None:
+            cases[f"Ray tasks, {IN_FLIGHT} outstanding"] = lambda: outstanding(0, seconds)
+            cases[f"Ray actors, {IN_FLIGHT} (one call each)"] = lambda: outstanding(1, seconds)
+        for label, (address, token, paths) in self.http_addresses.items():
+            cases[f"HTTP: {label}, {IN_FLIGHT} connections"] = (
+                lambda address=address, token=token, paths=paths: asyncio.run(
+                    http_load(address, token, paths, body, seconds)
+                )
+            )
+        for label, case in cases.items():
+            self.rates.setdefault(label, []).append(case())
+
+    def report(self, sizes: list[str]) -> int:
+        targets: list[Target] = []
+        notes: list[str] = []
+        print("\n== Python driver: a value in, a value out (p50 / p99 ms; x Ray's actor call)")
+        for size in sizes:
+            actor = self._p50("python", size, "Ray actor call")
+            print(f"-- {size}")
+            self._rows("python", size, actor)
+            floor = self.floor(size)
+            print(f"{'the bare hops summed (floor)':<48}{floor:>9.2f}{'':>9}" + ratio(floor, actor))
+            ours = self._p50("python", size, "fnkernel Client.invoke")
+            raw = self._p50("python", size, "raw HTTP to the gateway")
+            targets.append(Target(f"Client.invoke / raw request, {size}", ours / raw,
+                                  CLIENT_TARGET))  # fmt: skip
+            if actor and size in TARGETS:
+                targets.append(Target(f"Python {size} / Ray actor call", ours / actor,
+                                      TARGETS[size]))  # fmt: skip
+                if floor / actor > TARGETS[size]:
+                    notes.append(
+                        f"Python {size}: the bare hops summed are {floor / actor:.2f}x Ray's "
+                        f"actor call by themselves (target {TARGETS[size]:g}x); fnkernel is "
+                        f"{ours / floor:.2f}x that floor"
+                    )
+        print("\n== HTTP, one client: bytes in, bytes out (p50 / p99 ms; x fnkernel's gateway)")
+        for size in sizes:
+            ours = self._p50("http", size, "fnkernel gateway")
+            print(f"-- {size}")
+            self._rows("http", size, ours)
+            kernel_gateway = self._p50("http", size, "Jupyter Kernel Gateway")
+            if kernel_gateway:
+                targets.append(Target(f"HTTP {size}: Kernel Gateway / fnkernel",
+                                      kernel_gateway / ours, KG_AHEAD, at_least=True))  # fmt: skip
+        print("\n== Bare hops: bytes there and back (p50 / p99 ms)")
+        for size in sizes:
+            print(f"-- {size}")
+            self._rows("bare", size, 0.0)
+        print(
+            f"\n== {IN_FLIGHT} in flight, small payload (calls/s, mean of the rounds; x Ray tasks)"
+        )
+        rates = {label: statistics.mean(values) for label, values in self.rates.items()}
+        tasks = rates.get(f"Ray tasks, {IN_FLIGHT} outstanding", 0.0)
+        for label, value in rates.items():
+            print(f"{label:<58}{value:>9.0f}" + ratio(value, tasks))
+        threads = rates[CLIENT_THREADS]
+        if tasks:
+            targets.append(Target(f"{IN_FLIGHT} in flight: Client / Ray tasks", threads / tasks, 1.0,
+                                  at_least=True))  # fmt: skip
+            if rates[CHAIN_THREADS] < tasks:
+                notes.append(
+                    f"{IN_FLIGHT} in flight: the floor chain from {IN_FLIGHT} threads, with no worker, "
+                    f"is {rates[CHAIN_THREADS] / tasks:.2f}x Ray tasks' calls/s by itself; "
+                    f"fnkernel's Client is {threads / rates[CHAIN_THREADS]:.2f}x that floor"
+                )
+        kg_rate = rates.get(f"HTTP: Jupyter Kernel Gateway, {IN_FLIGHT} connections")
+        if kg_rate:
+            ours_rate = rates[f"HTTP: fnkernel gateway, {IN_FLIGHT} connections"]
+            targets.append(Target("HTTP throughput: fnkernel / Kernel Gateway",
+                                  ours_rate / kg_rate, KG_AHEAD, at_least=True))  # fmt: skip
+        print()
+        for note in notes:
+            print(note)
+        return verdicts(targets)
+
+    def floor(self, size: str) -> float:
+        """The bare hops summed: HTTP, gRPC twice, the pipe (p50s of this run)."""
+        return (
+            self._p50("http", size, TORNADO)
+            + 2 * self._p50("bare", size, GRPC_ECHO)
+            + self._p50("bare", size, PIPE)
+        )
+
+    def _rows(self, section: str, size: str, against: float) -> None:
+        for (at_section, at_size, label), samples in self.latency.items():
+            if (at_section, at_size) == (section, size):
+                print(row(label, samples, against))
+
+    def _p50(self, section: str, size: str, label: str) -> float:
+        samples = self.latency.get((section, size, label))
+        return statistics.median(samples) if samples else 0.0
+
+
+def row(label: str, samples: list[float], against: float) -> str:
+    median = statistics.median(samples)
+    return f"{label:<48}{median:>9.2f}{p(samples, 99):>9.2f}" + ratio(median, against)
+
+
+def ratio(value: float, against: float) -> str:
+    return f"{value / against:8.2f}x" if against else ""
+
+
+def threaded(call: Callable[[int], object], seconds: float) -> float:
+    """Calls/s of IN_FLIGHT threads, thread i calling call(i) one call at a time, for `seconds`."""
+    counts = [0] * IN_FLIGHT
+    deadline = time.perf_counter() + seconds
+
+    def caller(slot: int) -> None:
+        while time.perf_counter() < deadline and counts[slot] < MAX_CALLS:
+            call(slot)
+            counts[slot] += 1
+
+    workers = [threading.Thread(target=caller, args=(slot,)) for slot in range(IN_FLIGHT)]
+    started = time.perf_counter()
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    return sum(counts) / (time.perf_counter() - started)
+
+
+async def http_load(
+    address: str, token: str | None, paths: list[str], body: bytes, seconds: float
+) -> float:
+    """benchmarks.throughput's load generator: a connection a path, one call at a time each."""
+    calls = []
+    for path in paths:
+        connection = HttpConnection(address, token)
+        await connection.connect()
+        calls.append(lambda c=connection, path=path: c.post(path, body))
+    rate, _ = await drive(calls, len(paths), seconds)
+    return rate
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    raise SystemExit(main())
