@@ -28,7 +28,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from benchmarks.invoke import PAYLOAD, Target, verdicts
-from benchmarks.throughput import HttpConnection, drive
+from benchmarks.throughput import load
 from fnkernel.runtime_server.client import Client
 from fnkernel.runtime_server.lifecycle.stack import Stack
 
@@ -75,7 +75,9 @@ def main() -> int:
             noop_map = rate(len(noop_items), started)
             # The same function, 10 connections: the gateway gives each call a free replica.
             paths = ["/v1/runs/noop:invoke"] * NOOP_REPLICAS
-            generator, _ = asyncio.run(_load(stack, paths, args.seconds))
+            generator, _ = asyncio.run(
+                load(stack.gateway_address, stack.token, paths, PAYLOAD, args.seconds)
+            )
             threads = _threaded(stack, "noop", NOOP_REPLICAS, len(noop_items))
             two_threads = _threaded(stack, "sleepy2", 2, len(items))
         finally:
@@ -126,16 +128,6 @@ def _threaded(stack: Stack, name: str, count: int, calls: int) -> float:
     for thread in workers:
         thread.join()
     return rate(share * count, started)
-
-
-async def _load(stack: Stack, paths: list[str], seconds: float) -> tuple[float, list[float]]:
-    """benchmarks.throughput's load generator: one connection a path, one call at a time."""
-    calls = []
-    for path in paths:
-        connection = HttpConnection(stack.gateway_address, stack.token)
-        await connection.connect()
-        calls.append(lambda c=connection, path=path: c.post(path, PAYLOAD))
-    return await drive(calls, len(paths), seconds)
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ from urllib.parse import urlsplit
 import grpc
 
 from benchmarks.invoke import ECHO_METHOD, PY_HANDLER, Target, bench_server, p, verdicts
-from benchmarks.throughput import MAX_CALLS, HttpConnection, drive, relay
+from benchmarks.throughput import MAX_CALLS, load, relay
 from fnkernel.runtime_server import jsoncodec
 from fnkernel.runtime_server.client import Client
 from fnkernel.runtime_server.daemon import Child, start
@@ -352,7 +352,6 @@ class Bench:
         kernel_gateway: KernelGateway | None,
         ray: Any,
     ) -> None:
-        self.stack = stack
         self.client = Client(stack.gateway_address, token=stack.token)
         for i in range(IN_FLIGHT):
             self.client.create_run(f"echo{i}", runtime="python", handler="handler.handle",
@@ -360,10 +359,14 @@ class Bench:
         self.client.create_run("echo-set", runtime="python", handler="handler.handle",
                                files={"handler.py": PY_HANDLER}, replicas=IN_FLIGHT)  # fmt: skip
         self.runs = [f"echo{i}" for i in range(IN_FLIGHT)]
-        invoke_path = "/v1/runs/echo0:invoke"
-        self.raw = RawHttp(stack.gateway_address, invoke_path, stack.token)
+        self.raw = RawHttp(stack.gateway_address, "/v1/runs/echo0:invoke", stack.token)
         self.chain = RawHttp(chain, "/")
-        self.chain_address = chain
+        # The 10 threads' connections: one each, on its Run, and on the floor chain.
+        self.raw_threads = [
+            RawHttp(stack.gateway_address, f"/v1/runs/{run}:invoke", stack.token)
+            for run in self.runs
+        ]
+        self.chain_threads = [RawHttp(chain, "/") for _ in range(IN_FLIGHT)]
         channel = grpc.insecure_channel(grpc_echo, options=CHANNEL_OPTIONS)
         self.grpc_echo = channel.unary_unary(ECHO_METHOD)
         self.pipe = pipe
@@ -451,9 +454,7 @@ class Bench:
         client = self.client
 
         body = jsoncodec.dumps(small)
-        gateway, token = self.stack.gateway_address, self.stack.token
-        raw = [RawHttp(gateway, f"/v1/runs/{run}:invoke", token) for run in self.runs]
-        chain = [RawHttp(self.chain_address, "/") for _ in range(IN_FLIGHT)]
+        raw, chain = self.raw_threads, self.chain_threads
 
         def mapped() -> float:
             items = [small] * max(200, int(seconds * 400))
@@ -480,8 +481,8 @@ class Bench:
         for label, (address, token, paths) in self.http_addresses.items():
             cases[f"HTTP: {label}, {IN_FLIGHT} connections"] = (
                 lambda address=address, token=token, paths=paths: asyncio.run(
-                    http_load(address, token, paths, body, seconds)
-                )
+                    load(address, token, paths, body, seconds)
+                )[0]
             )
         for label, case in cases.items():
             self.rates.setdefault(label, []).append(case())
@@ -595,19 +596,5 @@ def threaded(call: Callable[[int], object], seconds: float) -> float:
     return sum(counts) / (time.perf_counter() - started)
 
 
-async def http_load(
-    address: str, token: str | None, paths: list[str], body: bytes, seconds: float
-) -> float:
-    """benchmarks.throughput's load generator: a connection a path, one call at a time each."""
-    calls = []
-    for path in paths:
-        connection = HttpConnection(address, token)
-        await connection.connect()
-        calls.append(lambda c=connection, path=path: c.post(path, body))
-    rate, _ = await drive(calls, len(paths), seconds)
-    return rate
-
-
 if __name__ == "__main__":
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     raise SystemExit(main())

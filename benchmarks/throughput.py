@@ -206,6 +206,19 @@ async def drive(
     return rate, latencies
 
 
+async def load(
+    address: str, token: str | None, paths: list[str], body: bytes, seconds: float
+) -> tuple[float, list[float]]:
+    """The load generator on `paths`: a kept-alive connection a path, one call at a time each,
+    for `seconds` (``drive``). Returns (invokes/s, latencies in ms)."""
+    calls = []
+    for path in paths:
+        connection = HttpConnection(address, token)
+        await connection.connect()
+        calls.append(lambda c=connection, path=path: c.post(path, body))
+    return await drive(calls, len(paths), seconds)
+
+
 async def run_cases(
     stack: Stack,
     runs: list[dict[str, str]],

@@ -9,8 +9,8 @@ if either library can encode it. What differs from the standard library: the tex
 ``NaN``; dataclasses, datetimes, UUIDs and enums, which the standard library refuses, are
 encoded (as objects, RFC 3339 strings, strings and their values).
 
-Decoding stays with the standard library: orjson reads an integer past 64 bits
-as a float, losing digits, and looking for one first costs what orjson saves.
+Decoding stays with the standard library: orjson reads an integer past 64 bits as a float,
+losing digits, and looking for one first costs what orjson saves.
 """
 
 from __future__ import annotations
