@@ -134,11 +134,13 @@ class Client:
             with self._lock:
                 # A retry takes a new connection: the other kept-alive ones may be as stale.
                 connection = self._idle.pop() if self._idle and not attempt else None
+                if connection is not None:
+                    self._busy[connection] = False
             reused = connection is not None
             if connection is None:
                 connection = self._connect()
-            with self._lock:
-                self._busy[connection] = False
+                with self._lock:
+                    self._busy[connection] = False
             try:
                 connection.request(method, path, body=body, headers=sent)
                 if self._busy.get(connection):  # cancelled while it was still connecting
@@ -351,13 +353,13 @@ class Client:
             if live is not None:
                 live.end([], wait=False)  # it never ran, or was cancelled: nothing more comes
             raise
-        logs = json.loads(reply.get(wire.LOGS_HEADER) or "[]")
+        logs = _json_header(reply, wire.LOGS_HEADER, [])
         if live is not None:
             live.end(logs)
         return InvocationResult(
             output=output,
             content_type=reply.get("Content-Type", ""),
-            outputs=json.loads(reply.get(wire.OUTPUTS_HEADER) or "{}"),
+            outputs=_json_header(reply, wire.OUTPUTS_HEADER, {}),
             invocation_id=reply.get(wire.INVOCATION_ID_HEADER, ""),
             duration=time.perf_counter() - started,
             attempt=int(reply.get(wire.ATTEMPT_HEADER) or 0),
@@ -495,6 +497,13 @@ class _MapRun:
                 self._working -= 1
                 if not self._working:
                     self.over.set()
+
+
+def _json_header(reply: http.client.HTTPMessage, name: str, empty: Any) -> Any:
+    """A header's JSON value; `empty` (a fresh ``[]`` or ``{}``) when it is absent or empty,
+    as most calls' logs and outputs are, without parsing it."""
+    text = reply.get(name)
+    return json.loads(text) if text and text not in ("[]", "{}") else empty
 
 
 def _quote(name: str) -> str:
