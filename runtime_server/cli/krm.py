@@ -381,6 +381,7 @@ def _fn_eval(args: argparse.Namespace) -> int:
     function = PipelineFunction(
         image=args.image or "",
         command="" if args.image else args.exec_command,
+        tag=args.tag if args.image else "",
         selectors=tuple(_selectors(args, "match")),
         exclude=tuple(_selectors(args, "exclude")),
     )
@@ -500,7 +501,10 @@ def _add_fn_group(commands: Any) -> None:
         for flag in ("labels", "annotations"):
             evaluate.add_argument(f"--{prefix}-{flag}", metavar="K=V", action="append")
     _add_accepted(evaluate, "--network", "--as-current-user", "--allow-alpha-wasm")
-    for flag in ("--tag", "--image-pull-policy", "--mount", "-e", "--env"):
+    evaluate.add_argument(
+        "--tag", default="", help="with --image: a version or semver constraint (docs/krm.md)"
+    )
+    for flag in ("--image-pull-policy", "--mount", "-e", "--env"):
         evaluate.add_argument(flag, action="append", help=argparse.SUPPRESS)
     add_chain_flags(evaluate)
     add_bound_flags(evaluate)

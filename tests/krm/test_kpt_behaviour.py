@@ -181,6 +181,38 @@ def test_an_exec_step_sees_the_kptfile_and_its_path_is_the_current_directorys(
     assert kinds == ["Deployment", "Kptfile"]
 
 
+COMMENTED = """\
+# the file's own comment
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: web # the name
+spec:
+  # how many
+  replicas: 3
+"""
+
+
+@pytest.mark.parametrize(
+    "step",
+    [
+        "- image: drop-comments:latest\n",  # kpt's fn-render/preserve-comments
+        "- exec: ./uncomment.sh\n",  # any function that loses them
+    ],
+)
+def test_comments_a_function_drops_come_back(tmp_path: Path, step: str) -> None:
+    """docs/krm.md, "Comments": kpt puts back the comments a function's output lacks, so
+    drop-comments (or an exec function that writes none) leaves the files as they were."""
+    files = {
+        "Kptfile": kptfile("pipeline:\n  mutators:\n  " + step),
+        "uncomment.sh": "#!/bin/sh\nsed -e '/^ *#/d' -e 's/ # .*$//'\n",
+        "resources.yaml": COMMENTED,
+    }
+    run = render(tmp_path, files, "--allow-exec")
+    assert run.code == 0, run.stderr
+    assert run.files["resources.yaml"] == COMMENTED
+
+
 # 2.-3. set-namespace and set-labels as the catalog's functions (docs/krm.md, "Builtin functions").
 
 
@@ -235,6 +267,72 @@ def test_a_failed_render_writes_only_the_kptfile_status(tmp_path: Path) -> None:
         == "FunctionConfig is missing. Expect `ConfigMap.v1` or `SetNamespace.v1alpha1.fn.kpt.dev`"
     )
     assert "[FAIL]" in run.stderr and "Exit code: 1" in run.stderr
+
+
+# Image tags (docs/krm.md, "Image tags"): kpt resolves a step's semver `tag:` to the newest
+# release that satisfies it; with no registry here, among the releases our builtins declare.
+
+
+def tagged_package(tag: str) -> dict[str, str]:
+    kpt = kptfile(
+        f"""\
+        pipeline:
+          mutators:
+          - image: set-namespace
+            tag: "{tag}"
+            configMap: {{namespace: staging}}
+        """
+    )
+    return {"Kptfile": kpt, "resources.yaml": DEPLOYMENT}
+
+
+@pytest.mark.parametrize(
+    ("tag", "resolved"),
+    [
+        ("0.4.1 - 0.4.3", "v0.4.3"),  # a range: the newest inside it
+        (">= 0.3, < 0.4", "v0.3.4"),  # Masterminds' comma-separated AND
+        ("~0.1", "v0.1.4"),
+        ("v0.1.9", "v0.1.9"),  # a version is used as it is, listed or not
+        ("latest", "latest"),  # and so is any other tag
+    ],
+)
+def test_a_step_tag_resolves_to_the_release_kpt_would_run(
+    tmp_path: Path, tag: str, resolved: str
+) -> None:
+    run = render(tmp_path, tagged_package(tag))
+    assert run.code == 0, run.stderr
+    step = status(run)["renderStatus"]["mutationSteps"][0]
+    assert step["image"] == f"ghcr.io/kptdev/krm-functions-catalog/set-namespace:{resolved}"
+    assert f'"ghcr.io/kptdev/krm-functions-catalog/set-namespace:{resolved}"' in run.stderr
+    assert "namespace: staging" in run.files["resources.yaml"]
+
+
+@pytest.mark.parametrize(
+    ("tag", "message"),
+    [
+        ("~9.1", 'no tag could be found matching the version constraint "~9.1"'),
+        ("not a tag", '`function.tag` "not a tag" must be a valid image tag'),
+    ],
+)
+def test_a_tag_nothing_satisfies_fails_the_step_before_it_runs(
+    tmp_path: Path, tag: str, message: str
+) -> None:
+    run = render(tmp_path, tagged_package(tag))
+    assert run.code == 1
+    assert run.files["resources.yaml"] == DEPLOYMENT
+    step = status(run)["renderStatus"]["mutationSteps"][0]
+    assert step["executionError"].startswith(message)
+    assert step["exitCode"] == 1
+
+
+def test_fn_eval_tag_resolves_the_same_way(tmp_path: Path) -> None:
+    files = {"Kptfile": kptfile(), "resources.yaml": DEPLOYMENT}
+    run = twice(
+        tmp_path, files, "fn", "eval", ".", "-i", "set-labels", "--tag", "~0.2", "--", "a=b"
+    )
+    assert run.code == 0, run.stderr
+    assert '"ghcr.io/kptdev/krm-functions-catalog/set-labels:v0.2.5"' in run.stderr
+    assert "a: b" in run.files["resources.yaml"]
 
 
 @pytest.mark.parametrize("order", ["depth-first", "breadth-first"])
@@ -339,6 +437,37 @@ def test_an_invalid_package_is_refused_and_nothing_is_written(
     assert run.code == 1
     assert says in run.stderr
     assert run.files == files  # byte-identical
+
+
+def test_an_unreadable_subpackage_kptfile_is_recorded_in_the_top_kptfile(tmp_path: Path) -> None:
+    """docs/krm.md, "Failures": the render stops before any step, and kpt records why in the
+    top Kptfile's Rendered condition; every other file is left as it was."""
+    broken = kptfile(  # kpt's fn-render/subpkg-has-invalid-kptfile: a key out of its list
+        "pipeline:\n  mutators:\n    - image: set-labels\n  configPath: x.yaml\n"
+        "    - image: set-namespace\n",
+        "db",
+    )
+    files = {
+        "Kptfile": kptfile(
+            "pipeline:\n  mutators:\n  - image: set-labels\n    configMap: {a: b}\n"
+        ),
+        "resources.yaml": DEPLOYMENT,
+        "db/Kptfile": broken,
+        "db/resources.yaml": CUSTOM,
+    }
+    run = render(tmp_path, files)
+    assert run.code == 1
+    assert 'Kptfile at "./db" can\'t be read' in run.stderr
+    assert {name: text for name, text in run.files.items() if name != "Kptfile"} == {
+        name: text for name, text in files.items() if name != "Kptfile"
+    }
+    (condition,) = status(run)["conditions"]
+    assert (condition["status"], condition["reason"]) == ("False", "RenderFailed")
+    assert condition["message"] == (
+        'pkg.render: pkg .:\n\tpkg.Subpackages: pkg ./db: error reading Kptfile at "./db": '
+        "yaml: line 9: mapping values are not allowed in this context"
+    )
+    assert "renderStatus" not in status(run)  # no step ran
 
 
 def test_a_config_path_into_a_subpackage_is_refused_when_the_pipeline_starts(

@@ -9,7 +9,13 @@ from typing import Any
 
 import pytest
 
+from fnkernel.runtime_server.krm.functions.housekeeping import (
+    drop_comments,
+    no_op,
+    remove_local_config_resources,
+)
 from fnkernel.runtime_server.krm.functions.replacements import apply_replacements
+from fnkernel.runtime_server.krm.functions.set_image import set_image
 from fnkernel.runtime_server.krm.functions.set_metadata import set_annotations, set_labels
 from fnkernel.runtime_server.krm.functions.set_namespace import set_namespace
 from fnkernel.runtime_server.krm.functions.starlark import starlark_run
@@ -864,3 +870,170 @@ class TestApplyReplacements:
             ),
         )
         assert rl.has_errors() and "selected 2" in rl.results[-1]["message"]
+
+
+# The catalog's housekeeping functions (docs/krm.md, "Builtin functions").
+
+HOUSEKEEPING_ITEMS = """\
+- apiVersion: v1
+  kind: ConfigMap
+  metadata:
+    name: applied # kept
+    annotations:
+      internal.config.kubernetes.io/path: resources.yaml
+  data:
+    # a comment on its own line
+    foo: bar # and one at the end of a line
+- apiVersion: blueprints.cloud.google.com/v1alpha3
+  kind: ResourceHierarchy
+  metadata:
+    name: sample-hierarchy
+    annotations:
+      config.kubernetes.io/local-config: "TRUE"
+      internal.config.kubernetes.io/path: hierarchy.yaml
+"""
+
+
+def test_no_op_gives_the_resources_back_with_no_result() -> None:
+    data = rl_of(HOUSEKEEPING_ITEMS, "{}")
+    rl = run(no_op, data)
+    assert rl.to_bytes() == ResourceList.parse(data).to_bytes()
+    assert rl.results == []
+
+
+def test_remove_local_config_resources_prunes_and_names_each() -> None:
+    """The catalog's function: local-config "true" in any case is pruned; a count, then one
+    info result per resource with its file; a warning when there is nothing to prune."""
+    rl = run_twice(remove_local_config_resources, rl_of(HOUSEKEEPING_ITEMS, "{}"))
+    assert [item["metadata"]["name"] for item in rl.items] == ["applied"]
+    first = run(remove_local_config_resources, rl_of(HOUSEKEEPING_ITEMS, "{}"))
+    assert [dict(r) for r in first.results] == [
+        {"message": "Number of resources pruned: 1", "severity": "info"},
+        {
+            "message": "Resource name: [sample-hierarchy]",
+            "severity": "info",
+            "file": {"path": "hierarchy.yaml"},
+        },
+    ]
+    nothing = run(
+        remove_local_config_resources,
+        rl_of(HOUSEKEEPING_ITEMS.split("- apiVersion: blueprints")[0], "{}"),
+    )
+    assert [dict(r) for r in nothing.results] == [
+        {
+            "message": "Found no resources to prune with the local config annotation",
+            "severity": "warning",
+        }
+    ]
+
+
+def test_drop_comments_removes_every_comment_and_nothing_else() -> None:
+    data = rl_of(HOUSEKEEPING_ITEMS, "{}")
+    rl = run_twice(drop_comments, data)
+    text = rl.to_bytes().decode()
+    assert "#" not in text
+    assert load(text)["items"] == load(data.decode())["items"]
+
+
+# set-image (docs/krm.md, "Builtin functions").
+
+SET_IMAGE_ITEMS = """\
+- apiVersion: v1
+  kind: Pod
+  metadata:
+    name: app
+  spec:
+    initContainers:
+    - name: init
+      image: nginx:1.20.2
+    containers:
+    - name: server
+      image: nginx:1.20.2 # the server
+    - name: store
+      image: postgres:14.1
+- apiVersion: apps/v1
+  kind: Deployment
+  metadata:
+    name: web
+  spec:
+    template:
+      spec:
+        containers:
+        - name: web
+          image: registry.local:5000/nginx@sha256:abc
+- apiVersion: dev.example.com/v1
+  kind: MyKind
+  metadata:
+    name: custom
+  spec:
+    manifest:
+      images:
+      - image: nginx
+      - image: nginxfoo
+"""
+
+
+def images(rl: ResourceList) -> list[str]:
+    pod, deployment, custom = rl.items
+    return [
+        *(c["image"] for c in pod["spec"]["initContainers"] + pod["spec"]["containers"]),
+        deployment["spec"]["template"]["spec"]["containers"][0]["image"],
+        *(i["image"] for i in custom["spec"]["manifest"]["images"]),
+    ]
+
+
+def test_set_image_rewrites_the_pod_specs_containers_that_name_the_image() -> None:
+    """Pods' and pod templates' containers; init containers are left, as the catalog's
+    function leaves them; a new tag replaces the tag, the name keeps its registry port."""
+    config = "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\ndata:\n  name: nginx\n  newTag: 1.21.4"
+    rl = run_twice(set_image, rl_of(SET_IMAGE_ITEMS, config))
+    assert images(rl) == [
+        "nginx:1.20.2",
+        "nginx:1.21.4",
+        "postgres:14.1",
+        "registry.local:5000/nginx@sha256:abc",  # another name
+        "nginx",  # not a field it looks at
+        "nginxfoo",
+    ]
+    assert "# the server" in rl.to_bytes().decode()
+    first = run(set_image, rl_of(SET_IMAGE_ITEMS, config))
+    assert [dict(r) for r in first.results] == [
+        {"message": "summary: updated a total of 1 image(s)", "severity": "info"}
+    ]
+
+
+def test_set_image_digest_new_name_and_additional_fields() -> None:
+    config = """\
+apiVersion: fn.kpt.dev/v1alpha1
+kind: SetImage
+metadata: {name: c}
+image:
+  name: registry.local:5000/nginx
+  newName: bitnami/nginx
+  digest: sha256:def
+additionalImageFields:
+- {kind: MyKind, group: dev.example.com, version: v1, path: "spec/manifest/images[]/image"}
+"""
+    rl = run(set_image, rl_of(SET_IMAGE_ITEMS, config))
+    assert images(rl)[3] == "bitnami/nginx@sha256:def"  # a digest replaces tag and digest
+    config = config.replace("registry.local:5000/nginx", "nginx").replace(
+        "digest: sha256:def", "newTag: v2"
+    )
+    rl = run(set_image, rl_of(SET_IMAGE_ITEMS, config))
+    assert images(rl)[4:] == ["bitnami/nginx:v2", "nginxfoo"]
+    assert rl.results[-1]["message"] == "summary: updated a total of 2 image(s)"
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ("  newTag: v2", "must specify `name`"),
+        ("  name: nginx", "must specify one of `newName`, `newTag`, or `digest`"),
+        ("  name: nginx\n  tag: v2", "ConfigMap has wrong field name tag"),
+    ],
+)
+def test_set_image_refuses_an_incomplete_config(data: str, message: str) -> None:
+    config = f"apiVersion: v1\nkind: ConfigMap\nmetadata: {{name: c}}\ndata:\n{data}"
+    rl = run(set_image, rl_of(SET_IMAGE_ITEMS, config))
+    assert [dict(r) for r in rl.results] == [{"message": message, "severity": "error"}]
+    assert images(rl)[1] == "nginx:1.20.2"

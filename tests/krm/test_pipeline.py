@@ -128,8 +128,9 @@ def test_render_runs_subpackages_first_then_mutators_in_order_then_validators(
         "reason": "RenderSuccess",
     }
     status = top["status"]["renderStatus"]
+    # kpt records an image with neither tag nor digest as it runs it: `:latest`
     assert [s["image"] for s in status["mutationSteps"]] == [
-        qualified("set-annotations"),
+        qualified("set-annotations:latest"),
         qualified("set-namespace:v0.4.1"),
         "gcr.io/kpt-fn/set-labels:v0.2",
     ]
@@ -202,7 +203,10 @@ def test_a_failing_step_writes_nothing_but_the_kptfile_status(
     failed_step = status["renderStatus"]["mutationSteps"][-1]
     assert failed_step["exitCode"] == 1
     assert failed_step["errorResults"][0]["message"] == "`data.namespace` should not be empty"
-    assert status["renderStatus"]["errorSummary"] == f"{qualified('set-namespace')}: exit code 1"
+    assert (
+        status["renderStatus"]["errorSummary"]
+        == f"{qualified('set-namespace:latest')}: exit code 1"
+    )
     failed = caught.value.steps[-1]
     assert not failed.ok and failed.results[-1]["severity"] == "error"
     results = load((tmp_path / "results" / "results.yaml").read_text())
@@ -268,6 +272,35 @@ def test_exec_steps_need_allow_exec_and_get_a_function_input_configmap(
     config = seen["functionConfig"]
     assert (config["kind"], config["metadata"]["name"]) == ("ConfigMap", "function-input")
     assert config["data"]["greeting"] == "hello"
+
+
+def test_a_parent_function_sees_subpackage_paths_relative_to_their_package(
+    package: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/krm.md, "Where resources are written": until the render ends, a resource's path is
+    its own package's, with the package in kpt's package-path annotation; what an exec function
+    gives back goes back to that package."""
+    capture = tmp_path / "seen.yaml"
+    write(package, {"capture.sh": f"#!/bin/sh\ntee {capture}\n"})
+    monkeypatch.chdir(package)
+    (package / "Kptfile").write_text(kptfile("app", mutators="- exec: ./capture.sh\n"))
+    before = snapshot(package)
+    render(package, BuiltinEvaluator(), allow_exec=True)
+    seen = {
+        (item["kind"], item["metadata"]["name"]): item["metadata"]["annotations"]
+        for item in load(capture.read_text())["items"]
+    }
+    db = seen[("Kptfile", "db")]
+    assert db["internal.config.kubernetes.io/path"] == db["config.kubernetes.io/path"] == "Kptfile"
+    assert db["internal.config.kubernetes.io/package-path"] == "db/"
+    top = seen[("Kptfile", "app")]
+    assert top["internal.config.kubernetes.io/path"] == "Kptfile"
+    assert "internal.config.kubernetes.io/package-path" not in top
+    after = snapshot(package)
+    assert sorted(after) == sorted(before)  # every resource back in the file it came from
+    assert after["deploy.yaml"] == before["deploy.yaml"]
+    assert "team: data" in after["db/configmap.yaml"]  # the subpackage's own step
+    assert "package-path" not in "".join(after.values())
 
 
 def test_selectors_and_exclude_run_a_function_on_a_subset(package: Path) -> None:
@@ -336,9 +369,11 @@ def test_fnkernel_render_prints_a_line_per_step_and_eval_takes_key_values(packag
     assert lines[0].startswith(
         "[1] db/: mutator ghcr.io/kptdev/krm-functions-catalog/set-annotations (builtin)"
     )
-    # set-annotations reports each place it annotated: two Kptfiles, the Deployment and its pod
-    # template, the Service and the ConfigMap
-    assert lines[3].startswith("[4] validator") and lines[3].endswith("ok · 6 info")
+    # set-annotations reports each place it annotated: the Kptfiles, the Deployment and its pod
+    # template, the Service and the ConfigMap. The subpackage's resources reach the top
+    # package's function with their own package's paths (docs/krm.md, "Where resources are
+    # written"), so the two Kptfiles are one file and one result, as kpt reports them.
+    assert lines[3].startswith("[4] validator") and lines[3].endswith("ok · 5 info")
     assert "files changed: Kptfile, db/Kptfile, db/configmap.yaml, deploy.yaml" in done.stdout
     done = subprocess.run(
         [

@@ -7,8 +7,11 @@ digest: ``set-namespace``, ``ghcr.io/kptdev/krm-functions-catalog/set-namespace:
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable, Mapping
+
+import semantic_version
 
 from fnkernel.runtime_server.errors import FunctionError, InvalidEvaluateRequest, NotFoundError
 from fnkernel.runtime_server.krm.evaluators.base import (
@@ -17,8 +20,14 @@ from fnkernel.runtime_server.krm.evaluators.base import (
     remaining,
     split_image,
 )
+from fnkernel.runtime_server.krm.functions.housekeeping import (
+    drop_comments,
+    no_op,
+    remove_local_config_resources,
+)
 from fnkernel.runtime_server.krm.functions.processes import Bounds, running
 from fnkernel.runtime_server.krm.functions.replacements import apply_replacements
+from fnkernel.runtime_server.krm.functions.set_image import set_image
 from fnkernel.runtime_server.krm.functions.set_metadata import set_annotations, set_labels
 from fnkernel.runtime_server.krm.functions.set_namespace import set_namespace
 from fnkernel.runtime_server.krm.functions.starlark import starlark_run
@@ -40,7 +49,71 @@ FUNCTIONS: dict[str, KrmFunction] = {
     "set-annotations": set_annotations,
     "starlark": starlark_run,
     "apply-replacements": apply_replacements,
+    "no-op": no_op,
+    "remove-local-config-resources": remove_local_config_resources,
+    "drop-comments": drop_comments,
+    "set-image": set_image,
 }
+
+# The catalog's releases each builtin answers for (its git tags, and the newer releases kpt's own
+# cases resolve to): with no image registry here, a Kptfile step's semver `tag:` is resolved
+# against these (docs/krm.md, "Image tags"). Whatever the tag, the function that runs is ours.
+VERSIONS: dict[str, tuple[str, ...]] = {
+    "set-namespace": (
+        *(f"v0.1.{n}" for n in range(5)),
+        "v0.2.0",
+        *(f"v0.3.{n}" for n in range(5)),
+        "v0.4.0",
+        "v0.4.1",
+        "v0.4.3",
+    ),
+    "set-labels": ("v0.1.3", "v0.1.4", "v0.1.5", "v0.2.0", "v0.2.1", "v0.2.5"),
+    "set-annotations": ("v0.1.3", "v0.1.4"),
+    "starlark": (
+        *("v0.1.0", "v0.1.1", "v0.1.2", "v0.2.0", "v0.2.1", "v0.2.2", "v0.3.0"),
+        *("v0.4.0", "v0.4.1", "v0.4.2", "v0.4.3", "v0.5.0", "v0.5.1"),
+    ),
+    "apply-replacements": ("v0.1.0", "v0.1.1", "v0.1.2"),
+    "remove-local-config-resources": ("v0.1.0",),
+    "set-image": ("v0.1.0", "v0.1.1"),
+}
+# What Masterminds' semver (kpt's) takes as a version rather than a constraint: the tag is used
+# as it is. An image tag's own grammar (OCI distribution).
+_VERSION = re.compile(r"v?\d+(\.\d+){0,2}(-[0-9A-Za-z.-]+)?(\+[0-9A-Za-z.-]+)?")
+_IMAGE_TAG = re.compile(r"[\w][\w.-]{0,127}")
+_OPERATOR_SPACE = re.compile(r"([<>=~^]+)\s+")
+
+
+def resolve_tag(image: str, tag: str) -> str:
+    """kpt's image for a Kptfile step's `image` and `tag`: a version (``0.4.1``) or any other
+    literal tag replaces the image's own; a semver constraint (``~0.2``, ``0.4.1 - 0.4.3``,
+    ``>= 0.4, < 0.5``) becomes the newest release of VERSIONS that satisfies it. ValueError with
+    kpt's message when none does or the tag is not one."""
+    name, _ = split_image(image.partition("@")[0])
+    if not tag:
+        return image
+    if _VERSION.fullmatch(tag) is None:
+        spec = " ".join(_OPERATOR_SPACE.sub(r"\1", tag).replace(",", " ").split())
+        try:
+            constraint = semantic_version.NpmSpec(spec)
+        except ValueError:
+            constraint = None
+        if constraint is not None:
+            known = [
+                (semantic_version.Version.coerce(v.removeprefix("v")), v)
+                for v in VERSIONS.get(bare_name(name), ())
+            ]
+            matching = sorted((v for v in known if v[0] in constraint), reverse=True)
+            if not matching:
+                raise ValueError(f'no tag could be found matching the version constraint "{tag}"')
+            return f"{name}:{matching[0][1]}"
+    if _IMAGE_TAG.fullmatch(tag) is None:
+        raise ValueError(
+            f'`function.tag` "{tag}" must be a valid image tag: must start with an alphanumeric '
+            "character or underscore, followed by at most 127 alphanumeric characters, "
+            "underscores, periods, or dashes"
+        )
+    return f"{name}:{tag}"
 
 
 def bare_name(image: str) -> str:

@@ -50,10 +50,10 @@ class FieldSpec:
         )
 
     @classmethod
-    def of(cls, node: Any) -> FieldSpec:
-        """From a config's ``additionalAnnotationFields`` entry."""
+    def of(cls, node: Any, field: str = "additionalAnnotationFields") -> FieldSpec:
+        """From an entry of a config's `field` (``additionalAnnotationFields``, say)."""
         if not isinstance(node, Mapping) or not node.get("path"):
-            raise ValueError("each of `additionalAnnotationFields` needs a `path`")
+            raise ValueError(f"each of `{field}` needs a `path`")
         return cls(
             str(node["path"]),
             bool(node.get("create", False)),

@@ -22,7 +22,7 @@ from fnkernel.runtime_server.krm.pipeline.steps import (
     Resource,
     Step,
 )
-from fnkernel.runtime_server.krm.pipeline.writer import write_package
+from fnkernel.runtime_server.krm.pipeline.writer import stage, write_package
 from fnkernel.runtime_server.krm.resources import kptfile
 from fnkernel.runtime_server.krm.resources.package import (
     KPTFILE,
@@ -30,6 +30,7 @@ from fnkernel.runtime_server.krm.resources.package import (
     PackageError,
     check_config_paths,
     load_package,
+    read_kptfile,
     render_files,
     source_of,
 )
@@ -177,7 +178,12 @@ def render(
     asks for it (``kpt.dev/save-on-render-failure``), what the pipeline made before it failed.
     `diffs`: record each step's diff. Not `in_place`: the output goes elsewhere (``-o``), so
     the package is not touched and its Kptfile gets no status."""
-    package = load_package(root)
+    try:
+        package = load_package(root)
+    except PackageError as exc:
+        if in_place and not dry_run:
+            _record_unreadable_subpackage(root, exc)
+        raise
     runner = Runner(
         evaluator,
         allow_exec=allow_exec,
@@ -214,6 +220,24 @@ def render(
         failure.saved = save
         raise failure
     return outcome
+
+
+def _record_unreadable_subpackage(root: Path, error: PackageError) -> None:
+    """A subpackage's Kptfile that cannot be read fails the render before any step; kpt records
+    that in the top Kptfile's status, when the top one can be read (docs/krm.md, "Failures")."""
+    if not error.kptfile_of.startswith("./"):  # the top package's own Kptfile, or no Kptfile
+        return
+    try:
+        top, _ = read_kptfile(root, ".")
+    except PackageError:
+        return
+    failure = PipelineError(
+        f'pkg {error.kptfile_of}: error reading Kptfile at "{error.kptfile_of}": {error.reason}',
+        [],
+    )
+    failure.render_stage = "pkg.Subpackages"
+    target = root / KPTFILE
+    os.replace(stage(target, status_text(top, [], failure)), target)
 
 
 def evaluate_one(

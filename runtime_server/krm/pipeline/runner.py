@@ -16,6 +16,7 @@ from ruamel.yaml.comments import CommentedMap
 from fnkernel.runtime_server.errors import EvaluatorError, FunctionError, NotFoundError
 from fnkernel.runtime_server.krm import chain
 from fnkernel.runtime_server.krm.evaluators.base import EvalRequest, Evaluator
+from fnkernel.runtime_server.krm.evaluators.builtin import resolve_tag
 from fnkernel.runtime_server.krm.functions.processes import Bounds, running
 from fnkernel.runtime_server.krm.pipeline.steps import (
     EXEC_NOT_ALLOWED,
@@ -26,12 +27,14 @@ from fnkernel.runtime_server.krm.pipeline.steps import (
     Resource,
     Selector,
     Step,
+    qualified,
 )
 from fnkernel.runtime_server.krm.resources import resourcelist
 from fnkernel.runtime_server.krm.resources.package import (
     INDEX_ANNOTATION,
     LEGACY_INDEX_ANNOTATION,
     LEGACY_PATH_ANNOTATION,
+    PACKAGE_PATH_ANNOTATION,
     PATH_ANNOTATION,
     Package,
     default_path,
@@ -80,6 +83,11 @@ class Runner:
         label = function.label
         step = Step(package.relative if package else "", stage, label, spec=function)
         where = package.display if package else "."
+        if function.tag:
+            try:
+                step.function = label = qualified(resolve_tag(function.image, function.tag))
+            except ValueError as exc:
+                self._refuse(step, str(exc), items, where)
         if function.command and not self.allow_exec:
             self._refuse(step, EXEC_NOT_ALLOWED, items, where)
         validator = stage == "validator"
@@ -97,7 +105,8 @@ class Runner:
         step.inputs = len(chosen)
         started = time.perf_counter()
         prefix = package.relative if package else ""
-        before_paths = _enter(rl.items, prefix)
+        before_paths = _enter(rl.items, _package_prefixes(package))
+        comments_back = resourcelist.keep_comments(rl.items) if not validator else None
         try:
             with running(self.bounds) as bounded:  # docs/krm.md, "Limits"
                 if function.command:
@@ -121,6 +130,8 @@ class Runner:
                 message, self.steps, items=items, package=where, handled=True
             ) from None
         step.duration = time.perf_counter() - started
+        if comments_back is not None:
+            comments_back()
         step.stderr = log.decode("utf-8", "replace")
         step.results = [dict(r) for r in rl.results if isinstance(r, dict)]
         wrong_path = _leave(rl.items, prefix, before_paths)
@@ -174,28 +185,54 @@ def not_krm_reason(items: list[Resource]) -> str:
     return ""
 
 
-def _enter(items: list[Resource], prefix: str) -> dict[int, tuple[str, str]]:
-    """Before a subpackage's function runs, make the items' paths its package's, as kpt gives
-    them; returns each item's (path, index) to tell later which annotation the function moved."""
+def _package_prefixes(package: Package | None) -> list[str]:
+    """The relative paths of `package` and every package below it, deepest first."""
+    if package is None:
+        return [""]
+    found, queue = [], [package]
+    while queue:
+        current = queue.pop()
+        found.append(current.relative)
+        queue += current.subpackages
+    return sorted(found, key=len, reverse=True)
+
+
+def _owner(path: str, prefixes: list[str]) -> str:
+    return next((p for p in prefixes if path.startswith(p)), prefixes[-1])
+
+
+def _enter(items: list[Resource], prefixes: list[str]) -> dict[int, tuple[str, str, str]]:
+    """Before a function runs, make each item's path relative to the package it belongs to, as
+    kpt gives them until the render ends (docs/krm.md, "Where resources are written"): a
+    subpackage's resources reach its parent's functions with the subpackage's own paths.
+    Returns each item's (path, index, package prefix), to tell later which annotation the
+    function moved and to put the prefix back."""
     before = {}
     for item in items:
         notes = annotations_of(item)
+        owner = _owner(
+            str(notes.get(PATH_ANNOTATION, notes.get(LEGACY_PATH_ANNOTATION, ""))), prefixes
+        )
         for key in (PATH_ANNOTATION, LEGACY_PATH_ANNOTATION):
-            if key in notes and prefix:
-                notes[key] = str(notes[key]).removeprefix(prefix)
+            if key in notes and owner:
+                notes[key] = str(notes[key]).removeprefix(owner)
+        if owner != prefixes[-1]:  # what travels through an exec function's output
+            notes[PACKAGE_PATH_ANNOTATION] = owner
         before[id(item)] = (
             str(notes.get(PATH_ANNOTATION, "")),
             str(notes.get(INDEX_ANNOTATION, "")),
+            owner,
         )
     return before
 
 
-def _leave(items: list[Resource], prefix: str, before: dict[int, tuple[str, str]]) -> str:
+def _leave(items: list[Resource], prefix: str, before: dict[int, tuple[str, str, str]]) -> str:
     """After a function: reconcile the legacy and internal path/index annotations (the one the
-    function changed wins), make paths the top package's again, and check kpt's rules: a path
-    stays inside the package (an absolute one is taken from the package's root) and names one
-    document once. Returns what is wrong, or ""."""
-    seen: set[tuple[str, str]] = set()
+    function changed wins), make paths the top package's again (a resource the function made
+    belongs to the package that ran it, `prefix`), and check kpt's rules: a path stays inside
+    its package (an absolute one is taken from the package's root) and names one document
+    once. Returns what is wrong, or ""."""
+    seen: set[tuple[str, str, str]] = set()
     for item in items:
         notes = annotations_of(item)
         if PATH_ANNOTATION not in notes and LEGACY_PATH_ANNOTATION not in notes:
@@ -204,7 +241,8 @@ def _leave(items: list[Resource], prefix: str, before: dict[int, tuple[str, str]
                 notes[PATH_ANNOTATION] = notes[LEGACY_PATH_ANNOTATION] = default_path(item)
             else:
                 continue  # it gets a file of its own in the package (render_files)
-        old_path, old_index = before.get(id(item), (None, None))
+        old_path, old_index, owner = before.get(id(item), (None, None, prefix))
+        owner = str(notes.pop(PACKAGE_PATH_ANNOTATION, owner))
         for internal, legacy, old in (
             (PATH_ANNOTATION, LEGACY_PATH_ANNOTATION, old_path),
             (INDEX_ANNOTATION, LEGACY_INDEX_ANNOTATION, old_index),
@@ -222,25 +260,34 @@ def _leave(items: list[Resource], prefix: str, before: dict[int, tuple[str, str]
             return (
                 f"function must not modify resources outside of package: resource has path {path}"
             )
-        key = (clean, str(notes.get(INDEX_ANNOTATION, "0")))
+        key = (owner, clean, str(notes.get(INDEX_ANNOTATION, "0")))
         if key in seen:
-            return f'resource at path "{clean}" and index "{key[1]}" already exists'
+            return f'resource at path "{clean}" and index "{key[2]}" already exists'
         seen.add(key)
-        notes[PATH_ANNOTATION] = notes[LEGACY_PATH_ANNOTATION] = f"{prefix}{clean}"
+        notes[PATH_ANNOTATION] = notes[LEGACY_PATH_ANNOTATION] = f"{owner}{clean}"
     return ""
 
 
 def _take_output(rl: ResourceList, output: bytes) -> None:
     """Make `rl` the ResourceList a function printed, each resource's comments back in their
     columns (they move when nodes are nested one level deeper and serialized)."""
-    columns = {source_of(item): comment_columns(item) for item in rl.items}
+    given = {_source(item): item for item in rl.items}
+    columns = {source: comment_columns(item) for source, item in given.items()}
     try:
         out = ResourceList.parse(output)
     except resourcelist.InvalidResourceList as exc:
         raise FunctionError(f"failed to parse function output: {exc}") from None
     for item in out.items:
-        restore_comment_columns(item, columns.get(source_of(item), {}))
+        source = _source(item)
+        restore_comment_columns(item, columns.get(source, {}))
+        if source in given:  # what the function dropped comes back, as in kpt
+            resourcelist.copy_missing_comments(given[source], item)
     rl.document = out.document
+
+
+def _source(item: Resource) -> tuple[str, str, int]:
+    """Which package, file and document a resource is from, while a function has it."""
+    return (str(annotations_of(item).get(PACKAGE_PATH_ANNOTATION, "")), *source_of(item))
 
 
 def matches(resource: Resource, selector: Selector) -> bool:

@@ -33,6 +33,9 @@ class PipelineFunction:
     image: str = ""
     command: str = ""  # the Kptfile's `exec:`
     name: str = ""  # the Kptfile's `name:`, recorded in its status
+    tag: str = (
+        ""  # the Kptfile's `tag:`, a version or semver constraint (docs/krm.md, "Image tags")
+    )
     config_map: Mapping[str, Any] | None = None
     config_path: str = ""
     selectors: tuple[Selector, ...] = ()
@@ -55,6 +58,7 @@ class PipelineFunction:
             image=image,
             command=command,
             name=str(spec.get("name", "") or ""),
+            tag=str(spec.get("tag", "") or ""),
             config_map=config_map,
             config_path=str(spec.get("configPath", "") or ""),
             selectors=tuple(spec.get("selectors") or ()),
@@ -96,8 +100,14 @@ class Step:
 
     @property
     def name(self) -> str:
-        """How kpt names the function: its image, or the exec command."""
-        return self.function.removeprefix("exec: ")
+        """How kpt names the function: its image (``:latest`` when it has neither tag nor
+        digest, as kpt runs it), or the exec command."""
+        if self.function.startswith("exec: "):
+            return self.function.removeprefix("exec: ")
+        last = self.function.rpartition("/")[2]
+        if ":" in last or "@" in last or self.function.startswith("fn://"):
+            return self.function
+        return f"{self.function}:latest"
 
     @property
     def selective(self) -> bool:
@@ -148,6 +158,8 @@ class PipelineError(Exception):
         self.handled = handled  # a function failure: its output already says why
         self.breadth_first_in = ""  # the subpackage a breadth-first render failed in
         self.saved = False  # what succeeded was written (kpt.dev/save-on-render-failure)
+        # Where in kpt's render it failed, as its condition names it (with `in_step`).
+        self.render_stage = "pipeline.run"
 
     def condition(self) -> str:
         """The message kpt writes in the Kptfile's ``Rendered`` condition."""
@@ -155,7 +167,7 @@ class PipelineError(Exception):
         if self.breadth_first_in:
             why = f"pkg {self.breadth_first_in}: {why}"
         if self.in_step:
-            return f"pkg.render: pkg {self.package}:\n\tpipeline.run: {why}"
+            return f"pkg.render: pkg {self.package}:\n\t{self.render_stage}: {why}"
         return f"pkg.render: pkg {self.package}: {why}"
 
 

@@ -37,6 +37,9 @@ LEGACY_INDEX_ANNOTATION = "config.kubernetes.io/index"
 LEGACY_PATH_ANNOTATION = "config.kubernetes.io/path"
 INDEX_ANNOTATION = "internal.config.kubernetes.io/index"
 PATH_ANNOTATION = "internal.config.kubernetes.io/path"
+# Which package a resource belongs to, while a parent package's function has it (kpt's name):
+# its path is then relative to that package (docs/krm.md, "Where resources are written").
+PACKAGE_PATH_ANNOTATION = "internal.config.kubernetes.io/package-path"
 # How the file indents a sequence under its key, as kpt records it: "compact" (``key:\n- a``) or
 # "wide" (``key:\n  - a``); the file is written back the same way.
 SEQ_ANNOTATION = "internal.config.kubernetes.io/seqindent"
@@ -48,6 +51,7 @@ INTERNAL = (
     LEGACY_PATH_ANNOTATION,
     INDEX_ANNOTATION,
     PATH_ANNOTATION,
+    PACKAGE_PATH_ANNOTATION,
     SEQ_ANNOTATION,
     HEADER_ANNOTATION,
 )
@@ -139,8 +143,11 @@ def read_kptfile(root: Path, display: str) -> tuple[CommentedMap, str]:
     try:
         documents = [doc for doc in yaml().load_all(text) if doc is not None]
     except Exception as exc:  # ruamel raises several unrelated types for bad input
+        reason = _yaml_error(exc)
         raise PackageError(
-            f'Kptfile at "{display}" can\'t be read.\n\nDetails:\n{_yaml_error(exc)}'
+            f'Kptfile at "{display}" can\'t be read.\n\nDetails:\n{reason}',
+            kptfile_of=display,
+            reason=reason,
         ) from None
     document = documents[0] if documents else CommentedMap()
     try:
@@ -152,7 +159,8 @@ def read_kptfile(root: Path, display: str) -> tuple[CommentedMap, str]:
     except kptfile.KptfileError as exc:
         why = str(exc)
         prefix = "" if why.startswith("Kptfile is invalid") else f'Kptfile at "{display}" '
-        raise PackageError(prefix + why) from None
+        reason = why.partition("Details:\n")[2] or why
+        raise PackageError(prefix + why, kptfile_of=display, reason=reason) from None
     return document, text
 
 
@@ -262,7 +270,13 @@ def _ignored(relative: str, patterns: list[str]) -> bool:
 
 class PackageError(Exception):
     """The package cannot be read: a symlink loop, a dangling symlink, an unreadable file, an
-    invalid Kptfile. The message names the path; nothing has been written."""
+    invalid Kptfile. The message names the path; nothing has been written. For a Kptfile that
+    cannot be read, `kptfile_of` is its package ("./db") and `reason` kpt's words for why."""
+
+    def __init__(self, message: str, *, kptfile_of: str = "", reason: str = "") -> None:
+        super().__init__(message)
+        self.kptfile_of = kptfile_of
+        self.reason = reason
 
 
 def _check_symlink(path: Path, relative: str) -> None:

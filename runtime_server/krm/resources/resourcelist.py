@@ -200,6 +200,62 @@ def restore_comment_columns(node: Any, columns: Mapping[CommentKey, int]) -> Non
             token.column = columns[key]
 
 
+def _commented(node: Any) -> Iterator[Any]:
+    """Every container node below `node` (itself included) that holds a comment."""
+    attribute = getattr(node, "ca", None)
+    if attribute is not None and (attribute.comment or attribute.items or attribute.end):
+        yield node
+    children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+    for child in children:
+        if isinstance(child, dict | list):
+            yield from _commented(child)
+
+
+def keep_comments(items: list[Any]) -> Callable[[], None]:
+    """Record the comments of `items`; the function returned puts back those a function then
+    removed from nodes it kept (kpt restores what a function drops: docs/krm.md, "Comments")."""
+    saved = [
+        (node, node.ca.comment, dict(node.ca.items), list(node.ca.end or []))
+        for item in items
+        for node in _commented(item)
+    ]
+
+    def restore() -> None:
+        for node, comment, entries, end in saved:
+            _put_back(node.ca, comment, entries, end, node)
+
+    return restore
+
+
+def copy_missing_comments(old: Any, new: Any) -> None:
+    """Give `new` (a function's output of `old`) each comment of `old` it lacks, field by field
+    and element by element, as kpt does for what a function drops."""
+    attribute = getattr(old, "ca", None)
+    if attribute is not None and getattr(new, "ca", None) is not None:
+        _put_back(new.ca, attribute.comment, attribute.items, list(attribute.end or []), new)
+    if isinstance(old, dict) and isinstance(new, dict):
+        for key, child in old.items():
+            if key in new and isinstance(child, dict | list):
+                copy_missing_comments(child, new[key])
+    elif isinstance(old, list) and isinstance(new, list):
+        for child, other in zip(old, new, strict=False):
+            if isinstance(child, dict | list):
+                copy_missing_comments(child, other)
+
+
+def _put_back(ca: Any, comment: Any, entries: Mapping[Any, Any], end: list[Any], node: Any) -> None:
+    if ca.comment is None and comment:
+        ca.comment = comment
+    for key, entry in entries.items():
+        present = (
+            key in node if isinstance(node, dict) else isinstance(key, int) and key < len(node)
+        )
+        if present and key not in ca.items:
+            ca.items[key] = entry
+    if end and not ca.end:
+        ca.end = end
+
+
 def format_result(result: Mapping[str, Any]) -> str:
     """A result as kpt prints it: ``[severity] apiVersion/kind/namespace/name field: message``,
     each part only when present (severity defaults to info)."""
@@ -258,7 +314,11 @@ def identity(value: Any) -> tuple[str, ...] | None:
     notes = meta.get("annotations") if isinstance(meta.get("annotations"), dict) else {}
     where = tuple(
         str(notes.get(k, ""))
-        for k in ("internal.config.kubernetes.io/path", "internal.config.kubernetes.io/index")
+        for k in (
+            "internal.config.kubernetes.io/package-path",
+            "internal.config.kubernetes.io/path",
+            "internal.config.kubernetes.io/index",
+        )
     )
     if any(where):
         return where
