@@ -89,7 +89,7 @@ def resolve_tag(image: str, tag: str) -> str:
     literal tag replaces the image's own; a semver constraint (``~0.2``, ``0.4.1 - 0.4.3``,
     ``>= 0.4, < 0.5``) becomes the newest release of VERSIONS that satisfies it. ValueError with
     kpt's message when none does or the tag is not one."""
-    name, _ = split_image(image.partition("@")[0])
+    name, _ = split_image(image)
     if not tag:
         return image
     if _VERSION.fullmatch(tag) is None:

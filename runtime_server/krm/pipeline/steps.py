@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from fnkernel.runtime_server.krm.evaluators.base import split_image
 from fnkernel.runtime_server.krm.resources import resourcelist
 
 if TYPE_CHECKING:
@@ -33,9 +34,8 @@ class PipelineFunction:
     image: str = ""
     command: str = ""  # the Kptfile's `exec:`
     name: str = ""  # the Kptfile's `name:`, recorded in its status
-    tag: str = (
-        ""  # the Kptfile's `tag:`, a version or semver constraint (docs/krm.md, "Image tags")
-    )
+    # The Kptfile's `tag:`, a version or semver constraint (docs/krm.md, "Image tags").
+    tag: str = ""
     config_map: Mapping[str, Any] | None = None
     config_path: str = ""
     selectors: tuple[Selector, ...] = ()
@@ -104,8 +104,11 @@ class Step:
         digest, as kpt runs it), or the exec command."""
         if self.function.startswith("exec: "):
             return self.function.removeprefix("exec: ")
-        last = self.function.rpartition("/")[2]
-        if ":" in last or "@" in last or self.function.startswith("fn://"):
+        if (
+            split_image(self.function)[1]
+            or "@" in self.function
+            or self.function.startswith("fn://")
+        ):
             return self.function
         return f"{self.function}:latest"
 

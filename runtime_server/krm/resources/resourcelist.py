@@ -222,7 +222,7 @@ def keep_comments(items: list[Any]) -> Callable[[], None]:
 
     def restore() -> None:
         for node, comment, entries, end in saved:
-            _put_back(node.ca, comment, entries, end, node)
+            _put_back(node, comment, entries, end)
 
     return restore
 
@@ -232,7 +232,7 @@ def copy_missing_comments(old: Any, new: Any) -> None:
     and element by element, as kpt does for what a function drops."""
     attribute = getattr(old, "ca", None)
     if attribute is not None and getattr(new, "ca", None) is not None:
-        _put_back(new.ca, attribute.comment, attribute.items, list(attribute.end or []), new)
+        _put_back(new, attribute.comment, attribute.items, list(attribute.end or []))
     if isinstance(old, dict) and isinstance(new, dict):
         for key, child in old.items():
             if key in new and isinstance(child, dict | list):
@@ -243,7 +243,9 @@ def copy_missing_comments(old: Any, new: Any) -> None:
                 copy_missing_comments(child, other)
 
 
-def _put_back(ca: Any, comment: Any, entries: Mapping[Any, Any], end: list[Any], node: Any) -> None:
+def _put_back(node: Any, comment: Any, entries: Mapping[Any, Any], end: list[Any]) -> None:
+    """Give `node` each of these comments its own place lacks."""
+    ca = node.ca
     if ca.comment is None and comment:
         ca.comment = comment
     for key, entry in entries.items():
