@@ -552,6 +552,7 @@ NEW_CONFIGMAP = 'ctx.resource_list["items"].append({{"apiVersion": "v1", "kind":
     ("annotations", "sub", "written"),
     [
         ("", True, "db/configmap_made.yaml"),
+        (', "namespace": "prod"', False, "prod/configmap_made.yaml"),  # kpt's default path
         (
             ', "annotations": {"config.kubernetes.io/path": "/abs/made.yaml"}',
             False,
@@ -563,7 +564,7 @@ NEW_CONFIGMAP = 'ctx.resource_list["items"].append({{"apiVersion": "v1", "kind":
             "x/made.yaml",
         ),
     ],
-    ids=["generated-in-a-subpackage", "absolute-path", "internal-path"],
+    ids=["generated-in-a-subpackage", "namespaced", "absolute-path", "internal-path"],
 )
 def test_where_a_generated_resource_is_written(
     tmp_path: Path, annotations: str, sub: bool, written: str

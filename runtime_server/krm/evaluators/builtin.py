@@ -27,10 +27,17 @@ from fnkernel.runtime_server.krm.functions.housekeeping import (
 )
 from fnkernel.runtime_server.krm.functions.processes import Bounds, running
 from fnkernel.runtime_server.krm.functions.replacements import apply_replacements
+from fnkernel.runtime_server.krm.functions.search_replace import search_replace
 from fnkernel.runtime_server.krm.functions.set_image import set_image
 from fnkernel.runtime_server.krm.functions.set_metadata import set_annotations, set_labels
 from fnkernel.runtime_server.krm.functions.set_namespace import set_namespace
+from fnkernel.runtime_server.krm.functions.setters import (
+    apply_setters,
+    create_setters,
+    list_setters,
+)
 from fnkernel.runtime_server.krm.functions.starlark import starlark_run
+from fnkernel.runtime_server.krm.functions.upsert_resource import upsert_resource
 from fnkernel.runtime_server.krm.resources.resourcelist import (
     ERROR,
     FunctionFailure,
@@ -53,6 +60,11 @@ FUNCTIONS: dict[str, KrmFunction] = {
     "remove-local-config-resources": remove_local_config_resources,
     "drop-comments": drop_comments,
     "set-image": set_image,
+    "apply-setters": apply_setters,
+    "create-setters": create_setters,
+    "list-setters": list_setters,
+    "search-replace": search_replace,
+    "upsert-resource": upsert_resource,
 }
 
 # The catalog's releases each builtin answers for (its git tags, and the newer releases kpt's own
@@ -76,6 +88,11 @@ VERSIONS: dict[str, tuple[str, ...]] = {
     "apply-replacements": ("v0.1.0", "v0.1.1", "v0.1.2"),
     "remove-local-config-resources": ("v0.1.0",),
     "set-image": ("v0.1.0", "v0.1.1"),
+    "apply-setters": ("v0.1.0", "v0.1.1", "v0.2.0", "v0.2.1"),
+    "create-setters": ("v0.1.0",),
+    "list-setters": ("v0.1.0",),
+    "search-replace": ("v0.1", "v0.1.0", "v0.1.1", "v0.2.0"),
+    "upsert-resource": ("v0.1.0", "v0.2.0"),
 }
 # What Masterminds' semver (kpt's) takes as a version rather than a constraint: the tag is used
 # as it is. An image tag's own grammar (OCI distribution).

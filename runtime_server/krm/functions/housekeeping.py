@@ -8,16 +8,14 @@ from typing import Any
 
 from ruamel.yaml.comments import CommentedBase
 
+from fnkernel.runtime_server.krm.functions.fields import file_path
 from fnkernel.runtime_server.krm.resources.resourcelist import (
     INFO,
     WARNING,
     ResourceList,
     Result,
-    annotations_of,
     is_local_config,
 )
-
-_PATHS = ("internal.config.kubernetes.io/path", "config.kubernetes.io/path")
 
 
 def no_op(rl: ResourceList) -> None:
@@ -32,10 +30,8 @@ def remove_local_config_resources(rl: ResourceList) -> None:
         if not item:
             continue
         if is_local_config(item):
-            notes = annotations_of(item)
-            path = next((str(notes[key]) for key in _PATHS if notes.get(key)), "")
             name = str((item.get("metadata") or {}).get("name", ""))
-            pruned.append(Result(f"Resource name: [{name}]", INFO, file_path=path))
+            pruned.append(Result(f"Resource name: [{name}]", INFO, file_path=file_path(item)))
         else:
             kept.append(item)
     rl.items[:] = kept

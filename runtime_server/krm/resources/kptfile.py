@@ -229,9 +229,28 @@ def invalid(field: str, value: str, reason: str) -> str:
     return text + f"Reason: {reason}\n"
 
 
+_GO_ESCAPES = {"\a": "a", "\b": "b", "\f": "f", "\n": "n", "\r": "r", "\t": "t", "\v": "v"}
+
+
 def go_quote(text: str) -> str:
-    """A string quoted as Go's %q quotes it (for the ASCII text of names and paths)."""
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    """A string quoted as Go's %q quotes it: backslash escapes for quotes and control
+    characters, printable Unicode as it is."""
+    out = ['"']
+    for char in text:
+        if char in '"\\':
+            out.append("\\" + char)
+        elif char in _GO_ESCAPES:
+            out.append("\\" + _GO_ESCAPES[char])
+        elif char.isprintable():
+            out.append(char)
+        elif ord(char) < 0x80:
+            out.append(f"\\x{ord(char):02x}")
+        elif ord(char) < 0x10000:
+            out.append(f"\\u{ord(char):04x}")
+        else:
+            out.append(f"\\U{ord(char):08x}")
+    out.append('"')
+    return "".join(out)
 
 
 def canonical(node: Any, schema: Any = SCHEMA) -> Any:

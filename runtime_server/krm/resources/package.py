@@ -436,8 +436,11 @@ def strip_internal(resource: Any, *, tidy: bool = False) -> Callable[[], None]:
 
 
 def default_path(resource: Any) -> str:
+    """Where kpt writes a resource that says no file: ``[NAMESPACE/]KIND_NAME.yaml``."""
     meta = resource.get("metadata") or {}
-    return f"{kind(resource).lower()}_{meta.get('name', 'unnamed')}.yaml"
+    name = f"{kind(resource).lower()}_{meta.get('name', 'unnamed')}.yaml"
+    namespace = meta.get("namespace")
+    return f"{namespace}/{name}" if namespace else name
 
 
 def unwrapped(resources: list[Any]) -> str:
