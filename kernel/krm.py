@@ -320,7 +320,9 @@ def krm_magic(chain: Chain, line: str, cell: str | None) -> PipelineView:
     except ValueError as exc:
         raise UsageError(f"%krm: {exc}") from None
     if not words or words[0] not in ("render", "eval"):
-        raise UsageError("%krm: expected `render DIR`, `%%krm render` or `%%krm eval IMAGE`")
+        raise UsageError(
+            "%krm: expected `render DIR`, `%%krm render`, `%%krm eval IMAGE` or `export NAME`"
+        )
     try:
         if words[0] == "render" and cell is None:
             dry_run = "--dry-run" in words
@@ -355,6 +357,28 @@ def krm_magic(chain: Chain, line: str, cell: str | None) -> PipelineView:
         raise PipelineFailed(failure.view.error) from None
     except (FileNotFoundError, PackageError) as exc:
         raise UsageError(f"%krm: {exc}") from None
+
+
+def export_magic(session: Session, line: str, cell: str | None) -> None:
+    """``%krm export NAME [-o PATH]``: the function as the gateway holds it, written as one
+    executable KRM function (runtime_server/krm/export.py); prints where."""
+    from fnkernel.runtime_server.krm.export import ExportError, export
+
+    words = shlex.split(line)[1:]
+    if cell is not None:
+        raise UsageError("%krm export is a line magic: %krm export NAME [-o PATH]")
+    if len(words) == 3 and words[1] in ("-o", "--output"):
+        name, out = words[0], Path(words[2])
+    elif len(words) == 1:
+        name, out = words[0], Path(f"{words[0]}.pyz")
+    else:
+        raise UsageError("%krm export: expected NAME [-o PATH]")
+    try:
+        source = session.runtime.client().files(name)
+        written = export(name, source["runtime"], source["handler"], source["files"], out)
+    except (ExportError, GatewayError, OSError) as exc:
+        raise UsageError(f"%krm export: {exc}") from None
+    print(f"exported {name} to {written}: run it as `kpt fn eval --exec {written}`")
 
 
 # The notebook's Python API (for what a magic line cannot say)

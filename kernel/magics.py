@@ -254,15 +254,21 @@ class FunctionMagics(Magics):
     @line_cell_magic("krm")  # type: ignore[arg-type]  # IPython types it as Never
     def krm(self, line: str, cell: str | None = None) -> Any:
         """%krm render DIR [--dry-run] | %%krm render (the cell: a package) |
-        %%krm eval IMAGE [-- key=value ...] (the cell: the input resources)
+        %%krm eval IMAGE [-- key=value ...] (the cell: the input resources) |
+        %krm export NAME [-o PATH]
 
-        Run a KRM pipeline over the kernel's evaluator chain and show it step by step.
+        Run a KRM pipeline over the kernel's evaluator chain and show it step by step, or
+        write the function NAME as an executable KRM function kpt can run (default
+        ./NAME.pyz).
         """
         from fnkernel.kernel.krm import (  # loads ruamel.yaml: only when KRM is used
             chain_of,
+            export_magic,
             krm_magic,
         )
 
+        if line.split()[:1] == ["export"]:
+            return export_magic(self.session, line, cell)
         return krm_magic(chain_of(self.session), line, cell)
 
     @line_magic("fn_trace")  # type: ignore[arg-type]  # IPython types it as Never

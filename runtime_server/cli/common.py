@@ -8,13 +8,17 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 
 class UsageError(Exception):
     pass
+
+
+if TYPE_CHECKING:
+    from fnkernel.runtime_server.client import Client
 
 
 def state_dir_of(args: argparse.Namespace) -> Path:
@@ -131,3 +135,28 @@ def add_chain_flags(parser: argparse.ArgumentParser) -> None:
         metavar="F",
         help="warm-up list: YAML [{image, timeToLive, maxParallelPods, preferredMaxQueueLength}]",
     )
+
+
+def add_client_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--gateway",
+        default=None,
+        metavar="URL",
+        help="gateway address, http://HOST:PORT or unix:PATH "
+        "(default: $FNKERNEL_RUNTIME or http://127.0.0.1:8080)",
+    )
+    parser.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help="the gateway's bearer token (default: $FNKERNEL_TOKEN, or the running gateway's own "
+        "on this machine)",
+    )
+
+
+def client_of(args: argparse.Namespace) -> Client:
+    """The gateway client the flags of add_client_flags name."""
+    from fnkernel.runtime_server import tokens
+    from fnkernel.runtime_server.client import Client
+
+    token = tokens.read_token_file(Path(args.token_file)) if args.token_file else None
+    return Client(args.gateway, token=token)

@@ -16,8 +16,10 @@ from fnkernel.runtime_server.cli.common import (
     UsageError,
     add_bound_flags,
     add_chain_flags,
+    add_client_flags,
     bounds_from_flags,
     chain_from_flags,
+    client_of,
 )
 
 if TYPE_CHECKING:  # loaded when a KRM command runs: they load ruamel.yaml
@@ -575,6 +577,19 @@ def _add_accepted(parser: argparse.ArgumentParser, *flags: str) -> None:
         parser.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
 
 
+def _export(args: argparse.Namespace) -> int:
+    from fnkernel.runtime_server.krm.export import ExportError, export
+
+    source = client_of(args).files(args.name)
+    out = Path(args.output or f"{args.name}.pyz")
+    try:
+        written = export(source["name"], source["runtime"], source["handler"], source["files"], out)
+    except ExportError as exc:
+        raise UsageError(str(exc)) from None
+    print(f"exported {args.name} to {written}")
+    return EXIT_OK
+
+
 def register(commands: Any) -> None:
     """Add the subcommands of this group to `commands` (argparse subparsers)."""
     render = commands.add_parser(
@@ -608,5 +623,16 @@ def register(commands: Any) -> None:
     add_chain_flags(evaluate)
     add_bound_flags(evaluate)
     evaluate.set_defaults(func=_eval, pairs=[])  # `-- key=value ...`: cli.main takes them
+    export = commands.add_parser(
+        "export",
+        help="a %%function --krm function as an executable KRM function (a Python zipapp)",
+        description="Write the function NAME, as registered on the gateway, to one executable "
+        "file that reads a ResourceList on stdin and writes one on stdout, without fnkernel: for "
+        "kpt fn eval --exec, a Kptfile exec step or a kustomize exec function.",
+    )
+    export.add_argument("name", metavar="NAME")
+    export.add_argument("-o", "--output", metavar="PATH", help="the file (default: ./NAME.pyz)")
+    add_client_flags(export)
+    export.set_defaults(func=_export)
     _add_fn_group(commands)
     _add_pkg_group(commands)

@@ -8,27 +8,18 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fnkernel.adapters import runtimes
 from fnkernel.runtime_server.cli.common import (
     EXIT_FAILURE,
     EXIT_OK,
     UsageError,
+    add_client_flags,
+    client_of,
     count,
     print_json,
 )
-
-if TYPE_CHECKING:
-    from fnkernel.runtime_server.client import Client
-
-
-def _client(args: argparse.Namespace) -> Client:
-    from fnkernel.runtime_server import tokens
-    from fnkernel.runtime_server.client import Client
-
-    token = tokens.read_token_file(Path(args.token_file)) if args.token_file else None
-    return Client(args.gateway, token=token)
 
 
 def _parse_env(pairs: Sequence[str]) -> dict[str, str]:
@@ -41,7 +32,7 @@ def _parse_env(pairs: Sequence[str]) -> dict[str, str]:
 
 
 def _runs_create(args: argparse.Namespace) -> int:
-    run = _client(args).create_run(
+    run = client_of(args).create_run(
         args.name,
         runtime=args.runtime,
         handler=args.handler,
@@ -56,7 +47,7 @@ def _runs_create(args: argparse.Namespace) -> int:
 
 
 def _runs_list(args: argparse.Namespace) -> int:
-    runs = _client(args).list_runs()
+    runs = client_of(args).list_runs()
     rows = [("NAME", "RUNTIME", "PHASE", "ATTEMPT", "POD", "MESSAGE")]
     for run in runs:
         rows.append(
@@ -71,12 +62,12 @@ def _runs_list(args: argparse.Namespace) -> int:
 
 
 def _runs_get(args: argparse.Namespace) -> int:
-    print_json(_client(args).status(args.name))
+    print_json(client_of(args).status(args.name))
     return EXIT_OK
 
 
 def _runs_delete(args: argparse.Namespace) -> int:
-    _client(args).delete_run(args.name)
+    client_of(args).delete_run(args.name)
     print(f"deleted {args.name}")
     return EXIT_OK
 
@@ -108,7 +99,7 @@ def _map(args: argparse.Namespace) -> int:
     def on_log(index: int, line: dict[str, Any]) -> None:
         print(f"[{index}] {line.get('text', '')}", file=sys.stderr, flush=True)
 
-    results = _client(args).map(
+    results = client_of(args).map(
         args.name, items, concurrency=args.concurrency or None, return_exceptions=True,
         timeout_millis=args.timeout_ms, progress=progress,
         on_log=on_log if args.follow else None,
@@ -132,7 +123,7 @@ def _invoke(args: argparse.Namespace) -> int:
         json.loads(data)
     except ValueError as exc:
         raise UsageError(f"payload is not JSON: {exc}") from None
-    result = _client(args).invoke(
+    result = client_of(args).invoke(
         args.name,
         data=data,
         timeout_millis=args.timeout_ms,
@@ -158,7 +149,7 @@ def _log_line(line: dict[str, Any]) -> None:
 def _logs(args: argparse.Namespace) -> int:
     """``logs NAME``: the log of NAME's call in flight, else of its last one (docs/protocol.md,
     "Live output"); with ``--follow``, each line as it is written until the call ends."""
-    records = _client(args).follow_logs(args.name, args.invocation_id, follow=args.follow)
+    records = client_of(args).follow_logs(args.name, args.invocation_id, follow=args.follow)
     for record in records:
         if "invocationId" in record:
             state = "running" if record.get("running") else "over"
@@ -170,22 +161,6 @@ def _logs(args: argparse.Namespace) -> int:
             print(f"the stream broke off: {record['error'].get('message', '')}", file=sys.stderr)
             return EXIT_FAILURE
     return EXIT_OK
-
-
-def _add_client_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--gateway",
-        default=None,
-        metavar="URL",
-        help="gateway address, http://HOST:PORT or unix:PATH "
-        "(default: $FNKERNEL_RUNTIME or http://127.0.0.1:8080)",
-    )
-    parser.add_argument(
-        "--token-file",
-        metavar="FILE",
-        help="the gateway's bearer token (default: $FNKERNEL_TOKEN, or the running gateway's own "
-        "on this machine)",
-    )
 
 
 def register(commands: Any) -> None:
@@ -225,7 +200,7 @@ def register(commands: Any) -> None:
     delete.add_argument("name")
     delete.set_defaults(func=_runs_delete)
     for sub in (create, listing, get, delete):
-        _add_client_flags(sub)
+        add_client_flags(sub)
 
     invoke = commands.add_parser("invoke", help="invoke a function: JSON payload, or - for stdin")
     invoke.add_argument("name")
@@ -249,7 +224,7 @@ def register(commands: Any) -> None:
         action="store_true",
         help="print the handler's log lines on stderr as it writes them ([ITEM] first with --map)",
     )
-    _add_client_flags(invoke)
+    add_client_flags(invoke)
     invoke.set_defaults(func=_invoke)
 
     logs = commands.add_parser(
@@ -263,5 +238,5 @@ def register(commands: Any) -> None:
         action="store_true",
         help="print each line as it is written, until the call ends",
     )
-    _add_client_flags(logs)
+    add_client_flags(logs)
     logs.set_defaults(func=_logs)

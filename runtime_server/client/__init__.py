@@ -287,6 +287,11 @@ class Client:
             body["replicas"] = replicas
         return Run(self._json("POST", "/v1/runs", body))
 
+    def files(self, name: str) -> dict[str, Any]:
+        """The source the Run `name` was created with: ``{name, runtime, handler, files}``."""
+        answer: dict[str, Any] = self._json("GET", f"/v1/runs/{_quote(name)}/files")
+        return answer
+
     def list_runs(self) -> list[Run]:
         return [Run(run) for run in self._json("GET", "/v1/runs")["runs"]]
 

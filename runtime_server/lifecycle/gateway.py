@@ -283,6 +283,7 @@ class Gateway:
                 (r"/v1/runs", RunsHandler, args),
                 (r"/v1/runs/([^/:]+):invoke", InvokeHandler, args),
                 (r"/v1/runs/([^/:]+)/logs", LogsHandler, args),
+                (r"/v1/runs/([^/:]+)/files", FilesHandler, args),
                 (r"/v1/runs/([^/:]+)/invocations/([^/]+)/logs", LogsHandler, args),
                 (r"/v1/runs/([^/:]+)", RunHandler, args),
             ],
@@ -675,6 +676,18 @@ class RunHandler(BaseHandler):
         )
         self.set_status(204)
         self.finish()
+
+
+class FilesHandler(BaseHandler):
+    """GET /v1/runs/{name}/files — the source a Run was created with, for ``fnkernel export``
+    (docs/krm.md, "A notebook function kpt can run")."""
+
+    async def get(self, name: str) -> None:
+        run = self.gateway.store.get(name)
+        files = await self.blocking(self.gateway.store.files, run.uid)
+        self.send_json(
+            200, {"name": run.name, "runtime": run.runtime, "handler": run.handler, "files": files}
+        )
 
 
 class InvokeHandler(BodyHandler):

@@ -729,6 +729,23 @@ def test_krm_render_cell_runs_builtin_and_notebook_functions_step_by_step(kernel
     assert "<details" in html and "fn://stamp" in html
 
 
+def test_krm_export_writes_the_notebook_function_for_kpt(kernel: Kernel, tmp_path: Path) -> None:
+    """docs/krm.md, "A notebook function kpt can run": ``%krm export NAME -o PATH`` writes the
+    function as one executable that needs no fnkernel (run here by a bare interpreter)."""
+    assert kernel.run(STAMP).ok
+    out = tmp_path / "stamp.pyz"
+    cell = kernel.run(f"%krm export stamp -o {out}")
+    assert cell.ok, cell.error
+    assert cell.stdout.startswith(f"exported stamp to {out}: run it as `kpt fn eval --exec {out}`")
+    rl = b"apiVersion: config.kubernetes.io/v1\nkind: ResourceList\nitems:\n- {apiVersion: v1, kind: ConfigMap, metadata: {name: c}}\n"
+    done = subprocess.run([sys.executable, "-I", "-S", str(out)], input=rl, capture_output=True,
+                          timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert b"labels: {stamped: yes}" in done.stdout
+    missing = kernel.run(f"%krm export nothing -o {tmp_path / 'n.pyz'}")
+    assert missing.reply["content"]["ename"] == "UsageError"
+
+
 def test_krm_eval_cell_with_key_values(kernel: Kernel) -> None:
     cell = kernel.run(
         "%%krm eval set-annotations -- owner=data-team\n"
