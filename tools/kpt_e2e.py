@@ -38,7 +38,7 @@ SUITES = ("e2e/testdata/fn-render", "e2e/testdata/fn-eval")
 CATALOG_SUITE = "examples"  # the function catalog's examples, one package each
 EXPECTED = ".expected"
 # A case whose scripts use these needs a container runtime or the network.
-FOREIGN_TOOLS = re.compile(r"\$\{?KRM_FN_RUNTIME|\bdocker\b|\bpodman\b|\bcurl\b")
+FOREIGN_TOOLS = re.compile(r"\$\{?KRM_FN_RUNTIME|\bdocker\b|\bpodman\b|\bcurl\b|--network\b")
 IMAGE_FLAG = re.compile(r"(?:--image[ =]|-i )\s*['\"]?([^\s'\"]+)")
 
 

@@ -27,6 +27,7 @@ from fnkernel.runtime_server.krm.functions.housekeeping import (
 )
 from fnkernel.runtime_server.krm.functions.processes import Bounds, running
 from fnkernel.runtime_server.krm.functions.replacements import apply_replacements
+from fnkernel.runtime_server.krm.functions.schemas import kubeconform, kubeval
 from fnkernel.runtime_server.krm.functions.search_replace import search_replace
 from fnkernel.runtime_server.krm.functions.set_image import set_image
 from fnkernel.runtime_server.krm.functions.set_metadata import set_annotations, set_labels
@@ -65,6 +66,8 @@ FUNCTIONS: dict[str, KrmFunction] = {
     "list-setters": list_setters,
     "search-replace": search_replace,
     "upsert-resource": upsert_resource,
+    "kubeconform": kubeconform,
+    "kubeval": kubeval,
 }
 
 # The catalog's releases each builtin answers for (its git tags, and the newer releases kpt's own
@@ -93,6 +96,7 @@ VERSIONS: dict[str, tuple[str, ...]] = {
     "list-setters": ("v0.1.0",),
     "search-replace": ("v0.1", "v0.1.0", "v0.1.1", "v0.2.0"),
     "upsert-resource": ("v0.1.0", "v0.2.0"),
+    "kubeval": ("v0.1.0", "v0.1.1", "v0.1.2", "v0.2.0", "v0.2.1", "v0.3.0"),
 }
 # What Masterminds' semver (kpt's) takes as a version rather than a constraint: the tag is used
 # as it is. An image tag's own grammar (OCI distribution).
@@ -194,7 +198,11 @@ class BuiltinEvaluator:
             raise FunctionError(
                 f"{request.image} failed: {first}",
                 exit_code=1,
-                stderr="\n".join([*rl.stderr, FAILURE_STDERR]),
+                stderr="\n".join(
+                    line
+                    for line in (*rl.stderr, getattr(function, "failure_stderr", FAILURE_STDERR))
+                    if line
+                ),
                 results=[dict(r) for r in rl.results if isinstance(r, dict)],
             )
         log = "\n".join(rl.stderr).encode()
