@@ -7,6 +7,8 @@ body is the input resources), over the kernel's evaluator chain: builtin (with t
 from __future__ import annotations
 
 import json
+import posixpath
+import re
 import shlex
 import tempfile
 import time
@@ -32,10 +34,18 @@ from fnkernel.runtime_server.krm.pipeline import (
     evaluate_one,
     render,
 )
-from fnkernel.runtime_server.krm.resources.package import KPTFILE, PackageError, read_documents
+from fnkernel.runtime_server.krm.resources.package import (
+    INDEX_ANNOTATION,
+    KPTFILE,
+    LEGACY_INDEX_ANNOTATION,
+    LEGACY_PATH_ANNOTATION,
+    PATH_ANNOTATION,
+    PackageError,
+    read_documents,
+)
 from fnkernel.runtime_server.krm.resources.resourcelist import (
     ResourceList,
-    dump,
+    annotations_of,
     format_result,
     kind,
     update_in_place,
@@ -50,12 +60,11 @@ _EVALUATOR_CLASS = {"builtin": "fnk-ok", "exec": "fnk-info", "pod": "fnk-pod"}
 
 
 def _trace(step: Step) -> str:
-    """The fallback trace: ``no builtin → no exec → pod ✓`` — "no" where an evaluator does not
-    have the function (the chain moved on), ✓ or ✗ where one ran it."""
-    tried = [f"no {name}" for name in step.skipped]
-    if step.evaluator:
-        tried.append(f"{step.evaluator} {'✓' if step.ok else '✗'}")
-    return " → ".join(tried)
+    """Who served the step, once, after the evaluators the chain moved past: ``no builtin →
+    no exec → pod`` ("no" where an evaluator does not have the function). Whether the
+    function succeeded is the step's outcome, said apart from it."""
+    served = [step.evaluator] if step.evaluator else []
+    return " → ".join([*(f"no {name}" for name in step.skipped), *served])
 
 
 def _shown_in_results(step: Step) -> bool:
@@ -80,16 +89,22 @@ class PipelineView:
     title: str = "KRM pipeline"
     changed: tuple[str, ...] | None = None  # the package's files written; None: not a directory
     dry_run: bool = False
+    tree: tuple[tuple[str, bool], ...] = ()  # a cell's package: (file, changed) after the render
 
-    def _summary(self, number: int, step: Step) -> tuple[str, str]:
-        """The step's line, and its status (``ok`` or ``FAILED (1 error)``)."""
+    def _summary(self, number: int, step: Step, *, badge: bool = False) -> tuple[str, str]:
+        """The step's line, and its outcome (``ok`` or ``FAILED (1 error)``). With `badge`
+        (the HTML, whose badge names the evaluator) the line says only what was passed over."""
         counts: dict[str, int] = {}
         for result in step.results:
             severity = str(result.get("severity", "info"))
             counts[severity] = counts.get(severity, 0) + 1
         tally = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
         where = f"{step.package}: " if step.package else ""
-        parts = [f"[{number}] {where}{step.stage} {step.function}", _trace(step) or "-"]
+        parts = [f"[{number}] {where}{step.stage} {step.function}"]
+        if not badge:
+            parts.append(_trace(step) or "-")
+        elif step.skipped:
+            parts.append(f"not in {', '.join(step.skipped)}")
         parts.append(f"{step.duration * 1000:.0f} ms")
         status = ("ok" if step.ok else "FAILED") + (f" ({tally})" if tally else "")
         return " · ".join(parts), status
@@ -129,6 +144,8 @@ class PipelineView:
             lines.append(f"failed: {self._unshown_error()}")
         if self._files_line():
             lines.append(self._files_line())
+        if self.tree and not self.error:
+            lines += ["", "files:", *(f"  {line}" for line in tree_lines(self.tree))]
         if self.resources and not self.error:
             lines += ["", "output resources:"]
             table = table_text(["kind", "namespace", "name"], [list(r) for r in self.resources])
@@ -142,7 +159,7 @@ class PipelineView:
                 f"<span class='fnk-badge {_EVALUATOR_CLASS.get(step.evaluator, 'fnk-muted')}'>"
                 f"{escape(step.evaluator or '-')}</span>"
             )
-            summary, status = self._summary(number, step)
+            summary, status = self._summary(number, step, badge=True)
             status_class = "fnk-ok" if step.ok else "fnk-error"
             body = []
             if step.results:
@@ -170,11 +187,27 @@ class PipelineView:
             tail += f"<p class='fnk-error'>failed: {escape(self._unshown_error())}</p>"
         if self._files_line():
             tail += f"<p>{escape(self._files_line())}</p>"
+        if self.tree and not self.error:
+            tail += f"<p>files:</p><pre>{escape(chr(10).join(tree_lines(self.tree)))}</pre>"
         if self.resources and not self.error:
             tail += table_html(
                 ["kind", "namespace", "name"], ([escape(c) for c in r] for r in self.resources)
             )
         return fragment(f"<b>{escape(self.title)}</b>{''.join(sections)}{tail}")
+
+
+def tree_lines(files: tuple[tuple[str, bool], ...]) -> list[str]:
+    """A package's files as an indented tree, each directory once, ``(changed)`` marked."""
+    lines: list[str] = []
+    shown: set[tuple[str, ...]] = set()
+    for path, changed in sorted(files):
+        *directories, name = path.split("/")
+        for depth in range(len(directories)):
+            if tuple(directories[: depth + 1]) not in shown:
+                shown.add(tuple(directories[: depth + 1]))
+                lines.append("  " * depth + directories[depth] + "/")
+        lines.append("  " * len(directories) + name + (" (changed)" if changed else ""))
+    return lines
 
 
 def _diff_html(diff: str) -> str:
@@ -234,10 +267,12 @@ def _run(
     check: bool = True,
     files: bool = False,
     dry_run: bool = False,
+    tree: bool = False,
 ) -> PipelineView:
     """The view of `pipeline`'s outcome; a failed step is raised as ``_Failure`` (the magic
     shows its view, then a one-line error), or returned when not `check`. `files`: the
-    package is the user's directory, so the view says which of its files changed."""
+    package is the user's directory, so the view says which of its files changed; `tree`:
+    it is a cell's, so the view shows its files."""
     try:
         outcome = pipeline()
     except PipelineError as exc:
@@ -246,8 +281,9 @@ def _run(
             raise _Failure(view) from None
         return view
     changed = (*outcome.written, *(f"{path} (removed)" for path in outcome.removed))
+    shown = tuple((path, path in outcome.written) for path in outcome.after) if tree else ()
     return PipelineView(
-        outcome.steps, outcome.resources, "", title, changed if files else None, dry_run
+        outcome.steps, outcome.resources, "", title, changed if files else None, dry_run, shown
     )
 
 
@@ -259,6 +295,7 @@ def run_render(
     check: bool = True,
     files: bool = True,
     dry_run: bool = False,
+    tree: bool = False,
 ) -> PipelineView:
     return _run(
         title,
@@ -272,22 +309,81 @@ def run_render(
         check=check,
         files=files,
         dry_run=dry_run,
+        tree=tree,
     )
 
 
+_SEPARATOR = re.compile(r"^---(?:\s|$)", re.MULTILINE)
+_FILE_LINE = re.compile(r"^#\s*file:\s*(\S+)\s*$")
+_WHERE = (PATH_ANNOTATION, LEGACY_PATH_ANNOTATION, INDEX_ANNOTATION, LEGACY_INDEX_ANNOTATION)
+
+
+def _file_line(chunk: str) -> tuple[str, str]:
+    """The file a ``# file: NAME`` line among a document's leading comments names (or
+    ``""``), and the document without that line."""
+    lines = chunk.splitlines()
+    for index, line in enumerate(lines):
+        found = _FILE_LINE.match(line.strip())
+        if found:
+            return found.group(1), "\n".join(lines[:index] + lines[index + 1 :]) + "\n"
+        if line.strip() and not line.lstrip().startswith("#"):
+            break  # the document has begun
+    return "", chunk
+
+
+def _file_of(document: Any, named: str, number: int) -> str:
+    """Where `document` goes: its path annotation (removed, with the index), else `named`,
+    else the default for its kind; UsageError for a path outside the package."""
+    notes = annotations_of(document) if isinstance(document, dict) else {}
+    path = next((str(notes[k]) for k in _WHERE[:2] if notes.get(k)), "") or named
+    for key in _WHERE:
+        notes.pop(key, None)
+    if (
+        isinstance(document, dict)
+        and not notes
+        and "annotations" in (document.get("metadata") or {})
+    ):
+        del document["metadata"]["annotations"]
+    if not path:
+        return (
+            KPTFILE
+            if isinstance(document, dict) and kind(document) == KPTFILE
+            else "resources.yaml"
+        )
+    relative = posixpath.normpath(path)
+    if path.startswith("/") or relative == ".." or relative.startswith("../"):
+        raise UsageError(f"%%krm render: document {number} names {path!r}, outside the package")
+    return relative
+
+
+def cell_files(body: str) -> dict[str, list[Any]]:
+    """A ``%%krm render`` cell's documents by the file each belongs in: the one its path
+    annotation (either spelling) or a ``# file: NAME`` comment line before it names, else
+    ``Kptfile`` for a Kptfile and ``resources.yaml`` for the rest. Neither is written."""
+    files: dict[str, list[Any]] = {}
+    for number, chunk in enumerate(_SEPARATOR.split(body), 1):
+        named, text = _file_line(chunk)
+        for document in read_documents(text, "the cell"):
+            files.setdefault(_file_of(document, named, number), []).append(document)
+    return files
+
+
 def render_cell(chain: Chain, body: str, *, check: bool = True) -> PipelineView:
-    """``%%krm render``: the body is a package (one Kptfile document plus resources)."""
-    documents = read_documents(body, "the cell")
-    kptfiles = [d for d in documents if isinstance(d, dict) and kind(d) == KPTFILE]
-    if len(kptfiles) != 1:
-        raise UsageError(f"%%krm render: the cell needs exactly one Kptfile, found {len(kptfiles)}")
+    """``%%krm render``: the body is a package (its Kptfile and resources, each document in
+    the file it names, docs/protocol.md "Kernel")."""
+    files = cell_files(body)
+    top = [d for d in files.get(KPTFILE, []) if isinstance(d, dict) and kind(d) == KPTFILE]
+    if len(top) != 1:
+        raise UsageError(
+            f"%%krm render: the cell needs exactly one Kptfile at the package's root, found {len(top)}"
+        )
     with tempfile.TemporaryDirectory(prefix="fnkernel-krm-") as tmp:
         root = Path(tmp)
-        (root / KPTFILE).write_bytes(dump(kptfiles[0]))
-        resources = [d for d in documents if d is not kptfiles[0]]
-        _write_documents(root / "resources.yaml", resources)
-        name = (kptfiles[0].get("metadata") or {}).get("name", "package")
-        return run_render(chain, root, f"render {name}", check=check, files=False)
+        for relative, documents in files.items():
+            (root / relative).parent.mkdir(parents=True, exist_ok=True)
+            _write_documents(root / relative, documents)
+        name = (top[0].get("metadata") or {}).get("name", "package")
+        return run_render(chain, root, f"render {name}", check=check, files=False, tree=True)
 
 
 def eval_cell(chain: Chain, image: str, pairs: Mapping[str, str], body: str) -> PipelineView:

@@ -720,13 +720,63 @@ def test_krm_render_cell_runs_builtin_and_notebook_functions_step_by_step(kernel
     assert lines[1].startswith(
         "[1] mutator ghcr.io/kptdev/krm-functions-catalog/set-namespace:v0.4.1"
     )
-    assert "builtin ✓" in lines[1] and "ok (2 info)" in lines[1]
-    assert any(line.startswith("[2] mutator fn://stamp · builtin ✓") for line in lines)
+    # The evaluator once, the step's outcome apart from it (docs/protocol.md, "Kernel").
+    assert " · builtin · " in lines[1] and lines[1].endswith(" · ok (2 info)")
+    assert lines[1].count("builtin") == 1
+    assert any(line.startswith("[2] mutator fn://stamp · builtin · ") for line in lines)
     assert "    -metadata: {name: cart, namespace: dev} # the cart settings" in text
     assert "    +metadata: {name: cart, namespace: prod} # the cart settings" in text
     assert "ConfigMap  prod       cart" in text  # the output resources table
     html = cell.htmls()[-1]
     assert "<details" in html and "fn://stamp" in html
+
+
+FILES_CELL = """%%krm render
+apiVersion: kpt.dev/v1
+kind: Kptfile
+metadata: {name: shop}
+pipeline:
+  mutators:
+  - image: set-namespace
+    configPath: ns.yaml
+---
+# file: ns.yaml
+apiVersion: v1
+kind: ConfigMap
+metadata: {name: ns, annotations: {config.kubernetes.io/local-config: "true"}}
+data: {namespace: prod}
+---
+apiVersion: v1
+kind: ConfigMap
+metadata:
+  name: db-settings
+  annotations: {config.kubernetes.io/path: db/settings.yaml}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: web}
+"""
+
+
+def test_a_krm_render_cell_names_files_and_shows_its_tree(kernel: Kernel) -> None:
+    """docs/protocol.md, "Kernel": a document says its file by its path annotation or a
+    `# file: NAME` line; the others go to resources.yaml; the result shows the file tree."""
+    cell = kernel.run(FILES_CELL)
+    assert cell.ok, cell.error  # configPath: ns.yaml is found
+    text = cell.result
+    tree = text.split("files:\n")[1].split("\n\n")[0].splitlines()
+    assert tree == [
+        "  Kptfile (changed)",
+        "  db/",
+        "    settings.yaml (changed)",
+        "  ns.yaml",  # the function config, local config: left alone
+        "  resources.yaml (changed)",
+    ]
+    assert "ConfigMap  prod       db-settings" in text
+    assert "config.kubernetes.io/path" not in text  # it said where; it is not written
+    outside = kernel.run(FILES_CELL.replace("# file: ns.yaml", "# file: ../ns.yaml"))
+    assert outside.reply["content"]["ename"] == "UsageError"
+    assert "document 2 names '../ns.yaml', outside the package" in outside.stderr
 
 
 def test_krm_export_writes_the_notebook_function_for_kpt(kernel: Kernel, tmp_path: Path) -> None:
@@ -833,7 +883,7 @@ def test_krm_exec_steps_need_allow_exec_in_the_notebook_too(kernel: Kernel) -> N
         "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\n"
     )
     assert cell.ok, cell.error
-    assert "[1] mutator exec: /bin/cat · exec ✓" in cell.result
+    assert "[1] mutator exec: /bin/cat · exec · " in cell.result
     assert kernel.run("krm.configure()").ok  # back to the default for the other tests
 
 

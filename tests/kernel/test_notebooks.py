@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import tempfile
 from pathlib import Path
 
@@ -94,16 +95,21 @@ def test_krm_notebook_shows_the_three_evaluators_a_notebook_function_and_a_faili
     text = summary(executed["krm_pipeline"])
     for shown in [
         "'builtin → exec → pod'",
-        "set-namespace:v0.4.1 · builtin ✓",
-        # docs/protocol.md, "Kernel": "no" where an evaluator lacks the function, ✗ where it failed
-        "example.com/fn/set-owner · no builtin → exec ✓",
-        "example.com/fn/add-tier · no builtin → no exec → pod ✓",
-        "fn://stamp · builtin ✓",
+        "set-namespace:v0.4.1 · builtin · ",
+        # docs/protocol.md, "Kernel": "no" where an evaluator lacks the function, the one that
+        # served it once, and the step's outcome apart
+        "example.com/fn/set-owner · no builtin → exec · ",
+        "example.com/fn/add-tier · no builtin → no exec → pod · ",
+        "fn://stamp · builtin · ",
         "name: cart # the cart service",
-        "validator example.com/fn/check-replicas · no builtin → no exec → pod ✗",
+        "validator example.com/fn/check-replicas · no builtin → no exec → pod · ",
         "[error] apps/v1/Deployment/cart spec.replicas: cart needs at least 2 replicas, has 1",
         "ConfigMap             cart-settings",
     ]:
         assert shown in text, shown
+    # A validator that ran and failed: the evaluator served it, the step FAILED.
+    assert re.search(
+        r"check-replicas · no builtin → no exec → pod · \d+ ms · FAILED \(1 error\)", text
+    )
     # The validator's exit is said once (its step), not again as the pipeline's failure.
     assert text.count("check-replicas exited with 1") == 1, text
