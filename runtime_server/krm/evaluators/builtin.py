@@ -25,6 +25,7 @@ from fnkernel.runtime_server.krm.functions.housekeeping import (
     no_op,
     remove_local_config_resources,
 )
+from fnkernel.runtime_server.krm.functions.name_substring import ensure_name_substring
 from fnkernel.runtime_server.krm.functions.processes import Bounds, running
 from fnkernel.runtime_server.krm.functions.replacements import apply_replacements
 from fnkernel.runtime_server.krm.functions.schemas import kubeconform, kubeval
@@ -68,6 +69,7 @@ FUNCTIONS: dict[str, KrmFunction] = {
     "upsert-resource": upsert_resource,
     "kubeconform": kubeconform,
     "kubeval": kubeval,
+    "ensure-name-substring": ensure_name_substring,
 }
 
 # The catalog's releases each builtin answers for (its git tags, and the newer releases kpt's own
@@ -96,6 +98,7 @@ VERSIONS: dict[str, tuple[str, ...]] = {
     "list-setters": ("v0.1.0",),
     "search-replace": ("v0.1", "v0.1.0", "v0.1.1", "v0.2.0"),
     "upsert-resource": ("v0.1.0", "v0.2.0"),
+    "ensure-name-substring": ("v0.1.0", "v0.1.1", "v0.2.0"),
     "kubeval": ("v0.1.0", "v0.1.1", "v0.1.2", "v0.2.0", "v0.2.1", "v0.3.0"),
 }
 # What Masterminds' semver (kpt's) takes as a version rather than a constraint: the tag is used

@@ -1,5 +1,5 @@
-"""The catalog's setter, search and upsert functions (apply-setters, create-setters,
-list-setters, search-replace, upsert-resource), each case written from the function's behaviour
+"""The catalog's setter, search, upsert and naming functions (apply-setters, create-setters,
+list-setters, search-replace, upsert-resource, ensure-name-substring), each case written from the function's behaviour
 in docs/krm.md, "Builtin functions", and run twice where it mutates: the second run must change
 nothing."""
 
@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from fnkernel.runtime_server.krm.functions.name_substring import DEPENDS_ON, ensure_name_substring
 from fnkernel.runtime_server.krm.functions.search_replace import (
     glob_matches,
     path_matches,
@@ -362,3 +363,111 @@ items:
 def test_upsert_resource_needs_a_resource() -> None:
     with pytest.raises(FunctionFailure):
         run(upsert_resource, rl_of(SERVICE, "{}"))
+
+
+# ensure-name-substring
+
+APP = """
+- apiVersion: v1
+  kind: ConfigMap
+  metadata:
+    name: settings
+    namespace: shop
+    annotations: {internal.config.kubernetes.io/path: app.yaml}
+- apiVersion: apps/v1
+  kind: Deployment
+  metadata:
+    name: web
+    namespace: shop
+    annotations: {config.kubernetes.io/depends-on: /namespaces/shop/ConfigMap/settings}
+  spec:
+    template:
+      spec:
+        serviceAccountName: runner
+        containers:
+        - name: web
+          envFrom: [{configMapRef: {name: settings}}, {configMapRef: {name: elsewhere}}]
+- apiVersion: rbac.authorization.k8s.io/v1
+  kind: RoleBinding
+  metadata: {name: bind, namespace: shop}
+  roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: reader}
+  subjects: [{kind: ServiceAccount, name: runner, namespace: shop}]
+- apiVersion: rbac.authorization.k8s.io/v1
+  kind: Role
+  metadata: {name: reader, namespace: shop}
+- apiVersion: v1
+  kind: ServiceAccount
+  metadata: {name: runner, namespace: shop}
+- apiVersion: v1
+  kind: Namespace
+  metadata: {name: shop}
+"""
+
+
+def names(rl: ResourceList) -> list[str]:
+    return [item["metadata"]["name"] for item in rl.items]
+
+
+def test_ensure_name_substring_renames_and_references_follow() -> None:
+    """Each name gets the prefix once (a Namespace never); a reference to a renamed resource
+    of the right kind follows it, one to a resource not in the package or of another kind
+    does not; depends-on follows; the file annotations go, as kustomize drops them."""
+    rl = run_twice(ensure_name_substring, rl_of(APP, config("  prepend: prod-")))
+    assert names(rl) == [
+        "prod-settings",
+        "prod-web",
+        "prod-bind",
+        "prod-reader",
+        "prod-runner",
+        "shop",
+    ]
+    deployment, binding = rl.items[1], rl.items[2]
+    pod = deployment["spec"]["template"]["spec"]
+    assert [ref["configMapRef"]["name"] for ref in pod["containers"][0]["envFrom"]] == [
+        "prod-settings",
+        "elsewhere",
+    ]
+    assert pod["serviceAccountName"] == "prod-runner"
+    assert binding["subjects"][0]["name"] == "prod-runner"
+    assert binding["roleRef"]["name"] == "reader"  # a ClusterRole: the Role renamed is another kind
+    assert (
+        deployment["metadata"]["annotations"][DEPENDS_ON]
+        == "/namespaces/shop/ConfigMap/prod-settings"
+    )
+    assert "annotations" not in rl.items[0]["metadata"]
+
+
+def test_ensure_name_substring_appends_and_takes_additional_fields() -> None:
+    wanted = """apiVersion: fn.kpt.dev/v1alpha1
+kind: EnsureNameSubstring
+metadata: {name: c}
+substring: -prod
+editMode: append
+additionalNameFields: [{kind: Deployment, path: spec/template/spec/serviceAccountName}]
+"""
+    rl = run(ensure_name_substring, rl_of(APP, wanted))
+    assert names(rl)[:2] == ["settings-prod", "web-prod"]
+    # The additional field gets the suffix; then, as a reference, it names nothing renamed.
+    assert rl.items[1]["spec"]["template"]["spec"]["serviceAccountName"] == "runner-prod"
+
+
+@pytest.mark.parametrize(
+    ("wanted", "message"),
+    [
+        (
+            config("  prepend: a\n  append: b"),
+            "only 1 entry is allowed in the ConfigMap, but got: 2",
+        ),
+        (config("  middle: a"), "unknown editMode: middle, only prepend and append are allowed"),
+        (config("  prepend: ''"), "substring must not be empty"),
+        ("apiVersion: v2\nkind: Other\nmetadata: {name: c}", "but we got: /v2, Kind=Other"),
+    ],
+)
+def test_ensure_name_substring_refuses_a_bad_config(wanted: str, message: str) -> None:
+    rl = ResourceList.parse(rl_of(APP, wanted))
+    with pytest.raises(FunctionFailure):
+        ensure_name_substring(rl)
+    assert message in rl.stderr[0] and rl.stderr[0].startswith(
+        "failed to load the `functionConfig`"
+    )
+    assert names(rl)[0] == "settings"
