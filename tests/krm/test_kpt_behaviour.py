@@ -213,6 +213,27 @@ def test_comments_a_function_drops_come_back(tmp_path: Path, step: str) -> None:
     assert run.files["resources.yaml"] == COMMENTED
 
 
+def test_a_render_drops_the_blank_lines_of_a_leading_comment_in_every_file(
+    tmp_path: Path,
+) -> None:
+    """docs/krm.md, "Writing files": kpt writes every file of the package back, and its writer
+    loses the blank lines in and after a document's leading comment (kpt's
+    fn-render/modify-path-annotation and krm-check-exclude-kustomize), in a file no function
+    changed too; nothing else of an unchanged file changes."""
+    licensed = "# Licensed\n\n# about the object\n\n" + CUSTOM.replace(
+        "  name: custom\n", "  name: custom # kept\n"
+    )
+    files = {
+        "Kptfile": kptfile("pipeline:\n  mutators:\n  - image: no-op:latest\n"),
+        "licensed.yaml": licensed,
+        "plain.yaml": "# plain\n" + DEPLOYMENT,
+    }
+    run = render(tmp_path, files)
+    assert run.code == 0, run.stderr
+    assert run.files["licensed.yaml"] == licensed.replace("\n\n", "\n")
+    assert run.files["plain.yaml"] == files["plain.yaml"]
+
+
 # 2.-3. set-namespace and set-labels as the catalog's functions (docs/krm.md, "Builtin functions").
 
 
@@ -765,6 +786,35 @@ def test_source_eval_sink_and_output_forms(tmp_path: Path) -> None:
     assert snapshot(package) == files  # -o: the package itself is not written
     code, _, err = fnkernel("fn", "render", str(package), "-o", str(tmp_path / "out"))
     assert code == 1 and 'directory "' in err and "already exists" in err
+
+
+def test_a_documents_comment_is_printed_where_kpt_prints_it(tmp_path: Path) -> None:
+    """kpt's fn-eval/output-to-stdout and out-of-place-fnchain-stdout: a comment that touches
+    the object's first key is the object's, printed after its dash in a ResourceList; one set
+    off by a blank line is the document's, printed before the dash. Each stays where it is
+    through a chain of ``fn eval -``, and the annotations a function adds come after the ones
+    the package was read with."""
+    files = {
+        "touching.yaml": "# touching\n" + DEPLOYMENT,
+        "apart.yaml": "# apart\n\n" + CUSTOM,
+    }
+    package = write(tmp_path / "pkg", files)
+    code, source, err = fnkernel("fn", "source", str(package))
+    assert code == 0, err
+    apart, touching = source.split("items:\n", 1)[1].split("- apiVersion: custom.io/v1\n")
+    assert apart == "# apart\n"
+    assert touching.startswith("  kind: Custom\n") and "- # touching\n  apiVersion: apps/v1\n" in (
+        touching
+    )
+    code, chained, err = fnkernel(
+        "fn", "eval", "-", "-i", "set-annotations", "--", "foo=bar", stdin=source
+    )
+    assert code == 0, err
+    code, chained, err = fnkernel("fn", "eval", "-", "-i", "no-op", stdin=chained)
+    assert code == 0, err
+    assert "items:\n# apart\n- apiVersion: custom.io/v1\n" in chained
+    assert "- # touching\n  apiVersion: apps/v1\n" in chained
+    assert "      internal.config.kubernetes.io/seqindent: 'compact'\n      foo: bar\n" in chained
 
 
 def test_pkg_init_adds_only_the_missing_files(tmp_path: Path) -> None:

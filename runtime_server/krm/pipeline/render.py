@@ -42,7 +42,7 @@ def outcome_of(steps: list[Step], before: dict[str, str], items: list[Resource])
     for item in items:
         meta = item.get("metadata") or {}
         identities.append((kind(item), str(meta.get("namespace", "")), str(meta.get("name", ""))))
-    return Outcome(steps, before, render_files(items), identities, items=items)
+    return Outcome(steps, before, render_files(items, tidy=True), identities, items=items)
 
 
 def _render(package: Package, runner: Runner) -> list[Resource]:

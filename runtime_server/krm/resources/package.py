@@ -403,13 +403,16 @@ def source_of(resource: Any) -> tuple[str, int]:
 def strip_internal(resource: Any, *, tidy: bool = False) -> Callable[[], None]:
     """Remove the internal annotations (and an annotations map left empty, and a metadata map
     left empty: a document without metadata, a kustomization say); returns a function that puts
-    them back where they were. `tidy`: drop the blank lines after the leading comment, as kpt
-    does writing a package somewhere new."""
+    them back where they were. `tidy`: drop the blank lines in and after the leading comment,
+    as kpt's writer does (docs/krm.md, "Writing files")."""
     meta = resource.get("metadata")
     notes = meta.get("annotations") if isinstance(meta, dict) else None
     if not isinstance(notes, dict):
         return lambda: None
-    saved = [(key, notes.pop(key)) for key in INTERNAL if key in notes]
+    # each with its place, so that restoring keeps the order a function added keys in (kpt
+    # prints the annotations a function set after the ones the package was read with)
+    places = sorted((list(notes).index(key), key) for key in INTERNAL if key in notes)
+    saved = [(place, key, notes.pop(key)) for place, key in places]
     position = meta_position = None
     if not notes:
         position = list(meta).index("annotations")
@@ -417,9 +420,11 @@ def strip_internal(resource: Any, *, tidy: bool = False) -> Callable[[], None]:
         if not meta:
             meta_position = list(resource).index("metadata")
             del resource["metadata"]
-    header = dict(saved).get(HEADER_ANNOTATION)
+    header = next((value for _, key, value in saved if key == HEADER_ANNOTATION), None)
     if header:
-        text = str(header).rstrip("\n") + "\n" if tidy else str(header)
+        text = str(header)
+        if tidy:
+            text = "".join(line for line in text.splitlines(keepends=True) if line.strip())
         resource.ca.comment = [None, [CommentToken(text, CommentMark(0), None)]]
 
     def restore() -> None:
@@ -427,8 +432,11 @@ def strip_internal(resource: Any, *, tidy: bool = False) -> Callable[[], None]:
             resource.insert(meta_position, "metadata", meta)
         if position is not None:
             meta.insert(position, "annotations", notes)
-        for key, value in saved:
-            notes[key] = value
+        for place, key, value in saved:
+            if isinstance(notes, CommentedMap):
+                notes.insert(place, key, value)
+            else:
+                notes[key] = value
         if header:
             resource.ca.comment = None
 
@@ -459,14 +467,21 @@ def unwrapped(resources: list[Any]) -> str:
 
 def resource_list_items(text: str) -> list[Any]:
     """The items of a ResourceList as kpt prints one (``fn source``, ``-o stdout``), each with
-    the comment written before it kept as its leading comment."""
+    the comment written before it or after its dash kept as its leading comment."""
     from fnkernel.runtime_server.krm.resources.resourcelist import ResourceList
 
     document = ResourceList.parse(text).document
     items = document["items"]
-    comments = [_take_header(items)]  # the first item's comment hangs on the list itself
+    # A comment before an item's dash is its document's, as if a blank line followed it in a
+    # file (resource_list_text writes it back there); the first item's hangs on the list itself.
+    comments = [_take_header(items)]
     for previous in list(items)[:-1]:
         comments.append(_take_trailing_comment(previous))
+    comments = [comment + "\n" if comment else "" for comment in comments]
+    for position in range(len(items)):  # ``- # …``: the object's own comment, after the dash
+        slot = items.ca.items.pop(position, None)
+        if slot and len(slot) > 1 and slot[1]:
+            comments[position] = "".join(token.value for token in slot[1] if token is not None)
     for item, comment in zip(items, comments, strict=True):
         if comment:
             metadata(item).setdefault("annotations", CommentedMap())[HEADER_ANNOTATION] = comment
@@ -501,25 +516,29 @@ def resource_list_text(resources: list[Any]) -> str:
     """The resources as the ResourceList kpt prints (``-o stdout``, ``fn source``): each keeps
     the annotations that say where it came from, quoted as kpt quotes them, and its leading
     comment comes before it."""
-    items = CommentedSeq()
+    document = CommentedMap(apiVersion="config.kubernetes.io/v1", kind="ResourceList")
+    document["items"] = CommentedSeq()
+    if not resources:
+        return dump_text(document, "compact")
+    texts = [dump_text(document, "compact").removesuffix(" []\n") + "\n"]
     for resource in resources:
         item = deep_copy(resource)
         notes = metadata(item).get("annotations") or {}
-        header = notes.pop(HEADER_ANNOTATION, None)
+        header = str(notes.pop(HEADER_ANNOTATION, "") or "")
         if "annotations" in metadata(item) and not notes:
             del metadata(item)["annotations"]
         for key in INTERNAL:
             if key in notes:
                 notes[key] = SingleQuotedScalarString(str(notes[key]))
-        items.append(item)
-        if header:
-            slot = items.ca.items.setdefault(len(items) - 1, [None, [], None, None])
-            slot[1] = [CommentToken(str(header).rstrip("\n") + "\n", CommentMark(0), None)]
-    document = CommentedMap(apiVersion="config.kubernetes.io/v1", kind="ResourceList")
-    document["items"] = items
-    out = io.StringIO()
-    yaml().dump(document, out)
-    return out.getvalue()
+        text = dump_text(CommentedSeq([item]), "compact")
+        if header.endswith("\n\n"):
+            # a comment set off by a blank line is the document's: it comes before the item
+            text = header.rstrip("\n") + "\n" + text
+        elif header:
+            # one that touches the first key is the object's: after the dash, as kpt writes it
+            text = "- " + "\n  ".join(header.rstrip("\n").splitlines()) + "\n  " + text[2:]
+        texts.append(text)
+    return "".join(texts)
 
 
 def render_files(resources: list[Any], *, tidy: bool = False) -> dict[str, str]:
