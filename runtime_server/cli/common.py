@@ -90,10 +90,18 @@ def bounds_from_flags(args: argparse.Namespace) -> Any:
     """The ``krm.functions.processes.Bounds`` the flags name; UsageError naming the flag for one
     out of its range."""
     from fnkernel.runtime_server.errors import InvalidField
-    from fnkernel.runtime_server.krm.functions.processes import Bounds
+    from fnkernel.runtime_server.krm.functions.processes import Bounds, Mount
 
+    mounts = []
+    for spec in getattr(args, "mount", None) or ():
+        try:
+            mount = Mount.parse(spec)
+        except ValueError as exc:
+            raise UsageError(f"--mount: {exc}") from None
+        if mount is not None:
+            mounts.append(mount)
     try:
-        return Bounds(timeout=args.timeout, memory_mb=args.memory)
+        return Bounds(timeout=args.timeout, memory_mb=args.memory, mounts=tuple(mounts))
     except InvalidField as exc:
         flag = {"timeout": "--timeout", "memory_mb": "--memory"}[exc.field]
         raise UsageError(f"{flag}: {exc.reason}") from None

@@ -506,7 +506,13 @@ def _add_fn_group(commands: Any) -> None:
     evaluate.add_argument(
         "--tag", default="", help="with --image: a version or semver constraint (docs/krm.md)"
     )
-    for flag in ("--image-pull-policy", "--mount", "-e", "--env"):
+    evaluate.add_argument(
+        "--mount",
+        action="append",
+        metavar="type=bind,src=HOST,dst=PATH",
+        help="a builtin function reads PATH from HOST, as kpt's container would (docs/krm.md)",
+    )
+    for flag in ("--image-pull-policy", "-e", "--env"):
         evaluate.add_argument(flag, action="append", help=argparse.SUPPRESS)
     add_chain_flags(evaluate)
     add_bound_flags(evaluate)

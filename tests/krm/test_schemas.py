@@ -12,6 +12,7 @@ import pytest
 
 from fnkernel.runtime_server.krm.functions.schemas import kubeconform, kubeval, make_strict
 from fnkernel.runtime_server.krm.resources.resourcelist import ResourceList
+from tests.krm.test_kpt_behaviour import fnkernel
 from tests.krm.test_krm_functions import rl_of, run
 
 BROKEN = """
@@ -135,6 +136,35 @@ def test_a_schema_directory_of_the_config(tmp_path: Path) -> None:
     assert rl.results[0]["message"].startswith(
         "schema location https://example.com/schemas cannot be read"
     )
+
+
+def test_fn_eval_mount_gives_a_builtin_function_the_directory_kpts_container_would_see(
+    tmp_path: Path,
+) -> None:
+    """docs/krm.md, "Limits": with ``--mount type=bind,src=HOST,dst=PATH`` a builtin function
+    reads PATH from HOST (the catalog's kubeval-mount-schema example); a bad mount is a usage
+    error naming the flag, and nothing runs."""
+    schemas = tmp_path / "schemas"
+    schemas.mkdir()
+    deployment = {"type": "object", "properties": {"spec": {"type": "object", "properties": {
+        "replicas": {"type": "integer"}}}}}  # fmt: skip
+    (schemas / "deployment-apps-v1.json").write_text(json.dumps(deployment))
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "deploy.yaml").write_text(
+        "apiVersion: apps/v1\nkind: Deployment\nmetadata:\n  name: web\nspec:\n  replicas: three\n"
+    )
+    argv = ["fn", "eval", str(package), "-i", "kubeval"]
+    pairs = ["--", "schema_location=file:///schema-dir", "ignore_missing_schemas=true"]
+    mount = f"type=bind,src={schemas},dst=/schema-dir/master-standalone"
+    code, _, err = fnkernel(*argv, "--mount", mount, *pairs)
+    assert code == 1
+    assert "Invalid type. Expected: integer, given: string" in err
+    code, _, err = fnkernel(*argv, *pairs)  # without it, /schema-dir holds nothing
+    assert code == 0, err
+    for bad in ("type=bind,dst=/schema-dir", "type=bind,src=x,dst=relative", "nonsense"):
+        code, _, err = fnkernel(*argv, "--mount", bad, *pairs)
+        assert code != 0 and "--mount" in err, (bad, err)
 
 
 def test_kubeval_leaves_local_config_alone() -> None:

@@ -30,13 +30,44 @@ DEFAULT_TIMEOUT_SECONDS = 300.0
 
 
 @dataclass(frozen=True)
+class Mount:
+    """A bind mount of kpt's ``--mount type=bind,src=HOST,dst=PATH``: what a function in a
+    container would read at `target` is `source` on this machine (docs/krm.md, "Limits")."""
+
+    source: str
+    target: str
+
+    @classmethod
+    def parse(cls, spec: str) -> Mount | None:
+        """Docker's ``--mount`` syntax; None for a mount that is not a bind (a volume or a
+        tmpfs: nothing here to stand in for it); ValueError for one that cannot be read."""
+        fields: dict[str, str] = {}
+        for part in spec.split(","):
+            key, equals, value = part.partition("=")
+            if not equals or not key.strip():
+                raise ValueError(f"{spec!r}: expected key=value pairs, got {part!r}")
+            fields[key.strip().lower()] = value.strip()
+        if fields.get("type", "bind") != "bind":
+            return None
+        source = fields.get("src") or fields.get("source")
+        target = fields.get("dst") or fields.get("target") or fields.get("destination")
+        if not source or not target:
+            raise ValueError(f"{spec!r}: a bind mount needs src= and dst=")
+        if not os.path.isabs(target):
+            raise ValueError(f"{spec!r}: dst must be an absolute path")
+        return cls(os.path.abspath(source), os.path.normpath(target))
+
+
+@dataclass(frozen=True)
 class Bounds:
     """A pipeline's: each step's time limit, and what each of its processes may take (a Run's
-    default and least memory: an interpreter needs that much to start). InvalidField naming
-    ``timeout`` or ``memory_mb`` for one out of range."""
+    default and least memory: an interpreter needs that much to start); and, standing in for a
+    container's file system, the bind mounts a function's paths are read through (host_path).
+    InvalidField naming ``timeout`` or ``memory_mb`` for one out of range."""
 
     timeout: float = DEFAULT_TIMEOUT_SECONDS
     memory_mb: int = DEFAULT_MEMORY_MB
+    mounts: tuple[Mount, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.timeout > 0:
@@ -65,6 +96,17 @@ def current() -> Step:
         defaults = Bounds()
         return Step(time.monotonic() + defaults.timeout, defaults.memory_mb, defaults)
     return step
+
+
+def host_path(path: str) -> str:
+    """Where `path`, as a function in a container names it, is on this machine: below a bind
+    mount's target, the same place below its source (the deepest target wins); elsewhere, the
+    path itself."""
+    clean = os.path.normpath(path)
+    for mount in sorted(current().bounds.mounts, key=lambda m: len(m.target), reverse=True):
+        if clean == mount.target or clean.startswith(mount.target.rstrip("/") + "/"):
+            return os.path.join(mount.source, os.path.relpath(clean, mount.target))
+    return path
 
 
 @contextmanager

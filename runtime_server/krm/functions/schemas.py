@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fnkernel.runtime_server.krm.functions.processes import host_path
 from fnkernel.runtime_server.krm.resources.package import INDEX_ANNOTATION, PATH_ANNOTATION
 from fnkernel.runtime_server.krm.resources.resourcelist import (
     ERROR,
@@ -114,7 +115,8 @@ class Schemas:
                 )
             root = Path(location.removeprefix("file://"))
             # kubeval's layout puts the files under VERSION-standalone[-strict]/.
-            for directory in (root, *(root / f"master-standalone{s}" for s in ("-strict", ""))):
+            for place in (root, *(root / f"master-standalone{s}" for s in ("-strict", ""))):
+                directory = Path(host_path(str(place)))  # through fn eval's --mount
                 if (directory / name).is_file():
                     return _file_validator(str(directory), name, self.config.strict)
         if not self.config.locations:
