@@ -109,29 +109,66 @@ def translate_errors(method: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+_EXTRA_TRAILERS = "fn_extra_trailers"
+
+
+def with_trailers(exc: BaseException, trailers: tuple[tuple[str, str | bytes], ...]) -> None:
+    """Send `trailers` with the status `exc` is answered with (a traced hop's spans), in place
+    of any of the same key an upstream call's status relays."""
+    setattr(exc, _EXTRA_TRAILERS, trailers)
+
+
 def _abort(exc: Exception, context: grpc.ServicerContext, method: str) -> None:
+    extra: tuple[tuple[str, str | bytes], ...] = getattr(exc, _EXTRA_TRAILERS, ())
     if isinstance(exc, grpc.RpcError):  # an upstream call's status passes through (proxy hop)
         upstream: Any = exc
-        context.set_trailing_metadata(relayed_trailers(upstream.trailing_metadata()))
+        relayed = relayed_trailers(upstream.trailing_metadata(), {key for key, _ in extra})
+        context.set_trailing_metadata(relayed + extra)
         context.abort(upstream.code(), upstream.details() or "")
     code = status_of(exc)
     if code is None:
         LOG.exception("internal error in %s", method, exc_info=exc)
+        if extra:
+            context.set_trailing_metadata(extra)
         context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
     if isinstance(exc, HandlerError):
         context.set_trailing_metadata(
-            ((wire.ERROR_TYPE_KEY, exc.error_type), (wire.LOGS_KEY, logs_trailer(exc.logs)))
+            ((wire.ERROR_TYPE_KEY, exc.error_type), (wire.LOGS_KEY, logs_trailer(exc.logs)), *extra)
         )
         context.abort(code, limits.bounded(f"handler error: {exc}"))
     logs = getattr(exc, "logs", ())  # a timeout's: what the handler wrote until then
-    if logs:
-        context.set_trailing_metadata(((wire.LOGS_KEY, logs_trailer(logs)),))
+    trailers = ((wire.LOGS_KEY, logs_trailer(logs)),) if logs else ()
+    if trailers or extra:
+        context.set_trailing_metadata(trailers + extra)
     context.abort(code, limits.bounded(str(exc)))
 
 
-def relayed_trailers(trailers: Any) -> tuple[tuple[str, str | bytes], ...]:
-    """An upstream call's ``fn-*`` trailers (error type, logs), to pass on unchanged."""
-    return tuple((k, v) for k, v in trailers or () if k.startswith("fn-"))
+def traced_failure(hop: Any, exc: BaseException) -> None:
+    """End a traced hop (runtime_server.tracing.Hop) with the status `exc` is answered with, and
+    send its spans with that status."""
+    upstream: Any = exc
+    code = upstream.code() if isinstance(exc, grpc.RpcError) else status_of(exc)
+    code = code or grpc.StatusCode.INTERNAL
+    attributes: dict[str, Any] = {"rpc.grpc.status_code": code.value[0]}
+    if isinstance(exc, grpc.RpcError):  # the hop beyond failed: its span says how
+        why = upstream.details()
+    else:
+        why, attributes["fnkernel.error_type"] = str(exc), type(exc).__name__
+    spans = hop.finish(attributes, error=f"{code.name}: {limits.bounded(why or '')}")
+    with_trailers(exc, ((wire.SPANS_KEY, spans),))
+
+
+def relayed_trailers(
+    trailers: Any, replaced: set[str] | frozenset[str] = frozenset()
+) -> tuple[tuple[str, str | bytes], ...]:
+    """An upstream call's ``fn-*`` trailers (error type, logs), to pass on unchanged; those
+    named in `replaced` are left for the hop to give its own."""
+    return tuple((k, v) for k, v in trailers or () if k.startswith("fn-") and k not in replaced)
+
+
+def trailer_value(trailers: Any, key: str) -> Any:
+    """The value of `key` among a finished call's trailing metadata, or None."""
+    return next((value for name, value in trailers or () if name == key), None)
 
 
 def metadata_value(context: grpc.ServicerContext, key: str) -> str | None:

@@ -67,6 +67,11 @@ ATTEMPT_KEY = "x-fn-registration-attempt"
 TIMELINE_KEY = "x-fn-timeline"
 TIMELINE_RUNTIMED_KEY = "fn-timeline-runtimed"
 TIMELINE_SERVER_KEY = "fn-timeline-server"
+# gRPC metadata and HTTP: the spans of a traced call (docs/protocol.md, "Tracing"). W3C trace
+# context in (the same name as header and as metadata); each hop hands back its spans and those
+# handed to it, OTLP encoded, in a trailer that replaces the one it was handed.
+TRACEPARENT_KEY = "traceparent"
+SPANS_KEY = "fn-spans-bin"
 # gRPC metadata: a Runtime Server's handler errors
 ERROR_TYPE_KEY = "fn-error-type"
 LOGS_KEY = "fn-logs-bin"  # the invocation's log lines, JSON, bounded
@@ -84,6 +89,8 @@ COLD_START_HEADER = "X-Fn-Cold-Start"
 LOGS_HEADER = "X-Fn-Logs"
 TIMELINE_HEADER = "X-Fn-Timeline"  # request "1": the answer's is the timeline, JSON
 RUN_HEADER = "X-Fn-Run"  # a replica set's answer: the replica (Run) that served the call
+TRACEPARENT_HEADER = "traceparent"  # W3C trace context: the call is traced ("Tracing")
+SPANS_HEADER = "X-Fn-Spans"  # a traced call's answer: every hop's spans, OTLP, base64
 
 
 # gRPC reads a ``unix:PATH`` target as a URI: "," separates addresses, "?" and "#" begin a query

@@ -12,10 +12,15 @@ from collections.abc import Iterator
 
 import grpc
 
-from fnkernel.runtime_server import limits
+from fnkernel.runtime_server import limits, tracing
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import logs_pb2, logs_pb2_grpc
+from fnkernel.runtime_server.errors import (
+    RegistrationNotFound,
+    RegistrationNotReady,
+    StaleRegistration,
+)
 from fnkernel.runtime_server.function_runtime.oneshot import execute
 from fnkernel.runtime_server.function_runtime.registry import RegistrationView, Registry
 from fnkernel.runtime_server.rpc import (
@@ -24,16 +29,21 @@ from fnkernel.runtime_server.rpc import (
     cancel_on_client_exit,
     logs_trailer,
     metadata_value,
+    traced_failure,
     translate_errors,
 )
 from fnkernel.runtime_server.wire import (
     LOGS_KEY,
+    SPANS_KEY,
     TIMELINE_KEY,
     TIMELINE_SERVER_KEY,
+    TRACEPARENT_KEY,
     timeline_stamps,
 )
 
 LOG = logging.getLogger("fnkernel.runtime")
+# docs/protocol.md, fence table: what the registration fence refuses a call with.
+REGISTRATION_FENCE = (RegistrationNotFound, StaleRegistration, RegistrationNotReady)
 
 
 def _registration(view: RegistrationView) -> pb.FunctionRegistration:
@@ -82,20 +92,43 @@ class FunctionRuntimeServicer(pb_grpc.FunctionRuntimeServicer):
     ) -> pb.InvokeFunctionResponse:
         # docs/protocol.md, "Timeline": the caller asked for this hop's clock readings.
         received = time.monotonic_ns() if metadata_value(context, TIMELINE_KEY) == "1" else 0
-        invocation = self.registry.invoke(
-            run_uid=request.registration.run_uid,
-            registration_id=request.registration.registration_id,
-            invocation_id=request.invocation_id,
-            input=request.input,
-            content_type=request.content_type,
-            timeout_millis=request.timeout_millis,
-            deadline=caller_deadline(context),
-            on_dispatch=cancel_on_client_exit(context),
-        )
+        traceparent = metadata_value(context, TRACEPARENT_KEY)  # "Tracing": a traced call
+        hop = None
+        if traceparent:
+            hop = tracing.Hop("runtime-server", traceparent, tracing.INVOKE_SPAN, {
+                **tracing.rpc_attributes("InvokeFunction"),
+                tracing.RUN_UID: request.registration.run_uid,
+                tracing.REGISTRATION_ID: request.registration.registration_id,
+                tracing.INVOCATION_ID: request.invocation_id,
+            })  # fmt: skip
+        try:
+            invocation = self.registry.invoke(
+                run_uid=request.registration.run_uid,
+                registration_id=request.registration.registration_id,
+                invocation_id=request.invocation_id,
+                input=request.input,
+                content_type=request.content_type,
+                timeout_millis=request.timeout_millis,
+                deadline=caller_deadline(context),
+                on_dispatch=cancel_on_client_exit(context),
+            )
+        except Exception as exc:
+            if hop is not None:  # the registration fence refused it, or the handler failed
+                fenced = isinstance(exc, REGISTRATION_FENCE)
+                hop.set(tracing.FENCE, f"refused: {type(exc).__name__}" if fenced else "passed")
+                traced_failure(hop, exc)
+            raise
         result = invocation.result
         trailers: list[tuple[str, str | bytes]] = []
         if result.logs:
             trailers.append((LOGS_KEY, logs_trailer(result.logs)))
+        if hop is not None:
+            spans = hop.finish({
+                "rpc.grpc.status_code": 0,
+                tracing.FENCE: "passed",
+                tracing.INVOCATION_ID: invocation.invocation_id,
+            })  # fmt: skip
+            trailers.append((SPANS_KEY, spans))
         if received:
             answered = time.monotonic_ns()
             trailers.append(

@@ -8,6 +8,7 @@ for a call to runtimed) and then an HTTP status through ``wire.HTTP_STATUS``.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import functools
 import hmac
@@ -25,7 +26,7 @@ import grpc
 import grpc.aio
 from tornado import httpserver, httputil, iostream, netutil, web
 
-from fnkernel.runtime_server import limits, wire
+from fnkernel.runtime_server import limits, tracing, wire
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import logs_pb2, logs_pb2_grpc
@@ -697,7 +698,21 @@ class InvokeHandler(BodyHandler):
     def prepare(self) -> None:
         self._received = time.monotonic_ns()  # the timeline's first reading (docs/protocol.md)
         self._call: grpc.aio.UnaryUnaryCall | None = None
+        self._hop: tracing.Hop | None = None  # a traced call's spans (docs/protocol.md, "Tracing")
         super().prepare()
+
+    def write_error(self, status_code: int, **kwargs: Any) -> None:
+        if self._hop is not None:  # a traced call that failed: its spans go with the failure
+            exc_info = kwargs.get("exc_info")
+            failure = self.failure(exc_info[1] if exc_info else None, status_code)
+            self._finish_trace(failure.status, f"{failure.code}: {failure.message}")
+        super().write_error(status_code, **kwargs)
+
+    def _finish_trace(self, status: int, error: str = "") -> None:
+        hop, self._hop = self._hop, None
+        if hop is not None:
+            spans = hop.finish({"http.response.status_code": status}, error=error)
+            self.set_header(wire.SPANS_HEADER, base64.b64encode(spans).decode("ascii"))
 
     def on_connection_close(self) -> None:
         # The client hung up (an interrupted notebook cell): cancel, so the handler is killed.
@@ -729,6 +744,12 @@ class InvokeHandler(BodyHandler):
         metadata: tuple[tuple[str, str], ...] = ((POD_KEY, pod),)
         if timeline:
             metadata += ((TIMELINE_KEY, "1"),)
+        if self._hop is not None:
+            self._hop.set(tracing.RUN_UID, run.uid)
+            traceparent = self._hop.call(
+                tracing.INVOKE_SPAN, tracing.rpc_attributes("InvokeFunction")
+            )
+            metadata += ((wire.TRACEPARENT_KEY, traceparent),)
         in_flight = self.gateway.in_flight
         if counted:
             in_flight[run.uid] = in_flight.get(run.uid, 0) + 1
@@ -740,6 +761,9 @@ class InvokeHandler(BodyHandler):
             response = await self._call
             trailers = _metadata(await self._call.trailing_metadata())
         except grpc.aio.AioRpcError as err:
+            if self._hop is not None:
+                spans = _metadata(err.trailing_metadata()).get(wire.SPANS_KEY)
+                self._hop.called(err.code().value[0], spans)
             raise rpc_error(err, run, invocation_id) from None
         except asyncio.CancelledError:
             return None
@@ -759,6 +783,14 @@ class InvokeHandler(BodyHandler):
         timeout_millis = limits.parse_count(
             header_text(headers, wire.TIMEOUT_HEADER, "0"), wire.TIMEOUT_HEADER
         )
+        traceparent = headers.get(wire.TRACEPARENT_HEADER)
+        if traceparent:
+            self._hop = tracing.Hop("gateway", traceparent, "POST /v1/runs/{name}:invoke", {
+                "http.request.method": "POST",
+                "http.route": "/v1/runs/{name}:invoke",
+                "fnkernel.run_name": name,
+                tracing.INVOCATION_ID: invocation_id,
+            })  # fmt: skip
         run = self.gateway.store.get_fresh(name)
         timeline = headers.get(wire.TIMELINE_HEADER) == "1"
         if run.replicas == 1 or run.replica_of:
@@ -788,6 +820,10 @@ class InvokeHandler(BodyHandler):
         if answer is None:
             return  # the client went away
         response, trailers, called = answer
+        if self._hop is not None:
+            self._hop.called(0, trailers.get(wire.SPANS_KEY))
+            self._hop.set(tracing.INVOCATION_ID, response.invocation_id)
+            self._finish_trace(200)
         self.set_header("Content-Type", response.content_type or "application/json")
         self.set_header(wire.INVOCATION_ID_HEADER, response.invocation_id)
         outputs = json.dumps(dict(response.outputs), sort_keys=True) if response.outputs else "{}"

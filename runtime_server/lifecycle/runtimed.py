@@ -34,7 +34,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_health.v1.health import SERVICE_NAME as HEALTH_SERVICE
 
-from fnkernel.runtime_server import limits
+from fnkernel.runtime_server import limits, tracing
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import logs_pb2, logs_pb2_grpc
@@ -72,6 +72,8 @@ from fnkernel.runtime_server.rpc import (
     listen_on,
     metadata_value,
     relayed_trailers,
+    traced_failure,
+    trailer_value,
     translate_errors,
 )
 from fnkernel.runtime_server.wire import (
@@ -86,8 +88,10 @@ from fnkernel.runtime_server.wire import (
     POD_KEY,
     READY,
     RETRYING,
+    SPANS_KEY,
     TIMELINE_KEY,
     TIMELINE_RUNTIMED_KEY,
+    TRACEPARENT_KEY,
     timeline_stamps,
 )
 
@@ -748,11 +752,35 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
     ) -> pb.InvokeFunctionResponse:
         # docs/protocol.md, "Timeline": the caller asked for this hop's clock readings.
         received = time.monotonic_ns() if metadata_value(context, TIMELINE_KEY) == "1" else 0
+        traceparent = metadata_value(context, TRACEPARENT_KEY)  # "Tracing": a traced call
+        if not traceparent:
+            return self._invoke(request, context, received, None)
+        hop = tracing.Hop("runtimed", traceparent, tracing.INVOKE_SPAN, {
+            **tracing.rpc_attributes("InvokeFunction"),
+            tracing.RUN_UID: request.registration.run_uid,
+            tracing.REGISTRATION_ID: request.registration.registration_id,  # "" until filled in
+            tracing.INVOCATION_ID: request.invocation_id,
+        })  # fmt: skip
+        try:
+            return self._invoke(request, context, received, hop)
+        except Exception as exc:
+            if isinstance(exc, RoutedElsewhere):  # docs/protocol.md, fence table: routing
+                hop.set(tracing.FENCE, f"refused: {type(exc).__name__}")
+            traced_failure(hop, exc)
+            raise
+
+    def _invoke(
+        self,
+        request: pb.InvokeFunctionRequest,
+        context: grpc.ServicerContext,
+        received: int,
+        hop: tracing.Hop | None,
+    ) -> pb.InvokeFunctionResponse:
         _outside_id(request.registration)
         routed_to = metadata_value(context, POD_KEY)
         run, active, cold = self.runtimed.resolve(request.registration.run_uid, routed_to)
         try:
-            return self._forward(request, context, run, active, cold, received)
+            return self._forward(request, context, run, active, cold, received, hop)
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.UNAVAILABLE and context.is_active():
                 # The call broke off with its caller still there: the server may have died.
@@ -772,7 +800,7 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
         run, active, cold = self.runtimed.resolve(
             request.registration.run_uid, routed_to, fast=False
         )
-        return self._forward(request, context, run, active, cold, received)
+        return self._forward(request, context, run, active, cold, received, hop)
 
     def _forward(
         self,
@@ -782,12 +810,21 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
         active: Active,
         cold: bool,
         received: int,
+        hop: tracing.Hop | None,
     ) -> pb.InvokeFunctionResponse:
         """Call the server with the active registration; `received`: the monotonic time the
-        call arrived, if the caller asked for the timeline (0 otherwise)."""
+        call arrived, if the caller asked for the timeline (0 otherwise); `hop`: the call's
+        spans, if it is traced."""
         forwarded = pb.InvokeFunctionRequest()
         forwarded.CopyFrom(request)
         forwarded.registration.registration_id = active.registration_id
+        upstream: tuple[tuple[str, str], ...] = ((TIMELINE_KEY, "1"),) if received else ()
+        if hop is not None:  # the routing fence passed, and the registration ID is filled in
+            hop.set(tracing.FENCE, "passed")
+            hop.set(tracing.REGISTRATION_ID, active.registration_id)
+            hop.set(tracing.REGISTRATION_ATTEMPT, active.attempt)
+            traceparent = hop.call(tracing.INVOKE_SPAN, tracing.rpc_attributes("InvokeFunction"))
+            upstream += ((TRACEPARENT_KEY, traceparent),)
         timeout = caller_timeout(context)
         if timeout is not None:
             # docs/protocol.md: runtimed bounds timeout_millis by the caller's (gateway's) deadline.
@@ -795,15 +832,20 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
             forwarded.timeout_millis = min(
                 limits.effective_timeout_millis(request.timeout_millis), bound
             )
-        upstream = ((TIMELINE_KEY, "1"),) if received else None
         called = time.monotonic_ns() if received else 0
         # The caller went away: the call is cancelled, and the handler dies.
-        response, call = self.runtimed.calls.call(
-            lambda stub: stub.InvokeFunction.with_call(
-                forwarded, timeout=timeout, metadata=upstream
-            ),
-            context,
-        )
+        try:
+            response, call = self.runtimed.calls.call(
+                lambda stub: stub.InvokeFunction.with_call(
+                    forwarded, timeout=timeout, metadata=upstream or None
+                ),
+                context,
+            )
+        except grpc.RpcError as err:
+            if hop is not None:
+                spans = trailer_value(err.trailing_metadata(), SPANS_KEY)
+                hop.called(err.code().value[0], spans)
+            raise
         # In the trailers, beside the server's own: one metadata batch, not two (docs/protocol.md,
         # "Proxy hop").
         metadata: tuple[tuple[str, str | bytes], ...] = ((ATTEMPT_KEY, str(active.attempt)),)
@@ -814,7 +856,13 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
                 received=received, called=called, answered=time.monotonic_ns()
             )
             metadata += ((TIMELINE_RUNTIMED_KEY, readings),)
-        context.set_trailing_metadata(metadata + relayed_trailers(call.trailing_metadata()))
+        if hop is None:
+            context.set_trailing_metadata(metadata + relayed_trailers(call.trailing_metadata()))
+        else:
+            hop.called(0, trailer_value(call.trailing_metadata(), SPANS_KEY))
+            spans = hop.finish({"rpc.grpc.status_code": 0})
+            relayed = relayed_trailers(call.trailing_metadata(), {SPANS_KEY})
+            context.set_trailing_metadata(metadata + relayed + ((SPANS_KEY, spans),))
         self.runtimed.served(run, active)
         return response
 

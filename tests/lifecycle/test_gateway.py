@@ -3,6 +3,7 @@ is produced by a real request to `fnkernel gateway` → runtimed → Runtime Ser
 
 from __future__ import annotations
 
+import base64
 import http.client
 import itertools
 import json
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from fnkernel.runtime_server import tracing
 from fnkernel.runtime_server.client import Client
 from fnkernel.runtime_server.client.errors import (
     FunctionBusy,
@@ -131,6 +133,94 @@ def test_a_call_asking_for_the_timeline_gets_each_hops_clock_readings_in_order(
     assert path == sorted(path), hops
     status, headers, _ = invoke(shared_stack, name)
     assert status == 200 and "X-Fn-Timeline" not in headers  # only when asked for
+
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+CALLER_SPAN = "00f067aa0ba902b7"
+TRACEPARENT = f"00-{TRACE_ID}-{CALLER_SPAN}-01"
+
+
+def traced(stack: Stack, name: str, body: bytes = b"{}") -> tuple[int, list[dict], bytes]:
+    status, headers, answer = invoke(stack, name, body, {"traceparent": TRACEPARENT})
+    return status, tracing.decode(base64.b64decode(headers["X-Fn-Spans"])), answer
+
+
+def hop_spans(spans: list[dict]) -> dict[tuple[str, str], dict]:
+    by_hop = {(span["service"], span["kind"]): span for span in spans}
+    assert len(by_hop) == len(spans), spans  # one span per hop and kind
+    return by_hop
+
+
+def test_a_traced_call_hands_back_every_hops_spans_parented_along_its_path(
+    shared_stack: Stack,
+) -> None:
+    """docs/protocol.md, "Tracing": a call with a W3C traceparent gets back every hop's spans —
+    the gateway's HTTP server span, each hop's RPC client and server spans — in the caller's
+    trace, each the child of the span that called it, with OpenTelemetry's attributes; the
+    registration ID appears at runtimed, which fills it in."""
+    name = create(shared_stack, {"handler.py": "def handle(event):\n    return event\n"})
+    status, spans, _ = traced(shared_stack, name)
+    assert status == 200
+    by_hop = hop_spans(spans)
+    path = [
+        ("fnkernel-gateway", "SERVER"),
+        ("fnkernel-gateway", "CLIENT"),
+        ("fnkernel-runtimed", "SERVER"),
+        ("fnkernel-runtimed", "CLIENT"),
+        ("fnkernel-runtime-server", "SERVER"),
+    ]
+    assert sorted(by_hop) == sorted(path)
+    parent = CALLER_SPAN
+    for hop in path:
+        span = by_hop[hop]
+        assert (span["traceId"], span["parentSpanId"]) == (TRACE_ID, parent), hop
+        assert span["status"] == "", hop
+        parent = span["spanId"]
+    for outer, inner in itertools.pairwise(path):  # one clock: each nests in its caller
+        assert by_hop[outer]["start"] <= by_hop[inner]["start"] <= by_hop[inner]["end"]
+        assert by_hop[inner]["end"] <= by_hop[outer]["end"]
+    gateway = by_hop[path[0]]
+    assert gateway["name"] == "POST /v1/runs/{name}:invoke"
+    assert gateway["attributes"]["http.request.method"] == "POST"
+    assert gateway["attributes"]["http.response.status_code"] == 200
+    for hop in path[1:]:
+        attributes = by_hop[hop]["attributes"]
+        assert by_hop[hop]["name"] == "fnkernel.v1alpha1.FunctionRuntime/InvokeFunction"
+        assert attributes["rpc.system"] == "grpc"
+        assert attributes["rpc.service"] == "fnkernel.v1alpha1.FunctionRuntime"
+        assert attributes["rpc.method"] == "InvokeFunction"
+        assert attributes["rpc.grpc.status_code"] == 0
+    received = by_hop[("fnkernel-runtimed", "SERVER")]["attributes"]
+    server = by_hop[("fnkernel-runtime-server", "SERVER")]["attributes"]
+    assert received["fnkernel.fence"] == "passed" and server["fnkernel.fence"] == "passed"
+    assert received["fnkernel.registration_id"] == server["fnkernel.registration_id"]
+    assert server["fnkernel.registration_id"].startswith("reg_")
+    assert received["fnkernel.registration_attempt"] == 1
+    assert received["fnkernel.run_uid"] == server["fnkernel.run_uid"] != ""
+    assert server["fnkernel.invocation_id"].startswith("inv_")
+    status, headers, _ = invoke(shared_stack, name)
+    assert status == 200 and "X-Fn-Spans" not in headers  # only a traced call
+
+
+def test_a_traced_call_that_fails_shows_where_it_failed(shared_stack: Stack) -> None:
+    """docs/protocol.md, "Tracing": a failed call's spans come back with its error answer;
+    the hop that failed, and each hop it failed through, carry the error status."""
+    name = create(shared_stack, FAILING_PY)
+    status, spans, _ = traced(shared_stack, name, b'{"id": 7}')
+    assert status == 502
+    by_hop = hop_spans(spans)
+    server = by_hop[("fnkernel-runtime-server", "SERVER")]
+    assert server["status"] == "UNKNOWN: ValueError: bad order 7"
+    assert server["attributes"]["fnkernel.error_type"] == "HandlerError"
+    assert server["attributes"]["fnkernel.fence"] == "passed"  # it ran, and failed
+    for hop in [("fnkernel-runtimed", kind) for kind in ("SERVER", "CLIENT")] + [
+        ("fnkernel-gateway", "CLIENT")
+    ]:
+        assert by_hop[hop]["attributes"]["rpc.grpc.status_code"] == 2, hop  # UNKNOWN
+        assert by_hop[hop]["status"], hop
+    gateway = by_hop[("fnkernel-gateway", "SERVER")]
+    assert gateway["attributes"]["http.response.status_code"] == 502
+    assert "bad order 7" in gateway["status"]
 
 
 def test_get_shows_the_run_and_its_live_function_status(shared_stack: Stack) -> None:

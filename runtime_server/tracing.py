@@ -1,0 +1,168 @@
+"""The spans of one call, hop by hop, on OpenTelemetry's conventions (docs/protocol.md, "Tracing").
+
+A call that carries a W3C ``traceparent`` (the HTTP header, or the gRPC metadata key of the same
+name) is traced: each hop records its spans with the OpenTelemetry SDK — a server span for the
+call it received, a client span for the call it makes, both named and attributed as
+OpenTelemetry's semantic conventions say for RPC and HTTP — and passes the context of its client
+span on. On the way back each hop hands its caller its own spans and those it was handed, OTLP
+encoded (``ExportTraceServiceRequest``, the format every OpenTelemetry backend reads), in the
+``fn-spans-bin`` trailer or the gateway's ``X-Fn-Spans`` header: the caller that asked gets the
+whole call's trace without a collector.
+
+A call without ``traceparent`` costs a metadata lookup per hop and imports nothing: the SDK is
+loaded on the first traced call (never by the kernel's start).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import Span
+    from opentelemetry.trace import Tracer
+
+# Our own attributes (OpenTelemetry's are used where one exists: rpc.*, http.*).
+RUN_UID = "fnkernel.run_uid"
+REGISTRATION_ID = "fnkernel.registration_id"
+REGISTRATION_ATTEMPT = "fnkernel.registration_attempt"
+INVOCATION_ID = "fnkernel.invocation_id"
+FENCE = "fnkernel.fence"  # the fence's decision: "passed", or what it refused
+
+RPC_SERVICE = "fnkernel.v1alpha1.FunctionRuntime"
+INVOKE_SPAN = f"{RPC_SERVICE}/InvokeFunction"  # OpenTelemetry's RPC span name: service/method
+
+_tracers: dict[str, Tracer] = {}
+
+
+def _tracer(component: str) -> Tracer:
+    """This process's tracer for `component`, its provider made on first use."""
+    if component not in _tracers:
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+
+        resource = Resource({"service.name": f"fnkernel-{component}", "process.pid": os.getpid()})
+        _tracers[component] = TracerProvider(resource=resource).get_tracer("fnkernel")
+    return _tracers[component]
+
+
+def rpc_attributes(method: str) -> dict[str, Any]:
+    """OpenTelemetry's RPC span attributes for a FunctionRuntime method."""
+    return {"rpc.system": "grpc", "rpc.service": RPC_SERVICE, "rpc.method": method}
+
+
+class Hop:
+    """One hop's spans of a traced call: its server span (the call it received) and, while it
+    calls the next hop, a client span. `finish` ends them and gives the spans to hand back."""
+
+    def __init__(
+        self,
+        component: str,
+        traceparent: str,
+        name: str,
+        attributes: dict[str, Any],
+    ) -> None:
+        from opentelemetry import trace
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        self._tracer = _tracer(component)
+        parent = TraceContextTextMapPropagator().extract({"traceparent": traceparent})
+        self.span: Span = self._tracer.start_span(  # type: ignore[assignment]
+            name, context=parent, kind=trace.SpanKind.SERVER, attributes=attributes
+        )
+        self._client: Span | None = None
+        self._spans: list[Span] = [self.span]
+        self._downstream: list[bytes] = []
+
+    def set(self, key: str, value: Any) -> None:
+        self.span.set_attribute(key, value)
+
+    def call(self, name: str, attributes: dict[str, Any]) -> str:
+        """Start the client span of the call to the next hop; its ``traceparent``."""
+        from opentelemetry import trace
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        context = trace.set_span_in_context(self.span)
+        client: Span = self._tracer.start_span(  # type: ignore[assignment]
+            name, context=context, kind=trace.SpanKind.CLIENT, attributes=attributes
+        )
+        self._client = client
+        self._spans.append(client)
+        carrier: dict[str, str] = {}
+        TraceContextTextMapPropagator().inject(carrier, context=trace.set_span_in_context(client))
+        return carrier["traceparent"]
+
+    def called(self, grpc_status: int, downstream: bytes | None) -> None:
+        """The next hop answered with `grpc_status` (0: OK) and handed back `downstream`."""
+        if self._client is not None:
+            self._client.set_attribute("rpc.grpc.status_code", grpc_status)
+            if grpc_status:
+                _failed(self._client, f"gRPC status {grpc_status}")
+            self._client.end()
+        if downstream:
+            self._downstream.append(downstream)
+
+    def finish(self, attributes: dict[str, Any], error: str = "") -> bytes:
+        """End the hop's spans with `attributes` (`error`: why it failed); its spans and those
+        handed to it, as one OTLP ``ExportTraceServiceRequest``."""
+        from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+        for key, value in attributes.items():
+            self.span.set_attribute(key, value)
+        if error:
+            _failed(self.span, error)
+        if self._client is not None and self._client.is_recording():
+            self._client.end()
+        self.span.end()
+        # Serialized protobuf messages concatenated are one message with their repeated fields
+        # joined: the spans handed to us are passed on without being parsed.
+        return b"".join((encode_spans(self._spans).SerializeToString(), *self._downstream))
+
+
+def _failed(span: Span, why: str) -> None:
+    from opentelemetry.trace import Status, StatusCode
+
+    span.set_status(Status(StatusCode.ERROR, why))
+
+
+def decode(data: bytes) -> list[dict[str, Any]]:
+    """The spans of an OTLP ``ExportTraceServiceRequest``, flat and in start order: each with
+    its ``service``, ``name``, ``kind``, ``traceId``, ``spanId``, ``parentSpanId`` (hex),
+    ``start``/``end`` (Unix ns), ``attributes`` and ``status`` (``""`` or the error)."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
+    from opentelemetry.proto.trace.v1.trace_pb2 import Span as SpanMessage
+    from opentelemetry.proto.trace.v1.trace_pb2 import Status as StatusMessage
+
+    request = ExportTraceServiceRequest()
+    request.ParseFromString(data)
+    spans = []
+    for resource_spans in request.resource_spans:
+        service = next(
+            (a.value.string_value for a in resource_spans.resource.attributes
+             if a.key == "service.name"), "",
+        )  # fmt: skip
+        for scope in resource_spans.scope_spans:
+            for span in scope.spans:
+                failed = span.status.code == StatusMessage.STATUS_CODE_ERROR
+                spans.append(
+                    {
+                        "service": service,
+                        "name": span.name,
+                        "kind": SpanMessage.SpanKind.Name(span.kind).removeprefix("SPAN_KIND_"),
+                        "traceId": span.trace_id.hex(),
+                        "spanId": span.span_id.hex(),
+                        "parentSpanId": span.parent_span_id.hex(),
+                        "start": span.start_time_unix_nano,
+                        "end": span.end_time_unix_nano,
+                        "attributes": {a.key: _value(a.value) for a in span.attributes},
+                        "status": (span.status.message or "error") if failed else "",
+                    }
+                )
+    return sorted(spans, key=lambda span: span["start"])
+
+
+def _value(value: Any) -> Any:
+    kind = value.WhichOneof("value")
+    return getattr(value, kind) if kind else None
