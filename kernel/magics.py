@@ -1,7 +1,7 @@
 """The fnkernel magics, exactly as docs/protocol.md, "Kernel" spells them.
 
 ``%%function NAME [--runtime python|bash] [--handler H] [--env KEY=VALUE]... [--idle-timeout S]
-[--timeout S] [--memory MIB] [--replicas N]``, ``%invoke NAME [JSON]``, ``%functions [--all] [NAME...]``, ``%use NAME``, ``%fn_connect URL``, ``%fn_trace on|off|show [--all]`` and
+[--timeout S] [--memory MIB] [--replicas N]``, ``%invoke NAME [JSON]``, ``%functions [--all] [NAME...]``, ``%use NAME``, ``%fn_connect URL``, ``%fn_trace on|off|show [--all]|waterfall [INVOCATION]`` and
 ``%fn_debug``. Bad flags raise ``UsageError`` with a one-line message.
 """
 
@@ -31,6 +31,7 @@ from fnkernel.kernel.functions import Function, Spec
 from fnkernel.kernel.previous import name_error_handler
 from fnkernel.kernel.session import _SESSION_ATTRIBUTE, Session, session_of
 from fnkernel.kernel.trace import TraceTable
+from fnkernel.kernel.waterfall import Waterfall
 from fnkernel.runtime_server.client import parse_pairs
 from fnkernel.runtime_server.client.errors import FunctionNotFound, GatewayError
 
@@ -272,11 +273,23 @@ class FunctionMagics(Magics):
         return krm_magic(chain_of(self.session), line, cell)
 
     @line_magic("fn_trace")  # type: ignore[arg-type]  # IPython types it as Never
-    def fn_trace(self, line: str) -> TraceTable | None:
-        """%fn_trace on|off|show [--all] — record every call the kernel makes to the runtime
-        (show: the calls your cells caused; --all: also the kernel's own status polls)."""
+    def fn_trace(self, line: str) -> TraceTable | Waterfall | None:
+        """%fn_trace on|off|show [--all]|waterfall [INVOCATION] — record every call the kernel
+        makes to the runtime (show: the calls your cells caused; --all: also the kernel's own
+        status polls; waterfall: the spans of the last traced invocation, or INVOCATION's, on
+        one time axis, every hop's: docs/protocol.md, "Tracing")."""
         trace = self.session.trace
         command = line.strip() or "show"
+        words = command.split()
+        if words[0] == "waterfall" and len(words) <= 2:
+            call = trace.traced(words[1] if len(words) == 2 else "")
+            if call is None:
+                named = f" {words[1]}" if len(words) == 2 else ""
+                raise UsageError(
+                    f"%fn_trace waterfall: no traced invocation{named} (%fn_trace on, then "
+                    "invoke a function)"
+                )
+            return Waterfall(call.waterfall_spans())
         if command == "on":
             trace.start()
             print("fn_trace: recording every call to the runtime (%fn_trace show to see them)")
@@ -287,7 +300,9 @@ class FunctionMagics(Magics):
             return None
         if command in ("show", "show --all"):
             return TraceTable(trace.calls(), show_all=command.endswith("--all"))
-        raise UsageError(f"%fn_trace: expected on, off, show or show --all, got {command!r}")
+        raise UsageError(
+            f"%fn_trace: expected on, off, show, show --all or waterfall [INVOCATION], got {command!r}"
+        )
 
     @line_magic("fn_debug")  # type: ignore[arg-type]  # IPython types it as Never
     def fn_debug(self, line: str) -> Any:

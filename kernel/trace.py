@@ -30,6 +30,18 @@ class TracedCall:
     latency_ms: float
     response: Any = None
     internal: bool = False  # the kernel's own bookkeeping (a status poll), not the user's call
+    # A traced invocation (docs/protocol.md, "Tracing"): the kernel's own span, and the spans
+    # every hop handed back (OTLP, as X-Fn-Spans carries them).
+    kernel_span: dict[str, Any] | None = None
+    spans: bytes = b""
+    invocation_id: str = ""
+
+    def waterfall_spans(self) -> list[dict[str, Any]]:
+        """The kernel's span and every hop's, as runtime_server.tracing.decode gives them."""
+        from fnkernel.runtime_server import tracing
+
+        handed = tracing.decode(self.spans) if self.spans else []
+        return [self.kernel_span, *handed] if self.kernel_span else handed
 
 
 def decode_payload(data: bytes) -> Any:
@@ -85,13 +97,30 @@ class Trace:
             self._bookkeeping.on = outer
 
     def record(
-        self, method: str, request: Any, status: str, latency_ms: float, response: Any = None
+        self,
+        method: str,
+        request: Any,
+        status: str,
+        latency_ms: float,
+        response: Any = None,
+        **traced: Any,
     ) -> None:
+        """Record a call; `traced`: a traced invocation's TracedCall fields (kernel_span,
+        spans, invocation_id)."""
         if self.on:
             internal = getattr(self._bookkeeping, "on", False) and _is_read(method)
-            call = TracedCall(method, request, status, latency_ms, response, internal)
+            call = TracedCall(method, request, status, latency_ms, response, internal, **traced)
             with self._lock:
                 self._calls.append(call)
+
+    def traced(self, invocation_id: str = "") -> TracedCall | None:
+        """The last traced invocation, or the one with `invocation_id`."""
+        with self._lock:
+            calls = list(self._calls)
+        for call in reversed(calls):
+            if call.kernel_span and (not invocation_id or call.invocation_id == invocation_id):
+                return call
+        return None
 
     def start(self) -> None:
         with self._lock:

@@ -6,6 +6,8 @@ start and must not pay for grpc. Addresses are ``http://host:port`` or ``unix:/p
 
 from __future__ import annotations
 
+import base64
+import binascii
 import collections
 import contextlib
 import functools
@@ -173,7 +175,9 @@ class Client:
                 connection.close()
             break
         if response.status >= 400:
-            raise _failure(response.status, data)
+            failure = _failure(response.status, data)
+            failure.spans = spans_of(response.headers)
+            raise failure
         return response.status, response.headers, data
 
     def follow_logs(
@@ -323,8 +327,12 @@ class Client:
         timeout_millis: int = 0,
         invocation_id: str = "",
         on_log: LogCallback | None = None,
+        traceparent: str = "",
     ) -> InvocationResult:
         """Invoke with `payload` encoded as JSON (``jsoncodec.dumps``), or the raw JSON bytes `data`.
+
+        `traceparent` (W3C) traces the call: every hop's spans come back as the result's (or
+        the failure's) ``spans``, OTLP encoded (docs/protocol.md, "Tracing").
 
         `on_log(line)` is given each line the call logs (``{"stream", "text"}``), in order:
         as it is written once the call has run for FOLLOW_AFTER_SECONDS (from another
@@ -340,6 +348,8 @@ class Client:
             live = _LiveFollow(self, name, invocation_id, on_log)
         if invocation_id:
             headers[wire.INVOCATION_ID_HEADER] = invocation_id
+        if traceparent:
+            headers[wire.TRACEPARENT_HEADER] = traceparent
         started = time.perf_counter()
         try:
             _, reply, output = self.request(
@@ -371,6 +381,7 @@ class Client:
             cold_start=reply.get(wire.COLD_START_HEADER) == "1",
             logs=logs,
             run=reply.get(wire.RUN_HEADER, ""),
+            spans=spans_of(reply) if traceparent else b"",
         )
 
     def map(
@@ -513,6 +524,15 @@ def _json_header(reply: http.client.HTTPMessage, name: str, empty: Any) -> Any:
 
 def _quote(name: str) -> str:
     return urllib.parse.quote(name, safe="")
+
+
+def spans_of(headers: http.client.HTTPMessage) -> bytes:
+    """A traced call's X-Fn-Spans, decoded from base64; b"" when there are none."""
+    value = headers.get(wire.SPANS_HEADER)
+    try:
+        return base64.b64decode(value, validate=True) if value else b""
+    except binascii.Error:
+        return b""
 
 
 def _failure(status: int, data: bytes) -> GatewayError:

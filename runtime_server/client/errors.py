@@ -28,6 +28,7 @@ class GatewayError(Exception):
         self.run_uid = run_uid
         self.invocation_id = invocation_id
         self.detail = dict(detail or {})  # the whole JSON error body, for %fn_debug
+        self.spans = b""  # a traced call's: every hop's spans, OTLP (docs/protocol.md, "Tracing")
         super().__init__(f"{message} ({code})" if code else message)
 
     @classmethod

@@ -136,6 +136,7 @@ class InvocationResult:
     cold_start: bool
     logs: list[dict[str, str]] = field(default_factory=list)
     run: str = ""  # of a replica set: the replica that served it (docs/protocol.md, "Replicas")
+    spans: bytes = b""  # a traced call's: every hop's spans, OTLP (docs/protocol.md, "Tracing")
 
     def value(self) -> Any:
         """The output decoded as JSON."""

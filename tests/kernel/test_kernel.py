@@ -438,10 +438,52 @@ def test_fn_trace_records_each_gateway_call(kernel: Kernel) -> None:
     text = table.result
     lines = text.splitlines()
     assert lines[0].split() == ["#", "method", "status", "latency", "request"]
-    assert "POST /v1/runs/etl:invoke" in lines[1] and " 200 " in lines[1]
-    assert '{"rows": [7]}' in lines[1] and " ms " in lines[1]
-    assert "GET /v1/runs/missing" in lines[2] and "404 NOT_FOUND" in lines[2]
+    # (The first traced call loads OpenTelemetry in every hop: past 50 ms, its live log is
+    # followed too, and that stream is a call of the kernel's as well.)
+    invoked = next(i for i, line in enumerate(lines) if "POST /v1/runs/etl:invoke" in line)
+    assert " 200 " in lines[invoked]
+    assert '{"rows": [7]}' in lines[invoked] and " ms " in lines[invoked]
+    assert "GET /v1/runs/missing" in lines[invoked + 1] and "404 NOT_FOUND" in lines[invoked + 1]
     assert "<table class='fn-trace'>" in table.htmls()[-1]
+
+
+def test_fn_trace_waterfall_draws_every_hop_of_the_last_traced_call(kernel: Kernel) -> None:
+    """docs/protocol.md, "Tracing": while %fn_trace is on, each invocation carries a W3C
+    traceparent; %fn_trace waterfall [INVOCATION] draws its spans — the kernel's, then every
+    hop's, each nested under its caller — with the hops' attributes in the text form and on
+    hover in HTML, and a failed call's failure where it happened."""
+    kernel.run(ETL)
+    assert kernel.run("%fn_trace on").ok
+    kernel.run('etl({"rows": [7]})')
+    first = kernel.run("%fn_trace waterfall")
+    lines = first.result.splitlines()
+    assert lines[0].startswith("trace ") and lines[0].endswith(" ms") and "6 spans" in lines[0]
+    labels = [line.split("|")[0].rstrip() for line in lines if "|" in line]
+    assert labels == [
+        "kernel client: POST /v1/runs/{name}:invoke",
+        "  gateway server: POST /v1/runs/{name}:invoke",
+        "    gateway client: FunctionRuntime/InvokeFunction",
+        "      runtimed server: FunctionRuntime/InvokeFunction",
+        "        runtimed client: FunctionRuntime/InvokeFunction",
+        "          runtime-server server: FunctionRuntime/InvokeFunction",
+    ]
+    assert "registration_id=reg_" in first.result and "fence=passed" in first.result
+    html = first.htmls()[-1]
+    assert html.count("class='fnk-wf-row'") == 6 and "rpc.system = grpc" in html
+    invocation_id = next(
+        word.removeprefix("invocation_id=")
+        for word in first.result.split()
+        if word.startswith("invocation_id=inv_")
+    )
+    kernel.run("%%function traced_failure\ndef handler(event):\n    raise ValueError('no rows')\n")
+    kernel.run("traced_failure({})")
+    failed = kernel.run("%fn_trace waterfall").result
+    assert "failed: " in failed and "error_type=HandlerError" in failed
+    again = kernel.run(f"%fn_trace waterfall {invocation_id}").result
+    assert "failed: " not in again and f"invocation_id={invocation_id}" in again
+    kernel.run("%fn_trace off")
+    missing = kernel.run("%fn_trace waterfall inv_none")
+    assert not missing.ok and "no traced invocation inv_none" in missing.stderr
 
 
 def test_fn_trace_shows_the_calls_cells_caused_and_all_with_all(kernel: Kernel) -> None:
