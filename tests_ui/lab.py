@@ -199,6 +199,26 @@ CONTRASTS_JS = """
 }
 """
 
+# For each bar of a %fn_trace waterfall: where its time axis starts and ends on the page, where
+# the bar is, and the contrast of the bar's colour against the axis behind it (WCAG 1.4.11 asks
+# 3:1 of a graphical object).
+WATERFALL_JS = """
+() => {
+  const parse = (c) => c.match(/rgba?\\(([^)]+)\\)/)[1].split(/[ ,/]+/).filter(Boolean).map(Number);
+  const luminance = (p) => {
+    const f = (v) => { v /= 255; return v <= 0.03928 ? v / 12.92 : Math.pow((v + 0.055) / 1.055, 2.4); };
+    return 0.2126 * f(p[0]) + 0.7152 * f(p[1]) + 0.0722 * f(p[2]);
+  };
+  return [...document.querySelectorAll('.fnk .fnk-wf-bar')].map(bar => {
+    const axis = bar.parentElement, a = axis.getBoundingClientRect(), b = bar.getBoundingClientRect();
+    const [hi, lo] = [luminance(parse(getComputedStyle(bar).backgroundColor)),
+                      luminance(parse(getComputedStyle(axis).backgroundColor))].sort((x, y) => y - x);
+    return {axisLeft: a.left, axisRight: a.right, left: b.left, right: b.right,
+            ratio: (hi + 0.05) / (lo + 0.05)};
+  });
+}
+"""
+
 # For each table in the outputs: per column, the set of text-align values of its header and cells.
 ALIGNMENTS_JS = """
 () => [...document.querySelectorAll('.jp-OutputArea table')].map(table => {

@@ -13,7 +13,7 @@ import pytest
 from playwright.sync_api import Browser, Page
 
 from tests_ui.conftest import FAILURES, ROOT, copy_notebook
-from tests_ui.lab import ALIGNMENTS_JS, CONTRASTS_JS, Lab, NotebookPage
+from tests_ui.lab import ALIGNMENTS_JS, CONTRASTS_JS, WATERFALL_JS, Lab, NotebookPage
 
 STDOUT = "application/vnd.jupyter.stdout"
 STDERR = "application/vnd.jupyter.stderr"  # stderr streams and errors alike
@@ -59,6 +59,9 @@ CELLS = [
     "%%function waits\nimport os, time\ndef handler(event):\n    print('started')\n"
     "    while not os.path.exists(event):\n        time.sleep(0.01)\n    print('finished')",
     "waits(GO)",
+    # 20-21: a traced call (%fn_trace is on since cell 8) and its waterfall
+    'etl({"rows": [5]})',
+    "%fn_trace waterfall",
 ]
 SHOWN = range(0, 13)  # the cells the display tests look at, run once in order
 
@@ -186,6 +189,24 @@ def test_a_long_calls_prints_appear_while_it_runs(notebook: NotebookPage, go: Pa
     assert notebook.text(cell(19), STDOUT).split() == ["started", "finished"]
 
 
+def test_the_waterfall_draws_every_hop_on_one_time_axis(notebook: NotebookPage) -> None:
+    # docs/protocol.md, "Tracing": %fn_trace waterfall, a bar per span (the kernel's and every
+    # hop's) on one time axis, each hop's attributes on hover. Run before the theme test, which
+    # checks its colours in both themes.
+    notebook.run(cell(20))
+    notebook.run(cell(21))
+    rows = notebook.cell(cell(21)).locator(".fnk-wf-row")
+    assert rows.count() == 6
+    assert "runtimed server: FunctionRuntime/InvokeFunction" in rows.nth(3).inner_text()
+    assert "fnkernel.registration_id = reg_" in (rows.nth(3).get_attribute("title") or "")
+    bars = notebook.page.evaluate(WATERFALL_JS)
+    assert len(bars) == 6
+    assert len({(round(b["axisLeft"]), round(b["axisRight"])) for b in bars}) == 1, bars
+    for bar in bars:
+        assert bar["axisLeft"] - 0.5 <= bar["left"] <= bar["right"] <= bar["axisRight"] + 2.5
+    assert bars[0]["left"] <= min(b["left"] for b in bars) + 0.5  # the kernel's span is first
+
+
 @pytest.mark.parametrize("theme", ["JupyterLab Light", "JupyterLab Dark"])
 def test_coloured_text_reads_at_4_5_to_1_in_both_themes(
     lab: Lab, notebook: NotebookPage, theme: str
@@ -204,6 +225,8 @@ def test_coloured_text_reads_at_4_5_to_1_in_both_themes(
         assert len(contrasts) >= 10
         low = [c for c in contrasts if c["ratio"] < 4.5]
         assert not low, low
+        bars = page.evaluate(WATERFALL_JS)  # the waterfall's bars: 3:1 against their axis
+        assert bars and all(bar["ratio"] >= 3 for bar in bars), bars
     finally:
         lab.set_theme("JupyterLab Light")
 
