@@ -58,6 +58,10 @@ ROUNDS = 10
 TARGETS = {"gateway": 1.2, "proxy hop": 0.10}  # issue 13: x the floor; ms above a bare hop
 
 
+# A traced call's W3C trace context (docs/protocol.md, "Tracing"): every call in one trace.
+TRACED = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
 def serve_http_echo() -> None:
     """A bare tornado server answering POST / with its body: the HTTP hop at its cheapest."""
     from tornado import httpserver, netutil, web
@@ -252,6 +256,7 @@ def measure_cases(
             proxy_request, timeout=30, metadata=pod
         ),
         "gateway (HTTP)": lambda: client.invoke("bench", data=PAYLOAD),
+        "gateway (HTTP), traced": lambda: client.invoke("bench", data=PAYLOAD, traceparent=TRACED),
         "bare gRPC echo": lambda: echo(PAYLOAD, timeout=30),
         "bare HTTP echo (tornado)": echo_over_http,
         "bare relay → Runtime Server": lambda: bare_stub.InvokeFunction(direct_request, timeout=30),
@@ -299,6 +304,11 @@ def report(results: dict[str, list[float]], segments: dict[str, list[float]]) ->
     print(
         f"the same floor for a chain of bare parts (HTTP echo + 2 gRPC hops): it costs "
         f"{chain_ratio:.2f}x that"
+    )
+    traced = p(results["gateway (HTTP), traced"], 50) - p(results["gateway (HTTP)"], 50)
+    print(
+        f'tracing on (docs/protocol.md, "Tracing": five spans recorded, encoded and handed '
+        f"back): {traced:+.3f} ms a call"
     )
     timed = len(next(iter(segments.values())))
     print(f"where a gateway call's time goes (X-Fn-Timeline, median of {timed} calls):")
