@@ -10,7 +10,10 @@ encoded (``ExportTraceServiceRequest``, the format every OpenTelemetry backend r
 whole call's trace without a collector.
 
 A call without ``traceparent`` costs a metadata lookup per hop and imports nothing: the SDK is
-loaded on the first traced call (never by the kernel's start).
+loaded on the first traced call (never by the kernel's start). With an OTLP endpoint in the
+environment (``FNKERNEL_OTLP_ENDPOINT``, else OpenTelemetry's own ``OTEL_EXPORTER_OTLP_ENDPOINT``)
+every call is traced — one without ``traceparent`` starts a trace at the gateway — and each
+process exports its spans there over OTLP/gRPC, in batches, off the call's path.
 """
 
 from __future__ import annotations
@@ -32,18 +35,35 @@ FENCE = "fnkernel.fence"  # the fence's decision: "passed", or what it refused
 RPC_SERVICE = "fnkernel.v1alpha1.FunctionRuntime"
 INVOKE_SPAN = f"{RPC_SERVICE}/InvokeFunction"  # OpenTelemetry's RPC span name: service/method
 
+ENDPOINT_ENVS = ("FNKERNEL_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+# Read once, as each process starts: where its spans are exported ("" for nowhere).
+EXPORT_ENDPOINT = next((os.environ[name] for name in ENDPOINT_ENVS if os.environ.get(name)), "")
+
 _tracers: dict[str, Tracer] = {}
 
 
 def _tracer(component: str) -> Tracer:
-    """This process's tracer for `component`, its provider made on first use."""
+    """This process's tracer for `component`, its provider made on first use (exporting to
+    EXPORT_ENDPOINT when there is one)."""
     if component not in _tracers:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
 
         resource = Resource({"service.name": f"fnkernel-{component}", "process.pid": os.getpid()})
-        _tracers[component] = TracerProvider(resource=resource).get_tracer("fnkernel")
+        provider = TracerProvider(resource=resource)
+        if EXPORT_ENDPOINT:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+            from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+            exporter = OTLPSpanExporter(endpoint=EXPORT_ENDPOINT)
+            provider.add_span_processor(BatchSpanProcessor(exporter))
+        _tracers[component] = provider.get_tracer("fnkernel")
     return _tracers[component]
+
+
+def traced(traceparent: str | None) -> bool:
+    """Whether a call with this `traceparent` (None: none) is traced here."""
+    return bool(traceparent or EXPORT_ENDPOINT)
 
 
 def rpc_attributes(method: str) -> dict[str, Any]:
@@ -58,7 +78,7 @@ class Hop:
     def __init__(
         self,
         component: str,
-        traceparent: str,
+        traceparent: str | None,
         name: str,
         attributes: dict[str, Any],
     ) -> None:
@@ -66,7 +86,8 @@ class Hop:
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         self._tracer = _tracer(component)
-        parent = TraceContextTextMapPropagator().extract({"traceparent": traceparent})
+        # none (exporting, an untraced caller): this hop's span starts a trace of its own
+        parent = TraceContextTextMapPropagator().extract({"traceparent": traceparent or ""})
         self.span: Span = self._tracer.start_span(  # type: ignore[assignment]
             name, context=parent, kind=trace.SpanKind.SERVER, attributes=attributes
         )

@@ -94,7 +94,7 @@ class FunctionRuntimeServicer(pb_grpc.FunctionRuntimeServicer):
         received = time.monotonic_ns() if metadata_value(context, TIMELINE_KEY) == "1" else 0
         traceparent = metadata_value(context, TRACEPARENT_KEY)  # "Tracing": a traced call
         hop = None
-        if traceparent:
+        if tracing.traced(traceparent):
             hop = tracing.Hop("runtime-server", traceparent, tracing.INVOKE_SPAN, {
                 **tracing.rpc_attributes("InvokeFunction"),
                 tracing.RUN_UID: request.registration.run_uid,

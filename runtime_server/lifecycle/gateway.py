@@ -712,7 +712,8 @@ class InvokeHandler(BodyHandler):
         hop, self._hop = self._hop, None
         if hop is not None:
             spans = hop.finish({"http.response.status_code": status}, error=error)
-            self.set_header(wire.SPANS_HEADER, base64.b64encode(spans).decode("ascii"))
+            if self.request.headers.get(wire.TRACEPARENT_HEADER):  # the caller asked for them
+                self.set_header(wire.SPANS_HEADER, base64.b64encode(spans).decode("ascii"))
 
     def on_connection_close(self) -> None:
         # The client hung up (an interrupted notebook cell): cancel, so the handler is killed.
@@ -784,7 +785,7 @@ class InvokeHandler(BodyHandler):
             header_text(headers, wire.TIMEOUT_HEADER, "0"), wire.TIMEOUT_HEADER
         )
         traceparent = headers.get(wire.TRACEPARENT_HEADER)
-        if traceparent:
+        if tracing.traced(traceparent):
             self._hop = tracing.Hop("gateway", traceparent, "POST /v1/runs/{name}:invoke", {
                 "http.request.method": "POST",
                 "http.route": "/v1/runs/{name}:invoke",

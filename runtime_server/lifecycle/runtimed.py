@@ -753,7 +753,7 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
         # docs/protocol.md, "Timeline": the caller asked for this hop's clock readings.
         received = time.monotonic_ns() if metadata_value(context, TIMELINE_KEY) == "1" else 0
         traceparent = metadata_value(context, TRACEPARENT_KEY)  # "Tracing": a traced call
-        if not traceparent:
+        if not tracing.traced(traceparent):
             return self._invoke(request, context, received, None)
         hop = tracing.Hop("runtimed", traceparent, tracing.INVOKE_SPAN, {
             **tracing.rpc_attributes("InvokeFunction"),
