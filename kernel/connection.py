@@ -13,14 +13,13 @@ Nothing here imports grpc: the kernel speaks HTTP to the gateway with the stdlib
 from __future__ import annotations
 
 import os
-import secrets
 import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from fnkernel.kernel.trace import Trace, decode_payload
+from fnkernel.kernel.trace import KernelSpan, Trace, decode_payload
 from fnkernel.runtime_server import wire
 from fnkernel.runtime_server.client import Client, spans_of
 from fnkernel.runtime_server.client.errors import GatewayError
@@ -54,19 +53,20 @@ class TracedClient(Client):
         span = None
         if method == "POST" and path.endswith(":invoke"):  # traced (docs/protocol.md, "Tracing")
             invocation_id = (headers or {}).get(wire.INVOCATION_ID_HEADER, "")
-            span = KernelSpan(path, invocation_id)
+            attributes = {"http.request.method": "POST", "url.path": path}
+            span = KernelSpan("POST /v1/runs/{name}:invoke", attributes, invocation_id)
             headers = {**(headers or {}), wire.TRACEPARENT_HEADER: span.traceparent}
         try:
             result = super().request(method, path, body, headers)
         except GatewayError as exc:
             status = f"{exc.status} {exc.code}".strip() if exc.status else exc.code or "failed"
-            traced = span.ended(exc.status, exc.spans) if span else {}
+            traced = span.ended(_http_status(exc.status), exc.spans) if span else {}
             self.trace.record(f"{method} {path}", request, status, _ms(started), **traced)
             raise
         except BaseException:
             self.trace.record(f"{method} {path}", request, "interrupted", _ms(started))
             raise
-        traced = span.ended(result[0], spans_of(result[1])) if span else {}
+        traced = span.ended(_http_status(result[0]), spans_of(result[1])) if span else {}
         self.trace.record(f"{method} {path}", request, str(result[0]), _ms(started), **traced)
         return result
 
@@ -93,36 +93,10 @@ def _ms(started: float) -> float:
     return (time.perf_counter() - started) * 1000
 
 
-class KernelSpan:
-    """The kernel's client span of a traced invocation: W3C ids made here (a trace ID and a span
-    ID, as random as OpenTelemetry's), its times on the same clock as every hop's (Unix ns)."""
-
-    def __init__(self, path: str, invocation_id: str) -> None:
-        self.trace_id, self.span_id = secrets.token_hex(16), secrets.token_hex(8)
-        self.traceparent = f"00-{self.trace_id}-{self.span_id}-01"
-        self.path = path
-        self.invocation_id = invocation_id
-        self.start = time.time_ns()
-
-    def ended(self, status: int, spans: bytes) -> dict[str, Any]:
-        """What the trace records of the call (TracedCall's fields)."""
-        kernel_span = {
-            "service": "fnkernel-kernel",
-            "name": "POST /v1/runs/{name}:invoke",
-            "kind": "CLIENT",
-            "traceId": self.trace_id,
-            "spanId": self.span_id,
-            "parentSpanId": "",
-            "start": self.start,
-            "end": time.time_ns(),
-            "attributes": {
-                "http.request.method": "POST",
-                "url.path": self.path,
-                "http.response.status_code": status,
-            },
-            "status": f"HTTP {status}" if status >= 400 or not status else "",
-        }
-        return {"kernel_span": kernel_span, "spans": spans, "invocation_id": self.invocation_id}
+def _http_status(status: int) -> tuple[dict[str, Any], str]:
+    """A traced call's answer as its span records it: the status attribute, and the failure."""
+    failed = f"HTTP {status}" if status >= 400 or not status else ""
+    return {"http.response.status_code": status}, failed
 
 
 class Runtime:

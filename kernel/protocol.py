@@ -25,22 +25,33 @@ import grpc
 from google.protobuf import json_format
 
 from fnkernel.kernel.functions import InvocationInterrupted, wait_until_free
-from fnkernel.kernel.trace import Trace, decode_message
+from fnkernel.kernel.trace import KernelSpan, Trace, decode_message
+from fnkernel.runtime_server import wire
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from fnkernel.runtime_server.client.errors import GatewayError, from_response
 from fnkernel.runtime_server.daemon import Child, serve_args, spawn
-from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS, failure_body
+from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS, failure_body, trailer_value
 from fnkernel.runtime_server.wire import http_status
 from fnkernel.system.private import private_tempdir, sweep
 
 SERVICE = "FunctionRuntime"
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name[SERVICE].full_name  # executor.v1.FunctionRuntime
 _REQUESTS = {
     "RegisterFunction": pb.RegisterFunctionRequest,
     "InvokeFunction": pb.InvokeFunctionRequest,
     "FunctionStatus": pb.FunctionStatusRequest,
     "UnregisterFunction": pb.UnregisterFunctionRequest,
 }
+
+
+def _ended(span: KernelSpan | None, code: grpc.StatusCode, trailers: Any) -> dict[str, Any]:
+    """A traced call's TracedCall fields (none if it was not traced)."""
+    if span is None:
+        return {}
+    failed = "" if code == grpc.StatusCode.OK else code.name
+    spans = trailer_value(trailers, wire.SPANS_KEY) or b""
+    return span.ended(({"rpc.grpc.status_code": code.value[0]}, failed), spans)
 
 
 def error_of(err: grpc.RpcError, method: str) -> GatewayError:
@@ -72,10 +83,15 @@ class FunctionRuntimeClient:
             raise ValueError(f"FunctionRuntime has no method {method!r}; one of {list(_REQUESTS)}")
         message = json_format.ParseDict(request, _REQUESTS[method]())
         started = time.perf_counter()
+        span = metadata = None
+        if self.trace.on and method == "InvokeFunction":  # traced (docs/protocol.md, "Tracing")
+            attributes = {"rpc.system": "grpc", "rpc.service": SERVICE_NAME, "rpc.method": method}
+            span = KernelSpan(f"{SERVICE_NAME}/{method}", attributes, message.invocation_id)
+            metadata = ((wire.TRACEPARENT_KEY, span.traceparent),)
         with self._lock:
             # Under the lock that cancel() takes: once the server sees the call, an interrupt
             # finds it here (not in the instant between sending it and recording it).
-            future = getattr(self._stub, method).future(message, timeout=timeout)
+            future = getattr(self._stub, method).future(message, timeout=timeout, metadata=metadata)
             self._in_flight.add(future)
         shown = decode_message(request)
         try:
@@ -88,13 +104,15 @@ class FunctionRuntimeClient:
             raise InvocationInterrupted(f"{method} cancelled") from None
         except grpc.RpcError as err:
             error = error_of(err, method)
-            self._record(method, shown, error.code, started)
+            traced = _ended(span, err.code(), err.trailing_metadata())
+            self._record(method, shown, error.code, started, **traced)
             raise error from None
         finally:
             with self._lock:
                 self._in_flight.discard(future)
         answer: dict[str, Any] = json_format.MessageToDict(reply)
-        self._record(method, shown, "OK", started, decode_message(answer))
+        traced = _ended(span, grpc.StatusCode.OK, future.trailing_metadata())
+        self._record(method, shown, "OK", started, decode_message(answer), **traced)
         return answer
 
     def _busy(self, registration: dict[str, Any]) -> bool:
@@ -102,10 +120,16 @@ class FunctionRuntimeClient:
         return bool(int(status.get("inFlight", 0)))
 
     def _record(
-        self, method: str, request: Any, status: str, started: float, response: Any = None
+        self,
+        method: str,
+        request: Any,
+        status: str,
+        started: float,
+        response: Any = None,
+        **traced: Any,
     ) -> None:
         latency = (time.perf_counter() - started) * 1000
-        self.trace.record(f"{SERVICE}/{method}", request, status, latency, response)
+        self.trace.record(f"{SERVICE}/{method}", request, status, latency, response, **traced)
 
     def RegisterFunction(self, request: dict[str, Any], timeout: float = 60) -> dict[str, Any]:
         return self.call("RegisterFunction", request, timeout)

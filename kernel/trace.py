@@ -12,7 +12,9 @@ import binascii
 import contextlib
 import html
 import json
+import secrets
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +44,38 @@ class TracedCall:
 
         handed = tracing.decode(self.spans) if self.spans else []
         return [self.kernel_span, *handed] if self.kernel_span else handed
+
+
+class KernelSpan:
+    """The kernel's client span of a traced invocation (docs/protocol.md, "Tracing"): W3C IDs
+    made here (a trace ID and a span ID, as random as OpenTelemetry's), its times on the same
+    clock as every hop's (Unix ns). The trace's root: the hops' spans are its descendants."""
+
+    def __init__(self, name: str, attributes: dict[str, Any], invocation_id: str = "") -> None:
+        self.trace_id, self.span_id = secrets.token_hex(16), secrets.token_hex(8)
+        self.traceparent = f"00-{self.trace_id}-{self.span_id}-01"
+        self.name = name
+        self.attributes = attributes
+        self.invocation_id = invocation_id
+        self.start = time.time_ns()
+
+    def ended(self, answer: tuple[dict[str, Any], str], spans: bytes) -> dict[str, Any]:
+        """The call's TracedCall fields, once it answered: `answer` is its status attributes
+        and its failure ("" if none); `spans`, every hop's, OTLP."""
+        status_attributes, failed = answer
+        kernel_span = {
+            "service": "fnkernel-kernel",
+            "name": self.name,
+            "kind": "CLIENT",
+            "traceId": self.trace_id,
+            "spanId": self.span_id,
+            "parentSpanId": "",
+            "start": self.start,
+            "end": time.time_ns(),
+            "attributes": {**self.attributes, **status_attributes},
+            "status": failed,
+        }
+        return {"kernel_span": kernel_span, "spans": spans, "invocation_id": self.invocation_id}
 
 
 def decode_payload(data: bytes) -> Any:

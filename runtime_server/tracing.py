@@ -32,7 +32,7 @@ REGISTRATION_ATTEMPT = "fnkernel.registration_attempt"
 INVOCATION_ID = "fnkernel.invocation_id"
 FENCE = "fnkernel.fence"  # the fence's decision: "passed", or what it refused
 
-RPC_SERVICE = "fnkernel.v1alpha1.FunctionRuntime"
+RPC_SERVICE = "executor.v1.FunctionRuntime"  # the proto's package and service
 INVOKE_SPAN = f"{RPC_SERVICE}/InvokeFunction"  # OpenTelemetry's RPC span name: service/method
 
 ENDPOINT_ENVS = ("FNKERNEL_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")

@@ -83,6 +83,10 @@ def test_protocol_tour_shows_every_state_machine_outcome(
         "is DRAINING, not READY",
         'UnregisterFunction → OK {"registration": {"runUid": "never-registered"',
         "FunctionRuntime/RegisterFunction    OK",  # the %fn_trace table
+        # docs/protocol.md, "Tracing": the waterfalls of a call and of the stale call refused
+        "runtime-server server: FunctionRuntime/InvokeFunction",
+        "fence=passed",
+        "fence=refused: StaleRegistration",
     ]:
         assert outcome in text, outcome
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from fnkernel.runtime_server import tracing
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2
 from fnkernel.runtime_server.client import Client
 from fnkernel.runtime_server.client.errors import (
     FunctionBusy,
@@ -135,6 +136,8 @@ def test_a_call_asking_for_the_timeline_gets_each_hops_clock_readings_in_order(
     assert status == 200 and "X-Fn-Timeline" not in headers  # only when asked for
 
 
+# OpenTelemetry's rpc.service: the gRPC service's full name, as the proto declares it.
+SERVICE_NAME = runtime_pb2.DESCRIPTOR.services_by_name["FunctionRuntime"].full_name
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CALLER_SPAN = "00f067aa0ba902b7"
 TRACEPARENT = f"00-{TRACE_ID}-{CALLER_SPAN}-01"
@@ -185,9 +188,9 @@ def test_a_traced_call_hands_back_every_hops_spans_parented_along_its_path(
     assert gateway["attributes"]["http.response.status_code"] == 200
     for hop in path[1:]:
         attributes = by_hop[hop]["attributes"]
-        assert by_hop[hop]["name"] == "fnkernel.v1alpha1.FunctionRuntime/InvokeFunction"
+        assert by_hop[hop]["name"] == f"{SERVICE_NAME}/InvokeFunction"
         assert attributes["rpc.system"] == "grpc"
-        assert attributes["rpc.service"] == "fnkernel.v1alpha1.FunctionRuntime"
+        assert attributes["rpc.service"] == SERVICE_NAME
         assert attributes["rpc.method"] == "InvokeFunction"
         assert attributes["rpc.grpc.status_code"] == 0
     received = by_hop[("fnkernel-runtimed", "SERVER")]["attributes"]
