@@ -709,9 +709,11 @@ class InvokeHandler(BodyHandler):
         super().write_error(status_code, **kwargs)
 
     def _finish_trace(self, status: int, error: str = "") -> None:
+        """End a traced call's spans: `status` its HTTP answer (0: none, the client left)."""
         hop, self._hop = self._hop, None
         if hop is not None:
-            spans = hop.finish({"http.response.status_code": status}, error=error)
+            attributes = {"http.response.status_code": status} if status else {}
+            spans = hop.finish(attributes, error=error)
             if self.request.headers.get(wire.TRACEPARENT_HEADER):  # the caller asked for them
                 self.set_header(wire.SPANS_HEADER, base64.b64encode(spans).decode("ascii"))
 
@@ -818,8 +820,9 @@ class InvokeHandler(BodyHandler):
                     continue
                 run = candidate
                 break
-        if answer is None:
-            return  # the client went away
+        if answer is None:  # the client went away: its call was cancelled
+            self._finish_trace(0, "CANCELLED: the client went away")
+            return
         response, trailers, called = answer
         if self._hop is not None:
             self._hop.called(0, trailers.get(wire.SPANS_KEY))

@@ -4,6 +4,7 @@ team's Jaeger or Tempo: OpenTelemetry's own TraceService, recording what it is s
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterator
 from concurrent import futures
@@ -15,6 +16,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 
 from fnkernel.runtime_server import tracing
 from fnkernel.runtime_server.client import Client
+from fnkernel.runtime_server.client.errors import GatewayError
 from fnkernel.runtime_server.lifecycle.stack import Stack
 from tests.support import wait_until
 
@@ -90,3 +92,41 @@ def test_with_an_otlp_endpoint_every_component_exports_each_calls_spans(
         ("fnkernel-runtime-server", "SERVER"),
     ]
     assert span["attributes"]["fnkernel.invocation_id"] == result.invocation_id
+
+
+def test_a_call_whose_client_hangs_up_is_exported_as_cancelled(
+    tmp_path: Path, collector: tuple[Collector, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that goes away cancels its call (docs/protocol.md, "HTTP API"); the gateway's
+    span of it still ends, as cancelled, and is exported with the rest."""
+    received, endpoint = collector
+    monkeypatch.setenv("FNKERNEL_OTLP_ENDPOINT", endpoint)
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+    stack = Stack(tmp_path / "state", {"python": 1}, gateway_listen="127.0.0.1:0")
+    stack.start()
+    try:
+        client = Client(stack.gateway_address)
+        handler = {"handler.py": "import time\ndef handle(event):\n    time.sleep(30)\n"}
+        client.create_run("slow", runtime="python", handler="handler.handle", files=handler)
+        calling = threading.Thread(target=lambda: _swallow(client, "slow"), daemon=True)
+        calling.start()
+        wait_until(lambda: (client.status("slow").get("live") or {}).get("inFlight") == 1)
+        client.cancel()  # the connection is shut down: the gateway sees its client leave
+
+        def cancelled_span() -> bool:
+            return any(
+                span["service"] == "fnkernel-gateway"
+                and span["kind"] == "SERVER"
+                and span["status"] == "CANCELLED: the client went away"
+                for span in list(received.spans)
+            )
+
+        wait_until(cancelled_span, timeout=20)
+        calling.join(10)
+    finally:
+        stack.stop()
+
+
+def _swallow(client: Client, name: str) -> None:
+    with contextlib.suppress(GatewayError):
+        client.invoke(name, {})
