@@ -26,7 +26,7 @@ from google.protobuf import json_format
 
 from fnkernel.kernel.functions import InvocationInterrupted, wait_until_free
 from fnkernel.kernel.trace import KernelSpan, Trace, decode_message
-from fnkernel.runtime_server import wire
+from fnkernel.runtime_server import tracing, wire
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from fnkernel.runtime_server.client.errors import GatewayError, from_response
@@ -36,7 +36,6 @@ from fnkernel.runtime_server.wire import http_status
 from fnkernel.system.private import private_tempdir, sweep
 
 SERVICE = "FunctionRuntime"
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name[SERVICE].full_name  # executor.v1.FunctionRuntime
 _REQUESTS = {
     "RegisterFunction": pb.RegisterFunctionRequest,
     "InvokeFunction": pb.InvokeFunctionRequest,
@@ -85,8 +84,8 @@ class FunctionRuntimeClient:
         started = time.perf_counter()
         span = metadata = None
         if self.trace.on and method == "InvokeFunction":  # traced (docs/protocol.md, "Tracing")
-            attributes = {"rpc.system": "grpc", "rpc.service": SERVICE_NAME, "rpc.method": method}
-            span = KernelSpan(f"{SERVICE_NAME}/{method}", attributes, message.invocation_id)
+            name, attributes = tracing.INVOKE_SPAN, tracing.rpc_attributes(method)
+            span = KernelSpan(name, attributes, message.invocation_id)
             metadata = ((wire.TRACEPARENT_KEY, span.traceparent),)
         with self._lock:
             # Under the lock that cancel() takes: once the server sees the call, an interrupt

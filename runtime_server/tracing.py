@@ -71,6 +71,17 @@ def rpc_attributes(method: str) -> dict[str, Any]:
     return {"rpc.system": "grpc", "rpc.service": RPC_SERVICE, "rpc.method": method}
 
 
+def invoke_hop(component: str, traceparent: str | None, request: Any) -> Hop:
+    """The Hop of an InvokeFunction call `request` received: its server span, attributed with
+    the run UID, registration ID and invocation ID the request carries."""
+    return Hop(component, traceparent, INVOKE_SPAN, {
+        **rpc_attributes("InvokeFunction"),
+        RUN_UID: request.registration.run_uid,
+        REGISTRATION_ID: request.registration.registration_id,  # "" at runtimed: not filled in
+        INVOCATION_ID: request.invocation_id,
+    })  # fmt: skip
+
+
 class Hop:
     """One hop's spans of a traced call: its server span (the call it received) and, while it
     calls the next hop, a client span. `finish` ends them and gives the spans to hand back."""

@@ -95,12 +95,7 @@ class FunctionRuntimeServicer(pb_grpc.FunctionRuntimeServicer):
         traceparent = metadata_value(context, TRACEPARENT_KEY)  # "Tracing": a traced call
         hop = None
         if tracing.traced(traceparent):
-            hop = tracing.Hop("runtime-server", traceparent, tracing.INVOKE_SPAN, {
-                **tracing.rpc_attributes("InvokeFunction"),
-                tracing.RUN_UID: request.registration.run_uid,
-                tracing.REGISTRATION_ID: request.registration.registration_id,
-                tracing.INVOCATION_ID: request.invocation_id,
-            })  # fmt: skip
+            hop = tracing.invoke_hop("runtime-server", traceparent, request)
         try:
             invocation = self.registry.invoke(
                 run_uid=request.registration.run_uid,

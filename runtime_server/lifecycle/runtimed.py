@@ -755,12 +755,7 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
         traceparent = metadata_value(context, TRACEPARENT_KEY)  # "Tracing": a traced call
         if not tracing.traced(traceparent):
             return self._invoke(request, context, received, None)
-        hop = tracing.Hop("runtimed", traceparent, tracing.INVOKE_SPAN, {
-            **tracing.rpc_attributes("InvokeFunction"),
-            tracing.RUN_UID: request.registration.run_uid,
-            tracing.REGISTRATION_ID: request.registration.registration_id,  # "" until filled in
-            tracing.INVOCATION_ID: request.invocation_id,
-        })  # fmt: skip
+        hop = tracing.invoke_hop("runtimed", traceparent, request)
         try:
             return self._invoke(request, context, received, hop)
         except Exception as exc:

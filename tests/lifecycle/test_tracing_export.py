@@ -51,27 +51,35 @@ def collector() -> Iterator[tuple[Collector, str]]:
     server.stop(0)
 
 
-def test_with_an_otlp_endpoint_every_component_exports_each_calls_spans(
+@pytest.fixture
+def exporting(
     tmp_path: Path, collector: tuple[Collector, str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A call that carries no traceparent is traced all the same: its trace starts at the
-    gateway, every hop's spans reach the collector parented along the path, and the caller,
-    who did not ask, gets none back."""
+) -> Iterator[tuple[Collector, Client]]:
+    """A stack whose components export to the collector, and a client of its gateway."""
     received, endpoint = collector
     monkeypatch.setenv("FNKERNEL_OTLP_ENDPOINT", endpoint)
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # OpenTelemetry's batch delay, in ms
     stack = Stack(tmp_path / "state", {"python": 1}, gateway_listen="127.0.0.1:0")
     stack.start()
     try:
-        client = Client(stack.gateway_address)
-        handler = {"handler.py": "def handle(event):\n    return event\n"}
-        client.create_run("echo", runtime="python", handler="handler.handle", files=handler)
-        result = client.invoke("echo", {"n": 1})
-        assert result.value() == {"n": 1} and result.spans == b""
-        wanted = {"fnkernel-gateway", "fnkernel-runtimed", "fnkernel-runtime-server"}
-        wait_until(lambda: received.services() >= wanted, timeout=20)
+        yield received, Client(stack.gateway_address)
     finally:
         stack.stop()
+
+
+def test_with_an_otlp_endpoint_every_component_exports_each_calls_spans(
+    exporting: tuple[Collector, Client],
+) -> None:
+    """A call that carries no traceparent is traced all the same: its trace starts at the
+    gateway, every hop's spans reach the collector parented along the path, and the caller,
+    who did not ask, gets none back."""
+    received, client = exporting
+    handler = {"handler.py": "def handle(event):\n    return event\n"}
+    client.create_run("echo", runtime="python", handler="handler.handle", files=handler)
+    result = client.invoke("echo", {"n": 1})
+    assert result.value() == {"n": 1} and result.spans == b""
+    wanted = {"fnkernel-gateway", "fnkernel-runtimed", "fnkernel-runtime-server"}
+    wait_until(lambda: received.services() >= wanted, timeout=20)
     root = next(
         span
         for span in received.spans
@@ -95,36 +103,28 @@ def test_with_an_otlp_endpoint_every_component_exports_each_calls_spans(
 
 
 def test_a_call_whose_client_hangs_up_is_exported_as_cancelled(
-    tmp_path: Path, collector: tuple[Collector, str], monkeypatch: pytest.MonkeyPatch
+    exporting: tuple[Collector, Client],
 ) -> None:
     """A client that goes away cancels its call (docs/protocol.md, "HTTP API"); the gateway's
     span of it still ends, as cancelled, and is exported with the rest."""
-    received, endpoint = collector
-    monkeypatch.setenv("FNKERNEL_OTLP_ENDPOINT", endpoint)
-    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
-    stack = Stack(tmp_path / "state", {"python": 1}, gateway_listen="127.0.0.1:0")
-    stack.start()
-    try:
-        client = Client(stack.gateway_address)
-        handler = {"handler.py": "import time\ndef handle(event):\n    time.sleep(30)\n"}
-        client.create_run("slow", runtime="python", handler="handler.handle", files=handler)
-        calling = threading.Thread(target=lambda: _swallow(client, "slow"), daemon=True)
-        calling.start()
-        wait_until(lambda: (client.status("slow").get("live") or {}).get("inFlight") == 1)
-        client.cancel()  # the connection is shut down: the gateway sees its client leave
+    received, client = exporting
+    handler = {"handler.py": "import time\ndef handle(event):\n    time.sleep(30)\n"}
+    client.create_run("slow", runtime="python", handler="handler.handle", files=handler)
+    calling = threading.Thread(target=lambda: _swallow(client, "slow"), daemon=True)
+    calling.start()
+    wait_until(lambda: (client.status("slow").get("live") or {}).get("inFlight") == 1)
+    client.cancel()  # the connection is shut down: the gateway sees its client leave
 
-        def cancelled_span() -> bool:
-            return any(
-                span["service"] == "fnkernel-gateway"
-                and span["kind"] == "SERVER"
-                and span["status"] == "CANCELLED: the client went away"
-                for span in list(received.spans)
-            )
+    def cancelled_span() -> bool:
+        return any(
+            span["service"] == "fnkernel-gateway"
+            and span["kind"] == "SERVER"
+            and span["status"] == "CANCELLED: the client went away"
+            for span in list(received.spans)
+        )
 
-        wait_until(cancelled_span, timeout=20)
-        calling.join(10)
-    finally:
-        stack.stop()
+    wait_until(cancelled_span, timeout=20)
+    calling.join(10)
 
 
 def _swallow(client: Client, name: str) -> None:
