@@ -8,7 +8,8 @@ results), both before the working directory is put on sys.path: user modules nam
 theirs cannot shadow them (``-P``: the script's own directory is not put on sys.path either).
 
 Frames (see adapters/worker.py for the handshake, the nonce and the log files):
-  request:  ``<id_len> <input_len> <remaining_ms> <nonce>\\n`` + invocation id + input bytes
+  request:  ``<id_len> <input_len> <remaining_ms> <traceparent> <nonce>\\n`` + invocation id +
+            input bytes, where traceparent is a traced call's W3C context, ``-`` for none
   response: ``<ok|error|invalid> <meta_len> <output_len> <nonce>\\n`` + meta JSON + output bytes,
             where meta is the outputs object for ``ok`` (0 bytes when there are none) and
             ``{"errorType", "errorMessage"}`` otherwise, and the nonce is the request's
@@ -43,9 +44,19 @@ _ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 class Context:
     """What a handler that takes two arguments gets as its second (docs/protocol.md, "Adapters")."""
 
-    def __init__(self, invocation_id: str, run_uid: str, remaining_ms: int, logger: logging.Logger):
+    def __init__(
+        self,
+        invocation_id: str,
+        run_uid: str,
+        remaining_ms: int,
+        traceparent: str,
+        logger: logging.Logger,
+    ):
         self.invocation_id = invocation_id
         self.run_uid = run_uid
+        # A traced call's W3C context: the worker's span, for the handler's own (docs/protocol.md,
+        # "Tracing"); "" when the call is not traced.
+        self.traceparent = traceparent
         self.deadline_unix_nano = time.time_ns() + remaining_ms * 1_000_000
         self.logger = logger
         self.outputs: dict[str, str] = {}
@@ -151,11 +162,11 @@ def serve(function, run_uid: str, requests, resp_fd: int) -> None:
         header = requests.readline()
         if not header:
             return  # the supervisor closed the pipe: it is gone, so are we
-        *sizes, nonce = header.split()
-        id_len, input_len, remaining_ms = map(int, sizes)
-        invocation_id = _read_exact(requests, id_len).decode()
-        payload = _read_exact(requests, input_len)
-        context = Context(invocation_id, run_uid, remaining_ms, logger)
+        id_len, input_len, remaining_ms, traceparent, nonce = header.split()
+        invocation_id = _read_exact(requests, int(id_len)).decode()
+        payload = _read_exact(requests, int(input_len))
+        traced = traceparent.decode() if traceparent != b"-" else ""
+        context = Context(invocation_id, run_uid, int(remaining_ms), traced, logger)
         try:
             _answer(function, with_context, context, payload, resp_fd, nonce)
         except MemoryError:

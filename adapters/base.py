@@ -70,8 +70,11 @@ class Adapter(Protocol):
         """Load the handler; raise InitError when it cannot be loaded."""
         ...
 
-    def invoke(self, invocation_id: str, payload: bytes, deadline: float) -> HandlerResult:
-        """Run one call; `deadline` is a time.monotonic() value."""
+    def invoke(
+        self, invocation_id: str, payload: bytes, deadline: float, traceparent: str = ""
+    ) -> HandlerResult:
+        """Run one call; `deadline` is a time.monotonic() value; `traceparent`: a traced call's
+        W3C context for the handler (docs/protocol.md, "Tracing"), "" for none."""
         ...
 
     def cancel(self, invocation_id: str | None = None) -> bool:
@@ -153,10 +156,16 @@ class WorkerAdapter:
         )
         self._supervisor.start()
 
-    def invoke(self, invocation_id: str, payload: bytes, deadline: float) -> HandlerResult:
+    def invoke(
+        self, invocation_id: str, payload: bytes, deadline: float, traceparent: str = ""
+    ) -> HandlerResult:
         assert self._supervisor is not None, "start() first"
         (output, content_type, outputs), call = self._supervisor.run(
-            invocation_id, deadline, lambda call: self._exchange(call, payload), self._ended
+            invocation_id,
+            deadline,
+            lambda call: self._exchange(call, payload),
+            self._ended,
+            traceparent=traceparent,
         )
         return HandlerResult(output, content_type, outputs, tuple(call.logs))
 
@@ -178,12 +187,13 @@ class WorkerAdapter:
 
 def send_request(call: WorkerCall, payload: bytes) -> None:
     """The request frame both workers read: id length, input length, time left, the call's
-    nonce (adapters/worker.py); id; input."""
+    ``traceparent`` ("-" for none), the call's nonce (adapters/worker.py); id; input."""
     invocation_id = call.invocation_id.encode()
-    header = b"%d %d %d %s\n" % (
+    header = b"%d %d %d %s %s\n" % (
         len(invocation_id),
         len(payload),
         call.remaining_millis(),
+        call.traceparent or b"-",
         call.nonce,
     )
     if len(payload) < 65536:

@@ -90,11 +90,13 @@ class BashAdapter(WorkerAdapter):
     def _relative(self, text: str) -> str:
         return text.replace(f"{self.spec.working_dir.resolve()}/", "")
 
-    def invoke(self, invocation_id: str, payload: bytes, deadline: float) -> HandlerResult:
+    def invoke(
+        self, invocation_id: str, payload: bytes, deadline: float, traceparent: str = ""
+    ) -> HandlerResult:
         if b"\0" in payload:
             # Checked before the frame is sent: a bash argument cannot carry a NUL byte.
             raise InvalidInput("input contains a NUL byte, which a bash argument cannot carry")
-        return super().invoke(invocation_id, payload, deadline)
+        return super().invoke(invocation_id, payload, deadline, traceparent)
 
     def _exchange(self, call: WorkerCall, payload: bytes) -> tuple[bytes, str, dict[str, str]]:
         send_request(call, payload)

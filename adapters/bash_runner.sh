@@ -8,7 +8,9 @@
 # file is sourced once, here; each call runs the function with the payload as one quoted argument.
 #
 # Frames (see adapters/worker.py for the handshake and the log files):
-#   request:  "<id_len> <input_len> <remaining_ms> <nonce>\n" + invocation id + input bytes
+#   request:  "<id_len> <input_len> <remaining_ms> <traceparent> <nonce>\n" + invocation id +
+#             input bytes; traceparent is a traced call's W3C context, "-" for none, and the
+#             function sees it as $TRACEPARENT (OpenTelemetry's environment carrier), "" for none
 #   response: "D <status> <nonce>\n" once the function returned; its stdout is in
 #             SCRATCH_DIR/stdout and its outputs in SCRATCH_DIR/outputs (the adapter removes that
 #             file after reading it). The nonce is the request's: it proves which call this answers.
@@ -41,12 +43,12 @@ declare -F -- "$fn" >/dev/null || initfail HandlerNotFound "${file##*/} does not
 export FUNCTION_OUTPUTS=$scratch/outputs
 printf 'READY\n' >&"$resp_fd"
 
-while IFS=' ' read -r -u "$req_fd" id_len input_len _ __fnkernel_nonce; do
+while IFS=' ' read -r -u "$req_fd" id_len input_len _ __fnkernel_traceparent __fnkernel_nonce; do
     IFS= LC_ALL=C read -r -u "$req_fd" -N "$id_len" invocation_id
     IFS= LC_ALL=C read -r -u "$req_fd" -N "$input_len" payload
     # stdin is /dev/null so the call cannot read the next frame; the frame pipes are closed
     # for the call (bash restores them after it).
-    FUNCTION_INVOCATION_ID=$invocation_id "$fn" "$payload" \
+    TRACEPARENT=${__fnkernel_traceparent#-} FUNCTION_INVOCATION_ID=$invocation_id "$fn" "$payload" \
         >"$scratch/stdout" </dev/null {req_fd}<&- {resp_fd}>&-
     printf 'D %d %s\n' "$?" "$__fnkernel_nonce" >&"$resp_fd"
 done

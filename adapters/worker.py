@@ -424,6 +424,7 @@ class WorkerCall:
     run_uid: str
     # Unguessable, new for every call: the worker echoes it in the answer's header.
     nonce: bytes = field(default_factory=lambda: os.urandom(8).hex().encode())
+    traceparent: bytes = b""  # a traced call's W3C context, for the handler
     logs: list[LogLine] = field(default_factory=list)
     logs_final: bool = False  # the worker is gone (its log files may be closed): logs are complete
     live: LiveLog | None = None  # made by its first follower
@@ -594,6 +595,8 @@ class WorkerSupervisor:
         deadline: float,
         exchange: Callable[[WorkerCall], T],
         ended: Callable[[WorkerCall, int], T] | None = None,
+        *,
+        traceparent: str = "",
     ) -> tuple[T, WorkerCall]:
         """Run `exchange` (one request/response) on the ready worker; translate its death, the
         deadline and cancellation. Returns its result and the WorkerCall, whose logs are complete.
@@ -602,6 +605,7 @@ class WorkerSupervisor:
         makes the call's result or raises its HandlerError (default: WorkerCrashed).
         """
         call = self._begin(invocation_id, deadline)
+        call.traceparent = traceparent.encode()
         worker = call.worker
         try:
             result = exchange(call)

@@ -31,6 +31,7 @@ REGISTRATION_ID = "fnkernel.registration_id"
 REGISTRATION_ATTEMPT = "fnkernel.registration_attempt"
 INVOCATION_ID = "fnkernel.invocation_id"
 FENCE = "fnkernel.fence"  # the fence's decision: "passed", or what it refused
+RUNTIME = "fnkernel.runtime"
 
 RPC_SERVICE = "executor.v1.FunctionRuntime"  # the proto's package and service
 INVOKE_SPAN = f"{RPC_SERVICE}/InvokeFunction"  # OpenTelemetry's RPC span name: service/method
@@ -103,6 +104,7 @@ class Hop:
             name, context=parent, kind=trace.SpanKind.SERVER, attributes=attributes
         )
         self._client: Span | None = None
+        self._delegate: Span | None = None
         self._spans: list[Span] = [self.span]
         self._downstream: list[bytes] = []
 
@@ -112,17 +114,36 @@ class Hop:
     def call(self, name: str, attributes: dict[str, Any]) -> str:
         """Start the client span of the call to the next hop; its ``traceparent``."""
         from opentelemetry import trace
-        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        self._client = self._child(self._tracer, name, trace.SpanKind.CLIENT, attributes)
+        return _traceparent(self._client)
+
+    def delegate(self, component: str, name: str, attributes: dict[str, Any]) -> str:
+        """Start the span of the work `component` does for this hop, recorded here on its
+        behalf (a worker imports no OpenTelemetry): a server span of that component's, the
+        child of this hop's. Its ``traceparent``, for the component to hand its code;
+        `delegated` ends it."""
+        from opentelemetry import trace
+
+        self._delegate = self._child(_tracer(component), name, trace.SpanKind.SERVER, attributes)
+        return _traceparent(self._delegate)
+
+    def delegated(self, error: str = "") -> None:
+        """The delegated work is over (`error`: why it failed)."""
+        if self._delegate is not None and self._delegate.is_recording():
+            if error:
+                _failed(self._delegate, error)
+            self._delegate.end()
+
+    def _child(self, tracer: Tracer, name: str, kind: Any, attributes: dict[str, Any]) -> Span:
+        from opentelemetry import trace
 
         context = trace.set_span_in_context(self.span)
-        client: Span = self._tracer.start_span(  # type: ignore[assignment]
-            name, context=context, kind=trace.SpanKind.CLIENT, attributes=attributes
+        span: Span = tracer.start_span(  # type: ignore[assignment]
+            name, context=context, kind=kind, attributes=attributes
         )
-        self._client = client
-        self._spans.append(client)
-        carrier: dict[str, str] = {}
-        TraceContextTextMapPropagator().inject(carrier, context=trace.set_span_in_context(client))
-        return carrier["traceparent"]
+        self._spans.append(span)
+        return span
 
     def called(self, grpc_status: int, downstream: bytes | None) -> None:
         """The next hop answered with `grpc_status` (0: OK) and handed back `downstream`."""
@@ -143,12 +164,22 @@ class Hop:
             self.span.set_attribute(key, value)
         if error:
             _failed(self.span, error)
-        if self._client is not None and self._client.is_recording():
-            self._client.end()
+        for span in self._spans[1:]:  # a call or delegated work cut short by this hop's end
+            if span.is_recording():
+                span.end()
         self.span.end()
         # Serialized protobuf messages concatenated are one message with their repeated fields
         # joined: the spans handed to us are passed on without being parsed.
         return b"".join((encode_spans(self._spans).SerializeToString(), *self._downstream))
+
+
+def _traceparent(span: Span) -> str:
+    from opentelemetry import trace
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    carrier: dict[str, str] = {}
+    TraceContextTextMapPropagator().inject(carrier, context=trace.set_span_in_context(span))
+    return carrier["traceparent"]
 
 
 def _failed(span: Span, why: str) -> None:

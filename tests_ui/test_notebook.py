@@ -196,11 +196,12 @@ def test_the_waterfall_draws_every_hop_on_one_time_axis(notebook: NotebookPage) 
     notebook.run(cell(20))
     notebook.run(cell(21))
     rows = notebook.cell(cell(21)).locator(".fnk-wf-row")
-    assert rows.count() == 6
+    assert rows.count() == 7
     assert "runtimed server: FunctionRuntime/InvokeFunction" in rows.nth(3).inner_text()
+    assert "worker server: " in rows.nth(6).inner_text()
     assert "fnkernel.registration_id = reg_" in (rows.nth(3).get_attribute("title") or "")
     bars = notebook.page.evaluate(WATERFALL_JS)
-    assert len(bars) == 6
+    assert len(bars) == 7
     assert len({(round(b["axisLeft"]), round(b["axisRight"])) for b in bars}) == 1, bars
     for bar in bars:
         assert bar["axisLeft"] - 0.5 <= bar["left"] <= bar["right"] <= bar["axisRight"] + 2.5

@@ -24,7 +24,7 @@ from fnkernel.adapters.errors import (
     InitError,
 )
 from fnkernel.adapters.worker import LIVE_POLL_SECONDS, LogLine
-from fnkernel.runtime_server import limits
+from fnkernel.runtime_server import limits, tracing
 from fnkernel.runtime_server._proto.executor.v1.runtime_pb2 import FunctionRegistrationState
 from fnkernel.runtime_server.errors import (
     AttemptSuperseded,
@@ -282,11 +282,13 @@ class Registry:
         timeout_millis: int,
         deadline: float | None = None,
         on_dispatch: Callable[[Callable[[], object]], None] | None = None,
+        hop: tracing.Hop | None = None,
     ) -> InvocationOutcome:
         """Run one invocation. `deadline` (monotonic) is the caller's own, if it has one.
 
         `on_dispatch(cancel)` is called once the call is accepted, with a function that cancels
-        it, so the caller can cancel it if its client goes away.
+        it, so the caller can cancel it if its client goes away. `hop`: a traced call's spans,
+        to which the worker's is added (docs/protocol.md, "Tracing").
         """
         limits.check_run_uid(run_uid)
         limits.check_registration_id(registration_id)
@@ -315,17 +317,28 @@ class Registry:
             reg.last_activity_unix_nano = time.time_ns()
             self._lock.notify_all()  # a follower may be waiting for it
         logs: tuple[LogLine, ...] = ()
+        traceparent = ""
         try:
             if on_dispatch is not None:
                 on_dispatch(
                     lambda: self._cancel_invocation(run_uid, registration_id, invocation_id)
                 )
-            result = reg.adapter.invoke(invocation_id, input, effective_deadline)
+            if hop is not None:
+                traceparent = hop.delegate("worker", reg.spec.handler, {
+                    "faas.trigger": "other",  # OpenTelemetry's FaaS span conventions
+                    "faas.invocation_id": invocation_id,
+                    tracing.RUNTIME: reg.adapter.runtime,
+                })  # fmt: skip
+            result = reg.adapter.invoke(invocation_id, input, effective_deadline, traceparent)
             logs = result.logs
         except AdapterError as exc:
             logs = getattr(exc, "logs", ())
+            if hop is not None:
+                hop.delegated(limits.bounded(str(exc)))
             raise
         finally:
+            if hop is not None:
+                hop.delegated()
             with self._lock:
                 reg.in_flight = 0
                 reg.invocation_id = ""

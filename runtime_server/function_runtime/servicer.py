@@ -106,6 +106,7 @@ class FunctionRuntimeServicer(pb_grpc.FunctionRuntimeServicer):
                 timeout_millis=request.timeout_millis,
                 deadline=caller_deadline(context),
                 on_dispatch=cancel_on_client_exit(context),
+                hop=hop,
             )
         except Exception as exc:
             if hop is not None:  # the registration fence refused it, or the handler failed

@@ -457,7 +457,7 @@ def test_fn_trace_waterfall_draws_every_hop_of_the_last_traced_call(kernel: Kern
     kernel.run('etl({"rows": [7]})')
     first = kernel.run("%fn_trace waterfall")
     lines = first.result.splitlines()
-    assert lines[0].startswith("trace ") and lines[0].endswith(" ms") and "6 spans" in lines[0]
+    assert lines[0].startswith("trace ") and lines[0].endswith(" ms") and "7 spans" in lines[0]
     labels = [line.split("|")[0].rstrip() for line in lines if "|" in line]
     assert labels == [
         "kernel client: POST /v1/runs/{name}:invoke",
@@ -466,10 +466,11 @@ def test_fn_trace_waterfall_draws_every_hop_of_the_last_traced_call(kernel: Kern
         "      runtimed server: FunctionRuntime/InvokeFunction",
         "        runtimed client: FunctionRuntime/InvokeFunction",
         "          runtime-server server: FunctionRuntime/InvokeFunction",
+        "            worker server: etl.handler",  # the module %%function wrote
     ]
     assert "registration_id=reg_" in first.result and "fence=passed" in first.result
     html = first.htmls()[-1]
-    assert html.count("class='fnk-wf-row'") == 6 and "rpc.system = grpc" in html
+    assert html.count("class='fnk-wf-row'") == 7 and "rpc.system = grpc" in html
     invocation_id = next(
         word.removeprefix("invocation_id=")
         for word in first.result.split()

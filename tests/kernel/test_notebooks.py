@@ -85,6 +85,7 @@ def test_protocol_tour_shows_every_state_machine_outcome(
         "FunctionRuntime/RegisterFunction    OK",  # the %fn_trace table
         # docs/protocol.md, "Tracing": the waterfalls of a call and of the stale call refused
         "runtime-server server: FunctionRuntime/InvokeFunction",
+        "worker server: ",
         "fence=passed",
         "fence=refused: StaleRegistration",
     ]:

@@ -158,11 +158,13 @@ def test_a_traced_call_hands_back_every_hops_spans_parented_along_its_path(
     shared_stack: Stack,
 ) -> None:
     """docs/protocol.md, "Tracing": a call with a W3C traceparent gets back every hop's spans —
-    the gateway's HTTP server span, each hop's RPC client and server spans — in the caller's
-    trace, each the child of the span that called it, with OpenTelemetry's attributes; the
-    registration ID appears at runtimed, which fills it in."""
-    name = create(shared_stack, {"handler.py": "def handle(event):\n    return event\n"})
-    status, spans, _ = traced(shared_stack, name)
+    the gateway's HTTP server span, each hop's RPC client and server spans, the worker's — in
+    the caller's trace, each the child of the span that called it, with OpenTelemetry's
+    attributes; the registration ID appears at runtimed, which fills it in; the handler reads
+    the worker's span context."""
+    handler = "def handle(event, context):\n    return context.traceparent\n"
+    name = create(shared_stack, {"handler.py": handler})
+    status, spans, answer = traced(shared_stack, name)
     assert status == 200
     by_hop = hop_spans(spans)
     path = [
@@ -171,6 +173,7 @@ def test_a_traced_call_hands_back_every_hops_spans_parented_along_its_path(
         ("fnkernel-runtimed", "SERVER"),
         ("fnkernel-runtimed", "CLIENT"),
         ("fnkernel-runtime-server", "SERVER"),
+        ("fnkernel-worker", "SERVER"),
     ]
     assert sorted(by_hop) == sorted(path)
     parent = CALLER_SPAN
@@ -186,7 +189,7 @@ def test_a_traced_call_hands_back_every_hops_spans_parented_along_its_path(
     assert gateway["name"] == "POST /v1/runs/{name}:invoke"
     assert gateway["attributes"]["http.request.method"] == "POST"
     assert gateway["attributes"]["http.response.status_code"] == 200
-    for hop in path[1:]:
+    for hop in path[1:-1]:
         attributes = by_hop[hop]["attributes"]
         assert by_hop[hop]["name"] == f"{SERVICE_NAME}/InvokeFunction"
         assert attributes["rpc.system"] == "grpc"
@@ -201,8 +204,28 @@ def test_a_traced_call_hands_back_every_hops_spans_parented_along_its_path(
     assert received["fnkernel.registration_attempt"] == 1
     assert received["fnkernel.run_uid"] == server["fnkernel.run_uid"] != ""
     assert server["fnkernel.invocation_id"].startswith("inv_")
-    status, headers, _ = invoke(shared_stack, name)
+    worker = by_hop[("fnkernel-worker", "SERVER")]
+    assert worker["name"] == "handler.handle"  # FaaS spans are named for the function
+    assert worker["attributes"]["faas.trigger"] == "other"
+    assert worker["attributes"]["faas.invocation_id"] == server["fnkernel.invocation_id"]
+    assert json.loads(answer) == f"00-{TRACE_ID}-{worker['spanId']}-01"
+    status, headers, answer = invoke(shared_stack, name)
     assert status == 200 and "X-Fn-Spans" not in headers  # only a traced call
+    assert json.loads(answer) == ""
+
+
+def test_a_bash_function_reads_a_traced_calls_context_in_traceparent(shared_stack: Stack) -> None:
+    """docs/protocol.md, "Tracing": a Bash function sees the worker's span context in
+    $TRACEPARENT, OpenTelemetry's environment carrier; empty when the call is not traced."""
+    name = create(
+        shared_stack, {"fn.sh": 'handle() { printf "[%s]" "$TRACEPARENT"; }\n'}, runtime="bash"
+    )
+    status, spans, answer = traced(shared_stack, name)
+    assert status == 200
+    worker = hop_spans(spans)[("fnkernel-worker", "SERVER")]
+    assert answer == f"[00-{TRACE_ID}-{worker['spanId']}-01]".encode()
+    assert worker["attributes"]["fnkernel.runtime"] == "bash"
+    assert invoke(shared_stack, name)[2] == b"[]"
 
 
 def test_a_traced_call_that_fails_shows_where_it_failed(shared_stack: Stack) -> None:
@@ -216,6 +239,8 @@ def test_a_traced_call_that_fails_shows_where_it_failed(shared_stack: Stack) -> 
     assert server["status"] == "UNKNOWN: ValueError: bad order 7"
     assert server["attributes"]["fnkernel.error_type"] == "HandlerError"
     assert server["attributes"]["fnkernel.fence"] == "passed"  # it ran, and failed
+    worker = by_hop[("fnkernel-worker", "SERVER")]
+    assert worker["status"] == "ValueError: bad order 7"  # where it failed: in the handler
     for hop in [("fnkernel-runtimed", kind) for kind in ("SERVER", "CLIENT")] + [
         ("fnkernel-gateway", "CLIENT")
     ]:

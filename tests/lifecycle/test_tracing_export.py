@@ -78,7 +78,7 @@ def test_with_an_otlp_endpoint_every_component_exports_each_calls_spans(
     client.create_run("echo", runtime="python", handler="handler.handle", files=handler)
     result = client.invoke("echo", {"n": 1})
     assert result.value() == {"n": 1} and result.spans == b""
-    wanted = {"fnkernel-gateway", "fnkernel-runtimed", "fnkernel-runtime-server"}
+    wanted = {"fnkernel-gateway", "fnkernel-runtimed", "fnkernel-runtime-server", "fnkernel-worker"}
     wait_until(lambda: received.services() >= wanted, timeout=20)
     root = next(
         span
@@ -98,8 +98,9 @@ def test_with_an_otlp_endpoint_every_component_exports_each_calls_spans(
         ("fnkernel-runtimed", "SERVER"),
         ("fnkernel-runtimed", "CLIENT"),
         ("fnkernel-runtime-server", "SERVER"),
+        ("fnkernel-worker", "SERVER"),
     ]
-    assert span["attributes"]["fnkernel.invocation_id"] == result.invocation_id
+    assert span["attributes"]["faas.invocation_id"] == result.invocation_id
 
 
 def test_a_call_whose_client_hangs_up_is_exported_as_cancelled(
