@@ -144,8 +144,8 @@ def _abort(exc: Exception, context: grpc.ServicerContext, method: str) -> None:
 
 
 def traced_failure(hop: Any, exc: BaseException) -> None:
-    """End a traced hop (runtime_server.tracing.Hop) with the status `exc` is answered with, and
-    send its spans with that status."""
+    """End a traced hop (runtime_server.tracing.Hop, or Untraced) with the status `exc` is
+    answered with, and send its spans with that status."""
     upstream: Any = exc
     code = upstream.code() if isinstance(exc, grpc.RpcError) else status_of(exc)
     code = code or grpc.StatusCode.INTERNAL
@@ -155,7 +155,8 @@ def traced_failure(hop: Any, exc: BaseException) -> None:
     else:
         why, attributes["fnkernel.error_type"] = str(exc), type(exc).__name__
     spans = hop.finish(attributes, error=f"{code.name}: {limits.bounded(why or '')}")
-    with_trailers(exc, ((wire.SPANS_KEY, spans),))
+    if spans:  # none from a hop whose spans are exported only (tracing.recorded)
+        with_trailers(exc, ((wire.SPANS_KEY, spans),))
 
 
 def relayed_trailers(

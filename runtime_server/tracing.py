@@ -18,7 +18,9 @@ process exports its spans there over OTLP/gRPC, in batches, off the call's path.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -32,9 +34,14 @@ REGISTRATION_ATTEMPT = "fnkernel.registration_attempt"
 INVOCATION_ID = "fnkernel.invocation_id"
 FENCE = "fnkernel.fence"  # the fence's decision: "passed", or what it refused
 RUNTIME = "fnkernel.runtime"
+RUN_NAME = "fnkernel.run_name"
+RUN_PHASE = "fnkernel.run_phase"
+REGISTRATION_STATE = "fnkernel.registration_state"  # what RegisterFunction answered
+SUPERSEDED = "fnkernel.superseded"  # the registration ID a higher attempt superseded
 
 RPC_SERVICE = "executor.v1.FunctionRuntime"  # the proto's package and service
 INVOKE_SPAN = f"{RPC_SERVICE}/InvokeFunction"  # OpenTelemetry's RPC span name: service/method
+REGISTER_SPAN = f"{RPC_SERVICE}/RegisterFunction"
 
 ENDPOINT_ENVS = ("FNKERNEL_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 # Read once, as each process starts: where its spans are exported ("" for nowhere).
@@ -83,6 +90,22 @@ def invoke_hop(component: str, traceparent: str | None, request: Any) -> Hop:
     })  # fmt: skip
 
 
+def recorded(
+    component: str,
+    traceparent: str | None,
+    name: str,
+    attributes: dict[str, Any],
+    *,
+    kind: str = "SERVER",
+) -> Hop | Untraced:
+    """The Hop of work whose spans are exported, never handed back (a registration, a KRM
+    render): recorded only where this process exports (EXPORT_ENDPOINT), in the trace of
+    `traceparent` if there is one; else nothing is recorded (Untraced)."""
+    if not EXPORT_ENDPOINT:
+        return UNTRACED
+    return Hop(component, traceparent, name, attributes, kind=kind)
+
+
 class Hop:
     """One hop's spans of a traced call: its server span (the call it received) and, while it
     calls the next hop, a client span. `finish` ends them and gives the spans to hand back."""
@@ -93,6 +116,8 @@ class Hop:
         traceparent: str | None,
         name: str,
         attributes: dict[str, Any],
+        *,
+        kind: str = "SERVER",  # OpenTelemetry's SpanKind: INTERNAL for work nobody called for
     ) -> None:
         from opentelemetry import trace
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -101,7 +126,7 @@ class Hop:
         # none (exporting, an untraced caller): this hop's span starts a trace of its own
         parent = TraceContextTextMapPropagator().extract({"traceparent": traceparent or ""})
         self.span: Span = self._tracer.start_span(  # type: ignore[assignment]
-            name, context=parent, kind=trace.SpanKind.SERVER, attributes=attributes
+            name, context=parent, kind=getattr(trace.SpanKind, kind), attributes=attributes
         )
         self._client: Span | None = None
         self._delegate: Span | None = None
@@ -110,6 +135,26 @@ class Hop:
 
     def set(self, key: str, value: Any) -> None:
         self.span.set_attribute(key, value)
+
+    @property
+    def traceparent(self) -> str:
+        """This hop's span's context, for work it asks for that is done later (a Run's)."""
+        return _traceparent(self.span)
+
+    @contextlib.contextmanager
+    def step(self, name: str, attributes: dict[str, Any] | None = None) -> Iterator[None]:
+        """One step of this hop's work: an internal span, the child of the hop's, failed with
+        the exception that ends the step, if one does."""
+        from opentelemetry import trace
+
+        span = self._child(self._tracer, name, trace.SpanKind.INTERNAL, attributes or {})
+        try:
+            yield
+        except BaseException as exc:
+            _failed(span, _why(exc))
+            raise
+        finally:
+            span.end()
 
     def call(self, name: str, attributes: dict[str, Any]) -> str:
         """Start the client span of the call to the next hop; its ``traceparent``."""
@@ -171,6 +216,43 @@ class Hop:
         # Serialized protobuf messages concatenated are one message with their repeated fields
         # joined: the spans handed to us are passed on without being parsed.
         return b"".join((encode_spans(self._spans).SerializeToString(), *self._downstream))
+
+
+class Untraced:
+    """A Hop of work that is not traced: each of its methods does nothing."""
+
+    traceparent = ""
+
+    def set(self, key: str, value: Any) -> None:
+        pass
+
+    def step(
+        self, name: str, attributes: dict[str, Any] | None = None
+    ) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
+
+    def call(self, name: str, attributes: dict[str, Any]) -> str:
+        return ""
+
+    def called(self, grpc_status: int, downstream: bytes | None) -> None:
+        pass
+
+    def delegate(self, component: str, name: str, attributes: dict[str, Any]) -> str:
+        return ""
+
+    def delegated(self, error: str = "") -> None:
+        pass
+
+    def finish(self, attributes: dict[str, Any], error: str = "") -> bytes:
+        return b""
+
+
+UNTRACED = Untraced()
+
+
+def _why(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= 1024 else text[:1021] + "..."
 
 
 def _traceparent(span: Span) -> str:

@@ -134,7 +134,10 @@ class Registry:
         idle_timeout_seconds: int,
         registration_digest: str,
         memory_mb: int = 0,
+        hop: tracing.Hop | tracing.Untraced = tracing.UNTRACED,
     ) -> RegistrationView:
+        """`hop`: the call's spans, to which the worker's load is added (docs/protocol.md,
+        "Tracing")."""
         limits.check_run_uid(run_uid)
         limits.check_registration_attempt(registration_attempt)
         directory = limits.resolve_working_dir(working_dir, self.workspace_root)
@@ -178,9 +181,13 @@ class Registry:
                 )
                 if superseded is not None:
                     superseded.state = DRAINING
+                    hop.set(tracing.SUPERSEDED, superseded.registration_id)
                 self._current[run_uid] = reg
+                hop.delegate(
+                    "worker", f"load {handler}", {tracing.RUNTIME: self.adapter_cls.runtime}
+                )
                 # Loads beside the superseded worker's teardown; _load takes the lock only at its end.
-                threading.Thread(target=self._load, args=(reg,), daemon=True).start()
+                threading.Thread(target=self._load, args=(reg, hop), daemon=True).start()
         if superseded is not None:
             LOG.info(
                 "attempt %d supersedes %s",
@@ -214,11 +221,12 @@ class Registry:
         )
         return Registration(run_uid, registration_id, attempt, digest, spec, adapter)
 
-    def _load(self, reg: Registration) -> None:
+    def _load(self, reg: Registration, hop: tracing.Hop | tracing.Untraced) -> None:
         """Start the worker (import / source once); READY or FAILED with a bounded fatal_error."""
         try:
             reg.adapter.start()
         except InitError as exc:
+            hop.delegated(str(exc))
             self._fail(reg.run_uid, reg.registration_id, exc)
         except AdapterError:
             pass  # closed while loading: it was superseded or unregistered
@@ -237,6 +245,7 @@ class Registry:
             if reg.state != READY:
                 reg.adapter.close()
         finally:
+            hop.delegated()
             reg.loaded.set()
 
     def _fail(self, run_uid: str, registration_id: str, exc: InitError) -> None:
@@ -282,7 +291,7 @@ class Registry:
         timeout_millis: int,
         deadline: float | None = None,
         on_dispatch: Callable[[Callable[[], object]], None] | None = None,
-        hop: tracing.Hop | None = None,
+        hop: tracing.Hop | tracing.Untraced = tracing.UNTRACED,
     ) -> InvocationOutcome:
         """Run one invocation. `deadline` (monotonic) is the caller's own, if it has one.
 
@@ -317,13 +326,13 @@ class Registry:
             reg.last_activity_unix_nano = time.time_ns()
             self._lock.notify_all()  # a follower may be waiting for it
         logs: tuple[LogLine, ...] = ()
-        traceparent = ""
         try:
             if on_dispatch is not None:
                 on_dispatch(
                     lambda: self._cancel_invocation(run_uid, registration_id, invocation_id)
                 )
-            if hop is not None:
+            traceparent = ""
+            if hop is not tracing.UNTRACED:  # not even its attributes on the untraced hot path
                 traceparent = hop.delegate("worker", reg.spec.handler, {
                     "faas.trigger": "other",  # OpenTelemetry's FaaS span conventions
                     "faas.invocation_id": invocation_id,
@@ -333,12 +342,10 @@ class Registry:
             logs = result.logs
         except AdapterError as exc:
             logs = getattr(exc, "logs", ())
-            if hop is not None:
-                hop.delegated(limits.bounded(str(exc)))
+            hop.delegated(limits.bounded(str(exc)))
             raise
         finally:
-            if hop is not None:
-                hop.delegated()
+            hop.delegated()
             with self._lock:
                 reg.in_flight = 0
                 reg.invocation_id = ""

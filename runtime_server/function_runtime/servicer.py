@@ -22,7 +22,11 @@ from fnkernel.runtime_server.errors import (
     StaleRegistration,
 )
 from fnkernel.runtime_server.function_runtime.oneshot import execute
-from fnkernel.runtime_server.function_runtime.registry import RegistrationView, Registry
+from fnkernel.runtime_server.function_runtime.registry import (
+    RegistrationView,
+    Registry,
+    state_name,
+)
 from fnkernel.runtime_server.rpc import (
     Followers,
     caller_deadline,
@@ -58,16 +62,32 @@ class FunctionRuntimeServicer(pb_grpc.FunctionRuntimeServicer):
     def RegisterFunction(
         self, request: pb.RegisterFunctionRequest, context: grpc.ServicerContext
     ) -> pb.RegisterFunctionResponse:
-        view = self.registry.register(
-            run_uid=request.run_uid,
-            registration_attempt=request.registration_attempt,
-            working_dir=request.working_dir,
-            handler=request.handler,
-            env=dict(request.env),
-            idle_timeout_seconds=request.idle_timeout_seconds,
-            registration_digest=request.registration_digest,
-            memory_mb=request.memory_mb,
-        )
+        # docs/protocol.md, "Tracing": a registration's spans are exported, never handed back.
+        hop = tracing.recorded("runtime-server", metadata_value(context, TRACEPARENT_KEY), tracing.REGISTER_SPAN, {
+            **tracing.rpc_attributes("RegisterFunction"),
+            tracing.RUN_UID: request.run_uid,
+            tracing.REGISTRATION_ATTEMPT: request.registration_attempt,
+        })  # fmt: skip
+        try:
+            view = self.registry.register(
+                run_uid=request.run_uid,
+                registration_attempt=request.registration_attempt,
+                working_dir=request.working_dir,
+                handler=request.handler,
+                env=dict(request.env),
+                idle_timeout_seconds=request.idle_timeout_seconds,
+                registration_digest=request.registration_digest,
+                memory_mb=request.memory_mb,
+                hop=hop,
+            )
+        except Exception as exc:
+            traced_failure(hop, exc)
+            raise
+        hop.finish({
+            "rpc.grpc.status_code": 0,
+            tracing.REGISTRATION_ID: view.registration_id,
+            tracing.REGISTRATION_STATE: state_name(view.state),
+        })  # fmt: skip
         return pb.RegisterFunctionResponse(registration=_registration(view), state=view.state)  # type: ignore[arg-type]
 
     @translate_errors
@@ -106,7 +126,7 @@ class FunctionRuntimeServicer(pb_grpc.FunctionRuntimeServicer):
                 timeout_millis=request.timeout_millis,
                 deadline=caller_deadline(context),
                 on_dispatch=cancel_on_client_exit(context),
-                hop=hop,
+                hop=hop or tracing.UNTRACED,
             )
         except Exception as exc:
             if hop is not None:  # the registration fence refused it, or the handler failed

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from fnkernel.adapters import runtimes
-from fnkernel.runtime_server import limits
+from fnkernel.runtime_server import limits, tracing
 from fnkernel.runtime_server.errors import InvalidField, NoRuntimePod, RunAlreadyExists, RunNotFound
 from fnkernel.runtime_server.lifecycle.retries import Step, Verdict, decide
 from fnkernel.runtime_server.lifecycle.runs import (
@@ -172,6 +172,18 @@ def checked_spec(
     return CheckedSpec(checked, env, idle, memory, digest)
 
 
+def _asking(what: str, run: Run, attempt: int, pod: str) -> tracing.Hop | tracing.Untraced:
+    """The span of the control plane's asking for a registration of `run` (an admission, a
+    retry): a trace of its own, which runtimed's spans of that registration join
+    (docs/protocol.md, "Tracing"); recorded only where the control plane exports."""
+    return tracing.recorded("controller", None, f"{what} {run.name} attempt {attempt}", {
+        tracing.RUN_NAME: run.name,
+        tracing.RUN_UID: run.uid,
+        tracing.REGISTRATION_ATTEMPT: attempt,
+        "fnkernel.pod": pod,
+    }, kind="INTERNAL")  # fmt: skip
+
+
 class ControlPlane:
     def __init__(
         self,
@@ -200,6 +212,7 @@ class ControlPlane:
         source: str = "",
         memory_mb: int = 0,
         replicas: int = 1,
+        traceparent: str = "",
     ) -> Run:
         """Validate, assign a pod, and store the Run with its files; phase Pending. With
         `replicas` N > 1, N Runs of the spec serve the function (docs/protocol.md, "Replicas"),
@@ -209,7 +222,8 @@ class ControlPlane:
         idle timeout, replicas) is returned as it is — a client that lost the answer to its
         create (the gateway crashed) can repeat it, and a repeat creates the replicas a crash
         left uncreated. Another spec under a taken name is RunAlreadyExists. A create that
-        fails removes the replicas it made."""
+        fails removes the replicas it made. `traceparent`: the traced create's context, for
+        runtimed's spans of the registrations (docs/protocol.md, "Tracing")."""
         if (
             not isinstance(replicas, int)
             or isinstance(replicas, bool)
@@ -228,7 +242,7 @@ class ControlPlane:
             for replica in range(replicas):
                 run, created = self._create_replica(
                     replica_name(name, replica), name if replica else "", replicas,
-                    runtime, handler, spec, digest, source,
+                    runtime, handler, spec, digest, source, traceparent,
                 )  # fmt: skip
                 first = first or run
                 if created:
@@ -250,6 +264,7 @@ class ControlPlane:
         spec: CheckedSpec,
         digest: str,
         source: str,
+        traceparent: str,
     ) -> tuple[Run, bool]:
         """One replica: the one a same create made already, else a new one (True)."""
         existing = self._created_as(name, digest)
@@ -274,6 +289,7 @@ class ControlPlane:
             memory_mb=spec.memory_mb,
             replicas=replicas,
             replica_of=replica_of,
+            traceparent=traceparent,
         )
         try:
             run = self.store.insert(run, {str(path): text for path, text in spec.files.items()})
@@ -465,10 +481,12 @@ class ControlPlane:
             if run.message != message:
                 self.store.update(run, expect_phase=NEW, message=message)
             return math.inf
+        hop = _asking("admit", run, 1, pod)
         admitted = self.store.update(
             run, expect_phase=NEW, phase=PENDING, attempt=1, assigned_pod=pod,
-            spec_digest=spec.digest, message="",
+            spec_digest=spec.digest, message="", traceparent=hop.traceparent,
         )  # fmt: skip
+        hop.finish({})
         if admitted is not None:
             LOG.info("run %s (%s) admitted on %s", run.name, run.uid, pod)
         return time.time()
@@ -498,9 +516,17 @@ class ControlPlane:
         if not target:
             # No live pod yet: the same attempt, once a pod's heartbeat (a write) says one is.
             return math.inf
+        hop = _asking("retry", run, run.attempt + 1, target)
+        hop.set("fnkernel.retrying_after", run.message)  # the last attempt's failure
         updated = self.store.update(
-            run, expect_phase=RETRYING, phase=PENDING, attempt=run.attempt + 1, assigned_pod=target
+            run,
+            expect_phase=RETRYING,
+            phase=PENDING,
+            attempt=run.attempt + 1,
+            assigned_pod=target,
+            traceparent=hop.traceparent,  # "" when not exporting: not the last attempt's
         )
+        hop.finish({})
         if updated is not None:
             LOG.info(
                 "run %s: attempt %d on %s after %s",

@@ -617,17 +617,36 @@ class RunsHandler(BodyHandler):
                 raise InvalidField(key, "is required (a string)")
             fields[key] = value
         control_plane = self.gateway.control_plane
-        run = await self.blocking(
-            control_plane.create_run,
-            **fields,
-            files=files,
-            env=env,
-            idle_timeout_seconds=idle,
-            memory_mb=memory,
-            replicas=replicas,
-            source=str(body.get("source", "")),
-        )
-        run = await self.blocking(control_plane.wait_settled, run.name, CREATE_WAIT_SECONDS)
+        # docs/protocol.md, "Tracing": a registration's spans, exported only.
+        hop = tracing.recorded("gateway", self.request.headers.get(wire.TRACEPARENT_HEADER), "POST /v1/runs", {
+            "http.request.method": "POST",
+            "http.route": "/v1/runs",
+            tracing.RUN_NAME: fields["name"],
+        })  # fmt: skip
+        try:
+            with hop.step("create the Run"):
+                run = await self.blocking(
+                    control_plane.create_run,
+                    **fields,
+                    files=files,
+                    env=env,
+                    idle_timeout_seconds=idle,
+                    memory_mb=memory,
+                    replicas=replicas,
+                    source=str(body.get("source", "")),
+                    traceparent=hop.traceparent,  # runtimed's registration joins this trace
+                )
+            hop.set(tracing.RUN_UID, run.uid)
+            with hop.step("wait for its registration"):
+                run = await self.blocking(control_plane.wait_settled, run.name, CREATE_WAIT_SECONDS)
+        except Exception as exc:
+            failure = self.failure(exc, 500)
+            hop.finish(
+                {"http.response.status_code": failure.status},
+                error=f"{failure.code}: {failure.message}",
+            )
+            raise
+        hop.finish({"http.response.status_code": 201, tracing.RUN_PHASE: run.phase})
         self.send_json(201, await self.described(run))
 
 
@@ -791,7 +810,7 @@ class InvokeHandler(BodyHandler):
             self._hop = tracing.Hop("gateway", traceparent, "POST /v1/runs/{name}:invoke", {
                 "http.request.method": "POST",
                 "http.route": "/v1/runs/{name}:invoke",
-                "fnkernel.run_name": name,
+                tracing.RUN_NAME: name,
                 tracing.INVOCATION_ID: invocation_id,
             })  # fmt: skip
         run = self.gateway.store.get_fresh(name)

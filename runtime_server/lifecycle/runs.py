@@ -77,6 +77,10 @@ class Run:
     # Its deletion was asked for in the store itself (on Kubernetes, `kubectl delete`: the
     # object has a deletionTimestamp); the control plane deletes it as delete_run would.
     delete_requested: bool = False
+    # The W3C context of the span that asked for its current attempt's registration (a create,
+    # an admission, a retry), when that was traced: runtimed's spans of the registration join
+    # that trace (docs/protocol.md, "Tracing"). "" when it was not.
+    traceparent: str = ""
 
     @property
     def function(self) -> str:

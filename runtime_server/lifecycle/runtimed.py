@@ -390,42 +390,71 @@ class Runtimed:
             if current is None or current.phase != expect_phase or current.assigned_pod != self.pod:
                 return None
             run = current
+            # docs/protocol.md, "Tracing": a span per step, in the trace of whoever asked for
+            # this attempt (the Run's traceparent), exported only.
+            hop = tracing.recorded("runtimed", run.traceparent or None, f"register {run.name} attempt {run.attempt}", {
+                tracing.RUN_NAME: run.name,
+                tracing.RUN_UID: run.uid,
+                tracing.REGISTRATION_ATTEMPT: run.attempt,
+                "fnkernel.pod": self.pod,
+            }, kind="INTERNAL")  # fmt: skip
+            try:
+                active = self._register_steps(run, expect_phase, hop)
+            except Exception as exc:
+                hop.finish({}, error=f"{type(exc).__name__}: {exc}")
+                raise
+            hop.finish({}, error="" if active is not None else "not READY")
+            return active
+
+    def _register_steps(
+        self, run: Run, expect_phase: str, hop: tracing.Hop | tracing.Untraced
+    ) -> Active | None:
+        """_register's steps, each one span of `hop`: the Run's files, its digest, the
+        RegisterFunction call, its status written."""
+        with hop.step("write the Run's files"):
             working_dir = self._materialize(run)
-            if working_dir is None:
-                return None
-            digest = run.registration_digest
-            if not digest:
+        if working_dir is None:
+            return None
+        digest = run.registration_digest
+        if not digest:
+            with hop.step("registration digest"):
                 digest = registration_digest(run, working_dir)
                 run = self.store.update(run, registration_digest=digest) or run
-            request = _registration_request(run, digest, working_dir)
-            response = None
-            for tries in range(1, _REGISTER_RPC_TRIES + 1):
-                try:
-                    response = self.server_stub.RegisterFunction(request, timeout=90)
-                    break
-                except grpc.RpcError as err:
-                    verdict = decide(Step.REGISTER, err.code())
-                    if verdict is Verdict.WAIT and tries < _REGISTER_RPC_TRIES:
-                        # docs/protocol.md: repeating an uncertain RegisterFunction for the same attempt is
-                        # idempotent and does not change Run status.
-                        time.sleep(0.2 * tries)
-                        continue
-                    self._registration_failed(run, verdict, err.code(), err.details() or "")
-                    return None
-            assert response is not None
-            active = Active(response.registration.registration_id, run.attempt, digest)
-            if response.state == REG_READY:
-                with self._lock:
-                    self._active[run.uid] = active
+        request = _registration_request(run, digest, working_dir)
+        response = None
+        for tries in range(1, _REGISTER_RPC_TRIES + 1):
+            traceparent = hop.call(
+                tracing.REGISTER_SPAN, tracing.rpc_attributes("RegisterFunction")
+            )
+            metadata = ((TRACEPARENT_KEY, traceparent),) if traceparent else None
+            try:
+                response = self.server_stub.RegisterFunction(request, timeout=90, metadata=metadata)
+                hop.called(0, None)
+                break
+            except grpc.RpcError as err:
+                hop.called(err.code().value[0], None)
+                verdict = decide(Step.REGISTER, err.code())
+                if verdict is Verdict.WAIT and tries < _REGISTER_RPC_TRIES:
+                    # docs/protocol.md: repeating an uncertain RegisterFunction for the same
+                    # attempt is idempotent and does not change Run status.
+                    time.sleep(0.2 * tries)
+                    continue
+                self._registration_failed(run, verdict, err.code(), err.details() or "")
+                return None
+        assert response is not None
+        active = Active(response.registration.registration_id, run.attempt, digest)
+        hop.set(tracing.REGISTRATION_ID, active.registration_id)
+        if response.state == REG_READY:
+            with self._lock:
+                self._active[run.uid] = active
+            with hop.step("write the Run's status: Ready"):
                 self.store.update(run, expect_phase=expect_phase, phase=READY, message="")
-                LOG.info(
-                    "run %s attempt %d READY as %s", run.name, run.attempt, active.registration_id
-                )
-                return active
-            if response.state == REG_FAILED:
-                self._fatal(run, self._fatal_error(run.uid, active))
-            # Still REGISTERING (a very slow import): the next pass repeats the same attempt.
-            return None
+            LOG.info("run %s attempt %d READY as %s", run.name, run.attempt, active.registration_id)
+            return active
+        if response.state == REG_FAILED:
+            self._fatal(run, self._fatal_error(run.uid, active))
+        # Still REGISTERING (a very slow import): the next pass repeats the same attempt.
+        return None
 
     def _server_status(self, run_uid: str, active: Active) -> pb.FunctionStatusResponse:
         return self.server_stub.FunctionStatus(

@@ -60,7 +60,8 @@ CREATE TABLE IF NOT EXISTS runs (
     memory_mb INTEGER NOT NULL DEFAULT 0,
     delete_requested INTEGER NOT NULL DEFAULT 0,
     replicas INTEGER NOT NULL DEFAULT 1,
-    replica_of TEXT NOT NULL DEFAULT ''
+    replica_of TEXT NOT NULL DEFAULT '',
+    traceparent TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS run_files (
     uid TEXT PRIMARY KEY,

@@ -5,6 +5,8 @@ team's Jaeger or Tempo: OpenTelemetry's own TraceService, recording what it is s
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import threading
 from collections.abc import Iterator
 from concurrent import futures
@@ -54,39 +56,42 @@ def collector() -> Iterator[tuple[Collector, str]]:
 @pytest.fixture
 def exporting(
     tmp_path: Path, collector: tuple[Collector, str], monkeypatch: pytest.MonkeyPatch
-) -> Iterator[tuple[Collector, Client]]:
-    """A stack whose components export to the collector, and a client of its gateway."""
+) -> Iterator[tuple[Collector, Client, Stack]]:
+    """A stack whose components export to the collector, a client of its gateway, the stack."""
     received, endpoint = collector
     monkeypatch.setenv("FNKERNEL_OTLP_ENDPOINT", endpoint)
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # OpenTelemetry's batch delay, in ms
     stack = Stack(tmp_path / "state", {"python": 1}, gateway_listen="127.0.0.1:0")
     stack.start()
     try:
-        yield received, Client(stack.gateway_address)
+        yield received, Client(stack.gateway_address), stack
     finally:
         stack.stop()
 
 
 def test_with_an_otlp_endpoint_every_component_exports_each_calls_spans(
-    exporting: tuple[Collector, Client],
+    exporting: tuple[Collector, Client, Stack],
 ) -> None:
     """A call that carries no traceparent is traced all the same: its trace starts at the
     gateway, every hop's spans reach the collector parented along the path, and the caller,
     who did not ask, gets none back."""
-    received, client = exporting
+    received, client, _ = exporting
     handler = {"handler.py": "def handle(event):\n    return event\n"}
     client.create_run("echo", runtime="python", handler="handler.handle", files=handler)
     result = client.invoke("echo", {"n": 1})
     assert result.value() == {"n": 1} and result.spans == b""
-    wanted = {"fnkernel-gateway", "fnkernel-runtimed", "fnkernel-runtime-server", "fnkernel-worker"}
-    wait_until(lambda: received.services() >= wanted, timeout=20)
-    root = next(
-        span
-        for span in received.spans
-        if span["service"] == "fnkernel-gateway" and span["kind"] == "SERVER"
-    )
+
+    def exported() -> list[dict]:
+        """The call's spans, once the four processes' six are in (each exports in batches)."""
+        spans = list(received.spans)
+        roots = [span for span in spans if span["name"] == "POST /v1/runs/{name}:invoke"]
+        ours = [span for span in spans if span["traceId"] in {r["traceId"] for r in roots}]
+        return ours if len(ours) >= 6 else []
+
+    wait_until(lambda: bool(exported()), timeout=20)
+    (root,) = [span for span in exported() if span["parentSpanId"] == ""]
     assert root["parentSpanId"] == ""  # no caller's context: the gateway began the trace
-    trace = {span["spanId"]: span for span in received.spans if span["traceId"] == root["traceId"]}
+    trace = {span["spanId"]: span for span in exported()}
     path = [(root["service"], root["kind"])]
     span = root
     while children := [s for s in trace.values() if s["parentSpanId"] == span["spanId"]]:
@@ -104,11 +109,11 @@ def test_with_an_otlp_endpoint_every_component_exports_each_calls_spans(
 
 
 def test_a_call_whose_client_hangs_up_is_exported_as_cancelled(
-    exporting: tuple[Collector, Client],
+    exporting: tuple[Collector, Client, Stack],
 ) -> None:
     """A client that goes away cancels its call (docs/protocol.md, "HTTP API"); the gateway's
     span of it still ends, as cancelled, and is exported with the rest."""
-    received, client = exporting
+    received, client, _ = exporting
     handler = {"handler.py": "import time\ndef handle(event):\n    time.sleep(30)\n"}
     client.create_run("slow", runtime="python", handler="handler.handle", files=handler)
     calling = threading.Thread(target=lambda: _swallow(client, "slow"), daemon=True)
@@ -131,3 +136,94 @@ def test_a_call_whose_client_hangs_up_is_exported_as_cancelled(
 def _swallow(client: Client, name: str) -> None:
     with contextlib.suppress(GatewayError):
         client.invoke(name, {})
+
+
+def _trace_under(spans: list[dict], one: dict) -> dict[str, list[dict]]:
+    """The spans of `one`'s trace, by parent span ID ("" for the root), each parent's children
+    in start order."""
+    children: dict[str, list[dict]] = {}
+    for span in sorted(spans, key=lambda span: span["start"]):
+        if span["traceId"] == one["traceId"]:
+            children.setdefault(span["parentSpanId"], []).append(span)
+    return children
+
+
+def _names(spans: list[dict]) -> list[tuple[str, str, str]]:
+    return [(span["service"], span["kind"], span["name"]) for span in spans]
+
+
+def _registration_below(children: dict[str, list[dict]], register: dict, attempt: int) -> None:
+    """runtimed's span of one registration: its steps, its RegisterFunction call, the Runtime
+    Server's span of that call and the worker's load under it."""
+    steps = children[register["spanId"]]
+    assert _names(steps)[-2:] == [
+        ("fnkernel-runtimed", "CLIENT", "executor.v1.FunctionRuntime/RegisterFunction"),
+        ("fnkernel-runtimed", "INTERNAL", "write the Run's status: Ready"),
+    ]
+    assert ("fnkernel-runtimed", "INTERNAL", "write the Run's files") in _names(steps)
+    call = steps[-2]
+    assert call["attributes"]["rpc.grpc.status_code"] == 0
+    (served,) = children[call["spanId"]]
+    assert (served["service"], served["kind"]) == ("fnkernel-runtime-server", "SERVER")
+    assert served["attributes"]["rpc.method"] == "RegisterFunction"
+    assert served["attributes"]["fnkernel.registration_attempt"] == attempt
+    assert served["attributes"]["fnkernel.registration_state"] == "READY"
+    registration_id = register["attributes"]["fnkernel.registration_id"]
+    assert served["attributes"]["fnkernel.registration_id"] == registration_id
+    (load,) = children[served["spanId"]]
+    assert _names([load]) == [("fnkernel-worker", "SERVER", "load handler.handle")]
+    assert all(span["status"] == "" for span in (register, call, served, load))
+
+
+def test_a_registration_is_traced_step_by_step_from_its_create_and_its_retry(
+    exporting: tuple[Collector, Client, Stack],
+) -> None:
+    """docs/protocol.md, "Tracing": a create's registration is one trace — the gateway's
+    POST /v1/runs and its steps, then runtimed's registration of attempt 1 with a span per step,
+    the Runtime Server's RegisterFunction and the worker's load of the handler — and a retry's
+    registration (attempt 2, after the Runtime Server was killed) is the trace of the control
+    plane's retry."""
+    received, client, stack = exporting
+    handler = {"handler.py": "def handle(event):\n    return event\n"}
+    client.create_run("echo", runtime="python", handler="handler.handle", files=handler)
+
+    def registered(attempt: int, spans: int) -> dict | None:
+        """runtimed's span of attempt `attempt`, once its trace's `spans` spans are exported
+        (each process exports in batches of its own)."""
+        exported = list(received.spans)
+        for span in exported:
+            if span["name"] == f"register echo attempt {attempt}":
+                trace = [other for other in exported if other["traceId"] == span["traceId"]]
+                return span if len(trace) >= spans else None
+        return None
+
+    # the gateway's 3, runtimed's 5 (its digest computed once), the server's, the worker's
+    wait_until(lambda: registered(1, spans=10) is not None, timeout=20)
+    register = registered(1, spans=10)
+    assert register is not None
+    children = _trace_under(list(received.spans), register)
+    (root,) = children[""]
+    assert _names([root]) == [("fnkernel-gateway", "SERVER", "POST /v1/runs")]
+    assert root["attributes"]["http.response.status_code"] == 201
+    assert root["attributes"]["fnkernel.run_phase"] == "Ready"
+    # runtimed's registration starts once the Run is stored, beside the gateway's wait for it
+    assert sorted(_names(children[root["spanId"]])) == [
+        ("fnkernel-gateway", "INTERNAL", "create the Run"),
+        ("fnkernel-gateway", "INTERNAL", "wait for its registration"),
+        ("fnkernel-runtimed", "INTERNAL", "register echo attempt 1"),
+    ]
+    _registration_below(children, register, attempt=1)
+
+    server = stack.component("python-0-server").child
+    assert server is not None
+    os.kill(server.pid, signal.SIGKILL)  # the Run is registered again: attempt 2
+    # the control plane's, runtimed's 4, the server's, the worker's
+    wait_until(lambda: registered(2, spans=7) is not None, timeout=30)
+    register = registered(2, spans=7)
+    assert register is not None
+    children = _trace_under(list(received.spans), register)
+    (retry,) = children[""]
+    assert _names([retry]) == [("fnkernel-controller", "INTERNAL", "retry echo attempt 2")]
+    assert retry["attributes"]["fnkernel.registration_attempt"] == 2
+    assert children[retry["spanId"]] == [register]
+    _registration_below(children, register, attempt=2)

@@ -63,6 +63,7 @@ STATUS_KEYS = {
     "uncharged_attempts": "unchargedAttempts",
     "spec_digest": "specDigest",
     "server_deaths": "serverDeaths",
+    "traceparent": "traceparent",
 }
 
 
@@ -118,6 +119,7 @@ def run_of(obj: Mapping[str, Any]) -> Run:
         uncharged_attempts=int(status.get("unchargedAttempts", 0)),
         spec_digest=str(status.get("specDigest", "")),
         server_deaths=int(status.get("serverDeaths", 0)),
+        traceparent=str(status.get("traceparent", "")),
         delete_requested=bool(meta.get("deletionTimestamp")),
     )
 

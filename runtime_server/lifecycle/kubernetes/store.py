@@ -270,6 +270,7 @@ class KubernetesRunStore:
             assigned_pod=run.assigned_pod,
             spec_digest=run.spec_digest,
             message=run.message,
+            traceparent=run.traceparent,
         )
         return admitted or self.get_uid(blank.uid) or blank
 
