@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -156,6 +157,24 @@ class Hop:
         finally:
             span.end()
 
+    def ended(self, name: str, attributes: dict[str, Any], seconds: float, error: str = "") -> None:
+        """A step of this hop's work that took `seconds` and ended just now (`error`: why it
+        failed), recorded once it is over: an internal span, the child of the hop's."""
+        from opentelemetry import trace
+
+        now = time.time_ns()
+        span: Span = self._tracer.start_span(  # type: ignore[assignment]
+            name,
+            context=trace.set_span_in_context(self.span),
+            kind=trace.SpanKind.INTERNAL,
+            attributes=attributes,
+            start_time=now - int(seconds * 1e9),
+        )
+        if error:
+            _failed(span, error)
+        span.end(end_time=now)
+        self._spans.append(span)
+
     def call(self, name: str, attributes: dict[str, Any]) -> str:
         """Start the client span of the call to the next hop; its ``traceparent``."""
         from opentelemetry import trace
@@ -218,6 +237,18 @@ class Hop:
         return b"".join((encode_spans(self._spans).SerializeToString(), *self._downstream))
 
 
+@contextlib.contextmanager
+def finishing(hop: Hop | Untraced) -> Iterator[None]:
+    """End `hop` as the block ends, failed with the exception that ends it, if one does (its
+    spans are exported, not handed back)."""
+    try:
+        yield
+    except BaseException as exc:
+        hop.finish({}, error=_why(exc))
+        raise
+    hop.finish({})
+
+
 class Untraced:
     """A Hop of work that is not traced: each of its methods does nothing."""
 
@@ -230,6 +261,9 @@ class Untraced:
         self, name: str, attributes: dict[str, Any] | None = None
     ) -> contextlib.nullcontext[None]:
         return contextlib.nullcontext()
+
+    def ended(self, name: str, attributes: dict[str, Any], seconds: float, error: str = "") -> None:
+        pass
 
     def call(self, name: str, attributes: dict[str, Any]) -> str:
         return ""
@@ -310,4 +344,6 @@ def decode(data: bytes) -> list[dict[str, Any]]:
 
 def _value(value: Any) -> Any:
     kind = value.WhichOneof("value")
+    if kind == "array_value":
+        return [_value(item) for item in value.array_value.values]
     return getattr(value, kind) if kind else None

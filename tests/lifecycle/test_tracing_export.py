@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from concurrent import futures
@@ -227,3 +229,49 @@ def test_a_registration_is_traced_step_by_step_from_its_create_and_its_retry(
     assert retry["attributes"]["fnkernel.registration_attempt"] == 2
     assert children[retry["spanId"]] == [register]
     _registration_below(children, register, attempt=2)
+
+
+KPTFILE = """\
+apiVersion: kpt.dev/v1
+kind: Kptfile
+metadata:
+  name: app
+pipeline:
+  mutators:
+    - image: set-namespace:v0.4.1
+      configMap: {namespace: prod}
+    - image: example.com/fn/missing
+"""
+CONFIG_MAP = "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: cm\ndata: {a: b}\n"
+
+
+def test_a_render_exports_a_span_per_pipeline_step_in_the_callers_trace(
+    collector: tuple[Collector, str], tmp_path: Path
+) -> None:
+    """docs/protocol.md, "Tracing": with an OTLP endpoint, `fnkernel render` exports a span of
+    the render, in the trace of the TRACEPARENT in its environment, and under it one span per
+    pipeline step, naming the evaluator that served it — a step no evaluator has fails there."""
+    received, endpoint = collector
+    (tmp_path / "Kptfile").write_text(KPTFILE)
+    (tmp_path / "cm.yaml").write_text(CONFIG_MAP)
+    caller = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    env = {**os.environ, "FNKERNEL_OTLP_ENDPOINT": endpoint, "TRACEPARENT": caller}
+    done = subprocess.run(
+        [sys.executable, "-m", "fnkernel.runtime_server.cli", "render", str(tmp_path)],
+        capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+    assert done.returncode == 1 and "example.com/fn/missing not found" in done.stderr
+    spans = list(received.spans)  # exported as the process exits
+    (render,) = [span for span in spans if span["name"] == "fn render"]
+    assert (render["service"], render["traceId"]) == ("fnkernel-krm", caller.split("-")[1])
+    assert render["parentSpanId"] == caller.split("-")[2]
+    assert "not found" in render["status"]
+    first, second = _trace_under(spans, render)[render["spanId"]]
+    assert first["name"] == "ghcr.io/kptdev/krm-functions-catalog/set-namespace:v0.4.1"
+    assert first["attributes"]["fnkernel.krm.evaluator"] == "builtin"
+    assert first["attributes"]["fnkernel.krm.stage"] == "mutator"
+    assert first["attributes"]["fnkernel.krm.inputs"] == 2  # the ConfigMap and the Kptfile
+    assert first["status"] == ""
+    assert second["name"] == "example.com/fn/missing"
+    assert second["attributes"]["fnkernel.krm.skipped"] == ["builtin"]
+    assert "not found" in second["status"]

@@ -9,10 +9,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from fnkernel.runtime_server import tracing
 from fnkernel.runtime_server.krm.evaluators.base import Evaluator
 from fnkernel.runtime_server.krm.functions.processes import Bounds
 from fnkernel.runtime_server.krm.pipeline.records import status_text, write_results
-from fnkernel.runtime_server.krm.pipeline.runner import Runner, config_map, not_krm_reason
+from fnkernel.runtime_server.krm.pipeline.runner import (
+    Runner,
+    config_map,
+    not_krm_reason,
+    pipeline_trace,
+)
 from fnkernel.runtime_server.krm.pipeline.steps import (
     Outcome,
     PackageStarted,
@@ -191,12 +197,14 @@ def render(
         progress=progress,
         diffs=diffs,
         on_package=on_package,
+        trace=pipeline_trace("fn render", {"fnkernel.krm.package": str(root)}),
     )
     before = package.all_texts()
     failure: PipelineError | None = None
     breadth_first = _flag(package.kptfile, kptfile.BFS_RENDER)
     try:
-        items = (_render_breadth_first if breadth_first else _render)(package, runner)
+        with tracing.finishing(runner.trace):
+            items = (_render_breadth_first if breadth_first else _render)(package, runner)
     except PipelineError as exc:
         failure = exc
         items = exc.items or []
@@ -273,9 +281,16 @@ def evaluate_one(
     items = list(items or [])
     if config is None and data:
         config = config_map(data)
-    runner = Runner(evaluator, allow_exec=True, bounds=bounds or Bounds(), progress=progress)
+    runner = Runner(
+        evaluator,
+        allow_exec=True,
+        bounds=bounds or Bounds(),
+        progress=progress,
+        trace=pipeline_trace("fn eval", {"fnkernel.krm.function": function.label}),
+    )
     try:
-        items = runner.run(items, function, None, "eval", config=config)
+        with tracing.finishing(runner.trace):
+            items = runner.run(items, function, None, "eval", config=config)
     finally:
         if results_dir is not None:
             write_results(results_dir, runner.steps)

@@ -9,10 +9,11 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from ruamel.yaml.comments import CommentedMap
 
+from fnkernel.runtime_server import tracing
 from fnkernel.runtime_server.errors import EvaluatorError, FunctionError, NotFoundError
 from fnkernel.runtime_server.krm import chain
 from fnkernel.runtime_server.krm.evaluators.base import EvalRequest, Evaluator
@@ -69,6 +70,8 @@ class Runner:
     diffs: bool = True
     steps: list[Step] = field(default_factory=list)
     on_package: PackageStarted | None = None  # told as each package's pipeline starts
+    # The pipeline's span, to which each step's is added (docs/protocol.md, "Tracing").
+    trace: tracing.Hop | tracing.Untraced = tracing.UNTRACED
 
     def run(
         self,
@@ -171,8 +174,22 @@ class Runner:
 
     def _record(self, step: Step) -> None:
         self.steps.append(step)
+        self.trace.ended(step.function, {
+            "fnkernel.krm.package": step.package or ".",
+            "fnkernel.krm.stage": step.stage,
+            "fnkernel.krm.evaluator": step.evaluator,
+            "fnkernel.krm.skipped": list(step.skipped),  # the chain's evaluators without it
+            "fnkernel.krm.inputs": step.inputs,
+            "fnkernel.krm.results": len(step.results),
+        }, step.duration, step.error)  # fmt: skip
         if self.progress is not None:
             self.progress(step)
+
+
+def pipeline_trace(name: str, attributes: dict[str, Any]) -> tracing.Hop | tracing.Untraced:
+    """A render's or an eval's span (`name`), in the trace of the ``TRACEPARENT`` in the
+    environment (OpenTelemetry's environment carrier) if there is one; exported only."""
+    return tracing.recorded("krm", os.environ.get("TRACEPARENT"), name, attributes, kind="INTERNAL")
 
 
 def not_krm_reason(items: list[Resource]) -> str:
