@@ -307,7 +307,7 @@ def report(results: dict[str, list[float]], segments: dict[str, list[float]]) ->
     )
     traced = p(results["gateway (HTTP), traced"], 50) - p(results["gateway (HTTP)"], 50)
     print(
-        f'tracing on (docs/protocol.md, "Tracing": five spans recorded, encoded and handed '
+        f'tracing on (docs/protocol.md, "Tracing": six spans recorded, encoded and handed '
         f"back): {traced:+.3f} ms a call"
     )
     timed = len(next(iter(segments.values())))
