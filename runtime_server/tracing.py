@@ -9,6 +9,12 @@ encoded (``ExportTraceServiceRequest``, the format every OpenTelemetry backend r
 ``fn-spans-bin`` trailer or the gateway's ``X-Fn-Spans`` header: the caller that asked gets the
 whole call's trace without a collector.
 
+The Runtime Server records the worker's span on its behalf (a worker imports only the standard
+library) and hands the worker that span's ``traceparent`` for the handler (``Hop.delegate``).
+Work that happens apart from the call that asked for it — a registration, in runtimed; a KRM
+render — is recorded only where it is exported (``recorded``), with a span per step; where it
+is not, the ``Untraced`` hop records nothing, so that code needs no checks.
+
 A call without ``traceparent`` costs a metadata lookup per hop and imports nothing: the SDK is
 loaded on the first traced call (never by the kernel's start). With an OTLP endpoint in the
 environment (``FNKERNEL_OTLP_ENDPOINT``, else OpenTelemetry's own ``OTEL_EXPORTER_OTLP_ENDPOINT``)
@@ -108,8 +114,9 @@ def recorded(
 
 
 class Hop:
-    """One hop's spans of a traced call: its server span (the call it received) and, while it
-    calls the next hop, a client span. `finish` ends them and gives the spans to hand back."""
+    """One hop's spans of a traced call: its server span (the call it received) and, under it,
+    a client span while it calls the next hop, the span of work it delegates, and its steps.
+    `finish` ends them and gives the spans to hand back."""
 
     def __init__(
         self,

@@ -189,21 +189,28 @@ def test_a_registration_is_traced_step_by_step_from_its_create_and_its_retry(
     handler = {"handler.py": "def handle(event):\n    return event\n"}
     client.create_run("echo", runtime="python", handler="handler.handle", files=handler)
 
-    def registered(attempt: int, spans: int) -> dict | None:
-        """runtimed's span of attempt `attempt`, once its trace's `spans` spans are exported
-        (each process exports in batches of its own)."""
-        exported = list(received.spans)
-        for span in exported:
-            if span["name"] == f"register echo attempt {attempt}":
-                trace = [other for other in exported if other["traceId"] == span["traceId"]]
-                return span if len(trace) >= spans else None
-        return None
+    def registered(attempt: int, spans: int) -> tuple[dict, dict[str, list[dict]]]:
+        """runtimed's span of attempt `attempt` and its trace (_trace_under), once the trace's
+        `spans` spans are exported (each process exports in batches of its own)."""
+
+        def found() -> dict | None:
+            name = f"register echo attempt {attempt}"
+            return next((span for span in list(received.spans) if span["name"] == name), None)
+
+        def whole() -> bool:
+            span = found()
+            exported = list(received.spans)
+            return (
+                span is not None and sum(s["traceId"] == span["traceId"] for s in exported) >= spans
+            )
+
+        wait_until(whole, timeout=30)
+        register = found()
+        assert register is not None
+        return register, _trace_under(list(received.spans), register)
 
     # the gateway's 3, runtimed's 5 (its digest computed once), the server's, the worker's
-    wait_until(lambda: registered(1, spans=10) is not None, timeout=20)
-    register = registered(1, spans=10)
-    assert register is not None
-    children = _trace_under(list(received.spans), register)
+    register, children = registered(1, spans=10)
     (root,) = children[""]
     assert _names([root]) == [("fnkernel-gateway", "SERVER", "POST /v1/runs")]
     assert root["attributes"]["http.response.status_code"] == 201
@@ -220,10 +227,7 @@ def test_a_registration_is_traced_step_by_step_from_its_create_and_its_retry(
     assert server is not None
     os.kill(server.pid, signal.SIGKILL)  # the Run is registered again: attempt 2
     # the control plane's, runtimed's 4, the server's, the worker's
-    wait_until(lambda: registered(2, spans=7) is not None, timeout=30)
-    register = registered(2, spans=7)
-    assert register is not None
-    children = _trace_under(list(received.spans), register)
+    register, children = registered(2, spans=7)
     (retry,) = children[""]
     assert _names([retry]) == [("fnkernel-controller", "INTERNAL", "retry echo attempt 2")]
     assert retry["attributes"]["fnkernel.registration_attempt"] == 2
@@ -268,10 +272,10 @@ def test_a_render_exports_a_span_per_pipeline_step_in_the_callers_trace(
     assert "not found" in render["status"]
     first, second = _trace_under(spans, render)[render["spanId"]]
     assert first["name"] == "ghcr.io/kptdev/krm-functions-catalog/set-namespace:v0.4.1"
-    assert first["attributes"]["fnkernel.krm.evaluator"] == "builtin"
-    assert first["attributes"]["fnkernel.krm.stage"] == "mutator"
-    assert first["attributes"]["fnkernel.krm.inputs"] == 2  # the ConfigMap and the Kptfile
+    assert first["attributes"]["fnkernel.krm_evaluator"] == "builtin"
+    assert first["attributes"]["fnkernel.krm_stage"] == "mutator"
+    assert first["attributes"]["fnkernel.krm_inputs"] == 2  # the ConfigMap and the Kptfile
     assert first["status"] == ""
     assert second["name"] == "example.com/fn/missing"
-    assert second["attributes"]["fnkernel.krm.skipped"] == ["builtin"]
+    assert second["attributes"]["fnkernel.krm_skipped"] == ["builtin"]
     assert "not found" in second["status"]

@@ -197,7 +197,7 @@ def render(
         progress=progress,
         diffs=diffs,
         on_package=on_package,
-        trace=pipeline_trace("fn render", {"fnkernel.krm.package": str(root)}),
+        trace=pipeline_trace("fn render", {"fnkernel.krm_package": str(root)}),
     )
     before = package.all_texts()
     failure: PipelineError | None = None
@@ -286,7 +286,7 @@ def evaluate_one(
         allow_exec=True,
         bounds=bounds or Bounds(),
         progress=progress,
-        trace=pipeline_trace("fn eval", {"fnkernel.krm.function": function.label}),
+        trace=pipeline_trace("fn eval", {"fnkernel.krm_function": function.label}),
     )
     try:
         with tracing.finishing(runner.trace):

@@ -175,12 +175,12 @@ class Runner:
     def _record(self, step: Step) -> None:
         self.steps.append(step)
         self.trace.ended(step.function, {
-            "fnkernel.krm.package": step.package or ".",
-            "fnkernel.krm.stage": step.stage,
-            "fnkernel.krm.evaluator": step.evaluator,
-            "fnkernel.krm.skipped": list(step.skipped),  # the chain's evaluators without it
-            "fnkernel.krm.inputs": step.inputs,
-            "fnkernel.krm.results": len(step.results),
+            "fnkernel.krm_package": step.package or ".",
+            "fnkernel.krm_stage": step.stage,
+            "fnkernel.krm_evaluator": step.evaluator,
+            "fnkernel.krm_skipped": list(step.skipped),  # the chain's evaluators without it
+            "fnkernel.krm_inputs": step.inputs,
+            "fnkernel.krm_results": len(step.results),
         }, step.duration, step.error)  # fmt: skip
         if self.progress is not None:
             self.progress(step)
