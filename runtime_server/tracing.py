@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from opentelemetry.sdk.trace import Span
+    from opentelemetry.sdk.trace import Span, SpanProcessor
     from opentelemetry.trace import Tracer
 
 # Our own attributes (OpenTelemetry's are used where one exists: rpc.*, http.*).
@@ -55,17 +55,29 @@ ENDPOINT_ENVS = ("FNKERNEL_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 EXPORT_ENDPOINT = next((os.environ[name] for name in ENDPOINT_ENVS if os.environ.get(name)), "")
 
 _tracers: dict[str, Tracer] = {}
+# Span processors given by exporting_to, which every tracer of this process hands its spans to.
+_processors: list[SpanProcessor] = []
 
 
 def _tracer(component: str) -> Tracer:
     """This process's tracer for `component`, its provider made on first use (exporting to
-    EXPORT_ENDPOINT when there is one)."""
+    EXPORT_ENDPOINT when there is one, and to the processors of exporting_to)."""
     if component not in _tracers:
         from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+
+        class Handing(SpanProcessor):
+            def on_start(self, span: Any, parent_context: Any = None) -> None:
+                for processor in list(_processors):
+                    processor.on_start(span, parent_context)
+
+            def on_end(self, span: Any) -> None:
+                for processor in list(_processors):
+                    processor.on_end(span)
 
         resource = Resource({"service.name": f"fnkernel-{component}", "process.pid": os.getpid()})
         provider = TracerProvider(resource=resource)
+        provider.add_span_processor(Handing())
         if EXPORT_ENDPOINT:
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
             from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -76,9 +88,27 @@ def _tracer(component: str) -> Tracer:
     return _tracers[component]
 
 
+@contextlib.contextmanager
+def exporting_to(processor: SpanProcessor) -> Iterator[None]:
+    """While the block runs, this process records every call and every registration and KRM
+    step, as it does with an endpoint, and hands each span to `processor` as well (an
+    OpenTelemetry span processor: a program that runs the components in its own process, with
+    its own exporter; a test, with OpenTelemetry's in-memory one)."""
+    _processors.append(processor)
+    try:
+        yield
+    finally:
+        _processors.remove(processor)
+
+
+def exporting() -> bool:
+    """Whether this process exports the spans it records (to an endpoint, or a processor)."""
+    return bool(EXPORT_ENDPOINT or _processors)
+
+
 def traced(traceparent: str | None) -> bool:
     """Whether a call with this `traceparent` (None: none) is traced here."""
-    return bool(traceparent or EXPORT_ENDPOINT)
+    return bool(traceparent or EXPORT_ENDPOINT or _processors)
 
 
 def rpc_attributes(method: str) -> dict[str, Any]:
@@ -106,9 +136,9 @@ def recorded(
     kind: str = "SERVER",
 ) -> Hop | Untraced:
     """The Hop of work whose spans are exported, never handed back (a registration, a KRM
-    render): recorded only where this process exports (EXPORT_ENDPOINT), in the trace of
+    render): recorded only where this process exports (`exporting`), in the trace of
     `traceparent` if there is one; else nothing is recorded (Untraced)."""
-    if not EXPORT_ENDPOINT:
+    if not exporting():
         return UNTRACED
     return Hop(component, traceparent, name, attributes, kind=kind)
 

@@ -16,7 +16,11 @@ from pathlib import Path
 
 import grpc
 import pytest
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from fnkernel.runtime_server import tracing
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from fnkernel.runtime_server.function_runtime.server import RuntimeServer
@@ -520,6 +524,75 @@ def test_the_proxy_hop_answers_each_hops_clock_readings_when_asked(pod: Pod) -> 
     _, plain = pod.proxy.InvokeFunction.with_call(request, metadata=((POD_KEY, POD),), timeout=20)
     names = {name for name, _ in plain.trailing_metadata()}
     assert not names & {TIMELINE_RUNTIMED_KEY, TIMELINE_SERVER_KEY}
+
+
+def test_an_in_memory_exporter_gets_a_registrations_and_a_calls_spans_parented_along_the_path(
+    pod: Pod,
+) -> None:
+    """docs/protocol.md, "Tracing": with OpenTelemetry's in-memory exporter given to the
+    components (tracing.exporting_to), a registration's spans — runtimed's, a span per step, the
+    Runtime Server's RegisterFunction and the worker's load — and a call's — runtimed's server
+    and client spans, the Runtime Server's, the worker's — reach it, each the child of the span
+    that asked for it, the call's in the caller's trace, with OpenTelemetry's attributes."""
+    exporter = InMemorySpanExporter()
+    with tracing.exporting_to(SimpleSpanProcessor(exporter)):
+        run = pod.create("echo", ECHO_PY)
+        trace_id, caller = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+        request = pb.InvokeFunctionRequest(
+            registration=pb.FunctionRegistration(run_uid=run.uid), input=b"{}"
+        )
+        pod.proxy.InvokeFunction(
+            request,
+            metadata=((POD_KEY, POD), ("traceparent", f"00-{trace_id}-{caller}-01")),
+            timeout=20,
+        )
+    spans = {span.context.span_id: span for span in exporter.get_finished_spans()}
+
+    def path_to(span: ReadableSpan) -> list[tuple[str, str, str]]:
+        """(service, kind, name) of `span` and each of its parents in this process, root first."""
+        path = []
+        while span is not None:
+            service = str(span.resource.attributes["service.name"])
+            path.insert(0, (service, span.kind.name, span.name))
+            span = spans.get(span.parent.span_id) if span.parent else None  # type: ignore[assignment]
+        return path
+
+    (load,) = [span for span in spans.values() if span.name == "load handler.handle"]
+    assert path_to(load) == [
+        ("fnkernel-runtimed", "INTERNAL", "register echo attempt 1"),
+        ("fnkernel-runtimed", "CLIENT", "executor.v1.FunctionRuntime/RegisterFunction"),
+        ("fnkernel-runtime-server", "SERVER", "executor.v1.FunctionRuntime/RegisterFunction"),
+        ("fnkernel-worker", "SERVER", "load handler.handle"),
+    ]
+    (register,) = [span for span in spans.values() if span.name == "register echo attempt 1"]
+    steps = [
+        span.name
+        for span in spans.values()
+        if span.parent and span.parent.span_id == register.context.span_id
+    ]
+    assert "write the Run's files" in steps and "write the Run's status: Ready" in steps
+    (handled,) = [span for span in spans.values() if span.name == "handler.handle"]
+    assert path_to(handled) == [
+        ("fnkernel-runtimed", "SERVER", "executor.v1.FunctionRuntime/InvokeFunction"),
+        ("fnkernel-runtimed", "CLIENT", "executor.v1.FunctionRuntime/InvokeFunction"),
+        ("fnkernel-runtime-server", "SERVER", "executor.v1.FunctionRuntime/InvokeFunction"),
+        ("fnkernel-worker", "SERVER", "handler.handle"),
+    ]
+    root = spans[handled.parent.span_id]  # type: ignore[union-attr]
+    while root.parent and root.parent.span_id in spans:
+        root = spans[root.parent.span_id]
+    assert root.parent is not None and f"{root.parent.span_id:016x}" == caller
+    assert f"{handled.context.trace_id:032x}" == trace_id
+    server = spans[handled.parent.span_id]  # type: ignore[union-attr]
+    assert server.attributes is not None and root.attributes is not None
+    assert server.attributes["rpc.system"] == "grpc"
+    assert server.attributes["rpc.grpc.status_code"] == 0
+    assert server.attributes["fnkernel.fence"] == "passed"
+    assert (
+        root.attributes["fnkernel.registration_id"] == server.attributes["fnkernel.registration_id"]
+    )
+    assert root.attributes["fnkernel.registration_attempt"] == 1
+    assert not tracing.exporting()  # the block over, nothing more is recorded
 
 
 def test_a_5_mib_payload_crosses_the_proxy_hop_both_ways(pod: Pod) -> None:
