@@ -482,11 +482,11 @@ class ControlPlane:
                 self.store.update(run, expect_phase=NEW, message=message)
             return math.inf
         hop = _asking("admit", run, 1, pod)
-        admitted = self.store.update(
-            run, expect_phase=NEW, phase=PENDING, attempt=1, assigned_pod=pod,
-            spec_digest=spec.digest, message="", traceparent=hop.traceparent,
-        )  # fmt: skip
-        hop.finish({})
+        with tracing.finishing(hop):
+            admitted = self.store.update(
+                run, expect_phase=NEW, phase=PENDING, attempt=1, assigned_pod=pod,
+                spec_digest=spec.digest, message="", traceparent=hop.traceparent,
+            )  # fmt: skip
         if admitted is not None:
             LOG.info("run %s (%s) admitted on %s", run.name, run.uid, pod)
         return time.time()
@@ -518,15 +518,15 @@ class ControlPlane:
             return math.inf
         hop = _asking("retry", run, run.attempt + 1, target)
         hop.set("fnkernel.retrying_after", run.message)  # the last attempt's failure
-        updated = self.store.update(
-            run,
-            expect_phase=RETRYING,
-            phase=PENDING,
-            attempt=run.attempt + 1,
-            assigned_pod=target,
-            traceparent=hop.traceparent,  # "" when not exporting: not the last attempt's
-        )
-        hop.finish({})
+        with tracing.finishing(hop):
+            updated = self.store.update(
+                run,
+                expect_phase=RETRYING,
+                phase=PENDING,
+                attempt=run.attempt + 1,
+                assigned_pod=target,
+                traceparent=hop.traceparent,  # "" when not exporting: not the last attempt's
+            )
         if updated is not None:
             LOG.info(
                 "run %s: attempt %d on %s after %s",
