@@ -39,6 +39,7 @@ from fnkernel.runtime_server.wire import (
     POD_KEY,
     READY,
     RETRYING,
+    SPANS_KEY,
     TIMELINE_KEY,
     TIMELINE_RUNTIMED_KEY,
     TIMELINE_SERVER_KEY,
@@ -593,6 +594,25 @@ def test_an_in_memory_exporter_gets_a_registrations_and_a_calls_spans_parented_a
     )
     assert root.attributes["fnkernel.registration_attempt"] == 1
     assert not tracing.exporting()  # the block over, nothing more is recorded
+
+
+def test_a_traced_call_the_routing_fence_refuses_shows_the_refusal_at_runtimed(pod: Pod) -> None:
+    """docs/protocol.md, "Tracing": a traced call routed to another pod is refused at runtimed's
+    routing fence; the spans it hands back say so there, and nothing was called beyond it."""
+    run = pod.create("echo", ECHO_PY)
+    request = pb.InvokeFunctionRequest(registration=pb.FunctionRegistration(run_uid=run.uid))
+    traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    with pytest.raises(grpc.RpcError) as caught:
+        pod.proxy.InvokeFunction(
+            request, metadata=((POD_KEY, "python-9"), ("traceparent", traceparent)), timeout=20
+        )
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    spans = tracing.decode(dict(caught.value.trailing_metadata())[SPANS_KEY])
+    assert [(span["service"], span["kind"]) for span in spans] == [("fnkernel-runtimed", "SERVER")]
+    (refused,) = spans
+    assert refused["attributes"]["fnkernel.fence"] == "refused: RoutedElsewhere"
+    assert refused["attributes"]["rpc.grpc.status_code"] == 9  # FAILED_PRECONDITION
+    assert refused["status"].startswith("FAILED_PRECONDITION: this is pod python-0, not python-9")
 
 
 def test_a_5_mib_payload_crosses_the_proxy_hop_both_ways(pod: Pod) -> None:
