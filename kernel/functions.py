@@ -459,19 +459,17 @@ class Function:
                 printer.fail()
             if handle is not None:
                 handle.update(MapProgress(self.name, 0, len(work), failed=1, finished=True))
+            self._wait_replicas_free()  # the calls still running were cancelled
             raise handler_failure(failed, self.spec) from None
         except InvocationTimedOut as exc:
             for printer in printers.values():
                 printer.release()
+            self._wait_replicas_free()  # the calls still running were cancelled
             raise self._timed_out(exc, timeout) from None
         except (RequestCancelled, KeyboardInterrupt):
             for printer in printers.values():
                 printer.release()
-            # As after one call: wait (briefly) until every replica's server has let go of its
-            # cancelled call, so the next cell's calls are not refused as busy.
-            with self._runtime.trace.bookkeeping():
-                for name in self._replica_names():
-                    wait_until_free(lambda name=name: self._in_flight(name))  # type: ignore[misc]
+            self._wait_replicas_free()
             raise InvocationInterrupted(
                 f"map of {self.name} cancelled; every call in flight was cancelled and "
                 f"{self.name} stays registered"
@@ -486,6 +484,14 @@ class Function:
             handle.update(MapProgress(self.name, len(work), len(work), failures, finished=True))
         print(repr(MapProgress(self.name, len(work), len(work), failures, finished=True)))
         return results
+
+    def _wait_replicas_free(self) -> None:
+        """After a map's calls were cancelled: as after one call, wait (briefly) until every
+        replica's server has let go of its cancelled call, so the next cell's calls are not
+        refused as busy."""
+        with self._runtime.trace.bookkeeping():
+            for name in self._replica_names():
+                wait_until_free(lambda name=name: self._in_flight(name))  # type: ignore[misc]
 
     def _timed_out(self, exc: InvocationTimedOut, timeout: float | None) -> InvocationTimedOut:
         """The deadline as a user can act on it: how long it was, and how to give more (what
