@@ -20,6 +20,7 @@ has no easy way to its answers' pipe, and an answer it forged anyway lacks the c
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib
 import inspect
@@ -168,11 +169,29 @@ def serve(function, run_uid: str, requests, resp_fd: int) -> None:
         traced = traceparent.decode() if traceparent != b"-" else ""
         context = Context(invocation_id, run_uid, int(remaining_ms), traced, logger)
         try:
-            _answer(function, with_context, context, payload, resp_fd, nonce)
+            if traced:  # the processes the handler starts get it too, as a Bash function's do
+                with _environment("TRACEPARENT", traced):
+                    _answer(function, with_context, context, payload, resp_fd, nonce)
+            else:
+                _answer(function, with_context, context, payload, resp_fd, nonce)
         except MemoryError:
             # Out of its memory (RLIMIT_DATA) anywhere in the call — the handler, decoding its
             # input, encoding its result: the supervisor names the limit and replaces us.
             _respond(resp_fd, nonce, b"error", {"errorType": "MemoryError", "errorMessage": ""})
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str):
+    """`name` set to `value` in the environment while the block runs, then as it was."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def _answer(

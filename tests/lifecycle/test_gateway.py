@@ -143,6 +143,18 @@ CALLER_SPAN = "00f067aa0ba902b7"
 TRACEPARENT = f"00-{TRACE_ID}-{CALLER_SPAN}-01"
 
 
+HANDS_ON_ITS_CONTEXT_PY = """\
+import subprocess
+import sys
+
+CHILD = "import os; print(os.environ.get('TRACEPARENT', ''))"
+
+def handle(event, context):
+    child = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True)
+    return [context.traceparent, child.stdout.strip()]
+"""
+
+
 def traced(stack: Stack, name: str, body: bytes = b"{}") -> tuple[int, list[dict], bytes]:
     status, headers, answer = invoke(stack, name, body, {"traceparent": TRACEPARENT})
     return status, tracing.decode(base64.b64decode(headers["X-Fn-Spans"])), answer
@@ -161,9 +173,8 @@ def test_a_traced_call_hands_back_every_hops_spans_parented_along_its_path(
     the gateway's HTTP server span, each hop's RPC client and server spans, the worker's — in
     the caller's trace, each the child of the span that called it, with OpenTelemetry's
     attributes; the registration ID appears at runtimed, which fills it in; the handler reads
-    the worker's span context."""
-    handler = "def handle(event, context):\n    return context.traceparent\n"
-    name = create(shared_stack, {"handler.py": handler})
+    the worker's span context, and a process it starts finds it in $TRACEPARENT."""
+    name = create(shared_stack, {"handler.py": HANDS_ON_ITS_CONTEXT_PY})
     status, spans, answer = traced(shared_stack, name)
     assert status == 200
     by_hop = hop_spans(spans)
@@ -208,10 +219,11 @@ def test_a_traced_call_hands_back_every_hops_spans_parented_along_its_path(
     assert worker["name"] == "handler.handle"  # FaaS spans are named for the function
     assert worker["attributes"]["faas.trigger"] == "other"
     assert worker["attributes"]["faas.invocation_id"] == server["fnkernel.invocation_id"]
-    assert json.loads(answer) == f"00-{TRACE_ID}-{worker['spanId']}-01"
+    worker_context = f"00-{TRACE_ID}-{worker['spanId']}-01"
+    assert json.loads(answer) == [worker_context, worker_context]
     status, headers, answer = invoke(shared_stack, name)
     assert status == 200 and "X-Fn-Spans" not in headers  # only a traced call
-    assert json.loads(answer) == ""
+    assert json.loads(answer) == ["", ""]
 
 
 def test_a_bash_function_reads_a_traced_calls_context_in_traceparent(shared_stack: Stack) -> None:
