@@ -9,8 +9,8 @@ encoded (``ExportTraceServiceRequest``, the format every OpenTelemetry backend r
 ``fn-spans-bin`` trailer or the gateway's ``X-Fn-Spans`` header: the caller that asked gets the
 whole call's trace without a collector.
 
-The Runtime Server records the worker's span on its behalf (a worker imports only the standard
-library) and hands the worker that span's ``traceparent`` for the handler (``Hop.delegate``).
+The Runtime Server records the worker's span on its behalf (a worker imports no OpenTelemetry)
+and hands the worker that span's ``traceparent`` for the handler (``Hop.delegate``).
 Work that happens apart from the call that asked for it — a registration, in runtimed; a KRM
 render — is recorded only where it is exported (``recorded``), with a span per step; where it
 is not, the ``Untraced`` hop records nothing, so that code needs no checks.
