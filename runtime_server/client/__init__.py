@@ -14,6 +14,7 @@ import functools
 import http.client
 import json
 import os
+import re
 import socket
 import threading
 import time
@@ -27,6 +28,7 @@ from fnkernel.runtime_server.client.errors import (
     GatewayError,
     GatewayUnreachable,
     HandlerFailed,
+    InvalidRequest,
     InvocationTimedOut,
     RequestCancelled,
     from_response,
@@ -42,6 +44,8 @@ _MAP_PROGRESS_SECONDS = 0.05  # how often a map reports progress (and at its end
 LogCallback = Callable[[dict[str, Any]], None]
 _STALE_CONNECTION = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
 _SKIPPED = frozenset({"__pycache__", ".git", ".ipynb_checkpoints"})
+# What an HTTP field value may not hold (RFC 9110, section 5.5): control characters but HTAB.
+_NOT_IN_A_HEADER = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 def parse_pairs(pairs: Iterable[str]) -> dict[str, str]:
@@ -118,7 +122,17 @@ class Client:
         return http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=timeout)
 
     def _headers(self, headers: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The request's headers; InvalidRequest, before anything is sent, for a value HTTP
+        cannot carry (the gateway's server would answer 400 and close the connection, and the
+        close can reach the client before the answer does)."""
         sent = {"Content-Type": "application/json", **(headers or {})}
+        for name, value in sent.items():
+            if _NOT_IN_A_HEADER.search(value):
+                raise InvalidRequest(
+                    f"{name} holds a control character, which an HTTP header cannot carry",
+                    code="INVALID_ARGUMENT",
+                    status=400,
+                )
         if self.token:
             sent["Authorization"] = f"Bearer {self.token}"
         return sent
