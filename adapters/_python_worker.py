@@ -170,7 +170,7 @@ def serve(function, run_uid: str, requests, resp_fd: int) -> None:
         context = Context(invocation_id, run_uid, int(remaining_ms), traced, logger)
         try:
             if traced:  # the processes the handler starts get it too, as a Bash function's do
-                with _environment("TRACEPARENT", traced):
+                with _environment(TRACEPARENT=traced):
                     _answer(function, with_context, context, payload, resp_fd, nonce)
             else:
                 _answer(function, with_context, context, payload, resp_fd, nonce)
@@ -181,17 +181,18 @@ def serve(function, run_uid: str, requests, resp_fd: int) -> None:
 
 
 @contextlib.contextmanager
-def _environment(name: str, value: str):
-    """`name` set to `value` in the environment while the block runs, then as it was."""
-    before = os.environ.get(name)
-    os.environ[name] = value
+def _environment(**values: str):
+    """The environment with `values` set while the block runs, then as it was."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _answer(
