@@ -17,7 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from fnkernel.adapters.errors import HandlerError, InvocationCancelled
-from fnkernel.runtime_server import limits, wire
+from fnkernel.runtime_server import limits, tracing, wire
 from fnkernel.runtime_server.errors import TooManyFollowers
 
 LOG = logging.getLogger("fnkernel.rpc")
@@ -143,9 +143,9 @@ def _abort(exc: Exception, context: grpc.ServicerContext, method: str) -> None:
     context.abort(code, limits.bounded(str(exc)))
 
 
-def traced_failure(hop: Any, exc: BaseException) -> None:
-    """End a traced hop (runtime_server.tracing.Hop, or Untraced) with the status `exc` is
-    answered with, and send its spans with that status."""
+def traced_failure(hop: tracing.Hop | tracing.Untraced, exc: BaseException) -> None:
+    """End a traced hop with the status `exc` is answered with, and send its spans with that
+    status."""
     upstream: Any = exc
     code = upstream.code() if isinstance(exc, grpc.RpcError) else status_of(exc)
     code = code or grpc.StatusCode.INTERNAL

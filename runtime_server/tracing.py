@@ -30,6 +30,8 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from fnkernel.runtime_server import limits
+
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import Span, SpanProcessor
     from opentelemetry.trace import Tracer
@@ -189,7 +191,7 @@ class Hop:
         try:
             yield
         except BaseException as exc:
-            _failed(span, _why(exc))
+            _failed(span, why(exc))
             raise
         finally:
             span.end()
@@ -200,12 +202,8 @@ class Hop:
         from opentelemetry import trace
 
         now = time.time_ns()
-        span: Span = self._tracer.start_span(  # type: ignore[assignment]
-            name,
-            context=trace.set_span_in_context(self.span),
-            kind=trace.SpanKind.INTERNAL,
-            attributes=attributes,
-            start_time=now - int(seconds * 1e9),
+        span = self._child(
+            self._tracer, name, trace.SpanKind.INTERNAL, attributes, now - int(seconds * 1e9)
         )
         if error:
             _failed(span, error)
@@ -236,12 +234,19 @@ class Hop:
                 _failed(self._delegate, error)
             self._delegate.end()
 
-    def _child(self, tracer: Tracer, name: str, kind: Any, attributes: dict[str, Any]) -> Span:
+    def _child(
+        self,
+        tracer: Tracer,
+        name: str,
+        kind: Any,
+        attributes: dict[str, Any],
+        start_time: int | None = None,  # Unix ns; None: now
+    ) -> Span:
         from opentelemetry import trace
 
         context = trace.set_span_in_context(self.span)
         span: Span = tracer.start_span(  # type: ignore[assignment]
-            name, context=context, kind=kind, attributes=attributes
+            name, context=context, kind=kind, attributes=attributes, start_time=start_time
         )
         self._spans.append(span)
         return span
@@ -281,7 +286,7 @@ def finishing(hop: Hop | Untraced) -> Iterator[None]:
     try:
         yield
     except BaseException as exc:
-        hop.finish({}, error=_why(exc))
+        hop.finish({}, error=why(exc))
         raise
     hop.finish({})
 
@@ -321,9 +326,9 @@ class Untraced:
 UNTRACED = Untraced()
 
 
-def _why(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}"
-    return text if len(text) <= 1024 else text[:1021] + "..."
+def why(exc: BaseException) -> str:
+    """A span's error status for work `exc` ended: its type and message, bounded."""
+    return limits.bounded(f"{type(exc).__name__}: {exc}")
 
 
 def _traceparent(span: Span) -> str:

@@ -256,6 +256,18 @@ SLOW_PY = {
 }
 
 
+# docs/protocol.md, "Tracing": the (service, kind) of every span of one call through a stack,
+# each the parent of the next.
+INVOKE_PATH = [
+    ("fnkernel-gateway", "SERVER"),
+    ("fnkernel-gateway", "CLIENT"),
+    ("fnkernel-runtimed", "SERVER"),
+    ("fnkernel-runtimed", "CLIENT"),
+    ("fnkernel-runtime-server", "SERVER"),
+    ("fnkernel-worker", "SERVER"),
+]
+
+
 def but_kptfile(files: dict[str, str]) -> dict[str, str]:
     """A package's files without the top Kptfile (the one a render writes its status to)."""
     return {path: text for path, text in files.items() if path != "Kptfile"}

@@ -226,7 +226,6 @@ class Registry:
         try:
             reg.adapter.start()
         except InitError as exc:
-            hop.delegated(str(exc))
             self._fail(reg.run_uid, reg.registration_id, exc)
         except AdapterError:
             pass  # closed while loading: it was superseded or unregistered
@@ -245,7 +244,7 @@ class Registry:
             if reg.state != READY:
                 reg.adapter.close()
         finally:
-            hop.delegated()
+            hop.delegated(reg.fatal_error)  # set by _fail, in this thread, if it failed
             reg.loaded.set()
 
     def _fail(self, run_uid: str, registration_id: str, exc: InitError) -> None:
@@ -326,6 +325,7 @@ class Registry:
             reg.last_activity_unix_nano = time.time_ns()
             self._lock.notify_all()  # a follower may be waiting for it
         logs: tuple[LogLine, ...] = ()
+        failure = ""  # for the worker's span
         try:
             if on_dispatch is not None:
                 on_dispatch(
@@ -341,11 +341,10 @@ class Registry:
             result = reg.adapter.invoke(invocation_id, input, effective_deadline, traceparent)
             logs = result.logs
         except AdapterError as exc:
-            logs = getattr(exc, "logs", ())
-            hop.delegated(limits.bounded(str(exc)))
+            logs, failure = getattr(exc, "logs", ()), limits.bounded(str(exc))
             raise
         finally:
-            hop.delegated()
+            hop.delegated(failure)
             with self._lock:
                 reg.in_flight = 0
                 reg.invocation_id = ""

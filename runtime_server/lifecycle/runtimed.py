@@ -401,7 +401,7 @@ class Runtimed:
             try:
                 active = self._register_steps(run, expect_phase, hop)
             except Exception as exc:
-                hop.finish({}, error=limits.bounded(f"{type(exc).__name__}: {exc}"))
+                hop.finish({}, error=tracing.why(exc))
                 raise
             hop.finish({}, error="" if active is not None else "not READY")
             return active

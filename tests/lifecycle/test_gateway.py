@@ -28,7 +28,7 @@ from fnkernel.runtime_server.client.errors import (
 )
 from fnkernel.runtime_server.daemon import spawn
 from fnkernel.runtime_server.lifecycle.stack import Stack
-from tests.support import ECHO_PY, SLOW_PY, http_call, wait_until
+from tests.support import ECHO_PY, INVOKE_PATH, SLOW_PY, http_call, wait_until
 
 _names = itertools.count()
 
@@ -178,14 +178,7 @@ def test_a_traced_call_hands_back_every_hops_spans_parented_along_its_path(
     status, spans, answer = traced(shared_stack, name)
     assert status == 200
     by_hop = hop_spans(spans)
-    path = [
-        ("fnkernel-gateway", "SERVER"),
-        ("fnkernel-gateway", "CLIENT"),
-        ("fnkernel-runtimed", "SERVER"),
-        ("fnkernel-runtimed", "CLIENT"),
-        ("fnkernel-runtime-server", "SERVER"),
-        ("fnkernel-worker", "SERVER"),
-    ]
+    path = INVOKE_PATH
     assert sorted(by_hop) == sorted(path)
     parent = CALLER_SPAN
     for hop in path:
