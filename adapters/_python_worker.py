@@ -4,7 +4,8 @@ Run by PythonAdapter as ``python -P _python_worker.py RUN_UID MODULE FUNCTION ME
 with the registered working directory as cwd; MEMORY is the bytes of memory (RLIMIT_DATA) the
 worker and the processes it starts may take, 0 for no limit. It imports nothing from fnkernel,
 and nothing but the standard library and orjson (a dependency of fnkernel's, for encoding
-results), both before the working directory is put on sys.path: user modules named like ours or
+results, with adapters/_jsonvalues.py loaded by its path), all before the working directory is
+put on sys.path: user modules named like ours or
 theirs cannot shadow them (``-P``: the script's own directory is not put on sys.path either).
 
 Frames (see adapters/worker.py for the handshake, the nonce and the log files):
@@ -32,14 +33,24 @@ import sys
 import time
 import traceback
 
-try:
-    import orjson
-except ImportError:  # an interpreter without it: the standard library encodes every result
-    orjson = None  # type: ignore[assignment]
-
 MAX_MESSAGE = 1024
-# Built once (json.dumps(**kw) builds one per call); compact, as orjson writes.
-_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+
+
+def _load_jsonvalues():
+    """adapters/_jsonvalues.py, by its path beside this file: the one JSON encoder of payloads
+    and results, loaded before the handler's directory is on sys.path (so nothing there can
+    stand in for it), and without importing fnkernel."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_jsonvalues.py")
+    spec = importlib.util.spec_from_file_location("_fnkernel_jsonvalues", path)
+    assert spec is not None and spec.loader is not None  # a .py file's
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_jsonvalues = _load_jsonvalues()
 
 
 class Context:
@@ -124,14 +135,8 @@ def takes_context(function) -> bool:
 
 
 def encode_result(result) -> bytes:
-    """The result as JSON: orjson's, else the standard library's where orjson refuses (as
-    runtime_server/jsoncodec.py encodes payloads; docs/architecture.md, "A payload's bytes")."""
-    if orjson is not None:
-        try:
-            return orjson.dumps(result)
-        except orjson.JSONEncodeError:
-            pass
-    return _ENCODER.encode(result).encode()
+    """The result as JSON, as a payload is encoded (docs/protocol.md, "JSON encodings")."""
+    return _jsonvalues.dumps(result, "result")
 
 
 def _write(fd: int, data: bytes) -> None:

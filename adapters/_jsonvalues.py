@@ -1,0 +1,101 @@
+"""A payload or a result as JSON, the one way fnkernel writes them (docs/protocol.md, "JSON
+encodings"): by the kernel and the client for a payload, by the Python worker for a result.
+
+orjson encodes, 15 to 100 times as fast as the standard library (docs/architecture.md, "A
+payload's bytes"); where it refuses (integers past 64 bits, keys that are not strings, a lone
+surrogate, nesting past 254 levels) the standard library does. Both write what plain pandas and
+numpy code returns: numpy scalars as their Python values and numpy arrays as lists, datetimes
+(pandas' ``Timestamp`` too) as ISO 8601 strings, a missing time (``NaT``) as null, NaN as null.
+A value JSON cannot hold (``Decimal``, ``set``, ``bytes``, ...) is a TypeError naming its path
+inside the value: ``result["stats"][3]: Decimal``, with how to convert it.
+
+Standard library and orjson only: the worker loads this file by its path, before the handler's
+directory is on ``sys.path``, and imports nothing else of fnkernel.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from typing import Any
+
+try:
+    import orjson
+except ImportError:  # a dependency: only a broken install gets here, and it is slower
+    orjson = None  # type: ignore[assignment]
+
+_OPTIONS = orjson.OPT_SERIALIZE_NUMPY if orjson is not None else 0
+# How to make a value JSON can hold, by its type's name (the error says it).
+_HINTS = {
+    "Decimal": "float(x) or str(x)",
+    "set": "sorted(x) or list(x)",
+    "frozenset": "sorted(x) or list(x)",
+    "bytes": "x.decode() for text, base64 for binary",
+    "bytearray": "x.decode() for text, base64 for binary",
+    "timedelta": "x.total_seconds()",
+    "Timedelta": "x.total_seconds()",
+    "DataFrame": "df.to_dict('records')",
+    "Series": "s.tolist() or s.to_dict()",
+}
+
+
+def _default(value: Any) -> Any:
+    """What orjson and the standard library do not take themselves, made JSON."""
+    if isinstance(value, (datetime.date, datetime.time)):  # pandas' Timestamp is a datetime
+        return None if value != value else value.isoformat()  # NaT is not equal to itself
+    if type(value).__module__ == "numpy" and hasattr(value, "tolist"):
+        # A scalar orjson has no type for, or (standard library) an array; a longdouble is
+        # its own tolist(): as a float.
+        plain = value.tolist()
+        return float(value) if type(plain) is type(value) else plain
+    raise TypeError(f"{type(value).__name__} is not JSON")
+
+
+_ENCODER = json.JSONEncoder(separators=(",", ":"), default=_default)
+
+
+def dumps(value: Any, root: str = "value") -> bytes:
+    """`value` as compact JSON in UTF-8. TypeError naming the first part JSON cannot hold,
+    as a path from `root` (``payload``, ``result``); ValueError for a circular reference."""
+    if orjson is not None:
+        try:
+            return orjson.dumps(value, default=_default, option=_OPTIONS)
+        except orjson.JSONEncodeError:
+            pass
+    try:
+        # ASCII: a lone surrogate (which orjson refuses too) is written as its \u escape.
+        return _ENCODER.encode(value).encode()
+    except TypeError:
+        where = unencodable(value, root)
+        if where is None:
+            raise
+        raise TypeError(where) from None
+
+
+def unencodable(value: Any, path: str = "value", depth: int = 0) -> str | None:
+    """The first part of `value` that JSON cannot hold, as ``PATH: TYPE (convert: HINT)``;
+    None if there is none (or it lies past a depth no JSON value reaches)."""
+    if depth > 1000:
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, (str, int, float, bool)) and key is not None:
+                return f"{path}: a key of type {type(key).__name__} (keys must be strings)"
+            found = unencodable(item, f"{path}[{json.dumps(key)}]", depth + 1)
+            if found is not None:
+                return found
+        return None
+    if isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            found = unencodable(item, f"{path}[{index}]", depth + 1)
+            if found is not None:
+                return found
+        return None
+    try:
+        _ENCODER.encode(value)
+    except TypeError:
+        name = type(value).__name__
+        return f"{path}: {name} (convert it: {_HINTS.get(name, 'a str, number, list or dict')})"
+    except ValueError:
+        return None
+    return None
