@@ -25,6 +25,7 @@ from typing import Any
 
 from fnkernel.runtime_server import jsoncodec, limits, tokens, wire
 from fnkernel.runtime_server.client.errors import (
+    FunctionBusy,
     GatewayError,
     GatewayUnreachable,
     HandlerFailed,
@@ -41,6 +42,10 @@ DEFAULT_ADDRESS = "http://127.0.0.1:8080"
 FOLLOW_AFTER_SECONDS = 0.05
 _FOLLOW_END_SECONDS = 2.0
 _MAP_PROGRESS_SECONDS = 0.05  # how often a map reports progress (and at its end)
+# A map's item refused as busy (another caller holds every replica) is sent again after a wait
+# that starts here and doubles up to the cap, until the item's own timeout has passed.
+_BUSY_FIRST_WAIT_SECONDS = 0.002
+_BUSY_WAIT_CAP_SECONDS = 0.05
 LogCallback = Callable[[dict[str, Any]], None]
 _STALE_CONNECTION = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
 _SKIPPED = frozenset({"__pycache__", ".git", ".ipynb_checkpoints"})
@@ -409,22 +414,25 @@ class Client:
         progress: Callable[[int, int], None] | None = None,
         on_log: Callable[[int, dict[str, Any]], None] | None = None,
     ) -> list[Any]:
-        """Invoke `name` once per item, up to `concurrency` calls in flight (default: its
-        replica count), and return the results in input order (docs/protocol.md, "Replicas"):
-        each output decoded from JSON, or as text when it is not JSON.
+        """Invoke `name` once per item, up to `concurrency` calls in flight (default, and at
+        most: its replica count, as a replica serves one call at a time), and return the
+        results in input order (docs/protocol.md, "Replicas"): each output decoded from JSON,
+        or as text when it is not JSON. An item refused because every replica is busy (another
+        caller's calls) waits for one, up to its timeout.
 
         The first failure is raised once what is still running has been cancelled (the items
         not yet sent are never sent); with `return_exceptions`, each failure is returned in its
-        item's place instead, as ``asyncio.gather`` does. `progress(done, total)` is called
+        item's place instead, as ``asyncio.gather`` does. Either way a failure's ``item`` is
+        (its item's index, how many items). `progress(done, total)` is called
         from the calling thread as calls finish (at most every 50 ms), and once at the end;
         `on_log(index, line)` is each call's ``invoke(on_log=)``. An interrupt
         (KeyboardInterrupt) cancels every call in flight and is raised; the function stays
         registered."""
         work = list(items)
-        if concurrency is None:
-            concurrency = int(self.status(name).get("spec", {}).get("replicas", 1))
-        if concurrency < 1:
+        if concurrency is not None and concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
+        replicas = int(self.status(name).get("spec", {}).get("replicas", 1))
+        concurrency = min(concurrency or replicas, replicas)
         results: list[Any] = [None] * len(work)
         if not work:
             return results
@@ -487,11 +495,37 @@ class _MapRun:
         self.done = 0
         self.failure: BaseException | None = None
         self.stopped = False  # after a failure or an interrupt: nothing more is sent
+        self._stopping = threading.Event()  # wakes the items waiting for a free replica
         self.over = threading.Event()  # every thread is out
 
     def stop(self) -> None:
         self.stopped = True
+        self._stopping.set()
         self._calls.cancel()
+
+    def _invoke(self, index: int) -> Any:
+        """Item `index`'s output; while every replica is busy with another caller's calls
+        (FunctionBusy: nothing was run), it waits for one, up to the item's timeout."""
+        logged = None if self._on_log is None else functools.partial(self._on_log, index)
+        timeout = limits.effective_timeout_millis(self._timeout_millis) / 1000
+        deadline = time.monotonic() + timeout
+        wait = _BUSY_FIRST_WAIT_SECONDS
+        while True:
+            try:
+                return self._calls.invoke(
+                    self._name, self._work[index], timeout_millis=self._timeout_millis,
+                    on_log=logged,
+                ).decoded()  # fmt: skip
+            except FunctionBusy as busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    message = f"{busy.message}; waited {timeout:g} s for a free replica"
+                    raise FunctionBusy.from_body({**busy.detail, "message": message}, 429) from None
+                if self.stopped:
+                    raise
+                if self._stopping.wait(min(wait, left)):
+                    raise
+                wait = min(wait * 2, _BUSY_WAIT_CAP_SECONDS)
 
     def work(self) -> None:
         with self._lock:
@@ -503,13 +537,11 @@ class _MapRun:
                         return
                     index = self._next
                     self._next += 1
-                logged = None if self._on_log is None else functools.partial(self._on_log, index)
                 try:
-                    result = self._calls.invoke(
-                        self._name, self._work[index], timeout_millis=self._timeout_millis,
-                        on_log=logged,
-                    ).decoded()  # fmt: skip
+                    result = self._invoke(index)
                 except Exception as error:
+                    if isinstance(error, GatewayError):
+                        error.item = (index, len(self._work))
                     with self._lock:
                         first = not (self._return_exceptions or self.failure is not None)
                         if first:

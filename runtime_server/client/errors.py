@@ -29,6 +29,8 @@ class GatewayError(Exception):
         self.invocation_id = invocation_id
         self.detail = dict(detail or {})  # the whole JSON error body, for %fn_debug
         self.spans = b""  # a traced call's: every hop's spans, OTLP (docs/protocol.md, "Tracing")
+        # A map's failure: the index of the item it failed on, and how many items the map had.
+        self.item: tuple[int, int] | None = None
         super().__init__(f"{message} ({code})" if code else message)
 
     @classmethod
@@ -45,7 +47,11 @@ class GatewayError(Exception):
     def _render_traceback_(self) -> list[str]:
         """IPython shows this instead of a stack trace: one readable line (docs/protocol.md,
         "Kernel")."""
-        return [f"{type(self).__name__}: {self}"]
+        return [f"{type(self).__name__}: {self}{self.item_note()}"]
+
+    def item_note(self) -> str:
+        """`` (item 5 of 200)`` for a map's failure, else ""."""
+        return f" (item {self.item[0]} of {self.item[1]})" if self.item else ""
 
 
 class InvalidRequest(GatewayError):
@@ -86,7 +92,8 @@ class HeadersTooLarge(GatewayError):
 
 
 class FunctionBusy(GatewayError):
-    """429: the function already has an invocation in flight (no queueing)."""
+    """429: the function already has an invocation in flight (the gateway queues none; a map
+    waits for a free replica instead)."""
 
 
 class FunctionUnavailable(GatewayError):
