@@ -78,8 +78,9 @@ class Run(dict[str, Any]):
         return str(self._spec("source"))
 
     @property
-    def env(self) -> dict[str, str]:
-        return dict(self._spec("env", None) or {})
+    def env_keys(self) -> list[str]:
+        """The keys of its environment: the gateway never shows their values."""
+        return list(self._spec("env", None) or [])
 
     @property
     def idle_timeout_seconds(self) -> int:

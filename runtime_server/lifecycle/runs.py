@@ -100,7 +100,8 @@ class Run:
                 "runtime": self.runtime,
                 "handler": self.handler,
                 "source": self.source,
-                "env": self.env,
+                # Keys only: a value never leaves the store (docs/protocol.md, "Runs").
+                "env": sorted(self.env),
                 "idleTimeoutSeconds": self.idle_timeout_seconds,
                 "memoryMb": limits.check_memory_mb(self.memory_mb),
                 # Only for a replica set: one Run is shown as it always was.
