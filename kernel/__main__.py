@@ -1,8 +1,6 @@
 """``python -m fnkernel.kernel -f CONNECTION_FILE``: what the fnkernel kernelspec runs."""
 
-from ipykernel.kernelapp import IPKernelApp
-
-from fnkernel.kernel.kernel import FnKernel
+from fnkernel.kernel.kernel import FnKernel, FnKernelApp
 
 if __name__ == "__main__":
-    IPKernelApp.launch_instance(kernel_class=FnKernel)
+    FnKernelApp.launch_instance(kernel_class=FnKernel)

@@ -109,6 +109,7 @@ class Runtime:
         self._stack: Stack | None = None
         self._prewarmed: Prewarmed | None = None
         self._lock = threading.RLock()
+        self._on_stop: list[Callable[[], None]] = []
 
     @property
     def started(self) -> bool:
@@ -129,6 +130,14 @@ class Runtime:
                     "use another stack"
                 )
             self.address = address
+            self._drop_prewarmed()
+
+    def _drop_prewarmed(self) -> None:
+        """The kernel uses a stack of its own choosing: the embedded stack's waiting processes
+        will never serve it, so they end now rather than idle until the kernel does."""
+        prewarmed, self._prewarmed = self._prewarmed, None
+        if prewarmed is not None:
+            prewarmed.close()
 
     def client(
         self, runtime: str | None = None, progress: Callable[[str], None] | None = None
@@ -144,6 +153,8 @@ class Runtime:
                     if progress:
                         progress("starting the embedded runtime")
                     self._start_embedded()
+                else:
+                    self._drop_prewarmed()
                 self._client = TracedClient(self.address, self.trace)
             if runtime is not None and self._stack is not None and runtime not in self.pods():
                 if progress:
@@ -212,8 +223,16 @@ class Runtime:
             return f"gateway at {self.address}"
         return "embedded runtime (not started: it starts with the first %%function)"
 
+    def on_stop(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call `callback` when the kernel stops using its stack (its shutdown, a restart);
+        returns what forgets it again."""
+        self._on_stop.append(callback)
+        return lambda: self._on_stop.remove(callback) if callback in self._on_stop else None
+
     def stop(self, timeout: float = 15.0) -> None:
         """Stop the embedded stack (nothing to do for an external gateway)."""
+        for callback in list(self._on_stop):
+            callback()
         with self._lock:
             if self._client is not None:
                 self._client.close()

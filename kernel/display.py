@@ -40,6 +40,7 @@ STYLE = (
     ".fnk .fnk-edge-error{border-left-color:var(--fnk-error)}"
     ".fnk .fnk-edge-busy{border-left-color:var(--fnk-warn)}"
     ".fnk .fnk-edge-info{border-left-color:var(--fnk-info)}"
+    ".fnk .fnk-edge-muted{border-left-color:var(--fnk-muted)}"
     ".fnk .fnk-badge{border:1px solid currentColor;border-radius:3px;padding:0 4px}"
     "</style>"
 )
@@ -53,7 +54,8 @@ def fragment(body: str) -> str:
 
 
 def card(body: str, edge: str) -> str:
-    """A bordered card whose left edge colours its state (``ok``, ``error``, ``busy``, ``info``)."""
+    """A bordered card whose left edge colours its state (``ok``, ``error``, ``busy``, ``info``,
+    ``muted``)."""
     return fragment(f"<div class='fnk-card fnk-edge-{edge}'>{body}</div>")
 
 
@@ -184,16 +186,26 @@ class MapProgress:
     total: int
     failed: int = 0
     finished: bool = False
+    cancelled: bool = False  # an interrupt, a failure or the kernel's end stopped it
 
     def __repr__(self) -> str:
-        state = "done" if self.finished else "running"
+        state = "cancelled" if self.cancelled else "done" if self.finished else "running"
         failed = f", {self.failed} failed" if self.failed else ""
         return f"{self.name}.map: {self.done}/{self.total} {state}{failed}"
 
     def _repr_html_(self) -> str:
         bar = f"<progress max='{self.total}' value='{self.done}' style='width:16em'></progress>"
-        edge = "error" if self.failed else ("ready" if self.finished else "busy")
+        if self.failed:
+            edge = "error"
+        elif self.cancelled:
+            edge = "muted"
+        else:
+            edge = "ok" if self.finished else "busy"
         return card(f"{bar} &nbsp;{escape(repr(self))}", edge)
+
+    @property
+    def over(self) -> bool:
+        return self.finished or self.cancelled
 
 
 @dataclass(frozen=True)

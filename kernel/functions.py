@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import hashlib
 import json
 import re
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -14,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fnkernel.adapters.runtimes import RUNTIMES
+from fnkernel.kernel import include
 from fnkernel.kernel.connection import Runtime
 from fnkernel.kernel.display import InvocationView, MapProgress, RegistrationCard
 from fnkernel.runtime_server import jsoncodec, limits
@@ -26,6 +29,7 @@ from fnkernel.runtime_server.client.errors import (
 )
 
 ORIGIN_PREFIX = "%%function cell "  # a Run's spec.source when a cell created it
+_OWNER_MARK = " by "  # then the kernel that owns it: ORIGIN_PREFIX + fingerprint + this + owner
 _IDLE_WAIT_SECONDS = 2.0  # after an interrupt, for the cancelled invocation to be gone
 _PROGRESS_SECONDS = 0.5  # a map's bar is updated at most this often (and at the end)
 
@@ -53,6 +57,8 @@ class Spec:
     handler: str
     source: str
     env: Mapping[str, str] = field(default_factory=dict)
+    # What --include ships beside the cell's file: {relative path: text} (kernel/include.py).
+    files: Mapping[str, str] = field(default_factory=dict)
     idle_timeout: int = 0
     memory: int = 0  # MiB (0: the default)
     replicas: int = 1  # Runs serving the function (docs/protocol.md, "Replicas")
@@ -62,9 +68,14 @@ class Spec:
         return f"{self.name}.{RUNTIMES[self.runtime].extension}"
 
     @property
+    def all_files(self) -> dict[str, str]:
+        """The Run's files: the included ones and the cell's own."""
+        return {**self.files, self.filename: self.source}
+
+    @property
     def fingerprint(self) -> str:
         canonical = {
-            "files": {self.filename: self.source},
+            "files": self.all_files,
             "handler": self.handler,
             "env": dict(self.env),
             "runtime": self.runtime,
@@ -77,9 +88,18 @@ class Spec:
         text = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
         return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
-    @property
-    def origin(self) -> str:
-        return ORIGIN_PREFIX + self.fingerprint
+    def origin(self, owner: str) -> str:
+        """The Run's ``spec.source`` when the kernel `owner` registers this spec."""
+        return f"{ORIGIN_PREFIX}{self.fingerprint}{_OWNER_MARK}{owner}"
+
+
+def owner_of(source: str) -> str:
+    """Who owns the Run whose ``spec.source`` is `source`, as a refusal names it: the kernel
+    that registered it from a cell, else what created it (docs/protocol.md, "Ownership")."""
+    if source.startswith(ORIGIN_PREFIX):
+        _, mark, owner = source.partition(_OWNER_MARK)
+        return owner if mark else "a kernel of an earlier fnkernel"
+    return f"its creator ({source})" if source else "its creator (the CLI or the HTTP API)"
 
 
 def cell_line(file_line: int) -> int:
@@ -172,6 +192,7 @@ class HandlerFailedInCell(HandlerFailed):
             detail=failed.detail,
         )
         self.spec = spec
+        self.item = failed.item
         self.traceback_lines = split_traceback(failed.logs, spec.runtime)[1]
         traceback = RUNTIMES[spec.runtime].traceback
         self._frame = (traceback.frame if traceback else _NO_FRAME).match
@@ -188,17 +209,29 @@ class HandlerFailedInCell(HandlerFailed):
 
     def summary(self) -> str:
         """One line: the exception and where in the cell (``KeyError: 'x' (etl, cell line 4)``)."""
-        where = self.spec.name if self.line is None else f"{self.spec.name}, cell line {self.line}"
+        where = self.spec.name
+        if self.item is not None:
+            where += f", item {self.item[0]} of {self.item[1]}"
+        if self.line is not None:
+            where += f", cell line {self.line}"
         what = f"{self.error_type}: {self.error_message}" if self.error_type else self.message
         return f"{what} ({where})"
+
+    def hint(self) -> str:
+        """What to ship with the function, when the handler missed a module or a file that is
+        beside the notebook (kernel/include.py)."""
+        return include.hint(self.error_message, self.spec.source, self.spec.files, Path.cwd())
 
     def _render_traceback_(self) -> list[str]:
         """What the cell shows, and a headless log prints (nbconvert, papermill): the handler's
         traceback as IPython shows a local error — its frames only, with the cell's line
-        numbers — then the summary line. A failure without frames is the summary alone."""
+        numbers — then the summary line, and what to ship when it missed a file beside the
+        notebook. A failure without frames is the summary alone."""
+        hint = self.hint()
+        lines = [self.summary(), *([f"hint: {hint}"] if hint else [])]
         if not self.traceback_lines:
-            return [self.summary()]
-        return [*self.traceback_text(colour=True).splitlines(), self.summary()]
+            return lines
+        return [*self.traceback_text(colour=True).splitlines(), *lines]
 
     def traceback_text(self, colour: bool = False) -> str:
         """The handler's traceback as IPython shows one: its own frames with the cell's line
@@ -266,8 +299,47 @@ def handler_failure(failed: HandlerFailed, spec: Spec) -> HandlerFailedInCell:
     return both(failed, spec)
 
 
+class _MapBar:
+    """A map's progress bar (docs/protocol.md, "Kernel"): updated in place while the map runs,
+    and ended once, however the map ends, so no bar is left "running" — after a failure, an
+    interrupt, or the kernel's shutdown mid-map. Its end is one line of text for a log; the
+    bar itself is then HTML only, so a notebook's text says the end once."""
+
+    def __init__(self, name: str, total: int, display: Callable[..., Any]) -> None:
+        self._lock = threading.Lock()
+        self._shown = MapProgress(name, 0, total)
+        self._handle = display(self._shown, display_id=True)
+        self._at = 0.0
+        self._done = 0  # the last count given, shown or not
+
+    def progress(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._done = done
+            if self._shown.over or (done != total and now - self._at < _PROGRESS_SECONDS):
+                return
+            self._at = now
+            self._shown = dataclasses.replace(self._shown, done=done)
+            if self._handle is not None:
+                self._handle.update(self._shown)
+
+    def end(self, failed: int = 0, cancelled: bool = False) -> None:
+        with self._lock:
+            if self._shown.over:
+                return
+            self._shown = dataclasses.replace(
+                self._shown, done=self._done, failed=failed, finished=not cancelled,
+                cancelled=cancelled,
+            )  # fmt: skip
+            if self._handle is not None:
+                self._handle.update({"text/html": self._shown._repr_html_()}, raw=True)
+        print(repr(self._shown), flush=True)
+
+
 class NotOwned(RuntimeError):
-    """An action only the kernel that registered a function may take (``%use``)."""
+    """An action only the kernel that registered a function may take: unregistering one bound
+    with ``%use``, or a ``%%function`` cell of a name another kernel owns (docs/protocol.md,
+    "Ownership")."""
 
     def _render_traceback_(self) -> list[str]:
         return [f"NotOwned: {self}"]
@@ -334,23 +406,36 @@ class Function:
         timeout: float | None = None,
         on_unregister: Callable[[Function], None] | None = None,
         *,
-        owned: bool = True,
+        owner: str = "",
     ) -> None:
-        """`owned`: this kernel registered it (``%%function``); a function bound with
-        ``%use`` is not, and this kernel never deletes it."""
+        """`owner`: this kernel's identity when it registered the function (``%%function``);
+        "" for a function bound with ``%use``, which this kernel never deletes."""
         self._runtime = runtime
         self._on_unregister = on_unregister
-        self.owned = owned
+        self.owner = owner
         self.spec = spec
         self.timeout = timeout  # seconds; the default for each invocation (--timeout)
         self.__name__ = spec.name
         self.__doc__ = f"The {spec.runtime} function {spec.name} ({spec.handler})."
 
     @property
+    def owned(self) -> bool:
+        return bool(self.owner)
+
+    @property
     def name(self) -> str:
         return self.spec.name
 
-    def __call__(self, payload: Any = None) -> Any:
+    def __call__(self, payload: Any = None, /, **fields: Any) -> Any:
+        """The decoded output of one call with `payload`, or with the keyword arguments as
+        the event's fields (``etl(x=1)`` sends ``{"x": 1}``); ``etl()`` sends null."""
+        if fields:
+            if payload is not None:
+                raise TypeError(
+                    f"{self.name}() takes a payload or keyword fields, not both: "
+                    f"{self.name}({{**payload, **fields}}) sends one object"
+                )
+            payload = fields
         return self.invoke(payload).output
 
     def invoke(
@@ -420,24 +505,17 @@ class Function:
         return_exceptions: bool = False,
         timeout: float | None = None,
     ) -> list[Any]:
-        """Call the function once per item, up to `concurrency` at a time (default: its
-        replicas), and return the outputs in input order, with a progress bar while it runs.
-        The first failure is raised once the calls still running are cancelled, or, with
-        `return_exceptions`, every failure is returned in its item's place. An interrupt cancels
-        every call in flight; the function stays registered."""
+        """Call the function once per item, up to `concurrency` at a time (default and at
+        most: its replicas; an item waits while another caller holds every replica), and
+        return the outputs in input order, with a progress bar while it runs. The first
+        failure is raised once the calls still running are cancelled, naming its item; with
+        `return_exceptions`, every failure is returned in its item's place, as the raise would
+        give it. An interrupt cancels every call in flight; the function stays registered."""
         from IPython.display import display  # the kernel's; imported when a map runs
 
         work = list(items)
         timeout = self.timeout if timeout is None else timeout
-        handle = display(MapProgress(self.name, 0, len(work)), display_id=True)
-        shown = [0.0]
-
-        def progress(done: int, total: int) -> None:
-            now = time.monotonic()
-            if handle is not None and (done == total or now - shown[0] >= _PROGRESS_SECONDS):
-                shown[0] = now
-                handle.update(MapProgress(self.name, done, total))
-
+        bar = _MapBar(self.name, len(work), display)
         printers: dict[int, LiveLines] = {}
 
         def on_log(index: int, line: dict[str, str]) -> None:
@@ -447,42 +525,50 @@ class Function:
             printer(line)
 
         client = self._runtime.client()
+        forget = self._runtime.on_stop(lambda: bar.end(cancelled=True))  # a restart mid-map
         try:
             results = client.map(
-                self.name, work, concurrency=concurrency or self.spec.replicas,
+                self.name, work, concurrency=concurrency,
                 return_exceptions=return_exceptions,
-                timeout_millis=round(timeout * 1000) if timeout else 0, progress=progress,
+                timeout_millis=round(timeout * 1000) if timeout else 0, progress=bar.progress,
                 on_log=on_log,
             )  # fmt: skip
         except HandlerFailed as failed:
             for printer in printers.values():
                 printer.fail()
-            if handle is not None:
-                handle.update(MapProgress(self.name, 0, len(work), failed=1, finished=True))
+            bar.end(failed=1, cancelled=True)
             self._wait_replicas_free()  # the calls still running were cancelled
             raise handler_failure(failed, self.spec) from None
         except InvocationTimedOut as exc:
             for printer in printers.values():
                 printer.release()
+            bar.end(failed=1, cancelled=True)
             self._wait_replicas_free()  # the calls still running were cancelled
             raise self._timed_out(exc, timeout) from None
+        except GatewayError:
+            bar.end(failed=1, cancelled=True)
+            raise
         except (RequestCancelled, KeyboardInterrupt):
             for printer in printers.values():
                 printer.release()
+            bar.end(cancelled=True)
             self._wait_replicas_free()
             raise InvocationInterrupted(
                 f"map of {self.name} cancelled; every call in flight was cancelled and "
                 f"{self.name} stays registered"
             ) from None
+        finally:
+            forget()
         for index, printer in printers.items():
             if isinstance(results[index], BaseException):
                 printer.fail()
             else:
                 printer.release()
-        failures = sum(isinstance(result, BaseException) for result in results)
-        if handle is not None:
-            handle.update(MapProgress(self.name, len(work), len(work), failures, finished=True))
-        print(repr(MapProgress(self.name, len(work), len(work), failures, finished=True)))
+        results = [
+            handler_failure(result, self.spec) if isinstance(result, HandlerFailed) else result
+            for result in results
+        ]
+        bar.end(failed=sum(isinstance(result, BaseException) for result in results))
         return results
 
     def _wait_replicas_free(self) -> None:
@@ -497,12 +583,14 @@ class Function:
         """The deadline as a user can act on it: how long it was, and how to give more (what
         the handler printed until then is the cell's output already: LiveLines)."""
         seconds = timeout or limits.DEFAULT_TIMEOUT_MILLIS / 1000
-        return InvocationTimedOut(
+        timed_out = InvocationTimedOut(
             f"{self.name} timed out after {seconds:g} s; give it more with %%function "
             f"{self.name} --timeout S or {self.name}.invoke(payload, timeout=S)",
             code=exc.code, status=exc.status, run_uid=exc.run_uid,
             invocation_id=exc.invocation_id, detail=exc.detail,
         )  # fmt: skip
+        timed_out.item = exc.item
+        return timed_out
 
     def _in_flight(self, name: str | None = None) -> bool:
         """Whether the server holds a call of the function (or of its replica `name`)."""
@@ -529,7 +617,15 @@ class Function:
                 f"{self.name} was bound with %use: this kernel does not own it, and leaves it "
                 f"registered; delete it where it was created (or: fnkernel runs delete {self.name})"
             )
-        self._runtime.client().delete_run(
+        client = self._runtime.client()
+        owner = owner_of(client.status(self.name).source)
+        if owner != self.owner:  # deleted since, and made again by another
+            raise NotOwned(
+                f"{self.name} is no longer this kernel's: it was made again, owned by {owner}; "
+                f"this kernel leaves it registered (delete it there, or: fnkernel runs delete "
+                f"{self.name})"
+            )
+        client.delete_run(
             self.name,
             cancel_in_flight=cancel,
             drain_timeout_millis=round(drain_timeout * 1000) if drain_timeout else 0,
@@ -546,8 +642,10 @@ class Function:
             lines.append(repr(self.status()))
         except GatewayError as exc:
             lines.append(f"status unavailable: {type(exc).__name__}: {exc}")
-        if self.spec.env:
-            lines.append("env: " + ", ".join(f"{k}={v}" for k, v in self.spec.env.items()))
+        if self.spec.env:  # keys only: what NAME? shows may be saved with the notebook
+            lines.append("env: " + ", ".join(sorted(self.spec.env)))
+        if self.spec.files:
+            lines.append("includes: " + ", ".join(sorted(self.spec.files)))
         lines += ["", f"--- {self.spec.filename} ---", self.spec.source.rstrip()]
         return "\n".join(lines)
 

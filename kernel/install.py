@@ -18,7 +18,7 @@ LOGOS = ("logo-32x32.png", "logo-64x64.png", "logo-svg.svg")
 def kernel_json(python: str | None = None) -> dict[str, object]:
     return {
         # -P: the notebook's directory is not on sys.path while the kernel loads (a local
-        # kernel.py must not shadow it); IPython adds it back for the user's code.
+        # kernel.py must not shadow it); FnKernelApp adds it back for the user's code.
         "argv": [
             python or sys.executable,
             "-P",

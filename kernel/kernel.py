@@ -8,9 +8,12 @@ stops the embedded runtime.
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 from ipykernel.ipkernel import IPythonKernel
+from ipykernel.kernelapp import IPKernelApp
 
 from fnkernel.kernel.session import session_of
 
@@ -55,3 +58,24 @@ class FnKernel(IPythonKernel):
         self.fn_session.shutdown(_SHUTDOWN_SECONDS)
         result: dict[str, Any] = super().do_shutdown(restart)  # sync in IPythonKernel
         return result
+
+
+class FnKernelApp(IPKernelApp):
+    """ipykernel's application running FnKernel. The kernelspec starts Python with ``-P`` so
+    that nothing in the notebook's directory shadows fnkernel while it loads; IPython then
+    leaves that directory off ``sys.path`` too (it respects ``-P``). Plain cells must import
+    from it as in the stock kernel (docs/protocol.md, "Kernel": ``import helpers`` for a
+    ``helpers.py`` beside the notebook), so it is put back where IPython puts it, once the
+    kernel and its extension are loaded."""
+
+    def initialize(self, argv: Any = None) -> None:
+        super().initialize(argv)
+        if self.shell is not None:  # the kernel's own variables (MPLBACKEND) are not a cell's
+            session_of(self.shell).started_environ = dict(os.environ)
+
+    def init_path(self) -> None:
+        if "" in sys.path or self.ignore_cwd:
+            return
+        # After the standard library, as IPython puts it.
+        places = [os.path.basename(path) in ("site-packages", "dist-packages") for path in sys.path]
+        sys.path.insert(places.index(True) if True in places else 0, "")

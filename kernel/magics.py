@@ -11,7 +11,10 @@ import argparse
 import atexit
 import dataclasses
 import json
+import os
 import shlex
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NoReturn
 
 from IPython.core.completer import (
@@ -22,26 +25,38 @@ from IPython.core.completer import (
 )
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import ExecutionResult, InteractiveShell
-from IPython.core.magic import Magics, cell_magic, line_cell_magic, line_magic, magics_class
+from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.display import clear_output, display
 
 from fnkernel.adapters.runtimes import RUNTIMES
 from fnkernel.kernel.display import FunctionsTable, RegistrationCard
-from fnkernel.kernel.functions import Function, Spec
+from fnkernel.kernel.functions import Function, Spec, owner_of
+from fnkernel.kernel.include import IncludeError, included_files
 from fnkernel.kernel.previous import name_error_handler
 from fnkernel.kernel.session import _SESSION_ATTRIBUTE, Session, session_of
 from fnkernel.kernel.trace import TraceTable
 from fnkernel.kernel.waterfall import Waterfall
+from fnkernel.runtime_server import limits
 from fnkernel.runtime_server.client import parse_pairs
 from fnkernel.runtime_server.client.errors import FunctionNotFound, GatewayError
+from fnkernel.runtime_server.errors import InvalidField
+
+
+class _HelpShown(Exception):
+    """``--help`` was given: the parser printed it, and the magic does nothing else."""
 
 
 class _Parser(argparse.ArgumentParser):
-    def __init__(self, prog: str) -> None:
-        super().__init__(prog=prog, add_help=False, exit_on_error=False, allow_abbrev=False)
+    def __init__(self, prog: str, description: str = "") -> None:
+        super().__init__(
+            prog=prog, description=description, exit_on_error=False, allow_abbrev=False
+        )
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{self.prog}: {message}")
+
+    def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
+        raise _HelpShown  # argparse exits only after printing --help
 
 
 def _number(kind: type[int] | type[float], unit: str = "seconds") -> Any:
@@ -58,6 +73,15 @@ def _number(kind: type[int] | type[float], unit: str = "seconds") -> Any:
 
 
 def _env_pair(text: str) -> tuple[str, str]:
+    """``KEY=VALUE``, or ``KEY``: its value in this kernel's environment now, so a key set with
+    ``%env`` or ``os.environ`` reaches the handler without being written in the cell."""
+    if "=" not in text and text:
+        if text not in os.environ:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not set in this kernel's environment (set it first, or give "
+                f"{text}=VALUE)"
+            )
+        return text, os.environ[text]
     try:
         [(key, value)] = parse_pairs([text]).items()
     except ValueError as exc:
@@ -65,19 +89,50 @@ def _env_pair(text: str) -> tuple[str, str]:
     return key, value
 
 
-FUNCTION_PARSER = _Parser("%%function")
-FUNCTION_PARSER.add_argument("name")
-FUNCTION_PARSER.add_argument("--runtime", choices=RUNTIMES, default="python")
-FUNCTION_PARSER.add_argument("--handler")
-FUNCTION_PARSER.add_argument("--env", type=_env_pair, action="append", default=[])
-FUNCTION_PARSER.add_argument("--idle-timeout", type=_number(int), default=0)
-FUNCTION_PARSER.add_argument("--memory", type=_number(int, "MiB"), default=0)
-FUNCTION_PARSER.add_argument("--timeout", type=_number(float))
-FUNCTION_PARSER.add_argument("--krm", action="store_true")
-FUNCTION_PARSER.add_argument("--replicas", type=_number(int), default=1)
+FUNCTION_PARSER = _Parser(
+    "%%function",
+    "Register the cell as a function's handler (NAME.py or NAME.sh, default handler "
+    "NAME.handler) and bind NAME to a callable: NAME(payload) or NAME(field=value, ...), "
+    "NAME.invoke(...), NAME.map(items), NAME.status(), NAME.unregister(). Its working "
+    "directory holds the cell's file and what --include ships with it (docs/protocol.md, "
+    "'What a handler sees').",
+)
+FUNCTION_PARSER.add_argument("name", help="the function's name (a Python identifier)")
+FUNCTION_PARSER.add_argument(
+    "--runtime", choices=RUNTIMES, default="python", help="default: python"
+)
+FUNCTION_PARSER.add_argument("--handler", help="MODULE.FUNCTION to call (default: NAME.handler)")
+FUNCTION_PARSER.add_argument(
+    "--env", type=_env_pair, action="append", default=[], metavar="KEY[=VALUE]",
+    help="an environment variable of the handler; KEY alone takes its value from this "
+    "kernel's environment now. Shown as its key only",
+)  # fmt: skip
+FUNCTION_PARSER.add_argument(
+    "--include", nargs="+", action="extend", default=[], metavar="PATH",
+    help="files or directories beside the notebook to ship with the function, at the same "
+    "relative paths in its working directory (UTF-8 text, 6 MiB in all with the cell)",
+)  # fmt: skip
+FUNCTION_PARSER.add_argument(
+    "--idle-timeout", type=_number(int), default=0, metavar="S",
+    help="seconds without a call after which its processes stop (0: never)",
+)  # fmt: skip
+FUNCTION_PARSER.add_argument(
+    "--memory", type=_number(int, "MiB"), default=0, metavar="MIB",
+    help="what each of its processes may take (default 1024)",
+)  # fmt: skip
+FUNCTION_PARSER.add_argument(
+    "--timeout", type=_number(float), metavar="S", help="each invocation's timeout"
+)
+FUNCTION_PARSER.add_argument(
+    "--krm", action="store_true", help="a KRM function: usable in pipelines as fn://NAME"
+)
+FUNCTION_PARSER.add_argument(
+    "--replicas", type=_number(int), default=1, metavar="N", help="how many Runs serve it"
+)
 
 
-def _parse(parser: _Parser, line: str) -> argparse.Namespace:
+def _parse(parser: _Parser, line: str) -> argparse.Namespace | None:
+    """The parsed line; None when it asked for --help (printed)."""
     try:
         argv = shlex.split(line)
     except ValueError as exc:
@@ -86,6 +141,8 @@ def _parse(parser: _Parser, line: str) -> argparse.Namespace:
         return parser.parse_args(argv)
     except argparse.ArgumentError as exc:
         raise UsageError(f"{parser.prog}: {exc}") from None
+    except _HelpShown:
+        return None
 
 
 @magics_class
@@ -99,31 +156,60 @@ class FunctionMagics(Magics):
     def session(self) -> Session:
         return session_of(self.shell_)
 
-    @cell_magic("function")  # type: ignore[arg-type]  # IPython types it as Never
-    def function(self, line: str, cell: str) -> None:
-        """%%function NAME [--runtime python|bash] [--handler H] [--env KEY=VALUE]...
-        [--idle-timeout S] [--timeout S] [--memory MIB] [--replicas N]
+    @line_cell_magic("function")  # type: ignore[arg-type]  # IPython types it as Never
+    def function(self, line: str, cell: str | None = None) -> None:
+        """%%function NAME [--runtime python|bash] [--handler H] [--env KEY[=VALUE]]...
+        [--include PATH...] [--idle-timeout S] [--timeout S] [--memory MIB] [--replicas N]
 
         Register the cell as the handler source (NAME.py / NAME.sh, default handler
         NAME.handler) and bind NAME to a callable: NAME(payload), NAME.invoke(...),
         NAME.map(items), NAME.status(), NAME.unregister(...). With --replicas N, N Runs serve
-        it and a call goes to a free one.
+        it and a call goes to a free one. ``%function --help`` (one line) prints the flags.
         """
         args = _parse(FUNCTION_PARSER, line)
+        if args is None:
+            return
+        if cell is None:
+            raise UsageError(
+                "%%function: the handler is the cell's body, after the %%function line "
+                "(%function --help lists the flags)"
+            )
         if not args.name.isidentifier():
             raise UsageError(f"%%function: NAME {args.name!r} must be a Python identifier")
         if not cell.strip():
             raise UsageError("%%function: the cell body (the handler source) is empty")
+        try:
+            files = included_files(args.include, Path.cwd())
+        except IncludeError as exc:
+            raise UsageError(f"%%function {args.name} {exc}") from None
+        # The stack checks these too; checked here, an edited cell's bad flag leaves the
+        # registered function as it was.
+        checks: list[tuple[str, Callable[[], object]]] = [
+            ("--memory", lambda: limits.check_memory_mb(args.memory)),
+            ("--idle-timeout", lambda: limits.check_idle_timeout(args.idle_timeout)),
+            ("--env", lambda: limits.check_env(dict(args.env))),
+        ]
+        for flag, check in checks:
+            try:
+                check()
+            except InvalidField as exc:
+                raise UsageError(f"%%function {args.name} {flag}: {exc.reason}") from None
         spec = Spec(
             name=args.name,
             runtime=args.runtime,
             handler=args.handler or f"{args.name}.handler",
             source=cell,
             env=dict(args.env),
+            files=files,
             idle_timeout=args.idle_timeout,
             memory=args.memory,
             replicas=args.replicas,
         )
+        if spec.filename in files:
+            raise UsageError(
+                f"%%function {args.name} --include: {spec.filename} is the cell's own file; "
+                "include it under another name"
+            )
         handle = display(RegistrationCard(spec.name, spec.runtime), display_id=True)
         shown: list[RegistrationCard] = []
 
@@ -220,9 +306,10 @@ class FunctionMagics(Magics):
         for run in client.list_runs():
             if (wanted and run.name not in wanted) or run.get("spec", {}).get("replicaOf"):
                 continue  # a replica N > 0 is shown in its function's row
-            owner = session.owner(run.name)
+            owner = session.whose(run)
             if not (every or owner or wanted):
-                continue  # another's: --all shows it
+                continue  # another's: --all shows it, and whose
+            owner = owner or owner_of(run.source)
             replicas = int(run.get("spec", {}).get("replicas", 1))
             row = {
                 "name": run.name,

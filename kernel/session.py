@@ -5,31 +5,45 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import getpass
+import os
 import re
+import socket
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
+from fnkernel.kernel import include
 from fnkernel.kernel.connection import Runtime
 from fnkernel.kernel.display import Detail, RegistrationCard, pretty_json
 from fnkernel.kernel.functions import (
     Function,
     HandlerFailedInCell,
+    NotOwned,
     RegistrationInterrupted,
     Spec,
     cell_line,
+    owner_of,
 )
 from fnkernel.kernel.previous import PreviousKernel
 from fnkernel.kernel.trace import Trace
+from fnkernel.runtime_server.client import Run
 from fnkernel.runtime_server.client.errors import (
     FunctionNotFound,
     GatewayError,
+    InvalidRequest,
     RegistrationFailed,
     RequestCancelled,
 )
 
 _SESSION_ATTRIBUTE = "_fnkernel_session"
+OWNER_ENV = "FNKERNEL_OWNER"  # who this kernel is, as its functions record it
+# An owner is at most this long: with the fingerprint, a Run's spec.source stays within the
+# 1024 characters the Run's schema allows.
+_OWNER_CHARS = 512
 _REUSABLE = ("Ready", "Idle")  # a Run in these phases is kept when its cell is run unchanged
 
 
@@ -40,6 +54,62 @@ def in_cell(message: str, spec: Spec) -> str:
         lambda found: f"cell line {cell_line(int(found[1]))}",
         message,
     )
+
+
+def kernel_owner() -> str:
+    """This kernel as the functions it registers name their owner (docs/protocol.md,
+    "Ownership"): $FNKERNEL_OWNER when set; else the notebook Jupyter started it for, which a
+    restarted kernel keeps; else the kernel itself (its connection file's ID) — each with the
+    user and host."""
+    named = os.environ.get(OWNER_ENV, "").strip()
+    if named:
+        return named[-_OWNER_CHARS:]
+    notebook = os.environ.get("JPY_SESSION_NAME", "")
+    label = f"notebook {notebook}" if notebook else f"kernel {_kernel_id()}"
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid
+        user = str(os.getuid())
+    owner = f"{label} ({user}@{socket.gethostname()})"
+    return owner if len(owner) <= _OWNER_CHARS else "…" + owner[1 - _OWNER_CHARS :]
+
+
+def _kernel_id() -> str:
+    try:
+        from ipykernel.connect import get_connection_file
+
+        name = os.path.basename(get_connection_file())
+    except Exception:  # not in a kernel (a plain IPython): the process stands for it
+        return f"process {os.getpid()}"
+    return name.removeprefix("kernel-").removesuffix(".json")[:8]
+
+
+# A field of POST /v1/runs as the %%function line spells it.
+_FLAGS = {
+    "memoryMb": "--memory",
+    "idleTimeoutSeconds": "--idle-timeout",
+    "replicas": "--replicas",
+    "env": "--env",
+    "handler": "--handler",
+    "runtime": "--runtime",
+    "files": "(the cell and --include)",
+    "name": "NAME",
+}
+
+
+def _with_flags(spec: Spec, create: Callable[..., Run]) -> Callable[..., Run]:
+    """`create`, whose refusal of a field is a UsageError naming the cell's flag instead."""
+
+    def created(*args: Any, **kwargs: Any) -> Run:
+        try:
+            return create(*args, **kwargs)
+        except InvalidRequest as refused:
+            field, colon, reason = refused.message.partition(": ")
+            if not colon or field not in _FLAGS:
+                raise
+            raise UsageError(f"%%function {spec.name} {_FLAGS[field]}: {reason}") from None
+
+    return created
 
 
 def session_of(shell: InteractiveShell) -> Session:
@@ -54,7 +124,12 @@ def session_of(shell: InteractiveShell) -> Session:
 class Session:
     """One kernel's (one IPython shell's) functions, runtime connection, trace and last error."""
 
-    def __init__(self, runtime: Runtime | None = None) -> None:
+    def __init__(self, runtime: Runtime | None = None, owner: str | None = None) -> None:
+        self.owner = owner or kernel_owner()
+        # The environment as the kernel started (FnKernelApp marks it again once the kernel
+        # has set its own variables): what a cell sets later (%env, os.environ) is not a
+        # handler's unless passed with --env, and the card says so.
+        self.started_environ = dict(os.environ)
         self.trace = Trace()
         self.runtime = runtime or Runtime(trace=self.trace)
         self.functions: dict[str, Function] = {}
@@ -95,8 +170,19 @@ class Session:
             existing = client.status(spec.name)
         except FunctionNotFound:
             existing = None
+        origin = spec.origin(self.owner)
         if existing is not None:
-            if existing.source == spec.origin and existing.phase in _REUSABLE:
+            owner = owner_of(existing.source)
+            if owner != self.owner:
+                show(RegistrationCard(spec.name, spec.runtime, state="refused", note=f"{owner}'s"))
+                raise NotOwned(
+                    f'"{spec.name}" is owned by {owner}, not by this kernel, which never '
+                    f"replaces or deletes another's function. Register this cell under another "
+                    f"name, bind the existing one with %use {spec.name}, or unregister it where "
+                    f"it was made ({spec.name}.unregister() there, or: fnkernel runs delete "
+                    f"{spec.name})"
+                )
+            if existing.source == origin and existing.phase in _REUSABLE:
                 function = self._bind(spec, timeout)
                 show(RegistrationCard.from_run(existing, note="unchanged"))
                 return function
@@ -109,15 +195,15 @@ class Session:
             )
         )
         try:
-            run = client.create_run(
+            run = _with_flags(spec, client.create_run)(
                 spec.name,
                 runtime=spec.runtime,
                 handler=spec.handler,
-                files={spec.filename: spec.source},
+                files=spec.all_files,
                 env=spec.env,
                 idle_timeout_seconds=spec.idle_timeout,
                 memory_mb=spec.memory,
-                origin=spec.origin,
+                origin=origin,
                 replicas=spec.replicas,
             )
         except (RequestCancelled, KeyboardInterrupt):
@@ -130,16 +216,38 @@ class Session:
             raise RegistrationInterrupted(
                 f"registration of {spec.name} interrupted; nothing is registered"
             ) from None
+        except (UsageError, GatewayError) as refused:
+            state = "refused" if isinstance(refused, (UsageError, InvalidRequest)) else "failed"
+            show(RegistrationCard(spec.name, spec.runtime, state=state))
+            raise
         if run.failed:
             failed = RegistrationCard.from_run(run)
             failed.message = in_cell(run.message, spec)
+            hint = include.hint(run.message, spec.source, spec.files, Path.cwd())
+            if hint:
+                failed.message += f"\n  hint: {hint}"
             show(failed)
             raise RegistrationFailed(
                 f'"{spec.name}" did not register: {failed.message}', code="Failed", run_uid=run.uid
             )
         function = self._bind(spec, timeout)
-        show(RegistrationCard.from_run(client.status(spec.name)))
+        show(RegistrationCard.from_run(client.status(spec.name), note=self._unpassed(spec)))
         return function
+
+    def _unpassed(self, spec: Spec) -> str:
+        """The card's note when a cell has set environment variables since the kernel started
+        that the handler does not get (docs/protocol.md, "What a handler sees")."""
+        keys = sorted(
+            key
+            for key, value in os.environ.items()
+            if self.started_environ.get(key) != value
+            and key not in spec.env
+            and not key.startswith(("FNKERNEL_", "JPY_"))
+        )
+        if not keys:
+            return ""
+        shown = ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+        return f"not passed to the handler: {shown}, set in this kernel; --env KEY passes one"
 
     def use(self, name: str) -> Function:
         """Bind `name`, a function on this kernel's stack that it did not register (another
@@ -147,21 +255,24 @@ class Session:
         kernel (``%use``). FunctionNotFound if the stack has none of that name."""
         run = self.runtime.client().status(name)  # the user's own request: traced as one
         spec = Spec(
-            name, run.runtime, run.handler, source="", env=run.env,
+            name, run.runtime, run.handler, source="",
             replicas=int(run.get("spec", {}).get("replicas", 1)),
         )  # fmt: skip
-        function = Function(self.runtime, spec, owned=False)
+        function = Function(self.runtime, spec)
         self.used[name] = function
         return function
 
-    def owner(self, name: str) -> str:
-        """Whose `name` is, as ``%functions`` says it."""
-        if name in self.functions:
+    def whose(self, run: Run) -> str:
+        """Whose `run` is, as ``%functions`` says it: this kernel's, bound here with %use, or
+        (for --all) its owner's."""
+        if owner_of(run.source) == self.owner:
             return "this kernel"
-        return "used here" if name in self.used else ""
+        return "used here" if run.name in self.used else ""
 
     def _bind(self, spec: Spec, timeout: float | None) -> Function:
-        function = Function(self.runtime, spec, timeout, on_unregister=self.forget)
+        function = Function(
+            self.runtime, spec, timeout, on_unregister=self.forget, owner=self.owner
+        )
         self.functions[spec.name] = function
         if self.runtime.embedded:  # it ends with this kernel: a later one will say so
             self.previous.remember(spec.name)

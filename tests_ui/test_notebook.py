@@ -62,6 +62,9 @@ CELLS = [
     # 20-21: a traced call (%fn_trace is on since cell 8) and its waterfall
     'etl({"rows": [5]})',
     "%fn_trace waterfall",
+    # 22: a map of slow calls, interrupted; 23: another, cut off by a kernel restart
+    "slow.map([{'s': 30, 'mark': MARK}] * 3)",
+    "slow.map([{'s': 30, 'mark': MARK}] * 4)",
 ]
 SHOWN = range(0, 13)  # the cells the display tests look at, run once in order
 
@@ -248,6 +251,57 @@ def test_the_toolbar_interrupt_ends_a_30_s_call_within_2_s(
     assert "KeyboardInterrupt" in notebook.text(cell(14), STDERR)
     notebook.run(cell(15))
     assert notebook.outputs(cell(15)).inner_text().strip().endswith("0")
+
+
+# The computed left edge of the cell's map bar, and what the busy and muted edges compute to.
+BAR_EDGES_JS = """
+(cell) => {
+  const card = [...cell.querySelectorAll('.fnk-card')].find(c => c.querySelector('progress'));
+  const probe = document.createElement('div');
+  card.parentElement.appendChild(probe);
+  const edge = (name) => { probe.className = 'fnk-card ' + name;
+                           return getComputedStyle(probe).borderLeftColor; };
+  const found = {bar: getComputedStyle(card).borderLeftColor,
+                 busy: edge('fnk-edge-busy'), muted: edge('fnk-edge-muted')};
+  probe.remove();
+  return found;
+}
+"""
+
+
+def _ends_grey(notebook: NotebookPage, index: int) -> None:
+    """The map bar of cell `index` says "cancelled" and its edge is grey, not the running
+    orange."""
+    notebook.wait(lambda: "cancelled" in notebook.outputs(index).inner_text(), 15)
+    edges = notebook.cell(index).evaluate(BAR_EDGES_JS)
+    assert edges["bar"] == edges["muted"] != edges["busy"], edges
+
+
+def test_an_interrupted_map_ends_its_bar_grey(notebook: NotebookPage, mark: Path) -> None:
+    # docs/protocol.md, "Kernel": a map's bar ends grey "cancelled" after an interrupt, never
+    # left orange "running"; its one line says so once.
+    mark.unlink(missing_ok=True)
+    notebook.start(cell(22))
+    notebook.wait(mark.exists, 30)
+    notebook.page.locator(
+        ".jp-NotebookPanel-toolbar [data-command='notebook:interrupt-kernel']"
+    ).click()
+    notebook.wait(lambda: notebook.finished(cell(22)), 10)
+    _ends_grey(notebook, cell(22))
+    assert notebook.text(cell(22), STDOUT).count("slow.map: 0/3 cancelled") == 1
+
+
+def test_a_restart_mid_map_ends_its_bar_grey(notebook: NotebookPage, mark: Path) -> None:
+    # docs/protocol.md, "Kernel": the kernel's shutdown mid-map (a restart) ends the bar as
+    # cancelled too. Last of the tests on this notebook: its kernel is a new one after it.
+    mark.unlink(missing_ok=True)
+    notebook.start(cell(23))
+    notebook.wait(mark.exists, 30)
+    notebook.page.locator(
+        ".jp-NotebookPanel-toolbar [data-command='notebook:restart-kernel']"
+    ).click()
+    notebook.page.locator(".jp-Dialog .jp-mod-accept").click()
+    _ends_grey(notebook, cell(23))
 
 
 @pytest.mark.parametrize(

@@ -121,6 +121,22 @@ def test_plain_cells_import_no_grpc_and_start_only_the_prewarmed_processes() -> 
         kernel.shutdown()
 
 
+def test_a_kernel_connected_to_a_shared_stack_ends_its_prewarmed_processes(
+    stack_factory: Callable[..., Stack],
+) -> None:
+    # docs/protocol.md, "Kernel": the waiting processes serve only an embedded runtime; a
+    # kernel that connects to another stack ends them rather than keep them idle.
+    stack = stack_factory({"python": 1})
+    kernel = Kernel()
+    try:
+        assert kernel.value("1 + 1") == 2
+        wait_until(lambda: len(descendants(kernel.pid)) == 3, timeout=30)
+        assert kernel.run(f"%fn_connect {stack.gateway_address}").ok
+        wait_until(lambda: descendants(kernel.pid) == set(), timeout=10)
+    finally:
+        kernel.shutdown()
+
+
 def test_without_prewarm_a_plain_kernel_starts_nothing() -> None:
     # README, "Environment": FNKERNEL_PREWARM=0 starts the embedded stack only when needed.
     kernel = Kernel(env={"FNKERNEL_PREWARM": "0"})
@@ -270,11 +286,12 @@ def test_fn_debug_shows_the_handlers_traceback_in_cell_lines_then_the_request(
 
 def test_a_payload_that_is_not_json_fails_in_one_line_naming_its_type(kernel: Kernel) -> None:
     kernel.run(ETL)
-    cell = kernel.run("etl({1, 2})")
+    # docs/protocol.md, "JSON encodings": the error names the path inside the value.
+    cell = kernel.run('etl({"rows": [1, {2, 3}]})')
     assert cell.error is not None
     assert cell.error["traceback"] == [
-        "PayloadNotJSON: the payload of etl is not JSON: "
-        "Object of type set is not JSON serializable"
+        'PayloadNotJSON: the payload of etl is not JSON: payload["rows"][1]: set '
+        "(convert it: sorted(x) or list(x))"
     ]
 
 
@@ -409,7 +426,8 @@ def test_a_handler_that_cannot_load_fails_the_registration(kernel: Kernel) -> No
     [
         ("%%function etl --runtime ruby", "argument --runtime: invalid choice: 'ruby'"),
         ("%%function etl --idle-timeout soon", "argument --idle-timeout: 'soon' is not a number"),
-        ("%%function etl --env NOVALUE", "argument --env: 'NOVALUE' is not KEY=VALUE"),
+        ("%%function etl --env =x", "argument --env: '=x' is not KEY=VALUE"),
+        ("%%function etl --env NOVALUE", "'NOVALUE' is not set in this kernel's environment"),
         ("%%function etl --colour red", "unrecognized arguments: --colour red"),
         ("%%function my-fn", "NAME 'my-fn' must be a Python identifier"),
         ("%%function", "the following arguments are required: name"),
@@ -951,10 +969,13 @@ def test_map_calls_a_function_of_replicas_once_per_item_with_progress(kernel: Ke
     assert cell.ok, cell.error
     assert kernel.value("squares") == [n * n for n in range(12)]
     texts = cell.texts()
-    assert texts[0] == "square.map: 0/12 running" and texts[-1] == "square.map: 12/12 done"
+    assert texts[0] == "square.map: 0/12 running"
     assert len(texts) <= 12 // 2 + 2  # updated in place, not once per item
+    # The end: the bar, full and green, is HTML only; its one line of text is the log's.
     assert "<progress max='12' value='12'" in cell.htmls()[-1]
+    assert "fnk-edge-ok" in cell.htmls()[-1] and texts[-1] == ""
     assert cell.stdout.strip().endswith("square.map: 12/12 done")
+    assert cell.stdout.count("square.map: 12/12 done") == 1
     # A failure: the handler's own, with its cell line, after the calls in flight are cancelled.
     failed = kernel.run("square.map([1, 13, 2])")
     assert not failed.ok and failed.error is not None
@@ -984,6 +1005,9 @@ def test_interrupting_a_map_cancels_every_call_and_keeps_every_replica(kernel: K
     cell = kernel.collect(msg_id, timeout=15)
     assert cell.error is not None and cell.error["ename"] == "InvocationInterrupted"
     assert "map of slow cancelled" in cell.error["evalue"]
+    # The bar ends grey, "cancelled", not "running"; its one line says so once.
+    assert "fnk-edge-muted" in cell.htmls()[-1] and "0/6 cancelled" in cell.htmls()[-1]
+    assert cell.stdout.count("slow.map: 0/6 cancelled") == 1
     # Once the cell has ended, no server holds a call any more: the next calls are not busy.
     assert busy() == 0
     assert all(not (gateway.status(n).live or {}).get("inFlight") for n in ("slow", "slow.1"))

@@ -1,0 +1,320 @@
+"""A data engineer's habits in a notebook executed by nbclient through the fnkernel kernel
+(docs/protocol.md, "Kernel", "What a handler sees", "JSON encodings", "Ownership"): code beside
+the notebook, pandas results, maps that wait, secrets kept out of outputs, a function shared
+between notebooks that no other notebook replaces."""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from fnkernel.kernel.demo import output_text
+from fnkernel.kernel.kernel import KERNEL_NAME
+from fnkernel.runtime_server.client import Client
+from fnkernel.runtime_server.lifecycle.stack import Stack
+
+pytestmark = pytest.mark.usefixtures("fnkernel_spec")
+
+HELPERS = "def double(x):\n    return 2 * x\n"
+LOOKUP = "code,name\nA,alpha\nB,beta\n"
+
+
+def execute(directory: Path, cells: list[str], env: dict[str, str] | None = None) -> list[Any]:
+    """Run `cells` as a notebook in `directory` (the kernel's cwd, as Jupyter starts it) with
+    nbclient, every cell even after an error; each cell's outputs."""
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [nbformat.v4.new_code_cell(textwrap.dedent(cell)) for cell in cells]
+    client = NotebookClient(
+        notebook,
+        kernel_name=KERNEL_NAME,
+        timeout=60,
+        allow_errors=True,
+        resources={"metadata": {"path": str(directory)}},
+    )
+    client.execute(**({"env": env} if env else {}))
+    return [cell.outputs for cell in notebook.cells]
+
+
+def text(outputs: list[Any]) -> str:
+    return "\n".join(output_text(output) for output in outputs)
+
+
+def error(outputs: list[Any]) -> dict[str, Any]:
+    errors = [output for output in outputs if output["output_type"] == "error"]
+    assert errors, f"the cell did not fail: {text(outputs)}"
+    return dict(errors[0])
+
+
+def usage_error(outputs: list[Any]) -> str:
+    """IPython shows a UsageError as one line on stderr, not as a traceback."""
+    lines = [line for line in text(outputs).splitlines() if line.startswith("UsageError: ")]
+    assert len(lines) == 1, text(outputs)
+    return lines[0]
+
+
+def ok(outputs: list[Any]) -> str:
+    assert not [o for o in outputs if o["output_type"] == "error"], text(outputs)
+    return text(outputs)
+
+
+@pytest.fixture
+def notebook_dir(tmp_path: Path) -> Path:
+    """A notebook's directory: a module and a data file beside it."""
+    (tmp_path / "helpers.py").write_text(HELPERS)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "lookup.csv").write_text(LOOKUP)
+    return tmp_path
+
+
+ETL = """\
+%%function etl --include helpers.py data/lookup.csv
+import csv
+import helpers
+
+def handler(event):
+    with open("data/lookup.csv") as lookup:
+        rows = list(csv.DictReader(lookup))
+    return {"doubled": helpers.double(event["x"]), "names": [row["name"] for row in rows]}
+"""
+
+
+def test_code_and_data_beside_the_notebook(notebook_dir: Path) -> None:
+    # docs/protocol.md, "What a handler sees": plain cells import from the notebook's
+    # directory as in ipykernel; a handler's working directory is its Run's files, and
+    # --include ships modules and files there at the same relative paths; what it misses
+    # from beside the notebook, the error offers to ship.
+    cells = execute(notebook_dir, [
+        "import helpers\nhelpers.double(21)",
+        ETL,
+        "etl(x=4)",
+        "%%function noship\nimport helpers\ndef handler(event):\n    return helpers.double(1)\n",
+        '%%function reader\ndef handler(event):\n    return open("data/lookup.csv").read()\n',
+        "reader()",
+        "%%function twice --include helpers.py\ndef handler(event):\n    return 1\n",
+        "%%function outside --include ../elsewhere.py\ndef handler(event):\n    return 1\n",
+    ])  # fmt: skip
+    assert ok(cells[0]) == "42"
+    assert ok(cells[2]) == "{'doubled': 8, 'names': ['alpha', 'beta']}"
+    failed = error(cells[3])
+    assert failed["ename"] == "RegistrationFailed"
+    assert "No module named 'helpers'" in text(cells[3])
+    assert "hint: helpers.py is beside the notebook: ship it with --include helpers.py" in text(
+        cells[3]
+    )
+    missing = error(cells[5])
+    assert missing["ename"] == "HandlerFailedInCell"
+    assert missing["traceback"][-1] == (
+        "hint: data/lookup.csv is beside the notebook: ship it with --include data/lookup.csv"
+    )
+    assert ok(cells[6])  # a module shipped that the cell does not import: no harm
+    assert "only files inside the notebook's directory" in usage_error(cells[7])
+
+
+STATS = """\
+%%function stats
+import datetime
+import numpy as np
+import pandas as pd
+
+def handler(event):
+    df = pd.DataFrame({"amount": [1.5, 2.5, None], "n": [1, 2, 3]})
+    return {
+        "count": df.amount.count(),
+        "total": df.n.sum(),
+        "mean": np.float32(0.5),
+        "flag": np.bool_(True),
+        "values": df.n.values,
+        "when": pd.Timestamp("2026-12-04 10:30", tz="UTC"),
+        "missing": pd.NaT,
+        "day": datetime.date(2026, 12, 4),
+    }
+"""
+
+
+def test_what_plain_pandas_code_returns_is_json(notebook_dir: Path) -> None:
+    # docs/protocol.md, "JSON encodings": numpy scalars as their Python values, arrays as
+    # lists, timestamps as ISO 8601 strings; a value JSON cannot hold names its path.
+    cells = execute(notebook_dir, [
+        STATS,
+        "stats(None)",
+        "%%function odd\nimport decimal\ndef handler(event):\n"
+        "    return {'stats': [1, 2, 3, decimal.Decimal('1.5')]}\n",
+        "odd()",
+    ])  # fmt: skip
+    ok(cells[0])
+    assert ok(cells[1]) == (
+        "{'count': 2,\n 'total': 6,\n 'mean': 0.5,\n 'flag': True,\n 'values': [1, 2, 3],\n"
+        " 'when': '2026-12-04T10:30:00+00:00',\n 'missing': None,\n 'day': '2026-12-04'}"
+    )
+    failed = error(cells[3])
+    assert failed["ename"] == "HandlerFailedInCell"
+    assert failed["traceback"][-1] == (
+        'ResultNotJSONSerializable: the return value cannot be encoded as JSON: result["stats"]'
+        "[3]: Decimal (convert it: float(x) or str(x)) (odd)"
+    )
+
+
+PICKY = """\
+%%function picky --replicas 2
+def handler(event):
+    print("item", event)
+    if event == 5:
+        raise KeyError("five")
+    return event * 10
+"""
+
+
+def test_a_map_waits_for_replicas_and_names_the_item_that_failed(notebook_dir: Path) -> None:
+    # docs/protocol.md, "Kernel": a map asking for more calls at once than there are
+    # replicas waits for one; a failure names its item; with return_exceptions each failure
+    # is the exception the raise would give; the bar's end is one line, once.
+    cells = execute(notebook_dir, [
+        PICKY,
+        "picky.map([1, 2, 3, 4, 6, 7, 8, 9], concurrency=4)",
+        "picky.map(range(8))",
+        "found = picky.map(range(8), return_exceptions=True)\n"
+        "[type(r).__name__ if isinstance(r, Exception) else r for r in found], "
+        "isinstance(found[5], KeyError)",
+    ])  # fmt: skip
+    ok(cells[0])
+    waited = ok(cells[1])
+    assert waited.endswith("[10, 20, 30, 40, 60, 70, 80, 90]")
+    assert waited.count("picky.map: 8/8 done") == 1, waited
+    for item in (1, 2, 3, 4, 6, 7, 8, 9):  # each call's line, once, marked with its item
+        assert len(re.findall(rf"^\[\d\] item {item}$", waited, re.M)) == 1, waited
+    failed = error(cells[2])
+    assert failed["ename"] == "HandlerFailedInCell"
+    assert failed["traceback"][-1] == "KeyError: 'five' (picky, item 5 of 8, cell line 5)"
+    ended = [line for line in text(cells[2]).splitlines() if line.startswith("picky.map:")]
+    assert len(ended) == 1 and re.fullmatch(r"picky\.map: [1-8]/8 cancelled, 1 failed", ended[0])
+    assert ok(cells[3]).endswith("([0, 10, 20, 30, 40, 'HandlerFailedInCell', 60, 70], True)")
+
+
+def test_two_maps_share_the_replicas_and_both_finish(stack_factory: Callable[..., Stack]) -> None:
+    # docs/protocol.md, "Replicas": a map started while another holds every replica waits
+    # for one, up to its timeout, rather than failing as busy.
+    import threading
+
+    stack = stack_factory({"python": 1})
+    client = Client(stack.gateway_address)
+    client.create_run("nap", runtime="python", handler="nap.handler", replicas=2, files={
+        "nap.py": "import time\ndef handler(event):\n    time.sleep(0.05)\n    return event\n"
+    })  # fmt: skip
+    results: dict[str, list[Any]] = {}
+
+    def run(key: str) -> None:
+        results[key] = Client(stack.gateway_address).map("nap", list(range(6)))
+
+    threads = [threading.Thread(target=run, args=(key,)) for key in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert results == {"a": list(range(6)), "b": list(range(6))}
+
+
+def test_env_values_stay_out_of_what_a_notebook_saves(notebook_dir: Path) -> None:
+    # docs/protocol.md, "What a handler sees": --env KEY passes the kernel's value without
+    # writing it in the cell; NAME? and NAME.status() show keys, never values; a variable a
+    # cell set but did not pass is named on the card.
+    cells = execute(notebook_dir, [
+        'import os\nos.environ["API_KEY"] = "sk-very-secret"\nos.environ["REGION"] = "eu"',
+        "%%function envy --env API_KEY\nimport os\n"
+        "def handler(event):\n    return os.environ['API_KEY'][:3], os.environ.get('REGION')\n",
+        "envy()",
+        "print(envy.getdoc())",
+        "envy.status()",
+        "%%function envy --env NOPE\ndef handler(event):\n    return 1\n",
+    ])  # fmt: skip
+    card = ok(cells[1])
+    assert "not passed to the handler: REGION, set in this kernel" in card
+    assert ok(cells[2]) == "['sk-', None]"
+    shown = ok(cells[3]) + ok(cells[4]) + card
+    assert "API_KEY" in shown and "sk-very-secret" not in shown
+    assert "'NOPE' is not set in this kernel's environment" in usage_error(cells[5])
+
+
+def test_small_habits(notebook_dir: Path) -> None:
+    # docs/protocol.md, "Kernel": keyword arguments are the event's fields, no argument is
+    # null; --help prints the flags; a refused flag is named as the cell spells it.
+    cells = execute(notebook_dir, [
+        "%%function echo\ndef handler(event):\n    return event\n",
+        "echo(x=1, y=[2])",
+        "echo()",
+        "echo({'a': 1}, b=2)",
+        "%%function echo --help\ndef handler(event):\n    return event\n",
+        "%function --help",
+        "%%function huge --memory 99999999\ndef handler(event):\n    return 1\n",
+        "%function echo",
+    ])  # fmt: skip
+    assert ok(cells[1]) == "{'x': 1, 'y': [2]}"
+    assert ok(cells[2]) == ""  # None: the handler got null
+    assert "takes a payload or keyword fields, not both" in error(cells[3])["evalue"]
+    for helped in (ok(cells[4]), ok(cells[5])):
+        assert "--include PATH" in helped and "--env KEY[=VALUE]" in helped
+    assert "echo" not in ok(cells[4]).split("usage:")[0]  # nothing was registered
+    refused = usage_error(cells[6])
+    assert refused.startswith("UsageError: %%function huge --memory: must be")
+    assert "memoryMb" not in refused
+    assert "the handler is the cell's body" in usage_error(cells[7])
+
+
+SHARED = """\
+%%function shared_agg --replicas 2
+def handler(event):
+    return "made by A"
+"""
+
+
+@pytest.fixture
+def shared(stack_factory: Callable[..., Stack]) -> Iterator[Stack]:
+    yield stack_factory({"python": 1})
+
+
+def test_no_kernel_replaces_or_deletes_a_function_it_does_not_own(
+    shared: Stack, tmp_path: Path
+) -> None:
+    # docs/protocol.md, "Ownership": a kernel owns the functions it registered, as its
+    # notebook (kept across restarts); another notebook's cell of that name is refused,
+    # naming the owner and the ways out; the owner's calls still reach its own code.
+    address = shared.gateway_address
+    a = {"FNKERNEL_RUNTIME": address, "JPY_SESSION_NAME": "team/A.ipynb"}
+    b = {"FNKERNEL_RUNTIME": address, "JPY_SESSION_NAME": "team/B.ipynb"}
+    assert ok(execute(tmp_path, [SHARED], env=a)[0])
+    cells = execute(tmp_path, [
+        "%use shared_agg",
+        "shared_agg.unregister()",
+        SHARED.replace("made by A", "made by B"),
+        "shared_agg(None)",
+        "%functions --all",
+    ], env=b)  # fmt: skip
+    assert error(cells[1])["ename"] == "NotOwned"
+    refused = error(cells[2])
+    assert refused["ename"] == "NotOwned"
+    assert "is owned by notebook team/A.ipynb (" in refused["evalue"]
+    assert (
+        "another name" in refused["evalue"]
+        and "fnkernel runs delete shared_agg" in (refused["evalue"])
+    )
+    assert ok(cells[3]) == "'made by A'"
+    assert "used here" in ok(cells[4])
+    gateway = Client(address)
+    assert [r["name"] for r in gateway.status("shared_agg")["replicas"]] == [
+        "shared_agg",
+        "shared_agg.1",
+    ]
+    # A again (a restarted kernel of the same notebook): still its own, to keep or replace.
+    again = execute(tmp_path, [
+        SHARED, "%functions --all", SHARED.replace("made by A", "A, edited"), "shared_agg(None)",
+    ], env=a)  # fmt: skip
+    assert "unchanged" in ok(again[0])
+    row = next(line for line in ok(again[1]).splitlines() if line.startswith("shared_agg"))
+    assert "2 (2 ready" in row and row.rstrip().endswith("this kernel")
+    assert ok(again[3]) == "'A, edited'"
