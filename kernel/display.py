@@ -41,11 +41,22 @@ STYLE = (
     ".fnk .fnk-edge-busy{border-left-color:var(--fnk-warn)}"
     ".fnk .fnk-edge-info{border-left-color:var(--fnk-info)}"
     ".fnk .fnk-edge-muted{border-left-color:var(--fnk-muted)}"
+    # A live output no update has renewed for EXPIRES_SECONDS turns grey and says why: its
+    # kernel stopped (a restart, a crash) before it could end it (MapProgress).
+    ".fnk .fnk-expires{animation:fnk-expired 0s 10s forwards}"
+    "@keyframes fnk-expired{to{border-left-color:var(--fnk-muted)}}"
+    # (hidden by visibility, not display: an element without a box runs no animation)
+    ".fnk .fnk-expires .fnk-stale{visibility:hidden;position:absolute;"
+    "animation:fnk-shown 0s 10s forwards}"
+    "@keyframes fnk-shown{to{visibility:visible;position:static}}"
+    ".fnk .fnk-expires .fnk-live{animation:fnk-hidden 0s 10s forwards}"
+    "@keyframes fnk-hidden{to{visibility:hidden;position:absolute}}"
     ".fnk .fnk-badge{border:1px solid currentColor;border-radius:3px;padding:0 4px}"
     "</style>"
 )
 _EDGE = {"READY": "ok", "Ready": "ok", "Idle": "ok", "Failed": "error", "FAILED": "error"}
 TEXT_LINES = 20  # the text form of a result shows this many lines, then "… N more lines"
+EXPIRES_SECONDS = 10  # as in STYLE's .fnk-expires; a live output is renewed well within it
 
 
 def fragment(body: str) -> str:
@@ -53,10 +64,11 @@ def fragment(body: str) -> str:
     return f"<div class='fnk'>{STYLE}{body}</div>"
 
 
-def card(body: str, edge: str) -> str:
+def card(body: str, edge: str, expires: bool = False) -> str:
     """A bordered card whose left edge colours its state (``ok``, ``error``, ``busy``, ``info``,
-    ``muted``)."""
-    return fragment(f"<div class='fnk-card fnk-edge-{edge}'>{body}</div>")
+    ``muted``); `expires`: turns grey unless renewed within EXPIRES_SECONDS."""
+    more = " fnk-expires" if expires else ""
+    return fragment(f"<div class='fnk-card fnk-edge-{edge}{more}'>{body}</div>")
 
 
 def muted(text: str) -> str:
@@ -195,6 +207,15 @@ class MapProgress:
 
     def _repr_html_(self) -> str:
         bar = f"<progress max='{self.total}' value='{self.done}' style='width:16em'></progress>"
+        if not self.over:
+            # Renewed while the map runs (MapBar); once its kernel is gone — a restart, which
+            # JupyterLab clears before the kernel could end the bar — it reads as cancelled.
+            stale = f"{self.name}.map: {self.done}/{self.total} cancelled: its kernel stopped"
+            label = (
+                f"<span class='fnk-live'>{escape(repr(self))}</span>"
+                f"<span class='fnk-stale'>{escape(stale)}</span>"
+            )
+            return card(f"{bar} &nbsp;{label}", "busy", expires=True)
         if self.failed:
             edge = "error"
         elif self.cancelled:

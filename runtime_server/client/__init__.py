@@ -423,8 +423,9 @@ class Client:
         The first failure is raised once what is still running has been cancelled (the items
         not yet sent are never sent); with `return_exceptions`, each failure is returned in its
         item's place instead, as ``asyncio.gather`` does. Either way a failure's ``item`` is
-        (its item's index, how many items). `progress(done, total)` is called
-        from the calling thread as calls finish (at most every 50 ms), and once at the end;
+        (its item's index, how many items). `progress(done, total)` is called from the
+        calling thread every 50 ms while the map runs (calls finished or not), and once at the
+        end;
         `on_log(index, line)` is each call's ``invoke(on_log=)``. An interrupt
         (KeyboardInterrupt) cancels every call in flight and is raised; the function stays
         registered."""
@@ -448,9 +449,9 @@ class Client:
                 thread.start()
             shown = -1
             while not run.over.wait(_MAP_PROGRESS_SECONDS) or shown != run.done:
-                if progress is not None and shown != run.done:
+                if progress is not None and (shown != run.done or not run.over.is_set()):
                     shown = run.done
-                    progress(shown, len(work))
+                    progress(shown, len(work))  # also unchanged: the map is alive
                 elif run.over.is_set():
                     break
             for thread in threads:

@@ -1016,6 +1016,27 @@ def test_interrupting_a_map_cancels_every_call_and_keeps_every_replica(kernel: K
     assert kernel.value('slow.map([{"s": 0}, {"s": 0}])') == [0, 0]
 
 
+def test_a_kernel_restarted_mid_map_ends_the_bar_as_cancelled() -> None:
+    # docs/protocol.md, "Kernel": the kernel's shutdown mid-map (a restart by a client that
+    # still listens, as nbclient does) ends the bar, grey "cancelled", before the kernel goes.
+    kernel = Kernel()
+    try:
+        assert kernel.run(SLOW).ok
+        gateway = Client(gateway_address(kernel))
+        msg_id = kernel.send('slow.map([{"s": 20}] * 3)')
+        wait_until(lambda: (gateway.status("slow").live or {}).get("inFlight"), timeout=10)
+        kernel.manager.restart_kernel(now=False)
+        updates = []
+        while not any("cancelled" in html for html in updates):
+            message = kernel.client.get_iopub_msg(timeout=10)
+            if message["msg_type"] == "update_display_data":
+                assert message["parent_header"].get("msg_id") == msg_id
+                updates.append(message["content"]["data"].get("text/html", ""))
+        assert "fnk-edge-muted" in updates[-1] and "slow.map: 0/3 cancelled" in updates[-1]
+    finally:
+        kernel.shutdown()
+
+
 RAISES = """%%function raises
 def handler(event):
     if event == "key":

@@ -1,0 +1,68 @@
+"""What a ``%%function`` cell asks for (docs/protocol.md, "Kernel"), and whose the Run it makes
+is ("Ownership")."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from fnkernel.adapters.runtimes import RUNTIMES
+
+ORIGIN_PREFIX = "%%function cell "  # a Run's spec.source when a cell created it
+_OWNER_MARK = " by "  # then the kernel that owns it: ORIGIN_PREFIX + fingerprint + this + owner
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What a ``%%function`` cell asks for; equal specs are the same function."""
+
+    name: str
+    runtime: str
+    handler: str
+    source: str
+    env: Mapping[str, str] = field(default_factory=dict)
+    # What --include ships beside the cell's file: {relative path: text} (kernel/include.py).
+    files: Mapping[str, str] = field(default_factory=dict)
+    idle_timeout: int = 0
+    memory: int = 0  # MiB (0: the default)
+    replicas: int = 1  # Runs serving the function (docs/protocol.md, "Replicas")
+
+    @property
+    def filename(self) -> str:
+        return f"{self.name}.{RUNTIMES[self.runtime].extension}"
+
+    @property
+    def all_files(self) -> dict[str, str]:
+        """The Run's files: the included ones and the cell's own."""
+        return {**self.files, self.filename: self.source}
+
+    @property
+    def fingerprint(self) -> str:
+        canonical = {
+            "files": self.all_files,
+            "handler": self.handler,
+            "env": dict(self.env),
+            "runtime": self.runtime,
+            "idleTimeoutSeconds": self.idle_timeout,
+        }
+        if self.memory:  # only then: a cell without --memory keeps the fingerprint it had
+            canonical["memoryMb"] = self.memory
+        if self.replicas != 1:
+            canonical["replicas"] = self.replicas
+        text = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+    def origin(self, owner: str) -> str:
+        """The Run's ``spec.source`` when the kernel `owner` registers this spec."""
+        return f"{ORIGIN_PREFIX}{self.fingerprint}{_OWNER_MARK}{owner}"
+
+
+def owner_of(source: str) -> str:
+    """Who owns the Run whose ``spec.source`` is `source`, as a refusal names it: the kernel
+    that registered it from a cell, else what created it (docs/protocol.md, "Ownership")."""
+    if source.startswith(ORIGIN_PREFIX):
+        _, mark, owner = source.partition(_OWNER_MARK)
+        return owner if mark else "a kernel of an earlier fnkernel"
+    return f"its creator ({source})" if source else "its creator (the CLI or the HTTP API)"
