@@ -6,10 +6,10 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from fnkernel.kernel.cellspec import Spec, owner_of
 from fnkernel.kernel.connection import Runtime
 from fnkernel.kernel.display import InvocationView, RegistrationCard
 from fnkernel.kernel.output import LiveLines, MapBar, handler_failure
-from fnkernel.kernel.spec import Spec, owner_of
 from fnkernel.runtime_server import jsoncodec, limits
 from fnkernel.runtime_server.client import Run
 from fnkernel.runtime_server.client.errors import (

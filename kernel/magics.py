@@ -29,12 +29,12 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.display import clear_output, display
 
 from fnkernel.adapters.runtimes import RUNTIMES
+from fnkernel.kernel.cellspec import Spec, owner_of
 from fnkernel.kernel.display import FunctionsTable, RegistrationCard
 from fnkernel.kernel.functions import Function
 from fnkernel.kernel.include import IncludeError, included_files
 from fnkernel.kernel.previous import name_error_handler
 from fnkernel.kernel.session import _SESSION_ATTRIBUTE, Session, session_of
-from fnkernel.kernel.spec import Spec, owner_of
 from fnkernel.kernel.trace import TraceTable
 from fnkernel.kernel.waterfall import Waterfall
 from fnkernel.runtime_server import limits

@@ -15,8 +15,8 @@ from typing import Any
 
 from fnkernel.adapters.runtimes import RUNTIMES
 from fnkernel.kernel import include
+from fnkernel.kernel.cellspec import Spec
 from fnkernel.kernel.display import MapProgress
-from fnkernel.kernel.spec import Spec
 from fnkernel.runtime_server.client.errors import HandlerFailed
 
 _PROGRESS_SECONDS = 0.5  # a map's bar is updated at most this often (and at the end)

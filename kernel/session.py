@@ -17,12 +17,12 @@ from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
 from fnkernel.kernel import include
+from fnkernel.kernel.cellspec import Spec, owner_of
 from fnkernel.kernel.connection import Runtime
 from fnkernel.kernel.display import Detail, RegistrationCard, pretty_json
 from fnkernel.kernel.functions import Function, NotOwned, RegistrationInterrupted
 from fnkernel.kernel.output import HandlerFailedInCell, cell_line
 from fnkernel.kernel.previous import PreviousKernel
-from fnkernel.kernel.spec import Spec, owner_of
 from fnkernel.kernel.trace import Trace
 from fnkernel.runtime_server.client import Run
 from fnkernel.runtime_server.client.errors import (

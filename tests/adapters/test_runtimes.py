@@ -10,9 +10,9 @@ import pytest
 from fnkernel.adapters import runtimes
 from fnkernel.adapters.base import Adapter
 from fnkernel.adapters.runtimes import RUNTIMES, BuiltinRuntime
+from fnkernel.kernel.cellspec import Spec
 from fnkernel.kernel.magics import FUNCTION_PARSER
 from fnkernel.kernel.output import split_traceback
-from fnkernel.kernel.spec import Spec
 from fnkernel.runtime_server.cli import build_parser, prewarm
 from fnkernel.runtime_server.lifecycle.stack import parse_pods
 
