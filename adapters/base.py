@@ -6,7 +6,7 @@ import os
 import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import ClassVar, Protocol
 
 from fnkernel.adapters.errors import InitError, InvalidHandler
@@ -62,8 +62,10 @@ class Adapter(Protocol):
         ...
 
     @classmethod
-    def check_handler(cls, handler: str, working_dir: Path) -> None:
-        """Raise InvalidHandler unless `handler` is well formed and stays inside working_dir."""
+    def check_handler(cls, handler: str, working_dir: Path | None) -> None:
+        """Raise InvalidHandler unless `handler` is well formed and stays inside working_dir;
+        None: the files are not written yet (a Run's create), so the handler's text alone is
+        checked, touching no disk."""
         ...
 
     def start(self) -> None:
@@ -93,11 +95,26 @@ class Adapter(Protocol):
 
 def resolve_inside(working_dir: Path, relative: str) -> Path:
     """`working_dir/relative` with symlinks followed; InvalidHandler if that leaves working_dir."""
+    stays_inside(relative)
     root = working_dir.resolve()
     target = (root / relative).resolve()
     if target != root and root not in target.parents:
         raise InvalidHandler(f"{relative!r} resolves outside the working directory")
     return target
+
+
+def stays_inside(relative: str) -> None:
+    """InvalidHandler if the path `relative` leaves the directory it is relative to by its
+    text alone (absolute, or more ``..`` than names before them): as ``resolve_inside`` judges
+    it in a directory with no symlinks, which a Run's files are (text under relative paths)."""
+    path = PurePosixPath(relative)
+    depth = 0
+    for part in path.parts:
+        depth += -1 if part == ".." else 0 if part in ("/", ".") else 1
+        if depth < 0:
+            break
+    if path.is_absolute() or depth < 0:
+        raise InvalidHandler(f"{relative!r} resolves outside the working directory")
 
 
 class WorkerAdapter:
@@ -123,7 +140,7 @@ class WorkerAdapter:
         self.scratch = private_tempdir(self.runtime)
 
     @classmethod
-    def check_handler(cls, handler: str, working_dir: Path) -> None:
+    def check_handler(cls, handler: str, working_dir: Path | None) -> None:
         raise NotImplementedError
 
     def _argv(self) -> list[str]:

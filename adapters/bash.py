@@ -14,7 +14,13 @@ import shutil
 from pathlib import Path
 from typing import ClassVar
 
-from fnkernel.adapters.base import HandlerResult, WorkerAdapter, resolve_inside, send_request
+from fnkernel.adapters.base import (
+    HandlerResult,
+    WorkerAdapter,
+    resolve_inside,
+    send_request,
+    stays_inside,
+)
 from fnkernel.adapters.errors import (
     HANDLER_NOT_FOUND,
     OUTPUT_TOO_LARGE,
@@ -61,9 +67,12 @@ class BashAdapter(WorkerAdapter):
     runtime: ClassVar[str] = "bash"
 
     @classmethod
-    def check_handler(cls, handler: str, working_dir: Path) -> None:
+    def check_handler(cls, handler: str, working_dir: Path | None) -> None:
         file, _ = split_handler(handler)
-        resolve_inside(working_dir, file)
+        if working_dir is None:
+            stays_inside(file)
+        else:
+            resolve_inside(working_dir, file)
 
     def _argv(self) -> list[str]:
         file, function = split_handler(self.spec.handler)

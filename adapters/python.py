@@ -31,7 +31,7 @@ class PythonAdapter(WorkerAdapter):
     runtime: ClassVar[str] = "python"
 
     @classmethod
-    def check_handler(cls, handler: str, working_dir: Path) -> None:
+    def check_handler(cls, handler: str, working_dir: Path | None) -> None:
         if len(handler.encode()) > MAX_HANDLER_BYTES:
             raise InvalidHandler(f"longer than {MAX_HANDLER_BYTES} bytes")
         if not _HANDLER.fullmatch(handler):
@@ -40,6 +40,8 @@ class PythonAdapter(WorkerAdapter):
             )
         # A module file or package in the working directory must not lead out of it.
         top = handler.split(".", 1)[0]
+        if working_dir is None:  # no files yet: a dotted identifier names nothing outside
+            return
         for candidate in (f"{top}.py", top):
             if (working_dir / candidate).is_symlink() or (working_dir / candidate).exists():
                 resolve_inside(working_dir, candidate)

@@ -102,9 +102,10 @@ def resolve_working_dir(working_dir: str, workspace_root: Path) -> Path:
     return resolved
 
 
-def check_handler(adapter_cls: type[Adapter], handler: str, working_dir: Path) -> str:
+def check_handler(adapter_cls: type[Adapter], handler: str, working_dir: Path | None) -> str:
     """The runtime's own handler rules (python: dotted identifiers; bash: a file inside the
-    working dir and a function name), as InvalidField."""
+    working dir and a function name), as InvalidField; `working_dir` None: before any file is
+    written, by the handler's text alone."""
     try:
         adapter_cls.check_handler(handler, working_dir)
     except InvalidHandler as exc:

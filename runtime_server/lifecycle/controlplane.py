@@ -13,13 +13,12 @@ import json
 import logging
 import math
 import re
-import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import PurePosixPath
 
 from fnkernel.adapters import runtimes
 from fnkernel.runtime_server import limits, tracing
@@ -161,10 +160,10 @@ def checked_spec(
     except runtimes.UnknownRuntime as exc:
         raise InvalidField("runtime", str(exc)) from None
     checked = check_files(files)
-    # The runtime's handler rules, against a directory the files cannot reach (they are text
-    # under relative paths, so none is a symlink): what the path in the handler names.
-    with tempfile.TemporaryDirectory(prefix="fnkernel-check-") as empty:
-        check_handler(adapter, handler, Path(empty))
+    # The runtime's handler rules by the handler's text: the files are text under relative
+    # paths (none is a symlink), and the controller and gateway write nothing to disk, which a
+    # read-only container has none of (docs/kubernetes.md, "What each container may write").
+    check_handler(adapter, handler, None)
     env = limits.check_env(env)
     idle = limits.check_idle_timeout(idle_timeout_seconds) or limits.DEFAULT_IDLE_TIMEOUT_SECONDS
     memory = limits.check_memory_mb(memory_mb, "memoryMb")

@@ -7,6 +7,7 @@ import gc
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from fnkernel.runtime_server.errors import InvalidField, NoRuntimePod, RunAlreadyExists, RunNotFound
-from fnkernel.runtime_server.lifecycle.controlplane import ControlPlane, RetryPolicy
+from fnkernel.runtime_server.lifecycle.controlplane import ControlPlane, RetryPolicy, checked_spec
 from fnkernel.runtime_server.lifecycle.runs import POD_GRACE_SECONDS, Run
 from fnkernel.runtime_server.lifecycle.sqlite import SqliteRunStore
 from fnkernel.runtime_server.wire import DELETED, DELETING, FAILED, IDLE, PENDING, READY, RETRYING
@@ -85,6 +86,24 @@ def test_a_bad_handler_is_refused_and_nothing_is_stored(plane: ControlPlane) -> 
             plane.create_run(name="fn", runtime="bash", handler=handler, files={"x.sh": ""})
         assert caught.value.field == "handler"
     assert plane.store.runs() == []
+
+
+def test_a_create_is_checked_without_touching_the_disk(monkeypatch: pytest.MonkeyPatch) -> None:
+    # docs/kubernetes.md, "What each container may write": the controller and the gateway run
+    # with a read-only root and no writable volume, where no temporary directory can be made;
+    # a create's checks (the handler's path among them) make none.
+    def no_temporary_directory(*args: object, **kwargs: object) -> str:
+        raise FileNotFoundError("No usable temporary directory found")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", no_temporary_directory)
+    monkeypatch.setattr(tempfile, "mkstemp", no_temporary_directory)
+    checked = checked_spec("fn", "bash", "sub/x.fn", {"sub/x.sh": "fn() { :; }\n"}, {}, 0, 0)
+    assert checked.digest.startswith("sha256:")
+    assert checked_spec("fn", "python", "handler.handle", HANDLER, {}, 0, 0).digest
+    for handler in ("../x.fn", "/etc/x.fn"):
+        with pytest.raises(InvalidField) as caught:
+            checked_spec("fn", "bash", handler, {"x.sh": ""}, {}, 0, 0)
+        assert caught.value.field == "handler"
 
 
 def test_a_taken_name_with_another_spec_is_refused(plane: ControlPlane) -> None:
