@@ -123,6 +123,18 @@ def kustomize_build(token: str, target: Path) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(built.stdout) if doc]
 
 
+def image_of(manifests: list[dict[str, Any]]) -> str:
+    """The one image every container of deploy/ runs (docs/kubernetes.md, "The image")."""
+    images = {
+        container["image"]
+        for obj in manifests
+        if obj["kind"] == "Deployment"
+        for container in obj["spec"]["template"]["spec"]["containers"]
+    }
+    assert len(images) == 1, images
+    return images.pop()
+
+
 class Cluster:
     """What the Kubernetes end-to-end tests run against: the emulated API server and the test
     node agent (test doubles, in processes of their own) with deploy/'s manifests applied, and
@@ -163,7 +175,7 @@ class Cluster:
                 sys.executable, "-m", "tests.kubernetes.node_agent",
                 "--kubeconfig", str(self.kubeconfig), "--namespace", NAMESPACE,
                 "--root", str(self.node_root), "--ip-prefix", prefix,
-                "--image", "fnkernel=" + shlex.join(entrypoint),
+                "--image", f"{image_of(self.manifests)}=" + shlex.join(entrypoint),
                 "--deployments", "app.kubernetes.io/component=runtime-pod",
             ], ready="node agent ready")  # fmt: skip
         except BaseException:

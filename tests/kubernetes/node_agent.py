@@ -23,7 +23,7 @@ As the kubelet of its node, for each pod bound to it:
   exits (``restartPolicy: Always``), and kills a pod's processes when the pod is deleted.
 
 Run as a program: ``python -m tests.kubernetes.node_agent --kubeconfig F --namespace NS --root
-DIR --ip-prefix 127.X.Y --image fnkernel='python -m fnkernel.runtime_server.cli'``.
+DIR --ip-prefix 127.X.Y --image localhost/fnkernel:0.1.0='python -m fnkernel.runtime_server.cli'``.
 """
 
 from __future__ import annotations
@@ -227,7 +227,7 @@ class NodeAgent:
                 for m in container.get("volumeMounts") or ()
             }
             env = self._env(container, fields, mounts, root)
-            argv = [*self.images[container["image"].split(":", 1)[0]]]
+            argv = [*self.images[container["image"]]]
             for arg in container.get("args") or ():
                 argv.append(self._substitute(_expand(arg, env), mounts, ip))
             log = open(root / "logs" / f"{container['name']}.log", "ab")  # noqa: SIM115 — lives with the pod

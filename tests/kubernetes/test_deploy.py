@@ -5,19 +5,22 @@ one our CLI parses."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import kubernetes_validate
 import pytest
+import yaml
 
 from fnkernel.adapters import bash, python, runtimes
 from fnkernel.runtime_server import limits
 from fnkernel.runtime_server.cli import build_parser
 from fnkernel.runtime_server.lifecycle import controlplane
 from fnkernel.runtime_server.lifecycle.kubernetes import objects
-from tests.kubernetes.conftest import kustomize_build
+from tests.kubernetes.conftest import image_of, kustomize_build
 from tests.support import ROOT
 
 KUBERNETES_VERSION = "1.30.0"  # the oldest we document (docs/kubernetes.md: gRPC probes, CEL)
@@ -141,6 +144,33 @@ def test_every_container_is_non_root_read_only_and_its_command_line_parses(
                 assert [p["name"] for p in container["ports"]] == [objects.RUNTIMED_PORT]
                 assert "grpc" in container["readinessProbe"]
                 assert labels[objects.RUNTIME_LABEL] in runtimes.RUNTIMES
+
+
+def test_the_image_is_one_full_reference_that_kustomize_images_overrides(
+    built: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    # docs/kubernetes.md, "The image": never a bare name (which a node resolves to
+    # docker.io/library/...): registry, repository and tag, the same in every container, and
+    # set for all of them by an overlay's `images:`.
+    image = image_of(built)
+    registry, _, rest = image.partition("/")
+    assert registry == "localhost" or "." in registry or ":" in registry, image
+    assert ":" in rest, f"{image} has no tag"
+    kustomize_build("a-token", tmp_path / "deploy")
+    overlay = tmp_path / "team"
+    overlay.mkdir()
+    (overlay / "kustomization.yaml").write_text(
+        "resources: [../deploy]\n"
+        f"images: [{{name: {image.rpartition(':')[0]}, newName: registry.example.com/team/fnkernel,"
+        " newTag: '1.2.3'}]\n"
+    )
+    kubectl = shutil.which("kubectl")
+    assert kubectl is not None
+    done = subprocess.run([kubectl, "kustomize", str(overlay)], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    overridden = [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+    assert image_of(overridden) == "registry.example.com/team/fnkernel:1.2.3"
 
 
 def test_the_image_runs_fnkernel_as_a_numeric_non_root_user() -> None:
