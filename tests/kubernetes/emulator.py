@@ -20,7 +20,10 @@ its own in tests/kubernetes/test_emulator.py, and listed in docs/kubernetes.md):
    ``key``, ``!key``; fields by dotted path).
 5. **Watch from a resourceVersion**: a watch given one sends every event after it, in order;
    one older than the server keeps is ``410 Expired`` (an ``ERROR`` event); without one, the
-   current objects come first as ``ADDED``. ``timeoutSeconds`` ends the stream.
+   current objects come first as ``ADDED``. ``timeoutSeconds`` ends the stream; with
+   ``allowWatchBookmarks=true`` it ends with a ``BOOKMARK`` event at the server's latest
+   resourceVersion (as the API server sends one before a watch times out), from which the next
+   watch resumes even if none of the watched objects changed meanwhile.
 6. **Finalizers**: a DELETE of an object with finalizers sets ``deletionTimestamp``; the write
    that removes the last finalizer deletes it.
 7. **Request size**: a request body over 3 MiB (the API server's limit) is ``413``.
@@ -358,6 +361,10 @@ class FencedEmulator(kmock.KubernetesEmulator):
                         await asyncio.wait_for(
                             self._changed.wait(), max(0.0, min(1.0, deadline - loop.time()))
                         )
+            if request.params.get("allowWatchBookmarks") in ("true", "1"):
+                await send({"type": "BOOKMARK", "object": {
+                    "metadata": {"resourceVersion": str(cursor)},
+                }})  # fmt: skip
             await response.write_eof()
         return response
 

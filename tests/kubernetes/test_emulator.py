@@ -4,6 +4,7 @@ client — the rules are Kubernetes API behaviour, listed in docs/kubernetes.md.
 
 from __future__ import annotations
 
+import json
 import threading
 from typing import Any
 
@@ -186,6 +187,25 @@ def test_a_watch_older_than_the_history_is_expired() -> None:
             assert caught.value.status == 410 and "Expired" in str(caught.value.reason)
     finally:
         short.stop()
+
+
+def test_a_watch_asking_for_bookmarks_ends_with_one_at_the_latest_resource_version(
+    api: client.CustomObjectsApi,
+) -> None:
+    # Kubernetes API, watch bookmarks: with allowWatchBookmarks the server sends BOOKMARK
+    # events carrying its current resourceVersion, here once before the watch times out, even
+    # when the change was to an object the watch does not select.
+    since = create(api, run("a"))["metadata"]["resourceVersion"]
+    other = api.create_namespaced_custom_object(G, V, "elsewhere", P, run("b"))["metadata"][
+        "resourceVersion"
+    ]
+    response = api.list_namespaced_custom_object(
+        G, V, NS, P, watch=True, resource_version=since, timeout_seconds=1,
+        allow_watch_bookmarks=True, _preload_content=False,
+    )  # fmt: skip
+    events = [json.loads(line) for line in response.data.splitlines() if line.strip()]
+    assert [e["type"] for e in events] == ["BOOKMARK"]
+    assert events[0]["object"]["metadata"]["resourceVersion"] == other
 
 
 def test_deleting_an_object_with_finalizers_waits_for_the_last_one(

@@ -14,6 +14,7 @@ from kubernetes.client.exceptions import ApiException
 from fnkernel.runtime_server.errors import RunAlreadyExists, RunNotFound, RunTooLarge
 from fnkernel.runtime_server.lifecycle.controlplane import ControlPlane
 from fnkernel.runtime_server.lifecycle.kubernetes import objects
+from fnkernel.runtime_server.lifecycle.kubernetes import store as store_module
 from fnkernel.runtime_server.lifecycle.kubernetes.store import KubernetesRunStore
 from fnkernel.runtime_server.wire import DELETING, FAILED, NEW, PENDING, READY, RETRYING
 from tests.kubernetes.conftest import EmulatedApi
@@ -218,3 +219,91 @@ def test_the_cache_follows_writes_made_elsewhere(
     wait_until(lambda: store.get_uid_fresh(run.uid).phase == RETRYING, timeout=10)  # type: ignore[union-attr]
     assert store.version() != version
     assert store.get_fresh("fn").phase == RETRYING
+
+
+def _watches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The resourceVersion each watch request of every informer started from, as they start."""
+    started: list[str] = []
+    follow = store_module._Informer._follow
+
+    def counted(self: store_module._Informer, since: str) -> str:
+        started.append(since)
+        return follow(self, since)
+
+    monkeypatch.setattr(store_module._Informer, "_follow", counted)
+    return started
+
+
+def test_an_expired_watch_lists_again_at_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # docs/kubernetes.md, "Fences": a watch from a resourceVersion the API server no longer
+    # keeps is 410 Gone (an ERROR event): the informer lists again and watches from there, at
+    # once and saying so, not as a failure a second later. The server here keeps 3 events.
+    short = EmulatedApi("--history", "3")
+    custom = client.CustomObjectsApi(short.client())
+    listed = store_module._Informer._list
+    first = [True]
+
+    def stale_list(self: store_module._Informer) -> str:
+        since = listed(self)
+        if self.name == "runs" and first[0]:
+            first[0] = False
+            return "1"  # as if the informer had last seen the server long ago
+        return since
+
+    monkeypatch.setattr(store_module._Informer, "_list", stale_list)
+    started = _watches(monkeypatch)
+    try:
+        for n in range(5):
+            _apply(custom, f"r{n}", namespace="elsewhere")
+        with caplog.at_level("INFO", logger="fnkernel.kubernetes"):
+            opened = KubernetesRunStore(short.client(), NS, watch_pods=False)
+            try:
+                wait_until(lambda: started.count("1") == 1 and len(started) >= 2, timeout=10)
+                _apply(custom, "seen")
+                wait_until(lambda: [run.name for run in opened.runs()] == ["seen"], timeout=10)
+            finally:
+                opened.close()
+        messages = [record.getMessage() for record in caplog.records]
+        assert "watch of runs expired; listing again" in messages
+        assert not [m for m in messages if "failed" in m], messages
+    finally:
+        short.stop()
+
+
+def _apply(custom: client.CustomObjectsApi, name: str, namespace: str = NS) -> None:
+    custom.create_namespaced_custom_object(G, V, namespace, P, {
+        "apiVersion": objects.API_VERSION, "kind": "Run", "metadata": {"name": name},
+        "spec": {"runtime": "python", "handler": "handler.handle", "files": HANDLER},
+    })  # fmt: skip
+
+
+def test_a_quiet_watch_resumes_from_its_last_bookmark_without_expiring(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # docs/kubernetes.md, "Fences": the informer asks for bookmarks, so a watch that saw no
+    # change of its own objects while others changed resumes from the server's latest
+    # resourceVersion, not from one the server has since let go (which would be 410 and a
+    # whole list again). The server here keeps 3 events; each watch lasts a second.
+    monkeypatch.setattr(store_module, "WATCH_SECONDS", 1)
+    short = EmulatedApi("--history", "3")
+    custom = client.CustomObjectsApi(short.client())
+    started = _watches(monkeypatch)
+    try:
+        with caplog.at_level("INFO", logger="fnkernel.kubernetes"):
+            opened = KubernetesRunStore(short.client(), NS, watch_pods=False)
+            try:
+                wait_until(lambda: len(started) == 1, timeout=10)
+                for n in range(5):  # changes the Runs watch does not select
+                    _apply(custom, f"r{n}", namespace="elsewhere")
+                wait_until(lambda: len(started) >= 3, timeout=10)  # renewed twice since
+                _apply(custom, "seen")
+                wait_until(lambda: [run.name for run in opened.runs()] == ["seen"], timeout=10)
+            finally:
+                opened.close()
+        assert int(started[-1]) >= int(started[0]) + 5  # moved on with the server
+        messages = [record.getMessage() for record in caplog.records]
+        assert not [m for m in messages if "expired" in m or "failed" in m], messages
+    finally:
+        short.stop()

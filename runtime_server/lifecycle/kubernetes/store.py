@@ -25,7 +25,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from kubernetes import client, config, watch
+import kubernetes.watch.watch
+from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from fnkernel.runtime_server.errors import RunAlreadyExists, RunNotFound
@@ -101,15 +102,16 @@ class _Informer:
         self._lock = threading.Lock()
         self.items: dict[str, dict[str, Any]] = {}  # by metadata.uid
         self.synced = threading.Event()
-        self._watch: watch.Watch | None = None
+        self._response: Any = None  # the watch request being read
         self._thread = threading.Thread(target=self._run, name=f"watch {name}", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
     def close(self) -> None:
-        if self._watch is not None:
-            self._watch.stop()
+        response = self._response
+        if response is not None:
+            response.shutdown()  # the watch thread's read ends now
 
     def learn(self, obj: dict[str, Any], *, deleted: bool = False) -> None:
         """Put what a write of ours answered (or a watch event) in the cache, unless the cache
@@ -147,36 +149,53 @@ class _Informer:
             try:
                 if not since:
                     since = self._list()
-                self._watch = watch.Watch()
-                for event in self._watch.stream(
-                    self._list_call,
-                    resource_version=since,
-                    timeout_seconds=WATCH_SECONDS,
-                    deserialize=False,
-                    **self._selectors,
-                ):
-                    obj = event["object"]
-                    if event["type"] == "BOOKMARK":
-                        since = obj["metadata"]["resourceVersion"]
-                        continue
-                    self.learn(obj, deleted=event["type"] == "DELETED")
-                    since = obj["metadata"]["resourceVersion"]
-                    if self._stop.is_set():
-                        return
-            except ApiException as exc:
-                if exc.status == 410:  # expired: list again, then watch from there
-                    LOG.info("watch of %s expired; listing again", self.name)
-                    since = ""
-                    continue
-                LOG.warning("watch of %s failed: %s; again in %ss", self.name, exc, _RETRY_SECONDS)
+                since = self._follow(since)
+            except _Expired:  # the server no longer keeps `since`: list again, at once
+                LOG.info("watch of %s expired; listing again", self.name)
                 since = ""
-                self._stop.wait(_RETRY_SECONDS)
             except Exception as exc:  # the API server is away: list again once it is back
                 if self._stop.is_set():
                     return
                 LOG.warning("watch of %s failed: %s; again in %ss", self.name, exc, _RETRY_SECONDS)
                 since = ""
                 self._stop.wait(_RETRY_SECONDS)
+
+    def _follow(self, since: str) -> str:
+        """One watch request from resourceVersion `since`, until the server ends it; the last
+        resourceVersion seen. The events are read here, not by the client's ``Watch``, which
+        cannot read an ERROR event it did not deserialize: a 410 is ``_Expired``, and BOOKMARK
+        events (asked for) keep `since` current while no object of ours changes, so a quiet
+        watch resumes where the server still is instead of expiring."""
+        response = self._list_call(
+            watch=True,
+            resource_version=since,
+            timeout_seconds=WATCH_SECONDS,
+            allow_watch_bookmarks=True,
+            _preload_content=False,
+            **self._selectors,
+        )
+        self._response = response
+        try:
+            for line in kubernetes.watch.watch.iter_resp_lines(response):
+                event = json.loads(line)
+                obj = event["object"]
+                if event["type"] == "ERROR":
+                    if obj.get("code") == 410:
+                        raise _Expired(str(obj.get("message", "")))
+                    raise ApiException(status=obj.get("code"), reason=obj.get("message"))
+                if event["type"] != "BOOKMARK":
+                    self.learn(obj, deleted=event["type"] == "DELETED")
+                since = obj["metadata"]["resourceVersion"]
+                if self._stop.is_set():
+                    break
+        finally:
+            self._response = None
+            response.release_conn()
+        return since
+
+
+class _Expired(Exception):
+    """The watch's resourceVersion is older than the API server keeps (410 Gone)."""
 
 
 class KubernetesRunStore:
