@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-ui proto lint fmt typecheck tree bench bench-peers kpt-e2e mutate clean
+.PHONY: demo test test-ui image test-k8s proto lint fmt typecheck tree bench bench-peers kpt-e2e mutate clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=python3)"; exit 2; }
@@ -32,11 +32,27 @@ $(UI_STAMP): $(STAMP)
 test-ui: $(UI_STAMP)
 	$(PY) -m pytest tests_ui -p no:cacheprovider
 
+# fnkernel's image (deploy/Dockerfile) built with podman from Debian's packages, no registry and
+# no network in the build (tools/image.sh; docs/kubernetes.md, "The image"). Needs root.
+image: $(STAMP)
+	PYTHON=$(PY) tools/image.sh
+
+# The cluster path as a cluster runs it: the image built, every pod of deploy/ a set of podman
+# containers of it, run as the manifests say; the API server emulated (tests_k8s/). Installs
+# Debian's podman, runc and mmdebstrap when they are missing (as root). Not part of `make test`.
+K8S_PACKAGES := podman runc mmdebstrap uidmap containernetworking-plugins slirp4netns \
+	fuse-overlayfs golang-github-containers-common kubernetes-client
+test-k8s: $(STAMP)
+	@command -v podman >/dev/null && command -v mmdebstrap >/dev/null && command -v kubectl >/dev/null \
+		|| { apt-get update -qq && apt-get install -y -qq --no-install-recommends $(K8S_PACKAGES) >/dev/null; }
+	$(MAKE) image
+	$(PY) -m pytest tests_k8s -p no:cacheprovider
+
 proto: $(STAMP)
 	$(PY) -m fnkernel.runtime_server._proto.gen
 
 fmt: $(STAMP)
-	$(VENV)/bin/ruff format runtime_server adapters kernel system tests tests_ui benchmarks tools
+	$(VENV)/bin/ruff format runtime_server adapters kernel system tests tests_ui tests_k8s benchmarks tools
 
 # The installed layout, fnkernel/{runtime_server,adapters,kernel,system}, as links to the folders:
 # mypy and import-linter read files, and the editable install maps those names by an import hook
@@ -48,8 +64,8 @@ tree:
 		ln -sfn ../../../$$package $(TREE)/fnkernel/$$package; done
 
 lint: $(STAMP) tree
-	$(VENV)/bin/ruff format --check runtime_server adapters kernel system tests tests_ui benchmarks tools
-	$(VENV)/bin/ruff check runtime_server adapters kernel system tests tests_ui benchmarks tools
+	$(VENV)/bin/ruff format --check runtime_server adapters kernel system tests tests_ui tests_k8s benchmarks tools
+	$(VENV)/bin/ruff check runtime_server adapters kernel system tests tests_ui tests_k8s benchmarks tools
 	PYTHONPATH=$(TREE) $(VENV)/bin/lint-imports
 	$(PY) -m tools.check_names
 

@@ -1,6 +1,7 @@
 """The test node agent — a test double of the kubelet, and of the Deployment controller, for the
 Kubernetes tests; never part of the product (docs/kubernetes.md, "What is tested, and with which
-doubles"). No container runtime can run on these machines, so a pod's containers are processes.
+doubles"). A pod's containers are processes of this machine, or (``--podman``, for ``make
+test-k8s``) containers podman runs from their image as the manifest says.
 
 As the Deployment controller: for each Deployment of its namespace that ``--deployments``
 selects, it keeps ``spec.replicas`` pods of the template (named DEPLOYMENT-xxxxx, bound to its
@@ -55,6 +56,16 @@ _TICK = 0.2
 _RESTART_BACKOFF = 0.5
 _TERMINATION_GRACE = 3.0
 _VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+KUBECONFIG_IN_POD = "/var/run/fnkernel-test/kubeconfig"
+_UNITS = {"Ki": "k", "Mi": "m", "Gi": "g"}
+
+
+def _bytes(quantity: str) -> str:
+    """A Kubernetes memory quantity (``256Mi``) as podman takes it (``256m``)."""
+    for suffix, unit in _UNITS.items():
+        if quantity.endswith(suffix):
+            return quantity[: -len(suffix)] + unit
+    return quantity
 
 
 def _expand(text: str, env: dict[str, str]) -> str:
@@ -83,14 +94,17 @@ class Container:
     user: int | None
     group: int | None
     extra_groups: list[int]
+    podman: str = ""  # the container's name, when podman runs it (argv is then `podman run`)
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     exited_at: float = 0.0
 
     def start(self) -> None:
         kwargs: dict[str, Any] = {}
-        if self.user is not None:
+        if self.user is not None and not self.podman:
             kwargs.update(user=self.user, group=self.group, extra_groups=self.extra_groups)
+        if self.podman:  # a container of the name a restart left behind
+            subprocess.run(["podman", "rm", "-f", self.podman], capture_output=True, timeout=60)
         self.proc = subprocess.Popen(
             self.argv, env=self.env, cwd=self.cwd, stdin=subprocess.DEVNULL, stdout=self.log,
             stderr=subprocess.STDOUT, start_new_session=True, **kwargs,
@@ -101,8 +115,16 @@ class Container:
 
     def signal(self, signum: int) -> None:
         if self.proc is not None and self.proc.poll() is None:
+            if self.podman:
+                subprocess.run(["podman", "kill", "--signal", str(signum), self.podman],
+                               capture_output=True, timeout=60)  # fmt: skip
+                return
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signum)
+
+    def remove(self) -> None:
+        if self.podman:
+            subprocess.run(["podman", "rm", "-f", self.podman], capture_output=True, timeout=60)
 
 
 @dataclass
@@ -128,6 +150,7 @@ class NodeAgent:
         images: dict[str, list[str]],
         kubeconfig: Path,
         deployments: str,
+        podman: bool = False,
     ) -> None:
         self.core = client.CoreV1Api(api_client)
         self.apps = client.AppsV1Api(api_client)
@@ -137,6 +160,7 @@ class NodeAgent:
         self.images = images
         self.kubeconfig = kubeconfig
         self.deployments = deployments
+        self.podman = podman  # containers run by podman from their images, not as processes
         self.free_ips = [f"{ip_prefix}.{n}" for n in range(2, 255)]
         self.running: dict[str, RunningPod] = {}
         self.stop = threading.Event()
@@ -222,6 +246,10 @@ class NodeAgent:
         fields = {"metadata.name": meta["name"], "metadata.namespace": self.namespace,
                   "metadata.uid": meta["uid"], "status.podIP": ip, "spec.nodeName": self.node}  # fmt: skip
         for container in spec["containers"]:
+            log = open(root / "logs" / f"{container['name']}.log", "ab")  # noqa: SIM115 — lives with the pod
+            if self.podman:
+                running.containers.append(self._podman(pod, container, volumes, fields, log))
+                continue
             mounts = {
                 m["mountPath"]: str(volumes[m["name"]] / m.get("subPath", ""))
                 for m in container.get("volumeMounts") or ()
@@ -230,7 +258,6 @@ class NodeAgent:
             argv = [*self.images[container["image"]]]
             for arg in container.get("args") or ():
                 argv.append(self._substitute(_expand(arg, env), mounts, ip))
-            log = open(root / "logs" / f"{container['name']}.log", "ab")  # noqa: SIM115 — lives with the pod
             running.containers.append(Container(
                 container["name"], container["image"], argv, env, root, log, user, group,
                 [fs_group] if fs_group is not None and user is not None else [],
@@ -239,6 +266,56 @@ class NodeAgent:
         for container in running.containers:
             container.start()
         self.report(running, ready=False)
+
+    def _podman(
+        self,
+        pod: dict[str, Any],
+        container: dict[str, Any],
+        volumes: dict[str, Path],
+        fields: dict[str, str],
+        log: IO[bytes],
+    ) -> Container:
+        """`container` of `pod` as podman runs it, from the manifest as written: its image,
+        args and env; the user and groups, read-only root, privilege escalation and
+        capabilities of its security contexts; its memory limit; its volumes at their
+        mountPaths. It shares the host's network, binding the pod's own loopback IP; a
+        kubeconfig for the API server stands in for the service account's token."""
+        pod_security = pod["spec"].get("securityContext") or {}
+        security = {**pod_security, **(container.get("securityContext") or {})}
+        name = f"{pod['metadata']['name']}-{container['name']}"
+        argv = ["podman", "run", "--rm", "--name", name, "--network=host",
+                "--stop-timeout", str(int(_TERMINATION_GRACE))]  # fmt: skip
+        if "runAsUser" in security:
+            argv += ["--user", f"{security['runAsUser']}:{security.get('runAsGroup', 0)}"]
+        if "fsGroup" in pod_security:
+            argv += ["--group-add", str(pod_security["fsGroup"])]
+        if security.get("readOnlyRootFilesystem"):
+            # Kubernetes mounts no tmpfs of its own on a read-only root; podman would.
+            argv += ["--read-only", "--read-only-tmpfs=false"]
+        if security.get("allowPrivilegeEscalation") is False:
+            argv += ["--security-opt", "no-new-privileges"]
+        for capability in (security.get("capabilities") or {}).get("drop") or ():
+            argv += ["--cap-drop", capability]
+        memory = ((container.get("resources") or {}).get("limits") or {}).get("memory")
+        if memory:
+            argv += ["--memory", _bytes(memory), "--memory-swap", _bytes(memory)]
+        for mount in container.get("volumeMounts") or ():
+            source = volumes[mount["name"]] / mount.get("subPath", "")
+            read_only = ":ro" if mount.get("readOnly") else ""
+            argv += ["-v", f"{source}:{mount['mountPath']}{read_only}"]
+        argv += ["-v", f"{self.kubeconfig}:{KUBECONFIG_IN_POD}:ro"]
+        env = self._env(container, fields, {}, Path("/"))
+        env.update(KUBECONFIG=KUBECONFIG_IN_POD, HOME="/tmp")
+        for key in ("PATH", "TMPDIR"):
+            env.pop(key, None)  # the image's own
+        for key, value in env.items():
+            argv += ["-e", f"{key}={value}"]
+        argv.append(container["image"])
+        argv += [_expand(arg, env).replace("0.0.0.0:", f"{fields['status.podIP']}:")
+                 for arg in container.get("args") or ()]  # fmt: skip
+        root = self.root / pod["metadata"]["uid"]
+        return Container(container["name"], container["image"], argv, dict(os.environ), root,
+                         log, None, None, [], podman=name)  # fmt: skip
 
     def _volumes(self, pod: dict[str, Any], root: Path, fs_group: int | None) -> dict[str, Path]:
         volumes: dict[str, Path] = {}
@@ -370,6 +447,7 @@ class NodeAgent:
                 except subprocess.TimeoutExpired:
                     container.signal(signal.SIGKILL)
                     container.proc.wait()
+            container.remove()
             container.log.close()
         shutil.rmtree(running.root, ignore_errors=True)
         self.free_ips.append(running.ip)
@@ -399,13 +477,17 @@ def main() -> None:
     parser.add_argument(
         "--deployments", default="", metavar="SELECTOR", help="the Deployments it keeps pods of"
     )
+    parser.add_argument(
+        "--podman", action="store_true",
+        help="run each container with podman from its image, as the manifest says",
+    )  # fmt: skip
     args = parser.parse_args()
     config.load_kube_config(str(args.kubeconfig))
     images = {name: shlex.split(argv) for name, _, argv in (i.partition("=") for i in args.image)}
     agent = NodeAgent(
         client.ApiClient(), args.namespace, node=args.node, root=args.root,
         ip_prefix=args.ip_prefix, images=images, kubeconfig=args.kubeconfig,
-        deployments=args.deployments,
+        deployments=args.deployments, podman=args.podman,
     )  # fmt: skip
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: agent.stop.set())
