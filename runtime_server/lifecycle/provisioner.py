@@ -5,7 +5,8 @@ A provisioner starts and stops Runtime Pods — a Runtime Server with its runtim
 says whether one is alive and where its runtimed listens. It does not schedule Runs: the control
 plane assigns Runs to the pods the store reports (``RunStore.pods``), whoever started them. The
 local one is ``stack.LocalProvisioner`` (processes of this machine, the embedded runtime and
-``fnkernel up``).
+``fnkernel up``); on Kubernetes the Deployments' own controller keeps the pods, and no component
+of ours starts one (docs/kubernetes.md, "Runtime Pods").
 """
 
 from __future__ import annotations

@@ -228,26 +228,3 @@ def test_a_run_applied_with_kubectl_is_reconciled_like_one_created_through_the_g
     wait_until(lambda: run_object(cluster, "bad").get("status", {}).get("phase") == "Failed",
                timeout=30)  # fmt: skip
     assert run_object(cluster, "bad")["status"]["message"].startswith("memoryMb: ")
-
-
-def test_the_kubernetes_provisioner_scales_a_runtimes_deployment(cluster: Cluster) -> None:
-    # docs/architecture.md, "Seams": the PodProvisioner of Kubernetes starts a Runtime Pod (one
-    # more replica), says whether it is alive and where its runtimed listens, and stops that
-    # pod and no other (its deletion cost, then one replica fewer).
-    from fnkernel.runtime_server.lifecycle.kubernetes.provisioner import KubernetesProvisioner
-
-    wait_until(lambda: len(cluster.runtime_pods()) == RUNTIME_PODS, timeout=60)
-    provisioner = KubernetesProvisioner(cluster.client, NAMESPACE, timeout=60)
-    before = provisioner.pods("bash")
-    pod = provisioner.start("bash")
-    assert pod not in before and provisioner.pods("bash") == [*before, pod]
-    assert provisioner.alive(pod)
-    address = provisioner.address(pod)
-    ip = next(p["status"]["podIP"] for p in cluster.runtime_pods() if p["metadata"]["name"] == pod)
-    assert address == f"{ip}:50051"
-    provisioner.stop(pod)
-    assert provisioner.pods("bash") == before and not provisioner.alive(pod)
-    deployment = client.AppsV1Api(cluster.client).read_namespaced_deployment(
-        objects.deployment_name("bash"), NAMESPACE
-    )
-    assert deployment.spec.replicas == 1
