@@ -6,17 +6,22 @@ from __future__ import annotations
 
 import json
 import subprocess
+import urllib.request
 from typing import Any
 
 import pytest
+from kubernetes import client
 
 from fnkernel.runtime_server.client import Client
-from tests.kubernetes.conftest import POD_USER, Cluster
+from fnkernel.runtime_server.client.errors import FunctionNotFound
+from fnkernel.runtime_server.lifecycle.kubernetes import objects
+from tests.kubernetes.conftest import NAMESPACE, POD_USER, Cluster
 from tests.kubernetes.node_agent import KUBECONFIG_IN_POD
 from tests.support import wait_until
 
 pytestmark = pytest.mark.timeout(420)
 RUNTIME_PODS = 3  # deploy/runtime-pods.yaml: python 2, bash 1
+G, V, P = objects.GROUP, objects.VERSION, objects.PLURAL
 WHERE = {
     "handler.py": "import os, tempfile\n"
     "def written(path):\n"
@@ -94,3 +99,81 @@ def test_a_run_is_created_called_and_deleted_through_the_containers(cluster: Clu
     assert seen["own dir"] == "written" and seen["tmp"] == "written"
     gateway.delete_run("where")
     assert [r.name for r in gateway.list_runs()] == []
+
+
+def _phase(gateway: Client, name: str) -> tuple[str, int]:
+    """The Run's phase and attempt as the gateway sees it; ("", 0) before it sees the Run."""
+    try:
+        run = gateway.status(name)
+    except FunctionNotFound:
+        return "", 0
+    return run.phase, run.attempt
+
+
+def _grants(cluster: Cluster, role: str) -> set[tuple[str, str]]:
+    """(group/resource, verb) of every rule of `role` in deploy/."""
+    (found,) = [
+        o for o in cluster.manifests if o["kind"] == "Role" and o["metadata"]["name"] == role
+    ]
+    return {
+        (f"{group}/{resource}" if group else resource, verb)
+        for rule in found["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+
+
+def test_each_role_grants_exactly_the_calls_its_component_makes(cluster: Cluster) -> None:
+    # docs/kubernetes.md, "Who may do what": the Roles are derived from the calls. Each pod
+    # calls the API server with its service account's token, which the emulated API server
+    # authorizes by deploy/'s Roles and records. A team's day uses every grant of each Role,
+    # and nothing is refused: a create, a call and a delete through the gateway; a Run applied
+    # and deleted with kubectl; a Runtime Pod deleted under a Run; a Run whose deletion the
+    # gateway began and did not see through, which the controller finishes.
+    gateway = up(cluster)
+    custom = client.CustomObjectsApi(cluster.client)
+    gateway.create_run("where", runtime="python", handler="handler.handle", files=WHERE)
+    assert gateway.invoke("where", {}).decoded()["uid"] == POD_USER
+    custom.create_namespaced_custom_object(G, V, NAMESPACE, P, {
+        "apiVersion": objects.API_VERSION, "kind": "Run", "metadata": {"name": "applied"},
+        "spec": {"runtime": "python", "handler": "handler.handle", "files": WHERE},
+    })  # fmt: skip
+    wait_until(lambda: _phase(gateway, "applied") == ("Ready", 1), timeout=60)
+    pod = gateway.status("applied")["status"]["assignedPod"]
+    client.CoreV1Api(cluster.client).delete_namespaced_pod(pod, NAMESPACE)
+    wait_until(lambda: _phase(gateway, "applied") == ("Ready", 2), timeout=120)
+    assert gateway.invoke("applied", {}).decoded()["uid"] == POD_USER
+    custom.delete_namespaced_custom_object(G, V, NAMESPACE, P, "applied")  # kubectl delete
+    wait_until(lambda: _phase(gateway, "applied") == ("", 0), timeout=60)
+    # The gateway sees its delete through while the controller is paused.
+    (controller,) = cluster.pods("controller")
+    paused = f"{controller['metadata']['name']}-controller"
+    subprocess.run(["podman", "pause", paused], check=True, capture_output=True, timeout=60)
+    try:
+        gateway.delete_run("where")
+    finally:
+        subprocess.run(["podman", "unpause", paused], check=True, capture_output=True, timeout=60)
+    # A delete a gateway began (the Run's phase Deleting) and did not see through.
+    gateway.create_run("orphan", runtime="python", handler="handler.handle", files=WHERE)
+    obj = custom.get_namespaced_custom_object(G, V, NAMESPACE, P, "orphan")
+    obj["status"] = {**obj["status"], "phase": "Deleting", "message": "deleting"}
+    custom.replace_namespaced_custom_object_status(G, V, NAMESPACE, P, "orphan", obj)
+    wait_until(lambda: gateway.list_runs() == [], timeout=60)
+    calls = json.loads(urllib.request.urlopen(f"{cluster.api.url}/emulator/calls").read())
+    assert [call for call in calls if not call["allowed"]] == []
+    differences = {}
+    for account in ("fnkernel-runtime", "fnkernel-controller", "fnkernel-gateway"):
+        user = f"system:serviceaccount:{NAMESPACE}:{account}"
+        used = {
+            (f"{c['group']}/{c['resource']}" if c["group"] else c["resource"], c["verb"])
+            for c in calls
+            if c["user"] == user
+        }
+        granted = _grants(cluster, account)
+        if used != granted:
+            differences[account] = {
+                "granted, not used": sorted(granted - used),
+                "used, not granted": sorted(used - granted),
+            }
+    assert differences == {}, json.dumps(differences, indent=1)

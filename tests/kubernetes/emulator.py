@@ -27,6 +27,14 @@ its own in tests/kubernetes/test_emulator.py, and listed in docs/kubernetes.md):
 6. **Finalizers**: a DELETE of an object with finalizers sets ``deletionTimestamp``; the write
    that removes the last finalizer deletes it.
 7. **Request size**: a request body over 3 MiB (the API server's limit) is ``413``.
+8. **Service account tokens and RBAC**: ``POST .../serviceaccounts/NAME/token`` (the
+   TokenRequest API, which the kubelet calls for a pod's projected token) gives a token of an
+   existing ServiceAccount. A request bearing one is that account's, and is allowed only if a
+   RoleBinding of its namespace binds the account to a Role with a rule for the request's verb,
+   API group and resource (``runs/status`` for a subresource); otherwise ``403 Forbidden``
+   naming them. An unknown token is ``401``. A request with no token is the test's own, an
+   administrator's. Every request of an account is recorded, allowed or not, and ``GET
+   /emulator/calls`` lists them: which verb of which resource each account used.
 
 Run as a program it serves on 127.0.0.1 and prints its URL: ``python -m
 tests.kubernetes.emulator [--history N]``.
@@ -134,19 +142,28 @@ class FencedEmulator(kmock.KubernetesEmulator):
         self.revision = 0
         self.events: deque[tuple[int, Any, str | None, dict[str, Any]]] = deque(maxlen=history)
         self._changed: asyncio.Condition | None = None
+        self.tokens: dict[str, tuple[str, str]] = {}  # token → (namespace, service account)
+        self.calls: list[dict[str, Any]] = []  # each request of an account (rule 8)
 
     # Dispatch
 
     async def _handle(self, request: Request) -> aiohttp.web.StreamResponse:
+        if request.url.path == "/emulator/calls":
+            return aiohttp.web.json_response(self.calls)
+        method = request._raw_request.method.upper()  # type: ignore[union-attr]
+        account = self._account(request)
         if request.resource is None or request.resource.plural is None:
             return await super()._handle(request)  # discovery: KMock's own
+        if account is not None:
+            self._authorize(request, method, account)
+        elif request.resource.plural == "serviceaccounts" and request.subresource == "token":
+            return aiohttp.web.json_response(self._token(request), status=201)
         if len(request.body) > MAX_REQUEST_BYTES:
             raise _error(
                 413,
                 "RequestEntityTooLarge",
                 f"request body of {len(request.body)} bytes; the limit is {MAX_REQUEST_BYTES}",
             )
-        method = request._raw_request.method.upper()  # type: ignore[union-attr]
         if request.name is None:
             if method == "GET" and request.params.get("watch") in ("true", "1"):
                 return await self._watch(request)
@@ -163,6 +180,73 @@ class FencedEmulator(kmock.KubernetesEmulator):
             if method == "DELETE" and request.subresource is None:
                 return aiohttp.web.json_response(self._delete(request, key))
         raise _error(405, "MethodNotAllowed", f"{method} is not served on {request.url.path}")
+
+    # Rule 8: service account tokens and RBAC
+
+    def _token(self, request: Request) -> dict[str, Any]:
+        account = (request.namespace or "", request.name or "")
+        self._current((request.resource, *account))  # 404 for no such ServiceAccount
+        token = uuid.uuid4().hex
+        self.tokens[token] = account
+        return {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+                "status": {"token": token}}  # fmt: skip
+
+    def _account(self, request: Request) -> tuple[str, str] | None:
+        header = next((v for k, v in request.headers.items() if k.lower() == "authorization"), "")
+        if not header:
+            return None
+        account = self.tokens.get(header.removeprefix("Bearer ").strip())
+        if account is None:
+            raise _error(401, "Unauthorized", "Unauthorized")
+        return account
+
+    def _authorize(self, request: Request, method: str, account: tuple[str, str]) -> None:
+        assert request.resource is not None
+        if request.name is None:
+            watching = request.params.get("watch") in ("true", "1")
+            verb = {"GET": "watch" if watching else "list", "POST": "create",
+                    "DELETE": "deletecollection"}.get(method, method.lower())  # fmt: skip
+        else:
+            verb = {"GET": "get", "PUT": "update", "PATCH": "patch", "DELETE": "delete",
+                    "POST": "create"}.get(method, method.lower())  # fmt: skip
+        group = request.resource.group or ""
+        resource = request.resource.plural
+        if request.subresource:
+            resource += f"/{request.subresource}"
+        namespace = request.namespace or ""
+        allowed = any(
+            (group in rule.get("apiGroups", ()) or "*" in rule.get("apiGroups", ()))
+            and (resource in rule.get("resources", ()) or "*" in rule.get("resources", ()))
+            and (verb in rule.get("verbs", ()) or "*" in rule.get("verbs", ()))
+            for rule in self._rules(namespace, account)
+        )
+        user = f"system:serviceaccount:{account[0]}:{account[1]}"
+        self.calls.append({"user": user, "verb": verb, "group": group, "resource": resource,
+                           "namespace": namespace, "allowed": allowed})  # fmt: skip
+        if not allowed:
+            raise _error(403, "Forbidden", f'{user} cannot {verb} resource "{resource}" in API '
+                         f'group "{group}" in the namespace "{namespace}"')  # fmt: skip
+
+    def _rules(self, namespace: str, account: tuple[str, str]) -> list[dict[str, Any]]:
+        """The rules of every Role a RoleBinding of `namespace` binds `account` to."""
+        live = {
+            (resource.plural, ns, name): obj.raw
+            for (resource, ns, name), obj in self.objects.items()
+            if not obj.deleted and resource.plural in ("roles", "rolebindings")
+        }
+        rules = []
+        for (plural, ns, _), binding in live.items():
+            if plural != "rolebindings" or ns != namespace:
+                continue
+            bound = any(
+                subject.get("kind") == "ServiceAccount" and subject.get("name") == account[1]
+                and subject.get("namespace", ns) == account[0]
+                for subject in binding.get("subjects") or ()
+            )  # fmt: skip
+            role = live.get(("roles", ns, binding["roleRef"]["name"]))
+            if bound and role is not None and binding["roleRef"].get("kind") == "Role":
+                rules += role.get("rules") or []
+        return rules
 
     # Rule 1: versions, and the writes that give them
 

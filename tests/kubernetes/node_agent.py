@@ -18,7 +18,8 @@ As the kubelet of its node, for each pod bound to it:
 - each container's command is its image's entrypoint (``--image NAME=ARGV``) with its args, run
   as a local process with the pod's env — as the pod's ``runAsUser``/``runAsGroup`` when this
   agent runs as root, so that the pod cannot read what the rest of the test keeps — and a
-  kubeconfig for the API server instead of a service account's token;
+  kubeconfig holding a token of the pod's service account (from the TokenRequest API, as the
+  kubelet projects one), which the API server authorizes by the account's Roles;
 - it reports ``status.podIP``, phase Running and the Ready condition from the readiness probe
   (``grpc`` or ``tcpSocket``; without one, Ready while running), restarts a container that
   exits (``restartPolicy: Always``), and kills a pod's processes when the pod is deleted.
@@ -242,19 +243,22 @@ class NodeAgent:
         group = security.get("runAsGroup", user) if as_root else None
         fs_group = security.get("fsGroup")
         volumes = self._volumes(pod, root, fs_group if as_root else None)
+        kubeconfig = self._kubeconfig(spec.get("serviceAccountName") or "default", root)
         running = RunningPod(meta["uid"], meta["name"], ip, root, spec)
         fields = {"metadata.name": meta["name"], "metadata.namespace": self.namespace,
                   "metadata.uid": meta["uid"], "status.podIP": ip, "spec.nodeName": self.node}  # fmt: skip
         for container in spec["containers"]:
             log = open(root / "logs" / f"{container['name']}.log", "ab")  # noqa: SIM115 — lives with the pod
             if self.podman:
-                running.containers.append(self._podman(pod, container, volumes, fields, log))
+                running.containers.append(
+                    self._podman(pod, container, volumes, fields, kubeconfig, log)
+                )
                 continue
             mounts = {
                 m["mountPath"]: str(volumes[m["name"]] / m.get("subPath", ""))
                 for m in container.get("volumeMounts") or ()
             }
-            env = self._env(container, fields, mounts, root)
+            env = self._env(container, fields, mounts, root, kubeconfig)
             argv = [*self.images[container["image"]]]
             for arg in container.get("args") or ():
                 argv.append(self._substitute(_expand(arg, env), mounts, ip))
@@ -273,13 +277,14 @@ class NodeAgent:
         container: dict[str, Any],
         volumes: dict[str, Path],
         fields: dict[str, str],
+        kubeconfig: Path,
         log: IO[bytes],
     ) -> Container:
         """`container` of `pod` as podman runs it, from the manifest as written: its image,
         args and env; the user and groups, read-only root, privilege escalation and
         capabilities of its security contexts; its memory limit; its volumes at their
         mountPaths. It shares the host's network, binding the pod's own loopback IP; a
-        kubeconfig for the API server stands in for the service account's token."""
+        kubeconfig holds the pod's service account token (``_kubeconfig``)."""
         pod_security = pod["spec"].get("securityContext") or {}
         security = {**pod_security, **(container.get("securityContext") or {})}
         name = f"{pod['metadata']['name']}-{container['name']}"
@@ -303,8 +308,8 @@ class NodeAgent:
             source = volumes[mount["name"]] / mount.get("subPath", "")
             read_only = ":ro" if mount.get("readOnly") else ""
             argv += ["-v", f"{source}:{mount['mountPath']}{read_only}"]
-        argv += ["-v", f"{self.kubeconfig}:{KUBECONFIG_IN_POD}:ro"]
-        env = self._env(container, fields, {}, Path("/"))
+        argv += ["-v", f"{kubeconfig}:{KUBECONFIG_IN_POD}:ro"]
+        env = self._env(container, fields, {}, Path("/"), kubeconfig)
         env.update(KUBECONFIG=KUBECONFIG_IN_POD, HOME="/tmp")
         for key in ("PATH", "TMPDIR"):
             env.pop(key, None)  # the image's own
@@ -339,11 +344,31 @@ class NodeAgent:
             volumes[volume["name"]] = path
         return volumes
 
+    def _kubeconfig(self, account: str, root: Path) -> Path:
+        """The pod's kubeconfig: the API server's address, and a token of the pod's service
+        account from the TokenRequest API, as the kubelet projects one into a pod (the
+        components read it from a kubeconfig, not from the in-cluster files, because the
+        emulated API server speaks plain HTTP)."""
+        answer = _json(self.core.create_namespaced_service_account_token(
+            account, self.namespace, {"spec": {}}, _preload_content=False
+        ))  # fmt: skip
+        config_ = json.loads(self.kubeconfig.read_text())
+        config_["users"] = [{"name": "test", "user": {"token": answer["status"]["token"]}}]
+        path = root / "kubeconfig"
+        path.write_text(json.dumps(config_))
+        path.chmod(0o644)
+        return path
+
     def _env(
-        self, container: dict[str, Any], fields: dict[str, str], mounts: dict[str, str], root: Path
+        self,
+        container: dict[str, Any],
+        fields: dict[str, str],
+        mounts: dict[str, str],
+        root: Path,
+        kubeconfig: Path,
     ) -> dict[str, str]:
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(root),
-               "KUBECONFIG": str(self.kubeconfig), "LANG": "C.UTF-8"}  # fmt: skip
+               "KUBECONFIG": str(kubeconfig), "LANG": "C.UTF-8"}  # fmt: skip
         if "/tmp" in mounts:
             env["TMPDIR"] = mounts["/tmp"]
         for item in container.get("env") or ():

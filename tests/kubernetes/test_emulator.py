@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import urllib.request
 from typing import Any
 
 import pytest
@@ -230,3 +231,70 @@ def test_a_request_over_3_mib_is_413(api: client.CustomObjectsApi) -> None:
     assert caught.value.status == 413
     with pytest.raises(ApiException):
         api.get_namespaced_custom_object(G, V, NS, P, "big")
+
+
+def test_a_service_accounts_token_is_authorized_by_its_roles_and_every_call_recorded(
+    kube_api: EmulatedApi, api_client: client.ApiClient
+) -> None:
+    # Kubernetes API, TokenRequest and RBAC: a token of a ServiceAccount is that account's; a
+    # call is allowed only by a rule of a Role bound to it in the namespace (the status
+    # subresource a resource of its own), else 403 naming the verb and resource; an unknown
+    # token is 401.
+    core = client.CoreV1Api(api_client)
+    with pytest.raises(ApiException) as caught:
+        core.create_namespaced_service_account_token("reader", NS, {"spec": {}})
+    assert caught.value.status == 404  # no such ServiceAccount yet
+    core.create_namespaced_service_account(NS, {"metadata": {"name": "reader"}})
+    rbac = client.RbacAuthorizationV1Api(api_client)
+    rbac.create_namespaced_role(NS, {"metadata": {"name": "reader"}, "rules": [
+        {"apiGroups": [G], "resources": ["runs"], "verbs": ["get", "list"]},
+        {"apiGroups": [G], "resources": ["runs/status"], "verbs": ["update"]},
+    ]})  # fmt: skip
+    rbac.create_namespaced_role_binding(NS, {
+        "metadata": {"name": "reader"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "reader"},
+        "subjects": [{"kind": "ServiceAccount", "name": "reader", "namespace": NS}],
+    })  # fmt: skip
+    admin = client.CustomObjectsApi(api_client)
+    create(admin, run("a", status={"phase": "x"}))
+    answer = core.create_namespaced_service_account_token(
+        "reader", NS, {"spec": {}}, _preload_content=False
+    )
+    token = json.loads(answer.data)["status"]["token"]
+
+    def as_token(value: str) -> client.CustomObjectsApi:
+        configuration = client.Configuration()
+        configuration.host = kube_api.url
+        configuration.api_key = {"authorization": f"Bearer {value}"}
+        return client.CustomObjectsApi(client.ApiClient(configuration))
+
+    reader = as_token(token)
+    assert [
+        i["metadata"]["name"] for i in reader.list_namespaced_custom_object(G, V, NS, P)["items"]
+    ] == ["a"]
+    current = reader.get_namespaced_custom_object(G, V, NS, P, "a")
+    reader.replace_namespaced_custom_object_status(G, V, NS, P, "a", current)
+    with pytest.raises(ApiException) as caught:
+        reader.create_namespaced_custom_object(G, V, NS, P, run("b"))
+    assert caught.value.status == 403
+    assert f'{NS}:reader cannot create resource \\"runs\\" in API group' in str(caught.value.body)
+    for refused in (
+        lambda: reader.patch_namespaced_custom_object(G, V, NS, P, "a", {"spec": {}}),
+        lambda: reader.list_namespaced_custom_object(G, V, "elsewhere", P),
+    ):
+        with pytest.raises(ApiException) as caught:
+            refused()
+        assert caught.value.status == 403
+    with pytest.raises(ApiException) as caught:
+        as_token("forged").list_namespaced_custom_object(G, V, NS, P)
+    assert caught.value.status == 401
+    calls = json.loads(urllib.request.urlopen(f"{kube_api.url}/emulator/calls").read())
+    user = f"system:serviceaccount:{NS}:reader"
+    assert [(c["user"], c["verb"], c["resource"], c["allowed"]) for c in calls] == [
+        (user, "list", "runs", True),
+        (user, "get", "runs", True),
+        (user, "update", "runs/status", True),
+        (user, "create", "runs", False),
+        (user, "patch", "runs", False),
+        (user, "list", "runs", False),
+    ]

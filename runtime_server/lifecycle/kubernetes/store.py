@@ -335,16 +335,17 @@ class KubernetesRunStore:
         ]
 
     def _read(self, name: str) -> dict[str, Any] | None:
-        try:
-            obj = _object(
-                self._custom.get_namespaced_custom_object(
-                    GROUP, VERSION, self.namespace, PLURAL, name
-                )
-            )
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
+        """The Run `name` as the API server has it now (after a conflict), None if it is gone.
+        A list of that one name, not a get: every component lists and watches Runs already,
+        so none needs the get verb (docs/kubernetes.md, "Who may do what")."""
+        listed = raw_answer(self._custom.list_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, PLURAL, field_selector=f"metadata.name={name}",
+            _preload_content=False,
+        ))  # fmt: skip
+        items = listed.get("items") or []
+        if not items:
+            return None
+        obj: dict[str, Any] = items[0]
         self._runs.learn(obj)
         return obj
 
