@@ -307,3 +307,19 @@ def test_a_quiet_watch_resumes_from_its_last_bookmark_without_expiring(
         assert not [m for m in messages if "expired" in m or "failed" in m], messages
     finally:
         short.stop()
+
+
+def test_a_late_watch_event_does_not_bring_a_deleted_run_back(
+    store: KubernetesRunStore, api_client: client.ApiClient
+) -> None:
+    # docs/kubernetes.md, "Fences": the cache forgets a Run it deleted for good. An event of
+    # one of its earlier writes — still in the watch's stream when the delete answered — must
+    # not put it back (a list would show a deleted Run until the DELETED event came).
+    plane = plane_with_pod(store, api_client)
+    run = plane.create_run(name="fn", runtime="python", handler="handler.handle", files=HANDLER)
+    earlier = store._runs.get(run.uid)
+    assert earlier is not None
+    store.delete(run.uid)
+    assert [r.name for r in store.runs()] == []
+    store._runs.learn(earlier)  # as the watch delivers it late
+    assert [r.name for r in store.runs()] == []

@@ -21,6 +21,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ from fnkernel.runtime_server.wire import DELETED, FAILED, NEW
 LOG = logging.getLogger("fnkernel.kubernetes")
 WATCH_SECONDS = 60  # how long one watch request lasts before it is made again (server side)
 _RETRY_SECONDS = 1.0  # after a failed list or watch
+_TOMBSTONES = 10_000  # deleted objects an informer remembers (see _Informer.learn)
 _CONFLICT_TRIES = 50  # a status write that keeps meeting newer versions gives up after this
 _SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
@@ -101,6 +103,8 @@ class _Informer:
         self._stop = stop
         self._lock = threading.Lock()
         self.items: dict[str, dict[str, Any]] = {}  # by metadata.uid
+        # uid → the resourceVersion it was deleted at, for the last _TOMBSTONES deleted.
+        self._gone: OrderedDict[str, int] = OrderedDict()
         self.synced = threading.Event()
         self._response: Any = None  # the watch request being read
         self._thread = threading.Thread(target=self._run, name=f"watch {name}", daemon=True)
@@ -115,14 +119,23 @@ class _Informer:
 
     def learn(self, obj: dict[str, Any], *, deleted: bool = False) -> None:
         """Put what a write of ours answered (or a watch event) in the cache, unless the cache
-        already holds a newer version of it."""
+        already holds a newer version of it — or knows it deleted at that version or later: a
+        watch event of an older write, arriving after our own delete, must not bring it back."""
         uid = obj["metadata"]["uid"]
+        revision = _revision(obj)
         with self._lock:
             held = self.items.get(uid)
-            if held is not None and _revision(held) > _revision(obj) >= 0:
+            if held is not None and _revision(held) > revision >= 0:
                 return
             if deleted:
                 self.items.pop(uid, None)
+                self._gone[uid] = max(
+                    revision, _revision(held) if held else -1, self._gone.get(uid, -1)
+                )
+                while len(self._gone) > _TOMBSTONES:
+                    self._gone.popitem(last=False)
+            elif uid in self._gone and revision <= self._gone[uid]:
+                return
             else:
                 self.items[uid] = obj
         self._on_change()
@@ -426,8 +439,9 @@ class KubernetesRunStore:
             return
         name = obj["metadata"]["name"]
         finalizers = [f for f in obj["metadata"].get("finalizers") or () if f != objects.FINALIZER]
+        last = obj  # the latest version of ours: the cache forgets every version up to it
         try:
-            patched = _object(self._custom.patch_namespaced_custom_object(
+            patched = last = _object(self._custom.patch_namespaced_custom_object(
                 GROUP, VERSION, self.namespace, PLURAL, name,
                 {"metadata": {"finalizers": finalizers or None}},
             ))  # fmt: skip
@@ -441,7 +455,7 @@ class KubernetesRunStore:
         except ApiException as exc:
             if exc.status != 404:
                 raise
-        self._runs.learn(obj, deleted=True)
+        self._runs.learn(last, deleted=True)
 
     def load_by_pod(self) -> dict[str, int]:
         load: dict[str, int] = {}
