@@ -323,3 +323,27 @@ def test_a_late_watch_event_does_not_bring_a_deleted_run_back(
     assert [r.name for r in store.runs()] == []
     store._runs.learn(earlier)  # as the watch delivers it late
     assert [r.name for r in store.runs()] == []
+
+
+def test_a_delete_computed_from_a_stale_cache_keeps_anothers_finalizer(
+    store: KubernetesRunStore, custom: client.CustomObjectsApi, api_client: client.ApiClient
+) -> None:
+    # docs/kubernetes.md, "Fences": every write that decides something carries the
+    # resourceVersion it was computed from. Removing our finalizer from a cached version that
+    # another writer has since changed (here: a finalizer of its own added) is a 409, and the
+    # patch is computed again: the other finalizer stays, and holds the deleted object.
+    plane = plane_with_pod(store, api_client)
+    run = plane.create_run(name="fn", runtime="python", handler="handler.handle", files=HANDLER)
+    stale = store._runs.get(run.uid)
+    assert stale is not None and stale["metadata"]["finalizers"] == [objects.FINALIZER]
+    theirs = "example.com/keep"
+    current = custom.get_namespaced_custom_object(G, V, NS, P, "fn")
+    custom.patch_namespaced_custom_object(G, V, NS, P, "fn", {"metadata": {
+        "finalizers": [*current["metadata"]["finalizers"], theirs],
+        "resourceVersion": current["metadata"]["resourceVersion"]}})  # fmt: skip
+    wait_until(lambda: theirs in (store._runs.get(run.uid) or {})["metadata"]["finalizers"], 10)
+    store._runs.items[run.uid] = stale  # the cache as it was before that write
+    store.delete(run.uid)
+    left = custom.get_namespaced_custom_object(G, V, NS, P, "fn")
+    assert left["metadata"]["finalizers"] == [theirs]
+    assert left["metadata"].get("deletionTimestamp")

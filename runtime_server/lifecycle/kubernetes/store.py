@@ -433,20 +433,34 @@ class KubernetesRunStore:
 
     def delete(self, uid: str) -> None:
         """Remove our finalizer and delete the object (both: whichever of them comes last
-        removes it)."""
+        removes it). The finalizer patch carries the resourceVersion its list of finalizers
+        was computed from: if another writer changed the object meanwhile (another finalizer),
+        the patch is a 409, and it is computed again from the object as it is."""
         obj = self._runs.get(uid)
         if obj is None:
             return
         name = obj["metadata"]["name"]
-        finalizers = [f for f in obj["metadata"].get("finalizers") or () if f != objects.FINALIZER]
         last = obj  # the latest version of ours: the cache forgets every version up to it
         try:
-            patched = last = _object(self._custom.patch_namespaced_custom_object(
-                GROUP, VERSION, self.namespace, PLURAL, name,
-                {"metadata": {"finalizers": finalizers or None}},
-            ))  # fmt: skip
-            if patched.get("metadata", {}).get("deletionTimestamp") and not finalizers:
-                self._runs.learn(patched, deleted=True)
+            for _ in range(_CONFLICT_TRIES):
+                meta = last["metadata"]
+                finalizers = [f for f in meta.get("finalizers") or () if f != objects.FINALIZER]
+                patch = {"metadata": {"finalizers": finalizers or None,
+                                      "resourceVersion": meta["resourceVersion"]}}  # fmt: skip
+                try:
+                    last = _object(self._custom.patch_namespaced_custom_object(
+                        GROUP, VERSION, self.namespace, PLURAL, name, patch
+                    ))  # fmt: skip
+                    break
+                except ApiException as exc:
+                    if exc.status != 409:
+                        raise
+                current = self._read(name)
+                if current is None or current["metadata"]["uid"] != uid:
+                    return
+                last = current
+            if last.get("metadata", {}).get("deletionTimestamp") and not finalizers:
+                self._runs.learn(last, deleted=True)
                 return
             self._custom.delete_namespaced_custom_object(
                 GROUP, VERSION, self.namespace, PLURAL, name,
