@@ -27,6 +27,12 @@ its own in tests/kubernetes/test_emulator.py, and listed in docs/kubernetes.md):
 6. **Finalizers**: a DELETE of an object with finalizers sets ``deletionTimestamp``; the write
    that removes the last finalizer deletes it.
 7. **Request size**: a request body over 3 MiB (the API server's limit) is ``413``.
+9. **What is stored**: every write records its writer in ``metadata.managedFields`` (the
+   ``fieldManager`` parameter, else the client's User-Agent; ``fieldsV1`` names each field the
+   write set, a map's keys included), as the API server does; an object whose stored form —
+   status and managedFields included — is past etcd's 1.5 MiB is refused as the API server
+   refuses it (500, ``etcdserver: request is too large``). A strategic merge patch of a custom
+   resource is ``415``, as custom resources do not support it.
 8. **Service account tokens and RBAC**: ``POST .../serviceaccounts/NAME/token`` (the
    TokenRequest API, which the kubelet calls for a pod's projected token) gives a token of an
    existing ServiceAccount. A request bearing one is that account's, and is allowed only if a
@@ -54,12 +60,18 @@ import uuid
 from collections import deque
 from typing import Any
 
+import aiohttp.test_utils
 import aiohttp.web
 import jsonpatch
 import kmock
 from kmock._internal.rendering import Request
 
 MAX_REQUEST_BYTES = 3 * 1024 * 1024
+MAX_STORED_BYTES = 1_572_864  # etcd's default request limit (rule 9)
+_BUILTIN_GROUPS = ("", "apps", "rbac.authorization.k8s.io", "authentication.k8s.io")
+_CR_PATCHES = (
+    "application/json-patch+json, application/merge-patch+json, application/apply-patch+yaml"
+)
 _TERM = re.compile(
     r"^\s*(!?)([A-Za-z0-9_./-]+)\s*(?:(==|=|!=)\s*(\S*)|\s+(in|notin)\s*\(([^)]*)\))?\s*$"
 )
@@ -256,7 +268,40 @@ class FencedEmulator(kmock.KubernetesEmulator):
             raise _error(404, "NotFound", f'{resource.plural} "{name}" not found')
         return copy.deepcopy(self.objects[key].raw)
 
+    # Rule 9: what is stored
+
+    @staticmethod
+    def _fields(value: Any) -> Any:
+        """fieldsV1 of `value`: every key as ``f:KEY``, down to the leaves (metadata's own
+        bookkeeping left out)."""
+        if isinstance(value, dict):
+            return {
+                f"f:{k}": FencedEmulator._fields(v)
+                for k, v in value.items()
+                if k not in ("managedFields", "resourceVersion", "uid", "creationTimestamp",
+                             "generation")
+            }  # fmt: skip
+        return {}
+
+    def _manage(self, request: Request, obj: dict[str, Any], written: dict[str, Any]) -> None:
+        """Record in `obj`'s managedFields that this request's writer set `written`."""
+        agent = next((v for k, v in request.headers.items() if k.lower() == "user-agent"), "")
+        manager = request.params.get("fieldManager") or agent.split("/")[0] or "unknown"
+        subresource = request.subresource or ""
+        entries = [
+            entry for entry in obj["metadata"].get("managedFields") or ()
+            if (entry.get("manager"), entry.get("subresource", "")) != (manager, subresource)
+        ]  # fmt: skip
+        entry = {"manager": manager, "operation": "Update", "apiVersion": obj.get("apiVersion"),
+                 "time": _now(), "fieldsType": "FieldsV1", "fieldsV1": self._fields(written)}  # fmt: skip
+        if subresource:
+            entry["subresource"] = subresource
+        obj["metadata"]["managedFields"] = [*entries, entry]
+
     def _record(self, key: Any, kind: str, obj: dict[str, Any]) -> dict[str, Any]:
+        stored = len(json.dumps(obj).encode())
+        if kind != "DELETED" and stored > MAX_STORED_BYTES:
+            raise _error(500, "InternalError", f"etcdserver: request is too large ({stored} bytes)")
         self.revision += 1
         obj["metadata"]["resourceVersion"] = str(self.revision)
         if kind == "DELETED":
@@ -295,7 +340,11 @@ class FencedEmulator(kmock.KubernetesEmulator):
             meta["namespace"] = namespace
         meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now(), generation=1)
         meta.pop("deletionTimestamp", None)
+        meta.pop("managedFields", None)
         obj.pop("status", None)  # rule 3
+        self._manage(
+            request, obj, {k: v for k, v in obj.items() if k not in ("apiVersion", "kind")}
+        )
         if key not in self.objects:
             self.objects[key] = {}
             del self.objects[key].history[:]
@@ -308,6 +357,10 @@ class FencedEmulator(kmock.KubernetesEmulator):
         body = request.data
         if method == "PATCH":
             content_type = request.headers.get("Content-Type", "")
+            group = request.resource.group if request.resource is not None else ""
+            if "strategic-merge-patch" in content_type and group not in _BUILTIN_GROUPS:
+                raise _error(415, "UnsupportedMediaType", "the body of the request was in an "
+                             f"unknown format - accepted media types include: {_CR_PATCHES}")  # fmt: skip
             if "json-patch" in content_type:
                 try:
                     wanted = jsonpatch.apply_patch(current, body)
@@ -356,6 +409,10 @@ class FencedEmulator(kmock.KubernetesEmulator):
                 new["metadata"]["generation"] = current["metadata"].get("generation", 1) + 1
         else:
             raise _error(404, "NotFound", f"no subresource {request.subresource!r} here")
+        new["metadata"]["managedFields"] = current["metadata"].get("managedFields") or []
+        written = ({"status": new.get("status")} if request.subresource == "status" else
+                   {k: v for k, v in new.items() if k not in ("apiVersion", "kind", "status")})  # fmt: skip
+        self._manage(request, new, written)
         meta = new["metadata"]
         if meta.get("deletionTimestamp") and not meta.get("finalizers"):
             return self._record(key, "DELETED", new)
@@ -453,9 +510,24 @@ class FencedEmulator(kmock.KubernetesEmulator):
         return response
 
 
+class _TakingLargeBodies(aiohttp.test_utils.RawTestServer):
+    """aiohttp's raw server, reading a body of up to the API server's request limit (its own
+    default is 1 MiB, which would refuse a request the API server takes)."""
+
+    async def _make_runner(self, debug: bool = True, **kwargs: Any) -> aiohttp.web.ServerRunner:
+        server = aiohttp.web.Server(self._handler, loop=self._loop, debug=debug, **kwargs)
+
+        def request(*args: Any) -> aiohttp.web.BaseRequest:
+            return aiohttp.web.BaseRequest(*args, server._loop,  # type: ignore[misc]
+                                           client_max_size=2 * MAX_REQUEST_BYTES)  # fmt: skip
+
+        server.request_factory = request  # type: ignore[assignment]
+        return aiohttp.web.ServerRunner(server, debug=debug, **kwargs)
+
+
 async def serve(host: str = "127.0.0.1", history: int = 10_000) -> None:
     emulator = FencedEmulator(history=history)
-    async with emulator, kmock.Server(emulator, host=host) as server:
+    async with emulator, kmock.Server(emulator, host=host, server_cls=_TakingLargeBodies) as server:
         print(f"emulated Kubernetes API at {server.url}".rstrip("/"), flush=True)
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import urllib.error
 import urllib.request
 from typing import Any
 
@@ -298,3 +299,27 @@ def test_a_service_accounts_token_is_authorized_by_its_roles_and_every_call_reco
         (user, "patch", "runs", False),
         (user, "list", "runs", False),
     ]
+
+
+def test_writes_record_their_fields_and_a_stored_object_past_etcds_limit_is_refused(
+    api: client.CustomObjectsApi,
+) -> None:
+    # Kubernetes API: managedFields names each writer's fields (a map's keys included), and
+    # counts toward what etcd stores: an object whose stored form is past 1.5 MiB is refused,
+    # though its request was within the 3 MiB a request may be. A strategic merge patch of a
+    # custom resource is 415.
+    created = create(api, run("a", spec={"files": {"a.py": "x", "b.py": "y"}}))
+    (entry,) = created["metadata"]["managedFields"]
+    assert entry["fieldsV1"]["f:spec"]["f:files"] == {"f:a.py": {}, "f:b.py": {}}
+    big = "x" * (1_572_864 - 1000)
+    with pytest.raises(ApiException) as caught:
+        create(api, run("b", spec={"files": {"big.py": big, "more.py": "y" * 2000}}))
+    assert caught.value.status == 500 and "etcdserver: request is too large" in caught.value.body
+    patch = urllib.request.Request(
+        f"{api.api_client.configuration.host}/apis/{G}/{V}/namespaces/{NS}/{P}/a",
+        data=b'{"spec": {}}', method="PATCH",
+        headers={"Content-Type": "application/strategic-merge-patch+json"},
+    )  # fmt: skip
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(patch, timeout=10)
+    assert refused.value.code == 415

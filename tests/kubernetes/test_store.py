@@ -11,6 +11,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from fnkernel.runtime_server import limits
 from fnkernel.runtime_server.errors import RunAlreadyExists, RunNotFound, RunTooLarge
 from fnkernel.runtime_server.lifecycle.controlplane import ControlPlane
 from fnkernel.runtime_server.lifecycle.kubernetes import objects
@@ -131,6 +132,28 @@ def test_a_run_too_large_for_the_api_server_is_refused_naming_the_limit(
         plane.create_run(name="big", runtime="python", handler="handler.handle", files=files)
     with pytest.raises(RunNotFound):
         store.get("big")
+    # docs/kubernetes.md, "How large a Run may be": what is stored counts, not what is sent —
+    # a Run that the API server would take as sent but not with its status and managedFields
+    # is refused at its create, never at a later status write.
+    files = {**HANDLER, "data.txt": "x" * (objects.MAX_OBJECT_BYTES - 2000)}
+    with pytest.raises(RunTooLarge, match="as the API server stores it"):
+        plane.create_run(name="near", runtime="python", handler="handler.handle", files=files)
+
+
+def test_a_run_the_create_takes_takes_every_status_write_after(
+    store: KubernetesRunStore, api_client: client.ApiClient
+) -> None:
+    # docs/kubernetes.md, "How large a Run may be": the largest Run a create takes is still
+    # stored after every status write, the fullest its schema allows (the emulated API server
+    # counts status and managedFields, and refuses past etcd's limit as the API server does).
+    plane = plane_with_pod(store, api_client)
+    room = objects.MAX_OBJECT_BYTES - objects.STATUS_RESERVE_BYTES - 4096
+    files = {**HANDLER, "data.txt": "x" * room}
+    run = plane.create_run(name="full", runtime="python", handler="handler.handle", files=files)
+    outputs = {f"k{n:02}": "v" * (limits.MAX_OUTPUTS_BYTES // limits.MAX_OUTPUTS - 8)
+               for n in range(limits.MAX_OUTPUTS)}  # fmt: skip
+    written = store.update(run, phase=FAILED, message="m" * 4096, outputs=outputs)
+    assert written is not None and written.phase == FAILED
 
 
 def test_delete_removes_the_object_and_kubectl_delete_asks_the_control_plane(

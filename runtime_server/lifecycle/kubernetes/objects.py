@@ -38,9 +38,16 @@ RUNTIME_POD = "runtime-pod"
 RUNTIME_LABEL = "fnkernel.dev/runtime"
 RUNTIMED_PORT = "runtimed"  # the name of the container port runtimed listens on
 RUNTIME_POD_SELECTOR = f"{ROLE_LABEL}={RUNTIME_POD}"
-# The largest object the API server keeps: etcd's default request limit (1.5 MiB). A Run whose
-# files make it larger is refused before it is sent (RunTooLarge, 413 at the gateway).
+# The largest object the API server keeps: etcd's default request limit (1.5 MiB). A Run that
+# would be larger as stored is refused before it is sent (RunTooLarge, 413 at the gateway).
 MAX_OBJECT_BYTES = 1_572_864
+# What the API server stores beyond what a create sends (docs/kubernetes.md, "How large a Run
+# may be"): the status its writers put, at most what the CRD's schema lets it hold (a message
+# of 4096, outputs of 16 KiB, the rest short), and their entries of managedFields (one for each
+# writer of the status: the control plane's and runtimed's, a few hundred bytes each); the
+# spec's entry, which names every file, is counted from the spec itself (``stored_size``).
+STATUS_RESERVE_BYTES = 4096 + limits.MAX_OUTPUTS_BYTES + 4096 + 3 * 1024
+_MANAGED_ENTRY_BYTES = 512  # an entry's manager, operation, time and apiVersion
 
 
 def deployment_name(runtime: str) -> str:
@@ -153,13 +160,31 @@ def new_object(run: Run, files: Mapping[str, str], namespace: str) -> dict[str, 
     if run.replica_of:
         spec["replicaOf"] = run.replica_of
     obj = {"apiVersion": API_VERSION, "kind": KIND, "metadata": metadata, "spec": spec}
-    size = len(json.dumps(obj, ensure_ascii=False).encode())
+    size = stored_size(obj)
     if size > MAX_OBJECT_BYTES:
         raise RunTooLarge(
-            f"run {run.name!r} is {size} bytes with its files; a Kubernetes object may be at most "
-            f"{MAX_OBJECT_BYTES} bytes (etcd's request limit)"
+            f"run {run.name!r} would be {size} bytes as the API server stores it (its files, "
+            f"status and managedFields); a Kubernetes object may be at most {MAX_OBJECT_BYTES} "
+            "bytes (etcd's request limit)"
         )
     return obj
+
+
+def stored_size(obj: Mapping[str, Any]) -> int:
+    """At most how large `obj`, as a create sends it, becomes as the API server stores it:
+    itself, the managedFields entry naming each of its fields (every file's path among them),
+    and the room its status and that status's managedFields may take."""
+    sent = len(json.dumps(obj, ensure_ascii=False).encode())
+    named = {key: obj[key] for key in ("metadata", "spec") if key in obj}
+    fields = len(json.dumps(_field_names(named), ensure_ascii=False).encode())
+    return sent + _MANAGED_ENTRY_BYTES + fields + STATUS_RESERVE_BYTES
+
+
+def _field_names(value: Any) -> Any:
+    """managedFields' fieldsV1 of `value`: each key as ``f:KEY``, down to the leaves."""
+    if isinstance(value, Mapping):
+        return {f"f:{key}": _field_names(item) for key, item in value.items()}
+    return {}
 
 
 def status_with(obj: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
