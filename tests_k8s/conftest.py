@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import fnkernel_spec  # noqa: F401 — the kernelspec fixture, here too
 from tests.kubernetes.conftest import Cluster, image_of, kustomize_build
 from tests.support import ROOT
 

@@ -177,3 +177,48 @@ def test_each_role_grants_exactly_the_calls_its_component_makes(cluster: Cluster
                 "used, not granted": sorted(used - granted),
             }
     assert differences == {}, json.dumps(differences, indent=1)
+
+
+@pytest.mark.usefixtures("fnkernel_spec")  # the kernel it starts
+def test_a_kernel_registers_invokes_and_unregisters_through_the_containers(
+    cluster: Cluster,
+) -> None:
+    # README, "On Kubernetes": a kernel with FNKERNEL_RUNTIME at the gateway (and its token)
+    # registers its cells as Runs in the cluster, calls them and unregisters them — here every
+    # hop a container: gateway → runtimed → Runtime Server → worker.
+    from tests.kernel.kernels import Kernel
+
+    gateway = up(cluster)
+    kernel = Kernel(env={"FNKERNEL_RUNTIME": cluster.gateway, "FNKERNEL_TOKEN": cluster.token})
+    try:
+        cell = kernel.run("%%function where\n" + WHERE["handler.py"].replace("handle(", "handler("))
+        assert cell.ok, cell.error
+        assert "state READY" in cell.texts()[-1]
+        answer = kernel.value("where()")
+        assert answer["uid"] == POD_USER and answer["own dir"] == "written"
+        assert [r.name for r in gateway.list_runs()] == ["where"]
+        cell = kernel.run("where.unregister()")
+        assert cell.ok, cell.error
+        assert gateway.list_runs() == []
+    finally:
+        kernel.shutdown()
+
+
+def test_the_controllers_pod_deleted_mid_admission_loses_nothing(cluster: Cluster) -> None:
+    # docs/kubernetes.md, "Fences": the controller holds no state the API server does not. A
+    # Run applied with kubectl waits for the controller to admit it; the controller's pod
+    # deleted right after the apply (before or while it admits it), the Deployment's next
+    # controller takes the Run where it stands: Ready at attempt 1, admitted once.
+    gateway = up(cluster)
+    (controller,) = cluster.pods("controller")
+    client.CustomObjectsApi(cluster.client).create_namespaced_custom_object(G, V, NAMESPACE, P, {
+        "apiVersion": objects.API_VERSION, "kind": "Run", "metadata": {"name": "survivor"},
+        "spec": {"runtime": "python", "handler": "handler.handle", "files": WHERE},
+    })  # fmt: skip
+    client.CoreV1Api(cluster.client).delete_namespaced_pod(
+        controller["metadata"]["name"], NAMESPACE
+    )
+    wait_until(lambda: [p["metadata"]["name"] for p in cluster.pods("controller")]
+               not in ([], [controller["metadata"]["name"]]), timeout=60)  # fmt: skip
+    wait_until(lambda: _phase(gateway, "survivor") == ("Ready", 1), timeout=120)
+    assert gateway.invoke("survivor", {}).decoded()["uid"] == POD_USER
