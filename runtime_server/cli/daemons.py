@@ -50,9 +50,12 @@ def _add_store_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _open_store(args: argparse.Namespace, *, pods: bool = True) -> RunStore:
+def _open_store(
+    args: argparse.Namespace, *, pods: bool = True, only_pod: str | None = None
+) -> RunStore:
     """The Run store the flags name; the Kubernetes client is imported only for it. `pods`:
-    whether this component reads the Runtime Pods (runtimed does not)."""
+    whether this component reads the Runtime Pods (runtimed does not); `only_pod`: on
+    Kubernetes, keep only the Runs assigned to that pod (runtimed's own)."""
     if args.store == "kubernetes":
         from fnkernel.runtime_server.lifecycle.kubernetes.store import (
             KubernetesRunStore,
@@ -60,7 +63,9 @@ def _open_store(args: argparse.Namespace, *, pods: bool = True) -> RunStore:
             namespace_of,
         )
 
-        return KubernetesRunStore(connect(), namespace_of(args.namespace), watch_pods=pods)
+        return KubernetesRunStore(
+            connect(), namespace_of(args.namespace), watch_pods=pods, pod=only_pod
+        )
     from fnkernel.runtime_server.lifecycle.sqlite import STORE_FILE, SqliteRunStore
     from fnkernel.system.private import private_dir
 
@@ -117,7 +122,7 @@ def _runtimed(args: argparse.Namespace) -> int:
     else:
         raise UsageError("runtimed: --store kubernetes needs --workspace (the pod's own volume)")
     runtimed = Runtimed(
-        _open_store(args, pods=False),
+        _open_store(args, pods=False, only_pod=args.pod),
         pod=args.pod,
         runtime=args.runtime,
         server_address=args.server,

@@ -18,7 +18,9 @@ its own in tests/kubernetes/test_emulator.py, and listed in docs/kubernetes.md):
    object itself never changes ``status``; a create drops it.
 4. **Label and field selectors** on list and watch (``=``, ``==``, ``!=``, ``in``, ``notin``,
    ``key``, ``!key``; fields by dotted path).
-5. **Watch from a resourceVersion**: a watch given one sends every event after it, in order;
+5. **Watch from a resourceVersion**: a watch given one sends every event after it, in order
+   (with a selector: an object that comes to match is ``ADDED``, one that stops matching
+   ``DELETED``);
    one older than the server keeps is ``410 Expired`` (an ``ERROR`` event); without one, the
    current objects come first as ``ADDED``. ``timeoutSeconds`` ends the stream; with
    ``allowWatchBookmarks=true`` it ends with a ``BOOKMARK`` event at the server's latest
@@ -435,6 +437,32 @@ class FencedEmulator(kmock.KubernetesEmulator):
 
     # Rules 4 and 5
 
+    def _as_watched(
+        self, request: Request, resource: Any, namespace: str | None, revision: int,
+        event: dict[str, Any],
+    ) -> dict[str, Any] | None:  # fmt: skip
+        """`event` as a watch with a selector sees it: an object that comes to match is
+        ADDED, one that stops matching DELETED (as the API server sends them), one that
+        neither matches nor matched is not sent."""
+        obj = event["object"]
+        now = self._selected(request, resource, namespace, obj)
+        before = self._matched_before(request, obj["metadata"].get("uid"), revision)
+        if event["type"] == "DELETED":
+            return event if now or before else None
+        if now:
+            return event if before else {"type": "ADDED", "object": obj}
+        return {"type": "DELETED", "object": obj} if before else None
+
+    def _matched_before(self, request: Request, uid: str | None, revision: int) -> bool:
+        """Whether the object `uid`, as it was before `revision`, matched the request's
+        selectors (as far back as the history keeps)."""
+        for earlier, resource, namespace, event in reversed(self.events):
+            if earlier < revision and event["object"]["metadata"].get("uid") == uid:
+                return event["type"] != "DELETED" and self._selected(
+                    request, resource, namespace, event["object"]
+                )
+        return False
+
     def _selected(self, request: Request, resource: Any, namespace: str | None, obj: Any) -> bool:
         if resource != request.resource:
             return False
@@ -495,8 +523,9 @@ class FencedEmulator(kmock.KubernetesEmulator):
                     fresh.append(item)
                 for revision, resource, namespace, event in reversed(fresh):
                     cursor = revision
-                    if self._selected(request, resource, namespace, event["object"]):
-                        await send(event)
+                    seen = self._as_watched(request, resource, namespace, revision, event)
+                    if seen is not None:
+                        await send(seen)
                 async with self._changed:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(

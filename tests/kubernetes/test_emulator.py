@@ -323,3 +323,21 @@ def test_writes_record_their_fields_and_a_stored_object_past_etcds_limit_is_refu
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(patch, timeout=10)
     assert refused.value.code == 415
+
+
+def test_a_watch_with_a_selector_sees_an_object_come_and_go_as_its_labels_change(
+    api: client.CustomObjectsApi,
+) -> None:
+    # Kubernetes API, watch with a label selector: an object whose labels come to match is
+    # ADDED, one whose labels stop matching is DELETED, though neither was created or deleted.
+    since = create(api, run("a", labels={"pod": "one"}))["metadata"]["resourceVersion"]
+    api.patch_namespaced_custom_object(G, V, NS, P, "a", {"metadata": {"labels": {"pod": "two"}}})
+    api.patch_namespaced_custom_object(G, V, NS, P, "a", {"metadata": {"labels": {"pod": "one"}}})
+    stream = watch.Watch().stream(
+        api.list_namespaced_custom_object, G, V, NS, P, label_selector="pod=two",
+        resource_version=since, timeout_seconds=1,
+    )  # fmt: skip
+    assert [(e["type"], e["object"]["metadata"]["labels"]["pod"]) for e in stream] == [
+        ("ADDED", "two"),
+        ("DELETED", "one"),
+    ]

@@ -370,3 +370,27 @@ def test_a_delete_computed_from_a_stale_cache_keeps_anothers_finalizer(
     left = custom.get_namespaced_custom_object(G, V, NS, P, "fn")
     assert left["metadata"]["finalizers"] == [theirs]
     assert left["metadata"].get("deletionTimestamp")
+
+
+def test_a_pods_store_keeps_only_the_runs_assigned_to_it(
+    kube_api: EmulatedApi, store: KubernetesRunStore, api_client: client.ApiClient
+) -> None:
+    # docs/kubernetes.md, "Reads": runtimed keeps the Runs of its own pod alone, by the label
+    # the assignment sets before the status names the pod; a Run moved to another pod leaves
+    # the first pod's cache and enters the second's.
+    plane = plane_with_pod(store, api_client)
+    runtime_pod(client.CoreV1Api(api_client), "python-b", "127.0.0.10")
+    wait_until(lambda: (pod := store.pod("python-b")) is not None and pod.alive(), timeout=10)
+    run = plane.create_run(name="fn", runtime="python", handler="handler.handle", files=HANDLER)
+    other = "python-b" if run.assigned_pod == "python-abc" else "python-abc"
+    first = KubernetesRunStore(kube_api.client(), NS, watch_pods=False, pod=run.assigned_pod)
+    second = KubernetesRunStore(kube_api.client(), NS, watch_pods=False, pod=other)
+    try:
+        assert [r.name for r in first.runs()] == ["fn"] and second.runs() == []
+        moved = store.update(run, phase=RETRYING, assigned_pod=other, attempt=run.attempt + 1)
+        assert moved is not None and moved.assigned_pod == other
+        wait_until(lambda: [r.assigned_pod for r in second.runs()] == [other], timeout=10)
+        wait_until(lambda: first.runs() == [], timeout=10)
+    finally:
+        first.close()
+        second.close()

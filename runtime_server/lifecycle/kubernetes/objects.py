@@ -36,6 +36,9 @@ NAME_KEY = "fnkernel.dev/name"  # annotation: the Run's name where metadata.name
 ROLE_LABEL = "app.kubernetes.io/component"
 RUNTIME_POD = "runtime-pod"
 RUNTIME_LABEL = "fnkernel.dev/runtime"
+# On a Run: the pod it is assigned to, so that runtimed watches its own Runs alone (a label
+# selector), not every Run of the namespace with its files (docs/kubernetes.md, "Reads").
+POD_LABEL = "fnkernel.dev/pod"
 RUNTIMED_PORT = "runtimed"  # the name of the container port runtimed listens on
 RUNTIME_POD_SELECTOR = f"{ROLE_LABEL}={RUNTIME_POD}"
 # The largest object the API server keeps: etcd's default request limit (1.5 MiB). A Run that
@@ -141,7 +144,10 @@ def new_object(run: Run, files: Mapping[str, str], namespace: str) -> dict[str, 
     metadata: dict[str, Any] = {
         "name": object_name(run.name),
         "namespace": namespace,
-        "labels": {RUNTIME_LABEL: run.runtime},
+        "labels": {
+            RUNTIME_LABEL: run.runtime,
+            **({POD_LABEL: run.assigned_pod} if run.assigned_pod else {}),
+        },
         "finalizers": [FINALIZER],
     }
     if metadata["name"] != run.name:

@@ -220,10 +220,12 @@ class KubernetesRunStore:
         namespace: str,
         *,
         watch_pods: bool = True,
+        pod: str | None = None,
         sync_timeout: float = 30.0,
     ) -> None:
         """`watch_pods`: keep the Runtime Pods too (the scheduler and the gateway's route need
-        them; runtimed does not, and its service account may not list pods)."""
+        them; runtimed does not, and its service account may not list pods). `pod`: keep only
+        the Runs assigned to that pod (runtimed's), by their objects.POD_LABEL."""
         self.namespace = namespace
         self._api_client = api_client
         self._custom = client.CustomObjectsApi(api_client)
@@ -239,6 +241,7 @@ class KubernetesRunStore:
             ),
             self._changed,
             self._stop,
+            **({"label_selector": f"{objects.POD_LABEL}={pod}"} if pod else {}),
         )
         self._pods = _Informer(
             "pods",
@@ -379,6 +382,12 @@ class KubernetesRunStore:
             if not self._held(obj):
                 obj = self._hold(obj)
                 continue
+            pod = str(changes.get("assigned_pod", current.assigned_pod))
+            if (obj["metadata"].get("labels") or {}).get(objects.POD_LABEL, "") != pod:
+                obj = self._label(
+                    obj, pod
+                )  # first: the new pod's runtimed sees it, then the status
+                continue
             body = {
                 "apiVersion": objects.API_VERSION,
                 "kind": objects.KIND,
@@ -430,6 +439,23 @@ class KubernetesRunStore:
             return self._read(meta["name"])
         self._runs.learn(held)
         return held
+
+    def _label(self, obj: dict[str, Any], pod: str) -> dict[str, Any] | None:
+        """Label the Run with the pod it is being assigned to (objects.POD_LABEL; none: no
+        pod), fenced on the version it was read at; the object as it is after (None: gone)."""
+        meta = obj["metadata"]
+        patch = {"metadata": {"labels": {objects.POD_LABEL: pod or None},
+                              "resourceVersion": meta["resourceVersion"]}}  # fmt: skip
+        try:
+            labelled = _object(self._custom.patch_namespaced_custom_object(
+                GROUP, VERSION, self.namespace, PLURAL, meta["name"], patch
+            ))  # fmt: skip
+        except ApiException as exc:
+            if exc.status not in (404, 409):
+                raise
+            return self._read(meta["name"])
+        self._runs.learn(labelled)
+        return labelled
 
     def delete(self, uid: str) -> None:
         """Remove our finalizer and delete the object (both: whichever of them comes last
