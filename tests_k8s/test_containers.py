@@ -13,7 +13,7 @@ import pytest
 from kubernetes import client
 
 from fnkernel.runtime_server.client import Client
-from fnkernel.runtime_server.client.errors import FunctionNotFound
+from fnkernel.runtime_server.client.errors import FunctionNotFound, HandlerFailed
 from fnkernel.runtime_server.lifecycle.kubernetes import objects
 from tests.kubernetes.conftest import NAMESPACE, POD_USER, Cluster
 from tests.kubernetes.node_agent import KUBECONFIG_IN_POD
@@ -222,3 +222,26 @@ def test_the_controllers_pod_deleted_mid_admission_loses_nothing(cluster: Cluste
                not in ([], [controller["metadata"]["name"]]), timeout=60)  # fmt: skip
     wait_until(lambda: _phase(gateway, "survivor") == ("Ready", 1), timeout=120)
     assert gateway.invoke("survivor", {}).decoded()["uid"] == POD_USER
+
+
+HOG = {
+    "handler.py": "def handle(event):\n    block = b'x' * (event['mib'] << 20)\n    return len(block)\n"
+}
+
+
+def test_a_handler_past_its_pods_memory_limit_is_killed_and_the_function_stays(
+    cluster: Cluster,
+) -> None:
+    # docs/kubernetes.md, "What is tested": the Runtime Pod's server runs under its manifest's
+    # memory limit (2Gi). A handler allowed more by its own memoryMb is killed inside that
+    # limit when it takes more; its call fails (WorkerCrashed), a fresh worker takes the next
+    # call, and the function stays registered: nothing else of the pod is lost.
+    gateway = up(cluster)
+    gateway.create_run("hog", runtime="python", handler="handler.handle", memory_mb=4096,
+                       files=HOG)  # fmt: skip
+    assert gateway.invoke("hog", {"mib": 8}).decoded() == 8 << 20
+    with pytest.raises(HandlerFailed) as killed:
+        gateway.invoke("hog", {"mib": 2600}, timeout_millis=120_000)
+    assert killed.value.error_type == "WorkerCrashed", killed.value
+    assert gateway.invoke("hog", {"mib": 8}).decoded() == 8 << 20
+    assert _phase(gateway, "hog") == ("Ready", 1)
