@@ -1,5 +1,5 @@
 """What a component's cache of Runs costs on Kubernetes (docs/kubernetes.md, "Reads"): the
-resident memory of a process holding a ``KubernetesRunStore`` of a namespace with many large
+resident memory (now, and at its peak) of a process holding a ``KubernetesRunStore`` of a namespace with many large
 Runs, all assigned to other pods — keeping every Run (the controller's and the gateway's store)
 against keeping only its own pod's (runtimed's, by the pod label) — beside the same process
 holding an empty namespace, measured in one run against the emulated API server.
@@ -29,8 +29,9 @@ configuration.host = sys.argv[1]
 store = KubernetesRunStore(client.ApiClient(configuration), sys.argv[2], watch_pods=False,
                            pod=sys.argv[3] or None, sync_timeout=120)
 held = len(store.runs())
-print(json.dumps({"runs": held, "rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}),
-      flush=True)
+now = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS"))
+print(json.dumps({"runs": held, "rss_kib": now,
+                  "peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}), flush=True)
 os._exit(0)  # the watch threads are daemons reading a socket: no orderly shutdown to wait for
 """
 
@@ -70,13 +71,13 @@ def main() -> None:
         api.stop()
     for label, seen in (("empty namespace", empty), ("every Run (controller, gateway)", every),
                         ("its own pod's Runs (runtimed)", own)):  # fmt: skip
-        print(
-            f"{label:<34} {seen['runs']:>5} Runs held   peak RSS {seen['rss_kib'] / 1024:7.1f} MiB"
-        )
-    extra_every = every["rss_kib"] - empty["rss_kib"]
-    extra_own = own["rss_kib"] - empty["rss_kib"]
-    print(f"above an empty namespace: every Run {extra_every / 1024:+.1f} MiB, "
-          f"its own pod's {extra_own / 1024:+.1f} MiB")  # fmt: skip
+        print(f"{label:<34} {seen['runs']:>5} Runs held   RSS {seen['rss_kib'] / 1024:6.1f} MiB"
+              f"   peak {seen['peak_kib'] / 1024:6.1f} MiB")  # fmt: skip
+    for key, name in (("rss_kib", "RSS"), ("peak_kib", "peak")):
+        extra_every = (every[key] - empty[key]) / 1024
+        extra_own = (own[key] - empty[key]) / 1024
+        print(f"{name} above an empty namespace: every Run {extra_every:+.1f} MiB, "
+              f"its own pod's {extra_own:+.1f} MiB")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -29,6 +29,10 @@ its own in tests/kubernetes/test_emulator.py, and listed in docs/kubernetes.md):
 6. **Finalizers**: a DELETE of an object with finalizers sets ``deletionTimestamp``; the write
    that removes the last finalizer deletes it.
 7. **Request size**: a request body over 3 MiB (the API server's limit) is ``413``.
+10. **Pages**: a list with ``limit`` answers that many items and a ``continue`` token for the
+    rest, each page carrying the resourceVersion of the first. Items come in the order of
+    their keys (namespace, name), as etcd lists them; the API server serves the pages of one
+    list from one snapshot, this double from the objects as they are at each page.
 9. **What is stored**: every write records its writer in ``metadata.managedFields`` (the
    ``fieldManager`` parameter, else the client's User-Agent; ``fieldsV1`` names each field the
    write set, a map's keys included), as the API server does; an object whose stored form —
@@ -479,13 +483,24 @@ class FencedEmulator(kmock.KubernetesEmulator):
             for (resource, namespace, _), obj in self.objects.items()
             if not obj.deleted and self._selected(request, resource, namespace, obj.raw)
         ]
-        items.sort(key=lambda item: int(item["metadata"]["resourceVersion"]))
-        return {
-            "apiVersion": "v1",
-            "kind": "List",
-            "metadata": {"resourceVersion": str(self.revision)},
-            "items": items,
-        }
+        # In the order of their keys, as etcd lists them: a page's offset stays put however
+        # the objects change between pages.
+        items.sort(
+            key=lambda item: (item["metadata"].get("namespace") or "", item["metadata"]["name"])
+        )
+        metadata = {"resourceVersion": str(self.revision)}
+        # Pages (rule 10): `limit` items from `continue`'s offset, the list's resourceVersion
+        # the one its first page had.
+        start, _, version = request.params.get("continue", "").partition(":")
+        if version:
+            metadata["resourceVersion"] = version
+        limit = int(request.params.get("limit") or 0)
+        offset = int(start or 0)
+        if limit:
+            if offset + limit < len(items):
+                metadata["continue"] = f"{offset + limit}:{metadata['resourceVersion']}"
+            items = items[offset : offset + limit]
+        return {"apiVersion": "v1", "kind": "List", "metadata": metadata, "items": items}
 
     async def _watch(self, request: Request) -> aiohttp.web.StreamResponse:
         if self._changed is None:

@@ -341,3 +341,18 @@ def test_a_watch_with_a_selector_sees_an_object_come_and_go_as_its_labels_change
         ("ADDED", "two"),
         ("DELETED", "one"),
     ]
+
+
+def test_a_list_with_a_limit_comes_in_pages_of_one_version(api: client.CustomObjectsApi) -> None:
+    # Kubernetes API, list chunking: `limit` items a page and a `continue` token for the rest;
+    # every page says the resourceVersion of the first.
+    for name in ("a", "b", "c"):
+        create(api, run(name))
+    first = api.list_namespaced_custom_object(G, V, NS, P, limit=2)
+    api.patch_namespaced_custom_object(G, V, NS, P, "a", {"spec": {"n": 1}})  # a new version
+    second = api.list_namespaced_custom_object(G, V, NS, P, limit=2,
+                                               _continue=first["metadata"]["continue"])  # fmt: skip
+    assert [i["metadata"]["name"] for i in first["items"]] == ["a", "b"]
+    assert [i["metadata"]["name"] for i in second["items"]] == ["c"]
+    assert "continue" not in second["metadata"]
+    assert second["metadata"]["resourceVersion"] == first["metadata"]["resourceVersion"]

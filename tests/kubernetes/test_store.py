@@ -394,3 +394,19 @@ def test_a_pods_store_keeps_only_the_runs_assigned_to_it(
     finally:
         first.close()
         second.close()
+
+
+def test_the_cache_keeps_no_files_and_the_files_are_read_when_needed(
+    store: KubernetesRunStore, api_client: client.ApiClient
+) -> None:
+    # docs/kubernetes.md, "Reads": a Run may hold 1.5 MiB of files, and every component caches
+    # every Run: the cache keeps each file's name, not its text, which is read from the API
+    # server when runtimed writes the files or the control plane checks them.
+    plane = plane_with_pod(store, api_client)
+    run = plane.create_run(name="fn", runtime="python", handler="handler.handle", files=HANDLER)
+    cached = store._runs.get(run.uid)
+    assert cached is not None and cached["spec"]["files"] == {"handler.py": ""}
+    assert store.files(run.uid) == HANDLER
+    store.delete(run.uid)
+    with pytest.raises(RunNotFound):
+        store.files(run.uid)

@@ -134,6 +134,15 @@ def run_of(obj: Mapping[str, Any]) -> Run:
     )
 
 
+def without_files(obj: dict[str, Any]) -> dict[str, Any]:
+    """`obj` as a cache keeps it: its spec's files by name only, their text dropped — it is
+    read when needed (docs/kubernetes.md, "Reads"); a copy, so `obj` keeps the text."""
+    spec = obj.get("spec")
+    if not isinstance(spec, dict) or not isinstance(spec.get("files"), dict):
+        return obj
+    return {**obj, "spec": {**spec, "files": dict.fromkeys(spec["files"], "")}}
+
+
 def files_of(obj: Mapping[str, Any]) -> dict[str, str]:
     return {str(k): str(v) for k, v in ((obj.get("spec") or {}).get("files") or {}).items()}
 

@@ -40,6 +40,7 @@ LOG = logging.getLogger("fnkernel.kubernetes")
 WATCH_SECONDS = 60  # how long one watch request lasts before it is made again (server side)
 _RETRY_SECONDS = 1.0  # after a failed list or watch
 _TOMBSTONES = 10_000  # deleted objects an informer remembers (see _Informer.learn)
+_LIST_PAGE = 50  # objects a list reads at once (a Run may be 1.5 MiB)
 _CONFLICT_TRIES = 50  # a status write that keeps meeting newer versions gives up after this
 _SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
@@ -94,9 +95,12 @@ class _Informer:
         list_call: Callable[..., Any],
         on_change: Callable[[], None],
         stop: threading.Event,
+        keep: Callable[[dict[str, Any]], dict[str, Any]] = lambda obj: obj,
         **selectors: Any,
     ) -> None:
+        """`keep`: what of each object the cache holds (the Runs' without their files)."""
         self.name = name
+        self._keep = keep
         self._list_call = list_call
         self._selectors = selectors
         self._on_change = on_change
@@ -121,6 +125,7 @@ class _Informer:
         """Put what a write of ours answered (or a watch event) in the cache, unless the cache
         already holds a newer version of it — or knows it deleted at that version or later: a
         watch event of an older write, arriving after our own delete, must not bring it back."""
+        obj = self._keep(obj)
         uid = obj["metadata"]["uid"]
         revision = _revision(obj)
         with self._lock:
@@ -149,12 +154,26 @@ class _Informer:
             return self.items.get(uid)
 
     def _list(self) -> str:
-        listed = raw_answer(self._list_call(_preload_content=False, **self._selectors))
+        """List in pages of _LIST_PAGE, keeping what `keep` keeps of each item as it comes:
+        the whole list of large objects is never in memory at once (docs/kubernetes.md,
+        "Reads"). The resourceVersion the watch resumes from."""
+        items: dict[str, dict[str, Any]] = {}
+        token = ""
+        while True:
+            page = raw_answer(self._list_call(
+                _preload_content=False, limit=_LIST_PAGE, **({"_continue": token} if token else {}),
+                **self._selectors,
+            ))  # fmt: skip
+            for item in page.get("items") or ():
+                items[item["metadata"]["uid"]] = self._keep(item)
+            token = str(page["metadata"].get("continue") or "")
+            if not token:
+                break
         with self._lock:
-            self.items = {item["metadata"]["uid"]: item for item in listed.get("items") or ()}
+            self.items = items
         self.synced.set()
         self._on_change()
-        return str(listed["metadata"].get("resourceVersion", ""))
+        return str(page["metadata"].get("resourceVersion", ""))
 
     def _run(self) -> None:
         since = ""
@@ -241,6 +260,7 @@ class KubernetesRunStore:
             ),
             self._changed,
             self._stop,
+            keep=objects.without_files,
             **({"label_selector": f"{objects.POD_LABEL}={pod}"} if pod else {}),
         )
         self._pods = _Informer(
@@ -310,10 +330,15 @@ class KubernetesRunStore:
         return admitted or self.get_uid(blank.uid) or blank
 
     def files(self, uid: str) -> dict[str, str]:
+        """The Run's files, read from the API server: the cache keeps none (a Run may hold
+        1.5 MiB of them, and every component would hold every Run's: docs/kubernetes.md,
+        "Reads"); a Run's files are read when runtimed writes them into its workspace and when
+        the control plane checks a Run applied with kubectl."""
         obj = self._runs.get(uid)
-        if obj is None:
+        full = self._read(obj["metadata"]["name"]) if obj is not None else None
+        if full is None or full["metadata"]["uid"] != uid:
             raise RunNotFound(f"no run has uid {uid}")
-        return objects.files_of(obj)
+        return objects.files_of(full)
 
     def _uid_of(self, name: str) -> str | None:
         """The uid of the Run named `name`, from an index rebuilt only after a change (the
@@ -351,9 +376,10 @@ class KubernetesRunStore:
         ]
 
     def _read(self, name: str) -> dict[str, Any] | None:
-        """The Run `name` as the API server has it now (after a conflict), None if it is gone.
-        A list of that one name, not a get: every component lists and watches Runs already,
-        so none needs the get verb (docs/kubernetes.md, "Who may do what")."""
+        """The Run `name` as the API server has it now (after a conflict; its files), None if
+        it is gone; the cache learns it too. A list of that one name, not a get: every
+        component lists and watches Runs already, so none needs the get verb
+        (docs/kubernetes.md, "Who may do what")."""
         listed = raw_answer(self._custom.list_namespaced_custom_object(
             GROUP, VERSION, self.namespace, PLURAL, field_selector=f"metadata.name={name}",
             _preload_content=False,
