@@ -9,14 +9,19 @@ import subprocess
 import urllib.request
 from typing import Any
 
+import grpc
 import pytest
 from kubernetes import client
 
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from fnkernel.runtime_server.client import Client
 from fnkernel.runtime_server.client.errors import FunctionNotFound, HandlerFailed
 from fnkernel.runtime_server.lifecycle.kubernetes import objects
+from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS
 from tests.kubernetes.conftest import NAMESPACE, POD_USER, Cluster
 from tests.kubernetes.node_agent import KUBECONFIG_IN_POD
+from tests.kubernetes.test_cluster import held_by
 from tests.support import wait_until
 
 pytestmark = pytest.mark.timeout(420)
@@ -245,3 +250,31 @@ def test_a_handler_past_its_pods_memory_limit_is_killed_and_the_function_stays(
     assert killed.value.error_type == "WorkerCrashed", killed.value
     assert gateway.invoke("hog", {"mib": 8}).decoded() == 8 << 20
     assert _phase(gateway, "hog") == ("Ready", 1)
+
+
+def test_a_run_moved_by_its_pods_deletion_fences_its_old_registration_id(
+    cluster: Cluster,
+) -> None:
+    # docs/protocol.md: a stale registration ID is FAILED_PRECONDITION. The Run's pod deleted,
+    # the Run moves to another (attempt 2), the attempt-1 ID is refused where it now lives, and
+    # only that pod's server holds a registration of it.
+    gateway = up(cluster)
+    gateway.create_run("moving", runtime="python", handler="handler.handle", files=WHERE)
+    before = gateway.status("moving")
+    old_pod, old_id = before["status"]["assignedPod"], before["live"]["registrationId"]
+    client.CoreV1Api(cluster.client).delete_namespaced_pod(old_pod, NAMESPACE)
+    wait_until(lambda: _phase(gateway, "moving") == ("Ready", 2), timeout=120)
+    moved = gateway.status("moving")
+    assert moved["status"]["assignedPod"] != old_pod
+    new = next(p for p in cluster.runtime_pods()
+               if p["metadata"]["name"] == moved["status"]["assignedPod"])  # fmt: skip
+    with grpc.insecure_channel(cluster.server_socket(new), options=CHANNEL_OPTIONS) as channel:
+        stale = pb.InvokeFunctionRequest(
+            registration=pb.FunctionRegistration(run_uid=moved.uid, registration_id=old_id),
+            input=b"{}",
+        )
+        with pytest.raises(grpc.RpcError) as refused:
+            pb_grpc.FunctionRuntimeStub(channel).InvokeFunction(stale, timeout=10)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert held_by(cluster, moved.uid) == [moved["status"]["assignedPod"]]
+    assert gateway.invoke("moving", {}).decoded()["uid"] == POD_USER
