@@ -452,36 +452,32 @@ class KubernetesRunStore:
         """Add our finalizer to a Run created without it (``kubectl apply``), before its first
         status write: from then on a `kubectl delete` waits until runtimed has unregistered it.
         The object as it is after (None if it is gone)."""
-        meta = obj["metadata"]
-        patch = {"metadata": {"finalizers": [*(meta.get("finalizers") or ()), objects.FINALIZER],
-                              "resourceVersion": meta["resourceVersion"]}}  # fmt: skip
-        try:
-            held = _object(self._custom.patch_namespaced_custom_object(
-                GROUP, VERSION, self.namespace, PLURAL, meta["name"], patch
-            ))  # fmt: skip
-        except ApiException as exc:
-            if exc.status not in (404, 409):
-                raise
-            return self._read(meta["name"])
-        self._runs.learn(held)
-        return held
+        finalizers = [*(obj["metadata"].get("finalizers") or ()), objects.FINALIZER]
+        return self._patch_metadata(obj, {"finalizers": finalizers})
 
     def _label(self, obj: dict[str, Any], pod: str) -> dict[str, Any] | None:
         """Label the Run with the pod it is being assigned to (objects.POD_LABEL; none: no
-        pod), fenced on the version it was read at; the object as it is after (None: gone)."""
+        pod); the object as it is after (None: gone)."""
+        return self._patch_metadata(obj, {"labels": {objects.POD_LABEL: pod or None}})
+
+    def _patch_metadata(
+        self, obj: dict[str, Any], metadata: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """A merge patch of the Run's metadata, fenced on the version `obj` was read at
+        (docs/kubernetes.md, "Fences at the API level"); the object as it is after — as the
+        API server has it now if another writer came first (409) — None if it is gone."""
         meta = obj["metadata"]
-        patch = {"metadata": {"labels": {objects.POD_LABEL: pod or None},
-                              "resourceVersion": meta["resourceVersion"]}}  # fmt: skip
+        patch = {"metadata": {**metadata, "resourceVersion": meta["resourceVersion"]}}
         try:
-            labelled = _object(self._custom.patch_namespaced_custom_object(
+            patched = _object(self._custom.patch_namespaced_custom_object(
                 GROUP, VERSION, self.namespace, PLURAL, meta["name"], patch
             ))  # fmt: skip
         except ApiException as exc:
             if exc.status not in (404, 409):
                 raise
             return self._read(meta["name"])
-        self._runs.learn(labelled)
-        return labelled
+        self._runs.learn(patched)
+        return patched
 
     def delete(self, uid: str) -> None:
         """Remove our finalizer and delete the object (both: whichever of them comes last
