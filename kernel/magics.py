@@ -111,11 +111,12 @@ FUNCTION_PARSER.add_argument(
 FUNCTION_PARSER.add_argument(
     "--include", nargs="+", action="extend", default=[], metavar="PATH",
     help="files or directories beside the notebook to ship with the function, at the same "
-    "relative paths in its working directory (UTF-8 text, 6 MiB in all with the cell)",
+    "relative paths in its working directory (UTF-8 text, 6 MiB in all)",
 )  # fmt: skip
 FUNCTION_PARSER.add_argument(
     "--idle-timeout", type=_number(int), default=0, metavar="S",
-    help="seconds without a call after which its processes stop (0: never)",
+    help="seconds without a call after which it is unregistered until the next call (0: the "
+    f"default, {limits.DEFAULT_IDLE_TIMEOUT_SECONDS})",
 )  # fmt: skip
 FUNCTION_PARSER.add_argument(
     "--memory", type=_number(int, "MiB"), default=0, metavar="MIB",
