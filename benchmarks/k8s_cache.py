@@ -1,8 +1,11 @@
 """What a component's cache of Runs costs on Kubernetes (docs/kubernetes.md, "Reads"): the
-resident memory (now, and at its peak) of a process holding a ``KubernetesRunStore`` of a namespace with many large
-Runs, all assigned to other pods — keeping every Run (the controller's and the gateway's store)
-against keeping only its own pod's (runtimed's, by the pod label) — beside the same process
-holding an empty namespace, measured in one run against the emulated API server.
+resident memory (now, and at its peak) of a process holding a ``KubernetesRunStore`` of a
+namespace with many large Runs, all assigned to other pods — keeping every Run (the
+controller's and the gateway's store) against keeping only its own pod's (runtimed's, by the
+pod label) — beside the same process holding an empty namespace; and the bytes of a Run as each
+of its watch events carries it. Runs with their files in them (applied with kubectl) against
+Runs made as the gateway makes them (files in ConfigMaps), in one run against the emulated API
+server.
 
     python -m benchmarks.k8s_cache [--runs 500] [--kib 100]
 """
@@ -18,10 +21,13 @@ import time
 from kubernetes import client
 
 from fnkernel.runtime_server.lifecycle.kubernetes import objects
+from fnkernel.runtime_server.lifecycle.kubernetes.store import KubernetesRunStore
+from fnkernel.runtime_server.lifecycle.runs import Run
+from fnkernel.runtime_server.wire import PENDING
 from tests.kubernetes.conftest import EmulatedApi
 
 _HOLD = """
-import json, os, resource, sys
+import json, os, sys
 from kubernetes import client
 from fnkernel.runtime_server.lifecycle.kubernetes.store import KubernetesRunStore
 configuration = client.Configuration()
@@ -29,9 +35,10 @@ configuration.host = sys.argv[1]
 store = KubernetesRunStore(client.ApiClient(configuration), sys.argv[2], watch_pods=False,
                            pod=sys.argv[3] or None, sync_timeout=120)
 held = len(store.runs())
-now = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS"))
-print(json.dumps({"runs": held, "rss_kib": now,
-                  "peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}), flush=True)
+# VmHWM, not getrusage's ru_maxrss, which a child keeps from its parent's at the fork.
+status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+print(json.dumps({"runs": held, "rss_kib": int(status["VmRSS"].split()[0]),
+                  "peak_kib": int(status["VmHWM"].split()[0])}), flush=True)
 os._exit(0)  # the watch threads are daemons reading a socket: no orderly shutdown to wait for
 """
 
@@ -51,33 +58,43 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=500)
     parser.add_argument("--kib", type=int, default=100, help="each Run's files")
     args = parser.parse_args()
+    files = {"h.py": "x" * (args.kib * 1024)}
     api = EmulatedApi()
+    seen: dict[str, dict[str, int]] = {}
     try:
         custom = client.CustomObjectsApi(api.client())
         started = time.monotonic()
-        for n in range(args.runs):
-            custom.create_namespaced_custom_object(objects.GROUP, objects.VERSION, "big",
+        for n in range(args.runs):  # as `kubectl apply` makes them
+            custom.create_namespaced_custom_object(objects.GROUP, objects.VERSION, "inline",
                                                    objects.PLURAL, {
                 "apiVersion": objects.API_VERSION, "kind": "Run",
                 "metadata": {"name": f"r{n}", "labels": {objects.POD_LABEL: "elsewhere"}},
-                "spec": {"runtime": "python", "handler": "h.handle",
-                         "files": {"h.py": "x" * (args.kib * 1024)}},
+                "spec": {"runtime": "python", "handler": "h.handle", "files": files},
             })  # fmt: skip
-        print(f"{args.runs} Runs of {args.kib} KiB created in {time.monotonic() - started:.1f} s")
-        empty = held(api.url, "empty", "")
-        every = held(api.url, "big", "")
-        own = held(api.url, "big", "mine")
+        gateway = KubernetesRunStore(api.client(), "configmaps", watch_pods=False)
+        for n in range(args.runs):  # as the gateway makes them
+            gateway.insert(Run(uid="", name=f"r{n}", runtime="python", handler="h.handle",
+                               source="", env={}, idle_timeout_seconds=900, phase=PENDING,
+                               attempt=1, assigned_pod="elsewhere"), files)  # fmt: skip
+        gateway.close()
+        print(f"twice {args.runs} Runs of {args.kib} KiB created in "
+              f"{time.monotonic() - started:.1f} s")  # fmt: skip
+        seen["empty namespace"] = held(api.url, "empty", "")
+        for namespace in ("inline", "configmaps"):
+            listed = custom.list_namespaced_custom_object(
+                objects.GROUP, objects.VERSION, namespace, objects.PLURAL
+            )
+            event = sum(len(json.dumps(item)) for item in listed["items"]) // args.runs
+            for label, pod in (("every Run", ""), ("its pod's Runs", "mine")):
+                seen[f"{namespace}: {label}"] = {**held(api.url, namespace, pod), "event": event}
     finally:
         api.stop()
-    for label, seen in (("empty namespace", empty), ("every Run (controller, gateway)", every),
-                        ("its own pod's Runs (runtimed)", own)):  # fmt: skip
-        print(f"{label:<34} {seen['runs']:>5} Runs held   RSS {seen['rss_kib'] / 1024:6.1f} MiB"
-              f"   peak {seen['peak_kib'] / 1024:6.1f} MiB")  # fmt: skip
-    for key, name in (("rss_kib", "RSS"), ("peak_kib", "peak")):
-        extra_every = (every[key] - empty[key]) / 1024
-        extra_own = (own[key] - empty[key]) / 1024
-        print(f"{name} above an empty namespace: every Run {extra_every:+.1f} MiB, "
-              f"its own pod's {extra_own:+.1f} MiB")  # fmt: skip
+    empty = seen["empty namespace"]
+    for label, one in seen.items():
+        print(f"{label:<28} {one['runs']:>5} Runs held   RSS {one['rss_kib'] / 1024:6.1f} MiB"
+              f" ({(one['rss_kib'] - empty['rss_kib']) / 1024:+6.1f})   peak "
+              f"{one['peak_kib'] / 1024:6.1f} MiB ({(one['peak_kib'] - empty['peak_kib']) / 1024:+6.1f})"
+              + (f"   a Run's watch event {one['event'] / 1024:.1f} KiB" if "event" in one else ""))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -75,6 +75,11 @@ class RunTooLarge(RuntimeServerError):
     of the API server); the message names the limit. The gateway answers 413."""
 
 
+class RunFilesMissing(RuntimeServerError):
+    """The Run exists but its files are not where its spec says: on Kubernetes, a ConfigMap of
+    them is gone or holds other text (docs/kubernetes.md, "Reads"); the message names it."""
+
+
 class RunNotReady(RuntimeServerError):
     """The Run cannot take an invocation now: it is pending, retrying, failed or being deleted."""
 

@@ -22,6 +22,7 @@ from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS
 from tests.kubernetes.conftest import NAMESPACE, POD_USER, Cluster
 from tests.kubernetes.node_agent import KUBECONFIG_IN_POD
 from tests.kubernetes.test_cluster import held_by
+from tests.kubernetes.test_run_files import cut_short
 from tests.support import wait_until
 
 pytestmark = pytest.mark.timeout(420)
@@ -133,13 +134,18 @@ def test_each_role_grants_exactly_the_calls_its_component_makes(cluster: Cluster
     # docs/kubernetes.md, "Who may do what": the Roles are derived from the calls. Each pod
     # calls the API server with its service account's token, which the emulated API server
     # authorizes by deploy/'s Roles and records. A team's day uses every grant of each Role,
-    # and nothing is refused: a create, a call and a delete through the gateway; a Run applied
+    # and nothing is refused: a create, a call, a read of its files and a delete through the
+    # gateway; a create the gateway cut short, which the controller finishes; a Run applied
     # and deleted with kubectl; a Runtime Pod deleted under a Run; a Run whose deletion the
     # gateway began and did not see through, which the controller finishes.
     gateway = up(cluster)
     custom = client.CustomObjectsApi(cluster.client)
     gateway.create_run("where", runtime="python", handler="handler.handle", files=WHERE)
     assert gateway.invoke("where", {}).decoded()["uid"] == POD_USER
+    assert gateway.files("where")["files"] == WHERE
+    cut_short(cluster.client, NAMESPACE, "cut", WHERE)
+    wait_until(lambda: _phase(gateway, "cut") == ("Ready", 1), timeout=60)
+    gateway.delete_run("cut")
     custom.create_namespaced_custom_object(G, V, NAMESPACE, P, {
         "apiVersion": objects.API_VERSION, "kind": "Run", "metadata": {"name": "applied"},
         "spec": {"runtime": "python", "handler": "handler.handle", "files": WHERE},

@@ -22,7 +22,13 @@ from pathlib import PurePosixPath
 
 from fnkernel.adapters import runtimes
 from fnkernel.runtime_server import limits, tracing
-from fnkernel.runtime_server.errors import InvalidField, NoRuntimePod, RunAlreadyExists, RunNotFound
+from fnkernel.runtime_server.errors import (
+    InvalidField,
+    NoRuntimePod,
+    RunAlreadyExists,
+    RunFilesMissing,
+    RunNotFound,
+)
 from fnkernel.runtime_server.lifecycle.retries import Step, Verdict, decide
 from fnkernel.runtime_server.lifecycle.runs import (
     DEFAULT_DRAIN_MILLIS,
@@ -49,6 +55,7 @@ MAX_FILES = 1000
 MAX_REPLICAS = 64  # Runs a function may have (docs/protocol.md, "Replicas")
 MAX_NAME_BYTES = 255  # one path component (NAME_MAX)
 MAX_PATH_BYTES = 1024
+CREATE_SECONDS = 60.0  # see ControlPlane.__init__
 DELETE_MARGIN_SECONDS = 10.0  # beyond the drain: runtimed's tick and the Unregister round trip
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,62}")
 
@@ -190,10 +197,14 @@ class ControlPlane:
         *,
         policy: RetryPolicy | None = None,
         tick: float = 0.1,
+        create_seconds: float = CREATE_SECONDS,
     ) -> None:
+        """`create_seconds`: how long a Run found without its files is given for the create
+        that made it to write them, before it is failed (docs/kubernetes.md, "Reads")."""
         self.store = store
         self.policy = policy or RetryPolicy()
         self.tick = tick
+        self.create_seconds = create_seconds
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -466,6 +477,13 @@ class ControlPlane:
             files = self.store.files(run.uid)
         except RunNotFound:
             return math.inf
+        except RunFilesMissing as exc:
+            # A create writes the Run, then its files (on Kubernetes): give it time to finish.
+            due = run.created_at + self.create_seconds
+            if time.time() < due:
+                return due
+            self.store.update(run, expect_phase=NEW, phase=FAILED, message=str(exc))
+            return time.time()
         try:
             spec = checked_spec(
                 run.name, run.runtime, run.handler, files, run.env,

@@ -45,6 +45,7 @@ from fnkernel.runtime_server.errors import (
     RegistrationLost,
     RegistrationNotFound,
     RoutedElsewhere,
+    RunFilesMissing,
     RunNotFound,
     RunNotReady,
 )
@@ -356,6 +357,9 @@ class Runtimed:
             write_files(self.store.files(run.uid), directory)
         except RunNotFound:
             return None  # deleted meanwhile
+        except RunFilesMissing as exc:  # no retry brings them back
+            self._failed(run, str(exc))
+            return None
         except OSError as exc:
             self._infrastructure_failure(run, f"cannot write the run's files: {exc}")
             return None

@@ -22,6 +22,7 @@ import yaml
 from kubernetes import client, utils
 
 from fnkernel.runtime_server.daemon.announce import LISTENING_ON
+from fnkernel.runtime_server.lifecycle.kubernetes.store import KubernetesRunStore
 from tests.support import ROOT
 
 
@@ -70,6 +71,19 @@ def kube_api() -> Iterator[EmulatedApi]:
 def api_client(kube_api: EmulatedApi) -> Iterator[client.ApiClient]:
     with kube_api.client() as api_client:
         yield api_client
+
+
+STORE_NAMESPACE = "fn"  # the `store` fixture's
+
+
+@pytest.fixture
+def store(kube_api: EmulatedApi) -> Iterator[KubernetesRunStore]:
+    """A Run store of the namespace STORE_NAMESPACE, as the controller and the gateway open it."""
+    opened = KubernetesRunStore(kube_api.client(), STORE_NAMESPACE)
+    try:
+        yield opened
+    finally:
+        opened.close()
 
 
 # The pods' user (the manifests' runAsUser): when the tests run as root, the test node agent runs

@@ -48,6 +48,12 @@ its own in tests/kubernetes/test_emulator.py, and listed in docs/kubernetes.md):
    administrator's. Every request of an account is recorded, allowed or not, and ``GET
    /emulator/calls`` lists them: which verb of which resource each account used.
 
+11. **Garbage collection**: an object whose ``ownerReferences`` name no object that exists is
+    deleted, as the garbage collector deletes it (in the background), when its last owner is
+    deleted for good or if it is created so.
+12. **ConfigMaps**: one's ``data`` and ``binaryData`` hold at most 1 MiB (``422``); one created
+    ``immutable`` refuses a write that changes them or that flag (``422``).
+
 Run as a program it serves on 127.0.0.1 and prints its URL: ``python -m
 tests.kubernetes.emulator [--history N]``.
 """
@@ -72,8 +78,11 @@ import jsonpatch
 import kmock
 from kmock._internal.rendering import Request
 
+from tests.kubernetes.emulator_rbac import Authorizing, _error
+
 MAX_REQUEST_BYTES = 3 * 1024 * 1024
 MAX_STORED_BYTES = 1_572_864  # etcd's default request limit (rule 9)
+MAX_CONFIG_MAP_BYTES = 1_048_576  # rule 12
 _BUILTIN_GROUPS = ("", "apps", "rbac.authorization.k8s.io", "authentication.k8s.io")
 _CR_PATCHES = (
     "application/json-patch+json, application/merge-patch+json, application/apply-patch+yaml"
@@ -89,10 +98,6 @@ class Conflict(kmock.KubernetesError):
 
 def _now() -> str:
     return datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _error(status: int, reason: str, message: str) -> kmock.KubernetesError:
-    return kmock.KubernetesError(status=status, reason=reason, message=message, details={})
 
 
 def _split_terms(selector: str) -> list[str]:
@@ -151,7 +156,7 @@ def merge_patch(target: Any, patch: Any) -> Any:
     return result
 
 
-class FencedEmulator(kmock.KubernetesEmulator):
+class FencedEmulator(Authorizing, kmock.KubernetesEmulator):
     """KMock's emulator with the API rules of the module docstring; `history`: how many events
     a watch can resume from."""
 
@@ -199,73 +204,6 @@ class FencedEmulator(kmock.KubernetesEmulator):
                 return aiohttp.web.json_response(self._delete(request, key))
         raise _error(405, "MethodNotAllowed", f"{method} is not served on {request.url.path}")
 
-    # Rule 8: service account tokens and RBAC
-
-    def _token(self, request: Request) -> dict[str, Any]:
-        account = (request.namespace or "", request.name or "")
-        self._current((request.resource, *account))  # 404 for no such ServiceAccount
-        token = uuid.uuid4().hex
-        self.tokens[token] = account
-        return {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
-                "status": {"token": token}}  # fmt: skip
-
-    def _account(self, request: Request) -> tuple[str, str] | None:
-        header = next((v for k, v in request.headers.items() if k.lower() == "authorization"), "")
-        if not header:
-            return None
-        account = self.tokens.get(header.removeprefix("Bearer ").strip())
-        if account is None:
-            raise _error(401, "Unauthorized", "Unauthorized")
-        return account
-
-    def _authorize(self, request: Request, method: str, account: tuple[str, str]) -> None:
-        assert request.resource is not None
-        if request.name is None:
-            watching = request.params.get("watch") in ("true", "1")
-            verb = {"GET": "watch" if watching else "list", "POST": "create",
-                    "DELETE": "deletecollection"}.get(method, method.lower())  # fmt: skip
-        else:
-            verb = {"GET": "get", "PUT": "update", "PATCH": "patch", "DELETE": "delete",
-                    "POST": "create"}.get(method, method.lower())  # fmt: skip
-        group = request.resource.group or ""
-        resource = request.resource.plural
-        if request.subresource:
-            resource += f"/{request.subresource}"
-        namespace = request.namespace or ""
-        allowed = any(
-            (group in rule.get("apiGroups", ()) or "*" in rule.get("apiGroups", ()))
-            and (resource in rule.get("resources", ()) or "*" in rule.get("resources", ()))
-            and (verb in rule.get("verbs", ()) or "*" in rule.get("verbs", ()))
-            for rule in self._rules(namespace, account)
-        )
-        user = f"system:serviceaccount:{account[0]}:{account[1]}"
-        self.calls.append({"user": user, "verb": verb, "group": group, "resource": resource,
-                           "namespace": namespace, "allowed": allowed})  # fmt: skip
-        if not allowed:
-            raise _error(403, "Forbidden", f'{user} cannot {verb} resource "{resource}" in API '
-                         f'group "{group}" in the namespace "{namespace}"')  # fmt: skip
-
-    def _rules(self, namespace: str, account: tuple[str, str]) -> list[dict[str, Any]]:
-        """The rules of every Role a RoleBinding of `namespace` binds `account` to."""
-        live = {
-            (resource.plural, ns, name): obj.raw
-            for (resource, ns, name), obj in self.objects.items()
-            if not obj.deleted and resource.plural in ("roles", "rolebindings")
-        }
-        rules = []
-        for (plural, ns, _), binding in live.items():
-            if plural != "rolebindings" or ns != namespace:
-                continue
-            bound = any(
-                subject.get("kind") == "ServiceAccount" and subject.get("name") == account[1]
-                and subject.get("namespace", ns) == account[0]
-                for subject in binding.get("subjects") or ()
-            )  # fmt: skip
-            role = live.get(("roles", ns, binding["roleRef"]["name"]))
-            if bound and role is not None and binding["roleRef"].get("kind") == "Role":
-                rules += role.get("rules") or []
-        return rules
-
     # Rule 1: versions, and the writes that give them
 
     def _current(self, key: Any) -> dict[str, Any]:
@@ -305,7 +243,7 @@ class FencedEmulator(kmock.KubernetesEmulator):
         obj["metadata"]["managedFields"] = [*entries, entry]
 
     def _record(self, key: Any, kind: str, obj: dict[str, Any]) -> dict[str, Any]:
-        stored = len(json.dumps(obj).encode())
+        stored = len(json.dumps(obj, ensure_ascii=False).encode())  # UTF-8, as Go writes it
         if kind != "DELETED" and stored > MAX_STORED_BYTES:
             raise _error(500, "InternalError", f"etcdserver: request is too large ({stored} bytes)")
         self.revision += 1
@@ -324,7 +262,44 @@ class FencedEmulator(kmock.KubernetesEmulator):
                     changed.notify_all()
 
             asyncio.get_running_loop().create_task(notify())
+        if kind == "DELETED" or (kind == "ADDED" and obj["metadata"].get("ownerReferences")):
+            self._collect()
         return obj
+
+    # Rule 11: garbage collection
+
+    def _collect(self) -> None:
+        """Delete every object all of whose owners are gone (each delete collects again)."""
+        live = {obj.raw["metadata"]["uid"] for obj in self.objects.values() if not obj.deleted}
+        for key, obj in list(self.objects.items()):
+            owners = obj.raw["metadata"].get("ownerReferences") if not obj.deleted else None
+            if owners and not any(owner.get("uid") in live for owner in owners):
+                self._remove(key, copy.deepcopy(obj.raw))
+                return  # _record collected the rest
+
+    # Rule 12: ConfigMaps
+
+    @staticmethod
+    def _check_config_map(
+        resource: Any, new: dict[str, Any], current: dict[str, Any] | None = None
+    ) -> None:
+        if resource is None or resource.plural != "configmaps":
+            return
+        size = sum(len(k) + len(str(v).encode()) for field in ("data", "binaryData")
+                   for k, v in (new.get(field) or {}).items())  # fmt: skip
+        if size > MAX_CONFIG_MAP_BYTES:
+            raise _error(422, "Invalid", f"ConfigMap is invalid: []: Too long: must have at "
+                         f"most {MAX_CONFIG_MAP_BYTES} bytes")  # fmt: skip
+        if (
+            current is not None
+            and current.get("immutable")
+            and any(
+                new.get(field) != current.get(field)
+                for field in ("data", "binaryData", "immutable")
+            )
+        ):
+            raise _error(422, "Invalid", "ConfigMap is invalid: data: Forbidden: field is "
+                         "immutable when `immutable` is set")  # fmt: skip
 
     def _create(self, request: Request) -> dict[str, Any]:
         body = request.data
@@ -344,6 +319,7 @@ class FencedEmulator(kmock.KubernetesEmulator):
             )
         if namespace is not None:
             meta["namespace"] = namespace
+        self._check_config_map(request.resource, obj)
         meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now(), generation=1)
         meta.pop("deletionTimestamp", None)
         meta.pop("managedFields", None)
@@ -415,6 +391,7 @@ class FencedEmulator(kmock.KubernetesEmulator):
                 new["metadata"]["generation"] = current["metadata"].get("generation", 1) + 1
         else:
             raise _error(404, "NotFound", f"no subresource {request.subresource!r} here")
+        self._check_config_map(request.resource, new, current)
         new["metadata"]["managedFields"] = current["metadata"].get("managedFields") or []
         written = ({"status": new.get("status")} if request.subresource == "status" else
                    {k: v for k, v in new.items() if k not in ("apiVersion", "kind", "status")})  # fmt: skip
@@ -432,6 +409,10 @@ class FencedEmulator(kmock.KubernetesEmulator):
             wanted = preconditions.get(field)
             if wanted and wanted != current["metadata"].get(field):
                 raise _error(409, "Conflict", f"precondition failed: {field} is not {wanted}")
+        return self._remove(key, current)
+
+    def _remove(self, key: Any, current: dict[str, Any]) -> dict[str, Any]:
+        """Delete the object: at once, or (rule 6) once its finalizers are removed."""
         if current["metadata"].get("finalizers"):
             if current["metadata"].get("deletionTimestamp"):
                 return current

@@ -6,6 +6,7 @@ client call through gateway → runtimed in a pod → Runtime Server → worker.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import textwrap
 from typing import Any
@@ -18,7 +19,6 @@ from kubernetes.client.exceptions import ApiException
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from fnkernel.runtime_server.client import Client
-from fnkernel.runtime_server.client.errors import PayloadTooLarge
 from fnkernel.runtime_server.lifecycle.kubernetes import objects
 from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS
 from tests.kubernetes.conftest import NAMESPACE, POD_USER, Cluster
@@ -139,15 +139,35 @@ def test_deleting_the_runs_pod_moves_it_to_another_with_attempt_2_and_fences_the
     wait_until(lambda: len(cluster.runtime_pods()) == RUNTIME_PODS, timeout=60)
 
 
-def test_a_run_too_large_for_the_api_server_is_413_naming_the_limit(cluster: Cluster) -> None:
-    # docs/kubernetes.md: a Run's files live in the Run, and an object is at most etcd's limit.
+def test_a_runs_files_past_an_objects_limit_are_created_called_and_read_back(
+    cluster: Cluster,
+) -> None:
+    # docs/kubernetes.md, "Reads": a Run's files live in ConfigMaps it owns, so a Run may hold
+    # what the gateway takes (6 MiB), past what one object (1.5 MiB) or ConfigMap (1 MiB) holds;
+    # runtimed writes them whole into the Run's working dir; they go with the Run.
     gateway = up(cluster)
-    files = {**ECHO, "data.txt": "x" * objects.MAX_OBJECT_BYTES}  # under the gateway's 6 MiB
-    with pytest.raises(PayloadTooLarge) as refused:
-        gateway.create_run("big", runtime="python", handler="handler.handle", files=files)
-    assert refused.value.status == 413
-    assert f"at most {objects.MAX_OBJECT_BYTES} bytes" in str(refused.value)
-    assert gateway.list_runs() == []
+    data = "aé€𝄞\n" * 200_000  # 2.2 MB of UTF-8
+    files = {
+        "handler.py": "import hashlib\n"
+        "def handle(event):\n"
+        "    text = open('data.txt', encoding='utf-8').read()\n"
+        "    return {'chars': len(text), 'sha256': hashlib.sha256(text.encode()).hexdigest()}\n",
+        "data.txt": data,
+    }
+    gateway.create_run("big", runtime="python", handler="handler.handle", files=files)
+    assert gateway.invoke("big", {}).decoded() == {
+        "chars": len(data),
+        "sha256": hashlib.sha256(data.encode()).hexdigest(),
+    }
+    assert gateway.files("big")["files"] == files
+    core = client.CoreV1Api(cluster.client)
+    owned = f"{objects.RUN_LABEL}=big"
+    assert len(core.list_namespaced_config_map(NAMESPACE, label_selector=owned).items) == 3
+    gateway.delete_run("big")
+    wait_until(
+        lambda: core.list_namespaced_config_map(NAMESPACE, label_selector=owned).items == [],
+        timeout=30,
+    )
 
 
 def test_restarting_the_controller_and_the_gateway_loses_no_run(cluster: Cluster) -> None:

@@ -62,6 +62,7 @@ def test_the_run_crd_enforces_the_control_planes_limits(built: list[dict[str, An
     assert spec["idleTimeoutSeconds"]["maximum"] == limits.MAX_IDLE_TIMEOUT_SECONDS
     assert spec["memoryMb"]["maximum"] == limits.MAX_MEMORY_MB
     assert spec["files"]["maxProperties"] == controlplane.MAX_FILES
+    assert spec["filesFrom"]["properties"]["configMaps"]["maxItems"] == objects.MAX_FILES_PARTS
     status = schema["properties"]["status"]["properties"]
     assert status["outputs"]["maxProperties"] == limits.MAX_OUTPUTS
     assert set(status) == set(objects.STATUS_KEYS.values())
@@ -75,6 +76,8 @@ def test_the_run_crd_enforces_the_control_planes_limits(built: list[dict[str, An
         {"files": {f"f{n}.py": "" for n in range(controlplane.MAX_FILES + 1)}},
         {"memoryMb": limits.MAX_MEMORY_MB + 1},
         {"env": {"A": 1}},
+        {"filesFrom": {"configMaps": ["a"], "sha256": "not hex"}},
+        {"filesFrom": {"configMaps": ["a"] * (objects.MAX_FILES_PARTS + 1), "sha256": "0" * 64}},
     ):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate({**good, "spec": {**good["spec"], **bad}}, schema)
@@ -93,6 +96,7 @@ def test_each_role_is_the_least_its_component_needs(built: list[dict[str, Any]])
     assert rules("fnkernel-runtime") == {
         "fnkernel.dev/runs": read,
         "fnkernel.dev/runs/status": {"update"},
+        "configmaps": {"get"},  # a Run's files
     }
     gateway = rules("fnkernel-gateway")
     assert gateway["pods"] == read and "apps/deployments" not in gateway

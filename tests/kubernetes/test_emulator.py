@@ -356,3 +356,58 @@ def test_a_list_with_a_limit_comes_in_pages_of_one_version(api: client.CustomObj
     assert [i["metadata"]["name"] for i in second["items"]] == ["c"]
     assert "continue" not in second["metadata"]
     assert second["metadata"]["resourceVersion"] == first["metadata"]["resourceVersion"]
+
+
+def owned_by(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    meta = obj["metadata"]
+    return [{"apiVersion": f"{G}/{V}", "kind": "Run", "name": meta["name"], "uid": meta["uid"]}]
+
+
+def test_the_garbage_collector_deletes_what_a_deleted_object_owned(
+    api: client.CustomObjectsApi, api_client: client.ApiClient
+) -> None:
+    # Kubernetes, garbage collection: a dependent whose owners are all gone is deleted (in the
+    # background, the default); one created naming only owners that do not exist is too.
+    core = client.CoreV1Api(api_client)
+    a, c = create(api, run("a")), create(api, run("c"))
+
+    def config_map(name: str, owners: list[dict[str, Any]]) -> None:
+        core.create_namespaced_config_map(
+            NS, {"metadata": {"name": name, "ownerReferences": owners}}
+        )
+
+    def names() -> list[str]:
+        return sorted(cm.metadata.name for cm in core.list_namespaced_config_map(NS).items)
+
+    config_map("of-a", owned_by(a))
+    config_map("of-a-and-c", owned_by(a) + owned_by(c))
+    config_map("of-none", [])
+    api.delete_namespaced_custom_object(G, V, NS, P, "a")
+    assert names() == ["of-a-and-c", "of-none"]
+    config_map("of-gone-a", owned_by(a))
+    assert names() == ["of-a-and-c", "of-none"]
+    api.delete_namespaced_custom_object(G, V, NS, P, "c")
+    assert names() == ["of-none"]
+
+
+def test_a_config_map_holds_at_most_1_mib_and_an_immutable_one_keeps_its_data(
+    api_client: client.ApiClient,
+) -> None:
+    # Kubernetes, ConfigMaps: "The data stored in a ConfigMap cannot exceed 1 MiB"; one marked
+    # immutable cannot have its data changed (its metadata can).
+    core = client.CoreV1Api(api_client)
+    with pytest.raises(ApiException) as refused:
+        core.create_namespaced_config_map(
+            NS,
+            {"metadata": {"name": "big"}, "data": {"k": "é" * 300_000 + "x" * 500_000}},  # 1.1 MB
+        )
+    assert refused.value.status == 422 and "at most 1048576 bytes" in str(refused.value.body)
+    core.create_namespaced_config_map(
+        NS, {"metadata": {"name": "fixed"}, "immutable": True, "data": {"k": "v"}}
+    )
+    for change in ({"data": {"k": "w"}}, {"immutable": False}):
+        with pytest.raises(ApiException) as refused:
+            core.patch_namespaced_config_map("fixed", NS, change)
+        assert refused.value.status == 422, change
+    labelled = core.patch_namespaced_config_map("fixed", NS, {"metadata": {"labels": {"l": "1"}}})
+    assert labelled.metadata.labels == {"l": "1"} and labelled.data == {"k": "v"}

@@ -4,35 +4,24 @@ as objects, and the fence of every status write."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from fnkernel.runtime_server import limits
-from fnkernel.runtime_server.errors import RunAlreadyExists, RunNotFound, RunTooLarge
+from fnkernel.runtime_server.errors import RunAlreadyExists, RunNotFound
 from fnkernel.runtime_server.lifecycle.controlplane import ControlPlane
 from fnkernel.runtime_server.lifecycle.kubernetes import objects
 from fnkernel.runtime_server.lifecycle.kubernetes import store as store_module
 from fnkernel.runtime_server.lifecycle.kubernetes.store import KubernetesRunStore
 from fnkernel.runtime_server.wire import DELETING, FAILED, NEW, PENDING, READY, RETRYING
-from tests.kubernetes.conftest import EmulatedApi
+from tests.kubernetes.conftest import STORE_NAMESPACE, EmulatedApi
 from tests.support import wait_until
 
-NS = "fn"
+NS = STORE_NAMESPACE
 HANDLER = {"handler.py": "def handle(event):\n    return event\n"}
 G, V, P = objects.GROUP, objects.VERSION, objects.PLURAL
-
-
-@pytest.fixture
-def store(kube_api: EmulatedApi) -> Iterator[KubernetesRunStore]:
-    opened = KubernetesRunStore(kube_api.client(), NS)
-    try:
-        yield opened
-    finally:
-        opened.close()
 
 
 @pytest.fixture
@@ -73,7 +62,7 @@ def test_a_created_run_is_an_object_with_its_spec_files_and_a_fenced_status(
     assert obj["metadata"]["uid"] == run.uid
     assert obj["metadata"]["annotations"][objects.NAME_KEY] == "etl_Job"
     assert obj["metadata"]["finalizers"] == [objects.FINALIZER]
-    assert obj["spec"]["files"] == HANDLER and obj["spec"]["env"] == {"A": "1"}
+    assert obj["spec"]["env"] == {"A": "1"} and "files" not in obj["spec"]  # test_run_files
     assert obj["status"]["phase"] == PENDING and obj["status"]["attempt"] == 1
     assert obj["status"]["assignedPod"] == "python-abc"
     assert store.get("etl_Job") == run and store.files(run.uid) == HANDLER
@@ -121,39 +110,6 @@ def test_a_stale_writer_gets_a_conflict_reads_again_and_never_overwrites_a_newer
         )
     finally:
         late.close()
-
-
-def test_a_run_too_large_for_the_api_server_is_refused_naming_the_limit(
-    store: KubernetesRunStore, api_client: client.ApiClient
-) -> None:
-    plane = plane_with_pod(store, api_client)
-    files = {**HANDLER, "data.txt": "x" * objects.MAX_OBJECT_BYTES}
-    with pytest.raises(RunTooLarge, match=f"at most {objects.MAX_OBJECT_BYTES} bytes"):
-        plane.create_run(name="big", runtime="python", handler="handler.handle", files=files)
-    with pytest.raises(RunNotFound):
-        store.get("big")
-    # docs/kubernetes.md, "How large a Run may be": what is stored counts, not what is sent —
-    # a Run that the API server would take as sent but not with its status and managedFields
-    # is refused at its create, never at a later status write.
-    files = {**HANDLER, "data.txt": "x" * (objects.MAX_OBJECT_BYTES - 2000)}
-    with pytest.raises(RunTooLarge, match="as the API server stores it"):
-        plane.create_run(name="near", runtime="python", handler="handler.handle", files=files)
-
-
-def test_a_run_the_create_takes_takes_every_status_write_after(
-    store: KubernetesRunStore, api_client: client.ApiClient
-) -> None:
-    # docs/kubernetes.md, "How large a Run may be": the largest Run a create takes is still
-    # stored after every status write, the fullest its schema allows (the emulated API server
-    # counts status and managedFields, and refuses past etcd's limit as the API server does).
-    plane = plane_with_pod(store, api_client)
-    room = objects.MAX_OBJECT_BYTES - objects.STATUS_RESERVE_BYTES - 4096
-    files = {**HANDLER, "data.txt": "x" * room}
-    run = plane.create_run(name="full", runtime="python", handler="handler.handle", files=files)
-    outputs = {f"k{n:02}": "v" * (limits.MAX_OUTPUTS_BYTES // limits.MAX_OUTPUTS - 8)
-               for n in range(limits.MAX_OUTPUTS)}  # fmt: skip
-    written = store.update(run, phase=FAILED, message="m" * 4096, outputs=outputs)
-    assert written is not None and written.phase == FAILED
 
 
 def test_delete_removes_the_object_and_kubectl_delete_asks_the_control_plane(
@@ -396,14 +352,19 @@ def test_a_pods_store_keeps_only_the_runs_assigned_to_it(
         second.close()
 
 
-def test_the_cache_keeps_no_files_and_the_files_are_read_when_needed(
-    store: KubernetesRunStore, api_client: client.ApiClient
+def test_the_cache_keeps_no_inline_files_and_the_files_are_read_when_needed(
+    store: KubernetesRunStore, custom: client.CustomObjectsApi
 ) -> None:
-    # docs/kubernetes.md, "Reads": a Run may hold 1.5 MiB of files, and every component caches
-    # every Run: the cache keeps each file's name, not its text, which is read from the API
-    # server when runtimed writes the files or the control plane checks them.
-    plane = plane_with_pod(store, api_client)
-    run = plane.create_run(name="fn", runtime="python", handler="handler.handle", files=HANDLER)
+    # docs/kubernetes.md, "Reads": a Run applied with kubectl may hold 1.5 MiB of files in
+    # itself, and every component caches every Run: the cache keeps each file's name, not its
+    # text, which is read from the API server when runtimed writes the files or the control
+    # plane checks them.
+    custom.create_namespaced_custom_object(G, V, NS, P, {
+        "apiVersion": objects.API_VERSION, "kind": "Run", "metadata": {"name": "fn"},
+        "spec": {"runtime": "python", "handler": "handler.handle", "files": HANDLER},
+    })  # fmt: skip
+    wait_until(lambda: len(store.runs()) == 1, timeout=10)
+    (run,) = store.runs()
     cached = store._runs.get(run.uid)
     assert cached is not None and cached["spec"]["files"] == {"handler.py": ""}
     assert store.files(run.uid) == HANDLER

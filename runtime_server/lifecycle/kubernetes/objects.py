@@ -1,7 +1,8 @@
 """A Run and a Runtime Pod as Kubernetes objects (docs/kubernetes.md, "The object model").
 
 A Run is an object of the custom resource ``runs.fnkernel.dev/v1alpha1``: its spec (runtime,
-handler, env, idleTimeoutSeconds, memoryMb, source, files) is what was created; its status
+handler, env, idleTimeoutSeconds, memoryMb, source, and its files: inline in ``files``, or in
+ConfigMaps it owns named by ``filesFrom``) is what was created; its status
 (phase, attempt, assignedPod, message, ...) is written only through the status subresource.
 Its UID is ``metadata.uid``. The Run's own name is ``metadata.name`` where that is a valid
 object name, else (upper case, ``_``) an escaped one with the name in the annotation NAME_KEY.
@@ -17,11 +18,12 @@ import datetime
 import hashlib
 import json
 import re
+import secrets
 from collections.abc import Mapping
 from typing import Any
 
 from fnkernel.runtime_server import limits
-from fnkernel.runtime_server.errors import RunTooLarge
+from fnkernel.runtime_server.errors import RunFilesMissing, RunTooLarge
 from fnkernel.runtime_server.lifecycle.runs import Pod, Run
 from fnkernel.runtime_server.wire import NEW
 
@@ -51,6 +53,17 @@ MAX_OBJECT_BYTES = 1_572_864
 # spec's entry, which names every file, is counted from the spec itself (``stored_size``).
 STATUS_RESERVE_BYTES = 4096 + limits.MAX_OUTPUTS_BYTES + 4096 + 3 * 1024
 _MANAGED_ENTRY_BYTES = 512  # an entry's manager, operation, time and apiVersion
+# A Run made through the gateway keeps its files in ConfigMaps it owns, not in itself, so that
+# they do not travel in every watch event of the Run (docs/kubernetes.md, "Reads"): the parts,
+# in order, of one JSON object (path → text), each part the key FILES_KEY of one ConfigMap.
+FILES_KEY = "files.json.part"
+# The text of one part: the API server keeps at most 1 MiB of a ConfigMap's data.
+FILES_PART_BYTES = 1_000_000
+# The parts a Run's files may take (deploy/crd.yaml): 6 MiB of text is 7 as JSON escapes it,
+# unless it is full of control characters, which JSON writes six bytes each.
+MAX_FILES_PARTS = 16
+RUN_LABEL = "fnkernel.dev/run"  # on a ConfigMap of a Run's files: the Run's object name
+RUN_FILES = "run-files"  # its ROLE_LABEL
 
 
 def deployment_name(runtime: str) -> str:
@@ -144,12 +157,72 @@ def without_files(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 def files_of(obj: Mapping[str, Any]) -> dict[str, str]:
+    """A Run's inline files (``spec.files``: a Run applied with kubectl)."""
     return {str(k): str(v) for k, v in ((obj.get("spec") or {}).get("files") or {}).items()}
 
 
-def new_object(run: Run, files: Mapping[str, str], namespace: str) -> dict[str, Any]:
-    """The object a create sends for `run` (its status is written after, through /status);
-    RunTooLarge if it is larger than the API server keeps."""
+def files_from(obj: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A Run's ``spec.filesFrom`` (its files' ConfigMaps and their digest), None if its files
+    are inline."""
+    found = (obj.get("spec") or {}).get("filesFrom")
+    return dict(found) if isinstance(found, Mapping) else None
+
+
+def files_parts(files: Mapping[str, str]) -> tuple[str, list[str]]:
+    """The SHA-256 of `files` as one JSON text, and that text cut into parts of at most
+    FILES_PART_BYTES of UTF-8, each cut between two characters."""
+    text = json.dumps(dict(files), ensure_ascii=False, sort_keys=True).encode()
+    parts, start = [], 0
+    while start < len(text):
+        end = min(start + FILES_PART_BYTES, len(text))
+        while end < len(text) and text[end] & 0xC0 == 0x80:  # inside a character: cut before it
+            end -= 1
+        parts.append(text[start:end].decode())
+        start = end
+    return hashlib.sha256(text).hexdigest(), parts
+
+
+def joined_files(run: str, source: Mapping[str, Any], parts: list[str]) -> dict[str, str]:
+    """The files whose ConfigMaps' parts, in order, are `parts` (`source`: the Run's
+    ``filesFrom``); RunFilesMissing if they are not what its digest says."""
+    text = "".join(parts).encode()
+    if hashlib.sha256(text).hexdigest() != source.get("sha256"):
+        raise RunFilesMissing(
+            f"run {run!r}: its files' ConfigMaps {', '.join(source.get('configMaps') or ())} do "
+            "not hold what its spec.filesFrom.sha256 says (changed or replaced)"
+        )
+    return {str(k): str(v) for k, v in json.loads(text).items()}
+
+
+def files_config_map(
+    name: str, part: str, owner: Mapping[str, Any], namespace: str
+) -> dict[str, Any]:
+    """The ConfigMap `name` holding `part` of the files of the Run `owner` (as created): owned
+    by it, so that the API server's garbage collector deletes it with the Run; immutable, so
+    that nothing changes it and the kubelet need not watch it."""
+    meta = owner["metadata"]
+    owned_by = {"apiVersion": API_VERSION, "kind": KIND, "name": meta["name"], "uid": meta["uid"]}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": {ROLE_LABEL: RUN_FILES, RUN_LABEL: meta["name"]},
+            "ownerReferences": [{**owned_by, "blockOwnerDeletion": False}],
+        },
+        "immutable": True,
+        "data": {FILES_KEY: part},
+    }
+
+
+def new_object(
+    run: Run, files: Mapping[str, str], namespace: str
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The object a create sends for `run`, whose files are then written as ConfigMaps
+    (``filesFrom``; ``files_config_map``) — its status is written after, through /status —
+    and the text of those ConfigMaps, by name. RunTooLarge if it is larger than the API server
+    keeps."""
     metadata: dict[str, Any] = {
         "name": object_name(run.name),
         "namespace": namespace,
@@ -168,21 +241,32 @@ def new_object(run: Run, files: Mapping[str, str], namespace: str) -> dict[str, 
         "env": dict(run.env),
         "idleTimeoutSeconds": run.idle_timeout_seconds,
         "memoryMb": run.memory_mb,
-        "files": dict(files),
     }
     if run.replicas != 1:
         spec["replicas"] = run.replicas
     if run.replica_of:
         spec["replicaOf"] = run.replica_of
+    digest, parts = files_parts(files)
+    if len(parts) > MAX_FILES_PARTS:
+        raise RunTooLarge(
+            f"run {run.name!r}: its files are {sum(len(p.encode()) for p in parts)} bytes as "
+            f"JSON; on Kubernetes they may be at most {MAX_FILES_PARTS} ConfigMaps of "
+            f"{FILES_PART_BYTES} bytes"
+        )
+    # A name of its own for each create: a Run deleted and made again under its name must not
+    # meet the ConfigMaps of the one before, which the garbage collector may not have removed.
+    stem = f"{metadata['name']}-files-{secrets.token_hex(4)}"
+    named = {f"{stem}-{index}": part for index, part in enumerate(parts)}
+    spec["filesFrom"] = {"configMaps": list(named), "sha256": digest}
     obj = {"apiVersion": API_VERSION, "kind": KIND, "metadata": metadata, "spec": spec}
     size = stored_size(obj)
     if size > MAX_OBJECT_BYTES:
         raise RunTooLarge(
-            f"run {run.name!r} would be {size} bytes as the API server stores it (its files, "
+            f"run {run.name!r} would be {size} bytes as the API server stores it (its env, "
             f"status and managedFields); a Kubernetes object may be at most {MAX_OBJECT_BYTES} "
             "bytes (etcd's request limit)"
         )
-    return obj
+    return obj, named
 
 
 def stored_size(obj: Mapping[str, Any]) -> int:

@@ -30,7 +30,7 @@ import kubernetes.watch.watch
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
-from fnkernel.runtime_server.errors import RunAlreadyExists, RunNotFound
+from fnkernel.runtime_server.errors import RunAlreadyExists, RunFilesMissing, RunNotFound
 from fnkernel.runtime_server.lifecycle.kubernetes import objects
 from fnkernel.runtime_server.lifecycle.kubernetes.objects import GROUP, PLURAL, VERSION
 from fnkernel.runtime_server.lifecycle.runs import Pod, Run
@@ -302,9 +302,13 @@ class KubernetesRunStore:
         return sorted(runs, key=lambda run: (run.created_at, run.name))
 
     def insert(self, run: Run, files: Mapping[str, str]) -> Run:
-        """Create the object, then write its status (a create drops status): a controller that
-        admits it in between (``NEW``) wins, and this returns the Run as it admitted it."""
-        body = objects.new_object(run, files, self.namespace)
+        """Create the object, then the ConfigMaps of its files, which it owns
+        (docs/kubernetes.md, "Reads"), then write its status (a create drops status): a
+        controller that admits it in between (``NEW``) wins, and this returns the Run as it
+        admitted it. A ConfigMap that cannot be made deletes the Run (and with it those made):
+        both are written or neither. A create cut short after the Run is for the controller to
+        fail (``ControlPlane._admit``)."""
+        body, parts = objects.new_object(run, files, self.namespace)
         try:
             created = _object(
                 self._custom.create_namespaced_custom_object(
@@ -317,6 +321,19 @@ class KubernetesRunStore:
             raise
         self._runs.learn(created)
         blank = objects.run_of(created)
+        try:
+            for name, part in parts.items():
+                config_map = objects.files_config_map(name, part, created, self.namespace)
+                # The client sends a dict as it is; its hints name only its model class.
+                raw_answer(self._core.create_namespaced_config_map(
+                    self.namespace, config_map, _preload_content=False  # type: ignore[arg-type]
+                ))  # fmt: skip
+        except BaseException:
+            try:
+                self.delete(blank.uid)
+            except Exception as exc:  # the controller fails it (ControlPlane._admit)
+                LOG.warning("run %s: cannot delete it after its files failed: %s", run.name, exc)
+            raise
         admitted = self.update(
             blank,
             expect_phase=NEW,
@@ -330,15 +347,35 @@ class KubernetesRunStore:
         return admitted or self.get_uid(blank.uid) or blank
 
     def files(self, uid: str) -> dict[str, str]:
-        """The Run's files, read from the API server: the cache keeps none (a Run may hold
-        1.5 MiB of them, and every component would hold every Run's: docs/kubernetes.md,
-        "Reads"); a Run's files are read when runtimed writes them into its workspace and when
-        the control plane checks a Run applied with kubectl."""
+        """The Run's files, read from the API server: no cache keeps them (docs/kubernetes.md,
+        "Reads") — from the ConfigMaps its ``filesFrom`` names, else (a Run applied with
+        kubectl) from the Run itself. They are read when runtimed writes them into a Run's
+        workspace, when the control plane checks a Run it did not create, and for
+        ``GET /v1/runs/NAME/files``. RunFilesMissing if a ConfigMap is gone or changed."""
         obj = self._runs.get(uid)
-        full = self._read(obj["metadata"]["name"]) if obj is not None else None
-        if full is None or full["metadata"]["uid"] != uid:
+        if obj is None:
             raise RunNotFound(f"no run has uid {uid}")
-        return objects.files_of(full)
+        source = objects.files_from(obj)
+        if source is None:
+            full = self._read(obj["metadata"]["name"])
+            if full is None or full["metadata"]["uid"] != uid:
+                raise RunNotFound(f"no run has uid {uid}")
+            return objects.files_of(full)
+        name = objects.run_name(obj)
+        parts = []
+        for config_map in source.get("configMaps") or ():
+            try:
+                read = raw_answer(self._core.read_namespaced_config_map(
+                    config_map, self.namespace, _preload_content=False
+                ))  # fmt: skip
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise
+                raise RunFilesMissing(
+                    f"run {name!r}: the ConfigMap {config_map} of its files is gone"
+                ) from None
+            parts.append(str((read.get("data") or {}).get(objects.FILES_KEY, "")))
+        return objects.joined_files(name, source, parts)
 
     def _uid_of(self, name: str) -> str | None:
         """The uid of the Run named `name`, from an index rebuilt only after a change (the
