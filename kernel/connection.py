@@ -45,9 +45,11 @@ class TracedClient(Client):
         path: str,
         body: bytes | None = None,
         headers: Mapping[str, str] | None = None,
+        *,
+        wait: float = 0,
     ) -> Any:
         if not self.trace.on:
-            return super().request(method, path, body, headers)
+            return super().request(method, path, body, headers, wait=wait)
         started = time.perf_counter()
         request = decode_payload(body) if body else None
         span = None
@@ -57,7 +59,7 @@ class TracedClient(Client):
             span = KernelSpan("POST /v1/runs/{name}:invoke", attributes, invocation_id)
             headers = {**(headers or {}), wire.TRACEPARENT_HEADER: span.traceparent}
         try:
-            result = super().request(method, path, body, headers)
+            result = super().request(method, path, body, headers, wait=wait)
         except GatewayError as exc:
             status = f"{exc.status} {exc.code}".strip() if exc.status else exc.code or "failed"
             traced = span.ended(_http_status(exc.status), exc.spans) if span else {}

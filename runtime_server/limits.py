@@ -32,6 +32,7 @@ DEFAULT_TIMEOUT_MILLIS = 30_000
 MAX_TIMEOUT_MILLIS = 900_000
 # No call outlives MAX_TIMEOUT_MILLIS, so no drain needs to wait longer for one.
 MAX_DRAIN_TIMEOUT_MILLIS = MAX_TIMEOUT_MILLIS
+DEFAULT_DRAIN_MILLIS = 5_000  # how long a delete lets the in-flight invocation finish
 INT64_MAX = 2**63 - 1  # the widest integer field on the wire (int64)
 MAX_OUTPUTS = 32
 MAX_OUTPUT_VALUE_BYTES = 1024
@@ -196,6 +197,25 @@ def effective_timeout_millis(timeout_millis: int) -> int:
     if timeout_millis == 0:
         return DEFAULT_TIMEOUT_MILLIS
     return min(timeout_millis, MAX_TIMEOUT_MILLIS)
+
+
+# What a hop waits for an invocation's answer beyond the call's own timeout, for each hop below
+# it: a cold start (the registration) and the hop's own work (docs/protocol.md, "Limits").
+HOP_SLACK_SECONDS = 10.0
+
+
+def wait_seconds(timeout_millis: int, hops_below: int) -> float:
+    """How long a caller waits for the answer to an invocation of `timeout_millis`, with
+    `hops_below` hops between it and the Runtime Server (the gateway: runtimed; a client of the
+    gateway: the gateway and runtimed) — derived from the call's own timeout, never a literal."""
+    return effective_timeout_millis(timeout_millis) / 1000 + HOP_SLACK_SECONDS * hops_below
+
+
+def delete_wait_seconds(drain_timeout_millis: int, hops_below: int) -> float:
+    """How long a caller waits for a delete that drains for `drain_timeout_millis` (0: the
+    default) to be seen through, `hops_below` hops above runtimed."""
+    drain = drain_timeout_millis or DEFAULT_DRAIN_MILLIS
+    return drain / 1000 + HOP_SLACK_SECONDS * hops_below
 
 
 def check_drain_timeout(drain_timeout_millis: int, field: str = "drain_timeout_millis") -> int:

@@ -148,9 +148,14 @@ class Client:
         path: str,
         body: bytes | None = None,
         headers: Mapping[str, str] | None = None,
+        *,
+        wait: float = 0,
     ) -> tuple[int, http.client.HTTPMessage, bytes]:
-        """Send one request; raise the class of a failure status (``errors.ERRORS``)."""
+        """Send one request; raise the class of a failure status (``errors.ERRORS``). `wait`:
+        how long to wait for the answer, if longer than the client's timeout (an invocation's
+        own: ``invoke``)."""
         sent = self._headers(headers)
+        wait = max(wait, self.timeout)
         for attempt in range(2):
             with self._lock:
                 # A retry takes a new connection: the other kept-alive ones may be as stale.
@@ -159,9 +164,11 @@ class Client:
                     self._busy[connection] = False
             reused = connection is not None
             if connection is None:
-                connection = self._connect()
+                connection = self._connect(timeout=wait)
                 with self._lock:
                     self._busy[connection] = False
+            elif connection.sock is not None:  # kept alive: set for this request's wait
+                connection.sock.settimeout(wait)
             try:
                 connection.request(method, path, body=body, headers=sent)
                 if self._busy.get(connection):  # cancelled while it was still connecting
@@ -333,7 +340,8 @@ class Client:
                 "drainTimeoutMs": str(drain_timeout_millis),
             }
         )
-        self.request("DELETE", f"/v1/runs/{_quote(name)}?{query}")
+        wait = limits.delete_wait_seconds(drain_timeout_millis, hops_below=2)
+        self.request("DELETE", f"/v1/runs/{_quote(name)}?{query}", wait=wait)
 
     # Invocation
 
@@ -372,8 +380,9 @@ class Client:
         started = time.perf_counter()
         try:
             _, reply, output = self.request(
-                "POST", f"/v1/runs/{_quote(name)}:invoke", body, headers
-            )
+                "POST", f"/v1/runs/{_quote(name)}:invoke", body, headers,
+                wait=limits.wait_seconds(timeout_millis, hops_below=2),  # the gateway, runtimed
+            )  # fmt: skip
         except HandlerFailed as failed:
             if live is not None:
                 live.end(failed.logs)

@@ -31,7 +31,6 @@ from fnkernel.runtime_server.errors import (
 )
 from fnkernel.runtime_server.lifecycle.retries import Step, Verdict, decide
 from fnkernel.runtime_server.lifecycle.runs import (
-    DEFAULT_DRAIN_MILLIS,
     POD_GRACE_SECONDS,
     Run,
     RunStore,
@@ -56,7 +55,6 @@ MAX_REPLICAS = 64  # Runs a function may have (docs/protocol.md, "Replicas")
 MAX_NAME_BYTES = 255  # one path component (NAME_MAX)
 MAX_PATH_BYTES = 1024
 CREATE_SECONDS = 60.0  # see ControlPlane.__init__
-DELETE_MARGIN_SECONDS = 10.0  # beyond the drain: runtimed's tick and the Unregister round trip
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,62}")
 
 
@@ -370,8 +368,8 @@ class ControlPlane:
         asked = [
             self._ask_delete(target, cancel_in_flight, drain_timeout_millis) for target in targets
         ]
-        drain = (drain_timeout_millis or DEFAULT_DRAIN_MILLIS) / 1000
-        deadline = time.monotonic() + drain + DELETE_MARGIN_SECONDS
+        # Beyond the drain: runtimed's tick and the Unregister round trip.
+        deadline = time.monotonic() + limits.delete_wait_seconds(drain_timeout_millis, 1)
         for target in asked:
             self._await_unregistered(target, deadline)
 

@@ -57,7 +57,6 @@ from fnkernel.runtime_server.wire import (
 LOG = logging.getLogger("fnkernel.gateway")
 
 CREATE_WAIT_SECONDS = 90.0  # POST /v1/runs answers once the Run is Ready or Failed
-DEADLINE_SLACK_SECONDS = 10.0  # room for a cold start on top of the invocation's own timeout
 DEFAULT_LISTEN = "127.0.0.1:8080"
 MAX_HEADER_BYTES = 64 * 1024  # larger request headers get 431
 # Tornado buffers headers up to this size (then closes the connection), so that everything
@@ -762,7 +761,7 @@ class InvokeHandler(BodyHandler):
             content_type=self.request.headers.get("Content-Type", "application/json"),
             timeout_millis=timeout_millis,
         )
-        deadline = limits.effective_timeout_millis(timeout_millis) / 1000 + DEADLINE_SLACK_SECONDS
+        deadline = limits.wait_seconds(timeout_millis, hops_below=1)  # runtimed
         metadata: tuple[tuple[str, str], ...] = ((POD_KEY, pod),)
         if timeline:
             metadata += ((TIMELINE_KEY, "1"),)
@@ -897,7 +896,7 @@ class LogsHandler(BaseHandler):
         request = logs_pb2.FollowInvocationLogsRequest(
             run_uid=run.uid, invocation_id=invocation_id, follow=follow in ("1", "true")
         )
-        deadline = limits.MAX_TIMEOUT_MILLIS / 1000 + DEADLINE_SLACK_SECONDS
+        deadline = limits.wait_seconds(limits.MAX_TIMEOUT_MILLIS, hops_below=1)  # the longest call
         call = self.gateway.logs_stub(address).FollowInvocationLogs(
             request, timeout=deadline, metadata=((POD_KEY, pod),)
         )

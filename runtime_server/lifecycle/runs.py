@@ -29,7 +29,6 @@ from fnkernel.runtime_server import limits
 # no attempt and kill no call, with room for the heartbeat's second and a slow store write.
 POD_GRACE_SECONDS = 10.0
 HEARTBEAT_SECONDS = 1.0  # how often runtimed writes its pod's heartbeat
-DEFAULT_DRAIN_MILLIS = 5_000  # how long a delete lets the in-flight invocation finish
 
 
 @dataclass(frozen=True)

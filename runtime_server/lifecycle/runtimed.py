@@ -57,7 +57,6 @@ from fnkernel.runtime_server.function_runtime.server import (
 )
 from fnkernel.runtime_server.lifecycle.retries import Step, Verdict, decide, fatal_error_type
 from fnkernel.runtime_server.lifecycle.runs import (
-    DEFAULT_DRAIN_MILLIS,
     HEARTBEAT_SECONDS,
     POD_GRACE_SECONDS,
     Run,
@@ -639,7 +638,7 @@ class Runtimed:
     def _unregister_active(
         self, uid: str, active: Active, *, cancel: bool, drain_millis: int = 0
     ) -> bool:
-        drain_millis = drain_millis or DEFAULT_DRAIN_MILLIS
+        drain_millis = drain_millis or limits.DEFAULT_DRAIN_MILLIS
         try:
             self.server_stub.UnregisterFunction(
                 pb.UnregisterFunctionRequest(

@@ -22,6 +22,7 @@ from fnkernel.runtime_server.client import Client
 from fnkernel.runtime_server.client.errors import (
     FunctionBusy,
     FunctionExists,
+    FunctionNotFound,
     HandlerFailed,
     InvalidRequest,
     RequestCancelled,
@@ -364,6 +365,31 @@ def test_invocation_past_its_timeout_is_504_and_the_next_succeeds(shared_stack: 
     assert status == 504
     assert json.loads(body)["code"] == "DEADLINE_EXCEEDED"
     assert invoke(shared_stack, name, b'{"sleep": 0}')[0] == 200
+
+
+@pytest.mark.parametrize("traced", [None, False, True], ids=["client", "kernel", "kernel-traced"])
+def test_a_call_longer_than_the_clients_read_timeout_waits_for_its_own_timeout(
+    shared_stack: Stack, traced: bool | None
+) -> None:
+    # docs/protocol.md, "Limits": each hop waits as long as the call's own timeout allows, so
+    # a `%%function --timeout 600` call is not cut at the client's read timeout (300 s); nor is
+    # a delete that drains. The kernel's client (traced or not) as the library's.
+    from fnkernel.kernel.connection import TracedClient
+    from fnkernel.kernel.trace import Trace
+
+    name = create(shared_stack, SLOW_PY)
+    client = Client(shared_stack.gateway_address)
+    if traced is not None:
+        client = TracedClient(shared_stack.gateway_address, Trace())
+        client.trace.on = traced
+    client.timeout = 1
+    assert client.invoke(name, {"sleep": 2}, timeout_millis=10_000).value() == {"slept": 2}
+    slow, _ = in_background(lambda: client.invoke(name, {"sleep": 2}, timeout_millis=10_000))
+    wait_in_flight(shared_stack, name)
+    client.delete_run(name, drain_timeout_millis=10_000)  # waits for the call to end
+    slow.join(10)
+    with pytest.raises(FunctionNotFound):
+        client.status(name)
 
 
 def test_handler_error_is_502_with_type_message_and_invocation_id(shared_stack: Stack) -> None:
