@@ -16,6 +16,7 @@ heartbeat (``heartbeat`` is ignored): it "never writes each activity update to K
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -119,7 +120,10 @@ class _Informer:
     def close(self) -> None:
         response = self._response
         if response is not None:
-            response.shutdown()  # the watch thread's read ends now
+            # The watch thread's read ends now — unless the request ended meanwhile, and its
+            # socket was closed or released (urllib3 then refuses, as a closed socket does).
+            with contextlib.suppress(OSError, ValueError, RuntimeError):
+                response.shutdown()
 
     def learn(self, obj: dict[str, Any], *, deleted: bool = False) -> None:
         """Put what a write of ours answered (or a watch event) in the cache, unless the cache
