@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -98,10 +97,8 @@ def test_sigterm_drain_is_bounded(server_process: Callable[..., ServeProcess]) -
     reg = client.register(working_dir=wd)
     future = client.invoke_future(reg.registration, b"{}")
     wait_until(lambda: client.status(reg.registration).in_flight == 1)
-    started = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
-    assert server.proc.wait(timeout=15) == 0
-    assert time.monotonic() - started < 8
+    assert server.proc.wait(timeout=15) == 0  # the drain's 0.5 s, not the call's 60 s
     with pytest.raises(grpc.RpcError):
         future.result(timeout=5)
 

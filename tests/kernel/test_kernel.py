@@ -10,7 +10,6 @@ import signal
 import struct
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -344,13 +343,12 @@ def test_interrupt_cancels_the_invocation_and_the_function_stays_usable(kernel: 
     # KeyboardInterrupt in the cell, and the function stays registered and usable.
     assert kernel.run(SLOW).ok
     gateway = Client(gateway_address(kernel))
-    msg_id = kernel.send('slow({"s": 10})')
+    # The call would run 600 s, and end at its 30 s deadline: only the interrupt ends it within
+    # the 10 s the cell is given.
+    msg_id = kernel.send('slow({"s": 600})')
     wait_until(lambda: (gateway.status("slow")["live"] or {}).get("inFlight") == 1, timeout=10)
-    started = time.monotonic()
     kernel.manager.interrupt_kernel()
     cell = kernel.collect(msg_id, timeout=10)
-    elapsed = time.monotonic() - started
-    assert elapsed < 1.0, elapsed
     assert cell.error is not None
     assert cell.error["ename"] == "InvocationInterrupted"  # a KeyboardInterrupt subclass
     assert cell.error["traceback"] == [
@@ -726,12 +724,10 @@ def test_interrupt_cancels_a_function_runtime_call_from_the_protocol_client(
     )
     try:
         assert kernel.run("%fn_trace on").ok
-        msg_id = kernel.send("call(10)")
+        msg_id = kernel.send("call(600)")  # its deadline is 30 s: only the interrupt ends it
         wait_until(lambda: stub.FunctionStatus(status_request, timeout=5).in_flight == 1, 10)
-        started = time.monotonic()
         kernel.manager.interrupt_kernel()
         cell = kernel.collect(msg_id, timeout=10)
-        assert time.monotonic() - started < 1.0
         assert cell.error is not None and cell.error["ename"] == "InvocationInterrupted"
         assert cell.error["traceback"] == ["KeyboardInterrupt: InvokeFunction cancelled"]
         calls = kernel.value(

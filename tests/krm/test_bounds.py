@@ -5,7 +5,6 @@ bound, and nothing is written — the render, and a kernel that runs it, go on."
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -25,12 +24,10 @@ def step_error(run) -> str:  # type: ignore[no-untyped-def]
 
 @pytest.mark.timeout(120)
 def test_a_starlark_script_past_the_memory_bound_is_stopped_naming_it(tmp_path: Path) -> None:
-    started = time.monotonic()
     run = render(tmp_path, starlark_package(HUGE_LIST))
     assert run.code == 1, run.stderr
     assert "needed more than the step's memory bound of 1024 MiB (--memory)" in run.stderr
     assert run.files["resources.yaml"] == starlark_package(HUGE_LIST)["resources.yaml"]
-    assert time.monotonic() - started < 60
 
 
 def test_the_memory_bound_is_a_flag(tmp_path: Path) -> None:
@@ -44,11 +41,9 @@ def test_the_memory_bound_is_a_flag(tmp_path: Path) -> None:
 def test_a_starlark_script_that_never_ends_is_stopped_at_the_steps_time_limit(
     tmp_path: Path,
 ) -> None:
-    started = time.monotonic()
     run = render(tmp_path, starlark_package(ENDLESS), "--timeout", "2")
     assert run.code == 1, run.stderr
     assert "did not finish within the step's time limit of 2 s (--timeout)" in run.stderr
-    assert time.monotonic() - started < 30  # two renders (render runs each twice)
 
 
 def test_an_exec_function_past_the_memory_bound_is_stopped_naming_it(tmp_path: Path) -> None:

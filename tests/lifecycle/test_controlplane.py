@@ -318,8 +318,8 @@ def test_wait_settled_sees_another_processes_write_at_once(plane: ControlPlane) 
     other = SqliteRunStore(plane.store.path)
     threading.Timer(0.2, lambda: other.update(run, phase=READY)).start()
     started = time.monotonic()
-    assert plane.wait_settled("fn", timeout=10).phase == READY
-    assert time.monotonic() - started < 5  # not the whole timeout
+    assert plane.wait_settled("fn", timeout=120).phase == READY
+    assert time.monotonic() - started < 60  # at the write (0.2 s), not at the timeout
 
 
 def test_fresh_reads_see_every_write_their_own_and_others(plane: ControlPlane) -> None:

@@ -278,8 +278,8 @@ def test_a_100_kb_header_is_431(shared_stack: Stack) -> None:
 def test_a_body_shorter_than_its_content_length_does_not_hold_the_connection(
     gateway: Child,
 ) -> None:
-    # The gateway runs with --body-timeout 1: the connection is closed, not held forever.
-    started = time.monotonic()
+    # The gateway runs with --body-timeout 1: the connection is closed, not held forever (the
+    # socket's own timeout, 10 s, would raise instead).
     token = tokens.read_token_file(
         Path(gateway.argv[gateway.argv.index("--state-dir") + 1]) / "token"
     )
@@ -292,7 +292,6 @@ def test_a_body_shorter_than_its_content_length_does_not_hold_the_connection(
     with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
         sock.sendall(request)  # and then nothing: the write side stays open
         assert sock.recv(65536) == b""  # closed by the gateway
-    assert time.monotonic() - started < 8
 
 
 def test_every_connection_of_a_burst_of_1000_gets_an_answer(shared_stack: Stack) -> None:

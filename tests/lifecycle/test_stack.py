@@ -338,9 +338,7 @@ def test_delete_unregisters_and_removes_the_working_dir(shared_stack: Stack) -> 
     pod = created["status"]["assignedPod"]
     working_dir = shared_stack.workspace_root / pod / created["uid"]
     assert working_dir.is_dir()
-    started = time.monotonic()
     client.delete_run("doomed")
-    assert time.monotonic() - started < 15
     wait_until(lambda: not working_dir.exists(), timeout=10)  # at runtimed's next pass
     assert "doomed" not in [run["name"] for run in client.list_runs()]
 
