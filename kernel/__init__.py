@@ -10,6 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 
+def get(name: str) -> Any:
+    """The function `name` on the stack this kernel uses, as ``%use NAME`` binds it (the
+    kernel's own if it registered it) — ``%use`` from code (README, "Magics")."""
+    from fnkernel.kernel.session import get
+
+    return get(name)
+
+
 def load_ipython_extension(ipython: Any) -> None:
     from fnkernel.kernel.magics import load
 

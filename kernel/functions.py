@@ -45,17 +45,6 @@ class NotOwned(RuntimeError):
         return [f"NotOwned: {self}"]
 
 
-def get(name: str) -> Function:
-    """The function `name` on the stack this kernel uses, bound as ``%use NAME`` binds it
-    (the kernel's own if it registered it)."""
-    from IPython import get_ipython  # the running kernel's shell
-
-    from fnkernel.kernel.session import session_of  # it imports this module
-
-    session = session_of(get_ipython())
-    return session.functions.get(name) or session.use(name)
-
-
 class PayloadNotJSON(TypeError):
     """The payload cannot be encoded as JSON: one line naming the type, not json's frames."""
 

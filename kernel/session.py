@@ -106,6 +106,15 @@ def _with_flags(spec: Spec, create: Callable[..., Run]) -> Callable[..., Run]:
     return created
 
 
+def get(name: str) -> Function:
+    """The function `name` on the stack this kernel uses, bound as ``%use NAME`` binds it
+    (the kernel's own if it registered it): ``fnkernel.kernel.get``."""
+    from IPython import get_ipython  # the running kernel's shell
+
+    session = session_of(get_ipython())
+    return session.functions.get(name) or session.use(name)
+
+
 def session_of(shell: InteractiveShell) -> Session:
     """The shell's fnkernel session, created on first use."""
     session: Session | None = getattr(shell, _SESSION_ATTRIBUTE, None)

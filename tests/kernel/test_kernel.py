@@ -1110,9 +1110,7 @@ def test_a_shared_stack_chosen_at_first_use_and_a_function_used_from_another_ker
         assert set(every) == {"etl", "other"} and "used here" in every["etl"]
         assert "this kernel" in owner.run("%functions --all").result
         assert (
-            user.value(
-                "__import__('fnkernel.kernel.functions', fromlist=['get']).get('other')(None)"
-            )
+            user.value("__import__('fnkernel.kernel', fromlist=['get']).get('other')(None)")
             == "other"
         )
         late = user.run("%fn_connect http://127.0.0.1:1")
