@@ -1,0 +1,368 @@
+"""The gateway's request handlers (docs/protocol.md, "HTTP API"): what every handler does (the
+checks of ``access``, failures in the shape of ``failures``, a streamed body) and the handlers of
+the Runs — create, list, get, delete, their files. Invocations are ``invoke``'s, live output
+``logs``'.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+import grpc.aio
+from tornado import httputil, web
+
+from fnkernel.runtime_server import limits, tracing, wire
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
+from fnkernel.runtime_server.errors import (
+    InvalidField,
+    NoRuntimePod,
+    RunNotReady,
+)
+from fnkernel.runtime_server.lifecycle.gateway import access
+from fnkernel.runtime_server.lifecycle.gateway.failures import (
+    TORNADO_CODES,
+    FailureResponse,
+    known_failure,
+)
+from fnkernel.runtime_server.lifecycle.gateway.routes import Routes
+from fnkernel.runtime_server.lifecycle.runs import Run
+from fnkernel.runtime_server.wire import (
+    ATTEMPT_KEY,
+    DIGEST_KEY,
+    POD_KEY,
+)
+
+LOG = logging.getLogger("fnkernel.gateway")
+CREATE_WAIT_SECONDS = 90.0  # POST /v1/runs answers once the Run is Ready or Failed
+
+
+def log_failure(handler: web.RequestHandler) -> None:
+    """The access log names the requests that failed (4xx as a warning, 5xx as an error); a
+    line per successful call would cost more than the call's own work in the gateway."""
+    status = handler.get_status()
+    if status >= 400:
+        level = logging.ERROR if status >= 500 else logging.WARNING
+        request = handler.request
+        LOG.log(level, "%d %s %s (%s)", status, request.method, request.uri, request.remote_ip)
+
+
+class BaseHandler(web.RequestHandler):
+    gateway: Routes
+
+    def initialize(self, gateway: Routes) -> None:
+        self.gateway = gateway
+
+    def prepare(self) -> Awaitable[None] | None:
+        """The checks of README "Security" (``access``), before anything is looked up or
+        called; an allowed Origin is named in every answer, a refusal included."""
+        request, allowed = self.request, self.gateway.access
+        origin = access.check_origin(request, allowed, self.gateway.listen_host)
+        if origin is not None:
+            self.set_header("Access-Control-Allow-Origin", origin)
+            self.set_header("Vary", "Origin")
+            self.set_header("Access-Control-Expose-Headers", access.EXPOSED_HEADERS)
+        if request.method == "OPTIONS":
+            return None  # a CORS preflight carries no token; options() answers it
+        access.check_credentials(request, allowed)
+        return None
+
+    def options(self, *_: str) -> None:
+        """The CORS preflight of an allowed origin (prepare refused every other one)."""
+        if "Origin" not in self.request.headers:
+            raise FailureResponse(
+                "METHOD_NOT_ALLOWED", status=405, message="OPTIONS is only a CORS preflight here"
+            )
+        self.set_header("Access-Control-Allow-Methods", "GET, POST, DELETE")
+        self.set_header("Access-Control-Allow-Headers", access.ALLOWED_REQUEST_HEADERS)
+        self.set_header("Access-Control-Max-Age", "600")
+        self.set_status(204)
+        self.finish()
+
+    def json_body(self) -> dict[str, Any]:
+        try:
+            body = json.loads(self.body() or b"{}")
+        except ValueError as exc:
+            raise InvalidField("body", f"not JSON: {exc}") from None
+        except RecursionError:
+            raise InvalidField("body", "nested too deeply") from None
+        if not isinstance(body, dict):
+            raise InvalidField("body", "must be a JSON object")
+        return body
+
+    def body(self) -> bytes:
+        return self.request.body  # BodyHandler streams its bodies instead
+
+    def send_json(self, status: int, body: Any) -> None:
+        self.set_status(status)
+        self.set_header("Content-Type", "application/json")
+        self.finish(json.dumps(body))
+
+    def send_failure(self, failure: FailureResponse) -> None:
+        if failure.code in wire.RETRY_AFTER_CODES:
+            self.set_header("Retry-After", "1")
+        if failure.status == 401:
+            self.set_header("WWW-Authenticate", "Bearer")
+        self.send_json(
+            failure.status,
+            {
+                "code": failure.code,
+                "message": failure.message,
+                "runUid": failure.extra.pop("runUid", ""),
+                "invocationId": failure.extra.pop("invocationId", ""),
+                **failure.extra,
+            },
+        )
+
+    def write_error(self, status_code: int, **kwargs: Any) -> None:
+        """Every failure, ours and tornado's, in the JSON shape of docs/protocol.md, "Errors"."""
+        exc_info = kwargs.get("exc_info")
+        failure = self.failure(exc_info[1] if exc_info else None, status_code)
+        if failure.status == 405:
+            self.set_header("Allow", ", ".join(self.allowed_methods()))
+        self.send_failure(failure)
+
+    def failure(self, error: BaseException | None, status_code: int) -> FailureResponse:
+        """What the gateway answers for `error` (None: tornado's own `status_code`)."""
+        known = known_failure(error)
+        if known is not None:
+            return known
+        if isinstance(error, web.HTTPError) or error is None:
+            status = error.status_code if isinstance(error, web.HTTPError) else status_code
+            if status == 405:
+                allowed = ", ".join(self.allowed_methods())
+                message = (
+                    f"{self.request.method} is not allowed on {self.request.path}; use {allowed}"
+                )
+                return FailureResponse("METHOD_NOT_ALLOWED", message, status=405)
+            reason = httputil.responses.get(status, "Unknown")
+            name = reason.upper().replace(" ", "_").replace("-", "_")
+            return FailureResponse(TORNADO_CODES.get(status, name), reason, status=status)
+        return FailureResponse("INTERNAL", f"internal error: {type(error).__name__}")
+
+    def log_exception(self, typ: Any, value: BaseException | None, tb: Any) -> None:
+        """Only a bug is logged with its stack: every other failure is an answer (and a line
+        of the access log)."""
+        if not isinstance(value, web.HTTPError) and known_failure(value) is None:
+            LOG.error("internal error", exc_info=value)
+
+    @classmethod
+    def allowed_methods(cls) -> list[str]:
+        """The methods this handler defines (an unknown path's: none)."""
+        return [
+            method
+            for method in cls.SUPPORTED_METHODS
+            if getattr(cls, method.lower()) is not getattr(web.RequestHandler, method.lower())
+        ]
+
+    async def blocking(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(None, lambda: fn(*args, **kwargs))
+
+    async def described(self, run: Run) -> dict[str, Any]:
+        """The Run as the gateway shows it; a replica set's replica 0 with every replica."""
+        body = run.to_json()
+        if run.replicas != 1 and not run.replica_of:
+            replicas = await self.blocking(self.gateway.control_plane.replicas_of, run)
+            body["replicas"] = [
+                {
+                    "name": replica.name,
+                    "uid": replica.uid,
+                    "phase": replica.phase,
+                    "attempt": replica.attempt,
+                    "assignedPod": replica.assigned_pod,
+                    "inFlight": self.gateway.in_flight.get(replica.uid, 0),
+                }
+                for replica in replicas
+            ]
+        return body
+
+
+def header_text(headers: Any, name: str, default: str = "") -> str:
+    """A request header as its sender wrote it: tornado gives header values as Latin-1, so UTF-8
+    bytes arrive garbled (``'Ù£'`` for ``'٣'``) and an error message quoting one would be too."""
+    value = str(headers.get(name, default))
+    try:
+        return value.encode("latin-1").decode("utf-8")
+    except UnicodeError:
+        return value
+
+
+def metadata_of(metadata: Any) -> dict[str, Any]:
+    return {key: value for key, value in metadata or ()}
+
+
+@web.stream_request_body
+class BodyHandler(BaseHandler):
+    """A handler of requests with a body, which is streamed: one larger than `max_body` is
+    refused with 413 before anything is looked up or called — once it has arrived, read and
+    dropped as it came, so the client gets a clean answer; at once when its Content-Length is
+    past the transport's cap (where tornado itself would answer 400 and reset the connection)."""
+
+    max_body = limits.MAX_PAYLOAD_BYTES
+
+    def prepare(self) -> None:
+        self._chunks: list[bytes] = []
+        self._size = 0
+        super().prepare()
+        # Tornado has checked that Content-Length is ASCII digits (400 otherwise).
+        length = self.request.headers.get("Content-Length", "")
+        if length.isascii() and length.isdigit() and int(length) > limits.GRPC_MAX_MESSAGE_BYTES:
+            raise self._too_large(int(length))
+
+    def _too_large(self, size: int) -> FailureResponse:
+        return FailureResponse(
+            "PAYLOAD_TOO_LARGE",
+            status=413,
+            message=f"request body is {size} bytes; at most {self.max_body}",
+        )
+
+    def data_received(self, chunk: bytes) -> None:
+        self._size += len(chunk)
+        if self._size > self.max_body:
+            self._chunks.clear()  # keep reading, keep nothing
+        else:
+            self._chunks.append(chunk)
+
+    def body(self) -> bytes:
+        """The whole body; 413 if it was larger than `max_body`."""
+        if self._size > self.max_body:
+            raise self._too_large(self._size)
+        return b"".join(self._chunks)
+
+
+class NoSuchPath(BaseHandler):
+    """A path the gateway does not serve: 404 in the documented shape, after the checks of
+    README "Security" (a caller without the token learns nothing about the paths)."""
+
+    def prepare(self) -> None:
+        super().prepare()
+        raise FailureResponse("NOT_FOUND", f"no such path: {self.request.path[:200]}")
+
+
+class RunsHandler(BodyHandler):
+    # The files' text, at most 6 MiB in all (controlplane.check_files), grows when JSON escapes it.
+    max_body = limits.GRPC_MAX_MESSAGE_BYTES
+
+    async def get(self) -> None:
+        runs = self.gateway.store.runs()
+        self.send_json(200, {"runs": [run.to_json() for run in runs]})
+
+    async def post(self) -> None:
+        body = self.json_body()
+        files = body.get("files")
+        env = body.get("env") or {}
+        if not isinstance(files, dict):
+            raise InvalidField("files", "must be an object mapping relative paths to text")
+        if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
+            raise InvalidField("env", "must be an object of string values")
+        idle = body.get("idleTimeoutSeconds", 0)
+        if not isinstance(idle, int) or isinstance(idle, bool):
+            raise InvalidField("idleTimeoutSeconds", "must be an integer")
+        memory = body.get("memoryMb", 0)
+        if not isinstance(memory, int) or isinstance(memory, bool):
+            raise InvalidField("memoryMb", "must be an integer (MiB)")
+        replicas = body.get("replicas", 1)
+        if not isinstance(replicas, int) or isinstance(replicas, bool):
+            raise InvalidField("replicas", "must be an integer")
+        fields = {}
+        for key in ("name", "runtime", "handler"):
+            value = body.get(key)
+            if not isinstance(value, str) or not value:
+                raise InvalidField(key, "is required (a string)")
+            fields[key] = value
+        control_plane = self.gateway.control_plane
+        # docs/protocol.md, "Tracing": a registration's spans, exported only.
+        hop = tracing.recorded("gateway", self.request.headers.get(wire.TRACEPARENT_HEADER), "POST /v1/runs", {
+            "http.request.method": "POST",
+            "http.route": "/v1/runs",
+            tracing.RUN_NAME: fields["name"],
+        })  # fmt: skip
+        try:
+            with hop.step("create the Run"):
+                run = await self.blocking(
+                    control_plane.create_run,
+                    **fields,
+                    files=files,
+                    env=env,
+                    idle_timeout_seconds=idle,
+                    memory_mb=memory,
+                    replicas=replicas,
+                    source=str(body.get("source", "")),
+                    traceparent=hop.traceparent,  # runtimed's registration joins this trace
+                )
+            hop.set(tracing.RUN_UID, run.uid)
+            with hop.step("wait for its registration"):
+                run = await self.blocking(control_plane.wait_settled, run.name, CREATE_WAIT_SECONDS)
+        except Exception as exc:
+            failure = self.failure(exc, 500)
+            hop.finish(
+                {"http.response.status_code": failure.status},
+                error=f"{failure.code}: {failure.message}",
+            )
+            raise
+        hop.finish({"http.response.status_code": 201, tracing.RUN_PHASE: run.phase})
+        self.send_json(201, await self.described(run))
+
+
+class RunHandler(BaseHandler):
+    async def get(self, name: str) -> None:
+        run = self.gateway.store.get(name)
+        body = await self.described(run)
+        body["live"] = None
+        try:
+            pod, stub = self.gateway.route(run)
+            call = stub.FunctionStatus(
+                pb.FunctionStatusRequest(registration=pb.FunctionRegistration(run_uid=run.uid)),
+                timeout=5,
+                metadata=((POD_KEY, pod),),
+            )
+            status = await call
+            initial = metadata_of(await call.initial_metadata())
+            body["live"] = {
+                "state": pb.FunctionRegistrationState.Name(status.state).removeprefix(
+                    "FUNCTION_REGISTRATION_STATE_"
+                ),
+                "registrationId": status.registration.registration_id,
+                "registrationAttempt": int(initial.get(ATTEMPT_KEY, 0) or 0),
+                "registrationDigest": str(initial.get(DIGEST_KEY, "")),
+                "inFlight": status.in_flight,
+                "lastActivityUnixNano": status.last_activity_unix_nano,
+                "fatalError": status.fatal_error,
+            }
+        except grpc.aio.AioRpcError as err:
+            body["liveError"] = f"{err.code().name}: {err.details()}"
+        except (NoRuntimePod, RunNotReady) as exc:
+            body["liveError"] = str(exc)
+        self.send_json(200, body)
+
+    async def delete(self, name: str) -> None:
+        # strip=False: numbers are ASCII digits only, so " 5" and "5 " are refused, not trimmed.
+        cancel = self.get_query_argument("cancelInFlight", "false", strip=False)
+        drain = self.get_query_argument("drainTimeoutMs", "0", strip=False)
+        if cancel not in ("true", "false"):
+            raise InvalidField("cancelInFlight", f"must be true or false, got {cancel[:40]!r}")
+        drain_millis = limits.parse_count(drain, "drainTimeoutMs", limits.MAX_DRAIN_TIMEOUT_MILLIS)
+        await self.blocking(
+            self.gateway.control_plane.delete_run,
+            name,
+            cancel_in_flight=cancel == "true",
+            drain_timeout_millis=drain_millis,
+        )
+        self.set_status(204)
+        self.finish()
+
+
+class FilesHandler(BaseHandler):
+    """GET /v1/runs/{name}/files — the source a Run was created with, for ``fnkernel export``
+    (docs/krm.md, "A notebook function kpt can run")."""
+
+    async def get(self, name: str) -> None:
+        run = self.gateway.store.get(name)
+        files = await self.blocking(self.gateway.store.files, run.uid)
+        self.send_json(
+            200, {"name": run.name, "runtime": run.runtime, "handler": run.handler, "files": files}
+        )

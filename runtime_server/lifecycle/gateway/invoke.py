@@ -1,0 +1,207 @@
+"""The gateway's hot path (docs/protocol.md, "HTTP API"): ``POST /v1/runs/NAME:invoke``, through
+the assigned pod's runtimed (a replica set's least busy replica), with the call's timeline and
+spans when asked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from fnkernel.runtime_server import limits, tracing, wire
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
+from fnkernel.runtime_server.errors import (
+    NoRuntimePod,
+    RunNotReady,
+)
+from fnkernel.runtime_server.lifecycle.gateway.failures import (
+    FailureResponse,
+    rpc_error,
+)
+from fnkernel.runtime_server.lifecycle.gateway.handlers import BodyHandler, header_text, metadata_of
+from fnkernel.runtime_server.lifecycle.runs import Run
+from fnkernel.runtime_server.rpc import trailer_logs
+from fnkernel.runtime_server.wire import (
+    ATTEMPT_KEY,
+    COLD_START_KEY,
+    POD_KEY,
+    TIMELINE_KEY,
+    TIMELINE_RUNTIMED_KEY,
+    TIMELINE_SERVER_KEY,
+    parse_timeline_stamps,
+)
+
+
+def _timeline(gateway: dict[str, int], trailers: dict[str, Any]) -> str:
+    """The X-Fn-Timeline answer: each hop's monotonic clock readings, in ns (docs/protocol.md,
+    "Timeline")."""
+    hops = {"gateway": gateway}
+    for hop, key in (("runtimed", TIMELINE_RUNTIMED_KEY), ("server", TIMELINE_SERVER_KEY)):
+        hops[hop] = parse_timeline_stamps(str(trailers.get(key, "")))
+    return json.dumps(hops, separators=(",", ":"))
+
+
+class InvokeHandler(BodyHandler):
+    """POST /v1/runs/{name}:invoke — the body is the JSON payload (BodyHandler: bounded by
+    MAX_PAYLOAD_BYTES, refused with 413 before anything is looked up or called)."""
+
+    def prepare(self) -> None:
+        self._received = time.monotonic_ns()  # the timeline's first reading (docs/protocol.md)
+        self._call: grpc.aio.UnaryUnaryCall | None = None
+        self._hop: tracing.Hop | None = None  # a traced call's spans (docs/protocol.md, "Tracing")
+        super().prepare()
+
+    def write_error(self, status_code: int, **kwargs: Any) -> None:
+        if self._hop is not None:  # a traced call that failed: its spans go with the failure
+            exc_info = kwargs.get("exc_info")
+            failure = self.failure(exc_info[1] if exc_info else None, status_code)
+            self._finish_trace(failure.status, f"{failure.code}: {failure.message}")
+        super().write_error(status_code, **kwargs)
+
+    def _finish_trace(self, status: int, error: str = "") -> None:
+        """End a traced call's spans: `status` its HTTP answer (0: none, the client left)."""
+        hop, self._hop = self._hop, None
+        if hop is not None:
+            attributes = {"http.response.status_code": status} if status else {}
+            spans = hop.finish(attributes, error=error)
+            if self.request.headers.get(wire.TRACEPARENT_HEADER):  # the caller asked for them
+                self.set_header(wire.SPANS_HEADER, base64.b64encode(spans).decode("ascii"))
+
+    def on_connection_close(self) -> None:
+        # The client hung up (an interrupted notebook cell): cancel, so the handler is killed.
+        if self._call is not None:
+            self._call.cancel()
+
+    async def _call_run(
+        self,
+        run: Run,
+        payload: bytes,
+        invocation_id: str,
+        timeout_millis: int,
+        timeline: bool,
+        *,
+        counted: bool,
+    ) -> tuple[pb.InvokeFunctionResponse, dict[str, Any], int] | None:
+        """InvokeFunction on `run` through its pod's runtimed: the response, its trailers and
+        when it was called; None if the client went away. `counted`: kept in the gateway's
+        count of calls in flight (a replica set's)."""
+        pod, stub = self.gateway.route(run)
+        request = pb.InvokeFunctionRequest(
+            registration=pb.FunctionRegistration(run_uid=run.uid),
+            invocation_id=invocation_id,
+            input=payload,
+            content_type=self.request.headers.get("Content-Type", "application/json"),
+            timeout_millis=timeout_millis,
+        )
+        deadline = limits.wait_seconds(timeout_millis, hops_below=1)  # runtimed
+        metadata: tuple[tuple[str, str], ...] = ((POD_KEY, pod),)
+        if timeline:
+            metadata += ((TIMELINE_KEY, "1"),)
+        if self._hop is not None:
+            self._hop.set(tracing.RUN_UID, run.uid)
+            traceparent = self._hop.call(
+                tracing.INVOKE_SPAN, tracing.rpc_attributes("InvokeFunction")
+            )
+            metadata += ((wire.TRACEPARENT_KEY, traceparent),)
+        in_flight = self.gateway.in_flight
+        if counted:
+            in_flight[run.uid] = in_flight.get(run.uid, 0) + 1
+            if invocation_id:
+                self.gateway.remember_route(invocation_id, run.name)
+        called = time.monotonic_ns()
+        self._call = stub.InvokeFunction(request, timeout=deadline, metadata=metadata)
+        try:
+            response = await self._call
+            trailers = metadata_of(await self._call.trailing_metadata())
+        except grpc.aio.AioRpcError as err:
+            if self._hop is not None:
+                spans = metadata_of(err.trailing_metadata()).get(wire.SPANS_KEY)
+                self._hop.called(err.code().value[0], spans)
+            raise rpc_error(err, run, invocation_id) from None
+        except asyncio.CancelledError:
+            return None
+        finally:
+            if counted:
+                left = in_flight.pop(run.uid, 1) - 1
+                if left:
+                    in_flight[run.uid] = left
+        return response, trailers, called
+
+    async def post(self, name: str) -> None:
+        body_read = time.monotonic_ns()  # the whole body is in: the timeline's second reading
+        payload = self.body()
+        headers = self.request.headers
+        invocation_id = limits.check_invocation_id(header_text(headers, wire.INVOCATION_ID_HEADER))
+        # Any int64 is taken, as on the wire, and capped like timeout_millis (limits.py).
+        timeout_millis = limits.parse_count(
+            header_text(headers, wire.TIMEOUT_HEADER, "0"), wire.TIMEOUT_HEADER
+        )
+        traceparent = headers.get(wire.TRACEPARENT_HEADER)
+        if tracing.traced(traceparent):
+            self._hop = tracing.Hop("gateway", traceparent, "POST /v1/runs/{name}:invoke", {
+                "http.request.method": "POST",
+                "http.route": "/v1/runs/{name}:invoke",
+                tracing.RUN_NAME: name,
+                tracing.INVOCATION_ID: invocation_id,
+            })  # fmt: skip
+        run = self.gateway.store.get_fresh(name)
+        timeline = headers.get(wire.TIMELINE_HEADER) == "1"
+        if run.replicas == 1 or run.replica_of:
+            answer = await self._call_run(
+                run, payload, invocation_id, timeout_millis, timeline, counted=False
+            )
+        else:
+            # A replica set: the free replica that has the fewest calls in flight (docs/
+            # protocol.md, "Replicas"); one busy with another gateway's call gives the next.
+            candidates = self.gateway.replicas(run)
+            for index, candidate in enumerate(candidates):
+                last = index == len(candidates) - 1
+                try:
+                    answer = await self._call_run(
+                        candidate, payload, invocation_id, timeout_millis, timeline, counted=True
+                    )
+                except (RunNotReady, NoRuntimePod):
+                    if last:
+                        raise
+                    continue
+                except FailureResponse as failure:
+                    if last or failure.code != "RESOURCE_EXHAUSTED":
+                        raise
+                    continue
+                run = candidate
+                break
+        if answer is None:  # the client went away: its call was cancelled
+            self._finish_trace(0, "CANCELLED: the client went away")
+            return
+        response, trailers, called = answer
+        if self._hop is not None:
+            self._hop.called(0, trailers.get(wire.SPANS_KEY))
+            self._hop.set(tracing.INVOCATION_ID, response.invocation_id)
+            self._finish_trace(200)
+        self.set_header("Content-Type", response.content_type or "application/json")
+        self.set_header(wire.INVOCATION_ID_HEADER, response.invocation_id)
+        outputs = json.dumps(dict(response.outputs), sort_keys=True) if response.outputs else "{}"
+        self.set_header(wire.OUTPUTS_HEADER, outputs)
+        self.set_header(wire.ATTEMPT_HEADER, str(trailers.get(ATTEMPT_KEY, run.attempt)))
+        if run.replicas != 1:
+            self.set_header(wire.RUN_HEADER, run.name)
+        if trailers.get(COLD_START_KEY) == "1":
+            self.set_header(wire.COLD_START_HEADER, "1")
+        logs = trailer_logs(trailers)
+        if logs:  # json.dumps writes ASCII: non-ASCII text is \u-escaped
+            self.set_header(wire.LOGS_HEADER, json.dumps(logs))
+        if timeline:
+            readings = {
+                "received": self._received,
+                "body": body_read,
+                "called": called,
+                "answered": time.monotonic_ns(),
+            }
+            self.set_header(wire.TIMELINE_HEADER, _timeline(readings, trailers))
+        self.finish(response.output)
