@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-ui image test-k8s proto lint fmt typecheck tree bench bench-peers kpt-e2e mutate clean
+.PHONY: demo test test-fast test-ui image test-k8s proto lint fmt typecheck tree bench bench-peers kpt-e2e mutate clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=python3)"; exit 2; }
@@ -20,6 +20,11 @@ demo: $(STAMP)
 
 test: $(STAMP) lint typecheck
 	$(PY) -m pytest
+
+# The inner loop, under 2 minutes: the tests that start no stack, cluster, kernel or server
+# process of their own and wait no seconds on purpose (tests/conftest.py, SLOW_FIXTURES).
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow" -q
 
 UI_STAMP := $(VENV)/.installed-ui
 $(UI_STAMP): $(STAMP)

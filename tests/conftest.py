@@ -20,11 +20,22 @@ from tests.support import (
     spawn_serve,
 )
 
+# What makes a test `slow` (left out of `make test-fast`, the inner loop; `make test` runs
+# everything): it starts a whole stack, cluster, kernel or server process of its own. A module
+# that waits seconds on purpose (pauses, deadlines, builds) marks itself.
+SLOW_FIXTURES = frozenset(
+    {"stack_factory", "cluster", "kernel", "fnkernel_spec", "server_process", "kube_api"}
+)
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under mutation testing (docs/architecture.md, "Mutation testing"), fastest tests first:
-    a mutant then dies at the cheapest test that catches it, not after every slower one before
-    it in file order. mutmut runs in mutants/, beside the durations it measured."""
+    """Mark the slow tests (SLOW_FIXTURES). Under mutation testing (docs/architecture.md,
+    "Mutation testing"), fastest tests first: a mutant then dies at the cheapest test that
+    catches it, not after every slower one before it in file order. mutmut runs in mutants/,
+    beside the durations it measured."""
+    for item in items:
+        if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
     stats = Path("mutmut-stats.json")
     if "MUTANT_UNDER_TEST" not in os.environ or not stats.is_file():
         return

@@ -17,6 +17,8 @@ import pytest
 
 from tests.support import ROOT
 
+pytestmark = pytest.mark.slow  # it builds and installs the wheel (tests/conftest.py)
+
 FOLDERS = ("runtime_server", "adapters", "kernel", "system")
 
 

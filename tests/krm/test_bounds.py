@@ -11,6 +11,8 @@ import pytest
 
 from tests.krm.test_kpt_behaviour import kptfile, render, starlark_package, status
 
+pytestmark = pytest.mark.slow  # each step runs to its bound (tests/conftest.py)
+
 HUGE_LIST = "x = [0] * 2000000000\n"  # ~16 GB, if it were allowed
 ENDLESS = "n = 0\nfor i in range(2147483647):\n  for j in range(2147483647):\n    n += 1\n"
 

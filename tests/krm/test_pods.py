@@ -151,6 +151,7 @@ def test_a_killed_pod_is_evicted_and_the_call_succeeds_on_a_fresh_one(
     assert len(manager.snapshot()[IMAGE]) == 1  # the dead pod was evicted
 
 
+@pytest.mark.slow  # it waits seconds on purpose (tests/conftest.py)
 def test_an_unhealthy_idle_pod_is_evicted(
     who: Path, managers: Callable[..., PodCacheManager]
 ) -> None:

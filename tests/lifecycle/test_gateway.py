@@ -270,6 +270,7 @@ def test_get_shows_the_run_and_its_live_function_status(shared_stack: Stack) -> 
     assert name in [r["name"] for r in listed["runs"]]
 
 
+@pytest.mark.slow  # it waits seconds on purpose (tests/conftest.py)
 def test_second_concurrent_invoke_is_429_with_retry_after(shared_stack: Stack) -> None:
     # docs/protocol.md, "Errors": RESOURCE_EXHAUSTED → 429 + Retry-After: 1.
     name = create(shared_stack, SLOW_PY)
@@ -285,6 +286,7 @@ def test_second_concurrent_invoke_is_429_with_retry_after(shared_stack: Stack) -
     assert result[0][0] == 200  # type: ignore[index]
 
 
+@pytest.mark.slow  # it waits seconds on purpose (tests/conftest.py)
 def test_draining_run_is_503_with_retry_after(shared_stack: Stack) -> None:
     # docs/protocol.md, "Errors": FAILED_PRECONDITION (draining) → 503 + Retry-After: 1.
     name = create(shared_stack, SLOW_PY)
@@ -386,9 +388,9 @@ def test_a_call_longer_than_the_clients_read_timeout_waits_for_its_own_timeout(
     if traced is not None:
         client = TracedClient(shared_stack.gateway_address, Trace())
         client.trace.on = traced
-    client.timeout = 1
-    assert client.invoke(name, {"sleep": 2}, timeout_millis=10_000).value() == {"slept": 2}
-    slow, _ = in_background(lambda: client.invoke(name, {"sleep": 2}, timeout_millis=10_000))
+    client.timeout = 0.5
+    assert client.invoke(name, {"sleep": 1}, timeout_millis=10_000).value() == {"slept": 1}
+    slow, _ = in_background(lambda: client.invoke(name, {"sleep": 1}, timeout_millis=10_000))
     wait_in_flight(shared_stack, name)
     client.delete_run(name, drain_timeout_millis=10_000)  # waits for the call to end
     slow.join(10)
@@ -550,6 +552,7 @@ def test_invalid_request_from_the_client_library_is_typed(shared_stack: Stack) -
     assert caught.value.status == 400
 
 
+@pytest.mark.slow  # it waits seconds on purpose (tests/conftest.py)
 def test_client_busy_error_names_the_code(shared_stack: Stack) -> None:
     name = create(shared_stack, SLOW_PY)
     first, _ = in_background(lambda: invoke(shared_stack, name, b'{"sleep": 2}'))

@@ -21,6 +21,8 @@ from fnkernel.runtime_server.lifecycle.sqlite import SqliteRunStore
 from fnkernel.runtime_server.lifecycle.stack import Stack
 from tests.support import SLOW_PY, http_call, wait_until
 
+pytestmark = pytest.mark.slow  # each pause lasts 5 s on purpose (tests/conftest.py)
+
 PAUSE_SECONDS = 5.0  # the longest pause the design promises to ride out
 COMPONENTS = ["gateway", "python-0-runtimed", "python-0-server"]
 

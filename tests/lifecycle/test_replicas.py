@@ -64,6 +64,7 @@ def test_a_function_of_three_replicas_is_three_runs_spread_over_the_pods(stack: 
     assert not [run for run in client.list_runs() if run.name.startswith("spread")]
 
 
+@pytest.mark.slow  # it waits seconds on purpose (tests/conftest.py)
 def test_a_call_goes_to_a_free_replica_and_is_429_only_when_all_are_busy(stack: Stack) -> None:
     client = Client(stack.gateway_address)
     client.create_run("busy", runtime="python", handler="handler.handle", files=SLOW_PY,

@@ -176,6 +176,7 @@ def test_proxy_hop_fills_in_the_active_registration_id(pod: Pod) -> None:
     assert status.registration.registration_id == response.registration.registration_id
 
 
+@pytest.mark.slow  # it waits seconds on purpose (tests/conftest.py)
 def test_a_run_is_not_polled_while_its_calls_succeed_and_polled_again_after(pod: Pod) -> None:
     # docs/architecture.md, "The proxy hop": a proxied call that succeeded shows what a
     # FunctionStatus poll would (READY, and active within the interval), so runtimed polls a Run
@@ -446,6 +447,7 @@ def test_a_registration_the_server_lost_is_503_and_registered_again_free_of_char
     assert b'"echo"' in pod.invoke(again).output
 
 
+@pytest.mark.slow  # it waits seconds on purpose (tests/conftest.py)
 def test_a_register_the_server_does_not_answer_repeats_the_same_attempt_until_it_does(
     tmp_path: Path,
 ) -> None:
