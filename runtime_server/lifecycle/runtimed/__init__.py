@@ -16,34 +16,20 @@ assigned here), which is where its Runtime Server loads them from.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import math
-import os
-import shutil
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from concurrent import futures
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_health.v1.health import SERVICE_NAME as HEALTH_SERVICE
 
 from fnkernel.runtime_server import limits, tracing
-from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
-from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import logs_pb2, logs_pb2_grpc
+from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import logs_pb2_grpc
 from fnkernel.runtime_server.errors import (
-    InvalidField,
-    InvocationNotFound,
-    NotAllowedHere,
-    RegistrationLost,
-    RegistrationNotFound,
     RoutedElsewhere,
     RunFilesMissing,
     RunNotFound,
@@ -57,113 +43,42 @@ from fnkernel.runtime_server.function_runtime.server import (
 )
 from fnkernel.runtime_server.lifecycle.retries import Step, Verdict, decide, fatal_error_type
 from fnkernel.runtime_server.lifecycle.runs import (
-    HEARTBEAT_SECONDS,
-    POD_GRACE_SECONDS,
     Run,
     RunStore,
 )
+from fnkernel.runtime_server.lifecycle.runtimed.health import Heartbeat
+from fnkernel.runtime_server.lifecycle.runtimed.proxy import LogsProxyServicer, ProxyServicer
+from fnkernel.runtime_server.lifecycle.runtimed.server import (
+    Active,
+    ServerRegistrations,
+    registration_request,
+)
+from fnkernel.runtime_server.lifecycle.runtimed.workspace import Workspace, registration_digest
 from fnkernel.runtime_server.rpc import (
     CHANNEL_OPTIONS,
     CancellableCalls,
-    Followers,
     add_health,
     add_reflection,
-    caller_timeout,
     listen_on,
-    metadata_value,
-    relayed_trailers,
-    traced_failure,
-    trailer_value,
-    translate_errors,
 )
 from fnkernel.runtime_server.wire import (
-    ATTEMPT_KEY,
-    COLD_START_KEY,
     DELETED,
     DELETING,
-    DIGEST_KEY,
     FAILED,
     IDLE,
     PENDING,
-    POD_KEY,
     READY,
     RETRYING,
-    SPANS_KEY,
-    TIMELINE_KEY,
-    TIMELINE_RUNTIMED_KEY,
-    TRACEPARENT_KEY,
-    timeline_stamps,
 )
 
 LOG = logging.getLogger("fnkernel.runtimed")
 UNSUPPORTED = "runtime does not support function mode"
-_SKIPPED_DIRS = frozenset({"__pycache__"})
 _REGISTER_RPC_TRIES = 3
-_HEALTH_CHECK_SECONDS = 0.5
 # A Run whose calls were in flight this many times in a row when its server died is Failed: the
 # retry budget's size, for a fault the budget does not see (the pod's deaths are never charged).
 MAX_SERVER_DEATHS = 3
-_UNREGISTER_SLACK_SECONDS = 5.0  # the RPC's deadline beyond the drain it asks for
 _WAKE_SECONDS = 0.005  # how often the loop asks the store whether anything changed, when busy
 _BUSY_SECONDS = 10.0  # busy: this long after the last change (then every tick: idle CPU)
-
-
-def source_tree_hash(working_dir: Path) -> str:
-    """SHA-256 over every file's relative path, executable bit and content (sorted)."""
-    tree = hashlib.sha256()
-    for directory, dirs, files in os.walk(working_dir):
-        dirs[:] = sorted(d for d in dirs if d not in _SKIPPED_DIRS)
-        for name in sorted(files):
-            path = Path(directory, name)
-            relative = path.relative_to(working_dir).as_posix()
-            executable = os.access(path, os.X_OK)
-            tree.update(f"{relative}\0{int(executable)}\0".encode())
-            tree.update(hashlib.sha256(path.read_bytes()).digest())
-    return tree.hexdigest()
-
-
-def write_files(files: Mapping[str, str], directory: Path) -> None:
-    """Write a Run's files into `directory`, which must not exist: into a sibling first, renamed
-    into place once all are written, so a directory that exists holds every file."""
-    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-    try:
-        for name, text in files.items():
-            target = staging / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                target.write_text(text)
-            except OSError as exc:  # a failed write (ENOSPC) names no file by itself
-                raise OSError(exc.errno, exc.strerror, str(directory / name)) from None
-        staging.chmod(0o700)
-        staging.rename(directory)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-
-
-def registration_digest(run: Run, working_dir: Path) -> str:
-    """docs/protocol.md: lowercase SHA-256 of the canonical, immutable registration inputs — the resolved
-    source identity, handler, environment and runtime-visible settings; never the working-dir
-    path, so two working dirs with the same inputs give the same digest."""
-    canonical = {
-        "source": source_tree_hash(working_dir),
-        "handler": run.handler,
-        "env": run.env,
-        "runtime": run.runtime,
-        "idleTimeoutSeconds": run.idle_timeout_seconds,
-        "memoryMb": limits.check_memory_mb(run.memory_mb),
-    }
-    text = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return limits.sha256_digest(text.encode())
-
-
-@dataclass(frozen=True)
-class Active:
-    """The registration runtimed holds for a Run on its server."""
-
-    registration_id: str
-    attempt: int
-    digest: str
 
 
 class Runtimed:
@@ -185,13 +100,15 @@ class Runtimed:
         self.runtime = runtime
         self.server_address = server_address
         self.workspace = workspace.resolve()
+        self._files = Workspace(self.workspace)
         self.poll_interval = poll_interval
         self.tick = tick
         self.address = ""
         self._channel = grpc.insecure_channel(server_address, options=CHANNEL_OPTIONS)
         self.server_stub = pb_grpc.FunctionRuntimeStub(self._channel)
+        self.server = ServerRegistrations(self.server_stub)
         self.logs_stub = logs_pb2_grpc.InvocationLogsStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self.heart = Heartbeat(self._channel, store, pod, runtime, poll_interval)
         self.calls = CancellableCalls(server_address, pb_grpc.FunctionRuntimeStub)  # proxied
         self._lock = threading.Lock()
         self._active: dict[str, Active] = {}
@@ -209,11 +126,6 @@ class Runtimed:
         self._stop = threading.Event()
         self._loop_thread: threading.Thread | None = None
         self._grpc: grpc.Server | None = None
-        self._health_servicer: health.HealthServicer | None = None
-        self._healthy = False  # the last health check's answer
-        self._server_answered = -math.inf  # when a health check last succeeded: not yet
-        self._reported: bool | None = None  # the health the last heartbeat wrote
-        self._next_beat = 0.0
 
     # Lifecycle
 
@@ -224,7 +136,7 @@ class Runtimed:
         )
         pb_grpc.add_FunctionRuntimeServicer_to_server(ProxyServicer(self), self._grpc)
         logs_pb2_grpc.add_InvocationLogsServicer_to_server(LogsProxyServicer(self), self._grpc)
-        self._health_servicer = add_health(self._grpc, [FUNCTION_RUNTIME_SERVICE])
+        self.heart.servicer = add_health(self._grpc, [FUNCTION_RUNTIME_SERVICE])
         add_reflection(
             self._grpc, [FUNCTION_RUNTIME_SERVICE, INVOCATION_LOGS_SERVICE, HEALTH_SERVICE]
         )
@@ -268,7 +180,7 @@ class Runtimed:
                         next_reconcile = now + self.poll_interval
                         self.reconcile()
                     due = now >= next_poll
-                    if now >= self._next_beat or not self._healthy:
+                    if now >= self.heart.next_beat or not self.heart.healthy:
                         self._heartbeat()
                     if due:
                         next_poll = time.monotonic() + self.poll_interval
@@ -278,41 +190,14 @@ class Runtimed:
                 next_reconcile = 0.0  # the next pass, a tick later, tries again
             self._stop.wait(_WAKE_SECONDS if now - last_change < _BUSY_SECONDS else self.tick)
 
-    def _server_healthy(self) -> bool:
-        try:
-            reply = self._health.Check(
-                health_pb2.HealthCheckRequest(), timeout=_HEALTH_CHECK_SECONDS
-            )
-        except grpc.RpcError:
-            return False
-        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
-
     def _heartbeat(self, *, now: bool = False) -> None:
-        """Check the server and write the pod's heartbeat: when one is due, when the health it
-        reports changed, or `now`. The pod is reported unhealthy only once its server has not
-        answered for POD_GRACE_SECONDS: one missed check is a pause (a GC, a busy CPU), not a
-        death, and declaring the pod gone would cost each of its Runs an attempt and its call."""
-        checked = time.monotonic()
-        self._healthy = self._server_healthy()
-        if self._healthy:
-            self._server_answered = checked
-        healthy = checked - self._server_answered < POD_GRACE_SECONDS
-        if healthy != self._reported and self._health_servicer is not None:
-            # What a readiness probe of this port sees (on Kubernetes, the pod's liveness).
-            serving = health_pb2.HealthCheckResponse.SERVING
-            status = serving if healthy else health_pb2.HealthCheckResponse.NOT_SERVING
-            for service in ("", FUNCTION_RUNTIME_SERVICE):
-                self._health_servicer.set(service, status)
-        if now or healthy != self._reported or checked >= self._next_beat:
-            self.store.heartbeat(self.pod, self.runtime, self.address, healthy)
-            self._reported = healthy
-            self._next_beat = checked + min(self.poll_interval, HEARTBEAT_SECONDS)
+        self.heart.beat(self.address, now=now)
 
     # Reconcile: make the server match the Runs assigned to this pod
 
     def working_dir(self, uid: str) -> Path:
         """Where the files of Run `uid` are while it is assigned to this pod."""
-        return self.workspace / uid
+        return self._files.working_dir(uid)
 
     def reconcile(self) -> None:
         mine = {run.uid: run for run in self.store.runs(pod=self.pod)}
@@ -333,27 +218,16 @@ class Runtimed:
     def _remove_files(self, keep: Mapping[str, Run]) -> None:
         """Remove the files of every Run no longer here: reassigned elsewhere or deleted, and
         no longer registered or being registered (a staging directory too, once its job ended)."""
-        try:
-            entries = list(self.workspace.iterdir())
-        except OSError:  # none yet, or not a directory: _materialize says so per Run
-            return
         with self._lock:
             held = set(self._active) | self._busy
-        for entry in entries:
-            uid = entry.name.lstrip(".").split(".", 1)[0]
-            if uid not in keep and uid not in held:
-                shutil.rmtree(entry, ignore_errors=True)
+        self._files.remove_all_but(set(keep) | held)
 
     def _materialize(self, run: Run) -> Path | None:
         """The Run's working dir, its files written from the store if they are not there yet
         (a directory that exists is kept: the handler may have written into it). None if they
         could not be written: the attempt failed, charged (the pod's disk, not the handler)."""
-        directory = self.working_dir(run.uid)
-        if directory.is_dir():
-            return directory
         try:
-            self.workspace.mkdir(mode=0o700, parents=True, exist_ok=True)
-            write_files(self.store.files(run.uid), directory)
+            return self._files.materialize(run.uid, lambda: self.store.files(run.uid))
         except RunNotFound:
             return None  # deleted meanwhile
         except RunFilesMissing as exc:  # no retry brings them back
@@ -362,7 +236,6 @@ class Runtimed:
         except OSError as exc:
             self._infrastructure_failure(run, f"cannot write the run's files: {exc}")
             return None
-        return directory
 
     def _submit(self, run: Run, action: Callable[[Run], object]) -> None:
         """Run `action(run)` on the worker pool unless a job for this Run is already queued."""
@@ -423,15 +296,14 @@ class Runtimed:
             with hop.step("registration digest"):
                 digest = registration_digest(run, working_dir)
                 run = self.store.update(run, registration_digest=digest) or run
-        request = _registration_request(run, digest, working_dir)
+        request = registration_request(run, digest, working_dir)
         response = None
         for tries in range(1, _REGISTER_RPC_TRIES + 1):
             traceparent = hop.call(
                 tracing.REGISTER_SPAN, tracing.rpc_attributes("RegisterFunction")
             )
-            metadata = ((TRACEPARENT_KEY, traceparent),) if traceparent else None
             try:
-                response = self.server_stub.RegisterFunction(request, timeout=90, metadata=metadata)
+                response = self.server.register(request, traceparent)
                 hop.called(0, None)
                 break
             except grpc.RpcError as err:
@@ -455,20 +327,9 @@ class Runtimed:
             LOG.info("run %s attempt %d READY as %s", run.name, run.attempt, active.registration_id)
             return active
         if response.state == REG_FAILED:
-            self._fatal(run, self._fatal_error(run.uid, active))
+            self._fatal(run, self.server.fatal_error(run.uid, active))
         # Still REGISTERING (a very slow import): the next pass repeats the same attempt.
         return None
-
-    def _server_status(self, run_uid: str, active: Active) -> pb.FunctionStatusResponse:
-        return self.server_stub.FunctionStatus(
-            pb.FunctionStatusRequest(registration=_reference(run_uid, active)), timeout=2
-        )
-
-    def _fatal_error(self, run_uid: str, active: Active) -> str:
-        try:
-            return self._server_status(run_uid, active).fatal_error
-        except grpc.RpcError as err:
-            return err.details() or ""
 
     def _fatal(self, run: Run, fatal_error: str) -> None:
         """A FAILED registration: retry what the platform caused, fail the handler's faults for
@@ -581,7 +442,7 @@ class Runtimed:
 
     def _poll_one(self, run: Run, active: Active) -> None:
         try:
-            status = self._server_status(run.uid, active)
+            status = self.server.status(run.uid, active)
         except grpc.RpcError as err:
             verdict = decide(Step.STATUS, err.code())
             message = f"FunctionStatus: {err.code().name}: {err.details()}"
@@ -619,7 +480,7 @@ class Runtimed:
                         self._active.setdefault(run.uid, active)
                 return
             if active is not None:
-                self._unregister_active(run.uid, active, cancel=False)
+                self.server.unregister(run.uid, active, cancel=False)
             LOG.info("run %s idle after %ss: unregistered", run.name, run.idle_timeout_seconds)
 
     def _unregister(self, uid: str, *, cancel: bool, drain_millis: int = 0) -> bool:
@@ -629,49 +490,11 @@ class Runtimed:
             active = self._active.pop(uid, None)
         if active is None:
             return True
-        if self._unregister_active(uid, active, cancel=cancel, drain_millis=drain_millis):
+        if self.server.unregister(uid, active, cancel=cancel, drain_millis=drain_millis):
             return True
         with self._lock:
             self._active.setdefault(uid, active)
         return False
-
-    def _unregister_active(
-        self, uid: str, active: Active, *, cancel: bool, drain_millis: int = 0
-    ) -> bool:
-        drain_millis = drain_millis or limits.DEFAULT_DRAIN_MILLIS
-        try:
-            self.server_stub.UnregisterFunction(
-                pb.UnregisterFunctionRequest(
-                    registration=_reference(uid, active),
-                    cancel_in_flight=cancel,
-                    drain_timeout_millis=drain_millis,
-                ),
-                timeout=drain_millis / 1000 + _UNREGISTER_SLACK_SECONDS,
-            )
-        except grpc.RpcError as err:
-            if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                return True  # stale: a newer registration replaced it, so this one is gone
-            LOG.warning("unregistering %s: %s; will retry", uid, err.details())
-            return False
-        return True
-
-    def _held_by_server(self, run: Run) -> Active | None:
-        """The registration the server holds for `run` that this runtimed does not know (it
-        restarted): learnt by repeating the Run's registration, which is idempotent
-        for the same attempt and digest. None if the server holds nothing for it."""
-        probe = _reference(run.uid, Active("reg_unknown", run.attempt, ""))
-        try:
-            self.server_stub.FunctionStatus(pb.FunctionStatusRequest(registration=probe), timeout=2)
-        except grpc.RpcError as err:
-            if err.code() == grpc.StatusCode.NOT_FOUND:
-                return None
-            if err.code() != grpc.StatusCode.FAILED_PRECONDITION:  # stale id: it holds one
-                raise
-        if not run.registration_digest or not self.working_dir(run.uid).is_dir():
-            return None  # never registered here: nothing can be held
-        request = _registration_request(run, run.registration_digest, self.working_dir(run.uid))
-        response = self.server_stub.RegisterFunction(request, timeout=90)
-        return Active(response.registration.registration_id, run.attempt, run.registration_digest)
 
     def _delete(self, run: Run) -> None:
         """Deletion converges: the Run becomes Deleted only once the server no longer holds its
@@ -681,7 +504,7 @@ class Runtimed:
                 known = run.uid in self._active
             if not known:
                 try:
-                    held = self._held_by_server(run)
+                    held = self.server.held(run, self.working_dir(run.uid))
                 except grpc.RpcError as err:
                     LOG.warning("deleting %s: %s; will retry", run.name, err.details())
                     return
@@ -743,220 +566,3 @@ class Runtimed:
                 run = self.store.get_uid(run_uid) or run
         detail = f": {run.message}" if run.message else ""
         raise RunNotReady(f"run {run.name} is {run.phase} (attempt {run.attempt}){detail}")
-
-
-def _registration_request(run: Run, digest: str, working_dir: Path) -> pb.RegisterFunctionRequest:
-    return pb.RegisterFunctionRequest(
-        run_uid=run.uid,
-        registration_attempt=run.attempt,
-        working_dir=str(working_dir),
-        handler=run.handler,
-        env=run.env,
-        idle_timeout_seconds=run.idle_timeout_seconds,
-        registration_digest=digest,
-        memory_mb=run.memory_mb,
-    )
-
-
-def _reference(run_uid: str, active: Active) -> pb.FunctionRegistration:
-    return pb.FunctionRegistration(run_uid=run_uid, registration_id=active.registration_id)
-
-
-def _outside_id(registration: pb.FunctionRegistration) -> None:
-    if registration.registration_id:
-        raise InvalidField(
-            "registration.registration_id",
-            "must be empty at runtimed: the proxy hop fills in the active registration",
-        )
-    if not registration.run_uid:
-        raise InvalidField("registration.run_uid", "must not be empty")
-
-
-class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
-    """runtimed's own FunctionRuntime port (docs/protocol.md: the gateway routes here, never to a server)."""
-
-    def __init__(self, runtimed: Runtimed) -> None:
-        self.runtimed = runtimed
-
-    @translate_errors
-    def InvokeFunction(
-        self, request: pb.InvokeFunctionRequest, context: grpc.ServicerContext
-    ) -> pb.InvokeFunctionResponse:
-        # docs/protocol.md, "Timeline": the caller asked for this hop's clock readings.
-        received = time.monotonic_ns() if metadata_value(context, TIMELINE_KEY) == "1" else 0
-        traceparent = metadata_value(context, TRACEPARENT_KEY)  # "Tracing": a traced call
-        if not tracing.traced(traceparent):
-            return self._invoke(request, context, received, None)
-        hop = tracing.invoke_hop("runtimed", traceparent, request)
-        try:
-            return self._invoke(request, context, received, hop)
-        except Exception as exc:
-            if isinstance(exc, RoutedElsewhere):  # docs/protocol.md, fence table: routing
-                hop.set(tracing.FENCE, f"refused: {type(exc).__name__}")
-            traced_failure(hop, exc)
-            raise
-
-    def _invoke(
-        self,
-        request: pb.InvokeFunctionRequest,
-        context: grpc.ServicerContext,
-        received: int,
-        hop: tracing.Hop | None,
-    ) -> pb.InvokeFunctionResponse:
-        _outside_id(request.registration)
-        routed_to = metadata_value(context, POD_KEY)
-        run, active, cold = self.runtimed.resolve(request.registration.run_uid, routed_to)
-        try:
-            return self._forward(request, context, run, active, cold, received, hop)
-        except grpc.RpcError as err:
-            if err.code() == grpc.StatusCode.UNAVAILABLE and context.is_active():
-                # The call broke off with its caller still there: the server may have died.
-                self.runtimed.call_cut_off(run, active, request.invocation_id or "a call")
-                raise
-            if err.code() == grpc.StatusCode.NOT_FOUND:
-                # The server restarted and lost the registration; the Run still exists, so
-                # this is "come back soon" (503), never "no such function" (404).
-                self.runtimed.registration_lost(run, active)
-                raise RegistrationLost(
-                    f"run {run.uid}: its Runtime Server restarted; registering it again"
-                ) from None
-            if err.code() != grpc.StatusCode.FAILED_PRECONDITION:
-                raise
-        # The server refused the call before running it (the registration was just drained for
-        # idling, or superseded): resolve again under the run lock, once.
-        run, active, cold = self.runtimed.resolve(
-            request.registration.run_uid, routed_to, fast=False
-        )
-        return self._forward(request, context, run, active, cold, received, hop)
-
-    def _forward(
-        self,
-        request: pb.InvokeFunctionRequest,
-        context: grpc.ServicerContext,
-        run: Run,
-        active: Active,
-        cold: bool,
-        received: int,
-        hop: tracing.Hop | None,
-    ) -> pb.InvokeFunctionResponse:
-        """Call the server with the active registration; `received`: the monotonic time the
-        call arrived, if the caller asked for the timeline (0 otherwise); `hop`: the call's
-        spans, if it is traced."""
-        forwarded = pb.InvokeFunctionRequest()
-        forwarded.CopyFrom(request)
-        forwarded.registration.registration_id = active.registration_id
-        upstream: tuple[tuple[str, str], ...] = ((TIMELINE_KEY, "1"),) if received else ()
-        if hop is not None:  # the routing fence passed, and the registration ID is filled in
-            hop.set(tracing.FENCE, "passed")
-            hop.set(tracing.REGISTRATION_ID, active.registration_id)
-            hop.set(tracing.REGISTRATION_ATTEMPT, active.attempt)
-            traceparent = hop.call(tracing.INVOKE_SPAN, tracing.rpc_attributes("InvokeFunction"))
-            upstream += ((TRACEPARENT_KEY, traceparent),)
-        timeout = caller_timeout(context)
-        if timeout is not None:
-            # docs/protocol.md: runtimed bounds timeout_millis by the caller's (gateway's) deadline.
-            bound = max(1, int(timeout * 1000))
-            forwarded.timeout_millis = min(
-                limits.effective_timeout_millis(request.timeout_millis), bound
-            )
-        called = time.monotonic_ns() if received else 0
-        # The caller went away: the call is cancelled, and the handler dies.
-        try:
-            response, call = self.runtimed.calls.call(
-                lambda stub: stub.InvokeFunction.with_call(
-                    forwarded, timeout=timeout, metadata=upstream or None
-                ),
-                context,
-            )
-        except grpc.RpcError as err:
-            if hop is not None:
-                spans = trailer_value(err.trailing_metadata(), SPANS_KEY)
-                hop.called(err.code().value[0], spans)
-            raise
-        # In the trailers, beside the server's own: one metadata batch, not two (docs/protocol.md,
-        # "Proxy hop").
-        metadata: tuple[tuple[str, str | bytes], ...] = ((ATTEMPT_KEY, str(active.attempt)),)
-        if cold:
-            metadata += ((COLD_START_KEY, "1"),)
-        if received:
-            readings = timeline_stamps(
-                received=received, called=called, answered=time.monotonic_ns()
-            )
-            metadata += ((TIMELINE_RUNTIMED_KEY, readings),)
-        if hop is None:
-            context.set_trailing_metadata(metadata + relayed_trailers(call.trailing_metadata()))
-        else:
-            hop.called(0, trailer_value(call.trailing_metadata(), SPANS_KEY))
-            spans = hop.finish({"rpc.grpc.status_code": 0})
-            relayed = relayed_trailers(call.trailing_metadata(), {SPANS_KEY})
-            context.set_trailing_metadata(metadata + relayed + ((SPANS_KEY, spans),))
-        self.runtimed.served(run, active)
-        return response
-
-    @translate_errors
-    def FunctionStatus(
-        self, request: pb.FunctionStatusRequest, context: grpc.ServicerContext
-    ) -> pb.FunctionStatusResponse:
-        _outside_id(request.registration)
-        run = self.runtimed.fenced_run(
-            request.registration.run_uid, metadata_value(context, POD_KEY)
-        )
-        active = self.runtimed.active(run)
-        if active is None:
-            raise RegistrationNotFound(f"run {run.name} has no registration now ({run.phase})")
-        context.send_initial_metadata(
-            ((DIGEST_KEY, active.digest), (ATTEMPT_KEY, str(active.attempt)))
-        )
-        forwarded = pb.FunctionStatusRequest()
-        forwarded.CopyFrom(request)
-        forwarded.registration.registration_id = active.registration_id
-        return self.runtimed.server_stub.FunctionStatus(forwarded, timeout=5)
-
-    @translate_errors
-    def RegisterFunction(
-        self, request: pb.RegisterFunctionRequest, context: grpc.ServicerContext
-    ) -> pb.RegisterFunctionResponse:
-        raise NotAllowedHere("RegisterFunction is runtimed's own call; create a Run instead")
-
-    @translate_errors
-    def UnregisterFunction(
-        self, request: pb.UnregisterFunctionRequest, context: grpc.ServicerContext
-    ) -> pb.UnregisterFunctionResponse:
-        raise NotAllowedHere("UnregisterFunction is runtimed's own call; delete the Run instead")
-
-
-class LogsProxyServicer(logs_pb2_grpc.InvocationLogsServicer):
-    """runtimed's relay of an invocation's live log lines (docs/protocol.md, "Live output"):
-    fenced and filled in as an invoke is, then passed through record by record."""
-
-    def __init__(self, runtimed: Runtimed) -> None:
-        self.runtimed = runtimed
-        self.followers = Followers()
-
-    @translate_errors
-    def FollowInvocationLogs(
-        self, request: logs_pb2.FollowInvocationLogsRequest, context: grpc.ServicerContext
-    ) -> Iterator[logs_pb2.InvocationLogRecord]:
-        yield from self.followers.stream(lambda: self._relayed(request, context), context)
-
-    def _relayed(
-        self, request: logs_pb2.FollowInvocationLogsRequest, context: grpc.ServicerContext
-    ) -> Iterator[logs_pb2.InvocationLogRecord]:
-        if request.registration_id:
-            raise InvalidField(
-                "registration_id", "must be empty at runtimed: the relay fills it in"
-            )
-        if not request.run_uid:
-            raise InvalidField("run_uid", "must not be empty")
-        run = self.runtimed.fenced_run(request.run_uid, metadata_value(context, POD_KEY))
-        active = self.runtimed.active(run)
-        if active is None:
-            raise InvocationNotFound(f"run {run.name} has no registration now ({run.phase})")
-        forwarded = logs_pb2.FollowInvocationLogsRequest()
-        forwarded.CopyFrom(request)
-        forwarded.registration_id = active.registration_id
-        records = self.runtimed.logs_stub.FollowInvocationLogs(
-            forwarded, timeout=caller_timeout(context)
-        )
-        context.add_callback(records.cancel)  # the caller left: so does the upstream stream
-        yield from records

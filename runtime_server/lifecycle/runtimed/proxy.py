@@ -1,0 +1,277 @@
+"""runtimed's own gRPC ports, the proxy hop (docs/protocol.md, "Runs"; docs/architecture.md, "The
+proxy hop"): InvokeFunction and FunctionStatus arrive with a run_uid and an empty
+registration_id; runtimed fills in the active registration and calls its colocated server.
+The caller names the pod it routed to in ``x-fn-pod`` (the routing fence). The servicers use
+the agent only through ``Agent``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from typing import Protocol
+
+import grpc
+
+from fnkernel.runtime_server import limits, tracing
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
+from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import logs_pb2, logs_pb2_grpc
+from fnkernel.runtime_server.errors import (
+    InvalidField,
+    InvocationNotFound,
+    NotAllowedHere,
+    RegistrationLost,
+    RegistrationNotFound,
+    RoutedElsewhere,
+)
+from fnkernel.runtime_server.lifecycle.runs import (
+    Run,
+)
+from fnkernel.runtime_server.lifecycle.runtimed.server import Active
+from fnkernel.runtime_server.rpc import (
+    CancellableCalls,
+    Followers,
+    caller_timeout,
+    metadata_value,
+    relayed_trailers,
+    traced_failure,
+    trailer_value,
+    translate_errors,
+)
+from fnkernel.runtime_server.wire import (
+    ATTEMPT_KEY,
+    COLD_START_KEY,
+    DIGEST_KEY,
+    POD_KEY,
+    SPANS_KEY,
+    TIMELINE_KEY,
+    TIMELINE_RUNTIMED_KEY,
+    TRACEPARENT_KEY,
+    timeline_stamps,
+)
+
+LOG = logging.getLogger("fnkernel.runtimed")
+
+
+class Agent(Protocol):
+    """What the proxy hop asks of runtimed (``Runtimed``)."""
+
+    calls: CancellableCalls
+    server_stub: pb_grpc.FunctionRuntimeStub
+    logs_stub: logs_pb2_grpc.InvocationLogsStub
+
+    def fenced_run(self, run_uid: str, routed_to: str | None) -> Run: ...
+
+    def active(self, run: Run) -> Active | None: ...
+
+    def resolve(
+        self, run_uid: str, routed_to: str | None, *, fast: bool = True
+    ) -> tuple[Run, Active, bool]: ...
+
+    def served(self, run: Run, active: Active) -> None: ...
+
+    def call_cut_off(self, run: Run, active: Active, invocation_id: str) -> None: ...
+
+    def registration_lost(self, run: Run, active: Active, how: str = "") -> None: ...
+
+
+def _outside_id(registration: pb.FunctionRegistration) -> None:
+    if registration.registration_id:
+        raise InvalidField(
+            "registration.registration_id",
+            "must be empty at runtimed: the proxy hop fills in the active registration",
+        )
+    if not registration.run_uid:
+        raise InvalidField("registration.run_uid", "must not be empty")
+
+
+class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
+    """runtimed's own FunctionRuntime port (docs/protocol.md: the gateway routes here, never to a server)."""
+
+    def __init__(self, runtimed: Agent) -> None:
+        self.runtimed = runtimed
+
+    @translate_errors
+    def InvokeFunction(
+        self, request: pb.InvokeFunctionRequest, context: grpc.ServicerContext
+    ) -> pb.InvokeFunctionResponse:
+        # docs/protocol.md, "Timeline": the caller asked for this hop's clock readings.
+        received = time.monotonic_ns() if metadata_value(context, TIMELINE_KEY) == "1" else 0
+        traceparent = metadata_value(context, TRACEPARENT_KEY)  # "Tracing": a traced call
+        if not tracing.traced(traceparent):
+            return self._invoke(request, context, received, None)
+        hop = tracing.invoke_hop("runtimed", traceparent, request)
+        try:
+            return self._invoke(request, context, received, hop)
+        except Exception as exc:
+            if isinstance(exc, RoutedElsewhere):  # docs/protocol.md, fence table: routing
+                hop.set(tracing.FENCE, f"refused: {type(exc).__name__}")
+            traced_failure(hop, exc)
+            raise
+
+    def _invoke(
+        self,
+        request: pb.InvokeFunctionRequest,
+        context: grpc.ServicerContext,
+        received: int,
+        hop: tracing.Hop | None,
+    ) -> pb.InvokeFunctionResponse:
+        _outside_id(request.registration)
+        routed_to = metadata_value(context, POD_KEY)
+        run, active, cold = self.runtimed.resolve(request.registration.run_uid, routed_to)
+        try:
+            return self._forward(request, context, run, active, cold, received, hop)
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.UNAVAILABLE and context.is_active():
+                # The call broke off with its caller still there: the server may have died.
+                self.runtimed.call_cut_off(run, active, request.invocation_id or "a call")
+                raise
+            if err.code() == grpc.StatusCode.NOT_FOUND:
+                # The server restarted and lost the registration; the Run still exists, so
+                # this is "come back soon" (503), never "no such function" (404).
+                self.runtimed.registration_lost(run, active)
+                raise RegistrationLost(
+                    f"run {run.uid}: its Runtime Server restarted; registering it again"
+                ) from None
+            if err.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+        # The server refused the call before running it (the registration was just drained for
+        # idling, or superseded): resolve again under the run lock, once.
+        run, active, cold = self.runtimed.resolve(
+            request.registration.run_uid, routed_to, fast=False
+        )
+        return self._forward(request, context, run, active, cold, received, hop)
+
+    def _forward(
+        self,
+        request: pb.InvokeFunctionRequest,
+        context: grpc.ServicerContext,
+        run: Run,
+        active: Active,
+        cold: bool,
+        received: int,
+        hop: tracing.Hop | None,
+    ) -> pb.InvokeFunctionResponse:
+        """Call the server with the active registration; `received`: the monotonic time the
+        call arrived, if the caller asked for the timeline (0 otherwise); `hop`: the call's
+        spans, if it is traced."""
+        forwarded = pb.InvokeFunctionRequest()
+        forwarded.CopyFrom(request)
+        forwarded.registration.registration_id = active.registration_id
+        upstream: tuple[tuple[str, str], ...] = ((TIMELINE_KEY, "1"),) if received else ()
+        if hop is not None:  # the routing fence passed, and the registration ID is filled in
+            hop.set(tracing.FENCE, "passed")
+            hop.set(tracing.REGISTRATION_ID, active.registration_id)
+            hop.set(tracing.REGISTRATION_ATTEMPT, active.attempt)
+            traceparent = hop.call(tracing.INVOKE_SPAN, tracing.rpc_attributes("InvokeFunction"))
+            upstream += ((TRACEPARENT_KEY, traceparent),)
+        timeout = caller_timeout(context)
+        if timeout is not None:
+            # docs/protocol.md: runtimed bounds timeout_millis by the caller's (gateway's) deadline.
+            bound = max(1, int(timeout * 1000))
+            forwarded.timeout_millis = min(
+                limits.effective_timeout_millis(request.timeout_millis), bound
+            )
+        called = time.monotonic_ns() if received else 0
+        # The caller went away: the call is cancelled, and the handler dies.
+        try:
+            response, call = self.runtimed.calls.call(
+                lambda stub: stub.InvokeFunction.with_call(
+                    forwarded, timeout=timeout, metadata=upstream or None
+                ),
+                context,
+            )
+        except grpc.RpcError as err:
+            if hop is not None:
+                spans = trailer_value(err.trailing_metadata(), SPANS_KEY)
+                hop.called(err.code().value[0], spans)
+            raise
+        # In the trailers, beside the server's own: one metadata batch, not two (docs/protocol.md,
+        # "Proxy hop").
+        metadata: tuple[tuple[str, str | bytes], ...] = ((ATTEMPT_KEY, str(active.attempt)),)
+        if cold:
+            metadata += ((COLD_START_KEY, "1"),)
+        if received:
+            readings = timeline_stamps(
+                received=received, called=called, answered=time.monotonic_ns()
+            )
+            metadata += ((TIMELINE_RUNTIMED_KEY, readings),)
+        if hop is None:
+            context.set_trailing_metadata(metadata + relayed_trailers(call.trailing_metadata()))
+        else:
+            hop.called(0, trailer_value(call.trailing_metadata(), SPANS_KEY))
+            spans = hop.finish({"rpc.grpc.status_code": 0})
+            relayed = relayed_trailers(call.trailing_metadata(), {SPANS_KEY})
+            context.set_trailing_metadata(metadata + relayed + ((SPANS_KEY, spans),))
+        self.runtimed.served(run, active)
+        return response
+
+    @translate_errors
+    def FunctionStatus(
+        self, request: pb.FunctionStatusRequest, context: grpc.ServicerContext
+    ) -> pb.FunctionStatusResponse:
+        _outside_id(request.registration)
+        run = self.runtimed.fenced_run(
+            request.registration.run_uid, metadata_value(context, POD_KEY)
+        )
+        active = self.runtimed.active(run)
+        if active is None:
+            raise RegistrationNotFound(f"run {run.name} has no registration now ({run.phase})")
+        context.send_initial_metadata(
+            ((DIGEST_KEY, active.digest), (ATTEMPT_KEY, str(active.attempt)))
+        )
+        forwarded = pb.FunctionStatusRequest()
+        forwarded.CopyFrom(request)
+        forwarded.registration.registration_id = active.registration_id
+        return self.runtimed.server_stub.FunctionStatus(forwarded, timeout=5)
+
+    @translate_errors
+    def RegisterFunction(
+        self, request: pb.RegisterFunctionRequest, context: grpc.ServicerContext
+    ) -> pb.RegisterFunctionResponse:
+        raise NotAllowedHere("RegisterFunction is runtimed's own call; create a Run instead")
+
+    @translate_errors
+    def UnregisterFunction(
+        self, request: pb.UnregisterFunctionRequest, context: grpc.ServicerContext
+    ) -> pb.UnregisterFunctionResponse:
+        raise NotAllowedHere("UnregisterFunction is runtimed's own call; delete the Run instead")
+
+
+class LogsProxyServicer(logs_pb2_grpc.InvocationLogsServicer):
+    """runtimed's relay of an invocation's live log lines (docs/protocol.md, "Live output"):
+    fenced and filled in as an invoke is, then passed through record by record."""
+
+    def __init__(self, runtimed: Agent) -> None:
+        self.runtimed = runtimed
+        self.followers = Followers()
+
+    @translate_errors
+    def FollowInvocationLogs(
+        self, request: logs_pb2.FollowInvocationLogsRequest, context: grpc.ServicerContext
+    ) -> Iterator[logs_pb2.InvocationLogRecord]:
+        yield from self.followers.stream(lambda: self._relayed(request, context), context)
+
+    def _relayed(
+        self, request: logs_pb2.FollowInvocationLogsRequest, context: grpc.ServicerContext
+    ) -> Iterator[logs_pb2.InvocationLogRecord]:
+        if request.registration_id:
+            raise InvalidField(
+                "registration_id", "must be empty at runtimed: the relay fills it in"
+            )
+        if not request.run_uid:
+            raise InvalidField("run_uid", "must not be empty")
+        run = self.runtimed.fenced_run(request.run_uid, metadata_value(context, POD_KEY))
+        active = self.runtimed.active(run)
+        if active is None:
+            raise InvocationNotFound(f"run {run.name} has no registration now ({run.phase})")
+        forwarded = logs_pb2.FollowInvocationLogsRequest()
+        forwarded.CopyFrom(request)
+        forwarded.registration_id = active.registration_id
+        records = self.runtimed.logs_stub.FollowInvocationLogs(
+            forwarded, timeout=caller_timeout(context)
+        )
+        context.add_callback(records.cancel)  # the caller left: so does the upstream stream
+        yield from records

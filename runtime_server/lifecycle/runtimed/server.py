@@ -1,0 +1,121 @@
+"""The colocated Runtime Server as runtimed calls it about a Run's registration (docs/protocol.md,
+"Registration"): RegisterFunction, FunctionStatus and UnregisterFunction, their deadlines, and
+the reference to the registration runtimed holds (``Active``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from fnkernel.runtime_server import limits
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
+from fnkernel.runtime_server.lifecycle.runs import (
+    Run,
+)
+from fnkernel.runtime_server.wire import (
+    TRACEPARENT_KEY,
+)
+
+LOG = logging.getLogger("fnkernel.runtimed")
+_UNREGISTER_SLACK_SECONDS = 5.0  # the RPC's deadline beyond the drain it asks for
+REGISTER_SECONDS = 90  # RegisterFunction's deadline: the handler's import may be slow
+STATUS_SECONDS = 2  # FunctionStatus's: the server answers from memory
+
+
+@dataclass(frozen=True)
+class Active:
+    """The registration runtimed holds for a Run on its server."""
+
+    registration_id: str
+    attempt: int
+    digest: str
+
+
+def registration_request(run: Run, digest: str, working_dir: Path) -> pb.RegisterFunctionRequest:
+    return pb.RegisterFunctionRequest(
+        run_uid=run.uid,
+        registration_attempt=run.attempt,
+        working_dir=str(working_dir),
+        handler=run.handler,
+        env=run.env,
+        idle_timeout_seconds=run.idle_timeout_seconds,
+        registration_digest=digest,
+        memory_mb=run.memory_mb,
+    )
+
+
+def reference(run_uid: str, active: Active) -> pb.FunctionRegistration:
+    return pb.FunctionRegistration(run_uid=run_uid, registration_id=active.registration_id)
+
+
+class ServerRegistrations:
+    """The calls runtimed makes to its server about registrations, through `stub`."""
+
+    def __init__(self, stub: pb_grpc.FunctionRuntimeStub) -> None:
+        self.stub = stub
+
+    def register(
+        self, request: pb.RegisterFunctionRequest, traceparent: str = ""
+    ) -> pb.RegisterFunctionResponse:
+        metadata = ((TRACEPARENT_KEY, traceparent),) if traceparent else None
+        response: pb.RegisterFunctionResponse = self.stub.RegisterFunction(
+            request, timeout=REGISTER_SECONDS, metadata=metadata
+        )
+        return response
+
+    def status(self, run_uid: str, active: Active) -> pb.FunctionStatusResponse:
+        response: pb.FunctionStatusResponse = self.stub.FunctionStatus(
+            pb.FunctionStatusRequest(registration=reference(run_uid, active)),
+            timeout=STATUS_SECONDS,
+        )
+        return response
+
+    def fatal_error(self, run_uid: str, active: Active) -> str:
+        try:
+            return self.status(run_uid, active).fatal_error
+        except grpc.RpcError as err:
+            return err.details() or ""
+
+    def unregister(self, uid: str, active: Active, *, cancel: bool, drain_millis: int = 0) -> bool:
+        """UnregisterFunction; True once the server no longer holds `active`."""
+        drain_millis = drain_millis or limits.DEFAULT_DRAIN_MILLIS
+        try:
+            self.stub.UnregisterFunction(
+                pb.UnregisterFunctionRequest(
+                    registration=reference(uid, active),
+                    cancel_in_flight=cancel,
+                    drain_timeout_millis=drain_millis,
+                ),
+                timeout=drain_millis / 1000 + _UNREGISTER_SLACK_SECONDS,
+            )
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                return True  # stale: a newer registration replaced it, so this one is gone
+            LOG.warning("unregistering %s: %s; will retry", uid, err.details())
+            return False
+        return True
+
+    def held(self, run: Run, working_dir: Path) -> Active | None:
+        """The registration the server holds for `run` that runtimed does not know (it
+        restarted): learnt by repeating the Run's registration, which is idempotent for the
+        same attempt and digest. None if the server holds nothing for it."""
+        probe = reference(run.uid, Active("reg_unknown", run.attempt, ""))
+        try:
+            self.stub.FunctionStatus(
+                pb.FunctionStatusRequest(registration=probe), timeout=STATUS_SECONDS
+            )
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.NOT_FOUND:
+                return None
+            if err.code() != grpc.StatusCode.FAILED_PRECONDITION:  # stale id: it holds one
+                raise
+        if not run.registration_digest or not working_dir.is_dir():
+            return None  # never registered here: nothing can be held
+        request = registration_request(run, run.registration_digest, working_dir)
+        response = self.register(request)
+        return Active(response.registration.registration_id, run.attempt, run.registration_digest)
