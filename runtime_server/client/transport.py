@@ -1,0 +1,251 @@
+"""HTTP to the gateway (docs/protocol.md, "HTTP API"): connections kept alive over TCP or a Unix
+socket, the bearer token, each request's wait, a failure status as its error class, NDJSON
+streams, and cancelling what is in flight. Standard library only, as the whole client.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import http.client
+import json
+import os
+import re
+import socket
+import threading
+import urllib.parse
+from collections.abc import Iterator, Mapping
+from typing import Any, Self
+
+from fnkernel.runtime_server import tokens, wire
+from fnkernel.runtime_server.client.errors import (
+    GatewayError,
+    GatewayUnreachable,
+    InvalidRequest,
+    RequestCancelled,
+    from_response,
+)
+
+DEFAULT_ADDRESS = "http://127.0.0.1:8080"
+_STALE_CONNECTION = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
+# What an HTTP field value may not hold (RFC 9110, section 5.5): control characters but HTAB.
+_NOT_IN_A_HEADER = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+def default_address() -> str:
+    return os.environ.get("FNKERNEL_RUNTIME") or DEFAULT_ADDRESS
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self._path)
+
+
+class Transport:
+    """HTTP to one gateway. Thread-safe: each request takes an idle kept-alive connection or
+    opens one."""
+
+    def __init__(
+        self, address: str | None = None, *, token: str | None = None, timeout: float = 300
+    ) -> None:
+        self.address = address or default_address()
+        # README, "Security": the token given, else $FNKERNEL_TOKEN, else the one the gateway
+        # at this address left in its gateway file on this machine.
+        if token is None:
+            token = os.environ.get(tokens.TOKEN_ENV) or tokens.find_token(self.address)
+        self.token = token
+        self.timeout = timeout
+        self._lock = threading.Lock()
+        self._idle: list[http.client.HTTPConnection] = []  # kept alive, one per concurrent caller
+        self._busy: dict[http.client.HTTPConnection, bool] = {}  # in use → cancelled
+
+    def _connect(self, timeout: float | None = 0) -> http.client.HTTPConnection:
+        """A new connection; `timeout` for its reads (0: the client's, None: none)."""
+        timeout = self.timeout if timeout == 0 else timeout
+        if self.address.startswith("unix:"):
+            return _UnixConnection(self.address[5:], timeout)  # type: ignore[arg-type]
+        url = urllib.parse.urlsplit(
+            self.address if "://" in self.address else f"http://{self.address}"
+        )
+        return http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=timeout)
+
+    def _headers(self, headers: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The request's headers; InvalidRequest, before anything is sent, for a value HTTP
+        cannot carry (the gateway's server would answer 400 and close the connection, and the
+        close can reach the client before the answer does)."""
+        sent = {"Content-Type": "application/json", **(headers or {})}
+        for name, value in sent.items():
+            if _NOT_IN_A_HEADER.search(value):
+                raise InvalidRequest(
+                    f"{name} holds a control character, which an HTTP header cannot carry",
+                    code="INVALID_ARGUMENT",
+                    status=400,
+                )
+        if self.token:
+            sent["Authorization"] = f"Bearer {self.token}"
+        return sent
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+        *,
+        wait: float = 0,
+    ) -> tuple[int, http.client.HTTPMessage, bytes]:
+        """Send one request; raise the class of a failure status (``errors.ERRORS``). `wait`:
+        how long to wait for the answer, if longer than the client's timeout (an invocation's
+        own: ``invoke``)."""
+        sent = self._headers(headers)
+        wait = max(wait, self.timeout)
+        for attempt in range(2):
+            with self._lock:
+                # A retry takes a new connection: the other kept-alive ones may be as stale.
+                connection = self._idle.pop() if self._idle and not attempt else None
+                if connection is not None:
+                    self._busy[connection] = False
+            reused = connection is not None
+            if connection is None:
+                connection = self._connect(timeout=wait)
+                with self._lock:
+                    self._busy[connection] = False
+            elif connection.sock is not None:  # kept alive: set for this request's wait
+                connection.sock.settimeout(wait)
+            try:
+                connection.request(method, path, body=body, headers=sent)
+                if self._busy.get(connection):  # cancelled while it was still connecting
+                    raise ConnectionAbortedError("cancelled")
+                response = connection.getresponse()
+                data = response.read()
+            except (ConnectionError, http.client.HTTPException, OSError) as exc:
+                connection.close()
+                with self._lock:
+                    cancelled = self._busy.pop(connection, False)
+                if cancelled:
+                    raise RequestCancelled(
+                        f"{method} {path} was cancelled", code="CANCELLED"
+                    ) from None
+                if reused and isinstance(exc, _STALE_CONNECTION):
+                    continue  # a kept-alive connection the gateway had closed: never ran
+                raise GatewayUnreachable(
+                    f"cannot reach the gateway at {self.address}: {exc}"
+                ) from None
+            except BaseException:  # KeyboardInterrupt mid-request: the connection is unusable
+                connection.close()
+                with self._lock:
+                    self._busy.pop(connection, None)
+                raise
+            with self._lock:
+                self._busy.pop(connection, None)
+                if not response.will_close:
+                    self._idle.append(connection)
+            if response.will_close:
+                connection.close()
+            break
+        if response.status >= 400:
+            failure = failure_of(response.status, data)
+            failure.spans = spans_of(response.headers)
+            raise failure
+        return response.status, response.headers, data
+
+    def follow_logs(
+        self, name: str, invocation_id: str = "", *, follow: bool = True
+    ) -> Iterator[dict[str, Any]]:
+        """The NDJSON records of an invocation's log (docs/protocol.md, "Live output"): its
+        head (``invocationId``, ``run``, ``running``), each line (``stream``, ``text``), and
+        ``{"end": true}`` once it is over; with `follow`, lines as they are written. An
+        invocation_id "": the call in flight on `name`, else its last one."""
+        path = f"/v1/runs/{quote(name)}"
+        if invocation_id:
+            path += f"/invocations/{quote(invocation_id)}"
+        path += f"/logs?follow={int(follow)}"
+        connection = self._connect(timeout=None)  # a quiet handler may print nothing for long
+        yield from self._records(connection, path)
+
+    def _records(
+        self, connection: http.client.HTTPConnection, path: str
+    ) -> Iterator[dict[str, Any]]:
+        with self._lock:
+            self._busy[connection] = False  # cancel() reaches it too
+        try:
+            connection.request("GET", path, headers=self._headers())
+            response = connection.getresponse()
+            if response.status >= 400:
+                raise failure_of(response.status, response.read())
+            while line := response.readline():
+                yield json.loads(line)
+        except (ConnectionError, http.client.HTTPException, OSError) as exc:
+            with self._lock:
+                cancelled = self._busy.get(connection, False)
+            if cancelled:
+                raise RequestCancelled(f"GET {path} was cancelled", code="CANCELLED") from None
+            raise GatewayUnreachable(f"cannot reach the gateway at {self.address}: {exc}") from None
+        finally:
+            with self._lock:
+                self._busy.pop(connection, None)
+            connection.close()
+
+    def cancel(self) -> int:
+        """From another thread: abort every request in flight. Each connection is shut down, so
+        the gateway cancels its call (the handler is killed) and each caller gets
+        ``RequestCancelled``. Returns how many requests were cancelled."""
+        with self._lock:
+            busy = list(self._busy)
+            for connection in busy:
+                self._busy[connection] = True
+        for connection in busy:
+            sock = connection.sock
+            if sock is not None:
+                with contextlib.suppress(OSError):  # already closed: the request is over
+                    sock.shutdown(socket.SHUT_RDWR)
+        return len(busy)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the idle kept-alive connections."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for connection in idle:
+            connection.close()
+
+    def _json(self, method: str, path: str, body: Any = None) -> Any:
+        payload = None if body is None else json.dumps(body).encode()
+        _, _, data = self.request(method, path, payload)
+        return json.loads(data) if data else None
+
+
+def quote(name: str) -> str:
+    return urllib.parse.quote(name, safe="")
+
+
+def spans_of(headers: http.client.HTTPMessage) -> bytes:
+    """A traced call's X-Fn-Spans, decoded from base64; b"" when there are none."""
+    value = headers.get(wire.SPANS_HEADER)
+    try:
+        return base64.b64decode(value, validate=True) if value else b""
+    except binascii.Error:
+        return b""
+
+
+def failure_of(status: int, data: bytes) -> GatewayError:
+    try:
+        body = json.loads(data)
+    except ValueError:
+        body = {"message": data.decode("utf-8", "replace")[:500]}
+    return from_response(body, status)
