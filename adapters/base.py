@@ -9,14 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import ClassVar, Protocol
 
+from fnkernel.adapters.calllogs import LiveLog, LogLine
+from fnkernel.adapters.children import RUN_UID_ENV
 from fnkernel.adapters.errors import InitError, InvalidHandler
-from fnkernel.adapters.worker import (
-    RUN_UID_ENV,
-    LiveLog,
-    LogLine,
-    WorkerCall,
-    WorkerSupervisor,
-)
+from fnkernel.adapters.worker import WorkerCall, WorkerSupervisor
 from fnkernel.system.private import private_tempdir
 
 JSON = "application/json"

@@ -21,23 +21,15 @@ Wire between supervisor and worker (the worker gets the two fd numbers as its la
   rather than pumping pipes with threads, keeps the hot path free of thread wake-ups (docs/architecture.md, "Measured facts the design rests on"
   budgets a whole invoke at ~1.3x a bare gRPC echo); a worker must flush before it responds.
 
-While a call runs, whoever follows it (docs/protocol.md, "Live output") reads the same files with
-``LiveLog``: only then, and on the follower's thread, so a call nobody follows costs nothing more
-and the handler never waits for a reader.
-
-What one call may log is bounded (docs/protocol.md, "Limits"): of each stream, the first and the
-last half MiB and at most 10,000 lines are kept — read in two bounded reads, never the whole
-file — with one line between them saying how much was dropped. On disk, ``trim_logs`` (the
-server's reaper, every second) frees what lies between those halves while the call runs, so a
-call that prints without end takes its 1 MiB plus what it wrote in the last second.
+Those files, what one call may log of them, and how a follower reads them while the call runs
+are ``adapters/calllogs.py``'s; which children are workers, and what a handler left behind,
+``adapters/children.py``'s.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
-import functools
 import logging
 import os
 import select
@@ -45,12 +37,13 @@ import signal
 import subprocess
 import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+from fnkernel.adapters.calllogs import LiveLog, LogFiles, LogLine
+from fnkernel.adapters.children import kill_orphans, spawn_lock, worker_pids
 from fnkernel.adapters.errors import (
     INITIALIZATION_ERROR,
     INITIALIZATION_TIMEOUT,
@@ -64,125 +57,15 @@ from fnkernel.adapters.errors import (
     InvocationTimeout,
     WorkerUnavailable,
 )
-from fnkernel.system.procfs import proc_stat
 
 LOG = logging.getLogger("fnkernel.function")
 T = TypeVar("T")
-STREAMS = ("stdout", "stderr")
 _PIPE_SIZE = 1 << 20  # fewer wakeups for multi-MiB payloads; best effort (F_SETPIPE_SZ)
 # A read allocates all it asks for: 1 MiB cost ~15 us a call, 64 KiB under 1 us. So a read asks
 # for what the frame still needs, at least this much and at most _PIPE_SIZE.
 _MIN_READ = 1 << 16
 _F_SETPIPE_SZ = 1031
 _MAX_LOG_LINES = 256  # per call, the last ones, kept for the caller's trailer
-_MAX_LOG_LINE = 4096
-_ROTATE_LOG_BYTES = 8 << 20
-CALL_LOG_BYTES = 1 << 20  # of each stream, per call: what goes to the server log and memory
-CALL_LOG_LINES = 10_000  # of each stream, per call
-# What one call's live stream carries, both streams together: a quarter of what a call keeps of
-# each stream, so it never reaches what trim_logs frees while the call runs.
-LIVE_LOG_BYTES = 256 << 10
-LIVE_POLL_SECONDS = 0.05  # how often a follower looks for new lines
-_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 1, 2
-_BLOCK = 4096
-
-RUN_UID_ENV = "FNKERNEL_RUN_UID"  # in every worker's environment, and so its descendants'
-# Every worker pid this process spawned and has not yet waited for. The orphan reaper must never
-# reap these: their Popen objects own their exit status.
-_spawn_lock = threading.Lock()
-_live_pids: set[int] = set()
-_live_workers: weakref.WeakSet[Worker] = weakref.WeakSet()  # whose log files trim_logs bounds
-
-
-@dataclass(frozen=True)
-class LogLine:
-    stream: str
-    text: str
-    cut: bool = False  # the line saying a live stream stops here (LiveLog)
-
-
-def _log_line(stream: str, raw: bytes) -> LogLine:
-    return LogLine(stream, raw[:_MAX_LOG_LINE].decode("utf-8", "replace"))
-
-
-class LiveLog:
-    """One call's log lines as its handler writes them, for those who follow the call.
-
-    Made by the first follower (``WorkerCall.live_log``); the reads are the followers', every
-    LIVE_POLL_SECONDS at most, and once the call's own as it ends (``finish``: the last lines,
-    an unterminated one included, before the log files may be rotated). The lines are kept in
-    order of reading — within a stream, as written — up to LIVE_LOG_BYTES, where one line says
-    that the stream stops there.
-    """
-
-    def __init__(self, worker: Worker) -> None:
-        self._worker = worker
-        self._positions = dict(worker.log_offsets)  # where this call's lines begin
-        self._partial = dict.fromkeys(STREAMS, b"")
-        self._read_bytes = 0
-        self._cond = threading.Condition()
-        self.lines: list[LogLine] = []
-        self.cut = False  # LIVE_LOG_BYTES reached: no more lines will come
-        self.done = False  # the call is over: no more lines will come
-
-    def after(self, index: int, wait: float = LIVE_POLL_SECONDS) -> tuple[list[LogLine], bool]:
-        """The lines from `index` on, waiting up to `wait` for some, and whether they are the
-        last (the call is over)."""
-        with self._cond:
-            if not self.done and len(self.lines) <= index:
-                self._read(final=False)
-                if len(self.lines) <= index and wait > 0:
-                    self._cond.wait(wait)  # finish() wakes it
-                    if not self.done:
-                        self._read(final=False)
-            return self.lines[index:], self.done
-
-    def finish(self) -> None:
-        """The call is over: read what is left, and wake the followers."""
-        with self._cond:
-            if not self.done:
-                self._read(final=True)
-                self.done = True
-                self._cond.notify_all()
-
-    def _read(self, *, final: bool) -> None:
-        if self.cut:
-            return
-        worker = self._worker
-        with worker._logs_lock:
-            if worker._logs_closed:
-                return
-            for stream, fd in worker.logs.items():
-                position = self._positions[stream]
-                size = os.lseek(fd, 0, os.SEEK_END)
-                budget = LIVE_LOG_BYTES - self._read_bytes
-                if size > position and budget <= 0:
-                    self._stop_here()
-                    return
-                wanted = min(size - position, budget)
-                chunk = os.pread(fd, wanted, position) if wanted > 0 else b""
-                position = self._positions[stream] = position + len(chunk)
-                self._read_bytes += len(chunk)
-                *complete, partial = (self._partial[stream] + chunk).split(b"\n")
-                self.lines += [_log_line(stream, raw) for raw in complete]
-                if position < size:  # the budget ran out within this read
-                    self._stop_here()
-                    return
-                if final and partial:  # the call is over: its last line has no newline
-                    self.lines.append(_log_line(stream, partial))
-                    partial = b""
-                self._partial[stream] = partial
-
-    def _stop_here(self) -> None:
-        self.cut = True
-        self.lines.append(
-            LogLine(
-                "stderr",
-                f"[fnkernel: live output stops after {LIVE_LOG_BYTES >> 10} KiB; "
-                "the call's last lines come with its result]",
-                cut=True,
-            )
-        )
 
 
 class _WorkerExited(Exception):
@@ -201,27 +84,20 @@ class Worker:
         for fd in (req_r, resp_w):
             with contextlib.suppress(OSError):
                 fcntl.fcntl(fd, _F_SETPIPE_SZ, _PIPE_SIZE)
-        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC
-        self.logs = {
-            stream: os.open(scratch / f"worker.{stream}", flags, 0o600) for stream in STREAMS
-        }
-        self.log_offsets = dict.fromkeys(STREAMS, 0)  # what read_logs has read
-        self._logs_lock = threading.Lock()  # trim_logs never touches a descriptor reap closed
-        self._logs_closed = False
+        self.log_files = LogFiles(scratch)
         try:
-            with _spawn_lock:
+            with spawn_lock:
                 self.proc = subprocess.Popen(
                     [*argv, str(req_r), str(resp_w)],
                     cwd=cwd,
                     env=dict(env),
                     stdin=subprocess.DEVNULL,
-                    stdout=self.logs["stdout"],
-                    stderr=self.logs["stderr"],
+                    stdout=self.log_files.fds["stdout"],
+                    stderr=self.log_files.fds["stderr"],
                     pass_fds=(req_r, resp_w),
                     start_new_session=True,  # its own process group: killpg reaches the handler's children
                 )
-                _live_pids.add(self.proc.pid)
-                _live_workers.add(self)
+                worker_pids.add(self.proc.pid)
         finally:
             os.close(req_r)
             os.close(resp_w)
@@ -295,41 +171,6 @@ class Worker:
                 error_type, f"the handler exited while loading ({describe_exit(code)})"
             ) from None
 
-    def read_logs(self) -> list[LogLine]:
-        """The lines appended to stdout/stderr since the last read, bounded (module docstring).
-        Everything appended counts as read, a last line without its newline included: the call
-        it belongs to is over, and a partial line left behind would be read again by every
-        later call."""
-        lines: list[LogLine] = []
-        for stream, fd in self.logs.items():
-            offset = self.log_offsets[stream]
-            # The file's size: a quarter of what os.fstat costs, and this runs twice a call. The
-            # worker's writes are O_APPEND and ours are preads, so the offset moved is no one's.
-            size = os.lseek(fd, 0, os.SEEK_END)
-            if size <= offset:
-                continue
-            lines += _bounded_lines(stream, fd, offset, size)
-            self.log_offsets[stream] = size
-            if size > _ROTATE_LOG_BYTES:
-                os.ftruncate(fd, 0)  # O_APPEND: the worker's next write lands at offset 0
-                self.log_offsets[stream] = 0
-        return lines
-
-    def trim_logs(self) -> None:
-        """Free on disk what a call in progress appended beyond what ``read_logs`` will keep of
-        it: the middle, between its first and last half MiB (a hole: the file keeps its size)."""
-        half = CALL_LOG_BYTES // 2
-        with self._logs_lock:
-            if self._logs_closed:
-                return
-            for stream, fd in self.logs.items():
-                offset = self.log_offsets[stream]
-                size = os.lseek(fd, 0, os.SEEK_END)
-                start = -(-(offset + half) // _BLOCK) * _BLOCK
-                end = (size - half) // _BLOCK * _BLOCK
-                if end - start >= CALL_LOG_BYTES:  # not for every block: once it is worth it
-                    _punch_hole(fd, start, end - start)
-
     def kill(self) -> None:
         """SIGKILL the worker's process group: the worker and everything its handler started."""
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -339,69 +180,12 @@ class Worker:
         """Kill, wait for the exit status and release the pipes and log files."""
         self.kill()
         self.proc.wait()
-        with _spawn_lock:
-            _live_pids.discard(self.proc.pid)
-        with self._logs_lock:
-            self._logs_closed = True
-            for fd in (self.req, self.resp, self.pidfd, *self.logs.values()):
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-
-
-def _bounded_lines(stream: str, fd: int, offset: int, size: int) -> list[LogLine]:
-    """The lines of `fd` between `offset` and `size`, keeping the first and the last half of
-    CALL_LOG_BYTES and of CALL_LOG_LINES, and between them one line saying what was dropped."""
-    appended = size - offset
-    half = CALL_LOG_BYTES // 2
-    if appended <= CALL_LOG_BYTES:
-        head, tail = os.pread(fd, appended, offset), b""
-    else:  # two bounded reads, cut at the line ends nearest the middle
-        head, tail = os.pread(fd, half, offset), os.pread(fd, half, size - half)
-        head = head[: head.rfind(b"\n") + 1] or head
-        start = tail.find(b"\n") + 1
-        tail = tail[start:] if 0 < start < len(tail) else tail
-    dropped = appended - len(head) - len(tail)
-    first, last = head.splitlines(), tail.splitlines()
-    lines_dropped = len(first) + len(last) - CALL_LOG_LINES
-    if lines_dropped > 0:
-        every = first + last
-        keep = CALL_LOG_LINES // 2
-        dropped += sum(len(raw) + 1 for raw in every[keep:-keep])
-        first, last = every[:keep], every[-keep:]
-    lines = [_log_line(stream, raw) for raw in first]
-    if dropped:
-        what = f"{dropped} bytes" + (f" ({lines_dropped} lines)" if lines_dropped > 0 else "")
-        limit = f"the first and last {half >> 10} KiB and {CALL_LOG_LINES} lines of each stream"
-        lines.append(
-            LogLine(stream, f"[fnkernel: {what} of {stream} dropped: a call keeps {limit}]")
-        )
-    lines += [_log_line(stream, raw) for raw in last]
-    return lines
-
-
-def _punch_hole(fd: int, offset: int, length: int) -> None:
-    """Deallocate a range of `fd` (``fallocate(PUNCH_HOLE)``); on a file system that cannot,
-    nothing happens, and the call's logs stay bounded in memory only."""
-    libc = _libc()
-    if libc is not None:
-        libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length)
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL | None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    except (OSError, AttributeError):
-        return None
-    return libc
-
-
-def trim_logs() -> None:
-    """``Worker.trim_logs`` for every live worker of this process (the reaper calls it)."""
-    for worker in list(_live_workers):
-        with contextlib.suppress(OSError):
-            worker.trim_logs()
+        with spawn_lock:
+            worker_pids.discard(self.proc.pid)
+        for fd in (self.req, self.resp, self.pidfd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.log_files.close()
 
 
 def describe_exit(code: int) -> str:
@@ -437,7 +221,7 @@ class WorkerCall:
             if self._ended:
                 return None
             if self.live is None:
-                self.live = LiveLog(self.worker)
+                self.live = LiveLog(self.worker.log_files)
             return self.live
 
     def send(self, data: bytes | memoryview) -> None:
@@ -474,9 +258,9 @@ class WorkerCall:
         with self._live_lock:
             self._ended = True
             live = self.live
-        if live is not None:  # before read_logs, which may rotate the files it reads
+        if live is not None:  # before LogFiles.read, which may rotate the files it reads
             live.finish()
-        fresh = self.worker.read_logs()
+        fresh = self.worker.log_files.read()
         self.logs = (self.logs + fresh)[-_MAX_LOG_LINES:]  # the caller's trailer keeps the last
         for line in fresh:
             LOG.info(
@@ -547,7 +331,7 @@ class WorkerSupervisor:
 
     def _log_init(self, worker: Worker) -> None:
         """What the handler printed while loading goes to the server log, without an invocation."""
-        for line in worker.read_logs():
+        for line in worker.log_files.read():
             LOG.info(line.text, extra={"run_uid": self._run_uid, "stream": line.stream})
 
     def close(self) -> None:
@@ -712,88 +496,6 @@ class WorkerSupervisor:
                 self._lock.notify_all()
                 return
         worker.reap()
-
-
-def reap_orphans() -> int:
-    """Reap zombie children this process did not spawn itself (docs/architecture.md, "Measured facts the design rests on").
-
-    The Runtime Server is a child subreaper, so a handler's killed grandchildren are reparented to
-    it. Only our own children are looked at, not all of /proc: this runs every second beside the
-    calls. Returns how many were reaped.
-    """
-    reaped = 0
-    with _spawn_lock:
-        for pid in _children():
-            if pid in _live_pids:
-                continue
-            try:
-                fields = proc_stat(pid)
-            except OSError:
-                continue
-            if fields and fields[0] == "Z":
-                with contextlib.suppress(ChildProcessError):
-                    os.waitpid(pid, os.WNOHANG)
-                    reaped += 1
-    return reaped
-
-
-def kill_orphans(run_uid: str | None = None) -> int:
-    """SIGKILL what handlers left behind by leaving their worker's process group (``setsid()``
-    and a second fork): in a Runtime Server, a child subreaper, such a process is reparented to
-    us, and it is our child but no worker of ours. With `run_uid`, only those whose environment
-    names that Run (``FNKERNEL_RUN_UID``, which every worker's descendants inherit): a
-    registration's end. Without, every such child: for a ``fnkernel serve`` process that is
-    stopping, whose children are its workers and nothing else. Rounds repeat while killing one
-    brings its own children to us (at most 5). Returns how many were killed."""
-    killed = 0
-    for _ in range(5):
-        with _spawn_lock:
-            left = [pid for pid in _children() if pid not in _live_pids and _left_by(pid, run_uid)]
-        for pid in left:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-                killed += 1
-        if not left:
-            break
-        time.sleep(0.01)  # their children, if any, are reparented to us meanwhile
-    # Not reaped here: in a Runtime Server the reaper does it within a second, and in any other
-    # process (an in-process server, in the tests) a child's exit status is its Popen's.
-    return killed
-
-
-def _left_by(pid: int, run_uid: str | None) -> bool:
-    """Whether child `pid` (not a worker) is a handler's leftover for `run_uid` (None: any)."""
-    try:
-        if proc_stat(pid)[0] in ("Z", "X"):
-            return False  # gone already: the reaper's
-        if run_uid is None:
-            return True
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except (OSError, IndexError):
-        return False
-    return f"{RUN_UID_ENV}={run_uid}".encode() in environ
-
-
-def _children() -> set[int]:
-    """This process's children: those of each of its threads (``/proc/self/task/*/children``),
-    or, where the kernel does not list them, every process whose parent we are."""
-    found: set[int] = set()
-    listed = False
-    for task in os.scandir("/proc/self/task"):
-        try:
-            found.update(int(pid) for pid in Path(task.path, "children").read_text().split())
-            listed = True
-        except OSError:
-            continue
-    if listed:
-        return found
-    me = str(os.getpid())
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                if proc_stat(entry.name)[1:2] == [me]:
-                    found.add(int(entry.name))
-    return found
 
 
 def _timed_out(call: WorkerCall) -> InvocationTimeout:

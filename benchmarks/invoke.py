@@ -40,8 +40,8 @@ from typing import NamedTuple
 
 import grpc
 
+from fnkernel.adapters.calllogs import STREAMS
 from fnkernel.adapters.python import WORKER_SCRIPT
-from fnkernel.adapters.worker import STREAMS
 from fnkernel.runtime_server import limits
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc

@@ -73,7 +73,7 @@ def _open_store(
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from fnkernel.adapters.worker import kill_orphans
+    from fnkernel.adapters.children import kill_orphans
     from fnkernel.runtime_server import daemon, logs
     from fnkernel.runtime_server.daemon import announcement
     from fnkernel.runtime_server.function_runtime.server import RuntimeServer

@@ -9,7 +9,8 @@ import signal
 import threading
 import time
 
-from fnkernel.adapters.worker import reap_orphans, trim_logs
+from fnkernel.adapters.calllogs import trim_logs
+from fnkernel.adapters.children import reap_orphans
 
 _PR_SET_CHILD_SUBREAPER = 36
 PARENT_ENV = "FNKERNEL_PARENT_PID"  # set by spawn(die_with_parent=True)
@@ -90,7 +91,7 @@ def watch_parent(interval: float = 0.25) -> threading.Thread | None:
 
 def start_reaper(stop: threading.Event, interval: float = 1.0) -> threading.Thread:
     """Once a second, in a Runtime Server: reap the orphans its workers left, and free on disk
-    what calls in progress logged beyond what they keep (``adapters.worker.trim_logs``)."""
+    what calls in progress logged beyond what they keep (``adapters.calllogs.trim_logs``)."""
 
     def loop() -> None:
         while not stop.wait(interval):

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fnkernel.adapters import Adapter, FunctionSpec, HandlerResult
+from fnkernel.adapters.calllogs import LIVE_POLL_SECONDS, LogLine
 from fnkernel.adapters.errors import (
     INITIALIZATION_ERROR,
     WORKER_START_FAILED,
@@ -23,7 +24,6 @@ from fnkernel.adapters.errors import (
     HandlerError,
     InitError,
 )
-from fnkernel.adapters.worker import LIVE_POLL_SECONDS, LogLine
 from fnkernel.runtime_server import limits, tracing
 from fnkernel.runtime_server._proto.executor.v1.runtime_pb2 import FunctionRegistrationState
 from fnkernel.runtime_server.errors import (

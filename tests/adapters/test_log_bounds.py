@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from fnkernel.adapters.worker import CALL_LOG_BYTES, CALL_LOG_LINES
+from fnkernel.adapters.calllogs import CALL_LOG_BYTES, CALL_LOG_LINES
 from fnkernel.runtime_server import logs
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server.client import Client as GatewayClient

@@ -10,13 +10,13 @@ from pathlib import Path
 import grpc
 import pytest
 
+from fnkernel.adapters.calllogs import LogLine
 from fnkernel.adapters.errors import (
     InvalidInput,
     InvocationCancelled,
     InvocationTimeout,
     WorkerUnavailable,
 )
-from fnkernel.adapters.worker import LogLine
 from fnkernel.runtime_server import limits, wire
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
@@ -214,6 +214,16 @@ def test_negative_timeout_millis_is_rejected(
 def test_timeout_millis_zero_means_the_30_s_default_and_is_capped_at_900_s() -> None:
     assert limits.effective_timeout_millis(0) == 30_000
     assert limits.effective_timeout_millis(10**9) == 900_000
+
+
+def test_each_hop_waits_the_calls_own_timeout_and_10_s_for_each_hop_below() -> None:
+    # docs/protocol.md, "Limits": how long a hop waits for an answer, derived from the call's.
+    assert limits.wait_seconds(5_000, hops_below=1) == 15.0  # the gateway, for runtimed
+    assert limits.wait_seconds(600_000, hops_below=2) == 620.0  # the client
+    assert limits.wait_seconds(0, hops_below=2) == 50.0  # the 30 s default
+    assert limits.wait_seconds(10**9, hops_below=0) == 900.0  # capped
+    assert limits.delete_wait_seconds(0, hops_below=1) == 15.0  # the 5 s default drain
+    assert limits.delete_wait_seconds(60_000, hops_below=2) == 80.0
     assert limits.effective_timeout_millis(250) == 250
 
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import grpc
 import pytest
 
-from fnkernel.adapters.worker import LIVE_LOG_BYTES
+from fnkernel.adapters.calllogs import LIVE_LOG_BYTES
 from fnkernel.runtime_server.limits import MAX_LOG_FOLLOWERS
 from tests.support import GATE_WAIT, Client, Gate
 
