@@ -167,6 +167,7 @@ class FencedEmulator(Authorizing, kmock.KubernetesEmulator):
         self._changed: asyncio.Condition | None = None
         self.tokens: dict[str, tuple[str, str]] = {}  # token → (namespace, service account)
         self.calls: list[dict[str, Any]] = []  # each request of an account (rule 8)
+        self.closing = False  # serve() is stopping: every watch ends now
 
     # Dispatch
 
@@ -511,7 +512,7 @@ class FencedEmulator(Authorizing, kmock.KubernetesEmulator):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         with contextlib.suppress(ConnectionResetError, asyncio.CancelledError):
-            while loop.time() < deadline:
+            while loop.time() < deadline and not self.closing:
                 fresh = []
                 for item in reversed(self.events):  # the newest first, back to the cursor
                     if item[0] <= cursor:
@@ -558,6 +559,11 @@ async def serve(host: str = "127.0.0.1", history: int = 10_000) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         await stop.wait()
+        # End the watches, which would hold the server's shutdown until their timeout.
+        emulator.closing = True
+        if emulator._changed is not None:
+            async with emulator._changed:
+                emulator._changed.notify_all()
 
 
 if __name__ == "__main__":
