@@ -23,6 +23,7 @@ from fnkernel.adapters.base import (
 )
 from fnkernel.adapters.errors import (
     HANDLER_NOT_FOUND,
+    OUT_OF_MEMORY,
     OUTPUT_TOO_LARGE,
     CorruptResponse,
     HandlerError,
@@ -37,7 +38,6 @@ RUNNER_SCRIPT = Path(__file__).with_name("bash_runner.sh")
 BASH = shutil.which("bash") or "/bin/bash"
 _FUNCTION = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # What bash prints when it cannot allocate (it then exits): "bash: xmalloc: …: cannot allocate N bytes"
-_BASH_OUT_OF_MEMORY = re.compile(r"\bx(?:m|re)alloc: .*cannot allocate \d+ bytes")
 _PATH_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 MAX_HANDLER_BYTES = 256
 
@@ -164,7 +164,7 @@ class BashAdapter(WorkerAdapter):
         _, function = split_handler(self.spec.handler)
         call.collect_logs()
         stderr = [line.text for line in call.logs if line.stream == "stderr" and line.text.strip()]
-        if self.spec.memory_mb and any(_BASH_OUT_OF_MEMORY.search(text) for text in stderr[-3:]):
+        if self.spec.memory_mb and any(OUT_OF_MEMORY.search(text) for text in stderr[-3:]):
             raise MemoryLimitExceeded(self.spec.memory_mb)  # bash itself ran out, and exited
         detail = f": {self._relative(stderr[-1])}" if stderr else ""
         if status > 128:

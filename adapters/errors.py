@@ -6,6 +6,7 @@ These carry no gRPC: the Runtime Server maps each class to a status code in exac
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 # Error types that leave the process (fatal_error, fn-error-type), each spelled once, here. Which
@@ -21,6 +22,13 @@ HANDLER_NOT_FOUND = "HandlerNotFound"
 OUTPUT_TOO_LARGE = "OutputTooLarge"
 CORRUPT_RESPONSE = "CorruptResponse"  # the worker's answer was not this call's: it is restarted
 MEMORY_LIMIT_EXCEEDED = "MemoryLimitExceeded"  # the handler needed more than its memoryMb
+# How a program says that an allocation failed as it dies of it: Rust (then SIGABRT), Python,
+# Go, C's and bash's xmalloc. One place for the handlers' workers and the KRM functions' steps.
+OUT_OF_MEMORY = re.compile(
+    r"memory allocation of \d+ bytes failed|^MemoryError\b|fatal error: runtime: out of memory"
+    r"|\bx(?:m|re)alloc: .*cannot allocate",
+    re.MULTILINE,
+)
 
 
 class AdapterError(Exception):

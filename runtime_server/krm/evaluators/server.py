@@ -34,6 +34,7 @@ from fnkernel.runtime_server.rpc import (
     CHANNEL_OPTIONS,
     add_health,
     add_reflection,
+    caller_deadline,
     listen_on,
     status_of,
 )
@@ -41,7 +42,6 @@ from fnkernel.runtime_server.wire import EVALUATOR_KEY, EXIT_CODE_KEY, RESULTS_K
 
 LOG = logging.getLogger("fnkernel.evaluator")
 SERVICE = "evaluator.FunctionEvaluator"
-_NO_DEADLINE = 1e9  # seconds; grpc reports ~9.2e18 when the client set none (docs/architecture.md, "Measured facts the design rests on")
 
 # What a FunctionEvaluator status stands for, read back by a client (wire.GRPC_STATUS, backwards).
 _ERROR_OF_STATUS = {
@@ -86,8 +86,7 @@ class FunctionEvaluatorServicer(pb_grpc.FunctionEvaluatorServicer):
                 f"resource_list: {len(request.resource_list)} bytes is over the limit of "
                 f"{self.max_bytes} bytes (6 MiB by default)",
             )
-        left = context.time_remaining()
-        deadline = time.monotonic() + left if left is not None and left < _NO_DEADLINE else None
+        deadline = caller_deadline(context)
         call = EvalRequest(request.resource_list, request.image, request.tag, request.exec_path)
         try:
             response = self.evaluator.evaluate(call, deadline)

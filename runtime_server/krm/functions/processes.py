@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import resource
 import signal
 import subprocess
@@ -23,6 +22,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 
+from fnkernel.adapters.errors import OUT_OF_MEMORY
 from fnkernel.runtime_server.errors import DeadlineExceeded, EvaluatorSystemError, InvalidField
 from fnkernel.runtime_server.limits import DEFAULT_MEMORY_MB, MIN_MEMORY_MB
 
@@ -163,18 +163,10 @@ def run_function(argv: list[str], stdin: bytes, deadline: float | None) -> tuple
     return proc.returncode, stdout, stderr
 
 
-# How a program says that an allocation failed as it dies of it: Rust (then SIGABRT), Python,
-# Go, C's and bash's xmalloc.
-_OUT_OF_MEMORY = re.compile(
-    rb"memory allocation of \d+ bytes failed|^MemoryError\b|fatal error: runtime: out of memory"
-    rb"|\bx(?:m|re)alloc: .*cannot allocate",
-    re.MULTILINE,
-)
-
-
 def out_of_memory(code: int, stderr: bytes) -> bool:
     """Whether a function process that ended with `code` and `stderr` died of its memory bound."""
-    return code != 0 and _OUT_OF_MEMORY.search(stderr[-4096:]) is not None
+    tail = stderr[-4096:].decode("utf-8", "replace")
+    return code != 0 and OUT_OF_MEMORY.search(tail) is not None
 
 
 def memory_message(what: str) -> str:
