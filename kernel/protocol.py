@@ -26,7 +26,7 @@ from google.protobuf import json_format
 
 from fnkernel.kernel.functions import InvocationInterrupted, wait_until_free
 from fnkernel.kernel.trace import KernelSpan, Trace, decode_message
-from fnkernel.runtime_server import tracing, wire
+from fnkernel.runtime_server import limits, tracing, wire
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from fnkernel.runtime_server.client.errors import GatewayError, from_response
@@ -115,7 +115,8 @@ class FunctionRuntimeClient:
         return answer
 
     def _busy(self, registration: dict[str, Any]) -> bool:
-        status = self.call("FunctionStatus", {"registration": registration}, timeout=1)
+        wait = limits.status_wait_seconds(hops_below=1)
+        status = self.call("FunctionStatus", {"registration": registration}, timeout=wait)
         return bool(int(status.get("inFlight", 0)))
 
     def _record(

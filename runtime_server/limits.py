@@ -211,6 +211,17 @@ def wait_seconds(timeout_millis: int, hops_below: int) -> float:
     return effective_timeout_millis(timeout_millis) / 1000 + HOP_SLACK_SECONDS * hops_below
 
 
+# What a hop waits for a FunctionStatus answer, for each hop below it: the server answers from
+# memory, so this is room for a busy machine, not for work (docs/protocol.md, "Limits").
+STATUS_HOP_SECONDS = 2.5
+
+
+def status_wait_seconds(hops_below: int) -> float:
+    """How long a caller waits for FunctionStatus, `hops_below` hops above the server (runtimed
+    and the teaching client: 1; the gateway: 2)."""
+    return STATUS_HOP_SECONDS * hops_below
+
+
 def delete_wait_seconds(drain_timeout_millis: int, hops_below: int) -> float:
     """How long a caller waits for a delete that drains for `drain_timeout_millis` (0: the
     default) to be seen through, `hops_below` hops above runtimed."""

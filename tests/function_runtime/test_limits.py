@@ -224,6 +224,8 @@ def test_each_hop_waits_the_calls_own_timeout_and_10_s_for_each_hop_below() -> N
     assert limits.wait_seconds(10**9, hops_below=0) == 900.0  # capped
     assert limits.delete_wait_seconds(0, hops_below=1) == 15.0  # the 5 s default drain
     assert limits.delete_wait_seconds(60_000, hops_below=2) == 80.0
+    assert limits.status_wait_seconds(hops_below=1) == 2.5  # runtimed, from the server
+    assert limits.status_wait_seconds(hops_below=2) == 5.0  # the gateway, through runtimed
     assert limits.effective_timeout_millis(250) == 250
 
 

@@ -317,7 +317,7 @@ class RunHandler(BaseHandler):
             pod, stub = self.gateway.route(run)
             call = stub.FunctionStatus(
                 pb.FunctionStatusRequest(registration=pb.FunctionRegistration(run_uid=run.uid)),
-                timeout=5,
+                timeout=limits.status_wait_seconds(hops_below=2),  # runtimed, the server
                 metadata=((POD_KEY, pod),),
             )
             status = await call

@@ -225,7 +225,8 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
         forwarded = pb.FunctionStatusRequest()
         forwarded.CopyFrom(request)
         forwarded.registration.registration_id = active.registration_id
-        return self.runtimed.server_stub.FunctionStatus(forwarded, timeout=5)
+        wait = limits.status_wait_seconds(hops_below=1)
+        return self.runtimed.server_stub.FunctionStatus(forwarded, timeout=wait)
 
     @translate_errors
     def RegisterFunction(

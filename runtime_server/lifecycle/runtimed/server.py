@@ -24,7 +24,6 @@ from fnkernel.runtime_server.wire import (
 LOG = logging.getLogger("fnkernel.runtimed")
 _UNREGISTER_SLACK_SECONDS = 5.0  # the RPC's deadline beyond the drain it asks for
 REGISTER_SECONDS = 90  # RegisterFunction's deadline: the handler's import may be slow
-STATUS_SECONDS = 2  # FunctionStatus's: the server answers from memory
 
 
 @dataclass(frozen=True)
@@ -71,7 +70,7 @@ class ServerRegistrations:
     def status(self, run_uid: str, active: Active) -> pb.FunctionStatusResponse:
         response: pb.FunctionStatusResponse = self.stub.FunctionStatus(
             pb.FunctionStatusRequest(registration=reference(run_uid, active)),
-            timeout=STATUS_SECONDS,
+            timeout=limits.status_wait_seconds(hops_below=1),
         )
         return response
 
@@ -107,7 +106,8 @@ class ServerRegistrations:
         probe = reference(run.uid, Active("reg_unknown", run.attempt, ""))
         try:
             self.stub.FunctionStatus(
-                pb.FunctionStatusRequest(registration=probe), timeout=STATUS_SECONDS
+                pb.FunctionStatusRequest(registration=probe),
+                timeout=limits.status_wait_seconds(hops_below=1),
             )
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.NOT_FOUND:
