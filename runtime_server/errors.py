@@ -103,24 +103,26 @@ class StoreDamaged(RuntimeServerError):
 
 
 class StorageFull(RuntimeServerError):
-    """The disk holding the state dir is full (ENOSPC, EDQUOT, or SQLite's "database or disk is
-    full"): nothing was written, and the request may succeed once there is room."""
+    """The disk holding the state dir is full (ENOSPC, EDQUOT; the SQLite store raises it for
+    SQLite's "database or disk is full"): nothing was written, and the request may succeed once
+    there is room."""
 
 
 _NO_ROOM_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
-_SQLITE_FULL = 13
 
 
 def storage_full(exc: BaseException) -> StorageFull | None:
     """`exc` as StorageFull if it says the disk is full, naming what could not be written."""
-    if isinstance(exc, OSError) and exc.errno in _NO_ROOM_ERRNOS:
-        where = f" writing {exc.filename}" if exc.filename else ""
-        reason = f"{errno.errorcode[exc.errno]}: {exc.strerror}"
-    elif getattr(exc, "sqlite_errorcode", None) == _SQLITE_FULL:
-        # SQLite's name for a write the disk refused: the same ENOSPC (or EDQUOT) underneath.
-        where, reason = " writing the Run store", f"SQLITE_FULL, SQLite's ENOSPC: {exc}"
-    else:
+    if isinstance(exc, StorageFull):
+        return exc
+    if not isinstance(exc, OSError) or exc.errno not in _NO_ROOM_ERRNOS:
         return None
+    where = f" writing {exc.filename}" if exc.filename else ""
+    return no_room(where, f"{errno.errorcode[exc.errno]}: {exc.strerror}")
+
+
+def no_room(where: str, reason: str) -> StorageFull:
+    """StorageFull naming what could not be written (`where`: " writing ...") and why."""
     return StorageFull(
         f"no space left on the state dir's disk{where} ({reason}): free some and try again"
     )

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from fnkernel.runtime_server.errors import RunAlreadyExists, RunNotFound, StoreDamaged
+from fnkernel.runtime_server.errors import RunAlreadyExists, RunNotFound, StoreDamaged, no_room
 from fnkernel.runtime_server.lifecycle.runs import Pod, Run
 from fnkernel.runtime_server.wire import DELETED, FAILED
 from fnkernel.system.private import tighten
@@ -265,15 +265,23 @@ class SqliteRunStore:
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """One write, whole or not at all; a disk too full for it is StorageFull."""
         db = self._connection()
         self._local.seen = None  # our writes do not change data_version (fresh's fallback)
-        db.execute("BEGIN IMMEDIATE")
         try:
-            yield db
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-        db.execute("COMMIT")
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                yield db
+                db.execute("COMMIT")
+            except BaseException:
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+                raise
+        except sqlite3.Error as exc:
+            if exc.sqlite_errorcode != sqlite3.SQLITE_FULL:
+                raise
+            # SQLite's name for a write the disk refused: the same ENOSPC (or EDQUOT) underneath.
+            raise no_room(" writing the Run store", f"SQLITE_FULL, SQLite's ENOSPC: {exc}") from exc
 
     def close(self) -> None:
         db = getattr(self._local, "db", None)
