@@ -20,6 +20,7 @@ import functools
 import os
 import threading
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,16 +84,22 @@ class LogFiles:
                 self.offsets[stream] = 0
         return lines
 
+    @contextlib.contextmanager
+    def sized(self) -> Iterator[list[tuple[str, int, int]]]:
+        """Each stream's name, descriptor and size, held open meanwhile (none once closed): for
+        the readers beside the supervisor, ``trim`` and ``LiveLog``."""
+        with self.lock:
+            yield [] if self.closed else [
+                (stream, fd, os.lseek(fd, 0, os.SEEK_END)) for stream, fd in self.fds.items()
+            ]  # fmt: skip
+
     def trim(self) -> None:
         """Free on disk what a call in progress appended beyond what ``read`` will keep of
         it: the middle, between its first and last half MiB (a hole: the file keeps its size)."""
         half = CALL_LOG_BYTES // 2
-        with self.lock:
-            if self.closed:
-                return
-            for stream, fd in self.fds.items():
+        with self.sized() as streams:
+            for stream, fd, size in streams:
                 offset = self.offsets[stream]
-                size = os.lseek(fd, 0, os.SEEK_END)
                 start = -(-(offset + half) // _BLOCK) * _BLOCK
                 end = (size - half) // _BLOCK * _BLOCK
                 if end - start >= CALL_LOG_BYTES:  # not for every block: once it is worth it
@@ -156,13 +163,9 @@ class LiveLog:
     def _read(self, *, final: bool) -> None:
         if self.cut:
             return
-        files = self._files
-        with files.lock:
-            if files.closed:
-                return
-            for stream, fd in files.fds.items():
+        with self._files.sized() as streams:
+            for stream, fd, size in streams:
                 position = self._positions[stream]
-                size = os.lseek(fd, 0, os.SEEK_END)
                 budget = LIVE_LOG_BYTES - self._read_bytes
                 if size > position and budget <= 0:
                     self._stop_here()

@@ -369,7 +369,7 @@ class ControlPlane:
             self._ask_delete(target, cancel_in_flight, drain_timeout_millis) for target in targets
         ]
         # Beyond the drain: runtimed's tick and the Unregister round trip.
-        deadline = time.monotonic() + limits.delete_wait_seconds(drain_timeout_millis, 1)
+        deadline = time.monotonic() + limits.delete_wait_seconds(drain_timeout_millis, hops_below=1)
         for target in asked:
             self._await_unregistered(target, deadline)
 

@@ -271,8 +271,8 @@ def new_object(
 
 def stored_size(obj: Mapping[str, Any]) -> int:
     """At most how large `obj`, as a create sends it, becomes as the API server stores it:
-    itself, the managedFields entry naming each of its fields (every file's path among them),
-    and the room its status and that status's managedFields may take."""
+    itself, the managedFields entry naming each of its fields, and the room its status and that
+    status's managedFields may take."""
     sent = len(json.dumps(obj, ensure_ascii=False).encode())
     named = {key: obj[key] for key in ("metadata", "spec") if key in obj}
     fields = len(json.dumps(_field_names(named), ensure_ascii=False).encode())

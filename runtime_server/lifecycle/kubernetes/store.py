@@ -451,9 +451,8 @@ class KubernetesRunStore:
                 continue
             pod = str(changes.get("assigned_pod", current.assigned_pod))
             if (obj["metadata"].get("labels") or {}).get(objects.POD_LABEL, "") != pod:
-                obj = self._label(
-                    obj, pod
-                )  # first: the new pod's runtimed sees it, then the status
+                # The label first: the new pod's runtimed sees the Run, then its status.
+                obj = self._label(obj, pod)
                 continue
             body = {
                 "apiVersion": objects.API_VERSION,
