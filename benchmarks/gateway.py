@@ -112,7 +112,12 @@ def serve_checked_relay(
             routed_to = metadata_value(context, POD_KEY)
             run = store.get_uid_fresh(registration.run_uid)
             elsewhere = routed_to is not None and routed_to != pod
-            if elsewhere or run is None or run.assigned_pod != pod or run.phase != READY:
+            if (
+                elsewhere
+                or run is None
+                or run.status.assigned_pod != pod
+                or run.status.phase != READY
+            ):
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, "routed elsewhere")
             forwarded = pb.InvokeFunctionRequest()
             forwarded.CopyFrom(request)
@@ -121,7 +126,7 @@ def serve_checked_relay(
             response, call = calls.call(
                 lambda stub: stub.InvokeFunction.with_call(forwarded, timeout=timeout), context
             )
-            trailers = ((ATTEMPT_KEY, str(run.attempt)),)
+            trailers = ((ATTEMPT_KEY, str(run.status.attempt)),)
             context.set_trailing_metadata(trailers + relayed_trailers(call.trailing_metadata()))
             return response
 

@@ -22,7 +22,7 @@ from kubernetes import client
 
 from fnkernel.runtime_server.lifecycle.kubernetes import objects
 from fnkernel.runtime_server.lifecycle.kubernetes.store import KubernetesRunStore
-from fnkernel.runtime_server.lifecycle.runs import Run
+from fnkernel.runtime_server.lifecycle.runs import Run, RunSpec, RunStatus, files_digest
 from fnkernel.runtime_server.wire import PENDING
 from tests.kubernetes.conftest import EmulatedApi
 
@@ -73,9 +73,9 @@ def main() -> None:
             })  # fmt: skip
         gateway = KubernetesRunStore(api.client(), "configmaps", watch_pods=False)
         for n in range(args.runs):  # as the gateway makes them
-            gateway.insert(Run(uid="", name=f"r{n}", runtime="python", handler="h.handle",
-                               source="", env={}, idle_timeout_seconds=900, phase=PENDING,
-                               attempt=1, assigned_pod="elsewhere"), files)  # fmt: skip
+            spec = RunSpec("python", "h.handle", files_digest(files), idle_timeout_seconds=900)
+            status = RunStatus(phase=PENDING, attempt=1, assigned_pod="elsewhere")
+            gateway.insert(Run(uid="", name=f"r{n}", spec=spec, status=status), files)
         gateway.close()
         print(f"twice {args.runs} Runs of {args.kib} KiB created in "
               f"{time.monotonic() - started:.1f} s")  # fmt: skip

@@ -3,12 +3,11 @@ is ("Ownership")."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from fnkernel.adapters.runtimes import RUNTIMES
+from fnkernel.runtime_server.lifecycle.runs import RunSpec, files_digest
 
 ORIGIN_PREFIX = "%%function cell "  # a Run's spec.source when a cell created it
 _OWNER_MARK = " by "  # then the kernel that owns it: ORIGIN_PREFIX + fingerprint + this + owner
@@ -40,19 +39,16 @@ class Spec:
 
     @property
     def fingerprint(self) -> str:
-        canonical = {
-            "files": self.all_files,
-            "handler": self.handler,
-            "env": dict(self.env),
-            "runtime": self.runtime,
-            "idleTimeoutSeconds": self.idle_timeout,
-        }
-        if self.memory:  # only then: a cell without --memory keeps the fingerprint it had
-            canonical["memoryMb"] = self.memory
-        if self.replicas != 1:
-            canonical["replicas"] = self.replicas
-        text = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-        return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+        """The digest of the Run spec this cell asks for (``RunSpec.digest``)."""
+        return RunSpec(
+            runtime=self.runtime,
+            handler=self.handler,
+            files_sha256=files_digest(self.all_files),
+            env=self.env,
+            idle_timeout_seconds=self.idle_timeout,
+            memory_mb=self.memory,
+            replicas=self.replicas,
+        ).digest()
 
     def origin(self, owner: str) -> str:
         """The Run's ``spec.source`` when the kernel `owner` registers this spec."""

@@ -9,7 +9,6 @@ the gateway process, on a background thread, with its loop ticking every `tick` 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import re
@@ -17,7 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import PurePosixPath
 
 from fnkernel.adapters import runtimes
@@ -33,7 +32,10 @@ from fnkernel.runtime_server.lifecycle.retries import Step, Verdict, decide
 from fnkernel.runtime_server.lifecycle.runs import (
     POD_GRACE_SECONDS,
     Run,
+    RunSpec,
+    RunStatus,
     RunStore,
+    files_digest,
     replica_name,
     replica_names,
 )
@@ -116,64 +118,30 @@ def check_files(files: Mapping[str, str]) -> dict[PurePosixPath, str]:
     return checked
 
 
-def spec_digest(
-    runtime: str,
-    handler: str,
-    files: Mapping[PurePosixPath, str],
-    env: Mapping[str, str],
-    idle_timeout_seconds: int,
-    memory_mb: int,
-) -> str:
-    """The SHA-256 of a create's checked spec: what makes two creates the same one."""
-    canonical = {
-        "runtime": runtime,
-        "handler": handler,
-        "files": {str(path): text for path, text in sorted(files.items())},
-        "env": dict(env),
-        "idleTimeoutSeconds": idle_timeout_seconds,
-        "memoryMb": memory_mb,
-    }
-    text = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return limits.sha256_digest(text.encode())
-
-
-@dataclass(frozen=True)
-class CheckedSpec:
-    """A Run's spec as the control plane accepts it (``checked_spec``)."""
-
-    files: dict[PurePosixPath, str]
-    env: dict[str, str]
-    idle_timeout_seconds: int
-    memory_mb: int
-    digest: str  # spec_digest
-
-
 def checked_spec(
-    name: str,
-    runtime: str,
-    handler: str,
-    files: Mapping[str, str],
-    env: Mapping[str, str],
-    idle_timeout_seconds: int,
-    memory_mb: int,
-) -> CheckedSpec:
-    """Every rule a Run's spec must meet, as InvalidField naming the field: the one check of a
-    create, whether it comes through ``create_run`` or is found in the store (``NEW``)."""
+    name: str, spec: RunSpec, files: Mapping[str, str]
+) -> tuple[RunSpec, dict[str, str]]:
+    """Every rule a Run's spec and files must meet, as InvalidField naming the field: the one
+    check of a create, whether it comes through ``create_run`` or is found in the store
+    (``NEW``). The spec with its defaults spelled out and its files' digest, and the files."""
     check_name(name)
     try:
-        adapter = runtimes.runtime(runtime).adapter()
+        adapter = runtimes.runtime(spec.runtime).adapter()
     except runtimes.UnknownRuntime as exc:
         raise InvalidField("runtime", str(exc)) from None
-    checked = check_files(files)
+    checked = {str(path): text for path, text in check_files(files).items()}
     # The runtime's handler rules by the handler's text: the files are text under relative
     # paths (none is a symlink), and the controller and gateway write nothing to disk, which a
     # read-only container has none of (docs/kubernetes.md, "What each container may write").
-    check_handler(adapter, handler, None)
-    env = limits.check_env(env)
-    idle = limits.check_idle_timeout(idle_timeout_seconds) or limits.DEFAULT_IDLE_TIMEOUT_SECONDS
-    memory = limits.check_memory_mb(memory_mb, "memoryMb")
-    digest = spec_digest(runtime, handler, checked, env, idle, memory)
-    return CheckedSpec(checked, env, idle, memory, digest)
+    check_handler(adapter, spec.handler, None)
+    return replace(
+        spec,
+        env=limits.check_env(spec.env),
+        idle_timeout_seconds=limits.check_idle_timeout(spec.idle_timeout_seconds)
+        or limits.DEFAULT_IDLE_TIMEOUT_SECONDS,
+        memory_mb=limits.check_memory_mb(spec.memory_mb, "memoryMb"),
+        files_sha256=files_digest(checked),
+    ), checked
 
 
 def _asking(what: str, run: Run, attempt: int, pod: str) -> tracing.Hop | tracing.Untraced:
@@ -238,20 +206,27 @@ class ControlPlane:
             or not 1 <= replicas <= MAX_REPLICAS
         ):
             raise InvalidField("replicas", f"must be 1 to {MAX_REPLICAS}, got {replicas!r}")
-        spec = checked_spec(
-            name, runtime, handler, files, env or {}, idle_timeout_seconds, memory_mb
+        asked = RunSpec(
+            runtime=runtime,
+            handler=handler,
+            files_sha256="",
+            env=env or {},
+            idle_timeout_seconds=idle_timeout_seconds,
+            memory_mb=memory_mb,
+            replicas=replicas,
         )
-        digest = spec.digest
-        if replicas != 1:  # one Run keeps the digest it always had
-            digest = limits.sha256_digest(f"{spec.digest} replicas={replicas}".encode())
+        spec, checked = checked_spec(name, asked, files)
+        spec = replace(spec, source=source or f"{len(checked)} file(s)")
         made: list[Run] = []  # by this call: removed again if a later replica fails
         first: Run | None = None
         try:
             for replica in range(replicas):
                 run, created = self._create_replica(
-                    replica_name(name, replica), name if replica else "", replicas,
-                    runtime, handler, spec, digest, source, traceparent,
-                )  # fmt: skip
+                    replica_name(name, replica),
+                    replace(spec, replica_of=name if replica else ""),
+                    checked,
+                    traceparent,
+                )
                 first = first or run
                 if created:
                     made.append(run)
@@ -263,46 +238,27 @@ class ControlPlane:
         return first
 
     def _create_replica(
-        self,
-        name: str,
-        replica_of: str,
-        replicas: int,
-        runtime: str,
-        handler: str,
-        spec: CheckedSpec,
-        digest: str,
-        source: str,
-        traceparent: str,
+        self, name: str, spec: RunSpec, files: Mapping[str, str], traceparent: str
     ) -> tuple[Run, bool]:
         """One replica: the one a same create made already, else a new one (True)."""
-        existing = self._created_as(name, digest)
+        existing = self._created_as(name, spec)
         if existing is not None:
             return existing, False
-        pod = self.schedule(runtime)
+        pod = self.schedule(spec.runtime)
         if not pod:
-            raise NoRuntimePod(f"no live Runtime Pod serves the {runtime} runtime")
+            raise NoRuntimePod(f"no live Runtime Pod serves the {spec.runtime} runtime")
         run = Run(
             uid=str(uuid.uuid4()),
             name=name,
-            runtime=runtime,
-            handler=handler,
-            source=source or f"{len(spec.files)} file(s)",
-            env=spec.env,
-            idle_timeout_seconds=spec.idle_timeout_seconds,
-            phase=PENDING,
-            attempt=1,  # docs/protocol.md: the initial registration is attempt 1
-            assigned_pod=pod,
+            spec=spec,
+            # docs/protocol.md: the initial registration is attempt 1
+            status=RunStatus(phase=PENDING, attempt=1, assigned_pod=pod, traceparent=traceparent),
             created_at=time.time(),
-            spec_digest=digest,
-            memory_mb=spec.memory_mb,
-            replicas=replicas,
-            replica_of=replica_of,
-            traceparent=traceparent,
         )
         try:
-            run = self.store.insert(run, {str(path): text for path, text in spec.files.items()})
+            run = self.store.insert(run, files)
         except RunAlreadyExists:
-            existing = self._created_as(name, digest)  # the same create, made meanwhile
+            existing = self._created_as(name, spec)  # the same create, made meanwhile
             if existing is None:
                 raise
             return existing, False
@@ -312,7 +268,7 @@ class ControlPlane:
     def replicas_of(self, run: Run) -> list[Run]:
         """The Runs of `run`'s replica set, in replica order (those that exist); `run` alone if
         it is one Run."""
-        if run.replicas == 1:
+        if run.spec.replicas == 1:
             return [run]
         found = []
         for name in replica_names(run):
@@ -320,14 +276,15 @@ class ControlPlane:
                 found.append(self.store.get(name))
         return found
 
-    def _created_as(self, name: str, digest: str) -> Run | None:
-        """The live Run named `name` if it was created with the spec of `digest`; None if there
-        is none; RunAlreadyExists if the name is taken by another spec, or by a Run going away."""
+    def _created_as(self, name: str, spec: RunSpec) -> Run | None:
+        """The live Run named `name` if it was created with `spec` (the same digest); None if
+        there is none; RunAlreadyExists if the name is taken by another spec, or by a Run going
+        away."""
         try:
             run = self.store.get(name)
         except RunNotFound:
             return None
-        if run.spec_digest != digest or run.phase in (DELETING, DELETED):
+        if run.spec.digest() != spec.digest() or run.status.phase in (DELETING, DELETED):
             raise RunAlreadyExists(f"a run named {name!r} already exists")
         return run
 
@@ -337,7 +294,7 @@ class ControlPlane:
         (``RunStore.version``)."""
         deadline = time.monotonic() + timeout
         first = self._settled(name, deadline, poll)
-        if not first.replica_of:
+        if not first.spec.replica_of:
             for replica in replica_names(first)[1:]:
                 with contextlib.suppress(RunNotFound):
                     self._settled(replica, deadline, poll)
@@ -349,7 +306,7 @@ class ControlPlane:
             seen = self.store.version()
             if seen != version:
                 version, run = seen, self.store.get(name)
-                if run.phase in (READY, FAILED):
+                if run.status.phase in (READY, FAILED):
                     return run
             if time.monotonic() >= deadline:
                 return run
@@ -364,7 +321,7 @@ class ControlPlane:
         each awaited."""
         limits.check_drain_timeout(drain_timeout_millis, "drainTimeoutMs")
         run = self.store.get(name)
-        targets = [run] if run.replica_of else self.replicas_of(run)
+        targets = [run] if run.spec.replica_of else self.replicas_of(run)
         asked = [
             self._ask_delete(target, cancel_in_flight, drain_timeout_millis) for target in targets
         ]
@@ -376,7 +333,7 @@ class ControlPlane:
     def _ask_delete(self, run: Run, cancel_in_flight: bool, drain_timeout_millis: int) -> Run:
         # The write is fenced on attempt and pod: if the retry engine moved the Run meanwhile,
         # read it again and repeat.
-        while run.phase not in (DELETING, DELETED):
+        while run.status.phase not in (DELETING, DELETED):
             if self.store.update(
                 run,
                 phase=DELETING,
@@ -393,8 +350,8 @@ class ControlPlane:
             current = self.store.get_uid(run.uid)
             if current is None:
                 return
-            pod = self.store.pod(current.assigned_pod)
-            if current.phase == DELETED or pod is None or not pod.alive():
+            pod = self.store.pod(current.status.assigned_pod)
+            if current.status.phase == DELETED or pod is None or not pod.alive():
                 break  # nothing left to drain on a pod that is gone
             time.sleep(0.02)
         self._remove(run)
@@ -433,35 +390,36 @@ class ControlPlane:
             default=math.inf,
         )
         for run in self.store.runs():
-            pod = pods.get(run.assigned_pod)
+            pod_name = run.status.assigned_pod
+            pod = pods.get(pod_name)
             pod_alive = pod is not None and pod.alive(now)
-            if run.phase == NEW and not run.delete_requested:
+            if run.status.phase == NEW and not run.delete_requested:
                 due = min(due, self._admit(run))
-            elif run.delete_requested and run.phase not in (DELETING, DELETED):
+            elif run.delete_requested and run.status.phase not in (DELETING, DELETED):
                 # Deleted in the store itself (kubectl delete): unregister it, as delete_run does.
                 self.store.update(run, phase=DELETING, message="delete requested")
                 due = now
-            elif run.phase == DELETED or (run.phase == DELETING and not pod_alive):
+            elif run.status.phase == DELETED or (run.status.phase == DELETING and not pod_alive):
                 self._remove(run)
                 due = now
-            elif run.phase == RETRYING:
+            elif run.status.phase == RETRYING:
                 due = min(due, self._retry(run, pod_alive, now))
-            elif run.phase in (PENDING, READY) and not pod_alive:
+            elif run.status.phase in (PENDING, READY) and not pod_alive:
                 # docs/protocol.md, "Runs": a Runtime Pod that dies moves its Runs to retry —
                 # one whose record is gone too (on Kubernetes, a deleted pod's object).
                 self.store.update(
                     run,
                     phase=RETRYING,
-                    message=f"pod {run.assigned_pod} {'stopped' if pod is not None else 'is gone'}",
+                    message=f"pod {pod_name} {'stopped' if pod is not None else 'is gone'}",
                     failed_at=now,
-                    uncharged_attempts=run.uncharged_attempts
+                    uncharged_attempts=run.status.uncharged_attempts
                     + int(decide(Step.POD) is Verdict.RETRY_FREE),
                 )
                 due = now
-            elif run.phase == IDLE and not pod_alive:
+            elif run.status.phase == IDLE and not pod_alive:
                 # No registration exists, so nothing failed: move it without a new attempt.
-                target = self.schedule(run.runtime, avoid=run.assigned_pod)
-                if target and target != run.assigned_pod:
+                target = self.schedule(run.spec.runtime, avoid=run.status.assigned_pod)
+                if target and target != run.status.assigned_pod:
                     self.store.update(run, assigned_pod=target)
                     due = now
         return due
@@ -483,24 +441,21 @@ class ControlPlane:
             self.store.update(run, expect_phase=NEW, phase=FAILED, message=str(exc))
             return time.time()
         try:
-            spec = checked_spec(
-                run.name, run.runtime, run.handler, files, run.env,
-                run.idle_timeout_seconds, run.memory_mb,
-            )  # fmt: skip
+            checked_spec(run.name, run.spec, files)
         except InvalidField as exc:
             self.store.update(run, expect_phase=NEW, phase=FAILED, message=str(exc))
             return time.time()
-        pod = self.schedule(run.runtime)
+        pod = self.schedule(run.spec.runtime)
         if not pod:
-            message = f"waiting for a live Runtime Pod of the {run.runtime} runtime"
-            if run.message != message:
+            message = f"waiting for a live Runtime Pod of the {run.spec.runtime} runtime"
+            if run.status.message != message:
                 self.store.update(run, expect_phase=NEW, message=message)
             return math.inf
         hop = _asking("admit", run, 1, pod)
         with tracing.finishing(hop):
             admitted = self.store.update(
                 run, expect_phase=NEW, phase=PENDING, attempt=1, assigned_pod=pod,
-                spec_digest=spec.digest, message="", traceparent=hop.traceparent,
+                message="", traceparent=hop.traceparent,
             )  # fmt: skip
         if admitted is not None:
             LOG.info("run %s (%s) admitted on %s", run.name, run.uid, pod)
@@ -516,29 +471,32 @@ class ControlPlane:
                 run,
                 phase=FAILED,
                 message=limits.bounded(
-                    f"gave up after {run.charged_attempts} registration attempts: {run.message}"
+                    f"gave up after {run.charged_attempts} registration attempts: "
+                    f"{run.status.message}"
                 ),
             )
             return now
-        backoff_ends = run.failed_at + self.policy.backoff(max(1, run.charged_attempts))
+        backoff_ends = run.status.failed_at + self.policy.backoff(max(1, run.charged_attempts))
         if now < backoff_ends:
             return backoff_ends
         # Same pod if it is healthy, else reassignment (docs/protocol.md: the retry engine advances the
         # attempt before the scheduler assigns or reassigns a Runtime Pod).
         target = (
-            run.assigned_pod if pod_alive else self.schedule(run.runtime, avoid=run.assigned_pod)
+            run.status.assigned_pod
+            if pod_alive
+            else self.schedule(run.spec.runtime, avoid=run.status.assigned_pod)
         )
         if not target:
             # No live pod yet: the same attempt, once a pod's heartbeat (a write) says one is.
             return math.inf
-        hop = _asking("retry", run, run.attempt + 1, target)
-        hop.set("fnkernel.retrying_after", run.message)  # the last attempt's failure
+        hop = _asking("retry", run, run.status.attempt + 1, target)
+        hop.set("fnkernel.retrying_after", run.status.message)  # the last attempt's failure
         with tracing.finishing(hop):
             updated = self.store.update(
                 run,
                 expect_phase=RETRYING,
                 phase=PENDING,
-                attempt=run.attempt + 1,
+                attempt=run.status.attempt + 1,
                 assigned_pod=target,
                 traceparent=hop.traceparent,  # "" when not exporting: not the last attempt's
             )
@@ -546,9 +504,9 @@ class ControlPlane:
             LOG.info(
                 "run %s: attempt %d on %s after %s",
                 run.name,
-                updated.attempt,
+                updated.status.attempt,
                 target,
-                run.message,
+                run.status.message,
             )
         return now
 

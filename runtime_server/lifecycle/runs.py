@@ -1,9 +1,8 @@
 """Runs and Runtime Pods (docs/protocol.md, "Runs"): the control plane's record of what should
 run, and ``RunStore``, the one interface through which everything reads and writes it.
 
-A Run is the unit users create. Its spec {uid, name, runtime, handler, source, env,
-idle_timeout_seconds, memory_mb, and its files} never changes; its status {phase, attempt, message, outputs,
-assigned_pod} is written by the control plane (scheduling, retry) and by the runtimed of the
+A Run is the unit users create. Its spec (``RunSpec``, with its files) never changes; its status
+(``RunStatus``) is written by the control plane (scheduling, retry) and by the runtimed of the
 assigned pod (registration outcome, idle). Every status write is conditional on the attempt and
 pod the writer saw, so a late writer can never overwrite a newer decision — the same fence
 docs/protocol.md puts on registration IDs, one level up.
@@ -16,12 +15,15 @@ of the assigned pod writes them into a workspace of its own (``Runtimed.working_
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol, TypedDict, Unpack
 
 from fnkernel.runtime_server import limits
+from fnkernel.runtime_server.wire import NEW
 
 # A pod counts as gone after this long without a heartbeat from its runtimed, or with no answer
 # from its Runtime Server to runtimed's health checks (docs/architecture.md, "Retries"): twice
@@ -31,25 +33,71 @@ POD_GRACE_SECONDS = 10.0
 HEARTBEAT_SECONDS = 1.0  # how often runtimed writes its pod's heartbeat
 
 
+def files_json(files: Mapping[str, str]) -> bytes:
+    """A Run's files (relative path → text) as the one JSON text every store keeps and every
+    digest reads: keys sorted, UTF-8 as it is."""
+    return json.dumps(dict(files), ensure_ascii=False, sort_keys=True).encode()
+
+
+def files_digest(files: Mapping[str, str]) -> str:
+    """The SHA-256 (hex) of ``files_json(files)``: a Run's files in its spec."""
+    return hashlib.sha256(files_json(files)).hexdigest()
+
+
 @dataclass(frozen=True)
-class Run:
-    uid: str
-    name: str
+class RunSpec:
+    """What a Run was created to run; it never changes (docs/protocol.md, "Runs").
+
+    `files_sha256` stands for its files (``files_digest``), which the store keeps beside it.
+    `source` says where it came from and `replica_of` which function a replica serves: neither
+    is part of what it runs, nor of its ``digest``."""
+
     runtime: str
     handler: str
-    source: str
-    env: dict[str, str]
-    idle_timeout_seconds: int
-    phase: str
-    attempt: int
+    files_sha256: str
+    env: Mapping[str, str] = field(default_factory=dict)
+    idle_timeout_seconds: int = 0  # 0: limits.DEFAULT_IDLE_TIMEOUT_SECONDS
+    # What each of its handler's processes may take, in MiB (0: limits.DEFAULT_MEMORY_MB;
+    # docs/protocol.md, "Limits").
+    memory_mb: int = 0
+    # Replicas (docs/protocol.md, "Replicas"): one function served by `replicas` Runs of the
+    # same spec, each with its own uid, attempt and fence. Replica 0 is named as the function;
+    # replica i is FUNCTION.i (replica_name), with replica_of naming the function.
+    replicas: int = 1
+    replica_of: str = ""
+    source: str = ""
+
+    def digest(self) -> str:
+        """``sha256:`` + the SHA-256 of what it runs, canonical: its files, runtime, handler,
+        env, idle timeout, memory limit and replicas, with a default spelled as its value.
+        Equal digests are the same function: the registration digest runtimed gives the
+        Runtime Server (docs/protocol.md, "Registration"), what makes a repeated create the
+        same one, and the kernel's "is this cell unchanged?"."""
+        canonical = {
+            "runtime": self.runtime,
+            "handler": self.handler,
+            "files": self.files_sha256,
+            "env": dict(self.env),
+            "idleTimeoutSeconds": self.idle_timeout_seconds or limits.DEFAULT_IDLE_TIMEOUT_SECONDS,
+            "memoryMb": self.memory_mb or limits.DEFAULT_MEMORY_MB,
+            "replicas": self.replicas,
+        }
+        text = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        return limits.sha256_digest(text.encode())
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    """Where a Run stands, written by the control plane (scheduling, retry) and by the runtimed
+    of its assigned pod (registration outcome, idle); every write fenced on `attempt` and
+    `assigned_pod` (``RunStore.update``)."""
+
+    phase: str = NEW  # NEW: found in the store with no status yet (made there directly)
+    attempt: int = 0
     message: str = ""
-    outputs: dict[str, str] = field(default_factory=dict)
+    outputs: Mapping[str, str] = field(default_factory=dict)
     assigned_pod: str = ""
     failed_at: float = 0.0
-    created_at: float = 0.0
-    # Set by runtimed at the first registration and reused after: the inputs are immutable, but
-    # a handler may write into its working dir, which must not change the digest later.
-    registration_digest: str = ""
     # How a delete unregisters it (set with phase Deleting): cancel the in-flight invocation, or
     # drain it for at most drain_timeout_millis (0: runtimed's default).
     cancel_in_flight: bool = False
@@ -58,61 +106,85 @@ class Run:
     # because the pod was down or restarted (its server unreachable, or it lost the
     # registration), which say nothing about the function.
     uncharged_attempts: int = 0
-    # The SHA-256 of what its create asked for (ControlPlane.spec_digest): a create repeated
-    # with the same spec (a retry after a lost answer) is given this Run, not a name clash.
-    spec_digest: str = ""
     # How many times in a row its Runtime Server died while one of its calls was in flight (and
     # lost its registration): a handler that kills its server is Failed after a few, not retried
     # for ever free of charge. A call that succeeds starts the count again.
     server_deaths: int = 0
-    # What each of its handler's processes may take, in MiB (0: the default; docs/protocol.md,
-    # "Limits"). Part of its spec: it never changes.
-    memory_mb: int = 0
-    # Replicas (docs/protocol.md, "Replicas"): one function served by `replicas` Runs of the
-    # same spec, each with its own uid, attempt and fence. Replica 0 is named as the function;
-    # replica i is FUNCTION.i (replica_name), with replica_of naming the function.
-    replicas: int = 1
-    replica_of: str = ""
-    # Its deletion was asked for in the store itself (on Kubernetes, `kubectl delete`: the
-    # object has a deletionTimestamp); the control plane deletes it as delete_run would.
-    delete_requested: bool = False
     # The W3C context of the span that asked for its current attempt's registration (a create,
     # an admission, a retry), when that was traced: runtimed's spans of the registration join
     # that trace (docs/protocol.md, "Tracing"). "" when it was not.
     traceparent: str = ""
 
+
+class StatusChanges(TypedDict, total=False):
+    """The fields of a ``RunStatus`` a status write may change (``RunStore.update``)."""
+
+    phase: str
+    attempt: int
+    message: str
+    outputs: Mapping[str, str]
+    assigned_pod: str
+    failed_at: float
+    cancel_in_flight: bool
+    drain_timeout_millis: int
+    uncharged_attempts: int
+    server_deaths: int
+    traceparent: str
+
+
+STATUS_FIELDS = frozenset(StatusChanges.__annotations__)
+
+
+@dataclass(frozen=True)
+class Run:
+    """A Run as the store keeps it: its identity, spec and status. `delete_requested`: its
+    deletion was asked for in the store itself (on Kubernetes, `kubectl delete`: the object has
+    a deletionTimestamp); the control plane deletes it as delete_run would."""
+
+    uid: str
+    name: str
+    spec: RunSpec
+    status: RunStatus = field(default_factory=RunStatus)
+    created_at: float = 0.0
+    delete_requested: bool = False
+
     @property
     def function(self) -> str:
         """The function it serves: its own name, or its replica set's."""
-        return self.replica_of or self.name
+        return self.spec.replica_of or self.name
 
     @property
     def charged_attempts(self) -> int:
-        return self.attempt - self.uncharged_attempts
+        return self.status.attempt - self.status.uncharged_attempts
+
+    def with_status(self, **changes: Unpack[StatusChanges]) -> Run:
+        """The Run with `changes` written to its status, as a store writes them."""
+        return replace(self, status=replace(self.status, **changes))
 
     def to_json(self) -> dict[str, Any]:
         """The Run as the gateway shows it: spec and status, camelCase like the gRPC JSON."""
+        spec, status = self.spec, self.status
         return {
             "uid": self.uid,
             "name": self.name,
             "spec": {
-                "runtime": self.runtime,
-                "handler": self.handler,
-                "source": self.source,
+                "runtime": spec.runtime,
+                "handler": spec.handler,
+                "source": spec.source,
                 # Keys only: a value never leaves the store (docs/protocol.md, "Runs").
-                "env": sorted(self.env),
-                "idleTimeoutSeconds": self.idle_timeout_seconds,
-                "memoryMb": limits.check_memory_mb(self.memory_mb),
+                "env": sorted(spec.env),
+                "idleTimeoutSeconds": spec.idle_timeout_seconds,
+                "memoryMb": limits.check_memory_mb(spec.memory_mb),
                 # Only for a replica set: one Run is shown as it always was.
-                **({"replicas": self.replicas} if self.replicas != 1 else {}),
-                **({"replicaOf": self.replica_of} if self.replica_of else {}),
+                **({"replicas": spec.replicas} if spec.replicas != 1 else {}),
+                **({"replicaOf": spec.replica_of} if spec.replica_of else {}),
             },
             "status": {
-                "phase": self.phase,
-                "attempt": self.attempt,
-                "message": self.message,
-                "outputs": self.outputs,
-                "assignedPod": self.assigned_pod,
+                "phase": status.phase,
+                "attempt": status.attempt,
+                "message": status.message,
+                "outputs": dict(status.outputs),
+                "assignedPod": status.assigned_pod,
             },
         }
 
@@ -125,7 +197,7 @@ def replica_name(function: str, replica: int) -> str:
 
 def replica_names(run: Run) -> list[str]:
     """The names of the Runs of `run`'s replica set, replica 0 first (one Run: its own)."""
-    return [replica_name(run.function, replica) for replica in range(run.replicas)]
+    return [replica_name(run.function, replica) for replica in range(run.spec.replicas)]
 
 
 @dataclass(frozen=True)
@@ -189,7 +261,9 @@ class RunStore(Protocol):
         """Every Run, oldest first; only those assigned to `pod`, or in `phase`, when given."""
         ...
 
-    def update(self, run: Run, *, expect_phase: str | None = None, **changes: Any) -> Run | None:
+    def update(
+        self, run: Run, *, expect_phase: str | None = None, **changes: Unpack[StatusChanges]
+    ) -> Run | None:
         """The fenced write: `changes` to the Run's status if it still has `run`'s attempt and
         assigned pod (and `expect_phase`, when given). The updated Run, or None if it moved on."""
         ...

@@ -17,12 +17,20 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 from fnkernel.runtime_server.errors import RunAlreadyExists, RunNotFound, StoreDamaged, no_room
-from fnkernel.runtime_server.lifecycle.runs import Pod, Run
+from fnkernel.runtime_server.lifecycle.runs import (
+    STATUS_FIELDS,
+    Pod,
+    Run,
+    RunSpec,
+    RunStatus,
+    StatusChanges,
+    files_digest,
+)
 from fnkernel.runtime_server.wire import DELETED, FAILED
 from fnkernel.system.private import tighten
 
@@ -32,8 +40,10 @@ STORE_FILE = "runs.db"  # in the state dir
 _WAL_HEADER_BYTES = 48
 
 
-# runs.working_dir: where an fnkernel before 0.4 kept a Run's files ('' since they are in
-# run_files, _adopt_working_dirs).
+# One row a Run: its spec's and status's fields as columns of their names. runs.working_dir:
+# where an fnkernel before 0.4 kept a Run's files ('' since they are in run_files,
+# _adopt_working_dirs); a store written before 0.6 also has the columns registration_digest and
+# spec_digest, read by nothing since the digest is the spec's own (``RunSpec.digest``).
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
     uid TEXT PRIMARY KEY,
@@ -51,17 +61,16 @@ CREATE TABLE IF NOT EXISTS runs (
     assigned_pod TEXT NOT NULL DEFAULT '',
     failed_at REAL NOT NULL DEFAULT 0,
     created_at REAL NOT NULL,
-    registration_digest TEXT NOT NULL DEFAULT '',
     cancel_in_flight INTEGER NOT NULL DEFAULT 0,
     drain_timeout_millis INTEGER NOT NULL DEFAULT 0,
     uncharged_attempts INTEGER NOT NULL DEFAULT 0,
-    spec_digest TEXT NOT NULL DEFAULT '',
     server_deaths INTEGER NOT NULL DEFAULT 0,
     memory_mb INTEGER NOT NULL DEFAULT 0,
     delete_requested INTEGER NOT NULL DEFAULT 0,
     replicas INTEGER NOT NULL DEFAULT 1,
     replica_of TEXT NOT NULL DEFAULT '',
-    traceparent TEXT NOT NULL DEFAULT ''
+    traceparent TEXT NOT NULL DEFAULT '',
+    files_sha256 TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS run_files (
     uid TEXT PRIMARY KEY,
@@ -164,14 +173,32 @@ def _read_tree(root: Path) -> dict[str, str]:
     return files
 
 
+_SPEC_COLUMNS = tuple(f.name for f in fields(RunSpec))
+_STATUS_COLUMNS = tuple(f.name for f in fields(RunStatus))
+_JSON_COLUMNS = frozenset({"env", "outputs"})
+
+
+def _column(name: str, value: Any) -> Any:
+    """A spec's or status's field as its column holds it."""
+    if name in _JSON_COLUMNS:
+        return json.dumps(dict(value), sort_keys=True, ensure_ascii=False)
+    return int(value) if isinstance(value, bool) else value
+
+
 def _run(row: sqlite3.Row) -> Run:
-    values = dict(row)
-    del values["working_dir"]
-    values["env"] = json.loads(values["env"])
-    values["outputs"] = json.loads(values["outputs"])
-    values["cancel_in_flight"] = bool(values["cancel_in_flight"])
-    values["delete_requested"] = bool(values["delete_requested"])
-    return Run(**values)
+    def value(name: str) -> Any:
+        return json.loads(row[name]) if name in _JSON_COLUMNS else row[name]
+
+    status = {name: value(name) for name in _STATUS_COLUMNS}
+    status["cancel_in_flight"] = bool(status["cancel_in_flight"])
+    return Run(
+        uid=row["uid"],
+        name=row["name"],
+        spec=RunSpec(**{name: value(name) for name in _SPEC_COLUMNS}),
+        status=RunStatus(**status),
+        created_at=row["created_at"],
+        delete_requested=bool(row["delete_requested"]),
+    )
 
 
 class SqliteRunStore:
@@ -188,6 +215,7 @@ class SqliteRunStore:
                 db.executescript(_SCHEMA)  # idempotent; executescript commits by itself
                 self._add_missing_columns(db)
                 self._adopt_working_dirs(db)
+                self._digest_files(db)
         except sqlite3.DatabaseError as exc:
             problems = [str(exc)]
         if problems:
@@ -251,6 +279,17 @@ class SqliteRunStore:
             db.execute("COMMIT")
             shutil.rmtree(row["working_dir"], ignore_errors=True)  # the store holds them now
 
+    @staticmethod
+    def _digest_files(db: sqlite3.Connection) -> None:
+        """A store written before 0.6 has no ``files_sha256``: compute each from its files."""
+        rows = db.execute(
+            "SELECT runs.uid, run_files.files FROM runs JOIN run_files USING (uid) "
+            "WHERE runs.files_sha256 = ''"
+        ).fetchall()
+        for row in rows:
+            digest = files_digest(json.loads(row["files"]))
+            db.execute("UPDATE runs SET files_sha256 = ? WHERE uid = ?", (digest, row["uid"]))
+
     def _connection(self) -> sqlite3.Connection:
         db: sqlite3.Connection | None = getattr(self._local, "db", None)
         if db is None:
@@ -302,10 +341,15 @@ class SqliteRunStore:
     # Runs
 
     def insert(self, run: Run, files: Mapping[str, str]) -> Run:
-        values = asdict(run)
-        values["env"] = json.dumps(run.env, sort_keys=True)
-        values["outputs"] = json.dumps(run.outputs, sort_keys=True)
-        values["working_dir"] = ""  # an older store's column has no default
+        values = {
+            "uid": run.uid,
+            "name": run.name,
+            "created_at": run.created_at,
+            "delete_requested": int(run.delete_requested),
+            "working_dir": "",  # an older store's column has no default
+            **{name: _column(name, getattr(run.spec, name)) for name in _SPEC_COLUMNS},
+            **{name: _column(name, getattr(run.status, name)) for name in _STATUS_COLUMNS},
+        }
         columns = ", ".join(values)
         marks = ", ".join(f":{key}" for key in values)
         try:
@@ -398,14 +442,18 @@ class SqliteRunStore:
         rows = self._connection().execute(query + " ORDER BY created_at", params).fetchall()
         return [_run(row) for row in rows]
 
-    def update(self, run: Run, *, expect_phase: str | None = None, **changes: Any) -> Run | None:
+    def update(
+        self, run: Run, *, expect_phase: str | None = None, **changes: Unpack[StatusChanges]
+    ) -> Run | None:
         """Write `changes` to the status if the Run still has `run`'s attempt and assigned pod
         (and `expect_phase`, when given). Returns the updated Run, or None if it moved on."""
-        if "outputs" in changes:
-            changes["outputs"] = json.dumps(changes["outputs"], sort_keys=True)
+        unknown = set(changes) - STATUS_FIELDS
+        if unknown:  # a column name is SQL text: only a status field's may become one
+            raise TypeError(f"not fields of a Run's status: {', '.join(sorted(unknown))}")
         assignments = ", ".join(f"{key} = :{key}" for key in changes)
         fence = "uid = :_uid AND attempt = :_attempt AND assigned_pod = :_pod"
-        params = {**changes, "_uid": run.uid, "_attempt": run.attempt, "_pod": run.assigned_pod}
+        params = {key: _column(key, value) for key, value in changes.items()}
+        params |= {"_uid": run.uid, "_attempt": run.status.attempt, "_pod": run.status.assigned_pod}
         if expect_phase is not None:
             fence += " AND phase = :_phase"
             params["_phase"] = expect_phase

@@ -18,7 +18,7 @@ from fnkernel.runtime_server.errors import RunFilesMissing, RunNotFound, RunTooL
 from fnkernel.runtime_server.lifecycle.controlplane import ControlPlane
 from fnkernel.runtime_server.lifecycle.kubernetes import objects
 from fnkernel.runtime_server.lifecycle.kubernetes.store import KubernetesRunStore
-from fnkernel.runtime_server.lifecycle.runs import Run
+from fnkernel.runtime_server.lifecycle.runs import Run, RunSpec, files_digest
 from fnkernel.runtime_server.wire import FAILED, NEW, PENDING
 from tests.kubernetes.test_store import HANDLER, NS, plane_with_pod
 from tests.support import wait_until
@@ -94,11 +94,12 @@ def test_a_config_map_that_cannot_be_made_leaves_no_run(
 
 def a_run(name: str, size: int = 0) -> Run:
     """A Run whose object would be about `size` bytes as sent (its env fills it)."""
-    run = Run(uid="", name=name, runtime="python", handler="handler.handle", source="",
-              env={}, idle_timeout_seconds=0, phase=NEW, attempt=0)  # fmt: skip
+    spec = RunSpec(runtime="python", handler="handler.handle", files_sha256=files_digest(HANDLER))
+    run = Run(uid="", name=name, spec=spec)
     if size:
         base = len(json.dumps(objects.new_object(run, HANDLER, NS)[0]))
-        run = dataclasses.replace(run, env={"FILL": "x" * (size - base - len('"FILL": ""'))})
+        fill = {"FILL": "x" * (size - base - len('"FILL": ""'))}
+        run = dataclasses.replace(run, spec=dataclasses.replace(spec, env=fill))
     return run
 
 
@@ -132,7 +133,11 @@ def test_a_create_cut_short_after_its_files_is_admitted_by_the_controller(
     wait_until(lambda: len(store.runs()) == 1, timeout=10)
     plane.reconcile()
     admitted = store.get("whole")
-    assert (admitted.phase, admitted.attempt, admitted.assigned_pod) == (PENDING, 1, "python-abc")
+    assert (admitted.status.phase, admitted.status.attempt, admitted.status.assigned_pod) == (
+        PENDING,
+        1,
+        "python-abc",
+    )
 
 
 def test_a_create_cut_short_before_its_files_is_failed_after_its_time(
@@ -143,11 +148,11 @@ def test_a_create_cut_short_before_its_files_is_failed_after_its_time(
     wait_until(lambda: len(store.runs()) == 1, timeout=10)
     plane_with_pod(store, api_client)
     ControlPlane(store).reconcile()  # within the time a create is given: it waits
-    assert store.get("orphan").phase == NEW
+    assert store.get("orphan").status.phase == NEW
     ControlPlane(store, create_seconds=0).reconcile()
     failed = store.get("orphan")
-    assert failed.phase == FAILED
-    assert failed.message == f"run 'orphan': the ConfigMap {missing} of its files is gone"
+    assert failed.status.phase == FAILED
+    assert failed.status.message == f"run 'orphan': the ConfigMap {missing} of its files is gone"
 
 
 def test_files_that_are_not_what_the_run_says_fail_it(
@@ -160,7 +165,7 @@ def test_files_that_are_not_what_the_run_says_fail_it(
         store.files(store.get("swapped").uid)
     plane_with_pod(store, api_client)
     ControlPlane(store, create_seconds=0).reconcile()
-    assert store.get("swapped").phase == FAILED
+    assert store.get("swapped").status.phase == FAILED
 
 
 def test_a_run_too_large_for_the_api_server_is_refused_naming_the_limit(
@@ -189,7 +194,7 @@ def test_the_largest_run_a_create_takes_takes_every_status_write_after(
     outputs = {f"k{n:02}": "v" * (limits.MAX_OUTPUTS_BYTES // limits.MAX_OUTPUTS - 8)
                for n in range(limits.MAX_OUTPUTS)}  # fmt: skip
     written = store.update(run, phase=FAILED, message="m" * 4096, outputs=outputs)
-    assert written is not None and written.phase == FAILED
+    assert written is not None and written.status.phase == FAILED
 
 
 def test_files_past_what_their_config_maps_hold_are_refused_naming_the_limit(

@@ -91,19 +91,23 @@ def test_a_stale_writer_gets_a_conflict_reads_again_and_never_overwrites_a_newer
         wait_until(lambda: late.get_uid(run.uid) == run, timeout=10)
         seen = late._runs.get(run.uid)  # the version the late writer computes from
         retried = store.update(run, phase=PENDING, attempt=2)  # the retry engine, first
-        assert retried is not None and retried.attempt == 2
+        assert retried is not None and retried.status.attempt == 2
         assert seen is not None
         late._runs.items[run.uid] = seen  # its watch has not delivered the retry yet
         # runtimed of attempt 1 reports Ready: 409, read again, attempt 2 ≠ 1: nothing written.
         assert late.update(run, expect_phase=PENDING, phase=READY) is None
-        assert store.get("fn").attempt == 2 and late.get_uid(run.uid).phase == PENDING  # type: ignore[union-attr]
+        assert store.get("fn").status.attempt == 2 and late.get_uid(run.uid).status.phase == PENDING  # type: ignore[union-attr]
         # A writer that saw attempt 2 writes through a conflict on an unrelated change.
         late._runs.items[run.uid] = seen
         current = store.get("fn")
         store.update(current, message="noted")  # a newer version that keeps the attempt
         late._runs.items[run.uid] = store._runs.get(run.uid) or seen
         ready = late.update(current, expect_phase=PENDING, phase=READY)
-        assert ready is not None and (ready.phase, ready.attempt, ready.message) == (
+        assert ready is not None and (
+            ready.status.phase,
+            ready.status.attempt,
+            ready.status.message,
+        ) == (
             READY,
             2,
             "noted",
@@ -121,7 +125,7 @@ def test_delete_removes_the_object_and_kubectl_delete_asks_the_control_plane(
     custom.delete_namespaced_custom_object(G, V, NS, P, "fn")
     wait_until(lambda: store.get("fn").delete_requested, timeout=10)
     plane.reconcile()
-    assert store.get("fn").phase == DELETING
+    assert store.get("fn").status.phase == DELETING
     store.delete(run.uid)
     with pytest.raises(ApiException) as caught:
         custom.get_namespaced_custom_object(G, V, NS, P, "fn")
@@ -147,14 +151,20 @@ def test_a_run_applied_with_kubectl_is_checked_and_assigned_like_a_create(
     plane = ControlPlane(store)
     plane.reconcile()  # no pod yet: it waits, saying so
     waiting = store.get("applied")
-    assert waiting.phase == NEW and "waiting for a live Runtime Pod" in waiting.message
+    assert (
+        waiting.status.phase == NEW and "waiting for a live Runtime Pod" in waiting.status.message
+    )
     failed = store.get("bad-env")
-    assert failed.phase == FAILED and failed.message.startswith("env: key '1X'")
+    assert failed.status.phase == FAILED and failed.status.message.startswith("env: key '1X'")
     plane_with_pod(store, api_client)
     plane.reconcile()
     admitted = store.get("applied")
-    assert (admitted.phase, admitted.attempt, admitted.assigned_pod) == (PENDING, 1, "python-abc")
-    assert admitted.spec_digest and admitted.message == ""
+    assert (admitted.status.phase, admitted.status.attempt, admitted.status.assigned_pod) == (
+        PENDING,
+        1,
+        "python-abc",
+    )
+    assert admitted.status.message == ""
     # From its first status write on, a `kubectl delete` waits for its registration to go.
     held = custom.get_namespaced_custom_object(G, V, NS, P, "applied")
     assert held["metadata"]["finalizers"] == [objects.FINALIZER]
@@ -195,9 +205,9 @@ def test_the_cache_follows_writes_made_elsewhere(
     obj = custom.get_namespaced_custom_object(G, V, NS, P, "fn")
     obj["status"]["phase"] = RETRYING
     custom.replace_namespaced_custom_object_status(G, V, NS, P, "fn", obj)
-    wait_until(lambda: store.get_uid_fresh(run.uid).phase == RETRYING, timeout=10)  # type: ignore[union-attr]
+    wait_until(lambda: store.get_uid_fresh(run.uid).status.phase == RETRYING, timeout=10)  # type: ignore[union-attr]
     assert store.version() != version
-    assert store.get_fresh("fn").phase == RETRYING
+    assert store.get_fresh("fn").status.phase == RETRYING
 
 
 def _watches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -338,14 +348,16 @@ def test_a_pods_store_keeps_only_the_runs_assigned_to_it(
     runtime_pod(client.CoreV1Api(api_client), "python-b", "127.0.0.10")
     wait_until(lambda: (pod := store.pod("python-b")) is not None and pod.alive(), timeout=10)
     run = plane.create_run(name="fn", runtime="python", handler="handler.handle", files=HANDLER)
-    other = "python-b" if run.assigned_pod == "python-abc" else "python-abc"
-    first = KubernetesRunStore(kube_api.client(), NS, watch_pods=False, pod=run.assigned_pod)
+    other = "python-b" if run.status.assigned_pod == "python-abc" else "python-abc"
+    first = KubernetesRunStore(kube_api.client(), NS, watch_pods=False, pod=run.status.assigned_pod)
     second = KubernetesRunStore(kube_api.client(), NS, watch_pods=False, pod=other)
     try:
         assert [r.name for r in first.runs()] == ["fn"] and second.runs() == []
-        moved = store.update(run, phase=RETRYING, assigned_pod=other, attempt=run.attempt + 1)
-        assert moved is not None and moved.assigned_pod == other
-        wait_until(lambda: [r.assigned_pod for r in second.runs()] == [other], timeout=10)
+        moved = store.update(
+            run, phase=RETRYING, assigned_pod=other, attempt=run.status.attempt + 1
+        )
+        assert moved is not None and moved.status.assigned_pod == other
+        wait_until(lambda: [r.status.assigned_pod for r in second.runs()] == [other], timeout=10)
         wait_until(lambda: first.runs() == [], timeout=10)
     finally:
         first.close()

@@ -16,7 +16,7 @@ import pytest
 
 from fnkernel.runtime_server.errors import InvalidField, NoRuntimePod, RunAlreadyExists, RunNotFound
 from fnkernel.runtime_server.lifecycle.controlplane import ControlPlane, RetryPolicy, checked_spec
-from fnkernel.runtime_server.lifecycle.runs import POD_GRACE_SECONDS, Run
+from fnkernel.runtime_server.lifecycle.runs import POD_GRACE_SECONDS, Run, RunSpec, files_digest
 from fnkernel.runtime_server.lifecycle.sqlite import SqliteRunStore
 from fnkernel.runtime_server.wire import DELETED, DELETING, FAILED, IDLE, PENDING, READY, RETRYING
 from tests.support import wait_until
@@ -55,7 +55,11 @@ def test_create_stores_the_files_and_starts_at_attempt_1(plane: ControlPlane) ->
     alive(plane, "python-0")
     files = {"handler.py": "def handle(e):\n    return e\n", "lib/util.py": "X = 1\n"}
     run = plane.create_run(name="fn", runtime="python", handler="handler.handle", files=files)
-    assert (run.phase, run.attempt, run.assigned_pod) == (PENDING, 1, "python-0")
+    assert (run.status.phase, run.status.attempt, run.status.assigned_pod) == (
+        PENDING,
+        1,
+        "python-0",
+    )
     again = SqliteRunStore(plane.store.path)  # another connection, as after a restart
     assert again.get("fn") == run
     assert again.files(run.uid) == files
@@ -64,7 +68,7 @@ def test_create_stores_the_files_and_starts_at_attempt_1(plane: ControlPlane) ->
 def test_scheduler_picks_the_least_loaded_live_pod(plane: ControlPlane) -> None:
     alive(plane, "python-0", "python-1")
     alive(plane, "python-2", healthy=False)
-    pods = [plane.store.get_uid(create(plane, f"fn{i}")).assigned_pod for i in range(4)]  # type: ignore[union-attr]
+    pods = [plane.store.get_uid(create(plane, f"fn{i}")).status.assigned_pod for i in range(4)]  # type: ignore[union-attr]
     assert sorted(pods) == ["python-0", "python-0", "python-1", "python-1"]
 
 
@@ -97,12 +101,17 @@ def test_a_create_is_checked_without_touching_the_disk(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(tempfile, "mkdtemp", no_temporary_directory)
     monkeypatch.setattr(tempfile, "mkstemp", no_temporary_directory)
-    checked = checked_spec("fn", "bash", "sub/x.fn", {"sub/x.sh": "fn() { :; }\n"}, {}, 0, 0)
-    assert checked.digest.startswith("sha256:")
-    assert checked_spec("fn", "python", "handler.handle", HANDLER, {}, 0, 0).digest
+
+    def spec(runtime: str, handler: str) -> RunSpec:
+        return RunSpec(runtime=runtime, handler=handler, files_sha256="")
+
+    files = {"sub/x.sh": "fn() { :; }\n"}
+    checked, _ = checked_spec("fn", spec("bash", "sub/x.fn"), files)
+    assert checked.files_sha256 == files_digest(files)
+    assert checked_spec("fn", spec("python", "handler.handle"), HANDLER)[0].digest()
     for handler in ("../x.fn", "/etc/x.fn"):
         with pytest.raises(InvalidField) as caught:
-            checked_spec("fn", "bash", handler, {"x.sh": ""}, {}, 0, 0)
+            checked_spec("fn", spec("bash", handler), {"x.sh": ""})
         assert caught.value.field == "handler"
 
 
@@ -138,7 +147,11 @@ def test_retry_on_the_same_pod_when_it_is_healthy(plane: ControlPlane) -> None:
     plane.store.update(run, phase=RETRYING, message="server died", failed_at=time.time())
     plane.reconcile()
     retried = plane.store.get("fn")
-    assert (retried.phase, retried.attempt, retried.assigned_pod) == (PENDING, 2, run.assigned_pod)
+    assert (retried.status.phase, retried.status.attempt, retried.status.assigned_pod) == (
+        PENDING,
+        2,
+        run.status.assigned_pod,
+    )
 
 
 def test_reassignment_when_the_pod_is_unhealthy(plane: ControlPlane) -> None:
@@ -150,7 +163,11 @@ def test_reassignment_when_the_pod_is_unhealthy(plane: ControlPlane) -> None:
     plane.store.update(run, phase=RETRYING, message="server died", failed_at=time.time())
     plane.reconcile()
     retried = plane.store.get("fn")
-    assert (retried.phase, retried.attempt, retried.assigned_pod) == (PENDING, 2, "python-1")
+    assert (retried.status.phase, retried.status.attempt, retried.status.assigned_pod) == (
+        PENDING,
+        2,
+        "python-1",
+    )
 
 
 def test_no_live_pod_means_wait_without_spending_an_attempt(plane: ControlPlane) -> None:
@@ -162,10 +179,13 @@ def test_no_live_pod_means_wait_without_spending_an_attempt(plane: ControlPlane)
     for _ in range(3):
         plane.reconcile()
     waiting = plane.store.get("fn")
-    assert (waiting.phase, waiting.attempt) == (RETRYING, 1)
+    assert (waiting.status.phase, waiting.status.attempt) == (RETRYING, 1)
     alive(plane, "python-0")
     plane.reconcile()
-    assert (plane.store.get("fn").phase, plane.store.get("fn").attempt) == (PENDING, 2)
+    assert (plane.store.get("fn").status.phase, plane.store.get("fn").status.attempt) == (
+        PENDING,
+        2,
+    )
 
 
 def test_retries_are_bounded_by_max_attempts(plane: ControlPlane) -> None:
@@ -175,13 +195,13 @@ def test_retries_are_bounded_by_max_attempts(plane: ControlPlane) -> None:
         run = plane.store.get("fn")
         plane.store.update(run, phase=RETRYING, message="worker killed", failed_at=time.time())
         plane.reconcile()
-        assert plane.store.get("fn").attempt == expected
+        assert plane.store.get("fn").status.attempt == expected
     run = plane.store.get("fn")
     plane.store.update(run, phase=RETRYING, message="worker killed", failed_at=time.time())
     plane.reconcile()
     final = plane.store.get("fn")
-    assert (final.phase, final.attempt) == (FAILED, 3)
-    assert final.message == "gave up after 3 registration attempts: worker killed"
+    assert (final.status.phase, final.status.attempt) == (FAILED, 3)
+    assert final.status.message == "gave up after 3 registration attempts: worker killed"
 
 
 def test_backoff_is_exponential_with_a_cap() -> None:
@@ -196,7 +216,7 @@ def test_retry_waits_out_the_backoff(tmp_path: Path) -> None:
     assert run is not None
     plane.store.update(run, phase=RETRYING, message="x", failed_at=time.time())
     plane.reconcile()
-    assert plane.store.get("fn").phase == RETRYING  # 60 s have not passed
+    assert plane.store.get("fn").status.phase == RETRYING  # 60 s have not passed
 
 
 def test_runs_on_a_dead_pod_move_to_retry(plane: ControlPlane) -> None:
@@ -209,7 +229,11 @@ def test_runs_on_a_dead_pod_move_to_retry(plane: ControlPlane) -> None:
     plane.reconcile()  # Ready on a dead pod → Retrying
     plane.reconcile()  # Retrying → attempt 2 on the live pod
     moved = plane.store.get("fn")
-    assert (moved.phase, moved.attempt, moved.assigned_pod) == (PENDING, 2, "python-1")
+    assert (moved.status.phase, moved.status.attempt, moved.status.assigned_pod) == (
+        PENDING,
+        2,
+        "python-1",
+    )
 
 
 def test_an_idle_run_moves_off_a_dead_pod_without_a_new_attempt(plane: ControlPlane) -> None:
@@ -222,7 +246,11 @@ def test_an_idle_run_moves_off_a_dead_pod_without_a_new_attempt(plane: ControlPl
     alive(plane, "python-1")
     plane.reconcile()
     moved = plane.store.get("fn")
-    assert (moved.phase, moved.attempt, moved.assigned_pod) == (IDLE, 1, "python-1")
+    assert (moved.status.phase, moved.status.attempt, moved.status.assigned_pod) == (
+        IDLE,
+        1,
+        "python-1",
+    )
 
 
 def counted_passes(plane: ControlPlane) -> list[float]:
@@ -255,10 +283,10 @@ def test_the_loop_notices_a_heartbeat_running_out_with_no_pass_every_tick(
     passes = counted_passes(plane)
     plane.start()
     try:
-        wait_until(lambda: plane.store.get("fn").phase != READY, timeout=10)
+        wait_until(lambda: plane.store.get("fn").status.phase != READY, timeout=10)
         assert time.time() >= stale_in_one_second + POD_GRACE_SECONDS  # not before
         moved = plane.store.get("fn")
-        assert (moved.phase, moved.message) == (RETRYING, "pod python-0 stopped")
+        assert (moved.status.phase, moved.status.message) == (RETRYING, "pod python-0 stopped")
         # The first pass, the one when the heartbeat ran out, and the one after its own write.
         assert len(passes) <= 4, [round(t - passes[0], 2) for t in passes]
         # A write by another connection is seen in a tick or so, with nothing due by time.
@@ -283,9 +311,9 @@ def test_the_loop_retries_when_the_backoff_ends_with_no_write_to_wake_it(
     passes = counted_passes(plane)
     plane.start()
     try:
-        wait_until(lambda: plane.store.get("fn").phase == PENDING, timeout=10)
-        assert time.time() >= failed.failed_at + 1.0
-        assert plane.store.get("fn").attempt == 2
+        wait_until(lambda: plane.store.get("fn").status.phase == PENDING, timeout=10)
+        assert time.time() >= failed.status.failed_at + 1.0
+        assert plane.store.get("fn").status.attempt == 2
         assert len(passes) <= 4, [round(t - passes[0], 2) for t in passes]
     finally:
         plane.stop()
@@ -298,7 +326,7 @@ def test_status_writes_are_fenced_on_attempt_and_pod(plane: ControlPlane) -> Non
     assert seen is not None
     plane.store.update(seen, attempt=2)
     assert plane.store.update(seen, phase=FAILED, message="late") is None
-    assert plane.store.get("fn").phase == PENDING
+    assert plane.store.get("fn").status.phase == PENDING
 
 
 def test_store_version_changes_with_another_connections_write(plane: ControlPlane) -> None:
@@ -318,7 +346,7 @@ def test_wait_settled_sees_another_processes_write_at_once(plane: ControlPlane) 
     other = SqliteRunStore(plane.store.path)
     threading.Timer(0.2, lambda: other.update(run, phase=READY)).start()
     started = time.monotonic()
-    assert plane.wait_settled("fn", timeout=120).phase == READY
+    assert plane.wait_settled("fn", timeout=120).status.phase == READY
     assert time.monotonic() - started < 60  # at the write (0.2 s), not at the timeout
 
 
@@ -403,7 +431,7 @@ def test_fresh_reads_see_a_later_write_when_the_store_was_opened_by_a_finished_t
         "db.execute(\"UPDATE runs SET message = 'from another process'\"); db.commit()"
     )
     subprocess.run([sys.executable, "-c", write, str(store.path)], check=True, timeout=60)
-    assert store.get_uid_fresh(run.uid).message == "from another process"  # type: ignore[union-attr]
+    assert store.get_uid_fresh(run.uid).status.message == "from another process"  # type: ignore[union-attr]
 
 
 # Asked from another process (a process never sees its own locks): does anyone hold SQLite's

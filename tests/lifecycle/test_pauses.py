@@ -60,7 +60,7 @@ class Watch:
         deadline = time.monotonic() + 60  # bounded, whatever happens to the test
         while not self._stop.wait(0.02) and time.monotonic() < deadline:
             run = self._store.get(self._name)
-            self.seen.add((run.phase, run.attempt))
+            self.seen.add((run.status.phase, run.status.attempt))
 
     def stop(self) -> set[tuple[str, int]]:
         self._stop.set()

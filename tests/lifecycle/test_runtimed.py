@@ -5,13 +5,12 @@ Unix sockets, sharing a real SQLite Run store with the control plane."""
 from __future__ import annotations
 
 import json
-import shutil
 import textwrap
 import threading
 import time
 from collections.abc import Iterator
 from concurrent import futures
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -20,13 +19,14 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from fnkernel.runtime_server import tracing
+from fnkernel.runtime_server import limits, tracing
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from fnkernel.runtime_server.function_runtime.server import RuntimeServer
 from fnkernel.runtime_server.lifecycle.controlplane import ControlPlane, RetryPolicy
-from fnkernel.runtime_server.lifecycle.runs import Run
-from fnkernel.runtime_server.lifecycle.runtimed import UNSUPPORTED, Runtimed, registration_digest
+from fnkernel.runtime_server.lifecycle.runs import Run, RunSpec, RunStatus, files_digest
+from fnkernel.runtime_server.lifecycle.runtimed import UNSUPPORTED, Runtimed
+from fnkernel.runtime_server.lifecycle.runtimed.server import registration_request
 from fnkernel.runtime_server.lifecycle.sqlite import SqliteRunStore
 from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS, CancellableCalls
 from fnkernel.runtime_server.wire import (
@@ -135,35 +135,34 @@ def restart_runtimed(pod: Pod) -> tuple[Runtimed, str]:
     return successor, successor.start("unix:" + pod.runtimed.address[5:] + "2")
 
 
-def test_digest_excludes_the_working_dir_path(tmp_path: Path) -> None:
-    # docs/protocol.md: registration_digest ... excludes the transient working-directory path.
-    first, second = tmp_path / "a", tmp_path / "elsewhere" / "b"
-    for directory in (first, second):
-        (directory / "pkg").mkdir(parents=True)
-        (directory / "handler.py").write_text("def handle(e):\n    return e\n")
-        (directory / "pkg" / "util.py").write_text("X = 1\n")
-    run = Run(
-        uid="u1", name="n", runtime="python", handler="handler.handle", source="",
-        env={"A": "1"}, idle_timeout_seconds=60, phase=PENDING, attempt=1,
-    )  # fmt: skip
-    other = replace(run, uid="u2", name="m")
-    digest = registration_digest(run, first)
-    assert digest == registration_digest(other, second)
-    assert digest.startswith("sha256:") and digest == digest.lower() and len(digest) == 71
-    # ...but every canonical input counts: source, handler, env, runtime-visible settings.
-    assert registration_digest(replace(run, env={"A": "2"}), first) != digest
-    assert registration_digest(replace(run, handler="handler.other"), first) != digest
-    assert registration_digest(replace(run, idle_timeout_seconds=61), first) != digest
-    (second / "pkg" / "util.py").write_text("X = 2\n")
-    assert registration_digest(other, second) != digest
-    shutil.rmtree(second / "pkg")
-    assert registration_digest(other, second) != digest
+def test_runtimed_registers_each_run_with_its_specs_digest(pod: Pod) -> None:
+    # docs/protocol.md: the registration_digest is the SHA-256 of the canonical registration
+    # inputs (RunSpec.digest), never the working directory's path: two Runs of one spec, each in
+    # a working dir of its own, register with one digest; another handler, another digest.
+    files = {"handler.py": "def handle(e):\n    return e\n\ndef other(e):\n    return 1\n"}
+    first, second = pod.create("first", files), pod.create("second", files)
+    third = pod.create("third", files, handler="handler.other")
+    assert {first.status.phase, second.status.phase, third.status.phase} == {READY}
+    for run in (first, second, third):
+        active = pod.runtimed.active(run)
+        assert active is not None and active.digest == run.spec.digest()
+        # The server holds that digest: the same attempt and digest is the registration it has
+        # (idempotent), the same attempt with another digest is refused.
+        request = registration_request(run, pod.runtimed.working_dir(run.uid))
+        again = pod.server.RegisterFunction(request, timeout=20)
+        assert again.registration.registration_id == active.registration_id
+        request.registration_digest = limits.sha256_digest(b"another spec")
+        with pytest.raises(grpc.RpcError) as caught:
+            pod.server.RegisterFunction(request, timeout=20)
+        assert caught.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert pod.runtimed.working_dir(first.uid) != pod.runtimed.working_dir(second.uid)
+    assert first.spec.digest() == second.spec.digest() != third.spec.digest()
 
 
 def test_proxy_hop_fills_in_the_active_registration_id(pod: Pod) -> None:
     # docs/protocol.md, "Runs": InvokeFunction with an empty registration_id is resolved to the private active one.
     run = pod.create("echo", ECHO_PY)
-    assert (run.phase, run.attempt) == (READY, 1)
+    assert (run.status.phase, run.status.attempt) == (READY, 1)
     response = pod.invoke(run, b'{"x": 1}')
     assert b'"echo":{"x":1}' in response.output
     assert response.registration.run_uid == run.uid
@@ -279,7 +278,7 @@ def test_runtimed_writes_each_runs_files_in_its_own_workspace(pod: Pod) -> None:
     # writes them where its server loads them; once the Run is assigned elsewhere they go.
     files = {"handler.py": ECHO_PY["handler.py"], "lib/data.txt": "x\n"}
     run = pod.create("echo", files)
-    assert run.phase == READY
+    assert run.status.phase == READY
     working_dir = pod.runtimed.working_dir(run.uid)
     assert working_dir.parent == pod.runtimed.workspace
     written = {
@@ -304,18 +303,18 @@ def test_files_that_cannot_be_written_fail_the_attempt_charged(pod: Pod) -> None
         pod.control_plane.create_run(
             name="echo", runtime="python", handler="handler.handle", files=ECHO_PY
         )
-        wait_until(lambda: pod.store.get("echo").phase == RETRYING, timeout=10)
+        wait_until(lambda: pod.store.get("echo").status.phase == RETRYING, timeout=10)
         run = pod.store.get("echo")
-        assert run.message.startswith("cannot write the run's files: ")
-        assert run.uncharged_attempts == 0
+        assert run.status.message.startswith("cannot write the run's files: ")
+        assert run.status.uncharged_attempts == 0
     finally:
         workspace.unlink()
 
 
 def test_unknown_run_uid_is_not_found(pod: Pod) -> None:
     ghost = Run(
-        uid="no-such-run", name="ghost", runtime="python", handler="h.f", source="",
-        env={}, idle_timeout_seconds=1, phase=READY, attempt=1,
+        uid="no-such-run", name="ghost", spec=RunSpec("python", "h.f", files_digest({})),
+        status=RunStatus(phase=READY, attempt=1),
     )  # fmt: skip
     with pytest.raises(grpc.RpcError) as caught:
         pod.invoke(ghost)
@@ -325,24 +324,28 @@ def test_unknown_run_uid_is_not_found(pod: Pod) -> None:
 def test_syntax_error_fails_the_run_without_retry(pod: Pod) -> None:
     # Issue 3: user-code init failures → Failed with the fatal_error as message, no retry.
     run = pod.create("broken", {"handler.py": "def handle(event:\n    return 1\n"})
-    assert run.phase == FAILED
-    assert run.attempt == 1
-    assert run.message.startswith("UserCodeSyntaxError:")
-    assert "handler.py" in run.message and "line 1" in run.message
-    assert len(run.message.encode()) <= 1024
+    assert run.status.phase == FAILED
+    assert run.status.attempt == 1
+    assert run.status.message.startswith("UserCodeSyntaxError:")
+    assert "handler.py" in run.status.message and "line 1" in run.status.message
+    assert len(run.status.message.encode()) <= 1024
 
 
 def test_missing_function_fails_the_run_with_its_name(pod: Pod) -> None:
     run = pod.create("nofn", {"handler.py": "def other(event):\n    return 1\n"})
-    assert (run.phase, run.attempt) == (FAILED, 1)
-    assert "HandlerNotFound" in run.message and "handle" in run.message
+    assert (run.status.phase, run.status.attempt) == (FAILED, 1)
+    assert "HandlerNotFound" in run.status.message and "handle" in run.status.message
 
 
 def test_unimplemented_is_permanent_and_never_falls_back(tmp_path: Path) -> None:
     # docs/protocol.md: UNIMPLEMENTED from a pod without FunctionRuntime is a permanent failure.
     for pod in _pod(tmp_path, oneshot_only=True):
         run = pod.create("echo", ECHO_PY)
-        assert (run.phase, run.attempt, run.message) == (FAILED, 1, UNSUPPORTED)
+        assert (run.status.phase, run.status.attempt, run.status.message) == (
+            FAILED,
+            1,
+            UNSUPPORTED,
+        )
 
 
 def test_restarted_runtimed_keeps_the_attempt_and_registration(pod: Pod) -> None:
@@ -359,7 +362,7 @@ def test_restarted_runtimed_keeps_the_attempt_and_registration(pod: Pod) -> None
         after = pod.invoke(run).registration.registration_id
         assert after == before
         current = pod.store.get("echo")
-        assert (current.phase, current.attempt) == (READY, 1)
+        assert (current.status.phase, current.status.attempt) == (READY, 1)
     finally:
         channel.close()
         successor.stop(0)
@@ -394,13 +397,13 @@ def test_worker_killed_by_a_signal_is_retried_then_bounded(pod: Pod) -> None:
         pod.control_plane.create_run(
             name="doomed", runtime="python", handler="handler.handle", files=files
         )
-        wait_until(lambda: pod.store.get("doomed").phase == FAILED, timeout=20)
+        wait_until(lambda: pod.store.get("doomed").status.phase == FAILED, timeout=20)
     finally:
         pod.control_plane.stop()
     run = pod.store.get("doomed")
-    assert run.attempt == 3
-    assert run.message.startswith("gave up after 3 registration attempts: WorkerKilled:")
-    assert "SIGKILL" in run.message
+    assert run.status.attempt == 3
+    assert run.status.message.startswith("gave up after 3 registration attempts: WorkerKilled:")
+    assert "SIGKILL" in run.status.message
 
 
 def test_a_delete_converges_even_after_runtimed_forgot_the_registration(pod: Pod) -> None:
@@ -414,7 +417,7 @@ def test_a_delete_converges_even_after_runtimed_forgot_the_registration(pod: Pod
     assert pod.store.update(current, phase=DELETING, message="delete requested")
     successor, _ = restart_runtimed(pod)
     try:
-        wait_until(lambda: pod.store.get("echo").phase == DELETED, timeout=10)
+        wait_until(lambda: pod.store.get("echo").status.phase == DELETED, timeout=10)
         with pytest.raises(grpc.RpcError) as caught:
             pod.server.FunctionStatus(
                 pb.FunctionStatusRequest(registration=registration), timeout=5
@@ -439,11 +442,15 @@ def test_a_registration_the_server_lost_is_503_and_registered_again_free_of_char
     assert caught.value.code() == grpc.StatusCode.UNAVAILABLE, caught.value.details()
     pod.control_plane.start()
     try:
-        wait_until(lambda: pod.store.get("echo").phase == READY, timeout=10)
+        wait_until(lambda: pod.store.get("echo").status.phase == READY, timeout=10)
     finally:
         pod.control_plane.stop()
     again = pod.store.get("echo")
-    assert (again.attempt, again.uncharged_attempts, again.charged_attempts) == (2, 1, 1)
+    assert (again.status.attempt, again.status.uncharged_attempts, again.charged_attempts) == (
+        2,
+        1,
+        1,
+    )
     assert b'"echo"' in pod.invoke(again).output
 
 
@@ -470,10 +477,14 @@ def test_a_register_the_server_does_not_answer_repeats_the_same_attempt_until_it
         plane.create_run(name="echo", runtime="python", handler="handler.handle", files=files)
         # For 3 s, pass after pass tries RegisterFunction (three times each) and finds no server.
         run = plane.wait_settled("echo", timeout=3)
-        assert (run.phase, run.attempt, run.uncharged_attempts) == (PENDING, 1, 0)
+        assert (run.status.phase, run.status.attempt, run.status.uncharged_attempts) == (
+            PENDING,
+            1,
+            0,
+        )
         server.start(listen)
         run = plane.wait_settled("echo", timeout=20)
-        assert (run.phase, run.attempt) == (READY, 1)
+        assert (run.status.phase, run.status.attempt) == (READY, 1)
     finally:
         runtimed.stop(0)
         server.stop(0)

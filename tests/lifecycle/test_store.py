@@ -18,7 +18,7 @@ import pytest
 
 from fnkernel.runtime_server.daemon import spawn
 from fnkernel.runtime_server.errors import RunNotFound, StoreDamaged
-from fnkernel.runtime_server.lifecycle.runs import Run
+from fnkernel.runtime_server.lifecycle.runs import Run, RunSpec, RunStatus, files_digest
 from fnkernel.runtime_server.lifecycle.sqlite import SqliteRunStore
 from fnkernel.runtime_server.wire import PENDING
 from tests.support import http_call
@@ -28,11 +28,13 @@ def filled_store(path: Path, runs: int = 300) -> None:
     """A store with enough Runs to span many pages, closed (its WAL folded into the file)."""
     store = SqliteRunStore(path)
     for n in range(runs):
+        files = {"h.py": f"def handle(event):\n    return {n}\n"}
         store.insert(
-            Run(uid=f"uid-{n}", name=f"run-{n}", runtime="python", handler="h.handle",
-                source="1 file(s)", env={"KEY": "v" * 200},
-                idle_timeout_seconds=900, phase=PENDING, attempt=1, created_at=time.time()),
-            {"h.py": f"def handle(event):\n    return {n}\n"},
+            Run(uid=f"uid-{n}", name=f"run-{n}", created_at=time.time(),
+                spec=RunSpec("python", "h.handle", files_digest(files), env={"KEY": "v" * 200},
+                             idle_timeout_seconds=900, source="1 file(s)"),
+                status=RunStatus(phase=PENDING, attempt=1)),
+            files,
         )  # fmt: skip
     store.close()
     assert not Path(f"{path}-wal").exists()
@@ -209,8 +211,10 @@ def test_a_store_from_before_run_files_keeps_each_runs_files(tmp_path: Path) -> 
     old.close()
     store = SqliteRunStore(path)
     try:
-        assert store.get("fn").phase == "Ready"
+        assert store.get("fn").status.phase == "Ready"
         assert store.files("uid-1") == files
+        # its spec's digest is that of a Run of these files made today (RunSpec.digest)
+        assert store.get("fn").spec.files_sha256 == files_digest(files)
         assert not old_dir.exists()
         store.delete("uid-1")
         with pytest.raises(RunNotFound):

@@ -202,8 +202,8 @@ def test_a_registration_is_traced_step_by_step_from_its_create_and_its_retry(
         assert register is not None
         return register, _trace_under(list(received.spans), register)
 
-    # the gateway's 3, runtimed's 5 (its digest computed once), the server's, the worker's
-    register, children = registered(1, spans=10)
+    # the gateway's 3, runtimed's 4, the server's, the worker's
+    register, children = registered(1, spans=9)
     (root,) = children[""]
     assert _names([root]) == [("fnkernel-gateway", "SERVER", "POST /v1/runs")]
     assert root["attributes"]["http.response.status_code"] == 201

@@ -10,7 +10,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import grpc
 import grpc.aio
@@ -36,6 +36,9 @@ from fnkernel.runtime_server.wire import (
     DIGEST_KEY,
     POD_KEY,
 )
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 LOG = logging.getLogger("fnkernel.gateway")
 CREATE_WAIT_SECONDS = 90.0  # POST /v1/runs answers once the Run is Ready or Failed
@@ -159,21 +162,21 @@ class BaseHandler(web.RequestHandler):
             if getattr(cls, method.lower()) is not getattr(web.RequestHandler, method.lower())
         ]
 
-    async def blocking(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    async def blocking(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         return await asyncio.get_running_loop().run_in_executor(None, lambda: fn(*args, **kwargs))
 
     async def described(self, run: Run) -> dict[str, Any]:
         """The Run as the gateway shows it; a replica set's replica 0 with every replica."""
         body = run.to_json()
-        if run.replicas != 1 and not run.replica_of:
+        if run.spec.replicas != 1 and not run.spec.replica_of:
             replicas = await self.blocking(self.gateway.control_plane.replicas_of, run)
             body["replicas"] = [
                 {
                     "name": replica.name,
                     "uid": replica.uid,
-                    "phase": replica.phase,
-                    "attempt": replica.attempt,
-                    "assignedPod": replica.assigned_pod,
+                    "phase": replica.status.phase,
+                    "attempt": replica.status.attempt,
+                    "assignedPod": replica.status.assigned_pod,
                     "inFlight": self.gateway.in_flight.get(replica.uid, 0),
                 }
                 for replica in replicas
@@ -304,7 +307,7 @@ class RunsHandler(BodyHandler):
                 error=f"{failure.code}: {failure.message}",
             )
             raise
-        hop.finish({"http.response.status_code": 201, tracing.RUN_PHASE: run.phase})
+        hop.finish({"http.response.status_code": 201, tracing.RUN_PHASE: run.status.phase})
         self.send_json(201, await self.described(run))
 
 
@@ -364,5 +367,11 @@ class FilesHandler(BaseHandler):
         run = self.gateway.store.get(name)
         files = await self.blocking(self.gateway.store.files, run.uid)
         self.send_json(
-            200, {"name": run.name, "runtime": run.runtime, "handler": run.handler, "files": files}
+            200,
+            {
+                "name": run.name,
+                "runtime": run.spec.runtime,
+                "handler": run.spec.handler,
+                "files": files,
+            },
         )

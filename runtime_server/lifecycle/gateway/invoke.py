@@ -152,7 +152,7 @@ class InvokeHandler(BodyHandler):
             })  # fmt: skip
         run = self.gateway.store.get_fresh(name)
         timeline = headers.get(wire.TIMELINE_HEADER) == "1"
-        if run.replicas == 1 or run.replica_of:
+        if run.spec.replicas == 1 or run.spec.replica_of:
             answer = await self._call_run(
                 run, payload, invocation_id, timeout_millis, timeline, counted=False
             )
@@ -188,8 +188,8 @@ class InvokeHandler(BodyHandler):
         self.set_header(wire.INVOCATION_ID_HEADER, response.invocation_id)
         outputs = json.dumps(dict(response.outputs), sort_keys=True) if response.outputs else "{}"
         self.set_header(wire.OUTPUTS_HEADER, outputs)
-        self.set_header(wire.ATTEMPT_HEADER, str(trailers.get(ATTEMPT_KEY, run.attempt)))
-        if run.replicas != 1:
+        self.set_header(wire.ATTEMPT_HEADER, str(trailers.get(ATTEMPT_KEY, run.status.attempt)))
+        if run.spec.replicas != 1:
             self.set_header(wire.RUN_HEADER, run.name)
         if trailers.get(COLD_START_KEY) == "1":
             self.set_header(wire.COLD_START_HEADER, "1")

@@ -52,7 +52,7 @@ class LogsHandler(BaseHandler):
             invocation_id = limits.check_invocation_id(invocation_id)
         run = self.gateway.store.get_fresh(name)
         replica = self.gateway.routed.get(invocation_id) if invocation_id else None
-        if replica is not None and run.replicas != 1 and not run.replica_of:
+        if replica is not None and run.spec.replicas != 1 and not run.spec.replica_of:
             run = self.gateway.store.get_fresh(replica)
         pod, address = self.gateway.pod_of(run)
         request = logs_pb2.FollowInvocationLogsRequest(

@@ -23,10 +23,7 @@ from fnkernel.runtime_server.lifecycle.gateway.access import Access
 from fnkernel.runtime_server.lifecycle.gateway.failures import FailureResponse
 from fnkernel.runtime_server.lifecycle.runs import Run, replica_names
 from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS
-from fnkernel.runtime_server.wire import (
-    IDLE,
-    READY,
-)
+from fnkernel.runtime_server.wire import IDLE, READY
 
 # Request headers must arrive whole within this long of the connection or of the answer before
 # on it: a client sending a byte every few seconds does not hold a connection for ever. Tornado
@@ -93,12 +90,17 @@ class Routes:
 
     def pod_of(self, run: Run) -> tuple[str, str]:
         """The pod the Run is assigned to and its runtimed's address, if it can take calls."""
-        if run.phase not in (READY, IDLE):  # runtimed checks too, but its view may lag a tick
-            detail = f": {run.message}" if run.message else ""
-            raise RunNotReady(f"run {run.name} is {run.phase} (attempt {run.attempt}){detail}")
-        pod = self.store.pod_fresh(run.assigned_pod)
+        # runtimed checks too, but its view may lag a tick
+        if run.status.phase not in (READY, IDLE):
+            detail = f": {run.status.message}" if run.status.message else ""
+            raise RunNotReady(
+                f"run {run.name} is {run.status.phase} (attempt {run.status.attempt}){detail}"
+            )
+        pod = self.store.pod_fresh(run.status.assigned_pod)
         if pod is None or not pod.alive():
-            raise NoRuntimePod(f"run {run.name}: pod {run.assigned_pod or '(none)'} is not serving")
+            raise NoRuntimePod(
+                f"run {run.name}: pod {run.status.assigned_pod or '(none)'} is not serving"
+            )
         return pod.name, pod.address
 
     def route(self, run: Run) -> tuple[str, pb_grpc.FunctionRuntimeStub]:
@@ -122,7 +124,7 @@ class Routes:
                 found.append(self.store.get_fresh(name))
         turn = self._turn.get(run.name, 0)
         self._turn[run.name] = turn + 1
-        ready = [r for r in found if r.phase in (READY, IDLE)]
+        ready = [r for r in found if r.status.phase in (READY, IDLE)]
         if not ready:
             return found  # none can take calls: route() says why, naming the first
         count = len(ready)

@@ -24,7 +24,15 @@ from typing import Any
 
 from fnkernel.runtime_server import limits
 from fnkernel.runtime_server.errors import RunFilesMissing, RunTooLarge
-from fnkernel.runtime_server.lifecycle.runs import Pod, Run
+from fnkernel.runtime_server.lifecycle.runs import (
+    STATUS_FIELDS,
+    Pod,
+    Run,
+    RunSpec,
+    RunStatus,
+    files_digest,
+    files_json,
+)
 from fnkernel.runtime_server.wire import NEW
 
 GROUP = "fnkernel.dev"
@@ -72,7 +80,7 @@ def deployment_name(runtime: str) -> str:
 
 
 _OBJECT_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
-# Run field → status key, for the fields a status write may change.
+# RunStatus field → status key: the fields a status write may change.
 STATUS_KEYS = {
     "phase": "phase",
     "attempt": "attempt",
@@ -80,14 +88,15 @@ STATUS_KEYS = {
     "outputs": "outputs",
     "assigned_pod": "assignedPod",
     "failed_at": "failedAt",
-    "registration_digest": "registrationDigest",
     "cancel_in_flight": "cancelInFlight",
     "drain_timeout_millis": "drainTimeoutMillis",
     "uncharged_attempts": "unchargedAttempts",
-    "spec_digest": "specDigest",
     "server_deaths": "serverDeaths",
     "traceparent": "traceparent",
 }
+assert set(STATUS_KEYS) == STATUS_FIELDS
+# In a cached object only (``without_files``): the digest of the inline files it dropped.
+_CACHED_FILES_SHA256 = "_filesSha256"
 
 
 def object_name(name: str) -> str:
@@ -120,31 +129,44 @@ def run_of(obj: Mapping[str, Any]) -> Run:
     return Run(
         uid=meta.get("uid", ""),
         name=run_name(obj),
-        runtime=str(spec.get("runtime", "")),
-        handler=str(spec.get("handler", "")),
-        source=str(spec.get("source") or f"{len(spec.get('files') or {})} file(s)"),
-        env=dict(spec.get("env") or {}),
-        idle_timeout_seconds=int(spec.get("idleTimeoutSeconds") or 0)
-        or limits.DEFAULT_IDLE_TIMEOUT_SECONDS,
-        memory_mb=int(spec.get("memoryMb") or 0),
-        replicas=int(spec.get("replicas") or 1),
-        replica_of=str(spec.get("replicaOf", "")),
-        phase=str(status.get("phase", NEW)),
-        attempt=int(status.get("attempt", 0)),
-        message=str(status.get("message", "")),
-        outputs=dict(status.get("outputs") or {}),
-        assigned_pod=str(status.get("assignedPod", "")),
-        failed_at=float(status.get("failedAt", 0.0)),
+        spec=RunSpec(
+            runtime=str(spec.get("runtime", "")),
+            handler=str(spec.get("handler", "")),
+            files_sha256=files_sha256(obj),
+            source=str(spec.get("source") or f"{len(spec.get('files') or {})} file(s)"),
+            env=dict(spec.get("env") or {}),
+            idle_timeout_seconds=int(spec.get("idleTimeoutSeconds") or 0)
+            or limits.DEFAULT_IDLE_TIMEOUT_SECONDS,
+            memory_mb=int(spec.get("memoryMb") or 0),
+            replicas=int(spec.get("replicas") or 1),
+            replica_of=str(spec.get("replicaOf", "")),
+        ),
+        status=RunStatus(
+            phase=str(status.get("phase", NEW)),
+            attempt=int(status.get("attempt", 0)),
+            message=str(status.get("message", "")),
+            outputs=dict(status.get("outputs") or {}),
+            assigned_pod=str(status.get("assignedPod", "")),
+            failed_at=float(status.get("failedAt", 0.0)),
+            cancel_in_flight=bool(status.get("cancelInFlight", False)),
+            drain_timeout_millis=int(status.get("drainTimeoutMillis", 0)),
+            uncharged_attempts=int(status.get("unchargedAttempts", 0)),
+            server_deaths=int(status.get("serverDeaths", 0)),
+            traceparent=str(status.get("traceparent", "")),
+        ),
         created_at=_timestamp(meta.get("creationTimestamp")),
-        registration_digest=str(status.get("registrationDigest", "")),
-        cancel_in_flight=bool(status.get("cancelInFlight", False)),
-        drain_timeout_millis=int(status.get("drainTimeoutMillis", 0)),
-        uncharged_attempts=int(status.get("unchargedAttempts", 0)),
-        spec_digest=str(status.get("specDigest", "")),
-        server_deaths=int(status.get("serverDeaths", 0)),
-        traceparent=str(status.get("traceparent", "")),
         delete_requested=bool(meta.get("deletionTimestamp")),
     )
+
+
+def files_sha256(obj: Mapping[str, Any]) -> str:
+    """The digest of a Run's files (``files_digest``): its ``filesFrom``'s, else that of its
+    inline files (kept by ``without_files`` when their text is dropped)."""
+    spec = obj.get("spec") or {}
+    source = files_from(obj)
+    if source is not None:
+        return str(source.get("sha256", ""))
+    return str(spec.get(_CACHED_FILES_SHA256) or files_digest(files_of(obj)))
 
 
 def without_files(obj: dict[str, Any]) -> dict[str, Any]:
@@ -153,7 +175,9 @@ def without_files(obj: dict[str, Any]) -> dict[str, Any]:
     spec = obj.get("spec")
     if not isinstance(spec, dict) or not isinstance(spec.get("files"), dict):
         return obj
-    return {**obj, "spec": {**spec, "files": dict.fromkeys(spec["files"], "")}}
+    names = dict.fromkeys(spec["files"], "")
+    cached = {**spec, "files": names, _CACHED_FILES_SHA256: files_sha256(obj)}
+    return {**obj, "spec": cached}
 
 
 def files_of(obj: Mapping[str, Any]) -> dict[str, str]:
@@ -171,7 +195,7 @@ def files_from(obj: Mapping[str, Any]) -> dict[str, Any] | None:
 def files_parts(files: Mapping[str, str]) -> tuple[str, list[str]]:
     """The SHA-256 of `files` as one JSON text, and that text cut into parts of at most
     FILES_PART_BYTES of UTF-8, each cut between two characters."""
-    text = json.dumps(dict(files), ensure_ascii=False, sort_keys=True).encode()
+    text = files_json(files)
     parts, start = [], 0
     while start < len(text):
         end = min(start + FILES_PART_BYTES, len(text))
@@ -227,25 +251,25 @@ def new_object(
         "name": object_name(run.name),
         "namespace": namespace,
         "labels": {
-            RUNTIME_LABEL: run.runtime,
-            **({POD_LABEL: run.assigned_pod} if run.assigned_pod else {}),
+            RUNTIME_LABEL: run.spec.runtime,
+            **({POD_LABEL: run.status.assigned_pod} if run.status.assigned_pod else {}),
         },
         "finalizers": [FINALIZER],
     }
     if metadata["name"] != run.name:
         metadata["annotations"] = {NAME_KEY: run.name}
     spec: dict[str, Any] = {
-        "runtime": run.runtime,
-        "handler": run.handler,
-        "source": run.source,
-        "env": dict(run.env),
-        "idleTimeoutSeconds": run.idle_timeout_seconds,
-        "memoryMb": run.memory_mb,
+        "runtime": run.spec.runtime,
+        "handler": run.spec.handler,
+        "source": run.spec.source,
+        "env": dict(run.spec.env),
+        "idleTimeoutSeconds": run.spec.idle_timeout_seconds,
+        "memoryMb": run.spec.memory_mb,
     }
-    if run.replicas != 1:
-        spec["replicas"] = run.replicas
-    if run.replica_of:
-        spec["replicaOf"] = run.replica_of
+    if run.spec.replicas != 1:
+        spec["replicas"] = run.spec.replicas
+    if run.spec.replica_of:
+        spec["replicaOf"] = run.spec.replica_of
     digest, parts = files_parts(files)
     if len(parts) > MAX_FILES_PARTS:
         raise RunTooLarge(
@@ -287,7 +311,7 @@ def _field_names(value: Any) -> Any:
 
 
 def status_with(obj: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
-    """The object's status with `changes` (Run field names) written over it."""
+    """The object's status with `changes` (``RunStatus`` field names) written over it."""
     status = dict(obj.get("status") or {})
     for field, value in changes.items():
         status[STATUS_KEYS[field]] = value  # KeyError: not a status field

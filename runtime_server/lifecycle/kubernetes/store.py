@@ -25,7 +25,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import kubernetes.watch.watch
 from kubernetes import client, config
@@ -34,7 +34,7 @@ from kubernetes.client.exceptions import ApiException
 from fnkernel.runtime_server.errors import RunAlreadyExists, RunFilesMissing, RunNotFound
 from fnkernel.runtime_server.lifecycle.kubernetes import objects
 from fnkernel.runtime_server.lifecycle.kubernetes.objects import GROUP, PLURAL, VERSION
-from fnkernel.runtime_server.lifecycle.runs import Pod, Run
+from fnkernel.runtime_server.lifecycle.runs import Pod, Run, StatusChanges
 from fnkernel.runtime_server.wire import DELETED, FAILED, NEW
 
 LOG = logging.getLogger("fnkernel.kubernetes")
@@ -341,12 +341,11 @@ class KubernetesRunStore:
         admitted = self.update(
             blank,
             expect_phase=NEW,
-            phase=run.phase,
-            attempt=run.attempt,
-            assigned_pod=run.assigned_pod,
-            spec_digest=run.spec_digest,
-            message=run.message,
-            traceparent=run.traceparent,
+            phase=run.status.phase,
+            attempt=run.status.attempt,
+            assigned_pod=run.status.assigned_pod,
+            message=run.status.message,
+            traceparent=run.status.traceparent,
         )
         return admitted or self.get_uid(blank.uid) or blank
 
@@ -413,7 +412,8 @@ class KubernetesRunStore:
         return [
             run
             for run in self._all()
-            if (pod is None or run.assigned_pod == pod) and (phase is None or run.phase == phase)
+            if (pod is None or run.status.assigned_pod == pod)
+            and (phase is None or run.status.phase == phase)
         ]
 
     def _read(self, name: str) -> dict[str, Any] | None:
@@ -432,7 +432,9 @@ class KubernetesRunStore:
         self._runs.learn(obj)
         return obj
 
-    def update(self, run: Run, *, expect_phase: str | None = None, **changes: Any) -> Run | None:
+    def update(
+        self, run: Run, *, expect_phase: str | None = None, **changes: Unpack[StatusChanges]
+    ) -> Run | None:
         """The fenced write: a PUT of the status with the resourceVersion it was computed from;
         on 409 the object is read again and the fence checked again."""
         obj = self._runs.get(run.uid)
@@ -441,15 +443,15 @@ class KubernetesRunStore:
                 return None
             current = objects.run_of(obj)
             if (
-                current.attempt != run.attempt
-                or current.assigned_pod != run.assigned_pod
-                or (expect_phase is not None and current.phase != expect_phase)
+                current.status.attempt != run.status.attempt
+                or current.status.assigned_pod != run.status.assigned_pod
+                or (expect_phase is not None and current.status.phase != expect_phase)
             ):
                 return None
             if not self._held(obj):
                 obj = self._hold(obj)
                 continue
-            pod = str(changes.get("assigned_pod", current.assigned_pod))
+            pod = str(changes.get("assigned_pod", current.status.assigned_pod))
             if (obj["metadata"].get("labels") or {}).get(objects.POD_LABEL, "") != pod:
                 # The label first: the new pod's runtimed sees the Run, then its status.
                 obj = self._label(obj, pod)
@@ -562,8 +564,8 @@ class KubernetesRunStore:
     def load_by_pod(self) -> dict[str, int]:
         load: dict[str, int] = {}
         for run in self._all():
-            if run.phase not in (FAILED, DELETED) and run.assigned_pod:
-                load[run.assigned_pod] = load.get(run.assigned_pod, 0) + 1
+            if run.status.phase not in (FAILED, DELETED) and run.status.assigned_pod:
+                load[run.status.assigned_pod] = load.get(run.status.assigned_pod, 0) + 1
         return load
 
     # Runtime Pods

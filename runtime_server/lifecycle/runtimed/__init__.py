@@ -1,9 +1,10 @@
 """runtimed: the agent of one Runtime Pod, colocated with its Runtime Server (docs/protocol.md, "Runs").
 
 It is the only caller of RegisterFunction and UnregisterFunction. Its loop reconciles the Runs the
-control plane assigned to this pod: it computes each registration_digest, registers (repeating an
-uncertain RPC with the *same* attempt, which is idempotent), polls FunctionStatus at a
-bounded cadence for health and the idle timeout, and reports what happened in the Run's status.
+control plane assigned to this pod: it registers each (its spec's digest is the registration
+digest; an uncertain RPC is repeated with the *same* attempt, which is idempotent), polls
+FunctionStatus at a bounded cadence for health and the idle timeout, and reports what happened in
+the Run's status.
 
 Its own FunctionRuntime port is the **proxy hop**: InvokeFunction and FunctionStatus arrive with a
 run_uid and an empty registration_id; runtimed fills in the private active ID and calls the
@@ -53,7 +54,7 @@ from fnkernel.runtime_server.lifecycle.runtimed.server import (
     ServerRegistrations,
     registration_request,
 )
-from fnkernel.runtime_server.lifecycle.runtimed.workspace import Workspace, registration_digest
+from fnkernel.runtime_server.lifecycle.runtimed.workspace import Workspace
 from fnkernel.runtime_server.rpc import (
     CHANNEL_OPTIONS,
     CancellableCalls,
@@ -208,11 +209,11 @@ class Runtimed:
             self._unregister(uid, cancel=True)
         self._remove_files(keep=mine)
         for run in mine.values():
-            if run.phase == PENDING:
+            if run.status.phase == PENDING:
                 self._submit(run, self._register)
-            elif run.phase == DELETING:
+            elif run.status.phase == DELETING:
                 self._submit(run, self._delete)
-            elif run.phase in (FAILED, RETRYING) and run.uid in self._active:
+            elif run.status.phase in (FAILED, RETRYING) and run.uid in self._active:
                 self._unregister(run.uid, cancel=True)
 
     def _remove_files(self, keep: Mapping[str, Run]) -> None:
@@ -263,15 +264,20 @@ class Runtimed:
         """RegisterFunction for the Run's current attempt; write the outcome to its status."""
         with self._run_lock(run.uid):
             current = self.store.get_uid(run.uid)
-            if current is None or current.phase != expect_phase or current.assigned_pod != self.pod:
+            if (
+                current is None
+                or current.status.phase != expect_phase
+                or current.status.assigned_pod != self.pod
+            ):
                 return None
             run = current
             # docs/protocol.md, "Tracing": a span per step, in the trace of whoever asked for
             # this attempt (the Run's traceparent), exported only.
-            hop = tracing.recorded("runtimed", run.traceparent or None, f"register {run.name} attempt {run.attempt}", {
+            title = f"register {run.name} attempt {run.status.attempt}"
+            hop = tracing.recorded("runtimed", run.status.traceparent or None, title, {
                 tracing.RUN_NAME: run.name,
                 tracing.RUN_UID: run.uid,
-                tracing.REGISTRATION_ATTEMPT: run.attempt,
+                tracing.REGISTRATION_ATTEMPT: run.status.attempt,
                 "fnkernel.pod": self.pod,
             }, kind="INTERNAL")  # fmt: skip
             try:
@@ -285,18 +291,13 @@ class Runtimed:
     def _register_steps(
         self, run: Run, expect_phase: str, hop: tracing.Hop | tracing.Untraced
     ) -> Active | None:
-        """_register's steps, each one span of `hop`: the Run's files, its digest, the
+        """_register's steps, each one span of `hop`: the Run's files, the
         RegisterFunction call, its status written."""
         with hop.step("write the Run's files"):
             working_dir = self._materialize(run)
         if working_dir is None:
             return None
-        digest = run.registration_digest
-        if not digest:
-            with hop.step("registration digest"):
-                digest = registration_digest(run, working_dir)
-                run = self.store.update(run, registration_digest=digest) or run
-        request = registration_request(run, digest, working_dir)
+        request = registration_request(run, working_dir)
         response = None
         for tries in range(1, _REGISTER_RPC_TRIES + 1):
             traceparent = hop.call(
@@ -317,14 +318,21 @@ class Runtimed:
                 self._registration_failed(run, verdict, err.code(), err.details() or "")
                 return None
         assert response is not None
-        active = Active(response.registration.registration_id, run.attempt, digest)
+        active = Active(
+            response.registration.registration_id, run.status.attempt, request.registration_digest
+        )
         hop.set(tracing.REGISTRATION_ID, active.registration_id)
         if response.state == REG_READY:
             with self._lock:
                 self._active[run.uid] = active
             with hop.step("write the Run's status: Ready"):
                 self.store.update(run, expect_phase=expect_phase, phase=READY, message="")
-            LOG.info("run %s attempt %d READY as %s", run.name, run.attempt, active.registration_id)
+            LOG.info(
+                "run %s attempt %d READY as %s",
+                run.name,
+                run.status.attempt,
+                active.registration_id,
+            )
             return active
         if response.state == REG_FAILED:
             self._fatal(run, self.server.fatal_error(run.uid, active))
@@ -359,10 +367,10 @@ class Runtimed:
             phase=RETRYING,
             message=limits.bounded(message),
             failed_at=time.time(),
-            uncharged_attempts=run.uncharged_attempts + int(not charged),
-            server_deaths=run.server_deaths if server_deaths is None else server_deaths,
+            uncharged_attempts=run.status.uncharged_attempts + int(not charged),
+            server_deaths=run.status.server_deaths if server_deaths is None else server_deaths,
         )
-        LOG.warning("run %s attempt %d: %s; retrying", run.name, run.attempt, message)
+        LOG.warning("run %s attempt %d: %s; retrying", run.name, run.status.attempt, message)
 
     def registration_lost(self, run: Run, active: Active, how: str = "") -> None:
         """The server answered NOT_FOUND for `active`: it restarted. Retry, free of charge —
@@ -376,7 +384,7 @@ class Runtimed:
         if cut_off is None or cut_off[0] != active:
             self._infrastructure_failure(run, message, charged=False)
             return
-        deaths = run.server_deaths + 1
+        deaths = run.status.server_deaths + 1
         if deaths >= MAX_SERVER_DEATHS:
             with self._lock:
                 self._active.pop(run.uid, None)
@@ -406,7 +414,7 @@ class Runtimed:
             LOG.warning(
                 "run %s attempt %d: RegisterFunction: %s: %s; will try again",
                 run.name,
-                run.attempt,
+                run.status.attempt,
                 code.name,
                 details,
             )
@@ -421,7 +429,7 @@ class Runtimed:
 
     def poll(self) -> None:
         with self._lock:
-            ready = [run for run in self._runs.values() if run.phase == READY]
+            ready = [run for run in self._runs.values() if run.status.phase == READY]
         for run in ready:
             active = self.active(run)
             if active is None:
@@ -437,7 +445,7 @@ class Runtimed:
         its count of server deaths starts again (``registration_lost``)."""
         self._served[run.uid] = active
         self._cut_off.pop(run.uid, None)
-        if run.server_deaths:
+        if run.status.server_deaths:
             self.store.update(run, server_deaths=0)
 
     def _poll_one(self, run: Run, active: Active) -> None:
@@ -462,7 +470,7 @@ class Runtimed:
             self._fatal(run, status.fatal_error)
         elif status.state == REG_READY and status.in_flight == 0:
             idle_ns = time.time_ns() - status.last_activity_unix_nano
-            if idle_ns > run.idle_timeout_seconds * 1_000_000_000:
+            if idle_ns > run.spec.idle_timeout_seconds * 1_000_000_000:
                 self._scale_to_zero(run)
 
     def _scale_to_zero(self, run: Run) -> None:
@@ -481,7 +489,7 @@ class Runtimed:
                 return
             if active is not None:
                 self.server.unregister(run.uid, active, cancel=False)
-            LOG.info("run %s idle after %ss: unregistered", run.name, run.idle_timeout_seconds)
+            LOG.info("run %s idle after %ss: unregistered", run.name, run.spec.idle_timeout_seconds)
 
     def _unregister(self, uid: str, *, cancel: bool, drain_millis: int = 0) -> bool:
         """Unregister the Run's active registration; True once the server no longer holds it.
@@ -513,7 +521,9 @@ class Runtimed:
                         self._active.setdefault(run.uid, held)
             # docs/protocol.md, "Runs": a bounded drain, unless the delete asked to cancel the in-flight call
             if not self._unregister(
-                run.uid, cancel=run.cancel_in_flight, drain_millis=run.drain_timeout_millis
+                run.uid,
+                cancel=run.status.cancel_in_flight,
+                drain_millis=run.status.drain_timeout_millis,
             ):
                 return
             self.store.update(run, expect_phase=DELETING, phase=DELETED, message="unregistered")
@@ -532,16 +542,17 @@ class Runtimed:
         run = self.store.get_uid_fresh(run_uid)
         if run is None:
             raise RunNotFound(f"no run has uid {run_uid}")
-        if run.assigned_pod != self.pod:
+        if run.status.assigned_pod != self.pod:
             raise RoutedElsewhere(
-                f"run {run.name} is assigned to pod {run.assigned_pod or '(none)'}, not {self.pod}"
+                f"run {run.name} is assigned to pod {run.status.assigned_pod or '(none)'}, "
+                f"not {self.pod}"
             )
         return run
 
     def active(self, run: Run) -> Active | None:
         with self._lock:
             active = self._active.get(run.uid)
-        return active if active is not None and active.attempt == run.attempt else None
+        return active if active is not None and active.attempt == run.status.attempt else None
 
     def resolve(
         self, run_uid: str, routed_to: str | None, *, fast: bool = True
@@ -550,19 +561,21 @@ class Runtimed:
         registered first (a cold start after scale to zero)."""
         run = self.fenced_run(run_uid, routed_to)
         active = self.active(run)
-        if fast and active is not None and run.phase == READY:
+        if fast and active is not None and run.status.phase == READY:
             return run, active, False
         with self._run_lock(run_uid):  # after any scale to zero or registration in progress
             run = self.fenced_run(run_uid, None)
             active = self.active(run)
-            if active is not None and run.phase == READY:
+            if active is not None and run.status.phase == READY:
                 return run, active, False
-            if run.phase in (READY, IDLE):
+            if run.status.phase in (READY, IDLE):
                 # Idle: re-register on demand with the same attempt (no failure occurred).
                 # Ready with no ID: runtimed restarted; the same attempt returns the current one.
-                registered = self._register(run, expect_phase=run.phase)
+                registered = self._register(run, expect_phase=run.status.phase)
                 if registered is not None:
-                    return run, registered, run.phase == IDLE
+                    return run, registered, run.status.phase == IDLE
                 run = self.store.get_uid(run_uid) or run
-        detail = f": {run.message}" if run.message else ""
-        raise RunNotReady(f"run {run.name} is {run.phase} (attempt {run.attempt}){detail}")
+        detail = f": {run.status.message}" if run.status.message else ""
+        raise RunNotReady(
+            f"run {run.name} is {run.status.phase} (attempt {run.status.attempt}){detail}"
+        )

@@ -218,7 +218,9 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
         )
         active = self.runtimed.active(run)
         if active is None:
-            raise RegistrationNotFound(f"run {run.name} has no registration now ({run.phase})")
+            raise RegistrationNotFound(
+                f"run {run.name} has no registration now ({run.status.phase})"
+            )
         context.send_initial_metadata(
             ((DIGEST_KEY, active.digest), (ATTEMPT_KEY, str(active.attempt)))
         )
@@ -267,7 +269,7 @@ class LogsProxyServicer(logs_pb2_grpc.InvocationLogsServicer):
         run = self.runtimed.fenced_run(request.run_uid, metadata_value(context, POD_KEY))
         active = self.runtimed.active(run)
         if active is None:
-            raise InvocationNotFound(f"run {run.name} has no registration now ({run.phase})")
+            raise InvocationNotFound(f"run {run.name} has no registration now ({run.status.phase})")
         forwarded = logs_pb2.FollowInvocationLogsRequest()
         forwarded.CopyFrom(request)
         forwarded.registration_id = active.registration_id

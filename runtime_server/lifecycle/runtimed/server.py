@@ -35,16 +35,18 @@ class Active:
     digest: str
 
 
-def registration_request(run: Run, digest: str, working_dir: Path) -> pb.RegisterFunctionRequest:
+def registration_request(run: Run, working_dir: Path) -> pb.RegisterFunctionRequest:
+    """The RegisterFunction request of `run`'s current attempt: its digest is its spec's
+    (``RunSpec.digest``), never the working dir's path (docs/protocol.md, "Registration")."""
     return pb.RegisterFunctionRequest(
         run_uid=run.uid,
-        registration_attempt=run.attempt,
+        registration_attempt=run.status.attempt,
         working_dir=str(working_dir),
-        handler=run.handler,
-        env=run.env,
-        idle_timeout_seconds=run.idle_timeout_seconds,
-        registration_digest=digest,
-        memory_mb=run.memory_mb,
+        handler=run.spec.handler,
+        env=run.spec.env,
+        idle_timeout_seconds=run.spec.idle_timeout_seconds,
+        registration_digest=run.spec.digest(),
+        memory_mb=run.spec.memory_mb,
     )
 
 
@@ -103,7 +105,7 @@ class ServerRegistrations:
         """The registration the server holds for `run` that runtimed does not know (it
         restarted): learnt by repeating the Run's registration, which is idempotent for the
         same attempt and digest. None if the server holds nothing for it."""
-        probe = reference(run.uid, Active("reg_unknown", run.attempt, ""))
+        probe = reference(run.uid, Active("reg_unknown", run.status.attempt, ""))
         try:
             self.stub.FunctionStatus(
                 pb.FunctionStatusRequest(registration=probe),
@@ -114,8 +116,10 @@ class ServerRegistrations:
                 return None
             if err.code() != grpc.StatusCode.FAILED_PRECONDITION:  # stale id: it holds one
                 raise
-        if not run.registration_digest or not working_dir.is_dir():
+        if not working_dir.is_dir():
             return None  # never registered here: nothing can be held
-        request = registration_request(run, run.registration_digest, working_dir)
+        request = registration_request(run, working_dir)
         response = self.register(request)
-        return Active(response.registration.registration_id, run.attempt, run.registration_digest)
+        return Active(
+            response.registration.registration_id, run.status.attempt, request.registration_digest
+        )
