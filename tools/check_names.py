@@ -54,7 +54,11 @@ class Module:
                 if not isinstance(node, ast.Import | ast.ImportFrom):
                     module.own.add(name)
             if isinstance(node, ast.ClassDef):
-                module.names[node.name] = _attributes(node)
+                # with those of its bases defined above it here (a Protocol made of two)
+                inherited = (
+                    module.names.get(b.id, set()) for b in node.bases if isinstance(b, ast.Name)
+                )
+                module.names[node.name] = _attributes(node).union(*inherited)
         return module
 
 

@@ -30,7 +30,6 @@ from fnkernel.runtime_server.errors import (
 )
 from fnkernel.runtime_server.lifecycle.retries import Step, Verdict, decide
 from fnkernel.runtime_server.lifecycle.runs import (
-    POD_GRACE_SECONDS,
     Run,
     RunSpec,
     RunStatus,
@@ -381,14 +380,7 @@ class ControlPlane:
         wrote anything. Everything else a pass acts on comes from a write to the store."""
         now = time.time()
         pods = {pod.name: pod for pod in self.store.pods()}
-        due = min(
-            (
-                pod.heartbeat + POD_GRACE_SECONDS
-                for pod in pods.values()
-                if pod.heartbeat is not None and pod.alive(now)
-            ),
-            default=math.inf,
-        )
+        due = min((pod.expires for pod in pods.values() if pod.alive(now)), default=math.inf)
         for run in self.store.runs():
             pod_name = run.status.assigned_pod
             pod = pods.get(pod_name)

@@ -202,35 +202,26 @@ def replica_names(run: Run) -> list[str]:
 
 @dataclass(frozen=True)
 class Pod:
-    """A Runtime Pod as the store knows it: `healthy` is whether its Runtime Server answered a
-    health check within the last POD_GRACE_SECONDS. `heartbeat` is when its runtimed last said
-    so, or None where the pod's liveness is kept by someone else (on Kubernetes, the Pod
-    object's Ready condition, from its readiness probe)."""
+    """A Runtime Pod as the store knows it: `healthy` is whether its Runtime Server answers
+    health checks. `expires` is when (``time.time()``) it stops counting as alive unless it
+    says so again: its runtimed's last heartbeat + POD_GRACE_SECONDS where the store keeps the
+    heartbeats (``RunStore.heartbeat``), ``math.inf`` where the pod's liveness is kept by
+    someone else and `healthy` says it (on Kubernetes, the Pod object's Ready condition, from
+    its readiness probe)."""
 
     name: str
     runtime: str
     address: str  # runtimed's FunctionRuntime port
     healthy: bool
-    heartbeat: float | None
+    expires: float
 
     def alive(self, now: float | None = None) -> bool:
-        if self.heartbeat is None:
-            return self.healthy
         now = time.time() if now is None else now
-        return self.healthy and now - self.heartbeat < POD_GRACE_SECONDS
+        return self.healthy and now < self.expires
 
 
-class RunStore(Protocol):
-    """Where Runs and Runtime Pods are kept; shared by every component, safe between threads."""
-
-    def version(self) -> int:
-        """A number that changes whenever another writer has written since this thread last
-        asked: a cheap "has anything changed?" for the loops that poll the store."""
-        ...
-
-    def close(self) -> None: ...
-
-    # Runs
+class Runs(Protocol):
+    """The Runs of a store: their spec and files, written once, and their fenced status."""
 
     def insert(self, run: Run, files: Mapping[str, str]) -> Run:
         """Add a new Run with its files (relative path → text) and return it as stored (a store
@@ -274,7 +265,9 @@ class RunStore(Protocol):
         """How many live (not Failed/Deleted) Runs each pod holds: the scheduler's load."""
         ...
 
-    # Runtime Pods
+
+class Pods(Protocol):
+    """The Runtime Pods a store knows, and whether each is alive (``Pod``)."""
 
     def heartbeat(self, name: str, runtime: str, address: str, healthy: bool) -> None:
         """A pod's runtimed says it is alive (and whether its Runtime Server answers); a store
@@ -288,3 +281,16 @@ class RunStore(Protocol):
     def pod_fresh(self, name: str) -> Pod | None:
         """``pod``, from the cache of ``get_fresh``."""
         ...
+
+
+class RunStore(Runs, Pods, Protocol):
+    """Where Runs and Runtime Pods are kept; shared by every component, safe between threads.
+    SQLite on one machine (``lifecycle/sqlite.py``), the API server on Kubernetes
+    (``lifecycle/kubernetes/store.py``)."""
+
+    def version(self) -> int:
+        """A number that changes whenever another writer has written since this thread last
+        asked: a cheap "has anything changed?" for the loops that poll the store."""
+        ...
+
+    def close(self) -> None: ...

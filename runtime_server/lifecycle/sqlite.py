@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import mmap
 import os
 import shutil
 import sqlite3
@@ -17,12 +16,13 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, Unpack
 
 from fnkernel.runtime_server.errors import RunAlreadyExists, RunNotFound, StoreDamaged, no_room
 from fnkernel.runtime_server.lifecycle.runs import (
+    POD_GRACE_SECONDS,
     STATUS_FIELDS,
     Pod,
     Run,
@@ -31,13 +31,11 @@ from fnkernel.runtime_server.lifecycle.runs import (
     StatusChanges,
     files_digest,
 )
+from fnkernel.runtime_server.lifecycle.walindex import WAL_HEADER_BYTES, WAL_HEADERS
 from fnkernel.runtime_server.wire import DELETED, FAILED
 from fnkernel.system.private import tighten
 
 STORE_FILE = "runs.db"  # in the state dir
-# The first copy of the WAL-index header, at the start of the store's -shm file: every commit,
-# by any connection, changes it (docs/architecture.md, "The proxy hop").
-_WAL_HEADER_BYTES = 48
 
 
 # One row a Run: its spec's and status's fields as columns of their names. runs.working_dir:
@@ -86,76 +84,12 @@ CREATE TABLE IF NOT EXISTS pods (
 """
 
 
-@dataclass
-class _Mapped:
-    """One -shm file opened by this process: its header (None if it could not be mapped)."""
-
-    header: mmap.mmap | None
-    fd: int
-    users: int = 0
-
-
-class _WalHeaders:
-    """The WAL-index header of each store file, mapped once per process.
-
-    Closing a descriptor of a file drops every POSIX lock this process holds on that file,
-    SQLite's own included (and mmap keeps a duplicate of the one it maps, closed with it). One of
-    SQLite's locks on the -shm file tells a new connection that the file is in use; without it,
-    the next process to open the store takes itself for the first, truncates the -shm file and
-    rebuilds the index under the processes using it (docs/architecture.md, "Measured facts the
-    design rests on"). So a -shm file is opened and mapped once, shared by every store of this
-    process that reads it, and closed only when the last of them is closed.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._mapped: dict[tuple[int, int], _Mapped] = {}  # by the -shm file's (st_dev, st_ino)
-
-    def map(self, path: Path) -> tuple[tuple[int, int], mmap.mmap | None] | None:
-        """The header of `path`'s -shm file and the key to give back to ``unmap``; None if there
-        is no -shm file. The mapping is None if the file could not be mapped."""
-        shm = f"{path}-shm"
-        with self._lock:
-            try:
-                found = os.stat(shm)
-            except OSError:
-                return None
-            key = (found.st_dev, found.st_ino)
-            entry = self._mapped.get(key)
-            if entry is None:
-                try:
-                    fd = os.open(shm, os.O_RDONLY)
-                except OSError:
-                    return None
-                try:
-                    header = mmap.mmap(fd, _WAL_HEADER_BYTES, mmap.MAP_SHARED, mmap.PROT_READ)
-                except (OSError, ValueError):
-                    header = None  # the descriptor stays open all the same: see above
-                entry = self._mapped[key] = _Mapped(header, fd)
-            entry.users += 1
-            return key, entry.header
-
-    def unmap(self, key: tuple[int, int]) -> None:
-        """One store of this process no longer reads the header; the last one closes the file."""
-        with self._lock:
-            entry = self._mapped[key]
-            entry.users -= 1
-            if entry.users == 0:
-                del self._mapped[key]
-                if entry.header is not None:
-                    entry.header.close()
-                os.close(entry.fd)
-
-
-_WAL_HEADERS = _WalHeaders()
-
-
 def _make_private(path: Path) -> None:
     """The store and its -wal and -shm files are 0600: they hold every Run's env (README,
     "Security"). SQLite gives the -wal and -shm files the database file's mode, so the database
     file is created 0600 before SQLite opens it; an older store's looser files are tightened.
     By path, never through a descriptor of our own: closing one would drop the locks SQLite holds
-    on the file in this process (_WalHeaders)."""
+    on the file in this process (walindex.WalHeaders)."""
     with contextlib.suppress(FileExistsError):
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
     for name in (str(path), f"{path}-wal", f"{path}-shm"):
@@ -228,10 +162,10 @@ class SqliteRunStore:
         # Only a store in WAL mode writes the header; a -shm file left by an earlier one would
         # never change again.
         in_wal = db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-        mapped = _WAL_HEADERS.map(path) if in_wal else None
+        mapped = WAL_HEADERS.map(path) if in_wal else None
         self._wal_header = mapped[1] if mapped else None
         # Given back when the store is closed (after its connection) or collected.
-        self._unmap = weakref.finalize(self, _WAL_HEADERS.unmap, mapped[0]) if mapped else None
+        self._unmap = weakref.finalize(self, WAL_HEADERS.unmap, mapped[0]) if mapped else None
         self._shared: tuple[bytes, dict[Any, Any]] = (b"", {})  # fresh's cache, with its header
 
     @staticmethod
@@ -330,7 +264,7 @@ class SqliteRunStore:
             db.close()
             self._local.db = None
             if db is self._keeper and self._unmap is not None:
-                self._unmap()  # after the connection: see _WalHeaders
+                self._unmap()  # after the connection: see WalHeaders
 
     def version(self) -> int:
         """A number that changes whenever another connection (another thread or process) has
@@ -401,7 +335,7 @@ class SqliteRunStore:
                 self._local.seen, self._local.cache = version, {}
             cache: dict[Any, Any] = self._local.cache
             return cache
-        stamp = header[:_WAL_HEADER_BYTES]
+        stamp = header[:WAL_HEADER_BYTES]
         seen, cache = self._shared
         if seen != stamp:
             # A thread that saw the older header keeps filling the older dict, which no later
@@ -496,7 +430,13 @@ class SqliteRunStore:
             query, params = query + " WHERE runtime = ?", [runtime]
         rows = self._connection().execute(query + " ORDER BY name", params).fetchall()
         return [
-            Pod(row["name"], row["runtime"], row["address"], bool(row["healthy"]), row["heartbeat"])
+            Pod(
+                row["name"],
+                row["runtime"],
+                row["address"],
+                bool(row["healthy"]),
+                row["heartbeat"] + POD_GRACE_SECONDS,
+            )
             for row in rows
         ]
 

@@ -12,8 +12,8 @@ from kubernetes.client.exceptions import ApiException
 
 from fnkernel.runtime_server.errors import RunAlreadyExists, RunNotFound
 from fnkernel.runtime_server.lifecycle.controlplane import ControlPlane
+from fnkernel.runtime_server.lifecycle.kubernetes import informer as informer_module
 from fnkernel.runtime_server.lifecycle.kubernetes import objects
-from fnkernel.runtime_server.lifecycle.kubernetes import store as store_module
 from fnkernel.runtime_server.lifecycle.kubernetes.store import KubernetesRunStore
 from fnkernel.runtime_server.wire import DELETING, FAILED, NEW, PENDING, READY, RETRYING
 from tests.kubernetes.conftest import STORE_NAMESPACE, EmulatedApi
@@ -213,13 +213,13 @@ def test_the_cache_follows_writes_made_elsewhere(
 def _watches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The resourceVersion each watch request of every informer started from, as they start."""
     started: list[str] = []
-    follow = store_module._Informer._follow
+    follow = informer_module.Informer._follow
 
-    def counted(self: store_module._Informer, since: str) -> str:
+    def counted(self: informer_module.Informer, since: str) -> str:
         started.append(since)
         return follow(self, since)
 
-    monkeypatch.setattr(store_module._Informer, "_follow", counted)
+    monkeypatch.setattr(informer_module.Informer, "_follow", counted)
     return started
 
 
@@ -231,17 +231,17 @@ def test_an_expired_watch_lists_again_at_once(
     # once and saying so, not as a failure a second later. The server here keeps 3 events.
     short = EmulatedApi("--history", "3")
     custom = client.CustomObjectsApi(short.client())
-    listed = store_module._Informer._list
+    listed = informer_module.Informer._list
     first = [True]
 
-    def stale_list(self: store_module._Informer) -> str:
+    def stale_list(self: informer_module.Informer) -> str:
         since = listed(self)
         if self.name == "runs" and first[0]:
             first[0] = False
             return "1"  # as if the informer had last seen the server long ago
         return since
 
-    monkeypatch.setattr(store_module._Informer, "_list", stale_list)
+    monkeypatch.setattr(informer_module.Informer, "_list", stale_list)
     started = _watches(monkeypatch)
     try:
         for n in range(5):
@@ -275,7 +275,7 @@ def test_a_quiet_watch_resumes_from_its_last_bookmark_without_expiring(
     # change of its own objects while others changed resumes from the server's latest
     # resourceVersion, not from one the server has since let go (which would be 410 and a
     # whole list again). The server here keeps 3 events; each watch lasts a second.
-    monkeypatch.setattr(store_module, "WATCH_SECONDS", 1)
+    monkeypatch.setattr(informer_module, "WATCH_SECONDS", 1)
     short = EmulatedApi("--history", "3")
     custom = client.CustomObjectsApi(short.client())
     started = _watches(monkeypatch)

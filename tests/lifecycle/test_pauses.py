@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from fnkernel.runtime_server.client import Client
+from fnkernel.runtime_server.lifecycle.runs import POD_GRACE_SECONDS
 from fnkernel.runtime_server.lifecycle.sqlite import SqliteRunStore
 from fnkernel.runtime_server.lifecycle.stack import Stack
 from tests.support import SLOW_PY, http_call, wait_until
@@ -91,7 +92,7 @@ def heartbeat_after(stack: Stack, moment: float) -> Callable[[], bool]:
         store = SqliteRunStore(stack.state_dir / "runs.db")
         try:
             pod = store.pod("python-0")
-            return pod is not None and pod.heartbeat > moment
+            return pod is not None and pod.expires - POD_GRACE_SECONDS > moment
         finally:
             store.close()
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import math
 import re
 import secrets
 from collections.abc import Mapping
@@ -342,4 +343,4 @@ def pod_of(obj: Mapping[str, Any]) -> Pod | None:
     ip = status.get("podIP") or ""
     address = f"{ip}:{port}" if ip and port else ""
     healthy = ready and bool(address) and not meta.get("deletionTimestamp")
-    return Pod(meta.get("name", ""), runtime, address, healthy, None)
+    return Pod(meta.get("name", ""), runtime, address, healthy, math.inf)

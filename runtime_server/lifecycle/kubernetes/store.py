@@ -1,8 +1,7 @@
 """The Run store over the Kubernetes API (``RunStore``; docs/kubernetes.md).
 
 Reads come from a cache each process keeps of the namespace's Runs and Runtime Pods, filled by a
-list and kept current by a watch resumed from the last resourceVersion seen (listed again when
-the server says it expired, 410) — the informer pattern of Kubernetes' own controllers. Every
+list and kept current by a watch (``informer.Informer``). Every
 status write is a PUT to the Run's status subresource carrying the resourceVersion it was
 computed from: if another writer got there first the API server answers 409 Conflict, the
 object is read again, and the write is made again only if the Run still has the attempt and
@@ -16,32 +15,25 @@ heartbeat (``heartbeat`` is ignored): it "never writes each activity update to K
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Unpack
 
-import kubernetes.watch.watch
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from fnkernel.runtime_server.errors import RunAlreadyExists, RunFilesMissing, RunNotFound
 from fnkernel.runtime_server.lifecycle.kubernetes import objects
+from fnkernel.runtime_server.lifecycle.kubernetes.informer import Informer, object_of, raw_answer
 from fnkernel.runtime_server.lifecycle.kubernetes.objects import GROUP, PLURAL, VERSION
 from fnkernel.runtime_server.lifecycle.runs import Pod, Run, StatusChanges
 from fnkernel.runtime_server.wire import DELETED, FAILED, NEW
 
 LOG = logging.getLogger("fnkernel.kubernetes")
-WATCH_SECONDS = 60  # how long one watch request lasts before it is made again (server side)
-_RETRY_SECONDS = 1.0  # after a failed list or watch
-_TOMBSTONES = 10_000  # deleted objects an informer remembers (see _Informer.learn)
-_LIST_PAGE = 50  # objects a list reads at once (a Run may be 1.5 MiB)
 _CONFLICT_TRIES = 50  # a status write that keeps meeting newer versions gives up after this
 _SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
@@ -69,171 +61,6 @@ def namespace_of(given: str | None) -> str:
         return "default"
 
 
-def raw_answer(response: object) -> Any:
-    """The JSON of a call made with ``_preload_content=False`` (the client's hints name the
-    model it would have built)."""
-    return json.loads(getattr(response, "data"))  # noqa: B009 — the hints do not know it
-
-
-def _object(answer: object) -> dict[str, Any]:
-    """An object as the client's custom-object calls answer it: a dict."""
-    if not isinstance(answer, dict):
-        raise TypeError(f"the API server answered {type(answer).__name__}, not an object")
-    return answer
-
-
-def _revision(obj: Mapping[str, Any]) -> int:
-    text = str((obj.get("metadata") or {}).get("resourceVersion", ""))
-    return int(text) if text.isdigit() else -1
-
-
-class _Informer:
-    """One kind of object of the namespace, listed then watched, in a thread of its own."""
-
-    def __init__(
-        self,
-        name: str,
-        list_call: Callable[..., Any],
-        on_change: Callable[[], None],
-        stop: threading.Event,
-        keep: Callable[[dict[str, Any]], dict[str, Any]] = lambda obj: obj,
-        **selectors: Any,
-    ) -> None:
-        """`keep`: what of each object the cache holds (the Runs' without their files)."""
-        self.name = name
-        self._keep = keep
-        self._list_call = list_call
-        self._selectors = selectors
-        self._on_change = on_change
-        self._stop = stop
-        self._lock = threading.Lock()
-        self.items: dict[str, dict[str, Any]] = {}  # by metadata.uid
-        # uid → the resourceVersion it was deleted at, for the last _TOMBSTONES deleted.
-        self._gone: OrderedDict[str, int] = OrderedDict()
-        self.synced = threading.Event()
-        self._response: Any = None  # the watch request being read
-        self._thread = threading.Thread(target=self._run, name=f"watch {name}", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def close(self) -> None:
-        response = self._response
-        if response is not None:
-            # The watch thread's read ends now — unless the request ended meanwhile, and its
-            # socket was closed or released (urllib3 then refuses, as a closed socket does).
-            with contextlib.suppress(OSError, ValueError, RuntimeError):
-                response.shutdown()
-
-    def learn(self, obj: dict[str, Any], *, deleted: bool = False) -> None:
-        """Put what a write of ours answered (or a watch event) in the cache, unless the cache
-        already holds a newer version of it — or knows it deleted at that version or later: a
-        watch event of an older write, arriving after our own delete, must not bring it back."""
-        obj = self._keep(obj)
-        uid = obj["metadata"]["uid"]
-        revision = _revision(obj)
-        with self._lock:
-            held = self.items.get(uid)
-            if held is not None and _revision(held) > revision >= 0:
-                return
-            if deleted:
-                self.items.pop(uid, None)
-                self._gone[uid] = max(
-                    revision, _revision(held) if held else -1, self._gone.get(uid, -1)
-                )
-                while len(self._gone) > _TOMBSTONES:
-                    self._gone.popitem(last=False)
-            elif uid in self._gone and revision <= self._gone[uid]:
-                return
-            else:
-                self.items[uid] = obj
-        self._on_change()
-
-    def snapshot(self) -> list[dict[str, Any]]:
-        with self._lock:
-            return list(self.items.values())
-
-    def get(self, uid: str) -> dict[str, Any] | None:
-        with self._lock:
-            return self.items.get(uid)
-
-    def _list(self) -> str:
-        """List in pages of _LIST_PAGE, keeping what `keep` keeps of each item as it comes:
-        the whole list of large objects is never in memory at once (docs/kubernetes.md,
-        "Reads"). The resourceVersion the watch resumes from."""
-        items: dict[str, dict[str, Any]] = {}
-        token = ""
-        while True:
-            page = raw_answer(self._list_call(
-                _preload_content=False, limit=_LIST_PAGE, **({"_continue": token} if token else {}),
-                **self._selectors,
-            ))  # fmt: skip
-            for item in page.get("items") or ():
-                items[item["metadata"]["uid"]] = self._keep(item)
-            token = str(page["metadata"].get("continue") or "")
-            if not token:
-                break
-        with self._lock:
-            self.items = items
-        self.synced.set()
-        self._on_change()
-        return str(page["metadata"].get("resourceVersion", ""))
-
-    def _run(self) -> None:
-        since = ""
-        while not self._stop.is_set():
-            try:
-                if not since:
-                    since = self._list()
-                since = self._follow(since)
-            except _Expired:  # the server no longer keeps `since`: list again, at once
-                LOG.info("watch of %s expired; listing again", self.name)
-                since = ""
-            except Exception as exc:  # the API server is away: list again once it is back
-                if self._stop.is_set():
-                    return
-                LOG.warning("watch of %s failed: %s; again in %ss", self.name, exc, _RETRY_SECONDS)
-                since = ""
-                self._stop.wait(_RETRY_SECONDS)
-
-    def _follow(self, since: str) -> str:
-        """One watch request from resourceVersion `since`, until the server ends it; the last
-        resourceVersion seen. The events are read here, not by the client's ``Watch``, which
-        cannot read an ERROR event it did not deserialize: a 410 is ``_Expired``, and BOOKMARK
-        events (asked for) keep `since` current while no object of ours changes, so a quiet
-        watch resumes where the server still is instead of expiring."""
-        response = self._list_call(
-            watch=True,
-            resource_version=since,
-            timeout_seconds=WATCH_SECONDS,
-            allow_watch_bookmarks=True,
-            _preload_content=False,
-            **self._selectors,
-        )
-        self._response = response
-        try:
-            for line in kubernetes.watch.watch.iter_resp_lines(response):
-                event = json.loads(line)
-                obj = event["object"]
-                if event["type"] == "ERROR":
-                    if obj.get("code") == 410:
-                        raise _Expired(str(obj.get("message", "")))
-                    raise ApiException(status=obj.get("code"), reason=obj.get("message"))
-                if event["type"] != "BOOKMARK":
-                    self.learn(obj, deleted=event["type"] == "DELETED")
-                since = obj["metadata"]["resourceVersion"]
-                if self._stop.is_set():
-                    break
-        finally:
-            self._response = None
-            response.release_conn()
-        return since
-
-
-class _Expired(Exception):
-    """The watch's resourceVersion is older than the API server keeps (410 Gone)."""
-
-
 class KubernetesRunStore:
     """Runs and Runtime Pods of one namespace, through the API server (``RunStore``)."""
 
@@ -257,7 +84,7 @@ class KubernetesRunStore:
         self._version_lock = threading.Lock()
         self._names: tuple[int, dict[str, str]] = (-1, {})  # (version, name → uid): _uid_of
         self._stop = threading.Event()
-        self._runs = _Informer(
+        self._runs = Informer(
             "runs",
             lambda **kw: self._custom.list_namespaced_custom_object(
                 GROUP, VERSION, namespace, PLURAL, **kw
@@ -267,7 +94,7 @@ class KubernetesRunStore:
             keep=objects.without_files,
             **({"label_selector": f"{objects.POD_LABEL}={pod}"} if pod else {}),
         )
-        self._pods = _Informer(
+        self._pods = Informer(
             "pods",
             lambda **kw: self._core.list_namespaced_pod(namespace, **kw),
             self._changed,
@@ -314,7 +141,7 @@ class KubernetesRunStore:
         fail (``ControlPlane._admit``)."""
         body, parts = objects.new_object(run, files, self.namespace)
         try:
-            created = _object(
+            created = object_of(
                 self._custom.create_namespaced_custom_object(
                     GROUP, VERSION, self.namespace, PLURAL, body
                 )
@@ -467,7 +294,7 @@ class KubernetesRunStore:
                 "status": objects.status_with(obj, changes),
             }
             try:
-                written = _object(
+                written = object_of(
                     self._custom.replace_namespaced_custom_object_status(
                         GROUP, VERSION, self.namespace, PLURAL, obj["metadata"]["name"], body
                     )
@@ -511,7 +338,7 @@ class KubernetesRunStore:
         meta = obj["metadata"]
         patch = {"metadata": {**metadata, "resourceVersion": meta["resourceVersion"]}}
         try:
-            patched = _object(self._custom.patch_namespaced_custom_object(
+            patched = object_of(self._custom.patch_namespaced_custom_object(
                 GROUP, VERSION, self.namespace, PLURAL, meta["name"], patch
             ))  # fmt: skip
         except ApiException as exc:
@@ -538,7 +365,7 @@ class KubernetesRunStore:
                 patch = {"metadata": {"finalizers": finalizers or None,
                                       "resourceVersion": meta["resourceVersion"]}}  # fmt: skip
                 try:
-                    last = _object(self._custom.patch_namespaced_custom_object(
+                    last = object_of(self._custom.patch_namespaced_custom_object(
                         GROUP, VERSION, self.namespace, PLURAL, name, patch
                     ))  # fmt: skip
                     break
