@@ -27,7 +27,7 @@ from fnkernel.runtime_server.cli.common import (
 )
 
 if TYPE_CHECKING:
-    from fnkernel.runtime_server.lifecycle.runs import RunStore
+    from fnkernel.runtime_server.lifecycle.topology import Topology
     from fnkernel.runtime_server.tokens import GatewayToken
 
 STORES = ("sqlite", "kubernetes")
@@ -50,26 +50,17 @@ def _add_store_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _open_store(
-    args: argparse.Namespace, *, pods: bool = True, only_pod: str | None = None
-) -> RunStore:
-    """The Run store the flags name; the Kubernetes client is imported only for it. `pods`:
-    whether this component reads the Runtime Pods (runtimed does not); `only_pod`: on
-    Kubernetes, keep only the Runs assigned to that pod (runtimed's own)."""
+def topology_of(args: argparse.Namespace) -> Topology:
+    """The deployment the flags describe (``lifecycle/topology.py``): ``--store sqlite`` is one
+    machine's, in the state dir; ``--store kubernetes`` a cluster's, in ``--namespace``."""
     if args.store == "kubernetes":
-        from fnkernel.runtime_server.lifecycle.kubernetes.store import (
-            KubernetesRunStore,
-            connect,
-            namespace_of,
-        )
+        # Imported only here: one machine never loads the Kubernetes client.
+        from fnkernel.runtime_server.lifecycle.kubernetes.topology import Kubernetes
 
-        return KubernetesRunStore(
-            connect(), namespace_of(args.namespace), watch_pods=pods, pod=only_pod
-        )
-    from fnkernel.runtime_server.lifecycle.sqlite import STORE_FILE, SqliteRunStore
-    from fnkernel.system.private import private_dir
+        return Kubernetes(args.namespace)
+    from fnkernel.runtime_server.lifecycle.topology import OneMachine
 
-    return SqliteRunStore(private_dir(state_dir_of(args)) / STORE_FILE)
+    return OneMachine(state_dir_of(args))
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -111,18 +102,18 @@ def _runtimed(args: argparse.Namespace) -> int:
     from fnkernel.runtime_server import daemon, logs
     from fnkernel.runtime_server.daemon import announcement
     from fnkernel.runtime_server.lifecycle.runtimed import Runtimed
+    from fnkernel.runtime_server.lifecycle.topology import MissingWorkspace
     from fnkernel.system.private import private_dir
 
     logs.configure(logging.DEBUG if args.verbose else logging.INFO)
     daemon.keep_freed_memory()  # payloads pass through (docs/architecture.md)
-    if args.workspace:
-        workspace = Path(args.workspace)
-    elif args.store == "sqlite":
-        workspace = state_dir_of(args) / "workspace" / args.pod
-    else:
-        raise UsageError("runtimed: --store kubernetes needs --workspace (the pod's own volume)")
+    topology = topology_of(args)
+    try:
+        workspace = topology.workspace(args.pod, Path(args.workspace) if args.workspace else None)
+    except MissingWorkspace as exc:
+        raise UsageError(f"runtimed: --workspace is needed: {exc}") from None
     runtimed = Runtimed(
-        _open_store(args, pods=False, only_pod=args.pod),
+        topology.open_store(pods=False, only_pod=args.pod),
         pod=args.pod,
         runtime=args.runtime,
         server_address=args.server,
@@ -181,14 +172,12 @@ def _gateway(args: argparse.Namespace) -> int:
 
     logs.configure(logging.DEBUG if args.verbose else logging.INFO)
     daemon.keep_freed_memory(daemon.GATEWAY_TRIM_THRESHOLD_BYTES)  # docs/architecture.md
-    state_dir = state_dir_of(args)
     token = _gateway_token(args, "gateway", args.listen).token
     access = Access(
         token, frozenset(args.allow_origin), frozenset(h.lower() for h in args.allow_host)
     )
-    control_plane = ControlPlane(_open_store(args))
-    # One machine: the control plane's loop runs here. On Kubernetes it is the controller's.
-    embedded = args.store == "sqlite"
+    topology = topology_of(args)
+    control_plane = ControlPlane(topology.open_store())
 
     async def serve() -> None:
         gateway = Gateway(
@@ -205,17 +194,17 @@ def _gateway(args: argparse.Namespace) -> int:
         try:
             # The gateway file is for clients of this machine: none on Kubernetes.
             gateway_file = (
-                tokens.announce(address, token) if token is not None and embedded else None
+                tokens.announce(address, token)
+                if token is not None and topology.local_clients
+                else None
             )
         except OSError as exc:
             print(f"fnkernel gateway: cannot write its gateway file: {exc}", file=sys.stderr)
             raise SystemExit(EXIT_FAILURE) from None
-        if embedded:
+        if topology.control_plane_in_gateway:
             control_plane.start()
-            detail, where = "control plane + HTTP", f"state dir {state_dir}"
-        else:
-            detail, where = "HTTP", f"Runs in namespace {args.namespace or '(its own)'}"
-        print(announcement("gateway", detail, address, where), flush=True)
+        detail = "control plane + HTTP" if topology.control_plane_in_gateway else "HTTP"
+        print(announcement("gateway", detail, address, topology.where()), flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -226,7 +215,7 @@ def _gateway(args: argparse.Namespace) -> int:
             if gateway_file is not None:
                 tokens.withdraw(gateway_file)
         await gateway.close()
-        if embedded:
+        if topology.control_plane_in_gateway:
             control_plane.stop()
         control_plane.store.close()
 
@@ -239,11 +228,10 @@ def _controller(args: argparse.Namespace) -> int:
     from fnkernel.runtime_server.lifecycle.controlplane import ControlPlane
 
     logs.configure(logging.DEBUG if args.verbose else logging.INFO)
-    control_plane = ControlPlane(_open_store(args), tick=args.tick)
+    topology = topology_of(args)
+    control_plane = ControlPlane(topology.open_store(), tick=args.tick)
     control_plane.start()
-    print(
-        f"fnkernel controller: scheduler and retry engine over the {args.store} store", flush=True
-    )
+    print(f"fnkernel controller: scheduler and retry engine, {topology.where()}", flush=True)
     daemon.wait_for_termination()
     control_plane.stop()
     control_plane.store.close()

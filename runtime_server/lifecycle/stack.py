@@ -20,7 +20,7 @@ from typing import IO
 from fnkernel.adapters import runtimes
 from fnkernel.runtime_server import daemon, logs, tokens, wire
 from fnkernel.runtime_server.daemon import Child, spawn
-from fnkernel.runtime_server.lifecycle.sqlite import STORE_FILE, SqliteRunStore
+from fnkernel.runtime_server.lifecycle.topology import OneMachine
 from fnkernel.system.private import open_private, private_dir, private_tempdir, sweep
 
 LOG = logging.getLogger("fnkernel.up")
@@ -159,6 +159,7 @@ class Stack:
         token in STATE_DIR/token unless `no_token` (README, "Security"). `prewarmed`: processes
         the first start of each component may take (``daemon.Prewarmed``)."""
         self.state_dir = state_dir.resolve()
+        self.topology = OneMachine(self.state_dir)
         self.pods = dict(pods)
         self.gateway_listen = gateway_listen
         self.token_file = token_file
@@ -186,7 +187,7 @@ class Stack:
     @property
     def workspace_root(self) -> Path:
         """Where each pod's workspace is (WORKSPACE/POD/RUN_UID: ``LocalProvisioner``)."""
-        return self.state_dir / "workspace"
+        return self.topology.workspace_root
 
     @property
     def log_dir(self) -> Path:
@@ -214,7 +215,7 @@ class Stack:
             private_dir(directory)
         self._sockets = self._socket_dir()
         # StoreDamaged, said here, before any component starts on a store it cannot use.
-        SqliteRunStore(self.state_dir / STORE_FILE).close()
+        self.topology.open_store().close()
         chosen = tokens.gateway_token(
             self.gateway_listen, self.state_dir, token_file=self.token_file, no_token=self.no_token
         )

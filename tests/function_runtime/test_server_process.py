@@ -167,6 +167,17 @@ def test_cli_usage_errors_exit_2() -> None:
     assert run_cli("--help").returncode == 0
 
 
+def test_runtimed_on_kubernetes_is_told_its_workspace() -> None:
+    # docs/kubernetes.md: a Runtime Pod's workspace is a volume of the pod, which its manifest
+    # names; one machine's default (STATE_DIR/workspace/POD) is no place in a container.
+    done = run_cli(
+        "runtimed", "--store", "kubernetes", "--pod", "p", "--runtime", "python",
+        "--server", "unix:/nonexistent.sock",
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "--workspace" in done.stderr and "own volume" in done.stderr
+
+
 def test_scratch_dirs_of_a_killed_server_are_removed_by_the_next_server(
     server_process: Callable[..., ServeProcess],
 ) -> None:
