@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -18,6 +17,7 @@ from fnkernel.runtime_server.client.errors import (
     InvocationTimedOut,
     RequestCancelled,
 )
+from fnkernel.system.waiting import wait_for
 
 _IDLE_WAIT_SECONDS = 2.0  # after an interrupt, for the cancelled invocation to be gone
 
@@ -26,14 +26,14 @@ def wait_until_free(in_flight: Callable[[], bool]) -> None:
     """After an interrupt: wait (briefly) until the function's cancelled invocation is gone —
     the server kills the handler once it sees the cancel — so the next call is not refused as
     busy. `in_flight` asks the server; a GatewayError (gone, unreachable) ends the wait."""
-    deadline = time.monotonic() + _IDLE_WAIT_SECONDS
-    while time.monotonic() < deadline:
+
+    def free() -> bool:
         try:
-            if not in_flight():
-                return
+            return not in_flight()
         except GatewayError:
-            return
-        time.sleep(0.005)
+            return True
+
+    wait_for(free, timeout=_IDLE_WAIT_SECONDS, interval=0.005)
 
 
 class NotOwned(RuntimeError):

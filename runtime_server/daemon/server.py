@@ -4,6 +4,7 @@ reaper, and waiting for the signal that stops it."""
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import signal
 import threading
@@ -11,6 +12,7 @@ import time
 
 from fnkernel.adapters.calllogs import trim_logs
 from fnkernel.adapters.children import reap_orphans
+from fnkernel.system.waiting import wait_for
 
 _PR_SET_CHILD_SUBREAPER = 36
 PARENT_ENV = "FNKERNEL_PARENT_PID"  # set by spawn(die_with_parent=True)
@@ -78,8 +80,7 @@ def watch_parent(interval: float = 0.25) -> threading.Thread | None:
     parent = int(expected)
 
     def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(interval)
+        wait_for(lambda: os.getppid() != parent, timeout=math.inf, interval=interval)
         os.kill(os.getpid(), signal.SIGTERM)
 
     if os.getppid() != parent:  # gone before we even started

@@ -49,6 +49,7 @@ from fnkernel.runtime_server.wire import (
     READY,
     RETRYING,
 )
+from fnkernel.system.waiting import Backoff, wait_for
 
 LOG = logging.getLogger("fnkernel.controlplane")
 MAX_FILES = 1000
@@ -68,7 +69,7 @@ class RetryPolicy:
     max_backoff: float = 5.0
 
     def backoff(self, attempt: int) -> float:
-        return float(min(self.max_backoff, self.base_backoff * 2 ** (attempt - 1)))
+        return Backoff(self.base_backoff, self.max_backoff).delay(attempt)
 
 
 def check_name(name: str) -> str:
@@ -300,16 +301,16 @@ class ControlPlane:
         return first
 
     def _settled(self, name: str, deadline: float, poll: float) -> Run:
-        version = None
-        while True:
-            seen = self.store.version()
-            if seen != version:
-                version, run = seen, self.store.get(name)
-                if run.status.phase in (READY, FAILED):
-                    return run
-            if time.monotonic() >= deadline:
-                return run
-            time.sleep(poll)
+        seen: list[tuple[int, Run]] = []  # the store's version and the Run read at it
+
+        def settled() -> Run | None:
+            version = self.store.version()
+            if not seen or seen[-1][0] != version:
+                seen.append((version, self.store.get(name)))
+                return seen[-1][1] if seen[-1][1].status.phase in (READY, FAILED) else None
+            return None
+
+        return wait_for(settled, timeout=deadline - time.monotonic(), interval=poll) or seen[-1][1]
 
     def delete_run(
         self, name: str, *, cancel_in_flight: bool = False, drain_timeout_millis: int = 0
@@ -345,15 +346,17 @@ class ControlPlane:
         return run
 
     def _await_unregistered(self, run: Run, deadline: float) -> None:
-        while time.monotonic() < deadline:
+        def over() -> str:
             current = self.store.get_uid(run.uid)
             if current is None:
-                return
+                return "removed"
             pod = self.store.pod(current.status.assigned_pod)
             if current.status.phase == DELETED or pod is None or not pod.alive():
-                break  # nothing left to drain on a pod that is gone
-            time.sleep(0.02)
-        self._remove(run)
+                return "unregistered"  # or nothing left to drain on a pod that is gone
+            return ""
+
+        if wait_for(over, timeout=deadline - time.monotonic(), interval=0.02) != "removed":
+            self._remove(run)
 
     def _remove(self, run: Run) -> None:
         self.store.delete(run.uid)

@@ -22,10 +22,11 @@ from fnkernel.runtime_server import daemon, logs, tokens, wire
 from fnkernel.runtime_server.daemon import Child, spawn
 from fnkernel.runtime_server.lifecycle.topology import OneMachine
 from fnkernel.system.private import open_private, private_dir, private_tempdir, sweep
+from fnkernel.system.waiting import Backoff
 
 LOG = logging.getLogger("fnkernel.up")
 _MAX_UNIX_PATH = 100  # sockaddr_un holds 108 bytes; leave room for the longest file name
-_RESTART_BACKOFF = (0.0, 0.25, 0.5, 1.0)
+_RESTART_BACKOFF = Backoff(0.25, 1.0)  # by restarts in a row: 0, 0.25, 0.5, 1, 1, ...
 _STABLE_SECONDS = 5.0  # up this long, a component's next restart is immediate again
 
 
@@ -290,7 +291,7 @@ class Stack:
                 if not component.died_at:
                     component.died_at = now
                     LOG.warning("%s exited (%s); restarting", component.name, child.proc.returncode)
-                delay = _RESTART_BACKOFF[min(component.restarts, len(_RESTART_BACKOFF) - 1)]
+                delay = _RESTART_BACKOFF.delay(component.restarts)
                 if now - component.died_at < delay:
                     continue
                 with self._lock:

@@ -71,10 +71,12 @@ from fnkernel.runtime_server.wire import (
     READY,
     RETRYING,
 )
+from fnkernel.system.waiting import Backoff
 
 LOG = logging.getLogger("fnkernel.runtimed")
 UNSUPPORTED = "runtime does not support function mode"
 _REGISTER_RPC_TRIES = 3
+_REGISTER_RPC_BACKOFF = Backoff(0.2, 0.4)  # between them
 # A Run whose calls were in flight this many times in a row when its server died is Failed: the
 # retry budget's size, for a fault the budget does not see (the pod's deaths are never charged).
 MAX_SERVER_DEATHS = 3
@@ -313,7 +315,7 @@ class Runtimed:
                 if verdict is Verdict.WAIT and tries < _REGISTER_RPC_TRIES:
                     # docs/protocol.md: repeating an uncertain RegisterFunction for the same
                     # attempt is idempotent and does not change Run status.
-                    time.sleep(0.2 * tries)
+                    time.sleep(_REGISTER_RPC_BACKOFF.delay(tries))
                     continue
                 self._registration_failed(run, verdict, err.code(), err.details() or "")
                 return None
