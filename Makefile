@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-ui image test-k8s proto lint fmt typecheck tree bench bench-peers kpt-e2e mutate clean
+.PHONY: demo test test-fast test-ui image test-k8s proto lint fmt typecheck bench bench-peers kpt-e2e mutate clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or make PYTHON=python3)"; exit 2; }
@@ -59,22 +59,19 @@ proto: $(STAMP)
 fmt: $(STAMP)
 	$(VENV)/bin/ruff format runtime_server adapters kernel system tests tests_ui tests_k8s benchmarks tools
 
-# The installed layout, fnkernel/{runtime_server,adapters,kernel,system}, as links to the folders:
-# mypy and import-linter read files, and the editable install maps those names by an import hook
-# they cannot follow (pyproject.toml, [tool.setuptools.package-dir]).
-TREE := build/tree
-tree:
-	@mkdir -p $(TREE)/fnkernel
-	@for package in runtime_server adapters kernel system; do \
-		ln -sfn ../../../$$package $(TREE)/fnkernel/$$package; done
+# mypy and import-linter read files, and the editable install maps the names fnkernel.* by an
+# import hook they cannot follow (pyproject.toml, [tool.setuptools.package-dir]): they read the
+# installed layout through src/fnkernel/{runtime_server,adapters,kernel,system}, committed links
+# to the folders (docs/architecture.md, "Layout").
+TREE := src
 
-lint: $(STAMP) tree
+lint: $(STAMP)
 	$(VENV)/bin/ruff format --check runtime_server adapters kernel system tests tests_ui tests_k8s benchmarks tools
 	$(VENV)/bin/ruff check runtime_server adapters kernel system tests tests_ui tests_k8s benchmarks tools
 	PYTHONPATH=$(TREE) $(VENV)/bin/lint-imports
 	$(PY) -m tools.check_names
 
-typecheck: $(STAMP) tree
+typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 # Every benchmark runs even when an earlier one misses its target; the exit status says whether all
