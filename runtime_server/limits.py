@@ -222,6 +222,17 @@ def status_wait_seconds(hops_below: int) -> float:
     return STATUS_HOP_SECONDS * hops_below
 
 
+# How long RegisterFunction waits for the handler to load before it answers (READY, FAILED, or
+# REGISTERING past this: docs/protocol.md, "Registration").
+REGISTER_LOAD_SECONDS = 60.0
+
+
+def register_wait_seconds(hops_below: int) -> float:
+    """How long a caller waits for RegisterFunction's answer, `hops_below` hops above the server
+    (runtimed: 1): the load's bound, and the hop's slack."""
+    return REGISTER_LOAD_SECONDS + HOP_SLACK_SECONDS * hops_below
+
+
 def delete_wait_seconds(drain_timeout_millis: int, hops_below: int) -> float:
     """How long a caller waits for a delete that drains for `drain_timeout_millis` (0: the
     default) to be seen through, `hops_below` hops above runtimed."""

@@ -159,6 +159,67 @@ def traced_failure(hop: tracing.Hop | tracing.Untraced, exc: BaseException) -> N
         with_trailers(exc, ((wire.SPANS_KEY, spans),))
 
 
+class ServedCall:
+    """One InvokeFunction as a hop serves it: what the caller asked of this hop besides the call
+    — its clock readings (docs/protocol.md, "Timeline": ``x-fn-timeline``) and its spans
+    ("Tracing": a ``traceparent`` that is sampled) — kept once for the Runtime Server's
+    servicer and runtimed's proxy hop alike, and sent back with the answer or the failure."""
+
+    __slots__ = ("_context", "_timeline_key", "called", "hop", "received")
+
+    def __init__(
+        self, component: str, timeline_key: str, request: Any, context: grpc.ServicerContext
+    ) -> None:
+        self._context = context
+        self._timeline_key = timeline_key  # this hop's readings' trailer
+        self.received = (
+            time.monotonic_ns() if metadata_value(context, wire.TIMELINE_KEY) == "1" else 0
+        )
+        self.called = 0  # when a hop that calls another made its call (``calling``)
+        traceparent = metadata_value(context, wire.TRACEPARENT_KEY)
+        self.hop: tracing.Hop | None = (
+            tracing.invoke_hop(component, traceparent, request)
+            if tracing.traced(traceparent)
+            else None
+        )
+
+    def upstream(self, traceparent: str = "") -> tuple[tuple[str, str], ...]:
+        """The metadata of this hop's own call onward: the timeline asked for again, and the
+        context of its client span (`traceparent`), when it has one; stamps ``called``."""
+        metadata: tuple[tuple[str, str], ...] = ()
+        if self.received:
+            metadata += ((wire.TIMELINE_KEY, "1"),)
+            self.called = time.monotonic_ns()
+        if traceparent:
+            metadata += ((wire.TRACEPARENT_KEY, traceparent),)
+        return metadata
+
+    def failed(self, exc: BaseException, fence: str = "") -> None:
+        """The call fails with `exc`: a traced hop's span ends with the status it is answered
+        with (`fence`: how this hop's fence judged it, when it has one)."""
+        if self.hop is not None:
+            if fence:
+                self.hop.set(tracing.FENCE, fence)
+            traced_failure(self.hop, exc)
+
+    def answer(
+        self, trailers: tuple[tuple[str, str | bytes], ...], attributes: dict[str, Any]
+    ) -> None:
+        """Send `trailers` with this hop's own — its spans (finished with `attributes`) and its
+        clock readings — as one metadata batch."""
+        if self.hop is not None:
+            spans = self.hop.finish({"rpc.grpc.status_code": 0, **attributes})
+            trailers += ((wire.SPANS_KEY, spans),)
+        if self.received:
+            readings = {"received": self.received}
+            if self.called:
+                readings["called"] = self.called
+            readings["answered"] = time.monotonic_ns()
+            trailers += ((self._timeline_key, wire.timeline_stamps(**readings)),)
+        if trailers:
+            self._context.set_trailing_metadata(trailers)
+
+
 def relayed_trailers(
     trailers: Any, replaced: set[str] | frozenset[str] = frozenset()
 ) -> tuple[tuple[str, str | bytes], ...]:

@@ -109,7 +109,7 @@ class Registry:
         adapter_cls: type[Adapter],
         workspace_root: Path,
         *,
-        register_wait: float = 60.0,
+        register_wait: float = limits.REGISTER_LOAD_SECONDS,
     ) -> None:
         self.adapter_cls = adapter_cls
         self.workspace_root = workspace_root

@@ -9,6 +9,7 @@ import grpc
 from grpc_health.v1 import health
 
 from fnkernel.adapters import runtimes
+from fnkernel.runtime_server import limits
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import logs_pb2, logs_pb2_grpc
@@ -38,7 +39,7 @@ class RuntimeServer:
         *,
         oneshot_only: bool = False,
         max_workers: int = 32,
-        register_wait: float = 60.0,
+        register_wait: float = limits.REGISTER_LOAD_SECONDS,
     ) -> None:
         adapter = runtimes.runtime(runtime).adapter()  # UnknownRuntime names the choices
         self.runtime = runtime

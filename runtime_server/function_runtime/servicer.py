@@ -7,7 +7,6 @@ in GRPC_STATUS, the one table of it.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterator
 
 import grpc
@@ -29,6 +28,7 @@ from fnkernel.runtime_server.function_runtime.registry import (
 )
 from fnkernel.runtime_server.rpc import (
     Followers,
+    ServedCall,
     caller_deadline,
     cancel_on_client_exit,
     logs_trailer,
@@ -38,11 +38,8 @@ from fnkernel.runtime_server.rpc import (
 )
 from fnkernel.runtime_server.wire import (
     LOGS_KEY,
-    SPANS_KEY,
-    TIMELINE_KEY,
     TIMELINE_SERVER_KEY,
     TRACEPARENT_KEY,
-    timeline_stamps,
 )
 
 LOG = logging.getLogger("fnkernel.runtime")
@@ -110,12 +107,7 @@ class FunctionRuntimeServicer(pb_grpc.FunctionRuntimeServicer):
     def InvokeFunction(
         self, request: pb.InvokeFunctionRequest, context: grpc.ServicerContext
     ) -> pb.InvokeFunctionResponse:
-        # docs/protocol.md, "Timeline": the caller asked for this hop's clock readings.
-        received = time.monotonic_ns() if metadata_value(context, TIMELINE_KEY) == "1" else 0
-        traceparent = metadata_value(context, TRACEPARENT_KEY)  # "Tracing": a traced call
-        hop = None
-        if tracing.traced(traceparent):
-            hop = tracing.invoke_hop("runtime-server", traceparent, request)
+        call = ServedCall("runtime-server", TIMELINE_SERVER_KEY, request, context)
         try:
             invocation = self.registry.invoke(
                 run_uid=request.registration.run_uid,
@@ -126,32 +118,18 @@ class FunctionRuntimeServicer(pb_grpc.FunctionRuntimeServicer):
                 timeout_millis=request.timeout_millis,
                 deadline=caller_deadline(context),
                 on_dispatch=cancel_on_client_exit(context),
-                hop=hop or tracing.UNTRACED,
+                hop=call.hop or tracing.UNTRACED,
             )
         except Exception as exc:
-            if hop is not None:  # the registration fence refused it, or the handler failed
-                fenced = isinstance(exc, REGISTRATION_FENCE)
-                hop.set(tracing.FENCE, f"refused: {type(exc).__name__}" if fenced else "passed")
-                traced_failure(hop, exc)
+            # the registration fence refused it, or the handler failed
+            fenced = isinstance(exc, REGISTRATION_FENCE)
+            call.failed(exc, f"refused: {type(exc).__name__}" if fenced else "passed")
             raise
         result = invocation.result
-        trailers: list[tuple[str, str | bytes]] = []
-        if result.logs:
-            trailers.append((LOGS_KEY, logs_trailer(result.logs)))
-        if hop is not None:
-            spans = hop.finish({
-                "rpc.grpc.status_code": 0,
-                tracing.FENCE: "passed",
-                tracing.INVOCATION_ID: invocation.invocation_id,
-            })  # fmt: skip
-            trailers.append((SPANS_KEY, spans))
-        if received:
-            answered = time.monotonic_ns()
-            trailers.append(
-                (TIMELINE_SERVER_KEY, timeline_stamps(received=received, answered=answered))
-            )
-        if trailers:
-            context.set_trailing_metadata(tuple(trailers))
+        call.answer(
+            ((LOGS_KEY, logs_trailer(result.logs)),) if result.logs else (),
+            {tracing.FENCE: "passed", tracing.INVOCATION_ID: invocation.invocation_id},
+        )
         return pb.InvokeFunctionResponse(
             registration=request.registration,
             invocation_id=invocation.invocation_id,

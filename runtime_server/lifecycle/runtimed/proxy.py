@@ -8,7 +8,6 @@ the agent only through ``Agent``.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -33,10 +32,10 @@ from fnkernel.runtime_server.lifecycle.runtimed.server import Active
 from fnkernel.runtime_server.rpc import (
     CancellableCalls,
     Followers,
+    ServedCall,
     caller_timeout,
     metadata_value,
     relayed_trailers,
-    traced_failure,
     trailer_value,
     translate_errors,
 )
@@ -46,10 +45,7 @@ from fnkernel.runtime_server.wire import (
     DIGEST_KEY,
     POD_KEY,
     SPANS_KEY,
-    TIMELINE_KEY,
     TIMELINE_RUNTIMED_KEY,
-    TRACEPARENT_KEY,
-    timeline_stamps,
 )
 
 LOG = logging.getLogger("fnkernel.runtimed")
@@ -97,32 +93,24 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
     def InvokeFunction(
         self, request: pb.InvokeFunctionRequest, context: grpc.ServicerContext
     ) -> pb.InvokeFunctionResponse:
-        # docs/protocol.md, "Timeline": the caller asked for this hop's clock readings.
-        received = time.monotonic_ns() if metadata_value(context, TIMELINE_KEY) == "1" else 0
-        traceparent = metadata_value(context, TRACEPARENT_KEY)  # "Tracing": a traced call
-        if not tracing.traced(traceparent):
-            return self._invoke(request, context, received, None)
-        hop = tracing.invoke_hop("runtimed", traceparent, request)
+        call = ServedCall("runtimed", TIMELINE_RUNTIMED_KEY, request, context)
         try:
-            return self._invoke(request, context, received, hop)
+            return self._invoke(request, context, call)
         except Exception as exc:
-            if isinstance(exc, RoutedElsewhere):  # docs/protocol.md, fence table: routing
-                hop.set(tracing.FENCE, f"refused: {type(exc).__name__}")
-            traced_failure(hop, exc)
+            # docs/protocol.md, fence table: routing
+            call.failed(
+                exc, f"refused: {type(exc).__name__}" if isinstance(exc, RoutedElsewhere) else ""
+            )
             raise
 
     def _invoke(
-        self,
-        request: pb.InvokeFunctionRequest,
-        context: grpc.ServicerContext,
-        received: int,
-        hop: tracing.Hop | None,
+        self, request: pb.InvokeFunctionRequest, context: grpc.ServicerContext, call: ServedCall
     ) -> pb.InvokeFunctionResponse:
         _outside_id(request.registration)
         routed_to = metadata_value(context, POD_KEY)
         run, active, cold = self.runtimed.resolve(request.registration.run_uid, routed_to)
         try:
-            return self._forward(request, context, run, active, cold, received, hop)
+            return self._forward(request, context, run, active, cold, call)
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.UNAVAILABLE and context.is_active():
                 # The call broke off with its caller still there: the server may have died.
@@ -142,7 +130,7 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
         run, active, cold = self.runtimed.resolve(
             request.registration.run_uid, routed_to, fast=False
         )
-        return self._forward(request, context, run, active, cold, received, hop)
+        return self._forward(request, context, run, active, cold, call)
 
     def _forward(
         self,
@@ -151,22 +139,18 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
         run: Run,
         active: Active,
         cold: bool,
-        received: int,
-        hop: tracing.Hop | None,
+        call: ServedCall,
     ) -> pb.InvokeFunctionResponse:
-        """Call the server with the active registration; `received`: the monotonic time the
-        call arrived, if the caller asked for the timeline (0 otherwise); `hop`: the call's
-        spans, if it is traced."""
+        """Call the server with the active registration."""
         forwarded = pb.InvokeFunctionRequest()
         forwarded.CopyFrom(request)
         forwarded.registration.registration_id = active.registration_id
-        upstream: tuple[tuple[str, str], ...] = ((TIMELINE_KEY, "1"),) if received else ()
+        hop, traceparent = call.hop, ""
         if hop is not None:  # the routing fence passed, and the registration ID is filled in
             hop.set(tracing.FENCE, "passed")
             hop.set(tracing.REGISTRATION_ID, active.registration_id)
             hop.set(tracing.REGISTRATION_ATTEMPT, active.attempt)
             traceparent = hop.call(tracing.INVOKE_SPAN, tracing.rpc_attributes("InvokeFunction"))
-            upstream += ((TRACEPARENT_KEY, traceparent),)
         timeout = caller_timeout(context)
         if timeout is not None:
             # docs/protocol.md: runtimed bounds timeout_millis by the caller's (gateway's) deadline.
@@ -174,10 +158,10 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
             forwarded.timeout_millis = min(
                 limits.effective_timeout_millis(request.timeout_millis), bound
             )
-        called = time.monotonic_ns() if received else 0
+        upstream = call.upstream(traceparent)
         # The caller went away: the call is cancelled, and the handler dies.
         try:
-            response, call = self.runtimed.calls.call(
+            response, answered = self.runtimed.calls.call(
                 lambda stub: stub.InvokeFunction.with_call(
                     forwarded, timeout=timeout, metadata=upstream or None
                 ),
@@ -193,18 +177,10 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
         metadata: tuple[tuple[str, str | bytes], ...] = ((ATTEMPT_KEY, str(active.attempt)),)
         if cold:
             metadata += ((COLD_START_KEY, "1"),)
-        if received:
-            readings = timeline_stamps(
-                received=received, called=called, answered=time.monotonic_ns()
-            )
-            metadata += ((TIMELINE_RUNTIMED_KEY, readings),)
-        if hop is None:
-            context.set_trailing_metadata(metadata + relayed_trailers(call.trailing_metadata()))
-        else:
-            hop.called(0, trailer_value(call.trailing_metadata(), SPANS_KEY))
-            spans = hop.finish({"rpc.grpc.status_code": 0})
-            relayed = relayed_trailers(call.trailing_metadata(), {SPANS_KEY})
-            context.set_trailing_metadata(metadata + relayed + ((SPANS_KEY, spans),))
+        trailers = answered.trailing_metadata()
+        if hop is not None:
+            hop.called(0, trailer_value(trailers, SPANS_KEY))
+        call.answer(metadata + relayed_trailers(trailers, {SPANS_KEY}), {})
         self.runtimed.served(run, active)
         return response
 

@@ -23,7 +23,6 @@ from fnkernel.runtime_server.wire import (
 
 LOG = logging.getLogger("fnkernel.runtimed")
 _UNREGISTER_SLACK_SECONDS = 5.0  # the RPC's deadline beyond the drain it asks for
-REGISTER_SECONDS = 90  # RegisterFunction's deadline: the handler's import may be slow
 
 
 @dataclass(frozen=True)
@@ -65,7 +64,7 @@ class ServerRegistrations:
     ) -> pb.RegisterFunctionResponse:
         metadata = ((TRACEPARENT_KEY, traceparent),) if traceparent else None
         response: pb.RegisterFunctionResponse = self.stub.RegisterFunction(
-            request, timeout=REGISTER_SECONDS, metadata=metadata
+            request, timeout=limits.register_wait_seconds(hops_below=1), metadata=metadata
         )
         return response
 
