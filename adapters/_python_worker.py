@@ -1,8 +1,8 @@
 """The long-lived Python worker: imports one handler once, then serves framed invocations.
 
-Run by PythonAdapter as ``python -P _python_worker.py RUN_UID MODULE FUNCTION MEMORY REQ_FD RESP_FD``
-with the registered working directory as cwd; MEMORY is the bytes of memory (RLIMIT_DATA) the
-worker and the processes it starts may take, 0 for no limit. It imports nothing from fnkernel,
+Run by PythonAdapter as ``python -P _python_worker.py RUN_UID MODULE FUNCTION REQ_FD RESP_FD``
+with the registered working directory as cwd, held to the registration's memory by the process
+that starts it (adapters/children.py: spawn_limited). It imports nothing from fnkernel,
 and nothing but the standard library and orjson (a dependency of fnkernel's, for encoding
 results, with adapters/_jsonvalues.py loaded by its path), all before the working directory is
 put on sys.path: user modules named like ours or
@@ -28,7 +28,6 @@ import inspect
 import json
 import logging
 import os
-import resource
 import sys
 import time
 import traceback
@@ -247,12 +246,10 @@ def keep_freed_memory() -> None:
 
 
 def main() -> None:
-    run_uid, module_name, function_name, memory, req_fd, resp_fd = sys.argv[1:7]
-    del sys.argv[4:7]  # the handler sees no descriptor numbers (see above)
+    run_uid, module_name, function_name, req_fd, resp_fd = sys.argv[1:6]
+    del sys.argv[4:6]  # the handler sees no descriptor numbers (see above)
     req, resp = int(req_fd), int(resp_fd)
     keep_freed_memory()
-    if int(memory):  # before the handler is imported; what the interpreter has taken counts
-        resource.setrlimit(resource.RLIMIT_DATA, (int(memory), int(memory)))
     os.set_inheritable(req, False)  # the handler's own subprocesses must not hold our frame pipes
     os.set_inheritable(resp, False)
     sys.path.insert(0, os.getcwd())

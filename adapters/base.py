@@ -164,6 +164,7 @@ class WorkerAdapter:
             env=self._environment(),
             run_uid=self.spec.run_uid,
             scratch=self.scratch,
+            memory_bytes=self.spec.memory_mb << 20,
             init_timeout=self._init_timeout,
             on_fatal=self._on_fatal,
         )

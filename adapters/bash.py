@@ -87,7 +87,6 @@ class BashAdapter(WorkerAdapter):
             str(path),
             function,
             str(self.scratch),
-            str(self.spec.memory_mb << 10),  # KiB, as ulimit -d takes it; 0: no limit
         ]
 
     def start(self) -> None:

@@ -1,7 +1,8 @@
 # The long-lived Bash worker (docs/protocol.md, "Adapters"); run by BashAdapter as
-#   bash --noprofile --norc bash_runner.sh HANDLER_FILE FUNCTION SCRATCH_DIR MEMORY_KB REQ_FD RESP_FD
-# with the registered working directory as cwd and BASH_ENV cleared. MEMORY_KB is the memory the
-# runner and everything it starts may take each (ulimit -d, RLIMIT_DATA), 0 for no limit.
+#   bash --noprofile --norc bash_runner.sh HANDLER_FILE FUNCTION SCRATCH_DIR REQ_FD RESP_FD
+# with the registered working directory as cwd and BASH_ENV cleared, held (with everything it
+# starts) to the registration's memory by the process that starts it (adapters/children.py:
+# spawn_limited).
 #
 # The handler string and the payload are never evaluated as shell source: the adapter validated
 # the function name and resolved the file to an absolute path inside the working directory; the
@@ -23,9 +24,8 @@
 # it. Job control stays off, so everything the function starts is in the worker's process group,
 # which cancellation kills.
 
-file=$1 fn=$2 scratch=$3 memory_kb=$4 req_fd=$5 resp_fd=$6
+file=$1 fn=$2 scratch=$3 req_fd=$4 resp_fd=$5
 unset BASH_ENV ENV
-[ "$memory_kb" = 0 ] || ulimit -d "$memory_kb"
 
 initfail() { # errorType message
     local LC_ALL=C # ${#message} must count bytes

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from fnkernel.system.procfs import proc_stat
 
@@ -23,6 +26,20 @@ RUN_UID_ENV = "FNKERNEL_RUN_UID"  # in every worker's environment, and so its de
 # reap these: their Popen objects own their exit status.
 spawn_lock = threading.Lock()
 worker_pids: set[int] = set()
+
+
+def spawn_limited(argv: list[str], memory_bytes: int, **options: Any) -> subprocess.Popen[bytes]:
+    """Start `argv` (``subprocess.Popen`` with `options`), held with everything it starts to
+    `memory_bytes` of data (RLIMIT_DATA; 0: no bound) — the one way a handler's process is
+    bounded (docs/protocol.md, "Limits"). The bound is set on it by its pid as soon as it
+    exists, not by a ``preexec_fn``, which runs Python between fork and exec, where gRPC's fork
+    handlers can crash the child: what it maps before that (its interpreter's first
+    milliseconds, never the handler) is not counted, and counts against the bound after."""
+    proc: subprocess.Popen[bytes] = subprocess.Popen(argv, **options)
+    if memory_bytes:
+        with contextlib.suppress(ProcessLookupError):  # it is gone already: nothing to bound
+            resource.prlimit(proc.pid, resource.RLIMIT_DATA, (memory_bytes, memory_bytes))
+    return proc
 
 
 def reap_orphans() -> int:

@@ -49,7 +49,6 @@ class PythonAdapter(WorkerAdapter):
     def _argv(self) -> list[str]:
         module, _, function = self.spec.handler.rpartition(".")
         # -P: the worker script's directory is not put on sys.path; it adds the working directory.
-        memory = str(self.spec.memory_mb << 20)  # bytes; 0: no limit
         return [
             sys.executable,
             "-P",
@@ -57,7 +56,6 @@ class PythonAdapter(WorkerAdapter):
             self.spec.run_uid,
             module,
             function,
-            memory,
         ]
 
     def _environment(self) -> dict[str, str]:

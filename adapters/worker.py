@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from fnkernel.adapters.calllogs import LiveLog, LogFiles, LogLine
-from fnkernel.adapters.children import kill_orphans, spawn_lock, worker_pids
+from fnkernel.adapters.children import kill_orphans, spawn_limited, spawn_lock, worker_pids
 from fnkernel.adapters.errors import (
     INITIALIZATION_ERROR,
     INITIALIZATION_TIMEOUT,
@@ -77,8 +77,14 @@ class Worker:
     """One live worker process with its two frame pipes and two log files."""
 
     def __init__(
-        self, argv: Sequence[str], cwd: Path, env: Mapping[str, str], scratch: Path
+        self,
+        argv: Sequence[str],
+        cwd: Path,
+        env: Mapping[str, str],
+        scratch: Path,
+        memory_bytes: int = 0,
     ) -> None:
+        """`memory_bytes`: what it and everything it starts may take (``spawn_limited``)."""
         req_r, self.req = os.pipe()
         self.resp, resp_w = os.pipe()
         for fd in (req_r, resp_w):
@@ -87,8 +93,9 @@ class Worker:
         self.log_files = LogFiles(scratch)
         try:
             with spawn_lock:
-                self.proc = subprocess.Popen(
+                self.proc = spawn_limited(
                     [*argv, str(req_r), str(resp_w)],
+                    memory_bytes,
                     cwd=cwd,
                     env=dict(env),
                     stdin=subprocess.DEVNULL,
@@ -288,6 +295,7 @@ class WorkerSupervisor:
         env: Mapping[str, str],
         run_uid: str,
         scratch: Path,
+        memory_bytes: int = 0,
         init_timeout: float = 60.0,
         on_fatal: Callable[[InitError], None] | None = None,
     ) -> None:
@@ -296,6 +304,7 @@ class WorkerSupervisor:
         self._env = dict(env)
         self._run_uid = run_uid
         self._scratch = scratch
+        self._memory_bytes = memory_bytes
         self._init_timeout = init_timeout
         self._on_fatal = on_fatal
         self._lock = threading.Condition()
@@ -319,7 +328,7 @@ class WorkerSupervisor:
             self._lock.notify_all()
 
     def _spawn(self) -> Worker:
-        worker = Worker(self._argv, self._cwd, self._env, self._scratch)
+        worker = Worker(self._argv, self._cwd, self._env, self._scratch, self._memory_bytes)
         try:
             worker.wait_ready(time.monotonic() + self._init_timeout)
         except InitError:

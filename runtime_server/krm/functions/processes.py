@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import resource
 import signal
 import subprocess
 import time
@@ -22,6 +21,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 
+from fnkernel.adapters.children import spawn_limited
 from fnkernel.adapters.errors import OUT_OF_MEMORY
 from fnkernel.runtime_server.errors import DeadlineExceeded, EvaluatorSystemError, InvalidField
 from fnkernel.runtime_server.limits import DEFAULT_MEMORY_MB, MIN_MEMORY_MB
@@ -137,8 +137,9 @@ def run_function(argv: list[str], stdin: bytes, deadline: float | None) -> tuple
     step = current()
     deadline = step.deadline if deadline is None else min(deadline, step.deadline)
     try:
-        proc = subprocess.Popen(
+        proc = spawn_limited(
             argv,
+            step.memory_mb << 20,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -146,9 +147,6 @@ def run_function(argv: list[str], stdin: bytes, deadline: float | None) -> tuple
         )
     except OSError as exc:
         raise EvaluatorSystemError(f"failed to execute {argv[0]}: {exc}") from None
-    limit = step.memory_mb << 20
-    with contextlib.suppress(ProcessLookupError):  # it is gone already: nothing to bound
-        resource.prlimit(proc.pid, resource.RLIMIT_DATA, (limit, limit))
     try:
         stdout, stderr = proc.communicate(stdin, timeout=max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
