@@ -183,20 +183,19 @@ class ServedCall:
             else None
         )
 
-    def upstream(self, traceparent: str = "") -> tuple[tuple[str, str], ...]:
+    def upstream(self, traceparent: str) -> tuple[tuple[str, str], ...]:
         """The metadata of this hop's own call onward: the timeline asked for again, and the
-        context of its client span (`traceparent`), when it has one; stamps ``called``."""
-        metadata: tuple[tuple[str, str], ...] = ()
+        context of its client span (`traceparent`; "" for none); stamps ``called``."""
+        metadata: tuple[tuple[str, str], ...] = ((wire.TIMELINE_KEY, "1"),) if self.received else ()
         if self.received:
-            metadata += ((wire.TIMELINE_KEY, "1"),)
             self.called = time.monotonic_ns()
         if traceparent:
             metadata += ((wire.TRACEPARENT_KEY, traceparent),)
         return metadata
 
-    def failed(self, exc: BaseException, fence: str = "") -> None:
+    def failed(self, exc: BaseException, fence: str) -> None:
         """The call fails with `exc`: a traced hop's span ends with the status it is answered
-        with (`fence`: how this hop's fence judged it, when it has one)."""
+        with (`fence`: how this hop's fence judged it; "" if it did not)."""
         if self.hop is not None:
             if fence:
                 self.hop.set(tracing.FENCE, fence)

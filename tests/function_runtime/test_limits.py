@@ -226,6 +226,9 @@ def test_each_hop_waits_the_calls_own_timeout_and_10_s_for_each_hop_below() -> N
     assert limits.delete_wait_seconds(60_000, hops_below=2) == 80.0
     assert limits.status_wait_seconds(hops_below=1) == 2.5  # runtimed, from the server
     assert limits.status_wait_seconds(hops_below=2) == 5.0  # the gateway, through runtimed
+    # "Registration": the server's 60 s load bound, and one hop's slack for each hop
+    assert limits.register_wait_seconds(hops_below=1) == 70.0  # runtimed
+    assert limits.register_wait_seconds(hops_below=2) == 80.0
     assert limits.effective_timeout_millis(250) == 250
 
 

@@ -30,6 +30,7 @@ from fnkernel.runtime_server.lifecycle.runtimed.server import registration_reque
 from fnkernel.runtime_server.lifecycle.sqlite import SqliteRunStore
 from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS, CancellableCalls
 from fnkernel.runtime_server.wire import (
+    ATTEMPT_KEY,
     DELETED,
     DELETING,
     ERROR_TYPE_KEY,
@@ -537,7 +538,14 @@ def test_the_proxy_hop_answers_each_hops_clock_readings_when_asked(pod: Pod) -> 
     assert readings == sorted(readings)
     _, plain = pod.proxy.InvokeFunction.with_call(request, metadata=((POD_KEY, POD),), timeout=20)
     names = {name for name, _ in plain.trailing_metadata()}
-    assert not names & {TIMELINE_RUNTIMED_KEY, TIMELINE_SERVER_KEY}
+    assert not names & {TIMELINE_RUNTIMED_KEY, TIMELINE_SERVER_KEY, SPANS_KEY}
+    assert ATTEMPT_KEY in names
+    # "Tracing" too: a traced call asking for the timeline gets both, beside the hop's own
+    traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    asked = ((POD_KEY, POD), (TIMELINE_KEY, "1"), ("traceparent", traceparent))
+    _, traced = pod.proxy.InvokeFunction.with_call(request, metadata=asked, timeout=20)
+    names = {name for name, _ in traced.trailing_metadata()}
+    assert {TIMELINE_RUNTIMED_KEY, TIMELINE_SERVER_KEY, SPANS_KEY, ATTEMPT_KEY} <= names
 
 
 def test_an_in_memory_exporter_gets_a_registrations_and_a_calls_spans_parented_along_the_path(
