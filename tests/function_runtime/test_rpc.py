@@ -276,3 +276,22 @@ def test_what_a_status_does_not_say_is_empty_not_made_up(tmp_path: Path) -> None
         "errorMessage": "",
         "logs": [],
     }
+
+
+def test_a_call_past_its_deadline_keeps_what_the_handler_wrote_until_then(tmp_path: Path) -> None:
+    # docs/protocol.md, "Errors": a call past its deadline (DEADLINE_EXCEEDED) carries what the
+    # handler wrote until then; one that wrote nothing has no logs at all.
+    logs = b'[{"stream":"stdout","text":"step 1 of 3"}]'
+    err = failing(
+        f"unix:{tmp_path}/f.sock",
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        "past 1000 ms",
+        ((wire.LOGS_KEY, logs),),
+    )
+    assert failure_body(err) == {
+        "code": "DEADLINE_EXCEEDED",
+        "message": "past 1000 ms",
+        "logs": [{"stream": "stdout", "text": "step 1 of 3"}],
+    }
+    silent = failing(f"unix:{tmp_path}/g.sock", grpc.StatusCode.DEADLINE_EXCEEDED, "past", ())
+    assert failure_body(silent) == {"code": "DEADLINE_EXCEEDED", "message": "past"}

@@ -508,6 +508,32 @@ def test_the_proxy_hop_relays_a_handler_error_with_its_trailers(pod: Pod) -> Non
     assert {"stream": "stdout", "text": "before"} in logs
 
 
+def test_the_proxy_hop_relays_a_calls_deadline_with_what_the_handler_wrote(pod: Pod) -> None:
+    # docs/protocol.md, "Proxy hop": the server's status passes on unchanged — here
+    # DEADLINE_EXCEEDED ("Errors": with what the handler wrote until then in fn-logs-bin),
+    # never turned into another code by the hop.
+    slow = {
+        "handler.py": "import time\ndef handle(event):\n    print('started')\n    time.sleep(60)\n"
+    }
+    run = pod.create("slow", slow)
+    request = pb.InvokeFunctionRequest(
+        registration=pb.FunctionRegistration(run_uid=run.uid), input=b"{}", timeout_millis=300
+    )
+    with pytest.raises(grpc.RpcError) as caught:
+        pod.proxy.InvokeFunction(request, metadata=((POD_KEY, POD),), timeout=30)
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    trailers = dict(caught.value.trailing_metadata())  # type: ignore[attr-defined]
+    assert {"stream": "stdout", "text": "started"} in json.loads(trailers[LOGS_KEY])
+    # the message is the server's own, as the server gives it to a caller of its own
+    active = pod.runtimed.active(run)
+    assert active is not None
+    request.registration.registration_id = active.registration_id
+    with pytest.raises(grpc.RpcError) as direct:
+        pod.server.InvokeFunction(request, timeout=30)
+    assert direct.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert caught.value.details() == direct.value.details()
+
+
 def test_the_proxy_hop_answers_each_hops_clock_readings_when_asked(pod: Pod) -> None:
     # docs/protocol.md, "Timeline": with x-fn-timeline: 1, runtimed answers fn-timeline-runtimed
     # (received, called, answered) beside the server's fn-timeline-server (received, answered),
