@@ -589,7 +589,7 @@ def test_an_in_memory_exporter_gets_a_registrations_and_a_calls_spans_parented_a
         request = pb.InvokeFunctionRequest(
             registration=pb.FunctionRegistration(run_uid=run.uid), input=b"{}"
         )
-        pod.proxy.InvokeFunction(
+        answer = pod.proxy.InvokeFunction(
             request,
             metadata=((POD_KEY, POD), ("traceparent", f"00-{trace_id}-{caller}-01")),
             timeout=20,
@@ -626,6 +626,11 @@ def test_an_in_memory_exporter_gets_a_registrations_and_a_calls_spans_parented_a
         ("fnkernel-runtime-server", "SERVER", "executor.v1.FunctionRuntime/InvokeFunction"),
         ("fnkernel-worker", "SERVER", "handler.handle"),
     ]
+    # the worker's span on OpenTelemetry's FaaS conventions (docs/protocol.md, "Tracing")
+    assert handled.attributes is not None
+    assert handled.attributes["faas.trigger"] == "other"
+    assert handled.attributes["faas.invocation_id"] == answer.invocation_id
+    assert handled.attributes["fnkernel.runtime"] == "python"
     root = spans[handled.parent.span_id]  # type: ignore[union-attr]
     while root.parent and root.parent.span_id in spans:
         root = spans[root.parent.span_id]
