@@ -14,7 +14,6 @@ from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2
 
 
 def test_committed_stubs_match_a_fresh_generation(tmp_path: Path) -> None:
-    pytest.importorskip("grpc_tools")
     gen.generate(tmp_path)
     for source in gen.SOURCES:
         package, stem = Path(source).parent, Path(source).stem
