@@ -301,16 +301,17 @@ class ControlPlane:
         return first
 
     def _settled(self, name: str, deadline: float, poll: float) -> Run:
-        seen: list[tuple[int, Run]] = []  # the store's version and the Run read at it
+        last: list[tuple[int, Run]] = []  # the store's version and the Run read at it, once
 
         def settled() -> Run | None:
             version = self.store.version()
-            if not seen or seen[-1][0] != version:
-                seen.append((version, self.store.get(name)))
-                return seen[-1][1] if seen[-1][1].status.phase in (READY, FAILED) else None
-            return None
+            if last and last[0][0] == version:
+                return None  # nothing written since: the Run is as it was
+            run = self.store.get(name)
+            last[:] = [(version, run)]
+            return run if run.status.phase in (READY, FAILED) else None
 
-        return wait_for(settled, timeout=deadline - time.monotonic(), interval=poll) or seen[-1][1]
+        return wait_for(settled, timeout=deadline - time.monotonic(), interval=poll) or last[0][1]
 
     def delete_run(
         self, name: str, *, cancel_in_flight: bool = False, drain_timeout_millis: int = 0
