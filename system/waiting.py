@@ -7,7 +7,7 @@ Standard library only: the kernel's process loads it before any stack exists.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -41,3 +41,22 @@ class Backoff:
         if retry <= 0:
             return 0.0
         return float(min(self.cap, self.base * 2 ** (retry - 1)))
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One try of a retried operation: `number` 1 is the first; `last` says none follows."""
+
+    number: int
+    last: bool
+
+
+def attempts(limit: int, backoff: Backoff | None = None) -> Iterator[Attempt]:
+    """The tries of an operation tried at most `limit` times, waiting `backoff`'s delay before
+    each retry (none: at once). A retry loop is ``for attempt in attempts(...)``, left by
+    ``break`` or ``return`` once a try succeeds; a try that fails for good on ``attempt.last``
+    raises."""
+    for number in range(1, limit + 1):
+        if number > 1 and backoff is not None:
+            time.sleep(backoff.delay(number - 1))
+        yield Attempt(number, number == limit)

@@ -26,6 +26,7 @@ from fnkernel.runtime_server.client.errors import (
     RequestCancelled,
     from_response,
 )
+from fnkernel.system.waiting import attempts
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8080"
 _STALE_CONNECTION = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
@@ -106,10 +107,10 @@ class Transport:
         own: ``invoke``)."""
         sent = self._headers(headers)
         wait = max(wait, self.timeout)
-        for attempt in range(2):
+        for attempt in attempts(2):  # the second on a new connection, if the first was stale
             with self._lock:
                 # A retry takes a new connection: the other kept-alive ones may be as stale.
-                connection = self._idle.pop() if self._idle and not attempt else None
+                connection = self._idle.pop() if self._idle and attempt.number == 1 else None
                 if connection is not None:
                     self._busy[connection] = False
             reused = connection is not None

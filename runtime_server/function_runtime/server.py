@@ -18,8 +18,16 @@ from fnkernel.runtime_server.function_runtime.servicer import (
     FunctionRuntimeServicer,
     InvocationLogsServicer,
     RuntimeServicer,
+    judged_by_fence,
 )
-from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS, add_health, add_reflection, listen_on
+from fnkernel.runtime_server.rpc import (
+    CHANNEL_OPTIONS,
+    Pipeline,
+    add_health,
+    add_reflection,
+    listen_on,
+)
+from fnkernel.runtime_server.wire import TIMELINE_SERVER_KEY
 from fnkernel.system.private import sweep
 
 RUNTIME_SERVICE = pb.DESCRIPTOR.services_by_name["Runtime"].full_name
@@ -45,8 +53,15 @@ class RuntimeServer:
         self.runtime = runtime
         sweep(runtime)  # the worker scratch dirs of Runtime Servers that were killed
         self.registry = Registry(adapter, workspace_root, register_wait=register_wait)
+        pipeline = Pipeline(
+            (RUNTIME_SERVICE, FUNCTION_RUNTIME_SERVICE, INVOCATION_LOGS_SERVICE),
+            component="runtime-server",
+            timeline_key=TIMELINE_SERVER_KEY,
+            fence=judged_by_fence,
+        )
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
+            interceptors=[pipeline],
             options=CHANNEL_OPTIONS,
         )
         services = [RUNTIME_SERVICE]

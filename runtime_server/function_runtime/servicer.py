@@ -28,23 +28,27 @@ from fnkernel.runtime_server.function_runtime.registry import (
 )
 from fnkernel.runtime_server.rpc import (
     Followers,
-    ServedCall,
     caller_deadline,
     cancel_on_client_exit,
     logs_trailer,
     metadata_value,
+    served_call,
     traced_failure,
-    translate_errors,
 )
 from fnkernel.runtime_server.wire import (
     LOGS_KEY,
-    TIMELINE_SERVER_KEY,
     TRACEPARENT_KEY,
 )
 
 LOG = logging.getLogger("fnkernel.runtime")
 # docs/protocol.md, fence table: what the registration fence refuses a call with.
 REGISTRATION_FENCE = (RegistrationNotFound, StaleRegistration, RegistrationNotReady)
+
+
+def judged_by_fence(exc: BaseException) -> str:
+    """How the registration fence judged a failed InvokeFunction (its span's ``fence``): it
+    refused the call, or let it pass to a handler that failed."""
+    return f"refused: {type(exc).__name__}" if isinstance(exc, REGISTRATION_FENCE) else "passed"
 
 
 def _registration(view: RegistrationView) -> pb.FunctionRegistration:
@@ -55,7 +59,6 @@ class FunctionRuntimeServicer(pb_grpc.FunctionRuntimeServicer):
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
 
-    @translate_errors
     def RegisterFunction(
         self, request: pb.RegisterFunctionRequest, context: grpc.ServicerContext
     ) -> pb.RegisterFunctionResponse:
@@ -87,7 +90,6 @@ class FunctionRuntimeServicer(pb_grpc.FunctionRuntimeServicer):
         })  # fmt: skip
         return pb.RegisterFunctionResponse(registration=_registration(view), state=view.state)  # type: ignore[arg-type]
 
-    @translate_errors
     def FunctionStatus(
         self, request: pb.FunctionStatusRequest, context: grpc.ServicerContext
     ) -> pb.FunctionStatusResponse:
@@ -103,33 +105,25 @@ class FunctionRuntimeServicer(pb_grpc.FunctionRuntimeServicer):
             fatal_error=view.fatal_error,
         )
 
-    @translate_errors
     def InvokeFunction(
         self, request: pb.InvokeFunctionRequest, context: grpc.ServicerContext
     ) -> pb.InvokeFunctionResponse:
-        call = ServedCall("runtime-server", TIMELINE_SERVER_KEY, request, context)
-        try:
-            invocation = self.registry.invoke(
-                run_uid=request.registration.run_uid,
-                registration_id=request.registration.registration_id,
-                invocation_id=request.invocation_id,
-                input=request.input,
-                content_type=request.content_type,
-                timeout_millis=request.timeout_millis,
-                deadline=caller_deadline(context),
-                on_dispatch=cancel_on_client_exit(context),
-                hop=call.hop or tracing.UNTRACED,
-            )
-        except Exception as exc:
-            # the registration fence refused it, or the handler failed
-            fenced = isinstance(exc, REGISTRATION_FENCE)
-            call.failed(exc, f"refused: {type(exc).__name__}" if fenced else "passed")
-            raise
-        result = invocation.result
-        call.answer(
-            ((LOGS_KEY, logs_trailer(result.logs)),) if result.logs else (),
-            {tracing.FENCE: "passed", tracing.INVOCATION_ID: invocation.invocation_id},
+        call = served_call()
+        invocation = self.registry.invoke(
+            run_uid=request.registration.run_uid,
+            registration_id=request.registration.registration_id,
+            invocation_id=request.invocation_id,
+            input=request.input,
+            content_type=request.content_type,
+            timeout_millis=request.timeout_millis,
+            deadline=caller_deadline(context),
+            on_dispatch=cancel_on_client_exit(context),
+            hop=call.hop or tracing.UNTRACED,
         )
+        result = invocation.result
+        if result.logs:
+            call.trailers = ((LOGS_KEY, logs_trailer(result.logs)),)
+        call.attributes = {tracing.FENCE: "passed", tracing.INVOCATION_ID: invocation.invocation_id}
         return pb.InvokeFunctionResponse(
             registration=request.registration,
             invocation_id=invocation.invocation_id,
@@ -140,7 +134,6 @@ class FunctionRuntimeServicer(pb_grpc.FunctionRuntimeServicer):
             outputs=result.outputs or None,
         )
 
-    @translate_errors
     def UnregisterFunction(
         self, request: pb.UnregisterFunctionRequest, context: grpc.ServicerContext
     ) -> pb.UnregisterFunctionResponse:
@@ -160,7 +153,6 @@ class InvocationLogsServicer(logs_pb2_grpc.InvocationLogsServicer):
         self.registry = registry
         self.followers = Followers()
 
-    @translate_errors
     def FollowInvocationLogs(
         self, request: logs_pb2.FollowInvocationLogsRequest, context: grpc.ServicerContext
     ) -> Iterator[logs_pb2.InvocationLogRecord]:
@@ -192,7 +184,6 @@ class RuntimeServicer(pb_grpc.RuntimeServicer):
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
 
-    @translate_errors
     def Execute(
         self, request: pb.ExecuteRequest, context: grpc.ServicerContext
     ) -> pb.ExecuteResponse:

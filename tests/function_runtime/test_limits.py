@@ -21,7 +21,7 @@ from fnkernel.runtime_server import limits, wire
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from fnkernel.runtime_server.errors import InvalidField
-from fnkernel.runtime_server.rpc import logs_trailer, translate_errors
+from fnkernel.runtime_server.rpc import Pipeline, logs_trailer
 from tests.support import ECHO_PY, Client, digest
 
 READY = pb.FUNCTION_REGISTRATION_STATE_READY
@@ -375,11 +375,11 @@ def test_an_unexpected_error_is_internal_and_names_only_its_type(tmp_path: Path)
     # docs/protocol.md, "Errors": no traceback and no exception text of an unexpected error
     # reaches a status message (it may hold paths or secrets); the log has the detail.
     class Broken(pb_grpc.FunctionRuntimeServicer):
-        @translate_errors
         def FunctionStatus(self, request, context):  # type: ignore[no-untyped-def]
             raise RuntimeError("/secret/path token=abc")
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    pipeline = Pipeline([pb.DESCRIPTOR.services_by_name["FunctionRuntime"].full_name])
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), interceptors=(pipeline,))
     pb_grpc.add_FunctionRuntimeServicer_to_server(Broken(), server)
     address = f"unix:{tmp_path}/broken.sock"
     server.add_insecure_port(address)

@@ -128,6 +128,29 @@ def test_a_call_whose_client_hangs_up_is_exported_as_cancelled(
     calling.join(10)
 
 
+def test_a_create_the_gateway_refuses_is_exported_with_its_status_and_why(
+    exporting: tuple[Collector, Client, Stack],
+) -> None:
+    """docs/architecture.md, "One call pipeline per hop": a traced request's span ends as its
+    answer is finished, a failure included, with the status code and the failure's code and
+    message."""
+    received, client, _ = exporting
+    with pytest.raises(GatewayError):
+        client.create_run("bad", runtime="python", handler="handler.handle", files={}, env={"K": 1})  # type: ignore[dict-item]
+
+    def refused() -> dict | None:
+        return next(
+            (span for span in list(received.spans) if span["name"] == "POST /v1/runs"), None
+        )
+
+    wait_until(refused, timeout=20)
+    span = refused()
+    assert span is not None
+    assert span["attributes"]["http.response.status_code"] == 400
+    assert span["attributes"]["http.request.method"] == "POST"
+    assert span["status"] == "INVALID_ARGUMENT: env: must be an object of string values"
+
+
 def _swallow(client: Client, name: str) -> None:
     with contextlib.suppress(GatewayError):
         client.invoke(name, {})

@@ -33,6 +33,7 @@ from fnkernel.runtime_server.errors import DeadlineExceeded, EvaluatorSystemErro
 from fnkernel.runtime_server.krm.evaluators.base import EvalRequest, EvalResponse, split_image
 from fnkernel.runtime_server.krm.evaluators.server import RemoteEvaluator
 from fnkernel.runtime_server.krm.resources import resourcelist
+from fnkernel.system.waiting import attempts
 
 LOG = logging.getLogger("fnkernel.pods")
 DEFAULT_TTL = 30 * 60.0
@@ -477,7 +478,7 @@ class PodEvaluator:
     def evaluate(self, request: EvalRequest, deadline: float | None = None) -> EvalResponse:
         if not self.manager.backend.knows(request.image):
             raise NotFoundError(f"{request.image} has no pod image")
-        for attempt in (1, 2):
+        for attempt in attempts(2):  # the second on a fresh pod
             pod = self.manager.acquire(request.image, deadline)
             assert pod.client is not None
             try:
@@ -485,7 +486,7 @@ class PodEvaluator:
             except EvaluatorSystemError:
                 # UNAVAILABLE: the pod died or cannot serve. Evict it; retry once on a fresh pod.
                 self.manager.evict(request.image, pod)
-                if attempt == 2:
+                if attempt.last:
                     raise
                 continue
             finally:

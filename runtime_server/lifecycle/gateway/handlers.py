@@ -7,10 +7,12 @@ the Runs — create, list, get, delete, their files. Invocations are ``invoke``'
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
+from asyncio import Future
 from collections.abc import Awaitable, Callable
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ClassVar, ParamSpec, TypeVar
 
 import grpc
 import grpc.aio
@@ -184,6 +186,63 @@ class BaseHandler(web.RequestHandler):
         return body
 
 
+class TracedHandler(BaseHandler):
+    """A handler whose `traced_methods` are each one traced hop (docs/protocol.md, "Tracing"):
+    its HTTP server span (``METHOD route``, OpenTelemetry's HTTP attributes and the handler's
+    ``span_attributes``) begins once the checks of ``prepare`` pass and ends as the answer is
+    finished — with its status code and, for a failure, its code and message — or, for a caller
+    who went away, by ``abandon``. Its spans are handed back in ``X-Fn-Spans`` where
+    `spans_handed_back` and the caller sent a ``traceparent``; else they are recorded only where
+    the gateway exports (``tracing.recorded``). The handler adds its own spans to ``hop``."""
+
+    route: ClassVar[str]
+    traced_methods: ClassVar[frozenset[str]] = frozenset({"POST"})
+    spans_handed_back: ClassVar[bool] = False
+    hop: tracing.Hop | tracing.Untraced = tracing.UNTRACED
+
+    def span_attributes(self) -> dict[str, Any]:
+        """What the server span says beside the HTTP attributes (the Run's name, ...)."""
+        return {}
+
+    def prepare(self) -> None:
+        super().prepare()
+        self._failure = ""
+        method = self.request.method or ""
+        if method not in self.traced_methods:
+            return
+        traceparent = self.request.headers.get(wire.TRACEPARENT_HEADER)
+        name = f"{method} {self.route}"
+        attributes = {
+            "http.request.method": method,
+            "http.route": self.route,
+            **self.span_attributes(),
+        }
+        if not self.spans_handed_back:
+            self.hop = tracing.recorded("gateway", traceparent, name, attributes)
+        elif tracing.traced(traceparent):
+            self.hop = tracing.Hop("gateway", traceparent, name, attributes)
+
+    def send_failure(self, failure: FailureResponse) -> None:
+        self._failure = f"{failure.code}: {failure.message}"
+        super().send_failure(failure)
+
+    def finish(self, chunk: str | bytes | dict[str, Any] | None = None) -> Future[None]:
+        self._end_span(self.get_status(), self._failure)
+        return super().finish(chunk)
+
+    def abandon(self, why: str) -> None:
+        """End the span of a call whose caller went away: no answer, so no status code."""
+        self._end_span(0, why)
+
+    def _end_span(self, status: int, error: str) -> None:
+        hop, self.hop = self.hop, tracing.UNTRACED
+        if hop is tracing.UNTRACED:
+            return
+        spans = hop.finish({"http.response.status_code": status} if status else {}, error=error)
+        if self.spans_handed_back and spans and self.request.headers.get(wire.TRACEPARENT_HEADER):
+            self.set_header(wire.SPANS_HEADER, base64.b64encode(spans).decode("ascii"))
+
+
 def header_text(headers: Any, name: str, default: str = "") -> str:
     """A request header as its sender wrote it: tornado gives header values as Latin-1, so UTF-8
     bytes arrive garbled (``'Ù£'`` for ``'٣'``) and an error message quoting one would be too."""
@@ -246,7 +305,8 @@ class NoSuchPath(BaseHandler):
         raise FailureResponse("NOT_FOUND", f"no such path: {self.request.path[:200]}")
 
 
-class RunsHandler(BodyHandler):
+class RunsHandler(TracedHandler, BodyHandler):
+    route = "/v1/runs"  # a registration's spans are exported only (docs/protocol.md, "Tracing")
     # The files' text, at most 6 MiB in all (controlplane.check_files), grows when JSON escapes it.
     max_body = limits.GRPC_MAX_MESSAGE_BYTES
 
@@ -278,36 +338,24 @@ class RunsHandler(BodyHandler):
                 raise InvalidField(key, "is required (a string)")
             fields[key] = value
         control_plane = self.gateway.control_plane
-        # docs/protocol.md, "Tracing": a registration's spans, exported only.
-        hop = tracing.recorded("gateway", self.request.headers.get(wire.TRACEPARENT_HEADER), "POST /v1/runs", {
-            "http.request.method": "POST",
-            "http.route": "/v1/runs",
-            tracing.RUN_NAME: fields["name"],
-        })  # fmt: skip
-        try:
-            with hop.step("create the Run"):
-                run = await self.blocking(
-                    control_plane.create_run,
-                    **fields,
-                    files=files,
-                    env=env,
-                    idle_timeout_seconds=idle,
-                    memory_mb=memory,
-                    replicas=replicas,
-                    source=str(body.get("source", "")),
-                    traceparent=hop.traceparent,  # runtimed's registration joins this trace
-                )
-            hop.set(tracing.RUN_UID, run.uid)
-            with hop.step("wait for its registration"):
-                run = await self.blocking(control_plane.wait_settled, run.name, CREATE_WAIT_SECONDS)
-        except Exception as exc:
-            failure = self.failure(exc, 500)
-            hop.finish(
-                {"http.response.status_code": failure.status},
-                error=f"{failure.code}: {failure.message}",
+        hop = self.hop
+        hop.set(tracing.RUN_NAME, fields["name"])
+        with hop.step("create the Run"):
+            run = await self.blocking(
+                control_plane.create_run,
+                **fields,
+                files=files,
+                env=env,
+                idle_timeout_seconds=idle,
+                memory_mb=memory,
+                replicas=replicas,
+                source=str(body.get("source", "")),
+                traceparent=hop.traceparent,  # runtimed's registration joins this trace
             )
-            raise
-        hop.finish({"http.response.status_code": 201, tracing.RUN_PHASE: run.status.phase})
+        hop.set(tracing.RUN_UID, run.uid)
+        with hop.step("wait for its registration"):
+            run = await self.blocking(control_plane.wait_settled, run.name, CREATE_WAIT_SECONDS)
+        hop.set(tracing.RUN_PHASE, run.status.phase)
         self.send_json(201, await self.described(run))
 
 

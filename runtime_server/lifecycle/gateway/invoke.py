@@ -6,7 +6,6 @@ spans when asked.
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import time
 from typing import Any
@@ -24,7 +23,12 @@ from fnkernel.runtime_server.lifecycle.gateway.failures import (
     FailureResponse,
     rpc_error,
 )
-from fnkernel.runtime_server.lifecycle.gateway.handlers import BodyHandler, header_text, metadata_of
+from fnkernel.runtime_server.lifecycle.gateway.handlers import (
+    BodyHandler,
+    TracedHandler,
+    header_text,
+    metadata_of,
+)
 from fnkernel.runtime_server.lifecycle.runs import Run
 from fnkernel.runtime_server.rpc import trailer_logs
 from fnkernel.runtime_server.wire import (
@@ -47,31 +51,24 @@ def _timeline(gateway: dict[str, int], trailers: dict[str, Any]) -> str:
     return json.dumps(hops, separators=(",", ":"))
 
 
-class InvokeHandler(BodyHandler):
+class InvokeHandler(TracedHandler, BodyHandler):
     """POST /v1/runs/{name}:invoke — the body is the JSON payload (BodyHandler: bounded by
-    MAX_PAYLOAD_BYTES, refused with 413 before anything is looked up or called)."""
+    MAX_PAYLOAD_BYTES, refused with 413 before anything is looked up or called). A traced
+    call's spans go back with its answer (TracedHandler)."""
+
+    route = "/v1/runs/{name}:invoke"
+    spans_handed_back = True
 
     def prepare(self) -> None:
         self._received = time.monotonic_ns()  # the timeline's first reading (docs/protocol.md)
         self._call: grpc.aio.UnaryUnaryCall | None = None
-        self._hop: tracing.Hop | None = None  # a traced call's spans (docs/protocol.md, "Tracing")
         super().prepare()
 
-    def write_error(self, status_code: int, **kwargs: Any) -> None:
-        if self._hop is not None:  # a traced call that failed: its spans go with the failure
-            exc_info = kwargs.get("exc_info")
-            failure = self.failure(exc_info[1] if exc_info else None, status_code)
-            self._finish_trace(failure.status, f"{failure.code}: {failure.message}")
-        super().write_error(status_code, **kwargs)
-
-    def _finish_trace(self, status: int, error: str = "") -> None:
-        """End a traced call's spans: `status` its HTTP answer (0: none, the client left)."""
-        hop, self._hop = self._hop, None
-        if hop is not None:
-            attributes = {"http.response.status_code": status} if status else {}
-            spans = hop.finish(attributes, error=error)
-            if self.request.headers.get(wire.TRACEPARENT_HEADER):  # the caller asked for them
-                self.set_header(wire.SPANS_HEADER, base64.b64encode(spans).decode("ascii"))
+    def span_attributes(self) -> dict[str, Any]:
+        return {
+            tracing.RUN_NAME: self.path_kwargs.get("name") or next(iter(self.path_args), ""),
+            tracing.INVOCATION_ID: self.request.headers.get(wire.INVOCATION_ID_HEADER, ""),
+        }
 
     def on_connection_close(self) -> None:
         # The client hung up (an interrupted notebook cell): cancel, so the handler is killed.
@@ -103,11 +100,10 @@ class InvokeHandler(BodyHandler):
         metadata: tuple[tuple[str, str], ...] = ((POD_KEY, pod),)
         if timeline:
             metadata += ((TIMELINE_KEY, "1"),)
-        if self._hop is not None:
-            self._hop.set(tracing.RUN_UID, run.uid)
-            traceparent = self._hop.call(
-                tracing.INVOKE_SPAN, tracing.rpc_attributes("InvokeFunction")
-            )
+        hop = self.hop
+        if hop is not tracing.UNTRACED:
+            hop.set(tracing.RUN_UID, run.uid)
+            traceparent = hop.call(tracing.INVOKE_SPAN, tracing.rpc_attributes("InvokeFunction"))
             metadata += ((wire.TRACEPARENT_KEY, traceparent),)
         in_flight = self.gateway.in_flight
         if counted:
@@ -120,9 +116,9 @@ class InvokeHandler(BodyHandler):
             response = await self._call
             trailers = metadata_of(await self._call.trailing_metadata())
         except grpc.aio.AioRpcError as err:
-            if self._hop is not None:
+            if hop is not tracing.UNTRACED:
                 spans = metadata_of(err.trailing_metadata()).get(wire.SPANS_KEY)
-                self._hop.called(err.code().value[0], spans)
+                hop.called(err.code().value[0], spans)
             raise rpc_error(err, run, invocation_id) from None
         except asyncio.CancelledError:
             return None
@@ -142,14 +138,6 @@ class InvokeHandler(BodyHandler):
         timeout_millis = limits.parse_count(
             header_text(headers, wire.TIMEOUT_HEADER, "0"), wire.TIMEOUT_HEADER
         )
-        traceparent = headers.get(wire.TRACEPARENT_HEADER)
-        if tracing.traced(traceparent):
-            self._hop = tracing.Hop("gateway", traceparent, "POST /v1/runs/{name}:invoke", {
-                "http.request.method": "POST",
-                "http.route": "/v1/runs/{name}:invoke",
-                tracing.RUN_NAME: name,
-                tracing.INVOCATION_ID: invocation_id,
-            })  # fmt: skip
         run = self.gateway.store.get_fresh(name)
         timeline = headers.get(wire.TIMELINE_HEADER) == "1"
         if run.spec.replicas == 1 or run.spec.replica_of:
@@ -177,13 +165,12 @@ class InvokeHandler(BodyHandler):
                 run = candidate
                 break
         if answer is None:  # the client went away: its call was cancelled
-            self._finish_trace(0, "CANCELLED: the client went away")
+            self.abandon("CANCELLED: the client went away")
             return
         response, trailers, called = answer
-        if self._hop is not None:
-            self._hop.called(0, trailers.get(wire.SPANS_KEY))
-            self._hop.set(tracing.INVOCATION_ID, response.invocation_id)
-            self._finish_trace(200)
+        if self.hop is not tracing.UNTRACED:
+            self.hop.called(0, trailers.get(wire.SPANS_KEY))
+            self.hop.set(tracing.INVOCATION_ID, response.invocation_id)
         self.set_header("Content-Type", response.content_type or "application/json")
         self.set_header(wire.INVOCATION_ID_HEADER, response.invocation_id)
         outputs = json.dumps(dict(response.outputs), sort_keys=True) if response.outputs else "{}"

@@ -32,6 +32,7 @@ from fnkernel.runtime_server.lifecycle.kubernetes.informer import Informer, obje
 from fnkernel.runtime_server.lifecycle.kubernetes.objects import GROUP, PLURAL, VERSION
 from fnkernel.runtime_server.lifecycle.runs import Pod, Run, StatusChanges
 from fnkernel.runtime_server.wire import DELETED, FAILED, NEW
+from fnkernel.system.waiting import attempts
 
 LOG = logging.getLogger("fnkernel.kubernetes")
 _CONFLICT_TRIES = 50  # a status write that keeps meeting newer versions gives up after this
@@ -265,7 +266,7 @@ class KubernetesRunStore:
         """The fenced write: a PUT of the status with the resourceVersion it was computed from;
         on 409 the object is read again and the fence checked again."""
         obj = self._runs.get(run.uid)
-        for _ in range(_CONFLICT_TRIES):
+        for _ in attempts(_CONFLICT_TRIES):
             if obj is None:
                 return None
             current = objects.run_of(obj)
@@ -359,7 +360,7 @@ class KubernetesRunStore:
         name = obj["metadata"]["name"]
         last = obj  # the latest version of ours: the cache forgets every version up to it
         try:
-            for _ in range(_CONFLICT_TRIES):
+            for _ in attempts(_CONFLICT_TRIES):
                 meta = last["metadata"]
                 finalizers = [f for f in meta.get("finalizers") or () if f != objects.FINALIZER]
                 patch = {"metadata": {"finalizers": finalizers or None,

@@ -48,7 +48,11 @@ from fnkernel.runtime_server.lifecycle.runs import (
     RunStore,
 )
 from fnkernel.runtime_server.lifecycle.runtimed.health import Heartbeat
-from fnkernel.runtime_server.lifecycle.runtimed.proxy import LogsProxyServicer, ProxyServicer
+from fnkernel.runtime_server.lifecycle.runtimed.proxy import (
+    LogsProxyServicer,
+    ProxyServicer,
+    judged_by_fence,
+)
 from fnkernel.runtime_server.lifecycle.runtimed.server import (
     Active,
     ServerRegistrations,
@@ -58,6 +62,7 @@ from fnkernel.runtime_server.lifecycle.runtimed.workspace import Workspace
 from fnkernel.runtime_server.rpc import (
     CHANNEL_OPTIONS,
     CancellableCalls,
+    Pipeline,
     add_health,
     add_reflection,
     listen_on,
@@ -70,8 +75,9 @@ from fnkernel.runtime_server.wire import (
     PENDING,
     READY,
     RETRYING,
+    TIMELINE_RUNTIMED_KEY,
 )
-from fnkernel.system.waiting import Backoff
+from fnkernel.system.waiting import Backoff, attempts
 
 LOG = logging.getLogger("fnkernel.runtimed")
 UNSUPPORTED = "runtime does not support function mode"
@@ -133,8 +139,15 @@ class Runtimed:
     # Lifecycle
 
     def start(self, listen: str) -> str:
+        pipeline = Pipeline(
+            (FUNCTION_RUNTIME_SERVICE, INVOCATION_LOGS_SERVICE),
+            component="runtimed",
+            timeline_key=TIMELINE_RUNTIMED_KEY,
+            fence=judged_by_fence,
+        )
         self._grpc = grpc.server(
             futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="proxy"),
+            interceptors=[pipeline],
             options=CHANNEL_OPTIONS,
         )
         pb_grpc.add_FunctionRuntimeServicer_to_server(ProxyServicer(self), self._grpc)
@@ -301,7 +314,7 @@ class Runtimed:
             return None
         request = registration_request(run, working_dir)
         response = None
-        for tries in range(1, _REGISTER_RPC_TRIES + 1):
+        for attempt in attempts(_REGISTER_RPC_TRIES, _REGISTER_RPC_BACKOFF):
             traceparent = hop.call(
                 tracing.REGISTER_SPAN, tracing.rpc_attributes("RegisterFunction")
             )
@@ -312,10 +325,9 @@ class Runtimed:
             except grpc.RpcError as err:
                 hop.called(err.code().value[0], None)
                 verdict = decide(Step.REGISTER, err.code())
-                if verdict is Verdict.WAIT and tries < _REGISTER_RPC_TRIES:
+                if verdict is Verdict.WAIT and not attempt.last:
                     # docs/protocol.md: repeating an uncertain RegisterFunction for the same
                     # attempt is idempotent and does not change Run status.
-                    time.sleep(_REGISTER_RPC_BACKOFF.delay(tries))
                     continue
                 self._registration_failed(run, verdict, err.code(), err.details() or "")
                 return None

@@ -32,12 +32,11 @@ from fnkernel.runtime_server.lifecycle.runtimed.server import Active
 from fnkernel.runtime_server.rpc import (
     CancellableCalls,
     Followers,
-    ServedCall,
     caller_timeout,
     metadata_value,
     relayed_trailers,
+    served_call,
     trailer_value,
-    translate_errors,
 )
 from fnkernel.runtime_server.wire import (
     ATTEMPT_KEY,
@@ -45,7 +44,6 @@ from fnkernel.runtime_server.wire import (
     DIGEST_KEY,
     POD_KEY,
     SPANS_KEY,
-    TIMELINE_RUNTIMED_KEY,
 )
 
 LOG = logging.getLogger("fnkernel.runtimed")
@@ -73,6 +71,12 @@ class Agent(Protocol):
     def registration_lost(self, run: Run, active: Active, how: str = "") -> None: ...
 
 
+def judged_by_fence(exc: BaseException) -> str:
+    """How the routing fence judged a failed InvokeFunction (docs/protocol.md, fence table): it
+    refused a call routed to the wrong pod; any other failure it did not judge ("")."""
+    return f"refused: {type(exc).__name__}" if isinstance(exc, RoutedElsewhere) else ""
+
+
 def _outside_id(registration: pb.FunctionRegistration) -> None:
     if registration.registration_id:
         raise InvalidField(
@@ -89,28 +93,14 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
     def __init__(self, runtimed: Agent) -> None:
         self.runtimed = runtimed
 
-    @translate_errors
     def InvokeFunction(
         self, request: pb.InvokeFunctionRequest, context: grpc.ServicerContext
-    ) -> pb.InvokeFunctionResponse:
-        call = ServedCall("runtimed", TIMELINE_RUNTIMED_KEY, request, context)
-        try:
-            return self._invoke(request, context, call)
-        except Exception as exc:
-            # docs/protocol.md, fence table: routing
-            call.failed(
-                exc, f"refused: {type(exc).__name__}" if isinstance(exc, RoutedElsewhere) else ""
-            )
-            raise
-
-    def _invoke(
-        self, request: pb.InvokeFunctionRequest, context: grpc.ServicerContext, call: ServedCall
     ) -> pb.InvokeFunctionResponse:
         _outside_id(request.registration)
         routed_to = metadata_value(context, POD_KEY)
         run, active, cold = self.runtimed.resolve(request.registration.run_uid, routed_to)
         try:
-            return self._forward(request, context, run, active, cold, call)
+            return self._forward(request, context, run, active, cold)
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.UNAVAILABLE and context.is_active():
                 # The call broke off with its caller still there: the server may have died.
@@ -130,7 +120,7 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
         run, active, cold = self.runtimed.resolve(
             request.registration.run_uid, routed_to, fast=False
         )
-        return self._forward(request, context, run, active, cold, call)
+        return self._forward(request, context, run, active, cold)
 
     def _forward(
         self,
@@ -139,9 +129,9 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
         run: Run,
         active: Active,
         cold: bool,
-        call: ServedCall,
     ) -> pb.InvokeFunctionResponse:
         """Call the server with the active registration."""
+        call = served_call()
         forwarded = pb.InvokeFunctionRequest()
         forwarded.CopyFrom(request)
         forwarded.registration.registration_id = active.registration_id
@@ -180,11 +170,10 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
         trailers = answered.trailing_metadata()
         if hop is not None:
             hop.called(0, trailer_value(trailers, SPANS_KEY))
-        call.answer(metadata + relayed_trailers(trailers, {SPANS_KEY}), {})
+        call.trailers = metadata + relayed_trailers(trailers, {SPANS_KEY})
         self.runtimed.served(run, active)
         return response
 
-    @translate_errors
     def FunctionStatus(
         self, request: pb.FunctionStatusRequest, context: grpc.ServicerContext
     ) -> pb.FunctionStatusResponse:
@@ -206,13 +195,11 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
         wait = limits.status_wait_seconds(hops_below=1)
         return self.runtimed.server_stub.FunctionStatus(forwarded, timeout=wait)
 
-    @translate_errors
     def RegisterFunction(
         self, request: pb.RegisterFunctionRequest, context: grpc.ServicerContext
     ) -> pb.RegisterFunctionResponse:
         raise NotAllowedHere("RegisterFunction is runtimed's own call; create a Run instead")
 
-    @translate_errors
     def UnregisterFunction(
         self, request: pb.UnregisterFunctionRequest, context: grpc.ServicerContext
     ) -> pb.UnregisterFunctionResponse:
@@ -227,7 +214,6 @@ class LogsProxyServicer(logs_pb2_grpc.InvocationLogsServicer):
         self.runtimed = runtimed
         self.followers = Followers()
 
-    @translate_errors
     def FollowInvocationLogs(
         self, request: logs_pb2.FollowInvocationLogsRequest, context: grpc.ServicerContext
     ) -> Iterator[logs_pb2.InvocationLogRecord]:
