@@ -41,6 +41,7 @@ from typing import NamedTuple
 import grpc
 
 from fnkernel.adapters.calllogs import STREAMS
+from fnkernel.adapters.children import spawn_limited
 from fnkernel.adapters.python import WORKER_SCRIPT
 from fnkernel.runtime_server import limits
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
@@ -56,7 +57,7 @@ BASH_HANDLER = "handle() { printf '%s' \"$1\"; }\n"
 PY_HANDLER = "def handle(event):\n    return event\n"
 PAYLOAD = b'{"command":"status"}'
 CHECKED_RUN = "bench-checked"  # the checked skeleton's run_uid
-MEMORY = str(limits.DEFAULT_MEMORY_MB << 20)  # its worker's memory limit, as a Run's
+MEMORY_BYTES = limits.DEFAULT_MEMORY_MB << 20  # its worker's memory limit, as a Run's
 
 
 def serve_echo(address: str, spawn_bash: str | None) -> None:
@@ -178,8 +179,9 @@ def serve_checked_skeleton(address: str, root: str) -> None:
     flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
     logs = [os.open(f"{root}/checked.{stream}", flags, 0o600) for stream in STREAMS]
     fds = (str(req_r), str(resp_w))  # the worker's last arguments: its frame pipes
-    worker = subprocess.Popen(
-        [sys.executable, "-P", str(WORKER_SCRIPT), CHECKED_RUN, "handler", "handle", MEMORY, *fds],
+    worker = spawn_limited(
+        [sys.executable, "-P", str(WORKER_SCRIPT), CHECKED_RUN, "handler", "handle", *fds],
+        MEMORY_BYTES,
         cwd=root,
         stdin=subprocess.DEVNULL,
         stdout=logs[0],
