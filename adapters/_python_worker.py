@@ -245,6 +245,29 @@ def keep_freed_memory() -> None:
     mallopt(-1, 32 << 20)  # M_TRIM_THRESHOLD
 
 
+_PACKAGES_ENV = "FNKERNEL_PACKAGES"  # adapters/python.py: PACKAGES_ENV
+
+
+def _add_packages(directory: str) -> None:
+    """The Run's requirements (docs/protocol.md, "Requirements"), installed in `directory`:
+    ahead of site-packages, so its versions win over the pod's own, but after the standard
+    library, which no package may shadow; its ``.pth`` files are read as site-packages' are."""
+    if not directory:
+        return
+    import site
+
+    first_site = next(
+        (
+            i
+            for i, entry in enumerate(sys.path)
+            if entry.endswith(("site-packages", "dist-packages"))
+        ),
+        len(sys.path),
+    )
+    sys.path.insert(first_site, directory)
+    site.addsitedir(directory)
+
+
 def main() -> None:
     run_uid, module_name, function_name, req_fd, resp_fd = sys.argv[1:6]
     del sys.argv[4:6]  # the handler sees no descriptor numbers (see above)
@@ -253,6 +276,7 @@ def main() -> None:
     os.set_inheritable(req, False)  # the handler's own subprocesses must not hold our frame pipes
     os.set_inheritable(resp, False)
     sys.path.insert(0, os.getcwd())
+    _add_packages(os.environ.get(_PACKAGES_ENV, ""))
     # A print is in the log file at once, as on a terminal, for whoever follows the call live
     # (docs/protocol.md, "Live output"); stderr is line-buffered already.
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # a TextIOWrapper

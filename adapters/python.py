@@ -20,6 +20,9 @@ from fnkernel.adapters.errors import (
 from fnkernel.adapters.worker import WorkerCall
 
 WORKER_SCRIPT = Path(__file__).with_name("_python_worker.py")
+# A registration's env names here its requirements' directory, which the worker puts on sys.path
+# ahead of site-packages (docs/protocol.md, "Requirements"; the worker spells it too).
+PACKAGES_ENV = "FNKERNEL_PACKAGES"
 # docs/protocol.md, "Limits": dotted identifiers, at least module.function, at most 256 bytes.
 _HANDLER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+")
 MAX_HANDLER_BYTES = 256

@@ -27,6 +27,7 @@ class Spec:
     idle_timeout: int = 0
     memory: int = 0  # MiB (0: the default)
     replicas: int = 1  # Runs serving the function (docs/protocol.md, "Replicas")
+    requirements: tuple[str, ...] = ()  # PEP 508 (docs/protocol.md, "Requirements")
 
     @property
     def filename(self) -> str:
@@ -48,6 +49,7 @@ class Spec:
             idle_timeout_seconds=self.idle_timeout,
             memory_mb=self.memory,
             replicas=self.replicas,
+            requirements=self.requirements,
         ).digest()
 
     def origin(self, owner: str) -> str:

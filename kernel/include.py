@@ -101,12 +101,39 @@ def hint(message: str, source: str, shipped: Mapping[str, str], base: Path) -> s
         include = local_modules(source, base).get(module)
         if include is not None and include.rstrip("/") not in _shipped_tops(shipped):
             return f"{include} is beside the notebook: ship it with --include {include}"
+        installed = _kernels_distribution(found[1])
+        if installed is not None:
+            name, version = installed
+            return (
+                f"{found[1]} is not installed in the runtime; your kernel has {name} {version}: "
+                f"add --requirements {name}=={version}"
+            )
     found = _MISSING_FILE.search(message)
     if found:
         relative = PurePosixPath(found[1])
         if not relative.is_absolute() and (base / relative).is_file():
             return f"{relative} is beside the notebook: ship it with --include {relative}"
     return ""
+
+
+def _kernels_distribution(module: str) -> tuple[str, str] | None:
+    """The distribution that gives this kernel's environment `module` (``pandas``,
+    ``google.protobuf``: where several share a top-level name, the one with the module's
+    files), and its version; None if none does (docs/protocol.md, "Requirements")."""
+    from importlib import metadata
+
+    top, _, _ = module.partition(".")
+    below = module.replace(".", "/") + "/"
+    candidates = metadata.packages_distributions().get(top, [])
+    shared = len(candidates) > 1 and "." in module  # a namespace: find the module's files
+    for name in candidates:
+        if shared and not any(str(p).startswith(below) for p in metadata.files(name) or []):
+            continue
+        try:
+            return name, metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def _shipped_tops(shipped: Mapping[str, str]) -> set[str]:

@@ -131,6 +131,15 @@ FUNCTION_PARSER.add_argument(
 FUNCTION_PARSER.add_argument(
     "--replicas", type=_number(int), default=1, metavar="N", help="how many Runs serve it"
 )
+FUNCTION_PARSER.add_argument(
+    "--requirements", nargs="+", action="extend", default=[], metavar="REQ",
+    help="Python packages the handler imports, each a PEP 508 requirement ('pandas>=2.2'), "
+    "installed for it on the stack (docs/protocol.md, 'Requirements')",
+)  # fmt: skip
+FUNCTION_PARSER.add_argument(
+    "--requirements-file", metavar="PATH",
+    help="a requirements.txt beside the notebook listing more of them",
+)  # fmt: skip
 
 
 def _parse(parser: _Parser, line: str) -> argparse.Namespace | None:
@@ -162,6 +171,7 @@ class FunctionMagics(Magics):
     def function(self, line: str, cell: str | None = None) -> None:
         """%%function NAME [--runtime python|bash] [--handler H] [--env KEY[=VALUE]]...
         [--include PATH...] [--idle-timeout S] [--timeout S] [--memory MIB] [--replicas N]
+        [--requirements REQ...] [--requirements-file PATH]
 
         Register the cell as the handler source (NAME.py / NAME.sh, default handler
         NAME.handler) and bind NAME to a callable: NAME(payload), NAME.invoke(...),
@@ -186,7 +196,17 @@ class FunctionMagics(Magics):
             raise UsageError(f"%%function {args.name} {exc}") from None
         # The stack checks these too; checked here, an edited cell's bad flag leaves the
         # registered function as it was.
+        requirements = list(args.requirements)
+        if args.requirements_file:
+            try:
+                requirements += limits.requirements_in(Path(args.requirements_file).read_text())
+            except (OSError, UnicodeDecodeError) as exc:
+                raise UsageError(
+                    f"%%function {args.name} --requirements-file: cannot read "
+                    f"{args.requirements_file}: {exc}"
+                ) from None
         checks: list[tuple[str, Callable[[], object]]] = [
+            ("--requirements", lambda: limits.check_requirements(requirements, args.runtime)),
             ("--memory", lambda: limits.check_memory_mb(args.memory)),
             ("--idle-timeout", lambda: limits.check_idle_timeout(args.idle_timeout)),
             ("--env", lambda: limits.check_env(dict(args.env))),
@@ -206,6 +226,7 @@ class FunctionMagics(Magics):
             idle_timeout=args.idle_timeout,
             memory=args.memory,
             replicas=args.replicas,
+            requirements=tuple(requirements),
         )
         if spec.filename in files:
             raise UsageError(

@@ -9,7 +9,9 @@ import getpass
 import os
 import re
 import socket
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,7 @@ from fnkernel.kernel.functions import Function, NotOwned, RegistrationInterrupte
 from fnkernel.kernel.output import HandlerFailedInCell, cell_line
 from fnkernel.kernel.previous import PreviousKernel
 from fnkernel.kernel.trace import Trace
-from fnkernel.runtime_server.client import Run
+from fnkernel.runtime_server.client import Client, Run
 from fnkernel.runtime_server.client.errors import (
     FunctionNotFound,
     GatewayError,
@@ -39,6 +41,7 @@ OWNER_ENV = "FNKERNEL_OWNER"  # who this kernel is, as its functions record it
 # 1024 characters the Run's schema allows.
 _OWNER_CHARS = 512
 _REUSABLE = ("Ready", "Idle")  # a Run in these phases is kept when its cell is run unchanged
+_PROGRESS_SECONDS = 0.5  # how often a registering cell's card reads its install's progress
 
 
 def in_cell(message: str, spec: Spec) -> str:
@@ -83,12 +86,43 @@ _FLAGS = {
     "memoryMb": "--memory",
     "idleTimeoutSeconds": "--idle-timeout",
     "replicas": "--replicas",
+    "requirements": "--requirements",
     "env": "--env",
     "handler": "--handler",
     "runtime": "--runtime",
     "files": "(the cell and --include)",
     "name": "NAME",
 }
+
+
+@contextlib.contextmanager
+def _installing(
+    client: Client, spec: Spec, show: Callable[[RegistrationCard], None]
+) -> Iterator[None]:
+    """While a cell with requirements registers, its card shows the install's progress: the
+    Run's status message, which its runtimed sets to uv's latest line (docs/protocol.md,
+    "Requirements"), read every half second."""
+    if not spec.requirements:
+        yield
+        return
+    done = threading.Event()
+
+    def watch() -> None:
+        shown = ""
+        while not done.wait(_PROGRESS_SECONDS):
+            with contextlib.suppress(GatewayError):
+                message = client.status(spec.name).message
+                if message.startswith("installing") and message != shown:
+                    shown = message
+                    show(RegistrationCard(spec.name, spec.runtime, "registering", note=message))
+
+    watcher = threading.Thread(target=watch, name="fnkernel-install-progress", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join(_PROGRESS_SECONDS * 4)
 
 
 def _with_flags(spec: Spec, create: Callable[..., Run]) -> Callable[..., Run]:
@@ -99,6 +133,7 @@ def _with_flags(spec: Spec, create: Callable[..., Run]) -> Callable[..., Run]:
             return create(*args, **kwargs)
         except InvalidRequest as refused:
             field, colon, reason = refused.message.partition(": ")
+            field = field.split("[", 1)[0]  # requirements[2]: the flag that gave it
             if not colon or field not in _FLAGS:
                 raise
             raise UsageError(f"%%function {spec.name} {_FLAGS[field]}: {reason}") from None
@@ -198,17 +233,23 @@ class Session:
             )
         )
         try:
-            run = _with_flags(spec, client.create_run)(
-                spec.name,
-                runtime=spec.runtime,
-                handler=spec.handler,
-                files=spec.all_files,
-                env=spec.env,
-                idle_timeout_seconds=spec.idle_timeout,
-                memory_mb=spec.memory,
-                origin=origin,
-                replicas=spec.replicas,
-            )
+            with _installing(client, spec, show):
+                run = _with_flags(spec, client.create_run)(
+                    spec.name,
+                    runtime=spec.runtime,
+                    handler=spec.handler,
+                    files=spec.all_files,
+                    env=spec.env,
+                    idle_timeout_seconds=spec.idle_timeout,
+                    memory_mb=spec.memory,
+                    origin=origin,
+                    replicas=spec.replicas,
+                    requirements=spec.requirements,
+                )
+                while spec.requirements and run.phase == "Pending":
+                    # An install can outlast the create's wait: the cell waits for it.
+                    time.sleep(_PROGRESS_SECONDS)
+                    run = client.status(spec.name)
         except (RequestCancelled, KeyboardInterrupt):
             # Interrupted while it registered: nothing half-registered stays behind (a Run left
             # Pending would make the cell's next run wait for it).

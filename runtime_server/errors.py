@@ -80,6 +80,12 @@ class RunFilesMissing(RuntimeServerError):
     them is gone or holds other text (docs/kubernetes.md, "Reads"); the message names it."""
 
 
+class RequirementsFailed(RuntimeServerError):
+    """A Run's requirements could not be resolved or installed on its node; the message has
+    the installer's own words (docs/protocol.md, "Requirements"). The Run fails: the same
+    requirements fail the same way, so no retry."""
+
+
 class RunNotReady(RuntimeServerError):
     """The Run cannot take an invocation now: it is pending, retrying, failed or being deleted."""
 

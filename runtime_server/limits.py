@@ -9,7 +9,7 @@ import hashlib
 import re
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from fnkernel.adapters import Adapter
@@ -148,6 +148,54 @@ def check_memory_mb(memory_mb: int, field: str = "memory_mb") -> int:
             f"must be 0 (the default, {DEFAULT_MEMORY_MB}) or {MIN_MEMORY_MB} to {MAX_MEMORY_MB} MiB, got {memory_mb}",
         )
     return memory_mb
+
+
+MAX_REQUIREMENTS = 64
+MAX_REQUIREMENT_BYTES = 512
+# The runtimes whose handlers import Python packages (docs/protocol.md, "Requirements").
+REQUIREMENTS_RUNTIMES = ("python",)
+
+
+def check_requirements(
+    requirements: Sequence[object], runtime: str, field: str = "requirements"
+) -> tuple[str, ...]:
+    """A Run's requirements: each a PEP 508 requirement (``pandas>=2.2``, ``pkg[extra]``,
+    ``pkg @ URL``), at most MAX_REQUIREMENTS of at most MAX_REQUIREMENT_BYTES; only for a
+    Python runtime. InvalidField names the first that is not."""
+    if not requirements:
+        return ()
+    if runtime not in REQUIREMENTS_RUNTIMES:
+        raise InvalidField(field, f"the {runtime} runtime takes no Python packages")
+    if len(requirements) > MAX_REQUIREMENTS:
+        raise InvalidField(field, f"{len(requirements)} requirements; at most {MAX_REQUIREMENTS}")
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    checked = []
+    for index, text in enumerate(requirements):
+        where = f"{field}[{index}]"
+        if not isinstance(text, str):
+            raise InvalidField(where, "must be a string")
+        if len(text.encode()) > MAX_REQUIREMENT_BYTES:
+            raise InvalidField(where, f"is longer than {MAX_REQUIREMENT_BYTES} bytes")
+        if text.strip().startswith("-"):
+            raise InvalidField(
+                where, f"{text!r} is an installer option; the index is the stack's to choose"
+            )
+        try:
+            Requirement(text)
+        except InvalidRequirement as exc:
+            first = str(exc).splitlines()[0]
+            raise InvalidField(where, f"{text!r} is not a PEP 508 requirement: {first}") from None
+        checked.append(text.strip())
+    return tuple(checked)
+
+
+def requirements_in(text: str) -> list[str]:
+    """The requirements a requirements file lists: a line each, without comments (``#`` to the
+    line's end) and blank lines. An option line (``-r``, ``--index-url``) is kept, for
+    ``check_requirements`` to refuse by name."""
+    lines = (line.split(" #", 1)[0].strip() for line in text.splitlines())
+    return [line for line in lines if line and not line.startswith("#")]
 
 
 def check_digest(digest: str) -> str:

@@ -102,6 +102,7 @@ def _runtimed(args: argparse.Namespace) -> int:
     from fnkernel.runtime_server import daemon, logs
     from fnkernel.runtime_server.daemon import announcement
     from fnkernel.runtime_server.lifecycle.runtimed import Runtimed
+    from fnkernel.runtime_server.lifecycle.runtimed.packages import PackageCache
     from fnkernel.runtime_server.lifecycle.topology import MissingWorkspace
     from fnkernel.system.private import private_dir
 
@@ -112,12 +113,17 @@ def _runtimed(args: argparse.Namespace) -> int:
         workspace = topology.workspace(args.pod, Path(args.workspace) if args.workspace else None)
     except MissingWorkspace as exc:
         raise UsageError(f"runtimed: --workspace is needed: {exc}") from None
+    try:
+        packages = topology.packages(Path(args.packages) if args.packages else None)
+    except MissingWorkspace as exc:
+        raise UsageError(f"runtimed: --packages is needed: {exc}") from None
     runtimed = Runtimed(
         topology.open_store(pods=False, only_pod=args.pod),
         pod=args.pod,
         runtime=args.runtime,
         server_address=args.server,
         workspace=private_dir(workspace),
+        packages=PackageCache(packages, max_bytes=args.packages_max_gib << 30),
         poll_interval=args.poll_interval,
     )
     try:
@@ -413,6 +419,19 @@ def register(commands: Any) -> None:
         metavar="DIR",
         help="where it writes its Runs' files; inside its server's --workspace-root "
         "(default: STATE_DIR/workspace/POD)",
+    )
+    runtimed.add_argument(
+        "--packages",
+        metavar="DIR",
+        help="the node's cache of the Runs' requirements, shared by the pods of a node "
+        "(default: STATE_DIR/packages)",
+    )
+    runtimed.add_argument(
+        "--packages-max-gib",
+        type=count,
+        default=10,
+        metavar="GIB",
+        help="past this, the least recently used requirement sets are removed (default 10)",
     )
     _add_store_flags(runtimed)
     add_state_dir(runtimed)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from fnkernel.adapters import runtimes
+from fnkernel.runtime_server import limits
 from fnkernel.runtime_server.cli.common import (
     EXIT_FAILURE,
     EXIT_OK,
@@ -31,6 +32,20 @@ def _parse_env(pairs: Sequence[str]) -> dict[str, str]:
         raise UsageError(f"--env {exc}") from None
 
 
+def requirements_of(args: argparse.Namespace) -> list[str]:
+    """--requirements, then what --requirements-file lists (docs/protocol.md, "Requirements")."""
+    requirements = list(args.requirements)
+    if args.requirements_file:
+        try:
+            text = Path(args.requirements_file).read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(
+                f"--requirements-file: cannot read {args.requirements_file}: {exc}"
+            ) from None
+        requirements += limits.requirements_in(text)
+    return requirements
+
+
 def _runs_create(args: argparse.Namespace) -> int:
     run = client_of(args).create_run(
         args.name,
@@ -41,6 +56,7 @@ def _runs_create(args: argparse.Namespace) -> int:
         idle_timeout_seconds=args.idle_timeout,
         memory_mb=args.memory,
         replicas=args.replicas,
+        requirements=requirements_of(args),
     )
     print_json(run)
     return EXIT_FAILURE if run.failed else EXIT_OK
@@ -189,6 +205,16 @@ def register(commands: Any) -> None:
         default=1,
         metavar="N",
         help="N Runs serve the function, a call going to a free one (default 1)",
+    )
+    create.add_argument(
+        "--requirements",
+        nargs="+",
+        default=[],
+        metavar="REQ",
+        help="Python packages the handler imports (PEP 508: 'pandas>=2.2'), installed for it",
+    )
+    create.add_argument(
+        "--requirements-file", metavar="PATH", help="a requirements.txt of more of them"
     )
     create.set_defaults(func=_runs_create)
     listing = runs_commands.add_parser("list", help="list Runs")

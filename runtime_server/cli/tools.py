@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     pass
 
 
-BENCHMARKS = ("invoke", "gateway", "throughput", "map", "kernel", "krm")
+BENCHMARKS = ("invoke", "gateway", "throughput", "map", "kernel", "krm", "requirements")
 
 
 def _bench(args: argparse.Namespace) -> int:

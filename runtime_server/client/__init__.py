@@ -12,7 +12,7 @@ import os
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -94,11 +94,13 @@ class Client(Transport):
         memory_mb: int = 0,
         origin: str = "",
         replicas: int = 1,
+        requirements: Sequence[str] = (),
     ) -> Run:
         """Create a Run from `files` or from the file or directory `source`; the Run as it
         stands once Ready or Failed. `origin` (default: the `source` path) is recorded as the
         Run's ``spec.source``. `replicas` > 1: that many Runs serve the function, and the
-        answer lists them (docs/protocol.md, "Replicas")."""
+        answer lists them (docs/protocol.md, "Replicas"). `requirements`: the Python packages
+        its handler imports, installed on its node (docs/protocol.md, "Requirements")."""
         if files is None:
             if source is None:
                 raise ValueError("create_run needs files or source")
@@ -115,6 +117,8 @@ class Client(Transport):
         }
         if replicas != 1:
             body["replicas"] = replicas
+        if requirements:
+            body["requirements"] = list(requirements)
         return Run(self._json("POST", "/v1/runs", body))
 
     def files(self, name: str) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import PurePosixPath
 
@@ -140,6 +140,7 @@ def checked_spec(
         idle_timeout_seconds=limits.check_idle_timeout(spec.idle_timeout_seconds)
         or limits.DEFAULT_IDLE_TIMEOUT_SECONDS,
         memory_mb=limits.check_memory_mb(spec.memory_mb, "memoryMb"),
+        requirements=limits.check_requirements(spec.requirements, spec.runtime),
         files_sha256=files_digest(checked),
     ), checked
 
@@ -188,6 +189,7 @@ class ControlPlane:
         source: str = "",
         memory_mb: int = 0,
         replicas: int = 1,
+        requirements: Sequence[str] = (),
         traceparent: str = "",
     ) -> Run:
         """Validate, assign a pod, and store the Run with its files; phase Pending. With
@@ -195,7 +197,7 @@ class ControlPlane:
         each assigned to the least-loaded pod in turn; replica 0, named `name`, is returned.
 
         Idempotent: a Run of that name created with the same spec (runtime, handler, files, env,
-        idle timeout, replicas) is returned as it is — a client that lost the answer to its
+        idle timeout, memory, replicas, requirements) is returned as it is — a client that lost the answer to its
         create (the gateway crashed) can repeat it, and a repeat creates the replicas a crash
         left uncreated. Another spec under a taken name is RunAlreadyExists. A create that
         fails removes the replicas it made. `traceparent`: the traced create's context, for
@@ -214,6 +216,7 @@ class ControlPlane:
             idle_timeout_seconds=idle_timeout_seconds,
             memory_mb=memory_mb,
             replicas=replicas,
+            requirements=tuple(requirements),
         )
         spec, checked = checked_spec(name, asked, files)
         spec = replace(spec, source=source or f"{len(checked)} file(s)")

@@ -66,10 +66,15 @@ class RunSpec:
     replicas: int = 1
     replica_of: str = ""
     source: str = ""
+    # The Python packages its handler imports, each a PEP 508 requirement, installed on its
+    # node beside the pod's own (docs/protocol.md, "Requirements").
+    requirements: tuple[str, ...] = ()
 
     def digest(self) -> str:
         """``sha256:`` + the SHA-256 of what it runs, canonical: its files, runtime, handler,
-        env, idle timeout, memory limit and replicas, with a default spelled as its value.
+        env, idle timeout, memory limit, replicas and requirements (in any order the same set),
+        with a default spelled as its value — and no requirements not spelled at all, so a spec
+        without them has the digest it had before there were any.
         Equal digests are the same function: the registration digest runtimed gives the
         Runtime Server (docs/protocol.md, "Registration"), what makes a repeated create the
         same one, and the kernel's "is this cell unchanged?"."""
@@ -82,6 +87,8 @@ class RunSpec:
             "memoryMb": self.memory_mb or limits.DEFAULT_MEMORY_MB,
             "replicas": self.replicas,
         }
+        if self.requirements:
+            canonical["requirements"] = sorted(self.requirements)
         text = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
         return limits.sha256_digest(text.encode())
 
@@ -178,6 +185,7 @@ class Run:
                 # Only for a replica set: one Run is shown as it always was.
                 **({"replicas": spec.replicas} if spec.replicas != 1 else {}),
                 **({"replicaOf": spec.replica_of} if spec.replica_of else {}),
+                **({"requirements": list(spec.requirements)} if spec.requirements else {}),
             },
             "status": {
                 "phase": status.phase,

@@ -68,7 +68,8 @@ CREATE TABLE IF NOT EXISTS runs (
     replicas INTEGER NOT NULL DEFAULT 1,
     replica_of TEXT NOT NULL DEFAULT '',
     traceparent TEXT NOT NULL DEFAULT '',
-    files_sha256 TEXT NOT NULL DEFAULT ''
+    files_sha256 TEXT NOT NULL DEFAULT '',
+    requirements TEXT NOT NULL DEFAULT '[]'
 );
 CREATE TABLE IF NOT EXISTS run_files (
     uid TEXT PRIMARY KEY,
@@ -110,17 +111,22 @@ def _read_tree(root: Path) -> dict[str, str]:
 _SPEC_COLUMNS = tuple(f.name for f in fields(RunSpec))
 _STATUS_COLUMNS = tuple(f.name for f in fields(RunStatus))
 _JSON_COLUMNS = frozenset({"env", "outputs"})
+_LIST_COLUMNS = frozenset({"requirements"})  # a tuple, as a JSON array
 
 
 def _column(name: str, value: Any) -> Any:
     """A spec's or status's field as its column holds it."""
     if name in _JSON_COLUMNS:
         return json.dumps(dict(value), sort_keys=True, ensure_ascii=False)
+    if name in _LIST_COLUMNS:
+        return json.dumps(list(value), ensure_ascii=False)
     return int(value) if isinstance(value, bool) else value
 
 
 def _run(row: sqlite3.Row) -> Run:
     def value(name: str) -> Any:
+        if name in _LIST_COLUMNS:
+            return tuple(json.loads(row[name]))
         return json.loads(row[name]) if name in _JSON_COLUMNS else row[name]
 
     status = {name: value(name) for name in _STATUS_COLUMNS}

@@ -7,7 +7,8 @@ store modules it opens) knows which store a deployment has; the Kubernetes one i
 
 - ``OneMachine``: the embedded runtime and ``fnkernel up``. SQLite in the state dir, shared by
   every process; the gateway process runs the control plane's loop; each pod's workspace is
-  ``STATE_DIR/workspace/POD``; the stack's ``LocalProvisioner`` starts pods as processes.
+  ``STATE_DIR/workspace/POD``, and the pods share one package cache, ``STATE_DIR/packages``;
+  the stack's ``LocalProvisioner`` starts pods as processes.
 - ``Kubernetes``: Run objects of the API server; the ``controller`` runs the loop and the
   gateway only creates, deletes and routes; a pod's workspace is a volume of the pod, named by
   its manifest; the Deployments of ``deploy/`` keep the pods (no component of ours starts one).
@@ -22,6 +23,7 @@ from typing import Protocol
 from fnkernel.runtime_server.lifecycle.runs import RunStore
 
 WORKSPACE_DIR = "workspace"  # one machine: STATE_DIR/WORKSPACE_DIR/POD
+PACKAGES_DIR = "packages"  # one machine: STATE_DIR/PACKAGES_DIR, every pod's
 
 
 class MissingWorkspace(ValueError):
@@ -42,6 +44,12 @@ class Topology(Protocol):
     def workspace(self, pod: str, given: Path | None = None) -> Path:
         """Where the runtimed of `pod` writes its Runs' files: `given` if its deployment names
         one, else the topology's own place; MissingWorkspace if it has none."""
+        ...
+
+    def packages(self, given: Path | None = None) -> Path:
+        """Where a runtimed keeps the node's cache of its Runs' requirements (docs/protocol.md,
+        "Requirements"): `given` if its deployment names one, else the topology's own place;
+        MissingWorkspace if it has none."""
         ...
 
     def where(self) -> str:
@@ -71,6 +79,10 @@ class OneMachine:
 
     def workspace(self, pod: str, given: Path | None = None) -> Path:
         return given if given is not None else self.workspace_root / pod
+
+    def packages(self, given: Path | None = None) -> Path:
+        # One cache for the machine: every pod's Runs share what they install.
+        return given if given is not None else self.state_dir / PACKAGES_DIR
 
     def where(self) -> str:
         return f"state dir {self.state_dir}"

@@ -19,6 +19,7 @@ from fnkernel.kernel.demo import output_text
 from fnkernel.kernel.kernel import KERNEL_NAME
 from fnkernel.runtime_server.client import Client
 from fnkernel.runtime_server.lifecycle.stack import Stack
+from tests.wheelhouse import build_wheelhouse, offline_index
 
 pytestmark = pytest.mark.usefixtures("fnkernel_spec")
 
@@ -239,6 +240,35 @@ def test_env_values_stay_out_of_what_a_notebook_saves(notebook_dir: Path) -> Non
     shown = ok(cells[3]) + ok(cells[4]) + card
     assert "API_KEY" in shown and "sk-very-secret" not in shown
     assert "'NOPE' is not set in this kernel's environment" in usage_error(cells[5])
+
+
+def test_a_function_brings_its_own_packages(notebook_dir: Path) -> None:
+    # docs/protocol.md, "Requirements": --requirements and --requirements-file install a
+    # cell's packages for its handler on the embedded runtime (from the test's wheelhouse,
+    # never an index); a bad one is refused naming the flag, one that cannot be resolved fails
+    # the registration in uv's words; the card showed the install's progress meanwhile.
+    env = offline_index(build_wheelhouse(notebook_dir / "wheelhouse"))
+    (notebook_dir / "requirements.txt").write_text(
+        "# ours\nfnk-alpha==2.0  # the newest\nfnk-beta\n"
+    )
+    versions = "import fnk_alpha, fnk_beta\ndef handler(event):\n    return fnk_alpha.VERSION\n"
+    cells = execute(notebook_dir, [
+        f'%%function pinned --requirements fnk-beta "fnk-alpha==1.0"\n{versions}',
+        "pinned()",
+        f"%%function listed --requirements-file requirements.txt\n{versions}",
+        "listed()",
+        '%%function bad --requirements "fnk-alpha>>2"\ndef handler(event):\n    return 1\n',
+        '%%function unresolved --requirements "fnk-alpha>=9"\ndef handler(event):\n    return 1\n',
+    ], env=env)  # fmt: skip
+    ok(cells[0])
+    assert ok(cells[1]) == "'1.0'"
+    ok(cells[2])
+    assert ok(cells[3]) == "'2.0'"
+    refused = usage_error(cells[4])
+    assert "%%function bad --requirements: 'fnk-alpha>>2' is not a PEP 508 requirement" in refused
+    failed = error(cells[5])
+    assert failed["ename"] == "RegistrationFailed"
+    assert "cannot resolve the requirements" in failed["evalue"] and "fnk-alpha" in failed["evalue"]
 
 
 def test_small_habits(notebook_dir: Path) -> None:

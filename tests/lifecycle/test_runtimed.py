@@ -26,6 +26,7 @@ from fnkernel.runtime_server.function_runtime.server import RuntimeServer
 from fnkernel.runtime_server.lifecycle.controlplane import ControlPlane, RetryPolicy
 from fnkernel.runtime_server.lifecycle.runs import Run, RunSpec, RunStatus, files_digest
 from fnkernel.runtime_server.lifecycle.runtimed import UNSUPPORTED, Runtimed
+from fnkernel.runtime_server.lifecycle.runtimed.packages import PackageCache
 from fnkernel.runtime_server.lifecycle.runtimed.server import registration_request
 from fnkernel.runtime_server.lifecycle.sqlite import SqliteRunStore
 from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS, CancellableCalls
@@ -86,6 +87,7 @@ def pod_runtimed(store: SqliteRunStore, server_address: str, workspace: Path) ->
         runtime="python",
         server_address=server_address,
         workspace=workspace / POD,
+        packages=PackageCache(workspace.parent / "packages"),
         poll_interval=0.2,
     )
 
@@ -131,6 +133,7 @@ def restart_runtimed(pod: Pod) -> tuple[Runtimed, str]:
         runtime="python",
         server_address=pod.runtimed.server_address,
         workspace=pod.runtimed.workspace,
+        packages=pod.runtimed.packages,
         poll_interval=0.2,
     )
     return successor, successor.start("unix:" + pod.runtimed.address[5:] + "2")

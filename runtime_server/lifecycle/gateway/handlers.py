@@ -331,6 +331,9 @@ class RunsHandler(TracedHandler, BodyHandler):
         replicas = body.get("replicas", 1)
         if not isinstance(replicas, int) or isinstance(replicas, bool):
             raise InvalidField("replicas", "must be an integer")
+        requirements = body.get("requirements") or []
+        if not isinstance(requirements, list):
+            raise InvalidField("requirements", "must be an array of PEP 508 requirements")
         fields = {}
         for key in ("name", "runtime", "handler"):
             value = body.get(key)
@@ -349,6 +352,7 @@ class RunsHandler(TracedHandler, BodyHandler):
                 idle_timeout_seconds=idle,
                 memory_mb=memory,
                 replicas=replicas,
+                requirements=requirements,
                 source=str(body.get("source", "")),
                 traceparent=hop.traceparent,  # runtimed's registration joins this trace
             )

@@ -1,7 +1,7 @@
 """A Run and a Runtime Pod as Kubernetes objects (docs/kubernetes.md, "The object model").
 
 A Run is an object of the custom resource ``runs.fnkernel.dev/v1alpha1``: its spec (runtime,
-handler, env, idleTimeoutSeconds, memoryMb, source, and its files: inline in ``files``, or in
+handler, env, idleTimeoutSeconds, memoryMb, requirements, source, and its files: inline in ``files``, or in
 ConfigMaps it owns named by ``filesFrom``) is what was created; its status
 (phase, attempt, assignedPod, message, ...) is written only through the status subresource.
 Its UID is ``metadata.uid``. The Run's own name is ``metadata.name`` where that is a valid
@@ -122,6 +122,14 @@ def run_name(obj: Mapping[str, Any]) -> str:
     return str((meta.get("annotations") or {}).get(NAME_KEY) or meta.get("name", ""))
 
 
+def _listed(value: Any) -> tuple[Any, ...]:
+    """A list field as a tuple; any other value as the one item of one, for the create's
+    check to name (the CRD's schema lets no other through an API server)."""
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (value,)
+
+
 def run_of(obj: Mapping[str, Any]) -> Run:
     """The Run an object of ours holds (a missing field: its default; no status: NEW)."""
     meta = obj.get("metadata") or {}
@@ -141,6 +149,7 @@ def run_of(obj: Mapping[str, Any]) -> Run:
             memory_mb=int(spec.get("memoryMb") or 0),
             replicas=int(spec.get("replicas") or 1),
             replica_of=str(spec.get("replicaOf", "")),
+            requirements=_listed(spec.get("requirements")),
         ),
         status=RunStatus(
             phase=str(status.get("phase", NEW)),
@@ -271,6 +280,8 @@ def new_object(
         spec["replicas"] = run.spec.replicas
     if run.spec.replica_of:
         spec["replicaOf"] = run.spec.replica_of
+    if run.spec.requirements:
+        spec["requirements"] = list(run.spec.requirements)
     digest, parts = files_parts(files)
     if len(parts) > MAX_FILES_PARTS:
         raise RunTooLarge(

@@ -35,5 +35,12 @@ class Kubernetes:
             raise MissingWorkspace("on Kubernetes a pod's workspace is its own volume: name it")
         return given
 
+    def packages(self, given: Path | None = None) -> Path:
+        if given is None:
+            raise MissingWorkspace(
+                "on Kubernetes the package cache is a volume of the pod: name it"
+            )
+        return given
+
     def where(self) -> str:
         return f"Runs in namespace {self.namespace or '(its own)'}"

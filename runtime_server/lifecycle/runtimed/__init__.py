@@ -31,6 +31,7 @@ from fnkernel.runtime_server import limits, tracing
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import logs_pb2_grpc
 from fnkernel.runtime_server.errors import (
+    RequirementsFailed,
     RoutedElsewhere,
     RunFilesMissing,
     RunNotFound,
@@ -43,11 +44,13 @@ from fnkernel.runtime_server.function_runtime.server import (
     INVOCATION_LOGS_SERVICE,
 )
 from fnkernel.runtime_server.lifecycle.retries import Step, Verdict, decide, fatal_error_type
-from fnkernel.runtime_server.lifecycle.runs import (
-    Run,
-    RunStore,
-)
+from fnkernel.runtime_server.lifecycle.runs import Run, RunStore
 from fnkernel.runtime_server.lifecycle.runtimed.health import Heartbeat
+from fnkernel.runtime_server.lifecycle.runtimed.packages import (
+    Environment,
+    PackageCache,
+    throttled,
+)
 from fnkernel.runtime_server.lifecycle.runtimed.proxy import (
     LogsProxyServicer,
     ProxyServicer,
@@ -77,12 +80,9 @@ from fnkernel.runtime_server.wire import (
     RETRYING,
     TIMELINE_RUNTIMED_KEY,
 )
-from fnkernel.system.waiting import Backoff, attempts
 
 LOG = logging.getLogger("fnkernel.runtimed")
 UNSUPPORTED = "runtime does not support function mode"
-_REGISTER_RPC_TRIES = 3
-_REGISTER_RPC_BACKOFF = Backoff(0.2, 0.4)  # between them
 # A Run whose calls were in flight this many times in a row when its server died is Failed: the
 # retry budget's size, for a fault the budget does not see (the pod's deaths are never charged).
 MAX_SERVER_DEATHS = 3
@@ -99,11 +99,14 @@ class Runtimed:
         runtime: str,
         server_address: str,
         workspace: Path,
+        packages: PackageCache,
         poll_interval: float = 1.0,
         tick: float = 0.05,
     ) -> None:
         """`workspace`: the directory of this pod's Runs' files, inside its server's workspace
-        root (one directory a Run, ``working_dir``)."""
+        root (one directory a Run, ``working_dir``). `packages`: the node's cache of the Runs'
+        requirements."""
+        self.packages = packages
         self.store = store
         self.pod = pod
         self.runtime = runtime
@@ -230,6 +233,8 @@ class Runtimed:
                 self._submit(run, self._delete)
             elif run.status.phase in (FAILED, RETRYING) and run.uid in self._active:
                 self._unregister(run.uid, cancel=True)
+        with self._lock:  # what the registrations use stays in the cache
+            self.packages.keep([active.packages for active in self._active.values()])
 
     def _remove_files(self, keep: Mapping[str, Run]) -> None:
         """Remove the files of every Run no longer here: reassigned elsewhere or deleted, and
@@ -237,21 +242,6 @@ class Runtimed:
         with self._lock:
             held = set(self._active) | self._busy
         self._files.remove_all_but(set(keep) | held)
-
-    def _materialize(self, run: Run) -> Path | None:
-        """The Run's working dir, its files written from the store if they are not there yet
-        (a directory that exists is kept: the handler may have written into it). None if they
-        could not be written: the attempt failed, charged (the pod's disk, not the handler)."""
-        try:
-            return self._files.materialize(run.uid, lambda: self.store.files(run.uid))
-        except RunNotFound:
-            return None  # deleted meanwhile
-        except RunFilesMissing as exc:  # no retry brings them back
-            self._failed(run, str(exc))
-            return None
-        except OSError as exc:
-            self._infrastructure_failure(run, f"cannot write the run's files: {exc}")
-            return None
 
     def _submit(self, run: Run, action: Callable[[Run], object]) -> None:
         """Run `action(run)` on the worker pool unless a job for this Run is already queued."""
@@ -306,34 +296,38 @@ class Runtimed:
     def _register_steps(
         self, run: Run, expect_phase: str, hop: tracing.Hop | tracing.Untraced
     ) -> Active | None:
-        """_register's steps, each one span of `hop`: the Run's files, the
-        RegisterFunction call, its status written."""
-        with hop.step("write the Run's files"):
-            working_dir = self._materialize(run)
-        if working_dir is None:
+        """_register's steps, each one span of `hop`: the Run's files written from the store
+        (a directory that exists is kept: the handler may have written into it), its
+        requirements installed, the RegisterFunction call, its status written."""
+        doing = "write the run's files"
+        try:
+            with hop.step("write the Run's files"):
+                working_dir = self._files.materialize(run.uid, lambda: self.store.files(run.uid))
+            environment = None
+            if run.spec.requirements:
+                doing = "install the requirements"
+                with hop.step("install its requirements"):
+                    environment = self._environment(run, expect_phase)
+        except RunNotFound:
+            return None  # deleted meanwhile
+        except (RunFilesMissing, RequirementsFailed) as exc:  # no retry brings them
+            self._failed(run, str(exc))
             return None
-        request = registration_request(run, working_dir)
-        response = None
-        for attempt in attempts(_REGISTER_RPC_TRIES, _REGISTER_RPC_BACKOFF):
-            traceparent = hop.call(
-                tracing.REGISTER_SPAN, tracing.rpc_attributes("RegisterFunction")
-            )
-            try:
-                response = self.server.register(request, traceparent)
-                hop.called(0, None)
-                break
-            except grpc.RpcError as err:
-                hop.called(err.code().value[0], None)
-                verdict = decide(Step.REGISTER, err.code())
-                if verdict is Verdict.WAIT and not attempt.last:
-                    # docs/protocol.md: repeating an uncertain RegisterFunction for the same
-                    # attempt is idempotent and does not change Run status.
-                    continue
-                self._registration_failed(run, verdict, err.code(), err.details() or "")
-                return None
-        assert response is not None
+        except OSError as exc:  # the pod's disk, not the handler: a charged retry
+            self._infrastructure_failure(run, f"cannot {doing}: {exc}")
+            return None
+        request = registration_request(run, working_dir, environment)
+        try:
+            response = self.server.register_repeating(request, hop)
+        except grpc.RpcError as err:
+            verdict = decide(Step.REGISTER, err.code())
+            self._registration_failed(run, verdict, err.code(), err.details() or "")
+            return None
         active = Active(
-            response.registration.registration_id, run.status.attempt, request.registration_digest
+            response.registration.registration_id,
+            run.status.attempt,
+            request.registration_digest,
+            environment.digest if environment is not None else "",
         )
         hop.set(tracing.REGISTRATION_ID, active.registration_id)
         if response.state == REG_READY:
@@ -341,17 +335,19 @@ class Runtimed:
                 self._active[run.uid] = active
             with hop.step("write the Run's status: Ready"):
                 self.store.update(run, expect_phase=expect_phase, phase=READY, message="")
-            LOG.info(
-                "run %s attempt %d READY as %s",
-                run.name,
-                run.status.attempt,
-                active.registration_id,
-            )
+            attempt = run.status.attempt
+            LOG.info("run %s attempt %d READY as %s", run.name, attempt, active.registration_id)
             return active
         if response.state == REG_FAILED:
             self._fatal(run, self.server.fatal_error(run.uid, active))
         # Still REGISTERING (a very slow import): the next pass repeats the same attempt.
         return None
+
+    def _environment(self, run: Run, expect_phase: str) -> Environment:
+        """The Run's requirements installed on this node (``PackageCache``), uv's lines its
+        status message meanwhile. RequirementsFailed with uv's words if they cannot be."""
+        report = throttled(lambda line: self.store.update(run, expect_phase=expect_phase, message=line))  # fmt: skip
+        return self.packages.environment(run.spec.requirements, report)
 
     def _fatal(self, run: Run, fatal_error: str) -> None:
         """A FAILED registration: retry what the platform caused, fail the handler's faults for
@@ -526,7 +522,8 @@ class Runtimed:
                 known = run.uid in self._active
             if not known:
                 try:
-                    held = self.server.held(run, self.working_dir(run.uid))
+                    environment = self.packages.registered_with(run.spec.requirements)
+                    held = self.server.held(run, self.working_dir(run.uid), environment)
                 except grpc.RpcError as err:
                     LOG.warning("deleting %s: %s; will retry", run.name, err.details())
                     return

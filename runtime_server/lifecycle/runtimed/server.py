@@ -11,17 +11,19 @@ from pathlib import Path
 
 import grpc
 
-from fnkernel.runtime_server import limits
+from fnkernel.adapters.python import PACKAGES_ENV
+from fnkernel.runtime_server import limits, tracing
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
-from fnkernel.runtime_server.lifecycle.runs import (
-    Run,
-)
-from fnkernel.runtime_server.wire import (
-    TRACEPARENT_KEY,
-)
+from fnkernel.runtime_server.lifecycle.retries import Step, Verdict, decide
+from fnkernel.runtime_server.lifecycle.runs import Run
+from fnkernel.runtime_server.lifecycle.runtimed.packages import Environment
+from fnkernel.runtime_server.wire import TRACEPARENT_KEY
+from fnkernel.system.waiting import Backoff, attempts
 
 LOG = logging.getLogger("fnkernel.runtimed")
+_REGISTER_RPC_TRIES = 3
+_REGISTER_RPC_BACKOFF = Backoff(0.2, 0.4)  # between them
 _UNREGISTER_SLACK_SECONDS = 5.0  # the RPC's deadline beyond the drain it asks for
 
 
@@ -32,19 +34,28 @@ class Active:
     registration_id: str
     attempt: int
     digest: str
+    packages: str = ""  # its requirements' environment (its lock's digest), if it has any
 
 
-def registration_request(run: Run, working_dir: Path) -> pb.RegisterFunctionRequest:
+def registration_request(
+    run: Run, working_dir: Path, environment: Environment | None = None
+) -> pb.RegisterFunctionRequest:
     """The RegisterFunction request of `run`'s current attempt: its digest is its spec's
-    (``RunSpec.digest``), never the working dir's path (docs/protocol.md, "Registration")."""
+    (``RunSpec.digest``), never the working dir's path (docs/protocol.md, "Registration"); with
+    its requirements' `environment`, their lock's digest too, and the worker is told where it
+    is (PACKAGES_ENV)."""
+    env, digest = dict(run.spec.env), run.spec.digest()
+    if environment is not None:
+        env[PACKAGES_ENV] = str(environment.path)
+        digest = limits.sha256_digest(f"{digest} {environment.digest}".encode())
     return pb.RegisterFunctionRequest(
         run_uid=run.uid,
         registration_attempt=run.status.attempt,
         working_dir=str(working_dir),
         handler=run.spec.handler,
-        env=run.spec.env,
+        env=env,
         idle_timeout_seconds=run.spec.idle_timeout_seconds,
-        registration_digest=run.spec.digest(),
+        registration_digest=digest,
         memory_mb=run.spec.memory_mb,
     )
 
@@ -67,6 +78,27 @@ class ServerRegistrations:
             request, timeout=limits.register_wait_seconds(hops_below=1), metadata=metadata
         )
         return response
+
+    def register_repeating(
+        self, request: pb.RegisterFunctionRequest, hop: tracing.Hop | tracing.Untraced
+    ) -> pb.RegisterFunctionResponse:
+        """RegisterFunction, each call a client span of `hop`, repeated while the server gives
+        no answer (docs/protocol.md: repeating it for the same attempt is idempotent and does
+        not change Run status); the error of the last call, or of one that was answered."""
+        for attempt in attempts(_REGISTER_RPC_TRIES, _REGISTER_RPC_BACKOFF):
+            traceparent = hop.call(
+                tracing.REGISTER_SPAN, tracing.rpc_attributes("RegisterFunction")
+            )
+            try:
+                response = self.register(request, traceparent)
+            except grpc.RpcError as err:
+                hop.called(err.code().value[0], None)
+                if decide(Step.REGISTER, err.code()) is Verdict.WAIT and not attempt.last:
+                    continue
+                raise
+            hop.called(0, None)
+            return response
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def status(self, run_uid: str, active: Active) -> pb.FunctionStatusResponse:
         response: pb.FunctionStatusResponse = self.stub.FunctionStatus(
@@ -100,10 +132,13 @@ class ServerRegistrations:
             return False
         return True
 
-    def held(self, run: Run, working_dir: Path) -> Active | None:
+    def held(
+        self, run: Run, working_dir: Path, environment: Environment | None = None
+    ) -> Active | None:
         """The registration the server holds for `run` that runtimed does not know (it
-        restarted): learnt by repeating the Run's registration, which is idempotent for the
-        same attempt and digest. None if the server holds nothing for it."""
+        restarted): learnt by repeating the Run's registration (with its requirements'
+        `environment`), which is idempotent for the same attempt and digest. None if the server
+        holds nothing for it."""
         probe = reference(run.uid, Active("reg_unknown", run.status.attempt, ""))
         try:
             self.stub.FunctionStatus(
@@ -117,8 +152,11 @@ class ServerRegistrations:
                 raise
         if not working_dir.is_dir():
             return None  # never registered here: nothing can be held
-        request = registration_request(run, working_dir)
+        request = registration_request(run, working_dir, environment)
         response = self.register(request)
         return Active(
-            response.registration.registration_id, run.status.attempt, request.registration_digest
+            response.registration.registration_id,
+            run.status.attempt,
+            request.registration_digest,
+            environment.digest if environment is not None else "",
         )
