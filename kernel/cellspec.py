@@ -28,6 +28,7 @@ class Spec:
     memory: int = 0  # MiB (0: the default)
     replicas: int = 1  # Runs serving the function (docs/protocol.md, "Replicas")
     requirements: tuple[str, ...] = ()  # PEP 508 (docs/protocol.md, "Requirements")
+    secrets: tuple[str, ...] = ()  # the stack's secrets' names (docs/protocol.md, "Secrets")
 
     @property
     def filename(self) -> str:
@@ -50,6 +51,7 @@ class Spec:
             memory_mb=self.memory,
             replicas=self.replicas,
             requirements=self.requirements,
+            secrets=self.secrets,
         ).digest()
 
     def origin(self, owner: str) -> str:

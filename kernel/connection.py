@@ -184,9 +184,11 @@ class Runtime:
         return dict(self._stack.pods) if self._stack is not None else {}
 
     def _start_embedded(self) -> None:
+        from fnkernel.runtime_server.lifecycle.secrets import SECRETS_DIR
         from fnkernel.runtime_server.lifecycle.stack import (
             Stack,  # only now: plain cells never pay for it
         )
+        from fnkernel.runtime_server.lifecycle.topology import default_state_dir
         from fnkernel.system.private import private_tempdir, sweep
 
         sweep("kernel")  # what a SIGKILLed kernel left behind
@@ -197,6 +199,8 @@ class Runtime:
             gateway_listen=f"unix:{state_dir / 'gateway.sock'}",
             poll_interval=1.0,
             prewarmed=self._prewarmed,
+            # The user's secrets, which outlive this kernel (docs/protocol.md, "Secrets").
+            secrets_dir=default_state_dir() / SECRETS_DIR,
         )
         try:
             stack.start()

@@ -333,6 +333,10 @@ class Function:
             lines.append(f"status unavailable: {type(exc).__name__}: {exc}")
         if self.spec.env:  # keys only: what NAME? shows may be saved with the notebook
             lines.append("env: " + ", ".join(sorted(self.spec.env)))
+        if self.spec.secrets:  # names only (docs/protocol.md, "Secrets")
+            lines.append("secrets: " + ", ".join(self.spec.secrets))
+        if self.spec.requirements:
+            lines.append("requirements: " + ", ".join(self.spec.requirements))
         if self.spec.files:
             lines.append("includes: " + ", ".join(sorted(self.spec.files)))
         lines += ["", f"--- {self.spec.filename} ---", self.spec.source.rstrip()]

@@ -41,6 +41,7 @@ from fnkernel.runtime_server import limits
 from fnkernel.runtime_server.client import parse_pairs
 from fnkernel.runtime_server.client.errors import FunctionNotFound, GatewayError
 from fnkernel.runtime_server.errors import InvalidField
+from fnkernel.runtime_server.lifecycle.secrets import check_secret_names
 
 
 class _HelpShown(Exception):
@@ -137,6 +138,11 @@ FUNCTION_PARSER.add_argument(
     "installed for it on the stack (docs/protocol.md, 'Requirements')",
 )  # fmt: skip
 FUNCTION_PARSER.add_argument(
+    "--secret", action="append", default=[], metavar="NAME",
+    help="a secret of the stack (fnkernel secrets set NAME KEY=VALUE) whose keys the handler "
+    "sees as environment variables; its values are never in the notebook",
+)  # fmt: skip
+FUNCTION_PARSER.add_argument(
     "--requirements-file", metavar="PATH",
     help="a requirements.txt beside the notebook listing more of them",
 )  # fmt: skip
@@ -171,7 +177,7 @@ class FunctionMagics(Magics):
     def function(self, line: str, cell: str | None = None) -> None:
         """%%function NAME [--runtime python|bash] [--handler H] [--env KEY[=VALUE]]...
         [--include PATH...] [--idle-timeout S] [--timeout S] [--memory MIB] [--replicas N]
-        [--requirements REQ...] [--requirements-file PATH]
+        [--requirements REQ...] [--requirements-file PATH] [--secret NAME]...
 
         Register the cell as the handler source (NAME.py / NAME.sh, default handler
         NAME.handler) and bind NAME to a callable: NAME(payload), NAME.invoke(...),
@@ -207,6 +213,7 @@ class FunctionMagics(Magics):
                 ) from None
         checks: list[tuple[str, Callable[[], object]]] = [
             ("--requirements", lambda: limits.check_requirements(requirements, args.runtime)),
+            ("--secret", lambda: check_secret_names(args.secret)),
             ("--memory", lambda: limits.check_memory_mb(args.memory)),
             ("--idle-timeout", lambda: limits.check_idle_timeout(args.idle_timeout)),
             ("--env", lambda: limits.check_env(dict(args.env))),
@@ -227,6 +234,7 @@ class FunctionMagics(Magics):
             memory=args.memory,
             replicas=args.replicas,
             requirements=tuple(requirements),
+            secrets=tuple(args.secret),
         )
         if spec.filename in files:
             raise UsageError(

@@ -87,6 +87,7 @@ _FLAGS = {
     "idleTimeoutSeconds": "--idle-timeout",
     "replicas": "--replicas",
     "requirements": "--requirements",
+    "secrets": "--secret",
     "env": "--env",
     "handler": "--handler",
     "runtime": "--runtime",
@@ -245,6 +246,7 @@ class Session:
                     origin=origin,
                     replicas=spec.replicas,
                     requirements=spec.requirements,
+                    secrets=spec.secrets,
                 )
                 while spec.requirements and run.phase == "Pending":
                     # An install can outlast the create's wait: the cell waits for it.

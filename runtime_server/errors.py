@@ -86,6 +86,10 @@ class RequirementsFailed(RuntimeServerError):
     requirements fail the same way, so no retry."""
 
 
+class SecretNotFound(RuntimeServerError):
+    """No secret has this name (docs/protocol.md, "Secrets"): the message names it."""
+
+
 class RunNotReady(RuntimeServerError):
     """The Run cannot take an invocation now: it is pending, retrying, failed or being deleted."""
 

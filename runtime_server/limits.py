@@ -47,7 +47,7 @@ FOLLOW_WAIT_SECONDS = 5.0
 GRPC_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 _RUN_UID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-_ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 _OUTPUT_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 _PRINTABLE_ASCII = re.compile(r"[\x20-\x7e]*")
@@ -119,7 +119,7 @@ def check_env(env: Mapping[str, str]) -> dict[str, str]:
         raise InvalidField("env", f"{len(env)} entries; at most {MAX_ENV_ENTRIES}")
     total = 0
     for key, value in env.items():
-        if not _ENV_KEY.fullmatch(key):
+        if not ENV_KEY.fullmatch(key):
             raise InvalidField("env", f"key {key!r} must match ^[A-Za-z_][A-Za-z0-9_]*$")
         if "\0" in value:
             raise InvalidField("env", f"value of {key} contains a NUL byte")

@@ -40,7 +40,8 @@ WHERE = {
     "def handle(event):\n"
     "    return {'uid': os.getuid(), 'cwd': os.getcwd(), 'root': written('/fnkernel-was-here'),\n"
     "            'own dir': written('scratch.txt'),\n"
-    "            'tmp': written(os.path.join(tempfile.gettempdir(), 'scratch.txt'))}\n"
+    "            'tmp': written(os.path.join(tempfile.gettempdir(), 'scratch.txt')),\n"
+    "            'db user': os.environ.get('DB_USER')}\n"
 }
 
 
@@ -137,11 +138,18 @@ def test_each_role_grants_exactly_the_calls_its_component_makes(cluster: Cluster
     # and nothing is refused: a create, a call, a read of its files and a delete through the
     # gateway; a create the gateway cut short, which the controller finishes; a Run applied
     # and deleted with kubectl; a Runtime Pod deleted under a Run; a Run whose deletion the
-    # gateway began and did not see through, which the controller finishes.
+    # gateway began and did not see through, which the controller finishes; a secret set, set
+    # again, listed, used by a Run and deleted (docs/protocol.md, "Secrets").
     gateway = up(cluster)
     custom = client.CustomObjectsApi(cluster.client)
-    gateway.create_run("where", runtime="python", handler="handler.handle", files=WHERE)
-    assert gateway.invoke("where", {}).decoded()["uid"] == POD_USER
+    gateway.set_secret("warehouse", {"DB_USER": "bob"})
+    gateway.set_secret("warehouse", {"DB_USER": "alice"})
+    assert [s["name"] for s in gateway.list_secrets()] == ["warehouse"]
+    gateway.create_run("where", runtime="python", handler="handler.handle", files=WHERE,
+                       secrets=["warehouse"])  # fmt: skip
+    seen = gateway.invoke("where", {}).decoded()
+    assert (seen["uid"], seen["db user"]) == (POD_USER, "alice")
+    gateway.delete_secret("warehouse")
     assert gateway.files("where")["files"] == WHERE
     cut_short(cluster.client, NAMESPACE, "cut", WHERE)
     wait_until(lambda: _phase(gateway, "cut") == ("Ready", 1), timeout=60)

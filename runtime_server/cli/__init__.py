@@ -8,10 +8,10 @@ import functools
 import sys
 from collections.abc import Sequence
 
-from fnkernel.runtime_server.cli import daemons, krm, runs, tools
+from fnkernel.runtime_server.cli import daemons, krm, runs, secrets, tools
 from fnkernel.runtime_server.cli.common import EXIT_FAILURE, EXIT_USAGE, UsageError
 
-GROUPS = (daemons, runs, krm, tools)
+GROUPS = (daemons, runs, secrets, krm, tools)
 
 
 @functools.cache  # built once; a prewarmed component builds it before it is needed

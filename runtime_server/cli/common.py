@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,14 +25,18 @@ def state_dir_of(args: argparse.Namespace) -> Path:
 
 
 def add_state_dir(parser: argparse.ArgumentParser) -> None:
-    default = os.environ.get("FNKERNEL_STATE_DIR") or str(
-        Path(os.environ.get("XDG_STATE_HOME") or "~/.local/state").expanduser() / "fnkernel"
-    )
+    from fnkernel.runtime_server.lifecycle.topology import default_state_dir
+
     parser.add_argument(
         "--state-dir",
-        default=default,
+        default=str(default_state_dir()),
         metavar="DIR",
         help="Run store, working dirs, sockets and logs (default: $FNKERNEL_STATE_DIR or %(default)s)",
+    )
+    parser.add_argument(
+        "--secrets-dir",
+        metavar="DIR",
+        help="the named secrets (default: STATE_DIR/secrets; docs/protocol.md, 'Secrets')",
     )
 
 

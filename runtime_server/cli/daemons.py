@@ -60,7 +60,8 @@ def topology_of(args: argparse.Namespace) -> Topology:
         return Kubernetes(args.namespace)
     from fnkernel.runtime_server.lifecycle.topology import OneMachine
 
-    return OneMachine(state_dir_of(args))
+    secrets = getattr(args, "secrets_dir", None)
+    return OneMachine(state_dir_of(args), Path(secrets) if secrets else None)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -124,6 +125,7 @@ def _runtimed(args: argparse.Namespace) -> int:
         server_address=args.server,
         workspace=private_dir(workspace),
         packages=PackageCache(packages, max_bytes=args.packages_max_gib << 30),
+        secrets=topology.open_secrets(),
         poll_interval=args.poll_interval,
     )
     try:
@@ -189,6 +191,7 @@ def _gateway(args: argparse.Namespace) -> int:
         gateway = Gateway(
             control_plane,
             access,
+            secrets=topology.open_secrets(),
             body_timeout=args.body_timeout,
             header_timeout=args.header_timeout,
         )

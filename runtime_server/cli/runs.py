@@ -57,6 +57,7 @@ def _runs_create(args: argparse.Namespace) -> int:
         memory_mb=args.memory,
         replicas=args.replicas,
         requirements=requirements_of(args),
+        secrets=args.secret,
     )
     print_json(run)
     return EXIT_FAILURE if run.failed else EXIT_OK
@@ -215,6 +216,13 @@ def register(commands: Any) -> None:
     )
     create.add_argument(
         "--requirements-file", metavar="PATH", help="a requirements.txt of more of them"
+    )
+    create.add_argument(
+        "--secret",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a secret of the stack whose keys the handler sees as environment variables",
     )
     create.set_defaults(func=_runs_create)
     listing = runs_commands.add_parser("list", help="list Runs")

@@ -95,12 +95,15 @@ class Client(Transport):
         origin: str = "",
         replicas: int = 1,
         requirements: Sequence[str] = (),
+        secrets: Sequence[str] = (),
     ) -> Run:
         """Create a Run from `files` or from the file or directory `source`; the Run as it
         stands once Ready or Failed. `origin` (default: the `source` path) is recorded as the
         Run's ``spec.source``. `replicas` > 1: that many Runs serve the function, and the
         answer lists them (docs/protocol.md, "Replicas"). `requirements`: the Python packages
-        its handler imports, installed on its node (docs/protocol.md, "Requirements")."""
+        its handler imports, installed on its node (docs/protocol.md, "Requirements"). `secrets`:
+        the names of the stack's secrets whose keys its handler sees as environment variables
+        (docs/protocol.md, "Secrets")."""
         if files is None:
             if source is None:
                 raise ValueError("create_run needs files or source")
@@ -119,7 +122,25 @@ class Client(Transport):
             body["replicas"] = replicas
         if requirements:
             body["requirements"] = list(requirements)
+        if secrets:
+            body["secrets"] = list(secrets)
         return Run(self._json("POST", "/v1/runs", body))
+
+    def set_secret(self, name: str, data: Mapping[str, str]) -> dict[str, Any]:
+        """Keep `data` (KEY: value) as the stack's secret `name`, replacing what it held; its
+        name, new version and keys (docs/protocol.md, "Secrets")."""
+        answer: dict[str, Any] = self._json(
+            "PUT", f"/v1/secrets/{quote(name)}", {"data": dict(data)}
+        )
+        return answer
+
+    def list_secrets(self) -> list[dict[str, Any]]:
+        """The stack's secrets: each one's name, version and keys, never a value."""
+        answer: dict[str, Any] = self._json("GET", "/v1/secrets")
+        return list(answer["secrets"])
+
+    def delete_secret(self, name: str) -> None:
+        self._json("DELETE", f"/v1/secrets/{quote(name)}")
 
     def files(self, name: str) -> dict[str, Any]:
         """The source the Run `name` was created with: ``{name, runtime, handler, files}``."""

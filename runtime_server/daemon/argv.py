@@ -29,6 +29,7 @@ def runtimed_args(
     poll_interval: float,
     state_dir: Path,
     workspace: Path,
+    secrets_dir: Path | None = None,
 ) -> list[str]:
     """``fnkernel runtimed``: the agent of one Runtime Pod, beside its server; it writes its
     Runs' files into `workspace`."""
@@ -36,6 +37,7 @@ def runtimed_args(
         "runtimed", "--pod", pod, "--runtime", runtime, "--server", server, "--listen", listen,
         "--poll-interval", str(poll_interval), "--state-dir", str(state_dir),
         "--workspace", str(workspace),
+        *(["--secrets-dir", str(secrets_dir)] if secrets_dir is not None else []),
     ]  # fmt: skip
 
 
@@ -47,6 +49,7 @@ def gateway_args(
     no_token: bool = False,
     allow_origins: Sequence[str] = (),
     allow_hosts: Sequence[str] = (),
+    secrets_dir: Path | None = None,
 ) -> list[str]:
     """``fnkernel gateway``: the HTTP gateway with the control plane. The token travels in a
     file, never in argv, which every local user can read."""
@@ -59,6 +62,8 @@ def gateway_args(
         args += ["--allow-origin", origin]
     for host in allow_hosts:
         args += ["--allow-host", host]
+    if secrets_dir is not None:
+        args += ["--secrets-dir", str(secrets_dir)]
     return args
 
 

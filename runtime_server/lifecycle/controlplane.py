@@ -38,6 +38,7 @@ from fnkernel.runtime_server.lifecycle.runs import (
     replica_name,
     replica_names,
 )
+from fnkernel.runtime_server.lifecycle.secrets import check_secret_names
 from fnkernel.runtime_server.limits import check_handler
 from fnkernel.runtime_server.wire import (
     DELETED,
@@ -141,6 +142,7 @@ def checked_spec(
         or limits.DEFAULT_IDLE_TIMEOUT_SECONDS,
         memory_mb=limits.check_memory_mb(spec.memory_mb, "memoryMb"),
         requirements=limits.check_requirements(spec.requirements, spec.runtime),
+        secrets=check_secret_names(spec.secrets),
         files_sha256=files_digest(checked),
     ), checked
 
@@ -190,6 +192,7 @@ class ControlPlane:
         memory_mb: int = 0,
         replicas: int = 1,
         requirements: Sequence[str] = (),
+        secrets: Sequence[str] = (),
         traceparent: str = "",
     ) -> Run:
         """Validate, assign a pod, and store the Run with its files; phase Pending. With
@@ -197,7 +200,7 @@ class ControlPlane:
         each assigned to the least-loaded pod in turn; replica 0, named `name`, is returned.
 
         Idempotent: a Run of that name created with the same spec (runtime, handler, files, env,
-        idle timeout, memory, replicas, requirements) is returned as it is — a client that lost the answer to its
+        idle timeout, memory, replicas, requirements, secrets) is returned as it is — a client that lost the answer to its
         create (the gateway crashed) can repeat it, and a repeat creates the replicas a crash
         left uncreated. Another spec under a taken name is RunAlreadyExists. A create that
         fails removes the replicas it made. `traceparent`: the traced create's context, for
@@ -217,6 +220,7 @@ class ControlPlane:
             memory_mb=memory_mb,
             replicas=replicas,
             requirements=tuple(requirements),
+            secrets=tuple(secrets),
         )
         spec, checked = checked_spec(name, asked, files)
         spec = replace(spec, source=source or f"{len(checked)} file(s)")

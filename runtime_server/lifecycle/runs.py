@@ -69,12 +69,16 @@ class RunSpec:
     # The Python packages its handler imports, each a PEP 508 requirement, installed on its
     # node beside the pod's own (docs/protocol.md, "Requirements").
     requirements: tuple[str, ...] = ()
+    # The names of the stack's secrets whose keys its handler sees as environment variables
+    # (docs/protocol.md, "Secrets"); never a value.
+    secrets: tuple[str, ...] = ()
 
     def digest(self) -> str:
         """``sha256:`` + the SHA-256 of what it runs, canonical: its files, runtime, handler,
-        env, idle timeout, memory limit, replicas and requirements (in any order the same set),
-        with a default spelled as its value — and no requirements not spelled at all, so a spec
-        without them has the digest it had before there were any.
+        env, idle timeout, memory limit, replicas, requirements and secrets' names (each in any
+        order the same set), with a default spelled as its value — and no requirements or
+        secrets not spelled at all, so a spec without them has the digest it had before there
+        were any.
         Equal digests are the same function: the registration digest runtimed gives the
         Runtime Server (docs/protocol.md, "Registration"), what makes a repeated create the
         same one, and the kernel's "is this cell unchanged?"."""
@@ -89,6 +93,8 @@ class RunSpec:
         }
         if self.requirements:
             canonical["requirements"] = sorted(self.requirements)
+        if self.secrets:
+            canonical["secrets"] = sorted(self.secrets)
         text = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
         return limits.sha256_digest(text.encode())
 
@@ -121,6 +127,9 @@ class RunStatus:
     # an admission, a retry), when that was traced: runtimed's spans of the registration join
     # that trace (docs/protocol.md, "Tracing"). "" when it was not.
     traceparent: str = ""
+    # The version of each of its secrets its registration has (docs/protocol.md, "Secrets"):
+    # another version now, and runtimed registers it again.
+    secret_versions: Mapping[str, str] = field(default_factory=dict)
 
 
 class StatusChanges(TypedDict, total=False):
@@ -137,6 +146,7 @@ class StatusChanges(TypedDict, total=False):
     uncharged_attempts: int
     server_deaths: int
     traceparent: str
+    secret_versions: Mapping[str, str]
 
 
 STATUS_FIELDS = frozenset(StatusChanges.__annotations__)
@@ -186,6 +196,7 @@ class Run:
                 **({"replicas": spec.replicas} if spec.replicas != 1 else {}),
                 **({"replicaOf": spec.replica_of} if spec.replica_of else {}),
                 **({"requirements": list(spec.requirements)} if spec.requirements else {}),
+                **({"secrets": list(spec.secrets)} if spec.secrets else {}),
             },
             "status": {
                 "phase": status.phase,

@@ -69,7 +69,9 @@ CREATE TABLE IF NOT EXISTS runs (
     replica_of TEXT NOT NULL DEFAULT '',
     traceparent TEXT NOT NULL DEFAULT '',
     files_sha256 TEXT NOT NULL DEFAULT '',
-    requirements TEXT NOT NULL DEFAULT '[]'
+    requirements TEXT NOT NULL DEFAULT '[]',
+    secrets TEXT NOT NULL DEFAULT '[]',
+    secret_versions TEXT NOT NULL DEFAULT '{}'
 );
 CREATE TABLE IF NOT EXISTS run_files (
     uid TEXT PRIMARY KEY,
@@ -110,8 +112,8 @@ def _read_tree(root: Path) -> dict[str, str]:
 
 _SPEC_COLUMNS = tuple(f.name for f in fields(RunSpec))
 _STATUS_COLUMNS = tuple(f.name for f in fields(RunStatus))
-_JSON_COLUMNS = frozenset({"env", "outputs"})
-_LIST_COLUMNS = frozenset({"requirements"})  # a tuple, as a JSON array
+_JSON_COLUMNS = frozenset({"env", "outputs", "secret_versions"})
+_LIST_COLUMNS = frozenset({"requirements", "secrets"})  # a tuple, as a JSON array
 
 
 def _column(name: str, value: Any) -> Any:

@@ -85,9 +85,11 @@ class LocalProvisioner:
         poll_interval: float,
         components: list[Component],
         launch: Callable[[Component], None],
+        secrets_dir: Path | None = None,
     ) -> None:
         """`components`: the supervised list its components join; `launch`: starts one."""
         self.state_dir = state_dir
+        self.secrets_dir = secrets_dir
         self.workspace_root = workspace_root
         self._sockets = sockets
         self.poll_interval = poll_interval
@@ -103,8 +105,9 @@ class LocalProvisioner:
         serve = daemon.serve_args(runtime, server, workspace)
         listen = f"unix:{sockets / pod}.rtd.sock"
         runtimed = daemon.runtimed_args(
-            pod, runtime, server, listen, self.poll_interval, self.state_dir, workspace
-        )
+            pod, runtime, server, listen, self.poll_interval, self.state_dir, workspace,
+            self.secrets_dir,
+        )  # fmt: skip
         self._pods[pod] = runtime
         self._launch(Component(f"{pod}-server", serve))
         self._launch(Component(f"{pod}-runtimed", runtimed))
@@ -155,12 +158,15 @@ class Stack:
         allow_hosts: Sequence[str] = (),
         poll_interval: float = 1.0,
         prewarmed: daemon.Prewarmed | None = None,
+        secrets_dir: Path | None = None,
     ) -> None:
         """`token_file`: the gateway's bearer token; without one, a gateway on TCP gets a new
         token in STATE_DIR/token unless `no_token` (README, "Security"). `prewarmed`: processes
-        the first start of each component may take (``daemon.Prewarmed``)."""
+        the first start of each component may take (``daemon.Prewarmed``). `secrets_dir`: where
+        the named secrets are (default STATE_DIR/secrets)."""
         self.state_dir = state_dir.resolve()
-        self.topology = OneMachine(self.state_dir)
+        self.secrets_dir = secrets_dir
+        self.topology = OneMachine(self.state_dir, secrets_dir)
         self.pods = dict(pods)
         self.gateway_listen = gateway_listen
         self.token_file = token_file
@@ -183,6 +189,7 @@ class Stack:
             poll_interval,
             self.components,
             self._start,
+            secrets_dir,
         )
 
     @property
@@ -228,6 +235,7 @@ class Stack:
             no_token=chosen.token is None and not self.gateway_listen.startswith("unix:"),
             allow_origins=self.allow_origins,
             allow_hosts=self.allow_hosts,
+            secrets_dir=self.secrets_dir,
         )
         try:
             for runtime, count in self.pods.items():

@@ -16,11 +16,13 @@ store modules it opens) knows which store a deployment has; the Kubernetes one i
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from fnkernel.runtime_server.lifecycle.runs import RunStore
+from fnkernel.runtime_server.lifecycle.secrets import SECRETS_DIR, SecretFiles, Secrets
 
 WORKSPACE_DIR = "workspace"  # one machine: STATE_DIR/WORKSPACE_DIR/POD
 PACKAGES_DIR = "packages"  # one machine: STATE_DIR/PACKAGES_DIR, every pod's
@@ -52,16 +54,32 @@ class Topology(Protocol):
         MissingWorkspace if it has none."""
         ...
 
+    def open_secrets(self) -> Secrets:
+        """Its store of named secrets (docs/protocol.md, "Secrets")."""
+        ...
+
     def where(self) -> str:
         """Where its Runs are, as a component's announcement says it."""
         ...
 
 
+def default_state_dir() -> Path:
+    """The user's own state dir: $FNKERNEL_STATE_DIR, else $XDG_STATE_HOME/fnkernel, else
+    ~/.local/state/fnkernel."""
+    named = os.environ.get("FNKERNEL_STATE_DIR")
+    if named:
+        return Path(named)
+    return Path(os.environ.get("XDG_STATE_HOME") or "~/.local/state").expanduser() / "fnkernel"
+
+
 @dataclass(frozen=True)
 class OneMachine:
-    """Every component a process of this machine, sharing the state dir `state_dir`."""
+    """Every component a process of this machine, sharing the state dir `state_dir`; the
+    named secrets are in `secrets_dir` (default STATE_DIR/secrets; the embedded runtime's
+    stack, whose state dir lives as long as its kernel, uses the user's own state dir's)."""
 
     state_dir: Path
+    secrets_dir: Path | None = None
     control_plane_in_gateway = True
     local_clients = True
 
@@ -83,6 +101,9 @@ class OneMachine:
     def packages(self, given: Path | None = None) -> Path:
         # One cache for the machine: every pod's Runs share what they install.
         return given if given is not None else self.state_dir / PACKAGES_DIR
+
+    def open_secrets(self) -> Secrets:
+        return SecretFiles(self.secrets_dir or self.state_dir / SECRETS_DIR)
 
     def where(self) -> str:
         return f"state dir {self.state_dir}"

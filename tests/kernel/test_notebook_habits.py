@@ -5,6 +5,7 @@ between notebooks that no other notebook replaces."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 import textwrap
 from collections.abc import Callable, Iterator
@@ -18,12 +19,14 @@ from nbclient import NotebookClient
 from fnkernel.kernel.demo import output_text
 from fnkernel.kernel.kernel import KERNEL_NAME
 from fnkernel.runtime_server.client import Client
+from fnkernel.runtime_server.lifecycle.secrets import SecretFiles
 from fnkernel.runtime_server.lifecycle.stack import Stack
 from tests.wheelhouse import build_wheelhouse, offline_index
 
 pytestmark = pytest.mark.usefixtures("fnkernel_spec")
 
 HELPERS = "def double(x):\n    return 2 * x\n"
+SECRET = "s3cr3t-Value-8842"
 LOOKUP = "code,name\nA,alpha\nB,beta\n"
 
 
@@ -269,6 +272,31 @@ def test_a_function_brings_its_own_packages(notebook_dir: Path) -> None:
     failed = error(cells[5])
     assert failed["ename"] == "RegistrationFailed"
     assert "cannot resolve the requirements" in failed["evalue"] and "fnk-alpha" in failed["evalue"]
+
+
+def test_a_function_reads_a_secret_by_name_and_the_notebook_never_holds_it(
+    notebook_dir: Path,
+) -> None:
+    # docs/protocol.md, "Secrets": a secret set outside the notebook (here straight into the
+    # user's state dir, as `fnkernel secrets set` keeps it) reaches the handler by its name;
+    # the card, NAME?, status() and %functions show the name, never the value.
+    state = notebook_dir / "state"
+    SecretFiles(state / "secrets").set("warehouse", {"DB_PASSWORD": SECRET})
+    cells = execute(notebook_dir, [
+        "%%function etl --secret warehouse\nimport hashlib, os\n"
+        "def handler(event):\n"
+        "    return hashlib.sha256(os.environ['DB_PASSWORD'].encode()).hexdigest()\n",
+        "etl()",
+        "print(etl.getdoc())",
+        "etl.status()",
+        "%functions",
+        "%%function lost --secret nowhere\ndef handler(event):\n    return 1\n",
+    ], env={"FNKERNEL_STATE_DIR": str(state)})  # fmt: skip
+    ok(cells[0])
+    assert ok(cells[1]) == repr(hashlib.sha256(SECRET.encode()).hexdigest())
+    shown = "".join(text(outputs) for outputs in cells)
+    assert "secrets: warehouse" in ok(cells[2]) and SECRET not in shown
+    assert "secret 'nowhere' does not exist" in error(cells[5])["evalue"]
 
 
 def test_small_habits(notebook_dir: Path) -> None:

@@ -158,15 +158,27 @@ class Cluster:
     the controller and the gateway as processes of this machine, started from the manifests'
     command lines (`controller`, `gateway`: see ``start_controller``, ``start_gateway``)."""
 
-    def __init__(self, tmp_path: Path, *, containers: bool = False) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        *,
+        containers: bool = False,
+        runtimed_env: dict[str, str] | None = None,
+    ) -> None:
         """`containers`: every Deployment's pods — the controller's and the gateway's too — are
         containers podman runs from the image, as the manifests say (``make test-k8s``);
         otherwise the Runtime Pods are processes and the test starts the controller and the
-        gateway."""
+        gateway. `runtimed_env`: added to every runtimed container's env, as a team's overlay
+        would (the package index: docs/protocol.md, "Requirements")."""
         self.tmp = tmp_path
         self.containers = containers
         self.token = secrets.token_urlsafe(24)
         self.manifests = kustomize_build(self.token, tmp_path / "deploy")
+        for obj in self.manifests:
+            for container in _containers(obj):
+                if container["name"] == "runtimed" and runtimed_env:
+                    extra = [{"name": k, "value": v} for k, v in runtimed_env.items()]
+                    container["env"] = [*(container.get("env") or []), *extra]
         self.api = EmulatedApi()
         # The node's own directory, which the pods' user may enter (the test's tmp_path is 0700).
         self.node_root = Path(tempfile.mkdtemp(prefix="fnkernel-node-"))
@@ -305,6 +317,13 @@ class Cluster:
                 proc.wait(10)
         self.api.stop()
         shutil.rmtree(self.node_root, ignore_errors=True)
+
+
+def _containers(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    """A Deployment's containers (none for any other object)."""
+    if obj.get("kind") != "Deployment":
+        return []
+    return list(obj["spec"]["template"]["spec"]["containers"])
 
 
 @pytest.fixture

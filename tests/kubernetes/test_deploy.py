@@ -97,9 +97,11 @@ def test_each_role_is_the_least_its_component_needs(built: list[dict[str, Any]])
         "fnkernel.dev/runs": read,
         "fnkernel.dev/runs/status": {"update"},
         "configmaps": {"get"},  # a Run's files
+        "secrets": {"get"},  # the secrets its Runs name (docs/protocol.md, "Secrets")
     }
     gateway = rules("fnkernel-gateway")
     assert gateway["pods"] == read and "apps/deployments" not in gateway
+    assert gateway["secrets"] == {"get", "list", "create", "update", "delete"}
     controller = rules("fnkernel-controller")
     assert controller["pods"] == read and "apps/deployments" not in controller  # none started
     for binding in (o for o in built if o["kind"] == "RoleBinding"):

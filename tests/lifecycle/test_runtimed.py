@@ -28,6 +28,7 @@ from fnkernel.runtime_server.lifecycle.runs import Run, RunSpec, RunStatus, file
 from fnkernel.runtime_server.lifecycle.runtimed import UNSUPPORTED, Runtimed
 from fnkernel.runtime_server.lifecycle.runtimed.packages import PackageCache
 from fnkernel.runtime_server.lifecycle.runtimed.server import registration_request
+from fnkernel.runtime_server.lifecycle.secrets import SecretFiles
 from fnkernel.runtime_server.lifecycle.sqlite import SqliteRunStore
 from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS, CancellableCalls
 from fnkernel.runtime_server.wire import (
@@ -88,6 +89,7 @@ def pod_runtimed(store: SqliteRunStore, server_address: str, workspace: Path) ->
         server_address=server_address,
         workspace=workspace / POD,
         packages=PackageCache(workspace.parent / "packages"),
+        secrets=SecretFiles(workspace.parent / "secrets"),
         poll_interval=0.2,
     )
 
@@ -134,6 +136,7 @@ def restart_runtimed(pod: Pod) -> tuple[Runtimed, str]:
         server_address=pod.runtimed.server_address,
         workspace=pod.runtimed.workspace,
         packages=pod.runtimed.packages,
+        secrets=pod.runtimed.secrets,
         poll_interval=0.2,
     )
     return successor, successor.start("unix:" + pod.runtimed.address[5:] + "2")

@@ -26,6 +26,7 @@ from fnkernel.runtime_server.lifecycle.gateway.handlers import (
 from fnkernel.runtime_server.lifecycle.gateway.invoke import InvokeHandler
 from fnkernel.runtime_server.lifecycle.gateway.logs import LogsHandler
 from fnkernel.runtime_server.lifecycle.gateway.routes import Routes
+from fnkernel.runtime_server.lifecycle.gateway.secrets import SecretHandler, SecretsHandler
 
 DEFAULT_LISTEN = "127.0.0.1:8080"
 # Tornado buffers headers up to this size (then closes the connection), so that everything
@@ -51,6 +52,8 @@ class Gateway(Routes):
                 (r"/v1/runs/([^/:]+)/files", FilesHandler, args),
                 (r"/v1/runs/([^/:]+)/invocations/([^/]+)/logs", LogsHandler, args),
                 (r"/v1/runs/([^/:]+)", RunHandler, args),
+                (r"/v1/secrets", SecretsHandler, args),
+                (r"/v1/secrets/([^/:]+)", SecretHandler, args),
             ],
             log_function=log_failure,
             default_handler_class=NoSuchPath,

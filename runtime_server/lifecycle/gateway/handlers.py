@@ -334,6 +334,9 @@ class RunsHandler(TracedHandler, BodyHandler):
         requirements = body.get("requirements") or []
         if not isinstance(requirements, list):
             raise InvalidField("requirements", "must be an array of PEP 508 requirements")
+        secrets = body.get("secrets") or []
+        if not isinstance(secrets, list):
+            raise InvalidField("secrets", "must be an array of secret names")
         fields = {}
         for key in ("name", "runtime", "handler"):
             value = body.get(key)
@@ -353,6 +356,7 @@ class RunsHandler(TracedHandler, BodyHandler):
                 memory_mb=memory,
                 replicas=replicas,
                 requirements=requirements,
+                secrets=secrets,
                 source=str(body.get("source", "")),
                 traceparent=hop.traceparent,  # runtimed's registration joins this trace
             )

@@ -22,6 +22,7 @@ from fnkernel.runtime_server.lifecycle.controlplane import ControlPlane
 from fnkernel.runtime_server.lifecycle.gateway.access import Access
 from fnkernel.runtime_server.lifecycle.gateway.failures import FailureResponse
 from fnkernel.runtime_server.lifecycle.runs import Run, replica_names
+from fnkernel.runtime_server.lifecycle.secrets import NoSecrets, Secrets
 from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS
 from fnkernel.runtime_server.wire import IDLE, READY
 
@@ -44,12 +45,14 @@ class Routes:
         control_plane: ControlPlane,
         access: Access | None = None,
         *,
+        secrets: Secrets | None = None,
         body_timeout: float = 60.0,
         header_timeout: float = HEADER_TIMEOUT_SECONDS,
     ) -> None:
         self.control_plane = control_plane
         self.store = control_plane.store
         self.access = access or Access()
+        self.secrets = secrets or NoSecrets()
         # A body that has not arrived whole by then closes the connection: a client that sends
         # less than its Content-Length does not hold a connection forever.
         self.body_timeout = body_timeout

@@ -1,7 +1,7 @@
 """A Run and a Runtime Pod as Kubernetes objects (docs/kubernetes.md, "The object model").
 
 A Run is an object of the custom resource ``runs.fnkernel.dev/v1alpha1``: its spec (runtime,
-handler, env, idleTimeoutSeconds, memoryMb, requirements, source, and its files: inline in ``files``, or in
+handler, env, idleTimeoutSeconds, memoryMb, requirements, secrets, source, and its files: inline in ``files``, or in
 ConfigMaps it owns named by ``filesFrom``) is what was created; its status
 (phase, attempt, assignedPod, message, ...) is written only through the status subresource.
 Its UID is ``metadata.uid``. The Run's own name is ``metadata.name`` where that is a valid
@@ -94,6 +94,7 @@ STATUS_KEYS = {
     "uncharged_attempts": "unchargedAttempts",
     "server_deaths": "serverDeaths",
     "traceparent": "traceparent",
+    "secret_versions": "secretVersions",
 }
 assert set(STATUS_KEYS) == STATUS_FIELDS
 # In a cached object only (``without_files``): the digest of the inline files it dropped.
@@ -150,6 +151,7 @@ def run_of(obj: Mapping[str, Any]) -> Run:
             replicas=int(spec.get("replicas") or 1),
             replica_of=str(spec.get("replicaOf", "")),
             requirements=_listed(spec.get("requirements")),
+            secrets=_listed(spec.get("secrets")),
         ),
         status=RunStatus(
             phase=str(status.get("phase", NEW)),
@@ -163,6 +165,7 @@ def run_of(obj: Mapping[str, Any]) -> Run:
             uncharged_attempts=int(status.get("unchargedAttempts", 0)),
             server_deaths=int(status.get("serverDeaths", 0)),
             traceparent=str(status.get("traceparent", "")),
+            secret_versions=dict(status.get("secretVersions") or {}),
         ),
         created_at=_timestamp(meta.get("creationTimestamp")),
         delete_requested=bool(meta.get("deletionTimestamp")),
@@ -282,6 +285,8 @@ def new_object(
         spec["replicaOf"] = run.spec.replica_of
     if run.spec.requirements:
         spec["requirements"] = list(run.spec.requirements)
+    if run.spec.secrets:
+        spec["secrets"] = list(run.spec.secrets)
     digest, parts = files_parts(files)
     if len(parts) > MAX_FILES_PARTS:
         raise RunTooLarge(

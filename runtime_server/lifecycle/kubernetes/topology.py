@@ -9,12 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from fnkernel.runtime_server.lifecycle.kubernetes.secrets import KubernetesSecrets
 from fnkernel.runtime_server.lifecycle.kubernetes.store import (
     KubernetesRunStore,
     connect,
     namespace_of,
 )
 from fnkernel.runtime_server.lifecycle.runs import RunStore
+from fnkernel.runtime_server.lifecycle.secrets import Secrets
 from fnkernel.runtime_server.lifecycle.topology import MissingWorkspace
 
 
@@ -41,6 +43,9 @@ class Kubernetes:
                 "on Kubernetes the package cache is a volume of the pod: name it"
             )
         return given
+
+    def open_secrets(self) -> Secrets:
+        return KubernetesSecrets(connect(), namespace_of(self.namespace))
 
     def where(self) -> str:
         return f"Runs in namespace {self.namespace or '(its own)'}"

@@ -36,6 +36,7 @@ from fnkernel.runtime_server.errors import (
     RunFilesMissing,
     RunNotFound,
     RunNotReady,
+    SecretNotFound,
 )
 from fnkernel.runtime_server.function_runtime.registry import FAILED as REG_FAILED
 from fnkernel.runtime_server.function_runtime.registry import READY as REG_READY
@@ -62,6 +63,7 @@ from fnkernel.runtime_server.lifecycle.runtimed.server import (
     registration_request,
 )
 from fnkernel.runtime_server.lifecycle.runtimed.workspace import Workspace
+from fnkernel.runtime_server.lifecycle.secrets import Secrets, rotated_secret
 from fnkernel.runtime_server.rpc import (
     CHANNEL_OPTIONS,
     CancellableCalls,
@@ -100,13 +102,14 @@ class Runtimed:
         server_address: str,
         workspace: Path,
         packages: PackageCache,
+        secrets: Secrets,
         poll_interval: float = 1.0,
         tick: float = 0.05,
     ) -> None:
         """`workspace`: the directory of this pod's Runs' files, inside its server's workspace
         root (one directory a Run, ``working_dir``). `packages`: the node's cache of the Runs'
         requirements."""
-        self.packages = packages
+        self.packages, self.secrets = packages, secrets
         self.store = store
         self.pod = pod
         self.runtime = runtime
@@ -308,15 +311,17 @@ class Runtimed:
                 doing = "install the requirements"
                 with hop.step("install its requirements"):
                     environment = self._environment(run, expect_phase)
+            doing = "read its secrets"
+            secrets = [self.secrets.get(name) for name in run.spec.secrets]
         except RunNotFound:
             return None  # deleted meanwhile
-        except (RunFilesMissing, RequirementsFailed) as exc:  # no retry brings them
+        except (RunFilesMissing, RequirementsFailed, SecretNotFound) as exc:  # no retry helps
             self._failed(run, str(exc))
             return None
         except OSError as exc:  # the pod's disk, not the handler: a charged retry
             self._infrastructure_failure(run, f"cannot {doing}: {exc}")
             return None
-        request = registration_request(run, working_dir, environment)
+        request = registration_request(run, working_dir, environment, secrets)
         try:
             response = self.server.register_repeating(request, hop)
         except grpc.RpcError as err:
@@ -334,7 +339,8 @@ class Runtimed:
             with self._lock:
                 self._active[run.uid] = active
             with hop.step("write the Run's status: Ready"):
-                self.store.update(run, expect_phase=expect_phase, phase=READY, message="")
+                versions = {secret.name: secret.version for secret in secrets}
+                self.store.update(run, expect_phase=expect_phase, phase=READY, message="", secret_versions=versions)  # fmt: skip
             attempt = run.status.attempt
             LOG.info("run %s attempt %d READY as %s", run.name, attempt, active.registration_id)
             return active
@@ -442,13 +448,14 @@ class Runtimed:
             ready = [run for run in self._runs.values() if run.status.phase == READY]
         for run in ready:
             active = self.active(run)
-            if active is None:
-                # runtimed restarted: the same attempt and digest return the current reference.
+            if rotated := rotated_secret(
+                self.secrets, run.status.secret_versions
+            ):  # docs/protocol.md, "Secrets": its registration has an old version
+                self._infrastructure_failure(run, f"{rotated}: registering again", charged=False)
+            elif active is None:  # runtimed restarted: the same attempt and digest return it
                 self._submit(run, lambda r: self._register(r, expect_phase=READY))
-                continue
-            if self._served.pop(run.uid, None) == active:
-                continue  # a call succeeded on it since the last poll: it is READY, not idle
-            self._poll_one(run, active)
+            elif self._served.pop(run.uid, None) != active:  # none ran on it since: poll it
+                self._poll_one(run, active)
 
     def served(self, run: Run, active: Active) -> None:
         """A proxied call on `active` succeeded: the next poll of the Run can be skipped, and

@@ -103,12 +103,14 @@ class PackageCache:
         self._made = False
 
     def _make(self) -> None:
-        """The cache's directories, made (0700) on its first use: a pod whose Runs have no
+        """The cache's directories, made on its first use: a pod whose Runs have no
         requirements writes nothing here."""
         if not self._made:
+            # A root made here is 0700; one the deployment gives (a pod's emptyDir, which is
+            # not ours to chmod) keeps its mode, and everything in it is in 0700 directories.
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
             for sub in ("resolved", "envs", "locks", "uv"):
-                (self.root / sub).mkdir(parents=True, exist_ok=True, mode=0o700)
-            self.root.chmod(0o700)
+                (self.root / sub).mkdir(exist_ok=True, mode=0o700)
             self._made = True
 
     def environment(

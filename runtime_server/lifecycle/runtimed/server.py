@@ -6,6 +6,7 @@ the reference to the registration runtimed holds (``Active``).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_gr
 from fnkernel.runtime_server.lifecycle.retries import Step, Verdict, decide
 from fnkernel.runtime_server.lifecycle.runs import Run
 from fnkernel.runtime_server.lifecycle.runtimed.packages import Environment
+from fnkernel.runtime_server.lifecycle.secrets import Secret
 from fnkernel.runtime_server.wire import TRACEPARENT_KEY
 from fnkernel.system.waiting import Backoff, attempts
 
@@ -38,13 +40,19 @@ class Active:
 
 
 def registration_request(
-    run: Run, working_dir: Path, environment: Environment | None = None
+    run: Run,
+    working_dir: Path,
+    environment: Environment | None = None,
+    secrets: Sequence[Secret] = (),
 ) -> pb.RegisterFunctionRequest:
     """The RegisterFunction request of `run`'s current attempt: its digest is its spec's
     (``RunSpec.digest``), never the working dir's path (docs/protocol.md, "Registration"); with
     its requirements' `environment`, their lock's digest too, and the worker is told where it
-    is (PACKAGES_ENV)."""
+    is (PACKAGES_ENV). Its `secrets`' keys are in its env, over the spec's own ("Secrets"): not
+    in its digest, so a rotation is told by the versions the Run's status keeps."""
     env, digest = dict(run.spec.env), run.spec.digest()
+    for secret in secrets:
+        env.update(secret.data)
     if environment is not None:
         env[PACKAGES_ENV] = str(environment.path)
         digest = limits.sha256_digest(f"{digest} {environment.digest}".encode())

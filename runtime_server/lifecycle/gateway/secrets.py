@@ -1,0 +1,38 @@
+"""The gateway's handlers of named secrets (docs/protocol.md, "Secrets"): ``PUT
+/v1/secrets/NAME`` sets one, ``GET /v1/secrets`` lists their names, keys and versions — never a
+value — and ``DELETE /v1/secrets/NAME`` removes one. A value never reaches a log line, an error
+message or an answer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fnkernel.runtime_server.lifecycle.gateway.handlers import BaseHandler, BodyHandler
+from fnkernel.runtime_server.lifecycle.secrets import MAX_SECRET_BYTES, Secret, check_secret
+
+
+def shown(secret: Secret) -> dict[str, Any]:
+    """A secret as the gateway shows it: its name, version and keys."""
+    return {"name": secret.name, "version": secret.version, "keys": list(secret.keys)}
+
+
+class SecretsHandler(BaseHandler):
+    async def get(self) -> None:
+        secrets = await self.blocking(self.gateway.secrets.list)
+        self.send_json(200, {"secrets": [shown(secret) for secret in secrets]})
+
+
+class SecretHandler(BodyHandler):
+    # Its keys and values, which JSON escaping can make up to six times as long, and room.
+    max_body = 6 * MAX_SECRET_BYTES + 4096
+
+    async def put(self, name: str) -> None:
+        name, data = check_secret(name, self.json_body().get("data"))
+        secret = await self.blocking(self.gateway.secrets.set, name, data)
+        self.send_json(200, shown(secret))
+
+    async def delete(self, name: str) -> None:
+        await self.blocking(self.gateway.secrets.delete, name)
+        self.set_status(204)
+        self.finish()

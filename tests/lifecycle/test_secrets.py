@@ -1,0 +1,137 @@
+"""Named secrets by reference (docs/protocol.md, "Secrets"): kept by the stack, used by a Run by
+name, seen by its handler as environment variables, and nowhere else — tried on the store
+itself and on a stack of real processes through the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from fnkernel.runtime_server.client import Client
+from fnkernel.runtime_server.errors import InvalidField, SecretNotFound
+from fnkernel.runtime_server.lifecycle.secrets import SecretFiles
+from fnkernel.runtime_server.lifecycle.stack import Stack
+from tests.support import wait_until
+
+VALUE = "s3cr3t-Value-8842"  # what must appear nowhere but in the handler's environment
+ROTATED = "r0tated-Value-1177"
+HANDLER = {
+    "handler.py": (
+        "import hashlib, os\n"
+        "def handle(event):\n"
+        "    seen = os.environ.get(event.get('key', 'PASSWORD'), '')\n"
+        "    return {'user': os.environ.get('DB_USER'),\n"
+        "            'sha256': hashlib.sha256(seen.encode()).hexdigest()}\n"
+    )
+}
+
+
+def sha256(text: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def fnkernel(gateway: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fnkernel.runtime_server.cli", *args, "--gateway", gateway],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+def test_the_store_keeps_each_secret_private_and_versioned(tmp_path: Path) -> None:
+    secrets = SecretFiles(tmp_path / "state" / "secrets")
+    first = secrets.set("warehouse", {"DB_USER": "alice", "PASSWORD": VALUE})
+    assert (first.version, first.keys) == ("1", ("DB_USER", "PASSWORD"))
+    assert secrets.set("warehouse", {"PASSWORD": ROTATED}).version == "2"
+    assert secrets.get("warehouse").data == {"PASSWORD": ROTATED}  # replaced whole
+    kept = tmp_path / "state" / "secrets"
+    assert kept.stat().st_mode & 0o777 == 0o700
+    assert (kept / "warehouse").stat().st_mode & 0o777 == 0o600
+    (listed,) = secrets.list()
+    assert (listed.name, listed.version, listed.keys, dict(listed.data)) == (
+        "warehouse", "2", ("PASSWORD",), {},
+    )  # fmt: skip
+    assert VALUE not in repr(listed) and ROTATED not in repr(secrets.get("warehouse"))
+    secrets.delete("warehouse")
+    with pytest.raises(SecretNotFound, match="'warehouse' does not exist"):
+        secrets.get("warehouse")
+
+
+@pytest.mark.parametrize(
+    ("name", "data", "says"),
+    [
+        ("Warehouse", {"K": "v"}, "name: must be 1-63 lower-case"),
+        ("warehouse", {}, "data: must be an object of at least one"),
+        ("warehouse", {"1KEY": VALUE}, "data: key '1KEY' is not an environment variable name"),
+        ("warehouse", {"KEY": VALUE + "\0"}, "data.KEY: must be text without NUL"),
+    ],
+)
+def test_a_bad_secret_is_refused_naming_the_field_never_the_value(
+    tmp_path: Path, name: str, data: dict[str, str], says: str
+) -> None:
+    with pytest.raises(InvalidField) as refused:
+        SecretFiles(tmp_path).set(name, data)
+    assert str(refused.value).startswith(says) and VALUE not in str(refused.value)
+
+
+def test_a_handler_sees_a_secrets_keys_and_a_rotation_registers_it_again(
+    stack_factory: Callable[..., Stack], tmp_path: Path
+) -> None:
+    stack = stack_factory({"python": 1}, state_dir=tmp_path / "state")
+    gateway, client = stack.gateway_address, Client(stack.gateway_address)
+    env_file = tmp_path / ".env"
+    env_file.write_text(f"# the warehouse\nexport DB_USER=alice\nPASSWORD='{VALUE}'\n")
+    made = fnkernel(gateway, "secrets", "set", "warehouse", "--from-env-file", str(env_file))
+    assert made.returncode == 0, made.stderr
+    assert json.loads(made.stdout) == {
+        "name": "warehouse",
+        "version": "1",
+        "keys": ["DB_USER", "PASSWORD"],
+    }
+    listed = fnkernel(gateway, "secrets", "list")
+    assert json.loads(listed.stdout) == [json.loads(made.stdout)]
+
+    run = client.create_run("etl", runtime="python", handler="handler.handle", files=HANDLER,
+                            secrets=["warehouse"])  # fmt: skip
+    assert run.phase == "Ready", run.message
+    assert run["spec"]["secrets"] == ["warehouse"]
+    assert client.invoke("etl", {}).value() == {"user": "alice", "sha256": sha256(VALUE)}
+
+    rotated = fnkernel(
+        gateway, "secrets", "set", "warehouse", "DB_USER=alice", f"PASSWORD={ROTATED}"
+    )
+    assert json.loads(rotated.stdout)["version"] == "2"
+    # runtimed sees another version at its next poll: a new attempt with the new value
+    wait_until(lambda: client.status("etl").attempt == 2 and client.status("etl").phase == "Ready",
+               timeout=30)  # fmt: skip
+    assert client.invoke("etl", {}).value()["sha256"] == sha256(ROTATED)
+
+    # What a user, or another local user, can read holds no value: the Run, the store of
+    # Runs, every other file of the state dir, the components' logs.
+    shown = json.dumps(client.status("etl")) + json.dumps(client.list_secrets())
+    assert VALUE not in shown and ROTATED not in shown
+    for path in (tmp_path / "state").rglob("*"):
+        if path.is_file() and "secrets" not in path.relative_to(tmp_path / "state").parts:
+            data = path.read_bytes()
+            assert VALUE.encode() not in data and ROTATED.encode() not in data, path
+
+
+def test_a_missing_secret_fails_the_registration_naming_it(
+    stack_factory: Callable[..., Stack], tmp_path: Path
+) -> None:
+    stack = stack_factory({"python": 1}, state_dir=tmp_path / "state")
+    client = Client(stack.gateway_address)
+    run = client.create_run("lost", runtime="python", handler="handler.handle", files=HANDLER,
+                            secrets=["nowhere"])  # fmt: skip
+    assert run.phase == "Failed" and run.attempt == 1
+    assert run.message == "secret 'nowhere' does not exist"
+    gone = fnkernel(stack.gateway_address, "secrets", "delete", "nowhere")
+    assert (
+        gone.returncode == 1 and "SecretNotFound" in gone.stderr
+    ) or "does not exist" in gone.stderr
