@@ -5,6 +5,7 @@ team's Jaeger or Tempo: OpenTelemetry's own TraceService, recording what it is s
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -21,6 +22,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from fnkernel.runtime_server import tracing
 from fnkernel.runtime_server.client import Client
 from fnkernel.runtime_server.client.errors import GatewayError
+from fnkernel.runtime_server.lifecycle.secrets import SecretFiles
 from fnkernel.runtime_server.lifecycle.stack import Stack
 from tests.support import INVOKE_PATH, wait_until
 
@@ -149,6 +151,28 @@ def test_a_create_the_gateway_refuses_is_exported_with_its_status_and_why(
     assert span["attributes"]["http.response.status_code"] == 400
     assert span["attributes"]["http.request.method"] == "POST"
     assert span["status"] == "INVALID_ARGUMENT: env: must be an object of string values"
+
+
+def test_no_span_holds_a_secrets_value(exporting: tuple[Collector, Client, Stack]) -> None:
+    """docs/protocol.md, "Secrets": spans name a Run's secrets at most, never a value — those of
+    its registration and of a call whose handler read the value."""
+    received, client, stack = exporting
+    value = "s3cr3t-Value-8842"
+    SecretFiles(stack.state_dir / "secrets").set("warehouse", {"DB_PASSWORD": value})
+    handler = {
+        "handler.py": "import os\ndef handle(event):\n    return len(os.environ['DB_PASSWORD'])\n"
+    }
+    run = client.create_run(
+        "keyed", runtime="python", handler="handler.handle", files=handler, secrets=["warehouse"]
+    )
+    assert run.phase == "Ready", run.message
+    caller = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
+    assert client.invoke("keyed", {}, traceparent=caller).value() == len(value)
+    wait_until(lambda: any(s["name"] == "handler.handle" for s in list(received.spans)), timeout=20)
+    wait_until(
+        lambda: any(s["name"] == "load handler.handle" for s in list(received.spans)), timeout=20
+    )
+    assert value not in json.dumps(list(received.spans))
 
 
 def _swallow(client: Client, name: str) -> None:
