@@ -30,6 +30,7 @@ SECRETS_DIR = "secrets"  # one machine: STATE_DIR/SECRETS_DIR/NAME
 _NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 MAX_SECRET_KEYS = 64
 MAX_SECRET_BYTES = 256 * 1024  # its keys and values in all
+MAX_RUN_SECRETS = 16  # a Run names at most this many (deploy/crd.yaml)
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,8 @@ def check_secret_names(names: object, field: str = "secrets") -> tuple[str, ...]
         return ()
     if not isinstance(names, (list, tuple)):
         raise InvalidField(field, "must be an array of secret names")
+    if len(names) > MAX_RUN_SECRETS:
+        raise InvalidField(field, f"{len(names)} secrets; at most {MAX_RUN_SECRETS}")
     checked = tuple(check_secret_name(name, f"{field}[{i}]") for i, name in enumerate(names))
     if len(set(checked)) != len(checked):
         raise InvalidField(field, "names a secret twice")
