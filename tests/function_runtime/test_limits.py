@@ -371,7 +371,9 @@ def test_a_long_invalid_value_gives_a_status_message_of_at_most_1_kib(bash_rt: C
     assert len(details.encode()) <= 1024
 
 
-def test_an_unexpected_error_is_internal_and_names_only_its_type(tmp_path: Path) -> None:
+def test_an_unexpected_error_is_internal_and_names_only_its_type(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     # docs/protocol.md, "Errors": no traceback and no exception text of an unexpected error
     # reaches a status message (it may hold paths or secrets); the log has the detail.
     class Broken(pb_grpc.FunctionRuntimeServicer):
@@ -393,6 +395,8 @@ def test_an_unexpected_error_is_internal_and_names_only_its_type(tmp_path: Path)
         server.stop(None)
     assert caught.value.code() == grpc.StatusCode.INTERNAL
     assert caught.value.details() == "internal error: RuntimeError"
+    # the operator's log has the detail, naming the method that failed
+    assert "internal error in FunctionStatus" in caplog.text and "token=abc" in caplog.text
 
 
 @pytest.mark.parametrize(

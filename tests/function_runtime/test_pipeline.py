@@ -25,6 +25,8 @@ class Handlers(pb_grpc.FunctionRuntimeServicer):
     def InvokeFunction(self, request: Any, context: Any) -> Any:
         if request.invocation_id == "bad":
             raise InvalidField("input", "not what this handler takes")
+        if request.invocation_id == "boom":
+            raise RuntimeError("a bug")
         served_call().trailers = (("fn-handler", "its own"),)
         return pb.InvokeFunctionResponse(output=request.input)
 
@@ -89,6 +91,17 @@ def test_an_error_a_handler_raises_is_answered_with_its_status(channel: grpc.Cha
     assert caught.value.details() == "input: not what this handler takes"
 
 
+def test_an_invokes_unexpected_error_is_internal_and_logged_under_its_name(
+    channel: grpc.Channel, caplog: pytest.LogCaptureFixture
+) -> None:
+    with pytest.raises(grpc.RpcError) as caught:
+        pb_grpc.FunctionRuntimeStub(channel).InvokeFunction(
+            pb.InvokeFunctionRequest(invocation_id="boom"), timeout=10
+        )
+    assert caught.value.code() == grpc.StatusCode.INTERNAL
+    assert "internal error in InvokeFunction" in caplog.text
+
+
 def test_a_service_outside_the_pipeline_is_left_as_grpc_serves_it(
     channel: grpc.Channel,
 ) -> None:
@@ -125,3 +138,51 @@ def test_a_streaming_method_of_the_pipeline_has_its_errors_answered_as_statuses(
     assert len(got) == 1  # what came before the error still came
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert caught.value.details() == "run_uid: gone mid-stream"
+
+
+def test_a_pipeline_without_a_component_only_answers_errors(tmp_path: Path) -> None:
+    # rpc.Pipeline: a ServedCall only "where `component` is given" — without one an
+    # InvokeFunction has no call to reach, and a handler that asks gets an INTERNAL answer.
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=2), interceptors=[Pipeline([FUNCTION_RUNTIME])]
+    )
+    pb_grpc.add_FunctionRuntimeServicer_to_server(Handlers(), server)
+    address = f"unix:{tmp_path}/plain.sock"
+    server.add_insecure_port(address)
+    server.start()
+    try:
+        with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as caught:
+            pb_grpc.FunctionRuntimeStub(channel).InvokeFunction(
+                pb.InvokeFunctionRequest(input=b"{}"), timeout=10
+            )
+    finally:
+        server.stop(None)
+    assert caught.value.code() == grpc.StatusCode.INTERNAL
+    assert caught.value.details() == "internal error: LookupError"
+
+
+def test_a_streaming_methods_unexpected_error_is_logged_under_its_name(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    class Broken(logs_pb2_grpc.InvocationLogsServicer):
+        def FollowInvocationLogs(self, request: Any, context: Any) -> Iterator[Any]:
+            raise RuntimeError("broken")
+            yield
+
+    logs_service = logs_pb2.DESCRIPTOR.services_by_name["InvocationLogs"].full_name
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=2), interceptors=[Pipeline([logs_service])]
+    )
+    logs_pb2_grpc.add_InvocationLogsServicer_to_server(Broken(), server)
+    address = f"unix:{tmp_path}/broken.sock"
+    server.add_insecure_port(address)
+    server.start()
+    try:
+        with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as caught:
+            list(logs_pb2_grpc.InvocationLogsStub(channel).FollowInvocationLogs(
+                logs_pb2.FollowInvocationLogsRequest(), timeout=10
+            ))  # fmt: skip
+    finally:
+        server.stop(None)
+    assert caught.value.code() == grpc.StatusCode.INTERNAL
+    assert "internal error in FollowInvocationLogs" in caplog.text
