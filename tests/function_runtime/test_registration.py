@@ -360,6 +360,22 @@ def test_registration_working_dir_symlink_outside_workspace_is_invalid(
     assert code_of(lambda: python_rt.register(working_dir=link)) == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_a_handler_module_that_is_a_symlink_out_of_its_working_dir_is_invalid(
+    python_rt: Client, tmp_path: Path
+) -> None:
+    # docs/protocol.md, "Limits": the handler's module must resolve inside the working dir — a
+    # symlink in it to a file elsewhere is refused before anything is loaded.
+    outside = tmp_path / "elsewhere.py"
+    outside.write_text("def handle(e): return e\n")
+    working = python_rt.workspace / "linked"
+    working.mkdir()
+    (working / "handler.py").symlink_to(outside)
+    with pytest.raises(grpc.RpcError) as refused:
+        python_rt.register(working_dir=working)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "resolves outside the working directory" in (refused.value.details() or "")
+
+
 @pytest.mark.parametrize("drain_millis", [2**63 - 1, 10**13, 900_001])
 def test_a_drain_over_the_maximum_is_invalid_and_leaves_the_registration_ready(
     python_rt: Client, drain_millis: int
