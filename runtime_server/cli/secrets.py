@@ -1,19 +1,27 @@
 """``fnkernel secrets set|list|delete`` (docs/protocol.md, "Secrets"): the stack's named secrets,
-through its gateway. A value is read from the command line or an env file and sent; none is
-ever printed, nor quoted in an error."""
+through the gateway ``--gateway`` or ``$FNKERNEL_RUNTIME`` names; with neither, in this machine's
+store (``--state-dir``, ``--secrets-dir``), which ``fnkernel up`` and every kernel's embedded
+runtime read. A value is read from the command line or an env file and sent; none is ever
+printed, nor quoted in an error."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from fnkernel.runtime_server.cli.common import (
+    EXIT_FAILURE,
     EXIT_OK,
     UsageError,
     add_client_flags,
+    add_state_dir,
     client_of,
     print_json,
+    state_dir_of,
 )
 
 
@@ -46,6 +54,46 @@ def _pairs(pairs: list[str]) -> dict[str, str]:
     return found
 
 
+class _LocalStore:
+    """This machine's store of secrets, answering as the gateway's client does."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from fnkernel.runtime_server.lifecycle.topology import OneMachine
+
+        secrets_dir = Path(args.secrets_dir).expanduser() if args.secrets_dir else None
+        self.secrets = OneMachine(state_dir_of(args), secrets_dir).open_secrets()
+
+    def set_secret(self, name: str, data: Mapping[str, str]) -> dict[str, object]:
+        return self.secrets.set(name, data).shown()
+
+    def list_secrets(self) -> list[dict[str, object]]:
+        return [secret.shown() for secret in self.secrets.list()]
+
+    def delete_secret(self, name: str) -> None:
+        self.secrets.delete(name)
+
+
+def _secrets(args: argparse.Namespace) -> Any:
+    if args.gateway or os.environ.get("FNKERNEL_RUNTIME"):
+        return client_of(args)
+    return _LocalStore(args)
+
+
+def _run(args: argparse.Namespace, action: Any) -> int:
+    """`action(store)`, the store the flags name; the local store's refusals answered as the
+    gateway's are (a bad field is a usage error, a missing secret a failure)."""
+    from fnkernel.runtime_server.errors import InvalidField, SecretNotFound
+
+    try:
+        action(_secrets(args))
+    except InvalidField as exc:
+        raise UsageError(str(exc)) from None
+    except SecretNotFound as exc:
+        print(f"fnkernel: SecretNotFound: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    return EXIT_OK
+
+
 def _set(args: argparse.Namespace) -> int:
     data: dict[str, str] = {}
     if args.from_env_file:
@@ -56,24 +104,24 @@ def _set(args: argparse.Namespace) -> int:
     data.update(_pairs(args.pairs))
     if not data:
         raise UsageError("secrets set: give KEY=VALUE pairs or --from-env-file FILE")
-    print_json(client_of(args).set_secret(args.name, data))
-    return EXIT_OK
+    return _run(args, lambda store: print_json(store.set_secret(args.name, data)))
 
 
 def _list(args: argparse.Namespace) -> int:
-    print_json(client_of(args).list_secrets())
-    return EXIT_OK
+    return _run(args, lambda store: print_json(store.list_secrets()))
 
 
 def _delete(args: argparse.Namespace) -> int:
-    client_of(args).delete_secret(args.name)
-    return EXIT_OK
+    return _run(args, lambda store: store.delete_secret(args.name))
 
 
 def register(commands: Any) -> None:
     """Add the subcommands of this group to `commands` (argparse subparsers)."""
     secrets = commands.add_parser(
-        "secrets", help="the stack's named secrets, which Runs use by name"
+        "secrets",
+        help="the stack's named secrets, which Runs use by name",
+        description="Through the gateway --gateway or $FNKERNEL_RUNTIME names; with neither, in "
+        "this machine's store (--state-dir), which `fnkernel up` and the embedded runtime read.",
     )
     actions = secrets.add_subparsers(dest="secrets_command", metavar="ACTION", required=True)
     setting = actions.add_parser("set", help="keep KEY=VALUE pairs under NAME (replacing them)")
@@ -88,3 +136,4 @@ def register(commands: Any) -> None:
     deleting.set_defaults(func=_delete)
     for parser in (setting, listing, deleting):
         add_client_flags(parser)
+        add_state_dir(parser)

@@ -11,6 +11,7 @@ private state directory (0600, as the token); on Kubernetes a Secret of the name
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -26,6 +27,7 @@ from fnkernel.runtime_server.tokens import write_private
 from fnkernel.system.private import private_dir
 
 SECRETS_DIR = "secrets"  # one machine: STATE_DIR/SECRETS_DIR/NAME
+_LOCK_FILE = ".lock"  # not a name (_NAME): never listed
 # A name that is a Kubernetes object name's tail too: fnkernel-secret-NAME.
 _NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 MAX_SECRET_KEYS = 64
@@ -42,6 +44,10 @@ class Secret:
     version: str
     keys: tuple[str, ...]
     data: Mapping[str, str] = field(default_factory=dict, repr=False)  # never in a repr
+
+    def shown(self) -> dict[str, object]:
+        """As the gateway and the CLI show it: its name, version and keys, never a value."""
+        return {"name": self.name, "version": self.version, "keys": list(self.keys)}
 
 
 class Secrets(Protocol):
@@ -152,7 +158,10 @@ class SecretFiles:
     def set(self, name: str, data: Mapping[str, str]) -> Secret:
         name, checked = check_secret(name, data)
         path = self._path(name)
-        with self._lock:
+        # One set at a time, across threads and processes (the gateway's, and `fnkernel
+        # secrets` on this machine's store): two sets must not both take the same version.
+        with self._lock, open(private_dir(self.directory) / _LOCK_FILE, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
             try:
                 version = int(json.loads(path.read_text())["version"]) + 1
             except (FileNotFoundError, ValueError, KeyError, TypeError):

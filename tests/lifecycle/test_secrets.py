@@ -5,10 +5,12 @@ itself and on a stack of real processes through the CLI."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -61,6 +63,64 @@ def test_the_store_keeps_each_secret_private_and_versioned(tmp_path: Path) -> No
     secrets.delete("warehouse")
     with pytest.raises(SecretNotFound, match="'warehouse' does not exist"):
         secrets.get("warehouse")
+
+
+def _set_many(directory: str, times: int, go: Any) -> None:
+    go.wait(30)
+    for n in range(times):
+        SecretFiles(Path(directory)).set("warehouse", {"N": str(n)})
+
+
+def test_every_set_gets_a_version_of_its_own_across_processes(tmp_path: Path) -> None:
+    # docs/protocol.md, "Secrets": each set gives the secret a new version, which is how a Run
+    # learns of a rotation — also when the gateway and `fnkernel secrets` on this machine set
+    # it at the same moment (two processes here, each setting it 150 times).
+    import multiprocessing
+
+    spawn = multiprocessing.get_context("spawn")
+    go = spawn.Event()
+    setters = [spawn.Process(target=_set_many, args=(str(tmp_path), 150, go)) for _ in range(2)]
+    for setter in setters:
+        setter.start()
+    go.set()
+    for setter in setters:
+        setter.join(60)
+        assert setter.exitcode == 0
+    assert SecretFiles(tmp_path).get("warehouse").version == "300"
+    assert [s.name for s in SecretFiles(tmp_path).list()] == ["warehouse"]
+
+
+def test_with_no_gateway_named_the_cli_keeps_secrets_in_this_machines_store(
+    tmp_path: Path,
+) -> None:
+    # docs/protocol.md, "Secrets": `fnkernel secrets` with neither --gateway nor
+    # $FNKERNEL_RUNTIME acts on this machine's store in the state dir — where the embedded
+    # runtime and `fnkernel up` read them — answering as the gateway does.
+    env = {k: v for k, v in os.environ.items() if k not in ("FNKERNEL_RUNTIME", "FNKERNEL_TOKEN")}
+    env["FNKERNEL_STATE_DIR"] = str(tmp_path / "state")
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "fnkernel.runtime_server.cli", *args],
+                              capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
+
+    made = cli("secrets", "set", "warehouse", "DB_USER=alice", f"PASSWORD={VALUE}")
+    assert made.returncode == 0, made.stderr
+    assert json.loads(made.stdout) == {"name": "warehouse", "version": "1",
+                                       "keys": ["DB_USER", "PASSWORD"]}  # fmt: skip
+    kept = SecretFiles(tmp_path / "state" / "secrets").get("warehouse")
+    assert kept.data == {"DB_USER": "alice", "PASSWORD": VALUE}
+    assert json.loads(cli("secrets", "list").stdout) == [json.loads(made.stdout)]
+    bad = cli("secrets", "set", "Warehouse", f"PASSWORD={VALUE}")
+    assert bad.returncode == 2 and "name: must be 1-63 lower-case" in bad.stderr
+    assert VALUE not in bad.stderr + made.stdout
+    assert cli("secrets", "delete", "warehouse").returncode == 0
+    gone = cli("secrets", "delete", "warehouse")
+    assert gone.returncode == 1
+    assert gone.stderr.strip() == "fnkernel: SecretNotFound: secret 'warehouse' does not exist"
+    elsewhere = cli("secrets", "set", "other", "K=v", "--secrets-dir", str(tmp_path / "mine"))
+    assert elsewhere.returncode == 0 and SecretFiles(tmp_path / "mine").get("other").data == {
+        "K": "v"
+    }
 
 
 @pytest.mark.parametrize(

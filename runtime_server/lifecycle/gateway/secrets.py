@@ -6,21 +6,14 @@ message or an answer.
 
 from __future__ import annotations
 
-from typing import Any
-
 from fnkernel.runtime_server.lifecycle.gateway.handlers import BaseHandler, BodyHandler
-from fnkernel.runtime_server.lifecycle.secrets import MAX_SECRET_BYTES, Secret, check_secret
-
-
-def shown(secret: Secret) -> dict[str, Any]:
-    """A secret as the gateway shows it: its name, version and keys."""
-    return {"name": secret.name, "version": secret.version, "keys": list(secret.keys)}
+from fnkernel.runtime_server.lifecycle.secrets import MAX_SECRET_BYTES, check_secret
 
 
 class SecretsHandler(BaseHandler):
     async def get(self) -> None:
         secrets = await self.blocking(self.gateway.secrets.list)
-        self.send_json(200, {"secrets": [shown(secret) for secret in secrets]})
+        self.send_json(200, {"secrets": [secret.shown() for secret in secrets]})
 
 
 class SecretHandler(BodyHandler):
@@ -30,7 +23,7 @@ class SecretHandler(BodyHandler):
     async def put(self, name: str) -> None:
         name, data = check_secret(name, self.json_body().get("data"))
         secret = await self.blocking(self.gateway.secrets.set, name, data)
-        self.send_json(200, shown(secret))
+        self.send_json(200, secret.shown())
 
     async def delete(self, name: str) -> None:
         await self.blocking(self.gateway.secrets.delete, name)
