@@ -1,13 +1,19 @@
 """What the tests share besides fixtures: a gRPC test client, raw HTTP, waiting on a condition,
-process checks, and the handlers most tests register (fixtures are in conftest.py)."""
+process checks, `fnkernel up` as a user starts it, and the handlers most tests register
+(fixtures are in conftest.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import itertools
 import os
+import re
 import shutil
+import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import textwrap
 import threading
@@ -51,6 +57,40 @@ def wait_until(
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout}s")
         time.sleep(interval)
+
+
+def read_until_ready(proc: subprocess.Popen[str]) -> list[str]:
+    """The lines `fnkernel up` printed, up to the one that says it is ready."""
+    lines = []
+    assert proc.stdout is not None
+    while True:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"fnkernel up ended early: {lines}")
+        lines.append(line.rstrip())
+        if "ready;" in line:
+            return lines
+
+
+@contextlib.contextmanager
+def fnkernel_up(state_dir: Path, env: dict[str, str], pods: str = "python=1") -> Iterator[str]:
+    """`fnkernel up --state-dir STATE_DIR --pods PODS` in a shell with `env` added, its gateway
+    on a free loopback port; its gateway's address while it runs, stopped (SIGTERM) after."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fnkernel.runtime_server.cli", "up", "--state-dir", str(state_dir),
+         "--gateway-listen", "127.0.0.1:0", "--pods", pods],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env={**os.environ, **env},
+    )  # fmt: skip
+    try:
+        found = re.search(r"gateway (http://127\.0\.0\.1:\d+)", "\n".join(read_until_ready(proc)))
+        assert found is not None
+        yield found.group(1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def pid_alive(pid: int) -> bool:

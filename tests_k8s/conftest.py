@@ -14,7 +14,12 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import fnkernel_spec  # noqa: F401 — the kernelspec fixture, here too
-from tests.kubernetes.conftest import Cluster, image_of, kustomize_build
+from tests.kubernetes.conftest import (
+    Cluster,
+    image_of,
+    kustomize_build,
+    node_wheelhouse,  # noqa: F401 — its fixture, here too
+)
 from tests.support import ROOT
 
 PODMAN_DIR = Path(os.environ.get("FNKERNEL_PODMAN_DIR", ROOT / "build" / "podman"))
@@ -35,8 +40,10 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture
-def cluster(image: str, tmp_path: Path) -> Iterator[Cluster]:
-    started = Cluster(tmp_path, containers=True)
+def cluster(image: str, tmp_path: Path, node_wheelhouse: Path) -> Iterator[Cluster]:  # noqa: F811
+    """The cluster of containers; its Runtime Pods install requirements from the test's
+    wheelhouse, mounted from the node as a team's overlay would name its index."""
+    started = Cluster(tmp_path, containers=True, wheelhouse=node_wheelhouse)
     try:
         yield started
     finally:

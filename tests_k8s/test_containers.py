@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -23,6 +24,7 @@ from tests.kubernetes.conftest import NAMESPACE, POD_USER, Cluster
 from tests.kubernetes.node_agent import KUBECONFIG_IN_POD
 from tests.kubernetes.test_cluster import held_by
 from tests.kubernetes.test_run_files import cut_short
+from tests.packages_and_secrets import a_function_brings_its_packages_and_a_secret, set_secret
 from tests.support import wait_until
 
 pytestmark = pytest.mark.timeout(420)
@@ -221,6 +223,25 @@ def test_a_kernel_registers_invokes_and_unregisters_through_the_containers(
         assert gateway.list_runs() == []
     finally:
         kernel.shutdown()
+
+
+@pytest.mark.usefixtures("fnkernel_spec")  # the kernel nbclient starts
+def test_a_function_with_packages_and_a_secret_through_the_containers(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    # docs/protocol.md, "Requirements" and "Secrets", as on every backend
+    # (tests/packages_and_secrets.py): runtimed in its container, read-only root and uid
+    # 65532, installs with the image's uv into the pod's package cache volume, and reads the
+    # labelled Secret the gateway's container wrote.
+    gateway = up(cluster)
+    kernel_env = {
+        "FNKERNEL_RUNTIME": cluster.gateway_pod_address(),
+        "FNKERNEL_TOKEN": cluster.token,
+    }
+    set_secret(tmp_path, kernel_env)
+    a_function_brings_its_packages_and_a_secret(tmp_path, kernel_env)
+    # etl unregistered; the cell that failed left its Failed Run, to read and fix
+    assert {r.name: r.phase for r in gateway.list_runs()} == {"lost": "Failed"}
 
 
 def test_the_controllers_pod_deleted_mid_admission_loses_nothing(cluster: Cluster) -> None:

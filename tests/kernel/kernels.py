@@ -1,19 +1,24 @@
 """A real kernel through jupyter_client, and what a cell produced (for the kernel tests and the
-kernel benchmark)."""
+kernel benchmark); a notebook executed by nbclient through the kernel, and its cells' outputs."""
 
 from __future__ import annotations
 
 import json
 import os
 import tempfile
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import nbformat
 from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.manager import KernelManager
+from nbclient import NotebookClient
 
+from fnkernel.kernel.demo import output_text
 from fnkernel.kernel.install import install
+from fnkernel.kernel.kernel import KERNEL_NAME
 
 CELL_TIMEOUT = 60.0
 
@@ -186,3 +191,41 @@ def descendants(pid: int) -> set[int]:
                 found.add(child)
                 todo.append(child)
     return found
+
+
+def execute(directory: Path, cells: list[str], env: dict[str, str] | None = None) -> list[Any]:
+    """Run `cells` as a notebook in `directory` (the kernel's cwd, as Jupyter starts it) with
+    nbclient, every cell even after an error; each cell's outputs."""
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [nbformat.v4.new_code_cell(textwrap.dedent(cell)) for cell in cells]
+    client = NotebookClient(
+        notebook,
+        kernel_name=KERNEL_NAME,
+        timeout=60,
+        allow_errors=True,
+        resources={"metadata": {"path": str(directory)}},
+    )
+    client.execute(**({"env": env} if env else {}))
+    return [cell.outputs for cell in notebook.cells]
+
+
+def text(outputs: list[Any]) -> str:
+    return "\n".join(output_text(output) for output in outputs)
+
+
+def error(outputs: list[Any]) -> dict[str, Any]:
+    errors = [output for output in outputs if output["output_type"] == "error"]
+    assert errors, f"the cell did not fail: {text(outputs)}"
+    return dict(errors[0])
+
+
+def usage_error(outputs: list[Any]) -> str:
+    """IPython shows a UsageError as one line on stderr, not as a traceback."""
+    lines = [line for line in text(outputs).splitlines() if line.startswith("UsageError: ")]
+    assert len(lines) == 1, text(outputs)
+    return lines[0]
+
+
+def ok(outputs: list[Any]) -> str:
+    assert not [o for o in outputs if o["output_type"] == "error"], text(outputs)
+    return text(outputs)

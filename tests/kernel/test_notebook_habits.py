@@ -5,67 +5,28 @@ between notebooks that no other notebook replaces."""
 
 from __future__ import annotations
 
-import hashlib
 import re
-import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import nbformat
 import pytest
-from nbclient import NotebookClient
 
-from fnkernel.kernel.demo import output_text
-from fnkernel.kernel.kernel import KERNEL_NAME
 from fnkernel.runtime_server.client import Client
-from fnkernel.runtime_server.lifecycle.secrets import SecretFiles
 from fnkernel.runtime_server.lifecycle.stack import Stack
+from tests.kernel.kernels import error, execute, ok, text, usage_error
+from tests.packages_and_secrets import (
+    SECRET,
+    a_function_brings_its_packages_and_a_secret,
+    set_secret,
+)
+from tests.support import fnkernel_up
 from tests.wheelhouse import build_wheelhouse, offline_index
 
 pytestmark = pytest.mark.usefixtures("fnkernel_spec")
 
 HELPERS = "def double(x):\n    return 2 * x\n"
-SECRET = "s3cr3t-Value-8842"
 LOOKUP = "code,name\nA,alpha\nB,beta\n"
-
-
-def execute(directory: Path, cells: list[str], env: dict[str, str] | None = None) -> list[Any]:
-    """Run `cells` as a notebook in `directory` (the kernel's cwd, as Jupyter starts it) with
-    nbclient, every cell even after an error; each cell's outputs."""
-    notebook = nbformat.v4.new_notebook()
-    notebook.cells = [nbformat.v4.new_code_cell(textwrap.dedent(cell)) for cell in cells]
-    client = NotebookClient(
-        notebook,
-        kernel_name=KERNEL_NAME,
-        timeout=60,
-        allow_errors=True,
-        resources={"metadata": {"path": str(directory)}},
-    )
-    client.execute(**({"env": env} if env else {}))
-    return [cell.outputs for cell in notebook.cells]
-
-
-def text(outputs: list[Any]) -> str:
-    return "\n".join(output_text(output) for output in outputs)
-
-
-def error(outputs: list[Any]) -> dict[str, Any]:
-    errors = [output for output in outputs if output["output_type"] == "error"]
-    assert errors, f"the cell did not fail: {text(outputs)}"
-    return dict(errors[0])
-
-
-def usage_error(outputs: list[Any]) -> str:
-    """IPython shows a UsageError as one line on stderr, not as a traceback."""
-    lines = [line for line in text(outputs).splitlines() if line.startswith("UsageError: ")]
-    assert len(lines) == 1, text(outputs)
-    return lines[0]
-
-
-def ok(outputs: list[Any]) -> str:
-    assert not [o for o in outputs if o["output_type"] == "error"], text(outputs)
-    return text(outputs)
 
 
 @pytest.fixture
@@ -274,29 +235,30 @@ def test_a_function_brings_its_own_packages(notebook_dir: Path) -> None:
     assert "cannot resolve the requirements" in failed["evalue"] and "fnk-alpha" in failed["evalue"]
 
 
-def test_a_function_reads_a_secret_by_name_and_the_notebook_never_holds_it(
+def test_a_function_with_packages_and_a_secret_on_the_embedded_runtime(
     notebook_dir: Path,
 ) -> None:
-    # docs/protocol.md, "Secrets": a secret set outside the notebook (here straight into the
-    # user's state dir, as `fnkernel secrets set` keeps it) reaches the handler by its name;
-    # the card, NAME?, status() and %functions show the name, never the value.
-    state = notebook_dir / "state"
-    SecretFiles(state / "secrets").set("warehouse", {"DB_PASSWORD": SECRET})
-    cells = execute(notebook_dir, [
-        "%%function etl --secret warehouse\nimport hashlib, os\n"
-        "def handler(event):\n"
-        "    return hashlib.sha256(os.environ['DB_PASSWORD'].encode()).hexdigest()\n",
-        "etl()",
-        "print(etl.getdoc())",
-        "etl.status()",
-        "%functions",
-        "%%function lost --secret nowhere\ndef handler(event):\n    return 1\n",
-    ], env={"FNKERNEL_STATE_DIR": str(state)})  # fmt: skip
-    ok(cells[0])
-    assert ok(cells[1]) == repr(hashlib.sha256(SECRET.encode()).hexdigest())
-    shown = "".join(text(outputs) for outputs in cells)
-    assert "secrets: warehouse" in ok(cells[2]) and SECRET not in shown
-    assert "secret 'nowhere' does not exist" in error(cells[5])["evalue"]
+    # docs/protocol.md, "Requirements", "Secrets": the embedded runtime installs from the
+    # index the kernel's environment names, and reads the secrets `fnkernel secrets set` keeps
+    # in the user's state dir when no gateway is named.
+    state = {"FNKERNEL_STATE_DIR": str(notebook_dir / "state")}
+    set_secret(notebook_dir, state)
+    index = offline_index(build_wheelhouse(notebook_dir / "wheelhouse"))
+    a_function_brings_its_packages_and_a_secret(notebook_dir, {**state, **index})
+
+
+def test_a_function_with_packages_and_a_secret_on_fnkernel_up(notebook_dir: Path) -> None:
+    # The same on `fnkernel up`, started as a user starts it with the package index in its
+    # shell's environment; the secret set through its gateway; nothing the user (or another
+    # local user) can read in its state dir holds the value but the secret store.
+    state = notebook_dir / "up"
+    index = offline_index(build_wheelhouse(notebook_dir / "wheelhouse"))
+    with fnkernel_up(state, index) as gateway:
+        set_secret(notebook_dir, {}, "--gateway", gateway)
+        a_function_brings_its_packages_and_a_secret(notebook_dir, {"FNKERNEL_RUNTIME": gateway})
+    for path in state.rglob("*"):
+        if path.is_file() and "secrets" not in path.relative_to(state).parts:
+            assert SECRET.encode() not in path.read_bytes(), path
 
 
 def test_small_habits(notebook_dir: Path) -> None:

@@ -24,6 +24,9 @@ from kubernetes import client, utils
 from fnkernel.runtime_server.daemon.announce import LISTENING_ON
 from fnkernel.runtime_server.lifecycle.kubernetes.store import KubernetesRunStore
 from tests.support import ROOT
+from tests.wheelhouse import build_wheelhouse, offline_index
+
+WHEELHOUSE = "/var/lib/fnkernel-wheelhouse"  # where a Runtime Pod mounts the test's wheelhouse
 
 
 class EmulatedApi:
@@ -163,22 +166,20 @@ class Cluster:
         tmp_path: Path,
         *,
         containers: bool = False,
-        runtimed_env: dict[str, str] | None = None,
+        wheelhouse: Path | None = None,
     ) -> None:
         """`containers`: every Deployment's pods — the controller's and the gateway's too — are
         containers podman runs from the image, as the manifests say (``make test-k8s``);
         otherwise the Runtime Pods are processes and the test starts the controller and the
-        gateway. `runtimed_env`: added to every runtimed container's env, as a team's overlay
-        would (the package index: docs/protocol.md, "Requirements")."""
+        gateway. `wheelhouse`: a directory of the node (readable by the pods' user) every
+        Runtime Pod mounts read-only at WHEELHOUSE, and runtimed's package index, as a team's
+        overlay would name its own (docs/protocol.md, "Requirements")."""
         self.tmp = tmp_path
         self.containers = containers
         self.token = secrets.token_urlsafe(24)
         self.manifests = kustomize_build(self.token, tmp_path / "deploy")
-        for obj in self.manifests:
-            for container in _containers(obj):
-                if container["name"] == "runtimed" and runtimed_env:
-                    extra = [{"name": k, "value": v} for k, v in runtimed_env.items()]
-                    container["env"] = [*(container.get("env") or []), *extra]
+        if wheelhouse is not None:
+            _mount_wheelhouse(self.manifests, wheelhouse)
         self.api = EmulatedApi()
         # The node's own directory, which the pods' user may enter (the test's tmp_path is 0700).
         self.node_root = Path(tempfile.mkdtemp(prefix="fnkernel-node-"))
@@ -317,6 +318,40 @@ class Cluster:
                 proc.wait(10)
         self.api.stop()
         shutil.rmtree(self.node_root, ignore_errors=True)
+
+
+@pytest.fixture
+def node_wheelhouse() -> Iterator[Path]:
+    """tests/wheelhouse.py's wheelhouse in a directory of the node the pods' user can read (not
+    under /tmp: the node agent reads a path there in a pod's env as its /tmp volume's)."""
+    node_dir = Path(tempfile.mkdtemp(prefix="fnkernel-wheels-", dir="/var/tmp"))
+    try:
+        wheelhouse = build_wheelhouse(node_dir / "wheelhouse")
+        for path in (node_dir, wheelhouse, *wheelhouse.iterdir()):
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        yield wheelhouse
+    finally:
+        shutil.rmtree(node_dir, ignore_errors=True)
+
+
+def _mount_wheelhouse(manifests: list[dict[str, Any]], wheelhouse: Path) -> None:
+    for obj in manifests:
+        if obj["kind"] != "Deployment" or not any(
+            c["name"] == "runtimed" for c in _containers(obj)
+        ):
+            continue
+        spec = obj["spec"]["template"]["spec"]
+        spec["volumes"] = [*(spec.get("volumes") or []), {
+            "name": "wheelhouse", "hostPath": {"path": str(wheelhouse), "type": "Directory"},
+        }]  # fmt: skip
+        for container in _containers(obj):
+            if container["name"] == "runtimed":
+                container["volumeMounts"] = [*(container.get("volumeMounts") or []), {
+                    "name": "wheelhouse", "mountPath": WHEELHOUSE, "readOnly": True,
+                }]  # fmt: skip
+                index = offline_index(Path(WHEELHOUSE))
+                container["env"] = [*(container.get("env") or []),
+                                    *({"name": k, "value": v} for k, v in index.items())]  # fmt: skip
 
 
 def _containers(obj: dict[str, Any]) -> list[dict[str, Any]]:

@@ -13,7 +13,8 @@ As the kubelet of its node, for each pod bound to it:
 - it gives the pod its own loopback IP (PREFIX.N; ``0.0.0.0`` in a container's args is bound
   to it), so every pod listens on the same ports;
 - each volume is a fresh directory (an emptyDir 0777, as the kubelet makes one; a Secret's keys
-  as files), and each container's mountPaths in its args and env name those directories;
+  as files) or a hostPath, the node's directory itself, and each container's mountPaths in its
+  args and env name those directories;
 - ``$(VAR)`` in args is expanded from the container's env, downward-API fields included;
 - each container's command is its image's entrypoint (``--image NAME=ARGV``) with its args, run
   as a local process with the pod's env — as the pod's ``runAsUser``/``runAsGroup`` when this
@@ -325,6 +326,9 @@ class NodeAgent:
     def _volumes(self, pod: dict[str, Any], root: Path, fs_group: int | None) -> dict[str, Path]:
         volumes: dict[str, Path] = {}
         for volume in pod["spec"].get("volumes") or ():
+            if "hostPath" in volume:  # the node's own directory, as it is
+                volumes[volume["name"]] = Path(volume["hostPath"]["path"])
+                continue
             path = root / "volumes" / volume["name"]
             path.mkdir(parents=True)
             if "secret" in volume:

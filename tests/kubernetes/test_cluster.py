@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
-import tempfile
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -25,8 +23,12 @@ from fnkernel.runtime_server.client import Client
 from fnkernel.runtime_server.lifecycle.kubernetes import objects
 from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS
 from tests.kubernetes.conftest import NAMESPACE, POD_USER, Cluster
+from tests.packages_and_secrets import (
+    SECRET,
+    a_function_brings_its_packages_and_a_secret,
+    set_secret,
+)
 from tests.support import ECHO_PY, wait_until
-from tests.wheelhouse import build_wheelhouse, offline_index
 
 pytestmark = pytest.mark.timeout(240)
 G, V, P = objects.GROUP, objects.VERSION, objects.PLURAL
@@ -254,33 +256,33 @@ def test_a_run_applied_with_kubectl_is_reconciled_like_one_created_through_the_g
     assert run_object(cluster, "bad")["status"]["message"].startswith("memoryMb: ")
 
 
-def test_a_run_brings_its_requirements_and_secrets_on_a_runtime_pod(tmp_path: Path) -> None:
+@pytest.mark.usefixtures("fnkernel_spec")  # the kernel nbclient starts
+def test_a_function_with_packages_and_a_secret_on_the_cluster(
+    tmp_path: Path, node_wheelhouse: Path
+) -> None:
     # docs/protocol.md, "Requirements": on Kubernetes runtimed installs a Run's requirements into
-    # the pod's package cache volume, from the index its env names (here a wheelhouse on the
-    # node, readable by the pod's user, and no index at all); "Secrets": a secret set through
-    # the gateway is a labelled Secret, which runtimed reads under its own Role.
-    # Not under /tmp: the node agent reads a path there in a pod's env as its /tmp volume's.
-    node_dir = Path(tempfile.mkdtemp(prefix="fnkernel-wheels-", dir="/var/tmp"))
-    node_dir.chmod(0o755)
-    wheelhouse = build_wheelhouse(node_dir / "wheelhouse")
-    for path in (wheelhouse, *wheelhouse.iterdir()):
-        path.chmod(0o755 if path.is_dir() else 0o644)
-    cluster = Cluster(tmp_path, runtimed_env=offline_index(wheelhouse))
+    # the pod's package cache volume, from the index its env names (here a wheelhouse the
+    # Runtime Pods mount from the node, and no index at all); "Secrets": a secret set through
+    # the gateway is a labelled Secret, which runtimed reads under its own Role. The notebook
+    # of every backend (tests/packages_and_secrets.py), then the Run's files on the pod.
+    cluster = Cluster(tmp_path, wheelhouse=node_wheelhouse)
     try:
         gateway = up(cluster)
+        kernel_env = {"FNKERNEL_RUNTIME": cluster.gateway, "FNKERNEL_TOKEN": cluster.token}
+        set_secret(tmp_path, kernel_env)
+        a_function_brings_its_packages_and_a_secret(tmp_path, kernel_env)
         handler = {
             "handler.py": "import fnk_alpha, os\ndef handle(event):\n"
-            "    return fnk_alpha.__file__, os.environ['DB_USER']\n"
+            "    return fnk_alpha.__file__, len(os.environ['DB_PASSWORD'])\n"
         }
-        gateway.set_secret("warehouse", {"DB_USER": "alice"})
         run = gateway.create_run("deps", runtime="python", handler="handler.handle",
                                  files=handler, requirements=["fnk-alpha==1.0"],
                                  secrets=["warehouse"])  # fmt: skip
         assert run.phase == "Ready", run.message
-        where, user = gateway.invoke("deps", {}).value()
-        assert user == "alice"
+        where, length = gateway.invoke("deps", {}).value()
+        assert length == len(SECRET)
         # in the pod's package cache volume, as the node agent made it
         assert where.startswith(str(cluster.node_root)) and "/volumes/packages/envs/" in where
+        assert SECRET not in json.dumps(run_object(cluster, "deps"))
     finally:
         cluster.stop()
-        shutil.rmtree(node_dir, ignore_errors=True)

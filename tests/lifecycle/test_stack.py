@@ -27,7 +27,7 @@ from fnkernel.runtime_server.lifecycle.runs import POD_GRACE_SECONDS
 from fnkernel.runtime_server.lifecycle.sqlite import STORE_FILE, SqliteRunStore
 from fnkernel.runtime_server.lifecycle.stack import Stack
 from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS
-from tests.support import ECHO_PY, SLOW_PY, http_call, pid_alive, wait_until
+from tests.support import ECHO_PY, SLOW_PY, http_call, pid_alive, read_until_ready, wait_until
 
 ECHO = {name: textwrap.dedent(text) for name, text in ECHO_PY.items()}
 StackFactory = Callable[..., Stack]
@@ -186,18 +186,6 @@ def test_reassignment_to_another_pod_when_a_pod_dies(stack_factory: StackFactory
     assert client.invoke("mover", {"y": 2}).value()["echo"] == {"y": 2}
 
 
-def _read_until_ready(proc: subprocess.Popen[str]) -> list[str]:
-    lines = []
-    assert proc.stdout is not None
-    while True:
-        line = proc.stdout.readline()
-        if not line:
-            raise AssertionError(f"fnkernel up ended early: {lines}")
-        lines.append(line.rstrip())
-        if "ready;" in line:
-            return lines
-
-
 @pytest.mark.parametrize("stop_with", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
 def test_fnkernel_up_prints_addresses_and_stops_everything(
     tmp_path: Path, stop_with: signal.Signals
@@ -208,7 +196,7 @@ def test_fnkernel_up_prints_addresses_and_stops_everything(
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )  # fmt: skip
     try:
-        lines = _read_until_ready(proc)
+        lines = read_until_ready(proc)
         text = "\n".join(lines)
         pids = [int(pid) for pid in re.findall(r"\(pid (\d+)\)", text)]
         assert len(pids) == 5  # two servers, two runtimeds, one gateway
