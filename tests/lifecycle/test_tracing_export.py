@@ -12,49 +12,22 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
 
-import grpc
 import pytest
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from fnkernel.runtime_server import tracing
 from fnkernel.runtime_server.client import Client
 from fnkernel.runtime_server.client.errors import GatewayError
 from fnkernel.runtime_server.lifecycle.secrets import SecretFiles
 from fnkernel.runtime_server.lifecycle.stack import Stack
+from tests.otlp import Collector, collecting
 from tests.support import INVOKE_PATH, wait_until
-
-
-class Collector(trace_service_pb2_grpc.TraceServiceServicer):
-    """An OTLP trace collector that keeps every span it is sent."""
-
-    def __init__(self) -> None:
-        self.spans: list[dict] = []
-        self._lock = threading.Lock()
-
-    def Export(
-        self, request: trace_service_pb2.ExportTraceServiceRequest, context: grpc.ServicerContext
-    ) -> trace_service_pb2.ExportTraceServiceResponse:
-        with self._lock:
-            self.spans += tracing.decode(request.SerializeToString())
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-    def services(self) -> set[str]:
-        with self._lock:
-            return {span["service"] for span in self.spans}
 
 
 @pytest.fixture
 def collector() -> Iterator[tuple[Collector, str]]:
-    collector = Collector()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield collector, f"http://127.0.0.1:{port}"
-    server.stop(0)
+    with collecting() as found:
+        yield found
 
 
 @pytest.fixture
