@@ -86,13 +86,22 @@ class NoSecrets:
         raise SecretNotFound(f"secret {name!r} does not exist")
 
 
-def rotated_secret(secrets: Secrets, versions: Mapping[str, str]) -> str:
+def rotated_secret(
+    secrets: Secrets, versions: Mapping[str, str], seen: dict[str, str | None] | None = None
+) -> str:
     """Why a registration made with the secrets' `versions` is out of date: the first secret
-    that has another version now, or is gone; "" if none is."""
+    that has another version now, or is gone; "" if none is. `seen`: the versions already read
+    in this pass (None: gone), filled as it reads, so each secret is read once however many
+    Runs use it (on Kubernetes, a GET each)."""
+    seen = {} if seen is None else seen
     for name, version in sorted(versions.items()):
-        try:
-            now = secrets.get(name).version
-        except SecretNotFound:
+        if name not in seen:
+            try:
+                seen[name] = secrets.get(name).version
+            except SecretNotFound:
+                seen[name] = None
+        now = seen[name]
+        if now is None:
             return f"secret {name!r} was deleted"
         if now != version:
             return f"secret {name!r} changed (version {version} → {now})"

@@ -16,7 +16,7 @@ import pytest
 
 from fnkernel.runtime_server.client import Client
 from fnkernel.runtime_server.errors import InvalidField, SecretNotFound
-from fnkernel.runtime_server.lifecycle.secrets import SecretFiles
+from fnkernel.runtime_server.lifecycle.secrets import SecretFiles, rotated_secret
 from fnkernel.runtime_server.lifecycle.stack import Stack
 from tests.support import wait_until
 
@@ -63,6 +63,33 @@ def test_the_store_keeps_each_secret_private_and_versioned(tmp_path: Path) -> No
     secrets.delete("warehouse")
     with pytest.raises(SecretNotFound, match="'warehouse' does not exist"):
         secrets.get("warehouse")
+
+
+def test_a_poll_reads_each_secret_once_however_many_runs_use_it(tmp_path: Path) -> None:
+    # docs/protocol.md, "Secrets": runtimed sees a rotation at its next poll; a poll reads each
+    # secret once (on Kubernetes a GET each), not once for every Run that uses it.
+    store = SecretFiles(tmp_path)
+    store.set("warehouse", {"K": "v"})
+    store.set("lake", {"K": "v"})
+    reads: list[str] = []
+
+    class Counting:
+        def get(self, name: str) -> Any:
+            reads.append(name)
+            return store.get(name)
+
+    counting: Any = Counting()
+    seen: dict[str, str | None] = {}
+    assert rotated_secret(counting, {"warehouse": "1", "lake": "1"}, seen) == ""
+    assert rotated_secret(counting, {"warehouse": "1"}, seen) == ""
+    store.set("warehouse", {"K": "w"})
+    assert rotated_secret(counting, {"warehouse": "1", "lake": "1"}, seen) == ""  # this poll's
+    assert sorted(reads) == ["lake", "warehouse"]
+    assert rotated_secret(counting, {"warehouse": "1"}) == (
+        "secret 'warehouse' changed (version 1 → 2)"
+    )
+    store.delete("lake")
+    assert rotated_secret(counting, {"lake": "1"}) == "secret 'lake' was deleted"
 
 
 def _set_many(directory: str, times: int, go: Any) -> None:

@@ -446,10 +446,11 @@ class Runtimed:
     def poll(self) -> None:
         with self._lock:
             ready = [run for run in self._runs.values() if run.status.phase == READY]
+        seen: dict[str, str | None] = {}  # each secret read once a poll
         for run in ready:
             active = self.active(run)
             if rotated := rotated_secret(
-                self.secrets, run.status.secret_versions
+                self.secrets, run.status.secret_versions, seen
             ):  # docs/protocol.md, "Secrets": its registration has an old version
                 self._infrastructure_failure(run, f"{rotated}: registering again", charged=False)
             elif active is None:  # runtimed restarted: the same attempt and digest return it
