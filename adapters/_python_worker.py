@@ -4,16 +4,20 @@ Run by PythonAdapter as ``python -P _python_worker.py RUN_UID MODULE FUNCTION RE
 with the registered working directory as cwd, held to the registration's memory by the process
 that starts it (adapters/children.py: spawn_limited). It imports nothing from fnkernel,
 and nothing but the standard library and orjson (a dependency of fnkernel's, for encoding
-results, with adapters/_jsonvalues.py loaded by its path), all before the working directory is
-put on sys.path: user modules named like ours or
-theirs cannot shadow them (``-P``: the script's own directory is not put on sys.path either).
+results, with adapters/_payloads.py and _jsonvalues.py loaded by their paths), all before the
+working directory is put on sys.path: user modules named like ours or theirs cannot shadow them
+(``-P``: the script's own directory is not put on sys.path either). pyarrow, and pandas, polars
+or numpy, are imported on the first payload or result of theirs (docs/protocol.md, "Content
+types").
 
 Frames (see adapters/worker.py for the handshake, the nonce and the log files):
-  request:  ``<id_len> <input_len> <remaining_ms> <traceparent> <nonce>\\n`` + invocation id +
-            input bytes, where traceparent is a traced call's W3C context, ``-`` for none
-  response: ``<ok|error|invalid> <meta_len> <output_len> <nonce>\\n`` + meta JSON + output bytes,
-            where meta is the outputs object for ``ok`` (0 bytes when there are none) and
-            ``{"errorType", "errorMessage"}`` otherwise, and the nonce is the request's
+  request:  ``<id_len> <input_len> <remaining_ms> <traceparent> <type> <nonce>\\n`` + invocation
+            id + input bytes, where traceparent is a traced call's W3C context, ``-`` for none,
+            and type the input's content type (``json``, ``arrow``, ``octet``: _payloads.CODES)
+  response: ``<ok|error|invalid> <meta_len> <output_len> <type> <nonce>\\n`` + meta JSON +
+            output bytes, where meta is the outputs object for ``ok`` (0 bytes when there are
+            none) and ``{"errorType", "errorMessage"}`` otherwise, type the output's content
+            type, and the nonce is the request's
 
 The two descriptor numbers are taken off ``sys.argv`` before the handler is imported: a handler
 has no easy way to its answers' pipe, and an answer it forged anyway lacks the call's nonce.
@@ -35,21 +39,21 @@ import traceback
 MAX_MESSAGE = 1024
 
 
-def _load_jsonvalues():
-    """adapters/_jsonvalues.py, by its path beside this file: the one JSON encoder of payloads
-    and results, loaded before the handler's directory is on sys.path (so nothing there can
-    stand in for it), and without importing fnkernel."""
+def _load_payloads():
+    """adapters/_payloads.py, by its path beside this file: the one codec of payloads and
+    results, loaded before the handler's directory is on sys.path (so nothing there can stand
+    in for it), and without importing fnkernel."""
     import importlib.util
 
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_jsonvalues.py")
-    spec = importlib.util.spec_from_file_location("_fnkernel_jsonvalues", path)
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_payloads.py")
+    spec = importlib.util.spec_from_file_location("_fnkernel_payloads", path)
     assert spec is not None and spec.loader is not None  # a .py file's
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-_jsonvalues = _load_jsonvalues()
+_payloads = _load_payloads()
 
 
 class Context:
@@ -133,9 +137,11 @@ def takes_context(function) -> bool:
     return True
 
 
-def encode_result(result) -> bytes:
-    """The result as JSON, as a payload is encoded (docs/protocol.md, "JSON encodings")."""
-    return _jsonvalues.dumps(result, "result")
+def encode_result(result) -> tuple[bytes, bytes]:
+    """The result's bytes and their type's token, as a payload is encoded (docs/protocol.md,
+    "Content types")."""
+    output, media = _payloads.encode(result, "result")
+    return output, _payloads.CODES[media]
 
 
 def _write(fd: int, data: bytes) -> None:
@@ -151,12 +157,14 @@ def _read_exact(stream, size: int) -> bytes:
     return data
 
 
-def _respond(fd: int, nonce: bytes, status: bytes, meta: dict | None, output: bytes = b"") -> None:
+def _respond(
+    fd: int, nonce: bytes, status: bytes, meta: dict | None, output: bytes = b"", code=b"json"
+) -> None:
     """One response frame; an empty meta (the common "ok" with no outputs) is sent as 0 bytes."""
     sys.stdout.flush()  # the supervisor reads the log files once it has the response
     sys.stderr.flush()
     encoded = json.dumps(meta).encode() if meta else b""
-    header = b"%s %d %d %s\n" % (status, len(encoded), len(output), nonce)
+    header = b"%s %d %d %s %s\n" % (status, len(encoded), len(output), code, nonce)
     _write(fd, header + encoded + output)
 
 
@@ -167,17 +175,18 @@ def serve(function, run_uid: str, requests, resp_fd: int) -> None:
         header = requests.readline()
         if not header:
             return  # the supervisor closed the pipe: it is gone, so are we
-        id_len, input_len, remaining_ms, traceparent, nonce = header.split()
+        id_len, input_len, remaining_ms, traceparent, code, nonce = header.split()
         invocation_id = _read_exact(requests, int(id_len)).decode()
         payload = _read_exact(requests, int(input_len))
         traced = traceparent.decode() if traceparent != b"-" else ""
         context = Context(invocation_id, run_uid, int(remaining_ms), traced, logger)
+        media = _payloads.MEDIA_OF.get(code, _payloads.JSON)
         try:
             if traced:  # the processes the handler starts get it too, as a Bash function's do
                 with _environment(TRACEPARENT=traced):
-                    _answer(function, with_context, context, payload, resp_fd, nonce)
+                    _answer(function, with_context, context, payload, media, resp_fd, nonce)
             else:
-                _answer(function, with_context, context, payload, resp_fd, nonce)
+                _answer(function, with_context, context, payload, media, resp_fd, nonce)
         except MemoryError:
             # Out of its memory (RLIMIT_DATA) anywhere in the call — the handler, decoding its
             # input, encoding its result: the supervisor names the limit and replaces us.
@@ -200,13 +209,21 @@ def _environment(**values: str):
 
 
 def _answer(
-    function, with_context: bool, context: Context, payload: bytes, resp_fd: int, nonce: bytes
+    function,
+    with_context: bool,
+    context: Context,
+    payload: bytes,
+    media: str,
+    resp_fd: int,
+    nonce: bytes,
 ) -> None:
     """One call: decode, run the handler, encode, respond (MemoryError is the caller's)."""
     try:
-        event = json.loads(payload) if payload.strip() else None
-    except ValueError as exc:
-        message = _bounded(f"input is not valid JSON: {exc}")
+        event = _payloads.decode(payload, media, "input")
+    except _payloads.PayloadError as exc:
+        message = _bounded(str(exc))
+        if "is not installed here" in message:  # the runtime lacks the kind's package
+            message += "; a Run brings its packages with --requirements"
         _respond(resp_fd, nonce, b"invalid", {"errorMessage": message})
         return
     try:
@@ -224,13 +241,18 @@ def _answer(
         _respond(resp_fd, nonce, b"error", meta)
         return
     try:
-        output = encode_result(result)
+        output, code = encode_result(result)
+    except _payloads.PayloadError as exc:  # an Arrow kind, and no pyarrow here
+        message = _bounded(f"the return value cannot be encoded: {exc}")
+        meta = {"errorType": "ResultNotSerializable", "errorMessage": message}
+        _respond(resp_fd, nonce, b"error", meta)
+        return
     except (TypeError, ValueError) as exc:
         message = _bounded(f"the return value cannot be encoded as JSON: {exc}")
         meta = {"errorType": "ResultNotJSONSerializable", "errorMessage": message}
         _respond(resp_fd, nonce, b"error", meta)
         return
-    _respond(resp_fd, nonce, b"ok", context.outputs, output)
+    _respond(resp_fd, nonce, b"ok", context.outputs, output, code)
 
 
 def keep_freed_memory() -> None:

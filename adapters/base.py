@@ -9,13 +9,14 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import ClassVar, Protocol
 
+from fnkernel.adapters import _payloads
 from fnkernel.adapters.calllogs import LiveLog, LogLine
 from fnkernel.adapters.children import RUN_UID_ENV
 from fnkernel.adapters.errors import InitError, InvalidHandler
 from fnkernel.adapters.worker import WorkerCall, WorkerSupervisor
 from fnkernel.system.private import private_tempdir
 
-JSON = "application/json"
+JSON = _payloads.JSON
 # Environment variables a worker never inherits from the server: they would make bash run code
 # before our runner (docs/architecture.md, "Measured facts the design rests on": clear BASH_ENV).
 _SCRUBBED_ENV = ("BASH_ENV", "ENV")
@@ -45,6 +46,8 @@ class Adapter(Protocol):
     types against this; ``adapters.runtimes`` names the class serving each runtime."""
 
     runtime: ClassVar[str]
+    # The media types its handlers take (docs/protocol.md, "Content types").
+    content_types: ClassVar[tuple[str, ...]]
 
     def __init__(
         self,
@@ -69,10 +72,16 @@ class Adapter(Protocol):
         ...
 
     def invoke(
-        self, invocation_id: str, payload: bytes, deadline: float, traceparent: str = ""
+        self,
+        invocation_id: str,
+        payload: bytes,
+        deadline: float,
+        traceparent: str = "",
+        content_type: str = JSON,
     ) -> HandlerResult:
         """Run one call; `deadline` is a time.monotonic() value; `traceparent`: a traced call's
-        W3C context for the handler (docs/protocol.md, "Tracing"), "" for none."""
+        W3C context for the handler (docs/protocol.md, "Tracing"), "" for none; `content_type`:
+        the payload's media type, one of `content_types`."""
         ...
 
     def cancel(self, invocation_id: str | None = None) -> bool:
@@ -118,6 +127,7 @@ class WorkerAdapter:
     subclasses speak the frames."""
 
     runtime: ClassVar[str]
+    content_types: ClassVar[tuple[str, ...]] = (JSON,)
 
     def __init__(
         self,
@@ -142,7 +152,9 @@ class WorkerAdapter:
     def _argv(self) -> list[str]:
         raise NotImplementedError
 
-    def _exchange(self, call: WorkerCall, payload: bytes) -> tuple[bytes, str, dict[str, str]]:
+    def _exchange(
+        self, call: WorkerCall, payload: bytes, content_type: str
+    ) -> tuple[bytes, str, dict[str, str]]:
         """Send one request frame, read its response: (output, content type, outputs)."""
         raise NotImplementedError
 
@@ -171,13 +183,18 @@ class WorkerAdapter:
         self._supervisor.start()
 
     def invoke(
-        self, invocation_id: str, payload: bytes, deadline: float, traceparent: str = ""
+        self,
+        invocation_id: str,
+        payload: bytes,
+        deadline: float,
+        traceparent: str = "",
+        content_type: str = JSON,
     ) -> HandlerResult:
         assert self._supervisor is not None, "start() first"
         (output, content_type, outputs), call = self._supervisor.run(
             invocation_id,
             deadline,
-            lambda call: self._exchange(call, payload),
+            lambda call: self._exchange(call, payload, content_type),
             self._ended,
             traceparent=traceparent,
         )
@@ -199,15 +216,17 @@ class WorkerAdapter:
         shutil.rmtree(self.scratch, ignore_errors=True)
 
 
-def send_request(call: WorkerCall, payload: bytes) -> None:
+def send_request(call: WorkerCall, payload: bytes, content_type: str = JSON) -> None:
     """The request frame both workers read: id length, input length, time left, the call's
-    ``traceparent`` ("-" for none), the call's nonce (adapters/worker.py); id; input."""
+    ``traceparent`` ("-" for none), the input's type (``_payloads.CODES``), the call's nonce
+    (adapters/worker.py); id; input."""
     invocation_id = call.invocation_id.encode()
-    header = b"%d %d %d %s %s\n" % (
+    header = b"%d %d %d %s %s %s\n" % (
         len(invocation_id),
         len(payload),
         call.remaining_millis(),
         call.traceparent or b"-",
+        _payloads.CODES[content_type],
         call.nonce,
     )
     if len(payload) < 65536:

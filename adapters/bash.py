@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from fnkernel.adapters.base import (
+    JSON,
     HandlerResult,
     WorkerAdapter,
     resolve_inside,
@@ -99,15 +100,22 @@ class BashAdapter(WorkerAdapter):
         return text.replace(f"{self.spec.working_dir.resolve()}/", "")
 
     def invoke(
-        self, invocation_id: str, payload: bytes, deadline: float, traceparent: str = ""
+        self,
+        invocation_id: str,
+        payload: bytes,
+        deadline: float,
+        traceparent: str = "",
+        content_type: str = JSON,
     ) -> HandlerResult:
         if b"\0" in payload:
             # Checked before the frame is sent: a bash argument cannot carry a NUL byte.
             raise InvalidInput("input contains a NUL byte, which a bash argument cannot carry")
-        return super().invoke(invocation_id, payload, deadline, traceparent)
+        return super().invoke(invocation_id, payload, deadline, traceparent, content_type)
 
-    def _exchange(self, call: WorkerCall, payload: bytes) -> tuple[bytes, str, dict[str, str]]:
-        send_request(call, payload)
+    def _exchange(
+        self, call: WorkerCall, payload: bytes, content_type: str
+    ) -> tuple[bytes, str, dict[str, str]]:
+        send_request(call, payload, content_type)
         done, status = call.read_header(2)
         if done != b"D" or not status.isdigit():
             raise CorruptResponse(f"its header was {done + b' ' + status!r}")

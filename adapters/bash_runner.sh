@@ -9,8 +9,9 @@
 # file is sourced once, here; each call runs the function with the payload as one quoted argument.
 #
 # Frames (see adapters/worker.py for the handshake and the log files):
-#   request:  "<id_len> <input_len> <remaining_ms> <traceparent> <nonce>\n" + invocation id +
-#             input bytes; traceparent is a traced call's W3C context, "-" for none, and the
+#   request:  "<id_len> <input_len> <remaining_ms> <traceparent> <type> <nonce>\n" + invocation id +
+#             input bytes; traceparent is a traced call's W3C context, "-" for none (type is
+#             always json here: the bash runtime takes JSON only), and the
 #             function sees it as $TRACEPARENT (OpenTelemetry's environment carrier), "" for none
 #   response: "D <status> <nonce>\n" once the function returned; its stdout is in
 #             SCRATCH_DIR/stdout and its outputs in SCRATCH_DIR/outputs (the adapter removes that
@@ -43,7 +44,7 @@ declare -F -- "$fn" >/dev/null || initfail HandlerNotFound "${file##*/} does not
 export FUNCTION_OUTPUTS=$scratch/outputs
 printf 'READY\n' >&"$resp_fd"
 
-while IFS=' ' read -r -u "$req_fd" id_len input_len _ __fnkernel_traceparent __fnkernel_nonce; do
+while IFS=" " read -r -u "$req_fd" id_len input_len _ __fnkernel_traceparent _ __fnkernel_nonce; do
     IFS= LC_ALL=C read -r -u "$req_fd" -N "$id_len" invocation_id
     IFS= LC_ALL=C read -r -u "$req_fd" -N "$input_len" payload
     # stdin is /dev/null so the call cannot read the next frame; the frame pipes are closed

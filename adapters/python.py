@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 from typing import ClassVar
 
-from fnkernel.adapters.base import JSON, WorkerAdapter, resolve_inside, send_request
+from fnkernel.adapters import _payloads
+from fnkernel.adapters.base import WorkerAdapter, resolve_inside, send_request
 from fnkernel.adapters.errors import (
     OUTPUT_TOO_LARGE,
     CorruptResponse,
@@ -32,6 +33,7 @@ class PythonAdapter(WorkerAdapter):
     """Imports the handler once per worker; calls ``fn(event)`` or ``fn(event, context)``."""
 
     runtime: ClassVar[str] = "python"
+    content_types: ClassVar[tuple[str, ...]] = _payloads.MEDIA_TYPES
 
     @classmethod
     def check_handler(cls, handler: str, working_dir: Path | None) -> None:
@@ -66,10 +68,13 @@ class PythonAdapter(WorkerAdapter):
         env.setdefault("PYTHONDONTWRITEBYTECODE", "1")  # keep the working directory as registered
         return env
 
-    def _exchange(self, call: WorkerCall, payload: bytes) -> tuple[bytes, str, dict[str, str]]:
-        send_request(call, payload)
-        status, meta_len, output_len = call.read_header(3)
+    def _exchange(
+        self, call: WorkerCall, payload: bytes, content_type: str
+    ) -> tuple[bytes, str, dict[str, str]]:
+        send_request(call, payload, content_type)
+        status, meta_len, output_len, code = call.read_header(4)
         try:
+            media = _payloads.MEDIA_OF[code]
             size, raw_meta = int(output_len), call.read_exact(int(meta_len))
             meta = json.loads(raw_meta) if raw_meta else {}  # none: the common ok, no outputs
             if status == b"ok":
@@ -89,7 +94,7 @@ class PythonAdapter(WorkerAdapter):
             )
         output = call.read_exact(size)
         if status == b"ok":
-            return output, JSON, meta
+            return output, media, meta
         if status == b"invalid":
             raise InvalidInput(message)
         if error_type == "MemoryError" and self.spec.memory_mb:

@@ -66,7 +66,7 @@ import grpc
 
 from benchmarks.invoke import ECHO_METHOD, PY_HANDLER, Target, bench_server, p, verdicts
 from benchmarks.throughput import MAX_CALLS, load, relay
-from fnkernel.runtime_server import jsoncodec
+from fnkernel.runtime_server import payloads
 from fnkernel.runtime_server.client import Client
 from fnkernel.runtime_server.daemon import Child, start
 from fnkernel.runtime_server.lifecycle.stack import Stack
@@ -403,11 +403,11 @@ class Bench:
         client, raw, chain = self.client, self.raw, self.chain
         cases: dict[str, Callable[[], Any]] = {
             CLIENT_CASE: lambda: client.invoke("echo0", value).decoded(),
-            RAW_CASE: lambda: json.loads(raw.post(jsoncodec.dumps(value))),
+            RAW_CASE: lambda: json.loads(raw.post(payloads.dumps(value))),
         }
         for label, call in self.ray_calls.items():
             cases[label] = lambda call=call: call(value)  # type: ignore[misc]
-        cases[FLOOR_CHAIN] = lambda: json.loads(chain.post(jsoncodec.dumps(value)))
+        cases[FLOOR_CHAIN] = lambda: json.loads(chain.post(payloads.dumps(value)))
         return cases
 
     def bare_cases(self, body: bytes) -> dict[str, Callable[[], Any]]:
@@ -423,7 +423,7 @@ class Bench:
     def round(self, sizes: list[str], seconds: float, *, warm: bool) -> None:
         for size in sizes:
             value = payload_of(SIZES[size])
-            body = jsoncodec.dumps(value)
+            body = payloads.dumps(value)
             sections = {
                 "python": self.python_cases(value),
                 "http": self.http_cases(body),
@@ -479,7 +479,7 @@ class Bench:
         small = payload_of(SIZES["small"])
         client = self.client
 
-        body = jsoncodec.dumps(small)
+        body = payloads.dumps(small)
         raw, chain = self.raw_threads, self.chain_threads
 
         def mapped() -> float:
@@ -494,10 +494,10 @@ class Bench:
             ),
             f"fnkernel Client.map, {IN_FLIGHT} replicas": mapped,
             f"raw http.client, {IN_FLIGHT} threads on the {IN_FLIGHT} Runs": lambda: threaded(
-                lambda slot: json.loads(raw[slot].post(jsoncodec.dumps(small))), seconds
+                lambda slot: json.loads(raw[slot].post(payloads.dumps(small))), seconds
             ),
             CHAIN_THREADS: lambda: threaded(
-                lambda slot: json.loads(chain[slot].post(jsoncodec.dumps(small))), seconds
+                lambda slot: json.loads(chain[slot].post(payloads.dumps(small))), seconds
             ),
         }
         outstanding = self.ray_outstanding

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from fnkernel.runtime_server import payloads
 from fnkernel.runtime_server.client import InvocationResult, Run
 
 # One stylesheet for every fnkernel output (docs/protocol.md, "Kernel"). Text colours come from
@@ -238,8 +239,14 @@ class InvocationView:
 
     @property
     def output(self) -> Any:
-        """The handler's output, decoded from JSON (the raw text when it is not JSON)."""
+        """The handler's output, of the kind it returned (docs/protocol.md, "Content types"):
+        decoded from JSON (the raw text when it is not JSON), a DataFrame, table or array
+        from Arrow IPC, or bytes."""
         return self.result.decoded()
+
+    def _shown(self) -> str:
+        output = self.output
+        return _json_text(output) if payloads.kind_of(output) is None else repr(output)
 
     @property
     def raw(self) -> bytes:
@@ -271,7 +278,7 @@ class InvocationView:
         return text
 
     def __repr__(self) -> str:
-        lines = [f"{self.name} → {head_lines(_json_text(self.output))}"]
+        lines = [f"{self.name} → {head_lines(self._shown())}"]
         if self.outputs:
             lines.append(
                 "  outputs: " + ", ".join(f"{key}={value}" for key, value in self.outputs.items())
@@ -281,10 +288,12 @@ class InvocationView:
 
     def _repr_html_(self) -> str:
         # The handler's own prints are the cell's stream output (kernel.functions), not here.
-        parts = [
-            f"<b>{escape(self.name)}</b> →"
-            f"<pre class='fnk-scroll'>{escape(_json_text(self.output))}</pre>"
-        ]
+        output = self.output
+        html = getattr(output, "_repr_html_", None) if payloads.kind_of(output) else None
+        shown = html() if html is not None else None  # a DataFrame's own table
+        if shown is None:
+            shown = f"<pre class='fnk-scroll'>{escape(self._shown())}</pre>"
+        parts = [f"<b>{escape(self.name)}</b> →{shown}"]
         if self.outputs:
             parts.append(
                 table_html(

@@ -9,7 +9,7 @@ from fnkernel.kernel.cellspec import Spec, owner_of
 from fnkernel.kernel.connection import Runtime
 from fnkernel.kernel.display import InvocationView, RegistrationCard
 from fnkernel.kernel.output import LiveLines, MapBar, handler_failure
-from fnkernel.runtime_server import jsoncodec, limits
+from fnkernel.runtime_server import limits, payloads
 from fnkernel.runtime_server.client import Run
 from fnkernel.runtime_server.client.errors import (
     GatewayError,
@@ -133,10 +133,14 @@ class Function:
         timeout: float | None = None,
         invocation_id: str | None = None,
     ) -> InvocationView:
-        """Invoke with `payload` (JSON-encoded); `timeout` in seconds overrides ``--timeout``."""
+        """Invoke with `payload`, encoded by its kind (docs/protocol.md, "Content types": a
+        DataFrame, table or array as Arrow IPC, bytes as octets, the rest as JSON); `timeout`
+        in seconds overrides ``--timeout``."""
         timeout = self.timeout if timeout is None else timeout
         try:
-            data = jsoncodec.dumps(payload)
+            data, content_type = payloads.encode(payload, "payload")
+        except payloads.PayloadError as exc:
+            raise PayloadNotJSON(f"the payload of {self.name} cannot be sent: {exc}") from None
         except (TypeError, ValueError) as exc:
             raise PayloadNotJSON(f"the payload of {self.name} is not JSON: {exc}") from None
         client = self._runtime.client()
@@ -146,6 +150,7 @@ class Function:
             result = client.invoke(
                 self.name,
                 data=data,
+                content_type=content_type,
                 timeout_millis=round(timeout * 1000) if timeout else 0,
                 invocation_id=invocation_id,
                 on_log=lines,

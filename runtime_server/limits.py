@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from fnkernel.adapters import Adapter
+from fnkernel.adapters._payloads import MEDIA_TYPES, media_type
 from fnkernel.adapters.errors import InvalidHandler
 from fnkernel.runtime_server.errors import InvalidField
 
@@ -228,14 +229,18 @@ def check_input(payload: bytes) -> bytes:
     return payload
 
 
-def check_content_type(content_type: str) -> None:
-    """The built-in runtimes take JSON; empty means JSON (the gateway's first encoding)."""
-    media_type = content_type.split(";", 1)[0].strip().lower()
-    if media_type not in ("", "application/json"):
+def check_content_type(
+    content_type: str, accepted: Sequence[str] = MEDIA_TYPES, runtime: str = ""
+) -> str:
+    """The media type of `content_type` (its parameters dropped; empty means JSON, the gateway's
+    first encoding), one of `accepted`: a runtime's (docs/protocol.md, "Content types")."""
+    media = media_type(content_type)
+    if media not in accepted:
+        takes = f"the {runtime} runtime takes" if runtime else "the built-in runtimes take"
         raise InvalidField(
-            "content_type",
-            f"{content_type!r} is not supported; the built-in runtimes take application/json",
+            "content_type", f"{content_type!r} is not supported; {takes} {', '.join(accepted)}"
         )
+    return media
 
 
 def effective_timeout_millis(timeout_millis: int) -> int:

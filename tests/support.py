@@ -176,13 +176,14 @@ class Client:
         timeout_millis: int = 0,
         invocation_id: str = "",
         timeout: float = 30,
+        content_type: str = "application/json",
     ) -> pb.InvokeFunctionResponse:
         return self.fn.InvokeFunction(
             pb.InvokeFunctionRequest(
                 registration=registration,
                 invocation_id=invocation_id,
                 input=payload,
-                content_type="application/json",
+                content_type=content_type,
                 timeout_millis=timeout_millis,
             ),
             timeout=timeout,

@@ -135,22 +135,42 @@ def _map(args: argparse.Namespace) -> int:
 def _invoke(args: argparse.Namespace) -> int:
     if args.map is not None:
         return _map(args)
+    from fnkernel.runtime_server import payloads
+
     data = sys.stdin.buffer.read() if args.payload == "-" else args.payload.encode()
-    try:
-        json.loads(data)
-    except ValueError as exc:
-        raise UsageError(f"payload is not JSON: {exc}") from None
+    media = payloads.media_type(args.content_type)
+    if media not in payloads.MEDIA_TYPES:
+        raise UsageError(f"--content-type: one of {', '.join(payloads.MEDIA_TYPES)}")
+    if media == payloads.JSON:
+        try:
+            json.loads(data)
+        except ValueError as exc:
+            raise UsageError(f"payload is not JSON: {exc}") from None
+    elif args.payload != "-":
+        raise UsageError(f"--content-type {media}: give the payload on stdin (-)")
     result = client_of(args).invoke(
         args.name,
         data=data,
+        content_type=media,
         timeout_millis=args.timeout_ms,
         invocation_id=args.invocation_id,
         on_log=_log_line if args.follow else None,
     )
-    sys.stdout.buffer.write(result.output)
-    if not result.output.endswith(b"\n"):
-        sys.stdout.buffer.write(b"\n")
-    sys.stdout.flush()
+    returned = payloads.media_type(result.content_type)
+    written = result.output
+    if returned != payloads.JSON:
+        print(f"content type: {returned} ({len(written)} bytes)", file=sys.stderr)
+    elif not written.endswith(b"\n"):
+        written += b"\n"
+    if args.output:  # whole or not at all
+        staged = Path(f"{args.output}.part")
+        staged.write_bytes(written)
+        staged.replace(args.output)
+    elif returned != payloads.JSON and sys.stdout.isatty():
+        raise UsageError("the result is binary: write it to a file (--output FILE, or > FILE)")
+    else:
+        sys.stdout.buffer.write(written)
+        sys.stdout.flush()
     if result.outputs:
         print(f"outputs: {json.dumps(result.outputs, sort_keys=True)}", file=sys.stderr)
     if result.cold_start:
@@ -239,6 +259,18 @@ def register(commands: Any) -> None:
     invoke = commands.add_parser("invoke", help="invoke a function: JSON payload, or - for stdin")
     invoke.add_argument("name")
     invoke.add_argument("payload", nargs="?", default="{}", metavar="JSON|-")
+    invoke.add_argument(
+        "--content-type",
+        default="application/json",
+        metavar="TYPE",
+        help="the payload's: application/json (default), application/vnd.apache.arrow.stream "
+        "or application/octet-stream, read from stdin (docs/protocol.md, 'Content types')",
+    )
+    invoke.add_argument(
+        "--output",
+        metavar="FILE",
+        help="write the result there (a binary one cannot go to a terminal)",
+    )
     invoke.add_argument("--timeout-ms", type=count, default=0, metavar="MS")
     invoke.add_argument("--invocation-id", default="", metavar="ID")
     invoke.add_argument(

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fnkernel.runtime_server import jsoncodec, limits, wire
+from fnkernel.runtime_server import limits, payloads, wire
 from fnkernel.runtime_server.client.errors import (
     HandlerFailed,
     InvocationTimedOut,
@@ -176,12 +176,16 @@ class Client(Transport):
         payload: Any = None,
         *,
         data: bytes | None = None,
+        content_type: str = payloads.JSON,
         timeout_millis: int = 0,
         invocation_id: str = "",
         on_log: LogCallback | None = None,
         traceparent: str = "",
     ) -> InvocationResult:
-        """Invoke with `payload` encoded as JSON (``jsoncodec.dumps``), or the raw JSON bytes `data`.
+        """Invoke with `payload` encoded by its kind (``payloads.encode``; docs/protocol.md,
+        "Content types": a DataFrame, table or array as Arrow IPC, bytes as octets, the rest as
+        JSON), or with the raw bytes `data` of `content_type`. The result's ``value()`` is of
+        the kind the handler returned.
 
         `traceparent` (W3C) traces the call: every hop's spans come back as the result's (or
         the failure's) ``spans``, OTLP encoded (docs/protocol.md, "Tracing").
@@ -190,8 +194,11 @@ class Client(Transport):
         as it is written once the call has run for FOLLOW_AFTER_SECONDS (from another
         thread), else — a quicker call, or when no live stream could be had — from its result
         or failure before this returns or raises (docs/protocol.md, "Live output")."""
-        body = data if data is not None else jsoncodec.dumps(payload)
-        headers = {}
+        if data is not None:
+            body, media = data, content_type
+        else:
+            body, media = payloads.encode(payload, "payload")
+        headers = {"Content-Type": media}
         if timeout_millis:
             headers[wire.TIMEOUT_HEADER] = str(timeout_millis)
         live = None

@@ -84,7 +84,12 @@ class PayloadTooLarge(GatewayError):
 
 
 class UnsupportedMediaType(GatewayError):
-    """415: the request body is not application/json."""
+    """415: the request body is not of a type its route takes (docs/protocol.md, "Content
+    types")."""
+
+
+class NotAcceptable(GatewayError):
+    """406: the function returned a content type the request's Accept does not take."""
 
 
 class HeadersTooLarge(GatewayError):
@@ -153,6 +158,7 @@ ERRORS: dict[int, type[GatewayError]] = {
     405: MethodNotAllowed,
     409: FunctionExists,
     413: PayloadTooLarge,
+    406: NotAcceptable,
     415: UnsupportedMediaType,
     429: FunctionBusy,
     431: HeadersTooLarge,

@@ -7,12 +7,11 @@ Each view is the JSON it was read from — a dict, so ``run["status"]["phase"]``
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fnkernel.runtime_server import wire
+from fnkernel.runtime_server import payloads, wire
 
 
 class LiveStatus(dict[str, Any]):
@@ -140,12 +139,17 @@ class InvocationResult:
     spans: bytes = b""  # a traced call's: every hop's spans, OTLP (docs/protocol.md, "Tracing")
 
     def value(self) -> Any:
-        """The output decoded as JSON."""
-        return json.loads(self.output) if self.output else None
+        """The output decoded by its content type (docs/protocol.md, "Content types"): the
+        kind the handler returned — a DataFrame, table or array from Arrow IPC, bytes, or
+        JSON. PayloadError (a ValueError) if it is not what its type says, or its kind's
+        package is not installed here."""
+        return payloads.decode(self.output, self.content_type, "the result")
 
     def decoded(self) -> Any:
-        """The output decoded as JSON, or as text when it is not JSON."""
+        """``value()``, or the output as text when it is not the JSON it claims to be."""
         try:
             return self.value()
-        except ValueError:
+        except payloads.PayloadError:
+            if payloads.media_type(self.content_type) != payloads.JSON:
+                raise
             return self.output.decode("utf-8", "replace")

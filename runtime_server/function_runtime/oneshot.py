@@ -51,7 +51,7 @@ def execute(
     check_handler(adapter_cls, handler, directory)
     env = limits.check_env(env)
     limits.check_input(input)
-    limits.check_content_type(content_type)
+    media = limits.check_content_type(content_type, adapter_cls.content_types, adapter_cls.runtime)
     effective = time.monotonic() + limits.effective_timeout_millis(timeout_millis) / 1000
     if deadline is not None:
         effective = min(effective, deadline)
@@ -64,7 +64,7 @@ def execute(
         adapter.start()
         if on_dispatch is not None:
             on_dispatch(adapter.cancel)
-        result = adapter.invoke(limits.new_id("inv_"), input, effective)
+        result = adapter.invoke(limits.new_id("inv_"), input, effective, content_type=media)
     except (InitError, HandlerError) as exc:
         return _failure(exc.error_type, exc.message)
     finally:

@@ -316,6 +316,8 @@ class Registry:
                 raise RegistrationNotReady(
                     f"run {run_uid} is {state_name(reg.state)}, not READY{detail}"
                 )
+            adapter = reg.adapter
+            media = limits.check_content_type(content_type, adapter.content_types, adapter.runtime)
             if reg.in_flight:
                 raise InvocationInFlight(
                     f"run {run_uid} already has invocation {reg.invocation_id} in flight"
@@ -338,7 +340,7 @@ class Registry:
                     "faas.invocation_id": invocation_id,
                     tracing.RUNTIME: reg.adapter.runtime,
                 })  # fmt: skip
-            result = reg.adapter.invoke(invocation_id, input, effective_deadline, traceparent)
+            result = adapter.invoke(invocation_id, input, effective_deadline, traceparent, media)
             logs = result.logs
         except AdapterError as exc:
             logs, failure = getattr(exc, "logs", ()), limits.bounded(str(exc))

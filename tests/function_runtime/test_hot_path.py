@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from fnkernel.runtime_server import jsoncodec
+from fnkernel.runtime_server import payloads
 from tests.support import Client
 
 # Eight times, four 4 MiB blocks at once (a payload's copies), every page written, then freed;
@@ -83,11 +83,11 @@ def test_a_python_result_is_compact_json_from_either_library(python_rt: Client) 
     ],
 )
 def test_a_payload_encodes_if_either_library_can(value: object, encoded: bytes) -> None:
-    assert jsoncodec.dumps(value) == encoded
+    assert payloads.dumps(value) == encoded
 
 
 def test_a_payload_neither_library_encodes_is_a_type_error() -> None:
     with pytest.raises(TypeError):
-        jsoncodec.dumps({"a": object()})
+        payloads.dumps({"a": object()})
     with pytest.raises(TypeError):
-        jsoncodec.dumps({(1, 2): "a tuple key"})
+        payloads.dumps({(1, 2): "a tuple key"})

@@ -110,6 +110,7 @@ def test_plain_cells_import_no_grpc_and_start_only_the_prewarmed_processes() -> 
         assert kernel.value("'tornado.web' in __import__('sys').modules") is False
         assert kernel.value("'ruamel.yaml' in __import__('sys').modules") is False
         assert kernel.value("'kubernetes' in __import__('sys').modules") is False
+        assert kernel.value("'pyarrow' in __import__('sys').modules") is False  # on first use
         waiting = command_lines(descendants(kernel.pid))
         assert [line.split(" -m ", 1)[1].strip() for line in waiting] == [
             "fnkernel.runtime_server.cli.prewarm gateway",

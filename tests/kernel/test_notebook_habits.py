@@ -126,6 +126,46 @@ def test_what_plain_pandas_code_returns_is_json(notebook_dir: Path) -> None:
     )
 
 
+ENRICH = """\
+%%function enrich --replicas 2
+import pandas as pd
+
+def handler(df):
+    return df.assign(late=df["at"].dt.hour >= 17, kind=type(df).__name__)
+"""
+FRAME = """\
+import pandas as pd
+df = pd.DataFrame({
+    "at": pd.to_datetime(["2026-12-04 09:00", "2026-12-04 18:30", None]).tz_localize("UTC"),
+    "grade": pd.Categorical(["a", None, "b"]),
+    "n": pd.array([1, None, 3], dtype="Int64"),
+}, index=pd.Index(["x", "y", "z"], name="key"))
+"""
+
+
+def test_a_dataframe_in_and_a_dataframe_out(notebook_dir: Path) -> None:
+    # docs/protocol.md, "Content types": a DataFrame argument reaches the handler as a
+    # DataFrame (Arrow IPC, with its nulls, time zone, categories and index) and the one it
+    # returns comes back as one, shown as a table; NAME.map takes one per partition.
+    cells = execute(notebook_dir, [
+        ENRICH,
+        FRAME,
+        "out = enrich(df)\nprint(type(out).__name__, out['late'].dtype)\n"
+        "pd.testing.assert_frame_equal(out.drop(columns=['late', 'kind']), df)\n"
+        "print(out['late'].tolist(), out['kind'].iloc[0])",
+        "parts = enrich.map([df.iloc[:1], df.iloc[1:]])\n"
+        "pd.testing.assert_frame_equal(pd.concat(parts), enrich(df))\nprint(len(parts))",
+        "enrich.invoke(df)",
+    ])  # fmt: skip
+    ok(cells[0])
+    shown = ok(cells[2]).splitlines()
+    assert shown[0] == "DataFrame bool", shown  # the dtypes sent: assert_frame_equal above
+    assert shown[1] == "[False, True, False] DataFrame"
+    assert ok(cells[3]).endswith("enrich.map: 2/2 done\n2")
+    html = next(o["data"]["text/html"] for o in cells[4] if "text/html" in o.get("data", {}))
+    assert "<table" in html and "enrich" in html
+
+
 PICKY = """\
 %%function picky --replicas 2
 def handler(event):

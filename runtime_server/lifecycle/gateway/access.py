@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from tornado import httputil
 
+from fnkernel.adapters._payloads import JSON
 from fnkernel.runtime_server import wire
 from fnkernel.runtime_server.lifecycle.gateway.failures import FailureResponse
 
@@ -114,18 +115,36 @@ def check_origin(
     return origin
 
 
-def check_credentials(request: httputil.HTTPServerRequest, access: Access) -> None:
-    """The bearer token (401), and a body's Content-Type (415): a browser sends text/plain and
-    form bodies cross-origin without asking first. Not for a CORS preflight, which carries
-    no token."""
+def check_credentials(
+    request: httputil.HTTPServerRequest, access: Access, bodies: tuple[str, ...] = (JSON,)
+) -> None:
+    """The bearer token (401), and a body's Content-Type, one of its route's `bodies` (415): a
+    browser sends text/plain and form bodies cross-origin without asking first, and asks
+    first (a CORS preflight) for any other type. Not for a preflight, which carries no
+    token."""
     if not access.token_matches(request.headers.get("Authorization", "")):
         raise FailureResponse("UNAUTHENTICATED", "missing or wrong bearer token")
     if request.method in ("POST", "PUT", "PATCH"):
         content_type = request.headers.get("Content-Type", "")
         media_type = content_type.split(";", 1)[0].strip().lower()
-        if media_type != "application/json":
+        if media_type not in bodies:
             raise FailureResponse(
                 "UNSUPPORTED_MEDIA_TYPE",
                 status=415,
-                message=f"Content-Type must be application/json, got {content_type[:100]!r}",
+                message=f"Content-Type must be {', '.join(bodies)}; got {content_type[:100]!r}",
             )
+
+
+def accepts(accept: str, media_type: str) -> bool:
+    """Whether an Accept header takes `media_type`: a range naming it, its type's ``type/*`` or
+    ``*/*``, not at ``q=0``; no header takes anything (RFC 9110, section 12.5.1)."""
+    if not accept.strip():
+        return True
+    kind = media_type.split("/", 1)[0]
+    for entry in accept.split(","):
+        media_range, *params = (part.strip().lower() for part in entry.split(";"))
+        if media_range in (media_type, f"{kind}/*", "*/*") and not any(
+            param.replace(" ", "") in ("q=0", "q=0.0", "q=0.00", "q=0.000") for param in params
+        ):
+            return True
+    return False

@@ -18,6 +18,7 @@ import grpc
 import grpc.aio
 from tornado import httputil, web
 
+from fnkernel.adapters._payloads import JSON
 from fnkernel.runtime_server import limits, tracing, wire
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server.errors import (
@@ -58,6 +59,7 @@ def log_failure(handler: web.RequestHandler) -> None:
 
 class BaseHandler(web.RequestHandler):
     gateway: Routes
+    bodies: tuple[str, ...] = (JSON,)  # the media types its requests' bodies may be
 
     def initialize(self, gateway: Routes) -> None:
         self.gateway = gateway
@@ -73,7 +75,7 @@ class BaseHandler(web.RequestHandler):
             self.set_header("Access-Control-Expose-Headers", access.EXPOSED_HEADERS)
         if request.method == "OPTIONS":
             return None  # a CORS preflight carries no token; options() answers it
-        access.check_credentials(request, allowed)
+        access.check_credentials(request, allowed, self.bodies)
         return None
 
     def options(self, *_: str) -> None:

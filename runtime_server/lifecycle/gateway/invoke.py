@@ -13,12 +13,14 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from fnkernel.adapters._payloads import JSON, MEDIA_TYPES
 from fnkernel.runtime_server import limits, tracing, wire
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server.errors import (
     NoRuntimePod,
     RunNotReady,
 )
+from fnkernel.runtime_server.lifecycle.gateway.access import accepts
 from fnkernel.runtime_server.lifecycle.gateway.failures import (
     FailureResponse,
     rpc_error,
@@ -52,12 +54,14 @@ def _timeline(gateway: dict[str, int], trailers: dict[str, Any]) -> str:
 
 
 class InvokeHandler(TracedHandler, BodyHandler):
-    """POST /v1/runs/{name}:invoke — the body is the JSON payload (BodyHandler: bounded by
-    MAX_PAYLOAD_BYTES, refused with 413 before anything is looked up or called). A traced
-    call's spans go back with its answer (TracedHandler)."""
+    """POST /v1/runs/{name}:invoke — the body is the payload, of one of the content types
+    (docs/protocol.md, "Content types"; BodyHandler: bounded by MAX_PAYLOAD_BYTES, refused with
+    413 before anything is looked up or called). A traced call's spans go back with its answer
+    (TracedHandler)."""
 
     route = "/v1/runs/{name}:invoke"
     spans_handed_back = True
+    bodies = MEDIA_TYPES
 
     def prepare(self) -> None:
         self._received = time.monotonic_ns()  # the timeline's first reading (docs/protocol.md)
@@ -93,7 +97,7 @@ class InvokeHandler(TracedHandler, BodyHandler):
             registration=pb.FunctionRegistration(run_uid=run.uid),
             invocation_id=invocation_id,
             input=payload,
-            content_type=self.request.headers.get("Content-Type", "application/json"),
+            content_type=self.request.headers.get("Content-Type", JSON),
             timeout_millis=timeout_millis,
         )
         deadline = limits.wait_seconds(timeout_millis, hops_below=1)  # runtimed
@@ -171,7 +175,16 @@ class InvokeHandler(TracedHandler, BodyHandler):
         if self.hop is not tracing.UNTRACED:
             self.hop.called(0, trailers.get(wire.SPANS_KEY))
             self.hop.set(tracing.INVOCATION_ID, response.invocation_id)
-        self.set_header("Content-Type", response.content_type or "application/json")
+        media = response.content_type or JSON
+        accept = headers.get("Accept", "")
+        if not accepts(accept, media):
+            raise FailureResponse(
+                "NOT_ACCEPTABLE",
+                status=406,
+                message=f"the function returned {media}, which Accept {accept[:100]!r} does not "
+                "take (the call ran; its result is not sent)",
+            )
+        self.set_header("Content-Type", media)
         self.set_header(wire.INVOCATION_ID_HEADER, response.invocation_id)
         outputs = json.dumps(dict(response.outputs), sort_keys=True) if response.outputs else "{}"
         self.set_header(wire.OUTPUTS_HEADER, outputs)

@@ -1,0 +1,202 @@
+"""A payload or a result as bytes of a content type, the one way fnkernel writes and reads them
+(docs/protocol.md, "Content types"): by the kernel and the client for a payload, by the Python
+worker for a result, and back again.
+
+- A pandas DataFrame or Series, a polars DataFrame, a pyarrow Table or RecordBatch, or a numpy
+  array is **Arrow IPC**, ``application/vnd.apache.arrow.stream``: one stream whose schema's
+  metadata names the kind (``fnkernel.kind``), so the reader gets the kind that was sent, with
+  its dtypes, nulls, timestamps (their time zones too), categories and index (pyarrow's own
+  pandas metadata). A stream without that key (from any Arrow writer) is read as a pyarrow
+  Table.
+- ``bytes``, ``bytearray`` and ``memoryview`` are ``application/octet-stream``, as they are.
+- Everything else is JSON (``_jsonvalues``).
+
+A ``text/*`` output (a bash function's that is not JSON) is read as text.
+
+Never pickle: a caller is not always the function's owner.
+
+Standard library only at import: pyarrow, and pandas, polars or numpy, are imported when a value
+of theirs is written or read. The worker loads this file by its path, as it does _jsonvalues.py,
+before the handler's directory is on ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from typing import Any
+
+JSON = "application/json"
+ARROW = "application/vnd.apache.arrow.stream"
+OCTET = "application/octet-stream"
+MEDIA_TYPES = (JSON, ARROW, OCTET)
+# Each media type's token in the worker's frames (adapters/_python_worker.py), and back.
+CODES = {JSON: b"json", ARROW: b"arrow", OCTET: b"octet"}
+MEDIA_OF = {code: media for media, code in CODES.items()}
+KIND_KEY = b"fnkernel.kind"  # in the Arrow schema's metadata: what the reader rebuilds
+_NAME_KEY = b"fnkernel.name"  # a pandas Series' name, as JSON
+_SHAPE_KEY = b"fnkernel.shape"  # a numpy array's shape and dtype, as JSON
+_DTYPE_KEY = b"fnkernel.dtype"
+_SERIES_COLUMN = "__series__"
+_ARRAY_COLUMN = "values"
+# The kinds written as Arrow, by (top-level module, type name): exact types, not subclasses
+# (a GeoDataFrame is not a DataFrame to Arrow).
+_KINDS = {
+    ("pandas", "DataFrame"): "pandas.DataFrame",
+    ("pandas", "Series"): "pandas.Series",
+    ("polars", "DataFrame"): "polars.DataFrame",
+    ("pyarrow", "Table"): "pyarrow.Table",
+    ("pyarrow", "RecordBatch"): "pyarrow.RecordBatch",
+    ("numpy", "ndarray"): "numpy.ndarray",
+}
+
+
+def _load_sibling(name: str) -> Any:
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_fnkernel{name}", path)
+    assert spec is not None and spec.loader is not None  # a .py file's
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+if __package__:  # fnkernel.adapters
+    from fnkernel.adapters import _jsonvalues
+else:  # loaded by its path (the worker): its sibling, likewise
+    _jsonvalues = _load_sibling("_jsonvalues")
+
+
+class PayloadError(ValueError):
+    """Bytes that are not what their content type says, or a kind this process cannot build
+    (its package is not installed); the message says which."""
+
+
+def media_type(content_type: str) -> str:
+    """The media type of a Content-Type, lower case without parameters; "" is JSON."""
+    return content_type.split(";", 1)[0].strip().lower() or JSON
+
+
+def kind_of(value: Any) -> str | None:
+    """The kind of `value` written as Arrow (``pandas.DataFrame``, ...); None for the rest.
+    Imports nothing: a value of a kind exists only where its package was imported."""
+    cls = type(value)
+    return _KINDS.get((cls.__module__.split(".", 1)[0], cls.__name__))
+
+
+def encode(value: Any, root: str = "value") -> tuple[bytes, str]:
+    """`value` as bytes and their content type. TypeError naming the part JSON cannot hold (a
+    path from `root`); PayloadError if an Arrow kind's pyarrow is missing."""
+    kind = kind_of(value)
+    if kind is not None:
+        return _arrow_bytes(_table(value, kind, root), kind), ARROW
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value), OCTET
+    return _jsonvalues.dumps(value, root), JSON
+
+
+def decode(data: bytes, content_type: str, what: str = "the payload") -> Any:
+    """The value `data` of `content_type` holds (JSON: None for no bytes). PayloadError naming
+    `what` if they are not that, or if the kind they hold cannot be built here."""
+    media = media_type(content_type)
+    if media == OCTET:
+        return data
+    if media.startswith("text/"):  # a bash function's output that is not JSON
+        return bytes(data).decode("utf-8", "replace")
+    if media == ARROW:
+        return _from_arrow(data, what)
+    if not data.strip():
+        return None
+    try:
+        return json.loads(data)
+    except ValueError as exc:
+        raise PayloadError(f"{what} is not valid JSON: {exc}") from None
+
+
+# Arrow
+
+
+def _pyarrow(kind: str) -> Any:
+    try:
+        import pyarrow
+    except ImportError:
+        raise PayloadError(
+            f"{kind} travels as Arrow IPC, and pyarrow is not installed here"
+        ) from None
+    return pyarrow
+
+
+def _table(value: Any, kind: str, root: str) -> Any:
+    """`value` as a pyarrow Table whose schema's metadata says how to rebuild it."""
+    pa = _pyarrow(f"a {kind}")
+    extra: dict[bytes, bytes] = {}
+    try:
+        if kind == "pandas.DataFrame":
+            table = pa.Table.from_pandas(value)  # its index too, in pyarrow's pandas metadata
+        elif kind == "pandas.Series":
+            table = pa.Table.from_pandas(value.to_frame(name=_SERIES_COLUMN))
+            extra[_NAME_KEY] = json.dumps(value.name, default=str).encode()
+        elif kind == "polars.DataFrame":
+            table = value.to_arrow()
+        elif kind == "pyarrow.Table":
+            table = value
+        elif kind == "pyarrow.RecordBatch":
+            table = pa.Table.from_batches([value])
+        else:  # numpy.ndarray: its elements in order, a column; its shape and dtype beside
+            flat = value.reshape(-1) if value.flags.c_contiguous else value.ravel()
+            table = pa.table({_ARRAY_COLUMN: pa.array(flat)})
+            extra[_SHAPE_KEY] = json.dumps(list(value.shape)).encode()
+            extra[_DTYPE_KEY] = value.dtype.str.encode()
+    except (pa.ArrowException, TypeError, ValueError) as exc:
+        raise TypeError(f"{root}: this {kind} cannot be written as Arrow: {exc}") from None
+    metadata = {**(table.schema.metadata or {}), **extra, KIND_KEY: kind.encode()}
+    return table.replace_schema_metadata(metadata)
+
+
+def _arrow_bytes(table: Any, kind: str) -> bytes:
+    pa = _pyarrow(f"a {kind}")
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return bytes(sink.getvalue().to_pybytes())
+
+
+def _from_arrow(data: bytes, what: str) -> Any:
+    pa = _pyarrow(what)
+    try:
+        table = pa.ipc.open_stream(pa.py_buffer(data)).read_all()
+    except (pa.ArrowException, ValueError) as exc:
+        raise PayloadError(f"{what} is not an Arrow IPC stream: {exc}") from None
+    metadata = dict(table.schema.metadata or {})
+    kind = metadata.pop(KIND_KEY, b"pyarrow.Table").decode()
+    if kind == "pandas.DataFrame":
+        _needs(kind, "pandas", what)
+        return table.to_pandas()
+    if kind == "pandas.Series":
+        _needs(kind, "pandas", what)
+        series = table.to_pandas()[_SERIES_COLUMN]
+        series.name = json.loads(metadata.get(_NAME_KEY, b"null"))
+        return series
+    if kind == "polars.DataFrame":
+        return _needs(kind, "polars", what).from_arrow(
+            table.replace_schema_metadata(metadata or None)
+        )
+    if kind == "numpy.ndarray":
+        _needs(kind, "numpy", what)
+        shape = json.loads(metadata.get(_SHAPE_KEY, b"[-1]"))
+        array = table.column(_ARRAY_COLUMN).to_numpy(zero_copy_only=False).reshape(shape)
+        dtype = metadata.get(_DTYPE_KEY, b"").decode()
+        return array.astype(dtype, copy=False) if dtype and dtype != array.dtype.str else array
+    plain = table.replace_schema_metadata(metadata or None)
+    if kind == "pyarrow.RecordBatch":
+        batches = plain.combine_chunks().to_batches()
+        return batches[0] if batches else pa.RecordBatch.from_pylist([], schema=plain.schema)
+    return plain
+
+
+def _needs(kind: str, package: str, what: str) -> Any:
+    """`package`, imported; PayloadError saying what is missing if it is not installed."""
+    try:
+        return importlib.import_module(package)
+    except ImportError:
+        raise PayloadError(f"{what} is a {kind}, and {package} is not installed here") from None

@@ -1,0 +1,119 @@
+"""docs/protocol.md, "Content types": a payload or a result travels as the bytes of its kind —
+DataFrames (pandas, polars), pyarrow Tables and RecordBatches and numpy arrays as Arrow IPC,
+bytes as octets, the rest as JSON — and is read back as the kind it was, with its dtypes,
+nulls, timestamps, categories and index. Never pickle."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import polars as pl
+import pyarrow as pa
+import pytest
+
+from fnkernel.runtime_server import payloads
+
+
+def round_trip(value: Any) -> tuple[Any, str]:
+    data, content_type = payloads.encode(value, "payload")
+    return payloads.decode(data, content_type), content_type
+
+
+def mixed_frame() -> pd.DataFrame:
+    """A data engineer's frame: nullable ints, NaN, a time zone, categories, text with a
+    missing value, and a named index that is not 0..n."""
+    return pd.DataFrame(
+        {
+            "count": pd.array([1, None, 3], dtype="Int64"),
+            "ratio": [0.5, np.nan, 2.0],
+            "at": pd.to_datetime(["2024-01-01 09:30", None, "2024-03-01 18:00"]).tz_localize(
+                "Europe/Paris"
+            ),
+            "grade": pd.Categorical(["a", "b", None], categories=["a", "b", "c"], ordered=True),
+            "note": ["x", None, "z"],
+        },
+        index=pd.Index([10, 20, 30], name="id"),
+    )
+
+
+def test_a_pandas_dataframe_comes_back_as_it_went() -> None:
+    frame = mixed_frame()
+    back, content_type = round_trip(frame)
+    assert content_type == "application/vnd.apache.arrow.stream"
+    pd.testing.assert_frame_equal(back, frame)
+    assert str(back["at"].dtype) == str(frame["at"].dtype)  # the zone kept
+    assert list(back["grade"].cat.categories) == ["a", "b", "c"] and back["grade"].cat.ordered
+
+
+def test_a_series_keeps_its_name_and_index() -> None:
+    for series in (pd.Series([1.5, None], index=["a", "b"], name="total"), pd.Series([1, 2])):
+        back, _ = round_trip(series)
+        pd.testing.assert_series_equal(back, series)
+
+
+def test_polars_and_pyarrow_kinds_come_back_as_their_kind() -> None:
+    frame = pl.DataFrame({"a": [1, None], "b": ["x", "y"]})
+    back, _ = round_trip(frame)
+    assert isinstance(back, pl.DataFrame) and back.equals(frame)
+    table = pa.table({"a": [1, None], "b": ["x", "y"]})
+    back, _ = round_trip(table)
+    assert isinstance(back, pa.Table) and back.equals(table)
+    assert back.schema.metadata is None  # what fnkernel wrote to rebuild it is not left in it
+    batch = table.to_batches()[0]
+    back, _ = round_trip(batch)
+    assert isinstance(back, pa.RecordBatch) and back.equals(batch)
+
+
+@pytest.mark.parametrize(
+    "array",
+    [
+        np.arange(12.0).reshape(3, 4),
+        np.asfortranarray(np.arange(6).reshape(2, 3)),
+        np.array(["ab", "c"]),
+        np.array(["2024-01-01", "NaT"], dtype="datetime64[s]"),
+        np.array(7),
+        np.zeros((0, 3), dtype=np.int32),
+    ],
+    ids=["2-d", "fortran", "text", "datetime", "0-d", "empty"],
+)
+def test_a_numpy_array_keeps_its_shape_and_dtype(array: np.ndarray) -> None:
+    back, _ = round_trip(array)
+    assert isinstance(back, np.ndarray)
+    assert (back.shape, back.dtype) == (array.shape, array.dtype)
+    np.testing.assert_array_equal(back, array)
+
+
+def test_bytes_are_octets_and_the_rest_is_json() -> None:
+    assert payloads.encode(b"\x00\xff") == (b"\x00\xff", "application/octet-stream")
+    assert payloads.encode(bytearray(b"ab"))[1] == "application/octet-stream"
+    assert payloads.encode({"a": [1, None]}) == (b'{"a":[1,null]}', "application/json")
+    assert payloads.decode(b"", "application/json") is None
+    assert payloads.decode(b'{"a":1}', "application/json; charset=utf-8") == {"a": 1}
+    # a bash function's output that is not JSON
+    assert payloads.decode(b"hello, ada", "text/plain; charset=utf-8") == "hello, ada"
+
+
+def test_a_stream_any_arrow_writer_made_is_a_table() -> None:
+    # From another client (any Arrow library): no fnkernel metadata, so a pyarrow Table.
+    table = pa.table({"x": [1, 2, 3]})
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    back = payloads.decode(sink.getvalue().to_pybytes(), payloads.ARROW)
+    assert isinstance(back, pa.Table) and back.equals(table)
+
+
+def test_bytes_that_are_not_their_type_are_refused_naming_what() -> None:
+    with pytest.raises(payloads.PayloadError, match=r"^the payload is not an Arrow IPC stream"):
+        payloads.decode(b"not arrow", payloads.ARROW, "the payload")
+    with pytest.raises(payloads.PayloadError, match=r"^the result is not valid JSON"):
+        payloads.decode(b"{", payloads.JSON, "the result")
+
+
+def test_a_value_inside_json_is_not_arrow() -> None:
+    # Only a DataFrame, table or array on its own travels as Arrow: inside a dict it is a
+    # JSON value, which it cannot be — the error names where it is and what to do.
+    with pytest.raises(TypeError, match=r'payload\["frame"\]: DataFrame'):
+        payloads.encode({"frame": mixed_frame()}, "payload")

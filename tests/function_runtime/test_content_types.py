@@ -1,0 +1,87 @@
+"""docs/protocol.md, "Content types", at the Runtime Server: InvokeFunction's ``content_type``
+says what ``input`` is. The python runtime takes JSON, Arrow IPC and octets, and its handler
+gets the kind that was sent; the response's ``content_type`` says what its output is, the kind
+the handler returned. The bash runtime takes JSON only. Refusals are INVALID_ARGUMENT naming
+the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pandas as pd
+import pytest
+
+from fnkernel.runtime_server import payloads
+from tests.function_runtime.test_limits import rejected
+from tests.support import Client
+
+KINDS = {
+    "handler.py": """
+        import pandas as pd
+
+        def handle(event):
+            kind = f"{type(event).__module__.split('.')[0]}.{type(event).__name__}"
+            if isinstance(event, pd.DataFrame):
+                return event.assign(seen=kind)
+            return {"kind": kind}
+    """
+}
+
+
+def test_the_handler_gets_the_kind_sent_and_returns_its_own(python_rt: Client) -> None:
+    registration = python_rt.register(KINDS).registration
+    frame = pd.DataFrame({"x": [1, None]}, index=pd.Index(["a", "b"], name="key"))
+    data, content_type = payloads.encode(frame)
+    answer = python_rt.invoke(registration, data, content_type=content_type)
+    assert answer.content_type == payloads.ARROW
+    pd.testing.assert_frame_equal(
+        payloads.decode(answer.output, answer.content_type),
+        frame.assign(seen="pandas.DataFrame"),
+    )
+    for value, kind in ((np.eye(2), "numpy.ndarray"), (b"\x00raw", "builtins.bytes")):
+        data, content_type = payloads.encode(value)
+        answer = python_rt.invoke(registration, data, content_type=content_type)
+        assert (answer.content_type, answer.output) == (
+            payloads.JSON, f'{{"kind":"{kind}"}}'.encode()
+        )  # fmt: skip
+
+
+def test_bytes_that_are_not_their_type_are_invalid_input(python_rt: Client) -> None:
+    registration = python_rt.register(KINDS).registration
+    with pytest.raises(grpc.RpcError) as refused:
+        python_rt.invoke(registration, b"not arrow", content_type=payloads.ARROW)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "input is not an Arrow IPC stream" in (refused.value.details() or "")
+
+
+def test_a_kind_whose_package_the_runtime_lacks_is_named_with_the_way_out(
+    python_rt: Client, tmp_path: Path
+) -> None:
+    # The worker rebuilds a polars DataFrame with polars; here an installed "polars" that
+    # cannot be imported stands in for a runtime without it (the Run's packages come first).
+    packages = tmp_path / "packages"
+    packages.mkdir()
+    (packages / "polars.py").write_text("raise ImportError('no polars here')\n")
+    import polars as pl
+
+    registration = python_rt.register(KINDS, env={"FNKERNEL_PACKAGES": str(packages)}).registration
+    data, content_type = payloads.encode(pl.DataFrame({"a": [1]}))
+    with pytest.raises(grpc.RpcError) as refused:
+        python_rt.invoke(registration, data, content_type=content_type)
+    details = refused.value.details() or ""
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "input is a polars.DataFrame, and polars is not installed here" in details
+    assert "--requirements" in details
+
+
+def test_the_bash_runtime_takes_json_only(bash_rt: Client) -> None:
+    registration = bash_rt.register({"fn.sh": "handle() { printf '%s' \"$1\"; }\n"}).registration
+    data, content_type = payloads.encode(pd.DataFrame({"x": [1]}))
+    rejected(
+        lambda: bash_rt.invoke(registration, data, content_type=content_type),
+        "content_type",
+        "the bash runtime takes application/json",
+    )
+    assert bash_rt.invoke(registration, b'{"a":1}').output == b'{"a":1}'

@@ -1,0 +1,136 @@
+"""docs/protocol.md, "Content types", through a stack of real processes (client → gateway →
+runtimed → Runtime Server → worker): a DataFrame in and a DataFrame out from the client, a map
+over DataFrames, any HTTP client with Content-Type and Accept, and the CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pytest
+
+from fnkernel.runtime_server import payloads
+from fnkernel.runtime_server.client import Client
+from fnkernel.runtime_server.client.errors import InvalidRequest
+from fnkernel.runtime_server.lifecycle.stack import Stack
+from tests.support import http_call
+
+TOTALS = {
+    "handler.py": (
+        "import pandas as pd\n"
+        "def handle(event):\n"
+        "    if isinstance(event, pd.DataFrame):\n"
+        "        return event.groupby('grade', observed=True)['count'].sum().to_frame()\n"
+        "    return {'kind': type(event).__name__}\n"
+    )
+}
+
+
+def frame(grades: str) -> pd.DataFrame:
+    return pd.DataFrame(
+        {
+            "grade": pd.Categorical(list(grades), categories=["a", "b", "c"]),
+            "count": pd.array([1, None, *range(len(grades) - 2)], dtype="Int64"),
+            "at": pd.date_range("2024-01-01", periods=len(grades), tz="UTC"),
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def totals(shared_stack: Stack) -> Client:
+    client = Client(shared_stack.gateway_address)
+    run = client.create_run("totals", runtime="python", handler="handler.handle", files=TOTALS)
+    assert run.phase == "Ready", run.message
+    return client
+
+
+def test_a_dataframe_in_a_dataframe_out_through_every_hop(totals: Client) -> None:
+    sent = frame("abca")
+    result = totals.invoke("totals", sent)
+    assert result.content_type == payloads.ARROW
+    expected = sent.groupby("grade", observed=True)["count"].sum().to_frame()
+    pd.testing.assert_frame_equal(result.value(), expected)
+    assert totals.invoke("totals", np.arange(4)).value() == {"kind": "ndarray"}
+
+
+def test_a_map_over_dataframes_gives_a_dataframe_each(totals: Client) -> None:
+    parts = [frame("aab"), frame("bcc"), frame("abc")]
+    results = totals.map("totals", parts)
+    for part, result in zip(parts, results, strict=True):
+        pd.testing.assert_frame_equal(
+            result, part.groupby("grade", observed=True)["count"].sum().to_frame()
+        )
+
+
+def test_any_http_client_sends_and_accepts_arrow(totals: Client, shared_stack: Stack) -> None:
+    # An Arrow stream from any writer (no fnkernel metadata: the handler gets a pyarrow Table,
+    # which this handler names), and a frame's Arrow answer, read with pyarrow alone.
+    table = pa.table({"grade": ["a"], "count": [1]})
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    address, path = shared_stack.gateway_address, "/v1/runs/totals:invoke"
+    status, headers, body = http_call(address, "POST", path, sink.getvalue().to_pybytes(),
+                                      {"Content-Type": payloads.ARROW})  # fmt: skip
+    assert (status, headers["Content-Type"], body) == (200, payloads.JSON, b'{"kind":"Table"}')
+    data, content_type = payloads.encode(frame("ab"))
+    status, headers, body = http_call(
+        address, "POST", path, data, {"Content-Type": content_type, "Accept": payloads.ARROW}
+    )
+    assert (status, headers["Content-Type"]) == (200, payloads.ARROW)
+    # the frame's columns, then its index (pyarrow's pandas metadata says which it is)
+    assert pa.ipc.open_stream(body).read_all().column_names == ["count", "grade"]
+
+
+def test_what_http_cannot_send_or_accept_is_refused_naming_it(
+    totals: Client, shared_stack: Stack
+) -> None:
+    address, path = shared_stack.gateway_address, "/v1/runs/totals:invoke"
+    status, _, body = http_call(address, "POST", path, b"a,b\n", {"Content-Type": "text/csv"})
+    assert status == 415 and b"application/vnd.apache.arrow.stream" in body
+    # The call ran, and its answer was a type the caller said it does not take.
+    data, content_type = payloads.encode(frame("ab"))
+    status, _, body = http_call(
+        address, "POST", path, data, {"Content-Type": content_type, "Accept": "application/json"}
+    )
+    assert status == 406 and b"the function returned application/vnd.apache.arrow.stream" in body
+    status, _, _ = http_call(address, "POST", path, data,
+                             {"Content-Type": content_type, "Accept": "*/*;q=0.5"})  # fmt: skip
+    assert status == 200
+    # A create's body is JSON and nothing else.
+    status, _, _ = http_call(address, "POST", "/v1/runs", data, {"Content-Type": content_type})
+    assert status == 415
+    # The bash runtime takes JSON only: 400 naming the field.
+    totals.create_run("echo-sh", runtime="bash", handler="fn.handle",
+                      files={"fn.sh": "handle() { printf '%s' \"$1\"; }\n"})  # fmt: skip
+    with pytest.raises(InvalidRequest, match=r"content_type: .* the bash runtime takes"):
+        totals.invoke("echo-sh", frame("ab"))
+
+
+def test_the_cli_sends_a_stream_from_stdin_and_writes_the_answer_whole(
+    totals: Client, shared_stack: Stack, tmp_path: Path
+) -> None:
+    data, content_type = payloads.encode(frame("abc"))
+
+    def invoke(*args: str) -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run(
+            [sys.executable, "-m", "fnkernel.runtime_server.cli", "invoke", "totals", *args,
+             "--gateway", shared_stack.gateway_address],
+            input=data, capture_output=True, timeout=60,
+        )  # fmt: skip
+
+    out = tmp_path / "totals.arrows"
+    done = invoke("-", "--content-type", content_type, "--output", str(out))
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.decode().startswith("content type: application/vnd.apache.arrow.stream")
+    back = payloads.decode(out.read_bytes(), payloads.ARROW)
+    assert list(back.index.astype(str)) == ["a", "b", "c"]
+    assert [p.name for p in tmp_path.iterdir()] == ["totals.arrows"]  # no part file left
+    piped = invoke("-", "--content-type", content_type)  # to a pipe: the bytes themselves
+    assert piped.returncode == 0 and piped.stdout == out.read_bytes()
+    refused = invoke("{}", "--content-type", content_type)
+    assert refused.returncode == 2 and b"give the payload on stdin" in refused.stderr
