@@ -11,7 +11,13 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from fnkernel.adapters.base import Adapter, FunctionSpec, HandlerResult, WorkerAdapter
+    from fnkernel.adapters.base import (
+        Adapter,
+        FunctionSpec,
+        HandlerResult,
+        Transfer,
+        WorkerAdapter,
+    )
     from fnkernel.adapters.bash import BashAdapter
     from fnkernel.adapters.python import PythonAdapter
 
@@ -19,6 +25,7 @@ _HOMES = {
     "Adapter": "fnkernel.adapters.base",
     "FunctionSpec": "fnkernel.adapters.base",
     "HandlerResult": "fnkernel.adapters.base",
+    "Transfer": "fnkernel.adapters.base",
     "WorkerAdapter": "fnkernel.adapters.base",
     "BashAdapter": "fnkernel.adapters.bash",
     "PythonAdapter": "fnkernel.adapters.python",
@@ -30,6 +37,7 @@ __all__ = [
     "FunctionSpec",
     "HandlerResult",
     "PythonAdapter",
+    "Transfer",
     "WorkerAdapter",
 ]
 

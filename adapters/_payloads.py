@@ -113,6 +113,37 @@ def decode(data: bytes, content_type: str, what: str = "the payload") -> Any:
         raise PayloadError(f"{what} is not valid JSON: {exc}") from None
 
 
+def decode_file(path: str, content_type: str, what: str = "the payload") -> Any:
+    """The value the file `path` holds (a spooled payload: docs/protocol.md, "Large payloads"),
+    as ``decode`` reads bytes; an Arrow stream is mapped, not read, so a DataFrame of numbers
+    or a table is a view of the file's pages."""
+    if media_type(content_type) == ARROW:
+        pa = _pyarrow(what)
+        try:
+            mapped = pa.memory_map(path)
+        except (OSError, pa.ArrowException) as exc:
+            raise PayloadError(f"{what} cannot be read: {exc}") from None
+        return _from_arrow(mapped, what)
+    with open(path, "rb") as source:
+        return decode(source.read(), content_type, what)
+
+
+def encode_to_file(value: Any, path: str, root: str = "value") -> tuple[int, str]:
+    """Write `value`'s bytes to the new file `path`, as ``encode`` makes them; their size and
+    content type. An Arrow kind is written straight to the file, never whole in memory first."""
+    kind = kind_of(value)
+    if kind is None:
+        data, media = encode(value, root)
+        with open(path, "xb") as out:
+            out.write(data)
+        return len(data), media
+    table = _table(value, kind, root)
+    pa = _pyarrow(f"a {kind}")
+    with pa.OSFile(path, "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return os.path.getsize(path), ARROW
+
+
 # Arrow
 
 
@@ -161,10 +192,13 @@ def _arrow_bytes(table: Any, kind: str) -> bytes:
     return bytes(sink.getvalue().to_pybytes())
 
 
-def _from_arrow(data: bytes, what: str) -> Any:
+def _from_arrow(data: Any, what: str) -> Any:
+    """The value of the Arrow stream in `data` (bytes, or a pyarrow memory map: then every
+    array is a view of the file's pages, read without a copy)."""
     pa = _pyarrow(what)
     try:
-        table = pa.ipc.open_stream(pa.py_buffer(data)).read_all()
+        source = data if isinstance(data, pa.NativeFile) else pa.py_buffer(data)
+        table = pa.ipc.open_stream(source).read_all()
     except (pa.ArrowException, ValueError) as exc:
         raise PayloadError(f"{what} is not an Arrow IPC stream: {exc}") from None
     metadata = dict(table.schema.metadata or {})

@@ -11,13 +11,17 @@ or numpy, are imported on the first payload or result of theirs (docs/protocol.m
 types").
 
 Frames (see adapters/worker.py for the handshake, the nonce and the log files):
-  request:  ``<id_len> <input_len> <remaining_ms> <traceparent> <type> <nonce>\\n`` + invocation
-            id + input bytes, where traceparent is a traced call's W3C context, ``-`` for none,
-            and type the input's content type (``json``, ``arrow``, ``octet``: _payloads.CODES)
-  response: ``<ok|error|invalid> <meta_len> <output_len> <type> <nonce>\\n`` + meta JSON +
-            output bytes, where meta is the outputs object for ``ok`` (0 bytes when there are
-            none) and ``{"errorType", "errorMessage"}`` otherwise, type the output's content
-            type, and the nonce is the request's
+  request:  ``<id_len> <input_len> <remaining_ms> <traceparent> <type> <in> <out> <from> <nonce>\\n``
+            + invocation id + input bytes, where traceparent is a traced call's W3C context,
+            ``-`` for none; type the input's content type (``json``, ``arrow``, ``octet``:
+            _payloads.CODES); in the name of a spooled input in $FNKERNEL_SPOOL (then the input
+            bytes are none), out the name a result of at least ``from`` bytes is written to
+            instead of being answered inline, each ``-`` for none (docs/protocol.md, "Large
+            payloads")
+  response: ``<ok|error|invalid> <meta_len> <output_len> <type> <inline|spooled> <nonce>\\n`` +
+            meta JSON + output bytes (none when spooled), where meta is the outputs object for
+            ``ok`` (0 bytes when there are none) and ``{"errorType", "errorMessage"}``
+            otherwise, type the output's content type, and the nonce is the request's
 
 The two descriptor numbers are taken off ``sys.argv`` before the handler is imported: a handler
 has no easy way to its answers' pipe, and an answer it forged anyway lacks the call's nonce.
@@ -158,13 +162,23 @@ def _read_exact(stream, size: int) -> bytes:
 
 
 def _respond(
-    fd: int, nonce: bytes, status: bytes, meta: dict | None, output: bytes = b"", code=b"json"
+    fd: int,
+    nonce: bytes,
+    status: bytes,
+    meta: dict | None,
+    output: bytes = b"",
+    code=b"json",
+    *,
+    size: int = -1,
+    where: bytes = b"inline",
 ) -> None:
-    """One response frame; an empty meta (the common "ok" with no outputs) is sent as 0 bytes."""
+    """One response frame; an empty meta (the common "ok" with no outputs) is sent as 0 bytes.
+    A spooled output (`where`) is `size` bytes in its file, and none follow the frame."""
     sys.stdout.flush()  # the supervisor reads the log files once it has the response
     sys.stderr.flush()
     encoded = json.dumps(meta).encode() if meta else b""
-    header = b"%s %d %d %s %s\n" % (status, len(encoded), len(output), code, nonce)
+    size = len(output) if size < 0 else size
+    header = b"%s %d %d %s %s %s\n" % (status, len(encoded), size, code, where, nonce)
     _write(fd, header + encoded + output)
 
 
@@ -175,22 +189,40 @@ def serve(function, run_uid: str, requests, resp_fd: int) -> None:
         header = requests.readline()
         if not header:
             return  # the supervisor closed the pipe: it is gone, so are we
-        id_len, input_len, remaining_ms, traceparent, code, nonce = header.split()
+        (
+            id_len,
+            input_len,
+            remaining_ms,
+            traceparent,
+            code,
+            spooled_in,
+            spooled_out,
+            out_from,
+            nonce,
+        ) = header.split()
         invocation_id = _read_exact(requests, int(id_len)).decode()
         payload = _read_exact(requests, int(input_len))
         traced = traceparent.decode() if traceparent != b"-" else ""
         context = Context(invocation_id, run_uid, int(remaining_ms), traced, logger)
-        media = _payloads.MEDIA_OF.get(code, _payloads.JSON)
+        call = _Call(
+            _payloads.MEDIA_OF.get(code, _payloads.JSON),
+            payload,
+            _spooled(spooled_in),
+            _spooled(spooled_out),
+            int(out_from),
+            resp_fd,
+            nonce,
+        )
         try:
             if traced:  # the processes the handler starts get it too, as a Bash function's do
                 with _environment(TRACEPARENT=traced):
-                    _answer(function, with_context, context, payload, media, resp_fd, nonce)
+                    _answer(function, with_context, context, call)
             else:
-                _answer(function, with_context, context, payload, media, resp_fd, nonce)
+                _answer(function, with_context, context, call)
         except MemoryError:
             # Out of its memory (RLIMIT_DATA) anywhere in the call — the handler, decoding its
             # input, encoding its result: the supervisor names the limit and replaces us.
-            _respond(resp_fd, nonce, b"error", {"errorType": "MemoryError", "errorMessage": ""})
+            call.respond(b"error", {"errorType": "MemoryError", "errorMessage": ""})
 
 
 @contextlib.contextmanager
@@ -208,51 +240,94 @@ def _environment(**values: str):
                 os.environ[name] = value
 
 
-def _answer(
-    function,
-    with_context: bool,
-    context: Context,
-    payload: bytes,
-    media: str,
-    resp_fd: int,
-    nonce: bytes,
-) -> None:
+_SPOOL_ENV = "FNKERNEL_SPOOL"  # adapters/base.py: SPOOL_ENV
+
+
+def _spooled(name: bytes) -> str:
+    """The path of a payload the frame names in the spool (docs/protocol.md, "Large
+    payloads"); "" for none ("-")."""
+    if name == b"-":
+        return ""
+    return os.path.join(os.environ[_SPOOL_ENV], os.path.basename(name.decode()))
+
+
+class _Call:
+    """One request frame's call: its input (`payload` inline, or the file `input_path`), where a
+    result of at least `output_from` bytes goes (`output_path`, "" for inline), how to answer."""
+
+    def __init__(self, media, payload, input_path, output_path, output_from, resp_fd, nonce):
+        self.media, self.payload = media, payload
+        self.input_path, self.output_path, self.output_from = input_path, output_path, output_from
+        self.resp_fd, self.nonce = resp_fd, nonce
+
+    def event(self):
+        if self.input_path:
+            return _payloads.decode_file(self.input_path, self.media, "input")
+        return _payloads.decode(self.payload, self.media, "input")
+
+    def respond(self, status: bytes, meta: dict | None) -> None:
+        _respond(self.resp_fd, self.nonce, status, meta)
+
+    def result(self, result, outputs: dict) -> None:
+        """Encode `result` and answer it: inline, or written to the spool when it is large."""
+        if self.output_path:
+            size, media = _payloads.encode_to_file(result, self.output_path, "result")
+            if size >= self.output_from:
+                _respond(
+                    self.resp_fd,
+                    self.nonce,
+                    b"ok",
+                    outputs,
+                    b"",
+                    _payloads.CODES[media],
+                    size=size,
+                    where=b"spooled",
+                )
+                return
+            with open(self.output_path, "rb") as small:
+                output, code = small.read(), _payloads.CODES[media]
+            os.unlink(self.output_path)
+        else:
+            output, code = encode_result(result)
+        _respond(self.resp_fd, self.nonce, b"ok", outputs, output, code)
+
+
+def _answer(function, with_context: bool, context: Context, call: _Call) -> None:
     """One call: decode, run the handler, encode, respond (MemoryError is the caller's)."""
     try:
-        event = _payloads.decode(payload, media, "input")
+        event = call.event()
     except _payloads.PayloadError as exc:
         message = _bounded(str(exc))
         if "is not installed here" in message:  # the runtime lacks the kind's package
             message += "; a Run brings its packages with --requirements"
-        _respond(resp_fd, nonce, b"invalid", {"errorMessage": message})
+        call.respond(b"invalid", {"errorMessage": message})
         return
     try:
         result = function(event, context) if with_context else function(event)
     except SystemExit as exc:
         message = f"handler called sys.exit({exc.code!r})"
-        _respond(resp_fd, nonce, b"error", {"errorType": "SystemExit", "errorMessage": message})
+        call.respond(b"error", {"errorType": "SystemExit", "errorMessage": message})
         return
     except MemoryError:
         raise
     except Exception as exc:
         tb = exc.__traceback__
         traceback.print_exception(type(exc), exc, tb.tb_next if tb else None)
-        meta = {"errorType": type(exc).__name__, "errorMessage": _bounded(str(exc))}
-        _respond(resp_fd, nonce, b"error", meta)
+        call.respond(
+            b"error", {"errorType": type(exc).__name__, "errorMessage": _bounded(str(exc))}
+        )
         return
     try:
-        output, code = encode_result(result)
+        call.result(result, context.outputs)
     except _payloads.PayloadError as exc:  # an Arrow kind, and no pyarrow here
         message = _bounded(f"the return value cannot be encoded: {exc}")
-        meta = {"errorType": "ResultNotSerializable", "errorMessage": message}
-        _respond(resp_fd, nonce, b"error", meta)
-        return
+        call.respond(b"error", {"errorType": "ResultNotSerializable", "errorMessage": message})
     except (TypeError, ValueError) as exc:
         message = _bounded(f"the return value cannot be encoded as JSON: {exc}")
-        meta = {"errorType": "ResultNotJSONSerializable", "errorMessage": message}
-        _respond(resp_fd, nonce, b"error", meta)
-        return
-    _respond(resp_fd, nonce, b"ok", context.outputs, output, code)
+        call.respond(b"error", {"errorType": "ResultNotJSONSerializable", "errorMessage": message})
+    except OSError as exc:  # the spool's disk (docs/protocol.md, "Large payloads")
+        message = _bounded(f"the return value cannot be written to the spool: {exc}")
+        call.respond(b"error", {"errorType": "OutputNotWritten", "errorMessage": message})
 
 
 def keep_freed_memory() -> None:

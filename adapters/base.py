@@ -17,6 +17,7 @@ from fnkernel.adapters.worker import WorkerCall, WorkerSupervisor
 from fnkernel.system.private import private_tempdir
 
 JSON = _payloads.JSON
+SPOOL_ENV = "FNKERNEL_SPOOL"  # the worker's: where Transfer's names are (its spelling too)
 # Environment variables a worker never inherits from the server: they would make bash run code
 # before our runner (docs/architecture.md, "Measured facts the design rests on": clear BASH_ENV).
 _SCRUBBED_ENV = ("BASH_ENV", "ENV")
@@ -31,6 +32,22 @@ class FunctionSpec:
     handler: str
     env: Mapping[str, str] = field(default_factory=dict)
     memory_mb: int = 0  # what each of its processes may take, in MiB (0: no limit)
+    spool: Path | None = None  # the node's spool of large payloads (``Transfer``)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Where one call's payload and result pass when they are past one message (docs/protocol.md,
+    "Large payloads"), by their names in the registration's spool (``FunctionSpec.spool``):
+    the input is the file `input` (the call's bytes then empty); a result of at least
+    `output_from` bytes is written to the file `output` instead of being answered inline."""
+
+    input: str = ""
+    output: str = ""
+    output_from: int = 0
+
+
+INLINE = Transfer()  # everything in the frames
 
 
 @dataclass(frozen=True)
@@ -39,6 +56,7 @@ class HandlerResult:
     content_type: str
     outputs: dict[str, str]
     logs: tuple[LogLine, ...] = ()
+    spooled: int = -1  # the size of the output the worker wrote to Transfer.output (-1: inline)
 
 
 class Adapter(Protocol):
@@ -48,6 +66,8 @@ class Adapter(Protocol):
     runtime: ClassVar[str]
     # The media types its handlers take (docs/protocol.md, "Content types").
     content_types: ClassVar[tuple[str, ...]]
+    # Whether its worker reads an input from, and writes a result to, the spool (``Transfer``).
+    takes_files: ClassVar[bool]
 
     def __init__(
         self,
@@ -78,10 +98,12 @@ class Adapter(Protocol):
         deadline: float,
         traceparent: str = "",
         content_type: str = JSON,
+        transfer: Transfer = INLINE,
     ) -> HandlerResult:
         """Run one call; `deadline` is a time.monotonic() value; `traceparent`: a traced call's
         W3C context for the handler (docs/protocol.md, "Tracing"), "" for none; `content_type`:
-        the payload's media type, one of `content_types`."""
+        the payload's media type, one of `content_types`; `transfer`: where a large payload
+        and result pass, if the adapter `takes_files` (else the caller inlines the input)."""
         ...
 
     def cancel(self, invocation_id: str | None = None) -> bool:
@@ -128,6 +150,7 @@ class WorkerAdapter:
 
     runtime: ClassVar[str]
     content_types: ClassVar[tuple[str, ...]] = (JSON,)
+    takes_files: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -153,16 +176,19 @@ class WorkerAdapter:
         raise NotImplementedError
 
     def _exchange(
-        self, call: WorkerCall, payload: bytes, content_type: str
-    ) -> tuple[bytes, str, dict[str, str]]:
-        """Send one request frame, read its response: (output, content type, outputs)."""
+        self, call: WorkerCall, payload: bytes, content_type: str, transfer: Transfer
+    ) -> tuple[bytes, str, dict[str, str], int]:
+        """Send one request frame, read its response: (output, content type, outputs, the size
+        of the output it spooled or -1)."""
         raise NotImplementedError
 
     # The worker exited mid-call with this exit code (negative: a signal); None: it crashed.
-    _ended: Callable[[WorkerCall, int], tuple[bytes, str, dict[str, str]]] | None = None
+    _ended: Callable[[WorkerCall, int], tuple[bytes, str, dict[str, str], int]] | None = None
 
     def _environment(self) -> dict[str, str]:
         env = {**os.environ, **self.spec.env, RUN_UID_ENV: self.spec.run_uid}
+        if self.spec.spool is not None:
+            env[SPOOL_ENV] = str(self.spec.spool)
         # After the Run's own env, which could name them too: bash sources them before the
         # runner's first line runs.
         for name in _SCRUBBED_ENV:
@@ -189,16 +215,17 @@ class WorkerAdapter:
         deadline: float,
         traceparent: str = "",
         content_type: str = JSON,
+        transfer: Transfer = INLINE,
     ) -> HandlerResult:
         assert self._supervisor is not None, "start() first"
-        (output, content_type, outputs), call = self._supervisor.run(
+        (output, content_type, outputs, spooled), call = self._supervisor.run(
             invocation_id,
             deadline,
-            lambda call: self._exchange(call, payload, content_type),
+            lambda call: self._exchange(call, payload, content_type, transfer),
             self._ended,
             traceparent=traceparent,
         )
-        return HandlerResult(output, content_type, outputs, tuple(call.logs))
+        return HandlerResult(output, content_type, outputs, tuple(call.logs), spooled)
 
     def cancel(self, invocation_id: str | None = None) -> bool:
         if self._supervisor is None:
@@ -216,17 +243,23 @@ class WorkerAdapter:
         shutil.rmtree(self.scratch, ignore_errors=True)
 
 
-def send_request(call: WorkerCall, payload: bytes, content_type: str = JSON) -> None:
+def send_request(
+    call: WorkerCall, payload: bytes, content_type: str = JSON, transfer: Transfer = INLINE
+) -> None:
     """The request frame both workers read: id length, input length, time left, the call's
-    ``traceparent`` ("-" for none), the input's type (``_payloads.CODES``), the call's nonce
-    (adapters/worker.py); id; input."""
+    ``traceparent`` ("-" for none), the input's type (``_payloads.CODES``), the spooled
+    input's and output's names ("-" for none) and the size from which the output is spooled
+    (``Transfer``), the call's nonce (adapters/worker.py); id; input."""
     invocation_id = call.invocation_id.encode()
-    header = b"%d %d %d %s %s %s\n" % (
+    header = b"%d %d %d %s %s %s %s %d %s\n" % (
         len(invocation_id),
         len(payload),
         call.remaining_millis(),
         call.traceparent or b"-",
         _payloads.CODES[content_type],
+        transfer.input.encode() or b"-",
+        transfer.output.encode() or b"-",
+        transfer.output_from,
         call.nonce,
     )
     if len(payload) < 65536:

@@ -15,8 +15,10 @@ from pathlib import Path
 from typing import ClassVar
 
 from fnkernel.adapters.base import (
+    INLINE,
     JSON,
     HandlerResult,
+    Transfer,
     WorkerAdapter,
     resolve_inside,
     send_request,
@@ -106,26 +108,28 @@ class BashAdapter(WorkerAdapter):
         deadline: float,
         traceparent: str = "",
         content_type: str = JSON,
+        transfer: Transfer = INLINE,
     ) -> HandlerResult:
         if b"\0" in payload:
             # Checked before the frame is sent: a bash argument cannot carry a NUL byte.
             raise InvalidInput("input contains a NUL byte, which a bash argument cannot carry")
+        # It takes no files (takes_files): its input is inline, its output too.
         return super().invoke(invocation_id, payload, deadline, traceparent, content_type)
 
     def _exchange(
-        self, call: WorkerCall, payload: bytes, content_type: str
-    ) -> tuple[bytes, str, dict[str, str]]:
+        self, call: WorkerCall, payload: bytes, content_type: str, transfer: Transfer
+    ) -> tuple[bytes, str, dict[str, str], int]:
         send_request(call, payload, content_type)
         done, status = call.read_header(2)
         if done != b"D" or not status.isdigit():
             raise CorruptResponse(f"its header was {done + b' ' + status!r}")
         return self._result(call, int(status))
 
-    def _ended(self, call: WorkerCall, code: int) -> tuple[bytes, str, dict[str, str]]:
+    def _ended(self, call: WorkerCall, code: int) -> tuple[bytes, str, dict[str, str], int]:
         """The function ended the runner (`exit N`, `set -e`, `exec`, a signal): that is its status."""
         return self._result(call, code if code >= 0 else 128 - code)
 
-    def _result(self, call: WorkerCall, status: int) -> tuple[bytes, str, dict[str, str]]:
+    def _result(self, call: WorkerCall, status: int) -> tuple[bytes, str, dict[str, str], int]:
         outputs = self._read_outputs()
         output = self._read_output()
         if status != 0:
@@ -133,8 +137,8 @@ class BashAdapter(WorkerAdapter):
         try:
             json.loads(output)
         except ValueError:
-            return output, "text/plain; charset=utf-8", outputs
-        return output, "application/json", outputs
+            return output, "text/plain; charset=utf-8", outputs, -1
+        return output, "application/json", outputs, -1
 
     def _read_output(self) -> bytes:
         with open(self.scratch / "stdout", "rb") as stdout:

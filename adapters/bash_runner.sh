@@ -9,9 +9,10 @@
 # file is sourced once, here; each call runs the function with the payload as one quoted argument.
 #
 # Frames (see adapters/worker.py for the handshake and the log files):
-#   request:  "<id_len> <input_len> <remaining_ms> <traceparent> <type> <nonce>\n" + invocation id +
-#             input bytes; traceparent is a traced call's W3C context, "-" for none (type is
-#             always json here: the bash runtime takes JSON only), and the
+#   request:  "<id_len> <input_len> <remaining_ms> <traceparent> <type> <in> <out> <from> <nonce>\n"
+#             + invocation id + input bytes; traceparent is a traced call's W3C context, "-" for
+#             none (type is always json here, and in, out and from are "- - 0": the bash runtime
+#             takes JSON only, inline; adapters/base.py: send_request), and the
 #             function sees it as $TRACEPARENT (OpenTelemetry's environment carrier), "" for none
 #   response: "D <status> <nonce>\n" once the function returned; its stdout is in
 #             SCRATCH_DIR/stdout and its outputs in SCRATCH_DIR/outputs (the adapter removes that
@@ -44,7 +45,7 @@ declare -F -- "$fn" >/dev/null || initfail HandlerNotFound "${file##*/} does not
 export FUNCTION_OUTPUTS=$scratch/outputs
 printf 'READY\n' >&"$resp_fd"
 
-while IFS=" " read -r -u "$req_fd" id_len input_len _ __fnkernel_traceparent _ __fnkernel_nonce; do
+while IFS=" " read -r -u "$req_fd" id_len input_len _ __fnkernel_traceparent _ _ _ _ __fnkernel_nonce; do
     IFS= LC_ALL=C read -r -u "$req_fd" -N "$id_len" invocation_id
     IFS= LC_ALL=C read -r -u "$req_fd" -N "$input_len" payload
     # stdin is /dev/null so the call cannot read the next frame; the frame pipes are closed

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from fnkernel.adapters import _payloads
-from fnkernel.adapters.base import WorkerAdapter, resolve_inside, send_request
+from fnkernel.adapters.base import Transfer, WorkerAdapter, resolve_inside, send_request
 from fnkernel.adapters.errors import (
     OUTPUT_TOO_LARGE,
     CorruptResponse,
@@ -34,6 +34,7 @@ class PythonAdapter(WorkerAdapter):
 
     runtime: ClassVar[str] = "python"
     content_types: ClassVar[tuple[str, ...]] = _payloads.MEDIA_TYPES
+    takes_files: ClassVar[bool] = True
 
     @classmethod
     def check_handler(cls, handler: str, working_dir: Path | None) -> None:
@@ -69,12 +70,16 @@ class PythonAdapter(WorkerAdapter):
         return env
 
     def _exchange(
-        self, call: WorkerCall, payload: bytes, content_type: str
-    ) -> tuple[bytes, str, dict[str, str]]:
-        send_request(call, payload, content_type)
-        status, meta_len, output_len, code = call.read_header(4)
+        self, call: WorkerCall, payload: bytes, content_type: str, transfer: Transfer
+    ) -> tuple[bytes, str, dict[str, str], int]:
+        send_request(call, payload, content_type, transfer)
+        status, meta_len, output_len, code, where = call.read_header(5)
         try:
             media = _payloads.MEDIA_OF[code]
+            if where not in (b"inline", b"spooled") or (
+                where == b"spooled" and not transfer.output
+            ):
+                raise ValueError("where")
             size, raw_meta = int(output_len), call.read_exact(int(meta_len))
             meta = json.loads(raw_meta) if raw_meta else {}  # none: the common ok, no outputs
             if status == b"ok":
@@ -86,6 +91,8 @@ class PythonAdapter(WorkerAdapter):
                 raise ValueError(status)
         except (ValueError, KeyError, TypeError) as exc:  # the nonce was right, the rest is not
             raise CorruptResponse(f"a malformed answer: {type(exc).__name__}") from None
+        if where == b"spooled":  # the worker wrote it to the spool: nothing follows
+            return b"", media, meta, size
         if size > self.max_output_bytes:
             call.skip(size)
             raise HandlerError(
@@ -94,7 +101,7 @@ class PythonAdapter(WorkerAdapter):
             )
         output = call.read_exact(size)
         if status == b"ok":
-            return output, media, meta
+            return output, media, meta, -1
         if status == b"invalid":
             raise InvalidInput(message)
         if error_type == "MemoryError" and self.spec.memory_mb:

@@ -274,6 +274,12 @@ class Pipeline(grpc.ServerInterceptor):
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
+        if handler.stream_unary is not None:  # its request is the caller's stream of messages
+            return grpc.stream_unary_rpc_method_handler(
+                _translated(handler.stream_unary, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
         if handler.unary_unary is None:
             return handler
         if method == INVOKE_METHOD and self._component:

@@ -75,6 +75,11 @@ TIMELINE_SERVER_KEY = "fn-timeline-server"
 # handed to it, OTLP encoded, in a trailer that replaces the one it was handed.
 TRACEPARENT_KEY = "traceparent"
 SPANS_KEY = "fn-spans-bin"
+# gRPC metadata: payloads past one message's bound (docs/protocol.md, "Large payloads"). On a
+# request, the spooled input's name, and the size from which the caller takes an output by
+# reference; in a trailer, the spooled output's name and size.
+INPUT_REF_KEY = "fnkernel-input-ref"
+OUTPUT_REF_KEY = "fnkernel-output-ref"
 # gRPC metadata: a Runtime Server's handler errors
 ERROR_TYPE_KEY = "fn-error-type"
 LOGS_KEY = "fn-logs-bin"  # the invocation's log lines, JSON, bounded

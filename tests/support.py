@@ -28,9 +28,14 @@ import grpc
 
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
-from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import logs_pb2, logs_pb2_grpc
+from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import (
+    logs_pb2,
+    logs_pb2_grpc,
+    payloads_pb2_grpc,
+)
 from fnkernel.runtime_server.daemon import Child, serve_args, spawn
 from fnkernel.runtime_server.function_runtime.server import RuntimeServer
+from fnkernel.runtime_server.function_runtime.spool import Spool
 from fnkernel.runtime_server.limits import sha256_digest
 from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS
 from fnkernel.runtime_server.tokens import find_token
@@ -117,6 +122,7 @@ class Client:
         self.fn = pb_grpc.FunctionRuntimeStub(self.channel)
         self.runtime_stub = pb_grpc.RuntimeStub(self.channel)
         self.logs = logs_pb2_grpc.InvocationLogsStub(self.channel)
+        self.payloads = payloads_pb2_grpc.PayloadsStub(self.channel)
 
     def follow(
         self, registration: pb.FunctionRegistration, invocation_id: str = "", *, follow: bool = True
@@ -177,6 +183,7 @@ class Client:
         invocation_id: str = "",
         timeout: float = 30,
         content_type: str = "application/json",
+        metadata: tuple[tuple[str, str], ...] = (),
     ) -> pb.InvokeFunctionResponse:
         return self.fn.InvokeFunction(
             pb.InvokeFunctionRequest(
@@ -187,6 +194,7 @@ class Client:
                 timeout_millis=timeout_millis,
             ),
             timeout=timeout,
+            metadata=metadata or None,
         )
 
     def invoke_future(self, registration: pb.FunctionRegistration, payload: bytes = b"{}", **kw):  # type: ignore[no-untyped-def]
@@ -230,8 +238,10 @@ def spawn_serve(
     return ServeProcess(child.argv, child.proc, child.address, child.announced, workspace_root)
 
 
-def serve_in_process(runtime: str, workspace: Path, listen: str) -> Iterator[Client]:
-    server = RuntimeServer(runtime, workspace)
+def serve_in_process(
+    runtime: str, workspace: Path, listen: str, spool: Spool | None = None
+) -> Iterator[Client]:
+    server = RuntimeServer(runtime, workspace, spool=spool)
     address = server.start(listen)
     channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     try:

@@ -24,6 +24,7 @@ SOURCES = (
     "executor/v1/runtime.proto",
     "evaluator/v1/evaluator.proto",
     "fnkernel/v1alpha1/logs.proto",
+    "fnkernel/v1alpha1/payloads.proto",
 )
 
 

@@ -171,3 +171,17 @@ def client_of(args: argparse.Namespace) -> Client:
 
     token = tokens.read_token_file(Path(args.token_file)) if args.token_file else None
     return Client(args.gateway, token=token)
+
+
+def add_max_payload(parser: argparse.ArgumentParser) -> None:
+    """``--max-payload-bytes``: the bound of one payload or result past one message."""
+    from fnkernel.runtime_server import limits
+
+    parser.add_argument(
+        "--max-payload-bytes",
+        type=count,
+        default=limits.DEFAULT_MAX_SPOOLED_BYTES,
+        metavar="N",
+        help="the largest payload or result (default %(default)s, 2 GiB; docs/protocol.md, "
+        "'Large payloads')",
+    )

@@ -19,6 +19,7 @@ from fnkernel.runtime_server.cli.common import (
     EXIT_USAGE,
     UsageError,
     add_chain_flags,
+    add_max_payload,
     add_state_dir,
     chain_from_flags,
     count,
@@ -69,6 +70,7 @@ def _serve(args: argparse.Namespace) -> int:
     from fnkernel.runtime_server import daemon, logs
     from fnkernel.runtime_server.daemon import announcement
     from fnkernel.runtime_server.function_runtime.server import RuntimeServer
+    from fnkernel.runtime_server.function_runtime.spool import Spool
 
     logs.configure(logging.DEBUG if args.verbose else logging.INFO)
     daemon.keep_freed_memory()  # payloads pass through (docs/architecture.md)
@@ -82,7 +84,10 @@ def _serve(args: argparse.Namespace) -> int:
     daemon.become_subreaper()
     stop_reaper = threading.Event()
     daemon.start_reaper(stop_reaper)
-    server = RuntimeServer(args.runtime, workspace_root, oneshot_only=args.oneshot_only)
+    spool = Spool(Path(args.spool), args.max_payload_bytes) if args.spool else None
+    server = RuntimeServer(
+        args.runtime, workspace_root, oneshot_only=args.oneshot_only, spool=spool
+    )
     try:
         address = server.start(args.listen)
     except RuntimeError as exc:
@@ -395,6 +400,13 @@ def register(commands: Any) -> None:
         "--oneshot-only", action="store_true", help="register Runtime only (no function mode)"
     )
     serve.add_argument("--drain-timeout", type=seconds, default=10.0, metavar="SECONDS")
+    serve.add_argument(
+        "--spool",
+        metavar="DIR",
+        help="where payloads past one message wait, made 0700 (docs/protocol.md, 'Large "
+        "payloads'); none: only payloads of one message",
+    )
+    add_max_payload(serve)
     serve.add_argument("-v", "--verbose", action="store_true")
     serve.set_defaults(func=_serve)
 

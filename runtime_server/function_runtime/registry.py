@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fnkernel.adapters import Adapter, FunctionSpec, HandlerResult
+from fnkernel.adapters import Adapter, FunctionSpec, HandlerResult, Transfer
 from fnkernel.adapters.calllogs import LIVE_POLL_SECONDS, LogLine
 from fnkernel.adapters.errors import (
     INITIALIZATION_ERROR,
@@ -29,6 +29,7 @@ from fnkernel.runtime_server._proto.executor.v1.runtime_pb2 import FunctionRegis
 from fnkernel.runtime_server.errors import (
     AttemptSuperseded,
     DigestConflict,
+    InvalidField,
     InvocationInFlight,
     InvocationNotFound,
     RegistrationNotFound,
@@ -36,6 +37,8 @@ from fnkernel.runtime_server.errors import (
     ShuttingDown,
     StaleRegistration,
 )
+from fnkernel.runtime_server.function_runtime.spool import Spool, new_name
+from fnkernel.runtime_server.wire import INPUT_REF_KEY
 
 REGISTERING = FunctionRegistrationState.FUNCTION_REGISTRATION_STATE_REGISTERING
 READY = FunctionRegistrationState.FUNCTION_REGISTRATION_STATE_READY
@@ -99,6 +102,7 @@ class RegistrationView:
 class InvocationOutcome:
     invocation_id: str
     result: HandlerResult
+    output_ref: str = ""  # the spooled output's name (its size: result.spooled)
 
 
 class Registry:
@@ -110,9 +114,13 @@ class Registry:
         workspace_root: Path,
         *,
         register_wait: float = limits.REGISTER_LOAD_SECONDS,
+        spool: Spool | None = None,
     ) -> None:
+        """`spool`: where payloads past one message wait (docs/protocol.md, "Large payloads");
+        None: this server takes none."""
         self.adapter_cls = adapter_cls
         self.workspace_root = workspace_root
+        self.spool = spool
         self._register_wait = register_wait
         self._lock = threading.Condition()
         self._current: dict[str, Registration] = {}
@@ -212,7 +220,8 @@ class Registry:
         env: dict[str, str],
         memory_mb: int,
     ) -> Registration:
-        spec = FunctionSpec(run_uid, working_dir, handler, env, memory_mb)
+        spool = self.spool.directory if self.spool is not None else None
+        spec = FunctionSpec(run_uid, working_dir, handler, env, memory_mb, spool)
         registration_id = limits.new_id("reg_")
         adapter = self.adapter_cls(
             spec,
@@ -291,12 +300,17 @@ class Registry:
         deadline: float | None = None,
         on_dispatch: Callable[[Callable[[], object]], None] | None = None,
         hop: tracing.Hop | tracing.Untraced = tracing.UNTRACED,
+        input_ref: str = "",
+        output_from: int = 0,
     ) -> InvocationOutcome:
         """Run one invocation. `deadline` (monotonic) is the caller's own, if it has one.
 
         `on_dispatch(cancel)` is called once the call is accepted, with a function that cancels
         it, so the caller can cancel it if its client goes away. `hop`: a traced call's spans,
-        to which the worker's is added (docs/protocol.md, "Tracing").
+        to which the worker's is added (docs/protocol.md, "Tracing"). `input_ref`: the spooled
+        payload that is the input, removed when the call ends; `output_from`: the size from
+        which the output is spooled, for the caller to take (0: never; docs/protocol.md, "Large
+        payloads").
         """
         limits.check_run_uid(run_uid)
         limits.check_registration_id(registration_id)
@@ -328,7 +342,10 @@ class Registry:
             self._lock.notify_all()  # a follower may be waiting for it
         logs: tuple[LogLine, ...] = ()
         failure = ""  # for the worker's span
+        transfer = Transfer()
+        result: HandlerResult | None = None
         try:
+            transfer, input = self._transfer(adapter, input, input_ref, output_from)
             if on_dispatch is not None:
                 on_dispatch(
                     lambda: self._cancel_invocation(run_uid, registration_id, invocation_id)
@@ -340,12 +357,18 @@ class Registry:
                     "faas.invocation_id": invocation_id,
                     tracing.RUNTIME: reg.adapter.runtime,
                 })  # fmt: skip
-            result = adapter.invoke(invocation_id, input, effective_deadline, traceparent, media)
+            result = adapter.invoke(
+                invocation_id, input, effective_deadline, traceparent, media, transfer
+            )
             logs = result.logs
         except AdapterError as exc:
             logs, failure = getattr(exc, "logs", ()), limits.bounded(str(exc))
             raise
         finally:
+            if self.spool is not None:  # the input is the call's, the output the caller's
+                self.spool.remove(input_ref)
+                if transfer.output and (result is None or result.spooled < 0):
+                    self.spool.remove(transfer.output)
             hop.delegated(failure)
             with self._lock:
                 reg.in_flight = 0
@@ -355,8 +378,33 @@ class Registry:
                 self._lock.notify_all()
         problem = limits.outputs_problem(result.outputs)
         if problem is not None:
+            if result.spooled >= 0 and self.spool is not None:
+                self.spool.remove(transfer.output)
             raise HandlerError("InvalidOutputs", problem, result.logs)
-        return InvocationOutcome(invocation_id, result)
+        return InvocationOutcome(
+            invocation_id, result, transfer.output if result.spooled >= 0 else ""
+        )
+
+    def _transfer(
+        self, adapter: Adapter, input: bytes, input_ref: str, output_from: int
+    ) -> tuple[Transfer, bytes]:
+        """Where the call's input and output pass (``Transfer``), and its inline input: a
+        spooled input is read into the frame for an adapter that takes no files."""
+        if not input_ref and not output_from:
+            return Transfer(), input
+        if self.spool is None:
+            raise InvalidField(INPUT_REF_KEY, "this Runtime Server keeps no spool of payloads")
+        name_in = ""
+        if input_ref:
+            if input:
+                raise InvalidField("input", f"must be empty when {INPUT_REF_KEY} names it")
+            path, _ = self.spool.existing(input_ref, INPUT_REF_KEY)
+            if adapter.takes_files:
+                name_in = input_ref
+            else:
+                input = limits.check_input(path.read_bytes())
+        takes = output_from > 0 and adapter.takes_files
+        return Transfer(name_in, new_name("out") if takes else "", output_from), input
 
     def _cancel_invocation(self, run_uid: str, registration_id: str, invocation_id: str) -> None:
         """Cancel `invocation_id` if it is still the one in flight (a client went away)."""

@@ -12,14 +12,21 @@ from fnkernel.adapters import runtimes
 from fnkernel.runtime_server import limits
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
-from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import logs_pb2, logs_pb2_grpc
+from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import (
+    logs_pb2,
+    logs_pb2_grpc,
+    payloads_pb2,
+    payloads_pb2_grpc,
+)
 from fnkernel.runtime_server.function_runtime.registry import Registry
 from fnkernel.runtime_server.function_runtime.servicer import (
     FunctionRuntimeServicer,
     InvocationLogsServicer,
+    PayloadsServicer,
     RuntimeServicer,
     judged_by_fence,
 )
+from fnkernel.runtime_server.function_runtime.spool import Spool
 from fnkernel.runtime_server.rpc import (
     CHANNEL_OPTIONS,
     Pipeline,
@@ -34,6 +41,9 @@ RUNTIME_SERVICE = pb.DESCRIPTOR.services_by_name["Runtime"].full_name
 FUNCTION_RUNTIME_SERVICE = pb.DESCRIPTOR.services_by_name["FunctionRuntime"].full_name
 # fnkernel's own, beside FunctionRuntime (docs/protocol.md, "Live output")
 INVOCATION_LOGS_SERVICE = logs_pb2.DESCRIPTOR.services_by_name["InvocationLogs"].full_name
+PAYLOADS_SERVICE = payloads_pb2.DESCRIPTOR.services_by_name[
+    "Payloads"
+].full_name  # "Large payloads"
 DEFAULT_LISTEN = "127.0.0.1:9090"
 
 
@@ -48,13 +58,18 @@ class RuntimeServer:
         oneshot_only: bool = False,
         max_workers: int = 32,
         register_wait: float = limits.REGISTER_LOAD_SECONDS,
+        spool: Spool | None = None,
     ) -> None:
+        """`spool`: where payloads past one message wait (docs/protocol.md, "Large payloads");
+        None: only payloads that fit one message."""
         adapter = runtimes.runtime(runtime).adapter()  # UnknownRuntime names the choices
         self.runtime = runtime
         sweep(runtime)  # the worker scratch dirs of Runtime Servers that were killed
-        self.registry = Registry(adapter, workspace_root, register_wait=register_wait)
+        if spool is not None:
+            spool.sweep()  # what a killed server's calls left
+        self.registry = Registry(adapter, workspace_root, register_wait=register_wait, spool=spool)
         pipeline = Pipeline(
-            (RUNTIME_SERVICE, FUNCTION_RUNTIME_SERVICE, INVOCATION_LOGS_SERVICE),
+            (RUNTIME_SERVICE, FUNCTION_RUNTIME_SERVICE, INVOCATION_LOGS_SERVICE, PAYLOADS_SERVICE),
             component="runtime-server",
             timeline_key=TIMELINE_SERVER_KEY,
             fence=judged_by_fence,
@@ -76,8 +91,11 @@ class RuntimeServer:
             logs_pb2_grpc.add_InvocationLogsServicer_to_server(
                 InvocationLogsServicer(self.registry), self.server
             )
-        self.health = add_health(self.server, services)
         extensions = [] if oneshot_only else [INVOCATION_LOGS_SERVICE]
+        if spool is not None and not oneshot_only:
+            payloads_pb2_grpc.add_PayloadsServicer_to_server(PayloadsServicer(spool), self.server)
+            extensions.append(PAYLOADS_SERVICE)
+        self.health = add_health(self.server, services)
         add_reflection(self.server, [*services, *extensions, health.SERVICE_NAME])
         self.address = ""
 

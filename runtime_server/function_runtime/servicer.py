@@ -14,7 +14,12 @@ import grpc
 from fnkernel.runtime_server import limits, tracing
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
-from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import logs_pb2, logs_pb2_grpc
+from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import (
+    logs_pb2,
+    logs_pb2_grpc,
+    payloads_pb2,
+    payloads_pb2_grpc,
+)
 from fnkernel.runtime_server.errors import (
     RegistrationNotFound,
     RegistrationNotReady,
@@ -26,6 +31,7 @@ from fnkernel.runtime_server.function_runtime.registry import (
     Registry,
     state_name,
 )
+from fnkernel.runtime_server.function_runtime.spool import Spool
 from fnkernel.runtime_server.rpc import (
     Followers,
     caller_deadline,
@@ -36,7 +42,9 @@ from fnkernel.runtime_server.rpc import (
     traced_failure,
 )
 from fnkernel.runtime_server.wire import (
+    INPUT_REF_KEY,
     LOGS_KEY,
+    OUTPUT_REF_KEY,
     TRACEPARENT_KEY,
 )
 
@@ -119,10 +127,19 @@ class FunctionRuntimeServicer(pb_grpc.FunctionRuntimeServicer):
             deadline=caller_deadline(context),
             on_dispatch=cancel_on_client_exit(context),
             hop=call.hop or tracing.UNTRACED,
+            # docs/protocol.md, "Large payloads": fnkernel's metadata, beside the seed's call
+            input_ref=metadata_value(context, INPUT_REF_KEY) or "",
+            output_from=limits.parse_count(
+                metadata_value(context, OUTPUT_REF_KEY) or "0", OUTPUT_REF_KEY
+            ),
         )
         result = invocation.result
+        trailers: tuple[tuple[str, str | bytes], ...] = ()
         if result.logs:
-            call.trailers = ((LOGS_KEY, logs_trailer(result.logs)),)
+            trailers += ((LOGS_KEY, logs_trailer(result.logs)),)
+        if invocation.output_ref:
+            trailers += ((OUTPUT_REF_KEY, f"{invocation.output_ref} {result.spooled}"),)
+        call.trailers = trailers
         call.attributes = {tracing.FENCE: "passed", tracing.INVOCATION_ID: invocation.invocation_id}
         return pb.InvokeFunctionResponse(
             registration=request.registration,
@@ -176,6 +193,35 @@ class InvocationLogsServicer(logs_pb2_grpc.InvocationLogsServicer):
                 yield None
             if not request.follow:
                 return
+
+
+class PayloadsServicer(payloads_pb2_grpc.PayloadsServicer):
+    """fnkernel's own spool of payloads past one message (docs/protocol.md, "Large payloads"):
+    an input streamed in before its call, an output streamed out after it."""
+
+    def __init__(self, spool: Spool) -> None:
+        self.spool = spool
+
+    def PutPayload(
+        self, request_iterator: Iterator[payloads_pb2.PayloadChunk], context: grpc.ServicerContext
+    ) -> payloads_pb2.PayloadRef:
+        self.spool.sweep()
+        first = next(request_iterator, None)
+        size = first.size if first is not None else 0
+
+        def chunks() -> Iterator[bytes]:
+            if first is not None:
+                yield first.data
+            for chunk in request_iterator:
+                yield chunk.data
+
+        return payloads_pb2.PayloadRef(name=self.spool.put(size, chunks()), size=size)
+
+    def TakePayload(
+        self, request: payloads_pb2.PayloadRef, context: grpc.ServicerContext
+    ) -> Iterator[payloads_pb2.PayloadChunk]:
+        for data in self.spool.take(request.name):
+            yield payloads_pb2.PayloadChunk(data=data)
 
 
 class RuntimeServicer(pb_grpc.RuntimeServicer):

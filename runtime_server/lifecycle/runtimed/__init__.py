@@ -25,11 +25,10 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
-from grpc_health.v1.health import SERVICE_NAME as HEALTH_SERVICE
 
 from fnkernel.runtime_server import limits, tracing
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
-from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import logs_pb2_grpc
+from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import logs_pb2_grpc, payloads_pb2_grpc
 from fnkernel.runtime_server.errors import (
     RequirementsFailed,
     RoutedElsewhere,
@@ -40,10 +39,6 @@ from fnkernel.runtime_server.errors import (
 )
 from fnkernel.runtime_server.function_runtime.registry import FAILED as REG_FAILED
 from fnkernel.runtime_server.function_runtime.registry import READY as REG_READY
-from fnkernel.runtime_server.function_runtime.server import (
-    FUNCTION_RUNTIME_SERVICE,
-    INVOCATION_LOGS_SERVICE,
-)
 from fnkernel.runtime_server.lifecycle.retries import Step, Verdict, decide, fatal_error_type
 from fnkernel.runtime_server.lifecycle.runs import Run, RunStore
 from fnkernel.runtime_server.lifecycle.runtimed.health import Heartbeat
@@ -52,11 +47,7 @@ from fnkernel.runtime_server.lifecycle.runtimed.packages import (
     PackageCache,
     throttled,
 )
-from fnkernel.runtime_server.lifecycle.runtimed.proxy import (
-    LogsProxyServicer,
-    ProxyServicer,
-    judged_by_fence,
-)
+from fnkernel.runtime_server.lifecycle.runtimed.proxy import proxy_ports
 from fnkernel.runtime_server.lifecycle.runtimed.server import (
     Active,
     ServerRegistrations,
@@ -67,9 +58,6 @@ from fnkernel.runtime_server.lifecycle.secrets import Secrets, rotated_secret
 from fnkernel.runtime_server.rpc import (
     CHANNEL_OPTIONS,
     CancellableCalls,
-    Pipeline,
-    add_health,
-    add_reflection,
     listen_on,
 )
 from fnkernel.runtime_server.wire import (
@@ -80,7 +68,6 @@ from fnkernel.runtime_server.wire import (
     PENDING,
     READY,
     RETRYING,
-    TIMELINE_RUNTIMED_KEY,
 )
 
 LOG = logging.getLogger("fnkernel.runtimed")
@@ -123,6 +110,7 @@ class Runtimed:
         self.server_stub = pb_grpc.FunctionRuntimeStub(self._channel)
         self.server = ServerRegistrations(self.server_stub)
         self.logs_stub = logs_pb2_grpc.InvocationLogsStub(self._channel)
+        self.payloads_stub = payloads_pb2_grpc.PayloadsStub(self._channel)
         self.heart = Heartbeat(self._channel, store, pod, runtime, poll_interval)
         self.calls = CancellableCalls(server_address, pb_grpc.FunctionRuntimeStub)  # proxied
         self._lock = threading.Lock()
@@ -145,23 +133,7 @@ class Runtimed:
     # Lifecycle
 
     def start(self, listen: str) -> str:
-        pipeline = Pipeline(
-            (FUNCTION_RUNTIME_SERVICE, INVOCATION_LOGS_SERVICE),
-            component="runtimed",
-            timeline_key=TIMELINE_RUNTIMED_KEY,
-            fence=judged_by_fence,
-        )
-        self._grpc = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="proxy"),
-            interceptors=[pipeline],
-            options=CHANNEL_OPTIONS,
-        )
-        pb_grpc.add_FunctionRuntimeServicer_to_server(ProxyServicer(self), self._grpc)
-        logs_pb2_grpc.add_InvocationLogsServicer_to_server(LogsProxyServicer(self), self._grpc)
-        self.heart.servicer = add_health(self._grpc, [FUNCTION_RUNTIME_SERVICE])
-        add_reflection(
-            self._grpc, [FUNCTION_RUNTIME_SERVICE, INVOCATION_LOGS_SERVICE, HEALTH_SERVICE]
-        )
+        self._grpc, self.heart.servicer = proxy_ports(self)
         self.address = listen_on(self._grpc, listen)
         self._grpc.start()
         self._heartbeat()

@@ -9,14 +9,21 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from concurrent import futures
 from typing import Protocol
 
 import grpc
+from grpc_health.v1 import health
 
 from fnkernel.runtime_server import limits, tracing
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
-from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import logs_pb2, logs_pb2_grpc
+from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import (
+    logs_pb2,
+    logs_pb2_grpc,
+    payloads_pb2,
+    payloads_pb2_grpc,
+)
 from fnkernel.runtime_server.errors import (
     InvalidField,
     InvocationNotFound,
@@ -25,13 +32,22 @@ from fnkernel.runtime_server.errors import (
     RegistrationNotFound,
     RoutedElsewhere,
 )
+from fnkernel.runtime_server.function_runtime.server import (
+    FUNCTION_RUNTIME_SERVICE,
+    INVOCATION_LOGS_SERVICE,
+    PAYLOADS_SERVICE,
+)
 from fnkernel.runtime_server.lifecycle.runs import (
     Run,
 )
 from fnkernel.runtime_server.lifecycle.runtimed.server import Active
 from fnkernel.runtime_server.rpc import (
+    CHANNEL_OPTIONS,
     CancellableCalls,
     Followers,
+    Pipeline,
+    add_health,
+    add_reflection,
     caller_timeout,
     metadata_value,
     relayed_trailers,
@@ -42,8 +58,11 @@ from fnkernel.runtime_server.wire import (
     ATTEMPT_KEY,
     COLD_START_KEY,
     DIGEST_KEY,
+    INPUT_REF_KEY,
+    OUTPUT_REF_KEY,
     POD_KEY,
     SPANS_KEY,
+    TIMELINE_RUNTIMED_KEY,
 )
 
 LOG = logging.getLogger("fnkernel.runtimed")
@@ -55,6 +74,7 @@ class Agent(Protocol):
     calls: CancellableCalls
     server_stub: pb_grpc.FunctionRuntimeStub
     logs_stub: logs_pb2_grpc.InvocationLogsStub
+    payloads_stub: payloads_pb2_grpc.PayloadsStub
 
     def fenced_run(self, run_uid: str, routed_to: str | None) -> Run: ...
 
@@ -148,7 +168,12 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
             forwarded.timeout_millis = min(
                 limits.effective_timeout_millis(request.timeout_millis), bound
             )
-        upstream = call.upstream(traceparent)
+        # fnkernel's own metadata of a large payload passes on as it came ("Large payloads").
+        upstream = call.upstream(traceparent) + tuple(
+            (key, value)
+            for key in (INPUT_REF_KEY, OUTPUT_REF_KEY)
+            if (value := metadata_value(context, key)) is not None
+        )
         # The caller went away: the call is cancelled, and the handler dies.
         try:
             response, answered = self.runtimed.calls.call(
@@ -240,3 +265,51 @@ class LogsProxyServicer(logs_pb2_grpc.InvocationLogsServicer):
         )
         context.add_callback(records.cancel)  # the caller left: so does the upstream stream
         yield from records
+
+
+class PayloadsProxyServicer(payloads_pb2_grpc.PayloadsServicer):
+    """runtimed's relay of its server's spool (docs/protocol.md, "Large payloads"): a payload
+    belongs to the node, not to a registration, so nothing is filled in; each chunk is passed
+    on as it comes, never the whole payload held."""
+
+    def __init__(self, runtimed: Agent) -> None:
+        self.runtimed = runtimed
+
+    def PutPayload(
+        self, request_iterator: Iterator[payloads_pb2.PayloadChunk], context: grpc.ServicerContext
+    ) -> payloads_pb2.PayloadRef:
+        return self.runtimed.payloads_stub.PutPayload(
+            request_iterator, timeout=caller_timeout(context)
+        )
+
+    def TakePayload(
+        self, request: payloads_pb2.PayloadRef, context: grpc.ServicerContext
+    ) -> Iterator[payloads_pb2.PayloadChunk]:
+        chunks = self.runtimed.payloads_stub.TakePayload(request, timeout=caller_timeout(context))
+        context.add_callback(chunks.cancel)  # the caller left: so does the upstream stream
+        yield from chunks
+
+
+def proxy_ports(runtimed: Agent) -> tuple[grpc.Server, health.HealthServicer]:
+    """runtimed's gRPC server, not yet bound: the proxy hop's FunctionRuntime, the relays of
+    live output and of the spool, health and reflection."""
+    pipeline = Pipeline(
+        (FUNCTION_RUNTIME_SERVICE, INVOCATION_LOGS_SERVICE, PAYLOADS_SERVICE),
+        component="runtimed",
+        timeline_key=TIMELINE_RUNTIMED_KEY,
+        fence=judged_by_fence,
+    )
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="proxy"),
+        interceptors=[pipeline],
+        options=CHANNEL_OPTIONS,
+    )
+    pb_grpc.add_FunctionRuntimeServicer_to_server(ProxyServicer(runtimed), server)
+    logs_pb2_grpc.add_InvocationLogsServicer_to_server(LogsProxyServicer(runtimed), server)
+    payloads_pb2_grpc.add_PayloadsServicer_to_server(PayloadsProxyServicer(runtimed), server)
+    checks = add_health(server, [FUNCTION_RUNTIME_SERVICE])
+    add_reflection(
+        server,
+        [FUNCTION_RUNTIME_SERVICE, INVOCATION_LOGS_SERVICE, PAYLOADS_SERVICE, health.SERVICE_NAME],
+    )
+    return server, checks

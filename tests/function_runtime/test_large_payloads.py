@@ -1,0 +1,163 @@
+"""docs/protocol.md, "Large payloads", at the Runtime Server: a payload past one message waits in
+the node's spool. An input streamed in by PutPayload (or written there by a caller on the same
+machine) is named by ``fnkernel-input-ref``, and is gone once its call ends, however it ends. An
+output from the size ``fnkernel-output-ref`` asks for is spooled, named in the trailer, and
+TakePayload streams it out once and removes it. The seed's unary call keeps its meaning."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pandas as pd
+import pytest
+
+from fnkernel.runtime_server import payloads
+from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import payloads_pb2
+from fnkernel.runtime_server.function_runtime.spool import CHUNK_BYTES, Spool
+from fnkernel.runtime_server.wire import INPUT_REF_KEY, OUTPUT_REF_KEY
+from tests.function_runtime.test_limits import rejected
+from tests.support import Client, serve_in_process
+
+MIB = 1 << 20
+HANDLER = {
+    "handler.py": """
+        import time
+
+        def handle(event):
+            if isinstance(event, dict) and "sleep" in event:
+                time.sleep(event["sleep"])
+            if isinstance(event, dict) and "mib" in event:
+                return b"x" * (event["mib"] << 20)
+            return event
+    """
+}
+
+
+@pytest.fixture
+def spool(tmp_path: Path) -> Spool:
+    return Spool(tmp_path / "spool", 256 * MIB)
+
+
+@pytest.fixture
+def python_spooled(workspace: Path, tmp_path: Path, spool: Spool) -> Iterator[Client]:
+    yield from serve_in_process("python", workspace, f"unix:{tmp_path}/py.sock", spool)
+
+
+def put(rt: Client, data: bytes, size: int | None = None) -> str:
+    def chunks() -> Iterator[payloads_pb2.PayloadChunk]:
+        for start in range(0, max(len(data), 1), CHUNK_BYTES):
+            first = start == 0
+            yield payloads_pb2.PayloadChunk(
+                size=len(data) if size is None or not first else size,
+                data=data[start : start + CHUNK_BYTES],
+            )
+
+    return str(rt.payloads.PutPayload(chunks(), timeout=60).name)
+
+
+def take(rt: Client, name: str) -> bytes:
+    return b"".join(
+        chunk.data
+        for chunk in rt.payloads.TakePayload(payloads_pb2.PayloadRef(name=name), timeout=60)
+    )
+
+
+def output_ref(response_call: object) -> tuple[str, int]:
+    trailers = dict(response_call.trailing_metadata())  # type: ignore[attr-defined]
+    name, size = trailers[OUTPUT_REF_KEY].split()
+    return name, int(size)
+
+
+def test_a_dataframe_past_one_message_goes_in_and_out_through_the_spool(
+    python_spooled: Client, spool: Spool
+) -> None:
+    registration = python_spooled.register(HANDLER).registration
+    frame = pd.DataFrame({"x": np.arange(2_000_000, dtype=np.int64), "y": 1.5})  # ~32 MiB
+    data, content_type = payloads.encode(frame)
+    assert len(data) > 16 * MIB  # past what one message may carry at all
+    name = put(python_spooled, data)
+    response, call = python_spooled.fn.InvokeFunction.with_call(
+        _request(registration, content_type),
+        metadata=((INPUT_REF_KEY, name), (OUTPUT_REF_KEY, str(MIB))),
+        timeout=60,
+    )
+    assert response.output == b"" and response.content_type == payloads.ARROW
+    out, size = output_ref(call)
+    assert not (spool.directory / name).exists()  # the input went with its call
+    assert (spool.directory / out).stat().st_size == size
+    pd.testing.assert_frame_equal(payloads.decode(take(python_spooled, out), payloads.ARROW), frame)
+    assert list(spool.directory.iterdir()) == []  # taken once, and gone
+
+
+def test_an_output_under_the_size_asked_for_is_answered_inline(python_spooled: Client) -> None:
+    registration = python_spooled.register(HANDLER).registration
+    response, call = python_spooled.fn.InvokeFunction.with_call(
+        _request(registration, payloads.JSON, b'{"mib": 0}'),
+        metadata=((OUTPUT_REF_KEY, str(MIB)),),
+        timeout=60,
+    )
+    assert OUTPUT_REF_KEY not in dict(call.trailing_metadata())
+    assert response.content_type == payloads.OCTET and response.output == b""
+    # without the metadata: the seed's call, inline, its 6 MiB bound as ever
+    with pytest.raises(grpc.RpcError) as too_large:
+        python_spooled.invoke(registration, b'{"mib": 7}')
+    assert "OutputTooLarge" in (too_large.value.details() or "")
+
+
+def test_a_cancelled_call_leaves_nothing_in_the_spool(python_spooled: Client, spool: Spool) -> None:
+    registration = python_spooled.register(HANDLER).registration
+    name = put(python_spooled, b'{"sleep": 60}')
+    future = python_spooled.fn.InvokeFunction.future(
+        _request(registration, payloads.JSON),
+        metadata=((INPUT_REF_KEY, name), (OUTPUT_REF_KEY, "1")),
+        timeout=60,
+    )
+    import time
+
+    for _ in range(200):
+        if python_spooled.status(registration).in_flight:
+            break
+        time.sleep(0.02)
+    future.cancel()
+    for _ in range(200):
+        if not python_spooled.status(registration).in_flight:
+            break
+        time.sleep(0.02)
+    assert list(spool.directory.iterdir()) == []
+
+
+def test_what_the_spool_refuses_is_named(python_spooled: Client, spool: Spool) -> None:
+    registration = python_spooled.register(HANDLER).registration
+    rejected(
+        lambda: python_spooled.invoke(registration, b"", metadata=((INPUT_REF_KEY, "../etc"),)),
+        INPUT_REF_KEY,
+        "is not a spooled payload's name",
+    )
+    rejected(
+        lambda: python_spooled.invoke(
+            registration, b"", metadata=((INPUT_REF_KEY, "in-" + "a" * 22),)
+        ),
+        INPUT_REF_KEY,
+        "no spooled payload",
+    )
+    with pytest.raises(grpc.RpcError) as short:
+        put(python_spooled, b"abc", size=10)
+    assert short.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "3 bytes, not the 10 the size said" in (short.value.details() or "")
+    with pytest.raises(grpc.RpcError) as large:
+        put(python_spooled, b"abc", size=spool.max_bytes + 1)
+    assert large.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert list(spool.directory.iterdir()) == []
+
+
+def _request(registration: object, content_type: str, data: bytes = b"") -> object:
+    from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
+
+    return pb.InvokeFunctionRequest(
+        registration=registration,
+        input=data,
+        content_type=content_type,  # type: ignore[arg-type]
+    )
