@@ -84,6 +84,23 @@ def kind_of(value: Any) -> str | None:
     return _KINDS.get((cls.__module__.split(".", 1)[0], cls.__name__))
 
 
+def size_hint(value: Any) -> int:
+    """About how many bytes `value` takes, without encoding it: its buffers' size for an Arrow
+    kind, its length for bytes; 0 for what has no cheap answer (JSON values)."""
+    kind = kind_of(value)
+    if kind == "pandas.DataFrame":
+        return int(value.memory_usage(index=True, deep=False).sum())
+    if kind == "pandas.Series":
+        return int(value.memory_usage(index=True, deep=False))
+    if kind == "polars.DataFrame":
+        return int(value.estimated_size())
+    if kind is not None:  # pyarrow's, numpy's
+        return int(value.nbytes)
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return len(value)
+    return 0
+
+
 def encode(value: Any, root: str = "value") -> tuple[bytes, str]:
     """`value` as bytes and their content type. TypeError naming the part JSON cannot hold (a
     path from `root`); PayloadError if an Arrow kind's pyarrow is missing."""

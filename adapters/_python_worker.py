@@ -269,27 +269,21 @@ class _Call:
         _respond(self.resp_fd, self.nonce, status, meta)
 
     def result(self, result, outputs: dict) -> None:
-        """Encode `result` and answer it: inline, or written to the spool when it is large."""
-        if self.output_path:
+        """Encode `result` and answer it: inline, or written to the spool when it is large —
+        a large Arrow kind straight to its file, never whole in memory first."""
+        spooled = self.output_path and _payloads.size_hint(result) >= self.output_from
+        if spooled and _payloads.kind_of(result) is not None:
             size, media = _payloads.encode_to_file(result, self.output_path, "result")
-            if size >= self.output_from:
-                _respond(
-                    self.resp_fd,
-                    self.nonce,
-                    b"ok",
-                    outputs,
-                    b"",
-                    _payloads.CODES[media],
-                    size=size,
-                    where=b"spooled",
-                )
-                return
-            with open(self.output_path, "rb") as small:
-                output, code = small.read(), _payloads.CODES[media]
-            os.unlink(self.output_path)
+            code = _payloads.CODES[media]
         else:
             output, code = encode_result(result)
-        _respond(self.resp_fd, self.nonce, b"ok", outputs, output, code)
+            size = len(output)
+            if not self.output_path or size < self.output_from:
+                _respond(self.resp_fd, self.nonce, b"ok", outputs, output, code)
+                return
+            with open(self.output_path, "xb") as out:
+                out.write(output)
+        _respond(self.resp_fd, self.nonce, b"ok", outputs, b"", code, size=size, where=b"spooled")
 
 
 def _answer(function, with_context: bool, context: Context, call: _Call) -> None:

@@ -29,9 +29,12 @@ from fnkernel.adapters._payloads import (
     OCTET,
     PayloadError,
     decode,
+    decode_file,
     encode,
+    encode_to_file,
     kind_of,
     media_type,
+    size_hint,
 )
 
 __all__ = [
@@ -41,10 +44,13 @@ __all__ = [
     "OCTET",
     "PayloadError",
     "decode",
+    "decode_file",
     "dumps",
     "encode",
+    "encode_to_file",
     "kind_of",
     "media_type",
+    "size_hint",
 ]
 
 

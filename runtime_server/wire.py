@@ -78,8 +78,9 @@ SPANS_KEY = "fn-spans-bin"
 # gRPC metadata: payloads past one message's bound (docs/protocol.md, "Large payloads"). On a
 # request, the spooled input's name, and the size from which the caller takes an output by
 # reference; in a trailer, the spooled output's name and size.
-INPUT_REF_KEY = "fnkernel-input-ref"
-OUTPUT_REF_KEY = "fnkernel-output-ref"
+INPUT_REF_KEY = "x-fn-input-ref"
+OUTPUT_REF_FROM_KEY = "x-fn-output-ref-from"
+OUTPUT_REF_KEY = "fn-output-ref"  # a trailer: runtimed relays it with the server's other fn-*
 # gRPC metadata: a Runtime Server's handler errors
 ERROR_TYPE_KEY = "fn-error-type"
 LOGS_KEY = "fn-logs-bin"  # the invocation's log lines, JSON, bounded
@@ -99,6 +100,12 @@ TIMELINE_HEADER = "X-Fn-Timeline"  # request "1": the answer's is the timeline, 
 RUN_HEADER = "X-Fn-Run"  # a replica set's answer: the replica (Run) that served the call
 TRACEPARENT_HEADER = "traceparent"  # W3C trace context: the call is traced ("Tracing")
 SPANS_HEADER = "X-Fn-Spans"  # a traced call's answer: every hop's spans, OTLP, base64
+# A caller on the gateway's machine hands a large payload over by its name in the spool, and
+# takes a large result likewise (docs/protocol.md, "Large payloads").
+INPUT_REF_HEADER = "X-Fn-Input-Ref"  # request: the input is this spooled payload (empty body)
+OUTPUT_REF_FROM_HEADER = "X-Fn-Output-Ref-From"  # request: from this size, answer by reference
+OUTPUT_REF_HEADER = "X-Fn-Output-Ref"  # answer: "NAME SIZE", the result spooled (empty body)
+SPOOL_HEADER = "X-Fn-Spool"  # answer of a large result sent whole: where this machine's spool is
 
 
 # gRPC reads a ``unix:PATH`` target as a URI: "," separates addresses, "?" and "#" begin a query

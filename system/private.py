@@ -38,20 +38,30 @@ class NotPrivate(PermissionError):
         return f"{self.filename}: {self.strerror}"
 
 
-def private_tempdir(kind: str) -> Path:
-    """A new 0700 directory in the system temp dir, owned by this process."""
-    return Path(tempfile.mkdtemp(prefix=f"fnkernel-{kind}-{os.getpid()}-"))
+SHARED_MEMORY = Path("/dev/shm")  # a tmpfs on Linux: files there are memory
 
 
-def sweep(kind: str) -> int:
-    """Remove this user's ``fnkernel-KIND-PID-*`` directories whose PID is not running; how many.
+def memory_base() -> Path | None:
+    """Where a temporary directory is memory (SHARED_MEMORY, if this user may write there);
+    None: the system temp dir."""
+    return SHARED_MEMORY if os.access(SHARED_MEMORY, os.W_OK | os.X_OK) else None
+
+
+def private_tempdir(kind: str, base: Path | None = None) -> Path:
+    """A new 0700 directory in `base` (default: the system temp dir), owned by this process."""
+    return Path(tempfile.mkdtemp(prefix=f"fnkernel-{kind}-{os.getpid()}-", dir=base))
+
+
+def sweep(kind: str, base: Path | None = None) -> int:
+    """Remove this user's ``fnkernel-KIND-PID-*`` directories in `base` (default: the system
+    temp dir) whose PID is not running; how many.
 
     A reused PID only keeps a stale directory for longer; a live owner's directory is never
     touched.
     """
     removed = 0
     uid = os.getuid()
-    for entry in Path(tempfile.gettempdir()).glob(f"fnkernel-{kind}-*-*"):
+    for entry in Path(base or tempfile.gettempdir()).glob(f"fnkernel-{kind}-*-*"):
         pid = entry.name.removeprefix(f"fnkernel-{kind}-").partition("-")[0]
         try:
             if not pid.isdigit() or running(int(pid)) or entry.lstat().st_uid != uid:

@@ -199,6 +199,8 @@ def _gateway(args: argparse.Namespace) -> int:
             secrets=topology.open_secrets(),
             body_timeout=args.body_timeout,
             header_timeout=args.header_timeout,
+            max_payload_bytes=args.max_payload_bytes,
+            spool=Path(args.spool) if args.spool else None,
         )
         try:
             address = gateway.listen(args.listen)
@@ -273,6 +275,7 @@ def _up(args: argparse.Namespace) -> int:
         allow_origins=args.allow_origin,
         allow_hosts=args.allow_host,
         poll_interval=args.poll_interval,
+        max_payload_bytes=args.max_payload_bytes,
     )
     try:
         stack.start()
@@ -477,6 +480,13 @@ def register(commands: Any) -> None:
         "it opened or its last answer; also how long a kept-alive connection may idle "
         "(default %(default)s)",
     )
+    gateway.add_argument(
+        "--spool",
+        metavar="DIR",
+        help="the spool of this machine's pods, where a caller on this machine hands a large "
+        "payload over as a file (docs/protocol.md, 'Large payloads'); none on Kubernetes",
+    )
+    add_max_payload(gateway)
     _add_access_flags(gateway)
     _add_store_flags(gateway)
     add_state_dir(gateway)
@@ -511,6 +521,7 @@ def register(commands: Any) -> None:
     up.add_argument("--gateway-listen", default="127.0.0.1:8080", metavar="ADDR")
     _add_access_flags(up)
     up.add_argument("--poll-interval", type=seconds, default=1.0, metavar="SECONDS")
+    add_max_payload(up)
     add_state_dir(up)
     up.set_defaults(func=_up)
 

@@ -6,9 +6,11 @@ start and must not pay for grpc. Addresses are ``http://host:port`` or ``unix:/p
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
+import stat
 import threading
 import time
 import urllib.parse
@@ -18,8 +20,10 @@ from typing import Any
 
 from fnkernel.runtime_server import limits, payloads, wire
 from fnkernel.runtime_server.client.errors import (
+    GatewayError,
     HandlerFailed,
     InvocationTimedOut,
+    PayloadTooLarge,
 )
 from fnkernel.runtime_server.client.live import FOLLOW_END_SECONDS, LiveFollow, LogCallback
 from fnkernel.runtime_server.client.maps import MAP_PROGRESS_SECONDS, MapRun
@@ -30,7 +34,8 @@ from fnkernel.runtime_server.client.transport import (
     quote,
     spans_of,
 )
-from fnkernel.runtime_server.client.views import InvocationResult, Run
+from fnkernel.runtime_server.client.views import NOT_SPOOLED, InvocationResult, Run
+from fnkernel.runtime_server.function_runtime.spool import new_name
 
 __all__ = [
     "DEFAULT_ADDRESS",
@@ -181,11 +186,18 @@ class Client(Transport):
         invocation_id: str = "",
         on_log: LogCallback | None = None,
         traceparent: str = "",
+        by_reference: bool = True,
     ) -> InvocationResult:
         """Invoke with `payload` encoded by its kind (``payloads.encode``; docs/protocol.md,
         "Content types": a DataFrame, table or array as Arrow IPC, bytes as octets, the rest as
         JSON), or with the raw bytes `data` of `content_type`. The result's ``value()`` is of
         the kind the handler returned.
+
+        On the gateway's machine (docs/protocol.md, "Large payloads"), a payload of at least
+        SPOOL_FROM_BYTES is written once into the stack's spool and handed over by its name,
+        and a result as large is read from there (an Arrow one mapped, not copied) — unless
+        not `by_reference`: then every byte travels in the request and its answer, as it does
+        from another machine (streamed past one message).
 
         `traceparent` (W3C) traces the call: every hop's spans come back as the result's (or
         the failure's) ``spans``, OTLP encoded (docs/protocol.md, "Tracing").
@@ -194,11 +206,34 @@ class Client(Transport):
         as it is written once the call has run for FOLLOW_AFTER_SECONDS (from another
         thread), else — a quicker call, or when no live stream could be had — from its result
         or failure before this returns or raises (docs/protocol.md, "Live output")."""
-        if data is not None:
+        size = len(data) if data is not None else payloads.size_hint(payload)
+        spool = None
+        if by_reference:  # asked of the gateway for a large input; else as far as known
+            spool = self.local_spool() if size >= limits.SPOOL_FROM_BYTES else self._spool_known()
+        handed: Path | None = None  # the input, written to the spool (docs/protocol.md)
+        headers: dict[str, str] = {}
+        if spool is not None:
+            headers[wire.OUTPUT_REF_FROM_HEADER] = str(limits.SPOOL_FROM_BYTES)
+        if spool is not None and size >= limits.SPOOL_FROM_BYTES:
+            handed = spool / new_name("in")
+            if data is not None:
+                handed.write_bytes(data)
+                media = content_type
+            else:
+                media = payloads.encode_to_file(payload, str(handed), "payload")[1]
+            written = handed.stat().st_size
+            if written > self._max_payload:  # as the gateway would refuse it
+                handed.unlink()
+                raise PayloadTooLarge(
+                    f"request body is {written} bytes; at most {self._max_payload} "
+                    "(the gateway's --max-payload-bytes)", code="PAYLOAD_TOO_LARGE", status=413,
+                )  # fmt: skip
+            headers[wire.INPUT_REF_HEADER], body = handed.name, b""
+        elif data is not None:
             body, media = data, content_type
         else:
             body, media = payloads.encode(payload, "payload")
-        headers = {"Content-Type": media}
+        headers["Content-Type"] = media
         if timeout_millis:
             headers[wire.TIMEOUT_HEADER] = str(timeout_millis)
         live = None
@@ -228,7 +263,22 @@ class Client(Transport):
             if live is not None:
                 live.end([], wait=False)  # it never ran, or was cancelled: nothing more comes
             raise
+        finally:
+            if handed is not None:  # its call has ended (or never began): the server is done
+                handed.unlink(missing_ok=True)
         logs = _json_header(reply, wire.LOGS_HEADER, [])
+        if self._spool is None and reply.get(wire.SPOOL_HEADER):  # a large result came whole
+            self._spool = (_local(reply[wire.SPOOL_HEADER]),)
+        value: Any = NOT_SPOOLED
+        ref = reply.get(wire.OUTPUT_REF_HEADER)
+        if ref and spool is not None:  # read where the worker wrote it, then gone
+            taken = spool / Path(ref.split(" ", 1)[0]).name
+            try:
+                value = payloads.decode_file(
+                    str(taken), reply.get("Content-Type", ""), "the result"
+                )
+            finally:
+                taken.unlink(missing_ok=True)
         if live is not None:
             live.end(logs)
         return InvocationResult(
@@ -242,7 +292,23 @@ class Client(Transport):
             logs=logs,
             run=reply.get(wire.RUN_HEADER, ""),
             spans=spans_of(reply) if traceparent else b"",
+            spooled=value,
         )
+
+    def local_spool(self) -> Path | None:
+        """The spool the gateway's pods share, if this process can hand payloads over there
+        (``_local``): asked of the gateway (``GET /v1/payloads``) once, when a call first has a
+        large payload, or learnt from a large result's answer."""
+        if self._spool is None:
+            named = None
+            with contextlib.suppress(GatewayError, ValueError, KeyError, TypeError):
+                bounds = self._json("GET", "/v1/payloads")
+                named, self._max_payload = bounds["spool"], int(bounds["maxBytes"])
+            self._spool = (_local(named) if named else None,)
+        return self._spool[0]
+
+    def _spool_known(self) -> Path | None:
+        return self._spool[0] if self._spool is not None else None
 
     def map(
         self,
@@ -308,6 +374,17 @@ class Client(Transport):
         if failure is not None:
             raise failure
         return run.results
+
+
+def _local(named: str) -> Path | None:
+    """The spool directory `named`, if it is on this machine, this user's and 0700: not, say, a
+    path a gateway on another machine names."""
+    try:
+        seen = os.stat(named)
+    except (OSError, ValueError):
+        return None
+    mine = seen.st_uid == os.getuid() and stat.S_IMODE(seen.st_mode) == 0o700
+    return Path(named) if mine and stat.S_ISDIR(seen.st_mode) else None
 
 
 def _json_header(reply: http.client.HTTPMessage, name: str, empty: Any) -> Any:

@@ -12,13 +12,15 @@ import http.client
 import json
 import os
 import re
+import select
 import socket
 import threading
 import urllib.parse
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any, Self
 
-from fnkernel.runtime_server import tokens, wire
+from fnkernel.runtime_server import limits, tokens, wire
 from fnkernel.runtime_server.client.errors import (
     GatewayError,
     GatewayUnreachable,
@@ -29,6 +31,7 @@ from fnkernel.runtime_server.client.errors import (
 from fnkernel.system.waiting import attempts
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8080"
+_CONTINUE_WAIT_SECONDS = 1.0  # for a 100 (Continue) before a large body is sent anyway
 _STALE_CONNECTION = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
 # What an HTTP field value may not hold (RFC 9110, section 5.5): control characters but HTAB.
 _NOT_IN_A_HEADER = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
@@ -66,6 +69,8 @@ class Transport:
         self._lock = threading.Lock()
         self._idle: list[http.client.HTTPConnection] = []  # kept alive, one per concurrent caller
         self._busy: dict[http.client.HTTPConnection, bool] = {}  # in use → cancelled
+        self._spool: tuple[Path | None] | None = None  # Client.local_spool's answer, once asked
+        self._max_payload = limits.DEFAULT_MAX_SPOOLED_BYTES  # the gateway's, once asked
 
     def _connect(self, timeout: float | None = 0) -> http.client.HTTPConnection:
         """A new connection; `timeout` for its reads (0: the client's, None: none)."""
@@ -120,8 +125,12 @@ class Transport:
                     self._busy[connection] = False
             elif connection.sock is not None:  # kept alive: set for this request's wait
                 connection.sock.settimeout(wait)
+            unsent = False  # a body the gateway refused before it was sent
             try:
-                connection.request(method, path, body=body, headers=sent)
+                if body is not None and len(body) > limits.MAX_PAYLOAD_BYTES:
+                    unsent = not _send_expecting(connection, method, path, body, sent, wait)
+                else:
+                    connection.request(method, path, body=body, headers=sent)
                 if self._busy.get(connection):  # cancelled while it was still connecting
                     raise ConnectionAbortedError("cancelled")
                 response = connection.getresponse()
@@ -144,11 +153,12 @@ class Transport:
                 with self._lock:
                     self._busy.pop(connection, None)
                 raise
+            closes = response.will_close or unsent  # the gateway still waits for that body
             with self._lock:
                 self._busy.pop(connection, None)
-                if not response.will_close:
+                if not closes:
                     self._idle.append(connection)
-            if response.will_close:
+            if closes:
                 connection.close()
             break
         if response.status >= 400:
@@ -229,6 +239,35 @@ class Transport:
         payload = None if body is None else json.dumps(body).encode()
         _, _, data = self.request(method, path, payload)
         return json.loads(data) if data else None
+
+
+def _send_expecting(
+    connection: http.client.HTTPConnection,
+    method: str,
+    path: str,
+    body: bytes,
+    headers: Mapping[str, str],
+    wait: float,
+) -> bool:
+    """Send a large request's headers with ``Expect: 100-continue`` and its body only once the
+    gateway says to go on (RFC 9110, section 10.1.1): a body it refuses at once (413, past its
+    bound) is never sent, and its answer is read instead of a broken pipe. Without an answer
+    within a second, the body is sent anyway, as the RFC lets a client. Whether it was sent."""
+    connection.putrequest(method, path, skip_accept_encoding=True)
+    for name, value in {
+        **headers,
+        "Content-Length": str(len(body)),
+        "Expect": "100-continue",
+    }.items():
+        connection.putheader(name, value)
+    connection.endheaders()
+    sock = connection.sock
+    assert sock is not None  # endheaders connected it
+    ready, _, _ = select.select([sock], [], [], min(wait, _CONTINUE_WAIT_SECONDS))
+    if ready and not sock.recv(12, socket.MSG_PEEK).startswith(b"HTTP/1.1 100"):
+        return False  # a final answer: getresponse reads it; the connection goes with it
+    connection.send(body)  # getresponse skips the 100 (Continue)
+    return True
 
 
 def quote(name: str) -> str:

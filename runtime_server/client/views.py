@@ -123,6 +123,9 @@ class Run(dict[str, Any]):
         return self.phase == wire.FAILED
 
 
+NOT_SPOOLED: Any = object()  # InvocationResult.spooled of a result that came in its answer
+
+
 @dataclass(frozen=True)
 class InvocationResult:
     """One invocation's answer: the raw output, its outputs and how it went."""
@@ -137,12 +140,17 @@ class InvocationResult:
     logs: list[dict[str, str]] = field(default_factory=list)
     run: str = ""  # of a replica set: the replica that served it (docs/protocol.md, "Replicas")
     spans: bytes = b""  # a traced call's: every hop's spans, OTLP (docs/protocol.md, "Tracing")
+    # A result read from the spool (docs/protocol.md, "Large payloads"): its value, `output`
+    # then empty.
+    spooled: Any = field(default=NOT_SPOOLED, repr=False, compare=False)
 
     def value(self) -> Any:
         """The output decoded by its content type (docs/protocol.md, "Content types"): the
         kind the handler returned — a DataFrame, table or array from Arrow IPC, bytes, or
         JSON. PayloadError (a ValueError) if it is not what its type says, or its kind's
         package is not installed here."""
+        if self.spooled is not NOT_SPOOLED:
+            return self.spooled
         return payloads.decode(self.output, self.content_type, "the result")
 
     def decoded(self) -> Any:

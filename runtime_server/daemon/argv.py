@@ -50,10 +50,16 @@ def gateway_args(
     allow_origins: Sequence[str] = (),
     allow_hosts: Sequence[str] = (),
     secrets_dir: Path | None = None,
+    spool: Path | None = None,
+    max_payload_bytes: int = 0,
 ) -> list[str]:
     """``fnkernel gateway``: the HTTP gateway with the control plane. The token travels in a
     file, never in argv, which every local user can read."""
     args = ["gateway", "--listen", listen, "--state-dir", str(state_dir)]
+    if spool is not None:
+        args += ["--spool", str(spool)]
+    if max_payload_bytes:
+        args += ["--max-payload-bytes", str(max_payload_bytes)]
     if token_file is not None:
         args += ["--token-file", str(token_file)]
     if no_token:

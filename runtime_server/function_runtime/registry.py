@@ -19,6 +19,7 @@ from fnkernel.adapters import Adapter, FunctionSpec, HandlerResult, Transfer
 from fnkernel.adapters.calllogs import LIVE_POLL_SECONDS, LogLine
 from fnkernel.adapters.errors import (
     INITIALIZATION_ERROR,
+    OUTPUT_TOO_LARGE,
     WORKER_START_FAILED,
     AdapterError,
     HandlerError,
@@ -45,6 +46,7 @@ READY = FunctionRegistrationState.FUNCTION_REGISTRATION_STATE_READY
 DRAINING = FunctionRegistrationState.FUNCTION_REGISTRATION_STATE_DRAINING
 FAILED = FunctionRegistrationState.FUNCTION_REGISTRATION_STATE_FAILED
 LOG = logging.getLogger("fnkernel.runtime")
+_DISPATCH_POLL_SECONDS = 0.005  # a follower of a call accepted but not yet at its worker
 _MAX_TOMBSTONES = 10_000
 _CANCEL_SETTLE_SECONDS = 5.0  # how long unregister waits for a killed call to unwind
 
@@ -377,10 +379,16 @@ class Registry:
                 reg.last_activity_unix_nano = time.time_ns()
                 self._lock.notify_all()
         problem = limits.outputs_problem(result.outputs)
+        error_type = "InvalidOutputs"
+        if self.spool is not None and result.spooled > self.spool.max_bytes:
+            error_type = OUTPUT_TOO_LARGE
+            problem = (
+                f"the handler returned {result.spooled} bytes; the limit is {self.spool.max_bytes}"
+            )
         if problem is not None:
             if result.spooled >= 0 and self.spool is not None:
                 self.spool.remove(transfer.output)
-            raise HandlerError("InvalidOutputs", problem, result.logs)
+            raise HandlerError(error_type, problem, result.logs)
         return InvocationOutcome(
             invocation_id, result, transfer.output if result.spooled >= 0 else ""
         )
@@ -460,6 +468,11 @@ class Registry:
                 )
             running = reg.invocation_id == invocation_id
         live = reg.adapter.follow(invocation_id) if running else None
+        while running and live is None:  # accepted, not yet handed to its worker: a moment
+            with self._lock:
+                self._lock.wait(_DISPATCH_POLL_SECONDS)
+                running = reg.invocation_id == invocation_id
+            live = reg.adapter.follow(invocation_id) if running else None
         if live is None:
             return invocation_id, False, iter([list(self._ended_logs(reg, invocation_id))])
 

@@ -44,6 +44,7 @@ from fnkernel.runtime_server.rpc import (
 from fnkernel.runtime_server.wire import (
     INPUT_REF_KEY,
     LOGS_KEY,
+    OUTPUT_REF_FROM_KEY,
     OUTPUT_REF_KEY,
     TRACEPARENT_KEY,
 )
@@ -130,7 +131,7 @@ class FunctionRuntimeServicer(pb_grpc.FunctionRuntimeServicer):
             # docs/protocol.md, "Large payloads": fnkernel's metadata, beside the seed's call
             input_ref=metadata_value(context, INPUT_REF_KEY) or "",
             output_from=limits.parse_count(
-                metadata_value(context, OUTPUT_REF_KEY) or "0", OUTPUT_REF_KEY
+                metadata_value(context, OUTPUT_REF_FROM_KEY) or "0", OUTPUT_REF_FROM_KEY
             ),
         )
         result = invocation.result

@@ -4,9 +4,9 @@ the caller writes once and the worker maps), a file each, named by a random toke
 
 - An **input** arrives as a file: streamed in by ``PutPayload`` (a caller on another machine,
   through the gateway and runtimed), or written here by a caller on the same machine. A call
-  names it in ``fnkernel-input-ref``; the server removes it when that call ends, however it
+  names it in ``x-fn-input-ref``; the server removes it when that call ends, however it
   ends.
-- An **output** past the size the caller asked for (``fnkernel-output-ref``) is written here by
+- An **output** past the size the caller asked for (``x-fn-output-ref-from``) is written here by
   the worker, and the call's trailer names it. The caller reads it, by ``TakePayload`` or from
   the file, and it is removed then.
 - What nobody claimed — a caller that wrote an input and died, an output never taken — is

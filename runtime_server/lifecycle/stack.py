@@ -18,10 +18,16 @@ from pathlib import Path
 from typing import IO
 
 from fnkernel.adapters import runtimes
-from fnkernel.runtime_server import daemon, logs, tokens, wire
+from fnkernel.runtime_server import daemon, limits, logs, tokens, wire
 from fnkernel.runtime_server.daemon import Child, spawn
 from fnkernel.runtime_server.lifecycle.topology import OneMachine
-from fnkernel.system.private import open_private, private_dir, private_tempdir, sweep
+from fnkernel.system.private import (
+    memory_base,
+    open_private,
+    private_dir,
+    private_tempdir,
+    sweep,
+)
 from fnkernel.system.waiting import Backoff
 
 LOG = logging.getLogger("fnkernel.up")
@@ -86,8 +92,14 @@ class LocalProvisioner:
         components: list[Component],
         launch: Callable[[Component], None],
         secrets_dir: Path | None = None,
+        spool: Callable[[], Path] = lambda: Path(),
+        max_payload_bytes: int = limits.DEFAULT_MAX_SPOOLED_BYTES,
     ) -> None:
-        """`components`: the supervised list its components join; `launch`: starts one."""
+        """`components`: the supervised list its components join; `launch`: starts one;
+        `spool`: the directory every pod spools large payloads in, each at most
+        `max_payload_bytes`."""
+        self._spool = spool
+        self._max_payload = max_payload_bytes
         self.state_dir = state_dir
         self.secrets_dir = secrets_dir
         self.workspace_root = workspace_root
@@ -102,7 +114,10 @@ class LocalProvisioner:
         sockets = self._sockets()
         server = f"unix:{sockets / pod}.sock"
         workspace = private_dir(self.workspace_root / pod)
-        serve = daemon.serve_args(runtime, server, workspace)
+        serve = daemon.serve_args(
+            runtime, server, workspace,
+            "--spool", str(self._spool()), "--max-payload-bytes", str(self._max_payload),
+        )  # fmt: skip
         listen = f"unix:{sockets / pod}.rtd.sock"
         runtimed = daemon.runtimed_args(
             pod, runtime, server, listen, self.poll_interval, self.state_dir, workspace,
@@ -159,11 +174,14 @@ class Stack:
         poll_interval: float = 1.0,
         prewarmed: daemon.Prewarmed | None = None,
         secrets_dir: Path | None = None,
+        max_payload_bytes: int = limits.DEFAULT_MAX_SPOOLED_BYTES,
     ) -> None:
         """`token_file`: the gateway's bearer token; without one, a gateway on TCP gets a new
         token in STATE_DIR/token unless `no_token` (README, "Security"). `prewarmed`: processes
         the first start of each component may take (``daemon.Prewarmed``). `secrets_dir`: where
-        the named secrets are (default STATE_DIR/secrets)."""
+        the named secrets are (default STATE_DIR/secrets). `max_payload_bytes`: the largest
+        payload or result (docs/protocol.md, "Large payloads")."""
+        self.max_payload_bytes = max_payload_bytes
         self.state_dir = state_dir.resolve()
         self.secrets_dir = secrets_dir
         self.topology = OneMachine(self.state_dir, secrets_dir)
@@ -182,6 +200,9 @@ class Stack:
         self._supervisor: threading.Thread | None = None
         self._sockets = self.state_dir
         self._private_sockets: Path | None = None  # a temp dir of ours (_socket_dir)
+        # docs/protocol.md, "Large payloads": one spool for every pod and the gateway, in memory
+        # (a tmpfs) where there is one, made when the stack starts and removed when it stops.
+        self.spool = Path()
         self.provisioner = LocalProvisioner(
             self.state_dir,
             self.workspace_root,
@@ -190,6 +211,8 @@ class Stack:
             self.components,
             self._start,
             secrets_dir,
+            lambda: self.spool,
+            max_payload_bytes,
         )
 
     @property
@@ -222,6 +245,8 @@ class Stack:
         for directory in (self.state_dir, self.workspace_root, self.log_dir):
             private_dir(directory)
         self._sockets = self._socket_dir()
+        sweep("spool", memory_base())  # what a stack that was killed left
+        self.spool = private_tempdir("spool", memory_base())
         # StoreDamaged, said here, before any component starts on a store it cannot use.
         self.topology.open_store().close()
         chosen = tokens.gateway_token(
@@ -236,6 +261,8 @@ class Stack:
             allow_origins=self.allow_origins,
             allow_hosts=self.allow_hosts,
             secrets_dir=self.secrets_dir,
+            spool=self.spool,
+            max_payload_bytes=self.max_payload_bytes,
         )
         try:
             for runtime, count in self.pods.items():
@@ -335,3 +362,5 @@ class Stack:
                 component.log = None
         if self._private_sockets is not None:
             shutil.rmtree(self._private_sockets, ignore_errors=True)
+        if self.spool != Path():
+            shutil.rmtree(self.spool, ignore_errors=True)

@@ -1,7 +1,7 @@
 """docs/protocol.md, "Large payloads", at the Runtime Server: a payload past one message waits in
 the node's spool. An input streamed in by PutPayload (or written there by a caller on the same
-machine) is named by ``fnkernel-input-ref``, and is gone once its call ends, however it ends. An
-output from the size ``fnkernel-output-ref`` asks for is spooled, named in the trailer, and
+machine) is named by ``x-fn-input-ref``, and is gone once its call ends, however it ends. An
+output from the size ``x-fn-output-ref-from`` asks for is spooled, named in the trailer, and
 TakePayload streams it out once and removes it. The seed's unary call keeps its meaning."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 from fnkernel.runtime_server import payloads
 from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import payloads_pb2
 from fnkernel.runtime_server.function_runtime.spool import CHUNK_BYTES, Spool
-from fnkernel.runtime_server.wire import INPUT_REF_KEY, OUTPUT_REF_KEY
+from fnkernel.runtime_server.wire import INPUT_REF_KEY, OUTPUT_REF_FROM_KEY, OUTPUT_REF_KEY
 from tests.function_runtime.test_limits import rejected
 from tests.support import Client, serve_in_process
 
@@ -81,7 +81,7 @@ def test_a_dataframe_past_one_message_goes_in_and_out_through_the_spool(
     name = put(python_spooled, data)
     response, call = python_spooled.fn.InvokeFunction.with_call(
         _request(registration, content_type),
-        metadata=((INPUT_REF_KEY, name), (OUTPUT_REF_KEY, str(MIB))),
+        metadata=((INPUT_REF_KEY, name), (OUTPUT_REF_FROM_KEY, str(MIB))),
         timeout=60,
     )
     assert response.output == b"" and response.content_type == payloads.ARROW
@@ -96,7 +96,7 @@ def test_an_output_under_the_size_asked_for_is_answered_inline(python_spooled: C
     registration = python_spooled.register(HANDLER).registration
     response, call = python_spooled.fn.InvokeFunction.with_call(
         _request(registration, payloads.JSON, b'{"mib": 0}'),
-        metadata=((OUTPUT_REF_KEY, str(MIB)),),
+        metadata=((OUTPUT_REF_FROM_KEY, str(MIB)),),
         timeout=60,
     )
     assert OUTPUT_REF_KEY not in dict(call.trailing_metadata())
@@ -112,7 +112,7 @@ def test_a_cancelled_call_leaves_nothing_in_the_spool(python_spooled: Client, sp
     name = put(python_spooled, b'{"sleep": 60}')
     future = python_spooled.fn.InvokeFunction.future(
         _request(registration, payloads.JSON),
-        metadata=((INPUT_REF_KEY, name), (OUTPUT_REF_KEY, "1")),
+        metadata=((INPUT_REF_KEY, name), (OUTPUT_REF_FROM_KEY, "1")),
         timeout=60,
     )
     import time

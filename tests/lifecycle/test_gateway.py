@@ -25,6 +25,7 @@ from fnkernel.runtime_server.client.errors import (
     FunctionNotFound,
     HandlerFailed,
     InvalidRequest,
+    PayloadTooLarge,
     RequestCancelled,
 )
 from fnkernel.runtime_server.daemon import spawn
@@ -526,11 +527,25 @@ def test_a_create_repeated_with_the_same_spec_answers_with_the_existing_run(
     assert (again["uid"], again["status"]["phase"], again["status"]["attempt"]) == (uid, "Ready", 1)
 
 
-def test_body_over_6_mib_is_413_without_calling_anything(shared_stack: Stack) -> None:
-    # 413 for a Run that does not exist: the body was refused before any lookup or call.
-    status, _, body = invoke(shared_stack, "no-such-function", b"0" * (6 * 1024 * 1024 + 1))
-    assert status == 413
-    assert "6291456" in json.loads(body)["message"]
+def test_body_over_the_payload_bound_is_413_without_calling_anything(
+    stack_factory: Callable[..., Stack],
+) -> None:
+    # docs/protocol.md, "Large payloads": past --max-payload-bytes, 413 naming it, for a Run
+    # that does not exist: the body was refused before any lookup or call.
+    # The client library asks first (Expect: 100-continue), so it reads the answer instead of
+    # a connection the gateway closed on a body it did not want.
+    stack = stack_factory({"python": 1}, max_payload_bytes=8 << 20)
+    # A caller on the same machine, who would hand it over as a file, is refused alike.
+    for by_reference in (False, True):
+        with pytest.raises(PayloadTooLarge) as refused:
+            Client(stack.gateway_address).invoke(
+                "no-such-function", data=b"0" * ((8 << 20) + 1), by_reference=by_reference
+            )
+        assert refused.value.status == 413
+        assert "8388609 bytes; at most 8388608 (the gateway's --max-payload-bytes)" in str(
+            refused.value
+        )
+    assert list(stack.spool.iterdir()) == []
 
 
 def test_body_of_exactly_6_mib_round_trips(shared_stack: Stack) -> None:

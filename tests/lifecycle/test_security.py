@@ -429,13 +429,17 @@ def test_headers_sent_a_byte_at_a_time_do_not_hold_connections(gateway: Child) -
             sock.close()
 
 
-@pytest.mark.parametrize("path", ["/v1/runs", "/v1/runs/anything:invoke"])
-def test_a_50_mib_body_is_413_before_it_is_read_on_every_route(
-    shared_stack: Stack, path: str
+@pytest.mark.parametrize(
+    ("path", "length"),
+    # past each route's bound: a create's 16 MiB, an invoke's --max-payload-bytes (2 GiB)
+    [("/v1/runs", 50 << 20), ("/v1/runs/anything:invoke", 3 << 30)],
+)
+def test_a_body_past_its_routes_bound_is_413_before_it_is_read(
+    shared_stack: Stack, path: str, length: int
 ) -> None:
     request = (
         f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-        f"Authorization: Bearer {shared_stack.token}\r\nContent-Length: {50 << 20}\r\n\r\n"
+        f"Authorization: Bearer {shared_stack.token}\r\nContent-Length: {length}\r\n\r\n"
     ).encode()  # and none of the body: the answer comes before it
     url = urllib.parse.urlsplit(shared_stack.gateway_address)
     with socket.create_connection((url.hostname, url.port), timeout=10) as sock:

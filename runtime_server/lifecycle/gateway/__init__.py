@@ -25,6 +25,7 @@ from fnkernel.runtime_server.lifecycle.gateway.handlers import (
 )
 from fnkernel.runtime_server.lifecycle.gateway.invoke import InvokeHandler
 from fnkernel.runtime_server.lifecycle.gateway.logs import LogsHandler
+from fnkernel.runtime_server.lifecycle.gateway.payloads import PayloadsHandler
 from fnkernel.runtime_server.lifecycle.gateway.routes import Routes
 from fnkernel.runtime_server.lifecycle.gateway.secrets import SecretHandler, SecretsHandler
 
@@ -54,6 +55,7 @@ class Gateway(Routes):
                 (r"/v1/runs/([^/:]+)", RunHandler, args),
                 (r"/v1/secrets", SecretsHandler, args),
                 (r"/v1/secrets/([^/:]+)", SecretHandler, args),
+                (r"/v1/payloads", PayloadsHandler, args),
             ],
             log_function=log_failure,
             default_handler_class=NoSuchPath,

@@ -206,12 +206,12 @@ class TracedHandler(BaseHandler):
         """What the server span says beside the HTTP attributes (the Run's name, ...)."""
         return {}
 
-    def prepare(self) -> None:
+    def prepare(self) -> Awaitable[None] | None:
         super().prepare()
         self._failure = ""
         method = self.request.method or ""
         if method not in self.traced_methods:
-            return
+            return None
         traceparent = self.request.headers.get(wire.TRACEPARENT_HEADER)
         name = f"{method} {self.route}"
         attributes = {
@@ -223,6 +223,7 @@ class TracedHandler(BaseHandler):
             self.hop = tracing.recorded("gateway", traceparent, name, attributes)
         elif tracing.traced(traceparent):
             self.hop = tracing.Hop("gateway", traceparent, name, attributes)
+        return None
 
     def send_failure(self, failure: FailureResponse) -> None:
         self._failure = f"{failure.code}: {failure.message}"
@@ -268,28 +269,39 @@ class BodyHandler(BaseHandler):
 
     max_body = limits.MAX_PAYLOAD_BYTES
 
-    def prepare(self) -> None:
+    def largest_body(self) -> tuple[int, str]:
+        """The largest body this route takes at all, and what sets it (for the 413)."""
+        return limits.GRPC_MAX_MESSAGE_BYTES, ""
+
+    def content_length(self) -> int:
+        """The body's Content-Length; -1 without one. Tornado has checked that it is ASCII
+        digits (400 otherwise)."""
+        length = self.request.headers.get("Content-Length", "")
+        return int(length) if length.isascii() and length.isdigit() else -1
+
+    def prepare(self) -> Awaitable[None] | None:
         self._chunks: list[bytes] = []
         self._size = 0
         super().prepare()
-        # Tornado has checked that Content-Length is ASCII digits (400 otherwise).
-        length = self.request.headers.get("Content-Length", "")
-        if length.isascii() and length.isdigit() and int(length) > limits.GRPC_MAX_MESSAGE_BYTES:
-            raise self._too_large(int(length))
+        if self.content_length() > self.largest_body()[0]:
+            raise self._too_large(self.content_length(), *self.largest_body())
+        return None
 
-    def _too_large(self, size: int) -> FailureResponse:
+    def _too_large(self, size: int, bound: int = 0, why: str = "") -> FailureResponse:
+        bound = bound or self.max_body
         return FailureResponse(
             "PAYLOAD_TOO_LARGE",
             status=413,
-            message=f"request body is {size} bytes; at most {self.max_body}",
+            message=f"request body is {size} bytes; at most {bound}{why}",
         )
 
-    def data_received(self, chunk: bytes) -> None:
+    def data_received(self, chunk: bytes) -> Awaitable[None] | None:
         self._size += len(chunk)
         if self._size > self.max_body:
             self._chunks.clear()  # keep reading, keep nothing
         else:
             self._chunks.append(chunk)
+        return None
 
     def body(self) -> bytes:
         """The whole body; 413 if it was larger than `max_body`."""

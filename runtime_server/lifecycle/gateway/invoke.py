@@ -8,15 +8,18 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Awaitable
 from typing import Any
 
 import grpc
 import grpc.aio
+from tornado.http1connection import HTTP1Connection
 
 from fnkernel.adapters._payloads import JSON, MEDIA_TYPES
 from fnkernel.runtime_server import limits, tracing, wire
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server.errors import (
+    InvalidField,
     NoRuntimePod,
     RunNotReady,
 )
@@ -31,11 +34,15 @@ from fnkernel.runtime_server.lifecycle.gateway.handlers import (
     header_text,
     metadata_of,
 )
+from fnkernel.runtime_server.lifecycle.gateway.payloads import Upload, send_spooled
 from fnkernel.runtime_server.lifecycle.runs import Run
 from fnkernel.runtime_server.rpc import trailer_logs
 from fnkernel.runtime_server.wire import (
     ATTEMPT_KEY,
     COLD_START_KEY,
+    INPUT_REF_KEY,
+    OUTPUT_REF_FROM_KEY,
+    OUTPUT_REF_KEY,
     POD_KEY,
     TIMELINE_KEY,
     TIMELINE_RUNTIMED_KEY,
@@ -63,10 +70,40 @@ class InvokeHandler(TracedHandler, BodyHandler):
     spans_handed_back = True
     bodies = MEDIA_TYPES
 
-    def prepare(self) -> None:
+    def prepare(self) -> Awaitable[None] | None:
         self._received = time.monotonic_ns()  # the timeline's first reading (docs/protocol.md)
         self._call: grpc.aio.UnaryUnaryCall | None = None
+        self._upload: Upload | None = None  # a body past one message, on its way to the spool
+        self._upload_run: Run | None = None
         super().prepare()
+        if self.content_length() > limits.MAX_PAYLOAD_BYTES:
+            return self._start_upload(self.content_length())
+        return None
+
+    def largest_body(self) -> tuple[int, str]:
+        return self.gateway.max_payload_bytes, " (the gateway's --max-payload-bytes)"
+
+    async def _start_upload(self, length: int) -> None:
+        """Stream the body into the spool of the pod that will run the call as it arrives
+        (docs/protocol.md, "Large payloads"); a replica set's least busy free replica."""
+        if self.request.headers.get(wire.INPUT_REF_HEADER):
+            raise InvalidField(wire.INPUT_REF_HEADER, "names the input: the body must be empty")
+        run = self.gateway.store.get_fresh(self.path_args[0])
+        if run.spec.replicas != 1 and not run.spec.replica_of:
+            run = self.gateway.replicas(run)[0]
+        _, address = self.gateway.pod_of(run)
+        assert isinstance(self.request.connection, HTTP1Connection)
+        self.request.connection.set_max_body_size(length)
+        wait = self.gateway.body_timeout + limits.HOP_SLACK_SECONDS
+        self._upload, self._upload_run = (
+            Upload(self.gateway.payloads_stub(address), length, wait),
+            run,
+        )
+
+    def data_received(self, chunk: bytes) -> Awaitable[None] | None:
+        if self._upload is not None:
+            return self._upload.write(chunk)  # waits while the pod's stream is full
+        return super().data_received(chunk)
 
     def span_attributes(self) -> dict[str, Any]:
         return {
@@ -78,6 +115,8 @@ class InvokeHandler(TracedHandler, BodyHandler):
         # The client hung up (an interrupted notebook cell): cancel, so the handler is killed.
         if self._call is not None:
             self._call.cancel()
+        if self._upload is not None:
+            self._upload.cancel()
 
     async def _call_run(
         self,
@@ -88,6 +127,7 @@ class InvokeHandler(TracedHandler, BodyHandler):
         timeline: bool,
         *,
         counted: bool,
+        spooled: tuple[str, int] = ("", 0),
     ) -> tuple[pb.InvokeFunctionResponse, dict[str, Any], int] | None:
         """InvokeFunction on `run` through its pod's runtimed: the response, its trailers and
         when it was called; None if the client went away. `counted`: kept in the gateway's
@@ -102,6 +142,11 @@ class InvokeHandler(TracedHandler, BodyHandler):
         )
         deadline = limits.wait_seconds(timeout_millis, hops_below=1)  # runtimed
         metadata: tuple[tuple[str, str], ...] = ((POD_KEY, pod),)
+        input_ref, output_from = spooled  # docs/protocol.md, "Large payloads"
+        if input_ref:
+            metadata += ((INPUT_REF_KEY, input_ref),)
+        if output_from:
+            metadata += ((OUTPUT_REF_FROM_KEY, str(output_from)),)
         if timeline:
             metadata += ((TIMELINE_KEY, "1"),)
         hop = self.hop
@@ -135,8 +180,23 @@ class InvokeHandler(TracedHandler, BodyHandler):
 
     async def post(self, name: str) -> None:
         body_read = time.monotonic_ns()  # the whole body is in: the timeline's second reading
-        payload = self.body()
         headers = self.request.headers
+        # docs/protocol.md, "Large payloads": the input spooled as it came, or by a caller on
+        # this machine; a result from the size it takes by reference, else past one message.
+        input_ref, payload = header_text(headers, wire.INPUT_REF_HEADER), b""
+        if self._upload is not None:
+            input_ref = await self._upload.finish()
+        elif not input_ref:
+            payload = self.body()
+        elif self.body():
+            raise InvalidField(wire.INPUT_REF_HEADER, "names the input: the body must be empty")
+        by_ref = header_text(headers, wire.OUTPUT_REF_FROM_HEADER)
+        output_from = (
+            limits.parse_count(by_ref, wire.OUTPUT_REF_FROM_HEADER) or 1
+            if by_ref
+            else limits.MAX_PAYLOAD_BYTES + 1
+        )
+        spooled = (input_ref, output_from)
         invocation_id = limits.check_invocation_id(header_text(headers, wire.INVOCATION_ID_HEADER))
         # Any int64 is taken, as on the wire, and capped like timeout_millis (limits.py).
         timeout_millis = limits.parse_count(
@@ -144,9 +204,20 @@ class InvokeHandler(TracedHandler, BodyHandler):
         )
         run = self.gateway.store.get_fresh(name)
         timeline = headers.get(wire.TIMELINE_HEADER) == "1"
-        if run.spec.replicas == 1 or run.spec.replica_of:
+        if self._upload_run is not None:  # its input is in that pod's spool
+            run = self._upload_run
             answer = await self._call_run(
-                run, payload, invocation_id, timeout_millis, timeline, counted=False
+                run, payload, invocation_id, timeout_millis, timeline, counted=True, spooled=spooled
+            )
+        elif run.spec.replicas == 1 or run.spec.replica_of:
+            answer = await self._call_run(
+                run,
+                payload,
+                invocation_id,
+                timeout_millis,
+                timeline,
+                counted=False,
+                spooled=spooled,
             )
         else:
             # A replica set: the free replica that has the fewest calls in flight (docs/
@@ -156,8 +227,9 @@ class InvokeHandler(TracedHandler, BodyHandler):
                 last = index == len(candidates) - 1
                 try:
                     answer = await self._call_run(
-                        candidate, payload, invocation_id, timeout_millis, timeline, counted=True
-                    )
+                        candidate, payload, invocation_id, timeout_millis, timeline,
+                        counted=True, spooled=spooled,
+                    )  # fmt: skip
                 except (RunNotReady, NoRuntimePod):
                     if last:
                         raise
@@ -204,4 +276,15 @@ class InvokeHandler(TracedHandler, BodyHandler):
                 "answered": time.monotonic_ns(),
             }
             self.set_header(wire.TIMELINE_HEADER, _timeline(readings, trailers))
-        self.finish(response.output)
+        ref = str(trailers.get(OUTPUT_REF_KEY, ""))
+        if not ref:
+            self.finish(response.output)
+        elif by_ref:  # the caller reads it from the spool itself
+            self.set_header(wire.OUTPUT_REF_HEADER, ref)
+            self.finish(b"")
+        else:
+            out, size = ref.split(" ", 1)
+            if self.gateway.spool is not None:  # a caller on this machine may take it from there
+                self.set_header(wire.SPOOL_HEADER, str(self.gateway.spool))
+            stub = self.gateway.payloads_stub(self.gateway.pod_of(run)[1])
+            await send_spooled(self, stub, out, int(size))

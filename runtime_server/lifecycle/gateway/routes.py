@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
+from pathlib import Path
 
 import grpc
 import grpc.aio
 from tornado import httpserver
 
+from fnkernel.runtime_server import limits
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
-from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import logs_pb2_grpc
+from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import logs_pb2_grpc, payloads_pb2_grpc
 from fnkernel.runtime_server.errors import (
     NoRuntimePod,
     RunNotFound,
@@ -48,8 +50,15 @@ class Routes:
         secrets: Secrets | None = None,
         body_timeout: float = 60.0,
         header_timeout: float = HEADER_TIMEOUT_SECONDS,
+        max_payload_bytes: int = limits.DEFAULT_MAX_SPOOLED_BYTES,
+        spool: Path | None = None,
     ) -> None:
+        """`max_payload_bytes`: the largest payload or result (docs/protocol.md, "Large
+        payloads"); `spool`: the directory the pods of this machine spool payloads in, which a
+        caller on this machine writes its own to (None on Kubernetes: no caller shares it)."""
         self.control_plane = control_plane
+        self.max_payload_bytes = max_payload_bytes
+        self.spool = spool
         self.store = control_plane.store
         self.access = access or Access()
         self.secrets = secrets or NoSecrets()
@@ -69,6 +78,7 @@ class Routes:
         # Invocation ID → the replica that serves it, for a follower of a replica set's call.
         self.routed: OrderedDict[str, str] = OrderedDict()
         self._log_stubs: dict[str, logs_pb2_grpc.InvocationLogsStub] = {}
+        self._payload_stubs: dict[str, payloads_pb2_grpc.PayloadsStub] = {}
 
     def stub(self, address: str) -> pb_grpc.FunctionRuntimeStub:
         stub = self._stubs.get(address)
@@ -81,6 +91,13 @@ class Routes:
         if stub is None:
             channel = self._channel(address)
             stub = self._log_stubs[address] = logs_pb2_grpc.InvocationLogsStub(channel)
+        return stub
+
+    def payloads_stub(self, address: str) -> payloads_pb2_grpc.PayloadsStub:
+        stub = self._payload_stubs.get(address)
+        if stub is None:
+            channel = self._channel(address)
+            stub = self._payload_stubs[address] = payloads_pb2_grpc.PayloadsStub(channel)
         return stub
 
     def _channel(self, address: str) -> grpc.aio.Channel:

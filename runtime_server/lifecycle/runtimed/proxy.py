@@ -59,7 +59,7 @@ from fnkernel.runtime_server.wire import (
     COLD_START_KEY,
     DIGEST_KEY,
     INPUT_REF_KEY,
-    OUTPUT_REF_KEY,
+    OUTPUT_REF_FROM_KEY,
     POD_KEY,
     SPANS_KEY,
     TIMELINE_RUNTIMED_KEY,
@@ -171,7 +171,7 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
         # fnkernel's own metadata of a large payload passes on as it came ("Large payloads").
         upstream = call.upstream(traceparent) + tuple(
             (key, value)
-            for key in (INPUT_REF_KEY, OUTPUT_REF_KEY)
+            for key in (INPUT_REF_KEY, OUTPUT_REF_FROM_KEY)
             if (value := metadata_value(context, key)) is not None
         )
         # The caller went away: the call is cancelled, and the handler dies.
