@@ -98,6 +98,11 @@ def fnkernel_up(state_dir: Path, env: dict[str, str], pods: str = "python=1") ->
             proc.wait()
 
 
+def spooled(spool: Path) -> list[Path]:
+    """The payloads in a stack's or a pod's spool (``--spool``): its files, at any depth."""
+    return [path for path in spool.rglob("*") if path.is_file()]
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -107,6 +107,14 @@ def test_a_run_is_created_called_and_deleted_through_the_containers(cluster: Clu
     assert seen["root"] in ("OSError", "PermissionError")  # read-only, and not root's
     assert seen["own dir"] == "written" and seen["tmp"] == "written"
     gateway.delete_run("where")
+    # docs/protocol.md, "Large payloads": past one message, from a caller on another machine,
+    # streamed through the gateway's container and runtimed's into the server's spool volume,
+    # and back out.
+    gateway.create_run("same", runtime="python", handler="handler.handle",
+                       files={"handler.py": "def handle(event):\n    return event\n"})  # fmt: skip
+    large = bytes(range(256)) * (64 * 1024)  # 16 MiB
+    assert gateway.invoke("same", large).value() == large
+    gateway.delete_run("same")
     assert [r.name for r in gateway.list_runs()] == []
 
 

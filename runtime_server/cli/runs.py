@@ -155,6 +155,7 @@ def _invoke(args: argparse.Namespace) -> int:
         timeout_millis=args.timeout_ms,
         invocation_id=args.invocation_id,
         on_log=_log_line if args.follow else None,
+        by_reference=False,  # the answer's bytes themselves, to write out as they came
     )
     returned = payloads.media_type(result.content_type)
     written = result.output

@@ -37,11 +37,17 @@ def new_name(kind: str) -> str:
     return f"{kind}-{secrets.token_urlsafe(16)}"
 
 
-class Spool:
-    """The spool at `directory` (made 0700), holding payloads of at most `max_bytes` each."""
+def spool_dir(given: Path) -> Path:
+    """The spool inside the directory `given` (``--spool``): a directory of its own, made 0700,
+    as `given` may be a pod's emptyDir, which every user may write."""
+    return given / "payloads"
 
-    def __init__(self, directory: Path, max_bytes: int) -> None:
-        self.directory = private_dir(directory)
+
+class Spool:
+    """The spool in `given` (``spool_dir``), holding payloads of at most `max_bytes` each."""
+
+    def __init__(self, given: Path, max_bytes: int) -> None:
+        self.directory = private_dir(spool_dir(given))
         self.max_bytes = max_bytes
 
     def path(self, name: str, field: str = "name") -> Path:

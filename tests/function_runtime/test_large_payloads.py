@@ -6,12 +6,14 @@ TakePayload streams it out once and removes it. The seed's unary call keeps its 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import pytest
 
 from fnkernel.runtime_server import payloads
@@ -90,6 +92,35 @@ def test_a_dataframe_past_one_message_goes_in_and_out_through_the_spool(
     assert (spool.directory / out).stat().st_size == size
     pd.testing.assert_frame_equal(payloads.decode(take(python_spooled, out), payloads.ARROW), frame)
     assert list(spool.directory.iterdir()) == []  # taken once, and gone
+
+
+def test_a_spooled_arrow_input_is_a_view_of_the_file_not_a_copy(python_spooled: Client) -> None:
+    # docs/protocol.md, "Large payloads": the worker maps a spooled Arrow stream; the Table it
+    # reads is its 32 MiB where the spool's file is mapped, in no memory of its own.
+    source = {
+        "handler.py": """
+            def mapped_from(address):
+                with open("/proc/self/maps") as maps:
+                    for line in maps:
+                        span, *_, path = line.split()
+                        start, end = (int(n, 16) for n in span.split("-"))
+                        if start <= address < end:
+                            return path.rsplit("/", 1)[-1]
+                return ""
+
+            def handle(table):
+                data = table.column("x").chunks[0].buffers()[1]
+                return {"rows": table.num_rows, "mapped from": mapped_from(data.address)}
+        """
+    }
+    registration = python_spooled.register(source).registration
+    table = pa.table({"x": np.arange(4_000_000, dtype=np.int64)})
+    data, content_type = payloads.encode(table)
+    name = put(python_spooled, data)
+    answer = python_spooled.invoke(
+        registration, b"", content_type=content_type, metadata=((INPUT_REF_KEY, name),)
+    )
+    assert json.loads(answer.output) == {"rows": 4_000_000, "mapped from": name}
 
 
 def test_an_output_under_the_size_asked_for_is_answered_inline(python_spooled: Client) -> None:

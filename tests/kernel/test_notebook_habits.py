@@ -146,7 +146,8 @@ df = pd.DataFrame({
 def test_a_dataframe_in_and_a_dataframe_out(notebook_dir: Path) -> None:
     # docs/protocol.md, "Content types": a DataFrame argument reaches the handler as a
     # DataFrame (Arrow IPC, with its nulls, time zone, categories and index) and the one it
-    # returns comes back as one, shown as a table; NAME.map takes one per partition.
+    # returns comes back as one, shown as a table; NAME.map takes one per partition; "Large
+    # payloads": one past 6 MiB too.
     cells = execute(notebook_dir, [
         ENRICH,
         FRAME,
@@ -156,8 +157,12 @@ def test_a_dataframe_in_and_a_dataframe_out(notebook_dir: Path) -> None:
         "parts = enrich.map([df.iloc[:1], df.iloc[1:]])\n"
         "pd.testing.assert_frame_equal(pd.concat(parts), enrich(df))\nprint(len(parts))",
         "enrich.invoke(df)",
+        # past one message (~10 MiB): handed over by file on the embedded runtime's machine
+        "big = df.iloc[[0, 1, 2] * 200_000]\nout = enrich(big)\n"
+        "pd.testing.assert_frame_equal(out.drop(columns=['late', 'kind']), big)\nlen(out)",
     ])  # fmt: skip
     ok(cells[0])
+    assert ok(cells[5]) == "600000"
     shown = ok(cells[2]).splitlines()
     assert shown[0] == "DataFrame bool", shown  # the dtypes sent: assert_frame_equal above
     assert shown[1] == "[False, True, False] DataFrame"

@@ -28,7 +28,7 @@ from tests.packages_and_secrets import (
     a_function_brings_its_packages_and_a_secret,
     set_secret,
 )
-from tests.support import ECHO_PY, wait_until
+from tests.support import ECHO_PY, spooled, wait_until
 
 pytestmark = pytest.mark.timeout(240)
 G, V, P = objects.GROUP, objects.VERSION, objects.PLURAL
@@ -286,3 +286,20 @@ def test_a_function_with_packages_and_a_secret_on_the_cluster(
         assert SECRET not in json.dumps(run_object(cluster, "deps"))
     finally:
         cluster.stop()
+
+
+def test_a_payload_past_one_message_is_streamed_through_the_cluster(cluster: Cluster) -> None:
+    # docs/protocol.md, "Large payloads": on Kubernetes the caller is on another machine: the
+    # gateway (no spool of its own) streams the body into the Runtime Pod's spool volume and
+    # the result back out; the spool is left empty.
+    gateway = up(cluster)
+    gateway.create_run("same", runtime="python", handler="handler.handle",
+                       files={"handler.py": "def handle(event):\n    return event\n"})  # fmt: skip
+    assert gateway.local_spool() is None  # nothing of the cluster is this machine's to write
+    large = bytes(range(256)) * (64 * 1024)  # 16 MiB
+    result = gateway.invoke("same", large)
+    assert result.value() == large and len(result.output) == len(large)
+    pod = gateway.status("same")["status"]["assignedPod"]
+    (found,) = [p for p in cluster.runtime_pods() if p["metadata"]["name"] == pod]
+    spool = cluster.node_root / found["metadata"]["uid"] / "volumes" / "spool"
+    assert spool.is_dir() and spooled(spool) == []

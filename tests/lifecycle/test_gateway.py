@@ -30,7 +30,7 @@ from fnkernel.runtime_server.client.errors import (
 )
 from fnkernel.runtime_server.daemon import spawn
 from fnkernel.runtime_server.lifecycle.stack import Stack
-from tests.support import ECHO_PY, INVOKE_PATH, SLOW_PY, http_call, wait_until
+from tests.support import ECHO_PY, INVOKE_PATH, SLOW_PY, http_call, spooled, wait_until
 
 _names = itertools.count()
 
@@ -545,7 +545,7 @@ def test_body_over_the_payload_bound_is_413_without_calling_anything(
         assert "8388609 bytes; at most 8388608 (the gateway's --max-payload-bytes)" in str(
             refused.value
         )
-    assert list(stack.spool.iterdir()) == []
+    assert spooled(stack.spool) == []
 
 
 def test_body_of_exactly_6_mib_round_trips(shared_stack: Stack) -> None:

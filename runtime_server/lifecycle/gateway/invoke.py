@@ -34,6 +34,7 @@ from fnkernel.runtime_server.lifecycle.gateway.handlers import (
     header_text,
     metadata_of,
 )
+from fnkernel.runtime_server.function_runtime.spool import spool_dir
 from fnkernel.runtime_server.lifecycle.gateway.payloads import Upload, send_spooled
 from fnkernel.runtime_server.lifecycle.runs import Run
 from fnkernel.runtime_server.rpc import trailer_logs
@@ -285,6 +286,6 @@ class InvokeHandler(TracedHandler, BodyHandler):
         else:
             out, size = ref.split(" ", 1)
             if self.gateway.spool is not None:  # a caller on this machine may take it from there
-                self.set_header(wire.SPOOL_HEADER, str(self.gateway.spool))
+                self.set_header(wire.SPOOL_HEADER, str(spool_dir(self.gateway.spool)))
             stub = self.gateway.payloads_stub(self.gateway.pod_of(run)[1])
             await send_spooled(self, stub, out, int(size))

@@ -11,7 +11,7 @@ from typing import Any
 
 from fnkernel.runtime_server import limits
 from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import payloads_pb2, payloads_pb2_grpc
-from fnkernel.runtime_server.function_runtime.spool import CHUNK_BYTES
+from fnkernel.runtime_server.function_runtime.spool import CHUNK_BYTES, spool_dir
 from fnkernel.runtime_server.lifecycle.gateway.handlers import BaseHandler
 
 
@@ -67,7 +67,7 @@ class PayloadsHandler(BaseHandler):
     def get(self) -> None:
         spool = self.gateway.spool
         self.send_json(200, {
-            "spool": str(spool) if spool is not None else None,
+            "spool": str(spool_dir(spool)) if spool is not None else None,
             "maxBytes": self.gateway.max_payload_bytes,
             "messageBytes": limits.MAX_PAYLOAD_BYTES,
             "spoolFromBytes": limits.SPOOL_FROM_BYTES,

@@ -1,0 +1,151 @@
+"""docs/protocol.md, "Large payloads", through a stack of real processes: a payload or a result
+past one message (6 MiB), up to --max-payload-bytes, from the client, the CLI and plain HTTP —
+streamed through the gateway and runtimed from another machine, handed over as a file in the
+stack's spool on the same one — and nothing of it left behind when the call ends, however it
+ends."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from fnkernel.runtime_server import payloads
+from fnkernel.runtime_server.client import Client
+from fnkernel.runtime_server.client.errors import RequestCancelled
+from fnkernel.runtime_server.lifecycle.stack import Stack
+from tests.support import http_call, spooled, wait_until
+
+pytestmark = pytest.mark.timeout(300)
+MIB = 1 << 20
+HANDLER = {
+    "handler.py": (
+        "import time\n"
+        "import numpy as np\n"
+        "import pandas as pd\n"
+        "def handle(event):\n"
+        "    if isinstance(event, pd.DataFrame) and 'sleep' in event.columns:\n"
+        "        time.sleep(float(event['sleep'].iloc[0]))\n"
+        "    if isinstance(event, dict) and 'mib' in event:\n"
+        "        return np.frombuffer(b'\\x07' * (event['mib'] << 20), dtype=np.uint8)\n"
+        "    if isinstance(event, (bytes, np.ndarray)):\n"
+        "        return {'size': len(event), 'sum': int(np.frombuffer(event, np.uint8).sum())\n"
+        "                if isinstance(event, bytes) else int(event.sum())}\n"
+        "    return event\n"
+    )
+}
+
+
+@pytest.fixture
+def stack(stack_factory: Callable[..., Stack]) -> Iterator[Stack]:
+    stack = stack_factory({"python": 1})
+    client = Client(stack.gateway_address)
+    run = client.create_run("big", runtime="python", handler="handler.handle", files=HANDLER,
+                            memory_mb=4096)  # fmt: skip
+    assert run.phase == "Ready", run.message
+    yield stack
+    assert spooled(stack.spool) == []  # nothing of any call is left
+
+
+def mixed_frame(rows: int) -> pd.DataFrame:
+    at = pd.date_range("2026-01-01", periods=rows, freq="s", tz="Europe/Paris")
+    frame = pd.DataFrame({
+        "count": pd.array(np.arange(rows), dtype="Int64"),
+        "at": at,
+        "grade": pd.Categorical(np.where(np.arange(rows) % 3, "a", "b")),
+        "ratio": np.linspace(0, 1, rows),
+    })  # fmt: skip
+    frame.loc[::7, "count"] = None
+    frame.loc[::11, "at"] = pd.NaT
+    return frame
+
+
+@pytest.mark.parametrize("by_reference", [True, False], ids=["same machine", "streamed"])
+def test_a_dataframe_past_one_message_comes_back_as_it_went(
+    stack: Stack, by_reference: bool
+) -> None:
+    # Same machine: written once into the spool, read by the worker in place (mapped), the
+    # answer mapped likewise; streamed: every byte through the gateway and runtimed, as from
+    # another machine.
+    frame = mixed_frame(600_000)  # ~20 MiB as Arrow
+    client = Client(stack.gateway_address)
+    result = client.invoke("big", frame, by_reference=by_reference)
+    pd.testing.assert_frame_equal(result.value(), frame)
+    assert result.content_type == payloads.ARROW
+    assert (result.output == b"") is by_reference  # by reference: nothing in the answer
+
+
+def test_a_1_gib_call_in_and_out(stack: Stack) -> None:
+    # docs/protocol.md, "Large payloads": up to 2 GiB by default. In: 1 GiB of bytes streamed
+    # through the gateway (from a client that is not on this machine, as far as it lets on);
+    # out: 1 GiB as an array, handed back through the spool.
+    client = Client(stack.gateway_address)
+    data = b"\x01" * (1 << 30)
+    assert client.invoke("big", data, by_reference=False).value() == {
+        "size": 1 << 30, "sum": 1 << 30,
+    }  # fmt: skip
+    del data
+    array = client.invoke("big", {"mib": 1024}).value()
+    assert array.shape == (1 << 30,) and int(array[:: 1 << 20].sum()) == 7 * 1024
+
+
+def test_a_cancelled_large_call_leaves_no_shared_memory(stack: Stack) -> None:
+    # docs/protocol.md, "Large payloads": the input is removed when the call ends, however it
+    # ends — here cancelled by its client (a kernel interrupt) while the handler runs.
+    caller = Client(stack.gateway_address)
+    failure: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            caller.invoke("big", pd.DataFrame({"sleep": 60.0, "pad": np.zeros(MIB // 2)}))
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    wait_until(lambda: spooled(stack.spool), timeout=30)  # handed over
+    gateway = Client(stack.gateway_address)
+    wait_until(lambda: (gateway.status("big")["live"] or {}).get("inFlight") == 1, timeout=30)
+    caller.cancel()
+    thread.join(30)
+    assert isinstance(failure[0], RequestCancelled)
+    wait_until(lambda: not spooled(stack.spool), timeout=30)
+
+
+def test_plain_http_streams_a_large_body_and_answer(stack: Stack) -> None:
+    # Any HTTP client: a 20 MiB octet body in, a 20 MiB Arrow answer out, whole.
+    body = bytes(range(256)) * (80 * 1024)
+    status, headers, answer = http_call(
+        stack.gateway_address, "POST", "/v1/runs/big:invoke", body,
+        {"Content-Type": payloads.OCTET},
+    )  # fmt: skip
+    assert status == 200 and answer == b'{"size":20971520,"sum":2673868800}'
+    status, headers, answer = http_call(
+        stack.gateway_address, "POST", "/v1/runs/big:invoke", b'{"mib": 20}'
+    )
+    assert (status, headers["Content-Type"], int(headers["Content-Length"])) == (
+        200, payloads.ARROW, len(answer),
+    )  # fmt: skip
+    assert payloads.decode(answer, payloads.ARROW).shape == (20 * MIB,)
+
+
+def test_the_cli_sends_and_writes_a_large_payload(stack: Stack, tmp_path: Path) -> None:
+    data, content_type = payloads.encode(mixed_frame(300_000))
+    assert len(data) > 6 * MIB
+    out = tmp_path / "back.arrows"
+    done = subprocess.run(
+        [sys.executable, "-m", "fnkernel.runtime_server.cli", "invoke", "big", "-",
+         "--content-type", content_type, "--output", str(out),
+         "--gateway", stack.gateway_address],
+        input=data, capture_output=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    pd.testing.assert_frame_equal(
+        payloads.decode(out.read_bytes(), payloads.ARROW), mixed_frame(300_000)
+    )
