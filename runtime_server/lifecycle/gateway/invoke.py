@@ -23,6 +23,7 @@ from fnkernel.runtime_server.errors import (
     NoRuntimePod,
     RunNotReady,
 )
+from fnkernel.runtime_server.function_runtime.spool import spool_dir
 from fnkernel.runtime_server.lifecycle.gateway.access import accepts
 from fnkernel.runtime_server.lifecycle.gateway.failures import (
     FailureResponse,
@@ -34,7 +35,6 @@ from fnkernel.runtime_server.lifecycle.gateway.handlers import (
     header_text,
     metadata_of,
 )
-from fnkernel.runtime_server.function_runtime.spool import spool_dir
 from fnkernel.runtime_server.lifecycle.gateway.payloads import Upload, send_spooled
 from fnkernel.runtime_server.lifecycle.runs import Run
 from fnkernel.runtime_server.rpc import trailer_logs
