@@ -261,9 +261,15 @@ class _Call:
         self.resp_fd, self.nonce = resp_fd, nonce
 
     def event(self):
-        if self.input_path:
+        if not self.input_path:
+            return _payloads.decode(self.payload, self.media, "input")
+        try:
             return _payloads.decode_file(self.input_path, self.media, "input")
-        return _payloads.decode(self.payload, self.media, "input")
+        finally:
+            # Gone from the spool at once: an Arrow input stays mapped while the handler holds
+            # it, and its memory is freed with the last view of it, not at the end of the call.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.input_path)
 
     def respond(self, status: bytes, meta: dict | None) -> None:
         _respond(self.resp_fd, self.nonce, status, meta)

@@ -102,10 +102,11 @@ def test_a_spooled_arrow_input_is_a_view_of_the_file_not_a_copy(python_spooled: 
             def mapped_from(address):
                 with open("/proc/self/maps") as maps:
                     for line in maps:
-                        span, *_, path = line.split()
+                        span, *fields = line.split(None, 5)
+                        path = fields[4].strip() if len(fields) == 5 else ""
                         start, end = (int(n, 16) for n in span.split("-"))
-                        if start <= address < end:
-                            return path.rsplit("/", 1)[-1]
+                        if start <= address < end:  # removed from the spool, still mapped
+                            return path.removesuffix(" (deleted)").rsplit("/", 1)[-1]
                 return ""
 
             def handle(table):
