@@ -12,7 +12,8 @@ a handler that returns it, and the DataFrame back in the caller:
 * **a ProcessPoolExecutor** of one process in the notebook (pickle through a pipe).
 
 Each case's calls are taken in turn, round after round; the median of each, its ratio to Ray's
-actor call. Then **memory**: one call of about 1 GiB through the spool path, with each stack
+actor call. Then **memory**: one call of about 1 GiB through the spool path and one streamed,
+with each stack
 process's peak resident memory reset before it (``/proc/PID/clear_refs``) and read after
 (``VmHWM``), and the spool's own size at the end; what each took above its resting size, in
 payloads.
@@ -113,7 +114,8 @@ def main() -> int:
                 print("Ray is not installed (pip install -e '.[peers]'): left out")
             for mib in args.sizes:
                 targets += _size(mib, cases, args.rounds)
-            _memory(stack, client, args.memory_mib)
+            for by_reference in (True, False):
+                _memory(stack, client, args.memory_mib, by_reference)
         finally:
             stack.stop()
             pool.shutdown()
@@ -155,9 +157,9 @@ def _size(mib: int, cases: dict[str, Callable[[Any], Any]], rounds: int) -> list
     return [Target(f"{mib} MiB frame, fnkernel / Ray's actor call", ours / ray_ms, 1.0)]
 
 
-def _memory(stack: Stack, client: Client, mib: int) -> None:
-    """One call of about `mib` MiB through the spool path; what each process of the stack took
-    above its resting size at its peak, in payloads."""
+def _memory(stack: Stack, client: Client, mib: int, by_reference: bool) -> None:
+    """One call of about `mib` MiB, through the spool (`by_reference`) or streamed; what each
+    process of the stack took above its resting size at its peak, in payloads."""
     frame = frame_of(mib)
     size = len(payloads.encode(frame)[0])
     client.invoke("echo", frame_of(1)).value()  # the worker is up
@@ -172,9 +174,10 @@ def _memory(stack: Stack, client: Client, mib: int) -> None:
     resting = {name: _status(pid, "VmRSS") for name, pid in processes.items()}
     for pid in processes.values():
         Path(f"/proc/{pid}/clear_refs").write_text("5")  # reset the peak (VmHWM) to now
-    back = client.invoke("echo", frame).value()
+    back = client.invoke("echo", frame, by_reference=by_reference).value()
     assert len(back) == len(frame)
-    print(f"\nmemory of one {size / MIB:.0f} MiB call (same machine): peak above resting")
+    how = "same machine" if by_reference else "streamed"
+    print(f"\nmemory of one {size / MIB:.0f} MiB call ({how}): peak above resting")
     for name, pid in processes.items():
         grew = _status(pid, "VmHWM") - resting[name]
         print(f"  {name:<24} {grew / MIB:9.1f} MiB  {grew / size:5.2f} payloads")

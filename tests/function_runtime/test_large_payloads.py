@@ -161,6 +161,37 @@ def test_a_cancelled_call_leaves_nothing_in_the_spool(python_spooled: Client, sp
     assert list(spool.directory.iterdir()) == []
 
 
+@pytest.mark.parametrize("ends", ["timed out", "worker killed"])
+def test_a_call_that_ends_badly_leaves_nothing_in_the_spool(
+    python_spooled: Client, spool: Spool, ends: str
+) -> None:
+    # docs/protocol.md, "Large payloads": however the call ends — past its deadline, or its
+    # worker gone mid-call — neither its input nor an output is left.
+    source = {
+        "handler.py": """
+            import os, time
+
+            def handle(event):
+                if event == b"die":
+                    os._exit(3)
+                time.sleep(60)
+        """
+    }
+    registration = python_spooled.register(source).registration
+    name = put(python_spooled, b"die" if ends == "worker killed" else b"wait")
+    with pytest.raises(grpc.RpcError) as ended:
+        python_spooled.invoke(
+            registration,
+            b"",
+            content_type=payloads.OCTET,
+            timeout_millis=500,
+            metadata=((INPUT_REF_KEY, name), (OUTPUT_REF_FROM_KEY, "1")),
+        )
+    expected = "DEADLINE_EXCEEDED" if ends == "timed out" else "UNKNOWN"
+    assert ended.value.code().name == expected, ended.value.details()
+    assert list(spool.directory.iterdir()) == []
+
+
 def test_what_the_spool_refuses_is_named(python_spooled: Client, spool: Spool) -> None:
     registration = python_spooled.register(HANDLER).registration
     rejected(
