@@ -155,6 +155,11 @@ def traced_failure(hop: tracing.Hop | tracing.Untraced, exc: BaseException) -> N
         with_trailers(exc, ((wire.SPANS_KEY, spans),))
 
 
+_ASKED = frozenset(
+    (wire.TIMELINE_KEY, wire.TRACEPARENT_KEY, wire.INPUT_REF_KEY, wire.OUTPUT_REF_FROM_KEY)
+)
+
+
 class ServedCall:
     """One InvokeFunction as a hop serves it: what the caller asked of this hop besides the call
     — its clock readings (docs/protocol.md, "Timeline": ``x-fn-timeline``) and its spans
@@ -162,18 +167,32 @@ class ServedCall:
     runs and answers it after; the handler reaches it by ``served_call()`` and puts on it what
     only it knows: the `trailers` to send and the `attributes` its span ends with."""
 
-    __slots__ = ("_context", "_timeline_key", "attributes", "called", "hop", "received", "trailers")
+    __slots__ = (
+        "_context",
+        "_timeline_key",
+        "attributes",
+        "called",
+        "hop",
+        "input_ref",
+        "output_from",
+        "received",
+        "trailers",
+    )
 
     def __init__(
         self, component: str, timeline_key: str, request: Any, context: grpc.ServicerContext
     ) -> None:
         self._context = context
         self._timeline_key = timeline_key  # this hop's readings' trailer
-        self.received = (
-            time.monotonic_ns() if metadata_value(context, wire.TIMELINE_KEY) == "1" else 0
-        )
+        # What the caller asked besides the call, read in one pass over its metadata: the
+        # timeline, the trace context, and a large payload's references (docs/protocol.md,
+        # "Large payloads": the spooled input's name, the size from which the output is one).
+        asked = {key: value for key, value in context.invocation_metadata() if key in _ASKED}
+        self.received = time.monotonic_ns() if asked.get(wire.TIMELINE_KEY) == "1" else 0
+        self.input_ref = str(asked.get(wire.INPUT_REF_KEY, ""))
+        self.output_from = str(asked.get(wire.OUTPUT_REF_FROM_KEY, ""))
         self.called = 0  # when a hop that calls another made its call (``upstream``)
-        traceparent = metadata_value(context, wire.TRACEPARENT_KEY)
+        traceparent = str(asked[wire.TRACEPARENT_KEY]) if wire.TRACEPARENT_KEY in asked else None
         self.hop: tracing.Hop | None = (
             tracing.invoke_hop(component, traceparent, request)
             if tracing.traced(traceparent)

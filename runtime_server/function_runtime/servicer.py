@@ -42,7 +42,6 @@ from fnkernel.runtime_server.rpc import (
     traced_failure,
 )
 from fnkernel.runtime_server.wire import (
-    INPUT_REF_KEY,
     LOGS_KEY,
     OUTPUT_REF_FROM_KEY,
     OUTPUT_REF_KEY,
@@ -129,10 +128,10 @@ class FunctionRuntimeServicer(pb_grpc.FunctionRuntimeServicer):
             on_dispatch=cancel_on_client_exit(context),
             hop=call.hop or tracing.UNTRACED,
             # docs/protocol.md, "Large payloads": fnkernel's metadata, beside the seed's call
-            input_ref=metadata_value(context, INPUT_REF_KEY) or "",
-            output_from=limits.parse_count(
-                metadata_value(context, OUTPUT_REF_FROM_KEY) or "0", OUTPUT_REF_FROM_KEY
-            ),
+            input_ref=call.input_ref,
+            output_from=limits.parse_count(call.output_from, OUTPUT_REF_FROM_KEY)
+            if call.output_from
+            else 0,
         )
         result = invocation.result
         trailers: tuple[tuple[str, str | bytes], ...] = ()

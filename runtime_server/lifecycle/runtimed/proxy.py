@@ -169,11 +169,11 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
                 limits.effective_timeout_millis(request.timeout_millis), bound
             )
         # fnkernel's own metadata of a large payload passes on as it came ("Large payloads").
-        upstream = call.upstream(traceparent) + tuple(
-            (key, value)
-            for key in (INPUT_REF_KEY, OUTPUT_REF_FROM_KEY)
-            if (value := metadata_value(context, key)) is not None
-        )
+        upstream = call.upstream(traceparent)
+        if call.input_ref:
+            upstream += ((INPUT_REF_KEY, call.input_ref),)
+        if call.output_from:
+            upstream += ((OUTPUT_REF_FROM_KEY, call.output_from),)
         # The caller went away: the call is cancelled, and the handler dies.
         try:
             response, answered = self.runtimed.calls.call(
