@@ -240,6 +240,9 @@ def test_a_run_applied_with_kubectl_is_reconciled_like_one_created_through_the_g
                timeout=60)  # fmt: skip
     obj = run_object(cluster, "applied")
     assert objects.FINALIZER in obj["metadata"]["finalizers"] and obj["status"]["attempt"] == 1
+    # The gateway's cache is as fresh as its watch (docs/kubernetes.md, "Fences"): it serves
+    # the Run once the watch has brought it Ready, which the API server said a moment ago.
+    wait_until(lambda: gateway.status("applied").phase == "Ready", timeout=30)
     assert gateway.invoke("applied", 7).value() == {"hi": 7}
     # `kubectl delete run applied`: held by the finalizer until runtimed unregistered it.
     custom.delete_namespaced_custom_object(G, V, NAMESPACE, P, "applied")
