@@ -228,6 +228,15 @@ def check_invocation_id(invocation_id: str) -> str:
     return invocation_id
 
 
+def body_too_large(size: int, bound: int, why: str = "") -> str:
+    """A 413's message (the gateway's, and the client's for a payload it would hand over as a
+    file): the body's size, the bound, and what sets it."""
+    return f"request body is {size} bytes; at most {bound}{why}"
+
+
+MAX_PAYLOAD_WHY = " (the gateway's --max-payload-bytes)"
+
+
 def check_input(payload: bytes) -> bytes:
     if len(payload) > MAX_PAYLOAD_BYTES:
         raise InvalidField("input", f"{len(payload)} bytes; at most {MAX_PAYLOAD_BYTES}")

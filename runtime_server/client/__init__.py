@@ -225,8 +225,8 @@ class Client(Transport):
             if written > self._max_payload:  # as the gateway would refuse it
                 handed.unlink()
                 raise PayloadTooLarge(
-                    f"request body is {written} bytes; at most {self._max_payload} "
-                    "(the gateway's --max-payload-bytes)", code="PAYLOAD_TOO_LARGE", status=413,
+                    limits.body_too_large(written, self._max_payload, limits.MAX_PAYLOAD_WHY),
+                    code="PAYLOAD_TOO_LARGE", status=413,
                 )  # fmt: skip
             headers[wire.INPUT_REF_HEADER], body = handed.name, b""
         elif data is not None:

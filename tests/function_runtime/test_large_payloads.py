@@ -21,7 +21,7 @@ from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import payloads_pb2
 from fnkernel.runtime_server.function_runtime.spool import CHUNK_BYTES, Spool
 from fnkernel.runtime_server.wire import INPUT_REF_KEY, OUTPUT_REF_FROM_KEY, OUTPUT_REF_KEY
 from tests.function_runtime.test_limits import rejected
-from tests.support import Client, serve_in_process
+from tests.support import Client, serve_in_process, wait_until
 
 MIB = 1 << 20
 HANDLER = {
@@ -147,17 +147,9 @@ def test_a_cancelled_call_leaves_nothing_in_the_spool(python_spooled: Client, sp
         metadata=((INPUT_REF_KEY, name), (OUTPUT_REF_FROM_KEY, "1")),
         timeout=60,
     )
-    import time
-
-    for _ in range(200):
-        if python_spooled.status(registration).in_flight:
-            break
-        time.sleep(0.02)
+    wait_until(lambda: python_spooled.status(registration).in_flight, timeout=10)
     future.cancel()
-    for _ in range(200):
-        if not python_spooled.status(registration).in_flight:
-            break
-        time.sleep(0.02)
+    wait_until(lambda: not python_spooled.status(registration).in_flight, timeout=10)
     assert list(spool.directory.iterdir()) == []
 
 

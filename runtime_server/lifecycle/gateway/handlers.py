@@ -292,7 +292,7 @@ class BodyHandler(BaseHandler):
         return FailureResponse(
             "PAYLOAD_TOO_LARGE",
             status=413,
-            message=f"request body is {size} bytes; at most {bound}{why}",
+            message=limits.body_too_large(size, bound, why),
         )
 
     def data_received(self, chunk: bytes) -> Awaitable[None] | None:

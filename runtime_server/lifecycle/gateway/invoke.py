@@ -82,7 +82,7 @@ class InvokeHandler(TracedHandler, BodyHandler):
         return None
 
     def largest_body(self) -> tuple[int, str]:
-        return self.gateway.max_payload_bytes, " (the gateway's --max-payload-bytes)"
+        return self.gateway.max_payload_bytes, limits.MAX_PAYLOAD_WHY
 
     async def _start_upload(self, length: int) -> None:
         """Stream the body into the spool of the pod that will run the call as it arrives
