@@ -22,10 +22,16 @@ before the handler's directory is on ``sys.path``.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+import mmap
 import os
-from typing import Any
+import secrets
+import time
+import weakref
+from collections.abc import Iterator
+from typing import IO, Any
 
 JSON = "application/json"
 ARROW = "application/vnd.apache.arrow.stream"
@@ -38,6 +44,15 @@ KIND_KEY = b"fnkernel.kind"  # in the Arrow schema's metadata: what the reader r
 _NAME_KEY = b"fnkernel.name"  # a pandas Series' name, as JSON
 _SHAPE_KEY = b"fnkernel.shape"  # a numpy array's shape and dtype, as JSON
 _DTYPE_KEY = b"fnkernel.dtype"
+# A spooled payload's file, once read, is kept for the next one written into the same spool
+# (``spool_file``, ``release``): at most so many such files, of so many bytes in all, each for
+# so long unused.
+FREE_PREFIX = "free-"
+KEEP_FREE_FILES = 4
+KEEP_FREE_BYTES = 1 << 30
+KEEP_FREE_SECONDS = 60.0
+# A pandas frame of fewer cells is converted on one thread (``_threaded``).
+THREADS_FROM_VALUES = 1 << 20
 _SERIES_COLUMN = "__series__"
 _ARRAY_COLUMN = "values"
 # The kinds written as Arrow, by (top-level module, type name): exact types, not subclasses
@@ -131,34 +146,115 @@ def decode(data: bytes, content_type: str, what: str = "the payload") -> Any:
 
 
 def decode_file(path: str, content_type: str, what: str = "the payload") -> Any:
-    """The value the file `path` holds (a spooled payload: docs/protocol.md, "Large payloads"),
-    as ``decode`` reads bytes; an Arrow stream is mapped, not read, so a DataFrame of numbers
-    or a table is a view of the file's pages."""
-    if media_type(content_type) == ARROW:
-        pa = _pyarrow(what)
-        try:
-            mapped = pa.memory_map(path)
-        except (OSError, pa.ArrowException) as exc:
-            raise PayloadError(f"{what} cannot be read: {exc}") from None
-        return _from_arrow(mapped, what)
-    with open(path, "rb") as source:
-        return decode(source.read(), content_type, what)
+    """The value the spooled payload `path` holds (docs/protocol.md, "Large payloads"), as
+    ``decode`` reads bytes; an Arrow stream is mapped, not read, so a table, or a DataFrame's
+    numbers, are read from the file's pages without a copy of their own. The file is gone from
+    its name once read: kept for the next payload (``release``) if nothing maps it any more,
+    else removed, its pages living on while the value maps them."""
+    released = False
+    try:
+        if media_type(content_type) != ARROW:
+            with open(path, "rb") as source:
+                data = source.read()
+            released = True
+            return decode(data, content_type, what)
+        value, released = _from_mapped(path, what)
+        return value
+    finally:
+        if released:
+            release(path)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 
 def encode_to_file(value: Any, path: str, root: str = "value") -> tuple[int, str]:
-    """Write `value`'s bytes to the new file `path`, as ``encode`` makes them; their size and
-    content type. An Arrow kind is written straight to the file, never whole in memory first."""
+    """Write `value`'s bytes to the new payload file `path` (``spool_file``), as ``encode``
+    makes them; their size and content type. An Arrow kind is written straight to the file,
+    never whole in memory first."""
     kind = kind_of(value)
     if kind is None:
         data, media = encode(value, root)
-        with open(path, "xb") as out:
+        with spool_file(path) as out:
             out.write(data)
         return len(data), media
     table = _table(value, kind, root)
     pa = _pyarrow(f"a {kind}")
-    with pa.OSFile(path, "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
-    return os.path.getsize(path), ARROW
+    with spool_file(path) as out:
+        sink = pa.PythonFile(out, mode="w")
+        with pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+        return out.tell(), ARROW
+
+
+# Spool files
+
+
+@contextlib.contextmanager
+def spool_file(path: str) -> Iterator[IO[bytes]]:
+    """The new payload file `path` (0600), open to write, cut where the writing ended. It is a
+    file its spool kept (``release``) when there is one: writing a tmpfs file's existing pages
+    costs a third of allocating and zeroing new ones (docs/architecture.md, "DataFrames beside
+    the peers"). Nothing is left at `path` if the writing fails."""
+    reused = _reuse(path)
+    flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(path, flags) if reused else os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with open(fd, "wb", buffering=0, closefd=True) as out:
+            yield out
+            out.truncate(out.tell())
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        raise
+
+
+def release(path: str) -> None:
+    """The payload file `path` was read and nothing maps it: keep it for the next payload its
+    spool is given (``spool_file``), as a free file, while the spool keeps fewer than
+    KEEP_FREE_FILES of fewer than KEEP_FREE_BYTES in all; else remove it."""
+    directory = os.path.dirname(path)
+    try:
+        size = os.stat(path).st_size
+        kept = _free_files(directory)
+        if len(kept) < KEEP_FREE_FILES and sum(kept.values()) + size <= KEEP_FREE_BYTES:
+            free = os.path.join(directory, FREE_PREFIX + secrets.token_urlsafe(16))
+            os.rename(path, free)
+            os.utime(free)  # its time unused counts from now
+            return
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _reuse(path: str) -> bool:
+    """Move a free file of `path`'s spool, the largest, to `path`; whether there was one."""
+    directory = os.path.dirname(path)
+    for name, _ in sorted(_free_files(directory).items(), key=lambda item: -item[1]):
+        try:
+            os.rename(os.path.join(directory, name), path)
+            return True
+        except FileNotFoundError:  # another writer had it first
+            continue
+    return False
+
+
+def _free_files(directory: str) -> dict[str, int]:
+    """The free files of the spool `directory` and their sizes; those unused for
+    KEEP_FREE_SECONDS are removed, not named."""
+    now = time.time()
+    free: dict[str, int] = {}
+    with contextlib.suppress(FileNotFoundError), os.scandir(directory) as entries:
+        for entry in entries:
+            if not entry.name.startswith(FREE_PREFIX):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                status = entry.stat(follow_symlinks=False)
+                if now - status.st_mtime > KEEP_FREE_SECONDS:
+                    os.unlink(entry.path)
+                else:
+                    free[entry.name] = status.st_size
+    return free
 
 
 # Arrow
@@ -180,9 +276,10 @@ def _table(value: Any, kind: str, root: str) -> Any:
     extra: dict[bytes, bytes] = {}
     try:
         if kind == "pandas.DataFrame":
-            table = pa.Table.from_pandas(value)  # its index too, in pyarrow's pandas metadata
+            # Its index too, in pyarrow's pandas metadata.
+            table = pa.Table.from_pandas(value, nthreads=None if _threaded(value.size) else 1)
         elif kind == "pandas.Series":
-            table = pa.Table.from_pandas(value.to_frame(name=_SERIES_COLUMN))
+            table = pa.Table.from_pandas(value.to_frame(name=_SERIES_COLUMN), nthreads=1)
             extra[_NAME_KEY] = json.dumps(value.name, default=str).encode()
         elif kind == "polars.DataFrame":
             table = value.to_arrow()
@@ -209,23 +306,40 @@ def _arrow_bytes(table: Any, kind: str) -> bytes:
     return bytes(sink.getvalue().to_pybytes())
 
 
-def _from_arrow(data: Any, what: str) -> Any:
-    """The value of the Arrow stream in `data` (bytes, or a pyarrow memory map: then every
-    array is a view of the file's pages, read without a copy)."""
+def _from_mapped(path: str, what: str) -> tuple[Any, bool]:
+    """The value of the Arrow stream in the file `path`, its arrays views of the file's mapped
+    pages; and whether nothing maps them any more once it is built (a pandas value: its
+    numbers are copied, and its text is copied out first)."""
+    _pyarrow(what)  # missing: say so, before the file is mapped
+    try:
+        with open(path, "rb") as source:
+            mapped = mmap.mmap(source.fileno(), 0, prot=mmap.PROT_READ)
+    except (OSError, ValueError) as exc:  # ValueError: an empty file
+        raise PayloadError(f"{what} cannot be read as Arrow: {exc}") from None
+    mapping = weakref.ref(mapped)  # gone with the last array that is a view of it
+    value = _from_arrow(mapped, what, mapped=True)
+    del mapped
+    return value, mapping() is None
+
+
+def _from_arrow(data: Any, what: str, *, mapped: bool = False) -> Any:
+    """The value of the Arrow stream in `data` (bytes, or a buffer of a `mapped` file: then
+    every array is a view of the file's pages, read without a copy)."""
     pa = _pyarrow(what)
     try:
-        source = data if isinstance(data, pa.NativeFile) else pa.py_buffer(data)
-        table = pa.ipc.open_stream(source).read_all()
+        table = pa.ipc.open_stream(pa.py_buffer(data)).read_all()
     except (pa.ArrowException, ValueError) as exc:
         raise PayloadError(f"{what} is not an Arrow IPC stream: {exc}") from None
     metadata = dict(table.schema.metadata or {})
     kind = metadata.pop(KIND_KEY, b"pyarrow.Table").decode()
+    if kind.startswith("pandas.") and mapped:
+        table = _text_copied(pa, table)
     if kind == "pandas.DataFrame":
         _needs(kind, "pandas", what)
-        return table.to_pandas()
+        return table.to_pandas(use_threads=_threaded(table.num_rows * table.num_columns))
     if kind == "pandas.Series":
         _needs(kind, "pandas", what)
-        series = table.to_pandas()[_SERIES_COLUMN]
+        series = table.to_pandas(use_threads=False)[_SERIES_COLUMN]
         series.name = json.loads(metadata.get(_NAME_KEY, b"null"))
         return series
     if kind == "polars.DataFrame":
@@ -243,6 +357,36 @@ def _from_arrow(data: Any, what: str) -> Any:
         batches = plain.combine_chunks().to_batches()
         return batches[0] if batches else pa.RecordBatch.from_pylist([], schema=plain.schema)
     return plain
+
+
+def _threaded(values: int) -> bool:
+    """Whether a pandas frame of `values` cells is converted to or from Arrow on pyarrow's
+    threads: not below THREADS_FROM_VALUES, where starting them costs more than they save (a
+    1 MiB frame: 1.2 ms on one thread, 1.5 on pyarrow's pool)."""
+    return values >= THREADS_FROM_VALUES
+
+
+def _text_copied(pa: Any, table: Any) -> Any:
+    """`table` with its text and categories copied out of a mapped file: pandas keeps them as
+    Arrow arrays, and the file's pages can be written again only once nothing maps them."""
+    types = pa.types
+    for index, column in enumerate(table.columns):
+        kind = column.type
+        if types.is_dictionary(kind):
+            chunks = [
+                pa.DictionaryArray.from_arrays(
+                    pa.concat_arrays([chunk.indices]),
+                    pa.concat_arrays([chunk.dictionary]),
+                    ordered=kind.ordered,
+                )
+                for chunk in column.chunks
+            ]
+        elif types.is_string(kind) or types.is_large_string(kind) or types.is_binary(kind):
+            chunks = [pa.concat_arrays([chunk]) for chunk in column.chunks]
+        else:
+            continue
+        table = table.set_column(index, table.field(index), pa.chunked_array(chunks, kind))
+    return table
 
 
 def _needs(kind: str, package: str, what: str) -> Any:

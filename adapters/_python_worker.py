@@ -263,13 +263,9 @@ class _Call:
     def event(self):
         if not self.input_path:
             return _payloads.decode(self.payload, self.media, "input")
-        try:
-            return _payloads.decode_file(self.input_path, self.media, "input")
-        finally:
-            # Gone from the spool at once: an Arrow input stays mapped while the handler holds
-            # it, and its memory is freed with the last view of it, not at the end of the call.
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.input_path)
+        # Gone from the spool at once: an Arrow input stays mapped while the handler holds it,
+        # and its memory is freed with the last view of it, not at the end of the call.
+        return _payloads.decode_file(self.input_path, self.media, "input")
 
     def respond(self, status: bytes, meta: dict | None) -> None:
         _respond(self.resp_fd, self.nonce, status, meta)

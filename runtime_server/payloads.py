@@ -24,6 +24,7 @@ from typing import Any
 from fnkernel.adapters import _jsonvalues
 from fnkernel.adapters._payloads import (
     ARROW,
+    FREE_PREFIX,
     JSON,
     MEDIA_TYPES,
     OCTET,
@@ -34,11 +35,14 @@ from fnkernel.adapters._payloads import (
     encode_to_file,
     kind_of,
     media_type,
+    release,
     size_hint,
+    spool_file,
 )
 
 __all__ = [
     "ARROW",
+    "FREE_PREFIX",
     "JSON",
     "MEDIA_TYPES",
     "OCTET",
@@ -50,7 +54,9 @@ __all__ = [
     "encode_to_file",
     "kind_of",
     "media_type",
+    "release",
     "size_hint",
+    "spool_file",
 ]
 
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import grpc
 
+from fnkernel.runtime_server import payloads
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import (
@@ -99,8 +100,13 @@ def fnkernel_up(state_dir: Path, env: dict[str, str], pods: str = "python=1") ->
 
 
 def spooled(spool: Path) -> list[Path]:
-    """The payloads in a stack's or a pod's spool (``--spool``): its files, at any depth."""
-    return [path for path in spool.rglob("*") if path.is_file()]
+    """The payloads in a stack's or a pod's spool (``--spool``): its files, at any depth, but
+    the free ones the next payload is written into (docs/protocol.md, "Pages written again")."""
+    return [
+        path
+        for path in spool.rglob("*")
+        if path.is_file() and not path.name.startswith(payloads.FREE_PREFIX)
+    ]
 
 
 def pid_alive(pid: int) -> bool:

@@ -217,7 +217,8 @@ class Client(Transport):
         if spool is not None and size >= limits.SPOOL_FROM_BYTES:
             handed = spool / new_name("in")
             if data is not None:
-                handed.write_bytes(data)
+                with payloads.spool_file(str(handed)) as out:
+                    out.write(data)
                 media = content_type
             else:
                 media = payloads.encode_to_file(payload, str(handed), "payload")[1]
@@ -273,12 +274,7 @@ class Client(Transport):
         ref = reply.get(wire.OUTPUT_REF_HEADER)
         if ref and spool is not None:  # read where the worker wrote it, then gone
             taken = spool / Path(ref.split(" ", 1)[0]).name
-            try:
-                value = payloads.decode_file(
-                    str(taken), reply.get("Content-Type", ""), "the result"
-                )
-            finally:
-                taken.unlink(missing_ok=True)
+            value = payloads.decode_file(str(taken), reply.get("Content-Type", ""), "the result")
         if live is not None:
             live.end(logs)
         return InvocationResult(

@@ -9,6 +9,9 @@ the caller writes once and the worker maps), a file each, named by a random toke
 - An **output** past the size the caller asked for (``x-fn-output-ref-from``) is written here by
   the worker, and the call's trailer names it. The caller reads it, by ``TakePayload`` or from
   the file, and it is removed then.
+- A payload read, and mapped by nothing, is kept as a free file whose pages the next payload
+  written here reuses (``payloads.spool_file``, ``payloads.release``; docs/protocol.md, "Pages
+  written again").
 - What nobody claimed — a caller that wrote an input and died, an output never taken — is
   removed once it is SPOOL_GRACE_SECONDS old (``sweep``), and with the directory when the
   stack stops.
@@ -25,11 +28,13 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from fnkernel.runtime_server.errors import InvalidField
-from fnkernel.system.private import create_private, private_dir
+from fnkernel.runtime_server.payloads import FREE_PREFIX, release, spool_file
+from fnkernel.system.private import private_dir
 
 SPOOL_GRACE_SECONDS = 600.0
 CHUNK_BYTES = 1 << 20  # what one message of PutPayload and TakePayload carries
 _NAME = re.compile(r"(in|out)-[A-Za-z0-9_-]{22}")
+_SWEPT = re.compile(rf"(in|out|{FREE_PREFIX[:-1]})-[A-Za-z0-9_-]{{22}}")
 
 
 def new_name(kind: str) -> str:
@@ -75,32 +80,29 @@ class Spool:
         if not 0 <= size <= self.max_bytes:
             raise InvalidField("size", f"{size} bytes; at most {self.max_bytes}")
         name = new_name("in")
-        path = self.path(name)
-        fd = create_private(path)
-        try:
-            written = 0
-            with open(fd, "wb", closefd=True) as out:
-                for chunk in chunks:
-                    written += len(chunk)
-                    if written > size:
-                        raise InvalidField("data", f"more than the {size} bytes the size said")
-                    out.write(chunk)
+        written = 0
+        with spool_file(str(self.path(name))) as out:
+            for chunk in chunks:
+                written += len(chunk)
+                if written > size:
+                    raise InvalidField("data", f"more than the {size} bytes the size said")
+                out.write(chunk)
             if written != size:
                 raise InvalidField("data", f"{written} bytes, not the {size} the size said")
-        except BaseException:
-            path.unlink(missing_ok=True)
-            raise
         return name
 
     def take(self, name: str, field: str = "name") -> Iterator[bytes]:
-        """The payload `name` in chunks; it is removed once read, or the reader stops."""
+        """The payload `name` in chunks; it is gone once read (kept for the next payload,
+        ``release``), or removed if the reader stops."""
         path, _ = self.existing(name, field)
         try:
             with open(path, "rb") as source:
                 while chunk := source.read(CHUNK_BYTES):
                     yield chunk
-        finally:
+        except BaseException:
             path.unlink(missing_ok=True)
+            raise
+        release(str(path))
 
     def remove(self, name: str) -> None:
         with contextlib.suppress(FileNotFoundError, InvalidField):
@@ -114,7 +116,7 @@ class Spool:
             for entry in os.scandir(self.directory):
                 with contextlib.suppress(OSError):
                     if (
-                        _NAME.fullmatch(entry.name)
+                        _SWEPT.fullmatch(entry.name)
                         and now - entry.stat(follow_symlinks=False).st_mtime > SPOOL_GRACE_SECONDS
                     ):
                         os.unlink(entry.path)

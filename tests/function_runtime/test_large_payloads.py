@@ -21,7 +21,7 @@ from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import payloads_pb2
 from fnkernel.runtime_server.function_runtime.spool import CHUNK_BYTES, Spool
 from fnkernel.runtime_server.wire import INPUT_REF_KEY, OUTPUT_REF_FROM_KEY, OUTPUT_REF_KEY
 from tests.function_runtime.test_limits import rejected
-from tests.support import Client, serve_in_process, wait_until
+from tests.support import Client, serve_in_process, spooled, wait_until
 
 MIB = 1 << 20
 HANDLER = {
@@ -91,7 +91,7 @@ def test_a_dataframe_past_one_message_goes_in_and_out_through_the_spool(
     assert not (spool.directory / name).exists()  # the input went with its call
     assert (spool.directory / out).stat().st_size == size
     pd.testing.assert_frame_equal(payloads.decode(take(python_spooled, out), payloads.ARROW), frame)
-    assert list(spool.directory.iterdir()) == []  # taken once, and gone
+    assert spooled(spool.directory) == []  # taken once, and gone
 
 
 def test_a_spooled_arrow_input_is_a_view_of_the_file_not_a_copy(python_spooled: Client) -> None:
@@ -150,7 +150,7 @@ def test_a_cancelled_call_leaves_nothing_in_the_spool(python_spooled: Client, sp
     wait_until(lambda: python_spooled.status(registration).in_flight, timeout=10)
     future.cancel()
     wait_until(lambda: not python_spooled.status(registration).in_flight, timeout=10)
-    assert list(spool.directory.iterdir()) == []
+    assert spooled(spool.directory) == []
 
 
 @pytest.mark.parametrize("ends", ["timed out", "worker killed"])
@@ -181,7 +181,7 @@ def test_a_call_that_ends_badly_leaves_nothing_in_the_spool(
         )
     expected = "DEADLINE_EXCEEDED" if ends == "timed out" else "UNKNOWN"
     assert ended.value.code().name == expected, ended.value.details()
-    assert list(spool.directory.iterdir()) == []
+    assert spooled(spool.directory) == []
 
 
 def test_what_the_spool_refuses_is_named(python_spooled: Client, spool: Spool) -> None:
@@ -205,7 +205,7 @@ def test_what_the_spool_refuses_is_named(python_spooled: Client, spool: Spool) -
     with pytest.raises(grpc.RpcError) as large:
         put(python_spooled, b"abc", size=spool.max_bytes + 1)
     assert large.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert list(spool.directory.iterdir()) == []
+    assert spooled(spool.directory) == []
 
 
 def _request(registration: object, content_type: str, data: bytes = b"") -> object:
