@@ -9,13 +9,18 @@ a handler that returns it, and the DataFrame back in the caller:
 * **fnkernel, streamed**: ``Client.invoke(df, by_reference=False)``, every byte through the
   gateway and runtimed, as a caller on another machine sends it;
 * **Ray's actor call**, ``ray.get(actor.f.remote(df))``;
-* **a ProcessPoolExecutor** of one process in the notebook (pickle through a pipe).
+* **a ProcessPoolExecutor** of one process in the notebook (pickle through a pipe);
+* **the conversions alone**: the frame to Arrow and back twice in this process, no call — what
+  any path that carries it as Arrow IPC does (the caller writes it, the worker reads it, and the
+  result the same way back), so the floor under fnkernel's figure that no transport removes.
 
 Each case's calls are taken in turn, round after round; the median of each, its ratio to Ray's
 actor call. Then **memory**: one call of about 1 GiB through the spool path and one streamed,
-with each stack
-process's peak resident memory reset before it (``/proc/PID/clear_refs``) and read after
-(``VmHWM``), and the spool's own size at the end; what each took above its resting size, in
+with each stack process's peak resident memory reset before it (``/proc/PID/clear_refs``) and
+read after (``VmHWM``): what each took above its resting size, in payloads. And the **whole
+stack at once**, sampled every millisecond or so through the call: every stack process's
+anonymous memory above resting plus the spool's files (tmpfs: memory, counted once however many
+processes map them), and the caller's own above resting, beside it — the peak of each sum, in
 payloads.
 
 Targets (issue 47): fnkernel <= Ray's actor call at 1 MiB and up. Not part of ``make bench``
@@ -31,6 +36,7 @@ import logging
 import os
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -48,6 +54,7 @@ MIB = 1 << 20
 SIZES_MIB = (1, 64, 512)
 HANDLER = {"handler.py": "def handle(frame):\n    return frame\n"}
 RAY_CASE = "Ray actor call"
+FLOOR_CASE = "the conversions alone (no call)"
 
 
 def frame_of(mib: int) -> pd.DataFrame:
@@ -101,6 +108,7 @@ def main() -> int:
                                     files=HANDLER, memory_mb=16_384)  # fmt: skip
             assert run.phase == "Ready", run.message
             cases: dict[str, Callable[[Any], Any]] = {
+                FLOOR_CASE: lambda df: _from_arrow(_to_arrow(_from_arrow(_to_arrow(df)))),
                 "fnkernel NAME(df), same machine": lambda df: client.invoke("echo", df).value(),
                 "fnkernel, streamed (another machine)": lambda df: client.invoke(
                     "echo", df, by_reference=False
@@ -120,6 +128,14 @@ def main() -> int:
             stack.stop()
             pool.shutdown()
     return verdicts(targets)
+
+
+def _to_arrow(frame: pd.DataFrame) -> bytes:
+    return payloads.encode(frame)[0]
+
+
+def _from_arrow(data: bytes) -> Any:
+    return payloads.decode(data, payloads.ARROW)
 
 
 class Echo:
@@ -151,15 +167,18 @@ def _size(mib: int, cases: dict[str, Callable[[Any], Any]], rounds: int) -> list
         ms = statistics.median(samples) * 1000
         against = f"{ms / ray_ms:6.2f}x Ray" if ray_ms else ""
         print(f"  {case:<40} {ms:10.1f} ms {against}")
+    ours = statistics.median(taken["fnkernel NAME(df), same machine"]) * 1000
+    floor = statistics.median(taken[FLOOR_CASE]) * 1000
+    print(f"  fnkernel above the conversions alone: {ours - floor:.1f} ms")
     if not ray_ms:
         return []
-    ours = statistics.median(taken["fnkernel NAME(df), same machine"]) * 1000
     return [Target(f"{mib} MiB frame, fnkernel / Ray's actor call", ours / ray_ms, 1.0)]
 
 
 def _memory(stack: Stack, client: Client, mib: int, by_reference: bool) -> None:
     """One call of about `mib` MiB, through the spool (`by_reference`) or streamed; what each
-    process of the stack took above its resting size at its peak, in payloads."""
+    process of the stack took above its resting size at its peak, in payloads; and the peak of
+    the whole stack's at any one moment, sampled."""
     frame = frame_of(mib)
     size = len(payloads.encode(frame)[0])
     client.invoke("echo", frame_of(1)).value()  # the worker is up
@@ -174,13 +193,61 @@ def _memory(stack: Stack, client: Client, mib: int, by_reference: bool) -> None:
     resting = {name: _status(pid, "VmRSS") for name, pid in processes.items()}
     for pid in processes.values():
         Path(f"/proc/{pid}/clear_refs").write_text("5")  # reset the peak (VmHWM) to now
-    back = client.invoke("echo", frame, by_reference=by_reference).value()
+    sampler = _Sampler(processes, stack.spool)
+    with sampler:
+        back = client.invoke("echo", frame, by_reference=by_reference).value()
     assert len(back) == len(frame)
     how = "same machine" if by_reference else "streamed"
     print(f"\nmemory of one {size / MIB:.0f} MiB call ({how}): peak above resting")
     for name, pid in processes.items():
         grew = _status(pid, "VmHWM") - resting[name]
         print(f"  {name:<24} {grew / MIB:9.1f} MiB  {grew / size:5.2f} payloads")
+    stack_peak, caller_peak = sampler.peaks()
+    print(f"  {'the stack at once':<24} {stack_peak / MIB:9.1f} MiB  {stack_peak / size:5.2f} "
+          f"payloads (its processes and its spool; {sampler.samples} samples)")  # fmt: skip
+    print(f"  {'the caller':<24} {caller_peak / MIB:9.1f} MiB  {caller_peak / size:5.2f} "
+          f"payloads (beside the frame it sent)")  # fmt: skip
+
+
+class _Sampler:
+    """The stack's memory above resting, sampled on a thread while the block runs: its
+    processes' anonymous memory and its spool's files; and this process's (the caller's)."""
+
+    def __init__(self, processes: dict[str, int], spool: Path) -> None:
+        self.pids = [*processes.values()]
+        self.spool = spool
+        self.resting = self._stack()
+        self.caller_resting = _status(os.getpid(), "RssAnon")
+        self.stack_peak = self.caller_peak = 0
+        self.samples = 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> None:
+        self._thread.start()
+
+    def __exit__(self, *_: object) -> None:
+        self._done.set()
+        self._thread.join(timeout=10)
+
+    def peaks(self) -> tuple[int, int]:
+        return self.stack_peak, self.caller_peak
+
+    def _run(self) -> None:
+        while not self._done.wait(0.001):
+            self.stack_peak = max(self.stack_peak, self._stack() - self.resting)
+            caller = _status(os.getpid(), "RssAnon") - self.caller_resting
+            self.caller_peak = max(self.caller_peak, caller)
+            self.samples += 1
+
+    def _stack(self) -> int:
+        spooled = 0
+        for path in self.spool.rglob("*"):
+            try:
+                spooled += path.lstat().st_blocks * 512
+            except FileNotFoundError:
+                continue
+        return spooled + sum(_status(pid, "RssAnon") for pid in self.pids)
 
 
 def _status(pid: int, field: str) -> int:
