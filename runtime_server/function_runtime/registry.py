@@ -367,10 +367,12 @@ class Registry:
             logs, failure = getattr(exc, "logs", ()), limits.bounded(str(exc))
             raise
         finally:
-            if self.spool is not None:  # the input is the call's, the output the caller's
+            # The input is the call's; the output the caller's, but for what a worker that
+            # failed mid-call may have begun (one that answered inline wrote nothing).
+            if self.spool is not None and input_ref:
                 self.spool.remove(input_ref)
-                if transfer.output and (result is None or result.spooled < 0):
-                    self.spool.remove(transfer.output)
+            if self.spool is not None and transfer.output and result is None:
+                self.spool.remove(transfer.output)
             hop.delegated(failure)
             with self._lock:
                 reg.in_flight = 0
