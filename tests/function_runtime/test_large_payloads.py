@@ -198,6 +198,16 @@ def test_what_the_spool_refuses_is_named(python_spooled: Client, spool: Spool) -
         INPUT_REF_KEY,
         "no spooled payload",
     )
+    # docs/protocol.md, "Pages written again": a free file is an earlier payload's pages, never
+    # a payload a caller may name.
+    free = spool.directory / ("free-" + "b" * 22)
+    free.write_bytes(b'{"earlier": "payload"}')
+    rejected(
+        lambda: python_spooled.invoke(registration, b"", metadata=((INPUT_REF_KEY, free.name),)),
+        INPUT_REF_KEY,
+        "is not a spooled payload's name",
+    )
+    free.unlink()
     with pytest.raises(grpc.RpcError) as short:
         put(python_spooled, b"abc", size=10)
     assert short.value.code() == grpc.StatusCode.INVALID_ARGUMENT
