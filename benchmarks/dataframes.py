@@ -20,8 +20,9 @@ with each stack process's peak resident memory reset before it (``/proc/PID/clea
 read after (``VmHWM``): what each took above its resting size, in payloads. And the **whole
 stack at once**, sampled every millisecond or so through the call: every stack process's
 anonymous memory above resting plus the spool's files (tmpfs: memory, counted once however many
-processes map them), and the caller's own above resting, beside it — the peak of each sum, in
-payloads.
+processes map them; free files too), and the caller's own above resting, beside it — the peak
+of each sum, in payloads. Each on a fresh stack of its own, so nothing the earlier calls left
+(a process's retained memory, the spool's free files) hides in "resting".
 
 Targets (issue 47): fnkernel <= Ray's actor call at 1 MiB and up. Not part of ``make bench``
 (Ray is an optional extra): ``make bench-peers`` runs it after benchmarks.peers.
@@ -44,8 +45,10 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 
 from benchmarks.invoke import Target, verdicts
+from fnkernel.adapters._payloads import THREADS_FROM_VALUES
 from fnkernel.runtime_server import payloads
 from fnkernel.runtime_server.client import Client
 from fnkernel.runtime_server.lifecycle.stack import Stack
@@ -99,16 +102,10 @@ def main() -> int:
     pool = concurrent.futures.ProcessPoolExecutor(1)
     targets: list[Target] = []
     with tempfile.TemporaryDirectory(prefix="fnk-bench-df-") as tmp:
-        stack = Stack(Path(tmp) / "state", {"python": 1}, gateway_listen="127.0.0.1:0",
-                      max_payload_bytes=max(2 << 30, 2 * args.memory_mib * MIB))  # fmt: skip
-        stack.start()
+        stack, client = _echo_stack(Path(tmp) / "state", args.memory_mib)
         try:
-            client = Client(stack.gateway_address)
-            run = client.create_run("echo", runtime="python", handler="handler.handle",
-                                    files=HANDLER, memory_mb=16_384)  # fmt: skip
-            assert run.phase == "Ready", run.message
             cases: dict[str, Callable[[Any], Any]] = {
-                FLOOR_CASE: lambda df: _from_arrow(_to_arrow(_from_arrow(_to_arrow(df)))),
+                FLOOR_CASE: lambda df: _converted(_converted(df)),
                 "fnkernel NAME(df), same machine": lambda df: client.invoke("echo", df).value(),
                 "fnkernel, streamed (another machine)": lambda df: client.invoke(
                     "echo", df, by_reference=False
@@ -122,20 +119,36 @@ def main() -> int:
                 print("Ray is not installed (pip install -e '.[peers]'): left out")
             for mib in args.sizes:
                 targets += _size(mib, cases, args.rounds)
-            for by_reference in (True, False):
-                _memory(stack, client, args.memory_mib, by_reference)
         finally:
             stack.stop()
             pool.shutdown()
+        for n, by_reference in enumerate((True, False)):
+            # A stack of its own: nothing of the calls above kept by its processes or spool.
+            stack, client = _echo_stack(Path(tmp) / f"memory-{n}", args.memory_mib)
+            try:
+                _memory(stack, client, args.memory_mib, by_reference)
+            finally:
+                stack.stop()
     return verdicts(targets)
 
 
-def _to_arrow(frame: pd.DataFrame) -> bytes:
-    return payloads.encode(frame)[0]
+def _echo_stack(state: Path, memory_mib: int) -> tuple[Stack, Client]:
+    stack = Stack(state, {"python": 1}, gateway_listen="127.0.0.1:0",
+                  max_payload_bytes=max(2 << 30, 2 * memory_mib * MIB))  # fmt: skip
+    stack.start()
+    client = Client(stack.gateway_address)
+    run = client.create_run("echo", runtime="python", handler="handler.handle",
+                            files=HANDLER, memory_mb=16_384)  # fmt: skip
+    assert run.phase == "Ready", run.message
+    return stack, client
 
 
-def _from_arrow(data: bytes) -> Any:
-    return payloads.decode(data, payloads.ARROW)
+def _converted(frame: pd.DataFrame) -> pd.DataFrame:
+    """`frame` to Arrow and back as the codec converts it (its threads too), without the
+    IPC stream's bytes: the conversions alone."""
+    threaded = frame.size >= THREADS_FROM_VALUES
+    table = pa.Table.from_pandas(frame, nthreads=None if threaded else 1)
+    return table.to_pandas(use_threads=threaded)
 
 
 class Echo:
@@ -216,7 +229,7 @@ class _Sampler:
     def __init__(self, processes: dict[str, int], spool: Path) -> None:
         self.pids = [*processes.values()]
         self.spool = spool
-        self.resting = self._stack()
+        self.resting = sum(_status(pid, "RssAnon") for pid in self.pids)
         self.caller_resting = _status(os.getpid(), "RssAnon")
         self.stack_peak = self.caller_peak = 0
         self.samples = 0
@@ -235,13 +248,14 @@ class _Sampler:
 
     def _run(self) -> None:
         while not self._done.wait(0.001):
-            self.stack_peak = max(self.stack_peak, self._stack() - self.resting)
+            self.stack_peak = max(self.stack_peak, self._stack())
             caller = _status(os.getpid(), "RssAnon") - self.caller_resting
             self.caller_peak = max(self.caller_peak, caller)
             self.samples += 1
 
     def _stack(self) -> int:
-        spooled = 0
+        """The processes' anonymous memory above resting, and the whole spool."""
+        spooled = -self.resting
         for path in self.spool.rglob("*"):
             try:
                 spooled += path.lstat().st_blocks * 512
