@@ -206,7 +206,12 @@ class Client(Transport):
         as it is written once the call has run for FOLLOW_AFTER_SECONDS (from another
         thread), else — a quicker call, or when no live stream could be had — from its result
         or failure before this returns or raises (docs/protocol.md, "Live output")."""
-        size = len(data) if data is not None else payloads.size_hint(payload)
+        encoded: tuple[bytes, str] | None = None  # the payload's bytes, unless written to a file
+        if data is not None:
+            encoded = data, content_type
+        elif payloads.kind_of(payload) is None:  # JSON or octets: its size is its length
+            encoded = payloads.encode(payload, "payload")
+        size = len(encoded[0]) if encoded is not None else payloads.size_hint(payload)
         spool = None
         if by_reference:  # asked of the gateway for a large input; else as far as known
             spool = self.local_spool() if size >= limits.SPOOL_FROM_BYTES else self._spool_known()
@@ -216,10 +221,10 @@ class Client(Transport):
             headers[wire.OUTPUT_REF_FROM_HEADER] = str(limits.SPOOL_FROM_BYTES)
         if spool is not None and size >= limits.SPOOL_FROM_BYTES:
             handed = spool / new_name("in")
-            if data is not None:
+            if encoded is not None:
                 with payloads.spool_file(str(handed)) as out:
-                    out.write(data)
-                media = content_type
+                    out.write(encoded[0])
+                media = encoded[1]
             else:
                 media = payloads.encode_to_file(payload, str(handed), "payload")[1]
             written = handed.stat().st_size
@@ -230,8 +235,8 @@ class Client(Transport):
                     code="PAYLOAD_TOO_LARGE", status=413,
                 )  # fmt: skip
             headers[wire.INPUT_REF_HEADER], body = handed.name, b""
-        elif data is not None:
-            body, media = data, content_type
+        elif encoded is not None:
+            body, media = encoded
         else:
             body, media = payloads.encode(payload, "payload")
         headers["Content-Type"] = media

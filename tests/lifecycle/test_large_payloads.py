@@ -81,6 +81,30 @@ def test_a_dataframe_past_one_message_comes_back_as_it_went(
     assert (result.output == b"") is by_reference  # by reference: nothing in the answer
 
 
+@pytest.mark.parametrize(
+    "value", [{"s": "x" * (100 << 10)}, b"\x05" * (64 << 10)], ids=["JSON", "octets"]
+)
+def test_a_payload_of_64_kib_is_handed_over_as_a_file(stack: Stack, value: object) -> None:
+    # docs/protocol.md, "Large payloads": on one machine a client writes a payload of 64 KiB
+    # or more into the spool once and sends its name as X-Fn-Input-Ref with an empty body.
+    client = Client(stack.gateway_address)
+    sent: list[tuple[bytes, dict[str, str]]] = []
+    request = client.request
+
+    def recorded(method: str, path: str, body: bytes = b"", headers: object = None, **kw: object):
+        sent.append((body, dict(headers or {})))  # type: ignore[call-overload]
+        return request(method, path, body, headers, **kw)  # type: ignore[arg-type]
+
+    client.request = recorded  # type: ignore[method-assign]
+    result = client.invoke("big", value)
+    [body] = [body for body, headers in sent if "X-Fn-Input-Ref" in headers]
+    assert body == b""
+    if isinstance(value, dict):
+        assert result.value() == value and result.output == b""  # answered by reference too
+    else:
+        assert result.value() == {"size": len(value), "sum": 5 * len(value)}
+
+
 def test_a_1_gib_call_in_and_out(stack: Stack) -> None:
     # docs/protocol.md, "Large payloads": up to 2 GiB by default. In: 1 GiB of bytes streamed
     # through the gateway (from a client that is not on this machine, as far as it lets on);
