@@ -51,6 +51,8 @@ FREE_PREFIX = "free-"
 KEEP_FREE_FILES = 4
 KEEP_FREE_BYTES = 1 << 30
 KEEP_FREE_SECONDS = 60.0
+# A table whose chunks average fewer rows is combined into one before it is written (``_table``).
+_BATCH_ROWS = 1 << 16
 # A pandas frame of fewer cells is converted on one thread (``_threaded``).
 THREADS_FROM_VALUES = 1 << 20
 _SERIES_COLUMN = "__series__"
@@ -103,10 +105,10 @@ def size_hint(value: Any) -> int:
     """About how many bytes `value` takes, without encoding it: its buffers' size for an Arrow
     kind, its length for bytes; 0 for what has no cheap answer (JSON values)."""
     kind = kind_of(value)
-    if kind == "pandas.DataFrame":
-        return int(value.memory_usage(index=True, deep=False).sum())
+    if kind == "pandas.DataFrame":  # memory_usage()'s answer, in a fifth of its time
+        return sum(column.array.nbytes for _, column in value.items()) + value.index.nbytes
     if kind == "pandas.Series":
-        return int(value.memory_usage(index=True, deep=False))
+        return int(value.array.nbytes + value.index.nbytes)
     if kind == "polars.DataFrame":
         return int(value.estimated_size())
     if kind is not None:  # pyarrow's, numpy's
@@ -294,6 +296,12 @@ def _table(value: Any, kind: str, root: str) -> Any:
             extra[_DTYPE_KEY] = value.dtype.str.encode()
     except (pa.ArrowException, TypeError, ValueError) as exc:
         raise TypeError(f"{root}: this {kind} cannot be written as Arrow: {exc}") from None
+    # A frame made by concatenating small ones (pd.concat of Arrow-backed text) has a column of
+    # as many chunks, and Arrow IPC writes a record batch, with its own header, for each: one
+    # of 100,000 rows from 33,333 pieces took 17 MB and 156 ms, against 6 ms to combine them.
+    chunks = max((column.num_chunks for column in table.columns), default=1)
+    if chunks > 1 and table.num_rows < chunks * _BATCH_ROWS:
+        table = table.combine_chunks()
     metadata = {**(table.schema.metadata or {}), **extra, KIND_KEY: kind.encode()}
     return table.replace_schema_metadata(metadata)
 

@@ -117,3 +117,18 @@ def test_a_value_inside_json_is_not_arrow() -> None:
     # JSON value, which it cannot be — the error names where it is and what to do.
     with pytest.raises(TypeError, match=r'payload\["frame"\]: DataFrame'):
         payloads.encode({"frame": mixed_frame()}, "payload")
+
+
+def test_a_size_hint_is_about_the_arrow_size_without_encoding() -> None:
+    # What decides, before anything is encoded, whether a payload goes through the spool
+    # (docs/protocol.md, "Large payloads"): about the size it will have, read from its buffers.
+    # The frame is made of 33,333 pieces, as a notebook's concatenated partitions are: its text
+    # is Arrow arrays of as many chunks, written as one batch, not 33,333.
+    rows = 100_000
+    frame = pd.concat([mixed_frame()] * (rows // 3), ignore_index=True)
+    for value in (frame, frame["ratio"], frame["count"]):
+        encoded = len(payloads.encode(value)[0])
+        assert 0.75 * encoded <= payloads.size_hint(value) <= 1.25 * encoded, value
+    assert payloads.size_hint(np.zeros((3, 4))) == 96
+    assert payloads.size_hint(b"abc") == 3
+    assert payloads.size_hint({"a": 1}) == 0  # no cheap answer: JSON is sized once encoded
