@@ -6,7 +6,10 @@ bench-peers` installs them). A peer that is not installed is left out, and the r
 * **Python driver**, one caller, a Python value in and a Python value out (``{"s": "x…"}``, its
   compact JSON the payload's size): ``Client.invoke(...).decoded()`` on a Run that returns its
   event; the same request as raw ``http.client`` to the same gateway (encoded as the client
-  encodes, decoded with ``json.loads``); Ray's actor method and task (``ray.get(f.remote(v))``);
+  encodes, decoded with ``json.loads``); the same Run called on runtimed's FunctionRuntime
+  directly, over its Unix socket with grpc's blocking stub, as the gateway calls it — the
+  alternative for a caller on the stack's own machine (issue 48), our runtimed, Runtime Server
+  and worker without the gateway; Ray's actor method and task (``ray.get(f.remote(v))``);
   and the *floor chain*: raw HTTP to a bare tornado server that relays the body over grpc.aio to
   a bare grpc.aio relay and on to a bare gRPC echo (benchmarks.throughput's) — as many hops as
   gateway → runtimed → Runtime Server, none of our code, no worker.
@@ -67,10 +70,13 @@ import grpc
 from benchmarks.invoke import ECHO_METHOD, PY_HANDLER, Target, bench_server, p, verdicts
 from benchmarks.throughput import MAX_CALLS, load, relay
 from fnkernel.runtime_server import payloads
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from fnkernel.runtime_server.client import Client
 from fnkernel.runtime_server.daemon import Child, start
 from fnkernel.runtime_server.lifecycle.stack import Stack
 from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS
+from fnkernel.runtime_server.wire import POD_KEY
 
 SIZES = {"small": 16, "100 KB": 100_000, "1 MiB": 1 << 20, "6 MiB": 6 << 20}
 # Calls per case per round at each size (the large ones take long on the slow peers).
@@ -87,6 +93,7 @@ CLIENT_TARGET = 1.05  # x the raw request
 KG_AHEAD = 4.0  # x Kernel Gateway
 CLIENT_CASE = "fnkernel Client.invoke"
 RAW_CASE = "raw HTTP to the gateway"
+RUNTIMED_CASE = "no gateway: gRPC to runtimed (an alternative)"
 FLOOR_CHAIN = "floor chain (HTTP → gRPC relay → gRPC echo)"
 TORNADO = "tornado echo (floor)"
 GRPC_ECHO = "gRPC echo"
@@ -364,6 +371,16 @@ class Bench:
         self.client.create_run("echo-set", runtime="python", handler="handler.handle",
                                files={"handler.py": PY_HANDLER}, replicas=IN_FLIGHT)  # fmt: skip
         self.runs = [f"echo{i}" for i in range(IN_FLIGHT)]
+        # Issue 48's alternative for a caller on the stack's machine: runtimed's FunctionRuntime
+        # on its Unix socket, as the gateway calls it (the Run's UID, its pod for the fence).
+        status = self.client.status("echo0")
+        runtimed = stack.component("python-0-runtimed").child
+        assert runtimed is not None
+        self.runtimed_call = pb_grpc.FunctionRuntimeStub(
+            grpc.insecure_channel(runtimed.address, options=CHANNEL_OPTIONS)
+        ).InvokeFunction
+        self.runtimed_run = pb.FunctionRegistration(run_uid=status["uid"])
+        self.runtimed_pod = ((POD_KEY, "python-0"),)
         self.raw = RawHttp(stack.gateway_address, "/v1/runs/echo0:invoke", stack.token)
         self.chain = RawHttp(chain, "/")
         # The 10 threads' connections: one each, on its Run, and on the floor chain.
@@ -404,11 +421,19 @@ class Bench:
         cases: dict[str, Callable[[], Any]] = {
             CLIENT_CASE: lambda: client.invoke("echo0", value).decoded(),
             RAW_CASE: lambda: json.loads(raw.post(payloads.dumps(value))),
+            RUNTIMED_CASE: lambda: self._runtimed(value),
         }
         for label, call in self.ray_calls.items():
             cases[label] = lambda call=call: call(value)  # type: ignore[misc]
         cases[FLOOR_CHAIN] = lambda: json.loads(chain.post(payloads.dumps(value)))
         return cases
+
+    def _runtimed(self, value: Any) -> Any:
+        request = pb.InvokeFunctionRequest(
+            registration=self.runtimed_run, input=payloads.dumps(value), content_type=payloads.JSON
+        )
+        response = self.runtimed_call(request, timeout=120, metadata=self.runtimed_pod)
+        return json.loads(response.output)
 
     def bare_cases(self, body: bytes) -> dict[str, Callable[[], Any]]:
         echo, pipe = self.grpc_echo, self.pipe
