@@ -48,6 +48,7 @@ import pandas as pd
 import pyarrow as pa
 
 from benchmarks.invoke import Target, verdicts
+from benchmarks.processes import stack_processes, status_bytes
 from fnkernel.adapters._payloads import THREADS_FROM_VALUES
 from fnkernel.runtime_server import payloads
 from fnkernel.runtime_server.client import Client
@@ -195,15 +196,8 @@ def _memory(stack: Stack, client: Client, mib: int, by_reference: bool) -> None:
     frame = frame_of(mib)
     size = len(payloads.encode(frame)[0])
     client.invoke("echo", frame_of(1)).value()  # the worker is up
-    processes = {
-        component.name: component.child.pid
-        for component in stack.components
-        if component.child is not None
-    }
-    server = processes["python-0-server"]
-    for pid in _children(server):
-        processes["worker"] = pid
-    resting = {name: _status(pid, "VmRSS") for name, pid in processes.items()}
+    processes = stack_processes(stack)
+    resting = {name: status_bytes(pid, "VmRSS") for name, pid in processes.items()}
     for pid in processes.values():
         Path(f"/proc/{pid}/clear_refs").write_text("5")  # reset the peak (VmHWM) to now
     sampler = _Sampler(processes, stack.spool)
@@ -213,7 +207,7 @@ def _memory(stack: Stack, client: Client, mib: int, by_reference: bool) -> None:
     how = "same machine" if by_reference else "streamed"
     print(f"\nmemory of one {size / MIB:.0f} MiB call ({how}): peak above resting")
     for name, pid in processes.items():
-        grew = _status(pid, "VmHWM") - resting[name]
+        grew = status_bytes(pid, "VmHWM") - resting[name]
         print(f"  {name:<24} {grew / MIB:9.1f} MiB  {grew / size:5.2f} payloads")
     stack_peak, caller_peak = sampler.peaks()
     print(f"  {'the stack at once':<24} {stack_peak / MIB:9.1f} MiB  {stack_peak / size:5.2f} "
@@ -229,8 +223,8 @@ class _Sampler:
     def __init__(self, processes: dict[str, int], spool: Path) -> None:
         self.pids = [*processes.values()]
         self.spool = spool
-        self.resting = sum(_status(pid, "RssAnon") for pid in self.pids)
-        self.caller_resting = _status(os.getpid(), "RssAnon")
+        self.resting = sum(status_bytes(pid, "RssAnon") for pid in self.pids)
+        self.caller_resting = status_bytes(os.getpid(), "RssAnon")
         self.stack_peak = self.caller_peak = 0
         self.samples = 0
         self._done = threading.Event()
@@ -249,7 +243,7 @@ class _Sampler:
     def _run(self) -> None:
         while not self._done.wait(0.001):
             self.stack_peak = max(self.stack_peak, self._stack())
-            caller = _status(os.getpid(), "RssAnon") - self.caller_resting
+            caller = status_bytes(os.getpid(), "RssAnon") - self.caller_resting
             self.caller_peak = max(self.caller_peak, caller)
             self.samples += 1
 
@@ -261,27 +255,7 @@ class _Sampler:
                 spooled += path.lstat().st_blocks * 512
             except FileNotFoundError:
                 continue
-        return spooled + sum(_status(pid, "RssAnon") for pid in self.pids)
-
-
-def _status(pid: int, field: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                stat = Path(f"/proc/{entry.name}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rpartition(")")[2].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
+        return spooled + sum(status_bytes(pid, "RssAnon") for pid in self.pids)
 
 
 if __name__ == "__main__":

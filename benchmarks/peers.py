@@ -12,7 +12,11 @@ bench-peers` installs them). A peer that is not installed is left out, and the r
   and worker without the gateway; Ray's actor method and task (``ray.get(f.remote(v))``);
   and the *floor chain*: raw HTTP to a bare tornado server that relays the body over grpc.aio to
   a bare grpc.aio relay and on to a bare gRPC echo (benchmarks.throughput's) — as many hops as
-  gateway → runtimed → Runtime Server, none of our code, no worker.
+  gateway → runtimed → Runtime Server, none of our code, no worker. Beside it, issue 48's
+  alternative floor chains, made of other parts: its HTTP hop on uvloop's event loop; grpc's
+  blocking call from a thread pool on both hops (tornado's and the relay's); and no HTTP hop at
+  all (a blocking gRPC call from Python to the thread-pool relay), what a caller on the stack's
+  machine calling runtimed directly would stand on. The report names the least of them.
 * **HTTP**, one client (raw ``http.client``, the body's bytes in and out, the same code for
   every server): fnkernel's gateway, Jupyter Kernel Gateway in notebook-http mode (a notebook
   whose ``# POST /echo`` cell prints the body back), and a bare tornado echo.
@@ -68,6 +72,7 @@ from urllib.parse import urlsplit
 import grpc
 
 from benchmarks.invoke import ECHO_METHOD, PY_HANDLER, Target, bench_server, p, verdicts
+from benchmarks.processes import cpu_seconds, stack_processes
 from benchmarks.throughput import MAX_CALLS, load, relay
 from fnkernel.runtime_server import payloads
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
@@ -95,6 +100,10 @@ CLIENT_CASE = "fnkernel Client.invoke"
 RAW_CASE = "raw HTTP to the gateway"
 RUNTIMED_CASE = "no gateway: gRPC to runtimed (an alternative)"
 FLOOR_CHAIN = "floor chain (HTTP → gRPC relay → gRPC echo)"
+# Issue 48's alternative floor chains: the same hops made of other parts, none of our code.
+FLOOR_UVLOOP = "floor chain, its HTTP hop on uvloop"
+FLOOR_THREADS = "floor chain, blocking gRPC from threads, both hops"
+FLOOR_NO_HTTP = "floor without the HTTP hop (gRPC → relay → echo)"
 TORNADO = "tornado echo (floor)"
 GRPC_ECHO = "gRPC echo"
 PIPE = "pipe to a process"
@@ -317,6 +326,13 @@ def main() -> int:
             children.append(proxy)
             front = relay("http", "-", proxy.address)
             children.append(front)
+            sync_proxy = relay("sync", f"unix:{tmp}/sync-proxy.sock", echo.address)
+            children.append(sync_proxy)
+            alternatives = {
+                FLOOR_UVLOOP: relay("http-uvloop", "-", proxy.address),
+                FLOOR_THREADS: relay("http-threads", "-", sync_proxy.address),
+            }
+            children += alternatives.values()
             http_echo = start([sys.executable, "-m", "benchmarks.gateway", "--http-echo"])
             children.append(http_echo)
             pipe = PipeEcho()
@@ -339,6 +355,12 @@ def main() -> int:
             bench = Bench(
                 stack, front.address, echo.address, http_echo.address, pipe, kernel_gateway, ray
             )
+            bench.alternatives = {
+                label: RawHttp(child.address, "/") for label, child in alternatives.items()
+            }
+            bench.no_http = grpc.insecure_channel(
+                sync_proxy.address, options=CHANNEL_OPTIONS
+            ).unary_unary(ECHO_METHOD)
             for number in range(args.rounds):
                 print(f"round {number + 1} of {args.rounds}", flush=True)
                 bench.round(args.sizes, args.seconds, warm=number == 0)
@@ -364,6 +386,7 @@ class Bench:
         kernel_gateway: KernelGateway | None,
         ray: Any,
     ) -> None:
+        self.stack = stack
         self.client = Client(stack.gateway_address, token=stack.token)
         for i in range(IN_FLIGHT):
             self.client.create_run(f"echo{i}", runtime="python", handler="handler.handle",
@@ -414,6 +437,11 @@ class Bench:
         self.rates: dict[str, list[float]] = {}  # 10 in flight: calls/s per round
         self.pair_ratios: dict[str, list[float]] = {}  # size: Client / raw, pair by pair
         self._batches = 0  # so far: where the next batch's order of the cases starts
+        # CPU µs per call of each process, Client.invoke from IN_FLIGHT threads, per round.
+        self.cpu: dict[str, list[float]] = {}
+        # Issue 48's alternative floor chains (set by main): over HTTP, and without it.
+        self.alternatives: dict[str, RawHttp] = {}
+        self.no_http: Callable[..., bytes] | None = None
 
     def python_cases(self, value: Any) -> dict[str, Callable[[], Any]]:
         """A Python value in, a Python value out."""
@@ -426,6 +454,10 @@ class Bench:
         for label, call in self.ray_calls.items():
             cases[label] = lambda call=call: call(value)  # type: ignore[misc]
         cases[FLOOR_CHAIN] = lambda: json.loads(chain.post(payloads.dumps(value)))
+        for label, other in self.alternatives.items():
+            cases[label] = lambda other=other: json.loads(other.post(payloads.dumps(value)))  # type: ignore[misc]
+        if (no_http := self.no_http) is not None:
+            cases[FLOOR_NO_HTTP] = lambda: json.loads(no_http(payloads.dumps(value), timeout=120))
         return cases
 
     def _runtimed(self, value: Any) -> Any:
@@ -514,8 +546,10 @@ class Bench:
             return len(items) / (time.perf_counter() - started)
 
         cases: dict[str, Callable[[], float]] = {
-            CLIENT_THREADS: lambda: threaded(
-                lambda slot: client.invoke(self.runs[slot], small).decoded(), seconds
+            CLIENT_THREADS: lambda: self._counted(
+                lambda: threaded(
+                    lambda slot: client.invoke(self.runs[slot], small).decoded(), seconds
+                )
             ),
             f"fnkernel Client.map, {IN_FLIGHT} replicas": mapped,
             f"raw http.client, {IN_FLIGHT} threads on the {IN_FLIGHT} Runs": lambda: threaded(
@@ -538,6 +572,22 @@ class Bench:
         for label, case in cases.items():
             self.rates.setdefault(label, []).append(case())
 
+    def _counted(self, case: Callable[[], float]) -> float:
+        """Run `case` (calls/s), and keep the CPU each process spent a call: this one (the
+        client's threads), the stack's components, their workers summed."""
+        processes = {"client (this process)": os.getpid(), **stack_processes(self.stack)}
+        before = {name: cpu_seconds(pid) for name, pid in processes.items()}
+        started = time.perf_counter()
+        rate = case()
+        calls = rate * (time.perf_counter() - started)
+        spent: dict[str, float] = {}
+        for name, pid in processes.items():
+            label = name.partition("-worker")[0] + "'s workers" if "-worker" in name else name
+            spent[label] = spent.get(label, 0.0) + cpu_seconds(pid) - before[name]
+        for label, seconds in spent.items():
+            self.cpu.setdefault(label, []).append(seconds / calls * 1e6)
+        return rate
+
     def report(self, sizes: list[str]) -> int:
         targets: list[Target] = []
         notes: list[str] = []
@@ -557,6 +607,17 @@ class Bench:
                 targets.append(Target(f"Python {size} / Ray actor call", ours / actor,
                                       TARGETS[size]))  # fmt: skip
                 chain = self._p50("python", size, FLOOR_CHAIN)
+                chains = {
+                    label: self._p50("python", size, label)
+                    for label in (FLOOR_CHAIN, *self.alternatives, FLOOR_NO_HTTP)
+                    if self._p50("python", size, label)
+                }
+                lowest = min(chains, key=chains.__getitem__)
+                notes.append(
+                    f"Python {size}: the least floor chain measured is {lowest!r}, "
+                    f"{chains[lowest] / actor:.2f}x Ray's actor call; fnkernel is "
+                    f"{ours / chains[lowest]:.2f}x it"
+                )  # fmt: skip
                 for what, least in (
                     ("the bare hops summed are {}x Ray's actor call by themselves", floor),
                     ("the floor chain (no code of ours, no worker) is {}x Ray's actor call", chain),
@@ -588,6 +649,14 @@ class Bench:
         for label, value in rates.items():
             print(f"{label:<58}{value:>9.0f}" + ratio(value, tasks))
         threads = rates[CLIENT_THREADS]
+        if self.cpu:
+            print(f"\nCPU per call, {CLIENT_THREADS} (µs, mean of the rounds)")
+            total = 0.0
+            for label, values in self.cpu.items():
+                total += statistics.mean(values)
+                print(f"  {label:<40}{statistics.mean(values):>9.0f}")
+            print(f"  {'all of them':<40}{total:>9.0f}  (two cores: at most "
+                  f"{2e6 / total:,.0f} calls/s)")  # fmt: skip
         if tasks:
             targets.append(Target(f"{IN_FLIGHT} in flight: Client / Ray tasks", threads / tasks, 1.0,
                                   at_least=True))  # fmt: skip

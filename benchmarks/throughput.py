@@ -62,8 +62,15 @@ INVOKE_METHOD = "/executor.v1.FunctionRuntime/InvokeFunction"
 
 def serve_relay(listen: str, upstream: str, kind: str, method: str) -> None:
     """A bare relay hop for `method`'s bytes, with none of our code: ``http`` (tornado, POST /,
-    relayed with grpc.aio), ``aio`` (a grpc.aio server relaying with grpc.aio) or ``sync`` (a
-    grpcio thread-pool server relaying with a blocking call, as runtimed does)."""
+    relayed with grpc.aio, as the gateway does), ``aio`` (a grpc.aio server relaying with
+    grpc.aio) or ``sync`` (a grpcio thread-pool server relaying with a blocking call, as runtimed
+    does). Issue 48's alternatives for the HTTP hop: ``http-uvloop`` (the same on uvloop's event
+    loop) and ``http-threads`` (tornado relaying with grpc's blocking call from a thread pool)."""
+    if kind == "http-uvloop":
+        import uvloop
+
+        uvloop.install()  # asyncio.run below now runs uvloop's loop
+        kind = "http"
     if kind == "sync":
         channel = grpc.insecure_channel(upstream, options=CHANNEL_OPTIONS)
         blocking = channel.unary_unary(method)
@@ -80,7 +87,15 @@ def serve_relay(listen: str, upstream: str, kind: str, method: str) -> None:
     async def serve() -> None:
         channel = grpc.aio.insecure_channel(upstream, options=CHANNEL_OPTIONS)
         relay = channel.unary_unary(method)
-        if kind == "http":
+        if kind == "http-threads":
+            blocking = grpc.insecure_channel(upstream, options=CHANNEL_OPTIONS).unary_unary(method)
+            pool = futures.ThreadPoolExecutor(max_workers=16)
+
+            async def relay(body: bytes, timeout: float) -> bytes:  # type: ignore[misc]
+                loop = asyncio.get_running_loop()
+                return await loop.run_in_executor(pool, lambda: blocking(body, timeout=timeout))
+
+        if kind in ("http", "http-threads"):
             from tornado import httpserver, netutil, web
 
             class Relay(web.RequestHandler):
