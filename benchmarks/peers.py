@@ -358,6 +358,11 @@ def main() -> int:
             bench.alternatives = {
                 label: RawHttp(child.address, "/") for label, child in alternatives.items()
             }
+            bench.chain_processes = {
+                "floor chain: tornado relay (grpc.aio)": front.pid,
+                "floor chain: grpc.aio relay": proxy.pid,
+                "floor chain: gRPC echo": echo.pid,
+            }
             bench.no_http = grpc.insecure_channel(
                 sync_proxy.address, options=CHANNEL_OPTIONS
             ).unary_unary(ECHO_METHOD)
@@ -437,8 +442,10 @@ class Bench:
         self.rates: dict[str, list[float]] = {}  # 10 in flight: calls/s per round
         self.pair_ratios: dict[str, list[float]] = {}  # size: Client / raw, pair by pair
         self._batches = 0  # so far: where the next batch's order of the cases starts
-        # CPU µs per call of each process, Client.invoke from IN_FLIGHT threads, per round.
-        self.cpu: dict[str, list[float]] = {}
+        # CPU µs per call of each process, per round: Client.invoke and the floor chain from
+        # IN_FLIGHT threads. The floor chain's processes are set by main.
+        self.cpu: dict[str, dict[str, list[float]]] = {}
+        self.chain_processes: dict[str, int] = {}
         # Issue 48's alternative floor chains (set by main): over HTTP, and without it.
         self.alternatives: dict[str, RawHttp] = {}
         self.no_http: Callable[..., bytes] | None = None
@@ -547,16 +554,22 @@ class Bench:
 
         cases: dict[str, Callable[[], float]] = {
             CLIENT_THREADS: lambda: self._counted(
+                CLIENT_THREADS,
                 lambda: threaded(
                     lambda slot: client.invoke(self.runs[slot], small).decoded(), seconds
-                )
+                ),
+                stack_processes(self.stack),
             ),
             f"fnkernel Client.map, {IN_FLIGHT} replicas": mapped,
             f"raw http.client, {IN_FLIGHT} threads on the {IN_FLIGHT} Runs": lambda: threaded(
                 lambda slot: json.loads(raw[slot].post(payloads.dumps(small))), seconds
             ),
-            CHAIN_THREADS: lambda: threaded(
-                lambda slot: json.loads(chain[slot].post(payloads.dumps(small))), seconds
+            CHAIN_THREADS: lambda: self._counted(
+                CHAIN_THREADS,
+                lambda: threaded(
+                    lambda slot: json.loads(chain[slot].post(payloads.dumps(small))), seconds
+                ),
+                self.chain_processes,
             ),
         }
         outstanding = self.ray_outstanding
@@ -572,10 +585,10 @@ class Bench:
         for label, case in cases.items():
             self.rates.setdefault(label, []).append(case())
 
-    def _counted(self, case: Callable[[], float]) -> float:
+    def _counted(self, case_label: str, case: Callable[[], float], pids: dict[str, int]) -> float:
         """Run `case` (calls/s), and keep the CPU each process spent a call: this one (the
-        client's threads), the stack's components, their workers summed."""
-        processes = {"client (this process)": os.getpid(), **stack_processes(self.stack)}
+        client's threads) and those of `pids` (a stack's workers summed)."""
+        processes = {"client (this process)": os.getpid(), **pids}
         before = {name: cpu_seconds(pid) for name, pid in processes.items()}
         started = time.perf_counter()
         rate = case()
@@ -585,7 +598,7 @@ class Bench:
             label = name.partition("-worker")[0] + "'s workers" if "-worker" in name else name
             spent[label] = spent.get(label, 0.0) + cpu_seconds(pid) - before[name]
         for label, seconds in spent.items():
-            self.cpu.setdefault(label, []).append(seconds / calls * 1e6)
+            self.cpu.setdefault(case_label, {}).setdefault(label, []).append(seconds / calls * 1e6)
         return rate
 
     def report(self, sizes: list[str]) -> int:
@@ -649,10 +662,10 @@ class Bench:
         for label, value in rates.items():
             print(f"{label:<58}{value:>9.0f}" + ratio(value, tasks))
         threads = rates[CLIENT_THREADS]
-        if self.cpu:
-            print(f"\nCPU per call, {CLIENT_THREADS} (µs, mean of the rounds)")
+        for case_label, processes in self.cpu.items():
+            print(f"\nCPU per call, {case_label} (µs, mean of the rounds)")
             total = 0.0
-            for label, values in self.cpu.items():
+            for label, values in processes.items():
                 total += statistics.mean(values)
                 print(f"  {label:<40}{statistics.mean(values):>9.0f}")
             print(f"  {'all of them':<40}{total:>9.0f}  (two cores: at most "
