@@ -7,7 +7,6 @@ start and must not pay for grpc. Addresses are ``http://host:port`` or ``unix:/p
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
 import os
 import stat
@@ -29,6 +28,7 @@ from fnkernel.runtime_server.client.live import FOLLOW_END_SECONDS, LiveFollow, 
 from fnkernel.runtime_server.client.maps import MAP_PROGRESS_SECONDS, MapRun
 from fnkernel.runtime_server.client.transport import (
     DEFAULT_ADDRESS,
+    Headers,
     Transport,
     default_address,
     quote,
@@ -213,8 +213,10 @@ class Client(Transport):
             encoded = payloads.encode(payload, "payload")
         size = len(encoded[0]) if encoded is not None else payloads.size_hint(payload)
         spool = None
-        if by_reference:  # asked of the gateway for a large input; else as far as known
-            spool = self.local_spool() if size >= limits.SPOOL_FROM_BYTES else self._spool_known()
+        direct = by_reference and not traceparent and self._direct_allowed()
+        if by_reference:  # asked of the gateway for a large input or a direct call; else as known
+            asked = direct or size >= limits.SPOOL_FROM_BYTES
+            spool = self.local_spool() if asked else self._spool_known()
         handed: Path | None = None  # the input, written to the spool (docs/protocol.md)
         headers: dict[str, str] = {}
         if spool is not None:
@@ -252,10 +254,7 @@ class Client(Transport):
             headers[wire.TRACEPARENT_HEADER] = traceparent
         started = time.perf_counter()
         try:
-            _, reply, output = self.request(
-                "POST", f"/v1/runs/{quote(name)}:invoke", body, headers,
-                wait=limits.wait_seconds(timeout_millis, hops_below=2),  # the gateway, runtimed
-            )  # fmt: skip
+            reply, output = self._invoked(name, body, headers, timeout_millis, direct=direct)
         except HandlerFailed as failed:
             if live is not None:
                 live.end(failed.logs)
@@ -295,6 +294,59 @@ class Client(Transport):
             spans=spans_of(reply) if traceparent else b"",
             spooled=value,
         )
+
+    def _invoked(
+        self, name: str, body: bytes, headers: dict[str, str], timeout_millis: int, *, direct: bool
+    ) -> tuple[Headers, bytes]:
+        """The invoke request's answer, headers and body: from runtimed directly when this
+        client shares the gateway's machine (`direct`, a local spool) and the gateway names a
+        route for `name` (docs/protocol.md, "Calling runtimed directly"); else, or if that
+        route has gone, from the gateway."""
+        route = None
+        if direct and self._spool_known() is not None:
+            self._headers(headers)  # what HTTP could not carry is refused alike, before anything
+            with contextlib.suppress(GatewayError):  # no such Run, say: the gateway answers it
+                route = self._route(name)
+        if route is not None:
+            from fnkernel.runtime_server.client.direct import RouteGone
+
+            try:
+                return self._runtimeds().invoke(
+                    route, body, headers, limits.wait_seconds(timeout_millis, hops_below=1)
+                )
+            except RouteGone:
+                self._routes.pop(name, None)  # never ran there: learn it again, via the gateway
+        _, reply, output = self.request(
+            "POST", f"/v1/runs/{quote(name)}:invoke", body, headers,
+            wait=limits.wait_seconds(timeout_millis, hops_below=2),  # the gateway, runtimed
+        )  # fmt: skip
+        return reply, output
+
+    def _direct_allowed(self) -> bool:
+        """Whether calls may skip the gateway (a subclass that records every request says no
+        while it records)."""
+        return True
+
+    def _route(self, name: str) -> Any:
+        """The gateway's route to `name` on this machine (``direct.Route``), None to call
+        through it; kept until it fails, or the gateway says why there is none for good."""
+        if name in self._routes:
+            return self._routes[name]
+        from fnkernel.runtime_server.client.direct import Route
+
+        answer = self._json("GET", f"/v1/runs/{quote(name)}:route")
+        found = answer.get("route")
+        route = Route(name, found["runUid"], found["pod"], found["runtimed"]) if found else None
+        if route is not None or answer.get("lasting"):
+            self._routes[name] = route
+        return route
+
+    def _runtimeds(self) -> Any:
+        if self._direct is None:
+            from fnkernel.runtime_server.client.direct import Direct
+
+            self._direct = Direct()
+        return self._direct
 
     def local_spool(self) -> Path | None:
         """The spool the gateway's pods share, if this process can hand payloads over there
@@ -388,7 +440,7 @@ def _local(named: str) -> Path | None:
     return Path(named) if mine and stat.S_ISDIR(seen.st_mode) else None
 
 
-def _json_header(reply: http.client.HTTPMessage, name: str, empty: Any) -> Any:
+def _json_header(reply: Headers, name: str, empty: Any) -> Any:
     """A header's JSON value; `empty` (a fresh ``[]`` or ``{}``) when it is absent or empty,
     as most calls' logs and outputs are, without parsing it."""
     text = reply.get(name)

@@ -70,6 +70,9 @@ class Transport:
         self._idle: list[http.client.HTTPConnection] = []  # kept alive, one per concurrent caller
         self._busy: dict[http.client.HTTPConnection, bool] = {}  # in use → cancelled
         self._spool: tuple[Path | None] | None = None  # Client.local_spool's answer, once asked
+        # Calls without the gateway (Client._invoked): each Run's route, and runtimed's channels.
+        self._routes: dict[str, Any] = {}
+        self._direct: Any = None
         self._max_payload = limits.DEFAULT_MAX_SPOOLED_BYTES  # the gateway's, once asked
 
     def _connect(self, timeout: float | None = 0) -> http.client.HTTPConnection:
@@ -217,7 +220,8 @@ class Transport:
             if sock is not None:
                 with contextlib.suppress(OSError):  # already closed: the request is over
                     sock.shutdown(socket.SHUT_RDWR)
-        return len(busy)
+        direct = self._direct.cancel() if self._direct is not None else 0
+        return len(busy) + direct
 
     def __enter__(self) -> Self:
         return self
@@ -234,6 +238,8 @@ class Transport:
             idle, self._idle = self._idle, []
         for connection in idle:
             connection.close()
+        if self._direct is not None:
+            self._direct.close()
 
     def _json(self, method: str, path: str, body: Any = None) -> Any:
         payload = None if body is None else json.dumps(body).encode()
@@ -274,7 +280,11 @@ def quote(name: str) -> str:
     return urllib.parse.quote(name, safe="")
 
 
-def spans_of(headers: http.client.HTTPMessage) -> bytes:
+# An answer's headers: the gateway's, or those a call without it makes alike (client.direct).
+Headers = http.client.HTTPMessage | Mapping[str, str]
+
+
+def spans_of(headers: Headers) -> bytes:
     """A traced call's X-Fn-Spans, decoded from base64; b"" when there are none."""
     value = headers.get(wire.SPANS_HEADER)
     try:

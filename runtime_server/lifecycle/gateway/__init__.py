@@ -15,6 +15,7 @@ from tornado import httpserver, netutil, web
 
 from fnkernel.runtime_server import limits
 from fnkernel.runtime_server.lifecycle.gateway.access import Access
+from fnkernel.runtime_server.lifecycle.gateway.direct import RouteHandler
 from fnkernel.runtime_server.lifecycle.gateway.failures import FailureResponse
 from fnkernel.runtime_server.lifecycle.gateway.handlers import (
     FilesHandler,
@@ -49,6 +50,7 @@ class Gateway(Routes):
             [
                 (r"/v1/runs", RunsHandler, args),
                 (r"/v1/runs/([^/:]+):invoke", InvokeHandler, args),
+                (r"/v1/runs/([^/:]+):route", RouteHandler, args),
                 (r"/v1/runs/([^/:]+)/logs", LogsHandler, args),
                 (r"/v1/runs/([^/:]+)/files", FilesHandler, args),
                 (r"/v1/runs/([^/:]+)/invocations/([^/]+)/logs", LogsHandler, args),

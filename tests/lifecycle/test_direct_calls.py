@@ -1,0 +1,158 @@
+"""docs/protocol.md, "Calling runtimed directly": on the gateway's machine the client calls a
+single Run on its pod's runtimed, over the Unix socket the gateway names
+(``GET /v1/runs/NAME:route``), and answers and fails exactly as through the gateway; a replica
+set, a traced call and a stack that exports its spans go through the gateway; a route that no
+longer leads to the Run is learnt again, the call made through the gateway."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from fnkernel.runtime_server.client import Client
+from fnkernel.runtime_server.client.errors import (
+    GatewayError,
+    HandlerFailed,
+    InvocationTimedOut,
+    RequestCancelled,
+)
+from fnkernel.runtime_server.lifecycle.stack import Stack
+from tests.support import wait_until
+
+pytestmark = pytest.mark.timeout(120)
+HANDLER = {
+    "handler.py": (
+        "import time\n"
+        "def handle(event):\n"
+        "    print('got', event)\n"
+        "    if event.get('fail'):\n"
+        "        raise ValueError('no: ' + event['fail'])\n"
+        "    time.sleep(event.get('sleep', 0))\n"
+        "    return {'echo': event}\n"
+    )
+}
+
+
+class Recorded(Client):
+    """A client that keeps the gateway requests it makes."""
+
+    def __init__(self, address: str, *, direct: bool = True) -> None:
+        super().__init__(address)
+        self.sent: list[str] = []
+        self.direct = direct
+
+    def _direct_allowed(self) -> bool:
+        return self.direct
+
+    def request(self, method: str, path: str, *args: Any, **kw: Any) -> Any:
+        self.sent.append(f"{method} {path}")
+        return super().request(method, path, *args, **kw)
+
+
+@pytest.fixture
+def stack(stack_factory: Callable[..., Stack]) -> Iterator[Stack]:
+    stack = stack_factory({"python": 1})
+    Client(stack.gateway_address).create_run(
+        "echo", runtime="python", handler="handler.handle", files=HANDLER
+    )
+    yield stack
+
+
+def test_a_call_on_the_gateways_machine_goes_to_runtimed_without_the_gateway(stack: Stack) -> None:
+    client = Recorded(stack.gateway_address)
+    first = client.invoke("echo", {"n": 1})
+    assert "GET /v1/runs/echo:route" in client.sent
+    client.sent.clear()
+    result = client.invoke("echo", {"n": 2}, invocation_id="inv-direct-2")
+    assert client.sent == []  # not one request to the gateway
+    assert result.decoded() == {"echo": {"n": 2}} and result.invocation_id == "inv-direct-2"
+    assert result.attempt == first.attempt >= 1
+    assert [line["text"] for line in result.logs] == ["got {'n': 2}"]
+    status = Client(stack.gateway_address).status("echo")  # the gateway sees what ran
+    assert status["live"]["lastActivityUnixNano"] > 0
+
+
+@pytest.mark.parametrize(
+    "event, error",
+    [({"fail": "bad row"}, HandlerFailed), ({"sleep": 5}, InvocationTimedOut)],
+    ids=["handler error", "timeout"],
+)
+def test_a_failure_without_the_gateway_is_the_gateways_failure(
+    stack: Stack, event: dict[str, Any], error: type[GatewayError]
+) -> None:
+    failures = []
+    for direct in (True, False):
+        client = Recorded(stack.gateway_address, direct=direct)
+        client.invoke("echo", {})  # the route is learnt
+        client.sent.clear()
+        with pytest.raises(error) as caught:
+            client.invoke("echo", event, timeout_millis=1000)
+        assert any(":invoke" in sent for sent in client.sent) is not direct
+        failures.append(caught.value)
+    direct_failure, gateway_failure = failures
+    assert (direct_failure.status, direct_failure.code) == (
+        gateway_failure.status,
+        gateway_failure.code,
+    )
+    assert str(direct_failure) == str(gateway_failure)
+    assert direct_failure.run_uid == gateway_failure.run_uid
+    if isinstance(direct_failure, HandlerFailed):
+        assert isinstance(gateway_failure, HandlerFailed)
+        assert direct_failure.error_type == gateway_failure.error_type == "ValueError"
+        assert [line["text"] for line in direct_failure.logs][:1] == ["got {'fail': 'bad row'}"]
+
+
+def test_a_replaced_run_is_found_again_through_the_gateway(stack: Stack) -> None:
+    client = Recorded(stack.gateway_address)
+    client.invoke("echo", {"n": 1})
+    old_uid = client._routes["echo"].run_uid
+    manager = Client(stack.gateway_address)
+    manager.delete_run("echo")
+    manager.create_run("echo", runtime="python", handler="handler.handle", files=HANDLER)
+    client.sent.clear()
+    assert client.invoke("echo", {"n": 2}).decoded() == {"echo": {"n": 2}}
+    assert "POST /v1/runs/echo:invoke" in client.sent  # the old route led nowhere: it never ran
+    client.sent.clear()
+    assert client.invoke("echo", {"n": 3}).decoded() == {"echo": {"n": 3}}
+    assert client.sent == ["GET /v1/runs/echo:route"]  # learnt again, and called directly
+    assert client._routes["echo"].run_uid != old_uid
+
+
+def test_a_cancelled_direct_call_stops_its_handler(stack: Stack) -> None:
+    client = Recorded(stack.gateway_address)
+    client.invoke("echo", {})
+    failure: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            client.invoke("echo", {"sleep": 60})
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    gateway = Client(stack.gateway_address)
+    wait_until(lambda: (gateway.status("echo")["live"] or {}).get("inFlight") == 1, timeout=30)
+    assert client.cancel() == 1
+    thread.join(30)
+    assert isinstance(failure[0], RequestCancelled)
+    wait_until(lambda: (gateway.status("echo")["live"] or {}).get("inFlight") == 0, timeout=30)
+    assert client.invoke("echo", {"n": 3}).decoded() == {"echo": {"n": 3}}
+
+
+def test_a_replica_set_and_a_traced_call_go_through_the_gateway(stack: Stack) -> None:
+    client = Recorded(stack.gateway_address)
+    client.create_run("set", runtime="python", handler="handler.handle", files=HANDLER, replicas=2)
+    assert client._json("GET", "/v1/runs/set:route")["route"] is None
+    client.sent.clear()
+    for _ in range(2):
+        client.invoke("set", {})
+    assert client.sent.count("POST /v1/runs/set:invoke") == 2
+    assert client.sent.count("GET /v1/runs/set:route") == 1  # a replica set stays one
+    client.invoke("echo", {})
+    client.sent.clear()
+    traced = client.invoke("echo", {}, traceparent="00-" + "1" * 32 + "-" + "2" * 16 + "-01")
+    assert client.sent == ["POST /v1/runs/echo:invoke"] and traced.spans
