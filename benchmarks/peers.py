@@ -31,6 +31,10 @@ bench-peers` installs them). A peer that is not installed is left out, and the r
   connections) on the gateway's 10 Runs, on Kernel Gateway's kernel pool, on the floor chain and
   on the tornado echo.
 
+* **Fan-out** (issue 48): 200 items of a ~5 ms CPU-bound handler, two at a time, by
+  ``Client.map`` over a Run of two replicas and by a ``ProcessPoolExecutor(2)`` — the peer a
+  notebook user tries first — with each item's cost above the handler's own work.
+
 The latency cases of a section are called in batches, the cases in turn and their order turned
 each batch, over rounds: a slow stretch of this noisy machine falls on all of them, and none
 always follows the same one. (Called call by call in turn, each call found the processes it
@@ -51,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import fcntl
 import http.client
 import json
@@ -95,6 +100,20 @@ KG_KERNELS = 2  # Kernel Gateway's pool: a kernel per core
 CASE_SECONDS = 60.0  # a bound on each case's time per round, as well as the count
 TARGETS = {"small": 1.5, "100 KB": 1.0, "1 MiB": 1.0}  # x Ray's actor call
 CLIENT_TARGET = 1.05  # x the raw request
+# Issue 48's fan-out: a CPU-bound handler of ~BURN_MS over FAN_ITEMS items, as wide as the cores.
+BURN_MS = 5.0
+FAN_ITEMS = 200
+FAN_WIDTH = 2
+BURN_HANDLER = (
+    "import time\n"
+    "def handle(event):\n"
+    "    started = time.process_time()\n"
+    f"    while time.process_time() - started < {BURN_MS / 1000}:\n"
+    "        pass\n"
+    "    return event\n"
+)
+MAP_CASE = f"fnkernel Client.map, {FAN_WIDTH} replicas"
+POOL_CASE = f"ProcessPoolExecutor({FAN_WIDTH}).map"
 KG_AHEAD = 4.0  # x Kernel Gateway
 CLIENT_CASE = "fnkernel Client.invoke"
 RAW_CASE = "raw HTTP to the gateway"
@@ -355,6 +374,7 @@ def main() -> int:
             bench = Bench(
                 stack, front.address, echo.address, http_echo.address, pipe, kernel_gateway, ray
             )
+            closers.append(bench.pool.shutdown)
             bench.alternatives = {
                 label: RawHttp(child.address, "/") for label, child in alternatives.items()
             }
@@ -398,6 +418,10 @@ class Bench:
                                    files={"handler.py": PY_HANDLER})  # fmt: skip
         self.client.create_run("echo-set", runtime="python", handler="handler.handle",
                                files={"handler.py": PY_HANDLER}, replicas=IN_FLIGHT)  # fmt: skip
+        self.client.create_run("burn", runtime="python", handler="handler.handle",
+                               files={"handler.py": BURN_HANDLER}, replicas=FAN_WIDTH)  # fmt: skip
+        self.pool = concurrent.futures.ProcessPoolExecutor(FAN_WIDTH)
+        self.fan_out: dict[str, list[float]] = {}  # seconds for the FAN_ITEMS items, per round
         self.runs = [f"echo{i}" for i in range(IN_FLIGHT)]
         # Issue 48's alternative for a caller on the stack's machine: runtimed's FunctionRuntime
         # on its Unix socket, as the gateway calls it (the Run's UID, its pod for the fence).
@@ -519,6 +543,23 @@ class Bench:
             self.paired(size, sections["python"])
         self._batches += BATCHES
         self.in_flight(seconds)
+        self.fanned(warm=warm)
+
+    def fanned(self, *, warm: bool) -> None:
+        """The notebook user's first try (issue 48): FAN_ITEMS calls of a ~BURN_MS CPU-bound
+        handler, FAN_WIDTH at a time, by ``Client.map`` on as many replicas and by a
+        ProcessPoolExecutor of as many processes, in turn."""
+        items = list(range(FAN_ITEMS))
+        cases = {
+            MAP_CASE: lambda: self.client.map("burn", items, concurrency=FAN_WIDTH),
+            POOL_CASE: lambda: list(self.pool.map(_burn, items)),
+        }
+        for label, case in cases.items():
+            if warm:
+                case()
+            started = time.perf_counter()
+            assert case() == items, label
+            self.fan_out.setdefault(label, []).append(time.perf_counter() - started)
 
     def paired(self, size: str, cases: dict[str, Callable[[], Any]]) -> None:
         """Client.invoke and the same raw request, call by call in turn (A B, then B A) on the
@@ -679,6 +720,15 @@ class Bench:
                     f"is {rates[CHAIN_THREADS] / tasks:.2f}x Ray tasks' calls/s by itself; "
                     f"fnkernel's Client is {threads / rates[CHAIN_THREADS]:.2f}x that floor"
                 )
+        print(f"\n== {FAN_ITEMS} items of a ~{BURN_MS:g} ms CPU-bound handler, {FAN_WIDTH} at a "
+              "time (s, median of the rounds; per item above the handler's own work)")  # fmt: skip
+        fanned = {label: statistics.median(values) for label, values in self.fan_out.items()}
+        for label, took in fanned.items():
+            above = took * FAN_WIDTH / FAN_ITEMS * 1000 - BURN_MS
+            print(f"{label:<58}{took:>9.2f} s   {above:6.2f} ms an item above its work")
+        if fanned:
+            targets.append(Target("map / ProcessPoolExecutor of the same width",
+                                  fanned[MAP_CASE] / fanned[POOL_CASE], 1.0))  # fmt: skip
         kg_rate = rates.get(f"HTTP: Jupyter Kernel Gateway, {IN_FLIGHT} connections")
         if kg_rate:
             ours_rate = rates[f"HTTP: fnkernel gateway, {IN_FLIGHT} connections"]
@@ -714,6 +764,15 @@ def row(label: str, samples: list[float], against: float) -> str:
 
 def ratio(value: float, against: float) -> str:
     return f"{value / against:8.2f}x" if against else ""
+
+
+def _burn(item: int) -> int:
+    """The ProcessPoolExecutor's handler: BURN_HANDLER's work (a module function: the pool
+    pickles its name)."""
+    started = time.process_time()
+    while time.process_time() - started < BURN_MS / 1000:
+        pass
+    return item
 
 
 def threaded(call: Callable[[int], object], seconds: float) -> float:
