@@ -56,7 +56,7 @@ class Direct:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._channels: dict[str, tuple[grpc.Channel, pb_grpc.FunctionRuntimeStub]] = {}
-        self._calls: dict[Any, bool] = {}  # in flight → cancelled
+        self._calls: set[Any] = set()  # the futures of the calls in flight
 
     def invoke(
         self, route: Route, body: bytes, headers: Mapping[str, str], wait: float
@@ -80,7 +80,7 @@ class Direct:
             request, timeout=wait, metadata=metadata
         )
         with self._lock:
-            self._calls[future] = False
+            self._calls.add(future)
         try:
             response = future.result()
             trailers = dict(future.trailing_metadata() or ())
@@ -95,7 +95,7 @@ class Direct:
             raise
         finally:
             with self._lock:
-                self._calls.pop(future, None)
+                self._calls.discard(future)
         return _answered(response, trailers), response.output
 
     def cancel(self) -> int:
