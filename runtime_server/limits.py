@@ -50,6 +50,9 @@ MAX_MESSAGE_BYTES = 1024  # fatal_error and handler error messages
 # holds one of its 32 RPC threads), and how long a follower waits for its invocation to start.
 MAX_LOG_FOLLOWERS = 8
 FOLLOW_WAIT_SECONDS = 5.0
+# The invocations a registration remembers as ended: a follower of one answers at once that its
+# lines are in its result, rather than waiting for it to start.
+ENDED_INVOCATIONS = 64
 # gRPC's own receive/send limit sits above the 6 MiB payload limit so that we, not the transport,
 # reject an oversized payload, with the status docs/protocol.md, "Limits" names (docs/architecture.md, "Measured facts the design rests on").
 GRPC_MAX_MESSAGE_BYTES = 16 * 1024 * 1024

@@ -7,6 +7,7 @@ change, invoke or remove a newer registration: every operation compares the ID u
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -75,6 +76,11 @@ class Registration:
     # comes when it is over (docs/protocol.md, "Live output").
     last_invocation_id: str = ""
     last_logs: tuple[LogLine, ...] = ()
+    # The invocations that ended before it, the most recent ENDED_INVOCATIONS: a follower of
+    # one is told at once that it is over, not kept waiting for it to start.
+    ended: collections.deque[str] = field(
+        default_factory=lambda: collections.deque(maxlen=limits.ENDED_INVOCATIONS)
+    )
 
 
 @dataclass(frozen=True)
@@ -377,6 +383,8 @@ class Registry:
             with self._lock:
                 reg.in_flight = 0
                 reg.invocation_id = ""
+                if reg.last_invocation_id:
+                    reg.ended.append(reg.last_invocation_id)
                 reg.last_invocation_id, reg.last_logs = invocation_id, logs
                 reg.last_activity_unix_nano = time.time_ns()
                 self._lock.notify_all()
@@ -454,6 +462,7 @@ class Registry:
                 deadline = time.monotonic() + wait
                 while (
                     invocation_id not in (reg.invocation_id, reg.last_invocation_id)
+                    and invocation_id not in reg.ended
                     and (left := deadline - time.monotonic()) > 0
                     and caller_there()
                 ):
@@ -465,8 +474,11 @@ class Registry:
                 reg.last_invocation_id,
             ):
                 which = invocation_id or "any invocation"
+                over = "; it is over, and its lines are in its result" if (
+                    invocation_id in reg.ended
+                ) else ""  # fmt: skip
                 raise InvocationNotFound(
-                    f"run {run_uid} has {which} neither in flight nor as its last one"
+                    f"run {run_uid} has {which} neither in flight nor as its last one{over}"
                 )
             running = reg.invocation_id == invocation_id
         live = reg.adapter.follow(invocation_id) if running else None

@@ -88,6 +88,23 @@ def test_an_unknown_invocation_is_not_found(python_rt: Client) -> None:
     assert "never-sent" in caught.value.details()
 
 
+def test_an_invocation_over_before_the_last_is_answered_at_once(
+    python_rt: Client, gate: Callable[[], Gate]
+) -> None:
+    """ "One that ended before the last one (a batch's answers come late) is over: NOT_FOUND
+    at once, saying its lines are in its result, where a follower would wait for an
+    invocation that has not started." """
+    reg = _registration(python_rt, WAITS)
+    go = gate()
+    go.open()
+    for invocation_id in ("inv-a", "inv-b"):
+        python_rt.invoke(reg, b'{"go": "%s"}' % str(go).encode(), invocation_id=invocation_id)
+    with pytest.raises(grpc.RpcError) as caught:
+        list(python_rt.follow(reg, "inv-a"))  # following: it would wait for it to start
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "inv-a" in caught.value.details() and "it is over" in caught.value.details()
+
+
 def test_the_stream_stops_at_its_cap_and_says_so(
     python_rt: Client, gate: Callable[[], Gate]
 ) -> None:
