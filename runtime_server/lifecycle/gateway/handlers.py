@@ -24,6 +24,7 @@ from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server.errors import (
     InvalidField,
     NoRuntimePod,
+    RunNotFound,
     RunNotReady,
 )
 from fnkernel.runtime_server.lifecycle.gateway import access
@@ -385,7 +386,27 @@ class RunHandler(BaseHandler):
     async def get(self, name: str) -> None:
         run = self.gateway.store.get(name)
         body = await self.described(run)
-        body["live"] = None
+        body["live"], error = await self._live(run)
+        if error:
+            body["liveError"] = error
+        if "replicas" in body:
+            # Each replica's calls in flight as its server counts them: a map's batches and
+            # direct calls never pass the gateway (docs/protocol.md, "Batches").
+            lives = await asyncio.gather(*(self._live_of(m["name"]) for m in body["replicas"][1:]))
+            for member, live in zip(body["replicas"], [body["live"], *lives], strict=True):
+                if live is not None:
+                    member["inFlight"] = live["inFlight"]
+        self.send_json(200, body)
+
+    async def _live_of(self, name: str) -> dict[str, Any] | None:
+        try:
+            run = self.gateway.store.get(name)
+        except RunNotFound:
+            return None  # deleted meanwhile
+        return (await self._live(run))[0]
+
+    async def _live(self, run: Run) -> tuple[dict[str, Any] | None, str]:
+        """The Run's registration as its server has it (FunctionStatus), or why there is none."""
         try:
             pod, stub = self.gateway.route(run)
             call = stub.FunctionStatus(
@@ -395,22 +416,21 @@ class RunHandler(BaseHandler):
             )
             status = await call
             initial = metadata_of(await call.initial_metadata())
-            body["live"] = {
-                "state": pb.FunctionRegistrationState.Name(status.state).removeprefix(
-                    "FUNCTION_REGISTRATION_STATE_"
-                ),
-                "registrationId": status.registration.registration_id,
-                "registrationAttempt": int(initial.get(ATTEMPT_KEY, 0) or 0),
-                "registrationDigest": str(initial.get(DIGEST_KEY, "")),
-                "inFlight": status.in_flight,
-                "lastActivityUnixNano": status.last_activity_unix_nano,
-                "fatalError": status.fatal_error,
-            }
         except grpc.aio.AioRpcError as err:
-            body["liveError"] = f"{err.code().name}: {err.details()}"
+            return None, f"{err.code().name}: {err.details()}"
         except (NoRuntimePod, RunNotReady) as exc:
-            body["liveError"] = str(exc)
-        self.send_json(200, body)
+            return None, str(exc)
+        return {
+            "state": pb.FunctionRegistrationState.Name(status.state).removeprefix(
+                "FUNCTION_REGISTRATION_STATE_"
+            ),
+            "registrationId": status.registration.registration_id,
+            "registrationAttempt": int(initial.get(ATTEMPT_KEY, 0) or 0),
+            "registrationDigest": str(initial.get(DIGEST_KEY, "")),
+            "inFlight": status.in_flight,
+            "lastActivityUnixNano": status.last_activity_unix_nano,
+            "fatalError": status.fatal_error,
+        }, ""
 
     async def delete(self, name: str) -> None:
         # strip=False: numbers are ASCII digits only, so " 5" and "5 " are refused, not trimmed.
