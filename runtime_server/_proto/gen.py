@@ -25,6 +25,7 @@ SOURCES = (
     "evaluator/v1/evaluator.proto",
     "fnkernel/v1alpha1/logs.proto",
     "fnkernel/v1alpha1/payloads.proto",
+    "fnkernel/v1alpha1/batches.proto",
 )
 
 

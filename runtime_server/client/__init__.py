@@ -13,15 +13,13 @@ import stat
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from fnkernel.runtime_server import limits, payloads, wire
 from fnkernel.runtime_server.client.errors import (
     GatewayError,
-    HandlerFailed,
-    InvocationTimedOut,
     PayloadTooLarge,
 )
 from fnkernel.runtime_server.client.live import FOLLOW_END_SECONDS, LiveFollow, LogCallback
@@ -247,7 +245,7 @@ class Client(Transport):
         live = None
         if on_log is not None:
             invocation_id = invocation_id or limits.new_id("inv_")
-            live = LiveFollow(self, name, invocation_id, on_log)
+            live = self.follow(name, invocation_id, on_log)
         if invocation_id:
             headers[wire.INVOCATION_ID_HEADER] = invocation_id
         if traceparent:
@@ -255,23 +253,13 @@ class Client(Transport):
         started = time.perf_counter()
         try:
             reply, output = self._invoked(name, body, headers, timeout_millis, direct=direct)
-        except HandlerFailed as failed:
+        except BaseException as failed:
             if live is not None:
-                live.end(failed.logs)
-            raise
-        except InvocationTimedOut as timed_out:
-            if live is not None:
-                logs = timed_out.detail.get("logs")
-                live.end(logs if isinstance(logs, list) else [])
-            raise
-        except BaseException:
-            if live is not None:
-                live.end([], wait=False)  # it never ran, or was cancelled: nothing more comes
+                live.ended(failed)
             raise
         finally:
             if handed is not None:  # its call has ended (or never began): the server is done
                 handed.unlink(missing_ok=True)
-        logs = _json_header(reply, wire.LOGS_HEADER, [])
         if self._spool is None and reply.get(wire.SPOOL_HEADER):  # a large result came whole
             self._spool = (_local(reply[wire.SPOOL_HEADER]),)
         value: Any = NOT_SPOOLED
@@ -279,21 +267,12 @@ class Client(Transport):
         if ref and spool is not None:  # read where the worker wrote it, then gone
             taken = spool / Path(ref.split(" ", 1)[0]).name
             value = payloads.decode_file(str(taken), reply.get("Content-Type", ""), "the result")
-        if live is not None:
-            live.end(logs)
-        return InvocationResult(
-            output=output,
-            content_type=reply.get("Content-Type", ""),
-            outputs=_json_header(reply, wire.OUTPUTS_HEADER, {}),
-            invocation_id=reply.get(wire.INVOCATION_ID_HEADER, ""),
-            duration=time.perf_counter() - started,
-            attempt=int(reply.get(wire.ATTEMPT_HEADER) or 0),
-            cold_start=reply.get(wire.COLD_START_HEADER) == "1",
-            logs=logs,
-            run=reply.get(wire.RUN_HEADER, ""),
-            spans=spans_of(reply) if traceparent else b"",
-            spooled=value,
+        result = _result(
+            reply, output, started, spans=spans_of(reply) if traceparent else b"", spooled=value
         )
+        if live is not None:
+            live.ended(result)
+        return result
 
     def _invoked(
         self, name: str, body: bytes, headers: dict[str, str], timeout_millis: int, *, direct: bool
@@ -322,6 +301,51 @@ class Client(Transport):
         )  # fmt: skip
         return reply, output
 
+    def follow(
+        self, name: str, invocation_id: str, on_log: LogCallback, *, in_batch: bool = False
+    ) -> LiveFollow:
+        """Give `on_log` the lines of the call `invocation_id` of `name` as they are written,
+        once it has run FOLLOW_AFTER_SECONDS (a batch's item: once it surely has); ``end`` it
+        with the call (``LiveFollow``)."""
+        return LiveFollow(self, name, invocation_id, on_log, in_batch=in_batch)
+
+    def _lanes(self, name: str) -> list[Any] | None:
+        """The routes of a map's batches (docs/protocol.md, "Batches"): the Run's own, or each
+        replica's of a replica set, when this client may call them directly; else None."""
+        if not self._direct_allowed() or self.local_spool() is None:
+            return None
+        from fnkernel.runtime_server.client.direct import Route
+
+        try:
+            answer = self._json("GET", f"/v1/runs/{quote(name)}:route")
+        except GatewayError:
+            return None  # the map's first call says why
+        if found := answer.get("route"):
+            return [Route.of(name, found)]
+        return [Route.of(r["name"], r) for r in answer.get("replicas") or []] or None
+
+    def batch(
+        self,
+        lane: Any,
+        items: Sequence[tuple[str, bytes, str]],
+        *,
+        timeout_millis: int,
+        go_on: bool,
+    ) -> Generator[tuple[int, InvocationResult | GatewayError], None, None]:
+        """Each of `items` (invocation ID, input, content type) called in turn on the route
+        `lane` (``_lanes``), as one batch: each result or failure by its item's index, as it
+        comes (``direct.Direct.invoke_batch``, which says how the batch ends early)."""
+        started = time.perf_counter()
+        wait = limits.wait_seconds(timeout_millis, hops_below=1)
+        answers = self._runtimeds().invoke_batch(lane, items, timeout_millis, go_on, wait)
+        with contextlib.closing(answers):  # a caller that stops reading ends the batch
+            for index, answer in answers:
+                if isinstance(answer, GatewayError):
+                    yield index, answer
+                else:
+                    yield index, _result(answer[0], answer[1], started)
+                started = time.perf_counter()
+
     def _direct_allowed(self) -> bool:
         """Whether calls may skip the gateway (a subclass that records every request says no
         while it records)."""
@@ -336,7 +360,7 @@ class Client(Transport):
 
         answer = self._json("GET", f"/v1/runs/{quote(name)}:route")
         found = answer.get("route")
-        route = Route(name, found["runUid"], found["pod"], found["runtimed"]) if found else None
+        route = Route.of(name, found) if found else None
         if route is not None or answer.get("lasting"):
             self._routes[name] = route
         return route
@@ -392,17 +416,28 @@ class Client(Transport):
         work = list(items)
         if concurrency is not None and concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
-        replicas = int(self.status(name).get("spec", {}).get("replicas", 1))
+        # A client of its own: cancelling it cancels this map's calls and nobody else's.
+        calls = _MapClient(self)
+        # On the stack's machine, a lane (a Run: the function's, or each replica's) per
+        # thread, each taking batches of items (docs/protocol.md, "Batches"); the lanes say how
+        # many replicas there are, else the function's status does.
+        lanes: list[Any] = (calls._lanes(name) if work else None) or [None]
+        replicas = len(lanes)
+        if lanes[0] is None:
+            replicas = int(self.status(name).get("spec", {}).get("replicas", 1))
         concurrency = min(concurrency or replicas, replicas)
         results: list[Any] = [None] * len(work)
         if not work:
             return results
-        # A client of its own: cancelling it cancels this map's calls and nobody else's.
-        calls = Client(self.address, token=self.token, timeout=self.timeout)
         run = MapRun(calls, name, work, return_exceptions, timeout_millis, on_log)
+        width = min(concurrency, len(work))
+        if lanes[0] is not None:
+            run.lanes(width)
         threads = [
-            threading.Thread(target=run.work, name="map", daemon=True)
-            for _ in range(min(concurrency, len(work)))
+            threading.Thread(
+                target=run.work, args=(lanes[i % len(lanes)],), name="map", daemon=True
+            )
+            for i in range(width)
         ]
         try:
             for thread in threads:
@@ -429,6 +464,20 @@ class Client(Transport):
         return run.results
 
 
+class _MapClient(Client):
+    """A map's own client (``Client.map``): what its parent knows of the gateway's spool, and
+    calls without the gateway only where its parent makes them (a kernel's, say, not while
+    ``%fn_trace`` shows each gateway request)."""
+
+    def __init__(self, parent: Client) -> None:
+        super().__init__(parent.address, token=parent.token, timeout=parent.timeout)
+        self._parent = parent
+        self._spool, self._max_payload = parent._spool, parent._max_payload
+
+    def _direct_allowed(self) -> bool:
+        return self._parent._direct_allowed()
+
+
 def _local(named: str) -> Path | None:
     """The spool directory `named`, if it is on this machine, this user's and 0700: not, say, a
     path a gateway on another machine names."""
@@ -438,6 +487,25 @@ def _local(named: str) -> Path | None:
         return None
     mine = seen.st_uid == os.getuid() and stat.S_IMODE(seen.st_mode) == 0o700
     return Path(named) if mine and stat.S_ISDIR(seen.st_mode) else None
+
+
+def _result(
+    reply: Headers, output: bytes, started: float, spans: bytes = b"", spooled: Any = NOT_SPOOLED
+) -> InvocationResult:
+    """A call's result from the gateway's answer to it, `reply` (headers) and `output` (body)."""
+    return InvocationResult(
+        output=output,
+        content_type=reply.get("Content-Type", ""),
+        outputs=_json_header(reply, wire.OUTPUTS_HEADER, {}),
+        invocation_id=reply.get(wire.INVOCATION_ID_HEADER, ""),
+        duration=time.perf_counter() - started,
+        attempt=int(reply.get(wire.ATTEMPT_HEADER) or 0),
+        cold_start=reply.get(wire.COLD_START_HEADER) == "1",
+        logs=_json_header(reply, wire.LOGS_HEADER, []),
+        run=reply.get(wire.RUN_HEADER, ""),
+        spans=spans,
+        spooled=spooled,
+    )
 
 
 def _json_header(reply: Headers, name: str, empty: Any) -> Any:

@@ -12,17 +12,25 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
+from fnkernel.adapters.errors import InvocationCancelled
 from fnkernel.runtime_server import payloads, wire
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
-from fnkernel.runtime_server.client.errors import RequestCancelled, from_response
-from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS, failure_body, trailer_logs
+from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import batches_pb2, batches_pb2_grpc
+from fnkernel.runtime_server.client.errors import GatewayError, RequestCancelled, from_response
+from fnkernel.runtime_server.rpc import (
+    CHANNEL_OPTIONS,
+    CancellableCalls,
+    failure_body,
+    status_body,
+    trailer_logs,
+)
 
 # What the gateway's HTTP headers carry, as the metadata it sends runtimed (gateway/invoke.py).
 _METADATA_OF_HEADER = {
@@ -33,6 +41,10 @@ _METADATA_OF_HEADER = {
 # Refusals that come before the call is dispatched (the Run is not there, or not routed to that
 # pod): the call never ran, so it is made again through the gateway, which knows where it is.
 _NEVER_RAN = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION})
+# How a batch ends when its next item was never called (docs/protocol.md, "Batches"): besides
+# those, another caller's call is in flight on the Run, or its server is going away.
+_NOT_CALLED = _NEVER_RAN | {grpc.StatusCode.RESOURCE_EXHAUSTED}
+_CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 
 
 @dataclass(frozen=True)
@@ -43,6 +55,12 @@ class Route:
     run_uid: str
     pod: str
     address: str
+
+    @classmethod
+    def of(cls, name: str, found: Mapping[str, str]) -> Route:
+        """The route the gateway names in ``GET /v1/runs/NAME:route`` (`route`, or one of
+        `replicas`)."""
+        return cls(name, found["runUid"], found["pod"], found["runtimed"])
 
 
 class RouteGone(Exception):
@@ -55,8 +73,12 @@ class Direct:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._channels: dict[str, tuple[grpc.Channel, pb_grpc.FunctionRuntimeStub]] = {}
-        self._calls: set[Any] = set()  # the futures of the calls in flight
+        # Per runtimed: its invokes, each blocking on a channel of its own that ``cancel``
+        # closes (a future's answer comes through another thread: ~0.2 ms a call).
+        self._invokes: dict[str, CancellableCalls[pb_grpc.FunctionRuntimeStub]] = {}
+        self._channels: dict[str, grpc.Channel] = {}  # the batches'
+        self._batches: dict[str, batches_pb2_grpc.BatchesStub] = {}
+        self._calls: set[Any] = set()  # the batches in flight
 
     def invoke(
         self, route: Route, body: bytes, headers: Mapping[str, str], wait: float
@@ -76,52 +98,111 @@ class Direct:
         metadata += [
             (key, headers[name]) for name, key in _METADATA_OF_HEADER.items() if name in headers
         ]
-        future = self._stub(route.address).InvokeFunction.future(
-            request, timeout=wait, metadata=metadata
-        )
-        with self._lock:
-            self._calls.add(future)
         try:
-            response = future.result()
-            trailers = dict(future.trailing_metadata() or ())
-        except grpc.FutureCancelledError:
+            response, call = self._invokes_of(route.address).call(
+                lambda stub: stub.InvokeFunction.with_call(request, timeout=wait, metadata=metadata)
+            )
+        except InvocationCancelled:
             raise RequestCancelled(
                 f"the call to {route.name} was cancelled", code="CANCELLED"
             ) from None
         except grpc.RpcError as err:
             raise self._failure(route, request.invocation_id, err) from None
-        except BaseException:  # KeyboardInterrupt while waiting: the call goes with it
-            future.cancel()
-            raise
+        return _answered(response, dict(call.trailing_metadata() or ())), response.output
+
+    def invoke_batch(
+        self,
+        route: Route,
+        items: Sequence[tuple[str, bytes, str]],
+        timeout_millis: int,
+        go_on: bool,
+        wait: float,
+    ) -> Iterator[tuple[int, tuple[dict[str, str], bytes] | GatewayError]]:
+        """Batches/InvokeBatch on `route` (docs/protocol.md, "Batches") with `items`, each its
+        invocation ID, input and content type: each item's answer as it comes, by its index —
+        the headers and body the gateway would have answered, or the gateway's error for its
+        failure. When the batch ends before every item was answered, the rest were never
+        called: RouteGone if that is because the route no longer leads to the Run or another
+        caller's call is in flight there (RESOURCE_EXHAUSTED); RequestCancelled if
+        ``cancel`` stopped it; else the error is the next item's."""
+        request = batches_pb2.InvokeBatchRequest(
+            run_uid=route.run_uid,
+            items=[
+                batches_pb2.BatchItem(invocation_id=invocation_id, input=data, content_type=media)
+                for invocation_id, data, media in items
+            ],
+            timeout_millis=timeout_millis,
+            go_on=go_on,
+        )
+        answers = self._batches_stub(route.address).InvokeBatch(
+            request, timeout=wait * len(items), metadata=((wire.POD_KEY, route.pod),)
+        )
+        with self._lock:
+            self._calls.add(answers)
+        answered = 0
+        try:
+            for message in answers:
+                for answer in message.answers:
+                    answered = answer.index + 1
+                    trailers = _metadata(answer.trailers)
+                    if answer.code:
+                        code = grpc.StatusCode[_CODE_NAMES[answer.code]]
+                        body = status_body(code, answer.message, trailers)
+                        yield answer.index, self._error(route, answer.invocation_id, body)
+                    else:
+                        yield answer.index, (_answered(answer, trailers), answer.output)
+        except grpc.RpcError as err:
+            if answers.cancelled():
+                raise RequestCancelled(
+                    f"the batch to {route.name} was cancelled", code="CANCELLED"
+                ) from None
+            if err.code() in _NOT_CALLED:
+                raise RouteGone(f"{err.code().name}: {err.details()}") from None
+            failure = self._failure(route, items[answered][0], err)
+            if isinstance(failure, RouteGone):
+                raise failure from None
+            yield answered, failure
         finally:
+            answers.cancel()  # a caller that stopped reading: the rest are not called
             with self._lock:
-                self._calls.discard(future)
-        return _answered(response, trailers), response.output
+                self._calls.discard(answers)
 
     def cancel(self) -> int:
         """From another thread: cancel every call in flight; runtimed cancels each in turn (its
         handler is killed), as the gateway does when its caller goes away."""
         with self._lock:
-            calls = list(self._calls)
+            calls, invokes = list(self._calls), list(self._invokes.values())
         for call in calls:
             call.cancel()
-        return len(calls)
+        return len(calls) + sum(invoke.cancel() for invoke in invokes)
 
     def close(self) -> None:
         with self._lock:
-            channels, self._channels = self._channels, {}
-        for channel, _ in channels.values():
+            channels, self._channels, self._batches = self._channels, {}, {}
+            invokes, self._invokes = self._invokes, {}
+        for channel in channels.values():
             channel.close()
+        for invoke in invokes.values():
+            invoke.close()
 
-    def _stub(self, address: str) -> pb_grpc.FunctionRuntimeStub:
+    def _invokes_of(self, address: str) -> CancellableCalls[pb_grpc.FunctionRuntimeStub]:
         with self._lock:
-            if address not in self._channels:
-                channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-                self._channels[address] = (channel, pb_grpc.FunctionRuntimeStub(channel))
-            return self._channels[address][1]
+            if address not in self._invokes:
+                self._invokes[address] = CancellableCalls(address, pb_grpc.FunctionRuntimeStub)
+            return self._invokes[address]
 
-    @staticmethod
-    def _failure(route: Route, invocation_id: str, err: grpc.RpcError) -> Exception:
+    def _batches_stub(self, address: str) -> batches_pb2_grpc.BatchesStub:
+        with self._lock:
+            if address not in self._batches:
+                channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+                self._channels[address] = channel
+                self._batches[address] = batches_pb2_grpc.BatchesStub(channel)
+            return self._batches[address]
+
+    @classmethod
+    def _failure(
+        cls, route: Route, invocation_id: str, err: grpc.RpcError
+    ) -> RouteGone | GatewayError:
         call: Any = err
         code = call.code()
         if code in _NEVER_RAN or (
@@ -129,13 +210,26 @@ class Direct:
             code == grpc.StatusCode.UNAVAILABLE and "failed to connect" in (call.details() or "")
         ):
             return RouteGone(f"{code.name}: {call.details()}")
-        body = failure_body(err)  # the gateway's own translation (docs/protocol.md, "Errors")
+        # the gateway's own translation (docs/protocol.md, "Errors")
+        return cls._error(route, invocation_id, failure_body(err))
+
+    @staticmethod
+    def _error(route: Route, invocation_id: str, body: dict[str, Any]) -> GatewayError:
         body["message"] = body["message"].replace(f"run {route.run_uid}", f'"{route.name}"')
         body.update(runUid=route.run_uid, invocationId=invocation_id)
         return from_response(body, wire.http_status(body["code"]))
 
 
-def _answered(response: pb.InvokeFunctionResponse, trailers: Mapping[str, Any]) -> dict[str, str]:
+def _metadata(trailers: Mapping[str, bytes]) -> dict[str, str | bytes]:
+    """A batch answer's trailers as gRPC hands trailers over: text, but for ``-bin`` keys."""
+    return {
+        key: value if key.endswith("-bin") else value.decode() for key, value in trailers.items()
+    }
+
+
+def _answered(
+    response: pb.InvokeFunctionResponse | batches_pb2.BatchAnswer, trailers: Mapping[str, Any]
+) -> dict[str, str]:
     """The headers the gateway answers a call with (gateway/invoke.py), from runtimed's answer."""
     reply = {
         "Content-Type": response.content_type or payloads.JSON,

@@ -14,8 +14,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from fnkernel.runtime_server import limits
 from fnkernel.runtime_server.client.errors import (
     GatewayError,
+    HandlerFailed,
+    InvocationTimedOut,
 )
 from fnkernel.runtime_server.client.transport import Transport, quote
 
@@ -27,21 +30,22 @@ LogCallback = Callable[[dict[str, Any]], None]
 
 
 class _Later:
-    """One thread that runs each callback FOLLOW_AFTER_SECONDS after it was added: a call that
+    """One thread that runs each callback `delay` seconds after it was added: a call that
     answers sooner costs no thread of its own. Every callback has the same delay, so they fall
     due in the order added; the thread wakes at most every _TICK_SECONDS while any wait, not
     once a call."""
 
     _TICK_SECONDS = 0.02
 
-    def __init__(self) -> None:
+    def __init__(self, delay: float) -> None:
+        self._delay = delay
         self._cond = threading.Condition()
         self._due: collections.deque[tuple[float, Callable[[], None]]] = collections.deque()
         self._thread: threading.Thread | None = None
 
     def call_later(self, callback: Callable[[], None]) -> None:
         with self._cond:
-            self._due.append((time.monotonic() + FOLLOW_AFTER_SECONDS, callback))
+            self._due.append((time.monotonic() + self._delay, callback))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="fn-later", daemon=True)
                 self._thread.start()
@@ -63,13 +67,24 @@ class _Later:
                 time.sleep(max(wait, self._TICK_SECONDS))
 
 
-_LATER = _Later()
+_LATER = _Later(FOLLOW_AFTER_SECONDS)
+# A batch's item (docs/protocol.md, "Batches"): the answers of the items before it come up to
+# BATCH_SEND_SECONDS late, so it is known to run only once that much more has passed.
+_LATER_IN_BATCH = _Later(FOLLOW_AFTER_SECONDS + limits.BATCH_SEND_SECONDS)
 
 
 class LiveFollow:
     """Follows one invocation's log lines for `on_log`, once it is due (``Client.invoke``)."""
 
-    def __init__(self, client: Transport, name: str, invocation_id: str, on_log: LogCallback):
+    def __init__(
+        self,
+        client: Transport,
+        name: str,
+        invocation_id: str,
+        on_log: LogCallback,
+        *,
+        in_batch: bool = False,
+    ):
         self._client = client
         self._name = name
         self._invocation_id = invocation_id
@@ -82,7 +97,7 @@ class LiveFollow:
         self.shown = 0  # lines given to on_log while the call ran
         self.complete = False  # the stream ended with the invocation
         self.cut = False  # ... after its cap: the last lines were not streamed
-        _LATER.call_later(self._start)
+        (_LATER_IN_BATCH if in_batch else _LATER).call_later(self._start)
 
     def _start(self) -> None:
         with self._lock:
@@ -109,6 +124,20 @@ class LiveFollow:
                     self.complete = True
         except GatewayError:
             pass  # not found, too many followers, cancelled: the result's lines stand in
+
+    def ended(self, outcome: Any) -> None:
+        """The call is over with `outcome`, its result or its failure: ``end`` with the lines
+        it carries — a result's, a handler error's, a timeout's. Any other failure never ran
+        or was cancelled: nothing more comes."""
+        if isinstance(outcome, HandlerFailed):
+            self.end(outcome.logs)
+        elif isinstance(outcome, InvocationTimedOut):
+            logs = outcome.detail.get("logs")
+            self.end(logs if isinstance(logs, list) else [])
+        elif isinstance(outcome, BaseException):
+            self.end([], wait=False)
+        else:
+            self.end(outcome.logs)  # an InvocationResult
 
     def end(self, logs: list[dict[str, Any]], *, wait: bool = True) -> None:
         """The call is over with `logs` (its result's): take the stream's last lines (for a

@@ -1,5 +1,7 @@
 """``Client.map``'s calls (docs/protocol.md, "Replicas"): threads each taking the next item,
-an item refused as busy waiting for a free replica, the first failure stopping the rest.
+an item refused as busy waiting for a free replica, the first failure stopping the rest. On the
+stack's machine each thread has a lane, a Run of its own, and takes the next items as a batch
+called there ("Batches").
 """
 
 from __future__ import annotations
@@ -7,15 +9,16 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Sequence
 from typing import Any, Protocol
 
-from fnkernel.runtime_server import limits
+from fnkernel.runtime_server import limits, payloads
 from fnkernel.runtime_server.client.errors import (
     FunctionBusy,
     GatewayError,
+    RequestCancelled,
 )
-from fnkernel.runtime_server.client.live import LogCallback
+from fnkernel.runtime_server.client.live import LiveFollow, LogCallback
 from fnkernel.runtime_server.client.views import InvocationResult
 
 MAP_PROGRESS_SECONDS = 0.05  # how often a map reports progress (and at its end)
@@ -23,6 +26,10 @@ MAP_PROGRESS_SECONDS = 0.05  # how often a map reports progress (and at its end)
 # that starts here and doubles up to the cap, until the item's own timeout has passed.
 _BUSY_FIRST_WAIT_SECONDS = 0.002
 _BUSY_WAIT_CAP_SECONDS = 0.05
+# A lane's batch: about a quarter of its share of the items (as multiprocessing's Pool.map cuts
+# its chunks), so that lanes that run slower still end together, and at most this many.
+BATCH_SHARE = 4
+BATCH_MOST_ITEMS = 64
 
 
 class Calls(Protocol):
@@ -34,6 +41,15 @@ class Calls(Protocol):
     ) -> InvocationResult: ...  # fmt: skip
 
     def cancel(self) -> int: ...
+
+    def follow(
+        self, name: str, invocation_id: str, on_log: LogCallback, *, in_batch: bool = False
+    ) -> LiveFollow: ...
+
+    def batch(
+        self, lane: Any, items: Sequence[tuple[str, bytes, str]], *, timeout_millis: int,
+        go_on: bool,
+    ) -> Generator[tuple[int, InvocationResult | GatewayError], None, None]: ...  # fmt: skip
 
 
 class MapRun:
@@ -56,6 +72,7 @@ class MapRun:
         self._return_exceptions = return_exceptions
         self._timeout_millis = timeout_millis
         self._on_log = on_log
+        self._batch = 1  # items a lane takes at once (``lanes``)
         self._lock = threading.Lock()
         self._next = 0
         self._working = 0
@@ -65,6 +82,11 @@ class MapRun:
         self.stopped = False  # after a failure or an interrupt: nothing more is sent
         self._stopping = threading.Event()  # wakes the items waiting for a free replica
         self.over = threading.Event()  # every thread is out
+
+    def lanes(self, threads: int) -> None:
+        """Each thread will be given a lane (``work(lane)``): the size of its batches."""
+        share = -(-len(self._work) // (threads * BATCH_SHARE))
+        self._batch = max(1, min(share, BATCH_MOST_ITEMS))
 
     def stop(self) -> None:
         self.stopped = True
@@ -95,7 +117,9 @@ class MapRun:
                     raise
                 wait = min(wait * 2, _BUSY_WAIT_CAP_SECONDS)
 
-    def work(self) -> None:
+    def work(self, lane: Any = None) -> None:
+        """Take the next item (with a `lane`, the next batch of them) until none is left or
+        the map stops."""
         with self._lock:
             self._working += 1
         try:
@@ -103,27 +127,101 @@ class MapRun:
                 with self._lock:
                     if self.stopped or self._next == len(self._work):
                         return
-                    index = self._next
-                    self._next += 1
-                try:
-                    result = self._invoke(index)
-                except Exception as error:
-                    if isinstance(error, GatewayError):
-                        error.item = (index, len(self._work))
-                    with self._lock:
-                        first = not (self._return_exceptions or self.failure is not None)
-                        if first:
-                            self.failure = error
-                        self.results[index] = error
-                        self.done += 1
-                    if first:
-                        self.stop()
-                    continue
-                with self._lock:
-                    self.results[index] = result
-                    self.done += 1
+                    taken = range(self._next, min(self._next + self._batch, len(self._work)))
+                    self._next = taken.stop
+                if lane is None:
+                    self._one(taken.start)
+                else:
+                    self._batched(lane, taken)
         finally:
             with self._lock:
                 self._working -= 1
                 if not self._working:
                     self.over.set()
+
+    def _one(self, index: int) -> None:
+        try:
+            result = self._invoke(index)
+        except Exception as error:
+            self._failed(index, error)
+        else:
+            self._answered(index, result)
+
+    def _batched(self, lane: Any, taken: range) -> None:
+        """The items `taken` as one batch on `lane`, but for those a batch does not carry (an
+        Arrow payload, or one the spool would take): they, and any item the batch ended
+        before (another caller holds the lane's Run, or it moved), are called one by one."""
+        items: list[tuple[str, bytes, str]] = []
+        for index in taken:
+            item = self._work[index]
+            if payloads.kind_of(item) is not None:
+                break
+            try:
+                data, media = payloads.encode(item, "payload")
+            except ValueError:
+                break  # its own call names what is wrong with it
+            if len(data) >= limits.SPOOL_FROM_BYTES:
+                break
+            items.append((limits.new_id("inv_"), data, media))
+        answered = 0
+        if items:
+            from fnkernel.runtime_server.client.direct import RouteGone
+
+            answers = self._calls.batch(
+                lane, items, timeout_millis=self._timeout_millis, go_on=self._return_exceptions
+            )
+            # Live output: the item that runs now is the one after the last answered.
+            live = self._follow(lane.name, items, taken, 0)
+            try:
+                for offset, answer in answers:
+                    answered = offset + 1
+                    if live is not None:
+                        live.ended(answer)
+                        live = self._follow(lane.name, items, taken, answered)
+                    if isinstance(answer, GatewayError):
+                        self._failed(taken[offset], answer)
+                    else:
+                        self._answered(taken[offset], answer.decoded())
+                    if self.stopped:
+                        return
+            except (RouteGone, FunctionBusy):
+                pass  # never called: the rest go one by one
+            except RequestCancelled as cancelled:
+                self._failed(taken[answered], cancelled)
+                return
+            finally:
+                answers.close()
+                if live is not None:
+                    live.end([], wait=False)  # cancelled, or never called: nothing more comes
+        for index in taken[answered:]:
+            if self.stopped:
+                return
+            self._one(index)
+
+    def _follow(
+        self, name: str, items: list[tuple[str, bytes, str]], taken: range, offset: int
+    ) -> LiveFollow | None:
+        """With `on_log`, the live output of the batch's item `offset`, the one that runs."""
+        if self._on_log is None or offset >= len(items):
+            return None
+        on_log = functools.partial(self._on_log, taken[offset])
+        return self._calls.follow(name, items[offset][0], on_log, in_batch=True)
+
+    def _answered(self, index: int, result: Any) -> None:
+        with self._lock:
+            self.results[index] = result
+            self.done += 1
+
+    def _failed(self, index: int, error: Exception) -> None:
+        """Item `index` failed: its failure is the map's, unless one came first or the map
+        returns each in its place."""
+        if isinstance(error, GatewayError):
+            error.item = (index, len(self._work))
+        with self._lock:
+            first = not (self._return_exceptions or self.failure is not None)
+            if first:
+                self.failure = error
+            self.results[index] = error
+            self.done += 1
+        if first:
+            self.stop()

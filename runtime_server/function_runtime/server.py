@@ -13,6 +13,8 @@ from fnkernel.runtime_server import limits
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import (
+    batches_pb2,
+    batches_pb2_grpc,
     logs_pb2,
     logs_pb2_grpc,
     payloads_pb2,
@@ -20,6 +22,7 @@ from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import (
 )
 from fnkernel.runtime_server.function_runtime.registry import Registry
 from fnkernel.runtime_server.function_runtime.servicer import (
+    BatchesServicer,
     FunctionRuntimeServicer,
     InvocationLogsServicer,
     PayloadsServicer,
@@ -44,6 +47,7 @@ INVOCATION_LOGS_SERVICE = logs_pb2.DESCRIPTOR.services_by_name["InvocationLogs"]
 PAYLOADS_SERVICE = payloads_pb2.DESCRIPTOR.services_by_name[
     "Payloads"
 ].full_name  # "Large payloads"
+BATCHES_SERVICE = batches_pb2.DESCRIPTOR.services_by_name["Batches"].full_name  # "Batches"
 DEFAULT_LISTEN = "127.0.0.1:9090"
 
 
@@ -69,7 +73,13 @@ class RuntimeServer:
             spool.sweep()  # what a killed server's calls left
         self.registry = Registry(adapter, workspace_root, register_wait=register_wait, spool=spool)
         pipeline = Pipeline(
-            (RUNTIME_SERVICE, FUNCTION_RUNTIME_SERVICE, INVOCATION_LOGS_SERVICE, PAYLOADS_SERVICE),
+            (
+                RUNTIME_SERVICE,
+                FUNCTION_RUNTIME_SERVICE,
+                INVOCATION_LOGS_SERVICE,
+                PAYLOADS_SERVICE,
+                BATCHES_SERVICE,
+            ),
             component="runtime-server",
             timeline_key=TIMELINE_SERVER_KEY,
             fence=judged_by_fence,
@@ -91,7 +101,10 @@ class RuntimeServer:
             logs_pb2_grpc.add_InvocationLogsServicer_to_server(
                 InvocationLogsServicer(self.registry), self.server
             )
-        extensions = [] if oneshot_only else [INVOCATION_LOGS_SERVICE]
+            batches_pb2_grpc.add_BatchesServicer_to_server(
+                BatchesServicer(self.registry), self.server
+            )
+        extensions = [] if oneshot_only else [INVOCATION_LOGS_SERVICE, BATCHES_SERVICE]
         if spool is not None and not oneshot_only:
             payloads_pb2_grpc.add_PayloadsServicer_to_server(PayloadsServicer(spool), self.server)
             extensions.append(PAYLOADS_SERVICE)

@@ -7,7 +7,9 @@ in GRPC_STATUS, the one table of it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 
 import grpc
 
@@ -15,14 +17,18 @@ from fnkernel.runtime_server import limits, tracing
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import (
+    batches_pb2,
+    batches_pb2_grpc,
     logs_pb2,
     logs_pb2_grpc,
     payloads_pb2,
     payloads_pb2_grpc,
 )
 from fnkernel.runtime_server.errors import (
+    InvocationInFlight,
     RegistrationNotFound,
     RegistrationNotReady,
+    ShuttingDown,
     StaleRegistration,
 )
 from fnkernel.runtime_server.function_runtime.oneshot import execute
@@ -36,6 +42,7 @@ from fnkernel.runtime_server.rpc import (
     Followers,
     caller_deadline,
     cancel_on_client_exit,
+    failure_status,
     logs_trailer,
     metadata_value,
     served_call,
@@ -51,6 +58,9 @@ from fnkernel.runtime_server.wire import (
 LOG = logging.getLogger("fnkernel.runtime")
 # docs/protocol.md, fence table: what the registration fence refuses a call with.
 REGISTRATION_FENCE = (RegistrationNotFound, StaleRegistration, RegistrationNotReady)
+# docs/protocol.md, "Batches": refusals of a batch's item before it is called, which end the
+# batch with their status (another caller's call is in flight, the server is going away).
+NEVER_CALLED = (*REGISTRATION_FENCE, InvocationInFlight, ShuttingDown)
 
 
 def judged_by_fence(exc: BaseException) -> str:
@@ -163,6 +173,130 @@ class FunctionRuntimeServicer(pb_grpc.FunctionRuntimeServicer):
         return pb.UnregisterFunctionResponse(registration=request.registration)
 
 
+class BatchesServicer(batches_pb2_grpc.BatchesServicer):
+    """fnkernel's own batch of one Run's calls (docs/protocol.md, "Batches"): each item called
+    in turn as InvokeFunction calls one, by a thread of the batch's own, while the RPC's sends
+    the answers as they come — those within limits.BATCH_SEND_SECONDS of the last sent together."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+
+    def InvokeBatch(
+        self, request: batches_pb2.InvokeBatchRequest, context: grpc.ServicerContext
+    ) -> Iterator[batches_pb2.BatchAnswers]:
+        batch = _Batch(self.registry, request, context)
+        threading.Thread(target=batch.run, name="batch", daemon=True).start()
+        try:
+            yield from batch.sent()
+        finally:
+            batch.stop()  # the caller went away: nothing more is called
+
+
+class _Batch:
+    """One InvokeBatch: its calls (``run``, on a thread of its own) and its answers (``sent``)."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        request: batches_pb2.InvokeBatchRequest,
+        context: grpc.ServicerContext,
+    ) -> None:
+        self._registry = registry
+        self._request = request
+        self._context = context
+        self._ready = threading.Condition()
+        self._answers: list[batches_pb2.BatchAnswer] = []  # not sent yet
+        self._ended = False
+        self._refused: BaseException | None = None  # the status the batch ends with
+        self._stopped = False
+        self._send_at = 0.0  # when the answers that came since the last message may be sent
+
+    def stop(self) -> None:
+        with self._ready:
+            self._stopped = True
+
+    def run(self) -> None:
+        request, context = self._request, self._context
+        on_dispatch = cancel_on_client_exit(context)
+        try:
+            for index, item in enumerate(request.items):
+                with self._ready:
+                    if self._stopped:
+                        return
+                answer = self._called(index, item, on_dispatch)
+                with self._ready:
+                    self._answers.append(answer)
+                    if answer.code and not request.go_on:
+                        return
+                    if time.monotonic() >= self._send_at:  # else the sender wakes by itself
+                        self._ready.notify()
+        except Exception as exc:  # NEVER_CALLED: this item and the rest were never called
+            self._refused = exc  # the stream's status, as InvokeFunction would answer it
+        finally:
+            with self._ready:
+                self._ended = True
+                self._ready.notify()
+
+    def _called(
+        self,
+        index: int,
+        item: batches_pb2.BatchItem,
+        on_dispatch: Callable[[Callable[[], object]], None],
+    ) -> batches_pb2.BatchAnswer:
+        try:
+            invocation = self._registry.invoke(
+                run_uid=self._request.run_uid,
+                registration_id=self._request.registration_id,
+                invocation_id=item.invocation_id,
+                input=item.input,
+                content_type=item.content_type,
+                timeout_millis=self._request.timeout_millis,
+                deadline=caller_deadline(self._context),
+                on_dispatch=on_dispatch,
+            )
+        except NEVER_CALLED:
+            raise
+        except Exception as exc:
+            code, message, trailers = failure_status(exc, "InvokeBatch")
+            return batches_pb2.BatchAnswer(
+                index=index,
+                invocation_id=item.invocation_id,
+                code=code.value[0],
+                message=message,
+                trailers={key: _bytes(value) for key, value in trailers},
+            )
+        result = invocation.result
+        return batches_pb2.BatchAnswer(
+            index=index,
+            invocation_id=invocation.invocation_id,
+            output=result.output,
+            content_type=result.content_type,
+            outputs=result.outputs or None,
+            trailers={LOGS_KEY: logs_trailer(result.logs)} if result.logs else None,
+        )
+
+    def sent(self) -> Iterator[batches_pb2.BatchAnswers]:
+        """The answers, in messages: the first as soon as it comes, then whatever came within
+        limits.BATCH_SEND_SECONDS of the last message, until the batch ends."""
+        while True:
+            with self._ready:
+                while True:
+                    wait = self._send_at - time.monotonic()
+                    if self._ended or (self._answers and wait <= 0):
+                        break
+                    self._ready.wait(wait if self._answers else None)
+                answers, self._answers = self._answers, []
+                ended = self._ended
+            if answers:
+                yield batches_pb2.BatchAnswers(answers=answers)
+                with self._ready:
+                    self._send_at = time.monotonic() + limits.BATCH_SEND_SECONDS
+            if ended:
+                break
+        if self._refused is not None:
+            raise self._refused
+
+
 class InvocationLogsServicer(logs_pb2_grpc.InvocationLogsServicer):
     """fnkernel's own stream of one invocation's log lines (docs/protocol.md, "Live output")."""
 
@@ -252,3 +386,7 @@ class RuntimeServicer(pb_grpc.RuntimeServicer):
             outputs=outcome.outputs,
             exit_code=outcome.exit_code,
         )
+
+
+def _bytes(value: str | bytes) -> bytes:
+    return value.encode() if isinstance(value, str) else value

@@ -28,7 +28,11 @@ import grpc
 
 from fnkernel.runtime_server import limits, tracing
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
-from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import logs_pb2_grpc, payloads_pb2_grpc
+from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import (
+    batches_pb2_grpc,
+    logs_pb2_grpc,
+    payloads_pb2_grpc,
+)
 from fnkernel.runtime_server.errors import (
     RequirementsFailed,
     RoutedElsewhere,
@@ -111,6 +115,7 @@ class Runtimed:
         self.server = ServerRegistrations(self.server_stub)
         self.logs_stub = logs_pb2_grpc.InvocationLogsStub(self._channel)
         self.payloads_stub = payloads_pb2_grpc.PayloadsStub(self._channel)
+        self.batches_stub = batches_pb2_grpc.BatchesStub(self._channel)
         self.heart = Heartbeat(self._channel, store, pod, runtime, poll_interval)
         self.calls = CancellableCalls(server_address, pb_grpc.FunctionRuntimeStub)  # proxied
         self._lock = threading.Lock()

@@ -19,6 +19,8 @@ from fnkernel.runtime_server import limits, tracing
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import (
+    batches_pb2,
+    batches_pb2_grpc,
     logs_pb2,
     logs_pb2_grpc,
     payloads_pb2,
@@ -33,6 +35,7 @@ from fnkernel.runtime_server.errors import (
     RoutedElsewhere,
 )
 from fnkernel.runtime_server.function_runtime.server import (
+    BATCHES_SERVICE,
     FUNCTION_RUNTIME_SERVICE,
     INVOCATION_LOGS_SERVICE,
     PAYLOADS_SERVICE,
@@ -75,6 +78,7 @@ class Agent(Protocol):
     server_stub: pb_grpc.FunctionRuntimeStub
     logs_stub: logs_pb2_grpc.InvocationLogsStub
     payloads_stub: payloads_pb2_grpc.PayloadsStub
+    batches_stub: batches_pb2_grpc.BatchesStub
 
     def fenced_run(self, run_uid: str, routed_to: str | None) -> Run: ...
 
@@ -97,14 +101,16 @@ def judged_by_fence(exc: BaseException) -> str:
     return f"refused: {type(exc).__name__}" if isinstance(exc, RoutedElsewhere) else ""
 
 
-def _outside_id(registration: pb.FunctionRegistration) -> None:
-    if registration.registration_id:
+def _outside_id(run_uid: str, registration_id: str, field: str = "") -> None:
+    """What a caller of runtimed names: the Run UID, and never the registration ID, which
+    runtimed fills in (`field`: the message's field holding the two, "" for the message's own)."""
+    if registration_id:
         raise InvalidField(
-            "registration.registration_id",
+            f"{field}registration_id",
             "must be empty at runtimed: the proxy hop fills in the active registration",
         )
-    if not registration.run_uid:
-        raise InvalidField("registration.run_uid", "must not be empty")
+    if not run_uid:
+        raise InvalidField(f"{field}run_uid", "must not be empty")
 
 
 class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
@@ -116,7 +122,9 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
     def InvokeFunction(
         self, request: pb.InvokeFunctionRequest, context: grpc.ServicerContext
     ) -> pb.InvokeFunctionResponse:
-        _outside_id(request.registration)
+        _outside_id(
+            request.registration.run_uid, request.registration.registration_id, "registration."
+        )
         routed_to = metadata_value(context, POD_KEY)
         run, active, cold = self.runtimed.resolve(request.registration.run_uid, routed_to)
         try:
@@ -202,7 +210,9 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
     def FunctionStatus(
         self, request: pb.FunctionStatusRequest, context: grpc.ServicerContext
     ) -> pb.FunctionStatusResponse:
-        _outside_id(request.registration)
+        _outside_id(
+            request.registration.run_uid, request.registration.registration_id, "registration."
+        )
         run = self.runtimed.fenced_run(
             request.registration.run_uid, metadata_value(context, POD_KEY)
         )
@@ -231,6 +241,64 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
         raise NotAllowedHere("UnregisterFunction is runtimed's own call; delete the Run instead")
 
 
+class BatchesProxyServicer(batches_pb2_grpc.BatchesServicer):
+    """runtimed's relay of a batch of one Run's calls (docs/protocol.md, "Batches"): fenced and
+    filled in as an invoke is, then each answer passed on as it comes."""
+
+    def __init__(self, runtimed: Agent) -> None:
+        self.runtimed = runtimed
+
+    def InvokeBatch(
+        self, request: batches_pb2.InvokeBatchRequest, context: grpc.ServicerContext
+    ) -> Iterator[batches_pb2.BatchAnswers]:
+        _outside_id(request.run_uid, request.registration_id)
+        routed_to = metadata_value(context, POD_KEY)
+        run, active, _ = self.runtimed.resolve(request.run_uid, routed_to)
+        answered = False
+        try:
+            for answer in self._relayed(request, context, active):
+                answered = True
+                yield answer
+        except grpc.RpcError as err:
+            if answered or err.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                self._failed(err, run, active, context)
+                raise
+            # Refused before its first call (drained for idling, say): resolve again, once,
+            # as InvokeFunction does.
+            run, active, _ = self.runtimed.resolve(request.run_uid, routed_to, fast=False)
+            try:
+                yield from self._relayed(request, context, active)
+            except grpc.RpcError as again:
+                self._failed(again, run, active, context)
+                raise
+        self.runtimed.served(run, active)
+
+    def _relayed(
+        self,
+        request: batches_pb2.InvokeBatchRequest,
+        context: grpc.ServicerContext,
+        active: Active,
+    ) -> Iterator[batches_pb2.BatchAnswers]:
+        forwarded = batches_pb2.InvokeBatchRequest()
+        forwarded.CopyFrom(request)
+        forwarded.registration_id = active.registration_id
+        answers = self.runtimed.batches_stub.InvokeBatch(forwarded, timeout=caller_timeout(context))
+        context.add_callback(answers.cancel)  # the caller left: its item is cancelled
+        yield from answers
+
+    def _failed(
+        self, err: grpc.RpcError, run: Run, active: Active, context: grpc.ServicerContext
+    ) -> None:
+        """What a broken-off or lost batch tells runtimed, as a proxied invoke's would."""
+        if err.code() == grpc.StatusCode.UNAVAILABLE and context.is_active():
+            self.runtimed.call_cut_off(run, active, "a batch")
+        elif err.code() == grpc.StatusCode.NOT_FOUND:
+            self.runtimed.registration_lost(run, active)
+            raise RegistrationLost(
+                f"run {run.uid}: its Runtime Server restarted; registering it again"
+            ) from None
+
+
 class LogsProxyServicer(logs_pb2_grpc.InvocationLogsServicer):
     """runtimed's relay of an invocation's live log lines (docs/protocol.md, "Live output"):
     fenced and filled in as an invoke is, then passed through record by record."""
@@ -247,12 +315,7 @@ class LogsProxyServicer(logs_pb2_grpc.InvocationLogsServicer):
     def _relayed(
         self, request: logs_pb2.FollowInvocationLogsRequest, context: grpc.ServicerContext
     ) -> Iterator[logs_pb2.InvocationLogRecord]:
-        if request.registration_id:
-            raise InvalidField(
-                "registration_id", "must be empty at runtimed: the relay fills it in"
-            )
-        if not request.run_uid:
-            raise InvalidField("run_uid", "must not be empty")
+        _outside_id(request.run_uid, request.registration_id)
         run = self.runtimed.fenced_run(request.run_uid, metadata_value(context, POD_KEY))
         active = self.runtimed.active(run)
         if active is None:
@@ -292,9 +355,9 @@ class PayloadsProxyServicer(payloads_pb2_grpc.PayloadsServicer):
 
 def proxy_ports(runtimed: Agent) -> tuple[grpc.Server, health.HealthServicer]:
     """runtimed's gRPC server, not yet bound: the proxy hop's FunctionRuntime, the relays of
-    live output and of the spool, health and reflection."""
+    live output, of the spool and of batches, health and reflection."""
     pipeline = Pipeline(
-        (FUNCTION_RUNTIME_SERVICE, INVOCATION_LOGS_SERVICE, PAYLOADS_SERVICE),
+        (FUNCTION_RUNTIME_SERVICE, INVOCATION_LOGS_SERVICE, PAYLOADS_SERVICE, BATCHES_SERVICE),
         component="runtimed",
         timeline_key=TIMELINE_RUNTIMED_KEY,
         fence=judged_by_fence,
@@ -307,9 +370,16 @@ def proxy_ports(runtimed: Agent) -> tuple[grpc.Server, health.HealthServicer]:
     pb_grpc.add_FunctionRuntimeServicer_to_server(ProxyServicer(runtimed), server)
     logs_pb2_grpc.add_InvocationLogsServicer_to_server(LogsProxyServicer(runtimed), server)
     payloads_pb2_grpc.add_PayloadsServicer_to_server(PayloadsProxyServicer(runtimed), server)
+    batches_pb2_grpc.add_BatchesServicer_to_server(BatchesProxyServicer(runtimed), server)
     checks = add_health(server, [FUNCTION_RUNTIME_SERVICE])
     add_reflection(
         server,
-        [FUNCTION_RUNTIME_SERVICE, INVOCATION_LOGS_SERVICE, PAYLOADS_SERVICE, health.SERVICE_NAME],
+        [
+            FUNCTION_RUNTIME_SERVICE,
+            INVOCATION_LOGS_SERVICE,
+            PAYLOADS_SERVICE,
+            BATCHES_SERVICE,
+            health.SERVICE_NAME,
+        ],
     )
     return server, checks

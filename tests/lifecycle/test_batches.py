@@ -1,0 +1,225 @@
+"""docs/protocol.md, "Batches": on the gateway's machine ``NAME.map`` gives each of its threads a
+Run of its own (the Run, or one replica each) and sends that Run its items a batch at a time,
+over runtimed's ``Batches/InvokeBatch``: each item called in turn as InvokeFunction calls one,
+each answer or failure what the gateway would have answered; after a failure the rest are not
+called (unless the map returns exceptions); a batch another caller's call refuses goes item by
+item through the gateway."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import batches_pb2, batches_pb2_grpc
+from fnkernel.runtime_server.client import Client
+from fnkernel.runtime_server.client.errors import HandlerFailed, InvocationTimedOut
+from fnkernel.runtime_server.lifecycle.stack import Stack
+from fnkernel.runtime_server.wire import LOGS_KEY, POD_KEY
+from tests.support import wait_until
+
+pytestmark = pytest.mark.timeout(120)
+HANDLER = {
+    "handler.py": (
+        "import os, time\n"
+        "def handle(event):\n"
+        "    print('item', event['n'])\n"
+        "    if event.get('log'):\n"
+        "        with open(event['log'], 'a') as log:\n"
+        "            log.write(f\"{event['n']}\\n\")\n"
+        "    if event.get('fail'):\n"
+        "        raise ValueError('no: ' + str(event['n']))\n"
+        "    time.sleep(event.get('sleep', 0))\n"
+        "    if event.get('until'):  # a file the test makes, up to 15 s\n"
+        "        deadline = time.monotonic() + 15\n"
+        "        while not os.path.exists(event['until']) and time.monotonic() < deadline:\n"
+        "            time.sleep(0.01)\n"
+        "        return {'n': event['n'], 'released': os.path.exists(event['until'])}\n"
+        "    return {'n': event['n'], 'pid': os.getpid()}\n"
+    )
+}
+
+
+@pytest.fixture
+def stack(stack_factory: Callable[..., Stack]) -> Iterator[Stack]:
+    stack = stack_factory({"python": 1})
+    client = Client(stack.gateway_address)
+    client.create_run("one", runtime="python", handler="handler.handle", files=HANDLER)
+    client.create_run("set", runtime="python", handler="handler.handle", files=HANDLER, replicas=2)
+    yield stack
+
+
+@pytest.fixture
+def requests(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every gateway request a Client of this process makes (a map makes a client of its own)."""
+    sent: list[str] = []
+    request = Client.request
+
+    def recorded(self: Client, method: str, path: str, *args: Any, **kw: Any) -> Any:
+        sent.append(f"{method} {path}")
+        return request(self, method, path, *args, **kw)
+
+    monkeypatch.setattr(Client, "request", recorded)
+    return sent
+
+
+def test_a_map_on_the_stacks_machine_sends_batches_to_each_replica(
+    stack: Stack, requests: list[str]
+) -> None:
+    client = Client(stack.gateway_address)
+    # 10 ms each: 0.2 s of work a lane, so that neither thread can take every batch before
+    # the other has started.
+    items = [{"n": n, "sleep": 0.01} for n in range(40)]
+    results = client.map("set", items)
+    assert [result["n"] for result in results] == list(range(40))
+    assert not [sent for sent in requests if ":invoke" in sent]  # no call went to the gateway
+    assert "GET /v1/runs/set:route" in requests
+    assert len({result["pid"] for result in results}) == 2  # both replicas, a worker each
+    # The route names each replica's; the set itself has none (its calls pick a replica).
+    route = client._json("GET", "/v1/runs/set:route")
+    assert route["route"] is None
+    assert [replica["name"] for replica in route["replicas"]] == ["set", "set.1"]
+
+
+def test_a_map_calls_without_the_gateway_only_where_its_client_does(
+    stack: Stack, requests: list[str]
+) -> None:
+    # A kernel's client while %fn_trace is on makes every call through the gateway, where the
+    # trace shows it; the map's own client follows it.
+    class Gatewayed(Client):
+        def _direct_allowed(self) -> bool:
+            return False
+
+    client = Gatewayed(stack.gateway_address)
+    assert [result["n"] for result in client.map("set", [{"n": n} for n in range(6)])] == [
+        0, 1, 2, 3, 4, 5]  # fmt: skip
+    assert requests.count("POST /v1/runs/set:invoke") == 6
+    assert "GET /v1/runs/set:route" not in requests
+
+
+def test_a_batched_item_shows_its_output_as_it_is_written(
+    stack: Stack, tmp_path: Path, requests: list[str]
+) -> None:
+    # docs/protocol.md, "Live output": the line of the item that runs reaches on_log while it
+    # runs — here, it must, for the handler to be released before its 15 s are up.
+    release = tmp_path / "release"
+    seen: list[tuple[int, str]] = []
+
+    def on_log(index: int, line: dict[str, Any]) -> None:
+        seen.append((index, line["text"]))
+        if index == 1 and line["text"] == "item 1":
+            release.touch()
+
+    items = [{"n": 0}, {"n": 1, "until": str(release)}, {"n": 2}]
+    results = Client(stack.gateway_address).map("one", items, on_log=on_log)
+    assert [result["n"] for result in results] == [0, 1, 2]
+    assert results[1]["released"] is True
+    assert seen == [(0, "item 0"), (1, "item 1"), (2, "item 2")]  # each line once, its own item's
+    assert not [sent for sent in requests if ":invoke" in sent]  # the items went as a batch
+
+
+def test_each_items_failure_is_the_one_the_gateway_gives(stack: Stack, tmp_path: Path) -> None:
+    client = Client(stack.gateway_address)
+    items = [{"n": 0}, {"n": 1, "fail": True}, {"n": 2, "sleep": 5}, {"n": 3}]
+    mapped = client.map("one", items, return_exceptions=True, timeout_millis=1000)
+    assert mapped[0]["n"] == 0 and mapped[3]["n"] == 3  # the rest went on (return_exceptions)
+    through_gateway = Client(stack.gateway_address)
+    through_gateway._direct_allowed = lambda: False  # type: ignore[method-assign]
+    for index, kind in ((1, HandlerFailed), (2, InvocationTimedOut)):
+        failure = mapped[index]
+        with pytest.raises(kind) as caught:
+            through_gateway.invoke("one", items[index], timeout_millis=1000)
+        expected = caught.value
+        assert isinstance(failure, kind)
+        assert (failure.status, failure.code) == (expected.status, expected.code)
+        assert str(failure) == str(expected)
+        assert failure.run_uid == expected.run_uid
+        assert failure.item == (index, 4)
+    handler_failure = mapped[1]
+    assert isinstance(handler_failure, HandlerFailed)
+    assert handler_failure.error_type == "ValueError"
+    assert [line["text"] for line in handler_failure.logs][:1] == ["item 1"]
+
+
+def test_after_a_failure_the_rest_of_the_batch_is_never_called(
+    stack: Stack, tmp_path: Path
+) -> None:
+    log = tmp_path / "called.txt"
+    items = [{"n": n, "log": str(log), "fail": n == 1} for n in range(12)]
+    with pytest.raises(HandlerFailed, match="no: 1") as caught:
+        Client(stack.gateway_address).map("one", items)
+    assert caught.value.item == (1, 12)
+    assert log.read_text().split() == ["0", "1"]
+
+
+def test_a_batch_refused_by_another_callers_call_waits_for_it_item_by_item(
+    stack: Stack, tmp_path: Path
+) -> None:
+    log = tmp_path / "called.txt"
+    other = Client(stack.gateway_address)
+    held: list[Any] = []
+    holding = threading.Thread(
+        target=lambda: held.append(other.invoke("one", {"n": -1, "sleep": 1.0, "log": str(log)}))
+    )
+    holding.start()
+    wait_until(lambda: (other.status("one")["live"] or {}).get("inFlight") == 1, timeout=30)
+    items = [{"n": n, "log": str(log)} for n in range(5)]
+    results = Client(stack.gateway_address).map("one", items)
+    holding.join(30)
+    assert [result["n"] for result in results] == list(range(5))
+    assert held[0].decoded()["n"] == -1  # the other caller's call was never disturbed
+    assert log.read_text().split() == ["-1", "0", "1", "2", "3", "4"]  # each item called once
+
+
+def test_the_first_failure_cancels_what_the_other_lane_runs(stack: Stack) -> None:
+    client = Client(stack.gateway_address)
+    # Two items, two lanes: a batch of one each. The first sleeps past the test's timeout,
+    # unless the second's failure cancels it.
+    with pytest.raises(HandlerFailed, match="no: 1"):
+        client.map("set", [{"n": 0, "sleep": 600}, {"n": 1, "fail": True}])
+    wait_until(
+        lambda: all(
+            (client.status(name)["live"] or {}).get("inFlight") == 0 for name in ("set", "set.1")
+        ),
+        timeout=30,
+    )
+    assert client.invoke("set.1", {"n": 5}).decoded()["n"] == 5
+
+
+def test_runtimed_fences_a_batch_as_it_fences_an_invoke(stack: Stack) -> None:
+    client = Client(stack.gateway_address)
+    route = client._json("GET", "/v1/runs/one:route")["route"]
+    channel = grpc.insecure_channel(route["runtimed"])
+    stub = batches_pb2_grpc.BatchesStub(channel)
+    items = [
+        batches_pb2.BatchItem(
+            invocation_id=f"inv-b{n}", input=body, content_type="application/json"
+        )
+        for n, body in enumerate([b'{"n": 0}', b'{"n": 1, "fail": true}', b'{"n": 2}'])
+    ]
+    request = batches_pb2.InvokeBatchRequest(run_uid=route["runUid"], items=items)
+    pod = ((POD_KEY, route["pod"]),)
+
+    def answers(**kw: Any) -> list[batches_pb2.BatchAnswer]:
+        asked = batches_pb2.InvokeBatchRequest()
+        asked.CopyFrom(request)
+        for key, value in kw.items():
+            setattr(asked, key, value)
+        return [a for m in stub.InvokeBatch(asked, timeout=30, metadata=pod) for a in m.answers]
+
+    stopped = answers()
+    assert [(a.index, a.code) for a in stopped] == [(0, 0), (1, grpc.StatusCode.UNKNOWN.value[0])]
+    assert b"item 1" in stopped[1].trailers[LOGS_KEY]
+    assert [a.index for a in answers(go_on=True)] == [0, 1, 2]
+    with pytest.raises(grpc.RpcError) as elsewhere:
+        list(stub.InvokeBatch(request, timeout=30, metadata=((POD_KEY, "python-9"),)))
+    assert elsewhere.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(grpc.RpcError) as filled:
+        answers(registration_id="reg_x")
+    assert filled.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "registration_id" in (filled.value.details() or "")
+    channel.close()
