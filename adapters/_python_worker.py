@@ -11,17 +11,21 @@ or numpy, are imported on the first payload or result of theirs (docs/protocol.m
 types").
 
 Frames (see adapters/worker.py for the handshake, the nonce and the log files):
-  request:  ``<id_len> <input_len> <remaining_ms> <traceparent> <type> <in> <out> <from> <nonce>\\n``
-            + invocation id + input bytes, where traceparent is a traced call's W3C context,
-            ``-`` for none; type the input's content type (``json``, ``arrow``, ``octet``:
-            _payloads.CODES); in the name of a spooled input in $FNKERNEL_SPOOL (then the input
-            bytes are none), out the name a result of at least ``from`` bytes is written to
-            instead of being answered inline, each ``-`` for none (docs/protocol.md, "Large
-            payloads")
-  response: ``<ok|error|invalid> <meta_len> <output_len> <type> <inline|spooled> <nonce>\\n`` +
-            meta JSON + output bytes (none when spooled), where meta is the outputs object for
-            ``ok`` (0 bytes when there are none) and ``{"errorType", "errorMessage"}``
-            otherwise, type the output's content type, and the nonce is the request's
+  request:  ``<id_len> <input_len> <remaining_ms> <traceparent> <type> <in> <out> <from> <if>
+            <nonce>\\n`` + invocation id + input bytes, where traceparent is a traced call's W3C
+            context, ``-`` for none; type the input's content type (``json``, ``arrow``,
+            ``octet``: _payloads.CODES); in the name of a spooled input in $FNKERNEL_SPOOL (then
+            the input bytes are none), out the name a result of at least ``from`` bytes is
+            written to instead of being answered inline, each ``-`` for none (docs/protocol.md,
+            "Large payloads"); if ``ok`` for a frame queued behind another call (a batch's next
+            item), to be run only if that call answered ``ok``, ``-`` for always
+  response: ``<ok|error|invalid|skipped> <meta_len> <output_len> <type> <inline|spooled>
+            <stdout> <stderr> <nonce>\\n`` + meta JSON + output bytes (none when spooled),
+            where meta is the outputs object for ``ok`` (0 bytes when there are none) and
+            ``{"errorType", "errorMessage"}`` for ``error`` and ``invalid``, type the output's
+            content type, stdout and stderr the sizes of the two log files as the call ends
+            (-1 where unknown: where the next call's lines begin), and the nonce is the
+            request's; ``skipped`` answers a frame whose ``if`` did not hold, which never ran
 
 The two descriptor numbers are taken off ``sys.argv`` before the handler is imported: a handler
 has no easy way to its answers' pipe, and an answer it forged anyway lacks the call's nonce.
@@ -178,13 +182,23 @@ def _respond(
     sys.stderr.flush()
     encoded = json.dumps(meta).encode() if meta else b""
     size = len(output) if size < 0 else size
-    header = b"%s %d %d %s %s %s\n" % (status, len(encoded), size, code, where, nonce)
+    ends = b"%d %d" % (_log_end(1), _log_end(2))
+    header = b"%s %d %d %s %s %s %s\n" % (status, len(encoded), size, code, where, ends, nonce)
     _write(fd, header + encoded + output)
+
+
+def _log_end(fd: int) -> int:
+    """The size of the log file on `fd`, -1 if it is none (a handler may have closed it)."""
+    try:
+        return os.fstat(fd).st_size
+    except OSError:
+        return -1
 
 
 def serve(function, run_uid: str, requests, resp_fd: int) -> None:
     with_context = takes_context(function)
     logger = logging.getLogger("handler")
+    answered_ok = True  # the last call's answer
     while True:
         header = requests.readline()
         if not header:
@@ -198,10 +212,14 @@ def serve(function, run_uid: str, requests, resp_fd: int) -> None:
             spooled_in,
             spooled_out,
             out_from,
+            condition,
             nonce,
         ) = header.split()
         invocation_id = _read_exact(requests, int(id_len)).decode()
         payload = _read_exact(requests, int(input_len))
+        if condition == b"ok" and not answered_ok:
+            _respond(resp_fd, nonce, b"skipped", None)  # answered_ok stays: it never ran
+            continue
         traced = traceparent.decode() if traceparent != b"-" else ""
         context = Context(invocation_id, run_uid, int(remaining_ms), traced, logger)
         call = _Call(
@@ -223,6 +241,7 @@ def serve(function, run_uid: str, requests, resp_fd: int) -> None:
             # Out of its memory (RLIMIT_DATA) anywhere in the call — the handler, decoding its
             # input, encoding its result: the supervisor names the limit and replaces us.
             call.respond(b"error", {"errorType": "MemoryError", "errorMessage": ""})
+        answered_ok = call.status == b"ok"
 
 
 @contextlib.contextmanager
@@ -259,6 +278,7 @@ class _Call:
         self.media, self.payload = media, payload
         self.input_path, self.output_path, self.output_from = input_path, output_path, output_from
         self.resp_fd, self.nonce = resp_fd, nonce
+        self.status = b""  # how it was answered
 
     def event(self):
         if not self.input_path:
@@ -268,6 +288,7 @@ class _Call:
         return _payloads.decode_file(self.input_path, self.media, "input")
 
     def respond(self, status: bytes, meta: dict | None) -> None:
+        self.status = status
         _respond(self.resp_fd, self.nonce, status, meta)
 
     def result(self, result, outputs: dict) -> None:
@@ -281,10 +302,12 @@ class _Call:
             output, code = encode_result(result)
             size = len(output)
             if not self.output_path or size < self.output_from:
+                self.status = b"ok"
                 _respond(self.resp_fd, self.nonce, b"ok", outputs, output, code)
                 return
             with open(self.output_path, "xb") as out:
                 out.write(output)
+        self.status = b"ok"
         _respond(self.resp_fd, self.nonce, b"ok", outputs, b"", code, size=size, where=b"spooled")
 
 

@@ -13,7 +13,7 @@ from fnkernel.adapters import _payloads
 from fnkernel.adapters.calllogs import LiveLog, LogLine
 from fnkernel.adapters.children import RUN_UID_ENV
 from fnkernel.adapters.errors import InitError, InvalidHandler
-from fnkernel.adapters.worker import WorkerCall, WorkerSupervisor
+from fnkernel.adapters.worker import Behind, WorkerCall, WorkerSupervisor
 from fnkernel.system.private import private_tempdir
 
 JSON = _payloads.JSON
@@ -48,6 +48,22 @@ class Transfer:
 
 
 INLINE = Transfer()  # everything in the frames
+QUEUED_MAX_BYTES = 64 << 10  # the most a call queued behind another carries (``NextCall``)
+
+
+@dataclass(frozen=True)
+class NextCall:
+    """A call to queue behind the one being invoked, for a worker to begin as soon as it has
+    answered that one, without waiting for the server to read the answer and send the next
+    frame (docs/protocol.md, "Batches"). Its fields are checked already; its payload is inline
+    and at most QUEUED_MAX_BYTES; `timeout` counts from when it begins; `only_after_ok`: the
+    worker skips it if the call before it failed."""
+
+    invocation_id: str
+    payload: bytes
+    content_type: str
+    timeout: float
+    only_after_ok: bool = True
 
 
 @dataclass(frozen=True)
@@ -68,6 +84,8 @@ class Adapter(Protocol):
     content_types: ClassVar[tuple[str, ...]]
     # Whether its worker reads an input from, and writes a result to, the spool (``Transfer``).
     takes_files: ClassVar[bool]
+    # Whether a call can be queued behind the one in flight (``NextCall``).
+    queues_calls: ClassVar[bool]
 
     def __init__(
         self,
@@ -99,11 +117,14 @@ class Adapter(Protocol):
         traceparent: str = "",
         content_type: str = JSON,
         transfer: Transfer = INLINE,
+        then: NextCall | None = None,
     ) -> HandlerResult:
         """Run one call; `deadline` is a time.monotonic() value; `traceparent`: a traced call's
         W3C context for the handler (docs/protocol.md, "Tracing"), "" for none; `content_type`:
         the payload's media type, one of `content_types`; `transfer`: where a large payload
-        and result pass, if the adapter `takes_files` (else the caller inlines the input)."""
+        and result pass, if the adapter `takes_files` (else the caller inlines the input);
+        `then`: the call to queue behind this one, if the adapter `queues_calls` (else it is
+        sent when it is invoked). A queued call is invoked next, or cancelled."""
         ...
 
     def cancel(self, invocation_id: str | None = None) -> bool:
@@ -151,6 +172,7 @@ class WorkerAdapter:
     runtime: ClassVar[str]
     content_types: ClassVar[tuple[str, ...]] = (JSON,)
     takes_files: ClassVar[bool] = False
+    queues_calls: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -216,14 +238,28 @@ class WorkerAdapter:
         traceparent: str = "",
         content_type: str = JSON,
         transfer: Transfer = INLINE,
+        then: NextCall | None = None,
     ) -> HandlerResult:
         assert self._supervisor is not None, "start() first"
+        behind = None
+        if then is not None and self.queues_calls:
+            condition = b"ok" if then.only_after_ok else b"-"
+            behind = Behind(
+                then.invocation_id,
+                then.timeout,
+                lambda queued: (
+                    request_frame(queued, len(then.payload), then.content_type, INLINE, condition)
+                    + then.payload
+                ),
+                then.only_after_ok,
+            )
         (output, content_type, outputs, spooled), call = self._supervisor.run(
             invocation_id,
             deadline,
             lambda call: self._exchange(call, payload, content_type, transfer),
             self._ended,
             traceparent=traceparent,
+            behind=behind,
         )
         return HandlerResult(output, content_type, outputs, tuple(call.logs), spooled)
 
@@ -246,24 +282,45 @@ class WorkerAdapter:
 def send_request(
     call: WorkerCall, payload: bytes, content_type: str = JSON, transfer: Transfer = INLINE
 ) -> None:
-    """The request frame both workers read: id length, input length, time left, the call's
-    ``traceparent`` ("-" for none), the input's type (``_payloads.CODES``), the spooled
-    input's and output's names ("-" for none) and the size from which the output is spooled
-    (``Transfer``), the call's nonce (adapters/worker.py); id; input."""
+    """Send `call`'s request frame (``request_frame``) and its input, and after them the frame
+    of the call queued behind it — only that if its own was queued behind the call before."""
+    if call.queued:
+        if call.then:
+            call.send(call.then)
+        return
+    head = request_frame(call, len(payload), content_type, transfer)
+    if len(payload) < 65536:  # one write for the common small payload
+        call.send(head + payload + call.then)
+    else:
+        call.send(head)
+        call.send(payload)
+        if call.then:
+            call.send(call.then)
+
+
+def request_frame(
+    call: WorkerCall,
+    input_len: int,
+    content_type: str = JSON,
+    transfer: Transfer = INLINE,
+    condition: bytes = b"-",
+) -> bytes:
+    """The request frame both workers read, up to its input: id length, input length, time
+    left, the call's ``traceparent`` ("-" for none), the input's type (``_payloads.CODES``),
+    the spooled input's and output's names ("-" for none) and the size from which the output
+    is spooled (``Transfer``), the condition it runs on ("ok": the call before it answered
+    ok; "-": always), the call's nonce (adapters/worker.py); the id."""
     invocation_id = call.invocation_id.encode()
-    header = b"%d %d %d %s %s %s %s %d %s\n" % (
+    return b"%d %d %d %s %s %s %s %d %s %s\n%s" % (
         len(invocation_id),
-        len(payload),
+        input_len,
         call.remaining_millis(),
         call.traceparent or b"-",
         _payloads.CODES[content_type],
         transfer.input.encode() or b"-",
         transfer.output.encode() or b"-",
         transfer.output_from,
+        condition,
         call.nonce,
+        invocation_id,
     )
-    if len(payload) < 65536:
-        call.send(header + invocation_id + payload)  # one write for the common small payload
-    else:
-        call.send(header + invocation_id)
-        call.send(payload)

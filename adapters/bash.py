@@ -18,6 +18,7 @@ from fnkernel.adapters.base import (
     INLINE,
     JSON,
     HandlerResult,
+    NextCall,
     Transfer,
     WorkerAdapter,
     resolve_inside,
@@ -109,11 +110,13 @@ class BashAdapter(WorkerAdapter):
         traceparent: str = "",
         content_type: str = JSON,
         transfer: Transfer = INLINE,
+        then: NextCall | None = None,
     ) -> HandlerResult:
         if b"\0" in payload:
             # Checked before the frame is sent: a bash argument cannot carry a NUL byte.
             raise InvalidInput("input contains a NUL byte, which a bash argument cannot carry")
-        # It takes no files (takes_files): its input is inline, its output too.
+        # It takes no files (takes_files): its input is inline, its output too; it queues no
+        # call behind another (queues_calls).
         return super().invoke(invocation_id, payload, deadline, traceparent, content_type)
 
     def _exchange(

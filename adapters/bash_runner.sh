@@ -45,7 +45,7 @@ declare -F -- "$fn" >/dev/null || initfail HandlerNotFound "${file##*/} does not
 export FUNCTION_OUTPUTS=$scratch/outputs
 printf 'READY\n' >&"$resp_fd"
 
-while IFS=" " read -r -u "$req_fd" id_len input_len _ __fnkernel_traceparent _ _ _ _ __fnkernel_nonce; do
+while IFS=" " read -r -u "$req_fd" id_len input_len _ __fnkernel_traceparent _ _ _ _ _ __fnkernel_nonce; do
     IFS= LC_ALL=C read -r -u "$req_fd" -N "$id_len" invocation_id
     IFS= LC_ALL=C read -r -u "$req_fd" -N "$input_len" payload
     # stdin is /dev/null so the call cannot read the next frame; the frame pipes are closed

@@ -20,7 +20,7 @@ import functools
 import os
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,8 +64,9 @@ class LogFiles:
         self.closed = False
         _open_files.add(self)
 
-    def read(self) -> list[LogLine]:
-        """The lines appended to stdout/stderr since the last read, bounded (module docstring).
+    def read(self, ends: Mapping[str, int] | None = None) -> list[LogLine]:
+        """The lines appended to stdout/stderr since the last read, bounded (module docstring),
+        up to `ends` if given (a call queued behind this one may have begun to write).
         Everything appended counts as read, a last line without its newline included: the call
         it belongs to is over, and a partial line left behind would be read again by every
         later call."""
@@ -74,15 +75,19 @@ class LogFiles:
             offset = self.offsets[stream]
             # The file's size: a quarter of what os.fstat costs, and this runs twice a call. The
             # worker's writes are O_APPEND and ours are preads, so the offset moved is no one's.
-            size = os.lseek(fd, 0, os.SEEK_END)
+            size = _bounded_by(os.lseek(fd, 0, os.SEEK_END), ends, stream)
             if size <= offset:
                 continue
             lines += _bounded_lines(stream, fd, offset, size)
             self.offsets[stream] = size
-            if size > _ROTATE_LOG_BYTES:
+            if size > _ROTATE_LOG_BYTES and ends is None:
                 os.ftruncate(fd, 0)  # O_APPEND: the worker's next write lands at offset 0
                 self.offsets[stream] = 0
         return lines
+
+    def below_rotation(self) -> bool:
+        """Whether neither file is due to be rotated by the next ``read`` to its end."""
+        return all(os.lseek(fd, 0, os.SEEK_END) <= _ROTATE_LOG_BYTES for fd in self.fds.values())
 
     @contextlib.contextmanager
     def sized(self) -> Iterator[list[tuple[str, int, int]]]:
@@ -95,7 +100,10 @@ class LogFiles:
 
     def trim(self) -> None:
         """Free on disk what a call in progress appended beyond what ``read`` will keep of
-        it: the middle, between its first and last half MiB (a hole: the file keeps its size)."""
+        it: the middle, between its first and last half MiB (a hole: the file keeps its size).
+        (In the moment between a worker's answer and its reading, a call queued behind it may
+        have written more than half a MiB: the last half MiB of the call that ended would then
+        read as a hole. Not guarded.)"""
         half = CALL_LOG_BYTES // 2
         with self.sized() as streams:
             for stream, fd, size in streams:
@@ -130,8 +138,11 @@ class LiveLog:
     that the stream stops there.
     """
 
-    def __init__(self, files: LogFiles) -> None:
+    def __init__(self, files: LogFiles, settled: Callable[[], bool] | None = None) -> None:
+        """`settled`: whether what the files hold now is surely this call's (asked after their
+        sizes are read, before what is new is read); None: always."""
         self._files = files
+        self._settled = settled
         self._positions = dict(files.offsets)  # where this call's lines begin
         self._partial = dict.fromkeys(STREAMS, b"")
         self._read_bytes = 0
@@ -152,19 +163,23 @@ class LiveLog:
                         self._read(final=False)
             return self.lines[index:], self.done
 
-    def finish(self) -> None:
-        """The call is over: read what is left, and wake the followers."""
+    def finish(self, ends: Mapping[str, int] | None = None) -> None:
+        """The call is over: read what is left (up to `ends`, as ``LogFiles.read``), and wake
+        the followers."""
         with self._cond:
             if not self.done:
-                self._read(final=True)
+                self._read(final=True, ends=ends)
                 self.done = True
                 self._cond.notify_all()
 
-    def _read(self, *, final: bool) -> None:
+    def _read(self, *, final: bool, ends: Mapping[str, int] | None = None) -> None:
         if self.cut:
             return
         with self._files.sized() as streams:
+            if not final and self._settled is not None and not self._settled():
+                return  # the call has answered: its last lines come with finish
             for stream, fd, size in streams:
+                size = _bounded_by(size, ends, stream)
                 position = self._positions[stream]
                 budget = LIVE_LOG_BYTES - self._read_bytes
                 if size > position and budget <= 0:
@@ -194,6 +209,12 @@ class LiveLog:
                 cut=True,
             )
         )
+
+
+def _bounded_by(size: int, ends: Mapping[str, int] | None, stream: str) -> int:
+    """A file's `size`, or less where `ends` says the call's lines end (-1: unknown)."""
+    end = -1 if ends is None else ends.get(stream, -1)
+    return size if end < 0 else min(size, end)
 
 
 def _bounded_lines(stream: str, fd: int, offset: int, size: int) -> list[LogLine]:

@@ -10,6 +10,7 @@ from typing import ClassVar
 
 from fnkernel.adapters import _payloads
 from fnkernel.adapters.base import Transfer, WorkerAdapter, resolve_inside, send_request
+from fnkernel.adapters.calllogs import STREAMS
 from fnkernel.adapters.errors import (
     OUTPUT_TOO_LARGE,
     CorruptResponse,
@@ -35,6 +36,7 @@ class PythonAdapter(WorkerAdapter):
     runtime: ClassVar[str] = "python"
     content_types: ClassVar[tuple[str, ...]] = _payloads.MEDIA_TYPES
     takes_files: ClassVar[bool] = True
+    queues_calls: ClassVar[bool] = True
 
     @classmethod
     def check_handler(cls, handler: str, working_dir: Path | None) -> None:
@@ -73,8 +75,9 @@ class PythonAdapter(WorkerAdapter):
         self, call: WorkerCall, payload: bytes, content_type: str, transfer: Transfer
     ) -> tuple[bytes, str, dict[str, str], int]:
         send_request(call, payload, content_type, transfer)
-        status, meta_len, output_len, code, where = call.read_header(5)
+        status, meta_len, output_len, code, where, *ends = call.read_header(7)
         try:
+            call.log_ends = dict(zip(STREAMS, map(int, ends), strict=True))
             media = _payloads.MEDIA_OF[code]
             if where not in (b"inline", b"spooled") or (
                 where == b"spooled" and not transfer.output
@@ -102,8 +105,21 @@ class PythonAdapter(WorkerAdapter):
         output = call.read_exact(size)
         if status == b"ok":
             return output, media, meta, -1
+        self._skipped(call)
         if status == b"invalid":
             raise InvalidInput(message)
         if error_type == "MemoryError" and self.spec.memory_mb:
             raise MemoryLimitExceeded(self.spec.memory_mb)
         raise HandlerError(error_type, message)
+
+    @staticmethod
+    def _skipped(call: WorkerCall) -> None:
+        """`call` failed: the worker skips a call queued behind it to run only after an ok
+        (``WorkerCall.then_if_ok``), and answers so at once; read that answer."""
+        behind = call.behind
+        if behind is None or not call.then_if_ok:
+            return
+        status, *_ = behind.read_header(7)
+        if status != b"skipped":
+            raise CorruptResponse(f"the call queued behind it was answered {status!r}")
+        call.behind = None  # nothing runs behind it: its lines end where the files do

@@ -17,7 +17,8 @@ Wire between supervisor and worker (the worker gets the two fd numbers as its la
   the call fails with CorruptResponse (``WorkerCall.read_header``). Without the nonce, one forged
   frame shifted every later answer by one call: each caller got the previous call's result.
 * stdout and stderr: append-only files in the registration's scratch directory. After each call
-  the supervisor reads what was appended, one log record per line. Reading files after the call,
+  the supervisor reads what was appended, one log record per line (with a call queued behind it,
+  only up to the sizes its answer gives: the worker may have begun the next call). Reading files after the call,
   rather than pumping pipes with threads, keeps the hot path free of thread wake-ups (docs/architecture.md, "Measured facts the design rests on"
   budgets a whole invoke at ~1.3x a bare gRPC echo); a worker must flush before it responds.
 
@@ -112,6 +113,8 @@ class Worker:
         # the handler left running keeps the pipe open after the worker itself is gone.
         self.pidfd = os.pidfd_open(self.proc.pid)
         self._buf = bytearray()
+        # Set as the supervisor begins to read a call's answer (``WorkerCall.live_log``).
+        self.answering = False
 
     # Frame I/O. Reads honour the deadline; a worker that dies gives EOF (_WorkerExited).
 
@@ -134,6 +137,7 @@ class Worker:
             # It exited. Everything it wrote before is in the pipe already: take that first.
             if not select.select([self.resp], [], [], 0)[0]:
                 raise _WorkerExited()
+        self.answering = True
         chunk = os.read(self.resp, min(max(wanted, _MIN_READ), _PIPE_SIZE))
         if not chunk:
             raise _WorkerExited()
@@ -217,6 +221,14 @@ class WorkerCall:
     nonce: bytes = field(default_factory=lambda: os.urandom(8).hex().encode())
     traceparent: bytes = b""  # a traced call's W3C context, for the handler
     logs: list[LogLine] = field(default_factory=list)
+    # A call queued behind this one (``Behind``): its frame, sent after this one's, whether the
+    # worker runs it only if this one answers ok, and its WorkerCall — None once the worker
+    # skipped it. Where this call's lines end in the log files, as its answer says.
+    then: bytes = b""
+    then_if_ok: bool = False
+    behind: WorkerCall | None = None
+    log_ends: dict[str, int] | None = None
+    queued: bool = False  # its frame went to the worker behind the call before it
     logs_final: bool = False  # the worker is gone (its log files may be closed): logs are complete
     live: LiveLog | None = None  # made by its first follower
     _ended: bool = False  # its logs were collected: nobody may start following it now
@@ -228,7 +240,13 @@ class WorkerCall:
             if self._ended:
                 return None
             if self.live is None:
-                self.live = LiveLog(self.worker.log_files)
+                # With a call queued behind it, the files may already hold that call's first
+                # lines once the worker has answered: read no further than before the answer.
+                worker = self.worker
+                settled = None if self.behind is None else lambda: not (
+                    worker.answering or select.select([worker.resp], [], [], 0)[0]
+                )  # fmt: skip
+                self.live = LiveLog(worker.log_files, settled)
             return self.live
 
     def send(self, data: bytes | memoryview) -> None:
@@ -265,9 +283,11 @@ class WorkerCall:
         with self._live_lock:
             self._ended = True
             live = self.live
+        # A call behind it may be running: its lines are where this one's answer says they end.
+        ends = None if final or self.behind is None else self.log_ends
         if live is not None:  # before LogFiles.read, which may rotate the files it reads
-            live.finish()
-        fresh = self.worker.log_files.read()
+            live.finish(ends)
+        fresh = self.worker.log_files.read(ends)
         self.logs = (self.logs + fresh)[-_MAX_LOG_LINES:]  # the caller's trailer keeps the last
         for line in fresh:
             LOG.info(
@@ -284,8 +304,24 @@ class WorkerCall:
         return max(0, int((self.deadline - time.monotonic()) * 1000))
 
 
+@dataclass(frozen=True)
+class Behind:
+    """The call to queue behind one about to run (adapters/base.py, ``NextCall``): its
+    invocation id, its timeout from when it begins, its request frame given its WorkerCall,
+    and whether the worker runs it only if the call before it answers ok."""
+
+    invocation_id: str
+    timeout: float
+    frame: Callable[[WorkerCall], bytes]
+    only_after_ok: bool
+
+
 class WorkerSupervisor:
-    """Keeps exactly one ready worker for a registration and runs one call at a time on it."""
+    """Keeps exactly one ready worker for a registration and runs one call at a time on it.
+
+    A call may be queued behind the one running (``run``'s `behind`): its frame waits in the
+    worker's request pipe, and the worker begins it as soon as it has answered. It is then the
+    next call begun; any other call, or a cancel of it, kills the worker that holds it."""
 
     def __init__(
         self,
@@ -310,6 +346,7 @@ class WorkerSupervisor:
         self._lock = threading.Condition()
         self._worker: Worker | None = None
         self._current: WorkerCall | None = None
+        self._queued: WorkerCall | None = None  # its frame is in the worker's pipe
         self._cancelled = False
         self._cancel_pending: str | None = None
         self._closed = False
@@ -348,7 +385,7 @@ class WorkerSupervisor:
         with self._lock:
             self._closed = True
             worker, self._worker = self._worker, None
-            current = self._current
+            current, self._queued = self._current, None
             self._lock.notify_all()
         if current is not None:
             self._cancelled = True
@@ -364,7 +401,10 @@ class WorkerSupervisor:
         it is remembered and refused when it arrives (a client may cancel before dispatch).
         """
         with self._lock:
-            current = self._current
+            current, queued = self._current, self._queued
+            if current is None and queued and invocation_id in (None, queued.invocation_id):
+                self._drop(queued)  # the worker has begun it, or will as it reads its frame
+                return True
             if current is None or (invocation_id and current.invocation_id != invocation_id):
                 self._cancel_pending = invocation_id
                 return False
@@ -390,16 +430,27 @@ class WorkerSupervisor:
         ended: Callable[[WorkerCall, int], T] | None = None,
         *,
         traceparent: str = "",
+        behind: Behind | None = None,
     ) -> tuple[T, WorkerCall]:
         """Run `exchange` (one request/response) on the ready worker; translate its death, the
         deadline and cancellation. Returns its result and the WorkerCall, whose logs are complete.
 
         A worker that exits mid-call (not cancelled) is replaced; `ended(call, exit code)` then
         makes the call's result or raises its HandlerError (default: WorkerCrashed).
+        `behind`: a call to queue behind this one (class docstring), unless the log files are
+        due to be rotated (they are read only to this call's end while one is queued).
         """
         call = self._begin(invocation_id, deadline)
         call.traceparent = traceparent.encode()
         worker = call.worker
+        queued = None
+        if behind is not None and worker.log_files.below_rotation():
+            timeout = time.monotonic() + behind.timeout
+            queued = WorkerCall(worker, behind.invocation_id, timeout, self._run_uid, queued=True)
+            call.then, call.then_if_ok = behind.frame(queued), behind.only_after_ok
+            call.behind = queued
+            with self._lock:
+                self._queued = queued
         try:
             result = exchange(call)
         except (HandlerError, InvalidInput) as exc:
@@ -444,13 +495,31 @@ class WorkerSupervisor:
         finally:
             with self._lock:
                 self._current = None
+                if queued is not None and call.behind is None and self._queued is queued:
+                    self._queued = None  # the worker skipped it (``WorkerCall.behind``)
                 self._lock.notify_all()
         call.collect_logs()
         return result, call
 
     def _begin(self, invocation_id: str, deadline: float) -> WorkerCall:
-        """Claim the ready worker for one call (waiting, bounded, for a replacement to load)."""
+        """Claim the ready worker for one call (waiting, bounded, for a replacement to load):
+        the call queued behind the last, if it is that one."""
         with self._lock:
+            queued, self._queued = self._queued, None
+            if queued is not None:
+                if (
+                    queued.invocation_id == invocation_id
+                    and queued.worker is self._worker
+                    and self._cancel_pending != invocation_id
+                    and not self._closed
+                ):
+                    queued.deadline = deadline
+                    queued.worker.answering = False
+                    self._cancelled = False
+                    self._cancel_pending = None
+                    self._current = queued
+                    return queued
+                self._drop(queued)
             if self._worker is None and not self._closed and self._fatal is None:
                 self._lock.wait_for(
                     lambda: self._worker is not None or self._closed or self._fatal is not None,
@@ -467,8 +536,18 @@ class WorkerSupervisor:
             if pending is not None and pending == invocation_id:
                 raise InvocationCancelled("the invocation was cancelled")
             self._cancelled = False
+            self._worker.answering = False
             self._current = WorkerCall(self._worker, invocation_id, deadline, self._run_uid)
             return self._current
+
+    def _drop(self, queued: WorkerCall) -> None:
+        """With the lock held: kill the worker holding `queued`, a call queued behind another
+        that will not be the next one begun, and bring up a fresh one."""
+        old = queued.worker
+        old.kill()
+        if self._worker is old:
+            self._worker = None
+            threading.Thread(target=self._respawn, args=(old,), daemon=True).start()
 
     def _replace(self, old: Worker, call: WorkerCall) -> None:
         """Kill `old` now and bring up a fresh worker in the background (docs/protocol.md, "Adapters")."""
@@ -478,6 +557,8 @@ class WorkerSupervisor:
         with self._lock:
             if self._worker is old:
                 self._worker = None
+            if self._queued is not None and self._queued.worker is old:
+                self._queued = None  # its frame went with the worker: it is sent afresh
         threading.Thread(target=self._respawn, args=(old,), daemon=True).start()
 
     def _respawn(self, old: Worker) -> None:

@@ -208,8 +208,8 @@ def serve_checked_skeleton(address: str, root: str) -> None:
                 context.add_callback(lambda: None)  # the hook that cancels it if the caller goes
                 nonce = os.urandom(8).hex().encode()  # the answer must echo it
                 sizes = (len(invocation_id), len(request.input), timeout * 1000)
-                # not traced, JSON, inline both ways (adapters/base.py, send_request)
-                header = b"%d %d %d - json - - 0 %s\n" % (*sizes, nonce)
+                # not traced, JSON, inline both ways, run always (adapters/base.py, request_frame)
+                header = b"%d %d %d - json - - 0 - %s\n" % (*sizes, nonce)
                 os.write(req_w, header + invocation_id.encode() + request.input)
                 ready = select.select([resp_r, pidfd], [], [], deadline - time.monotonic())[0]
                 if resp_r not in ready:
@@ -218,7 +218,7 @@ def serve_checked_skeleton(address: str, root: str) -> None:
                 for fd in logs:  # has the handler logged anything?
                     os.lseek(fd, 0, os.SEEK_END)
             head, _, body = answer.partition(b"\n")
-            _, meta_len, output_len, _, _, answered = head.split(b" ")
+            _, meta_len, output_len, _, _, _, _, answered = head.split(b" ")
             if answered != nonce:
                 context.abort(grpc.StatusCode.UNKNOWN, "not this call's answer")
             output = body[int(meta_len) : int(meta_len) + int(output_len)]

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fnkernel.adapters import Adapter, FunctionSpec, HandlerResult, Transfer
+from fnkernel.adapters.base import QUEUED_MAX_BYTES, NextCall
 from fnkernel.adapters.calllogs import LIVE_POLL_SECONDS, LogLine
 from fnkernel.adapters.errors import (
     INITIALIZATION_ERROR,
@@ -310,6 +311,7 @@ class Registry:
         hop: tracing.Hop | tracing.Untraced = tracing.UNTRACED,
         input_ref: str = "",
         output_from: int = 0,
+        then: NextCall | None = None,
     ) -> InvocationOutcome:
         """Run one invocation. `deadline` (monotonic) is the caller's own, if it has one.
 
@@ -318,7 +320,10 @@ class Registry:
         to which the worker's is added (docs/protocol.md, "Tracing"). `input_ref`: the spooled
         payload that is the input, removed when the call ends; `output_from`: the size from
         which the output is spooled, for the caller to take (0: never; docs/protocol.md, "Large
-        payloads").
+        payloads"). `then`: the call the caller invokes next, to queue behind this one where the
+        adapter can (docs/protocol.md, "Batches"); the caller then invokes it, or cancels it
+        with ``cancel_queued``. Its `timeout` is the call's `timeout_millis`, its fields are
+        checked here, and it is not queued unless they pass.
         """
         limits.check_run_uid(run_uid)
         limits.check_registration_id(registration_id)
@@ -358,6 +363,7 @@ class Registry:
                 on_dispatch(
                     lambda: self._cancel_invocation(run_uid, registration_id, invocation_id)
                 )
+            then = self._queueable(then, adapter, deadline)
             traceparent = ""
             if hop is not tracing.UNTRACED:  # not even its attributes on the untraced hot path
                 traceparent = hop.delegate("worker", reg.spec.handler, {
@@ -366,7 +372,7 @@ class Registry:
                     tracing.RUNTIME: reg.adapter.runtime,
                 })  # fmt: skip
             result = adapter.invoke(
-                invocation_id, input, effective_deadline, traceparent, media, transfer
+                invocation_id, input, effective_deadline, traceparent, media, transfer, then
             )
             logs = result.logs
         except AdapterError as exc:
@@ -402,6 +408,38 @@ class Registry:
         return InvocationOutcome(
             invocation_id, result, transfer.output if result.spooled >= 0 else ""
         )
+
+    @staticmethod
+    def _queueable(
+        then: NextCall | None, adapter: Adapter, deadline: float | None
+    ) -> NextCall | None:
+        """`then` as the adapter takes it, if it can be queued: the adapter queues calls, and
+        its fields pass the checks its own invoke will make."""
+        if then is None or not adapter.queues_calls or len(then.payload) > QUEUED_MAX_BYTES:
+            return None
+        if not then.invocation_id:  # it is given one as it is invoked: not known yet
+            return None
+        try:
+            invocation_id = limits.check_invocation_id(then.invocation_id)
+            media = limits.check_content_type(
+                then.content_type, adapter.content_types, adapter.runtime
+            )
+            timeout = limits.effective_timeout_millis(int(then.timeout * 1000)) / 1000
+        except InvalidField:
+            return None
+        if deadline is not None:
+            timeout = min(timeout, deadline - time.monotonic())
+        return NextCall(invocation_id, then.payload, media, timeout, then.only_after_ok)
+
+    def cancel_queued(self, run_uid: str, registration_id: str, invocation_id: str) -> None:
+        """The call queued behind another as `invoke`'s `then` will not be invoked: cancel it
+        (the worker may have begun it)."""
+        with self._lock:
+            reg = self._current.get(run_uid)
+            if reg is None or reg.registration_id != registration_id:
+                return
+            if reg.invocation_id != invocation_id:
+                reg.adapter.cancel(invocation_id)
 
     def _transfer(
         self, adapter: Adapter, input: bytes, input_ref: str, output_from: int

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
+from fnkernel.adapters.base import NextCall
 from fnkernel.runtime_server import limits, tracing
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
@@ -218,12 +219,25 @@ class _Batch:
     def run(self) -> None:
         request, context = self._request, self._context
         on_dispatch = cancel_on_client_exit(context)
+        queued = ""  # the item queued behind the last called, until it is called
         try:
             for index, item in enumerate(request.items):
                 with self._ready:
                     if self._stopped:
                         return
-                answer = self._called(index, item, on_dispatch)
+                then = None
+                if index + 1 < len(request.items):  # for the worker to begin as it answers
+                    following = request.items[index + 1]
+                    then = NextCall(
+                        following.invocation_id,
+                        following.input,
+                        following.content_type,
+                        request.timeout_millis / 1000,
+                        only_after_ok=not request.go_on,
+                    )
+                queued = ""
+                answer = self._called(index, item, on_dispatch, then)
+                queued = then.invocation_id if then is not None else ""
                 with self._ready:
                     self._answers.append(answer)
                     if answer.code and not request.go_on:
@@ -233,6 +247,8 @@ class _Batch:
         except Exception as exc:  # NEVER_CALLED: this item and the rest were never called
             self._refused = exc  # the stream's status, as InvokeFunction would answer it
         finally:
+            if queued:
+                self._registry.cancel_queued(request.run_uid, request.registration_id, queued)
             with self._ready:
                 self._ended = True
                 self._ready.notify()
@@ -242,6 +258,7 @@ class _Batch:
         index: int,
         item: batches_pb2.BatchItem,
         on_dispatch: Callable[[Callable[[], object]], None],
+        then: NextCall | None,
     ) -> batches_pb2.BatchAnswer:
         try:
             invocation = self._registry.invoke(
@@ -253,6 +270,7 @@ class _Batch:
                 timeout_millis=self._request.timeout_millis,
                 deadline=caller_deadline(self._context),
                 on_dispatch=on_dispatch,
+                then=then,
             )
         except NEVER_CALLED:
             raise

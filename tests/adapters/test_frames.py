@@ -43,7 +43,7 @@ FORGER = {
             if forge == "argv":
                 return sys.argv
             if forge == "own-nonce":
-                os.write(response_pipe(), b"ok 0 9 json inline %s\\n\\"forged!\\"" % own_nonce())
+                os.write(response_pipe(), b"ok 0 9 json inline -1 -1 %s\\n\\"forged!\\"" % own_nonce())
             elif forge:
                 os.write(response_pipe(), forge.encode())
             return {"n": event["n"]}

@@ -1,0 +1,130 @@
+"""docs/protocol.md, "Batches": a batch's next item is queued behind the one running, so the
+worker begins it as soon as it has answered. Each item is still its own call: its lines are its
+own, an item after a failure is never run, one after a worker that died runs on the next worker,
+and a queued item that is not the next one called — another caller's call came first, or it was
+cancelled — goes with the worker that holds it."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fnkernel.adapters.base import FunctionSpec, NextCall
+from fnkernel.adapters.errors import HandlerError, InvocationTimeout
+from fnkernel.adapters.python import PythonAdapter
+from tests.support import pid_alive, wait_until
+
+pytestmark = pytest.mark.timeout(60)
+JSON = "application/json"
+HANDLER = """
+import os, time
+
+def handle(event):
+    n = event["n"]
+    print("begin", n, flush=True)
+    if event.get("mark"):  # a file naming the worker that began it
+        with open(event["mark"], "w") as mark:
+            mark.write(str(os.getpid()))
+    time.sleep(event.get("sleep", 0))
+    if event.get("fail"):
+        raise ValueError(f"no: {n}")
+    print("end", n, flush=True)
+    return {"n": n, "pid": os.getpid()}
+"""
+
+
+@pytest.fixture
+def adapter(tmp_path: Path) -> Iterator[PythonAdapter]:
+    (tmp_path / "handler.py").write_text(HANDLER)
+    adapter = PythonAdapter(
+        FunctionSpec("run-queued", tmp_path, "handler.handle"), max_output_bytes=1 << 20
+    )
+    adapter.start()
+    yield adapter
+    adapter.close()
+
+
+def _event(n: int, **more: object) -> bytes:
+    return json.dumps({"n": n, **more}).encode()
+
+
+def _next(n: int, *, only_after_ok: bool = True, **more: object) -> NextCall:
+    return NextCall(f"inv-{n}", _event(n, **more), JSON, 10.0, only_after_ok)
+
+
+def _invoke(adapter: PythonAdapter, n: int, then: NextCall | None = None, **more: object) -> dict:
+    result = adapter.invoke(f"inv-{n}", _event(n, **more), time.monotonic() + 10, then=then)
+    return {"output": json.loads(result.output), "logs": [line.text for line in result.logs]}
+
+
+def test_each_queued_items_lines_are_its_own(adapter: PythonAdapter) -> None:
+    # Each item begins on the worker as the one before it answers, and prints at once: read to
+    # the files' end, an answer would take the next item's first line.
+    items = 40
+    for n in range(items):
+        then = _next(n + 1) if n + 1 < items else None
+        answer = _invoke(adapter, n, then)
+        assert answer["logs"] == [f"begin {n}", f"end {n}"]
+        assert answer["output"]["n"] == n
+
+
+def test_an_item_after_a_failure_is_never_run(adapter: PythonAdapter, tmp_path: Path) -> None:
+    mark = tmp_path / "ran"
+    with pytest.raises(HandlerError, match="no: 0"):
+        _invoke(adapter, 0, _next(1, mark=str(mark)), fail=True)
+    # The worker skipped it: nothing of it ran, and the worker stays.
+    pid = _invoke(adapter, 2)["output"]["pid"]
+    assert not mark.exists()
+    assert _invoke(adapter, 1, mark=str(mark))["output"]["pid"] == pid
+    assert mark.read_text() == str(pid)  # it ran when it was called
+
+
+def test_unless_asked_to_an_item_after_a_failure_runs(adapter: PythonAdapter) -> None:
+    with pytest.raises(HandlerError, match="no: 0"):
+        _invoke(adapter, 0, _next(1, only_after_ok=False), fail=True)
+    assert _invoke(adapter, 1) == {
+        "output": {"n": 1, "pid": _pid(adapter)},
+        "logs": ["begin 1", "end 1"],
+    }
+
+
+def test_an_item_behind_a_timed_out_one_runs_on_the_next_worker(adapter: PythonAdapter) -> None:
+    first = _pid(adapter)
+    with pytest.raises(InvocationTimeout):
+        adapter.invoke("inv-0", _event(0, sleep=30), time.monotonic() + 0.5, then=_next(1))
+    answer = _invoke(adapter, 1)
+    assert answer["output"]["pid"] != first
+    assert answer["logs"] == ["begin 1", "end 1"]
+
+
+def test_another_call_before_the_queued_one_replaces_the_worker_that_holds_it(
+    adapter: PythonAdapter, tmp_path: Path
+) -> None:
+    mark = tmp_path / "begun"
+    _invoke(adapter, 0, _next(1, mark=str(mark), sleep=30))
+    wait_until(mark.exists, timeout=10)  # the worker began it as it answered item 0
+    holder = int(mark.read_text())
+    other = _invoke(adapter, 7)
+    assert other["output"]["pid"] != holder and other["logs"] == ["begin 7", "end 7"]
+    wait_until(lambda: not pid_alive(holder), timeout=10)
+
+
+def test_cancelling_the_queued_item_kills_the_worker_that_began_it(
+    adapter: PythonAdapter, tmp_path: Path
+) -> None:
+    mark = tmp_path / "begun"
+    _invoke(adapter, 0, _next(1, mark=str(mark), sleep=30))
+    wait_until(mark.exists, timeout=10)
+    holder = int(mark.read_text())
+    assert adapter.cancel("inv-1")
+    wait_until(lambda: not pid_alive(holder), timeout=10)
+    assert _invoke(adapter, 2)["output"]["pid"] not in (holder, os.getpid())
+
+
+def _pid(adapter: PythonAdapter) -> int:
+    return int(_invoke(adapter, 99)["output"]["pid"])
