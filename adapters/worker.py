@@ -242,12 +242,16 @@ class WorkerCall:
             if self.live is None:
                 # With a call queued behind it, the files may already hold that call's first
                 # lines once the worker has answered: read no further than before the answer.
-                worker = self.worker
-                settled = None if self.behind is None else lambda: not (
-                    worker.answering or select.select([worker.resp], [], [], 0)[0]
-                )  # fmt: skip
-                self.live = LiveLog(worker.log_files, settled)
+                self.live = LiveLog(self.worker.log_files, self._settled)
             return self.live
+
+    def _settled(self) -> bool:
+        """Whether the log files hold only this call's lines yet: nothing queued behind it, or
+        its answer not yet written (the worker begins the next call once it has answered)."""
+        worker = self.worker
+        return self.behind is None or not (
+            worker.answering or select.select([worker.resp], [], [], 0)[0]
+        )
 
     def send(self, data: bytes | memoryview) -> None:
         self.worker.send(data)
