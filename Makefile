@@ -44,12 +44,16 @@ image: $(STAMP)
 
 # The cluster path as a cluster runs it: the image built, every pod of deploy/ a set of podman
 # containers of it, run as the manifests say; the API server emulated (tests_k8s/). Installs
-# Debian's podman, runc and mmdebstrap when they are missing (as root). Not part of `make test`.
+# Debian's podman, runc and mmdebstrap when they are missing (as root), and kubernetes-client
+# unless a kubectl is there already (another package's /usr/bin/kubectl would refuse it). Not part
+# of `make test`.
 K8S_PACKAGES := podman runc mmdebstrap uidmap containernetworking-plugins slirp4netns \
-	fuse-overlayfs golang-github-containers-common kubernetes-client
+	fuse-overlayfs golang-github-containers-common
 test-k8s: $(STAMP)
-	@command -v podman >/dev/null && command -v mmdebstrap >/dev/null && command -v kubectl >/dev/null \
+	@command -v podman >/dev/null && command -v mmdebstrap >/dev/null \
 		|| { apt-get update -qq && apt-get install -y -qq --no-install-recommends $(K8S_PACKAGES) >/dev/null; }
+	@command -v kubectl >/dev/null \
+		|| { apt-get update -qq && apt-get install -y -qq --no-install-recommends kubernetes-client >/dev/null; }
 	$(MAKE) image
 	$(PY) -m pytest tests_k8s -p no:cacheprovider
 
