@@ -45,6 +45,8 @@ def env_file(text: str) -> dict[str, str]:
 
 
 def _pairs(pairs: list[str]) -> dict[str, str]:
+    """``KEY=VALUE`` arguments, as ``client.parse_pairs`` reads them, but a malformed one is
+    named by its position, never echoed: it may hold a secret's value."""
     found = {}
     for number, pair in enumerate(pairs, 1):
         key, sep, value = pair.partition("=")
