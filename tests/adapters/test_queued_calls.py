@@ -34,7 +34,7 @@ def handle(event):
     if event.get("fail"):
         raise ValueError(f"no: {n}")
     print("end", n, flush=True)
-    return {"n": n, "pid": os.getpid()}
+    return {"n": n, "pid": os.getpid(), **({"pad": event["pad"]} if "pad" in event else {})}
 """
 
 
@@ -128,3 +128,26 @@ def test_cancelling_the_queued_item_kills_the_worker_that_began_it(
 
 def _pid(adapter: PythonAdapter) -> int:
     return int(_invoke(adapter, 99)["output"]["pid"])
+
+
+def test_an_item_behind_an_answer_refused_as_too_large_is_cancelled_where_it_runs(
+    tmp_path: Path,
+) -> None:
+    # The worker answered ok, so it began the next item; the server refuses the answer (past
+    # the output limit), and the batch that stops there cancels the item it had queued.
+    (tmp_path / "handler.py").write_text(HANDLER)
+    small = PythonAdapter(
+        FunctionSpec("run-small", tmp_path, "handler.handle"), max_output_bytes=64
+    )
+    small.start()
+    try:
+        mark = tmp_path / "begun"
+        with pytest.raises(HandlerError, match="limit is 64"):
+            _invoke(small, 0, _next(1, mark=str(mark), sleep=30), pad="x" * 100)
+        wait_until(mark.exists, timeout=10)
+        holder = int(mark.read_text())
+        assert small.cancel("inv-1")
+        wait_until(lambda: not pid_alive(holder), timeout=10)
+        assert _invoke(small, 2)["output"]["n"] == 2
+    finally:
+        small.close()
