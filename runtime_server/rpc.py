@@ -26,6 +26,12 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", limits.GRPC_MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", limits.GRPC_MAX_MESSAGE_BYTES),
 ]
+# A channel whose server-streaming calls are read by the calling thread itself, not handed over
+# from a channel thread of grpc's (docs/architecture.md, "A map's items in batches").
+STREAM_CHANNEL_OPTIONS = [
+    *CHANNEL_OPTIONS,
+    ("SingleThreadedUnaryStream", 1),
+]  # grpc.experimental's name
 
 
 def add_reflection(server: grpc.Server, service_names: list[str]) -> None:

@@ -25,7 +25,7 @@ from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_gr
 from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import batches_pb2, batches_pb2_grpc
 from fnkernel.runtime_server.client.errors import GatewayError, RequestCancelled, from_response
 from fnkernel.runtime_server.rpc import (
-    CHANNEL_OPTIONS,
+    STREAM_CHANNEL_OPTIONS,
     CancellableCalls,
     failure_body,
     status_body,
@@ -194,7 +194,7 @@ class Direct:
     def _batches_stub(self, address: str) -> batches_pb2_grpc.BatchesStub:
         with self._lock:
             if address not in self._batches:
-                channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+                channel = grpc.insecure_channel(address, options=STREAM_CHANNEL_OPTIONS)
                 self._channels[address] = channel
                 self._batches[address] = batches_pb2_grpc.BatchesStub(channel)
             return self._batches[address]

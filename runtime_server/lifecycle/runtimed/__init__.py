@@ -61,6 +61,7 @@ from fnkernel.runtime_server.lifecycle.runtimed.workspace import Workspace
 from fnkernel.runtime_server.lifecycle.secrets import Secrets, rotated_secret
 from fnkernel.runtime_server.rpc import (
     CHANNEL_OPTIONS,
+    STREAM_CHANNEL_OPTIONS,
     CancellableCalls,
     listen_on,
 )
@@ -115,7 +116,10 @@ class Runtimed:
         self.server = ServerRegistrations(self.server_stub)
         self.logs_stub = logs_pb2_grpc.InvocationLogsStub(self._channel)
         self.payloads_stub = payloads_pb2_grpc.PayloadsStub(self._channel)
-        self.batches_stub = batches_pb2_grpc.BatchesStub(self._channel)
+        self._batches_channel = grpc.insecure_channel(
+            server_address, options=STREAM_CHANNEL_OPTIONS
+        )
+        self.batches_stub = batches_pb2_grpc.BatchesStub(self._batches_channel)
         self.heart = Heartbeat(self._channel, store, pod, runtime, poll_interval)
         self.calls = CancellableCalls(server_address, pb_grpc.FunctionRuntimeStub)  # proxied
         self._lock = threading.Lock()
