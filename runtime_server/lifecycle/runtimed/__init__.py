@@ -159,6 +159,7 @@ class Runtimed:
         self._workers.shutdown(wait=False, cancel_futures=True)
         self.calls.close()
         self._channel.close()
+        self._batches_channel.close()
 
     def _loop(self) -> None:
         """Reconcile within a wake-up of any write to the store — a new Run is registered at
