@@ -7,13 +7,11 @@ change, invoke or remove a newer registration: every operation compares the ID u
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from fnkernel.adapters import Adapter, FunctionSpec, HandlerResult, Transfer
@@ -28,7 +26,6 @@ from fnkernel.adapters.errors import (
     InitError,
 )
 from fnkernel.runtime_server import limits, tracing
-from fnkernel.runtime_server._proto.executor.v1.runtime_pb2 import FunctionRegistrationState
 from fnkernel.runtime_server.errors import (
     AttemptSuperseded,
     DigestConflict,
@@ -40,78 +37,23 @@ from fnkernel.runtime_server.errors import (
     ShuttingDown,
     StaleRegistration,
 )
+from fnkernel.runtime_server.function_runtime.registration import (
+    DRAINING,
+    FAILED,
+    READY,
+    REGISTERING,
+    InvocationOutcome,
+    Registration,
+    RegistrationView,
+    state_name,
+)
 from fnkernel.runtime_server.function_runtime.spool import Spool, new_name
 from fnkernel.runtime_server.wire import INPUT_REF_KEY
 
-REGISTERING = FunctionRegistrationState.FUNCTION_REGISTRATION_STATE_REGISTERING
-READY = FunctionRegistrationState.FUNCTION_REGISTRATION_STATE_READY
-DRAINING = FunctionRegistrationState.FUNCTION_REGISTRATION_STATE_DRAINING
-FAILED = FunctionRegistrationState.FUNCTION_REGISTRATION_STATE_FAILED
 LOG = logging.getLogger("fnkernel.runtime")
 _DISPATCH_POLL_SECONDS = 0.005  # a follower of a call accepted but not yet at its worker
 _MAX_TOMBSTONES = 10_000
 _CANCEL_SETTLE_SECONDS = 5.0  # how long unregister waits for a killed call to unwind
-
-
-def state_name(state: int) -> str:
-    return FunctionRegistrationState.Name(state).removeprefix("FUNCTION_REGISTRATION_STATE_")
-
-
-@dataclass
-class Registration:
-    """One local registration generation of a Run (mutable; guarded by Registry._lock)."""
-
-    run_uid: str
-    registration_id: str
-    attempt: int
-    digest: str
-    spec: FunctionSpec
-    adapter: Adapter
-    state: int = REGISTERING
-    in_flight: int = 0
-    invocation_id: str = ""
-    last_activity_unix_nano: int = 0
-    fatal_error: str = ""
-    loaded: threading.Event = field(default_factory=threading.Event)
-    # The last invocation that ended, and its log lines (its result's): for a follower that
-    # comes when it is over (docs/protocol.md, "Live output").
-    last_invocation_id: str = ""
-    last_logs: tuple[LogLine, ...] = ()
-    # The invocations that ended before it, the most recent ENDED_INVOCATIONS: a follower of
-    # one is told at once that it is over, not kept waiting for it to start.
-    ended: collections.deque[str] = field(
-        default_factory=lambda: collections.deque(maxlen=limits.ENDED_INVOCATIONS)
-    )
-
-
-@dataclass(frozen=True)
-class RegistrationView:
-    """A snapshot of a registration, as FunctionStatus reports it."""
-
-    run_uid: str
-    registration_id: str
-    state: int
-    in_flight: int
-    last_activity_unix_nano: int
-    fatal_error: str
-
-    @classmethod
-    def of(cls, reg: Registration) -> RegistrationView:
-        return cls(
-            reg.run_uid,
-            reg.registration_id,
-            reg.state,
-            reg.in_flight,
-            reg.last_activity_unix_nano,
-            reg.fatal_error,
-        )
-
-
-@dataclass(frozen=True)
-class InvocationOutcome:
-    invocation_id: str
-    result: HandlerResult
-    output_ref: str = ""  # the spooled output's name (its size: result.spooled)
 
 
 class Registry:

@@ -33,11 +33,8 @@ from fnkernel.runtime_server.errors import (
     StaleRegistration,
 )
 from fnkernel.runtime_server.function_runtime.oneshot import execute
-from fnkernel.runtime_server.function_runtime.registry import (
-    RegistrationView,
-    Registry,
-    state_name,
-)
+from fnkernel.runtime_server.function_runtime.registration import RegistrationView, state_name
+from fnkernel.runtime_server.function_runtime.registry import Registry
 from fnkernel.runtime_server.function_runtime.spool import Spool
 from fnkernel.runtime_server.rpc import (
     Followers,

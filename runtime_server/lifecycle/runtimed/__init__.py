@@ -41,8 +41,8 @@ from fnkernel.runtime_server.errors import (
     RunNotReady,
     SecretNotFound,
 )
-from fnkernel.runtime_server.function_runtime.registry import FAILED as REG_FAILED
-from fnkernel.runtime_server.function_runtime.registry import READY as REG_READY
+from fnkernel.runtime_server.function_runtime.registration import FAILED as REG_FAILED
+from fnkernel.runtime_server.function_runtime.registration import READY as REG_READY
 from fnkernel.runtime_server.lifecycle.retries import Step, Verdict, decide, fatal_error_type
 from fnkernel.runtime_server.lifecycle.runs import Run, RunStore
 from fnkernel.runtime_server.lifecycle.runtimed.health import Heartbeat
