@@ -510,20 +510,11 @@ class WorkerSupervisor:
         the call queued behind the last, if it is that one."""
         with self._lock:
             queued, self._queued = self._queued, None
-            if queued is not None:
-                if (
-                    queued.invocation_id == invocation_id
-                    and queued.worker is self._worker
-                    and self._cancel_pending != invocation_id
-                    and not self._closed
-                ):
-                    queued.deadline = deadline
-                    queued.worker.answering = False
-                    self._cancelled = False
-                    self._cancel_pending = None
-                    self._current = queued
-                    return queued
-                self._drop(queued)
+            if queued is not None and (
+                queued.invocation_id != invocation_id or queued.worker is not self._worker
+            ):
+                self._drop(queued)  # another call comes first
+                queued = None
             if self._worker is None and not self._closed and self._fatal is None:
                 self._lock.wait_for(
                     lambda: self._worker is not None or self._closed or self._fatal is not None,
@@ -538,10 +529,16 @@ class WorkerSupervisor:
             assert self._current is None, "the registry allows one call in flight"
             pending, self._cancel_pending = self._cancel_pending, None
             if pending is not None and pending == invocation_id:
+                if queued is not None:
+                    self._drop(queued)  # cancelled while its frame waited: it goes with it
                 raise InvocationCancelled("the invocation was cancelled")
             self._cancelled = False
             self._worker.answering = False
-            self._current = WorkerCall(self._worker, invocation_id, deadline, self._run_uid)
+            if queued is not None:
+                queued.deadline = deadline  # its own, from now
+                self._current = queued
+            else:
+                self._current = WorkerCall(self._worker, invocation_id, deadline, self._run_uid)
             return self._current
 
     def _drop(self, queued: WorkerCall) -> None:
