@@ -18,13 +18,17 @@ demo: $(STAMP)
 	$(VENV)/bin/fnkernel install --sys-prefix
 	$(PY) -m fnkernel.kernel.demo notebooks/quickstart.ipynb
 
+# Two test processes (pytest-xdist), each taking the next test as it finishes one: most of the
+# suite's time is spent waiting on stacks, kernels and clusters. On this 2-core machine, 6 min
+# 50 s against 10–12 min in one process.
 test: $(STAMP) lint typecheck
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist worksteal
 
 # The inner loop, under 2 minutes: the tests that start no stack, cluster, kernel or server
 # process of their own and wait no seconds on purpose (tests/conftest.py, SLOW_FIXTURES).
+# 1 min 26 s in two processes here, 2 min 24 s in one.
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not slow" -q
+	$(PY) -m pytest -m "not slow" -q -n 2 --dist worksteal
 
 UI_STAMP := $(VENV)/.installed-ui
 $(UI_STAMP): $(STAMP)

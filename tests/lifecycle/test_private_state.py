@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sqlite3
 import stat
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,6 +36,16 @@ as_root = pytest.mark.skipif(
 
 def mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A directory whose STATE_DIR/sock is short enough to bind: a stack keeps its sockets there
+    only then, else in a temp dir of its own (Stack._socket_dir), and pytest's tmp_path can be
+    longer (under pytest-xdist, by a directory per test process)."""
+    made = Path(tempfile.mkdtemp(prefix="fnk-"))
+    yield made
+    shutil.rmtree(made, ignore_errors=True)
 
 
 def shared_tmp(tmp_path: Path) -> Path:
@@ -79,9 +92,9 @@ def test_a_state_dir_another_user_made_first_is_refused_and_gets_nothing(tmp_pat
 
 @pytest.mark.parametrize("where", ["", "workspace", "logs", "sock"])
 def test_a_state_dir_or_subdirectory_others_may_write_is_refused_naming_it(
-    tmp_path: Path, where: str
+    short_tmp: Path, where: str
 ) -> None:
-    state = tmp_path / "state"
+    state = short_tmp / "state"
     loose = state / where
     loose.mkdir(parents=True)
     loose.chmod(0o777 if where else 0o757)
@@ -111,8 +124,8 @@ def test_a_state_dir_owned_by_another_user_is_refused_even_with_a_private_mode(
         private_dir(state)
 
 
-def test_every_file_that_may_hold_a_secret_is_0600(stack_factory) -> None:  # type: ignore[no-untyped-def]
-    stack = stack_factory({"python": 1})
+def test_every_file_that_may_hold_a_secret_is_0600(stack_factory, short_tmp: Path) -> None:  # type: ignore[no-untyped-def]
+    stack = stack_factory({"python": 1}, state_dir=short_tmp / "state")
     state = stack.state_dir
     store = state / "runs.db"
     wait_until(lambda: Path(f"{store}-shm").exists() and Path(f"{store}-wal").exists())
