@@ -12,7 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fnkernel.adapters import Adapter, FunctionSpec
-from fnkernel.adapters.errors import HandlerError, InitError
+from fnkernel.adapters.errors import (
+    INITIALIZATION_TIMEOUT,
+    HandlerError,
+    InitError,
+    InvocationTimeout,
+)
 from fnkernel.runtime_server import limits
 from fnkernel.runtime_server.limits import check_handler
 
@@ -45,7 +50,8 @@ def execute(
     on_dispatch: Callable[[Callable[[], object]], None] | None = None,
 ) -> ExecuteOutcome:
     """Run `handler` once. A handler that fails to load or fails gives exit_code 1 and an
-    ``{"errorType", "errorMessage"}`` body; a timeout raises InvocationTimeout."""
+    ``{"errorType", "errorMessage"}`` body; a timeout raises InvocationTimeout, loading
+    included: the call's timeout counts from its start (docs/protocol.md, "Errors")."""
     limits.check_run_uid(run_uid)
     directory = limits.resolve_working_dir(working_dir, workspace_root)
     check_handler(adapter_cls, handler, directory)
@@ -65,7 +71,13 @@ def execute(
         if on_dispatch is not None:
             on_dispatch(adapter.cancel)
         result = adapter.invoke(limits.new_id("inv_"), input, effective, content_type=media)
-    except (InitError, HandlerError) as exc:
+    except InitError as exc:
+        if exc.error_type == INITIALIZATION_TIMEOUT:  # loading took the call's whole timeout
+            raise InvocationTimeout(
+                "the handler did not finish loading before the deadline"
+            ) from None
+        return _failure(exc.error_type, exc.message)
+    except HandlerError as exc:
         return _failure(exc.error_type, exc.message)
     finally:
         adapter.close()

@@ -147,6 +147,22 @@ def test_execute_timeout_is_deadline_exceeded(python_rt: Client) -> None:
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+def test_execute_whose_loading_outlasts_its_timeout_is_deadline_exceeded(python_rt: Client) -> None:
+    # docs/protocol.md, "Errors": Execute's timeout counts loading too; past it, the call is
+    # late (as a loaded handler past its timeout is), not a handler that failed to load.
+    wd = python_rt.workdir(
+        {"handler.py": "import time\ntime.sleep(30)\ndef handle(e):\n    pass\n"}
+    )
+    with pytest.raises(grpc.RpcError) as err:
+        python_rt.runtime_stub.Execute(
+            pb.ExecuteRequest(
+                run_uid="once", working_dir=str(wd), handler="handler.handle", timeout_millis=300
+            ),
+            timeout=30,
+        )
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "fnkernel.runtime_server.cli", *args],
