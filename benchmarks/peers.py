@@ -14,9 +14,10 @@ bench-peers` installs them). A peer that is not installed is left out, and the r
   a bare grpc.aio relay and on to a bare gRPC echo (benchmarks.throughput's) — as many hops as
   gateway → runtimed → Runtime Server, none of our code, no worker. Beside it, issue 48's
   alternative floor chains, made of other parts: its HTTP hop on uvloop's event loop; grpc's
-  blocking call from a thread pool on both hops (tornado's and the relay's); and no HTTP hop at
-  all (a blocking gRPC call from Python to the thread-pool relay), what a caller on the stack's
-  machine calling runtimed directly would stand on. The report names the least of them.
+  blocking call from a thread pool on both hops (tornado's and the relay's); its HTTP hop on
+  granian (an HTTP server in Rust, relaying with grpc.aio); and no HTTP hop at all (a blocking
+  gRPC call from Python to the thread-pool relay), what a caller on the stack's machine calling
+  runtimed directly would stand on. The report names the least of them.
 * **HTTP**, one client (raw ``http.client``, the body's bytes in and out, the same code for
   every server): fnkernel's gateway, Jupyter Kernel Gateway in notebook-http mode (a notebook
   whose ``# POST /echo`` cell prints the body back), and a bare tornado echo.
@@ -29,7 +30,9 @@ bench-peers` installs them). A peer that is not installed is left out, and the r
   and 10 actors; raw ``http.client`` from 10 threads on the same Runs and on the floor chain (its
   floor); and over HTTP, benchmarks.throughput's asyncio load generator (10 kept-alive
   connections) on the gateway's 10 Runs, on Kernel Gateway's kernel pool, on the floor chain and
-  on the tornado echo.
+  on the tornado echo. Issue 48's multiplexed alternative to 10 HTTP/1.1 connections: the floor
+  chain on granian from 10 threads, and the same 10 calls at a time on one HTTP/2 connection
+  (httpx); with the CPU each process spends a call.
 
 * **Fan-out** (issue 48): 200 items of a ~5 ms CPU-bound handler, two at a time, by
   ``Client.map`` over a Run of two replicas and by a ``ProcessPoolExecutor(2)`` — the peer a
@@ -78,7 +81,7 @@ import grpc
 
 from benchmarks.invoke import ECHO_METHOD, PY_HANDLER, Target, bench_server, p, verdicts
 from benchmarks.processes import cpu_seconds, stack_processes
-from benchmarks.throughput import MAX_CALLS, load, relay
+from benchmarks.throughput import MAX_CALLS, drive, load, relay
 from fnkernel.runtime_server import payloads
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
@@ -123,11 +126,14 @@ FLOOR_CHAIN = "floor chain (HTTP → gRPC relay → gRPC echo)"
 FLOOR_UVLOOP = "floor chain, its HTTP hop on uvloop"
 FLOOR_THREADS = "floor chain, blocking gRPC from threads, both hops"
 FLOOR_NO_HTTP = "floor without the HTTP hop (gRPC → relay → echo)"
+FLOOR_GRANIAN = "floor chain, its HTTP hop on granian (Rust)"
 TORNADO = "tornado echo (floor)"
 GRPC_ECHO = "gRPC echo"
 PIPE = "pipe to a process"
 CLIENT_THREADS = f"fnkernel Client.invoke, {IN_FLIGHT} threads on {IN_FLIGHT} Runs"
 CHAIN_THREADS = f"floor chain, {IN_FLIGHT} threads (raw http.client)"
+GRANIAN_THREADS = f"floor chain on granian, {IN_FLIGHT} threads (raw http.client)"
+GRANIAN_H2 = f"floor chain on granian, one HTTP/2 connection, {IN_FLIGHT} streams (httpx)"
 F_SETPIPE_SZ = 1031
 
 PIPE_ECHO = """\
@@ -351,6 +357,12 @@ def main() -> int:
                 FLOOR_UVLOOP: relay("http-uvloop", "-", proxy.address),
                 FLOOR_THREADS: relay("http-threads", "-", sync_proxy.address),
             }
+            try:
+                import granian as _
+            except ImportError:
+                print("granian is not installed: left out (pip install -e '.[peers]')")
+            else:
+                alternatives[FLOOR_GRANIAN] = relay("http-granian", "-", proxy.address)
             children += alternatives.values()
             http_echo = start([sys.executable, "-m", "benchmarks.gateway", "--http-echo"])
             children.append(http_echo)
@@ -383,6 +395,8 @@ def main() -> int:
                 "floor chain: grpc.aio relay": proxy.pid,
                 "floor chain: gRPC echo": echo.pid,
             }
+            if FLOOR_GRANIAN in alternatives:
+                bench.on_granian(alternatives[FLOOR_GRANIAN], proxy.pid, echo.pid)
             bench.no_http = grpc.insecure_channel(
                 sync_proxy.address, options=CHANNEL_OPTIONS
             ).unary_unary(ECHO_METHOD)
@@ -473,6 +487,20 @@ class Bench:
         # Issue 48's alternative floor chains (set by main): over HTTP, and without it.
         self.alternatives: dict[str, RawHttp] = {}
         self.no_http: Callable[..., bytes] | None = None
+        # The floor chain with its HTTP hop on granian, from 10 threads and multiplexed: its
+        # address and processes (``on_granian``).
+        self.granian = ""
+        self.granian_processes: dict[str, int] = {}
+
+    def on_granian(self, front: Child, relay_pid: int, echo_pid: int) -> None:
+        """Measure the floor chain on granian (`front`) with IN_FLIGHT calls in flight too."""
+        self.granian = front.address
+        self.granian_processes = {
+            "floor chain: granian relay (grpc.aio)": front.pid,
+            "floor chain: grpc.aio relay": relay_pid,
+            "floor chain: gRPC echo": echo_pid,
+        }
+        self.http_addresses["floor chain on granian"] = (front.address, None, ["/"] * IN_FLIGHT)
 
     def python_cases(self, value: Any) -> dict[str, Callable[[], Any]]:
         """A Python value in, a Python value out."""
@@ -613,6 +641,8 @@ class Bench:
                 self.chain_processes,
             ),
         }
+        if self.granian:
+            cases.update(self._on_granian(body, seconds))
         outstanding = self.ray_outstanding
         if outstanding is not None:
             cases[f"Ray tasks, {IN_FLIGHT} outstanding"] = lambda: outstanding(0, seconds)
@@ -625,6 +655,36 @@ class Bench:
             )
         for label, case in cases.items():
             self.rates.setdefault(label, []).append(case())
+
+    def _on_granian(self, body: bytes, seconds: float) -> dict[str, Callable[[], float]]:
+        """The floor chain on granian from IN_FLIGHT threads (a kept-alive HTTP/1.1 connection
+        each), and multiplexed: IN_FLIGHT calls on one HTTP/2 connection at a time (httpx, the
+        maintained Python client that speaks HTTP/2) — each with the CPU it spends a call."""
+        threads = [RawHttp(self.granian, "/") for _ in range(IN_FLIGHT)]
+        cases: dict[str, Callable[[], float]] = {
+            GRANIAN_THREADS: lambda: self._counted(
+                GRANIAN_THREADS,
+                lambda: threaded(lambda slot: json.loads(threads[slot].post(body)), seconds),
+                self.granian_processes,
+            )
+        }
+        try:
+            import httpx
+        except ImportError:
+            print("httpx is not installed: HTTP/2 left out (pip install -e '.[peers]')")
+            return cases
+
+        async def multiplexed() -> float:
+            url = f"http://{self.granian}/"
+            async with httpx.AsyncClient(http1=False, http2=True, timeout=120) as connection:
+                await connection.post(url, content=body)  # its connection made
+                calls = [lambda: connection.post(url, content=body)] * IN_FLIGHT
+                return (await drive(calls, IN_FLIGHT, seconds))[0]
+
+        cases[GRANIAN_H2] = lambda: self._counted(
+            GRANIAN_H2, lambda: asyncio.run(multiplexed()), self.granian_processes
+        )
+        return cases
 
     def _counted(self, case_label: str, case: Callable[[], float], pids: dict[str, int]) -> float:
         """Run `case` (calls/s), and keep the CPU each process spent a call: this one (the

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+import socket
 import statistics
 import sys
 import tempfile
@@ -33,6 +34,7 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent import futures
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import grpc
@@ -65,7 +67,9 @@ def serve_relay(listen: str, upstream: str, kind: str, method: str) -> None:
     relayed with grpc.aio, as the gateway does), ``aio`` (a grpc.aio server relaying with
     grpc.aio) or ``sync`` (a grpcio thread-pool server relaying with a blocking call, as runtimed
     does). Issue 48's alternatives for the HTTP hop: ``http-uvloop`` (the same on uvloop's event
-    loop) and ``http-threads`` (tornado relaying with grpc's blocking call from a thread pool)."""
+    loop), ``http-threads`` (tornado relaying with grpc's blocking call from a thread pool) and
+    ``http-granian`` (granian, an HTTP server written in Rust on hyper, HTTP/1.1 and HTTP/2, in
+    this process and relaying with grpc.aio; its own RSGI interface, its least per request)."""
     if kind == "http-uvloop":
         import uvloop
 
@@ -95,6 +99,9 @@ def serve_relay(listen: str, upstream: str, kind: str, method: str) -> None:
                 loop = asyncio.get_running_loop()
                 return await loop.run_in_executor(pool, lambda: blocking(body, timeout=timeout))
 
+        if kind == "http-granian":
+            await _serve_granian(relay)
+            return
         if kind in ("http", "http-threads"):
             from tornado import httpserver, netutil, web
 
@@ -119,6 +126,32 @@ def serve_relay(listen: str, upstream: str, kind: str, method: str) -> None:
         await asyncio.Event().wait()
 
     asyncio.run(serve())
+
+
+async def _serve_granian(relay: Callable[..., Awaitable[bytes]]) -> None:
+    """Serve POST / on granian's embedded server (this process's event loop), each body relayed
+    with `relay`; announced once it accepts connections, until it stops (SIGTERM)."""
+    from granian.server.embed import Server
+
+    async def app(scope: object, protocol: Any) -> None:  # RSGI
+        answer = await relay(await protocol(), timeout=30)
+        protocol.response_bytes(200, [("content-type", "application/json")], answer)
+
+    with socket.socket() as probe:  # granian announces no port it picked: pick a free one
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = Server(app, address="127.0.0.1", port=port, log_enabled=False)
+    serving = asyncio.create_task(server.serve())
+    for _ in range(500):  # up to 5 s
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            await asyncio.sleep(0.01)
+            continue
+        writer.close()
+        break
+    print(announcement("bench", "relay", f"127.0.0.1:{port}"), flush=True)
+    await serving
 
 
 def _relay_handlers(method: str, behaviour: Callable[..., object]) -> grpc.GenericRpcHandler:
