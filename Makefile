@@ -19,8 +19,8 @@ demo: $(STAMP)
 	$(PY) -m fnkernel.kernel.demo notebooks/quickstart.ipynb
 
 # Two test processes (pytest-xdist), each taking the next test as it finishes one: most of the
-# suite's time is spent waiting on stacks, kernels and clusters. On this 2-core machine, 6 min
-# 50 s against 10–12 min in one process.
+# suite's time is spent waiting on stacks, kernels and clusters. On this 2-core machine, 5½–7
+# min against 10–12 min in one process.
 test: $(STAMP) lint typecheck
 	$(PY) -m pytest -n 2 --dist worksteal
 

@@ -135,24 +135,18 @@ def test_execute_reports_a_failing_handler_through_exit_code(python_rt: Client) 
     assert json.loads(response.output) == {"errorType": "KeyError", "errorMessage": "'id'"}
 
 
-def test_execute_timeout_is_deadline_exceeded(python_rt: Client) -> None:
-    wd = python_rt.workdir({"handler.py": "import time\ndef handle(e):\n    time.sleep(30)\n"})
-    with pytest.raises(grpc.RpcError) as err:
-        python_rt.runtime_stub.Execute(
-            pb.ExecuteRequest(
-                run_uid="once", working_dir=str(wd), handler="handler.handle", timeout_millis=300
-            ),
-            timeout=30,
-        )
-    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-
-
-def test_execute_whose_loading_outlasts_its_timeout_is_deadline_exceeded(python_rt: Client) -> None:
-    # docs/protocol.md, "Errors": Execute's timeout counts loading too; past it, the call is
-    # late (as a loaded handler past its timeout is), not a handler that failed to load.
-    wd = python_rt.workdir(
-        {"handler.py": "import time\ntime.sleep(30)\ndef handle(e):\n    pass\n"}
-    )
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import time\ndef handle(e):\n    time.sleep(30)\n",
+        # docs/protocol.md, "Errors": Execute's timeout counts loading too; past it, the call
+        # is late (as a loaded handler past its timeout is), not a handler that failed to load.
+        "import time\ntime.sleep(30)\ndef handle(e):\n    pass\n",
+    ],
+    ids=["running", "loading"],
+)
+def test_execute_timeout_is_deadline_exceeded(python_rt: Client, source: str) -> None:
+    wd = python_rt.workdir({"handler.py": source})
     with pytest.raises(grpc.RpcError) as err:
         python_rt.runtime_stub.Execute(
             pb.ExecuteRequest(
