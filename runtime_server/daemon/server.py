@@ -6,9 +6,9 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+import select
 import signal
 import threading
-import time
 
 from fnkernel.adapters.calllogs import trim_logs
 from fnkernel.adapters.children import reap_orphans
@@ -73,14 +73,27 @@ def watch_parent(interval: float = 0.25) -> threading.Thread | None:
     Python between fork and exec, where gRPC's fork handlers can crash the child of a process
     with gRPC threads. The variable is removed from our environment so that nothing we start
     inherits it.
+
+    The watch waits on a pidfd of the parent, which becomes readable when it exits: no wake-up
+    until then (docs/architecture.md, "Idle"). Where there is none (a kernel before Linux 5.3),
+    it asks for our parent's pid every `interval` seconds.
     """
     expected = os.environ.pop(PARENT_ENV, "")
     if not expected.isdigit():
         return None
     parent = int(expected)
+    try:
+        # Opened before the check below: if the pid was already another process's, we have
+        # been reparented by then, and the check sees it.
+        parent_fd: int | None = os.pidfd_open(parent)
+    except (AttributeError, OSError):  # none here, or the parent is gone already
+        parent_fd = None
 
     def watch() -> None:
-        wait_for(lambda: os.getppid() != parent, timeout=math.inf, interval=interval)
+        if parent_fd is not None:
+            select.select([parent_fd], [], [])  # readable once the parent has exited
+        else:
+            wait_for(lambda: os.getppid() != parent, timeout=math.inf, interval=interval)
         os.kill(os.getpid(), signal.SIGTERM)
 
     if os.getppid() != parent:  # gone before we even started
@@ -104,21 +117,29 @@ def start_reaper(stop: threading.Event, interval: float = 1.0) -> threading.Thre
     return thread
 
 
-def wait_for_termination(poll: float = 0.1) -> int:
+def wait_for_termination() -> int:
     """Block until SIGTERM or SIGINT; returns the signal number.
 
-    The handler only appends to a list: it runs in the main thread between bytecodes, possibly
-    inside a lock acquire, so taking any lock there (``Event.set()``) can deadlock the very
-    thread that must stop the server — which left servers running after SIGTERM. Not sigwait
-    either: that needs the signals blocked before gRPC starts its threads.
+    The main thread blocks on a pipe that the interpreter's C-level handler writes each caught
+    signal's number to (``signal.set_wakeup_fd``): it wakes for a signal and not before
+    (docs/architecture.md, "Idle"), and the byte it reads says which. The Python-level handler
+    does nothing: it runs in the main thread between bytecodes, possibly inside a lock acquire,
+    so taking any lock there (``Event.set()``) can deadlock the very thread that must stop the
+    server — which once left servers running after SIGTERM. Not sigwait either: that needs the
+    signals blocked before gRPC starts its threads.
     """
-    received: list[int] = []
-
-    def handler(signum: int, _frame: object) -> None:
-        received.append(signum)
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, handler)
-    while not received:
-        time.sleep(poll)  # a signal runs the handler at once; the loop sees it within `poll`
-    return received[0]
+    stops = (signal.SIGTERM, signal.SIGINT)
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)  # as set_wakeup_fd requires
+    previous = signal.set_wakeup_fd(wake_write, warn_on_full_buffer=False)
+    try:
+        for sig in stops:
+            signal.signal(sig, lambda _signum, _frame: None)
+        while True:
+            for signum in os.read(wake_read, 64):  # retried after an interrupt (PEP 475)
+                if signum in stops:
+                    return signal.Signals(signum)
+    finally:
+        signal.set_wakeup_fd(previous)
+        os.close(wake_read)
+        os.close(wake_write)

@@ -336,7 +336,20 @@ def test_store_version_changes_with_another_connections_write(plane: ControlPlan
     assert plane.store.version() == seen  # nothing written meanwhile
     other = SqliteRunStore(plane.store.path)
     other.heartbeat("python-9", "python", "unix:/nowhere", True)
-    assert plane.store.version() != seen
+    changed = plane.store.version()
+    assert changed != seen
+    assert plane.store.version() == changed  # each write is seen once
+    other.heartbeat("python-9", "python", "unix:/nowhere", False)
+    assert plane.store.version() != changed  # and every write is seen
+
+
+def test_store_version_ignores_its_own_connections_writes(plane: ControlPlane) -> None:
+    # "it changes only with *other* connections' writes, so runtimed's own heartbeat does not
+    # wake its loop" (docs/architecture.md, "The proxy hop"), though it rewrites the WAL-index
+    # header that version() compares first.
+    seen = plane.store.version()
+    plane.store.heartbeat("python-9", "python", "unix:/nowhere", True)
+    assert plane.store.version() == seen
 
 
 def test_wait_settled_sees_another_processes_write_at_once(plane: ControlPlane) -> None:
