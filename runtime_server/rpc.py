@@ -424,6 +424,15 @@ def failure_body(err: grpc.RpcError) -> dict[str, Any]:
     return status_body(call.code(), call.details() or "", dict(call.trailing_metadata() or ()))
 
 
+_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def status_code(number: int) -> grpc.StatusCode:
+    """The status code numbered `number` in a message (a batch's answer, a poll's, carry one);
+    UNKNOWN for a number grpc does not know."""
+    return _STATUS_CODES.get(number, grpc.StatusCode.UNKNOWN)
+
+
 def status_body(code: grpc.StatusCode, message: str, trailers: dict[str, Any]) -> dict[str, Any]:
     """``failure_body`` of a status given by its parts (a batch's answer carries them)."""
     body: dict[str, Any] = {"code": code.name, "message": message}

@@ -26,6 +26,7 @@ SOURCES = (
     "fnkernel/v1alpha1/logs.proto",
     "fnkernel/v1alpha1/payloads.proto",
     "fnkernel/v1alpha1/batches.proto",
+    "fnkernel/v1alpha1/registrations.proto",
 )
 
 

@@ -29,6 +29,7 @@ from fnkernel.runtime_server.rpc import (
     CancellableCalls,
     failure_body,
     status_body,
+    status_code,
     trailer_logs,
 )
 
@@ -44,7 +45,6 @@ _NEVER_RAN = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECON
 # How a batch ends when its next item was never called (docs/protocol.md, "Batches"): besides
 # those, another caller's call is in flight on the Run, or its server is going away.
 _NOT_CALLED = _NEVER_RAN | {grpc.StatusCode.RESOURCE_EXHAUSTED}
-_CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,7 @@ class Direct:
                     answered = answer.index + 1
                     trailers = _metadata(answer.trailers)
                     if answer.code:
-                        code = grpc.StatusCode[_CODE_NAMES[answer.code]]
+                        code = status_code(answer.code)
                         body = status_body(code, answer.message, trailers)
                         yield answer.index, self._error(route, answer.invocation_id, body)
                     else:

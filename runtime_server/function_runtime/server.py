@@ -19,6 +19,8 @@ from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import (
     logs_pb2_grpc,
     payloads_pb2,
     payloads_pb2_grpc,
+    registrations_pb2,
+    registrations_pb2_grpc,
 )
 from fnkernel.runtime_server.function_runtime.registry import Registry
 from fnkernel.runtime_server.function_runtime.servicer import (
@@ -26,6 +28,7 @@ from fnkernel.runtime_server.function_runtime.servicer import (
     FunctionRuntimeServicer,
     InvocationLogsServicer,
     PayloadsServicer,
+    RegistrationsServicer,
     RuntimeServicer,
     judged_by_fence,
 )
@@ -48,6 +51,9 @@ PAYLOADS_SERVICE = payloads_pb2.DESCRIPTOR.services_by_name[
     "Payloads"
 ].full_name  # "Large payloads"
 BATCHES_SERVICE = batches_pb2.DESCRIPTOR.services_by_name["Batches"].full_name  # "Batches"
+REGISTRATIONS_SERVICE = registrations_pb2.DESCRIPTOR.services_by_name[
+    "Registrations"
+].full_name  # "Registration": runtimed's poll
 DEFAULT_LISTEN = "127.0.0.1:9090"
 
 
@@ -79,6 +85,7 @@ class RuntimeServer:
                 INVOCATION_LOGS_SERVICE,
                 PAYLOADS_SERVICE,
                 BATCHES_SERVICE,
+                REGISTRATIONS_SERVICE,
             ),
             component="runtime-server",
             timeline_key=TIMELINE_SERVER_KEY,
@@ -104,7 +111,14 @@ class RuntimeServer:
             batches_pb2_grpc.add_BatchesServicer_to_server(
                 BatchesServicer(self.registry), self.server
             )
-        extensions = [] if oneshot_only else [INVOCATION_LOGS_SERVICE, BATCHES_SERVICE]
+            registrations_pb2_grpc.add_RegistrationsServicer_to_server(
+                RegistrationsServicer(self.registry), self.server
+            )
+        extensions = (
+            []
+            if oneshot_only
+            else [INVOCATION_LOGS_SERVICE, BATCHES_SERVICE, REGISTRATIONS_SERVICE]
+        )
         if spool is not None and not oneshot_only:
             payloads_pb2_grpc.add_PayloadsServicer_to_server(PayloadsServicer(spool), self.server)
             extensions.append(PAYLOADS_SERVICE)

@@ -24,6 +24,8 @@ from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import (
     logs_pb2_grpc,
     payloads_pb2,
     payloads_pb2_grpc,
+    registrations_pb2,
+    registrations_pb2_grpc,
 )
 from fnkernel.runtime_server.errors import (
     InvocationInFlight,
@@ -71,6 +73,22 @@ def _registration(view: RegistrationView) -> pb.FunctionRegistration:
     return pb.FunctionRegistration(run_uid=view.run_uid, registration_id=view.registration_id)
 
 
+def function_status(
+    registry: Registry, request: pb.FunctionStatusRequest
+) -> pb.FunctionStatusResponse:
+    view = registry.status(
+        run_uid=request.registration.run_uid,
+        registration_id=request.registration.registration_id,
+    )
+    return pb.FunctionStatusResponse(
+        registration=_registration(view),
+        state=view.state,  # type: ignore[arg-type]
+        in_flight=view.in_flight,
+        last_activity_unix_nano=view.last_activity_unix_nano,
+        fatal_error=view.fatal_error,
+    )
+
+
 class FunctionRuntimeServicer(pb_grpc.FunctionRuntimeServicer):
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
@@ -109,17 +127,7 @@ class FunctionRuntimeServicer(pb_grpc.FunctionRuntimeServicer):
     def FunctionStatus(
         self, request: pb.FunctionStatusRequest, context: grpc.ServicerContext
     ) -> pb.FunctionStatusResponse:
-        view = self.registry.status(
-            run_uid=request.registration.run_uid,
-            registration_id=request.registration.registration_id,
-        )
-        return pb.FunctionStatusResponse(
-            registration=_registration(view),
-            state=view.state,  # type: ignore[arg-type]
-            in_flight=view.in_flight,
-            last_activity_unix_nano=view.last_activity_unix_nano,
-            fatal_error=view.fatal_error,
-        )
+        return function_status(self.registry, request)
 
     def InvokeFunction(
         self, request: pb.InvokeFunctionRequest, context: grpc.ServicerContext
@@ -310,6 +318,29 @@ class _Batch:
                 break
         if self._refused is not None:
             raise self._refused
+
+
+class RegistrationsServicer(registrations_pb2_grpc.RegistrationsServicer):
+    """FunctionStatus of several registrations in one round trip: runtimed's poll of its Runs
+    (docs/protocol.md, "Registration"). Each answer is what FunctionStatus would have answered."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+
+    def FunctionStatuses(
+        self, request: registrations_pb2.FunctionStatusesRequest, context: grpc.ServicerContext
+    ) -> registrations_pb2.FunctionStatusesResponse:
+        answers = []
+        for one in request.requests:
+            try:
+                answer = registrations_pb2.FunctionStatusAnswer(
+                    status=function_status(self.registry, one)
+                )
+            except Exception as exc:
+                code, message, _ = failure_status(exc, "FunctionStatus")
+                answer = registrations_pb2.FunctionStatusAnswer(code=code.value[0], message=message)
+            answers.append(answer)
+        return registrations_pb2.FunctionStatusesResponse(answers=answers)
 
 
 class InvocationLogsServicer(logs_pb2_grpc.InvocationLogsServicer):

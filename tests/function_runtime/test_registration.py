@@ -17,6 +17,10 @@ from fnkernel.adapters.errors import InvocationCancelled
 from fnkernel.adapters.python import PythonAdapter
 from fnkernel.runtime_server import wire
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
+from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import (
+    registrations_pb2,
+    registrations_pb2_grpc,
+)
 from fnkernel.runtime_server.errors import AttemptSuperseded, ShuttingDown
 from fnkernel.runtime_server.function_runtime import registry as registry_module
 from fnkernel.runtime_server.function_runtime.registry import Registry
@@ -203,6 +207,39 @@ def test_status_of_stale_id_is_failed_precondition(python_rt: Client) -> None:
         run_uid="st", registration_id=reg.registration.registration_id + "0"
     )
     assert code_of(lambda: python_rt.status(stale)) == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_function_statuses_answers_each_request_as_function_status_would(
+    python_rt: Client,
+) -> None:
+    # docs/protocol.md, "Registration": runtimed's poll asks fnkernel.v1alpha1.Registrations
+    # for several registrations in one round trip; each answer is FunctionStatus's own, its
+    # response or the status it fails with, in the requests' order.
+    ready = python_rt.register(working_dir=python_rt.workdir(ECHO_PY), run_uid="ok").registration
+    unknown = pb.FunctionRegistration(run_uid="nobody", registration_id="reg_x")
+    stale = pb.FunctionRegistration(run_uid="ok", registration_id=ready.registration_id + "0")
+    stub = registrations_pb2_grpc.RegistrationsStub(python_rt.channel)
+    asked = [pb.FunctionStatusRequest(registration=ref) for ref in (unknown, ready, stale)]
+    answers = stub.FunctionStatuses(
+        registrations_pb2.FunctionStatusesRequest(requests=asked), timeout=10
+    ).answers
+    assert len(answers) == 3
+    for request, answer in zip(asked, answers, strict=True):
+        try:
+            alone = python_rt.fn.FunctionStatus(request, timeout=10)
+        except grpc.RpcError as err:
+            assert (answer.code, answer.message) == (err.code().value[0], err.details())
+            assert not answer.HasField("status")
+        else:
+            assert answer.code == 0
+            assert answer.status.registration == alone.registration
+            assert (answer.status.state, answer.status.in_flight) == (alone.state, alone.in_flight)
+    assert [answer.code for answer in answers] == [
+        grpc.StatusCode.NOT_FOUND.value[0],
+        0,
+        grpc.StatusCode.FAILED_PRECONDITION.value[0],
+    ]
+    assert answers[1].status.state == READY
 
 
 def test_invoke_while_draining_is_failed_precondition(python_rt: Client) -> None:

@@ -22,6 +22,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from fnkernel.runtime_server import limits, tracing
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
+from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import (
+    registrations_pb2,
+    registrations_pb2_grpc,
+)
 from fnkernel.runtime_server.function_runtime.server import RuntimeServer
 from fnkernel.runtime_server.lifecycle.controlplane import ControlPlane, RetryPolicy
 from fnkernel.runtime_server.lifecycle.runs import Run, RunSpec, RunStatus, files_digest
@@ -189,13 +193,15 @@ def test_a_run_is_not_polled_while_its_calls_succeed_and_polled_again_after(pod:
     # only in an interval without one; the cadence stays bounded (poll_interval 0.2 s here).
     run = pod.create("busy", ECHO_PY)
     polls: list[str] = []
-    status = pod.runtimed.server_stub.FunctionStatus
+    statuses = pod.runtimed.server.registrations.FunctionStatuses
 
-    def counted(request: pb.FunctionStatusRequest, **kwargs: object) -> object:
-        polls.append(request.registration.run_uid)
-        return status(request, **kwargs)
+    def counted(
+        request: registrations_pb2.FunctionStatusesRequest, **kwargs: object
+    ) -> registrations_pb2.FunctionStatusesResponse:
+        polls.extend(one.registration.run_uid for one in request.requests)
+        return statuses(request, **kwargs)
 
-    pod.runtimed.server_stub.FunctionStatus = counted  # type: ignore[method-assign]
+    pod.runtimed.server.registrations.FunctionStatuses = counted  # type: ignore[method-assign]
     calling = time.monotonic() + 1.5  # seven poll intervals
     for _ in range(10_000):  # bounded in count as well as time
         pod.invoke(run)
@@ -204,6 +210,44 @@ def test_a_run_is_not_polled_while_its_calls_succeed_and_polled_again_after(pod:
     assert len(polls) <= 1  # at most a pass that came before the first call ended
     polled = len(polls)
     wait_until(lambda: len(polls) >= polled + 2, timeout=10)  # no calls: polled again
+
+
+def test_the_poll_asks_every_runs_status_in_one_round_trip(pod: Pod) -> None:
+    # docs/architecture.md, "Idle": a FunctionStatus round trip a Run and a second cost an idle
+    # pod CPU in proportion to its Runs; the poll asks them all at once.
+    runs = {pod.create(f"quiet-{n}", ECHO_PY).uid for n in range(3)}
+    rounds: list[set[str]] = []
+    statuses = pod.runtimed.server.registrations.FunctionStatuses
+
+    def counted(
+        request: registrations_pb2.FunctionStatusesRequest, **kwargs: object
+    ) -> registrations_pb2.FunctionStatusesResponse:
+        rounds.append({one.registration.run_uid for one in request.requests})
+        return statuses(request, **kwargs)
+
+    pod.runtimed.server.registrations.FunctionStatuses = counted  # type: ignore[method-assign]
+    wait_until(lambda: any(asked == runs for asked in rounds), timeout=10)
+
+
+def test_a_server_without_fnkernels_registrations_is_polled_a_run_at_a_time(pod: Pod) -> None:
+    # docs/protocol.md, "Registration": a Runtime Server that serves the seed's FunctionRuntime
+    # alone answers Registrations UNIMPLEMENTED, and runtimed polls it with FunctionStatus.
+    # runtimed's own socket is such a server: it does not serve Registrations.
+    run = pod.create("plain", ECHO_PY).uid
+    channel = grpc.insecure_channel(pod.runtimed.address, options=CHANNEL_OPTIONS)
+    pod.runtimed.server.registrations = registrations_pb2_grpc.RegistrationsStub(channel)
+    polls: list[str] = []
+    status = pod.runtimed.server_stub.FunctionStatus
+
+    def counted(request: pb.FunctionStatusRequest, **kwargs: object) -> pb.FunctionStatusResponse:
+        polls.append(request.registration.run_uid)
+        return status(request, **kwargs)
+
+    pod.runtimed.server_stub.FunctionStatus = counted  # type: ignore[method-assign]
+    try:
+        wait_until(lambda: polls.count(run) >= 2, timeout=10)
+    finally:
+        channel.close()
 
 
 def test_a_quiet_store_is_read_once_a_poll_interval_not_every_tick(pod: Pod) -> None:

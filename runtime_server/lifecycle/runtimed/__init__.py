@@ -27,11 +27,13 @@ from pathlib import Path
 import grpc
 
 from fnkernel.runtime_server import limits, tracing
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import (
     batches_pb2_grpc,
     logs_pb2_grpc,
     payloads_pb2_grpc,
+    registrations_pb2_grpc,
 )
 from fnkernel.runtime_server.errors import (
     RequirementsFailed,
@@ -55,6 +57,7 @@ from fnkernel.runtime_server.lifecycle.runtimed.proxy import proxy_ports
 from fnkernel.runtime_server.lifecycle.runtimed.server import (
     Active,
     ServerRegistrations,
+    StatusRefused,
     registration_request,
 )
 from fnkernel.runtime_server.lifecycle.runtimed.workspace import Workspace
@@ -113,7 +116,9 @@ class Runtimed:
         self.address = ""
         self._channel = grpc.insecure_channel(server_address, options=CHANNEL_OPTIONS)
         self.server_stub = pb_grpc.FunctionRuntimeStub(self._channel)
-        self.server = ServerRegistrations(self.server_stub)
+        self.server = ServerRegistrations(
+            self.server_stub, registrations_pb2_grpc.RegistrationsStub(self._channel)
+        )
         self.logs_stub = logs_pb2_grpc.InvocationLogsStub(self._channel)
         self.payloads_stub = payloads_pb2_grpc.PayloadsStub(self._channel)
         self._batches_channel = grpc.insecure_channel(
@@ -429,6 +434,7 @@ class Runtimed:
         with self._lock:
             ready = [run for run in self._runs.values() if run.status.phase == READY]
         seen: dict[str, str | None] = {}  # each secret read once a poll
+        polled: list[tuple[Run, Active]] = []
         for run in ready:
             active = self.active(run)
             if rotated := rotated_secret(
@@ -438,7 +444,13 @@ class Runtimed:
             elif active is None:  # runtimed restarted: the same attempt and digest return it
                 self._submit(run, lambda r: self._register(r, expect_phase=READY))
             elif self._served.pop(run.uid, None) != active:  # none ran on it since: poll it
-                self._poll_one(run, active)
+                polled.append((run, active))
+        if not polled:
+            return
+        # One round trip for all of them (docs/architecture.md, "Idle").
+        answers = self.server.statuses([(run.uid, active) for run, active in polled])
+        for (run, active), answer in zip(polled, answers, strict=True):
+            self._polled(run, active, answer)
 
     def served(self, run: Run, active: Active) -> None:
         """A proxied call on `active` succeeded: the next poll of the Run can be skipped, and
@@ -448,17 +460,18 @@ class Runtimed:
         if run.status.server_deaths:
             self.store.update(run, server_deaths=0)
 
-    def _poll_one(self, run: Run, active: Active) -> None:
-        try:
-            status = self.server.status(run.uid, active)
-        except grpc.RpcError as err:
-            verdict = decide(Step.STATUS, err.code())
-            message = f"FunctionStatus: {err.code().name}: {err.details()}"
+    def _polled(
+        self, run: Run, active: Active, status: pb.FunctionStatusResponse | StatusRefused
+    ) -> None:
+        """What the poll's FunctionStatus of `run`'s registration `active` says to do."""
+        if isinstance(status, StatusRefused):
+            verdict = decide(Step.STATUS, status.code)
+            message = f"FunctionStatus: {status.code.name}: {status.details}"
             if verdict is Verdict.WAIT:
                 # No answer (the server is paused, busy or restarting) says nothing about the
                 # registration: it is kept, and the next poll asks again. A server that really
                 # went away lost it, and says so (NOT_FOUND) once it is back.
-                LOG.debug("run %s: FunctionStatus: %s; polling again", run.name, err.code().name)
+                LOG.debug("run %s: FunctionStatus: %s; polling again", run.name, status.code.name)
             elif verdict is Verdict.RETRY_FREE:
                 # NOT_FOUND: the server restarted and lost it; FAILED_PRECONDITION: it holds
                 # another. Either way the pod failed, not the function (registration_lost).

@@ -16,10 +16,15 @@ from fnkernel.adapters.python import PACKAGES_ENV
 from fnkernel.runtime_server import limits, tracing
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
+from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import (
+    registrations_pb2,
+    registrations_pb2_grpc,
+)
 from fnkernel.runtime_server.lifecycle.retries import Step, Verdict, decide
 from fnkernel.runtime_server.lifecycle.runs import Run
 from fnkernel.runtime_server.lifecycle.runtimed.packages import Environment
 from fnkernel.runtime_server.lifecycle.secrets import Secret
+from fnkernel.runtime_server.rpc import status_code
 from fnkernel.runtime_server.wire import TRACEPARENT_KEY
 from fnkernel.system.waiting import Backoff, attempts
 
@@ -72,11 +77,26 @@ def reference(run_uid: str, active: Active) -> pb.FunctionRegistration:
     return pb.FunctionRegistration(run_uid=run_uid, registration_id=active.registration_id)
 
 
-class ServerRegistrations:
-    """The calls runtimed makes to its server about registrations, through `stub`."""
+@dataclass(frozen=True)
+class StatusRefused:
+    """A FunctionStatus the server failed: its status code and message."""
 
-    def __init__(self, stub: pb_grpc.FunctionRuntimeStub) -> None:
+    code: grpc.StatusCode
+    details: str
+
+
+class ServerRegistrations:
+    """The calls runtimed makes to its server about registrations: through `stub`, and its poll
+    through `registrations` (fnkernel's own extension)."""
+
+    def __init__(
+        self,
+        stub: pb_grpc.FunctionRuntimeStub,
+        registrations: registrations_pb2_grpc.RegistrationsStub,
+    ) -> None:
         self.stub = stub
+        self.registrations = registrations
+        self._statuses_served = True  # until the server says it does not serve them
 
     def register(
         self, request: pb.RegisterFunctionRequest, traceparent: str = ""
@@ -114,6 +134,40 @@ class ServerRegistrations:
             timeout=limits.status_wait_seconds(hops_below=1),
         )
         return response
+
+    def statuses(
+        self, polled: Sequence[tuple[str, Active]]
+    ) -> list[pb.FunctionStatusResponse | StatusRefused]:
+        """The FunctionStatus of each (Run UID, registration) in `polled`, in order: in one round
+        trip where the server serves fnkernel's Registrations (docs/protocol.md, "Registration"),
+        else one call each. A round trip that failed fails each of them alike."""
+        requests = [
+            pb.FunctionStatusRequest(registration=reference(uid, active)) for uid, active in polled
+        ]
+        timeout = limits.status_wait_seconds(hops_below=1)
+        if self._statuses_served:
+            try:
+                response = self.registrations.FunctionStatuses(
+                    registrations_pb2.FunctionStatusesRequest(requests=requests), timeout=timeout
+                )
+            except grpc.RpcError as err:
+                if err.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    return [StatusRefused(err.code(), err.details() or "")] * len(requests)
+                self._statuses_served = False  # a Runtime Server with FunctionRuntime alone
+            else:
+                return [
+                    StatusRefused(status_code(answer.code), answer.message)
+                    if answer.code
+                    else answer.status
+                    for answer in response.answers
+                ]
+        answers: list[pb.FunctionStatusResponse | StatusRefused] = []
+        for request in requests:
+            try:
+                answers.append(self.stub.FunctionStatus(request, timeout=timeout))
+            except grpc.RpcError as err:
+                answers.append(StatusRefused(err.code(), err.details() or ""))
+        return answers
 
     def fatal_error(self, run_uid: str, active: Active) -> str:
         try:
