@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import logging
 import os
 import statistics
 import tempfile
@@ -48,6 +47,7 @@ import pandas as pd
 import pyarrow as pa
 
 from benchmarks.invoke import Target, verdicts
+from benchmarks.peer_parts import start_ray
 from benchmarks.processes import stack_processes, status_bytes
 from fnkernel.adapters._payloads import THREADS_FROM_VALUES
 from fnkernel.runtime_server import payloads
@@ -80,16 +80,6 @@ def frame_of(mib: int) -> pd.DataFrame:
 def echo(frame: Any) -> Any:
     """The ProcessPoolExecutor's handler (a module function: the pool pickles its name)."""
     return frame
-
-
-def start_ray(object_store_bytes: int) -> Any:
-    try:
-        import ray
-    except ImportError:
-        return None
-    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.ERROR,
-             log_to_driver=False, object_store_memory=object_store_bytes)  # fmt: skip
-    return ray
 
 
 def main() -> int:

@@ -286,6 +286,15 @@ def p(samples: list[float], q: float) -> float:
     )
 
 
+def row(label: str, samples: list[float], against: float) -> str:
+    median = statistics.median(samples)
+    return f"{label:<48}{median:>9.2f}{p(samples, 99):>9.2f}" + ratio(median, against)
+
+
+def ratio(value: float, against: float) -> str:
+    return f"{value / against:8.2f}x" if against else ""
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=2000)

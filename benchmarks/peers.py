@@ -59,29 +59,42 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
-import fcntl
-import http.client
+import importlib.util
 import json
-import logging
-import os
-import socket
 import statistics
-import struct
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import grpc
 
-from benchmarks.invoke import ECHO_METHOD, PY_HANDLER, Target, bench_server, p, verdicts
-from benchmarks.processes import cpu_seconds, stack_processes
-from benchmarks.throughput import MAX_CALLS, drive, load, relay
+from benchmarks.invoke import (
+    ECHO_METHOD,
+    PY_HANDLER,
+    Target,
+    bench_server,
+    ratio,
+    row,
+    verdicts,
+)
+from benchmarks.peer_parts import (
+    BURN_HANDLER,
+    BURN_MS,
+    IN_FLIGHT,
+    KernelGateway,
+    PipeEcho,
+    RawHttp,
+    burn,
+    payload_of,
+    ray_cases,
+    start_peers,
+    threaded,
+)
+from benchmarks.processes import cpu_per_call, stack_processes
+from benchmarks.throughput import drive, load, relay
 from fnkernel.runtime_server import payloads
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
@@ -98,23 +111,12 @@ BATCHES = 3  # each case's calls of a round, in this many batches
 # Client.invoke and the raw request, call by call in turn: pairs per round (Bench.paired).
 PAIRS = {"small": 300, "100 KB": 150, "1 MiB": 40, "6 MiB": 20}
 WARMUP = {"small": 30, "100 KB": 10, "1 MiB": 3, "6 MiB": 1}
-IN_FLIGHT = 10
-KG_KERNELS = 2  # Kernel Gateway's pool: a kernel per core
 CASE_SECONDS = 60.0  # a bound on each case's time per round, as well as the count
 TARGETS = {"small": 1.5, "100 KB": 1.0, "1 MiB": 1.0}  # x Ray's actor call
 CLIENT_TARGET = 1.05  # x the raw request
-# Issue 48's fan-out: a CPU-bound handler of ~BURN_MS over FAN_ITEMS items, as wide as the cores.
-BURN_MS = 5.0
+# Issue 48's fan-out: BURN_HANDLER over FAN_ITEMS items, as wide as the cores.
 FAN_ITEMS = 200
 FAN_WIDTH = 2
-BURN_HANDLER = (
-    "import time\n"
-    "def handle(event):\n"
-    "    started = time.process_time()\n"
-    f"    while time.process_time() - started < {BURN_MS / 1000}:\n"
-    "        pass\n"
-    "    return event\n"
-)
 MAP_CASE = f"fnkernel Client.map, {FAN_WIDTH} replicas"
 POOL_CASE = f"ProcessPoolExecutor({FAN_WIDTH}).map"
 KG_AHEAD = 4.0  # x Kernel Gateway
@@ -134,200 +136,6 @@ CLIENT_THREADS = f"fnkernel Client.invoke, {IN_FLIGHT} threads on {IN_FLIGHT} Ru
 CHAIN_THREADS = f"floor chain, {IN_FLIGHT} threads (raw http.client)"
 GRANIAN_THREADS = f"floor chain on granian, {IN_FLIGHT} threads (raw http.client)"
 GRANIAN_H2 = f"floor chain on granian, one HTTP/2 connection, {IN_FLIGHT} streams (httpx)"
-F_SETPIPE_SZ = 1031
-
-PIPE_ECHO = """\
-import ctypes, fcntl, os, struct
-ctypes.CDLL(None).mallopt(-3, 16 << 20)  # freed memory kept, as the worker's (keep_freed_memory)
-ctypes.CDLL(None).mallopt(-1, 32 << 20)
-for fd in (0, 1):
-    fcntl.fcntl(fd, 1031, 1 << 20)  # F_SETPIPE_SZ, as the worker's pipes
-while header := os.read(0, 4):
-    size, = struct.unpack("!I", header)
-    data = bytearray(size)
-    view, got = memoryview(data), 0
-    while got < size:
-        got += os.readv(0, [view[got:]])
-    view = memoryview(struct.pack("!I", size) + data)
-    while view:
-        view = view[os.write(1, view):]
-"""
-
-KG_NOTEBOOK = {
-    "cells": [
-        {
-            "cell_type": "code",
-            "metadata": {},
-            "execution_count": None,
-            "outputs": [],
-            "source": '# POST /echo\nimport json\nprint(json.dumps(json.loads(REQUEST)["body"]))\n',
-        }
-    ],
-    "metadata": {
-        "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}
-    },
-    "nbformat": 4,
-    "nbformat_minor": 5,
-}
-
-
-def payload_of(size: int) -> dict[str, str]:
-    """A value whose compact JSON is `size` bytes (6 MiB: the payload limit, exactly)."""
-    return {"s": "x" * (size - len('{"s":""}'))}
-
-
-class PipeEcho:
-    """The floor of calling another process from Python: the bytes there and back over two
-    pipes of 1 MiB, to a process that keeps freed memory (both as the worker's)."""
-
-    def __init__(self) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", PIPE_ECHO], stdin=subprocess.PIPE, stdout=subprocess.PIPE
-        )
-        assert self.process.stdin is not None and self.process.stdout is not None
-        self._in, self._out = self.process.stdin.fileno(), self.process.stdout.fileno()
-        for fd in (self._in, self._out):
-            fcntl.fcntl(fd, F_SETPIPE_SZ, 1 << 20)
-
-    def call(self, data: bytes) -> bytes:
-        view = memoryview(struct.pack("!I", len(data)) + data)
-        while view:
-            view = view[os.write(self._in, view) :]
-        (size,) = struct.unpack("!I", os.read(self._out, 4))
-        answer = bytearray(size)
-        into, got = memoryview(answer), 0
-        while got < size:
-            got += os.readv(self._out, [into[got:]])
-        return bytes(answer)
-
-    def close(self) -> None:
-        self.process.kill()
-        self.process.wait()
-
-
-class RawHttp:
-    """One kept-alive http.client connection POSTing bytes: the same for every server."""
-
-    def __init__(self, address: str, path: str, token: str | None = None) -> None:
-        url = urlsplit(address if "//" in address else f"http://{address}")
-        self.connection = http.client.HTTPConnection(url.hostname or "", url.port, timeout=120)
-        self.path = path
-        self.headers = {"Content-Type": "application/json"}
-        if token:
-            self.headers["Authorization"] = f"Bearer {token}"
-
-    def post(self, body: bytes) -> bytes:
-        try:
-            self.connection.request("POST", self.path, body, self.headers)
-            answer = self.connection.getresponse()
-        except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
-            # Closed by the server while it sat idle (the gateway's header timeout, between
-            # rounds): as any HTTP client, reconnect and send it again — it had not begun.
-            self.connection.close()
-            self.connection.request("POST", self.path, body, self.headers)
-            answer = self.connection.getresponse()
-        data = answer.read()
-        if answer.status != 200:
-            raise RuntimeError(f"{self.path}: HTTP {answer.status} {data[:200]!r}")
-        return data
-
-
-class KernelGateway:
-    """Jupyter Kernel Gateway in notebook-http mode, serving KG_NOTEBOOK on 127.0.0.1."""
-
-    def __init__(self, root: Path) -> None:
-        notebook = root / "echo.ipynb"
-        notebook.write_text(json.dumps(KG_NOTEBOOK))
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        self.address = f"127.0.0.1:{port}"
-        self.process = subprocess.Popen(
-            [
-                sys.executable, "-m", "kernel_gateway",
-                "--KernelGatewayApp.api=kernel_gateway.notebook_http",
-                f"--KernelGatewayApp.seed_uri={notebook}",
-                "--KernelGatewayApp.ip=127.0.0.1",
-                f"--KernelGatewayApp.port={port}",
-                f"--KernelGatewayApp.prespawn_count={KG_KERNELS}",
-            ],
-            cwd=root,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        deadline = time.monotonic() + 60
-        while True:  # up once a request is answered (the kernels run the notebook first)
-            try:
-                RawHttp(self.address, "/echo").post(b'{"s": "up"}')
-                return
-            except (OSError, RuntimeError, http.client.HTTPException):
-                if time.monotonic() > deadline or self.process.poll() is not None:
-                    self.close()
-                    raise RuntimeError("Kernel Gateway did not come up") from None
-                time.sleep(0.2)
-
-    def close(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-
-
-def start_ray() -> Any:
-    """Ray on this machine (a local cluster of this process), or None when it is not installed."""
-    try:
-        import ray
-    except ImportError:
-        return None
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        logging_level=logging.ERROR,
-        log_to_driver=False,
-        object_store_memory=1 << 30,
-    )
-    return ray
-
-
-def ray_cases(ray: Any) -> tuple[dict[str, Callable[[Any], Any]], Callable[[int, float], float]]:
-    """Ray's echo as an actor method and as a task, and its 10-in-flight rate of each."""
-
-    @ray.remote
-    class Echo:
-        def handle(self, event: Any) -> Any:
-            return event
-
-    @ray.remote
-    def handle(event: Any) -> Any:
-        return event
-
-    actor = Echo.remote()
-    actors = [Echo.remote() for _ in range(IN_FLIGHT)]
-    ray.get([a.handle.remote(0) for a in [actor, *actors]])
-
-    def outstanding(kind: int, seconds: float) -> float:
-        """Calls/s keeping IN_FLIGHT calls outstanding: tasks (0) or one per actor (1)."""
-        submit = [
-            lambda i: handle.remote({"s": "x"}),
-            lambda i: actors[i].handle.remote({"s": "x"}),
-        ][kind]
-        refs = {submit(i): i for i in range(IN_FLIGHT)}  # each call's slot
-        count, started = 0, time.perf_counter()
-        while time.perf_counter() - started < seconds and count < MAX_CALLS:
-            done, _ = ray.wait(list(refs), num_returns=1)
-            ray.get(done[0])
-            slot = refs.pop(done[0])
-            refs[submit(slot)] = slot
-            count += 1
-        rate = count / (time.perf_counter() - started)
-        ray.get(list(refs))
-        return rate
-
-    return {
-        "Ray actor call": lambda value: ray.get(actor.handle.remote(value)),
-        "Ray task": lambda value: ray.get(handle.remote(value)),
-    }, outstanding
 
 
 def main() -> int:
@@ -357,32 +165,14 @@ def main() -> int:
                 FLOOR_UVLOOP: relay("http-uvloop", "-", proxy.address),
                 FLOOR_THREADS: relay("http-threads", "-", sync_proxy.address),
             }
-            try:
-                import granian as _
-            except ImportError:
+            if importlib.util.find_spec("granian") is None:
                 print("granian is not installed: left out (pip install -e '.[peers]')")
             else:
                 alternatives[FLOOR_GRANIAN] = relay("http-granian", "-", proxy.address)
             children += alternatives.values()
             http_echo = start([sys.executable, "-m", "benchmarks.gateway", "--http-echo"])
             children.append(http_echo)
-            pipe = PipeEcho()
-            closers.append(pipe.close)
-            kernel_gateway = None
-            try:
-                import kernel_gateway as _  # noqa: F401
-            except ImportError:
-                print(
-                    "Jupyter Kernel Gateway is not installed: left out (pip install -e '.[peers]')"
-                )
-            else:
-                kernel_gateway = KernelGateway(root)
-                closers.append(kernel_gateway.close)
-            ray = start_ray()
-            if ray is None:
-                print("Ray is not installed: left out (pip install -e '.[peers]')")
-            else:
-                closers.append(ray.shutdown)
+            pipe, kernel_gateway, ray = start_peers(root, closers)
             bench = Bench(
                 stack, front.address, echo.address, http_echo.address, pipe, kernel_gateway, ray
             )
@@ -427,16 +217,14 @@ class Bench:
     ) -> None:
         self.stack = stack
         self.client = Client(stack.gateway_address, token=stack.token)
-        for i in range(IN_FLIGHT):
-            self.client.create_run(f"echo{i}", runtime="python", handler="handler.handle",
-                                   files={"handler.py": PY_HANDLER})  # fmt: skip
-        self.client.create_run("echo-set", runtime="python", handler="handler.handle",
-                               files={"handler.py": PY_HANDLER}, replicas=IN_FLIGHT)  # fmt: skip
-        self.client.create_run("burn", runtime="python", handler="handler.handle",
-                               files={"handler.py": BURN_HANDLER}, replicas=FAN_WIDTH)  # fmt: skip
+        self.runs = [f"echo{i}" for i in range(IN_FLIGHT)]
+        runs = [(run, PY_HANDLER, 1) for run in self.runs]
+        runs += [("echo-set", PY_HANDLER, IN_FLIGHT), ("burn", BURN_HANDLER, FAN_WIDTH)]
+        for name, source, replicas in runs:
+            self.client.create_run(name, runtime="python", handler="handler.handle",
+                                   files={"handler.py": source}, replicas=replicas)  # fmt: skip
         self.pool = concurrent.futures.ProcessPoolExecutor(FAN_WIDTH)
         self.fan_out: dict[str, list[float]] = {}  # seconds for the FAN_ITEMS items, per round
-        self.runs = [f"echo{i}" for i in range(IN_FLIGHT)]
         # Issue 48's alternative for a caller on the stack's machine: runtimed's FunctionRuntime
         # on its Unix socket, as the gateway calls it (the Run's UID, its pod for the fence).
         status = self.client.status("echo0")
@@ -580,7 +368,7 @@ class Bench:
         items = list(range(FAN_ITEMS))
         cases = {
             MAP_CASE: lambda: self.client.map("burn", items, concurrency=FAN_WIDTH),
-            POOL_CASE: lambda: list(self.pool.map(_burn, items)),
+            POOL_CASE: lambda: list(self.pool.map(burn, items)),
         }
         for label, case in cases.items():
             if warm:
@@ -687,19 +475,10 @@ class Bench:
         return cases
 
     def _counted(self, case_label: str, case: Callable[[], float], pids: dict[str, int]) -> float:
-        """Run `case` (calls/s), and keep the CPU each process spent a call: this one (the
-        client's threads) and those of `pids` (a stack's workers summed)."""
-        processes = {"client (this process)": os.getpid(), **pids}
-        before = {name: cpu_seconds(pid) for name, pid in processes.items()}
-        started = time.perf_counter()
-        rate = case()
-        calls = rate * (time.perf_counter() - started)
-        spent: dict[str, float] = {}
-        for name, pid in processes.items():
-            label = name.partition("-worker")[0] + "'s workers" if "-worker" in name else name
-            spent[label] = spent.get(label, 0.0) + cpu_seconds(pid) - before[name]
-        for label, seconds in spent.items():
-            self.cpu.setdefault(case_label, {}).setdefault(label, []).append(seconds / calls * 1e6)
+        """Run `case` (calls/s), and keep the CPU each process spent a call (``cpu_per_call``)."""
+        rate, spent = cpu_per_call(case, pids)
+        for label, micros in spent.items():
+            self.cpu.setdefault(case_label, {}).setdefault(label, []).append(micros)
         return rate
 
     def report(self, sizes: list[str]) -> int:
@@ -815,43 +594,6 @@ class Bench:
     def _p50(self, section: str, size: str, label: str) -> float:
         samples = self.latency.get((section, size, label))
         return statistics.median(samples) if samples else 0.0
-
-
-def row(label: str, samples: list[float], against: float) -> str:
-    median = statistics.median(samples)
-    return f"{label:<48}{median:>9.2f}{p(samples, 99):>9.2f}" + ratio(median, against)
-
-
-def ratio(value: float, against: float) -> str:
-    return f"{value / against:8.2f}x" if against else ""
-
-
-def _burn(item: int) -> int:
-    """The ProcessPoolExecutor's handler: BURN_HANDLER's work (a module function: the pool
-    pickles its name)."""
-    started = time.process_time()
-    while time.process_time() - started < BURN_MS / 1000:
-        pass
-    return item
-
-
-def threaded(call: Callable[[int], object], seconds: float) -> float:
-    """Calls/s of IN_FLIGHT threads, thread i calling call(i) one call at a time, for `seconds`."""
-    counts = [0] * IN_FLIGHT
-    deadline = time.perf_counter() + seconds
-
-    def caller(slot: int) -> None:
-        while time.perf_counter() < deadline and counts[slot] < MAX_CALLS:
-            call(slot)
-            counts[slot] += 1
-
-    workers = [threading.Thread(target=caller, args=(slot,)) for slot in range(IN_FLIGHT)]
-    started = time.perf_counter()
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join()
-    return sum(counts) / (time.perf_counter() - started)
 
 
 if __name__ == "__main__":

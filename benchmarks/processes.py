@@ -4,6 +4,8 @@ memory (benchmarks.dataframes) or CPU per call (benchmarks.peers) process by pro
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from fnkernel.runtime_server.lifecycle.stack import Stack
@@ -59,3 +61,18 @@ def cpu_seconds(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime
+
+
+def cpu_per_call(case: Callable[[], float], pids: dict[str, int]) -> tuple[float, dict[str, float]]:
+    """Run `case`, which returns its calls a second, and count the CPU each process spent a
+    call (us): this one (the callers') and each of `pids`, a stack's workers summed as one."""
+    processes = {"client (this process)": os.getpid(), **pids}
+    before = {name: cpu_seconds(pid) for name, pid in processes.items()}
+    started = time.perf_counter()
+    rate = case()
+    calls = rate * (time.perf_counter() - started)
+    spent: dict[str, float] = {}
+    for name, pid in processes.items():
+        label = name.partition("-worker")[0] + "'s workers" if "-worker" in name else name
+        spent[label] = spent.get(label, 0.0) + (cpu_seconds(pid) - before[name]) / calls * 1e6
+    return rate, spent

@@ -1,0 +1,284 @@
+"""The peers and bare parts `benchmarks.peers` measures fnkernel beside, none of them ours: a
+pipe to a process, raw HTTP from ``http.client``, Jupyter Kernel Gateway in notebook-http mode,
+Ray's actor and task, and the fan-out's CPU-bound handler (issue 48) with the threads that keep
+IN_FLIGHT calls outstanding.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import http.client
+import json
+import logging
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from benchmarks.throughput import MAX_CALLS
+
+IN_FLIGHT = 10
+KG_KERNELS = 2  # Kernel Gateway's pool: a kernel per core
+F_SETPIPE_SZ = 1031
+# Issue 48's fan-out: a CPU-bound handler of ~BURN_MS (benchmarks.peers maps it over its items).
+BURN_MS = 5.0
+BURN_HANDLER = (
+    "import time\n"
+    "def handle(event):\n"
+    "    started = time.process_time()\n"
+    f"    while time.process_time() - started < {BURN_MS / 1000}:\n"
+    "        pass\n"
+    "    return event\n"
+)
+
+PIPE_ECHO = """\
+import ctypes, fcntl, os, struct
+ctypes.CDLL(None).mallopt(-3, 16 << 20)  # freed memory kept, as the worker's (keep_freed_memory)
+ctypes.CDLL(None).mallopt(-1, 32 << 20)
+for fd in (0, 1):
+    fcntl.fcntl(fd, 1031, 1 << 20)  # F_SETPIPE_SZ, as the worker's pipes
+while header := os.read(0, 4):
+    size, = struct.unpack("!I", header)
+    data = bytearray(size)
+    view, got = memoryview(data), 0
+    while got < size:
+        got += os.readv(0, [view[got:]])
+    view = memoryview(struct.pack("!I", size) + data)
+    while view:
+        view = view[os.write(1, view):]
+"""
+
+KG_NOTEBOOK = {
+    "cells": [
+        {
+            "cell_type": "code",
+            "metadata": {},
+            "execution_count": None,
+            "outputs": [],
+            "source": '# POST /echo\nimport json\nprint(json.dumps(json.loads(REQUEST)["body"]))\n',
+        }
+    ],
+    "metadata": {
+        "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}
+    },
+    "nbformat": 4,
+    "nbformat_minor": 5,
+}
+
+
+def payload_of(size: int) -> dict[str, str]:
+    """A value whose compact JSON is `size` bytes (6 MiB: the payload limit, exactly)."""
+    return {"s": "x" * (size - len('{"s":""}'))}
+
+
+class PipeEcho:
+    """The floor of calling another process from Python: the bytes there and back over two
+    pipes of 1 MiB, to a process that keeps freed memory (both as the worker's)."""
+
+    def __init__(self) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", PIPE_ECHO], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self._in, self._out = self.process.stdin.fileno(), self.process.stdout.fileno()
+        for fd in (self._in, self._out):
+            fcntl.fcntl(fd, F_SETPIPE_SZ, 1 << 20)
+
+    def call(self, data: bytes) -> bytes:
+        view = memoryview(struct.pack("!I", len(data)) + data)
+        while view:
+            view = view[os.write(self._in, view) :]
+        (size,) = struct.unpack("!I", os.read(self._out, 4))
+        answer = bytearray(size)
+        into, got = memoryview(answer), 0
+        while got < size:
+            got += os.readv(self._out, [into[got:]])
+        return bytes(answer)
+
+    def close(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+class RawHttp:
+    """One kept-alive http.client connection POSTing bytes: the same for every server."""
+
+    def __init__(self, address: str, path: str, token: str | None = None) -> None:
+        url = urlsplit(address if "//" in address else f"http://{address}")
+        self.connection = http.client.HTTPConnection(url.hostname or "", url.port, timeout=120)
+        self.path = path
+        self.headers = {"Content-Type": "application/json"}
+        if token:
+            self.headers["Authorization"] = f"Bearer {token}"
+
+    def post(self, body: bytes) -> bytes:
+        try:
+            self.connection.request("POST", self.path, body, self.headers)
+            answer = self.connection.getresponse()
+        except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
+            # Closed by the server while it sat idle (the gateway's header timeout, between
+            # rounds): as any HTTP client, reconnect and send it again — it had not begun.
+            self.connection.close()
+            self.connection.request("POST", self.path, body, self.headers)
+            answer = self.connection.getresponse()
+        data = answer.read()
+        if answer.status != 200:
+            raise RuntimeError(f"{self.path}: HTTP {answer.status} {data[:200]!r}")
+        return data
+
+
+class KernelGateway:
+    """Jupyter Kernel Gateway in notebook-http mode, serving KG_NOTEBOOK on 127.0.0.1."""
+
+    def __init__(self, root: Path) -> None:
+        notebook = root / "echo.ipynb"
+        notebook.write_text(json.dumps(KG_NOTEBOOK))
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        self.address = f"127.0.0.1:{port}"
+        self.process = subprocess.Popen(
+            [
+                sys.executable, "-m", "kernel_gateway",
+                "--KernelGatewayApp.api=kernel_gateway.notebook_http",
+                f"--KernelGatewayApp.seed_uri={notebook}",
+                "--KernelGatewayApp.ip=127.0.0.1",
+                f"--KernelGatewayApp.port={port}",
+                f"--KernelGatewayApp.prespawn_count={KG_KERNELS}",
+            ],
+            cwd=root,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while True:  # up once a request is answered (the kernels run the notebook first)
+            try:
+                RawHttp(self.address, "/echo").post(b'{"s": "up"}')
+                return
+            except (OSError, RuntimeError, http.client.HTTPException):
+                if time.monotonic() > deadline or self.process.poll() is not None:
+                    self.close()
+                    raise RuntimeError("Kernel Gateway did not come up") from None
+                time.sleep(0.2)
+
+    def close(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def start_peers(
+    root: Path, closers: list[Callable[[], None]]
+) -> tuple[PipeEcho, KernelGateway | None, Any]:
+    """The pipe echo, Kernel Gateway (serving from `root`) and Ray, each closer added to
+    `closers`; None for a peer that is not installed, and the report says so."""
+    pipe = PipeEcho()
+    closers.append(pipe.close)
+    kernel_gateway = None
+    try:
+        import kernel_gateway as _  # noqa: F401
+    except ImportError:
+        print("Jupyter Kernel Gateway is not installed: left out (pip install -e '.[peers]')")
+    else:
+        kernel_gateway = KernelGateway(root)
+        closers.append(kernel_gateway.close)
+    ray = start_ray()
+    if ray is None:
+        print("Ray is not installed: left out (pip install -e '.[peers]')")
+    else:
+        closers.append(ray.shutdown)
+    return pipe, kernel_gateway, ray
+
+
+def start_ray(object_store_bytes: int = 1 << 30) -> Any:
+    """Ray on this machine (a local cluster of this process) with an object store of
+    `object_store_bytes`, or None when it is not installed."""
+    try:
+        import ray
+    except ImportError:
+        return None
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        logging_level=logging.ERROR,
+        log_to_driver=False,
+        object_store_memory=object_store_bytes,
+    )
+    return ray
+
+
+def ray_cases(ray: Any) -> tuple[dict[str, Callable[[Any], Any]], Callable[[int, float], float]]:
+    """Ray's echo as an actor method and as a task, and its 10-in-flight rate of each."""
+
+    @ray.remote
+    class Echo:
+        def handle(self, event: Any) -> Any:
+            return event
+
+    @ray.remote
+    def handle(event: Any) -> Any:
+        return event
+
+    actor = Echo.remote()
+    actors = [Echo.remote() for _ in range(IN_FLIGHT)]
+    ray.get([a.handle.remote(0) for a in [actor, *actors]])
+
+    def outstanding(kind: int, seconds: float) -> float:
+        """Calls/s keeping IN_FLIGHT calls outstanding: tasks (0) or one per actor (1)."""
+        submit = [
+            lambda i: handle.remote({"s": "x"}),
+            lambda i: actors[i].handle.remote({"s": "x"}),
+        ][kind]
+        refs = {submit(i): i for i in range(IN_FLIGHT)}  # each call's slot
+        count, started = 0, time.perf_counter()
+        while time.perf_counter() - started < seconds and count < MAX_CALLS:
+            done, _ = ray.wait(list(refs), num_returns=1)
+            ray.get(done[0])
+            slot = refs.pop(done[0])
+            refs[submit(slot)] = slot
+            count += 1
+        rate = count / (time.perf_counter() - started)
+        ray.get(list(refs))
+        return rate
+
+    return {
+        "Ray actor call": lambda value: ray.get(actor.handle.remote(value)),
+        "Ray task": lambda value: ray.get(handle.remote(value)),
+    }, outstanding
+
+
+def burn(item: int) -> int:
+    """The ProcessPoolExecutor's handler: BURN_HANDLER's work (a module function: the pool
+    pickles its name)."""
+    started = time.process_time()
+    while time.process_time() - started < BURN_MS / 1000:
+        pass
+    return item
+
+
+def threaded(call: Callable[[int], object], seconds: float) -> float:
+    """Calls/s of IN_FLIGHT threads, thread i calling call(i) one call at a time, for `seconds`."""
+    counts = [0] * IN_FLIGHT
+    deadline = time.perf_counter() + seconds
+
+    def caller(slot: int) -> None:
+        while time.perf_counter() < deadline and counts[slot] < MAX_CALLS:
+            call(slot)
+            counts[slot] += 1
+
+    workers = [threading.Thread(target=caller, args=(slot,)) for slot in range(IN_FLIGHT)]
+    started = time.perf_counter()
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    return sum(counts) / (time.perf_counter() - started)
