@@ -501,7 +501,12 @@ class WorkerSupervisor:
                 self._current = None
                 if queued is not None and call.behind is None and self._queued is queued:
                     self._queued = None  # the worker skipped it (``WorkerCall.behind``)
+                # A cancel that came as the call ended (its answer read, or its failure) killed
+                # the worker all the same, maybe after this: it serves no other call.
+                killed = self._cancelled and self._worker is worker
                 self._lock.notify_all()
+            if killed:
+                self._replace(worker, call)
         call.collect_logs()
         return result, call
 
