@@ -187,7 +187,8 @@ class MapRun:
             except (RouteGone, FunctionBusy):
                 pass  # never called: the rest go one by one
             except RequestCancelled as cancelled:
-                self._failed(taken[answered], cancelled)
+                if answered < len(taken):  # else it came after the last answer: nothing ran
+                    self._failed(taken[answered], cancelled)
                 return
             finally:
                 answers.close()

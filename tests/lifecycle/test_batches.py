@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -17,7 +18,12 @@ import pytest
 
 from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import batches_pb2, batches_pb2_grpc
 from fnkernel.runtime_server.client import Client
-from fnkernel.runtime_server.client.errors import HandlerFailed, InvocationTimedOut
+from fnkernel.runtime_server.client.errors import (
+    HandlerFailed,
+    InvocationTimedOut,
+    RequestCancelled,
+)
+from fnkernel.runtime_server.client.maps import MapRun
 from fnkernel.runtime_server.lifecycle.stack import Stack
 from fnkernel.runtime_server.wire import LOGS_KEY, POD_KEY
 from tests.support import wait_until
@@ -223,3 +229,37 @@ def test_runtimed_fences_a_batch_as_it_fences_an_invoke(stack: Stack) -> None:
     assert filled.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "registration_id" in (filled.value.details() or "")
     channel.close()
+
+
+class _CutAfterTheLastAnswer:
+    """A test double of a map's calls (``maps.Calls``): each batch answers every item, then
+    ends as cancelled — the map's cancel came after its last answer."""
+
+    class Answer:
+        def __init__(self, value: Any) -> None:
+            self.value = value
+
+        def decoded(self) -> Any:
+            return self.value
+
+    def batch(
+        self, lane: Any, items: Any, *, timeout_millis: int, go_on: bool
+    ) -> Iterator[tuple[int, Any]]:
+        for offset, (_, data, _) in enumerate(items):
+            yield offset, self.Answer(data)
+        raise RequestCancelled("the batch to fn was cancelled", code="CANCELLED")
+
+    def cancel(self) -> int:
+        return 0
+
+
+def test_a_batch_cancelled_after_its_last_answer_leaves_every_answer_and_no_failure() -> None:
+    # docs/protocol.md, "Batches": cancelling a lane's batch cancels the item in flight. After
+    # the last answer none is: the map keeps every answer, and its thread ends cleanly (it
+    # died of an IndexError, printed under the cell, when the cancel came then).
+    run = MapRun(_CutAfterTheLastAnswer(), "fn", [1, 2, 3], False, 0, None)  # type: ignore[arg-type]
+    run.lanes(1)
+    run.work(lane=SimpleNamespace(name="fn"))  # a lane: the Run it calls
+    assert run.failure is None
+    assert run.results == [b"1", b"2", b"3"] and run.done == 3
+    assert run.over.is_set()
