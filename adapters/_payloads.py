@@ -316,8 +316,8 @@ def _arrow_bytes(table: Any, kind: str) -> bytes:
 
 def _from_mapped(path: str, what: str) -> tuple[Any, bool]:
     """The value of the Arrow stream in the file `path`, its arrays views of the file's mapped
-    pages; and whether nothing maps them any more once it is built (a pandas value: its
-    numbers are copied, and its text is copied out first)."""
+    pages; and whether nothing maps them any more once it is built (a pandas value or a numpy
+    array: its numbers are copied, and its text is copied out first)."""
     _pyarrow(what)  # missing: say so, before the file is mapped
     try:
         with open(path, "rb") as source:
@@ -359,7 +359,10 @@ def _from_arrow(data: Any, what: str, *, mapped: bool = False) -> Any:
         shape = json.loads(metadata.get(_SHAPE_KEY, b"[-1]"))
         array = table.column(_ARRAY_COLUMN).to_numpy(zero_copy_only=False).reshape(shape)
         dtype = metadata.get(_DTYPE_KEY, b"").decode()
-        return array.astype(dtype, copy=False) if dtype and dtype != array.dtype.str else array
+        array = array.astype(dtype, copy=False) if dtype and dtype != array.dtype.str else array
+        # A view of Arrow's buffer is read-only: copied, as a DataFrame's numbers are, so that
+        # the array can be written to as the one sent could (and no file stays mapped for it).
+        return array if array.flags.writeable else array.copy()
     plain = table.replace_schema_metadata(metadata or None)
     if kind == "pyarrow.RecordBatch":
         batches = plain.combine_chunks().to_batches()

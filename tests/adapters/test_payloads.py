@@ -85,6 +85,14 @@ def test_a_numpy_array_keeps_its_shape_and_dtype(array: np.ndarray) -> None:
     np.testing.assert_array_equal(back, array)
 
 
+def test_a_numpy_array_comes_back_writable_as_it_went() -> None:
+    # docs/protocol.md, "Content types": the same kind. A handler writes to an array it was
+    # given, and a caller to one it got back; a view of Arrow's buffer would refuse it.
+    back, _ = round_trip(np.arange(6.0).reshape(2, 3))
+    back[0, 0] = 42.0
+    assert back[0, 0] == 42.0
+
+
 def test_bytes_are_octets_and_the_rest_is_json() -> None:
     assert payloads.encode(b"\x00\xff") == (b"\x00\xff", "application/octet-stream")
     assert payloads.encode(bytearray(b"ab"))[1] == "application/octet-stream"

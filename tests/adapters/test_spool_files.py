@@ -66,6 +66,17 @@ def test_a_table_that_maps_its_file_leaves_no_free_file(tmp_path: Path) -> None:
     assert read.equals(table)  # a later payload never writes over pages a value maps
 
 
+def test_a_numpy_array_read_is_writable_and_frees_its_file(tmp_path: Path) -> None:
+    # As a DataFrame's numbers: copied out of the mapped pages, so it can be written to, and
+    # its file is free for the next payload.
+    sent = np.arange(100_000, dtype=np.float64).reshape(1000, 100)
+    payloads.encode_to_file(sent, str(tmp_path / "in-1"))
+    read = payloads.decode_file(str(tmp_path / "in-1"), payloads.ARROW)
+    read[0, 0] = -1.0
+    assert read[0, 0] == -1.0 and read[1, 0] == sent[1, 0]
+    assert len(free_files(tmp_path)) == 1
+
+
 def test_octets_and_json_read_free_their_file(tmp_path: Path) -> None:
     for name, value in (("in-1", b"\x00" * 70_000), ("in-2", {"rows": list(range(20_000))})):
         _, media = payloads.encode_to_file(value, str(tmp_path / name))
