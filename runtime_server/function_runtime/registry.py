@@ -176,7 +176,11 @@ class Registry:
         registration_id = limits.new_id("reg_")
         adapter = self.adapter_cls(
             spec,
-            max_output_bytes=limits.MAX_PAYLOAD_BYTES,
+            # One message's, and never past the spool's bound, so that a result's bound is one
+            # whichever way it travels (docs/protocol.md, "Limits").
+            max_output_bytes=min(limits.MAX_PAYLOAD_BYTES, self.spool.max_bytes)
+            if self.spool is not None
+            else limits.MAX_PAYLOAD_BYTES,
             on_fatal=lambda exc: self._fail(run_uid, registration_id, exc),
         )
         return Registration(run_uid, registration_id, attempt, digest, spec, adapter)
@@ -342,6 +346,7 @@ class Registry:
             error_type = OUTPUT_TOO_LARGE
             problem = (
                 f"the handler returned {result.spooled} bytes; the limit is {self.spool.max_bytes}"
+                " (--max-payload-bytes)"
             )
         if problem is not None:
             if result.spooled >= 0 and self.spool is not None:

@@ -263,16 +263,23 @@ def metadata_of(metadata: Any) -> dict[str, Any]:
 
 @web.stream_request_body
 class BodyHandler(BaseHandler):
-    """A handler of requests with a body, which is streamed: one larger than `max_body` is
+    """A handler of requests with a body, which is streamed: one larger than its route takes is
     refused with 413 before anything is looked up or called — once it has arrived, read and
-    dropped as it came, so the client gets a clean answer; at once when its Content-Length is
-    past the transport's cap (where tornado itself would answer 400 and reset the connection)."""
+    dropped as it came, so that a client that sent it whole gets a clean answer, not a broken
+    pipe; at once when it asked to be told first (``Expect: 100-continue``), or when its
+    Content-Length is past the transport's cap (where tornado itself would answer 400 and reset
+    the connection)."""
 
     max_body = limits.MAX_PAYLOAD_BYTES
 
     def largest_body(self) -> tuple[int, str]:
         """The largest body this route takes at all, and what sets it (for the 413)."""
         return limits.GRPC_MAX_MESSAGE_BYTES, ""
+
+    def whole_body(self) -> tuple[int, str]:
+        """The largest body read whole here (the route's own, or one sent without a
+        Content-Length), and what sets it (for the 413)."""
+        return self.max_body, ""
 
     def content_length(self) -> int:
         """The body's Content-Length; -1 without one. Tornado has checked that it is ASCII
@@ -283,9 +290,15 @@ class BodyHandler(BaseHandler):
     def prepare(self) -> Awaitable[None] | None:
         self._chunks: list[bytes] = []
         self._size = 0
+        self._refused: FailureResponse | None = None  # a body past the bound, read and dropped
         super().prepare()
-        if self.content_length() > self.largest_body()[0]:
-            raise self._too_large(self.content_length(), *self.largest_body())
+        length = self.content_length()
+        if length > self.largest_body()[0]:
+            refused = self._too_large(length, *self.largest_body())
+            expects = self.request.headers.get("Expect", "").lower() == "100-continue"
+            if expects or length > limits.GRPC_MAX_MESSAGE_BYTES:
+                raise refused
+            self._refused = refused
         return None
 
     def _too_large(self, size: int, bound: int = 0, why: str = "") -> FailureResponse:
@@ -298,16 +311,18 @@ class BodyHandler(BaseHandler):
 
     def data_received(self, chunk: bytes) -> Awaitable[None] | None:
         self._size += len(chunk)
-        if self._size > self.max_body:
+        if self._refused is not None or self._size > self.whole_body()[0]:
             self._chunks.clear()  # keep reading, keep nothing
         else:
             self._chunks.append(chunk)
         return None
 
     def body(self) -> bytes:
-        """The whole body; 413 if it was larger than `max_body`."""
-        if self._size > self.max_body:
-            raise self._too_large(self._size)
+        """The whole body; 413 if it was larger than the route takes."""
+        if self._refused is not None:
+            raise self._refused
+        if self._size > self.whole_body()[0]:
+            raise self._too_large(self._size, *self.whole_body())
         return b"".join(self._chunks)
 
 

@@ -61,6 +61,12 @@ def _timeline(gateway: dict[str, int], trailers: dict[str, Any]) -> str:
     return json.dumps(hops, separators=(",", ":"))
 
 
+# What bounds a body sent without a Content-Length (a chunked one) past one message.
+WITHOUT_LENGTH = (
+    " without a Content-Length (a larger body is streamed to the spool when it says its length)"
+)
+
+
 class InvokeHandler(TracedHandler, BodyHandler):
     """POST /v1/runs/{name}:invoke — the body is the payload, of one of the content types
     (docs/protocol.md, "Content types"; BodyHandler: bounded by MAX_PAYLOAD_BYTES, refused with
@@ -77,12 +83,21 @@ class InvokeHandler(TracedHandler, BodyHandler):
         self._upload: Upload | None = None  # a body past one message, on its way to the spool
         self._upload_run: Run | None = None
         super().prepare()
-        if self.content_length() > limits.MAX_PAYLOAD_BYTES:
+        if self._refused is None and self.content_length() > limits.MAX_PAYLOAD_BYTES:
             return self._start_upload(self.content_length())
         return None
 
     def largest_body(self) -> tuple[int, str]:
         return self.gateway.max_payload_bytes, limits.MAX_PAYLOAD_WHY
+
+    def whole_body(self) -> tuple[int, str]:
+        # Read whole: a body of one message, within the gateway's bound. A body sent without a
+        # Content-Length (chunked) is read so; past one message it must say its length, to
+        # be streamed to the spool.
+        bound = self.gateway.max_payload_bytes
+        if bound <= limits.MAX_PAYLOAD_BYTES:
+            return bound, limits.MAX_PAYLOAD_WHY
+        return limits.MAX_PAYLOAD_BYTES, WITHOUT_LENGTH
 
     async def _start_upload(self, length: int) -> None:
         """Stream the body into the spool of the pod that will run the call as it arrives

@@ -1,0 +1,110 @@
+"""docs/protocol.md, "Limits" and "Large payloads": a payload's bound (--max-payload-bytes) is
+one, whichever way the payload travels. Past it, an invoke's body is 413 naming the flag before
+anything is called — with a Content-Length or without (chunked), from the client library as
+from any HTTP client — and a result is the handler error OutputTooLarge, inline or spooled."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import urllib.parse
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from fnkernel.runtime_server.client import Client
+from fnkernel.runtime_server.client.errors import HandlerFailed, PayloadTooLarge
+from fnkernel.runtime_server.lifecycle.stack import Stack
+
+BOUND = 1_000_000  # below one message (6 MiB): the bound, not the message, is what refuses
+SIZER = {
+    "handler.py": (
+        "def handle(event):\n"
+        "    if isinstance(event, dict):\n"
+        "        return b'x' * event['size']\n"
+        "    return {'len': len(event)}\n"
+    )
+}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    stack = Stack(
+        tmp_path_factory.mktemp("bounds") / "state",
+        {"python": 1},
+        gateway_listen="127.0.0.1:0",
+        poll_interval=0.2,
+        max_payload_bytes=BOUND,
+    )
+    stack.start()
+    Client(stack.gateway_address, token=stack.token).create_run(
+        "sizer", runtime="python", handler="handler.handle", files=SIZER
+    )
+    yield stack
+    stack.stop()
+
+
+def _chunked(stack: Stack, size: int, *, chunk: int = 1 << 16) -> tuple[int, dict]:
+    """POST a body of `size` bytes without a Content-Length (Transfer-Encoding: chunked)."""
+    url = urllib.parse.urlsplit(stack.gateway_address)
+    connection = http.client.HTTPConnection(url.hostname or "", url.port, timeout=60)
+    parts = (b"0" * min(chunk, size - start) for start in range(0, size, chunk))
+    headers = {
+        "Content-Type": "application/octet-stream",
+        "Authorization": f"Bearer {stack.token}",
+    }
+    try:
+        connection.request("POST", "/v1/runs/sizer:invoke", body=parts, headers=headers)
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
+def test_a_body_past_a_bound_below_one_message_is_413_from_the_client(stack: Stack) -> None:
+    # The client sends a body of one message whole (no Expect: 100-continue): the gateway
+    # reads and drops it, then answers, so the caller sees the 413, not a broken pipe.
+    client = Client(stack.gateway_address, token=stack.token)
+    size = 5_000_000  # more than the sockets' buffers hold: the gateway must read it
+    with pytest.raises(PayloadTooLarge) as refused:
+        client.invoke("sizer", b"0" * size, by_reference=False)
+    assert refused.value.status == 413
+    assert f"{size} bytes; at most {BOUND} (the gateway's --max-payload-bytes)" in str(
+        refused.value
+    )
+    assert client.invoke("sizer", b"0" * 10, by_reference=False).value() == {"len": 10}
+
+
+def test_a_chunked_body_past_the_bound_is_413_naming_it(stack: Stack) -> None:
+    status, body = _chunked(stack, 2 * BOUND)
+    assert status == 413, body
+    assert body["code"] == "PAYLOAD_TOO_LARGE"
+    assert body["message"].endswith(f"at most {BOUND} (the gateway's --max-payload-bytes)")
+    assert _chunked(stack, BOUND) == (200, {"len": BOUND})
+
+
+def test_a_chunked_body_past_one_message_says_it_needs_a_length(
+    stack_factory: Callable[..., Stack],
+) -> None:
+    # Under a bound past one message, a body past one message is streamed to the spool: only
+    # when it says its length. A chunked one is read whole, up to one message.
+    roomy = stack_factory({"python": 1}, max_payload_bytes=8 << 20)
+    Client(roomy.gateway_address, token=roomy.token).create_run(
+        "sizer", runtime="python", handler="handler.handle", files=SIZER
+    )
+    status, body = _chunked(roomy, 7_000_000)
+    assert status == 413, body
+    assert "at most 6291456 without a Content-Length" in body["message"]
+
+
+@pytest.mark.parametrize("by_reference", [False, True], ids=["inline", "spooled"])
+def test_a_result_past_the_bound_is_output_too_large_either_way(
+    stack: Stack, by_reference: bool
+) -> None:
+    client = Client(stack.gateway_address, token=stack.token)
+    with pytest.raises(HandlerFailed) as refused:
+        client.invoke("sizer", {"size": 2 * BOUND}, by_reference=by_reference)
+    assert refused.value.detail["errorType"] == "OutputTooLarge"
+    assert f"returned {2 * BOUND} bytes; the limit is {BOUND}" in str(refused.value)
+    small = client.invoke("sizer", {"size": BOUND}, by_reference=by_reference).value()
+    assert small == b"x" * BOUND
