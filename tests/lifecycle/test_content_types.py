@@ -101,6 +101,15 @@ def test_what_http_cannot_send_or_accept_is_refused_naming_it(
     status, _, _ = http_call(address, "POST", path, data,
                              {"Content-Type": content_type, "Accept": "*/*;q=0.5"})  # fmt: skip
     assert status == 200
+    # The most specific range decides (RFC 9110, section 12.5.1): its own type at q=0 is refused
+    # though */* would take it.
+    refusing = f"{content_type};q=0, */*"
+    status, _, _ = http_call(address, "POST", path, data,
+                             {"Content-Type": content_type, "Accept": refusing})  # fmt: skip
+    assert status == 406
+    # A body must say its type: a browser sends one without it to another origin unasked.
+    status, _, body = http_call(address, "POST", path, data, {"Content-Type": ""})
+    assert status == 415 and b"got ''" in body
     # A create's body is JSON and nothing else.
     status, _, _ = http_call(address, "POST", "/v1/runs", data, {"Content-Type": content_type})
     assert status == 415

@@ -136,15 +136,20 @@ def check_credentials(
 
 
 def accepts(accept: str, media_type: str) -> bool:
-    """Whether an Accept header takes `media_type`: a range naming it, its type's ``type/*`` or
-    ``*/*``, not at ``q=0``; no header takes anything (RFC 9110, section 12.5.1)."""
+    """Whether an Accept header takes `media_type`: the most specific range that matches it
+    (itself, then its type's ``type/*``, then ``*/*``) does, at a weight above ``q=0``; no
+    header takes anything (RFC 9110, section 12.5.1)."""
     if not accept.strip():
         return True
     kind = media_type.split("/", 1)[0]
+    specificity = {media_type: 3, f"{kind}/*": 2, "*/*": 1}
+    best, taken = 0, False
     for entry in accept.split(","):
         media_range, *params = (part.strip().lower() for part in entry.split(";"))
-        if media_range in (media_type, f"{kind}/*", "*/*") and not any(
-            param.replace(" ", "") in ("q=0", "q=0.0", "q=0.00", "q=0.000") for param in params
-        ):
-            return True
-    return False
+        rank = specificity.get(media_range, 0)
+        if rank > best:
+            refused = any(
+                param.replace(" ", "") in ("q=0", "q=0.0", "q=0.00", "q=0.000") for param in params
+            )
+            best, taken = rank, not refused
+    return taken
