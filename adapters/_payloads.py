@@ -89,6 +89,11 @@ class PayloadError(ValueError):
     (its package is not installed); the message says which."""
 
 
+class NotArrow(TypeError):
+    """A value of an Arrow kind that Arrow IPC cannot hold (duplicate column names, a column of
+    mixed types, a structured array); the message names the value and Arrow's reason."""
+
+
 def media_type(content_type: str) -> str:
     """The media type of a Content-Type, lower case without parameters; "" is JSON."""
     return content_type.split(";", 1)[0].strip().lower() or JSON
@@ -295,7 +300,7 @@ def _table(value: Any, kind: str, root: str) -> Any:
             extra[_SHAPE_KEY] = json.dumps(list(value.shape)).encode()
             extra[_DTYPE_KEY] = value.dtype.str.encode()
     except (pa.ArrowException, TypeError, ValueError) as exc:
-        raise TypeError(f"{root}: this {kind} cannot be written as Arrow: {exc}") from None
+        raise NotArrow(f"{root}: this {kind} cannot be written as Arrow: {exc}") from None
     # A frame made by concatenating small ones (pd.concat of Arrow-backed text) has a column of
     # as many chunks, and Arrow IPC writes a record batch, with its own header, for each: one
     # of 100,000 rows from 33,333 pieces took 17 MB and 156 ms, against 6 ms to combine them.

@@ -341,6 +341,9 @@ def _answer(function, with_context: bool, context: Context, call: _Call) -> None
     except _payloads.PayloadError as exc:  # an Arrow kind, and no pyarrow here
         message = _bounded(f"the return value cannot be encoded: {exc}")
         call.respond(b"error", {"errorType": "ResultNotSerializable", "errorMessage": message})
+    except _payloads.NotArrow as exc:
+        message = _bounded(f"the return value cannot be encoded: {exc}")
+        call.respond(b"error", {"errorType": "ResultNotArrow", "errorMessage": message})
     except (TypeError, ValueError) as exc:
         message = _bounded(f"the return value cannot be encoded as JSON: {exc}")
         call.respond(b"error", {"errorType": "ResultNotJSONSerializable", "errorMessage": message})

@@ -52,6 +52,13 @@ class PayloadNotJSON(TypeError):
         return [f"{type(self).__name__}: {self}"]
 
 
+class PayloadNotArrow(TypeError):
+    """The payload is of an Arrow kind that Arrow cannot hold: one line naming Arrow's reason."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"{type(self).__name__}: {self}"]
+
+
 class InvocationInterrupted(KeyboardInterrupt):
     """The kernel was interrupted during an invocation: the call was cancelled and the handler
     killed; the function stays registered. Shown as one line, not a stack."""
@@ -141,6 +148,8 @@ class Function:
             data, content_type = payloads.encode(payload, "payload")
         except payloads.PayloadError as exc:
             raise PayloadNotJSON(f"the payload of {self.name} cannot be sent: {exc}") from None
+        except payloads.NotArrow as exc:
+            raise PayloadNotArrow(f"the payload of {self.name} cannot be sent: {exc}") from None
         except (TypeError, ValueError) as exc:
             raise PayloadNotJSON(f"the payload of {self.name} is not JSON: {exc}") from None
         client = self._runtime.client()

@@ -170,6 +170,9 @@ PY_FAILING = {
                 sys.exit(3)
             if event == "unencodable":
                 return {1, 2}
+            if event == "not arrow":  # an Arrow kind Arrow cannot hold
+                import pandas
+                return pandas.DataFrame([[1, 2]], columns=["a", "a"])
             if event == "crash":
                 import os
                 os._exit(7)
@@ -184,6 +187,7 @@ PY_FAILING = {
         ("raise", "ValueError", "no such table: orders"),
         ("exit", "SystemExit", "sys.exit(3)"),
         ("unencodable", "ResultNotJSONSerializable", "JSON"),
+        ("not arrow", "ResultNotArrow", "cannot be written as Arrow: Duplicate column names"),
         ("crash", "WorkerCrashed", "exit status 7"),
     ],
 )

@@ -293,6 +293,13 @@ def test_a_payload_that_is_not_json_fails_in_one_line_naming_its_type(kernel: Ke
         'PayloadNotJSON: the payload of etl is not JSON: payload["rows"][1]: set '
         "(convert it: sorted(x) or list(x))"
     ]
+    # An Arrow kind ("Content types") that Arrow cannot hold says so, not that it is not JSON.
+    cell = kernel.run('import pandas\netl(pandas.DataFrame([[1, 2]], columns=["a", "a"]))')
+    assert cell.error is not None
+    assert cell.error["traceback"] == [
+        "PayloadNotArrow: the payload of etl cannot be sent: payload: this pandas.DataFrame "
+        "cannot be written as Arrow: Duplicate column names found: ['a', 'a']"
+    ]
 
 
 def test_a_big_result_shows_its_first_lines_as_text_and_scrolls_in_html(kernel: Kernel) -> None:
