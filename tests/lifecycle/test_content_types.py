@@ -4,6 +4,7 @@ over DataFrames, any HTTP client with Content-Type and Accept, and the CLI."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 
-from fnkernel.runtime_server import payloads
+from fnkernel.runtime_server import payloads, wire
 from fnkernel.runtime_server.client import Client
 from fnkernel.runtime_server.client.errors import InvalidRequest
 from fnkernel.runtime_server.lifecycle.stack import Stack
@@ -94,10 +95,13 @@ def test_what_http_cannot_send_or_accept_is_refused_naming_it(
     assert status == 415 and b"application/vnd.apache.arrow.stream" in body
     # The call ran, and its answer was a type the caller said it does not take.
     data, content_type = payloads.encode(frame("ab"))
-    status, _, body = http_call(
+    status, headers, body = http_call(
         address, "POST", path, data, {"Content-Type": content_type, "Accept": "application/json"}
     )
     assert status == 406 and b"the function returned application/vnd.apache.arrow.stream" in body
+    refused = json.loads(body)  # which call ran, as a failed call's answer says
+    assert refused["invocationId"].startswith("inv_") and refused["runUid"]
+    assert headers[wire.INVOCATION_ID_HEADER] == refused["invocationId"]
     status, _, _ = http_call(address, "POST", path, data,
                              {"Content-Type": content_type, "Accept": "*/*;q=0.5"})  # fmt: skip
     assert status == 200

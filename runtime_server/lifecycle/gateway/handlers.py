@@ -115,13 +115,16 @@ class BaseHandler(web.RequestHandler):
             self.set_header("Retry-After", "1")
         if failure.status == 401:
             self.set_header("WWW-Authenticate", "Bearer")
+        invocation_id = failure.extra.pop("invocationId", "")
+        if invocation_id:  # a call that ran (or was refused) names it, as an answer does
+            self.set_header(wire.INVOCATION_ID_HEADER, invocation_id)
         self.send_json(
             failure.status,
             {
                 "code": failure.code,
                 "message": failure.message,
                 "runUid": failure.extra.pop("runUid", ""),
-                "invocationId": failure.extra.pop("invocationId", ""),
+                "invocationId": invocation_id,
                 **failure.extra,
             },
         )

@@ -266,11 +266,14 @@ class InvokeHandler(TracedHandler, BodyHandler):
         media = response.content_type or JSON
         accept = headers.get("Accept", "")
         if not accepts(accept, media):
+            # The call ran: which one, as a failed call's answer says.
             raise FailureResponse(
                 "NOT_ACCEPTABLE",
                 status=406,
                 message=f"the function returned {media}, which Accept {accept[:100]!r} does not "
                 "take (the call ran; its result is not sent)",
+                runUid=run.uid,
+                invocationId=response.invocation_id,
             )
         self.set_header("Content-Type", media)
         self.set_header(wire.INVOCATION_ID_HEADER, response.invocation_id)
