@@ -92,19 +92,20 @@ def _runs_delete(args: argparse.Namespace) -> int:
 def _map(args: argparse.Namespace) -> int:
     """``invoke NAME --map FILE.jsonl``: one call per line (a JSON payload each), the results
     as JSON lines in the same order on stdout, progress on stderr."""
+    from fnkernel.runtime_server import payloads
     from fnkernel.runtime_server.client.errors import GatewayError
 
-    source = sys.stdin if args.map == "-" else open(args.map, encoding="utf-8")  # noqa: SIM115
+    try:
+        data = sys.stdin.buffer.read() if args.map == "-" else Path(args.map).read_bytes()
+    except OSError as exc:
+        raise UsageError(f"--map {args.map}: cannot read it: {exc.strerror}") from None
     items = []
-    with source:
-        for number, line in enumerate(source, 1):
-            if line.strip():
-                try:
-                    items.append(json.loads(line))
-                except ValueError as exc:
-                    raise UsageError(
-                        f"--map {args.map}: line {number} is not JSON: {exc}"
-                    ) from None
+    for number, line in enumerate(data.splitlines(), 1):
+        if line.strip():
+            try:
+                items.append(json.loads(line))
+            except ValueError as exc:  # UnicodeDecodeError too: bytes that are not text
+                raise UsageError(f"--map {args.map}: line {number} is not JSON: {exc}") from None
     shown = [0.0]
 
     def progress(done: int, total: int) -> None:
@@ -126,7 +127,13 @@ def _map(args: argparse.Namespace) -> int:
         if isinstance(result, GatewayError):
             failed += 1
             result = {"error": {"code": result.code, "message": str(result)}}
-        print(json.dumps(result))
+        line, media = payloads.encode(result, "result")  # compact, as invoke prints a result
+        if media != payloads.JSON:  # a line of JSON per item: say what came instead
+            failed += 1
+            message = f"the result is {media}: invoke it alone, with --output FILE"
+            line, _ = payloads.encode({"error": {"code": "NOT_JSON", "message": message}})
+        sys.stdout.buffer.write(line + b"\n")
+    sys.stdout.flush()
     if failed:
         print(f"{failed} of {len(results)} calls failed", file=sys.stderr)
     return EXIT_FAILURE if failed else EXIT_OK
@@ -148,6 +155,8 @@ def _invoke(args: argparse.Namespace) -> int:
             raise UsageError(f"payload is not JSON: {exc}") from None
     elif args.payload != "-":
         raise UsageError(f"--content-type {media}: give the payload on stdin (-)")
+    if args.output and not Path(args.output).absolute().parent.is_dir():  # before the call runs
+        raise UsageError(f"--output {args.output}: no such directory")
     result = client_of(args).invoke(
         args.name,
         data=data,

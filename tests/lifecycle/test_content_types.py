@@ -147,3 +147,8 @@ def test_the_cli_sends_a_stream_from_stdin_and_writes_the_answer_whole(
     assert piped.returncode == 0 and piped.stdout == out.read_bytes()
     refused = invoke("{}", "--content-type", content_type)
     assert refused.returncode == 2 and b"give the payload on stdin" in refused.stderr
+    # Where the result cannot be written is said before the call runs, not after.
+    nowhere = tmp_path / "missing" / "totals.arrows"
+    refused = invoke("-", "--content-type", content_type, "--output", str(nowhere))
+    assert refused.returncode == 2 and b"no such directory" in refused.stderr
+    assert b"content type:" not in refused.stderr  # no answer came: nothing was called

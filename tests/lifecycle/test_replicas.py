@@ -163,5 +163,16 @@ def test_invoke_map_from_the_cli_prints_a_line_per_item_in_order(
     out = [json.loads(line) for line in mapped.stdout.splitlines()]
     assert out[0] == 10 and out[2] == 20 and out[1]["error"]["code"] == "UNKNOWN"
     assert "3/3 done" in mapped.stderr and "1 of 3 calls failed" in mapped.stderr
+    assert mapped.stdout.splitlines()[1].startswith('{"error":{"code":"UNKNOWN"')  # compact
+    # A file that is not text lines of JSON is a usage error naming the file and the line.
+    binary = tmp_path / "items.bin"
+    binary.write_bytes(b'{"n": 1}\n\xff\xfe\x00\n')
+    refused = subprocess.run(
+        [*cli, "invoke", "cm", "--map", str(binary), "--gateway", stack.gateway_address],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert refused.returncode == 2, refused.stderr
+    assert f"--map {binary}: line 2 is not JSON" in refused.stderr
+    assert "Traceback" not in refused.stderr
     assert client.status("cm")["spec"]["replicas"] == 2
     client.delete_run("cm")
