@@ -254,6 +254,8 @@ class MapBar:
         with self._lock:
             if self._shown.over:
                 return
+            # A map stopped by a failure once every call had ended cancelled nothing: done.
+            cancelled = cancelled and self._done < self._shown.total
             self._shown = dataclasses.replace(
                 self._shown, done=self._done, failed=failed, finished=not cancelled,
                 cancelled=cancelled,
