@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     pass
 
 
-BENCHMARKS = ("invoke", "gateway", "throughput", "map", "kernel", "krm", "requirements")
+BENCHMARKS = ("invoke", "gateway", "throughput", "map", "kernel", "krm", "requirements", "idle")
 
 
 def _bench(args: argparse.Namespace) -> int:

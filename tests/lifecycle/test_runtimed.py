@@ -229,6 +229,32 @@ def test_the_poll_asks_every_runs_status_in_one_round_trip(pod: Pod) -> None:
     wait_until(lambda: any(asked == runs for asked in rounds), timeout=10)
 
 
+def test_a_poll_the_server_answered_stands_in_for_its_health_check(pod: Pod) -> None:
+    # docs/architecture.md, "Idle": each round trip to the server costs both processes CPU
+    # and wake-ups; while the poll is answered, the heartbeat does not ask again.
+    pod.create("watched", ECHO_PY)
+    checks: list[float] = []
+    polls: list[float] = []
+    check = pod.runtimed.heart._health.Check
+    statuses = pod.runtimed.server.registrations.FunctionStatuses
+
+    def counted_check(*args: object, **kwargs: object) -> object:
+        checks.append(time.monotonic())
+        return check(*args, **kwargs)
+
+    def counted_poll(*args: object, **kwargs: object) -> object:
+        polls.append(time.monotonic())
+        return statuses(*args, **kwargs)
+
+    pod.runtimed.heart._health.Check = counted_check  # type: ignore[method-assign]
+    pod.runtimed.server.registrations.FunctionStatuses = counted_poll  # type: ignore[method-assign]
+    wait_until(lambda: len(polls) >= 6, timeout=10)  # six poll intervals (0.2 s here)
+    assert len(checks) <= 1, checks  # at most one before the first poll was answered
+    expires = pod.store.pods()[0].expires
+    wait_until(lambda: pod.store.pods()[0].expires > expires)  # the heartbeat still written
+    assert pod.store.pods()[0].healthy
+
+
 def test_a_server_without_fnkernels_registrations_is_polled_a_run_at_a_time(pod: Pod) -> None:
     # docs/protocol.md, "Registration": a Runtime Server that serves the seed's FunctionRuntime
     # alone answers Registrations UNIMPLEMENTED, and runtimed polls it with FunctionStatus.

@@ -188,19 +188,22 @@ class Runtimed:
                     if changed or now >= next_reconcile:
                         next_reconcile = now + self.poll_interval
                         self.reconcile()
-                    due = now >= next_poll
-                    if now >= self.heart.next_beat or not self.heart.healthy:
-                        self._heartbeat()
-                    if due:
+                    if now >= next_poll:
                         next_poll = time.monotonic() + self.poll_interval
                         self.poll()
+                    if now >= self.heart.next_beat or not self.heart.healthy:
+                        # A poll the server answered within a heartbeat's interval is its
+                        # health check (docs/architecture.md, "Idle"): one round trip a
+                        # second, not two.
+                        fresh = self.server.answered >= now - self.heart.interval
+                        self._heartbeat(answered=fresh)
             except Exception:
                 LOG.exception("runtimed pass failed")
                 next_reconcile = 0.0  # the next pass, a tick later, tries again
             self._stop.wait(_WAKE_SECONDS if now - last_change < _BUSY_SECONDS else self.tick)
 
-    def _heartbeat(self, *, now: bool = False) -> None:
-        self.heart.beat(self.address, now=now)
+    def _heartbeat(self, *, now: bool = False, answered: bool = False) -> None:
+        self.heart.beat(self.address, now=now, answered=answered)
 
     # Reconcile: make the server match the Runs assigned to this pod
 

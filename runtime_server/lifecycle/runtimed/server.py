@@ -6,6 +6,8 @@ the reference to the registration runtimed holds (``Active``).
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,6 +99,7 @@ class ServerRegistrations:
         self.stub = stub
         self.registrations = registrations
         self._statuses_served = True  # until the server says it does not serve them
+        self.answered = -math.inf  # when a poll last had an answer from the server (monotonic)
 
     def register(
         self, request: pb.RegisterFunctionRequest, traceparent: str = ""
@@ -155,6 +158,7 @@ class ServerRegistrations:
                     return [StatusRefused(err.code(), err.details() or "")] * len(requests)
                 self._statuses_served = False  # a Runtime Server with FunctionRuntime alone
             else:
+                self.answered = time.monotonic()
                 return [
                     StatusRefused(status_code(answer.code), answer.message)
                     if answer.code
@@ -167,6 +171,8 @@ class ServerRegistrations:
                 answers.append(self.stub.FunctionStatus(request, timeout=timeout))
             except grpc.RpcError as err:
                 answers.append(StatusRefused(err.code(), err.details() or ""))
+            else:
+                self.answered = time.monotonic()
         return answers
 
     def fatal_error(self, run_uid: str, active: Active) -> str:
