@@ -36,7 +36,8 @@ from fnkernel.adapters.errors import (
     InvalidInput,
     MemoryLimitExceeded,
 )
-from fnkernel.adapters.worker import WorkerCall, describe_exit
+from fnkernel.adapters.worker import WorkerCall
+from fnkernel.adapters.workerprocess import describe_exit
 
 RUNNER_SCRIPT = Path(__file__).with_name("bash_runner.sh")
 BASH = shutil.which("bash") or "/bin/bash"
