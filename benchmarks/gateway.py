@@ -39,13 +39,12 @@ from benchmarks.invoke import (
     PAYLOAD,
     PY_HANDLER,
     Target,
-    bench_server,
     measure,
     p,
     serve_until_signal,
     verdicts,
 )
-from benchmarks.throughput import INVOKE_METHOD, relay
+from benchmarks.throughput import INVOKE_METHOD, floor_chain, relay
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from fnkernel.runtime_server.client import Client
@@ -148,18 +147,14 @@ def main() -> int:
         serve_checked_relay(*args.checked_relay)
         return 0
     with tempfile.TemporaryDirectory(prefix="fnkernel-bench-") as tmp:
-        echoes = [
-            bench_server("--echo-server", f"unix:{tmp}/echo.sock"),
-            start([sys.executable, "-m", "benchmarks.gateway", "--http-echo"]),
-        ]
+        echo, chain_proxy, chain_front = floor_chain(tmp)
+        echoes = [echo, start([sys.executable, "-m", "benchmarks.gateway", "--http-echo"])]
         stack = Stack(Path(tmp) / "state", {"python": 1}, gateway_listen="127.0.0.1:0")
         stack.start()
         server = stack.component("python-0-server").child
         assert server is not None
         # The measured floors of the two hops, made of the same frameworks with none of our code.
         bare_proxy = relay("sync", f"unix:{tmp}/bare.sock", server.address, INVOKE_METHOD)
-        chain_proxy = relay("aio", f"unix:{tmp}/chain.sock", echoes[0].address)
-        chain_front = relay("http", "-", chain_proxy.address)
         relays = [bare_proxy, chain_proxy, chain_front]
         try:
             return run(

@@ -21,9 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.invoke import bench_server
 from benchmarks.processes import stack_processes
-from benchmarks.throughput import relay
+from benchmarks.throughput import floor_chain
 from fnkernel.runtime_server.client import Client
 from fnkernel.runtime_server.daemon import Child
 from fnkernel.runtime_server.lifecycle.stack import Stack
@@ -81,12 +80,8 @@ def main() -> int:
         stack = Stack(Path(tmp) / "state", {"python": 1}, gateway_listen="127.0.0.1:0")
         stack.start()
         try:
-            echo = bench_server("--echo-server", f"unix:{tmp}/echo.sock")
-            children.append(echo)
-            proxy = relay("aio", f"unix:{tmp}/proxy.sock", echo.address)
-            children.append(proxy)
-            front = relay("http", "-", proxy.address)
-            children.append(front)
+            echo, proxy, front = floor_chain(tmp)
+            children += (echo, proxy, front)
             floor = {
                 "floor chain: tornado relay": front.pid,
                 "floor chain: grpc.aio relay": proxy.pid,

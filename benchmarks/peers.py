@@ -75,7 +75,6 @@ from benchmarks.invoke import (
     ECHO_METHOD,
     PY_HANDLER,
     Target,
-    bench_server,
     ratio,
     row,
     verdicts,
@@ -94,7 +93,7 @@ from benchmarks.peer_parts import (
     threaded,
 )
 from benchmarks.processes import cpu_per_call, stack_processes
-from benchmarks.throughput import drive, load, relay
+from benchmarks.throughput import drive, floor_chain, load, relay
 from fnkernel.runtime_server import payloads
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
@@ -153,12 +152,8 @@ def main() -> int:
         stack = Stack(root / "state", {"python": 1}, gateway_listen="127.0.0.1:0")
         stack.start()
         try:
-            echo = bench_server("--echo-server", f"unix:{tmp}/echo.sock")
-            children.append(echo)
-            proxy = relay("aio", f"unix:{tmp}/proxy.sock", echo.address)
-            children.append(proxy)
-            front = relay("http", "-", proxy.address)
-            children.append(front)
+            echo, proxy, front = floor_chain(tmp)
+            children += (echo, proxy, front)
             sync_proxy = relay("sync", f"unix:{tmp}/sync-proxy.sock", echo.address)
             children.append(sync_proxy)
             alternatives = {

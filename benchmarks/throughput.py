@@ -160,6 +160,14 @@ def _relay_handlers(method: str, behaviour: Callable[..., object]) -> grpc.Gener
     return grpc.method_handlers_generic_handler(service, {name: handler})
 
 
+def floor_chain(directory: str) -> tuple[Child, Child, Child]:
+    """The floor chain's three processes (FLOOR_CHAIN), started with their sockets in
+    `directory`: the bare gRPC echo, the grpc.aio relay before it, the tornado relay in front."""
+    echo = bench_server("--echo-server", f"unix:{directory}/echo.sock")
+    proxy = relay("aio", f"unix:{directory}/proxy.sock", echo.address)
+    return echo, proxy, relay("http", "-", proxy.address)
+
+
 def relay(kind: str, listen: str, upstream: str, method: str = ECHO_METHOD) -> Child:
     """Start a ``serve_relay`` process."""
     argv = [sys.executable, "-m", "benchmarks.throughput", "--relay", listen, upstream, kind]
@@ -346,9 +354,7 @@ def main() -> int:
         serve_relay(listen, upstream, kind, method)
         return 0
     with tempfile.TemporaryDirectory(prefix="fnkernel-bench-") as tmp:
-        echo = bench_server("--echo-server", f"unix:{tmp}/echo.sock")
-        proxy = relay("aio", f"unix:{tmp}/proxy.sock", echo.address)
-        front = relay("http", "-", proxy.address)
+        echo, proxy, front = floor_chain(tmp)
         stack = Stack(Path(tmp) / "state", {"python": 1}, gateway_listen="127.0.0.1:0")
         stack.start()
         server = stack.component("python-0-server").child
