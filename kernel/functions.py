@@ -45,18 +45,20 @@ class NotOwned(RuntimeError):
         return [f"NotOwned: {self}"]
 
 
-class PayloadNotJSON(TypeError):
-    """The payload cannot be encoded as JSON: one line naming the type, not json's frames."""
+class PayloadNotSent(TypeError):
+    """The payload cannot be encoded as its kind travels: one line saying why, not the
+    encoder's frames."""
 
     def _render_traceback_(self) -> list[str]:
         return [f"{type(self).__name__}: {self}"]
 
 
-class PayloadNotArrow(TypeError):
-    """The payload is of an Arrow kind that Arrow cannot hold: one line naming Arrow's reason."""
+class PayloadNotJSON(PayloadNotSent):
+    """The payload cannot be encoded as JSON, naming the type and where it is."""
 
-    def _render_traceback_(self) -> list[str]:
-        return [f"{type(self).__name__}: {self}"]
+
+class PayloadNotArrow(PayloadNotSent):
+    """The payload is of an Arrow kind that Arrow cannot hold, with Arrow's reason."""
 
 
 class InvocationInterrupted(KeyboardInterrupt):

@@ -18,6 +18,7 @@ assigned here), which is where its Runtime Server loads them from.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -192,17 +193,15 @@ class Runtimed:
                         next_poll = time.monotonic() + self.poll_interval
                         self.poll()
                     if now >= self.heart.next_beat or not self.heart.healthy:
-                        # A poll the server answered within a heartbeat's interval is its
-                        # health check (docs/architecture.md, "Idle"): one round trip a
-                        # second, not two.
-                        fresh = self.server.answered >= now - self.heart.interval
-                        self._heartbeat(answered=fresh)
+                        # A poll the server answered is its health check (docs/
+                        # architecture.md, "Idle"): one round trip a second, not two.
+                        self._heartbeat(answered=self.server.answered)
             except Exception:
                 LOG.exception("runtimed pass failed")
                 next_reconcile = 0.0  # the next pass, a tick later, tries again
             self._stop.wait(_WAKE_SECONDS if now - last_change < _BUSY_SECONDS else self.tick)
 
-    def _heartbeat(self, *, now: bool = False, answered: bool = False) -> None:
+    def _heartbeat(self, *, now: bool = False, answered: float = -math.inf) -> None:
         self.heart.beat(self.address, now=now, answered=answered)
 
     # Reconcile: make the server match the Runs assigned to this pod

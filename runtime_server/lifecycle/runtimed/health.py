@@ -28,7 +28,7 @@ class Heartbeat:
         self._store = store
         self._pod = pod
         self._runtime = runtime
-        self.interval = min(interval, HEARTBEAT_SECONDS)
+        self._interval = min(interval, HEARTBEAT_SECONDS)
         self.servicer: health.HealthServicer | None = None  # runtimed's own, once it serves
         self.healthy = False  # the last health check's answer
         self._server_answered = -math.inf  # when a health check last succeeded: not yet
@@ -44,15 +44,15 @@ class Heartbeat:
             return False
         return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
-    def beat(self, address: str, *, now: bool = False, answered: bool = False) -> None:
+    def beat(self, address: str, *, now: bool = False, answered: float = -math.inf) -> None:
         """Check the server and write the pod's heartbeat (its runtimed at `address`): when one
-        is due, when the health it reports changed, or `now`. `answered`: the server has just
-        answered another call, which stands in for the check. The pod is reported unhealthy
-        only once its server has not answered for POD_GRACE_SECONDS: one missed check is a
-        pause (a GC, a busy CPU), not a death, and declaring the pod gone would cost each of
-        its Runs an attempt and its call."""
+        is due, when the health it reports changed, or `now`. `answered`: when the server last
+        answered another call (monotonic), which stands in for the check within an interval.
+        The pod is reported unhealthy only once its server has not answered for
+        POD_GRACE_SECONDS: one missed check is a pause (a GC, a busy CPU), not a death, and
+        declaring the pod gone would cost each of its Runs an attempt and its call."""
         checked = time.monotonic()
-        self.healthy = answered or self._server_healthy()
+        self.healthy = checked - answered < self._interval or self._server_healthy()
         if self.healthy:
             self._server_answered = checked
         healthy = checked - self._server_answered < POD_GRACE_SECONDS
@@ -65,4 +65,4 @@ class Heartbeat:
         if now or healthy != self._reported or checked >= self.next_beat:
             self._store.heartbeat(self._pod, self._runtime, address, healthy)
             self._reported = healthy
-            self.next_beat = checked + self.interval
+            self.next_beat = checked + self._interval
