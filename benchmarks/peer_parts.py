@@ -1,7 +1,6 @@
 """The peers and bare parts `benchmarks.peers` measures fnkernel beside, none of them ours: a
 pipe to a process, raw HTTP from ``http.client``, Jupyter Kernel Gateway in notebook-http mode,
-Ray's actor and task, and the fan-out's CPU-bound handler (issue 48) with the threads that keep
-IN_FLIGHT calls outstanding.
+Ray's actor and task, and the threads that keep IN_FLIGHT calls outstanding.
 """
 
 from __future__ import annotations
@@ -27,17 +26,6 @@ from benchmarks.throughput import MAX_CALLS
 IN_FLIGHT = 10
 KG_KERNELS = 2  # Kernel Gateway's pool: a kernel per core
 F_SETPIPE_SZ = 1031
-# Issue 48's fan-out: a CPU-bound handler of ~BURN_MS (benchmarks.peers maps it over its items).
-BURN_MS = 5.0
-BURN_HANDLER = (
-    "import time\n"
-    "def handle(event):\n"
-    "    started = time.process_time()\n"
-    f"    while time.process_time() - started < {BURN_MS / 1000}:\n"
-    "        pass\n"
-    "    return event\n"
-)
-
 PIPE_ECHO = """\
 import ctypes, fcntl, os, struct
 ctypes.CDLL(None).mallopt(-3, 16 << 20)  # freed memory kept, as the worker's (keep_freed_memory)
@@ -254,15 +242,6 @@ def ray_cases(ray: Any) -> tuple[dict[str, Callable[[Any], Any]], Callable[[int,
         "Ray actor call": lambda value: ray.get(actor.handle.remote(value)),
         "Ray task": lambda value: ray.get(handle.remote(value)),
     }, outstanding
-
-
-def burn(item: int) -> int:
-    """The ProcessPoolExecutor's handler: BURN_HANDLER's work (a module function: the pool
-    pickles its name)."""
-    started = time.process_time()
-    while time.process_time() - started < BURN_MS / 1000:
-        pass
-    return item
 
 
 def threaded(call: Callable[[int], object], seconds: float) -> float:

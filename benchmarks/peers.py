@@ -36,7 +36,8 @@ bench-peers` installs them). A peer that is not installed is left out, and the r
 
 * **Fan-out** (issue 48): 200 items of a ~5 ms CPU-bound handler, two at a time, by
   ``Client.map`` over a Run of two replicas and by a ``ProcessPoolExecutor(2)`` — the peer a
-  notebook user tries first — with each item's cost above the handler's own work.
+  notebook user tries first — with each item's cost above the handler's own work, and the
+  map's bound with no hand-off an item (``benchmarks.fanout``).
 
 The latency cases of a section are called in batches, the cases in turn and their order turned
 each batch, over rounds: a slow stretch of this noisy machine falls on all of them, and none
@@ -58,7 +59,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import importlib.util
 import json
 import statistics
@@ -71,6 +71,7 @@ from typing import Any
 
 import grpc
 
+from benchmarks import fanout
 from benchmarks.invoke import (
     ECHO_METHOD,
     PY_HANDLER,
@@ -80,13 +81,10 @@ from benchmarks.invoke import (
     verdicts,
 )
 from benchmarks.peer_parts import (
-    BURN_HANDLER,
-    BURN_MS,
     IN_FLIGHT,
     KernelGateway,
     PipeEcho,
     RawHttp,
-    burn,
     payload_of,
     ray_cases,
     start_peers,
@@ -113,11 +111,6 @@ WARMUP = {"small": 30, "100 KB": 10, "1 MiB": 3, "6 MiB": 1}
 CASE_SECONDS = 60.0  # a bound on each case's time per round, as well as the count
 TARGETS = {"small": 1.5, "100 KB": 1.0, "1 MiB": 1.0}  # x Ray's actor call
 CLIENT_TARGET = 1.05  # x the raw request
-# Issue 48's fan-out: BURN_HANDLER over FAN_ITEMS items, as wide as the cores.
-FAN_ITEMS = 200
-FAN_WIDTH = 2
-MAP_CASE = f"fnkernel Client.map, {FAN_WIDTH} replicas"
-POOL_CASE = f"ProcessPoolExecutor({FAN_WIDTH}).map"
 KG_AHEAD = 4.0  # x Kernel Gateway
 CLIENT_CASE = "fnkernel Client.invoke"
 RAW_CASE = "raw HTTP to the gateway"
@@ -171,7 +164,7 @@ def main() -> int:
             bench = Bench(
                 stack, front.address, echo.address, http_echo.address, pipe, kernel_gateway, ray
             )
-            closers.append(bench.pool.shutdown)
+            closers.append(bench.fan_out.close)
             bench.alternatives = {
                 label: RawHttp(child.address, "/") for label, child in alternatives.items()
             }
@@ -214,12 +207,11 @@ class Bench:
         self.client = Client(stack.gateway_address, token=stack.token)
         self.runs = [f"echo{i}" for i in range(IN_FLIGHT)]
         runs = [(run, PY_HANDLER, 1) for run in self.runs]
-        runs += [("echo-set", PY_HANDLER, IN_FLIGHT), ("burn", BURN_HANDLER, FAN_WIDTH)]
+        runs += [("echo-set", PY_HANDLER, IN_FLIGHT), *fanout.RUNS]
         for name, source, replicas in runs:
             self.client.create_run(name, runtime="python", handler="handler.handle",
                                    files={"handler.py": source}, replicas=replicas)  # fmt: skip
-        self.pool = concurrent.futures.ProcessPoolExecutor(FAN_WIDTH)
-        self.fan_out: dict[str, list[float]] = {}  # seconds for the FAN_ITEMS items, per round
+        self.fan_out = fanout.FanOut(self.client)  # issue 48's map beside the pool
         # Issue 48's alternative for a caller on the stack's machine: runtimed's FunctionRuntime
         # on its Unix socket, as the gateway calls it (the Run's UID, its pod for the fence).
         status = self.client.status("echo0")
@@ -354,23 +346,7 @@ class Bench:
             self.paired(size, sections["python"])
         self._batches += BATCHES
         self.in_flight(seconds)
-        self.fanned(warm=warm)
-
-    def fanned(self, *, warm: bool) -> None:
-        """The notebook user's first try (issue 48): FAN_ITEMS calls of a ~BURN_MS CPU-bound
-        handler, FAN_WIDTH at a time, by ``Client.map`` on as many replicas and by a
-        ProcessPoolExecutor of as many processes, in turn."""
-        items = list(range(FAN_ITEMS))
-        cases = {
-            MAP_CASE: lambda: self.client.map("burn", items, concurrency=FAN_WIDTH),
-            POOL_CASE: lambda: list(self.pool.map(burn, items)),
-        }
-        for label, case in cases.items():
-            if warm:
-                case()
-            started = time.perf_counter()
-            assert case() == items, label
-            self.fan_out.setdefault(label, []).append(time.perf_counter() - started)
+        self.fan_out.round(warm=warm)
 
     def paired(self, size: str, cases: dict[str, Callable[[], Any]]) -> None:
         """Client.invoke and the same raw request, call by call in turn (A B, then B A) on the
@@ -554,15 +530,9 @@ class Bench:
                     f"is {rates[CHAIN_THREADS] / tasks:.2f}x Ray tasks' calls/s by itself; "
                     f"fnkernel's Client is {threads / rates[CHAIN_THREADS]:.2f}x that floor"
                 )
-        print(f"\n== {FAN_ITEMS} items of a ~{BURN_MS:g} ms CPU-bound handler, {FAN_WIDTH} at a "
-              "time (s, median of the rounds; per item above the handler's own work)")  # fmt: skip
-        fanned = {label: statistics.median(values) for label, values in self.fan_out.items()}
-        for label, took in fanned.items():
-            above = took * FAN_WIDTH / FAN_ITEMS * 1000 - BURN_MS
-            print(f"{label:<58}{took:>9.2f} s   {above:6.2f} ms an item above its work")
-        if fanned:
-            targets.append(Target("map / ProcessPoolExecutor of the same width",
-                                  fanned[MAP_CASE] / fanned[POOL_CASE], 1.0))  # fmt: skip
+        fanned, fan_notes = self.fan_out.report()
+        targets += fanned
+        notes += fan_notes
         kg_rate = rates.get(f"HTTP: Jupyter Kernel Gateway, {IN_FLIGHT} connections")
         if kg_rate:
             ours_rate = rates[f"HTTP: fnkernel gateway, {IN_FLIGHT} connections"]
