@@ -341,7 +341,7 @@ def _from_arrow(data: Any, what: str, *, mapped: bool = False) -> Any:
     pa = _pyarrow(what)
     try:
         table = pa.ipc.open_stream(pa.py_buffer(data)).read_all()
-    except (pa.ArrowException, ValueError) as exc:
+    except (pa.ArrowException, ValueError, OSError) as exc:  # OSError: a negative length
         raise PayloadError(f"{what} is not an Arrow IPC stream: {exc}") from None
     metadata = dict(table.schema.metadata or {})
     kind = metadata.pop(KIND_KEY, b"pyarrow.Table").decode()
