@@ -154,6 +154,9 @@ class FunctionRuntimeServicer(pb_grpc.FunctionRuntimeServicer):
         if result.logs:
             trailers += ((LOGS_KEY, logs_trailer(result.logs)),)
         if invocation.output_ref:
+            spool = self.registry.spool
+            if spool is not None and not context.is_active():  # gone: nobody takes the result
+                spool.remove(invocation.output_ref)
             trailers += ((OUTPUT_REF_KEY, f"{invocation.output_ref} {result.spooled}"),)
         call.trailers = trailers
         call.attributes = {tracing.FENCE: "passed", tracing.INVOCATION_ID: invocation.invocation_id}

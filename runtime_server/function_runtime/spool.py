@@ -13,8 +13,8 @@ the caller writes once and the worker maps), a file each, named by a random toke
   written here reuses (``payloads.spool_file``, ``payloads.release``; docs/protocol.md, "Pages
   written again").
 - What nobody claimed — a caller that wrote an input and died, an output never taken — is
-  removed once it is SPOOL_GRACE_SECONDS old (``sweep``), and with the directory when the
-  stack stops.
+  removed once it is SPOOL_GRACE_SECONDS old (``sweep``, every SWEEP_SECONDS), and with the
+  directory when the stack stops.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import contextlib
 import os
 import re
 import secrets
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -32,6 +33,7 @@ from fnkernel.runtime_server.payloads import FREE_PREFIX, release, spool_file
 from fnkernel.system.private import private_dir
 
 SPOOL_GRACE_SECONDS = 600.0
+SWEEP_SECONDS = 60.0  # how often a Runtime Server sweeps its spool (``start_sweeping``)
 CHUNK_BYTES = 1 << 20  # what one message of PutPayload and TakePayload carries
 _NAME = re.compile(r"(in|out)-[A-Za-z0-9_-]{22}")
 _SWEPT = re.compile(rf"(in|out|{FREE_PREFIX[:-1]})-[A-Za-z0-9_-]{{22}}")
@@ -107,6 +109,20 @@ class Spool:
     def remove(self, name: str) -> None:
         with contextlib.suppress(FileNotFoundError, InvalidField):
             self.path(name).unlink()
+
+    def start_sweeping(
+        self, stop: threading.Event, every: float = SWEEP_SECONDS
+    ) -> threading.Thread:
+        """``sweep`` every `every` seconds until `stop`: a caller on this machine writes and
+        takes its payloads as files, so no call of the server's would sweep for it."""
+
+        def loop() -> None:
+            while not stop.wait(every):
+                self.sweep()
+
+        thread = threading.Thread(target=loop, name="spool-sweep", daemon=True)
+        thread.start()
+        return thread
 
     def sweep(self, now: float | None = None) -> int:
         """Remove what is SPOOL_GRACE_SECONDS old and nobody claimed; how many."""

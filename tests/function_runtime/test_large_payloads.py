@@ -7,6 +7,9 @@ TakePayload streams it out once and removes it. The seed's unary call keeps its 
 from __future__ import annotations
 
 import json
+import os
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +21,12 @@ import pytest
 
 from fnkernel.runtime_server import payloads
 from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import payloads_pb2
-from fnkernel.runtime_server.function_runtime.spool import CHUNK_BYTES, Spool
+from fnkernel.runtime_server.function_runtime.spool import (
+    CHUNK_BYTES,
+    SPOOL_GRACE_SECONDS,
+    Spool,
+    new_name,
+)
 from fnkernel.runtime_server.wire import INPUT_REF_KEY, OUTPUT_REF_FROM_KEY, OUTPUT_REF_KEY
 from tests.function_runtime.test_limits import rejected
 from tests.support import Client, serve_in_process, spooled, wait_until
@@ -151,6 +159,25 @@ def test_a_cancelled_call_leaves_nothing_in_the_spool(python_spooled: Client, sp
     future.cancel()
     wait_until(lambda: not python_spooled.status(registration).in_flight, timeout=10)
     assert spooled(spool.directory) == []
+
+
+def test_what_nobody_claimed_is_swept_with_no_call_of_the_servers(spool: Spool) -> None:
+    # docs/protocol.md, "Nothing is left behind": removed once 10 minutes old, each Runtime
+    # Server looking every minute — not only when a PutPayload comes, as a caller on the same
+    # machine writes and takes its payloads as files (here: every 10 ms).
+    unclaimed, fresh = spool.path(new_name("out")), spool.path(new_name("in"))
+    unclaimed.write_bytes(b"a result nobody took")
+    fresh.write_bytes(b"an input about to be called")
+    aged = time.time() - SPOOL_GRACE_SECONDS - 1
+    os.utime(unclaimed, (aged, aged))
+    stop = threading.Event()
+    sweeper = spool.start_sweeping(stop, every=0.01)
+    try:
+        wait_until(lambda: not unclaimed.exists(), timeout=10)
+        assert fresh.exists()
+    finally:
+        stop.set()
+        sweeper.join(10)
 
 
 @pytest.mark.parametrize("ends", ["timed out", "worker killed"])

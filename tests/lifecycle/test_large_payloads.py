@@ -6,9 +6,11 @@ ends."""
 
 from __future__ import annotations
 
+import http.client
 import subprocess
 import sys
 import threading
+import urllib.parse
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -16,11 +18,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from fnkernel.runtime_server import payloads
+from fnkernel.runtime_server import payloads, wire
 from fnkernel.runtime_server.client import Client
 from fnkernel.runtime_server.client.errors import RequestCancelled
 from fnkernel.runtime_server.lifecycle.stack import Stack
-from tests.support import http_call, spooled, wait_until
+from tests.support import find_token, http_call, spooled, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 MIB = 1 << 20
@@ -158,6 +160,32 @@ def test_plain_http_streams_a_large_body_and_answer(stack: Stack) -> None:
         200, payloads.ARROW, len(answer),
     )  # fmt: skip
     assert payloads.decode(answer, payloads.ARROW).shape == (20 * MIB,)
+
+
+def test_a_spooled_result_the_caller_will_not_take_is_removed(stack: Stack) -> None:
+    # docs/protocol.md, "Nothing is left behind": an output is removed when the caller will not
+    # take it — refused by its Accept (406), whether the gateway was to send it or to name it —
+    # and not left in the spool's memory for the sweep, ten minutes on. The fixture checks.
+    for by_reference in ({}, {wire.OUTPUT_REF_FROM_HEADER: "1"}):
+        status, _, answer = http_call(
+            stack.gateway_address, "POST", "/v1/runs/big:invoke", b'{"mib": 7}',
+            {"Accept": payloads.JSON, **by_reference},
+        )  # fmt: skip
+        assert status == 406, answer
+        assert spooled(stack.spool) == []
+
+
+def test_a_caller_gone_in_the_middle_of_a_spooled_result_leaves_nothing(stack: Stack) -> None:
+    # docs/protocol.md, "Nothing is left behind": gone in the middle of its body.
+    url = urllib.parse.urlsplit(stack.gateway_address)
+    connection = http.client.HTTPConnection(url.hostname or "", url.port, timeout=60)
+    headers = {"Content-Type": payloads.JSON, "Authorization": f"Bearer {find_token(url.geturl())}"}
+    connection.request("POST", "/v1/runs/big:invoke", b'{"mib": 40}', headers)
+    response = connection.getresponse()
+    assert response.status == 200 and len(response.read(MIB)) == MIB
+    response.close()  # gone, 39 MiB unread
+    connection.close()
+    wait_until(lambda: not spooled(stack.spool), timeout=30)
 
 
 def test_the_cli_sends_and_writes_a_large_payload(stack: Stack, tmp_path: Path) -> None:

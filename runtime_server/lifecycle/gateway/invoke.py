@@ -35,7 +35,7 @@ from fnkernel.runtime_server.lifecycle.gateway.handlers import (
     header_text,
     metadata_of,
 )
-from fnkernel.runtime_server.lifecycle.gateway.payloads import Upload, send_spooled
+from fnkernel.runtime_server.lifecycle.gateway.payloads import Upload, discard_spooled, send_spooled
 from fnkernel.runtime_server.lifecycle.runs import Run
 from fnkernel.runtime_server.rpc import trailer_logs
 from fnkernel.runtime_server.wire import (
@@ -265,7 +265,11 @@ class InvokeHandler(TracedHandler, BodyHandler):
             self.hop.set(tracing.INVOCATION_ID, response.invocation_id)
         media = response.content_type or JSON
         accept = headers.get("Accept", "")
+        ref = str(trailers.get(OUTPUT_REF_KEY, ""))
         if not accepts(accept, media):
+            if ref:  # nobody will take it
+                stub = self.gateway.payloads_stub(self.gateway.pod_of(run)[1])
+                await discard_spooled(stub, ref.split(" ", 1)[0])
             # The call ran: which one, as a failed call's answer says.
             raise FailureResponse(
                 "NOT_ACCEPTABLE",
@@ -295,7 +299,6 @@ class InvokeHandler(TracedHandler, BodyHandler):
                 "answered": time.monotonic_ns(),
             }
             self.set_header(wire.TIMELINE_HEADER, _timeline(readings, trailers))
-        ref = str(trailers.get(OUTPUT_REF_KEY, ""))
         if not ref:
             self.finish(response.output)
         elif by_ref:  # the caller reads it from the spool itself

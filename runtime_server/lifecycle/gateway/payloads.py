@@ -54,10 +54,22 @@ async def send_spooled(
     before the next is read (TakePayload removes it from the spool)."""
     handler.set_header("Content-Length", str(size))
     # Cut short (the pod went away), tornado closes the connection: the caller sees a short body.
-    async for chunk in stub.TakePayload(payloads_pb2.PayloadRef(name=name)):
-        handler.write(chunk.data)
-        await handler.flush()
+    # The caller gone mid-body, the call is cancelled, and the spool removes the rest.
+    call = stub.TakePayload(payloads_pb2.PayloadRef(name=name))
+    try:
+        async for chunk in call:
+            handler.write(chunk.data)
+            await handler.flush()
+    finally:
+        call.cancel()
     handler.finish()
+
+
+async def discard_spooled(stub: payloads_pb2_grpc.PayloadsStub, name: str) -> None:
+    """Take the spooled result `name` and drop it: a result the caller will not read (its
+    Accept refused it), so that it does not wait in the spool's memory for the sweep."""
+    async for _ in stub.TakePayload(payloads_pb2.PayloadRef(name=name)):
+        pass
 
 
 class PayloadsHandler(BaseHandler):
