@@ -75,6 +75,33 @@ def test_a_body_past_a_bound_below_one_message_is_413_from_the_client(stack: Sta
     assert client.invoke("sizer", b"0" * 10, by_reference=False).value() == {"len": 10}
 
 
+def test_a_body_past_the_transports_16_mib_is_413_to_a_client_that_sends_it_whole(
+    stack: Stack,
+) -> None:
+    # http.client sends the whole body before it reads a byte of the answer: it reads the 413
+    # only if the gateway reads the body (and drops it) first, however large.
+    url = urllib.parse.urlsplit(stack.gateway_address)
+    size = 20 << 20
+    connection = http.client.HTTPConnection(url.hostname or "", url.port, timeout=60)
+    headers = {"Content-Type": "application/octet-stream", "Authorization": f"Bearer {stack.token}"}
+    try:
+        connection.request("POST", "/v1/runs/sizer:invoke", body=b"0" * size, headers=headers)
+        response = connection.getresponse()
+        status, body = response.status, json.loads(response.read())
+    finally:
+        connection.close()
+    assert status == 413, body
+    assert body["message"].endswith(
+        f"{size} bytes; at most {BOUND} (the gateway's --max-payload-bytes)"
+    )
+
+
+def test_a_chunked_body_past_the_transports_16_mib_is_413_too(stack: Stack) -> None:
+    status, body = _chunked(stack, 20 << 20, chunk=1 << 20)
+    assert status == 413, body
+    assert body["code"] == "PAYLOAD_TOO_LARGE"
+
+
 def test_a_chunked_body_past_the_bound_is_413_naming_it(stack: Stack) -> None:
     status, body = _chunked(stack, 2 * BOUND)
     assert status == 413, body

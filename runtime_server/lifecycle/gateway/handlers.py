@@ -17,6 +17,7 @@ from typing import Any, ClassVar, ParamSpec, TypeVar
 import grpc
 import grpc.aio
 from tornado import httputil, web
+from tornado.http1connection import HTTP1Connection
 
 from fnkernel.adapters._payloads import JSON
 from fnkernel.runtime_server import limits, tracing, wire
@@ -46,6 +47,8 @@ T = TypeVar("T")
 
 LOG = logging.getLogger("fnkernel.gateway")
 CREATE_WAIT_SECONDS = 90.0  # POST /v1/runs answers once the Run is Ready or Failed
+# Tornado's cap on a chunked body, which BodyHandler counts and bounds itself: none to speak of.
+_UNCAPPED = 1 << 62
 
 
 def log_failure(handler: web.RequestHandler) -> None:
@@ -267,11 +270,14 @@ def metadata_of(metadata: Any) -> dict[str, Any]:
 @web.stream_request_body
 class BodyHandler(BaseHandler):
     """A handler of requests with a body, which is streamed: one larger than its route takes is
-    refused with 413 before anything is looked up or called — once it has arrived, read and
-    dropped as it came, so that a client that sent it whole gets a clean answer, not a broken
-    pipe; at once when it asked to be told first (``Expect: 100-continue``), or when its
-    Content-Length is past the transport's cap (where tornado itself would answer 400 and reset
-    the connection)."""
+    refused with 413 before anything is looked up or called. Its Content-Length says so: the
+    413 is sent at once, and the body then read and dropped as it comes (however large, within
+    the body timeout) before the answer ends — so that a client that sends its body whole
+    before it reads (Python's ``http.client``) reads the 413 too, not a reset connection; one
+    that asked to be told first (``Expect: 100-continue``) is answered and the connection
+    closed. A body without a Content-Length (chunked) is counted as it comes, and refused once
+    it has arrived. Tornado's own cap on a body, the transport's 16 MiB, is lifted for both:
+    past it, tornado would answer a bare 400 and close."""
 
     max_body = limits.MAX_PAYLOAD_BYTES
 
@@ -294,15 +300,36 @@ class BodyHandler(BaseHandler):
         self._chunks: list[bytes] = []
         self._size = 0
         self._refused: FailureResponse | None = None  # a body past the bound, read and dropped
+        self._early = False  # its 413 sent before its body: the answer ends once that is in
+        self._held = False  # ``finish`` has held back that answer's end
         super().prepare()
         length = self.content_length()
         if length > self.largest_body()[0]:
             refused = self._too_large(length, *self.largest_body())
-            expects = self.request.headers.get("Expect", "").lower() == "100-continue"
-            if expects or length > limits.GRPC_MAX_MESSAGE_BYTES:
+            if self.request.headers.get("Expect", "").lower() == "100-continue":
                 raise refused
-            self._refused = refused
+            self._refused, self._early = refused, True
+            self._lift_cap(length)
+            self.send_failure(refused)  # sent now: ``finish`` holds the answer's end back
+        elif length < 0:
+            self._lift_cap(_UNCAPPED)
         return None
+
+    def finish(self, chunk: str | bytes | dict[str, Any] | None = None) -> Future[None]:
+        if self._early and not self._held:  # the 413, sent before its body is read
+            self._held = True
+            data = chunk.encode() if isinstance(chunk, str) else chunk
+            assert isinstance(data, bytes)  # send_json's
+            self.set_header("Content-Length", str(len(data)))
+            self.write(data)
+            return self.flush()
+        return super().finish(chunk)
+
+    def _lift_cap(self, size: int) -> None:
+        """Let tornado read a body of `size` bytes: this handler bounds what it keeps."""
+        if size > limits.GRPC_MAX_MESSAGE_BYTES:
+            assert isinstance(self.request.connection, HTTP1Connection)
+            self.request.connection.set_max_body_size(size)
 
     def _too_large(self, size: int, bound: int = 0, why: str = "") -> FailureResponse:
         bound = bound or self.max_body
@@ -322,6 +349,8 @@ class BodyHandler(BaseHandler):
 
     def body(self) -> bytes:
         """The whole body; 413 if it was larger than the route takes."""
+        if self._early:
+            raise web.Finish()  # its 413 was sent: read and dropped, the answer ends now
         if self._refused is not None:
             raise self._refused
         if self._size > self.whole_body()[0]:
