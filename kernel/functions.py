@@ -249,7 +249,7 @@ class Function:
                 printer.release()
             bar.end(failed=1, cancelled=True)
             self._wait_replicas_free()  # the calls still running were cancelled
-            raise self._timed_out(exc, timeout) from None
+            raise self._timed_out(exc, timeout, "map(items") from None
         except (RequestCancelled, KeyboardInterrupt):
             for printer in printers.values():
                 printer.release()
@@ -284,13 +284,16 @@ class Function:
             for name in self._replica_names():
                 wait_until_free(lambda name=name: self._in_flight(name))  # type: ignore[misc]
 
-    def _timed_out(self, exc: InvocationTimedOut, timeout: float | None) -> InvocationTimedOut:
+    def _timed_out(
+        self, exc: InvocationTimedOut, timeout: float | None, call: str = "invoke(payload"
+    ) -> InvocationTimedOut:
         """The deadline as a user can act on it: how long it was, and how to give more (what
-        the handler printed until then is the cell's output already: LiveLines)."""
+        the handler printed until then is the cell's output already: LiveLines). `call`: the
+        method it came from and its first argument, as the way to give more names it."""
         seconds = timeout or limits.DEFAULT_TIMEOUT_MILLIS / 1000
         timed_out = InvocationTimedOut(
             f"{self.name} timed out after {seconds:g} s; give it more with %%function "
-            f"{self.name} --timeout S or {self.name}.invoke(payload, timeout=S)",
+            f"{self.name} --timeout S or {self.name}.{call}, timeout=S)",
             code=exc.code, status=exc.status, run_uid=exc.run_uid,
             invocation_id=exc.invocation_id, detail=exc.detail,
         )  # fmt: skip

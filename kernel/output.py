@@ -132,7 +132,7 @@ class HandlerFailedInCell(HandlerFailed):
         """One line: the exception and where in the cell (``KeyError: 'x' (etl, cell line 4)``)."""
         where = self.spec.name
         if self.item is not None:
-            where += f", item {self.item[0]} of {self.item[1]}"
+            where += f", {self.item_phrase()}"
         if self.line is not None:
             where += f", cell line {self.line}"
         what = f"{self.error_type}: {self.error_message}" if self.error_type else self.message

@@ -44,14 +44,20 @@ class GatewayError(Exception):
             detail=body,
         )
 
+    def __str__(self) -> str:
+        # A map's failure names its item wherever it is printed: a script's traceback, a log.
+        text = super().__str__()
+        return f"{text} ({self.item_phrase()})" if self.item else text
+
     def _render_traceback_(self) -> list[str]:
         """IPython shows this instead of a stack trace: one readable line (docs/protocol.md,
         "Kernel")."""
-        return [f"{type(self).__name__}: {self}{self.item_note()}"]
+        return [f"{type(self).__name__}: {self}"]
 
-    def item_note(self) -> str:
-        """`` (item 5 of 200)`` for a map's failure, else ""."""
-        return f" (item {self.item[0]} of {self.item[1]})" if self.item else ""
+    def item_phrase(self) -> str:
+        """``index 5 of 200 items``: the item a map's failure is of, by its index (``item``)."""
+        index, total = self.item or (0, 0)
+        return f"index {index} of {total} items"
 
 
 class InvalidRequest(GatewayError):

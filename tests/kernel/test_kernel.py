@@ -378,6 +378,11 @@ def test_timeout_flag_bounds_each_invocation(kernel: Kernel) -> None:
         "or bounded.invoke(payload, timeout=S)" in cell.error["traceback"][0]  # fmt: skip
     assert kernel.value('bounded({"s": 0})') == 0
     assert kernel.value('bounded.invoke({"s": 0.5}, timeout=3).output') == 0.5
+    # A map's says how to give its items more, and which item ran out of it.
+    cell = kernel.run('bounded.map([{"s": 0}, {"s": 5}])')
+    assert cell.error is not None and cell.error["ename"] == "InvocationTimedOut"
+    assert "give it more with %%function bounded --timeout S or bounded.map(items, timeout=S)" \
+        " (DEADLINE_EXCEEDED) (index 1 of 2 items)" in cell.error["traceback"][0]  # fmt: skip
 
 
 def test_a_busy_function_fails_with_one_readable_line(kernel: Kernel) -> None:

@@ -142,7 +142,8 @@ def test_each_items_failure_is_the_one_the_gateway_gives(stack: Stack, tmp_path:
         expected = caught.value
         assert isinstance(failure, kind)
         assert (failure.status, failure.code) == (expected.status, expected.code)
-        assert str(failure) == str(expected)
+        # Its message names its item, however printed (docs/protocol.md, "Replicas").
+        assert str(failure) == f"{expected} (index {index} of 4 items)"
         assert failure.run_uid == expected.run_uid
         assert failure.item == (index, 4)
     handler_failure = mapped[1]
@@ -159,6 +160,7 @@ def test_after_a_failure_the_rest_of_the_batch_is_never_called(
     with pytest.raises(HandlerFailed, match="no: 1") as caught:
         Client(stack.gateway_address).map("one", items)
     assert caught.value.item == (1, 12)
+    assert str(caught.value).endswith("no: 1 (UNKNOWN) (index 1 of 12 items)")
     assert log.read_text().split() == ["0", "1"]
 
 
