@@ -1,5 +1,6 @@
 """The ``fnkernel`` console script (docs/protocol.md, "CLI"): one module per command group, each
-subcommand's flags beside its handler. Exit codes: 0 ok, 1 failure, 2 usage error."""
+subcommand's flags beside its handler. Exit codes: 0 ok, 1 failure, 2 usage error, 130
+interrupted (Ctrl-C)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,12 @@ import sys
 from collections.abc import Sequence
 
 from fnkernel.runtime_server.cli import daemons, krm, runs, secrets, tools
-from fnkernel.runtime_server.cli.common import EXIT_FAILURE, EXIT_USAGE, UsageError
+from fnkernel.runtime_server.cli.common import (
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    UsageError,
+)
 
 GROUPS = (daemons, runs, secrets, krm, tools)
 
@@ -44,6 +50,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     daemon.watch_parent()  # started by daemon.spawn(die_with_parent=True): stop with the parent
     try:
         return int(args.func(args))
+    except KeyboardInterrupt:  # Ctrl-C: a call in flight is cancelled as its connection closes
+        print("fnkernel: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except UsageError as exc:
         print(f"fnkernel: {exc}", file=sys.stderr)
         return EXIT_USAGE

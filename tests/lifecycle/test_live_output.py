@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -18,7 +19,7 @@ from fnkernel.runtime_server.client import Client
 from fnkernel.runtime_server.client.errors import FunctionNotFound, InvalidRequest
 from fnkernel.runtime_server.lifecycle.stack import Stack
 from fnkernel.runtime_server.tokens import find_token
-from tests.support import GATE_WAIT, Gate
+from tests.support import GATE_WAIT, Gate, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -214,3 +215,27 @@ def test_cli_invoke_follow_and_logs(stack: Stack, client: Client, gate: Callable
                           timeout=60)  # fmt: skip
     assert last.returncode == 0 and last.stdout == "started cli\nfinished cli\n"
     assert "(over)" in last.stderr
+
+
+def test_cli_ctrl_c_cancels_the_call_in_one_line(
+    stack: Stack, client: Client, gate: Callable[[], Gate]
+) -> None:
+    """README, "CLI": Ctrl-C ends a command with one line and exit status 130, no traceback;
+    an invoke's call is cancelled, and the function stays registered."""
+    go = gate()  # never opened: the handler waits until the call is cancelled
+    payload = json.dumps({"say": "interrupted", "go": str(go)})
+    invoke = subprocess.Popen([*CLI, "invoke", "waits", payload, "--follow", "--gateway",
+                               stack.gateway_address],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert invoke.stderr is not None
+        assert invoke.stderr.readline() == "started interrupted\n"
+        invoke.send_signal(signal.SIGINT)
+        out, err = invoke.communicate(timeout=60)
+    finally:
+        invoke.kill()
+    assert (invoke.returncode, out, err) == (130, "", "fnkernel: interrupted\n")
+    wait_until(lambda: not (client.status("waits")["live"] or {}).get("inFlight"), timeout=30)
+    opened = gate()
+    opened.open()
+    assert client.invoke("waits", {"say": "again", "go": str(opened)}).value() == "again"
