@@ -143,6 +143,7 @@ def _invoke(args: argparse.Namespace) -> int:
     if args.map is not None:
         return _map(args)
     from fnkernel.runtime_server import payloads
+    from fnkernel.runtime_server.client.errors import InvocationTimedOut
 
     data = sys.stdin.buffer.read() if args.payload == "-" else args.payload.encode()
     media = payloads.media_type(args.content_type)
@@ -157,15 +158,22 @@ def _invoke(args: argparse.Namespace) -> int:
         raise UsageError(f"--content-type {media}: give the payload on stdin (-)")
     if args.output and not Path(args.output).absolute().parent.is_dir():  # before the call runs
         raise UsageError(f"--output {args.output}: no such directory")
-    result = client_of(args).invoke(
-        args.name,
-        data=data,
-        content_type=media,
-        timeout_millis=args.timeout_ms,
-        invocation_id=args.invocation_id,
-        on_log=_log_line if args.follow else None,
-        by_reference=False,  # the answer's bytes themselves, to write out as they came
-    )
+    try:
+        result = client_of(args).invoke(
+            args.name,
+            data=data,
+            content_type=media,
+            timeout_millis=args.timeout_ms,
+            invocation_id=args.invocation_id,
+            on_log=_log_line if args.follow else None,
+            by_reference=False,  # the answer's bytes themselves, to write out as they came
+        )
+    except InvocationTimedOut as exc:  # and how to give it more, as the kernel says
+        raise InvocationTimedOut(
+            f"{exc.message}; give it more with --timeout-ms MS", code=exc.code,
+            status=exc.status, run_uid=exc.run_uid, invocation_id=exc.invocation_id,
+            detail=exc.detail,
+        ) from None  # fmt: skip
     returned = payloads.media_type(result.content_type)
     written = result.output
     if returned != payloads.JSON:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 import threading
 import time
@@ -291,10 +292,13 @@ def test_timeout_is_deadline_exceeded_and_registration_stays_ready(python_rt: Cl
     # docs/protocol.md, "Registration" row 12; docs/protocol.md: DeadlineExceeded affects only this invocation.
     wd = python_rt.workdir(SLOW)
     reg = python_rt.register(working_dir=wd)
-    assert (
-        code_of(lambda: python_rt.invoke(reg.registration, b'{"sleep": 600}', timeout_millis=300))
-        == grpc.StatusCode.DEADLINE_EXCEEDED
-    )
+    with pytest.raises(grpc.RpcError) as timed_out:
+        python_rt.invoke(reg.registration, b'{"sleep": 600}', timeout_millis=300)
+    assert timed_out.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    # It says how long it had (which the caller can then raise): its 0.3 s, counted from when
+    # the worker was handed the call, a moment after the server took it.
+    had = re.search(r"the handler exceeded its deadline of ([\d.]+) s", timed_out.value.details())
+    assert had is not None and 0.2 <= float(had[1]) <= 0.3, timed_out.value.details()
     pid = int((wd / "pid").read_text())
     wait_until(lambda: not pid_alive(pid))  # the handler's process was killed
     assert python_rt.status(reg.registration).state == READY

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -239,3 +240,16 @@ def test_cli_ctrl_c_cancels_the_call_in_one_line(
     opened = gate()
     opened.open()
     assert client.invoke("waits", {"say": "again", "go": str(opened)}).value() == "again"
+
+
+def test_cli_timeout_says_how_long_the_call_had_and_how_to_give_more(
+    stack: Stack, client: Client, gate: Callable[[], Gate]
+) -> None:
+    go = gate()  # never opened: the handler waits past its deadline
+    payload = json.dumps({"say": "late", "go": str(go)})
+    done = subprocess.run([*CLI, "invoke", "waits", payload, "--timeout-ms", "300", "--gateway",
+                           stack.gateway_address], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    said = re.search(r"InvocationTimedOut: the handler exceeded its deadline of ([\d.]+) s; "
+                     r"give it more with --timeout-ms MS", done.stderr)  # fmt: skip
+    assert said is not None and float(said[1]) <= 0.3, done.stderr
