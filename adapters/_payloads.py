@@ -300,7 +300,12 @@ def _table(value: Any, kind: str, root: str) -> Any:
             extra[_SHAPE_KEY] = json.dumps(list(value.shape)).encode()
             extra[_DTYPE_KEY] = value.dtype.str.encode()
     except (pa.ArrowException, TypeError, ValueError) as exc:
-        raise NotArrow(f"{root}: this {kind} cannot be written as Arrow: {exc}") from None
+        what = f"this {kind}"
+        if kind == "numpy.ndarray":  # its dtype is what Arrow could not take
+            what += f" of dtype {value.dtype}"
+            if value.dtype.names:
+                exc = f"{exc}; send pandas.DataFrame(array) instead, a column for each field"
+        raise NotArrow(f"{root}: {what} cannot be written as Arrow: {exc}") from None
     # A frame made by concatenating small ones (pd.concat of Arrow-backed text) has a column of
     # as many chunks, and Arrow IPC writes a record batch, with its own header, for each: one
     # of 100,000 rows from 33,333 pieces took 17 MB and 156 ms, against 6 ms to combine them.

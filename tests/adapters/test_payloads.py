@@ -126,6 +126,22 @@ def test_bytes_that_are_not_their_type_are_refused_naming_what() -> None:
         payloads.decode(b"{", payloads.JSON, "the result")
 
 
+def test_an_array_arrow_cannot_hold_is_refused_naming_its_dtype() -> None:
+    # A structured array (with the way out: a DataFrame of its fields), and
+    # an object array of mixed elements.
+    structured = np.zeros(3, dtype=[("x", "i4"), ("y", "f8")])
+    with pytest.raises(payloads.NotArrow) as refused:
+        payloads.encode(structured, "payload")
+    assert str(refused.value).startswith(
+        "payload: this numpy.ndarray of dtype [('x', '<i4'), ('y', '<f8')] cannot be written as"
+    )
+    assert str(refused.value).endswith(
+        "; send pandas.DataFrame(array) instead, a column for each field"
+    )
+    with pytest.raises(payloads.NotArrow, match=r"^payload: this numpy.ndarray of dtype object "):
+        payloads.encode(np.array(["a", 1], dtype=object), "payload")
+
+
 def test_a_value_inside_json_is_not_arrow() -> None:
     # Only a DataFrame, table or array on its own travels as Arrow: inside a dict it is a
     # JSON value, which it cannot be — the error names where it is and what to do.
