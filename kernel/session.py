@@ -282,13 +282,15 @@ class Session:
 
     def _unpassed(self, spec: Spec) -> str:
         """The card's note when a cell has set environment variables since the kernel started
-        that the handler does not get (docs/protocol.md, "What a handler sees")."""
+        that the handler does not get (docs/protocol.md, "What a handler sees"); not those a
+        library sets for itself as it is imported, named with a leading underscore (polars'
+        _RJEM_MALLOC_CONF)."""
         keys = sorted(
             key
             for key, value in os.environ.items()
             if self.started_environ.get(key) != value
             and key not in spec.env
-            and not key.startswith(("FNKERNEL_", "JPY_"))
+            and not key.startswith(("FNKERNEL_", "JPY_", "_"))
         )
         if not keys:
             return ""
