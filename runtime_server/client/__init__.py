@@ -230,10 +230,11 @@ class Client(Transport):
             written = handed.stat().st_size
             if written > self._max_payload:  # as the gateway would refuse it
                 handed.unlink()
-                raise PayloadTooLarge(
-                    limits.body_too_large(written, self._max_payload, limits.MAX_PAYLOAD_WHY),
-                    code="PAYLOAD_TOO_LARGE", status=413,
-                )  # fmt: skip
+                why = limits.MAX_PAYLOAD_WHY
+                message = limits.body_too_large(
+                    written, self._max_payload, why, f"the payload of {name}"
+                )
+                raise PayloadTooLarge(message, code="PAYLOAD_TOO_LARGE", status=413)
             headers[wire.INPUT_REF_HEADER], body = handed.name, b""
         elif encoded is not None:
             body, media = encoded

@@ -542,8 +542,10 @@ def test_body_over_the_payload_bound_is_413_without_calling_anything(
                 "no-such-function", data=b"0" * ((8 << 20) + 1), by_reference=by_reference
             )
         assert refused.value.status == 413
-        assert "8388609 bytes; at most 8388608 (the gateway's --max-payload-bytes)" in str(
-            refused.value
+        # The gateway's names the request's body; the client's, the function's payload.
+        what = "the payload of no-such-function" if by_reference else "request body"
+        assert f"{what} is 8388609 bytes; at most 8388608 (the gateway's --max-payload-bytes)" in (
+            str(refused.value)
         )
     assert spooled(stack.spool) == []
 
