@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from fnkernel.runtime_server.tokens import GatewayToken
 
 STORES = ("sqlite", "kubernetes")
+UP_FILE = "up.pid"  # in the state dir: the pid of the `fnkernel up` using it, for `fnkernel down`
+DOWN_WAIT_SECONDS = 120.0  # `fnkernel down` waits this long for `up` to stop its components
 
 
 def _add_store_flags(parser: argparse.ArgumentParser) -> None:
@@ -257,7 +259,7 @@ def _controller(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from fnkernel.runtime_server import daemon, logs
+    from fnkernel.runtime_server import daemon, logs, tokens
     from fnkernel.runtime_server.errors import StoreDamaged
     from fnkernel.runtime_server.lifecycle.stack import Stack, parse_pods
 
@@ -290,12 +292,55 @@ def _up(args: argparse.Namespace) -> int:
     print(f"fnkernel up: state dir {stack.state_dir}")
     for line in stack.describe():
         print(f"  {line}")
+    up_file = stack.state_dir / UP_FILE  # for ``fnkernel down``
+    tokens.write_private(up_file, f"{os.getpid()}\n")
     print(
-        f"fnkernel up: ready; gateway {stack.gateway_address}; Ctrl-C stops everything", flush=True
+        f"fnkernel up: ready; gateway {stack.gateway_address}; Ctrl-C or `fnkernel down` stops "
+        "everything",
+        flush=True,
     )
-    daemon.wait_for_termination()
-    stack.stop()
+    try:
+        daemon.wait_for_termination()
+        stack.stop()
+    finally:
+        up_file.unlink(missing_ok=True)
     return EXIT_OK
+
+
+def _down(args: argparse.Namespace) -> int:
+    """Stop the ``fnkernel up`` of this state dir as Ctrl-C would, and wait until it is gone."""
+    from fnkernel.system.procfs import running
+    from fnkernel.system.waiting import wait_for
+
+    state_dir = state_dir_of(args)
+    up = _up_process(state_dir / UP_FILE)
+    if up is None:
+        print(f"fnkernel down: no stack is up with the state dir {state_dir}", file=sys.stderr)
+        return EXIT_FAILURE
+    os.kill(up, signal.SIGTERM)
+    # It stops its components, each within its drain timeout, then exits.
+    if not wait_for(lambda: not running(up), timeout=DOWN_WAIT_SECONDS, interval=0.05):
+        print(f"fnkernel down: pid {up} is still stopping after {DOWN_WAIT_SECONDS:g} s",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_FAILURE
+    print(f"fnkernel down: stopped the stack of {state_dir} (pid {up})")
+    return EXIT_OK
+
+
+def _up_process(up_file: Path) -> int | None:
+    """The pid in `up_file` if it is a running ``fnkernel ... up`` (not a reused pid); a stale
+    file is removed."""
+    from fnkernel.system.procfs import running
+
+    try:
+        pid = int(up_file.read_text())
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except (OSError, ValueError):
+        return None
+    if running(pid) and b"up" in command and b"fnkernel" in b" ".join(command):
+        return pid
+    up_file.unlink(missing_ok=True)
+    return None
 
 
 def _add_access_flags(parser: argparse.ArgumentParser) -> None:
@@ -526,6 +571,15 @@ def register(commands: Any) -> None:
     add_max_payload(up)
     add_state_dir(up)
     up.set_defaults(func=_up)
+
+    down = commands.add_parser(
+        "down",
+        help="stop the stack `fnkernel up` started with this state dir",
+        description="Stop the `fnkernel up` of this state dir as Ctrl-C would (its calls in "
+        "flight drain first) and wait until every component is gone.",
+    )
+    add_state_dir(down)
+    down.set_defaults(func=_down)
 
     evaluator = commands.add_parser(
         "evaluator",

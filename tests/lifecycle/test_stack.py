@@ -219,6 +219,34 @@ def test_fnkernel_up_prints_addresses_and_stops_everything(
             proc.wait()
 
 
+def test_fnkernel_down_stops_the_stack_up_started_in_its_state_dir(tmp_path: Path) -> None:
+    # README, "CLI": `fnkernel up &` then `fnkernel down` with the same state dir.
+    cli = [sys.executable, "-m", "fnkernel.runtime_server.cli"]
+    state = ["--state-dir", str(tmp_path / "s")]
+    proc = subprocess.Popen(
+        [*cli, "up", *state, "--gateway-listen", "127.0.0.1:0", "--pods", "python=1"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        pids = [int(pid) for pid in re.findall(r"\(pid (\d+)\)", "\n".join(read_until_ready(proc)))]
+        down = subprocess.run([*cli, "down", *state], capture_output=True, text=True, timeout=60)
+        assert down.returncode == 0, down.stderr
+        assert (
+            down.stdout
+            == f"fnkernel down: stopped the stack of {tmp_path / 's'} (pid {proc.pid})\n"
+        )
+        assert proc.wait(30) == 0
+        assert not any(pid_alive(pid) for pid in pids)  # down waits until every one is gone
+        again = subprocess.run([*cli, "down", *state], capture_output=True, text=True, timeout=60)
+        assert (again.returncode, again.stderr) == (
+            1, f"fnkernel down: no stack is up with the state dir {tmp_path / 's'}\n",
+        )  # fmt: skip
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_up_rejects_a_bad_pods_flag(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "fnkernel.runtime_server.cli", "up", "--state-dir", str(tmp_path), "--pods", "ruby=1"],
