@@ -68,7 +68,6 @@ class WorkerCall:
     invocation_id: str
     deadline: float
     run_uid: str
-    began: float = field(default_factory=time.monotonic)  # when its deadline was set
     # Unguessable, new for every call: the worker echoes it in the answer's header.
     nonce: bytes = field(default_factory=lambda: os.urandom(8).hex().encode())
     traceparent: bytes = b""  # a traced call's W3C context, for the handler
@@ -392,7 +391,7 @@ class WorkerSupervisor:
             self._cancelled = False
             self._worker.answering = False
             if queued is not None:
-                queued.deadline, queued.began = deadline, time.monotonic()  # its own, from now
+                queued.deadline = deadline  # its own, from now
                 self._current = queued
             else:
                 self._current = WorkerCall(self._worker, invocation_id, deadline, self._run_uid)
@@ -449,7 +448,6 @@ class WorkerSupervisor:
 def _timed_out(call: WorkerCall) -> InvocationTimeout:
     """The deadline passed: what the handler wrote until then goes with the error (its worker
     was replaced, which collected them)."""
-    seconds = call.deadline - call.began  # timeout_millis, or the caller's deadline if sooner
-    exc = InvocationTimeout(f"the handler exceeded its deadline of {round(seconds, 2):g} s")
+    exc = InvocationTimeout("the handler exceeded its deadline")
     exc.logs = tuple(call.logs)
     return exc

@@ -24,6 +24,7 @@ from fnkernel.adapters.errors import (
     AdapterError,
     HandlerError,
     InitError,
+    InvocationTimeout,
 )
 from fnkernel.runtime_server import limits, tracing
 from fnkernel.runtime_server.errors import (
@@ -277,7 +278,8 @@ class Registry:
         limits.check_input(input)
         limits.check_content_type(content_type)
         timeout = limits.effective_timeout_millis(timeout_millis) / 1000
-        effective_deadline = time.monotonic() + timeout
+        began = time.monotonic()
+        effective_deadline = began + timeout
         if deadline is not None:
             effective_deadline = min(effective_deadline, deadline)
         with self._lock:
@@ -321,6 +323,12 @@ class Registry:
                 invocation_id, input, effective_deadline, traceparent, media, transfer, then
             )
             logs = result.logs
+        except InvocationTimeout as exc:  # how long it had, which its caller can raise
+            logs = exc.logs
+            seconds = round(effective_deadline - began, 2)
+            timed_out = InvocationTimeout(f"{exc} of {seconds:g} s")
+            timed_out.logs, failure = logs, limits.bounded(str(timed_out))
+            raise timed_out from None
         except AdapterError as exc:
             logs, failure = getattr(exc, "logs", ()), limits.bounded(str(exc))
             raise

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 import textwrap
 import threading
 import time
@@ -295,10 +294,8 @@ def test_timeout_is_deadline_exceeded_and_registration_stays_ready(python_rt: Cl
     with pytest.raises(grpc.RpcError) as timed_out:
         python_rt.invoke(reg.registration, b'{"sleep": 600}', timeout_millis=300)
     assert timed_out.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    # It says how long it had (which the caller can then raise): its 0.3 s, counted from when
-    # the worker was handed the call, a moment after the server took it.
-    had = re.search(r"the handler exceeded its deadline of ([\d.]+) s", timed_out.value.details())
-    assert had is not None and 0.2 <= float(had[1]) <= 0.3, timed_out.value.details()
+    # It says how long it had, which the caller can then raise.
+    assert "the handler exceeded its deadline of 0.3 s" in (timed_out.value.details() or "")
     pid = int((wd / "pid").read_text())
     wait_until(lambda: not pid_alive(pid))  # the handler's process was killed
     assert python_rt.status(reg.registration).state == READY
