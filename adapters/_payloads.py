@@ -44,6 +44,7 @@ KIND_KEY = b"fnkernel.kind"  # in the Arrow schema's metadata: what the reader r
 _NAME_KEY = b"fnkernel.name"  # a pandas Series' name, as JSON
 _SHAPE_KEY = b"fnkernel.shape"  # a numpy array's shape and dtype, as JSON
 _DTYPE_KEY = b"fnkernel.dtype"
+_ORDER_KEY = b"fnkernel.order"  # "F": its elements in Fortran (column-major) order
 # A spooled payload's file, once read, is kept for the next one written into the same spool
 # (``spool_file``, ``release``): at most so many such files, of so many bytes in all, each for
 # so long unused.
@@ -295,10 +296,14 @@ def _table(value: Any, kind: str, root: str) -> Any:
         elif kind == "pyarrow.RecordBatch":
             table = pa.Table.from_batches([value])
         else:  # numpy.ndarray: its elements in order, a column; its shape and dtype beside
-            flat = value.reshape(-1) if value.flags.c_contiguous else value.ravel()
+            # Its elements in its memory's order, without a copy when that is C's or Fortran's.
+            fortran = value.flags.f_contiguous and not value.flags.c_contiguous
+            flat = value.ravel(order="F" if fortran else "C")
             table = pa.table({_ARRAY_COLUMN: pa.array(flat)})
             extra[_SHAPE_KEY] = json.dumps(list(value.shape)).encode()
             extra[_DTYPE_KEY] = value.dtype.str.encode()
+            if fortran:
+                extra[_ORDER_KEY] = b"F"
     except (pa.ArrowException, TypeError, ValueError) as exc:
         what = f"this {kind}"
         if kind == "numpy.ndarray":  # its dtype is what Arrow could not take
@@ -367,12 +372,15 @@ def _from_arrow(data: Any, what: str, *, mapped: bool = False) -> Any:
     if kind == "numpy.ndarray":
         _needs(kind, "numpy", what)
         shape = json.loads(metadata.get(_SHAPE_KEY, b"[-1]"))
-        array = table.column(_ARRAY_COLUMN).to_numpy(zero_copy_only=False).reshape(shape)
+        order = "F" if metadata.get(_ORDER_KEY) == b"F" else "C"
+        flat = table.column(_ARRAY_COLUMN).to_numpy(zero_copy_only=False)
+        array = flat.reshape(shape, order=order)
         dtype = metadata.get(_DTYPE_KEY, b"").decode()
         array = array.astype(dtype, copy=False) if dtype and dtype != array.dtype.str else array
         # A view of Arrow's buffer is read-only: copied, as a DataFrame's numbers are, so that
-        # the array can be written to as the one sent could (and no file stays mapped for it).
-        return array if array.flags.writeable else array.copy()
+        # the array can be written to as the one sent could (and no file stays mapped for it),
+        # in the order it had.
+        return array if array.flags.writeable else array.copy(order="K")
     plain = table.replace_schema_metadata(metadata or None)
     if kind == "pyarrow.RecordBatch":
         batches = plain.combine_chunks().to_batches()

@@ -78,11 +78,15 @@ def test_polars_and_pyarrow_kinds_come_back_as_their_kind() -> None:
     ],
     ids=["2-d", "fortran", "text", "datetime", "0-d", "empty"],
 )
-def test_a_numpy_array_keeps_its_shape_and_dtype(array: np.ndarray) -> None:
+def test_a_numpy_array_keeps_its_shape_dtype_and_order(array: np.ndarray) -> None:
+    # docs/protocol.md, "Content types": its shape, dtype and order (C's or Fortran's).
     back, _ = round_trip(array)
     assert isinstance(back, np.ndarray)
     assert (back.shape, back.dtype) == (array.shape, array.dtype)
     np.testing.assert_array_equal(back, array)
+    assert (back.flags.c_contiguous, back.flags.f_contiguous) == (
+        array.flags.c_contiguous, array.flags.f_contiguous,
+    )  # fmt: skip
 
 
 def test_a_numpy_array_comes_back_writable_as_it_went() -> None:
