@@ -1,10 +1,12 @@
 """KRM pipelines: ``render`` and ``eval`` (kpt's ``fn render`` and ``fn eval``, whose own
-command line, flags and output are ``cli/kpt.py``'s), and ``export``."""
+command line, flags and output are ``cli/kpt.py``'s), ``export``, and the servers of KRM
+functions: ``evaluator`` (the chain) and ``wrapper-server`` (one function's pod)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,6 +23,7 @@ from fnkernel.runtime_server.cli.common import (
     bounds_from_flags,
     chain_from_flags,
     client_of,
+    count,
 )
 
 if TYPE_CHECKING:  # loaded when a KRM command runs: they load ruamel.yaml
@@ -153,6 +156,56 @@ def _export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _evaluator(args: argparse.Namespace) -> int:
+    from fnkernel.runtime_server import daemon, logs
+    from fnkernel.runtime_server.daemon import announcement
+    from fnkernel.runtime_server.krm.evaluators.server import serve
+
+    logs.configure(logging.DEBUG if args.verbose else logging.INFO)
+    daemon.keep_freed_memory()  # payloads pass through (docs/architecture.md)
+    chain = chain_from_flags(args, "evaluator")
+    try:
+        server, address = serve(chain.evaluator(), args.listen)
+    except RuntimeError as exc:
+        chain.close()
+        print(f"fnkernel evaluator: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    print(announcement("evaluator", f"chain {chain.describe()}", address), flush=True)
+    daemon.wait_for_termination()
+    server.stop(5).wait()
+    chain.close()
+    return EXIT_OK
+
+
+def _wrapper_server(args: argparse.Namespace) -> int:
+    from fnkernel.runtime_server import daemon, logs
+    from fnkernel.runtime_server.daemon import announcement
+    from fnkernel.runtime_server.krm.evaluators.server import serve
+    from fnkernel.runtime_server.krm.evaluators.wrapper import WrapperEvaluator
+
+    logs.configure(logging.INFO)
+    daemon.keep_freed_memory()  # payloads pass through (docs/architecture.md)
+    entrypoint = args.entrypoint[1:] if args.entrypoint[:1] == ["--"] else args.entrypoint
+    if not entrypoint:
+        print("fnkernel wrapper-server: give the function's entrypoint after --", file=sys.stderr)
+        return EXIT_USAGE
+    if args.max_request_body_size <= 0:
+        print("fnkernel wrapper-server: --max-request-body-size must be positive", file=sys.stderr)
+        return EXIT_USAGE
+    listen = args.listen or f"127.0.0.1:{args.port}"
+    try:
+        server, address = serve(
+            WrapperEvaluator(entrypoint), listen, max_bytes=args.max_request_body_size
+        )
+    except RuntimeError as exc:
+        print(f"fnkernel wrapper-server: cannot listen on {listen}: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    print(announcement("wrapper-server", " ".join(entrypoint), address), flush=True)
+    daemon.wait_for_termination()
+    server.stop(5).wait()
+    return EXIT_OK
+
+
 def register(commands: Any) -> None:
     """Add the subcommands of this group to `commands` (argparse subparsers)."""
     render = commands.add_parser(
@@ -199,3 +252,34 @@ def register(commands: Any) -> None:
     export.set_defaults(func=_export)
     kpt.add_fn_group(commands)
     kpt.add_pkg_group(commands)
+
+    evaluator = commands.add_parser(
+        "evaluator",
+        help="serve the evaluator chain over FunctionEvaluator (KRM functions)",
+        description="Serve evaluator.FunctionEvaluator over the chain builtin → exec → pod: only "
+        "NotFound falls through to the next evaluator.",
+    )
+    evaluator.add_argument("--listen", default="127.0.0.1:9445", metavar="ADDR")
+    add_chain_flags(evaluator)
+    evaluator.add_argument("-v", "--verbose", action="store_true")
+    evaluator.set_defaults(func=_evaluator)
+
+    wrapper = commands.add_parser(
+        "wrapper-server",
+        help="serve one KRM function entrypoint over FunctionEvaluator (a function pod)",
+        description="Run ENTRYPOINT once per EvaluateFunction request with the ResourceList on "
+        "stdin. Usage: fnkernel wrapper-server --port 9446 -- ENTRYPOINT...",
+    )
+    wrapper.add_argument("--port", type=count, default=9446, help="loopback port (0: any free one)")
+    wrapper.add_argument(
+        "--listen", metavar="ADDR", help="host:port or unix:PATH instead of --port"
+    )
+    wrapper.add_argument(
+        "--max-request-body-size",
+        type=count,
+        default=6 * 1024 * 1024,
+        metavar="BYTES",
+        help="largest ResourceList accepted (default 6 MiB)",
+    )
+    wrapper.add_argument("entrypoint", nargs=argparse.REMAINDER, metavar="-- ENTRYPOINT...")
+    wrapper.set_defaults(func=_wrapper_server)
