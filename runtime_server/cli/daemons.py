@@ -86,8 +86,6 @@ def _serve(args: argparse.Namespace) -> int:
     stop_reaper = threading.Event()
     daemon.start_reaper(stop_reaper)
     spool = Spool(Path(args.spool), args.max_payload_bytes) if args.spool else None
-    if spool is not None:
-        spool.start_sweeping(stop_reaper)
     server = RuntimeServer(
         args.runtime, workspace_root, oneshot_only=args.oneshot_only, spool=spool
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from concurrent import futures
 from pathlib import Path
 
@@ -77,6 +78,8 @@ class RuntimeServer:
         sweep(runtime)  # the worker scratch dirs of Runtime Servers that were killed
         if spool is not None:
             spool.sweep()  # what a killed server's calls left
+        self.spool = spool
+        self._stop_sweeping = threading.Event()
         self.registry = Registry(adapter, workspace_root, register_wait=register_wait, spool=spool)
         pipeline = Pipeline(
             (
@@ -130,10 +133,13 @@ class RuntimeServer:
         """Bind `listen` (``host:port`` or ``unix:PATH``) and start; returns the bound address."""
         self.address = listen_on(self.server, listen)
         self.server.start()
+        if self.spool is not None:  # what nobody claims, swept every minute while it serves
+            self.spool.start_sweeping(self._stop_sweeping)
         return self.address
 
     def stop(self, drain_seconds: float = 10.0) -> None:
         """Refuse new RPCs, let in-flight invocations finish (bounded), then stop every worker."""
         self.health.enter_graceful_shutdown()
         self.server.stop(drain_seconds).wait()
+        self._stop_sweeping.set()
         self.registry.shutdown()

@@ -388,7 +388,6 @@ class PayloadsServicer(payloads_pb2_grpc.PayloadsServicer):
     def PutPayload(
         self, request_iterator: Iterator[payloads_pb2.PayloadChunk], context: grpc.ServicerContext
     ) -> payloads_pb2.PayloadRef:
-        self.spool.sweep()
         first = next(request_iterator, None)
         size = first.size if first is not None else 0
 

@@ -113,8 +113,9 @@ class Spool:
     def start_sweeping(
         self, stop: threading.Event, every: float = SWEEP_SECONDS
     ) -> threading.Thread:
-        """``sweep`` every `every` seconds until `stop`: a caller on this machine writes and
-        takes its payloads as files, so no call of the server's would sweep for it."""
+        """``sweep`` every `every` seconds until `stop` (the Runtime Server's, while it serves):
+        whichever way payloads come — PutPayload, or a caller on this machine writing files —
+        what nobody claimed goes."""
 
         def loop() -> None:
             while not stop.wait(every):

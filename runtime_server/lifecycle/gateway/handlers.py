@@ -299,16 +299,15 @@ class BodyHandler(BaseHandler):
     def prepare(self) -> Awaitable[None] | None:
         self._chunks: list[bytes] = []
         self._size = 0
-        self._refused: FailureResponse | None = None  # a body past the bound, read and dropped
-        self._early = False  # its 413 sent before its body: the answer ends once that is in
-        self._held = False  # ``finish`` has held back that answer's end
+        self._refused = False  # its 413 sent before its body, which is read and dropped
+        self._held = False  # ``finish`` has held back that answer's end until the body is in
         super().prepare()
         length = self.content_length()
         if length > self.largest_body()[0]:
             refused = self._too_large(length, *self.largest_body())
             if self.request.headers.get("Expect", "").lower() == "100-continue":
                 raise refused
-            self._refused, self._early = refused, True
+            self._refused = True
             self._lift_cap(length)
             self.send_failure(refused)  # sent now: ``finish`` holds the answer's end back
         elif length < 0:
@@ -316,7 +315,7 @@ class BodyHandler(BaseHandler):
         return None
 
     def finish(self, chunk: str | bytes | dict[str, Any] | None = None) -> Future[None]:
-        if self._early and not self._held:  # the 413, sent before its body is read
+        if self._refused and not self._held:  # the 413, sent before its body is read
             self._held = True
             data = chunk.encode() if isinstance(chunk, str) else chunk
             assert isinstance(data, bytes)  # send_json's
@@ -341,7 +340,7 @@ class BodyHandler(BaseHandler):
 
     def data_received(self, chunk: bytes) -> Awaitable[None] | None:
         self._size += len(chunk)
-        if self._refused is not None or self._size > self.whole_body()[0]:
+        if self._refused or self._size > self.whole_body()[0]:
             self._chunks.clear()  # keep reading, keep nothing
         else:
             self._chunks.append(chunk)
@@ -349,10 +348,8 @@ class BodyHandler(BaseHandler):
 
     def body(self) -> bytes:
         """The whole body; 413 if it was larger than the route takes."""
-        if self._early:
+        if self._refused:
             raise web.Finish()  # its 413 was sent: read and dropped, the answer ends now
-        if self._refused is not None:
-            raise self._refused
         if self._size > self.whole_body()[0]:
             raise self._too_large(self._size, *self.whole_body())
         return b"".join(self._chunks)

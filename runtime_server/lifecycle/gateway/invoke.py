@@ -83,7 +83,7 @@ class InvokeHandler(TracedHandler, BodyHandler):
         self._upload: Upload | None = None  # a body past one message, on its way to the spool
         self._upload_run: Run | None = None
         super().prepare()
-        if self._refused is None and self.content_length() > limits.MAX_PAYLOAD_BYTES:
+        if not self._refused and self.content_length() > limits.MAX_PAYLOAD_BYTES:
             return self._start_upload(self.content_length())
         return None
 
