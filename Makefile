@@ -90,8 +90,9 @@ bench: $(STAMP)
 	$(VENV)/bin/fnkernel bench
 
 # fnkernel beside Ray and Jupyter Kernel Gateway, interleaved in one run (benchmarks/peers.py), and
-# DataFrames in and out beside Ray and a ProcessPoolExecutor (benchmarks/dataframes.py), both run:
-# the peers are an optional extra, installed here. Not part of `make test` or `make bench`.
+# DataFrames in and out beside Ray and a ProcessPoolExecutor (benchmarks/dataframes.py), and grpc's
+# two I/O engines under the same calls (benchmarks/engines.py), all run: the peers are an optional
+# extra, installed here. Not part of `make test` or `make bench`.
 PEERS_STAMP := $(VENV)/.installed-peers
 $(PEERS_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -e '.[dev,peers]'
@@ -99,7 +100,7 @@ $(PEERS_STAMP): $(STAMP)
 
 bench-peers: $(PEERS_STAMP)
 	$(PY) -m compileall -q runtime_server adapters kernel system benchmarks >/dev/null
-	$(PY) -m benchmarks.peers; peers=$$?; $(PY) -m benchmarks.dataframes && exit $$peers
+	$(PY) -m benchmarks.peers; peers=$$?; $(PY) -m benchmarks.dataframes && $(PY) -m benchmarks.engines && exit $$peers
 
 # kpt's own fn render / fn eval cases, judged as kpt judges them (docs/krm.md): KPT is a kpt
 # checkout, or KPT_MIRROR a bare clone of github.com/kptdev/kpt; CATALOG_MIRROR, a bare clone of
