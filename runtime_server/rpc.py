@@ -26,6 +26,15 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", limits.GRPC_MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", limits.GRPC_MAX_MESSAGE_BYTES),
 ]
+# A unary call between two of our own processes (``CancellableCalls``: a caller to runtimed,
+# runtimed to its server) on grpc's minimal channel stack, its deadline still checked: 2-7% off
+# a call (docs/architecture.md, "grpc's I/O engine"). What goes is the channel's idle timer and
+# its own check of message sizes, which the server at the other end, ours, makes anyway.
+HOP_CHANNEL_OPTIONS = [
+    *CHANNEL_OPTIONS,
+    ("grpc.minimal_stack", 1),
+    ("grpc.enable_deadline_checking", 1),
+]
 # A channel whose server-streaming calls are read by the calling thread itself, not handed over
 # from a channel thread of grpc's (docs/architecture.md, "A map's items in batches").
 STREAM_CHANNEL_OPTIONS = [
@@ -507,7 +516,7 @@ class CancellableCalls(Generic[S]):
         with self._lock:
             pair = self._idle.pop() if self._idle else None
         if pair is None:
-            channel = grpc.insecure_channel(self._target, options=CHANNEL_OPTIONS)
+            channel = grpc.insecure_channel(self._target, options=HOP_CHANNEL_OPTIONS)
             pair = (channel, self._stub(channel))
         channel, stub = pair
         state = {"ended": False, "cancelled": False}
