@@ -12,6 +12,7 @@ to ""), keeps what it chose. Standard library only.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.machinery
 import os
 import sys
@@ -33,13 +34,16 @@ class _Loader:
     """grpc's own loader, run with LEGACY_POLLER in the environment (an importlib Loader; not
     one by inheritance, so that importing this module imports no ``importlib.abc``)."""
 
-    def __init__(self, inner: Loader) -> None:
+    def __init__(self, inner: Loader, finder: _FirstImport) -> None:
         self._inner = inner
+        self._finder = finder
 
     def create_module(self, spec: ModuleSpec) -> ModuleType | None:
         return self._inner.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
+        with contextlib.suppress(ValueError):  # grpc is being imported: the finder's work is done
+            sys.meta_path.remove(self._finder)
         os.environ[EXPERIMENTS_ENV] = LEGACY_POLLER
         try:
             self._inner.exec_module(module)
@@ -52,19 +56,17 @@ class _Loader:
 
 
 class _FirstImport:
-    """Finds grpc once, as the path would, with ``_Loader`` around its loader."""
+    """Finds grpc as the path would, with ``_Loader`` around its loader, until grpc is imported:
+    a look that imports nothing (``importlib.util.find_spec``) leaves it in place."""
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> ModuleSpec | None:
-        if fullname != "grpc":
-            return None
-        sys.meta_path.remove(self)
-        if EXPERIMENTS_ENV in os.environ:  # chosen since install: the process's own choice
+        if fullname != "grpc" or EXPERIMENTS_ENV in os.environ:  # set since: the process's own
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
         if spec is not None and spec.loader is not None:
-            spec.loader = _Loader(spec.loader)  # type: ignore[assignment]  # a Loader by its methods
+            spec.loader = _Loader(spec.loader, self)  # type: ignore[assignment]  # a Loader by its methods
         return spec
 
 

@@ -31,6 +31,12 @@ print(subprocess.run(child, capture_output=True, text=True).stdout.strip())
 """
 FNKERNEL_FIRST = "import fnkernel.runtime_server\nimport grpc"
 GRPC_FIRST = "import grpc\nimport fnkernel.runtime_server"
+# A library that looks for grpc before it imports it (``importlib.util.find_spec``).
+LOOKED_FOR_FIRST = (
+    "import fnkernel.runtime_server, importlib.util\n"
+    "assert importlib.util.find_spec('grpc') is not None\n"
+    "import grpc"
+)
 
 
 def probe(tmp_path: object, first: str, **env: str) -> tuple[str, str]:
@@ -61,6 +67,12 @@ def test_fnkernel_imported_first_runs_grpc_on_the_legacy_poller_and_leaves_no_tr
     assert engine == "legacy poller"
     assert "env: None" in stdout  # taken out once grpc was imported
     assert "child: None" in stdout  # so a child never sees it
+
+
+def test_looking_for_grpc_before_importing_it_changes_nothing(tmp_path: object) -> None:
+    stdout, engine = probe(tmp_path, LOOKED_FOR_FIRST)
+    assert engine == "legacy poller"
+    assert "env: None" in stdout
 
 
 def test_a_process_that_chose_its_experiments_keeps_them(tmp_path: object) -> None:
