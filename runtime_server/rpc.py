@@ -27,7 +27,7 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", limits.GRPC_MAX_MESSAGE_BYTES),
 ]
 # A unary call between two of our own processes (``CancellableCalls``: a caller to runtimed,
-# runtimed to its server) on grpc's minimal channel stack, its deadline still checked: 2-7% off
+# runtimed to its server) on grpc's minimal channel stack, its deadline still checked: 3-4% off
 # a call (docs/architecture.md, "grpc's I/O engine"). What goes is the channel's idle timer and
 # its own check of message sizes, which the server at the other end, ours, makes anyway.
 HOP_CHANNEL_OPTIONS = [
