@@ -56,6 +56,10 @@ KEEP_FREE_SECONDS = 60.0
 _BATCH_ROWS = 1 << 16
 # A pandas frame of fewer cells is converted on one thread (``_threaded``).
 THREADS_FROM_VALUES = 1 << 20
+# A smaller one is converted against the schema pyarrow gave the last frame of its structure
+# (``_frame_table``): kept for so many structures.
+_FRAME_SCHEMAS_KEPT = 64
+_frame_schemas: dict[tuple, tuple[Any, dict]] = {}
 _SERIES_COLUMN = "__series__"
 _ARRAY_COLUMN = "values"
 # The kinds written as Arrow, by (top-level module, type name): exact types, not subclasses
@@ -107,29 +111,22 @@ def kind_of(value: Any) -> str | None:
     return _KINDS.get((cls.__module__.split(".", 1)[0], cls.__name__))
 
 
-def size_hint(value: Any) -> int:
-    """About how many bytes `value` takes, without encoding it: its buffers' size for an Arrow
-    kind, its length for bytes; 0 for what has no cheap answer (JSON values)."""
+def arrow_table(value: Any, root: str = "value") -> Any | None:
+    """`value` as the pyarrow Table its Arrow IPC stream is written from (the schema's metadata
+    names its kind), if it is of an Arrow kind; None for the rest. Its ``nbytes`` is about the
+    stream's size, so a caller can choose where to write it before writing it. NotArrow naming
+    the value (a path from `root`) if Arrow cannot hold it; PayloadError if pyarrow is
+    missing."""
     kind = kind_of(value)
-    if kind == "pandas.DataFrame":  # memory_usage()'s answer, in a fifth of its time
-        return sum(column.array.nbytes for _, column in value.items()) + value.index.nbytes
-    if kind == "pandas.Series":
-        return int(value.array.nbytes + value.index.nbytes)
-    if kind == "polars.DataFrame":
-        return int(value.estimated_size())
-    if kind is not None:  # pyarrow's, numpy's
-        return int(value.nbytes)
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return len(value)
-    return 0
+    return None if kind is None else _table(value, kind, root)
 
 
 def encode(value: Any, root: str = "value") -> tuple[bytes, str]:
     """`value` as bytes and their content type. TypeError naming the part JSON cannot hold (a
-    path from `root`); PayloadError if an Arrow kind's pyarrow is missing."""
-    kind = kind_of(value)
-    if kind is not None:
-        return _arrow_bytes(_table(value, kind, root), kind), ARROW
+    path from `root`); NotArrow, PayloadError as ``arrow_table``."""
+    table = arrow_table(value, root)
+    if table is not None:
+        return table_bytes(table), ARROW
     if isinstance(value, (bytes, bytearray, memoryview)):
         return bytes(value), OCTET
     return _jsonvalues.dumps(value, root), JSON
@@ -180,19 +177,33 @@ def encode_to_file(value: Any, path: str, root: str = "value") -> tuple[int, str
     """Write `value`'s bytes to the new payload file `path` (``spool_file``), as ``encode``
     makes them; their size and content type. An Arrow kind is written straight to the file,
     never whole in memory first."""
-    kind = kind_of(value)
-    if kind is None:
-        data, media = encode(value, root)
-        with spool_file(path) as out:
-            out.write(data)
-        return len(data), media
-    table = _table(value, kind, root)
-    pa = _pyarrow(f"a {kind}")
+    table = arrow_table(value, root)
+    if table is not None:
+        return write_table(table, path), ARROW
+    data, media = encode(value, root)
+    with spool_file(path) as out:
+        out.write(data)
+    return len(data), media
+
+
+def table_bytes(table: Any) -> bytes:
+    """The Arrow IPC stream of `table` (``arrow_table``'s)."""
+    pa = _pyarrow("a table")
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return bytes(sink.getvalue().to_pybytes())
+
+
+def write_table(table: Any, path: str) -> int:
+    """Write the Arrow IPC stream of `table` (``arrow_table``'s) to the new payload file `path`
+    (``spool_file``); its size."""
+    pa = _pyarrow("a table")
     with spool_file(path) as out:
         sink = pa.PythonFile(out, mode="w")
         with pa.ipc.new_stream(sink, table.schema) as writer:
             writer.write_table(table)
-        return out.tell(), ARROW
+        return out.tell()
 
 
 # Spool files
@@ -284,8 +295,7 @@ def _table(value: Any, kind: str, root: str) -> Any:
     extra: dict[bytes, bytes] = {}
     try:
         if kind == "pandas.DataFrame":
-            # Its index too, in pyarrow's pandas metadata.
-            table = pa.Table.from_pandas(value, nthreads=None if _threaded(value.size) else 1)
+            table = _frame_table(pa, value)  # its index too, in pyarrow's pandas metadata
         elif kind == "pandas.Series":
             table = pa.Table.from_pandas(value.to_frame(name=_SERIES_COLUMN), nthreads=1)
             extra[_NAME_KEY] = json.dumps(value.name, default=str).encode()
@@ -321,12 +331,53 @@ def _table(value: Any, kind: str, root: str) -> Any:
     return table.replace_schema_metadata(metadata)
 
 
-def _arrow_bytes(table: Any, kind: str) -> bytes:
-    pa = _pyarrow(f"a {kind}")
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
-    return bytes(sink.getvalue().to_pybytes())
+def _frame_table(pa: Any, frame: Any) -> Any:
+    """The pandas DataFrame `frame` as ``pa.Table.from_pandas`` makes it, its index and pandas
+    metadata too. pyarrow works the schema and that metadata out afresh for each frame, in
+    Python: most of converting a small frame (docs/architecture.md, "DataFrames beside the
+    peers"). Both follow from the frame's structure — its labels, its dtypes, its index's name —
+    but for its index's range; so a frame of fewer than THREADS_FROM_VALUES cells with a
+    RangeIndex, no ``attrs`` and no column typed by its values (object) is converted by
+    pyarrow's ``pa.array``, a column at a time, against the schema pyarrow gave an empty frame
+    of its structure, the range put in. The rest go through ``from_pandas`` as they are."""
+    index = frame.index
+    small = len(index) * len(frame.columns) < THREADS_FROM_VALUES  # frame.size, in a tenth
+    if not small or frame.attrs or type(index).__name__ != "RangeIndex" or frame.columns.empty:
+        return pa.Table.from_pandas(frame, nthreads=1 if small else None)
+    columns = list(frame.items())
+    dtypes = tuple(_structural(column.dtype) for _, column in columns)
+    if None in dtypes:
+        return pa.Table.from_pandas(frame, nthreads=1)
+    labels = frame.columns
+    key = (tuple(labels), str(labels.dtype), tuple(labels.names), index.name, dtypes)
+    known = _frame_schemas.get(key)
+    if known is None:
+        empty = pa.Table.from_pandas(frame.iloc[:0], nthreads=1)
+        known = empty.schema, json.loads(empty.schema.metadata[b"pandas"])
+        if len(_frame_schemas) >= _FRAME_SCHEMAS_KEPT:
+            _frame_schemas.clear()
+        _frame_schemas[key] = known
+    schema, template = known
+    (ranged,) = template["index_columns"]
+    ranged = {**ranged, "start": index.start, "stop": index.stop, "step": index.step}
+    pandas = json.dumps({**template, "index_columns": [ranged]}).encode()
+    arrays = [
+        pa.array(column, type=field.type, from_pandas=True)
+        for (_, column), field in zip(columns, schema, strict=True)
+    ]
+    return pa.Table.from_arrays(arrays, schema=schema.with_metadata({b"pandas": pandas}))
+
+
+def _structural(dtype: Any) -> tuple | None:
+    """What of a column's dtype its Arrow type and pandas metadata follow from: the dtype and
+    its time zone's class (equal dtypes may differ there); for categories their dtype, count and
+    order, not their values (hashing those took 10% of a small frame's conversion). None if
+    they follow from the values: an object column, or categories of objects."""
+    categories = getattr(dtype, "categories", None)
+    if categories is None:
+        return None if str(dtype) == "object" else (dtype, type(getattr(dtype, "tz", None)))
+    inner = str(categories.dtype)
+    return None if inner == "object" else ("category", inner, len(categories), dtype.ordered)
 
 
 def _from_mapped(path: str, what: str) -> tuple[Any, bool]:

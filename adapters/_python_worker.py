@@ -145,13 +145,6 @@ def takes_context(function) -> bool:
     return True
 
 
-def encode_result(result) -> tuple[bytes, bytes]:
-    """The result's bytes and their type's token, as a payload is encoded (docs/protocol.md,
-    "Content types")."""
-    output, media = _payloads.encode(result, "result")
-    return output, _payloads.CODES[media]
-
-
 def _write(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
@@ -294,13 +287,16 @@ class _Call:
     def result(self, result, outputs: dict) -> None:
         """Encode `result` and answer it: inline, or written to the spool when it is large —
         a large Arrow kind straight to its file, never whole in memory first."""
-        spooled = self.output_path and _payloads.size_hint(result) >= self.output_from
-        if spooled and _payloads.kind_of(result) is not None:
-            size, media = _payloads.encode_to_file(result, self.output_path, "result")
-            code = _payloads.CODES[media]
+        table = _payloads.arrow_table(result, "result")
+        if table is not None and self.output_path and table.nbytes >= self.output_from:
+            size = _payloads.write_table(table, self.output_path)
+            code = _payloads.CODES[_payloads.ARROW]
         else:
-            output, code = encode_result(result)
-            size = len(output)
+            if table is not None:
+                output, media = _payloads.table_bytes(table), _payloads.ARROW
+            else:
+                output, media = _payloads.encode(result, "result")
+            code, size = _payloads.CODES[media], len(output)
             if not self.output_path or size < self.output_from:
                 self.status = b"ok"
                 _respond(self.resp_fd, self.nonce, b"ok", outputs, output, code)

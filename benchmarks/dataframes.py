@@ -44,7 +44,6 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-import pyarrow as pa
 
 from benchmarks.invoke import Target, verdicts
 from benchmarks.peer_parts import start_ray
@@ -137,9 +136,8 @@ def _echo_stack(state: Path, memory_mib: int) -> tuple[Stack, Client]:
 def _converted(frame: pd.DataFrame) -> pd.DataFrame:
     """`frame` to Arrow and back as the codec converts it (its threads too), without the
     IPC stream's bytes: the conversions alone."""
-    threaded = frame.size >= THREADS_FROM_VALUES
-    table = pa.Table.from_pandas(frame, nthreads=None if threaded else 1)
-    return table.to_pandas(use_threads=threaded)
+    table = payloads.arrow_table(frame)
+    return table.to_pandas(use_threads=frame.size >= THREADS_FROM_VALUES)
 
 
 class Echo:

@@ -30,6 +30,7 @@ from fnkernel.adapters._payloads import (
     OCTET,
     NotArrow,
     PayloadError,
+    arrow_table,
     decode,
     decode_file,
     encode,
@@ -37,8 +38,9 @@ from fnkernel.adapters._payloads import (
     kind_of,
     media_type,
     release,
-    size_hint,
     spool_file,
+    table_bytes,
+    write_table,
 )
 
 __all__ = [
@@ -49,6 +51,7 @@ __all__ = [
     "OCTET",
     "NotArrow",
     "PayloadError",
+    "arrow_table",
     "decode",
     "decode_file",
     "dumps",
@@ -57,8 +60,9 @@ __all__ = [
     "kind_of",
     "media_type",
     "release",
-    "size_hint",
     "spool_file",
+    "table_bytes",
+    "write_table",
 ]
 
 

@@ -205,11 +205,12 @@ class Client(Transport):
         thread), else — a quicker call, or when no live stream could be had — from its result
         or failure before this returns or raises (docs/protocol.md, "Live output")."""
         encoded: tuple[bytes, str] | None = None  # the payload's bytes, unless written to a file
+        table = None  # an Arrow kind's, written where its size says
         if data is not None:
             encoded = data, content_type
-        elif payloads.kind_of(payload) is None:  # JSON or octets: its size is its length
-            encoded = payloads.encode(payload, "payload")
-        size = len(encoded[0]) if encoded is not None else payloads.size_hint(payload)
+        elif (table := payloads.arrow_table(payload, "payload")) is None:
+            encoded = payloads.encode(payload, "payload")  # JSON or octets: sized by its length
+        size = table.nbytes if table is not None else len(encoded[0]) if encoded else 0
         spool = None
         direct = by_reference and not traceparent and self._direct_allowed()
         if by_reference:  # asked of the gateway for a large input or a direct call; else as known
@@ -226,7 +227,8 @@ class Client(Transport):
                     out.write(encoded[0])
                 media = encoded[1]
             else:
-                media = payloads.encode_to_file(payload, str(handed), "payload")[1]
+                payloads.write_table(table, str(handed))
+                media = payloads.ARROW
             written = handed.stat().st_size
             if written > self._max_payload:  # as the gateway would refuse it
                 handed.unlink()
@@ -239,7 +241,7 @@ class Client(Transport):
         elif encoded is not None:
             body, media = encoded
         else:
-            body, media = payloads.encode(payload, "payload")
+            body, media = payloads.table_bytes(table), payloads.ARROW
         headers["Content-Type"] = media
         if timeout_millis:
             headers[wire.TIMEOUT_HEADER] = str(timeout_millis)

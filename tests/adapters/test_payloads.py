@@ -153,16 +153,63 @@ def test_a_value_inside_json_is_not_arrow() -> None:
         payloads.encode({"frame": mixed_frame()}, "payload")
 
 
-def test_a_size_hint_is_about_the_arrow_size_without_encoding() -> None:
-    # What decides, before anything is encoded, whether a payload goes through the spool
-    # (docs/protocol.md, "Large payloads"): about the size it will have, read from its buffers.
+def test_an_arrow_tables_size_is_about_its_streams_before_it_is_written() -> None:
+    # What decides whether a payload goes through the spool (docs/protocol.md, "Large
+    # payloads"): the size of the table it is written from, known before a byte is written.
     # The frame is made of 33,333 pieces, as a notebook's concatenated partitions are: its text
     # is Arrow arrays of as many chunks, written as one batch, not 33,333.
     rows = 100_000
     frame = pd.concat([mixed_frame()] * (rows // 3), ignore_index=True)
     for value in (frame, frame["ratio"], frame["count"]):
         encoded = len(payloads.encode(value)[0])
-        assert 0.75 * encoded <= payloads.size_hint(value) <= 1.25 * encoded, value
-    assert payloads.size_hint(np.zeros((3, 4))) == 96
-    assert payloads.size_hint(b"abc") == 3
-    assert payloads.size_hint({"a": 1}) == 0  # no cheap answer: JSON is sized once encoded
+        table = payloads.arrow_table(value)
+        assert 0.75 * encoded <= table.nbytes <= 1.25 * encoded, value
+    assert payloads.arrow_table(np.zeros((3, 4))).nbytes == 96
+    assert payloads.arrow_table(b"abc") is None  # octets and JSON are sized by their bytes
+    assert payloads.arrow_table({"a": 1}) is None
+
+
+def small_frames() -> list[pd.DataFrame]:
+    """Frames of every structure a small frame's conversion knows (docs/architecture.md,
+    "DataFrames beside the peers"), and some it leaves to pyarrow."""
+    n = 200
+    frame = pd.DataFrame(
+        {
+            "count": np.arange(n),
+            "ratio": np.where(np.arange(n) % 7 == 0, np.nan, 0.5),
+            "at": pd.date_range("2026-01-01", periods=n, freq="min", tz="Europe/Paris"),
+            "utc": pd.date_range("2026-01-01", periods=n, freq="min", tz="UTC"),
+            "naive": pd.date_range("2026-01-01", periods=n, freq="min"),
+            "took": pd.to_timedelta(np.arange(n), unit="s"),
+            "grade": pd.Categorical.from_codes(np.arange(n) % 3, ["a", "b", "c"], ordered=True),
+            "size": pd.Categorical(np.arange(n) % 4),
+            "note": np.where(np.arange(n) % 5 == 0, None, "ok"),
+            "nullable": pd.array(np.where(np.arange(n) % 3 == 0, None, 1), dtype="Int64"),
+            "flag": np.arange(n) % 2 == 0,
+        }
+    )
+    stepped = frame.copy()
+    stepped.index = pd.RangeIndex(100, 100 + 3 * n, 3, name="row")
+    numbered = pd.DataFrame({0: np.arange(n), 1: np.arange(n) * 0.5})
+    nested = pd.DataFrame({("x", "a"): np.arange(n), ("x", "b"): np.arange(n) * 0.5})
+    with_attrs = frame.copy()
+    with_attrs.attrs["source"] = "test"
+    texts = pd.DataFrame({"o": pd.Series(["a", "b"] * (n // 2), dtype=object)})
+    labelled = frame.set_index("count")
+    return [frame, frame.iloc[10:50], stepped, numbered, nested, with_attrs, texts, labelled]
+
+
+def test_a_frame_converts_as_pyarrow_converts_it() -> None:
+    # The codec converts a small frame against the schema it found for that structure before
+    # (docs/architecture.md, "DataFrames beside the peers"): what it writes must be what
+    # pyarrow's from_pandas writes, schema, pandas metadata (the index's range too) and values,
+    # the first time a structure is seen and the next, for a frame of another length.
+    for frame in small_frames():
+        for part in (frame, frame.iloc[: len(frame) // 2], frame.iloc[::2]):
+            want = pa.Table.from_pandas(part, nthreads=1)
+            got = payloads.arrow_table(part)
+            assert got.schema.metadata[b"pandas"] == want.schema.metadata[b"pandas"]
+            assert got.replace_schema_metadata(None).equals(want.replace_schema_metadata(None))
+            if "o" not in part:  # text of object dtype comes back as pandas 3's str
+                back = payloads.decode(*payloads.encode(part))
+                pd.testing.assert_frame_equal(back, part)
