@@ -31,6 +31,7 @@ import secrets
 import time
 import weakref
 from collections.abc import Iterator
+from functools import partial
 from typing import IO, Any
 
 JSON = "application/json"
@@ -56,7 +57,7 @@ KEEP_FREE_SECONDS = 60.0
 _BATCH_ROWS = 1 << 16
 # A pandas frame of fewer cells is converted on one thread (``_threaded``).
 THREADS_FROM_VALUES = 1 << 20
-# A smaller one is converted against the schema pyarrow gave the last frame of its structure
+# A frame is converted against the schema pyarrow gave the last frame of its structure
 # (``_frame_table``): kept for so many structures.
 _FRAME_SCHEMAS_KEPT = 64
 _frame_schemas: dict[tuple, tuple[Any, dict]] = {}
@@ -333,21 +334,22 @@ def _table(value: Any, kind: str, root: str) -> Any:
 
 def _frame_table(pa: Any, frame: Any) -> Any:
     """The pandas DataFrame `frame` as ``pa.Table.from_pandas`` makes it, its index and pandas
-    metadata too. pyarrow works the schema and that metadata out afresh for each frame, in
-    Python: most of converting a small frame (docs/architecture.md, "DataFrames beside the
-    peers"). Both follow from the frame's structure — its labels, its dtypes, its index's name —
-    but for its index's range; so a frame of fewer than THREADS_FROM_VALUES cells with a
-    RangeIndex, no ``attrs`` and no column typed by its values (object) is converted by
-    pyarrow's ``pa.array``, a column at a time, against the schema pyarrow gave an empty frame
-    of its structure, the range put in. The rest go through ``from_pandas`` as they are."""
+    metadata too (docs/architecture.md, "DataFrames beside the peers"). pyarrow works the
+    schema and that metadata out afresh for each frame, in Python: most of converting a small
+    frame. Both follow from the frame's structure — its labels, its dtypes, its index's name —
+    but for its index's range; so a frame with a RangeIndex, no ``attrs`` and no column typed
+    by its values (object) is converted a column at a time (``_column_array``; on pyarrow's
+    threads from THREADS_FROM_VALUES cells, as ``from_pandas`` does) against the schema
+    pyarrow gave an empty frame of its structure, the range put in. The rest go through
+    ``from_pandas`` as they are."""
     index = frame.index
-    small = len(index) * len(frame.columns) < THREADS_FROM_VALUES  # frame.size, in a tenth
-    if not small or frame.attrs or type(index).__name__ != "RangeIndex" or frame.columns.empty:
-        return pa.Table.from_pandas(frame, nthreads=1 if small else None)
-    columns = list(frame.items())
-    dtypes = tuple(_structural(column.dtype) for _, column in columns)
+    threaded = _threaded(len(index) * len(frame.columns))  # frame.size, in a tenth
+    if frame.attrs or type(index).__name__ != "RangeIndex" or frame.columns.empty:
+        return pa.Table.from_pandas(frame, nthreads=None if threaded else 1)
+    columns = [column for _, column in frame.items()]
+    dtypes = tuple(_structural(column.dtype) for column in columns)
     if None in dtypes:
-        return pa.Table.from_pandas(frame, nthreads=1)
+        return pa.Table.from_pandas(frame, nthreads=None if threaded else 1)
     labels = frame.columns
     key = (tuple(labels), str(labels.dtype), tuple(labels.names), index.name, dtypes)
     known = _frame_schemas.get(key)
@@ -361,11 +363,29 @@ def _frame_table(pa: Any, frame: Any) -> Any:
     (ranged,) = template["index_columns"]
     ranged = {**ranged, "start": index.start, "stop": index.stop, "step": index.step}
     pandas = json.dumps({**template, "index_columns": [ranged]}).encode()
-    arrays = [
-        pa.array(column, type=field.type, from_pandas=True)
-        for (_, column), field in zip(columns, schema, strict=True)
-    ]
+    types = [field.type for field in schema]
+    if threaded and len(columns) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(pa.cpu_count()) as pool:
+            arrays = list(pool.map(partial(_column_array, pa), columns, types))
+    else:
+        arrays = [
+            _column_array(pa, column, kind) for column, kind in zip(columns, types, strict=True)
+        ]
     return pa.Table.from_arrays(arrays, schema=schema.with_metadata({b"pandas": pandas}))
+
+
+def _column_array(pa: Any, column: Any, kind: Any) -> Any:
+    """The pandas Series `column` as an Arrow array of type `kind`, as ``from_pandas`` makes it;
+    a Categorical with no missing value without the mask of its codes pyarrow builds first (a
+    byte a row, what a 1 GiB frame's conversion took beside it)."""
+    values = column.array
+    if type(values).__name__ == "Categorical" and len(values) and values.codes.min() >= 0:
+        indices = pa.array(values.codes, type=kind.index_type)
+        dictionary = pa.array(values.categories.values, type=kind.value_type)
+        return pa.DictionaryArray.from_arrays(indices, dictionary, ordered=values.ordered)
+    return pa.array(column, type=kind, from_pandas=True)
 
 
 def _structural(dtype: Any) -> tuple | None:
@@ -410,10 +430,11 @@ def _from_arrow(data: Any, what: str, *, mapped: bool = False) -> Any:
         table = _text_copied(pa, table)
     if kind == "pandas.DataFrame":
         _needs(kind, "pandas", what)
-        return table.to_pandas(use_threads=_threaded(table.num_rows * table.num_columns))
+        threaded = _threaded(table.num_rows * table.num_columns)
+        return table.to_pandas(use_threads=threaded, types_mapper=_categorical)
     if kind == "pandas.Series":
         _needs(kind, "pandas", what)
-        series = table.to_pandas(use_threads=False)[_SERIES_COLUMN]
+        series = table.to_pandas(use_threads=False, types_mapper=_categorical)[_SERIES_COLUMN]
         series.name = json.loads(metadata.get(_NAME_KEY, b"null"))
         return series
     if kind == "polars.DataFrame":
@@ -439,6 +460,66 @@ def _from_arrow(data: Any, what: str, *, mapped: bool = False) -> Any:
     return plain
 
 
+class _Categorical:
+    """``to_pandas``'s `types_mapper` for a dictionary column of text, numbers or booleans: a
+    pandas Categorical, built as pyarrow builds it (``Categorical.from_codes`` on the
+    dictionary's values, its codes checked), but with the categories' dtype made once for each
+    dictionary of up to _CATEGORIES_KEPT values rather than for each frame: pyarrow's infers
+    it from Python objects every time (a 1 MiB frame with one such column read in 0.83 ms, in
+    0.68 so; docs/architecture.md, "DataFrames beside the peers"). Its codes are copied here,
+    once (``_text_copied`` leaves them). Other dictionaries are pyarrow's."""
+
+    def __init__(self) -> None:
+        self.dtypes: dict[tuple, Any] = {}
+
+    def __call__(self, arrow_type: Any) -> Any:
+        import pyarrow as pa
+
+        if not pa.types.is_dictionary(arrow_type):
+            return None
+        values = arrow_type.value_type
+        types = pa.types
+        known = (types.is_string, types.is_large_string, types.is_integer, types.is_floating)
+        return self if any(check(values) for check in known) or types.is_boolean(values) else None
+
+    def __from_arrow__(self, array: Any) -> Any:
+        import numpy as np
+        import pandas as pd
+        import pyarrow as pa
+
+        if isinstance(array, pa.ChunkedArray) and array.num_chunks == 1:
+            array = array.chunk(0)
+        if isinstance(array, pa.ChunkedArray):  # a dictionary for each batch, or none
+            chunks = array.unify_dictionaries().chunks or [pa.array([], array.type)]
+            dictionary = chunks[0].dictionary
+            indices = pa.concat_arrays([chunk.indices for chunk in chunks])
+        else:
+            dictionary, indices = array.dictionary, array.indices
+        # One copy of the codes: writable, and off a mapped file.
+        if indices.null_count:
+            indices = indices.fill_null(-1)
+        codes = np.array(indices.to_numpy(zero_copy_only=False))
+        ordered = array.type.ordered
+        key = None
+        if len(dictionary) <= _CATEGORIES_KEPT:
+            key = (array.type, tuple(dictionary.to_pylist()))
+            dtype = self.dtypes.get(key)
+            if dtype is not None:
+                return pd.Categorical.from_codes(codes, dtype=dtype)
+        categories = dictionary.to_numpy(zero_copy_only=False)  # pandas copies them
+        built = pd.Categorical.from_codes(codes, categories=categories, ordered=ordered)
+        if key is not None:
+            if len(self.dtypes) >= _DICTIONARIES_KEPT:
+                self.dtypes.clear()
+            self.dtypes[key] = built.dtype
+        return built
+
+
+_CATEGORIES_KEPT = 1024  # values of a dictionary whose dtype is kept
+_DICTIONARIES_KEPT = 64  # dictionaries kept
+_categorical = _Categorical()
+
+
 def _threaded(values: int) -> bool:
     """Whether a pandas frame of `values` cells is converted to or from Arrow on pyarrow's
     threads: not below THREADS_FROM_VALUES, where starting them costs more than they save (a
@@ -452,6 +533,8 @@ def _text_copied(pa: Any, table: Any) -> Any:
     types = pa.types
     for index, column in enumerate(table.columns):
         kind = column.type
+        if types.is_dictionary(kind) and _categorical(kind) is not None:
+            continue  # copied as its Categorical is built
         if types.is_dictionary(kind):
             chunks = [
                 pa.DictionaryArray.from_arrays(
