@@ -173,7 +173,7 @@ class SqliteRunStore:
         mapped = WAL_HEADERS.map(path) if in_wal else None
         self._wal_header = mapped[1] if mapped else None
         # Given back when the store is closed (after its connection) or collected.
-        self._unmap = weakref.finalize(self, WAL_HEADERS.unmap, mapped[0]) if mapped else None
+        self._unmap = weakref.finalize(self, WAL_HEADERS.give_back, mapped[0]) if mapped else None
         self._shared: tuple[bytes, dict[Any, Any]] = (b"", {})  # fresh's cache, with its header
 
     @staticmethod
@@ -271,8 +271,8 @@ class SqliteRunStore:
                 self._wal_header = None  # the file it maps may now go away
             db.close()
             self._local.db = None
-            if db is self._keeper and self._unmap is not None:
-                self._unmap()  # after the connection: see WalHeaders
+            if db is self._keeper and self._unmap is not None and (kept := self._unmap.detach()):
+                WAL_HEADERS.unmap(*kept[2])  # after the connection: see WalHeaders
 
     def version(self) -> int:
         """A number that changes whenever another connection (another thread or process) has

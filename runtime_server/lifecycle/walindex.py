@@ -5,6 +5,7 @@ store's cache of current reads (``SqliteRunStore.fresh``) is emptied whenever it
 
 from __future__ import annotations
 
+import collections
 import mmap
 import os
 import threading
@@ -40,12 +41,15 @@ class WalHeaders:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._mapped: dict[tuple[int, int], _Mapped] = {}  # by the -shm file's (st_dev, st_ino)
+        # The keys of collected stores (``give_back``), unmapped by the next map or unmap.
+        self._given_back: collections.deque[tuple[int, int]] = collections.deque()
 
     def map(self, path: Path) -> tuple[tuple[int, int], mmap.mmap | None] | None:
         """The header of `path`'s -shm file and the key to give back to ``unmap``; None if there
         is no -shm file. The mapping is None if the file could not be mapped."""
         shm = f"{path}-shm"
         with self._lock:
+            self._settle()
             try:
                 found = os.stat(shm)
             except OSError:
@@ -68,13 +72,29 @@ class WalHeaders:
     def unmap(self, key: tuple[int, int]) -> None:
         """One store of this process no longer reads the header; the last one closes the file."""
         with self._lock:
-            entry = self._mapped[key]
-            entry.users -= 1
-            if entry.users == 0:
-                del self._mapped[key]
-                if entry.header is not None:
-                    entry.header.close()
-                os.close(entry.fd)
+            self._settle()
+            self._release(key)
+
+    def give_back(self, key: tuple[int, int]) -> None:
+        """``unmap``, for a store the garbage collector took. The collector runs a finalizer in
+        whichever thread allocates when it runs, this one's ``map`` too, while it holds the
+        lock: so the key is only noted here, and the next ``map`` or ``unmap`` of this process
+        unmaps it. Waiting for the lock there had hung a thread for good (a test's, until its
+        timeout)."""
+        self._given_back.append(key)
+
+    def _settle(self) -> None:
+        while self._given_back:
+            self._release(self._given_back.popleft())
+
+    def _release(self, key: tuple[int, int]) -> None:
+        entry = self._mapped[key]
+        entry.users -= 1
+        if entry.users == 0:
+            del self._mapped[key]
+            if entry.header is not None:
+                entry.header.close()
+            os.close(entry.fd)
 
 
 WAL_HEADERS = WalHeaders()

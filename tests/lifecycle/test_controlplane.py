@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from fnkernel.runtime_server.errors import InvalidField, NoRuntimePod, RunAlreadyExists, RunNotFound
+from fnkernel.runtime_server.lifecycle import walindex
 from fnkernel.runtime_server.lifecycle.controlplane import ControlPlane, RetryPolicy, checked_spec
 from fnkernel.runtime_server.lifecycle.runs import POD_GRACE_SECONDS, Run, RunSpec, files_digest
 from fnkernel.runtime_server.lifecycle.sqlite import SqliteRunStore
@@ -491,3 +492,30 @@ def create_ready(plane: ControlPlane) -> Run:
     )
     assert run is not None
     return run
+
+
+@pytest.mark.timeout(30)
+def test_a_store_collected_while_its_thread_maps_a_header_does_not_wait_for_itself(
+    tmp_path: Path,
+) -> None:
+    # The garbage collector runs a store's finalizer in whichever thread allocates when it
+    # runs, one mapping another store's WAL-index header too, while it holds the headers' lock
+    # (walindex.WalHeaders.give_back): the finalizer must not wait for that lock — it had hung
+    # a thread of this suite for good — and the header is unmapped by the next map, once.
+    first = SqliteRunStore(tmp_path / "runs.db")
+    first.heartbeat("python-0", "python", "unix:/nowhere", True)
+    assert first._wal_header is not None
+    headers = walindex.WAL_HEADERS
+    [key] = [key for key, entry in headers._mapped.items() if entry.header is first._wal_header]
+    second = SqliteRunStore(first.path)
+    assert headers._mapped[key].users == 2
+    with headers._lock:  # as map holds it when the collector runs
+        del first
+        gc.collect()
+    assert headers._mapped[key].users == 2  # only given back
+    third = SqliteRunStore(second.path)  # its map unmaps the first's
+    assert headers._mapped[key].users == 2
+    assert third.pod_fresh("python-0") is not None and shm_in_use(third)
+    second.close()
+    third.close()
+    assert key not in headers._mapped  # the last one closed the file
