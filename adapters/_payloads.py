@@ -16,8 +16,8 @@ A ``text/*`` output (a bash function's that is not JSON) is read as text.
 Never pickle: a caller is not always the function's owner.
 
 Standard library only at import: pyarrow, and pandas, polars or numpy, are imported when a value
-of theirs is written or read. The worker loads this file by its path, as it does _jsonvalues.py,
-before the handler's directory is on ``sys.path``.
+of theirs is written or read. The worker loads this file by its path, as it does its siblings
+_jsonvalues.py and _dataframes.py, before the handler's directory is on ``sys.path``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import secrets
 import time
 import weakref
 from collections.abc import Iterator
-from functools import partial
 from typing import IO, Any
 
 JSON = "application/json"
@@ -55,12 +54,6 @@ KEEP_FREE_BYTES = 1 << 30
 KEEP_FREE_SECONDS = 60.0
 # A table whose chunks average fewer rows is combined into one before it is written (``_table``).
 _BATCH_ROWS = 1 << 16
-# A pandas frame of fewer cells is converted on one thread (``_threaded``).
-THREADS_FROM_VALUES = 1 << 20
-# A frame is converted against the schema pyarrow gave the last frame of its structure
-# (``_frame_table``): kept for so many structures.
-_FRAME_SCHEMAS_KEPT = 64
-_frame_schemas: dict[tuple, tuple[Any, dict]] = {}
 _SERIES_COLUMN = "__series__"
 _ARRAY_COLUMN = "values"
 # The kinds written as Arrow, by (top-level module, type name): exact types, not subclasses
@@ -85,8 +78,9 @@ def _load_sibling(name: str) -> Any:
 
 
 if __package__:  # fnkernel.adapters
-    from fnkernel.adapters import _jsonvalues
-else:  # loaded by its path (the worker): its sibling, likewise
+    from fnkernel.adapters import _dataframes, _jsonvalues
+else:  # loaded by its path (the worker): its siblings, likewise
+    _dataframes = _load_sibling("_dataframes")
     _jsonvalues = _load_sibling("_jsonvalues")
 
 
@@ -296,7 +290,7 @@ def _table(value: Any, kind: str, root: str) -> Any:
     extra: dict[bytes, bytes] = {}
     try:
         if kind == "pandas.DataFrame":
-            table = _frame_table(pa, value)  # its index too, in pyarrow's pandas metadata
+            table = _dataframes.to_table(pa, value)  # its index too, in pandas metadata
         elif kind == "pandas.Series":
             table = pa.Table.from_pandas(value.to_frame(name=_SERIES_COLUMN), nthreads=1)
             extra[_NAME_KEY] = json.dumps(value.name, default=str).encode()
@@ -332,74 +326,6 @@ def _table(value: Any, kind: str, root: str) -> Any:
     return table.replace_schema_metadata(metadata)
 
 
-def _frame_table(pa: Any, frame: Any) -> Any:
-    """The pandas DataFrame `frame` as ``pa.Table.from_pandas`` makes it, its index and pandas
-    metadata too (docs/architecture.md, "DataFrames beside the peers"). pyarrow works the
-    schema and that metadata out afresh for each frame, in Python: most of converting a small
-    frame. Both follow from the frame's structure — its labels, its dtypes, its index's name —
-    but for its index's range; so a frame with a RangeIndex, no ``attrs`` and no column typed
-    by its values (object) is converted a column at a time (``_column_array``; on pyarrow's
-    threads from THREADS_FROM_VALUES cells, as ``from_pandas`` does) against the schema
-    pyarrow gave an empty frame of its structure, the range put in. The rest go through
-    ``from_pandas`` as they are."""
-    index = frame.index
-    threaded = _threaded(len(index) * len(frame.columns))  # frame.size, in a tenth
-    if frame.attrs or type(index).__name__ != "RangeIndex" or frame.columns.empty:
-        return pa.Table.from_pandas(frame, nthreads=None if threaded else 1)
-    columns = [column for _, column in frame.items()]
-    dtypes = tuple(_structural(column.dtype) for column in columns)
-    if None in dtypes:
-        return pa.Table.from_pandas(frame, nthreads=None if threaded else 1)
-    labels = frame.columns
-    key = (tuple(labels), str(labels.dtype), tuple(labels.names), index.name, dtypes)
-    known = _frame_schemas.get(key)
-    if known is None:
-        empty = pa.Table.from_pandas(frame.iloc[:0], nthreads=1)
-        known = empty.schema, json.loads(empty.schema.metadata[b"pandas"])
-        if len(_frame_schemas) >= _FRAME_SCHEMAS_KEPT:
-            _frame_schemas.clear()
-        _frame_schemas[key] = known
-    schema, template = known
-    (ranged,) = template["index_columns"]
-    ranged = {**ranged, "start": index.start, "stop": index.stop, "step": index.step}
-    pandas = json.dumps({**template, "index_columns": [ranged]}).encode()
-    types = [field.type for field in schema]
-    if threaded and len(columns) > 1:
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(pa.cpu_count()) as pool:
-            arrays = list(pool.map(partial(_column_array, pa), columns, types))
-    else:
-        arrays = [
-            _column_array(pa, column, kind) for column, kind in zip(columns, types, strict=True)
-        ]
-    return pa.Table.from_arrays(arrays, schema=schema.with_metadata({b"pandas": pandas}))
-
-
-def _column_array(pa: Any, column: Any, kind: Any) -> Any:
-    """The pandas Series `column` as an Arrow array of type `kind`, as ``from_pandas`` makes it;
-    a Categorical with no missing value without the mask of its codes pyarrow builds first (a
-    byte a row, what a 1 GiB frame's conversion took beside it)."""
-    values = column.array
-    if type(values).__name__ == "Categorical" and len(values) and values.codes.min() >= 0:
-        indices = pa.array(values.codes, type=kind.index_type)
-        dictionary = pa.array(values.categories.values, type=kind.value_type)
-        return pa.DictionaryArray.from_arrays(indices, dictionary, ordered=values.ordered)
-    return pa.array(column, type=kind, from_pandas=True)
-
-
-def _structural(dtype: Any) -> tuple | None:
-    """What of a column's dtype its Arrow type and pandas metadata follow from: the dtype and
-    its time zone's class (equal dtypes may differ there); for categories their dtype, count and
-    order, not their values (hashing those took 10% of a small frame's conversion). None if
-    they follow from the values: an object column, or categories of objects."""
-    categories = getattr(dtype, "categories", None)
-    if categories is None:
-        return None if str(dtype) == "object" else (dtype, type(getattr(dtype, "tz", None)))
-    inner = str(categories.dtype)
-    return None if inner == "object" else ("category", inner, len(categories), dtype.ordered)
-
-
 def _from_mapped(path: str, what: str) -> tuple[Any, bool]:
     """The value of the Arrow stream in the file `path`, its arrays views of the file's mapped
     pages; and whether nothing maps them any more once it is built (a pandas value or a numpy
@@ -430,11 +356,11 @@ def _from_arrow(data: Any, what: str, *, mapped: bool = False) -> Any:
         table = _text_copied(pa, table)
     if kind == "pandas.DataFrame":
         _needs(kind, "pandas", what)
-        threaded = _threaded(table.num_rows * table.num_columns)
-        return table.to_pandas(use_threads=threaded, types_mapper=_categorical)
+        return _dataframes.to_frame(table)
     if kind == "pandas.Series":
         _needs(kind, "pandas", what)
-        series = table.to_pandas(use_threads=False, types_mapper=_categorical)[_SERIES_COLUMN]
+        types_mapper = _dataframes.categorical
+        series = table.to_pandas(use_threads=False, types_mapper=types_mapper)[_SERIES_COLUMN]
         series.name = json.loads(metadata.get(_NAME_KEY, b"null"))
         return series
     if kind == "polars.DataFrame":
@@ -460,80 +386,13 @@ def _from_arrow(data: Any, what: str, *, mapped: bool = False) -> Any:
     return plain
 
 
-class _Categorical:
-    """``to_pandas``'s `types_mapper` for a dictionary column of text, numbers or booleans: a
-    pandas Categorical, built as pyarrow builds it (``Categorical.from_codes`` on the
-    dictionary's values, its codes checked), but with the categories' dtype made once for each
-    dictionary of up to _CATEGORIES_KEPT values rather than for each frame: pyarrow's infers
-    it from Python objects every time (a 1 MiB frame with one such column read in 0.83 ms, in
-    0.68 so; docs/architecture.md, "DataFrames beside the peers"). Its codes are copied here,
-    once (``_text_copied`` leaves them). Other dictionaries are pyarrow's."""
-
-    def __init__(self) -> None:
-        self.dtypes: dict[tuple, Any] = {}
-
-    def __call__(self, arrow_type: Any) -> Any:
-        import pyarrow as pa
-
-        if not pa.types.is_dictionary(arrow_type):
-            return None
-        values = arrow_type.value_type
-        types = pa.types
-        known = (types.is_string, types.is_large_string, types.is_integer, types.is_floating)
-        return self if any(check(values) for check in known) or types.is_boolean(values) else None
-
-    def __from_arrow__(self, array: Any) -> Any:
-        import numpy as np
-        import pandas as pd
-        import pyarrow as pa
-
-        if isinstance(array, pa.ChunkedArray) and array.num_chunks == 1:
-            array = array.chunk(0)
-        if isinstance(array, pa.ChunkedArray):  # a dictionary for each batch, or none
-            chunks = array.unify_dictionaries().chunks or [pa.array([], array.type)]
-            dictionary = chunks[0].dictionary
-            indices = pa.concat_arrays([chunk.indices for chunk in chunks])
-        else:
-            dictionary, indices = array.dictionary, array.indices
-        # One copy of the codes: writable, and off a mapped file.
-        if indices.null_count:
-            indices = indices.fill_null(-1)
-        codes = np.array(indices.to_numpy(zero_copy_only=False))
-        ordered = array.type.ordered
-        key = None
-        if len(dictionary) <= _CATEGORIES_KEPT:
-            key = (array.type, tuple(dictionary.to_pylist()))
-            dtype = self.dtypes.get(key)
-            if dtype is not None:
-                return pd.Categorical.from_codes(codes, dtype=dtype)
-        categories = dictionary.to_numpy(zero_copy_only=False)  # pandas copies them
-        built = pd.Categorical.from_codes(codes, categories=categories, ordered=ordered)
-        if key is not None:
-            if len(self.dtypes) >= _DICTIONARIES_KEPT:
-                self.dtypes.clear()
-            self.dtypes[key] = built.dtype
-        return built
-
-
-_CATEGORIES_KEPT = 1024  # values of a dictionary whose dtype is kept
-_DICTIONARIES_KEPT = 64  # dictionaries kept
-_categorical = _Categorical()
-
-
-def _threaded(values: int) -> bool:
-    """Whether a pandas frame of `values` cells is converted to or from Arrow on pyarrow's
-    threads: not below THREADS_FROM_VALUES, where starting them costs more than they save (a
-    1 MiB frame: 1.2 ms on one thread, 1.5 on pyarrow's pool)."""
-    return values >= THREADS_FROM_VALUES
-
-
 def _text_copied(pa: Any, table: Any) -> Any:
     """`table` with its text and categories copied out of a mapped file: pandas keeps them as
     Arrow arrays, and the file's pages can be written again only once nothing maps them."""
     types = pa.types
     for index, column in enumerate(table.columns):
         kind = column.type
-        if types.is_dictionary(kind) and _categorical(kind) is not None:
+        if types.is_dictionary(kind) and _dataframes.categorical(kind) is not None:
             continue  # copied as its Categorical is built
         if types.is_dictionary(kind):
             chunks = [

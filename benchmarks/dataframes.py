@@ -48,7 +48,7 @@ import pandas as pd
 from benchmarks.invoke import Target, verdicts
 from benchmarks.peer_parts import start_ray
 from benchmarks.processes import stack_processes, status_bytes
-from fnkernel.adapters._payloads import THREADS_FROM_VALUES
+from fnkernel.adapters._dataframes import THREADS_FROM_VALUES
 from fnkernel.runtime_server import payloads
 from fnkernel.runtime_server.client import Client
 from fnkernel.runtime_server.lifecycle.stack import Stack

@@ -15,7 +15,7 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 
-from fnkernel.adapters import _payloads
+from fnkernel.adapters import _dataframes, _payloads
 from fnkernel.runtime_server import payloads
 
 
@@ -40,7 +40,7 @@ def test_a_dataframe_read_frees_its_file_and_the_next_payload_is_written_into_it
     tmp_path: Path,
 ) -> None:
     sent = frame()
-    _payloads._categorical.dtypes.clear()  # its categories built from the file, not kept ones
+    _dataframes.categorical.dtypes.clear()  # its categories built from the file, not kept ones
     payloads.encode_to_file(sent, str(tmp_path / "in-1"))
     pd.testing.assert_frame_equal(
         payloads.decode_file(str(tmp_path / "in-1"), payloads.ARROW), sent

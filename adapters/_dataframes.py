@@ -1,0 +1,188 @@
+"""pandas DataFrames to Arrow tables and back, as pyarrow's own conversions make them, with what
+pyarrow works out afresh for each frame kept for the next of its structure (docs/architecture.md,
+"DataFrames beside the peers"). Part of the payload codec (``_payloads``), loaded as it is: by
+its path in the worker, importing nothing at import; pyarrow, pandas and numpy are imported
+when a frame is converted.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+from typing import Any
+
+# A pandas frame of fewer cells is converted on one thread (``threaded``).
+THREADS_FROM_VALUES = 1 << 20
+# A frame is converted against the schema pyarrow gave the last frame of its structure
+# (``to_table``): kept for so many structures.
+_FRAME_SCHEMAS_KEPT = 64
+_frame_schemas: dict[tuple, tuple[Any, dict]] = {}
+
+
+def threaded(values: int) -> bool:
+    """Whether a pandas frame of `values` cells is converted to or from Arrow on pyarrow's
+    threads: not below THREADS_FROM_VALUES, where starting them costs more than they save (a
+    1 MiB frame: 1.2 ms on one thread, 1.5 on pyarrow's pool)."""
+    return values >= THREADS_FROM_VALUES
+
+
+def to_table(pa: Any, frame: Any) -> Any:
+    """The pandas DataFrame `frame` as ``pa.Table.from_pandas`` makes it, its index and pandas
+    metadata too (docs/architecture.md, "DataFrames beside the peers"). pyarrow works the
+    schema and that metadata out afresh for each frame, in Python: most of converting a small
+    frame. Both follow from the frame's structure — its labels, its dtypes, its index's name —
+    but for its index's range; so a frame with a RangeIndex, no ``attrs`` and no column typed
+    by its values (object) is converted a column at a time (``_column_array``; on pyarrow's
+    threads from THREADS_FROM_VALUES cells, as ``from_pandas`` does) against the schema
+    pyarrow gave an empty frame of its structure, the range put in. The rest go through
+    ``from_pandas`` as they are."""
+    index = frame.index
+    many = threaded(len(index) * len(frame.columns))  # frame.size, in a tenth
+    if frame.attrs or type(index).__name__ != "RangeIndex" or frame.columns.empty:
+        return pa.Table.from_pandas(frame, nthreads=None if many else 1)
+    columns = [column for _, column in frame.items()]
+    dtypes = tuple(_structural(column.dtype) for column in columns)
+    if None in dtypes:
+        return pa.Table.from_pandas(frame, nthreads=None if many else 1)
+    labels = frame.columns
+    key = (tuple(labels), str(labels.dtype), tuple(labels.names), index.name, dtypes)
+    known = _frame_schemas.get(key)
+    if known is None:
+        empty = pa.Table.from_pandas(frame.iloc[:0], nthreads=1)
+        known = empty.schema, json.loads(empty.schema.metadata[b"pandas"])
+        if len(_frame_schemas) >= _FRAME_SCHEMAS_KEPT:
+            _frame_schemas.clear()
+        _frame_schemas[key] = known
+    schema, template = known
+    (ranged,) = template["index_columns"]
+    ranged = {**ranged, "start": index.start, "stop": index.stop, "step": index.step}
+    pandas = json.dumps({**template, "index_columns": [ranged]}).encode()
+    types = [field.type for field in schema]
+    convert = partial(_column_array, pa, small=not many)
+    if many and len(columns) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(pa.cpu_count()) as pool:
+            arrays = list(pool.map(convert, columns, types))
+    else:
+        arrays = [convert(column, kind) for column, kind in zip(columns, types, strict=True)]
+    return pa.Table.from_arrays(arrays, schema=schema.with_metadata({b"pandas": pandas}))
+
+
+def _column_array(pa: Any, column: Any, kind: Any, small: bool) -> Any:
+    """The pandas Series `column` as an Arrow array of type `kind`, as ``from_pandas`` makes it;
+    a Categorical with no missing value without the mask of its codes pyarrow builds first (a
+    byte a row, what a 1 GiB frame's conversion took beside it); and in a `small` frame, numbers
+    and times from their numpy array, NaN and NaT found by numpy: pyarrow's own look for them,
+    an element at a time, took 5x as long on the 1 MiB frame's (a mask of a byte a row, which
+    a large frame is not given)."""
+    values = column.array
+    if type(values).__name__ == "Categorical" and len(values) and values.codes.min() >= 0:
+        indices = pa.array(values.codes, type=kind.index_type)
+        dictionary = pa.array(values.categories.values, type=kind.value_type)
+        return pa.DictionaryArray.from_arrays(indices, dictionary, ordered=values.ordered)
+    numbers = _numbers(values, column.dtype) if small else None
+    if numbers is None:
+        return pa.array(column, type=kind, from_pandas=True)
+    import numpy as np
+
+    missing = None
+    if numbers.dtype.kind == "f":
+        missing = np.isnan(numbers)
+    elif numbers.dtype.kind in "Mm":
+        missing = np.isnat(numbers)
+    if missing is not None and missing.any():
+        return pa.array(numbers, type=kind, mask=missing)
+    return pa.array(numbers, type=kind)
+
+
+def _numbers(values: Any, dtype: Any) -> Any:
+    """The numpy array of a column of numbers, booleans or times (a time zone's: their UTC
+    times), without a copy; None for any other."""
+    import numpy as np
+
+    if isinstance(dtype, np.dtype) and dtype.kind in "iufbMm":
+        return np.asarray(values)
+    if type(values).__name__ == "DatetimeArray":  # with a time zone
+        return np.asarray(values, dtype=f"M8[{values.unit}]")
+    return None
+
+
+def _structural(dtype: Any) -> tuple | None:
+    """What of a column's dtype its Arrow type and pandas metadata follow from: the dtype and
+    its time zone's class (equal dtypes may differ there); for categories their dtype, count and
+    order, not their values (hashing those took 10% of a small frame's conversion). None if
+    they follow from the values: an object column, or categories of objects."""
+    categories = getattr(dtype, "categories", None)
+    if categories is None:
+        return None if str(dtype) == "object" else (dtype, type(getattr(dtype, "tz", None)))
+    inner = str(categories.dtype)
+    return None if inner == "object" else ("category", inner, len(categories), dtype.ordered)
+
+
+def to_frame(table: Any) -> Any:
+    """The pandas DataFrame `table` (pyarrow's pandas metadata in its schema) holds, as
+    ``to_pandas`` builds it: its Categoricals by ``categorical``, on pyarrow's threads from
+    THREADS_FROM_VALUES cells."""
+    many = threaded(table.num_rows * table.num_columns)
+    return table.to_pandas(use_threads=many, types_mapper=categorical)
+
+
+class _Categorical:
+    """``to_pandas``'s `types_mapper` for a dictionary column of text, numbers or booleans: a
+    pandas Categorical, built as pyarrow builds it (``Categorical.from_codes`` on the
+    dictionary's values, its codes checked), but with the categories' dtype made once for each
+    dictionary of up to _CATEGORIES_KEPT values rather than for each frame: pyarrow's infers
+    it from Python objects every time (a 1 MiB frame with one such column read in 0.83 ms, in
+    0.68 so; docs/architecture.md, "DataFrames beside the peers"). Its codes are copied here,
+    once (``_text_copied`` leaves them). Other dictionaries are pyarrow's."""
+
+    def __init__(self) -> None:
+        self.dtypes: dict[tuple, Any] = {}
+
+    def __call__(self, arrow_type: Any) -> Any:
+        import pyarrow as pa
+
+        if not pa.types.is_dictionary(arrow_type):
+            return None
+        values = arrow_type.value_type
+        types = pa.types
+        known = (types.is_string, types.is_large_string, types.is_integer, types.is_floating)
+        return self if any(check(values) for check in known) or types.is_boolean(values) else None
+
+    def __from_arrow__(self, array: Any) -> Any:
+        import numpy as np
+        import pandas as pd
+        import pyarrow as pa
+
+        if isinstance(array, pa.ChunkedArray) and array.num_chunks == 1:
+            array = array.chunk(0)
+        if isinstance(array, pa.ChunkedArray):  # a dictionary for each batch, or none
+            chunks = array.unify_dictionaries().chunks or [pa.array([], array.type)]
+            dictionary = chunks[0].dictionary
+            indices = pa.concat_arrays([chunk.indices for chunk in chunks])
+        else:
+            dictionary, indices = array.dictionary, array.indices
+        # One copy of the codes: writable, and off a mapped file.
+        if indices.null_count:
+            indices = indices.fill_null(-1)
+        codes = np.array(indices.to_numpy(zero_copy_only=False))
+        ordered = array.type.ordered
+        key = None
+        if len(dictionary) <= _CATEGORIES_KEPT:
+            key = (array.type, tuple(dictionary.to_pylist()))
+            dtype = self.dtypes.get(key)
+            if dtype is not None:
+                return pd.Categorical.from_codes(codes, dtype=dtype)
+        categories = dictionary.to_numpy(zero_copy_only=False)  # pandas copies them
+        built = pd.Categorical.from_codes(codes, categories=categories, ordered=ordered)
+        if key is not None:
+            if len(self.dtypes) >= _DICTIONARIES_KEPT:
+                self.dtypes.clear()
+            self.dtypes[key] = built.dtype
+        return built
+
+
+_CATEGORIES_KEPT = 1024  # values of a dictionary whose dtype is kept
+_DICTIONARIES_KEPT = 64  # dictionaries kept
+categorical = _Categorical()
