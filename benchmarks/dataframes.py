@@ -160,8 +160,8 @@ def _size(mib: int, cases: dict[str, Callable[[Any], Any]], rounds: int) -> list
     # The target's two head to head first, which goes first alternating, nothing else between
     # them; then the rest in turn. Taken all in one rotation, each case always followed the
     # same other (ours the conversions alone, which warm the very code it runs; Ray's the
-    # pool): at 1 MiB 1.15x Ray so, 1.23x head to head (docs/architecture.md, "DataFrames
-    # beside the peers").
+    # pool): at 1 MiB 1.15x Ray so, 1.16-1.23x head to head (docs/architecture.md,
+    # "DataFrames beside the peers").
     pair = [case for case in (OURS_CASE, RAY_CASE) if case in cases]
     rest = [case for case in cases if case not in pair]
     turns = [pair if turn % 2 == 0 else pair[::-1] for turn in range(rounds)]
