@@ -15,9 +15,10 @@ a handler that returns it, and the DataFrame back in the caller:
   result the same way back), so the floor under fnkernel's figure that no transport removes.
 
 fnkernel's call and Ray's are taken head to head, round after round, which goes first
-alternating; then the other cases in turn; the median of each, its ratio to Ray's actor call. Then **memory**: one call of about 1 GiB through the spool path and one streamed,
-with each stack process's peak resident memory reset before it (``/proc/PID/clear_refs``) and
-read after (``VmHWM``): what each took above its resting size, in payloads. And the **whole
+alternating; then the other cases in turn; the median of each, its ratio to Ray's actor call.
+Then **memory**: one call of about 1 GiB through the spool path and one streamed, with each
+stack process's peak resident memory reset before it (``/proc/PID/clear_refs``) and read after
+(``VmHWM``): what each took above its resting size, in payloads. And the **whole
 stack at once**, sampled every millisecond or so through the call: every stack process's
 anonymous memory above resting plus the spool's files (tmpfs: memory, counted once however many
 processes map them; free files too), and the caller's own above resting, beside it — the peak
@@ -48,7 +49,7 @@ import pandas as pd
 from benchmarks.invoke import Target, verdicts
 from benchmarks.peer_parts import start_ray
 from benchmarks.processes import stack_processes, status_bytes
-from fnkernel.adapters._dataframes import THREADS_FROM_VALUES
+from fnkernel.adapters import _dataframes
 from fnkernel.runtime_server import payloads
 from fnkernel.runtime_server.client import Client
 from fnkernel.runtime_server.lifecycle.stack import Stack
@@ -137,8 +138,7 @@ def _echo_stack(state: Path, memory_mib: int) -> tuple[Stack, Client]:
 def _converted(frame: pd.DataFrame) -> pd.DataFrame:
     """`frame` to Arrow and back as the codec converts it (its threads too), without the
     IPC stream's bytes: the conversions alone."""
-    table = payloads.arrow_table(frame)
-    return table.to_pandas(use_threads=frame.size >= THREADS_FROM_VALUES)
+    return _dataframes.to_frame(payloads.arrow_table(frame))
 
 
 class Echo:

@@ -205,12 +205,12 @@ class Client(Transport):
         thread), else — a quicker call, or when no live stream could be had — from its result
         or failure before this returns or raises (docs/protocol.md, "Live output")."""
         encoded: tuple[bytes, str] | None = None  # the payload's bytes, unless written to a file
-        table = None  # an Arrow kind's, written where its size says
+        table: Any = None  # an Arrow kind's, written where its size says
         if data is not None:
             encoded = data, content_type
         elif (table := payloads.arrow_table(payload, "payload")) is None:
             encoded = payloads.encode(payload, "payload")  # JSON or octets: sized by its length
-        size = table.nbytes if table is not None else len(encoded[0]) if encoded else 0
+        size = len(encoded[0]) if encoded is not None else table.nbytes
         spool = None
         direct = by_reference and not traceparent and self._direct_allowed()
         if by_reference:  # asked of the gateway for a large input or a direct call; else as known
