@@ -27,6 +27,7 @@ import importlib.util
 import json
 import mmap
 import os
+import re
 import secrets
 import time
 import weakref
@@ -49,6 +50,7 @@ _ORDER_KEY = b"fnkernel.order"  # "F": its elements in Fortran (column-major) or
 # (``spool_file``, ``release``): at most so many such files, of so many bytes in all, each for
 # so long unused.
 FREE_PREFIX = "free-"
+FREE_NAME = re.compile(r"free-(\d+)-(\d+)-[A-Za-z0-9_-]+")  # its size, when it was freed
 KEEP_FREE_FILES = 4
 KEEP_FREE_BYTES = 1 << 30
 KEEP_FREE_SECONDS = 60.0
@@ -151,18 +153,17 @@ def decode_file(path: str, content_type: str, what: str = "the payload") -> Any:
     numbers, are read from the file's pages without a copy of their own. The file is gone from
     its name once read: kept for the next payload (``release``) if nothing maps it any more,
     else removed, its pages living on while the value maps them."""
-    released = False
+    released, size = False, None
     try:
         if media_type(content_type) != ARROW:
-            with open(path, "rb") as source:
-                data = source.read()
-            released = True
+            data = read_file(path)
+            released, size = True, len(data)
             return decode(data, content_type, what)
         value, released = _from_mapped(path, what)
         return value
     finally:
         if released:
-            release(path)
+            release(path, size)
         else:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
@@ -176,7 +177,7 @@ def encode_to_file(value: Any, path: str, root: str = "value") -> tuple[int, str
     if table is not None:
         return write_table(table, path), ARROW
     data, media = encode(value, root)
-    with spool_file(path) as out:
+    with spool_file(path, len(data)) as out:
         out.write(data)
     return len(data), media
 
@@ -194,7 +195,7 @@ def write_table(table: Any, path: str) -> int:
     """Write the Arrow IPC stream of `table` (``arrow_table``'s) to the new payload file `path`
     (``spool_file``); its size."""
     pa = _pyarrow("a table")
-    with spool_file(path) as out:
+    with spool_file(path, table.nbytes) as out:
         sink = pa.PythonFile(out, mode="w")
         with pa.ipc.new_stream(sink, table.schema) as writer:
             writer.write_table(table)
@@ -205,12 +206,14 @@ def write_table(table: Any, path: str) -> int:
 
 
 @contextlib.contextmanager
-def spool_file(path: str) -> Iterator[IO[bytes]]:
+def spool_file(path: str, size: int = 0) -> Iterator[IO[bytes]]:
     """The new payload file `path` (0600), open to write, cut where the writing ended. It is a
-    file its spool kept (``release``) when there is one: writing a tmpfs file's existing pages
-    costs a third of allocating and zeroing new ones (docs/architecture.md, "DataFrames beside
-    the peers"). Nothing is left at `path` if the writing fails."""
-    reused = _reuse(path)
+    file its spool kept (``release``) when there is one — the one freed last of those that hold
+    `size` bytes (what the writer expects to write), else the largest: writing a tmpfs file's
+    existing pages costs a third of allocating and zeroing new ones, and pages written last may
+    still be in the CPU's caches (docs/architecture.md, "DataFrames beside the peers"). Nothing
+    is left at `path` if the writing fails."""
+    reused = _reuse(path, size)
     flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = os.open(path, flags) if reused else os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
     try:
@@ -223,28 +226,58 @@ def spool_file(path: str) -> Iterator[IO[bytes]]:
         raise
 
 
-def release(path: str) -> None:
-    """The payload file `path` was read and nothing maps it: keep it for the next payload its
-    spool is given (``spool_file``), as a free file, while the spool keeps fewer than
-    KEEP_FREE_FILES of fewer than KEEP_FREE_BYTES in all; else remove it."""
+def read_file(path: str) -> bytes:
+    """The bytes of the payload file `path`, read whole: its size asked once, then read (a
+    buffered file object would ask the terminal, the position and the size again first)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        data = os.read(fd, size)
+        if len(data) < size:  # past what one read returns (2 GiB), or a file still growing
+            parts = [data]
+            while chunk := os.read(fd, 1 << 30):
+                parts.append(chunk)
+            data = b"".join(parts)
+        return data
+    finally:
+        os.close(fd)
+
+
+def release(path: str, size: int | None = None) -> None:
+    """The payload file `path` (of `size` bytes, if known) was read and nothing maps it: keep it
+    for the next payload its spool is given (``spool_file``), as a free file, while the spool
+    keeps fewer than KEEP_FREE_FILES of fewer than KEEP_FREE_BYTES in all; else remove it."""
     directory = os.path.dirname(path)
     try:
-        size = os.stat(path).st_size
+        if size is None:
+            size = os.stat(path).st_size
         kept = _free_files(directory)
-        if len(kept) < KEEP_FREE_FILES and sum(kept.values()) + size <= KEEP_FREE_BYTES:
-            free = os.path.join(directory, FREE_PREFIX + secrets.token_urlsafe(16))
-            os.rename(path, free)
-            os.utime(free)  # its time unused counts from now
+        held = sum(kept_size for kept_size, _ in kept.values())
+        if len(kept) < KEEP_FREE_FILES and held + size <= KEEP_FREE_BYTES:
+            os.rename(path, os.path.join(directory, _free_name(size)))
             return
         os.unlink(path)
     except FileNotFoundError:
         pass
 
 
-def _reuse(path: str) -> bool:
-    """Move a free file of `path`'s spool, the largest, to `path`; whether there was one."""
+def _free_name(size: int) -> str:
+    """A free file's name: its size and when it was freed (the machine's monotonic clock, in
+    ns), so that one read of its spool's directory says what each free file is and since when,
+    without asking each file."""
+    return f"{FREE_PREFIX}{size}-{time.monotonic_ns()}-{secrets.token_urlsafe(12)}"
+
+
+def _reuse(path: str, size: int) -> bool:
+    """Move a free file of `path`'s spool to `path` — the one freed last of those of at least
+    `size` bytes, else the largest; whether there was one."""
     directory = os.path.dirname(path)
-    for name, _ in sorted(_free_files(directory).items(), key=lambda item: -item[1]):
+    free = _free_files(directory)
+    holding = sorted((name for name, (kept, _) in free.items() if kept >= size),
+                     key=lambda name: free[name][1], reverse=True)  # fmt: skip
+    rest = sorted((name for name, (kept, _) in free.items() if kept < size),
+                  key=lambda name: free[name][0], reverse=True)  # fmt: skip
+    for name in holding + rest:
         try:
             os.rename(os.path.join(directory, name), path)
             return True
@@ -253,21 +286,27 @@ def _reuse(path: str) -> bool:
     return False
 
 
-def _free_files(directory: str) -> dict[str, int]:
-    """The free files of the spool `directory` and their sizes; those unused for
-    KEEP_FREE_SECONDS are removed, not named."""
-    now = time.time()
-    free: dict[str, int] = {}
-    with contextlib.suppress(FileNotFoundError), os.scandir(directory) as entries:
-        for entry in entries:
-            if not entry.name.startswith(FREE_PREFIX):
-                continue
+def _free_files(directory: str) -> dict[str, tuple[int, int]]:
+    """The free files of the spool `directory`, each its size and when it was freed, read from
+    their names; those unused for KEEP_FREE_SECONDS are removed, not named."""
+    now = time.monotonic_ns()
+    free: dict[str, tuple[int, int]] = {}
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return free
+    for name in names:
+        if not name.startswith(FREE_PREFIX):
+            continue
+        found = FREE_NAME.fullmatch(name)
+        if found is None:
+            continue
+        size, freed = int(found[1]), int(found[2])
+        if now - freed > KEEP_FREE_SECONDS * 1e9:
             with contextlib.suppress(FileNotFoundError):
-                status = entry.stat(follow_symlinks=False)
-                if now - status.st_mtime > KEEP_FREE_SECONDS:
-                    os.unlink(entry.path)
-                else:
-                    free[entry.name] = status.st_size
+                os.unlink(os.path.join(directory, name))
+        else:
+            free[name] = size, freed
     return free
 
 

@@ -301,7 +301,7 @@ class _Call:
                 self.status = b"ok"
                 _respond(self.resp_fd, self.nonce, b"ok", outputs, output, code)
                 return
-            with open(self.output_path, "xb") as out:
+            with _payloads.spool_file(self.output_path, size) as out:
                 out.write(output)
         self.status = b"ok"
         _respond(self.resp_fd, self.nonce, b"ok", outputs, b"", code, size=size, where=b"spooled")

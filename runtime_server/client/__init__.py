@@ -223,13 +223,11 @@ class Client(Transport):
         if spool is not None and size >= limits.SPOOL_FROM_BYTES:
             handed = spool / new_name("in")
             if encoded is not None:
-                with payloads.spool_file(str(handed)) as out:
+                with payloads.spool_file(str(handed), size) as out:
                     out.write(encoded[0])
-                media = encoded[1]
+                written, media = size, encoded[1]
             else:
-                payloads.write_table(table, str(handed))
-                media = payloads.ARROW
-            written = handed.stat().st_size
+                written, media = payloads.write_table(table, str(handed)), payloads.ARROW
             if written > self._max_payload:  # as the gateway would refuse it
                 handed.unlink()
                 why = limits.MAX_PAYLOAD_WHY

@@ -36,7 +36,7 @@ SPOOL_GRACE_SECONDS = 600.0
 SWEEP_SECONDS = 60.0  # how often a Runtime Server sweeps its spool (``start_sweeping``)
 CHUNK_BYTES = 1 << 20  # what one message of PutPayload and TakePayload carries
 _NAME = re.compile(r"(in|out)-[A-Za-z0-9_-]{22}")
-_SWEPT = re.compile(rf"(in|out|{FREE_PREFIX[:-1]})-[A-Za-z0-9_-]{{22}}")
+_SWEPT = re.compile(rf"(in|out)-[A-Za-z0-9_-]{{22}}|{FREE_PREFIX}[A-Za-z0-9_-]+")
 
 
 def new_name(kind: str) -> str:
@@ -62,7 +62,7 @@ class Spool:
         name that is not one of ours, so nothing outside the spool is ever named."""
         if not _NAME.fullmatch(name):
             raise InvalidField(field, f"{name[:64]!r} is not a spooled payload's name")
-        return private_dir(self.directory) / name
+        return self.directory / name
 
     def existing(self, name: str, field: str) -> tuple[Path, int]:
         """The payload `name`, which must be here: its path and size."""
@@ -83,7 +83,8 @@ class Spool:
             raise InvalidField("size", f"{size} bytes; at most {self.max_bytes}")
         name = new_name("in")
         written = 0
-        with spool_file(str(self.path(name))) as out:
+        private_dir(self.directory)  # made again if the stack removed it as it stopped
+        with spool_file(str(self.path(name)), size) as out:
             for chunk in chunks:
                 written += len(chunk)
                 if written > size:
@@ -96,7 +97,7 @@ class Spool:
     def take(self, name: str, field: str = "name") -> Iterator[bytes]:
         """The payload `name` in chunks; it is gone once read (kept for the next payload,
         ``release``), or removed if the reader stops."""
-        path, _ = self.existing(name, field)
+        path, size = self.existing(name, field)
         try:
             with open(path, "rb") as source:
                 while chunk := source.read(CHUNK_BYTES):
@@ -104,7 +105,7 @@ class Spool:
         except BaseException:
             path.unlink(missing_ok=True)
             raise
-        release(str(path))
+        release(str(path), size)
 
     def remove(self, name: str) -> None:
         with contextlib.suppress(FileNotFoundError, InvalidField):

@@ -7,7 +7,6 @@ removed from its name, its pages living on with the value."""
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import numpy as np
@@ -87,6 +86,27 @@ def test_octets_and_json_read_free_their_file(tmp_path: Path) -> None:
         assert [path.name for path in tmp_path.iterdir()] == [free_files(tmp_path)[0].name]
 
 
+def test_a_writer_takes_the_file_freed_last_of_those_that_hold_what_it_writes(
+    tmp_path: Path,
+) -> None:
+    # Else the largest: its pages are allocated already, and those written last may still be
+    # in the CPU's caches.
+    inodes = {}
+    for size in (20_000, 1_000, 5_000):
+        (tmp_path / f"in-{size}").write_bytes(b"x" * size)
+        inodes[size] = (tmp_path / f"in-{size}").stat().st_ino
+        payloads.release(str(tmp_path / f"in-{size}"))
+    with payloads.spool_file(str(tmp_path / "out-1"), 3_000) as out:
+        out.write(b"y" * 3_000)
+    with payloads.spool_file(str(tmp_path / "out-2"), 50_000) as out:
+        out.write(b"z" * 50_000)
+    assert (tmp_path / "out-1").stat().st_ino == inodes[5_000]
+    assert (tmp_path / "out-2").stat().st_ino == inodes[20_000]
+    assert (tmp_path / "out-2").read_bytes() == b"z" * 50_000
+    [left] = free_files(tmp_path)
+    assert left.stat().st_ino == inodes[1_000]
+
+
 def test_a_spool_keeps_few_free_files_of_bounded_size_for_a_short_while(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -106,8 +126,7 @@ def test_a_spool_keeps_few_free_files_of_bounded_size_for_a_short_while(
     [kept] = free_files(tmp_path)
     witness = tmp_path.parent / "witness"  # another name of the same file, out of the spool
     os.link(kept, witness)
-    unused = time.time() - _payloads.KEEP_FREE_SECONDS - 1
-    os.utime(kept, (unused, unused))
+    monkeypatch.setattr(_payloads, "KEEP_FREE_SECONDS", -1.0)  # so it is unused for longer
     with payloads.spool_file(str(tmp_path / "out-1")) as out:
         out.write(b"new")
     assert (tmp_path / "out-1").read_bytes() == b"new"

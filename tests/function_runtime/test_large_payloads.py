@@ -102,6 +102,27 @@ def test_a_dataframe_past_one_message_goes_in_and_out_through_the_spool(
     assert spooled(spool.directory) == []  # taken once, and gone
 
 
+def test_a_spooled_output_of_octets_is_written_into_the_pages_its_input_left(
+    python_spooled: Client, spool: Spool
+) -> None:
+    # docs/protocol.md, "Pages written again": the input, read, is kept as a free file, and the
+    # worker writes its result there as it writes any payload file (0600, cut to size).
+    registration = python_spooled.register(HANDLER).registration
+    name = put(python_spooled, json.dumps({"mib": 2, "pad": "x" * (3 * MIB)}).encode())
+    inode = (spool.directory / name).stat().st_ino
+    response, call = python_spooled.fn.InvokeFunction.with_call(
+        _request(registration, payloads.JSON),
+        metadata=((INPUT_REF_KEY, name), (OUTPUT_REF_FROM_KEY, str(MIB))),
+        timeout=60,
+    )
+    assert response.content_type == payloads.OCTET
+    out, size = output_ref(call)
+    written = (spool.directory / out).stat()
+    assert size == 2 * MIB
+    assert (written.st_ino, written.st_size, written.st_mode & 0o777) == (inode, size, 0o600)
+    assert take(python_spooled, out) == b"x" * (2 * MIB)
+
+
 def test_a_spooled_arrow_input_is_a_view_of_the_file_not_a_copy(python_spooled: Client) -> None:
     # docs/protocol.md, "Large payloads": the worker maps a spooled Arrow stream; the Table it
     # reads is its 32 MiB where the spool's file is mapped, in no memory of its own.

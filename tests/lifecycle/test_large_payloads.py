@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from fnkernel.runtime_server import payloads, wire
+from fnkernel.runtime_server import limits, payloads, wire
 from fnkernel.runtime_server.client import Client
 from fnkernel.runtime_server.client.errors import RequestCancelled
 from fnkernel.runtime_server.lifecycle.stack import Stack
@@ -84,11 +84,14 @@ def test_a_dataframe_past_one_message_comes_back_as_it_went(
 
 
 @pytest.mark.parametrize(
-    "value", [{"s": "x" * (100 << 10)}, b"\x05" * (64 << 10)], ids=["JSON", "octets"]
+    "value",
+    [{"s": "x" * limits.SPOOL_FROM_BYTES}, b"\x05" * limits.SPOOL_FROM_BYTES],
+    ids=["JSON", "octets"],
 )
-def test_a_payload_of_64_kib_is_handed_over_as_a_file(stack: Stack, value: object) -> None:
-    # docs/protocol.md, "Large payloads": on one machine a client writes a payload of 64 KiB
+def test_a_payload_of_128_kib_is_handed_over_as_a_file(stack: Stack, value: object) -> None:
+    # docs/protocol.md, "Large payloads": on one machine a client writes a payload of 128 KiB
     # or more into the spool once and sends its name as X-Fn-Input-Ref with an empty body.
+    assert limits.SPOOL_FROM_BYTES == 128 << 10
     client = Client(stack.gateway_address)
     client._direct_allowed = lambda: False  # type: ignore[method-assign]  # the HTTP request's shape
     sent: list[tuple[bytes, dict[str, str]]] = []
