@@ -54,6 +54,9 @@ FOLLOW_WAIT_SECONDS = 5.0
 # with the next (a message through runtimed costs ~0.5 ms of CPU, more than a quick call); so a
 # caller learns that an item ended up to this late.
 BATCH_SEND_SECONDS = 0.05
+# ...but a message holds answers of at most this many bytes in all (one answer alone may be larger,
+# up to its output's 6 MiB): several large answers must not pass what one message may carry.
+BATCH_MESSAGE_BYTES = 8 << 20
 # The invocations a registration remembers as ended: a follower of one answers at once that its
 # lines are in its result, rather than waiting for it to start.
 ENDED_INVOCATIONS = 64

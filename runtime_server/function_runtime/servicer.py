@@ -314,13 +314,29 @@ class _Batch:
                 answers, self._answers = self._answers, []
                 ended = self._ended
             if answers:
-                yield batches_pb2.BatchAnswers(answers=answers)
+                yield from _messages(answers)
                 with self._ready:
                     self._send_at = time.monotonic() + limits.BATCH_SEND_SECONDS
             if ended:
                 break
         if self._refused is not None:
             raise self._refused
+
+
+def _messages(answers: list[batches_pb2.BatchAnswer]) -> Iterator[batches_pb2.BatchAnswers]:
+    """`answers`, in order, in as few messages as hold them within limits.BATCH_MESSAGE_BYTES
+    each (an answer larger than that in a message of its own)."""
+    taken: list[batches_pb2.BatchAnswer] = []
+    size = 0
+    for answer in answers:
+        bytes_ = answer.ByteSize()
+        if taken and size + bytes_ > limits.BATCH_MESSAGE_BYTES:
+            yield batches_pb2.BatchAnswers(answers=taken)
+            taken, size = [], 0
+        taken.append(answer)
+        size += bytes_
+    if taken:
+        yield batches_pb2.BatchAnswers(answers=taken)
 
 
 class RegistrationsServicer(registrations_pb2_grpc.RegistrationsServicer):

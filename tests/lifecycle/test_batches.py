@@ -39,6 +39,8 @@ HANDLER = {
         "            log.write(f\"{event['n']}\\n\")\n"
         "    if event.get('fail'):\n"
         "        raise ValueError('no: ' + str(event['n']))\n"
+        "    if event.get('mib'):\n"
+        "        return bytes(event['mib'] << 20)\n"
         "    time.sleep(event.get('sleep', 0))\n"
         "    if event.get('until'):  # a file the test makes, up to 15 s\n"
         "        deadline = time.monotonic() + 15\n"
@@ -162,6 +164,18 @@ def test_after_a_failure_the_rest_of_the_batch_is_never_called(
     assert caught.value.item == (1, 12)
     assert str(caught.value).endswith("no: 1 (UNKNOWN) (index 1 of 12 items)")
     assert log.read_text().split() == ["0", "1"]
+
+
+def test_answers_that_end_together_past_one_messages_bound_each_come_once(
+    stack: Stack, tmp_path: Path
+) -> None:
+    # docs/protocol.md, "Batches": answers that end within 50 ms of the last message go in one
+    # message, but never past what one message may carry (16 MiB): results of 5 MiB each.
+    log = tmp_path / "called.txt"
+    items = [{"n": n, "log": str(log), "mib": 5} for n in range(24)]  # batches of 6
+    results = Client(stack.gateway_address).map("one", items)
+    assert [len(result) for result in results] == [5 << 20] * 24
+    assert log.read_text().split() == [str(n) for n in range(24)]  # each called once, in turn
 
 
 def test_a_batch_refused_by_another_callers_call_waits_for_it_item_by_item(
