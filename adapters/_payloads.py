@@ -142,7 +142,7 @@ def decode(data: bytes, content_type: str, what: str = "the payload") -> Any:
     if not data.strip():
         return None
     try:
-        return json.loads(data)
+        return _jsonvalues.loads(data)
     except ValueError as exc:
         raise PayloadError(f"{what} is not valid JSON: {exc}") from None
 

@@ -6,10 +6,11 @@ bench-peers` installs them). A peer that is not installed is left out, and the r
 * **Python driver**, one caller, a Python value in and a Python value out (``{"s": "x…"}``, its
   compact JSON the payload's size): ``Client.invoke(...).decoded()`` on a Run that returns its
   event; the same request as raw ``http.client`` to the same gateway (encoded as the client
-  encodes, decoded with ``json.loads``); the same Run called on runtimed's FunctionRuntime
-  directly, over its Unix socket with grpc's blocking stub, as the gateway calls it — the
-  alternative for a caller on the stack's own machine (issue 48), our runtimed, Runtime Server
-  and worker without the gateway; Ray's actor method and task (``ray.get(f.remote(v))``);
+  encodes, decoded with the standard library's json); the same Run called on runtimed's
+  FunctionRuntime directly, over its Unix socket with grpc's blocking stub, as the gateway calls
+  it — the alternative for a caller on the stack's own machine (issue 48), our runtimed,
+  Runtime Server and worker without the gateway; Ray's actor method and task
+  (``ray.get(f.remote(v))``);
   and the *floor chain*: raw HTTP to a bare tornado server that relays the body over grpc.aio to
   a bare grpc.aio relay and on to a bare gRPC echo (benchmarks.throughput's) — as many hops as
   gateway → runtimed → Runtime Server, none of our code, no worker. Beside it, issue 48's

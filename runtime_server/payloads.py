@@ -13,8 +13,9 @@ standard library: the text is compact (``{"a":1}``); NaN and ±Infinity are ``nu
 scalars and arrays, datetimes (pandas' too), dataclasses, UUIDs and enums are encoded; a value
 JSON cannot hold is a TypeError naming its path.
 
-Decoding stays with the standard library: orjson reads an integer past 64 bits as a float,
-losing digits, and looking for one first costs what orjson saves.
+Decoding is the standard library's, and msgspec's for a text of 64 KiB or more (as exact, twice
+as fast): orjson reads an integer past 64 bits as a float, losing digits, and looking for one
+first costs what orjson saves.
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ nulls, timestamps, categories and index. Never pickle."""
 
 from __future__ import annotations
 
+import json
 import tracemalloc
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -14,6 +16,7 @@ import polars as pl
 import pyarrow as pa
 import pytest
 
+from fnkernel.adapters import _jsonvalues
 from fnkernel.runtime_server import payloads
 
 
@@ -106,6 +109,45 @@ def test_bytes_are_octets_and_the_rest_is_json() -> None:
     assert payloads.decode(b'{"a":1}', "application/json; charset=utf-8") == {"a": 1}
     # a bash function's output that is not JSON
     assert payloads.decode(b"hello, ada", "text/plain; charset=utf-8") == "hello, ada"
+
+
+# JSON texts a caller may send, each read as the standard library reads it. Strict JSON...
+STRICT = [b"[18446744073709551616, -9223372036854775809, 123456789012345678901234567890]",
+          b'{"a": 1, "a": 2.5e-5, "b": [true, null, -0.0, 1.7976931348623157e308]}',
+          b'"\\u00e9 a\\u0000b"']  # fmt: skip
+# ...and what only the standard library takes, or nobody does.
+LENIENT = [b"[NaN, Infinity, -Infinity]", b"[1e400]", b'["\\ud800"]', b"\xef\xbb\xbf[1]"]
+INVALID = [b"[1,]", b"{", b'{"a" 1}', b"[" * 100_000 + b"]" * 100_000]
+
+
+def padded(text: bytes) -> bytes:
+    """`text` inside a JSON array, past FAST_LOADS_FROM (a byte order mark stays first)."""
+    bom = b"\xef\xbb\xbf" if text.startswith(b"\xef\xbb\xbf") else b""
+    pad = b"x" * _jsonvalues.FAST_LOADS_FROM
+    return bom + b"[" + text.removeprefix(bom) + b', "' + pad + b'"]'
+
+
+def test_json_is_read_as_the_standard_library_reads_it_at_every_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # docs/protocol.md, "JSON encodings": integers past 64 bits stay exact; from 64 KiB msgspec
+    # reads the text, and the standard library only what msgspec refuses.
+    read_by_stdlib: list[bytes] = []
+    loads = json.loads
+
+    def stdlib_loads(data: bytes) -> Any:
+        read_by_stdlib.append(data)
+        return loads(data)
+
+    monkeypatch.setattr(_jsonvalues, "json", SimpleNamespace(loads=stdlib_loads))
+    for text in STRICT + LENIENT:
+        for sized in (text, padded(text)):
+            assert repr(payloads.decode(sized, payloads.JSON)) == repr(loads(sized))
+    assert [text for text in STRICT + LENIENT if padded(text) in read_by_stdlib] == LENIENT
+    for text in INVALID:
+        for sized in (text, padded(text)):
+            with pytest.raises(payloads.PayloadError, match=r"^the result is not valid JSON"):
+                payloads.decode(sized, payloads.JSON, "the result")
 
 
 def test_a_stream_any_arrow_writer_made_is_a_table() -> None:
