@@ -50,7 +50,7 @@ _ORDER_KEY = b"fnkernel.order"  # "F": its elements in Fortran (column-major) or
 # (``spool_file``, ``release``): at most so many such files, of so many bytes in all, each for
 # so long unused.
 FREE_PREFIX = "free-"
-FREE_NAME = re.compile(r"free-(\d+)-(\d+)-[A-Za-z0-9_-]+")  # its size, when it was freed
+FREE_NAME = re.compile(rf"{FREE_PREFIX}(\d+)-(\d+)-[A-Za-z0-9_-]+")  # its size, when freed
 KEEP_FREE_FILES = 4
 KEEP_FREE_BYTES = 1 << 30
 KEEP_FREE_SECONDS = 60.0
@@ -273,10 +273,10 @@ def _reuse(path: str, size: int) -> bool:
     `size` bytes, else the largest; whether there was one."""
     directory = os.path.dirname(path)
     free = _free_files(directory)
-    holding = sorted((name for name, (kept, _) in free.items() if kept >= size),
-                     key=lambda name: free[name][1], reverse=True)  # fmt: skip
-    rest = sorted((name for name, (kept, _) in free.items() if kept < size),
-                  key=lambda name: free[name][0], reverse=True)  # fmt: skip
+    holding = [name for name, (kept, _) in free.items() if kept >= size]
+    rest = [name for name, (kept, _) in free.items() if kept < size]
+    holding.sort(key=lambda name: free[name][1], reverse=True)  # freed last first
+    rest.sort(key=lambda name: free[name][0], reverse=True)  # the largest first
     for name in holding + rest:
         try:
             os.rename(os.path.join(directory, name), path)
