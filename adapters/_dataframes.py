@@ -38,10 +38,10 @@ def to_table(pa: Any, frame: Any) -> Any:
     ``from_pandas`` as they are."""
     index = frame.index
     many = threaded(len(index) * len(frame.columns))  # frame.size, in a tenth
-    if frame.attrs or type(index).__name__ != "RangeIndex" or frame.columns.empty:
-        return pa.Table.from_pandas(frame, nthreads=None if many else 1)
     columns = [column for _, column in frame.items()]
-    dtypes = tuple(_structural(column.dtype) for column in columns)
+    dtypes: tuple = (None,)  # of a frame not converted a column at a time
+    if not frame.attrs and type(index).__name__ == "RangeIndex" and columns:
+        dtypes = tuple(_structural(column.dtype) for column in columns)
     if None in dtypes:
         return pa.Table.from_pandas(frame, nthreads=None if many else 1)
     labels = frame.columns

@@ -296,8 +296,6 @@ def _free_files(directory: str) -> dict[str, tuple[int, int]]:
     except FileNotFoundError:
         return free
     for name in names:
-        if not name.startswith(FREE_PREFIX):
-            continue
         found = FREE_NAME.fullmatch(name)
         if found is None:
             continue

@@ -5,11 +5,10 @@ with the registered working directory as cwd, held to the registration's memory 
 that starts it (adapters/children.py: spawn_limited). It imports nothing from fnkernel,
 and nothing but the standard library, orjson and msgspec (dependencies of fnkernel's, for
 encoding results and reading a large JSON input, with adapters/_payloads.py, _jsonvalues.py and
-_dataframes.py loaded by their paths),
-all before the working directory is put on sys.path: user modules named like ours or theirs
-cannot shadow them (``-P``: the script's own directory is not put on sys.path either). pyarrow,
-and pandas, polars or numpy, are imported on the first payload or result of theirs
-(docs/protocol.md, "Content types").
+_dataframes.py loaded by their paths), all before the working directory is put on sys.path:
+user modules named like ours or theirs cannot shadow them (``-P``: the script's own directory is
+not put on sys.path either). pyarrow, and pandas, polars or numpy, are imported on the first
+payload or result of theirs (docs/protocol.md, "Content types").
 
 Frames (see adapters/worker.py for the handshake, the nonce and the log files):
   request:  ``<id_len> <input_len> <remaining_ms> <traceparent> <type> <in> <out> <from> <if>

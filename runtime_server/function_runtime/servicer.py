@@ -329,12 +329,12 @@ def _messages(answers: list[batches_pb2.BatchAnswer]) -> Iterator[batches_pb2.Ba
     taken: list[batches_pb2.BatchAnswer] = []
     size = 0
     for answer in answers:
-        bytes_ = answer.ByteSize()
-        if taken and size + bytes_ > limits.BATCH_MESSAGE_BYTES:
+        answer_size = answer.ByteSize()
+        if taken and size + answer_size > limits.BATCH_MESSAGE_BYTES:
             yield batches_pb2.BatchAnswers(answers=taken)
             taken, size = [], 0
         taken.append(answer)
-        size += bytes_
+        size += answer_size
     if taken:
         yield batches_pb2.BatchAnswers(answers=taken)
 
