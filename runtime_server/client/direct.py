@@ -124,7 +124,8 @@ class Direct:
         failure. When the batch ends before every item was answered, the rest were never
         called: RouteGone if that is because the route no longer leads to the Run or another
         caller's call is in flight there (RESOURCE_EXHAUSTED); RequestCancelled if
-        ``cancel`` stopped it; else the error is the next item's."""
+        ``cancel`` stopped it; else the batch was cut off, and each item not answered fails
+        with its error (it may have run)."""
         request = batches_pb2.InvokeBatchRequest(
             run_uid=route.run_uid,
             items=[
@@ -156,12 +157,14 @@ class Direct:
                 raise RequestCancelled(
                     f"the batch to {route.name} was cancelled", code="CANCELLED"
                 ) from None
-            if err.code() in _NOT_CALLED:
+            if err.code() in _NOT_CALLED or _never_sent(err):
                 raise RouteGone(f"{err.code().name}: {err.details()}") from None
-            failure = self._failure(route, items[answered][0], err)
-            if isinstance(failure, RouteGone):
-                raise failure from None
-            yield answered, failure
+            # Cut off (a process of the hop died): the item that ran has no answer, and the
+            # items after it may have run too — answers are held up to 50 ms, and the worker
+            # may have begun the one queued behind — so each fails, and none is called again.
+            body = failure_body(err)
+            for index in range(answered, len(items)):
+                yield index, self._error(route, items[index][0], dict(body))
         finally:
             answers.cancel()  # a caller that stopped reading: the rest are not called
             with self._lock:
@@ -203,13 +206,8 @@ class Direct:
     def _failure(
         cls, route: Route, invocation_id: str, err: grpc.RpcError
     ) -> RouteGone | GatewayError:
-        call: Any = err
-        code = call.code()
-        if code in _NEVER_RAN or (
-            # runtimed is not there (its pod restarted elsewhere, or stopped): never sent
-            code == grpc.StatusCode.UNAVAILABLE and "failed to connect" in (call.details() or "")
-        ):
-            return RouteGone(f"{code.name}: {call.details()}")
+        if err.code() in _NEVER_RAN or _never_sent(err):
+            return RouteGone(f"{err.code().name}: {err.details()}")
         # the gateway's own translation (docs/protocol.md, "Errors")
         return cls._error(route, invocation_id, failure_body(err))
 
@@ -218,6 +216,14 @@ class Direct:
         body["message"] = body["message"].replace(f"run {route.run_uid}", f'"{route.name}"')
         body.update(runUid=route.run_uid, invocationId=invocation_id)
         return from_response(body, wire.http_status(body["code"]))
+
+
+def _never_sent(err: grpc.RpcError) -> bool:
+    """runtimed is not there (its pod restarted elsewhere, or stopped): the call never left."""
+    call: Any = err
+    return call.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect" in (
+        call.details() or ""
+    )
 
 
 def _metadata(trailers: Mapping[str, bytes]) -> dict[str, str | bytes]:

@@ -17,8 +17,9 @@ import grpc
 import pytest
 
 from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import batches_pb2, batches_pb2_grpc
-from fnkernel.runtime_server.client import Client
+from fnkernel.runtime_server.client import Client, maps
 from fnkernel.runtime_server.client.errors import (
+    GatewayError,
     HandlerFailed,
     InvocationTimedOut,
     RequestCancelled,
@@ -31,12 +32,14 @@ from tests.support import wait_until
 pytestmark = pytest.mark.timeout(120)
 HANDLER = {
     "handler.py": (
-        "import os, time\n"
+        "import os, signal, time\n"
         "def handle(event):\n"
         "    print('item', event['n'])\n"
         "    if event.get('log'):\n"
         "        with open(event['log'], 'a') as log:\n"
         "            log.write(f\"{event['n']}\\n\")\n"
+        "    if event.get('kill'):\n"
+        "        os.kill(os.getppid(), signal.SIGKILL)  # its Runtime Server\n"
         "    if event.get('fail'):\n"
         "        raise ValueError('no: ' + str(event['n']))\n"
         "    if event.get('mib'):\n"
@@ -176,6 +179,27 @@ def test_answers_that_end_together_past_one_messages_bound_each_come_once(
     results = Client(stack.gateway_address).map("one", items)
     assert [len(result) for result in results] == [5 << 20] * 24
     assert log.read_text().split() == [str(n) for n in range(24)]  # each called once, in turn
+
+
+def test_a_batch_cut_off_after_its_items_ran_calls_none_of_them_again(
+    stack: Stack, tmp_path: Path, requests: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # docs/protocol.md, "Batches": answers are held up to 50 ms, and the worker has the next
+    # item queued, so when a batch breaks off (item 5 kills its Runtime Server) the items after
+    # the last answer may have run: each fails as a call cut off does, none is called again.
+    monkeypatch.setattr(maps, "BATCH_SHARE", 1)  # the lane's share in one batch
+    log = tmp_path / "called.txt"
+    items = [{"n": n, "log": str(log), "kill": n == 5} for n in range(40)]
+    results = Client(stack.gateway_address).map("one", items, return_exceptions=True)
+    assert not [sent for sent in requests if ":invoke" in sent]  # none called one by one
+    called = [int(n) for n in log.read_text().split()]
+    assert called in ([0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, 6])  # 6 was queued in the worker
+    answered = [n for n, result in enumerate(results) if not isinstance(result, Exception)]
+    assert answered == list(range(len(answered))) and len(answered) < 6
+    assert [result["n"] for result in results[: len(answered)]] == answered
+    for index, failure in enumerate(results[len(answered) :], len(answered)):
+        assert isinstance(failure, GatewayError), failure
+        assert (failure.status, failure.code, failure.item) == (503, "UNAVAILABLE", (index, 40))
 
 
 def test_a_batch_refused_by_another_callers_call_waits_for_it_item_by_item(
