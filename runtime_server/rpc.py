@@ -442,8 +442,22 @@ def status_code(number: int) -> grpc.StatusCode:
     return _STATUS_CODES.get(number, grpc.StatusCode.UNKNOWN)
 
 
+# grpc's own words when a call's connection failed, with no status from the process it called
+# (that process died, or was not there): what each means for the call (docs/protocol.md, "Errors").
+_NOT_REACHED = ("failed to connect",)
+_CUT_OFF = ("Socket closed", "Stream removed", "Connection reset", "Broken pipe")
+
+
 def status_body(code: grpc.StatusCode, message: str, trailers: dict[str, Any]) -> dict[str, Any]:
     """``failure_body`` of a status given by its parts (a batch's answer carries them)."""
+    if code == grpc.StatusCode.UNAVAILABLE:
+        if any(words in message for words in _NOT_REACHED):
+            message = f"the call was not sent: a process on its path is not there ({message})"
+        elif any(words in message for words in _CUT_OFF):
+            message = (
+                "the call was cut off: a process on its path went away while it was in flight,"
+                f" so it may have run ({message})"
+            )
     body: dict[str, Any] = {"code": code.name, "message": message}
     if code == grpc.StatusCode.UNKNOWN:
         error_type = str(trailers.get(wire.ERROR_TYPE_KEY, ""))

@@ -200,6 +200,8 @@ def test_a_batch_cut_off_after_its_items_ran_calls_none_of_them_again(
     for index, failure in enumerate(results[len(answered) :], len(answered)):
         assert isinstance(failure, GatewayError), failure
         assert (failure.status, failure.code, failure.item) == (503, "UNAVAILABLE", (index, 40))
+        assert failure.message.startswith("the call was cut off: a process on its path went away")
+        assert "so it may have run (" in failure.message
 
 
 def test_a_batch_refused_by_another_callers_call_waits_for_it_item_by_item(

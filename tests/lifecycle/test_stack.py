@@ -575,10 +575,15 @@ def test_a_run_whose_calls_keep_killing_its_server_ends_failed_saying_so(
         )
         assert status == 503
         wait_until(_ready_again(client, "killer", attempt), timeout=20)
-    status, _, _ = http_call(
+    status, _, body = http_call(
         stack.gateway_address, "POST", "/v1/runs/killer:invoke", b'{"kill": 1}'
     )
     assert status == 503
+    # docs/protocol.md, "Errors": what a call cut off means for it, not only gRPC's words.
+    assert json.loads(body)["message"].startswith(
+        "the call was cut off: a process on its path went away while it was in flight, so it"
+        " may have run ("
+    )
     wait_until(lambda: client.status("killer")["status"]["phase"] == "Failed", timeout=20)
     message = client.status("killer")["status"]["message"]
     assert "in flight each of the last 3 times its Runtime Server died" in message
