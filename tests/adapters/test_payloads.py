@@ -16,7 +16,7 @@ import polars as pl
 import pyarrow as pa
 import pytest
 
-from fnkernel.adapters import _jsonvalues
+from fnkernel.adapters import _dataframes, _jsonvalues
 from fnkernel.runtime_server import payloads
 
 
@@ -259,6 +259,58 @@ def test_a_frame_converts_as_pyarrow_converts_it() -> None:
             if "o" not in part:  # text of object dtype comes back as pandas 3's str
                 back = payloads.decode(*payloads.encode(part))
                 pd.testing.assert_frame_equal(back, part)
+
+
+def read_frames() -> list[pd.DataFrame]:
+    """Frames of every kind of column a small frame's reading builds itself (docs/architecture.md,
+    "DataFrames beside the peers"), with the index ranges it knows."""
+    n = 200
+    every = np.arange(n)
+    frame = pd.DataFrame(
+        {
+            "count": every,
+            "small": every.astype(np.int8),
+            "unsigned": every.astype(np.uint32),
+            "ratio": np.where(every % 7 == 0, np.nan, 0.5),
+            "single": (every * 0.5).astype(np.float32),
+            "flag": every % 2 == 0,
+            "at": pd.date_range("2026-01-01", periods=n, freq="min", tz="Europe/Paris"),
+            "utc": pd.Series(pd.date_range("2026-01-01", periods=n, tz="UTC")).where(every % 9 > 0),
+            "naive": pd.Series(pd.date_range("2026-01-01", periods=n)).where(every % 9 > 0),
+            "grade": pd.Categorical.from_codes(every % 3 - (every % 10 == 0), ["a", "b", "c"],
+                                               ordered=True),
+            "size": pd.Categorical(every % 4),
+            "note": np.where(every % 5 == 0, None, "ok"),
+        }
+    )  # fmt: skip
+    stepped = frame.copy()
+    stepped.index = pd.RangeIndex(100, 100 + 3 * n, 3, name="row")
+    return [frame, stepped, frame.iloc[:0]]
+
+
+def test_a_small_frame_reads_as_pyarrow_reads_it() -> None:
+    # Below a million cells the codec builds a frame of a common structure a column at a time
+    # (docs/architecture.md, "DataFrames beside the peers"): it must be the frame pyarrow's
+    # to_pandas builds — values, dtypes, index, labels — and one a handler can write to; every
+    # other structure is pyarrow's own.
+    for frame in read_frames() + small_frames():
+        for part in (frame, frame.iloc[10:50], frame.iloc[::2]):
+            table = payloads.arrow_table(part)
+            want = table.to_pandas(use_threads=False, types_mapper=_dataframes.categorical)
+            got = _dataframes.to_frame(table)
+            pd.testing.assert_frame_equal(
+                got, want, check_exact=True, check_column_type=True, check_index_type=True
+            )
+            assert (got.columns.dtype, got.index.name) == (want.columns.dtype, want.index.name)
+            if len(got) > 1:
+                first, second = got.index[:2]
+                for column in got.columns:
+                    got.loc[first, column] = got.loc[second, column]
+                    assert got[column].iloc[0] is got[column].iloc[1] or (
+                        pd.isna(got[column].iloc[1]) or got[column].iloc[0] == got[column].iloc[1]
+                    )
+    # Each of read_frames() took the reading's own way, not pyarrow's.
+    assert all(_dataframes._small_frame(payloads.arrow_table(f)) is not None for f in read_frames())
 
 
 def test_categories_come_back_as_pyarrow_builds_them_and_can_be_written() -> None:

@@ -19,8 +19,8 @@ from fnkernel.runtime_server import payloads
 
 
 def frame(rows: int = 50_000) -> pd.DataFrame:
-    """Numbers, text with nulls and categories (of text, of numbers): pandas keeps the text as
-    Arrow arrays."""
+    """Numbers, text with nulls, categories (of text, of numbers) and times: pandas keeps the
+    text as Arrow arrays."""
     count = np.arange(rows, dtype=np.int64)
     return pd.DataFrame({
         "count": count,
@@ -28,6 +28,8 @@ def frame(rows: int = 50_000) -> pd.DataFrame:
         "note": np.where(count % 5 == 0, None, "ok"),
         "grade": pd.Categorical.from_codes(count % 3, ["a", "b", "c"]),
         "size": pd.Categorical.from_codes(count % 4, [10, 20, 30, 40]),
+        "at": pd.to_datetime(count, unit="s").tz_localize("Europe/Paris"),
+        "naive": pd.to_datetime(count, unit="s"),
     })  # fmt: skip
 
 
