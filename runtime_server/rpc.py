@@ -448,10 +448,16 @@ _NOT_REACHED = ("failed to connect",)
 _CUT_OFF = ("Socket closed", "Stream removed", "Connection reset", "Broken pipe")
 
 
+def never_sent(code: grpc.StatusCode, message: str) -> bool:
+    """Whether a status is grpc's own for a connection that could not be made: the call never
+    left (the process it calls is not there: stopped, or restarting)."""
+    return code == grpc.StatusCode.UNAVAILABLE and any(words in message for words in _NOT_REACHED)
+
+
 def status_body(code: grpc.StatusCode, message: str, trailers: dict[str, Any]) -> dict[str, Any]:
     """``failure_body`` of a status given by its parts (a batch's answer carries them)."""
     if code == grpc.StatusCode.UNAVAILABLE:
-        if any(words in message for words in _NOT_REACHED):
+        if never_sent(code, message):
             message = f"the call was not sent: a process on its path is not there ({message})"
         elif any(words in message for words in _CUT_OFF):
             message = (

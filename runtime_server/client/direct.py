@@ -28,6 +28,7 @@ from fnkernel.runtime_server.rpc import (
     STREAM_CHANNEL_OPTIONS,
     CancellableCalls,
     failure_body,
+    never_sent,
     status_body,
     status_code,
     trailer_logs,
@@ -221,9 +222,7 @@ class Direct:
 def _never_sent(err: grpc.RpcError) -> bool:
     """runtimed is not there (its pod restarted elsewhere, or stopped): the call never left."""
     call: Any = err
-    return call.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect" in (
-        call.details() or ""
-    )
+    return never_sent(call.code(), call.details() or "")
 
 
 def _metadata(trailers: Mapping[str, bytes]) -> dict[str, str | bytes]:
