@@ -169,16 +169,17 @@ def _small_frame(table: Any) -> Any:
     column's dtype out in Python, ~0.5 ms for five columns whatever their length
     (docs/architecture.md, "DataFrames beside the peers"). Here: a range index, string labels
     with one level, no ``attrs``, and columns of numbers, booleans without nulls, times, text
-    (pandas 3's ``str``) or categories; each column's values a copy (writable, and off a mapped
-    file), as ``to_pandas``'s are: pandas copies numbers and naive times into the frame's
-    blocks (tests/adapters/test_spool_files.py reads a frame's file free once it is read)."""
+    (pandas 3's ``str``) or categories, each a block of its own (``_column_block``), as
+    pandas' ``create_dataframe_from_blocks`` (made for pyarrow's to_pandas) takes them."""
+    import numpy as np
     import pandas as pd
 
-    # pandas' own constructor from arrays as a frame's blocks hold them (pyarrow's to_pandas
-    # goes through pandas' internals too); pandas' public one works each column out again.
-    build = getattr(pd.DataFrame, "_from_arrays", None)
+    try:
+        from pandas.api.internals import create_dataframe_from_blocks
+    except ImportError:
+        return None
     raw = (table.schema.metadata or {}).get(b"pandas")
-    if raw is None or build is None:
+    if raw is None:
         return None
     meta = json.loads(raw)
     index = meta.get("index_columns")
@@ -202,23 +203,25 @@ def _small_frame(table: Any) -> Any:
     name = index[0].get("name")
     if len(rows) != table.num_rows or not (name is None or isinstance(name, str)):
         return None
-    arrays = []
-    for column, description in zip(table.columns, described, strict=True):
-        array = _column_values(column, description.get("numpy_type"))
-        if array is None:
+    blocks = []
+    for place, (column, description) in enumerate(zip(table.columns, described, strict=True)):
+        block = _column_block(column, description.get("numpy_type"))
+        if block is None:
             return None
-        arrays.append(array)
+        blocks.append((block, np.array([place])))
     rows.name = name
     labels = _labels.get(tuple(names))
     if labels is None:  # pandas 3 infers the labels' dtype, ~0.15 ms for five
         if len(_labels) >= _FRAME_SCHEMAS_KEPT:
             _labels.clear()
         labels = _labels[tuple(names)] = pd.Index(names)
-    return build(arrays, labels.view(), rows, verify_integrity=False)
+    return create_dataframe_from_blocks(blocks, rows, labels.view())
 
 
-def _column_values(column: Any, numpy_type: str | None) -> Any:
-    """A column as a frame's block holds it, or None if ``to_pandas`` may make it otherwise."""
+def _column_block(column: Any, numpy_type: str | None) -> Any:
+    """A column as a block of a frame holds it — numbers and naive times a writable numpy row
+    (1 x rows) of their own, the rest pandas' array — or None if ``to_pandas`` may make it
+    otherwise. Nothing refers to the table's buffers (a mapped file's pages) any more."""
     import pandas as pd
     import pyarrow as pa
 
@@ -232,19 +235,21 @@ def _column_values(column: Any, numpy_type: str | None) -> Any:
     if types.is_timestamp(kind):
         if numpy_type != f"datetime64[{kind.unit}]":
             return None
-        if kind.tz is None:  # copied as the frame's blocks are made, as numbers are
-            return pd.array(chunk.to_numpy(zero_copy_only=False), copy=False)
-        dtype = _zoned.get(kind)
-        if dtype is None:  # the zone looked up once
-            if len(_zoned) >= _FRAME_SCHEMAS_KEPT:
-                _zoned.clear()
-            dtype = _zoned[kind] = pd.DatetimeTZDtype(kind.unit, kind.tz)
-        return dtype.__from_arrow__(chunk).copy()  # a block of its own: not copied there
-    numeric = types.is_integer(kind) or types.is_floating(kind) or types.is_boolean(kind)
-    if not numeric or (chunk.null_count and not types.is_floating(kind)):
-        return None  # to_pandas: integers with nulls are floats, booleans objects
-    values = chunk.to_numpy(zero_copy_only=False)  # copied as the frame's blocks are made
-    return values if numpy_type == str(values.dtype) else None
+        if kind.tz is not None:
+            dtype = _zoned.get(kind)
+            if dtype is None:  # the zone looked up once
+                if len(_zoned) >= _FRAME_SCHEMAS_KEPT:
+                    _zoned.clear()
+                dtype = _zoned[kind] = pd.DatetimeTZDtype(kind.unit, kind.tz)
+            return dtype.__from_arrow__(chunk).copy()
+    else:
+        numeric = types.is_integer(kind) or types.is_floating(kind) or types.is_boolean(kind)
+        if not numeric or (chunk.null_count and not types.is_floating(kind)):
+            return None  # to_pandas: integers with nulls are floats, booleans objects
+    values = chunk.to_numpy(zero_copy_only=False)  # a view of the table's, or a new array
+    if numpy_type != values.dtype.name:
+        return None
+    return (values if values.flags.writeable else values.copy()).reshape(1, -1)
 
 
 @cache
