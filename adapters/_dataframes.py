@@ -169,8 +169,9 @@ def _small_frame(table: Any) -> Any:
     column's dtype out in Python, ~0.5 ms for five columns whatever their length
     (docs/architecture.md, "DataFrames beside the peers"). Here: a range index, string labels
     with one level, no ``attrs``, and columns of numbers, booleans without nulls, times, text
-    (pandas 3's ``str``) or categories, each a block of its own (``_column_block``), as
-    pandas' ``create_dataframe_from_blocks`` (made for pyarrow's to_pandas) takes them."""
+    (pandas 3's ``str``) or categories (``_column_block``), in blocks as ``to_pandas`` lays
+    them out, handed to pandas' ``create_dataframe_from_blocks`` (made for pyarrow's
+    to_pandas)."""
     import numpy as np
     import pandas as pd
 
@@ -204,11 +205,27 @@ def _small_frame(table: Any) -> Any:
     if len(rows) != table.num_rows or not (name is None or isinstance(name, str)):
         return None
     blocks = []
+    numbers: dict[Any, list[tuple[int, Any]]] = {}  # numpy's columns, by dtype
     for place, (column, description) in enumerate(zip(table.columns, described, strict=True)):
         block = _column_block(column, description.get("numpy_type"))
         if block is None:
             return None
-        blocks.append((block, np.array([place])))
+        if isinstance(block, np.ndarray):
+            numbers.setdefault(block.dtype, []).append((place, block))
+        else:
+            blocks.append((block, np.array([place])))
+    # As to_pandas lays them out: the columns of one dtype in one block, copied there once.
+    for dtype, columns in numbers.items():
+        places = np.array([place for place, _ in columns])
+        if len(columns) == 1:
+            values = columns[0][1]
+            values = values if values.flags.writeable else values.copy()  # not a view
+            blocks.append((values.reshape(1, -1), places))
+            continue
+        block = np.empty((len(columns), table.num_rows), dtype)
+        for row, (_, values) in enumerate(columns):
+            block[row] = values
+        blocks.append((block, places))
     rows.name = name
     labels = _labels.get(tuple(names))
     if labels is None:  # pandas 3 infers the labels' dtype, ~0.15 ms for five
@@ -219,9 +236,10 @@ def _small_frame(table: Any) -> Any:
 
 
 def _column_block(column: Any, numpy_type: str | None) -> Any:
-    """A column as a block of a frame holds it — numbers and naive times a writable numpy row
-    (1 x rows) of their own, the rest pandas' array — or None if ``to_pandas`` may make it
-    otherwise. Nothing refers to the table's buffers (a mapped file's pages) any more."""
+    """A column as a frame's block takes it — numbers and naive times as numpy's array (a view
+    of the table's when it is read-only, to be copied into a block), the rest as pandas' array,
+    nothing of it referring to the table's buffers (a mapped file's pages) — or None if
+    ``to_pandas`` may make it otherwise."""
     import pandas as pd
     import pyarrow as pa
 
@@ -247,9 +265,7 @@ def _column_block(column: Any, numpy_type: str | None) -> Any:
         if not numeric or (chunk.null_count and not types.is_floating(kind)):
             return None  # to_pandas: integers with nulls are floats, booleans objects
     values = chunk.to_numpy(zero_copy_only=False)  # a view of the table's, or a new array
-    if numpy_type != values.dtype.name:
-        return None
-    return (values if values.flags.writeable else values.copy()).reshape(1, -1)
+    return values if numpy_type == values.dtype.name else None
 
 
 @cache

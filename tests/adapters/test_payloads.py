@@ -281,6 +281,9 @@ def read_frames() -> list[pd.DataFrame]:
                                                ordered=True),
             "size": pd.Categorical(every % 4),
             "note": np.where(every % 5 == 0, None, "ok"),
+            "twice": every * 2,  # a second column of a dtype: one block with the first
+            "half": np.where(every % 3 == 0, np.nan, 0.25),
+            "later": pd.Series(pd.date_range("2026-02-01", periods=n)).where(every % 4 > 0),
         }
     )  # fmt: skip
     stepped = frame.copy()
@@ -302,6 +305,7 @@ def test_a_small_frame_reads_as_pyarrow_reads_it() -> None:
                 got, want, check_exact=True, check_column_type=True, check_index_type=True
             )
             assert (got.columns.dtype, got.index.name) == (want.columns.dtype, want.index.name)
+            assert _blocks(got) == _blocks(want)  # laid out as to_pandas lays it out
             if len(got) > 1:
                 first, second = got.index[:2]
                 for column in got.columns:
@@ -311,6 +315,12 @@ def test_a_small_frame_reads_as_pyarrow_reads_it() -> None:
                     )
     # Each of read_frames() took the reading's own way, not pyarrow's.
     assert all(_dataframes._small_frame(payloads.arrow_table(f)) is not None for f in read_frames())
+
+
+def _blocks(frame: pd.DataFrame) -> list[tuple[str, list[int]]]:
+    """How pandas holds `frame`: each block's dtype and columns (pandas' internals, read only
+    to compare two frames' layouts)."""
+    return sorted((str(block.dtype), list(block.mgr_locs.as_array)) for block in frame._mgr.blocks)
 
 
 def test_categories_come_back_as_pyarrow_builds_them_and_can_be_written() -> None:
