@@ -370,7 +370,13 @@ def test_invocation_past_its_timeout_is_504_and_the_next_succeeds(shared_stack: 
     name = create(shared_stack, SLOW_PY)
     status, _, body = invoke(shared_stack, name, b'{"sleep": 5}', {"X-Timeout-Ms": "300"})
     assert status == 504
-    assert json.loads(body)["code"] == "DEADLINE_EXCEEDED"
+    answer = json.loads(body)
+    assert answer["code"] == "DEADLINE_EXCEEDED"
+    # docs/protocol.md, "Errors": and how to give it more.
+    assert (
+        answer["hint"]
+        == "give it more with the X-Timeout-Ms header, in milliseconds (at most 900000)"
+    )
     assert invoke(shared_stack, name, b'{"sleep": 0}')[0] == 200
 
 

@@ -184,7 +184,13 @@ class InvokeHandler(TracedHandler, BodyHandler):
             if hop is not tracing.UNTRACED:
                 spans = metadata_of(err.trailing_metadata()).get(wire.SPANS_KEY)
                 hop.called(err.code().value[0], spans)
-            raise rpc_error(err, run, invocation_id) from None
+            failure = rpc_error(err, run, invocation_id)
+            if failure.code == "DEADLINE_EXCEEDED":  # how an HTTP caller gives it more
+                failure.extra["hint"] = (
+                    f"give it more with the {wire.TIMEOUT_HEADER} header, in milliseconds"
+                    f" (at most {limits.MAX_TIMEOUT_MILLIS})"
+                )
+            raise failure from None
         except asyncio.CancelledError:
             return None
         finally:
