@@ -8,6 +8,7 @@ when a frame is converted.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from functools import cache, partial
 from typing import Any
 
@@ -18,6 +19,17 @@ THREADS_FROM_VALUES = 1 << 20
 _FRAME_SCHEMAS_KEPT = 64
 _frame_schemas: dict[tuple, tuple[Any, dict, list[str]]] = {}
 _RANGE = "fnkernel: the index's range"  # where it goes in a kept schema's metadata text
+
+
+def _kept(kept: dict, key: Any, make: Callable[[], Any]) -> Any:
+    """``kept[key]``, made by `make` the first time; `kept` holds what is worked out once per
+    structure, at most _FRAME_SCHEMAS_KEPT of them (emptied when full)."""
+    value = kept.get(key)
+    if value is None:
+        if len(kept) >= _FRAME_SCHEMAS_KEPT:
+            kept.clear()
+        value = kept[key] = make()
+    return value
 
 
 def threaded(values: int) -> bool:
@@ -49,17 +61,15 @@ def to_table(pa: Any, frame: Any) -> Any:
         return pa.Table.from_pandas(frame, nthreads=None if many else 1)
     labels = frame.columns
     key = (tuple(labels), str(labels.dtype), tuple(labels.names), index.name, dtypes)
-    known = _frame_schemas.get(key)
-    if known is None:
+
+    def described() -> tuple[Any, dict, list[str]]:
         empty = pa.Table.from_pandas(frame.iloc[:0], nthreads=1)
         template = json.loads(empty.schema.metadata[b"pandas"])
         # The metadata's text around its index's range, which alone changes with the frame.
         around = json.dumps({**template, "index_columns": _RANGE}).split(json.dumps(_RANGE))
-        known = empty.schema, template["index_columns"][0], around
-        if len(_frame_schemas) >= _FRAME_SCHEMAS_KEPT:
-            _frame_schemas.clear()
-        _frame_schemas[key] = known
-    schema, ranged, (before, after) = known
+        return empty.schema, template["index_columns"][0], around
+
+    schema, ranged, (before, after) = _kept(_frame_schemas, key, described)
     ranged = {**ranged, "start": index.start, "stop": index.stop, "step": index.step}
     pandas = f"{before}{json.dumps([ranged])}{after}".encode()
     types = [field.type for field in schema]
@@ -227,11 +237,8 @@ def _small_frame(table: Any) -> Any:
             block[row] = values
         blocks.append((block, places))
     rows.name = name
-    labels = _labels.get(tuple(names))
-    if labels is None:  # pandas 3 infers the labels' dtype, ~0.15 ms for five
-        if len(_labels) >= _FRAME_SCHEMAS_KEPT:
-            _labels.clear()
-        labels = _labels[tuple(names)] = pd.Index(names)
+    # pandas 3 infers the labels' dtype, ~0.15 ms for five: once per structure.
+    labels = _kept(_labels, tuple(names), lambda: pd.Index(names))
     return create_dataframe_from_blocks(blocks, rows, labels.view())
 
 
@@ -253,12 +260,8 @@ def _column_block(column: Any, numpy_type: str | None) -> Any:
     if types.is_timestamp(kind):
         if numpy_type != f"datetime64[{kind.unit}]":
             return None
-        if kind.tz is not None:
-            dtype = _zoned.get(kind)
-            if dtype is None:  # the zone looked up once
-                if len(_zoned) >= _FRAME_SCHEMAS_KEPT:
-                    _zoned.clear()
-                dtype = _zoned[kind] = pd.DatetimeTZDtype(kind.unit, kind.tz)
+        if kind.tz is not None:  # the zone looked up once
+            dtype = _kept(_zoned, kind, lambda: pd.DatetimeTZDtype(kind.unit, kind.tz))
             return dtype.__from_arrow__(chunk).copy()
     else:
         numeric = types.is_integer(kind) or types.is_floating(kind) or types.is_boolean(kind)

@@ -444,14 +444,14 @@ def status_code(number: int) -> grpc.StatusCode:
 
 # grpc's own words when a call's connection failed, with no status from the process it called
 # (that process died, or was not there): what each means for the call (docs/protocol.md, "Errors").
-_NOT_REACHED = ("failed to connect",)
+_NOT_REACHED = "failed to connect"
 _CUT_OFF = ("Socket closed", "Stream removed", "Connection reset", "Broken pipe")
 
 
 def never_sent(code: grpc.StatusCode, message: str) -> bool:
     """Whether a status is grpc's own for a connection that could not be made: the call never
     left (the process it calls is not there: stopped, or restarting)."""
-    return code == grpc.StatusCode.UNAVAILABLE and any(words in message for words in _NOT_REACHED)
+    return code == grpc.StatusCode.UNAVAILABLE and _NOT_REACHED in message
 
 
 def status_body(code: grpc.StatusCode, message: str, trailers: dict[str, Any]) -> dict[str, Any]:
