@@ -54,7 +54,7 @@ from fnkernel.runtime_server.lifecycle.runtimed.packages import (
     PackageCache,
     throttled,
 )
-from fnkernel.runtime_server.lifecycle.runtimed.proxy import proxy_ports
+from fnkernel.runtime_server.lifecycle.runtimed.proxy import invoke_bytes, proxy_ports
 from fnkernel.runtime_server.lifecycle.runtimed.server import (
     Active,
     ServerRegistrations,
@@ -127,7 +127,7 @@ class Runtimed:
         )
         self.batches_stub = batches_pb2_grpc.BatchesStub(self._batches_channel)
         self.heart = Heartbeat(self._channel, store, pod, runtime, poll_interval)
-        self.calls = CancellableCalls(server_address, pb_grpc.FunctionRuntimeStub)  # proxied
+        self.calls = CancellableCalls(server_address, invoke_bytes)  # proxied
         self._lock = threading.Lock()
         self._active: dict[str, Active] = {}
         self._runs: dict[str, Run] = {}  # this pod's Runs as of the last reconcile pass

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from concurrent import futures
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 from grpc_health.v1 import health
@@ -74,7 +74,7 @@ LOG = logging.getLogger("fnkernel.runtimed")
 class Agent(Protocol):
     """What the proxy hop asks of runtimed (``Runtimed``)."""
 
-    calls: CancellableCalls
+    calls: CancellableCalls[grpc.UnaryUnaryMultiCallable]  # ``invoke_bytes`` of its server
     server_stub: pb_grpc.FunctionRuntimeStub
     logs_stub: logs_pb2_grpc.InvocationLogsStub
     payloads_stub: payloads_pb2_grpc.PayloadsStub
@@ -113,26 +113,65 @@ def _outside_id(run_uid: str, registration_id: str, field: str = "") -> None:
         raise InvalidField(f"{field}run_uid", "must not be empty")
 
 
+class RelayedInvoke:
+    """An InvokeFunction request as the proxy hop relays it (docs/architecture.md, "The proxy
+    hop"): read for the fence, its bytes passed on as they came with what the hop fills in
+    appended (``forwarded``), never serialized again; the server's answer goes back as its
+    bytes too. Protobuf merges a message given twice, field by field, the last scalar winning."""
+
+    __slots__ = ("data", "message")
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.message = pb.InvokeFunctionRequest.FromString(data)
+
+    # What the hop's span is attributed with (``tracing.invoke_hop``), as the message's.
+    @property
+    def registration(self) -> pb.FunctionRegistration:
+        return self.message.registration
+
+    @property
+    def invocation_id(self) -> str:
+        return self.message.invocation_id
+
+    def forwarded(self, registration_id: str, timeout_millis: int) -> bytes:
+        """The request with the active `registration_id` filled in (and `timeout_millis`, if
+        not 0, in place of the caller's)."""
+        filled = pb.InvokeFunctionRequest(
+            registration=pb.FunctionRegistration(registration_id=registration_id),
+            timeout_millis=timeout_millis,
+        )
+        return self.data + filled.SerializeToString()
+
+
+def invoke_bytes(channel: grpc.Channel) -> grpc.UnaryUnaryMultiCallable:
+    """InvokeFunction on `channel`, a request's bytes in and the answer's bytes out."""
+    return channel.unary_unary(
+        f"/{FUNCTION_RUNTIME_SERVICE}/InvokeFunction",
+        request_serializer=None,
+        response_deserializer=None,
+    )
+
+
 class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
     """runtimed's own FunctionRuntime port (docs/protocol.md: the gateway routes here, never to a server)."""
 
     def __init__(self, runtimed: Agent) -> None:
         self.runtimed = runtimed
 
-    def InvokeFunction(
-        self, request: pb.InvokeFunctionRequest, context: grpc.ServicerContext
-    ) -> pb.InvokeFunctionResponse:
+    def InvokeFunction(self, request: RelayedInvoke, context: grpc.ServicerContext) -> bytes:
+        message = request.message
         _outside_id(
-            request.registration.run_uid, request.registration.registration_id, "registration."
+            message.registration.run_uid, message.registration.registration_id, "registration."
         )
         routed_to = metadata_value(context, POD_KEY)
-        run, active, cold = self.runtimed.resolve(request.registration.run_uid, routed_to)
+        run, active, cold = self.runtimed.resolve(message.registration.run_uid, routed_to)
         try:
             return self._forward(request, context, run, active, cold)
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.UNAVAILABLE and context.is_active():
                 # The call broke off with its caller still there: the server may have died.
-                self.runtimed.call_cut_off(run, active, request.invocation_id or "a call")
+                self.runtimed.call_cut_off(run, active, message.invocation_id or "a call")
                 raise
             if err.code() == grpc.StatusCode.NOT_FOUND:
                 # The server restarted and lost the registration; the Run still exists, so
@@ -146,23 +185,20 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
         # The server refused the call before running it (the registration was just drained for
         # idling, or superseded): resolve again under the run lock, once.
         run, active, cold = self.runtimed.resolve(
-            request.registration.run_uid, routed_to, fast=False
+            message.registration.run_uid, routed_to, fast=False
         )
         return self._forward(request, context, run, active, cold)
 
     def _forward(
         self,
-        request: pb.InvokeFunctionRequest,
+        request: RelayedInvoke,
         context: grpc.ServicerContext,
         run: Run,
         active: Active,
         cold: bool,
-    ) -> pb.InvokeFunctionResponse:
-        """Call the server with the active registration."""
+    ) -> bytes:
+        """Call the server with the active registration: its answer, as the server sent it."""
         call = served_call()
-        forwarded = pb.InvokeFunctionRequest()
-        forwarded.CopyFrom(request)
-        forwarded.registration.registration_id = active.registration_id
         hop, traceparent = call.hop, ""
         if hop is not None:  # the routing fence passed, and the registration ID is filled in
             hop.set(tracing.FENCE, "passed")
@@ -170,12 +206,14 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
             hop.set(tracing.REGISTRATION_ATTEMPT, active.attempt)
             traceparent = hop.call(tracing.INVOKE_SPAN, tracing.rpc_attributes("InvokeFunction"))
         timeout = caller_timeout(context)
+        timeout_millis = 0  # the caller's, as it came
         if timeout is not None:
             # docs/protocol.md: runtimed bounds timeout_millis by the caller's (gateway's) deadline.
             bound = max(1, int(timeout * 1000))
-            forwarded.timeout_millis = min(
-                limits.effective_timeout_millis(request.timeout_millis), bound
+            timeout_millis = min(
+                limits.effective_timeout_millis(request.message.timeout_millis), bound
             )
+        forwarded = request.forwarded(active.registration_id, timeout_millis)
         # fnkernel's own metadata of a large payload passes on as it came ("Large payloads").
         upstream = call.upstream(traceparent)
         if call.input_ref:
@@ -185,7 +223,7 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
         # The caller went away: the call is cancelled, and the handler dies.
         try:
             response, answered = self.runtimed.calls.call(
-                lambda stub: stub.InvokeFunction.with_call(
+                lambda invoke: invoke.with_call(
                     forwarded, timeout=timeout, metadata=upstream or None
                 ),
                 context,
@@ -367,7 +405,7 @@ def proxy_ports(runtimed: Agent) -> tuple[grpc.Server, health.HealthServicer]:
         interceptors=[pipeline],
         options=CHANNEL_OPTIONS,
     )
-    pb_grpc.add_FunctionRuntimeServicer_to_server(ProxyServicer(runtimed), server)
+    _add_proxy_servicer(ProxyServicer(runtimed), server)
     logs_pb2_grpc.add_InvocationLogsServicer_to_server(LogsProxyServicer(runtimed), server)
     payloads_pb2_grpc.add_PayloadsServicer_to_server(PayloadsProxyServicer(runtimed), server)
     batches_pb2_grpc.add_BatchesServicer_to_server(BatchesProxyServicer(runtimed), server)
@@ -383,3 +421,30 @@ def proxy_ports(runtimed: Agent) -> tuple[grpc.Server, health.HealthServicer]:
         ],
     )
     return server, checks
+
+
+def _add_proxy_servicer(servicer: ProxyServicer, server: grpc.Server) -> None:
+    """FunctionRuntime's four methods as ``pb_grpc.add_FunctionRuntimeServicer_to_server`` adds
+    them, but InvokeFunction's request read as a ``RelayedInvoke`` and its answer, the
+    server's bytes, sent as they are."""
+    messages: dict[str, tuple[Any, Any]] = {
+        "RegisterFunction": (pb.RegisterFunctionRequest, pb.RegisterFunctionResponse),
+        "FunctionStatus": (pb.FunctionStatusRequest, pb.FunctionStatusResponse),
+        "UnregisterFunction": (pb.UnregisterFunctionRequest, pb.UnregisterFunctionResponse),
+    }
+    handlers = {
+        name: grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, name),
+            request_deserializer=request.FromString,
+            response_serializer=response.SerializeToString,
+        )
+        for name, (request, response) in messages.items()
+    }
+    handlers["InvokeFunction"] = grpc.unary_unary_rpc_method_handler(
+        servicer.InvokeFunction, request_deserializer=RelayedInvoke
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(FUNCTION_RUNTIME_SERVICE, handlers),)
+    )
+    # As the generated code does; grpc's type stubs do not know the method yet.
+    server.add_registered_method_handlers(FUNCTION_RUNTIME_SERVICE, handlers)  # type: ignore[attr-defined]
