@@ -29,7 +29,8 @@ bench-peers` installs them). A peer that is not installed is left out, and the r
 * **10 in flight** (small payload): ``Client.invoke`` from 10 threads on 10 Runs; ``Client.map``
   over a Run with 10 replicas (the kernel's ``NAME.map`` calls it); Ray's 10 outstanding tasks
   and 10 actors; raw ``http.client`` from 10 threads on the same Runs and on the floor chain (its
-  floor); and over HTTP, benchmarks.throughput's asyncio load generator (10 kept-alive
+  floor); the floor without the HTTP hop from 10 threads, a blocking gRPC call on a channel each
+  (the floor under ``Client.invoke``'s direct calls); and over HTTP, benchmarks.throughput's asyncio load generator (10 kept-alive
   connections) on the gateway's 10 Runs, on Kernel Gateway's kernel pool, on the floor chain and
   on the tornado echo. Issue 48's multiplexed alternative to 10 HTTP/1.1 connections: the floor
   chain on granian from 10 threads, and the same 10 calls at a time on one HTTP/2 connection
@@ -127,6 +128,7 @@ GRPC_ECHO = "gRPC echo"
 PIPE = "pipe to a process"
 CLIENT_THREADS = f"fnkernel Client.invoke, {IN_FLIGHT} threads on {IN_FLIGHT} Runs"
 CHAIN_THREADS = f"floor chain, {IN_FLIGHT} threads (raw http.client)"
+NO_HTTP_THREADS = f"floor without the HTTP hop, {IN_FLIGHT} threads (blocking gRPC)"
 GRANIAN_THREADS = f"floor chain on granian, {IN_FLIGHT} threads (raw http.client)"
 GRANIAN_H2 = f"floor chain on granian, one HTTP/2 connection, {IN_FLIGHT} streams (httpx)"
 
@@ -179,6 +181,16 @@ def main() -> int:
             bench.no_http = grpc.insecure_channel(
                 sync_proxy.address, options=CHANNEL_OPTIONS
             ).unary_unary(ECHO_METHOD)
+            bench.no_http_threads = [
+                grpc.insecure_channel(sync_proxy.address, options=CHANNEL_OPTIONS).unary_unary(
+                    ECHO_METHOD
+                )
+                for _ in range(IN_FLIGHT)
+            ]  # a channel each, as the Client's calls have
+            bench.no_http_processes = {
+                "floor without HTTP: gRPC relay (sync)": sync_proxy.pid,
+                "floor chain: gRPC echo": echo.pid,
+            }
             for number in range(args.rounds):
                 print(f"round {number + 1} of {args.rounds}", flush=True)
                 bench.round(args.sizes, args.seconds, warm=number == 0)
@@ -263,6 +275,10 @@ class Bench:
         # Issue 48's alternative floor chains (set by main): over HTTP, and without it.
         self.alternatives: dict[str, RawHttp] = {}
         self.no_http: Callable[..., bytes] | None = None
+        # The same from IN_FLIGHT threads: the floor under the Client's calls on this machine,
+        # which skip the HTTP hop (docs/protocol.md, "Calling runtimed directly").
+        self.no_http_threads: list[Callable[..., bytes]] = []
+        self.no_http_processes: dict[str, int] = {}
         # The floor chain with its HTTP hop on granian, from 10 threads and multiplexed: its
         # address and processes (``on_granian``).
         self.granian = ""
@@ -401,6 +417,14 @@ class Bench:
                 self.chain_processes,
             ),
         }
+        if no_http := self.no_http_threads:
+            cases[NO_HTTP_THREADS] = lambda: self._counted(
+                NO_HTTP_THREADS,
+                lambda: threaded(
+                    lambda slot: json.loads(no_http[slot](body, timeout=120)), seconds
+                ),
+                self.no_http_processes,
+            )
         if self.granian:
             cases.update(self._on_granian(body, seconds))
         outstanding = self.ray_outstanding
@@ -525,6 +549,12 @@ class Bench:
         if tasks:
             targets.append(Target(f"{IN_FLIGHT} in flight: Client / Ray tasks", threads / tasks, 1.0,
                                   at_least=True))  # fmt: skip
+            if no_http := rates.get(NO_HTTP_THREADS):
+                notes.append(
+                    f"{IN_FLIGHT} in flight: the floor under the Client's direct calls (no HTTP "
+                    f"hop, no worker) is {no_http / tasks:.2f}x Ray tasks' calls/s; fnkernel's "
+                    f"Client is {threads / no_http:.2f}x that floor"
+                )
             if rates[CHAIN_THREADS] < tasks:
                 notes.append(
                     f"{IN_FLIGHT} in flight: the floor chain from {IN_FLIGHT} threads, with no worker, "
