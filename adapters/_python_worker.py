@@ -188,7 +188,9 @@ def _log_end(fd: int) -> int:
         return -1
 
 
-def serve(function, run_uid: str, requests, resp_fd: int) -> None:
+def serve(function, run_uid: str, requests, resp_fd: int, server: int) -> None:
+    """Answer each request frame in turn until the pipe closes; `server` is our parent's pid,
+    the Runtime Server's."""
     with_context = takes_context(function)
     logger = logging.getLogger("handler")
     answered_ok = True  # the last call's answer
@@ -210,6 +212,11 @@ def serve(function, run_uid: str, requests, resp_fd: int) -> None:
         ) = header.split()
         invocation_id = _read_exact(requests, int(id_len)).decode()
         payload = _read_exact(requests, int(input_len))
+        if os.getppid() != server:
+            # Our server is gone (we were handed to another parent): no one will read the
+            # answer, and a frame still in the pipe (a batch's item queued behind the last) is
+            # not run (docs/protocol.md, "Batches").
+            return
         if condition == b"ok" and not answered_ok:
             _respond(resp_fd, nonce, b"skipped", None)  # answered_ok stays: it never ran
             continue
@@ -384,6 +391,7 @@ def _add_packages(directory: str) -> None:
 
 
 def main() -> None:
+    server = os.getppid()
     run_uid, module_name, function_name, req_fd, resp_fd = sys.argv[1:6]
     del sys.argv[4:6]  # the handler sees no descriptor numbers (see above)
     req, resp = int(req_fd), int(resp_fd)
@@ -405,7 +413,7 @@ def main() -> None:
     _write(resp, b"READY\n")
     with os.fdopen(req, "rb", buffering=1 << 20) as requests:
         try:
-            serve(function, run_uid, requests, resp)
+            serve(function, run_uid, requests, resp, server)
         except EOFError:
             return
 

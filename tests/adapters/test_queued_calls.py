@@ -6,17 +6,23 @@ cancelled — goes with the worker that holds it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from fnkernel.adapters._payloads import CODES
 from fnkernel.adapters.base import FunctionSpec, NextCall
 from fnkernel.adapters.errors import HandlerError, InvocationTimeout
-from fnkernel.adapters.python import PythonAdapter
+from fnkernel.adapters.python import WORKER_SCRIPT, PythonAdapter
+from fnkernel.system.procfs import proc_stat
 from tests.support import pid_alive, wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -151,3 +157,43 @@ def test_an_item_behind_an_answer_refused_as_too_large_is_cancelled_where_it_run
         assert _invoke(small, 2)["output"]["n"] == 2
     finally:
         small.close()
+
+
+def test_a_worker_whose_server_is_gone_runs_no_frame_it_reads(tmp_path: Path) -> None:
+    # docs/protocol.md, "Batches": a frame still in the pipe when the Runtime Server died (an
+    # item queued behind the last) is not run. A shell stands for the server here: the worker
+    # is its child; the test holds the two frame pipes, so the worker can read a frame and
+    # answer it after the shell is gone, as after a server killed just after an answer.
+    (tmp_path / "handler.py").write_text(HANDLER)
+    request_r, request_w = os.pipe()
+    answer_r, answer_w = os.pipe()
+    worker = [sys.executable, "-P", str(WORKER_SCRIPT), "run-orphan", "handler", "handle"]
+    shell = subprocess.Popen(
+        ["sh", "-c", '"$@" & echo $!; read _', "sh", *worker, str(request_r), str(answer_w)],
+        cwd=tmp_path,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        pass_fds=(request_r, answer_w),
+    )
+    os.close(request_r)
+    os.close(answer_w)
+    assert shell.stdin is not None and shell.stdout is not None
+    pid = int(shell.stdout.readline())
+    try:
+        with os.fdopen(answer_r, "rb") as answers:
+            assert answers.readline() == b"READY\n"
+            shell.stdin.close()  # the shell, its "server", ends
+            shell.wait(10)
+            wait_until(lambda: proc_stat(pid)[1] != str(shell.pid), timeout=10)
+            mark = tmp_path / "ran"
+            event = _event(0, mark=str(mark))
+            # A request frame (adapters/base.py, ``request_frame``): ID and input lengths, time
+            # left, no trace, the input's type, nothing spooled, no condition, a nonce; the ID.
+            header = b"5 %d 10000 - %s - - 0 - nonce\ninv-0" % (len(event), CODES[JSON])
+            os.write(request_w, header + event)
+            assert answers.readline() == b""  # it ended, unanswered: no one would read it
+            assert not mark.exists()
+    finally:
+        os.close(request_w)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
