@@ -60,6 +60,7 @@ HANDLER = {"handler.py": "def handle(frame):\n    return frame\n"}
 RAY_CASE = "Ray actor call"
 OURS_CASE = "fnkernel NAME(df), same machine"
 FLOOR_CASE = "the conversions alone (no call)"
+SPOOL_PART = "the spool's files"
 
 
 def frame_of(mib: int) -> pd.DataFrame:
@@ -211,6 +212,8 @@ def _memory(stack: Stack, client: Client, mib: int, by_reference: bool) -> None:
           f"payloads (its processes and its spool; {sampler.samples} samples)")  # fmt: skip
     print(f"  {'the caller':<24} {caller_peak / MIB:9.1f} MiB  {caller_peak / size:5.2f} "
           f"payloads (beside the frame it sent)")  # fmt: skip
+    held = ", ".join(f"{part} {grew / MIB:.1f}" for part, grew in sampler.at_peak.items() if grew)
+    print(f"  at the stack's peak, above resting (MiB): {held}; the payload {size / MIB:.1f}")
 
 
 class _Sampler:
@@ -218,11 +221,14 @@ class _Sampler:
     processes' anonymous memory and its spool's files; and this process's (the caller's)."""
 
     def __init__(self, processes: dict[str, int], spool: Path) -> None:
-        self.pids = [*processes.values()]
+        self.processes = processes
         self.spool = spool
-        self.resting = sum(status_bytes(pid, "RssAnon") for pid in self.pids)
+        # At rest: the processes' anonymous memory, and the spool's files (the warm-up call's
+        # free ones), so that only what the call adds is counted.
+        self.resting = self._parts()
         self.caller_resting = status_bytes(os.getpid(), "RssAnon")
         self.stack_peak = self.caller_peak = 0
+        self.at_peak: dict[str, int] = {}  # each part, above resting, at the stack's peak
         self.samples = 0
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -239,20 +245,25 @@ class _Sampler:
 
     def _run(self) -> None:
         while not self._done.wait(0.001):
-            self.stack_peak = max(self.stack_peak, self._stack())
+            parts = self._parts()
+            grew = {part: held - self.resting[part] for part, held in parts.items()}
+            if sum(grew.values()) > self.stack_peak:
+                self.stack_peak, self.at_peak = sum(grew.values()), grew
             caller = status_bytes(os.getpid(), "RssAnon") - self.caller_resting
             self.caller_peak = max(self.caller_peak, caller)
             self.samples += 1
 
-    def _stack(self) -> int:
-        """The processes' anonymous memory above resting, and the whole spool."""
-        spooled = -self.resting
+    def _parts(self) -> dict[str, int]:
+        """Each process's anonymous memory, and what the spool's files hold (tmpfs: memory),
+        free ones too."""
+        parts = {name: status_bytes(pid, "RssAnon") for name, pid in self.processes.items()}
+        parts[SPOOL_PART] = 0
         for path in self.spool.rglob("*"):
             try:
-                spooled += path.lstat().st_blocks * 512
+                parts[SPOOL_PART] += path.lstat().st_blocks * 512
             except FileNotFoundError:
                 continue
-        return spooled + sum(status_bytes(pid, "RssAnon") for pid in self.pids)
+        return parts
 
 
 if __name__ == "__main__":
