@@ -70,7 +70,7 @@ fmt: $(STAMP)
 # mypy and import-linter read files, and the editable install maps the names fnkernel.* by an
 # import hook they cannot follow (pyproject.toml, [tool.setuptools.package-dir]): they read the
 # installed layout through src/fnkernel/{runtime_server,adapters,kernel,system}, committed links
-# to the folders (docs/architecture.md, "Layout").
+# to the folders (README.md, "Layout").
 TREE := src
 
 lint: $(STAMP)

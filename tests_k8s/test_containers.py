@@ -67,9 +67,9 @@ def _inspect(name: str) -> dict[str, Any]:
 
 
 def test_every_pod_runs_its_containers_as_its_manifest_says(cluster: Cluster, image: str) -> None:
-    # docs/kubernetes.md, "What is tested": what the product runs is run as written — each
-    # container of each Deployment's pod, of the image deploy/ names, with its manifest's user,
-    # read-only root, no privilege escalation, no capabilities and memory limit.
+    # docs/kubernetes.md, "What is tested, and with which doubles": what the product runs is run as
+    # written — each container of each Deployment's pod, of the image deploy/ names, with its
+    # manifest's user, read-only root, no privilege escalation, no capabilities and memory limit.
     up(cluster)
     pods = [*cluster.pods("controller"), *cluster.pods("gateway"), *cluster.runtime_pods()]
     for pod in pods:
@@ -253,9 +253,9 @@ def test_a_function_with_packages_and_a_secret_through_the_containers(
 
 
 def test_the_controllers_pod_deleted_mid_admission_loses_nothing(cluster: Cluster) -> None:
-    # docs/kubernetes.md, "Fences": the controller holds no state the API server does not. A
-    # Run applied with kubectl waits for the controller to admit it; the controller's pod
-    # deleted right after the apply (before or while it admits it), the Deployment's next
+    # docs/kubernetes.md, "Fences at the API level": the controller holds no state the API server
+    # does not. A Run applied with kubectl waits for the controller to admit it; the controller's
+    # pod deleted right after the apply (before or while it admits it), the Deployment's next
     # controller takes the Run where it stands: Ready at attempt 1, admitted once.
     gateway = up(cluster)
     (controller,) = cluster.pods("controller")
@@ -280,10 +280,10 @@ HOG = {
 def test_a_handler_past_its_pods_memory_limit_is_killed_and_the_function_stays(
     cluster: Cluster,
 ) -> None:
-    # docs/kubernetes.md, "What is tested": the Runtime Pod's server runs under its manifest's
-    # memory limit (2Gi). A handler allowed more by its own memoryMb is killed inside that
-    # limit when it takes more; its call fails (WorkerCrashed), a fresh worker takes the next
-    # call, and the function stays registered: nothing else of the pod is lost.
+    # docs/kubernetes.md, "What is tested, and with which doubles": the Runtime Pod's server runs
+    # under its manifest's memory limit (2Gi). A handler allowed more by its own memoryMb is killed
+    # inside that limit when it takes more; its call fails (WorkerCrashed), a fresh worker takes the
+    # next call, and the function stays registered: nothing else of the pod is lost.
     gateway = up(cluster)
     gateway.create_run("hog", runtime="python", handler="handler.handle", memory_mb=4096,
                        files=HOG)  # fmt: skip

@@ -1,4 +1,4 @@
-"""docs/protocol.md "Example Calls and Registration Fence": the three grpcurl examples, in order, against
+"""docs/protocol.md, "Services": the three grpcurl examples, in order, against
 `fnkernel serve`, through server reflection only (no .proto files, no generated stubs)."""
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ def test_reflection_lists_the_services_under_v1_and_v1alpha(python_rt: Client) -
 def test_the_verbatim_example_request_is_answered_with_a_field_named_error(
     example_server: tuple[ReflectionClient, Path],
 ) -> None:
-    # Its "/workspace/..." path and "sha256:..." digest are placeholders; the server names the field.
+    # Its "/workspace/..." path and "sha256:..." digest are placeholders; the server names the
+    # field.
     client, _ = example_server
     code, details, _ = client.call(f"{FR}/RegisterFunction", SEED_REGISTER)
     assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("working_dir:")

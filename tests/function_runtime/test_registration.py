@@ -89,7 +89,8 @@ def refused(call, code: grpc.StatusCode, *words: str) -> str:  # type: ignore[no
 
 
 def test_new_run_uid_registers_ready_with_new_opaque_id(python_any: Client) -> None:
-    # docs/protocol.md, "Registration" row 1: new run_uid → READY, new opaque registration_id (reg_ + 26 chars).
+    # docs/protocol.md, "Registration" row 1: new run_uid → READY, new opaque registration_id (reg_
+    # + 26 chars).
     first = python_any.register(ECHO_PY)
     second = python_any.register(ECHO_PY)
     assert first.state == READY
@@ -101,7 +102,7 @@ def test_new_run_uid_registers_ready_with_new_opaque_id(python_any: Client) -> N
 def test_same_attempt_same_digest_returns_current_reference_without_reinitialising(
     python_rt: Client,
 ) -> None:
-    # docs/protocol.md, "Registration" row 2; docs/protocol.md: "returns the current registration reference without reinitializing".
+    # docs/protocol.md, "Registration" row 2: the current reference; nothing is loaded again.
     wd = python_rt.workdir(COUNTING)
     first = python_rt.register(working_dir=wd, run_uid="idem")
     again = python_rt.register(working_dir=wd, run_uid="idem")
@@ -127,7 +128,8 @@ def test_same_attempt_other_digest_is_already_exists_and_replaces_nothing(
 
 
 def test_higher_attempt_supersedes_and_stale_id_cannot_invoke(python_rt: Client) -> None:
-    # docs/protocol.md, "Registration" row 4 and the InvokeFunction/UnregisterFunction stale-ID rows.
+    # docs/protocol.md, "Registration" row 4 and the InvokeFunction/UnregisterFunction stale-ID
+    # rows.
     wd = python_rt.workdir(ECHO_PY)
     old = python_rt.register(working_dir=wd, run_uid="sup", attempt=1)
     new = python_rt.register(working_dir=wd, run_uid="sup", attempt=2)
@@ -184,7 +186,8 @@ def test_status_of_unknown_run_uid_is_not_found(python_rt: Client) -> None:
 
 
 def test_status_of_current_id_reports_state_in_flight_and_last_activity(python_rt: Client) -> None:
-    # docs/protocol.md, "Registration" row 7; docs/protocol.md: last_activity is set at READY and when an invocation starts/completes.
+    # docs/protocol.md, "Registration" row 7; docs/protocol.md: last_activity is set at READY and
+    # when an invocation starts/completes.
     wd = python_rt.workdir(SLOW)
     before = time.time_ns()
     reg = python_rt.register(working_dir=wd)
@@ -243,7 +246,8 @@ def test_function_statuses_answers_each_request_as_function_status_would(
 
 
 def test_invoke_while_draining_is_failed_precondition(python_rt: Client) -> None:
-    # docs/protocol.md, "Registration" row 10 (DRAINING): unregister first moves the registration to DRAINING.
+    # docs/protocol.md, "Registration" row 10 (DRAINING): unregister first moves the registration to
+    # DRAINING.
     wd = python_rt.workdir(SLOW)
     reg = python_rt.register(working_dir=wd)
     future = python_rt.invoke_future(reg.registration, b'{"sleep": 1}')
@@ -261,7 +265,8 @@ def test_invoke_while_draining_is_failed_precondition(python_rt: Client) -> None
 
 
 def test_invoke_of_failed_registration_is_failed_precondition(python_rt: Client) -> None:
-    # docs/protocol.md, "Registration" row 10 (FAILED); the current ID can still read state and fatal_error.
+    # docs/protocol.md, "Registration" row 10 (FAILED); the current ID can still read state and
+    # fatal_error.
     reg = python_rt.register({"handler.py": "def handle(:\n"})
     assert reg.state == FAILED
     status = python_rt.status(reg.registration)
@@ -275,7 +280,8 @@ def test_invoke_of_failed_registration_is_failed_precondition(python_rt: Client)
 
 
 def test_second_concurrent_invoke_is_resource_exhausted(python_rt: Client) -> None:
-    # docs/protocol.md, "Registration" row 11; docs/protocol.md: one in-flight invocation per function Run, no queueing.
+    # docs/protocol.md, "Registration" row 11; docs/protocol.md: one in-flight invocation per
+    # function Run, no queueing.
     reg = python_rt.register(SLOW)
     future = python_rt.invoke_future(reg.registration, b'{"sleep": 1}', invocation_id="first")
     wait_until(lambda: python_rt.status(reg.registration).in_flight == 1)
@@ -288,7 +294,8 @@ def test_second_concurrent_invoke_is_resource_exhausted(python_rt: Client) -> No
 
 
 def test_timeout_is_deadline_exceeded_and_registration_stays_ready(python_rt: Client) -> None:
-    # docs/protocol.md, "Registration" row 12; docs/protocol.md: DeadlineExceeded affects only this invocation.
+    # docs/protocol.md, "Registration" row 12; docs/protocol.md: DeadlineExceeded affects only this
+    # invocation.
     wd = python_rt.workdir(SLOW)
     reg = python_rt.register(working_dir=wd)
     with pytest.raises(grpc.RpcError) as timed_out:
@@ -317,7 +324,8 @@ def test_client_deadline_also_bounds_the_invocation(python_rt: Client) -> None:
 
 
 def test_client_cancel_kills_the_handler_and_registration_stays_usable(python_rt: Client) -> None:
-    # docs/protocol.md, "Adapters": client cancel kills the worker's process group; a fresh worker keeps it READY.
+    # docs/protocol.md, "Adapters": client cancel kills the worker's process group; a fresh worker
+    # keeps it READY.
     wd = python_rt.workdir(SLOW)
     reg = python_rt.register(working_dir=wd)
     future = python_rt.invoke_future(reg.registration, b'{"sleep": 30}')
@@ -356,7 +364,8 @@ def test_unregister_with_stale_id_leaves_the_newer_registration_untouched(
 def test_unregister_with_cancel_in_flight_returns_promptly_and_kills_the_handler(
     python_rt: Client,
 ) -> None:
-    # docs/protocol.md: with cancel_in_flight=true, it cancels immediately, then releases local state.
+    # docs/protocol.md: with cancel_in_flight=true, it cancels immediately, then releases local
+    # state.
     wd = python_rt.workdir(SLOW)
     reg = python_rt.register(working_dir=wd)
     # A drain would let the 600 s call run: CANCELLED is the cancel's.
@@ -371,8 +380,8 @@ def test_unregister_with_cancel_in_flight_returns_promptly_and_kills_the_handler
 
 
 def test_unregister_waits_no_longer_than_drain_timeout_then_cancels(python_rt: Client) -> None:
-    # docs/protocol.md: with cancel_in_flight=false it waits no longer than drain_timeout_millis; docs/protocol.md, "Limits":
-    # after the timeout the in-flight call is cancelled.
+    # docs/protocol.md: with cancel_in_flight=false it waits no longer than drain_timeout_millis;
+    # docs/protocol.md, "Limits": after the timeout the in-flight call is cancelled.
     wd = python_rt.workdir(SLOW)
     reg = python_rt.register(working_dir=wd)
     future = python_rt.invoke_future(reg.registration, b'{"sleep": 30}')
@@ -389,7 +398,8 @@ def test_unregister_waits_no_longer_than_drain_timeout_then_cancels(python_rt: C
 def test_registration_working_dir_symlink_outside_workspace_is_invalid(
     python_rt: Client, tmp_path: Path
 ) -> None:
-    # docs/protocol.md, "Limits": working_dir must be inside --workspace-root after resolving symlinks.
+    # docs/protocol.md, "Limits": working_dir must be inside --workspace-root after resolving
+    # symlinks.
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "handler.py").write_text("def handle(e): return e\n")

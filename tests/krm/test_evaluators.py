@@ -99,7 +99,8 @@ def store_file(tmp_path: Path) -> Path:
 
 
 def test_images_resolve_to_bare_names_and_tags() -> None:
-    # docs/protocol.md, "Evaluators": builtin functions answer to the bare name and both catalog registries.
+    # docs/protocol.md, "Evaluators": builtin functions answer to the bare name and both catalog
+    # registries.
     for image in (
         "set-namespace",
         "set-namespace:v0.4.1",
@@ -129,7 +130,7 @@ def test_builtin_function_errors_are_function_errors_with_structured_results() -
 
 
 def test_exec_evaluator_without_exec_path_is_not_found(functions: Path) -> None:
-    # docs/protocol.md: "Empty exec_path → NotFoundError".
+    # docs/protocol.md, "Evaluators": an empty `exec_path` is NotFound.
     with pytest.raises(NotFoundError):
         ExecEvaluator(functions).evaluate(EvalRequest(INPUT, "example.com/fn/identity"))
 
@@ -192,7 +193,7 @@ def test_exec_deadline_kills_the_process_group(functions: Path) -> None:
 
 
 def test_chain_falls_through_only_on_not_found(functions: Path, store_file: Path) -> None:
-    # docs/protocol.md: "Only NotFoundError triggers fallback; other errors returned immediately".
+    # docs/protocol.md, "Evaluators": only NotFoundError falls through.
     store = FunctionConfigStore.load(functions, store_file)
     chain = MultiEvaluator([BuiltinEvaluator(), ExecEvaluator(functions, store)])
     served = chain.evaluate(EvalRequest(INPUT, "set-namespace"))
@@ -233,7 +234,8 @@ def evaluator_server(functions: Path, store_file: Path) -> Iterator[str]:
 
 
 def test_evaluator_server_serves_the_chain_over_grpc(evaluator_server: str) -> None:
-    # docs/protocol.md, "FunctionEvaluator": FunctionEvaluator with health and reflection on every server.
+    # docs/protocol.md, "FunctionEvaluator": FunctionEvaluator with health and reflection on every
+    # server.
     remote = RemoteEvaluator(evaluator_server)
     try:
         response = remote.evaluate(EvalRequest(INPUT, "gcr.io/kpt-fn/set-namespace:v0.4"))

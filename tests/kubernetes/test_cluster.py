@@ -192,9 +192,9 @@ def test_restarting_the_controller_and_the_gateway_loses_no_run(cluster: Cluster
 
 
 def test_two_controllers_racing_never_make_two_live_registrations(cluster: Cluster) -> None:
-    # docs/kubernetes.md, "Fences": both controllers see every pod death and both try to move
-    # the Run; the conditional status write lets one attempt through. (That a stale write
-    # cannot land is shown deterministically in test_store.py; here, the whole system.)
+    # docs/kubernetes.md, "Fences at the API level": both controllers see every pod death and both
+    # try to move the Run; the conditional status write lets one attempt through. (That a stale
+    # write cannot land is shown deterministically in test_store.py; here, the whole system.)
     gateway = up(cluster, controllers=2)
     names = ["r0", "r1", "r2"]
     for name in names:
@@ -240,8 +240,8 @@ def test_a_run_applied_with_kubectl_is_reconciled_like_one_created_through_the_g
                timeout=60)  # fmt: skip
     obj = run_object(cluster, "applied")
     assert objects.FINALIZER in obj["metadata"]["finalizers"] and obj["status"]["attempt"] == 1
-    # The gateway's cache is as fresh as its watch (docs/kubernetes.md, "Fences"): it serves
-    # the Run once the watch has brought it Ready, which the API server said a moment ago.
+    # The gateway's cache is as fresh as its watch (docs/kubernetes.md, "Fences at the API level"):
+    # it serves the Run once the watch has brought it Ready, which the API server said a moment ago.
     wait_until(lambda: gateway.status("applied").phase == "Ready", timeout=30)
     assert gateway.invoke("applied", 7).value() == {"hi": 7}
     # `kubectl delete run applied`: held by the finalizer until runtimed unregistered it.

@@ -82,8 +82,9 @@ def test_a_created_run_is_an_object_with_its_spec_files_and_a_fenced_status(
 def test_a_stale_writer_gets_a_conflict_reads_again_and_never_overwrites_a_newer_attempt(
     store: KubernetesRunStore, kube_api: EmulatedApi, api_client: client.ApiClient
 ) -> None:
-    # docs/kubernetes.md, "Fences": every status write is conditional on the resourceVersion
-    # it was computed from; on 409 the writer re-reads, and its fence (attempt, pod) decides.
+    # docs/kubernetes.md, "Fences at the API level": every status write is conditional on the
+    # resourceVersion it was computed from; on 409 the writer re-reads, and its fence (attempt, pod)
+    # decides.
     plane = plane_with_pod(store, api_client)
     run = plane.create_run(name="fn", runtime="python", handler="handler.handle", files=HANDLER)
     late = KubernetesRunStore(kube_api.client(), NS)
@@ -226,9 +227,9 @@ def _watches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 def test_an_expired_watch_lists_again_at_once(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # docs/kubernetes.md, "Fences": a watch from a resourceVersion the API server no longer
-    # keeps is 410 Gone (an ERROR event): the informer lists again and watches from there, at
-    # once and saying so, not as a failure a second later. The server here keeps 3 events.
+    # docs/kubernetes.md, "Fences at the API level": a watch from a resourceVersion the API server
+    # no longer keeps is 410 Gone (an ERROR event): the informer lists again and watches from there,
+    # at once and saying so, not as a failure a second later. The server here keeps 3 events.
     short = EmulatedApi("--history", "3")
     custom = client.CustomObjectsApi(short.client())
     listed = informer_module.Informer._list
@@ -271,10 +272,10 @@ def _apply(custom: client.CustomObjectsApi, name: str, namespace: str = NS) -> N
 def test_a_quiet_watch_resumes_from_its_last_bookmark_without_expiring(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # docs/kubernetes.md, "Fences": the informer asks for bookmarks, so a watch that saw no
-    # change of its own objects while others changed resumes from the server's latest
-    # resourceVersion, not from one the server has since let go (which would be 410 and a
-    # whole list again). The server here keeps 3 events; each watch lasts a second.
+    # docs/kubernetes.md, "Fences at the API level": the informer asks for bookmarks, so a watch
+    # that saw no change of its own objects while others changed resumes from the server's latest
+    # resourceVersion, not from one the server has since let go (which would be 410 and a whole list
+    # again). The server here keeps 3 events; each watch lasts a second.
     monkeypatch.setattr(informer_module, "WATCH_SECONDS", 1)
     short = EmulatedApi("--history", "3")
     custom = client.CustomObjectsApi(short.client())
@@ -301,9 +302,9 @@ def test_a_quiet_watch_resumes_from_its_last_bookmark_without_expiring(
 def test_a_late_watch_event_does_not_bring_a_deleted_run_back(
     store: KubernetesRunStore, api_client: client.ApiClient
 ) -> None:
-    # docs/kubernetes.md, "Fences": the cache forgets a Run it deleted for good. An event of
-    # one of its earlier writes — still in the watch's stream when the delete answered — must
-    # not put it back (a list would show a deleted Run until the DELETED event came).
+    # docs/kubernetes.md, "Fences at the API level": the cache forgets a Run it deleted for good. An
+    # event of one of its earlier writes — still in the watch's stream when the delete answered —
+    # must not put it back (a list would show a deleted Run until the DELETED event came).
     plane = plane_with_pod(store, api_client)
     run = plane.create_run(name="fn", runtime="python", handler="handler.handle", files=HANDLER)
     earlier = store._runs.get(run.uid)
@@ -317,7 +318,7 @@ def test_a_late_watch_event_does_not_bring_a_deleted_run_back(
 def test_a_delete_computed_from_a_stale_cache_keeps_anothers_finalizer(
     store: KubernetesRunStore, custom: client.CustomObjectsApi, api_client: client.ApiClient
 ) -> None:
-    # docs/kubernetes.md, "Fences": every write that decides something carries the
+    # docs/kubernetes.md, "Fences at the API level": every write that decides something carries the
     # resourceVersion it was computed from. Removing our finalizer from a cached version that
     # another writer has since changed (here: a finalizer of its own added) is a 409, and the
     # patch is computed again: the other finalizer stays, and holds the deleted object.

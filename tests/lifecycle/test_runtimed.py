@@ -1,4 +1,4 @@
-"""runtimed (docs/protocol.md, "Runs", docs/protocol.md "Registration Identity"): digest, registration, proxy hop, routing
+"""runtimed (docs/protocol.md, "Runs" and "Registration"): digest, registration, proxy hop, routing
 fence, and how registration failures are classified. A real Runtime Server and a real runtimed on
 Unix sockets, sharing a real SQLite Run store with the control plane."""
 
@@ -171,7 +171,8 @@ def test_runtimed_registers_each_run_with_its_specs_digest(pod: Pod) -> None:
 
 
 def test_proxy_hop_fills_in_the_active_registration_id(pod: Pod) -> None:
-    # docs/protocol.md, "Runs": InvokeFunction with an empty registration_id is resolved to the private active one.
+    # docs/protocol.md, "Runs": InvokeFunction with an empty registration_id is resolved to the
+    # private active one.
     run = pod.create("echo", ECHO_PY)
     assert (run.status.phase, run.status.attempt) == (READY, 1)
     response = pod.invoke(run, b'{"x": 1}')
@@ -340,7 +341,8 @@ def test_routing_fence_rejects_a_call_routed_for_another_pod(pod: Pod) -> None:
 
 
 def test_routing_fence_rejects_a_run_assigned_elsewhere(pod: Pod) -> None:
-    # docs/protocol.md, "Runs": a Run assigned elsewhere gets FAILED_PRECONDITION, even when routed "here".
+    # docs/protocol.md, "Runs": a Run assigned elsewhere gets FAILED_PRECONDITION, even when routed
+    # "here".
     run = pod.create("echo", ECHO_PY)
     moved = pod.store.update(run, assigned_pod="python-1")
     assert moved is not None
@@ -426,8 +428,8 @@ def test_unimplemented_is_permanent_and_never_falls_back(tmp_path: Path) -> None
 
 
 def test_restarted_runtimed_keeps_the_attempt_and_registration(pod: Pod) -> None:
-    # docs/protocol.md: repeating RegisterFunction for the same attempt is idempotent and does not change
-    # Run status: a new runtimed resumes the registration its predecessor made.
+    # docs/protocol.md: repeating RegisterFunction for the same attempt is idempotent and does not
+    # change Run status: a new runtimed resumes the registration its predecessor made.
     run = pod.create("echo", ECHO_PY)
     before = pod.invoke(run).registration.registration_id
     # The handler may write into its working dir; the digest was fixed at first registration.

@@ -230,7 +230,8 @@ class KubernetesRunStore:
         return None if obj is None else objects.run_of(obj)
 
     def get_fresh(self, name: str) -> Run:
-        """``get``: the cache is as fresh as the watch (docs/kubernetes.md, "Fences")."""
+        """``get``: the cache is as fresh as the watch (docs/kubernetes.md, "Fences at the API
+        level")."""
         return self.get(name)
 
     def get_uid_fresh(self, uid: str) -> Run | None:
