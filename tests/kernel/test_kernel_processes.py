@@ -1,0 +1,222 @@
+"""What a kernel starts and leaves running (docs/protocol.md, "Kernel"): its prewarmed processes,
+its children after a shutdown or a SIGKILL, a stock ipykernel with the magics, a shared stack,
+a restart. Real kernels through jupyter_client."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from fnkernel.runtime_server.client import Client
+from fnkernel.runtime_server.lifecycle.stack import Stack
+from tests.kernel.cells import ETL, GREET_SH, SLOW, gateway_address
+from tests.kernel.kernels import Kernel, descendants
+from tests.support import pid_alive, wait_until
+
+pytestmark = pytest.mark.usefixtures("fnkernel_spec")
+
+
+def command_lines(pids: set[int]) -> list[str]:
+    return sorted(Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ") for pid in pids)
+
+
+def test_plain_cells_import_no_grpc_and_start_only_the_prewarmed_processes() -> None:
+    # docs/protocol.md, "Kernel": a plain cell never pays for the runtime — no grpc in the
+    # kernel; at start only the waiting processes of the embedded stack, which serve nothing
+    # (docs/architecture.md, "The first registration").
+    kernel = Kernel()
+    try:
+        assert kernel.value("1 + 1") == 2
+        assert kernel.value("'grpc' in __import__('sys').modules") is False
+        assert kernel.value("'tornado.web' in __import__('sys').modules") is False
+        assert kernel.value("'ruamel.yaml' in __import__('sys').modules") is False
+        assert kernel.value("'kubernetes' in __import__('sys').modules") is False
+        assert kernel.value("'pyarrow' in __import__('sys').modules") is False  # on first use
+        waiting = command_lines(descendants(kernel.pid))
+        assert [line.split(" -m ", 1)[1].strip() for line in waiting] == [
+            "fnkernel.runtime_server.cli.prewarm gateway",
+            "fnkernel.runtime_server.cli.prewarm runtimed",
+            "fnkernel.runtime_server.cli.prewarm serve",
+        ]
+    finally:
+        kernel.shutdown()
+
+
+def test_a_kernel_connected_to_a_shared_stack_ends_its_prewarmed_processes(
+    stack_factory: Callable[..., Stack],
+) -> None:
+    # docs/protocol.md, "Kernel": the waiting processes serve only an embedded runtime; a
+    # kernel that connects to another stack ends them rather than keep them idle.
+    stack = stack_factory({"python": 1})
+    kernel = Kernel()
+    try:
+        assert kernel.value("1 + 1") == 2
+        wait_until(lambda: len(descendants(kernel.pid)) == 3, timeout=30)
+        assert kernel.run(f"%fn_connect {stack.gateway_address}").ok
+        wait_until(lambda: descendants(kernel.pid) == set(), timeout=10)
+    finally:
+        kernel.shutdown()
+
+
+def test_without_prewarm_a_plain_kernel_starts_nothing() -> None:
+    # README, "Environment": FNKERNEL_PREWARM=0 starts the embedded stack only when needed.
+    kernel = Kernel(env={"FNKERNEL_PREWARM": "0"})
+    try:
+        assert kernel.value("1 + 1") == 2
+        assert descendants(kernel.pid) == set()
+        assert kernel.run("%%function f\ndef handler(event):\n    return event\n").ok
+        assert kernel.value("f(7)") == 7
+    finally:
+        kernel.shutdown()
+
+
+def _children_of_a_kernel_with_functions() -> tuple[Kernel, set[int]]:
+    kernel = Kernel()
+    assert kernel.run(ETL).ok
+    assert kernel.run(GREET_SH).ok
+    assert kernel.value('etl({"rows": [1]})') == {"total": 1}
+    children = descendants(kernel.pid)
+    # the gateway, and a Runtime Server and a runtimed for each runtime used (plus workers)
+    assert len(children) >= 5, children
+    return kernel, children
+
+
+def _cmdline(pid: int) -> str:
+    """The command line and state of `pid`, to say what outlived the kernel."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        return f"{cmdline} [state {state}]"
+    except OSError:
+        return "?"
+
+
+def test_kernel_shutdown_leaves_no_child_process() -> None:
+    kernel, children = _children_of_a_kernel_with_functions()
+    kernel.shutdown()
+    wait_until(lambda: not any(pid_alive(pid) for pid in children), timeout=10)
+
+
+def test_sigkill_of_the_kernel_leaves_no_child_process_after_5s() -> None:
+    # docs/protocol.md, "Kernel": the children also exit on their own if the kernel dies.
+    kernel, children = _children_of_a_kernel_with_functions()
+    state_dir = Path(kernel.value("str(get_ipython()._fnkernel_session.runtime._stack.state_dir)"))
+    os.kill(kernel.pid, signal.SIGKILL)
+    try:
+        wait_until(lambda: not any(pid_alive(pid) for pid in children), timeout=5)
+    except AssertionError:
+        left = {pid: _cmdline(pid) for pid in children if pid_alive(pid)}
+        raise AssertionError(f"still running 5 s after the kernel was killed: {left}") from None
+    kernel.client.stop_channels()
+    kernel.manager.cleanup_resources()
+    # Nor does its state dir outlive the next kernel's embedded runtime (system/private.py).
+    assert state_dir.exists()
+    successor = Kernel()
+    try:
+        assert successor.run(ETL).ok
+        assert not state_dir.exists()
+    finally:
+        successor.shutdown()
+
+
+def test_magics_load_into_a_stock_ipykernel() -> None:
+    # docs/protocol.md, "Kernel": the same magics load into any ipykernel with %load_ext fnkernel.kernel.
+    kernel = Kernel("python3")
+    try:
+        assert kernel.value("'grpc' in __import__('sys').modules") is False
+        assert kernel.run("%load_ext fnkernel.kernel").ok
+        cell = kernel.run(ETL)
+        assert cell.ok, cell.error
+        assert kernel.value('etl({"rows": [2, 2]})') == {"total": 4}
+    finally:
+        kernel.shutdown()
+
+
+def test_an_interrupt_in_a_stock_ipykernel_ends_the_call_in_one_line() -> None:
+    # docs/protocol.md, "Kernel": there the interrupt is SIGINT, which lands inside the HTTP
+    # read; the call is cancelled all the same, in one line, and the function stays usable.
+    kernel = Kernel("python3")
+    try:
+        assert kernel.run("%load_ext fnkernel.kernel").ok
+        assert kernel.run(SLOW).ok
+        gateway = Client(gateway_address(kernel))
+        msg_id = kernel.send('slow({"s": 30})')
+        wait_until(lambda: (gateway.status("slow")["live"] or {}).get("inFlight") == 1, timeout=10)
+        kernel.manager.interrupt_kernel()
+        cell = kernel.collect(msg_id, timeout=10)
+        assert cell.error is not None
+        assert cell.error["traceback"] == [
+            "KeyboardInterrupt: invocation of slow cancelled; the handler was killed and slow "
+            "stays registered"
+        ]
+        assert kernel.value('slow({"s": 0})') == 0
+    finally:
+        kernel.shutdown()
+
+
+def test_a_shared_stack_chosen_at_first_use_and_a_function_used_from_another_kernel(
+    stack_factory: Callable[..., Stack],
+) -> None:
+    # Issue: functions shared between notebooks. The stack is chosen when the first function
+    # needs it, from the environment as it is then; `%use` binds another notebook's function,
+    # which that kernel never deletes; `%functions --all` marks whose each is.
+    stack = stack_factory({"python": 1})
+    owner, user = Kernel(), Kernel()
+    try:
+        assert owner.run(f"%env FNKERNEL_RUNTIME={stack.gateway_address}").ok
+        cell = owner.run(ETL)
+        assert cell.ok, cell.error
+        assert f"on gateway {stack.gateway_address}" in cell.texts()[-1]
+        gateway = Client(stack.gateway_address)
+        assert [run.name for run in gateway.list_runs()] == ["etl"]  # not an embedded runtime
+        gateway.create_run("other", runtime="python", handler="handler.handle",
+                           files={"handler.py": "def handle(event):\n    return 'other'\n"})  # fmt: skip
+        assert user.run(f"%fn_connect {stack.gateway_address}").ok
+        used = user.run("%use etl")
+        assert used.ok, used.error
+        assert "used: not this kernel's" in used.result
+        assert user.value('etl({"rows": [2, 3]})') == {"total": 5}
+        refused = user.run("etl.unregister()")
+        assert refused.error is not None and refused.error["ename"] == "NotOwned"
+        mine = user.run("%functions").result.splitlines()
+        assert [row.split()[0] for row in mine[1:-1]] == ["etl"] and "used here" in mine[1]
+        every = {
+            row.split()[0]: row for row in user.run("%functions --all").result.splitlines()[1:-1]
+        }
+        assert set(every) == {"etl", "other"} and "used here" in every["etl"]
+        assert "this kernel" in owner.run("%functions --all").result
+        assert (
+            user.value("__import__('fnkernel.kernel', fromlist=['get']).get('other')(None)")
+            == "other"
+        )
+        late = user.run("%fn_connect http://127.0.0.1:1")
+        assert "UsageError: %fn_connect: this kernel already uses the gateway" in late.stderr
+        assert "restart the kernel to use another stack" in late.stderr
+        user.shutdown()
+        assert gateway.status("etl").phase == "Ready"  # the user's shutdown left it alone
+    finally:
+        owner.shutdown()
+
+
+def test_after_a_restart_an_embedded_runtimes_function_says_why_it_is_gone() -> None:
+    # Issue: after a kernel restart, calling a function of the old kernel was a bare NameError;
+    # it says that an embedded runtime's functions end with their kernel, and how to keep them.
+    kernel = Kernel()  # its own: it is restarted
+    try:
+        assert kernel.run("%%function gone\ndef handler(event):\n    return 1\n").ok
+        kernel.manager.restart_kernel(now=False)
+        kernel.client.wait_for_ready(timeout=60)
+        cell = kernel.run("gone(None)")
+        assert cell.error is not None and cell.error["ename"] == "NameError"
+        shown = "\n".join(cell.error["traceback"])
+        assert "gone was a function of this notebook's previous kernel" in shown
+        assert "%fn_connect URL" in shown and "%use gone" in shown
+        other = kernel.run("never_defined")
+        assert other.error is not None and other.error["ename"] == "NameError"
+        assert "previous kernel" not in "\n".join(other.error["traceback"])
+    finally:
+        kernel.shutdown()

@@ -1,0 +1,215 @@
+"""KRM cells in the kernel (docs/protocol.md, "Kernel" and "Pipelines"): %%krm render, eval and
+export, notebook functions as fn://NAME, step by step. A real kernel through jupyter_client."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.kernel.kernels import Kernel
+
+pytestmark = pytest.mark.usefixtures("fnkernel_spec")
+
+
+PACKAGE_CELL = """%%krm render
+apiVersion: kpt.dev/v1
+kind: Kptfile
+metadata: {name: shop}
+pipeline:
+  mutators:
+  - image: set-namespace:v0.4.1
+    configMap: {namespace: prod}
+  - image: fn://stamp
+---
+apiVersion: v1
+kind: ConfigMap
+metadata: {name: cart, namespace: dev} # the cart settings
+data: {size: "3"}
+"""
+STAMP = """%%function stamp --krm
+def handler(resource_list):
+    for item in resource_list["items"]:
+        item["metadata"].setdefault("labels", {})["stamped"] = "yes"
+    return resource_list
+"""
+
+
+def test_krm_render_cell_runs_builtin_and_notebook_functions_step_by_step(kernel: Kernel) -> None:
+    # docs/protocol.md, "Kernel" and "Pipelines": %%krm render (the body is a package) and fn://NAME from %%function --krm.
+    assert kernel.run(STAMP).ok
+    cell = kernel.run(PACKAGE_CELL)
+    assert cell.ok, cell.error
+    text = cell.result
+    lines = text.splitlines()
+    assert lines[0] == "render shop: 2 step(s)"
+    assert lines[1].startswith(
+        "[1] mutator ghcr.io/kptdev/krm-functions-catalog/set-namespace:v0.4.1"
+    )
+    # The evaluator once, the step's outcome apart from it (docs/protocol.md, "Kernel").
+    assert " · builtin · " in lines[1] and lines[1].endswith(" · ok (2 info)")
+    assert lines[1].count("builtin") == 1
+    assert any(line.startswith("[2] mutator fn://stamp · builtin · ") for line in lines)
+    assert "    -metadata: {name: cart, namespace: dev} # the cart settings" in text
+    assert "    +metadata: {name: cart, namespace: prod} # the cart settings" in text
+    assert "ConfigMap  prod       cart" in text  # the output resources table
+    html = cell.htmls()[-1]
+    assert "<details" in html and "fn://stamp" in html
+
+
+FILES_CELL = """%%krm render
+apiVersion: kpt.dev/v1
+kind: Kptfile
+metadata: {name: shop}
+pipeline:
+  mutators:
+  - image: set-namespace
+    configPath: ns.yaml
+---
+# file: ns.yaml
+apiVersion: v1
+kind: ConfigMap
+metadata: {name: ns, annotations: {config.kubernetes.io/local-config: "true"}}
+data: {namespace: prod}
+---
+apiVersion: v1
+kind: ConfigMap
+metadata:
+  name: db-settings
+  annotations: {config.kubernetes.io/path: db/settings.yaml}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: web}
+"""
+
+
+def test_a_krm_render_cell_names_files_and_shows_its_tree(kernel: Kernel) -> None:
+    """docs/protocol.md, "Kernel": a document says its file by its path annotation or a
+    `# file: NAME` line; the others go to resources.yaml; the result shows the file tree."""
+    cell = kernel.run(FILES_CELL)
+    assert cell.ok, cell.error  # configPath: ns.yaml is found
+    text = cell.result
+    tree = text.split("files:\n")[1].split("\n\n")[0].splitlines()
+    assert tree == [
+        "  Kptfile (changed)",
+        "  db/",
+        "    settings.yaml (changed)",
+        "  ns.yaml",  # the function config, local config: left alone
+        "  resources.yaml (changed)",
+    ]
+    assert "ConfigMap  prod       db-settings" in text
+    assert "config.kubernetes.io/path" not in text  # it said where; it is not written
+    outside = kernel.run(FILES_CELL.replace("# file: ns.yaml", "# file: ../ns.yaml"))
+    assert outside.reply["content"]["ename"] == "UsageError"
+    assert "document 2 names '../ns.yaml', outside the package" in outside.stderr
+
+
+def test_krm_export_writes_the_notebook_function_for_kpt(kernel: Kernel, tmp_path: Path) -> None:
+    """docs/krm.md, "A notebook function kpt can run": ``%krm export NAME -o PATH`` writes the
+    function as one executable that needs no fnkernel (run here by a bare interpreter)."""
+    assert kernel.run(STAMP).ok
+    out = tmp_path / "stamp.pyz"
+    cell = kernel.run(f"%krm export stamp -o {out}")
+    assert cell.ok, cell.error
+    assert cell.stdout.startswith(f"exported stamp to {out}: run it as `kpt fn eval --exec {out}`")
+    rl = b"apiVersion: config.kubernetes.io/v1\nkind: ResourceList\nitems:\n- {apiVersion: v1, kind: ConfigMap, metadata: {name: c}}\n"
+    done = subprocess.run([sys.executable, "-I", "-S", str(out)], input=rl, capture_output=True,
+                          timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert b"labels: {stamped: yes}" in done.stdout
+    missing = kernel.run(f"%krm export nothing -o {tmp_path / 'n.pyz'}")
+    assert missing.reply["content"]["ename"] == "UsageError"
+
+
+def test_krm_eval_cell_with_key_values(kernel: Kernel) -> None:
+    cell = kernel.run(
+        "%%krm eval set-annotations -- owner=data-team\n"
+        "apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: api}\nspec: {template: {spec: {}}}\n"
+    )
+    assert cell.ok, cell.error
+    assert "+metadata: {name: api, annotations: {owner: data-team}}" in cell.result
+    assert "Deployment" in cell.result.split("output resources:")[1]
+
+
+def test_a_failing_krm_step_shows_its_results_and_raises_one_line(kernel: Kernel) -> None:
+    cell = kernel.run(
+        "%%krm render\napiVersion: kpt.dev/v1\nkind: Kptfile\nmetadata: {name: bad}\n"
+        "pipeline:\n  validators:\n  - image: set-namespace\n    configMap: {}\n---\n"
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\n"
+    )
+    assert cell.error is not None and cell.error["ename"] == "PipelineFailed"
+    [line] = cell.error["traceback"]
+    assert "`data.namespace` should not be empty" in line
+    # No gateway is involved in a render: the line names no gateway status (docs/protocol.md,
+    # "Kernel": the gateway's errors end with their gRPC code).
+    assert line.startswith("PipelineFailed: ") and not line.endswith(")"), line
+    shown = cell.texts("display_data")[-1]
+    assert "[error] v1/ConfigMap/function-input: `data.namespace` should not be empty" in shown
+    # Said once in the view (its result), then once as the cell's error line.
+    assert shown.count("should not be empty") == 1
+
+
+def test_krm_render_of_a_directory_names_the_files_changed_or_would_with_dry_run(
+    kernel: Kernel, tmp_path: Path
+) -> None:
+    # docs/protocol.md, "Kernel": as the CLI does, the view ends with the files changed; with
+    # --dry-run nothing is written and it says what would change.
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "Kptfile").write_text(
+        "apiVersion: kpt.dev/v1\nkind: Kptfile\nmetadata: {name: pkg}\npipeline:\n"
+        "  mutators:\n  - image: set-labels\n    configMap: {app: shop}\n"
+    )
+    resources = package / "cm.yaml"
+    resources.write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\n")
+    dry = kernel.run(f"%krm render {package} --dry-run")
+    assert dry.ok, dry.error
+    assert "dry run, nothing written; would change: " in dry.result and "cm.yaml" in dry.result
+    assert "app: shop" not in resources.read_text()
+    done = kernel.run(f"%krm render {package}")
+    assert done.ok, done.error
+    assert "files changed: " in done.result and "cm.yaml" in done.result
+    assert "app: shop" in resources.read_text()
+
+
+@pytest.mark.parametrize(
+    ("code", "message"),
+    [
+        ("%krm", "expected `render DIR`"),
+        ("%krm render", "expected exactly one DIR"),
+        ("%krm render a b", "expected exactly one DIR"),
+        (
+            "%%krm render\napiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\n",
+            "exactly one Kptfile",
+        ),
+        ("%%krm eval set-labels app=web\n{}\n", "put key=value pairs after --"),
+        ("%krm render /no/such/dir", "is not a directory"),
+    ],
+)
+def test_krm_usage_errors_are_one_line(kernel: Kernel, code: str, message: str) -> None:
+    cell = kernel.run(code)
+    assert cell.reply["content"]["ename"] == "UsageError"
+    assert message in cell.stderr and "\n" not in cell.stderr.strip()
+
+
+def test_krm_exec_steps_need_allow_exec_in_the_notebook_too(kernel: Kernel) -> None:
+    # docs/protocol.md, "Pipelines": `exec` needs --allow-exec; in the kernel, kernel.krm.configure(allow_exec=True).
+    cell = kernel.run(
+        "%%krm render\napiVersion: kpt.dev/v1\nkind: Kptfile\nmetadata: {name: x}\n"
+        "pipeline:\n  mutators:\n  - exec: /bin/cat\n---\n"
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\n"
+    )
+    assert cell.error is not None and cell.error["ename"] == "PipelineFailed"
+    assert "must run with `--allow-exec` option" in cell.error["traceback"][0]
+    assert kernel.run("from fnkernel.kernel import krm; krm.configure(allow_exec=True)").ok
+    cell = kernel.run(
+        "%%krm render\napiVersion: kpt.dev/v1\nkind: Kptfile\nmetadata: {name: x}\n"
+        "pipeline:\n  mutators:\n  - exec: /bin/cat\n---\n"
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\n"
+    )
+    assert cell.ok, cell.error
+    assert "[1] mutator exec: /bin/cat · exec · " in cell.result
+    assert kernel.run("krm.configure()").ok  # back to the default for the other tests

@@ -1,0 +1,122 @@
+"""NAME.map in the kernel (docs/protocol.md, "Replicas", "Kernel" and "Live output"): one call
+an item, its bar, an interrupt or a restart mid-map. A real kernel through jupyter_client."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from fnkernel.runtime_server.client import Client
+from tests.kernel.cells import SLOW, WAITS, gateway_address
+from tests.kernel.kernels import Kernel
+from tests.support import Gate, wait_until
+
+pytestmark = pytest.mark.usefixtures("fnkernel_spec")
+
+
+SQUARE = """%%function square --replicas 2
+import time
+
+def handler(event):
+    time.sleep(0.02)
+    if event == 13:
+        raise KeyError("thirteen")
+    return event * event
+"""
+
+
+def test_map_calls_a_function_of_replicas_once_per_item_with_progress(kernel: Kernel) -> None:
+    # docs/protocol.md, "Replicas": NAME.map returns the outputs in input order, shows a bar
+    # updated in place, and says the end in one line of text for a log.
+    assert kernel.run(SQUARE).ok
+    status = kernel.value("square.status()")
+    assert [r["name"] for r in status["replicas"]] == ["square", "square.1"]
+    cell = kernel.run("squares = square.map(range(12))")
+    assert cell.ok, cell.error
+    assert kernel.value("squares") == [n * n for n in range(12)]
+    texts = cell.texts()
+    assert texts[0] == "square.map: 0/12 running"
+    assert len(texts) <= 12 // 2 + 2  # updated in place, not once per item
+    # The end: the bar, full and green, is HTML only; its one line of text is the log's.
+    assert "<progress max='12' value='12'" in cell.htmls()[-1]
+    assert "fnk-edge-ok" in cell.htmls()[-1] and texts[-1] == ""
+    assert cell.stdout.strip().endswith("square.map: 12/12 done")
+    assert cell.stdout.count("square.map: 12/12 done") == 1
+    # A failure: the handler's own, with its cell line, after the calls in flight are cancelled.
+    failed = kernel.run("square.map([1, 13, 2])")
+    assert not failed.ok and failed.error is not None
+    assert failed.error["ename"] == "HandlerFailedInCell" and "thirteen" in failed.error["evalue"]
+    mixed = kernel.value("[repr(r) if isinstance(r, Exception) else r "
+                         "for r in square.map([1, 13, 2], return_exceptions=True)]")  # fmt: skip
+    assert mixed[0] == 1 and mixed[2] == 4 and "thirteen" in mixed[1]
+    assert kernel.value("square(3)") == 9  # still registered, both replicas free
+    # %functions: one row for the function, with its replicas.
+    rows = kernel.run("%functions square").result.splitlines()
+    assert [row.split()[0] for row in rows[1:-1]] == ["square"]
+    assert "2 (2 ready, 0 busy)" in rows[1] and rows[1].rstrip().endswith("this kernel")
+
+
+def test_interrupting_a_map_cancels_every_call_and_keeps_every_replica(kernel: Kernel) -> None:
+    # docs/protocol.md, "Replicas": an interrupt cancels every call in flight (the handlers are
+    # killed); the function and its replicas stay registered, free for the next call.
+    assert kernel.run(SLOW.replace("%%function slow", "%%function slow --replicas 2")).ok
+    gateway = Client(gateway_address(kernel))
+
+    def busy() -> int:
+        return sum(r["inFlight"] for r in gateway.status("slow")["replicas"])
+
+    msg_id = kernel.send('slow.map([{"s": 10}] * 6)')
+    wait_until(lambda: busy() == 2, timeout=10)
+    kernel.manager.interrupt_kernel()
+    cell = kernel.collect(msg_id, timeout=15)
+    assert cell.error is not None and cell.error["ename"] == "InvocationInterrupted"
+    assert "map of slow cancelled" in cell.error["evalue"]
+    # The bar ends grey, "cancelled", not "running"; its one line says so once.
+    assert "fnk-edge-muted" in cell.htmls()[-1] and "0/6 cancelled" in cell.htmls()[-1]
+    assert cell.stdout.count("slow.map: 0/6 cancelled") == 1
+    # Once the cell has ended, no server holds a call any more: the next calls are not busy.
+    assert busy() == 0
+    assert all(not (gateway.status(n).live or {}).get("inFlight") for n in ("slow", "slow.1"))
+    replicas = gateway.status("slow")["replicas"]
+    assert [(r["name"], r["phase"]) for r in replicas] == [("slow", "Ready"), ("slow.1", "Ready")]
+    assert kernel.value('slow.map([{"s": 0}, {"s": 0}])') == [0, 0]
+
+
+def test_a_kernel_restarted_mid_map_ends_the_bar_as_cancelled() -> None:
+    # docs/protocol.md, "Kernel": the kernel's shutdown mid-map (a restart by a client that
+    # still listens, as nbclient does) ends the bar, grey "cancelled", before the kernel goes.
+    kernel = Kernel()
+    try:
+        assert kernel.run(SLOW).ok
+        gateway = Client(gateway_address(kernel))
+        msg_id = kernel.send('slow.map([{"s": 20}] * 3)')
+        wait_until(lambda: (gateway.status("slow").live or {}).get("inFlight"), timeout=10)
+        kernel.manager.restart_kernel(now=False)
+        updates = []
+        while not any("cancelled" in html for html in updates):
+            message = kernel.client.get_iopub_msg(timeout=10)
+            if message["msg_type"] == "update_display_data":
+                assert message["parent_header"].get("msg_id") == msg_id
+                updates.append(message["content"]["data"].get("text/html", ""))
+        assert "fnk-edge-muted" in updates[-1] and "slow.map: 0/3 cancelled" in updates[-1]
+    finally:
+        kernel.shutdown()
+
+
+def test_a_maps_lines_are_marked_with_their_item_as_they_come(
+    kernel: Kernel, gate: Callable[[], Gate]
+) -> None:
+    # docs/protocol.md, "Live output": in map, each line is marked with its item.
+    assert kernel.run(WAITS).ok
+    go = gate()
+    items = [{"say": say, "go": str(go)} for say in ("a", "b")]
+    msg_id = kernel.send(f"waits.map({items!r})")
+    kernel.wait_for_output(msg_id, "[1] started b")
+    go.open()
+    cell = kernel.collect(msg_id)
+    assert cell.ok, cell.error
+    lines = cell.stdout.splitlines()
+    assert sorted(lines[:-1]) == ["[0] finished a", "[0] started a", "[1] finished b",
+                                  "[1] started b"]  # fmt: skip
+    assert lines[-1] == "waits.map: 2/2 done"

@@ -1,0 +1,112 @@
+"""%fn_trace in the kernel (docs/protocol.md, "Kernel" and "Tracing"): each gateway call a cell
+makes, its hops' waterfall, a followed call's log stream. A real kernel through jupyter_client."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import pytest
+
+from tests.kernel.cells import ETL, SLOW, WAITS
+from tests.kernel.kernels import Kernel
+from tests.support import Gate
+
+pytestmark = pytest.mark.usefixtures("fnkernel_spec")
+
+
+def test_fn_trace_records_each_gateway_call(kernel: Kernel) -> None:
+    # docs/protocol.md, "Kernel": %fn_trace on records every call the kernel makes (method, request with the JSON
+    # payload decoded, status, latency); %fn_trace show renders them as a table.
+    kernel.run(ETL)
+    assert kernel.run("%fn_trace on").ok
+    kernel.run('etl({"rows": [7]})')
+    kernel.run("%invoke missing")
+    kernel.run("%fn_trace off")
+    table = kernel.run("%fn_trace show")
+    text = table.result
+    lines = text.splitlines()
+    assert lines[0].split() == ["#", "method", "status", "latency", "request"]
+    # (The first traced call loads OpenTelemetry in every hop: past 50 ms, its live log is
+    # followed too, and that stream is a call of the kernel's as well.)
+    invoked = next(i for i, line in enumerate(lines) if "POST /v1/runs/etl:invoke" in line)
+    assert " 200 " in lines[invoked]
+    assert '{"rows": [7]}' in lines[invoked] and " ms " in lines[invoked]
+    # The follow stream of the invoke's live log is a call of its own, recorded when it ends:
+    # before or after the next call's line, as the two raced.
+    (missing,) = [line for line in lines[invoked + 1 :] if "GET /v1/runs/missing" in line]
+    assert "404 NOT_FOUND" in missing
+    assert "<table class='fn-trace'>" in table.htmls()[-1]
+
+
+def test_fn_trace_waterfall_draws_every_hop_of_the_last_traced_call(kernel: Kernel) -> None:
+    """docs/protocol.md, "Tracing": while %fn_trace is on, each invocation carries a W3C
+    traceparent; %fn_trace waterfall [INVOCATION] draws its spans — the kernel's, then every
+    hop's, each nested under its caller — with the hops' attributes in the text form and on
+    hover in HTML, and a failed call's failure where it happened."""
+    kernel.run(ETL)
+    assert kernel.run("%fn_trace on").ok
+    kernel.run('etl({"rows": [7]})')
+    first = kernel.run("%fn_trace waterfall")
+    lines = first.result.splitlines()
+    assert lines[0].startswith("trace ") and lines[0].endswith(" ms") and "7 spans" in lines[0]
+    labels = [line.split("|")[0].rstrip() for line in lines if "|" in line]
+    assert labels == [
+        "kernel client: POST /v1/runs/{name}:invoke",
+        "  gateway server: POST /v1/runs/{name}:invoke",
+        "    gateway client: FunctionRuntime/InvokeFunction",
+        "      runtimed server: FunctionRuntime/InvokeFunction",
+        "        runtimed client: FunctionRuntime/InvokeFunction",
+        "          runtime-server server: FunctionRuntime/InvokeFunction",
+        "            worker server: etl.handler",  # the module %%function wrote
+    ]
+    assert "registration_id=reg_" in first.result and "fence=passed" in first.result
+    html = first.htmls()[-1]
+    assert html.count("class='fnk-wf-row'") == 7 and "rpc.system = grpc" in html
+    invocation_id = next(
+        word.removeprefix("invocation_id=")
+        for word in first.result.split()
+        if word.startswith("invocation_id=inv_")
+    )
+    kernel.run("%%function traced_failure\ndef handler(event):\n    raise ValueError('no rows')\n")
+    kernel.run("traced_failure({})")
+    failed = kernel.run("%fn_trace waterfall").result
+    assert "failed: " in failed and "error_type=HandlerError" in failed
+    again = kernel.run(f"%fn_trace waterfall {invocation_id}").result
+    assert "failed: " not in again and f"invocation_id={invocation_id}" in again
+    kernel.run("%fn_trace off")
+    missing = kernel.run("%fn_trace waterfall inv_none")
+    assert not missing.ok and "no traced invocation inv_none" in missing.stderr
+
+
+def test_fn_trace_shows_the_calls_cells_caused_and_all_with_all(kernel: Kernel) -> None:
+    # docs/protocol.md, "Kernel": a registration's own status polls are the kernel's, not the
+    # user's: `show` leaves them out (and says so), `show --all` has them.
+    assert kernel.run("%fn_trace on").ok
+    kernel.run(SLOW.replace("%%function slow", "%%function traced"))
+    kernel.run("%fn_trace off")
+    shown = kernel.run("%fn_trace show").result
+    every = kernel.run("%fn_trace show --all").result
+    assert "POST /v1/runs " in shown and "GET /v1/runs/traced" not in shown
+    assert "status polls of the kernel's own not shown (%fn_trace show --all)" in shown
+    assert "GET /v1/runs/traced" in every and "404 NOT_FOUND" in every
+
+
+def test_fn_trace_records_a_followed_calls_log_stream(
+    kernel: Kernel, gate: Callable[[], Gate]
+) -> None:
+    # docs/protocol.md, "Kernel": %fn_trace records every call the cells cause, so a long
+    # call's log stream ("Live output") too, beside its invoke.
+    assert kernel.run(WAITS).ok
+    go = gate()
+    assert kernel.run("%fn_trace on").ok
+    msg_id = kernel.send(f"waits({json.dumps({'say': 'traced', 'go': str(go)})})")
+    kernel.wait_for_output(msg_id, "started traced")
+    go.open()
+    assert kernel.collect(msg_id).ok
+    kernel.run("%fn_trace off")
+    rows = kernel.run("%fn_trace show").result.splitlines()
+    assert any("POST /v1/runs/waits:invoke" in row for row in rows)
+    streams = [row for row in rows if "/logs?follow=1" in row]
+    assert len(streams) == 1 and "GET /v1/runs/waits/invocations/inv_" in streams[0]
+    assert " 200 " in streams[0]
