@@ -23,7 +23,7 @@ from fnkernel.runtime_server.krm.functions.setters import (
 )
 from fnkernel.runtime_server.krm.functions.upsert_resource import upsert_resource
 from fnkernel.runtime_server.krm.resources.resourcelist import FunctionFailure, ResourceList
-from tests.krm.test_krm_functions import rl_of, run, run_twice
+from tests.krm.cases import rl_of, run, run_twice
 
 DEPLOYMENT = """
 - apiVersion: apps/v1
