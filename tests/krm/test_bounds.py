@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.krm.test_kpt_behaviour import kptfile, render, starlark_package, status
+from tests.krm.kpt_cases import kptfile, render, starlark_package, status
 
 pytestmark = pytest.mark.slow  # each step runs to its bound (tests/conftest.py)
 

@@ -13,7 +13,7 @@ import pytest
 from fnkernel.runtime_server.krm.functions.schemas import kubeconform, kubeval, make_strict
 from fnkernel.runtime_server.krm.resources.resourcelist import ResourceList
 from tests.krm.cases import rl_of, run
-from tests.krm.test_kpt_behaviour import fnkernel
+from tests.krm.kpt_cases import fnkernel
 
 BROKEN = """
 - apiVersion: apps/v1
