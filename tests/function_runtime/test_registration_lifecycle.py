@@ -1,6 +1,6 @@
-"""A registration over its life, past the rows of docs/protocol.md's "Registration" table: the caller's
-deadline, a worker that cannot restart, superseded generations that fail or are cancelled
-late, bounded waits; and the Registry's own memory of removed Runs' attempts, its load
+"""A registration over its life, past the rows of docs/protocol.md's "Registration" table: the
+caller's deadline, a worker that cannot restart, superseded generations that fail or are
+cancelled late, bounded waits; and the Registry's own memory of removed Runs' attempts, its load
 failures and its shutdown. Against a real server or a real Registry."""
 
 from __future__ import annotations
