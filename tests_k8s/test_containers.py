@@ -22,8 +22,7 @@ from fnkernel.runtime_server.lifecycle.kubernetes import objects
 from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS
 from tests.kubernetes.conftest import NAMESPACE, POD_USER, Cluster
 from tests.kubernetes.node_agent import KUBECONFIG_IN_POD
-from tests.kubernetes.test_cluster import held_by
-from tests.kubernetes.test_run_files import cut_short
+from tests.kubernetes.runs import cut_short, held_by
 from tests.packages_and_secrets import a_function_brings_its_packages_and_a_secret, set_secret
 from tests.support import wait_until
 

@@ -1,10 +1,6 @@
-"""Handlers and checks the registration tests share: functions that count, sleep or finish late,
-and the status code a call was refused with."""
+"""Handlers the registration tests share: functions that sleep or finish late."""
 
 from __future__ import annotations
-
-import grpc
-import pytest
 
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 
@@ -34,9 +30,3 @@ FINISHES_LATE = {
             Path("finished").touch()
     """
 }
-
-
-def code_of(call) -> grpc.StatusCode:  # type: ignore[no-untyped-def]
-    with pytest.raises(grpc.RpcError) as err:
-        call()
-    return err.value.code()

@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 
 from fnkernel.runtime_server import payloads
-from tests.function_runtime.test_limits import rejected
+from tests.function_runtime.statuses import rejected
 from tests.support import Client
 
 KINDS = {

@@ -28,7 +28,7 @@ from fnkernel.runtime_server.function_runtime.spool import (
     new_name,
 )
 from fnkernel.runtime_server.wire import INPUT_REF_KEY, OUTPUT_REF_FROM_KEY, OUTPUT_REF_KEY
-from tests.function_runtime.test_limits import rejected
+from tests.function_runtime.statuses import rejected
 from tests.support import Client, serve_in_process, spooled, wait_until
 
 MIB = 1 << 20

@@ -22,22 +22,10 @@ from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from fnkernel.runtime_server.errors import InvalidField
 from fnkernel.runtime_server.rpc import Pipeline, logs_trailer
+from tests.function_runtime.statuses import rejected
 from tests.support import ECHO_PY, Client, digest
 
 READY = pb.FUNCTION_REGISTRATION_STATE_READY
-
-
-def rejected(call, field: str, *words: str) -> str:  # type: ignore[no-untyped-def]
-    """INVALID_ARGUMENT whose message is ``<field>: <the rule broken>`` (docs/protocol.md,
-    "Limits"), the rule naming each of `words`; returns the message."""
-    with pytest.raises(grpc.RpcError) as err:
-        call()
-    details = err.value.details() or ""
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, details
-    assert details.startswith(f"{field}: "), details
-    for word in words:
-        assert word in details, (word, details)
-    return details
 
 
 def register_with(client: Client, **fields: object) -> pb.RegisterFunctionResponse:

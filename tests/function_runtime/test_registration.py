@@ -16,7 +16,8 @@ from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import (
     registrations_pb2,
     registrations_pb2_grpc,
 )
-from tests.function_runtime.registrations import FAILED, FINISHES_LATE, READY, SLOW, code_of
+from tests.function_runtime.registrations import FAILED, FINISHES_LATE, READY, SLOW
+from tests.function_runtime.statuses import code_of, refused
 from tests.support import ECHO_PY, Client, pid_alive, wait_until
 
 FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
@@ -33,18 +34,6 @@ COUNTING = {
             return event
     """
 }
-
-
-def refused(call, code: grpc.StatusCode, *words: str) -> str:  # type: ignore[no-untyped-def]
-    """`call` fails with `code`, its message naming each of `words` (docs/protocol.md,
-    "Errors": every failure names its field or cause); returns the message."""
-    with pytest.raises(grpc.RpcError) as err:
-        call()
-    details = err.value.details() or ""
-    assert err.value.code() == code, details
-    for word in words:
-        assert word in details, (word, details)
-    return details
 
 
 def test_new_run_uid_registers_ready_with_new_opaque_id(python_any: Client) -> None:

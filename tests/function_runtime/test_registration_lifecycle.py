@@ -24,7 +24,8 @@ from fnkernel.runtime_server.errors import AttemptSuperseded, ShuttingDown
 from fnkernel.runtime_server.function_runtime import registry as registry_module
 from fnkernel.runtime_server.function_runtime.registry import Registry
 from fnkernel.runtime_server.function_runtime.server import RuntimeServer
-from tests.function_runtime.registrations import FAILED, FINISHES_LATE, READY, SLOW, code_of
+from tests.function_runtime.registrations import FAILED, FINISHES_LATE, READY, SLOW
+from tests.function_runtime.statuses import code_of
 from tests.support import Client, digest, pid_alive, wait_until
 
 REGISTERING = pb.FUNCTION_REGISTRATION_STATE_REGISTERING

@@ -23,6 +23,7 @@ from fnkernel.runtime_server.client import Client
 from fnkernel.runtime_server.lifecycle.kubernetes import objects
 from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS
 from tests.kubernetes.conftest import NAMESPACE, POD_USER, Cluster
+from tests.kubernetes.runs import held_by
 from tests.packages_and_secrets import (
     SECRET,
     a_function_brings_its_packages_and_a_secret,
@@ -58,25 +59,6 @@ def run_object(cluster: Cluster, name: str) -> dict[str, Any]:
         G, V, NAMESPACE, P, name
     )
     return obj
-
-
-def held_by(cluster: Cluster, run_uid: str) -> list[str]:
-    """The Runtime Pods whose server holds a registration of `run_uid` (its socket, in the pod's
-    volume: this test runs as root)."""
-    holders = []
-    for pod in cluster.runtime_pods(ready=False):
-        with grpc.insecure_channel(cluster.server_socket(pod), options=CHANNEL_OPTIONS) as channel:
-            probe = pb.FunctionStatusRequest(
-                registration=pb.FunctionRegistration(run_uid=run_uid, registration_id="reg_x")
-            )
-            try:
-                pb_grpc.FunctionRuntimeStub(channel).FunctionStatus(probe, timeout=5)
-            except grpc.RpcError as err:
-                if err.code() == grpc.StatusCode.FAILED_PRECONDITION:  # holds another ID
-                    holders.append(pod["metadata"]["name"])
-                elif err.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE):
-                    raise
-    return holders
 
 
 @pytest.mark.usefixtures("fnkernel_spec")  # the kernel it starts, also when run alone

@@ -5,7 +5,6 @@ cut short is finished or failed by the controller."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from typing import Any
 
@@ -18,9 +17,8 @@ from fnkernel.runtime_server.errors import RunFilesMissing, RunNotFound, RunTooL
 from fnkernel.runtime_server.lifecycle.controlplane import ControlPlane
 from fnkernel.runtime_server.lifecycle.kubernetes import objects
 from fnkernel.runtime_server.lifecycle.kubernetes.store import KubernetesRunStore
-from fnkernel.runtime_server.lifecycle.runs import Run, RunSpec, files_digest
 from fnkernel.runtime_server.wire import FAILED, NEW, PENDING
-from tests.kubernetes.test_store import HANDLER, NS, plane_with_pod
+from tests.kubernetes.runs import HANDLER, NS, a_run, cut_short, plane_with_pod
 from tests.support import wait_until
 
 G, V, P = objects.GROUP, objects.VERSION, objects.PLURAL
@@ -90,39 +88,6 @@ def test_a_config_map_that_cannot_be_made_leaves_no_run(
         store.get("fn")
     kept = client.CoreV1Api(api_client).read_namespaced_config_map("fn-files-0a1b2c3d-0", NS)
     assert kept.data == {"mine": "yes"}
-
-
-def a_run(name: str, size: int = 0) -> Run:
-    """A Run whose object would be about `size` bytes as sent (its env fills it)."""
-    spec = RunSpec(runtime="python", handler="handler.handle", files_sha256=files_digest(HANDLER))
-    run = Run(uid="", name=name, spec=spec)
-    if size:
-        base = len(json.dumps(objects.new_object(run, HANDLER, NS)[0]))
-        fill = {"FILL": "x" * (size - base - len('"FILL": ""'))}
-        run = dataclasses.replace(run, spec=dataclasses.replace(spec, env=fill))
-    return run
-
-
-def cut_short(
-    api_client: client.ApiClient,
-    namespace: str,
-    name: str,
-    files: dict[str, str],
-    texts: list[str] | None = None,
-) -> dict[str, Any]:
-    """A Run as a create stopped before its status write leaves it (the gateway died): no
-    status, and its files' ConfigMaps as written — `texts`: what each holds (None: its part of
-    `files`; fewer: the rest never made)."""
-    body, parts = objects.new_object(a_run(name), files, namespace)
-    created: dict[str, Any] = client.CustomObjectsApi(
-        api_client
-    ).create_namespaced_custom_object(G, V, namespace, P, body)  # fmt: skip
-    written = list(parts.values()) if texts is None else texts
-    for config_map, text in zip(parts, written, strict=False):
-        client.CoreV1Api(api_client).create_namespaced_config_map(
-            namespace, objects.files_config_map(config_map, text, created, namespace)
-        )
-    return created
 
 
 def test_a_create_cut_short_after_its_files_is_admitted_by_the_controller(

@@ -14,7 +14,7 @@ from fnkernel.runtime_server.lifecycle.kubernetes.secrets import (
     SECRET_LABEL,
     KubernetesSecrets,
 )
-from tests.kubernetes.test_store import NS
+from tests.kubernetes.runs import NS
 
 VALUE = "s3cr3t-Value-8842"
 

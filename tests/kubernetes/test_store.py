@@ -16,37 +16,16 @@ from fnkernel.runtime_server.lifecycle.kubernetes import informer as informer_mo
 from fnkernel.runtime_server.lifecycle.kubernetes import objects
 from fnkernel.runtime_server.lifecycle.kubernetes.store import KubernetesRunStore
 from fnkernel.runtime_server.wire import DELETING, FAILED, NEW, PENDING, READY, RETRYING
-from tests.kubernetes.conftest import STORE_NAMESPACE, EmulatedApi
+from tests.kubernetes.conftest import EmulatedApi
+from tests.kubernetes.runs import HANDLER, NS, plane_with_pod, runtime_pod
 from tests.support import wait_until
 
-NS = STORE_NAMESPACE
-HANDLER = {"handler.py": "def handle(event):\n    return event\n"}
 G, V, P = objects.GROUP, objects.VERSION, objects.PLURAL
 
 
 @pytest.fixture
 def custom(api_client: client.ApiClient) -> client.CustomObjectsApi:
     return client.CustomObjectsApi(api_client)
-
-
-def runtime_pod(core: client.CoreV1Api, name: str, ip: str, *, ready: bool = True) -> None:
-    """A Runtime Pod as the kubelet would report it (here the test writes its status)."""
-    core.create_namespaced_pod(NS, {
-        "metadata": {"name": name, "labels": {objects.ROLE_LABEL: objects.RUNTIME_POD,
-                                              objects.RUNTIME_LABEL: "python"}},
-        "spec": {"containers": [{"name": "runtimed", "image": "fnkernel",
-                                 "ports": [{"name": objects.RUNTIMED_PORT, "containerPort": 50051}]}]},
-    })  # fmt: skip
-    status = {"phase": "Running", "podIP": ip,
-              "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}  # fmt: skip
-    core.patch_namespaced_pod_status(name, NS, {"status": status})
-
-
-def plane_with_pod(store: KubernetesRunStore, api_client: client.ApiClient) -> ControlPlane:
-    runtime_pod(client.CoreV1Api(api_client), "python-abc", "127.0.0.9")
-    # Alive, not only listed: its Ready status is a second write, seen by a second event.
-    wait_until(lambda: (pod := store.pod("python-abc")) is not None and pod.alive(), timeout=10)
-    return ControlPlane(store)
 
 
 def test_a_created_run_is_an_object_with_its_spec_files_and_a_fenced_status(
