@@ -5,16 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
-import subprocess
-import sys
-import tempfile
 import textwrap
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import grpc
 import pytest
@@ -22,15 +17,12 @@ import pytest
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from fnkernel.runtime_server.client import Client
-from fnkernel.runtime_server.daemon import Prewarmed, serve_args, spawn
 from fnkernel.runtime_server.lifecycle.runs import POD_GRACE_SECONDS
 from fnkernel.runtime_server.lifecycle.sqlite import STORE_FILE, SqliteRunStore
 from fnkernel.runtime_server.lifecycle.stack import Stack
 from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS
-from tests.support import ECHO_PY, SLOW_PY, http_call, pid_alive, read_until_ready, wait_until
-
-ECHO = {name: textwrap.dedent(text) for name, text in ECHO_PY.items()}
-StackFactory = Callable[..., Stack]
+from tests.lifecycle.stack_calls import ECHO, StackFactory, phase_and_attempt
+from tests.support import SLOW_PY, http_call, wait_until
 
 
 def server_stub(
@@ -40,11 +32,6 @@ def server_stub(
     assert child is not None
     channel = grpc.insecure_channel(child.address, options=CHANNEL_OPTIONS)
     return channel, pb_grpc.FunctionRuntimeStub(channel)
-
-
-def phase_and_attempt(client: Client, name: str) -> tuple[str, int]:
-    status = client.status(name)["status"]
-    return status["phase"], status["attempt"]
 
 
 def test_killed_runtime_server_is_ready_again_with_attempt_2(stack_factory: StackFactory) -> None:
@@ -186,167 +173,6 @@ def test_reassignment_to_another_pod_when_a_pod_dies(stack_factory: StackFactory
     assert client.invoke("mover", {"y": 2}).value()["echo"] == {"y": 2}
 
 
-@pytest.mark.parametrize("stop_with", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
-def test_fnkernel_up_prints_addresses_and_stops_everything(
-    tmp_path: Path, stop_with: signal.Signals
-) -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fnkernel.runtime_server.cli", "up", "--state-dir", str(tmp_path / "s"),
-         "--gateway-listen", "127.0.0.1:0", "--pods", "python=1,bash=1"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
-    try:
-        lines = read_until_ready(proc)
-        text = "\n".join(lines)
-        pids = [int(pid) for pid in re.findall(r"\(pid (\d+)\)", text)]
-        assert len(pids) == 5  # two servers, two runtimeds, one gateway
-        for name in ("python-0-server", "python-0-runtimed", "bash-0-server", "bash-0-runtimed"):
-            assert f"{name}: unix:" in text
-        gateway = re.search(r"gateway (http://127\.0\.0\.1:\d+)", text)
-        assert gateway is not None
-        client = Client(gateway.group(1))
-        client.create_run("echo", runtime="python", handler="handler.handle", files=ECHO)
-        assert client.invoke("echo", 5).value()["echo"] == 5
-        proc.send_signal(stop_with)
-        code = proc.wait(30)
-        if stop_with != signal.SIGKILL:
-            assert code == 0
-        # No orphans: every component exits (on SIGKILL, through its parent-pid watch).
-        wait_until(lambda: not any(pid_alive(pid) for pid in pids), timeout=20)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
-def test_fnkernel_down_stops_the_stack_up_started_in_its_state_dir(tmp_path: Path) -> None:
-    # README, "CLI": `fnkernel up &` then `fnkernel down` with the same state dir.
-    cli = [sys.executable, "-m", "fnkernel.runtime_server.cli"]
-    state = ["--state-dir", str(tmp_path / "s")]
-    proc = subprocess.Popen(
-        [*cli, "up", *state, "--gateway-listen", "127.0.0.1:0", "--pods", "python=1"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
-    try:
-        pids = [int(pid) for pid in re.findall(r"\(pid (\d+)\)", "\n".join(read_until_ready(proc)))]
-        down = subprocess.run([*cli, "down", *state], capture_output=True, text=True, timeout=60)
-        assert down.returncode == 0, down.stderr
-        assert (
-            down.stdout
-            == f"fnkernel down: stopped the stack of {tmp_path / 's'} (pid {proc.pid})\n"
-        )
-        assert proc.wait(30) == 0
-        assert not any(pid_alive(pid) for pid in pids)  # down waits until every one is gone
-        again = subprocess.run([*cli, "down", *state], capture_output=True, text=True, timeout=60)
-        assert (again.returncode, again.stderr) == (
-            1, f"fnkernel down: no stack is up with the state dir {tmp_path / 's'}\n",
-        )  # fmt: skip
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
-def test_up_rejects_a_bad_pods_flag(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "fnkernel.runtime_server.cli", "up", "--state-dir", str(tmp_path), "--pods", "ruby=1"],
-        capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
-    assert result.returncode == 2
-    assert "--pods" in result.stderr
-
-
-# gRPC reads these in a unix: target as URI syntax (docs/architecture.md, "Measured facts the
-# design rests on"); "%41" is a valid escape, so it is read as "A".
-GRPC_SYNTAX_PATH = "team,a?b#c%41"
-
-
-def test_a_state_dir_whose_path_grpc_reads_as_syntax_still_serves(
-    stack_factory: StackFactory,
-) -> None:
-    # `fnkernel up --state-dir` takes any directory: the state stays there, and the sockets go
-    # where gRPC can name them. A short path, so that its length alone would not move them.
-    with tempfile.TemporaryDirectory(prefix=f"{GRPC_SYNTAX_PATH}-") as parent:
-        state_dir = Path(parent, "state")
-        stack = stack_factory({"python": 1}, state_dir=state_dir)
-        client = Client(stack.gateway_address)
-        client.create_run("echo", runtime="python", handler="handler.handle", files=ECHO)
-        assert client.invoke("echo", 5).value()["echo"] == 5
-        assert (state_dir / "runs.db").is_file()
-        stack.stop()
-
-
-@pytest.mark.parametrize("command", ["serve", "runtimed"])
-def test_a_socket_path_grpc_cannot_name_is_refused_with_the_reason(
-    tmp_path: Path, command: str
-) -> None:
-    # Bound as given, a "," path listens where no client can reach it: refused before binding.
-    listen = f"unix:{tmp_path}/{GRPC_SYNTAX_PATH}.sock"
-    args = ["--runtime", "python", "--listen", listen]
-    if command == "serve":
-        args += ["--workspace-root", str(tmp_path)]
-    else:
-        args += ["--pod", "p", "--server", "unix:/nonexistent.sock", "--state-dir", str(tmp_path)]
-    result = fnkernel(command, *args)
-    assert result.returncode == 1, result.stderr
-    assert "gRPC cannot name a Unix socket whose path holds , ? # %" in result.stderr
-    assert "Traceback" not in result.stderr
-    assert not list(tmp_path.glob("*.sock"))
-
-
-def fnkernel(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "fnkernel.runtime_server.cli", *args],
-        capture_output=True,
-        text=True,
-        input=stdin,
-        timeout=60,
-    )
-
-
-def test_cli_runs_and_invoke_with_exit_codes(shared_stack: Stack, tmp_path: Path) -> None:
-    # docs/protocol.md, "CLI": exit codes 0 ok, 1 function/result failure, 2 usage error.
-    gateway = ["--gateway", shared_stack.gateway_address]
-    source = tmp_path / "src"
-    source.mkdir()
-    (source / "handler.py").write_text(
-        "def handle(event, context):\n"
-        "    if event.get('fail'):\n"
-        "        raise RuntimeError('asked to fail')\n"
-        "    context.set_output('n', str(event.get('n', 0)))\n"
-        "    return {'n': event.get('n', 0)}\n"
-    )
-    created = fnkernel("runs", "create", "cli-fn", "--runtime", "python", "--source", str(source),
-                       "--handler", "handler.handle", "--env", "MODE=sekrit-value", *gateway)  # fmt: skip
-    assert created.returncode == 0, created.stderr
-    assert json.loads(created.stdout)["status"]["phase"] == "Ready"
-    listed = fnkernel("runs", "list", *gateway)
-    assert listed.returncode == 0 and re.search(r"cli-fn\s+python\s+Ready\s+1", listed.stdout)
-    got = fnkernel("runs", "get", "cli-fn", *gateway)
-    # docs/protocol.md, "Runs": the env's keys, never its values, to any token holder.
-    assert json.loads(got.stdout)["spec"]["env"] == ["MODE"] and "sekrit" not in got.stdout
-    ok = fnkernel("invoke", "cli-fn", '{"n": 3}', *gateway)
-    assert (ok.returncode, json.loads(ok.stdout)) == (0, {"n": 3})
-    assert 'outputs: {"n": "3"}' in ok.stderr
-    piped = fnkernel("invoke", "cli-fn", "-", *gateway, stdin='{"n": 4}')
-    assert json.loads(piped.stdout) == {"n": 4}
-    failed = fnkernel("invoke", "cli-fn", '{"fail": true}', *gateway)
-    assert failed.returncode == 1
-    assert "HandlerFailed" in failed.stderr and "asked to fail" in failed.stderr
-    bad = fnkernel("invoke", "cli-fn", "{not json", *gateway)
-    assert bad.returncode == 2 and "not JSON" in bad.stderr
-    missing = fnkernel("invoke", "no-such-fn", *gateway)
-    assert missing.returncode == 1 and "FunctionNotFound" in missing.stderr
-    assert fnkernel("runs", "delete", "cli-fn", *gateway).returncode == 0
-    assert fnkernel("runs", "get", "cli-fn", *gateway).returncode == 1
-
-
-def test_cli_reports_an_unreachable_gateway(tmp_path: Path) -> None:
-    result = fnkernel("runs", "list", "--gateway", f"unix:{tmp_path}/nothing.sock")
-    assert result.returncode == 1
-    assert "cannot reach the gateway" in result.stderr
-
-
 def test_delete_unregisters_and_removes_the_working_dir(shared_stack: Stack) -> None:
     client = Client(shared_stack.gateway_address)
     created = client.create_run("doomed", runtime="python", handler="handler.handle", files=SLOW_PY)
@@ -430,73 +256,6 @@ def test_delete_with_a_call_in_flight_answers_after_the_call_and_leaves_nothing(
         assert caught.value.code() == grpc.StatusCode.NOT_FOUND
     finally:
         channel.close()
-
-
-def test_a_stack_takes_its_first_components_from_prewarmed_processes(
-    stack_factory: StackFactory,
-) -> None:
-    # docs/architecture.md, "The first registration": each component's first start takes the
-    # waiting process of its command; it logs where a component started afresh logs, and a
-    # restart after its death starts afresh.
-    prewarmed = Prewarmed()
-    try:
-        waiting = prewarmed.pids()
-        assert set(waiting) == {"serve", "runtimed", "gateway"}
-        assert prewarmed.wait_ready(30)  # each has imported what it needs, and says so
-        stack = stack_factory({"python": 1}, prewarmed=prewarmed)
-        started = {
-            "serve": stack.component("python-0-server").child,
-            "runtimed": stack.component("python-0-runtimed").child,
-            "gateway": stack.component("gateway").child,
-        }
-        assert {c: child.pid for c, child in started.items() if child} == waiting
-        client = Client(stack.gateway_address)
-        client.create_run("echo", runtime="python", handler="handler.handle", files=ECHO)
-        assert client.invoke("echo", {"n": 1}).value()["echo"] == {"n": 1}
-        log = stack.state_dir / "logs" / "python-0-runtimed.log"
-        wait_until(lambda: "attempt 1 READY as reg_" in log.read_text(), timeout=5)
-        os.kill(waiting["serve"], signal.SIGKILL)
-        wait_until(lambda: phase_and_attempt(client, "echo") == ("Ready", 2), timeout=10)
-        server = stack.component("python-0-server").child
-        assert server is not None and server.pid != waiting["serve"]
-    finally:
-        prewarmed.close()
-
-
-def test_a_prewarmed_process_that_died_is_replaced_by_a_fresh_one(tmp_path: Path) -> None:
-    # daemon.spawn: a waiting process that is gone costs a fresh start, never a failed one.
-    prewarmed = Prewarmed(["serve"])
-    dead = prewarmed.pids()["serve"]
-    os.kill(dead, signal.SIGKILL)
-    wait_until(lambda: not pid_alive(dead), timeout=5)
-    (tmp_path / "ws").mkdir()
-    child = spawn(
-        serve_args("python", f"unix:{tmp_path}/s.sock", tmp_path / "ws"), prewarmed=prewarmed
-    )
-    try:
-        assert child.pid != dead and "listening on unix:" in child.announced
-    finally:
-        child.stop()
-
-
-def test_closing_the_pool_or_losing_its_owner_ends_the_waiting_processes() -> None:
-    # A pool not used leaves nothing behind: close() ends its processes, and so does the death
-    # of the process that started them (end of their stdin).
-    prewarmed = Prewarmed(["runtimed"])
-    waiting = prewarmed.pids()["runtimed"]
-    prewarmed.close()
-    assert not pid_alive(waiting)
-    owner = subprocess.Popen(
-        [sys.executable, "-c", "from fnkernel.runtime_server.daemon import Prewarmed; "
-         "p = Prewarmed(['gateway']); print(p.pids()['gateway'], flush=True); "
-         "import signal; signal.pause()"],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    assert owner.stdout is not None
-    pid = int(owner.stdout.readline())
-    owner.kill()
-    owner.wait()
-    wait_until(lambda: not pid_alive(pid), timeout=10)
 
 
 def test_a_create_cut_off_by_a_gateway_crash_can_be_repeated(stack_factory: StackFactory) -> None:
