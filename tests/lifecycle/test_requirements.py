@@ -1,5 +1,6 @@
 """A Run brings its own packages (docs/protocol.md, "Requirements"), on a stack of real processes
-(``fnkernel up``'s), installed by uv from a wheelhouse this test builds, never from an index."""
+(``fnkernel up``'s), installed by uv from a wheelhouse this test builds, never from an index; and
+what a create takes as a Run's requirements."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from fnkernel.runtime_server import limits
 from fnkernel.runtime_server.client import Client
 from fnkernel.runtime_server.client.errors import InvalidRequest
+from fnkernel.runtime_server.errors import InvalidField
 from fnkernel.runtime_server.lifecycle.stack import Stack
 from tests.wheelhouse import build_wheelhouse, offline_index
 
@@ -126,3 +129,63 @@ def test_a_bad_requirement_is_refused_at_create_naming_it(
         client._json("POST", "/v1/runs", body)  # the HTTP API itself, past the client
     assert refused.value.message.startswith(says), refused.value.message
     assert refused.value.code == "INVALID_ARGUMENT"
+
+
+# docs/protocol.md, "Requirements": what a create takes as a Run's requirements.
+
+
+def test_requirements_are_pep_508_each_kept_as_given_without_its_spaces() -> None:
+    asked = [" pandas>=2.2 ", "pkg[extra]==1.0", "pkg @ https://example.org/pkg-1.0.tar.gz"]
+    assert limits.check_requirements(asked, "python") == (
+        "pandas>=2.2", "pkg[extra]==1.0", "pkg @ https://example.org/pkg-1.0.tar.gz",
+    )  # fmt: skip
+    assert limits.check_requirements([], "bash") == ()  # none: any runtime
+
+
+@pytest.mark.parametrize(
+    ("asked", "says"),
+    [
+        (["ok", "pandas>>2"], "requirements[1]: 'pandas>>2' is not a PEP 508 requirement: "),
+        (
+            ["-r other.txt"],
+            "requirements[0]: '-r other.txt' is an installer option; the index is the stack's to choose",
+        ),
+        (["  --index-url x"], "requirements[0]: '  --index-url x' is an installer option"),
+        ([3], "requirements[0]: must be a string"),
+        (["x" * 513], "requirements[0]: is longer than 512 bytes"),
+        (["é" * 257], "requirements[0]: is longer than 512 bytes"),  # bytes, not characters
+        (["a"] * 65, "requirements: 65 requirements; at most 64"),
+    ],
+)
+def test_a_bad_requirement_is_refused_naming_it(asked: list[object], says: str) -> None:
+    with pytest.raises(InvalidField) as refused:
+        limits.check_requirements(asked, "python")
+    assert str(refused.value).startswith(says), str(refused.value)
+    assert "\n" not in str(refused.value)  # the parser's first line only
+
+
+def test_a_requirement_that_does_not_parse_is_told_in_the_parsers_words() -> None:
+    with pytest.raises(InvalidField) as refused:
+        limits.check_requirements(["pandas>>2"], "python")
+    reason = str(refused.value).split("is not a PEP 508 requirement: ", 1)[1]
+    assert reason.startswith("Expected ")  # packaging's first line, not its caret lines
+
+
+def test_the_limits_themselves_are_taken() -> None:
+    assert len(limits.check_requirements(["a"] * 64, "python")) == 64
+    assert limits.check_requirements(["a" * 512], "python") == ("a" * 512,)
+
+
+def test_requirements_are_for_a_python_runtime_only() -> None:
+    with pytest.raises(InvalidField) as refused:
+        limits.check_requirements(["pandas"], "bash")
+    assert str(refused.value) == "requirements: the bash runtime takes no Python packages"
+    with pytest.raises(InvalidField, match=r"^packages: "):
+        limits.check_requirements(["pandas"], "bash", field="packages")
+
+
+def test_a_requirements_file_is_its_lines_without_comments_or_blanks() -> None:
+    text = "# pinned\n\npandas>=2.2  # the newest\n  pyarrow\n#gone\n-r other.txt\nx #y #z\n"
+    assert limits.requirements_in(text) == ["pandas>=2.2", "pyarrow", "-r other.txt", "x"]
+    assert limits.requirements_in("a#b\n") == ["a#b"]  # a # not after a space is the line's
+    assert limits.requirements_in("") == []
