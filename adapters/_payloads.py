@@ -388,7 +388,23 @@ def _from_arrow(data: Any, what: str, *, mapped: bool = False) -> Any:
     except (pa.ArrowException, ValueError, OSError) as exc:  # OSError: a negative length
         raise PayloadError(f"{what} is not an Arrow IPC stream: {exc}") from None
     metadata = dict(table.schema.metadata or {})
-    kind = metadata.pop(KIND_KEY, b"pyarrow.Table").decode()
+    kind = metadata.pop(KIND_KEY, b"pyarrow.Table").decode("utf-8", "replace")
+    try:
+        return _rebuilt(pa, table, kind, metadata, what, mapped)
+    except PayloadError:
+        raise
+    except (pa.ArrowException, KeyError, IndexError, TypeError, ValueError) as exc:
+        # A stream whose metadata does not describe its columns (written by hand, or a
+        # stream of ours cut or changed): bad input, named, not a crash of its reader.
+        raise PayloadError(
+            f"{what} is an Arrow stream whose {KIND_KEY.decode()} metadata ({kind}) does not match "
+            f"its columns: {type(exc).__name__}: {exc}"
+        ) from None
+
+
+def _rebuilt(pa: Any, table: Any, kind: str, metadata: dict, what: str, mapped: bool) -> Any:
+    """The value of `kind` that `table` and its schema's `metadata` (KIND_KEY taken out)
+    describe, as ``_from_arrow`` returns it."""
     if kind.startswith("pandas.") and mapped:
         table = _text_copied(pa, table)
     if kind == "pandas.DataFrame":

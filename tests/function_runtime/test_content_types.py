@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 
 from fnkernel.runtime_server import payloads
-from tests.function_runtime.statuses import rejected
+from tests.function_runtime.statuses import refused, rejected
 from tests.support import Client
 
 KINDS = {
@@ -28,6 +28,7 @@ KINDS = {
             return {"kind": kind}
     """
 }
+PID = {"handler.py": "import os\n\ndef handle(event):\n    return os.getpid()\n"}
 
 
 def test_the_handler_gets_the_kind_sent_and_returns_its_own(python_rt: Client) -> None:
@@ -56,6 +57,40 @@ def test_bytes_that_are_not_their_type_are_invalid_input(python_rt: Client) -> N
             python_rt.invoke(registration, data, content_type=payloads.ARROW)
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "input is not an Arrow IPC stream" in (refused.value.details() or "")
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        {"fnkernel.kind": "numpy.ndarray"},  # no "values" column
+        {"fnkernel.kind": "pandas.DataFrame", "pandas": "{not json"},
+        {"fnkernel.kind": "pandas.Series"},  # two columns, none of them the series'
+    ],
+    ids=["array", "frame", "series"],
+)
+def test_a_stream_whose_kind_does_not_match_its_columns_is_invalid_input_and_the_worker_stays(
+    python_rt: Client, metadata: dict[str, str]
+) -> None:
+    # docs/protocol.md, "Content types": bytes that are not their type are INVALID_ARGUMENT —
+    # also an Arrow stream whose metadata names a kind its columns cannot be (written by hand,
+    # or one of ours changed); the worker that read it serves the next call.
+    import pyarrow as pa
+
+    registration = python_rt.register(PID).registration
+    first = python_rt.invoke(registration, b"{}").output
+    table = pa.table({"a": [1, 2], "b": [3, 4]}).replace_schema_metadata(metadata)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    refused(
+        lambda: python_rt.invoke(
+            registration, sink.getvalue().to_pybytes(), content_type=payloads.ARROW
+        ),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"input is an Arrow stream whose fnkernel.kind metadata ({metadata['fnkernel.kind']})",
+        "does not match its columns",
+    )
+    assert python_rt.invoke(registration, b"{}").output == first  # the same worker
 
 
 def test_a_kind_whose_package_the_runtime_lacks_is_named_with_the_way_out(
