@@ -147,21 +147,26 @@ class Function:
         in seconds overrides ``--timeout``."""
         timeout = self.timeout if timeout is None else timeout
         try:
-            data, content_type = payloads.encode(payload, "payload")
+            # An Arrow kind as its table, which the client writes straight to the stack's spool
+            # (docs/protocol.md, "Large payloads"): never whole in memory as bytes first.
+            outgoing = payloads.Outgoing.of(payload, "payload")
         except payloads.PayloadError as exc:
             raise PayloadNotJSON(f"the payload of {self.name} cannot be sent: {exc}") from None
         except payloads.NotArrow as exc:
             raise PayloadNotArrow(f"the payload of {self.name} cannot be sent: {exc}") from None
         except (TypeError, ValueError) as exc:
             raise PayloadNotJSON(f"the payload of {self.name} is not JSON: {exc}") from None
+        except KeyboardInterrupt:
+            raise InvocationInterrupted(
+                f"{self.name} was not called: interrupted while its payload was converted"
+            ) from None
         client = self._runtime.client()
         invocation_id = invocation_id or limits.new_id("inv_")
         lines = LiveLines(self.spec.runtime)
         try:
             result = client.invoke(
                 self.name,
-                data=data,
-                content_type=content_type,
+                outgoing,
                 timeout_millis=round(timeout * 1000) if timeout else 0,
                 invocation_id=invocation_id,
                 on_log=lines,

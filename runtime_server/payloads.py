@@ -51,6 +51,7 @@ __all__ = [
     "MEDIA_TYPES",
     "OCTET",
     "NotArrow",
+    "Outgoing",
     "PayloadError",
     "arrow_table",
     "decode",
@@ -71,3 +72,28 @@ def dumps(value: Any, root: str = "payload") -> bytes:
     """`value` as JSON text in UTF-8; TypeError naming the part (a path from `root`) that JSON
     cannot hold, ValueError for a circular reference."""
     return _jsonvalues.dumps(value, root)
+
+
+class Outgoing:
+    """A value made ready to send (``Outgoing.of``): its bytes and their content type, or, of
+    an Arrow kind, its Arrow table, which the sender writes straight to where its size says (the
+    stack's spool, or the request) and never holds whole as bytes. ``Client.invoke`` takes one
+    as its payload, so that a caller learns that a value cannot be sent before it calls."""
+
+    __slots__ = ("encoded", "table")
+
+    def __init__(self, encoded: tuple[bytes, str] | None, table: Any = None) -> None:
+        self.encoded = encoded
+        self.table = table
+
+    @classmethod
+    def of(cls, value: Any, root: str = "payload") -> Outgoing:
+        """`value` ready to send: TypeError naming the part JSON cannot hold (a path from
+        `root`); NotArrow, PayloadError as ``arrow_table``."""
+        table = arrow_table(value, root)
+        return cls(None, table) if table is not None else cls(encode(value, root))
+
+    @property
+    def size(self) -> int:
+        """About the bytes it will be: an Arrow table's are about its ``nbytes``."""
+        return len(self.encoded[0]) if self.encoded is not None else int(self.table.nbytes)

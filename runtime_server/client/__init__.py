@@ -188,8 +188,9 @@ class Client(Transport):
     ) -> InvocationResult:
         """Invoke with `payload` encoded by its kind (``payloads.encode``; docs/protocol.md,
         "Content types": a DataFrame, table or array as Arrow IPC, bytes as octets, the rest as
-        JSON), or with the raw bytes `data` of `content_type`. The result's ``value()`` is of
-        the kind the handler returned.
+        JSON; or a ``payloads.Outgoing`` made of one beforehand), or with the raw bytes `data`
+        of `content_type` (TypeError for both, or for a `content_type` without `data`). The
+        result's ``value()`` is of the kind the handler returned.
 
         On the gateway's machine (docs/protocol.md, "Large payloads"), a payload of at least
         SPOOL_FROM_BYTES is written once into the stack's spool and handed over by its name,
@@ -204,13 +205,21 @@ class Client(Transport):
         as it is written once the call has run for FOLLOW_AFTER_SECONDS (from another
         thread), else — a quicker call, or when no live stream could be had — from its result
         or failure before this returns or raises (docs/protocol.md, "Live output")."""
-        encoded: tuple[bytes, str] | None = None  # the payload's bytes, unless written to a file
-        table: Any = None  # an Arrow kind's, written where its size says
         if data is not None:
-            encoded = data, content_type
-        elif (table := payloads.arrow_table(payload, "payload")) is None:
-            encoded = payloads.encode(payload, "payload")  # JSON or octets: sized by its length
-        size = len(encoded[0]) if encoded is not None else table.nbytes
+            if payload is not None:
+                raise TypeError("invoke takes a payload or data=, not both")
+            outgoing = payloads.Outgoing((data, content_type))
+        elif content_type != payloads.JSON:
+            raise TypeError(
+                "content_type says what data= is; a payload is sent as its kind says "
+                '(docs/protocol.md, "Content types")'
+            )
+        elif isinstance(payload, payloads.Outgoing):
+            outgoing = payload
+        else:
+            outgoing = payloads.Outgoing.of(payload, "payload")
+        # The payload's bytes, or an Arrow kind's table, written where its size says.
+        encoded, table, size = outgoing.encoded, outgoing.table, outgoing.size
         spool = None
         direct = by_reference and not traceparent and self._direct_allowed()
         if by_reference:  # asked of the gateway for a large input or a direct call; else as known

@@ -205,6 +205,33 @@ def test_a_payload_that_is_not_json_fails_in_one_line_naming_its_type(kernel: Ke
     ]
 
 
+ROWS = """%%function rows
+def handler(frame):
+    return len(frame)
+"""
+MEMORY = """import numpy as np, pandas as pd
+
+def status_bytes(field):
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith(field + ":"))
+    return int(line.split()[1]) << 10
+
+big = pd.DataFrame({"x": np.arange(16 << 20, dtype="int64")})  # 128 MiB
+"""
+
+
+def test_a_large_dataframe_reaches_the_spool_without_a_copy_in_the_kernel(kernel: Kernel) -> None:
+    # docs/protocol.md, "Large payloads": the kernel writes an Arrow payload once, straight from
+    # the DataFrame to the spool's file, never whole in its own memory first.
+    assert kernel.run(ROWS).ok
+    assert kernel.run(MEMORY).ok
+    reset = "open('/proc/self/clear_refs', 'w').write('5'); before = status_bytes('VmRSS')"
+    assert kernel.run(reset).ok  # the kernel's peak (VmHWM) is its size now
+    assert kernel.value("rows(big)") == 16 << 20
+    grew = kernel.value("status_bytes('VmHWM') - before")
+    assert grew < 32 << 20, f"{grew >> 20} MiB above the kernel's size for a 128 MiB frame"
+
+
 def test_a_big_result_shows_its_first_lines_as_text_and_scrolls_in_html(kernel: Kernel) -> None:
     # docs/protocol.md, "Kernel": 20 lines of text, then how many more; HTML scrolls.
     kernel.run("%%function many\ndef handler(event):\n    return list(range(event))\n")
