@@ -170,7 +170,45 @@ def to_frame(table: Any) -> Any:
         frame = _small_frame(table)
         if frame is not None:
             return frame
-    return table.to_pandas(use_threads=many, types_mapper=categorical)
+    return with_objects(table.to_pandas(use_threads=many, types_mapper=categorical), table)
+
+
+def with_objects(frame: Any, table: Any) -> Any:
+    """`frame`, built by ``to_pandas`` from `table`, with each column of text that was of
+    dtype object when it was sent (the pandas metadata's ``numpy_type``), and an index of one
+    level, of dtype object again, its missing values None: pandas 3 reads every Arrow text
+    column as ``str``, where the frame sent had chosen object."""
+    import pandas as pd
+
+    raw = (table.schema.metadata or {}).get(b"pandas")
+    if raw is None:
+        return frame
+    meta = json.loads(raw)
+    indexes = {field for field in meta.get("index_columns", []) if isinstance(field, str)}
+    described = meta.get("columns", [])
+    columns = [column for column in described if column.get("field_name") not in indexes]
+    index = [column for column in described if column.get("field_name") in indexes]
+
+    def objects(column: dict) -> Any:  # its text as sent, or None if that was not of objects
+        if (column.get("pandas_type"), column.get("numpy_type")) != ("unicode", "object"):
+            return None
+        return table.column(column["field_name"]).to_numpy(zero_copy_only=False)
+
+    if len(columns) == frame.shape[1]:
+        for place, column in enumerate(columns):
+            if (
+                str(frame.dtypes.iloc[place]) != "object"
+                and (values := objects(column)) is not None
+            ):
+                frame.isetitem(place, pd.Series(values, frame.index, object))  # not str again
+    one = index[0] if len(index) == 1 and frame.index.nlevels == 1 else None
+    if (
+        one is not None
+        and str(frame.index.dtype) != "object"
+        and (values := objects(one)) is not None
+    ):
+        frame.index = pd.Index(values, dtype=object, name=frame.index.name)
+    return frame
 
 
 def _small_frame(table: Any) -> Any:

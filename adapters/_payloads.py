@@ -413,7 +413,8 @@ def _rebuilt(pa: Any, table: Any, kind: str, metadata: dict, what: str, mapped: 
     if kind == "pandas.Series":
         _needs(kind, "pandas", what)
         types_mapper = _dataframes.categorical
-        series = table.to_pandas(use_threads=False, types_mapper=types_mapper)[_SERIES_COLUMN]
+        frame = table.to_pandas(use_threads=False, types_mapper=types_mapper)
+        series = _dataframes.with_objects(frame, table)[_SERIES_COLUMN]
         series.name = json.loads(metadata.get(_NAME_KEY, b"null"))
         return series
     if kind == "polars.DataFrame":

@@ -300,6 +300,7 @@ def test_a_small_frame_reads_as_pyarrow_reads_it() -> None:
         for part in (frame, frame.iloc[10:50], frame.iloc[::2]):
             table = payloads.arrow_table(part)
             want = table.to_pandas(use_threads=False, types_mapper=_dataframes.categorical)
+            want = _dataframes.with_objects(want, table)  # text sent as objects, objects again
             got = _dataframes.to_frame(table)
             pd.testing.assert_frame_equal(
                 got, want, check_exact=True, check_column_type=True, check_index_type=True
@@ -402,3 +403,22 @@ def test_categories_convert_without_a_mask_of_their_codes() -> None:
         tracemalloc.stop()
     assert peak < rows // 10, peak
     assert table.column("grade").to_pylist()[:4] == ["a", "b", "c", "a"]
+
+
+def test_text_of_dtype_object_comes_back_of_dtype_object() -> None:
+    # README, "Content types": a DataFrame comes out as itself. pandas 3 reads Arrow text as
+    # its str dtype; a column (or an index) the sender kept as objects is objects again, its
+    # missing values None, at every size and as a Series too.
+    for rows in (2, 200_000):
+        index = pd.Index([f"r{n}" for n in range(rows)], dtype=object)
+        frame = pd.DataFrame(
+            {
+                "kept": pd.Series(["a", None] * (rows // 2), index, object),
+                "inferred": pd.Series(["a", None] * (rows // 2), index, "str"),
+            }
+        )
+        back, _ = round_trip(frame)
+        pd.testing.assert_frame_equal(back, frame)
+        assert back["kept"].iloc[1] is None
+    series = pd.Series(["a", None], dtype=object, name="note")
+    pd.testing.assert_series_equal(round_trip(series)[0], series)
