@@ -122,6 +122,15 @@ def unix_target_problem(path: str) -> str | None:
     return f"gRPC cannot name a Unix socket whose path holds {' '.join(reserved)}: {path}"
 
 
+def unsupported_media(content_type: str, types: tuple[str, ...]) -> str | None:
+    """Why a request body of `content_type` is not one of `types` (its Content-Type is required:
+    none is not JSON here), or None if it is one: the gateway's 415, and a direct call's alike
+    (docs/protocol.md, "Calling runtimed directly")."""
+    if content_type.split(";", 1)[0].strip().lower() in types:
+        return None
+    return f"Content-Type must be {', '.join(types)}; got {content_type[:100]!r}"
+
+
 def timeline_stamps(**readings: int) -> str:
     """One hop's clock readings (``time.monotonic_ns()``, the same clock in every process of a
     machine) as a trailer value: ``received=…,called=…``."""

@@ -21,6 +21,7 @@ from fnkernel.runtime_server import limits, payloads, wire
 from fnkernel.runtime_server.client.errors import (
     GatewayError,
     PayloadTooLarge,
+    UnsupportedMediaType,
 )
 from fnkernel.runtime_server.client.live import FOLLOW_END_SECONDS, LiveFollow, LogCallback
 from fnkernel.runtime_server.client.maps import MAP_PROGRESS_SECONDS, MapRun
@@ -294,6 +295,9 @@ class Client(Transport):
         route = None
         if direct and self._spool_known() is not None:
             self._headers(headers)  # what HTTP could not carry is refused alike, before anything
+            why = wire.unsupported_media(headers.get("Content-Type", ""), payloads.MEDIA_TYPES)
+            if why is not None:  # as the gateway refuses it
+                raise UnsupportedMediaType(why, code="UNSUPPORTED_MEDIA_TYPE", status=415)
             with contextlib.suppress(GatewayError):  # no such Run, say: the gateway answers it
                 route = self._route(name)
         if route is not None:

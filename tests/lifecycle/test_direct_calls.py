@@ -18,6 +18,7 @@ from fnkernel.runtime_server.client.errors import (
     HandlerFailed,
     InvocationTimedOut,
     RequestCancelled,
+    UnsupportedMediaType,
 )
 from fnkernel.runtime_server.lifecycle.stack import Stack
 from tests.support import wait_until
@@ -103,6 +104,23 @@ def test_a_failure_without_the_gateway_is_the_gateways_failure(
         assert isinstance(gateway_failure, HandlerFailed)
         assert direct_failure.error_type == gateway_failure.error_type == "ValueError"
         assert [line["text"] for line in direct_failure.logs][:1] == ["got {'fail': 'bad row'}"]
+
+
+def test_a_content_type_the_gateway_refuses_is_refused_alike_without_it(stack: Stack) -> None:
+    # docs/protocol.md, "Calling runtimed directly": each error is the same class, status, code
+    # and message either way — also the gateway's own refusal of a body's type (415), which the
+    # Runtime Server would have answered otherwise (400 naming content_type).
+    failures = []
+    for direct in (True, False):
+        client = Recorded(stack.gateway_address, direct=direct)
+        client.invoke("echo", {})  # the route is learnt
+        with pytest.raises(UnsupportedMediaType) as caught:
+            client.invoke("echo", data=b"a,b\n", content_type="text/csv")
+        failures.append(caught.value)
+    direct_failure, gateway_failure = failures
+    assert (direct_failure.status, direct_failure.code) == (415, "UNSUPPORTED_MEDIA_TYPE")
+    assert (gateway_failure.status, gateway_failure.code) == (415, "UNSUPPORTED_MEDIA_TYPE")
+    assert str(direct_failure) == str(gateway_failure)
 
 
 def test_a_replaced_run_is_found_again_through_the_gateway(stack: Stack) -> None:

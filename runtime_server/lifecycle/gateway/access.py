@@ -125,14 +125,9 @@ def check_credentials(
     if not access.token_matches(request.headers.get("Authorization", "")):
         raise FailureResponse("UNAUTHENTICATED", "missing or wrong bearer token")
     if request.method in ("POST", "PUT", "PATCH"):
-        content_type = request.headers.get("Content-Type", "")
-        media_type = content_type.split(";", 1)[0].strip().lower()
-        if media_type not in bodies:
-            raise FailureResponse(
-                "UNSUPPORTED_MEDIA_TYPE",
-                status=415,
-                message=f"Content-Type must be {', '.join(bodies)}; got {content_type[:100]!r}",
-            )
+        why = wire.unsupported_media(request.headers.get("Content-Type", ""), bodies)
+        if why is not None:
+            raise FailureResponse("UNSUPPORTED_MEDIA_TYPE", status=415, message=why)
 
 
 def accepts(accept: str, media_type: str) -> bool:
