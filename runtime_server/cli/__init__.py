@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 from collections.abc import Sequence
 
 from fnkernel.runtime_server.cli import daemons, krm, runs, secrets, tools
 from fnkernel.runtime_server.cli.common import (
+    EXIT_BROKEN_PIPE,
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
     EXIT_USAGE,
@@ -56,6 +58,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(f"fnkernel: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except (
+        BrokenPipeError
+    ):  # what read stdout stopped (`| head`): end quietly, as a pipe's tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush
+        return EXIT_BROKEN_PIPE
     except StoreDamaged as exc:
         print(f"fnkernel: {exc}", file=sys.stderr)
         return EXIT_FAILURE

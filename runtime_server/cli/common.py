@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what read our output went away (`| head`)
 
 
 class UsageError(Exception):

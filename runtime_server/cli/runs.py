@@ -139,9 +139,29 @@ def _map(args: argparse.Namespace) -> int:
     return EXIT_FAILURE if failed else EXIT_OK
 
 
+# What a flag of invoke is by default: with --map, one given is a usage error, not ignored.
+_SINGLE_CALL_FLAGS = {
+    "payload": "{}",
+    "content_type": "application/json",
+    "output": None,
+    "invocation_id": "",
+}
+
+
 def _invoke(args: argparse.Namespace) -> int:
     if args.map is not None:
+        given = [
+            name for name, default in _SINGLE_CALL_FLAGS.items() if getattr(args, name) != default
+        ]
+        if given:
+            flag = given[0] if given[0] == "payload" else f"--{given[0].replace('_', '-')}"
+            raise UsageError(
+                f"--map takes each call's JSON payload from its lines, and writes the results "
+                f"as lines on stdout: {flag} is for one call"
+            )
         return _map(args)
+    if args.concurrency:
+        raise UsageError("--concurrency is for --map: one call is one call")
     from fnkernel.runtime_server import payloads
     from fnkernel.runtime_server.client.errors import InvocationTimedOut
 
@@ -158,6 +178,8 @@ def _invoke(args: argparse.Namespace) -> int:
         raise UsageError(f"--content-type {media}: give the payload on stdin (-)")
     if args.output and not Path(args.output).absolute().parent.is_dir():  # before the call runs
         raise UsageError(f"--output {args.output}: no such directory")
+    if args.output and Path(args.output).is_dir():
+        raise UsageError(f"--output {args.output}: a directory; name the file to write")
     try:
         result = client_of(args).invoke(
             args.name,
@@ -182,8 +204,14 @@ def _invoke(args: argparse.Namespace) -> int:
         written += b"\n"
     if args.output:  # whole or not at all
         staged = Path(f"{args.output}.part")
-        staged.write_bytes(written)
-        staged.replace(args.output)
+        try:
+            staged.write_bytes(written)
+            staged.replace(args.output)
+        except OSError as exc:
+            staged.unlink(missing_ok=True)
+            raise UsageError(
+                f"--output {args.output}: the result ran but cannot be written: {exc}"
+            ) from None
     elif returned != payloads.JSON and sys.stdout.isatty():
         raise UsageError("the result is binary: write it to a file (--output FILE, or > FILE)")
     else:

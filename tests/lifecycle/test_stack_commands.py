@@ -178,6 +178,47 @@ def test_cli_runs_and_invoke_with_exit_codes(shared_stack: Stack, tmp_path: Path
     assert fnkernel("runs", "get", "cli-fn", *gateway).returncode == 1
 
 
+def test_cli_flags_that_cannot_apply_are_usage_errors_and_nothing_is_left_half_written(
+    shared_stack: Stack, tmp_path: Path
+) -> None:
+    # docs/protocol.md, "CLI": exit 2 for a usage error; --output writes the result whole or
+    # not at all. A flag --map cannot use is refused, not ignored; a directory as --output is
+    # refused before the call; a reader that stops reading ends the command quietly.
+    gateway = ["--gateway", shared_stack.gateway_address]
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "handler.py").write_text("def handle(event):\n    return event\n")
+    created = fnkernel("runs", "create", "cli-flags", "--runtime", "python", "--source",
+                       str(source), "--handler", "handler.handle", *gateway)  # fmt: skip
+    assert created.returncode == 0, created.stderr
+    lines = tmp_path / "items.jsonl"  # their results past what a pipe holds (64 KiB)
+    lines.write_text("".join(f'"{n:04d}{"x" * 1020}"\n' for n in range(200)))
+    for extra, flag in [
+        (["--output", str(tmp_path / "out")], "--output"),
+        (["--content-type", "application/octet-stream"], "--content-type"),
+        (['{"a": 1}'], "payload"),
+        (["--invocation-id", "mine"], "--invocation-id"),
+    ]:
+        refused = fnkernel("invoke", "cli-flags", *extra, "--map", str(lines), *gateway)
+        assert refused.returncode == 2, refused.stderr
+        assert f"{flag} is for one call" in refused.stderr
+    assert not (tmp_path / "out").exists()
+    alone = fnkernel("invoke", "cli-flags", "1", "--concurrency", "2", *gateway)
+    assert alone.returncode == 2 and "--concurrency is for --map" in alone.stderr
+    into_dir = fnkernel("invoke", "cli-flags", "1", "--output", str(tmp_path), *gateway)
+    assert into_dir.returncode == 2 and "a directory" in into_dir.stderr
+    assert not Path(f"{tmp_path}.part").exists()
+    command = [sys.executable, "-m", "fnkernel.runtime_server.cli", "invoke", "cli-flags",
+               "--map", str(lines), *gateway]  # fmt: skip
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as mapped:
+        assert mapped.stdout is not None and mapped.stderr is not None
+        assert mapped.stdout.readline().startswith(b'"0000x')
+        mapped.stdout.close()  # as `| head -1` does
+        errors = mapped.stderr.read().decode()
+        assert mapped.wait(timeout=60) == 141, errors
+    assert "Broken pipe" not in errors and "Traceback" not in errors
+
+
 def test_cli_reports_an_unreachable_gateway(tmp_path: Path) -> None:
     result = fnkernel("runs", "list", "--gateway", f"unix:{tmp_path}/nothing.sock")
     assert result.returncode == 1
