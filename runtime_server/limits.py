@@ -249,9 +249,11 @@ def body_too_large(size: int, bound: int, why: str = "", what: str = "request bo
 MAX_PAYLOAD_WHY = " (the gateway's --max-payload-bytes)"
 
 
-def check_input(payload: bytes) -> bytes:
+def check_input(payload: bytes, why: str = "") -> bytes:
+    """`payload`, if one message may carry it; InvalidField naming its size, the bound and
+    `why` that bound holds, if not."""
     if len(payload) > MAX_PAYLOAD_BYTES:
-        raise InvalidField("input", f"{len(payload)} bytes; at most {MAX_PAYLOAD_BYTES}")
+        raise InvalidField("input", f"{len(payload)} bytes; at most {MAX_PAYLOAD_BYTES}{why}")
     return payload
 
 

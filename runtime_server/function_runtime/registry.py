@@ -413,7 +413,11 @@ class Registry:
             if adapter.takes_files:
                 name_in = input_ref
             else:
-                input = limits.check_input(path.read_bytes())
+                # Its frame carries it (bash's): one message's bound, whatever the spool's.
+                inline = (
+                    ' for this runtime, which takes its input inline (docs/protocol.md, "Limits")'
+                )
+                input = limits.check_input(path.read_bytes(), inline)
         takes = output_from > 0 and adapter.takes_files
         return Transfer(name_in, new_name("out") if takes else "", output_from), input
 

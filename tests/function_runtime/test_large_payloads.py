@@ -29,7 +29,7 @@ from fnkernel.runtime_server.function_runtime.spool import (
 )
 from fnkernel.runtime_server.wire import INPUT_REF_KEY, OUTPUT_REF_FROM_KEY, OUTPUT_REF_KEY
 from tests.function_runtime.statuses import rejected
-from tests.support import Client, serve_in_process, spooled, wait_until
+from tests.support import ECHO_SH, Client, serve_in_process, spooled, wait_until
 
 MIB = 1 << 20
 HANDLER = {
@@ -264,6 +264,32 @@ def test_what_the_spool_refuses_is_named(python_spooled: Client, spool: Spool) -
         put(python_spooled, b"abc", size=spool.max_bytes + 1)
     assert large.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert spooled(spool.directory) == []
+
+
+@pytest.fixture
+def bash_spooled(workspace: Path, tmp_path: Path, spool: Spool) -> Iterator[Client]:
+    yield from serve_in_process("bash", workspace, f"unix:{tmp_path}/sh.sock", spool)
+
+
+def test_a_bash_function_takes_a_spooled_input_of_one_message_and_names_its_bound_past_it(
+    bash_spooled: Client, spool: Spool
+) -> None:
+    # docs/protocol.md, "Large payloads": the bash runtime takes its input inline, a spooled one
+    # read into its frame — so one message's 6 MiB bounds it, whatever the spool's bound, and
+    # the refusal says so.
+    registration = bash_spooled.register(ECHO_SH, handler="fn.handle").registration
+    inline = json.dumps("x" * (MIB - 2)).encode()  # one MiB, spooled all the same
+    name = put(bash_spooled, inline)
+    answer = bash_spooled.invoke(registration, b"", metadata=((INPUT_REF_KEY, name),))
+    assert answer.output == inline  # its $1: the payload as it came
+    past = json.dumps("x" * (7 * MIB)).encode()
+    name = put(bash_spooled, past)
+    rejected(
+        lambda: bash_spooled.invoke(registration, b"", metadata=((INPUT_REF_KEY, name),)),
+        "input",
+        f"{len(past)} bytes; at most {6 * MIB} for this runtime, which takes its input inline",
+    )
+    assert spooled(spool.directory) == []  # neither input stays
 
 
 def _request(registration: object, content_type: str, data: bytes = b"") -> object:
