@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from fnkernel.adapters.errors import MEMORY_LIMIT_EXCEEDED
 from fnkernel.adapters.runtimes import RUNTIMES
 from fnkernel.kernel import include
 from fnkernel.kernel.cellspec import Spec
@@ -136,6 +137,8 @@ class HandlerFailedInCell(HandlerFailed):
         if self.line is not None:
             where += f", cell line {self.line}"
         what = f"{self.error_type}: {self.error_message}" if self.error_type else self.message
+        if self.error_type == MEMORY_LIMIT_EXCEEDED:  # and how to give it more, as a timeout says
+            what += f"; give it more with %%function {self.spec.name} --memory MIB"
         return f"{what} ({where})"
 
     def hint(self) -> str:

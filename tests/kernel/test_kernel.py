@@ -162,6 +162,7 @@ def test_a_function_past_its_memory_limit_fails_in_one_line_naming_it(kernel: Ke
     assert cell.error is not None
     [line] = cell.error["traceback"]
     assert line.startswith("MemoryLimitExceeded: the handler needed more than its 100 MiB"), line
+    assert line.endswith("; give it more with %%function hog --memory MIB (hog)"), line
     assert kernel.value("hog(1)") == 1 << 20
     assert kernel.value("hog.status()['spec']['memoryMb']") == 100
 
