@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from fnkernel.kernel.trace import KernelSpan, Trace, decode_payload
-from fnkernel.runtime_server import wire
+from fnkernel.runtime_server import limits, wire
 from fnkernel.runtime_server.client import Client, spans_of
 from fnkernel.runtime_server.client.errors import GatewayError
 
@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 
 RUNTIME_ENV = "FNKERNEL_RUNTIME"
 PREWARM_ENV = "FNKERNEL_PREWARM"  # "0": start the embedded stack's processes only when needed
+# The largest payload or result of the embedded runtime, in bytes: its gateway's and servers'
+# --max-payload-bytes (docs/protocol.md, "Large payloads"); 2 GiB when it is not set.
+MAX_PAYLOAD_ENV = "FNKERNEL_MAX_PAYLOAD_BYTES"
 
 
 class TracedClient(Client):
@@ -194,6 +197,12 @@ class Runtime:
         from fnkernel.runtime_server.lifecycle.topology import default_state_dir
         from fnkernel.system.private import private_tempdir, sweep
 
+        bound = os.environ.get(MAX_PAYLOAD_ENV, "")
+        max_payload = (
+            limits.parse_count(bound, MAX_PAYLOAD_ENV)
+            if bound
+            else limits.DEFAULT_MAX_SPOOLED_BYTES
+        )
         sweep("kernel")  # what a SIGKILLed kernel left behind
         state_dir = private_tempdir("kernel")
         stack = Stack(
@@ -204,6 +213,7 @@ class Runtime:
             prewarmed=self._prewarmed,
             # The user's secrets, which outlive this kernel (docs/protocol.md, "Secrets").
             secrets_dir=default_state_dir() / SECRETS_DIR,
+            max_payload_bytes=max_payload,
         )
         try:
             stack.start()

@@ -246,7 +246,11 @@ def body_too_large(size: int, bound: int, why: str = "", what: str = "request bo
     return f"{what} is {size} bytes; at most {bound}{why}"
 
 
-MAX_PAYLOAD_WHY = " (the gateway's --max-payload-bytes)"
+# What sets the bound, as a 413 names it: a stack's flag, or the kernel's embedded runtime's
+# variable (kernel/connection.py: MAX_PAYLOAD_ENV).
+MAX_PAYLOAD_WHY = (
+    " (the gateway's --max-payload-bytes; a kernel's own runtime: FNKERNEL_MAX_PAYLOAD_BYTES)"
+)
 
 
 def check_input(payload: bytes, why: str = "") -> bytes:

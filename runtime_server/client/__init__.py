@@ -231,6 +231,7 @@ class Client(Transport):
         if spool is not None:
             headers[wire.OUTPUT_REF_FROM_HEADER] = str(limits.SPOOL_FROM_BYTES)
         if spool is not None and size >= limits.SPOOL_FROM_BYTES:
+            self._bounded(name, size)  # before a byte is written: an Arrow stream is past its size
             handed = spool / new_name("in")
             if encoded is not None:
                 with payloads.spool_file(str(handed), size) as out:
@@ -238,13 +239,11 @@ class Client(Transport):
                 written, media = size, encoded[1]
             else:
                 written, media = payloads.write_table(table, str(handed)), payloads.ARROW
-            if written > self._max_payload:  # as the gateway would refuse it
+            try:
+                self._bounded(name, written)
+            except PayloadTooLarge:
                 handed.unlink()
-                why = limits.MAX_PAYLOAD_WHY
-                message = limits.body_too_large(
-                    written, self._max_payload, why, f"the payload of {name}"
-                )
-                raise PayloadTooLarge(message, code="PAYLOAD_TOO_LARGE", status=413)
+                raise
             headers[wire.INPUT_REF_HEADER], body = handed.name, b""
         elif encoded is not None:
             body, media = encoded
@@ -284,6 +283,15 @@ class Client(Transport):
         if live is not None:
             live.ended(result)
         return result
+
+    def _bounded(self, name: str, size: int) -> None:
+        """PayloadTooLarge if a payload of `size` bytes is past the stack's bound, as the
+        gateway would refuse it."""
+        if size > self._max_payload:
+            message = limits.body_too_large(
+                size, self._max_payload, limits.MAX_PAYLOAD_WHY, f"the payload of {name}"
+            )
+            raise PayloadTooLarge(message, code="PAYLOAD_TOO_LARGE", status=413)
 
     def _invoked(
         self, name: str, body: bytes, headers: dict[str, str], timeout_millis: int, *, direct: bool

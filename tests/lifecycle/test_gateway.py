@@ -31,6 +31,11 @@ from tests.lifecycle.gateway_calls import (
 )
 from tests.support import ECHO_PY, SLOW_PY, http_call, spooled, wait_until
 
+# What a 413 names as setting the bound (docs/protocol.md, "Large payloads").
+BOUND_SET_BY = (
+    "(the gateway's --max-payload-bytes; a kernel's own runtime: FNKERNEL_MAX_PAYLOAD_BYTES)"
+)
+
 BASH_FN = {
     "fn.sh": ('handle() {\n  echo "seen=yes" >> "$FUNCTION_OUTPUTS"\n  printf \'%s\' "$1"\n}\n')
 }
@@ -370,9 +375,7 @@ def test_body_over_the_payload_bound_is_413_without_calling_anything(
         assert refused.value.status == 413
         # The gateway's names the request's body; the client's, the function's payload.
         what = "the payload of no-such-function" if by_reference else "request body"
-        assert f"{what} is 8388609 bytes; at most 8388608 (the gateway's --max-payload-bytes)" in (
-            str(refused.value)
-        )
+        assert f"{what} is 8388609 bytes; at most 8388608 {BOUND_SET_BY}" in (str(refused.value))
     assert spooled(stack.spool) == []
 
 

@@ -16,6 +16,11 @@ from fnkernel.runtime_server.client import Client
 from fnkernel.runtime_server.client.errors import HandlerFailed, PayloadTooLarge
 from fnkernel.runtime_server.lifecycle.stack import Stack
 
+# What a 413 names as setting the bound (docs/protocol.md, "Large payloads").
+BOUND_SET_BY = (
+    "(the gateway's --max-payload-bytes; a kernel's own runtime: FNKERNEL_MAX_PAYLOAD_BYTES)"
+)
+
 BOUND = 1_000_000  # below one message (6 MiB): the bound, not the message, is what refuses
 SIZER = {
     "handler.py": (
@@ -69,9 +74,7 @@ def test_a_body_past_a_bound_below_one_message_is_413_from_the_client(stack: Sta
     with pytest.raises(PayloadTooLarge) as refused:
         client.invoke("sizer", b"0" * size, by_reference=False)
     assert refused.value.status == 413
-    assert f"{size} bytes; at most {BOUND} (the gateway's --max-payload-bytes)" in str(
-        refused.value
-    )
+    assert f"{size} bytes; at most {BOUND} {BOUND_SET_BY}" in str(refused.value)
     assert client.invoke("sizer", b"0" * 10, by_reference=False).value() == {"len": 10}
 
 
@@ -91,9 +94,7 @@ def test_a_body_past_the_transports_16_mib_is_413_to_a_client_that_sends_it_whol
     finally:
         connection.close()
     assert status == 413, body
-    assert body["message"].endswith(
-        f"{size} bytes; at most {BOUND} (the gateway's --max-payload-bytes)"
-    )
+    assert body["message"].endswith(f"{size} bytes; at most {BOUND} {BOUND_SET_BY}")
 
 
 def test_a_chunked_body_past_the_transports_16_mib_is_413_too(stack: Stack) -> None:
@@ -106,7 +107,7 @@ def test_a_chunked_body_past_the_bound_is_413_naming_it(stack: Stack) -> None:
     status, body = _chunked(stack, 2 * BOUND)
     assert status == 413, body
     assert body["code"] == "PAYLOAD_TOO_LARGE"
-    assert body["message"].endswith(f"at most {BOUND} (the gateway's --max-payload-bytes)")
+    assert body["message"].endswith(f"at most {BOUND} {BOUND_SET_BY}")
     assert _chunked(stack, BOUND) == (200, {"len": BOUND})
 
 
