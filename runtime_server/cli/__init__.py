@@ -74,6 +74,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except GatewayError as exc:
         print(f"fnkernel: {type(exc).__name__}: {exc}", file=sys.stderr)
+        if exc.status == 401:  # where the token is, as README "Security" says it is found
+            print(
+                "  the token: --token-file STATE_DIR/token of the stack, $FNKERNEL_TOKEN, or the "
+                "gateway file a stack writes in $FNKERNEL_RUNTIME_DIR (the same as the stack's)",
+                file=sys.stderr,
+            )
         for line in getattr(exc, "logs", []):
             print(f"  [{line.get('stream', '')}] {line.get('text', '')}", file=sys.stderr)
         return EXIT_FAILURE

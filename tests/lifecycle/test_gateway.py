@@ -4,6 +4,7 @@ is produced by a real request to `fnkernel gateway` → runtimed → Runtime Ser
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -428,6 +429,18 @@ def test_token_gateway_rejects_requests_without_bearer_401(tmp_path: Path) -> No
         )
         assert ok[0] == 200
         assert Client(gateway.address, token="s3cret").list_runs() == []
+        # The CLI without the token says where a token is found, not only that it is missing.
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir(mode=0o700)
+        env = {k: v for k, v in os.environ.items() if k != "FNKERNEL_TOKEN"}
+        cli = subprocess.run(
+            [sys.executable, "-m", "fnkernel.runtime_server.cli", "runs", "list", "--gateway",
+             gateway.address],
+            capture_output=True, text=True, timeout=60,
+            env={**env, "FNKERNEL_RUNTIME_DIR": str(elsewhere)},
+        )  # fmt: skip
+        assert cli.returncode == 1 and "Unauthorized" in cli.stderr, cli.stderr
+        assert "--token-file STATE_DIR/token" in cli.stderr and "FNKERNEL_TOKEN" in cli.stderr
     finally:
         assert gateway.stop() == 0
 
