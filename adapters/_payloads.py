@@ -57,6 +57,7 @@ KEEP_FREE_SECONDS = 60.0
 # A table whose chunks average fewer rows is combined into one before it is written (``_table``).
 _BATCH_ROWS = 1 << 16
 _SERIES_COLUMN = "__series__"
+_FILE_MAGIC = b"ARROW1"  # how an Arrow IPC file begins (and ends); a stream never does
 _ARRAY_COLUMN = "values"
 # The kinds written as Arrow, by (top-level module, type name): exact types, not subclasses
 # (a GeoDataFrame is not a DataFrame to Arrow).
@@ -383,6 +384,11 @@ def _from_arrow(data: Any, what: str, *, mapped: bool = False) -> Any:
     """The value of the Arrow stream in `data` (bytes, or a buffer of a `mapped` file: then
     every array is a view of the file's pages, read without a copy)."""
     pa = _pyarrow(what)
+    if bytes(data[:6]) == _FILE_MAGIC:
+        raise PayloadError(
+            f"{what} is an Arrow IPC file (Feather v2), not a stream: send the stream format "
+            "(pyarrow.ipc.new_stream), or the file's table (pyarrow.ipc.open_file(...).read_all())"
+        )
     try:
         table = pa.ipc.open_stream(pa.py_buffer(data)).read_all()
     except (pa.ArrowException, ValueError, OSError) as exc:  # OSError: a negative length

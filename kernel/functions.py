@@ -223,7 +223,7 @@ class Function:
         give it. An interrupt cancels every call in flight; the function stays registered."""
         from IPython.display import display  # the kernel's; imported when a map runs
 
-        work = list(items)
+        work = payloads.items_of(items)
         timeout = self.timeout if timeout is None else timeout
         bar = MapBar(self.name, len(work), display)
         printers: dict[int, LiveLines] = {}

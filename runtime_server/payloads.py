@@ -59,6 +59,7 @@ __all__ = [
     "dumps",
     "encode",
     "encode_to_file",
+    "items_of",
     "kind_of",
     "media_type",
     "release",
@@ -72,6 +73,18 @@ def dumps(value: Any, root: str = "payload") -> bytes:
     """`value` as JSON text in UTF-8; TypeError naming the part (a path from `root`) that JSON
     cannot hold, ValueError for a circular reference."""
     return _jsonvalues.dumps(value, root)
+
+
+def items_of(items: Any) -> list[Any]:
+    """The items of a map, one call each; TypeError for a table (a DataFrame iterates its
+    column labels, not its parts), saying how to give its parts instead."""
+    kind = kind_of(items)
+    if kind is not None and kind not in ("numpy.ndarray", "pandas.Series"):
+        raise TypeError(
+            f"map takes its items, a call each, and a {kind} is one item: map over its "
+            "partitions (numpy.array_split(frame, n)) or its rows (frame.to_dict('records'))"
+        )
+    return list(items)
 
 
 class Outgoing:

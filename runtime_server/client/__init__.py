@@ -435,7 +435,7 @@ class Client(Transport):
         `on_log(index, line)` is each call's ``invoke(on_log=)``. An interrupt
         (KeyboardInterrupt) cancels every call in flight and is raised; the function stays
         registered."""
-        work = list(items)
+        work = payloads.items_of(items)
         if concurrency is not None and concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
         # A client of its own: cancelling it cancels this map's calls and nobody else's.

@@ -171,6 +171,13 @@ def test_bytes_that_are_not_their_type_are_refused_naming_what() -> None:
             payloads.decode(data, payloads.ARROW, "the payload")
     with pytest.raises(payloads.PayloadError, match=r"^the result is not valid JSON"):
         payloads.decode(b"{", payloads.JSON, "the result")
+    # An Arrow IPC file (Feather v2) is told apart from a stream, and how to send it is said.
+    sink = pa.BufferOutputStream()
+    table = pa.table({"a": [1, 2]})
+    with pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    with pytest.raises(payloads.PayloadError, match=r"^the payload is an Arrow IPC file .*stream"):
+        payloads.decode(sink.getvalue().to_pybytes(), payloads.ARROW, "the payload")
 
 
 def test_an_array_arrow_cannot_hold_is_refused_naming_its_dtype() -> None:

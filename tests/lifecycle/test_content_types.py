@@ -65,6 +65,12 @@ def test_a_map_over_dataframes_gives_a_dataframe_each(totals: Client) -> None:
         pd.testing.assert_frame_equal(
             result, part.groupby("grade", observed=True)["count"].sum().to_frame()
         )
+    # A frame is one item: mapped over, it would call once per column label; it is refused,
+    # saying how to give its parts, before anything is called.
+    with pytest.raises(
+        TypeError, match=r"a pandas\.DataFrame is one item: map over its partitions"
+    ):
+        totals.map("totals", frame("abc"))
 
 
 def test_any_http_client_sends_and_accepts_arrow(totals: Client, shared_stack: Stack) -> None:
