@@ -126,9 +126,15 @@ def unsupported_media(content_type: str, types: tuple[str, ...]) -> str | None:
     """Why a request body of `content_type` is not one of `types` (its Content-Type is required:
     none is not JSON here), or None if it is one: the gateway's 415, and a direct call's alike
     (docs/protocol.md, "Calling runtimed directly")."""
-    if content_type.split(";", 1)[0].strip().lower() in types:
-        return None
-    return f"Content-Type must be {', '.join(types)}; got {content_type[:100]!r}"
+    media, _, parameters = content_type.partition(";")
+    if media.strip().lower() not in types:
+        return f"Content-Type must be {', '.join(types)}; got {content_type[:100]!r}"
+    for parameter in parameters.split(";"):
+        key, _, value = parameter.partition("=")
+        charset = value.strip().strip('"').lower()
+        if key.strip().lower() == "charset" and charset not in ("utf-8", "utf8"):
+            return f"a body's text is UTF-8 (RFC 8259 for JSON); got charset={charset[:40]!r}"
+    return None
 
 
 def timeline_stamps(**readings: int) -> str:

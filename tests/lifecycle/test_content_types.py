@@ -99,6 +99,14 @@ def test_what_http_cannot_send_or_accept_is_refused_naming_it(
     address, path = shared_stack.gateway_address, "/v1/runs/totals:invoke"
     status, _, body = http_call(address, "POST", path, b"a,b\n", {"Content-Type": "text/csv"})
     assert status == 415 and b"application/vnd.apache.arrow.stream" in body
+    # JSON is UTF-8 (RFC 8259): another charset is refused by name, not read as UTF-8 and then
+    # refused as JSON that does not decode; utf-8 named is fine.
+    latin = {"Content-Type": "application/json; charset=iso-8859-1"}
+    status, _, body = http_call(address, "POST", path, '"café"'.encode("latin-1"), latin)
+    assert status == 415 and b"charset='iso-8859-1'" in body, body
+    named = {"Content-Type": 'application/json; charset="UTF-8"'}
+    status, _, body = http_call(address, "POST", path, b'"x"', named)
+    assert status == 200, body
     # The call ran, and its answer was a type the caller said it does not take.
     data, content_type = payloads.encode(frame("ab"))
     status, headers, body = http_call(
