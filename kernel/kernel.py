@@ -56,6 +56,7 @@ class FnKernel(IPythonKernel):
 
     def do_shutdown(self, restart: bool) -> dict[str, Any]:  # type: ignore[override]
         self.fn_session.shutdown(_SHUTDOWN_SECONDS)
+        self.fn_session.previous.ended(restart)
         result: dict[str, Any] = super().do_shutdown(restart)  # sync in IPythonKernel
         return result
 

@@ -4,8 +4,8 @@ functions across a restart.
 
 The record is one small file per notebook in the runtime dir (0600), named for what a restart
 keeps: the notebook's path (JupyterLab's ``JPY_SESSION_NAME``), else the kernel's connection file.
-It is written when a function is registered in an embedded runtime or unregistered, and read on a
-NameError only.
+It is written when a function is registered in an embedded runtime or unregistered, read on a
+NameError only, and removed when a kernel known by its connection file alone shuts down for good.
 """
 
 from __future__ import annotations
@@ -72,6 +72,15 @@ class PreviousKernel:
         if name in record:
             del record[name]
             self._write(record)
+
+    def ended(self, restart: bool) -> None:
+        """The kernel is shutting down (`restart`: to start again with the same identity). A
+        kernel known by its connection file alone (no notebook: nbclient's, a console's) has no
+        next kernel to tell unless it restarts, so its record goes with it."""
+        if restart or os.environ.get(SESSION_ENV) or self.path is None:
+            return
+        with contextlib.suppress(OSError):
+            self.path.unlink()
 
     def hint(self, name: str) -> str | None:
         """Why `name` is gone, if an earlier kernel of this notebook registered it."""

@@ -202,10 +202,14 @@ def test_a_shared_stack_chosen_at_first_use_and_a_function_used_from_another_ker
         owner.shutdown()
 
 
-def test_after_a_restart_an_embedded_runtimes_function_says_why_it_is_gone() -> None:
+def test_after_a_restart_an_embedded_runtimes_function_says_why_it_is_gone(tmp_path: Path) -> None:
     # Issue: after a kernel restart, calling a function of the old kernel was a bare NameError;
     # it says that an embedded runtime's functions end with their kernel, and how to keep them.
-    kernel = Kernel()  # its own: it is restarted
+    # The record that says so outlives a restart, not the kernel's end (no notebook names this
+    # kernel, as nbclient's: nothing would read it again).
+    runtime_dir = tmp_path / "runtime"
+    runtime_dir.mkdir(mode=0o700)
+    kernel = Kernel(env={"FNKERNEL_RUNTIME_DIR": str(runtime_dir)})  # its own: it is restarted
     try:
         assert kernel.run("%%function gone\ndef handler(event):\n    return 1\n").ok
         kernel.manager.restart_kernel(now=False)
@@ -218,5 +222,7 @@ def test_after_a_restart_an_embedded_runtimes_function_says_why_it_is_gone() -> 
         other = kernel.run("never_defined")
         assert other.error is not None and other.error["ename"] == "NameError"
         assert "previous kernel" not in "\n".join(other.error["traceback"])
+        assert len(list(runtime_dir.glob("notebook-*.json"))) == 1
     finally:
         kernel.shutdown()
+    wait_until(lambda: not list(runtime_dir.glob("notebook-*.json")), timeout=30)
