@@ -352,9 +352,9 @@ class Registry:
         error_type = "InvalidOutputs"
         if self.spool is not None and result.spooled > self.spool.max_bytes:
             error_type = OUTPUT_TOO_LARGE
+            # As the adapter says it of a result past its bound inline: the same either way.
             problem = (
                 f"the handler returned {result.spooled} bytes; the limit is {self.spool.max_bytes}"
-                " (--max-payload-bytes)"
             )
         if problem is not None:
             if result.spooled >= 0 and self.spool is not None:
