@@ -124,8 +124,8 @@ def unix_target_problem(path: str) -> str | None:
 
 def unsupported_media(content_type: str, types: tuple[str, ...]) -> str | None:
     """Why a request body of `content_type` is not one of `types` (its Content-Type is required:
-    none is not JSON here), or None if it is one: the gateway's 415, and a direct call's alike
-    (docs/protocol.md, "Calling runtimed directly")."""
+    none is not JSON here), or names a charset other than UTF-8; None if it is fine: the
+    gateway's 415, and a direct call's alike (docs/protocol.md, "Calling runtimed directly")."""
     media, _, parameters = content_type.partition(";")
     if media.strip().lower() not in types:
         return f"Content-Type must be {', '.join(types)}; got {content_type[:100]!r}"

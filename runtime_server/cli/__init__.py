@@ -58,9 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(f"fnkernel: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except (
-        BrokenPipeError
-    ):  # what read stdout stopped (`| head`): end quietly, as a pipe's tools do
+    except BrokenPipeError:
+        # What read stdout stopped reading (`| head`): end quietly, as a pipe's tools do.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush
         return EXIT_BROKEN_PIPE
     except StoreDamaged as exc:

@@ -139,7 +139,8 @@ def _map(args: argparse.Namespace) -> int:
     return EXIT_FAILURE if failed else EXIT_OK
 
 
-# What a flag of invoke is by default: with --map, one given is a usage error, not ignored.
+# The defaults of invoke's flags for one call: with --map, one given is a usage error, not
+# ignored.
 _SINGLE_CALL_FLAGS = {
     "payload": "{}",
     "content_type": "application/json",
@@ -304,10 +305,12 @@ def register(commands: Any) -> None:
 
     invoke = commands.add_parser("invoke", help="invoke a function: JSON payload, or - for stdin")
     invoke.add_argument("name")
-    invoke.add_argument("payload", nargs="?", default="{}", metavar="JSON|-")
+    invoke.add_argument(
+        "payload", nargs="?", default=_SINGLE_CALL_FLAGS["payload"], metavar="JSON|-"
+    )
     invoke.add_argument(
         "--content-type",
-        default="application/json",
+        default=_SINGLE_CALL_FLAGS["content_type"],
         metavar="TYPE",
         help="the payload's: application/json (default), application/vnd.apache.arrow.stream "
         "or application/octet-stream, read from stdin (docs/protocol.md, 'Content types')",
@@ -318,7 +321,9 @@ def register(commands: Any) -> None:
         help="write the result there (a binary one cannot go to a terminal)",
     )
     invoke.add_argument("--timeout-ms", type=count, default=0, metavar="MS")
-    invoke.add_argument("--invocation-id", default="", metavar="ID")
+    invoke.add_argument(
+        "--invocation-id", default=_SINGLE_CALL_FLAGS["invocation_id"], metavar="ID"
+    )
     invoke.add_argument(
         "--map",
         metavar="FILE.jsonl",
