@@ -94,6 +94,7 @@ class RuntimeServer:
             timeline_key=TIMELINE_SERVER_KEY,
             fence=judged_by_fence,
         )
+        self._pipeline = pipeline
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
             interceptors=[pipeline],
@@ -140,6 +141,6 @@ class RuntimeServer:
     def stop(self, drain_seconds: float = 10.0) -> None:
         """Refuse new RPCs, let in-flight invocations finish (bounded), then stop every worker."""
         self.health.enter_graceful_shutdown()
-        self.server.stop(drain_seconds).wait()
+        self._pipeline.stop(self.server, drain_seconds)
         self._stop_sweeping.set()
         self.registry.shutdown()

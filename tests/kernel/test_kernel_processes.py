@@ -8,6 +8,7 @@ import os
 import signal
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -96,9 +97,20 @@ def _cmdline(pid: int) -> str:
 
 
 def test_kernel_shutdown_leaves_no_child_process() -> None:
+    # The kernel stops its stack and exits by itself, leaving none of its processes and no
+    # spool — not killed for taking too long to stop, as it was while the idle connection its
+    # calls left (grpc's legacy poller closes none: docs/architecture.md, "grpc's I/O engine")
+    # held runtimed's stop for grpc's own timeout.
     kernel, children = _children_of_a_kernel_with_functions()
+    failed = kernel.run('etl.map([{"rows": [1]}, {"rows": None}])')  # its failed call's objects
+    assert failed.error is not None and failed.error["ename"] == "HandlerFailedInCell"
+    process: Any = kernel.manager.provisioner.process  # type: ignore[union-attr]
+    spool = Path(kernel.value("str(get_ipython()._fnkernel_session.runtime._stack.spool)"))
+    assert spool.is_dir()
     kernel.shutdown()
+    assert process.wait(timeout=30) == 0
     wait_until(lambda: not any(pid_alive(pid) for pid in children), timeout=10)
+    assert not spool.exists()
 
 
 def test_sigkill_of_the_kernel_leaves_no_child_process_after_5s() -> None:

@@ -67,6 +67,7 @@ from fnkernel.runtime_server.rpc import (
     CHANNEL_OPTIONS,
     STREAM_CHANNEL_OPTIONS,
     CancellableCalls,
+    Pipeline,
     listen_on,
 )
 from fnkernel.runtime_server.wire import (
@@ -144,11 +145,12 @@ class Runtimed:
         self._stop = threading.Event()
         self._loop_thread: threading.Thread | None = None
         self._grpc: grpc.Server | None = None
+        self._pipeline: Pipeline | None = None
 
     # Lifecycle
 
     def start(self, listen: str) -> str:
-        self._grpc, self.heart.servicer = proxy_ports(self)
+        self._grpc, self.heart.servicer, self._pipeline = proxy_ports(self)
         self.address = listen_on(self._grpc, listen)
         self._grpc.start()
         self._heartbeat()
@@ -158,8 +160,8 @@ class Runtimed:
 
     def stop(self, grace: float = 5.0) -> None:
         self._stop.set()
-        if self._grpc is not None:
-            self._grpc.stop(grace).wait()
+        if self._grpc is not None and self._pipeline is not None:
+            self._pipeline.stop(self._grpc, grace)
         if self._loop_thread is not None:
             self._loop_thread.join(5)
         self._workers.shutdown(wait=False, cancel_futures=True)

@@ -391,9 +391,10 @@ class PayloadsProxyServicer(payloads_pb2_grpc.PayloadsServicer):
         yield from chunks
 
 
-def proxy_ports(runtimed: Agent) -> tuple[grpc.Server, health.HealthServicer]:
+def proxy_ports(runtimed: Agent) -> tuple[grpc.Server, health.HealthServicer, Pipeline]:
     """runtimed's gRPC server, not yet bound: the proxy hop's FunctionRuntime, the relays of
-    live output, of the spool and of batches, health and reflection."""
+    live output, of the spool and of batches, health and reflection; and its call pipeline,
+    which stops it."""
     pipeline = Pipeline(
         (FUNCTION_RUNTIME_SERVICE, INVOCATION_LOGS_SERVICE, PAYLOADS_SERVICE, BATCHES_SERVICE),
         component="runtimed",
@@ -420,7 +421,7 @@ def proxy_ports(runtimed: Agent) -> tuple[grpc.Server, health.HealthServicer]:
             health.SERVICE_NAME,
         ],
     )
-    return server, checks
+    return server, checks, pipeline
 
 
 def _add_proxy_servicer(servicer: ProxyServicer, server: grpc.Server) -> None:
