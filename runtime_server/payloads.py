@@ -75,14 +75,23 @@ def dumps(value: Any, root: str = "payload") -> bytes:
     return _jsonvalues.dumps(value, root)
 
 
+# How a table's parts or rows are had, by its kind: what a map over it should have been given.
+_PARTS = {
+    "pandas.DataFrame": "numpy.array_split(frame, n) or frame.to_dict('records')",
+    "polars.DataFrame": "list(frame.iter_slices(rows)) or frame.to_dicts()",
+    "pyarrow.Table": "table.to_batches(rows) or table.to_pylist()",
+    "pyarrow.RecordBatch": "[batch.slice(i, rows) for i in range(0, batch.num_rows, rows)]",
+}
+
+
 def items_of(items: Any) -> list[Any]:
     """The items of a map, one call each; TypeError for a table (a DataFrame iterates its
-    column labels, not its parts), saying how to give its parts instead."""
+    column labels, not its parts), saying how to give its parts or rows instead."""
     kind = kind_of(items)
-    if kind is not None and kind not in ("numpy.ndarray", "pandas.Series"):
+    if kind in _PARTS:
         raise TypeError(
-            f"map takes its items, a call each, and a {kind} is one item: map over its "
-            "partitions (numpy.array_split(frame, n)) or its rows (frame.to_dict('records'))"
+            f"map takes its items, a call each, and a {kind} is one item: map over its parts "
+            f"or rows ({_PARTS[kind]})"
         )
     return list(items)
 

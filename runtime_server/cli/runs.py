@@ -141,12 +141,7 @@ def _map(args: argparse.Namespace) -> int:
 
 # The defaults of invoke's flags for one call: with --map, one given is a usage error, not
 # ignored.
-_SINGLE_CALL_FLAGS = {
-    "payload": "{}",
-    "content_type": "application/json",
-    "output": None,
-    "invocation_id": "",
-}
+_SINGLE_CALL_FLAGS = {"payload": None, "content_type": None, "output": None, "invocation_id": ""}
 
 
 def _invoke(args: argparse.Namespace) -> int:
@@ -166,8 +161,9 @@ def _invoke(args: argparse.Namespace) -> int:
     from fnkernel.runtime_server import payloads
     from fnkernel.runtime_server.client.errors import InvocationTimedOut
 
-    data = sys.stdin.buffer.read() if args.payload == "-" else args.payload.encode()
-    media = payloads.media_type(args.content_type)
+    payload = "{}" if args.payload is None else args.payload  # none given: an empty object
+    data = sys.stdin.buffer.read() if payload == "-" else payload.encode()
+    media = payloads.media_type(args.content_type or payloads.JSON)
     if media not in payloads.MEDIA_TYPES:
         raise UsageError(f"--content-type: one of {', '.join(payloads.MEDIA_TYPES)}")
     if media == payloads.JSON:
@@ -175,7 +171,7 @@ def _invoke(args: argparse.Namespace) -> int:
             json.loads(data)
         except ValueError as exc:
             raise UsageError(f"payload is not JSON: {exc}") from None
-    elif args.payload != "-":
+    elif payload != "-":
         raise UsageError(f"--content-type {media}: give the payload on stdin (-)")
     if args.output and not Path(args.output).absolute().parent.is_dir():  # before the call runs
         raise UsageError(f"--output {args.output}: no such directory")
@@ -312,7 +308,7 @@ def register(commands: Any) -> None:
         "--content-type",
         default=_SINGLE_CALL_FLAGS["content_type"],
         metavar="TYPE",
-        help="the payload's: application/json (default), application/vnd.apache.arrow.stream "
+        help="the payload's: application/json (by default), application/vnd.apache.arrow.stream "
         "or application/octet-stream, read from stdin (docs/protocol.md, 'Content types')",
     )
     invoke.add_argument(

@@ -67,10 +67,10 @@ def test_a_map_over_dataframes_gives_a_dataframe_each(totals: Client) -> None:
         )
     # A frame is one item: mapped over, it would call once per column label; it is refused,
     # saying how to give its parts, before anything is called.
-    with pytest.raises(
-        TypeError, match=r"a pandas\.DataFrame is one item: map over its partitions"
-    ):
+    with pytest.raises(TypeError, match=r"a pandas\.DataFrame is one item: map over its parts"):
         totals.map("totals", frame("abc"))
+    with pytest.raises(TypeError, match=r"a pyarrow\.Table is one item: .*to_batches"):
+        totals.map("totals", pa.table({"a": [1, 2]}))
 
 
 def test_any_http_client_sends_and_accepts_arrow(totals: Client, shared_stack: Stack) -> None:

@@ -197,6 +197,8 @@ def test_cli_flags_that_cannot_apply_are_usage_errors_and_nothing_is_left_half_w
         (["--output", str(tmp_path / "out")], "--output"),
         (["--content-type", "application/octet-stream"], "--content-type"),
         (['{"a": 1}'], "payload"),
+        (["{}"], "payload"),  # given, though it is what one call sends without one
+        (["--content-type", "application/json"], "--content-type"),
         (["--invocation-id", "mine"], "--invocation-id"),
     ]:
         refused = fnkernel("invoke", "cli-flags", *extra, "--map", str(lines), *gateway)
