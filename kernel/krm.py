@@ -44,6 +44,7 @@ from fnkernel.runtime_server.krm.resources.package import (
     read_documents,
 )
 from fnkernel.runtime_server.krm.resources.resourcelist import (
+    InvalidResourceList,
     ResourceList,
     annotations_of,
     format_result,
@@ -451,7 +452,7 @@ def krm_magic(chain: Chain, line: str, cell: str | None) -> PipelineView:
 
         display(failure.view)
         raise PipelineFailed(failure.view.error) from None
-    except (FileNotFoundError, PackageError) as exc:
+    except (FileNotFoundError, PackageError, InvalidResourceList) as exc:  # the cell's, named
         raise UsageError(f"%krm: {exc}") from None
 
 

@@ -187,6 +187,8 @@ def test_krm_render_of_a_directory_names_the_files_changed_or_would_with_dry_run
         ),
         ("%%krm eval set-labels app=web\n{}\n", "put key=value pairs after --"),
         ("%krm render /no/such/dir", "is not a directory"),
+        ("%%krm render\nthis: is: not yaml\n", "not YAML"),  # the cell's own text, named
+        ("%%krm eval set-labels -- app=web\nthis: is: not yaml\n", "not YAML"),
     ],
 )
 def test_krm_usage_errors_are_one_line(kernel: Kernel, code: str, message: str) -> None:

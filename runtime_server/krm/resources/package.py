@@ -28,6 +28,7 @@ from fnkernel.runtime_server.krm.resources.resourcelist import (
     kind,
     metadata,
     yaml,
+    yaml_problem,
 )
 
 KPTFILE = "Kptfile"
@@ -112,7 +113,7 @@ def read_documents(text: str, source: str) -> list[Any]:
     try:
         documents = list(yaml().load_all(text))
     except Exception as exc:  # ruamel raises several unrelated types for bad input
-        raise InvalidResourceList(f"{source}: not YAML: {exc}") from None
+        raise InvalidResourceList(f"{source}: not YAML: {yaml_problem(exc)}") from None
     return [doc for doc in documents if doc is not None]
 
 

@@ -45,11 +45,19 @@ def _null(representer: Any, _: None) -> Any:
     return representer.represent_scalar("tag:yaml.org,2002:null", "null")
 
 
+def yaml_problem(exc: BaseException) -> str:
+    """A YAML parser's error in one line: its problem and where (line and column from 1)."""
+    problem, mark = getattr(exc, "problem", None), getattr(exc, "problem_mark", None)
+    if problem and mark is not None:
+        return f"{problem} (line {mark.line + 1}, column {mark.column + 1})"
+    return " ".join(str(exc).split())
+
+
 def load(data: bytes | str) -> Any:
     try:
         return yaml().load(data)
     except YAMLError as exc:
-        raise InvalidResourceList(f"not YAML: {exc}") from None
+        raise InvalidResourceList(f"not YAML: {yaml_problem(exc)}") from None
 
 
 def deep_copy(node: Any) -> Any:
