@@ -45,9 +45,10 @@ _PROGRESS_SECONDS = 0.5  # how often a registering cell's card reads its install
 
 
 def in_cell(message: str, spec: Spec) -> str:
-    """A load failure's message with the handler file's lines told as cell lines."""
+    """A load failure's message with the handler file's lines told as cell lines (Python's
+    ``NAME.py line N``, bash's ``NAME.sh: line N``)."""
     return re.sub(
-        rf"\b{re.escape(spec.filename)} line (\d+)",
+        rf"\b{re.escape(spec.filename)}:? line (\d+)",
         lambda found: f"cell line {cell_line(int(found[1]))}",
         message,
     )

@@ -384,6 +384,11 @@ def test_a_handler_that_cannot_load_fails_the_registration(kernel: Kernel) -> No
     fixed = kernel.run("%%function broken\ndef handler(event):\n    return 1\n")
     assert fixed.ok, fixed.error
     assert kernel.value("broken()") == 1
+    # bash's own words for where ("broken_sh.sh: line 3") are told as the cell's line too.
+    cell = kernel.run("%%function broken_sh --runtime bash\nhandler() {\n  if then fi\n}\n")
+    assert cell.error is not None and cell.error["ename"] == "RegistrationFailed"
+    [line] = cell.error["traceback"]
+    assert "UserCodeSyntaxError: cell line 3: syntax error" in line, line
 
 
 @pytest.mark.parametrize(
