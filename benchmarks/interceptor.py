@@ -1,4 +1,4 @@
-"""What owning a hop's call pipeline in a gRPC server interceptor costs per call (``rpc.Pipeline``,
+"""What owning a hop's call pipeline in a gRPC server interceptor costs per call (``pipeline.Pipeline``,
 what the Runtime Server and runtimed run), against the same pipeline written in the handler
 (how both hops served a call before it), measured in one run (issue 45).
 
@@ -8,7 +8,7 @@ with the request's input:
 * bare: the handler alone, no pipeline — the floor;
 * in-handler: the handler builds its ``ServedCall`` (timeline, spans), answers it, and turns
   its errors into statuses itself;
-* intercepted: the handler alone, behind ``rpc.Pipeline``, which does all of that around it.
+* intercepted: the handler alone, behind ``pipeline.Pipeline``, which does all of that around it.
 
 Calls carry no timeline and no traceparent (the common call): what is measured is the pipeline's
 own cost. Rounds are interleaved; prints each server's p50 and what each adds to bare, per call,
@@ -31,13 +31,8 @@ import grpc
 
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
-from fnkernel.runtime_server.rpc import (
-    CHANNEL_OPTIONS,
-    Pipeline,
-    ServedCall,
-    answer_failure,
-    served_call,
-)
+from fnkernel.runtime_server.pipeline import Pipeline, ServedCall, served_call
+from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS, answer_failure
 from fnkernel.runtime_server.wire import TIMELINE_SERVER_KEY
 
 VARIANTS = ("bare", "in-handler", "intercepted")

@@ -34,13 +34,8 @@ from fnkernel.runtime_server.function_runtime.servicer import (
     judged_by_fence,
 )
 from fnkernel.runtime_server.function_runtime.spool import Spool
-from fnkernel.runtime_server.rpc import (
-    CHANNEL_OPTIONS,
-    Pipeline,
-    add_health,
-    add_reflection,
-    listen_on,
-)
+from fnkernel.runtime_server.pipeline import Pipeline
+from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS, add_health, add_reflection, listen_on
 from fnkernel.runtime_server.wire import TIMELINE_SERVER_KEY
 from fnkernel.system.private import sweep
 

@@ -38,6 +38,7 @@ from fnkernel.runtime_server.function_runtime.oneshot import execute
 from fnkernel.runtime_server.function_runtime.registration import RegistrationView, state_name
 from fnkernel.runtime_server.function_runtime.registry import Registry
 from fnkernel.runtime_server.function_runtime.spool import Spool
+from fnkernel.runtime_server.pipeline import served_call
 from fnkernel.runtime_server.rpc import (
     Followers,
     caller_deadline,
@@ -45,7 +46,6 @@ from fnkernel.runtime_server.rpc import (
     failure_status,
     logs_trailer,
     metadata_value,
-    served_call,
     traced_failure,
 )
 from fnkernel.runtime_server.wire import (

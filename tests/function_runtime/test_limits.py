@@ -21,7 +21,8 @@ from fnkernel.runtime_server import limits, wire
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from fnkernel.runtime_server.errors import InvalidField
-from fnkernel.runtime_server.rpc import Pipeline, logs_trailer
+from fnkernel.runtime_server.pipeline import Pipeline
+from fnkernel.runtime_server.rpc import logs_trailer
 from tests.function_runtime.statuses import rejected
 from tests.support import ECHO_PY, Client, digest
 

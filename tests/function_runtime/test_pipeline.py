@@ -1,4 +1,4 @@
-"""A gRPC server's call pipeline, ``rpc.Pipeline`` (docs/architecture.md, "One call pipeline per
+"""A gRPC server's call pipeline, ``pipeline.Pipeline`` (docs/architecture.md, "One call pipeline per
 hop"): tried on a server of its own, with handlers that do only their part."""
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import logs_pb2, logs_pb2_grpc
 from fnkernel.runtime_server.errors import InvalidField
-from fnkernel.runtime_server.rpc import Pipeline, served_call, trailer_value
+from fnkernel.runtime_server.pipeline import Pipeline, served_call
+from fnkernel.runtime_server.rpc import trailer_value
 from fnkernel.runtime_server.wire import TIMELINE_KEY, TIMELINE_SERVER_KEY, parse_timeline_stamps
 
 FUNCTION_RUNTIME = pb.DESCRIPTOR.services_by_name["FunctionRuntime"].full_name
@@ -141,7 +142,7 @@ def test_a_streaming_method_of_the_pipeline_has_its_errors_answered_as_statuses(
 
 
 def test_a_pipeline_without_a_component_only_answers_errors(tmp_path: Path) -> None:
-    # rpc.Pipeline: a ServedCall only "where `component` is given" — without one an
+    # pipeline.Pipeline: a ServedCall only "where `component` is given" — without one an
     # InvokeFunction has no call to reach, and a handler that asks gets an INTERNAL answer.
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=2), interceptors=[Pipeline([FUNCTION_RUNTIME])]

@@ -206,53 +206,6 @@ def test_a_payload_that_is_not_json_fails_in_one_line_naming_its_type(kernel: Ke
     ]
 
 
-ROWS = """%%function rows
-def handler(frame):
-    return len(frame)
-"""
-MEMORY = """import numpy as np, pandas as pd
-
-def status_bytes(field):
-    with open("/proc/self/status") as status:
-        line = next(line for line in status if line.startswith(field + ":"))
-    return int(line.split()[1]) << 10
-
-big = pd.DataFrame({"x": np.arange(16 << 20, dtype="int64")})  # 128 MiB
-"""
-
-
-def test_a_large_dataframe_reaches_the_spool_without_a_copy_in_the_kernel(kernel: Kernel) -> None:
-    # docs/protocol.md, "Large payloads": the kernel writes an Arrow payload once, straight from
-    # the DataFrame to the spool's file, never whole in its own memory first.
-    assert kernel.run(ROWS).ok
-    assert kernel.run(MEMORY).ok
-    reset = "open('/proc/self/clear_refs', 'w').write('5'); before = status_bytes('VmRSS')"
-    assert kernel.run(reset).ok  # the kernel's peak (VmHWM) is its size now
-    assert kernel.value("rows(big)") == 16 << 20
-    grew = kernel.value("status_bytes('VmHWM') - before")
-    assert grew < 32 << 20, f"{grew >> 20} MiB above the kernel's size for a 128 MiB frame"
-
-
-def test_the_embedded_runtimes_payload_bound_is_set_by_its_variable_and_named_when_passed() -> None:
-    # docs/protocol.md, "Large payloads": the bound is configurable on every path; for a
-    # kernel's own runtime by FNKERNEL_MAX_PAYLOAD_BYTES, and a payload past it is a 413 that
-    # names it, refused before it is written to the spool.
-    kernel = Kernel(env={"FNKERNEL_MAX_PAYLOAD_BYTES": str(1 << 20)})
-    try:
-        assert kernel.run(ROWS).ok
-        assert kernel.run("import numpy as np\nfits = np.zeros(100_000)").ok
-        assert kernel.value("rows(fits)") == 100_000  # 800 KB, spooled
-        cell = kernel.run("rows(np.zeros(200_000))")  # 1.6 MB
-        assert cell.error is not None
-        [line] = cell.error["traceback"]
-        assert line.startswith("PayloadTooLarge: the payload of rows is "), line
-        assert f"; at most {1 << 20} (" in line and "FNKERNEL_MAX_PAYLOAD_BYTES" in line, line
-        spool = kernel.value("str(get_ipython()._fnkernel_session.runtime._stack.spool)")
-        assert [p.name for p in Path(spool).iterdir() if p.name.startswith("in-")] == []
-    finally:
-        kernel.shutdown()
-
-
 def test_a_big_result_shows_its_first_lines_as_text_and_scrolls_in_html(kernel: Kernel) -> None:
     # docs/protocol.md, "Kernel": 20 lines of text, then how many more; HTML scrolls.
     kernel.run("%%function many\ndef handler(event):\n    return list(range(event))\n")

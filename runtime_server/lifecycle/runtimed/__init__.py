@@ -63,11 +63,11 @@ from fnkernel.runtime_server.lifecycle.runtimed.server import (
 )
 from fnkernel.runtime_server.lifecycle.runtimed.workspace import Workspace
 from fnkernel.runtime_server.lifecycle.secrets import Secrets, rotated_secret
+from fnkernel.runtime_server.pipeline import Pipeline
 from fnkernel.runtime_server.rpc import (
     CHANNEL_OPTIONS,
     STREAM_CHANNEL_OPTIONS,
     CancellableCalls,
-    Pipeline,
     listen_on,
 )
 from fnkernel.runtime_server.wire import (

@@ -44,17 +44,16 @@ from fnkernel.runtime_server.lifecycle.runs import (
     Run,
 )
 from fnkernel.runtime_server.lifecycle.runtimed.server import Active
+from fnkernel.runtime_server.pipeline import Pipeline, served_call
 from fnkernel.runtime_server.rpc import (
     CHANNEL_OPTIONS,
     CancellableCalls,
     Followers,
-    Pipeline,
     add_health,
     add_reflection,
     caller_timeout,
     metadata_value,
     relayed_trailers,
-    served_call,
     trailer_value,
 )
 from fnkernel.runtime_server.wire import (
