@@ -107,6 +107,15 @@ def _http_status(status: int) -> tuple[dict[str, Any], str]:
     return {"http.response.status_code": status}, failed
 
 
+class StackChosen(Exception):
+    """``$FNKERNEL_RUNTIME`` names another stack than the one this kernel chose at its first
+    function (a cell's ``%env`` after it): a function is not registered where it was not
+    meant to be. Shown as one line."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"{type(self).__name__}: {self}"]
+
+
 class Runtime:
     """The kernel's connection to a gateway; embedded unless `address` or $FNKERNEL_RUNTIME."""
 
@@ -154,9 +163,21 @@ class Runtime:
         The stack is chosen now, from the environment as it is now (a cell's ``%env
         FNKERNEL_RUNTIME=...`` before the first function counts)."""
         with self._lock:
+            wanted = os.environ.get(RUNTIME_ENV) or ""
+            if (
+                runtime is not None
+                and self._client is not None
+                and wanted not in ("", self.address)
+            ):
+                # A function about to register where the user no longer means it to.
+                raise StackChosen(
+                    f"{RUNTIME_ENV} is {wanted}, but this kernel already uses the "
+                    f"{self.describe()}: the stack is chosen at the first function; restart the "
+                    "kernel to use another"
+                )
             if self._client is None:
                 if not self.address:
-                    self.address = os.environ.get(RUNTIME_ENV) or ""
+                    self.address = wanted
                 if not self.address:
                     if progress:
                         progress("starting the embedded runtime")

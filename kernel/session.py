@@ -20,7 +20,7 @@ from IPython.core.interactiveshell import InteractiveShell
 
 from fnkernel.kernel import include
 from fnkernel.kernel.cellspec import Spec, owner_of
-from fnkernel.kernel.connection import Runtime
+from fnkernel.kernel.connection import Runtime, StackChosen
 from fnkernel.kernel.display import Detail, RegistrationCard, pretty_json
 from fnkernel.kernel.functions import Function, NotOwned, RegistrationInterrupted
 from fnkernel.kernel.output import HandlerFailedInCell, cell_line
@@ -205,7 +205,11 @@ class Session:
             show(RegistrationCard(spec.name, spec.runtime, state="starting", note=note))
 
         show(RegistrationCard(spec.name, spec.runtime, state="registering"))
-        client = self.runtime.client(spec.runtime, progress)
+        try:
+            client = self.runtime.client(spec.runtime, progress)
+        except StackChosen:
+            show(RegistrationCard(spec.name, spec.runtime, state="refused", note="another stack"))
+            raise
         try:
             existing = client.status(spec.name)
         except FunctionNotFound:

@@ -455,6 +455,15 @@ def test_fnkernel_runtime_points_the_kernel_at_an_existing_gateway(
         assert Client(stack.gateway_address).invoke("etl", {"rows": [5]}).value() == {"total": 5}
         text = kernel.run("%functions").result
         assert f"gateway at {stack.gateway_address}" in text
+        # The stack is chosen at the first function: a later %env naming another is refused at
+        # the next %%function in one line, not ignored while the cell registers elsewhere.
+        assert kernel.run("%env FNKERNEL_RUNTIME=http://127.0.0.1:9").ok
+        cell = kernel.run(GREET_SH)
+        assert cell.error is not None and cell.error["ename"] == "StackChosen"
+        [line] = cell.error["traceback"]
+        assert "FNKERNEL_RUNTIME is http://127.0.0.1:9, but this kernel already uses" in line
+        assert "refused" in cell.texts()[-1]  # the card says it did not register
+        assert kernel.value('etl({"rows": [2]})') == {"total": 2}  # its functions still work
     finally:
         kernel.shutdown()
 
