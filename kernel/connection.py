@@ -127,6 +127,7 @@ class Runtime:
         self._prewarmed: Prewarmed | None = None
         self._lock = threading.RLock()
         self._on_stop: list[Callable[[], None]] = []
+        self._wanted_at_choice = ""  # $FNKERNEL_RUNTIME when the stack was chosen
 
     @property
     def started(self) -> bool:
@@ -167,7 +168,7 @@ class Runtime:
             if (
                 runtime is not None
                 and self._client is not None
-                and wanted not in ("", self.address)
+                and wanted not in ("", self.address, self._wanted_at_choice)
             ):
                 # A function about to register where the user no longer means it to.
                 raise StackChosen(
@@ -185,6 +186,7 @@ class Runtime:
                 else:
                     self._drop_prewarmed()
                 self._client = TracedClient(self.address, self.trace)
+                self._wanted_at_choice = wanted  # a later change of it is the user's
             if runtime is not None and self._stack is not None and runtime not in self.pods():
                 if progress:
                     progress(f"starting a {runtime} Runtime Pod")
