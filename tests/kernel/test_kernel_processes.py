@@ -177,7 +177,8 @@ def test_a_shared_stack_chosen_at_first_use_and_a_function_used_from_another_ker
     # needs it, from the environment as it is then; `%use` binds another notebook's function,
     # which that kernel never deletes; `%functions --all` marks whose each is.
     stack = stack_factory({"python": 1})
-    owner, user = Kernel(), Kernel()
+    # The user's kernel starts pointed elsewhere: %fn_connect chooses its stack all the same.
+    owner, user = Kernel(), Kernel(env={"FNKERNEL_RUNTIME": "http://127.0.0.1:9"})
     try:
         assert owner.run(f"%env FNKERNEL_RUNTIME={stack.gateway_address}").ok
         cell = owner.run(ETL)
@@ -208,6 +209,10 @@ def test_a_shared_stack_chosen_at_first_use_and_a_function_used_from_another_ker
         late = user.run("%fn_connect http://127.0.0.1:1")
         assert "UsageError: %fn_connect: this kernel already uses the gateway" in late.stderr
         assert "restart the kernel to use another stack" in late.stderr
+        # Only a change of $FNKERNEL_RUNTIME after the stack was chosen refuses a %%function:
+        # the user's variable named another stack from the start, and %fn_connect chose.
+        mine_too = user.run(SLOW)
+        assert mine_too.ok, mine_too.error
         user.shutdown()
         assert gateway.status("etl").phase == "Ready"  # the user's shutdown left it alone
     finally:
