@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fnkernel.adapters.errors import MEMORY_LIMIT_EXCEEDED
+from fnkernel.adapters.errors import MEMORY_LIMIT_EXCEEDED, OUTPUT_TOO_LARGE
 from fnkernel.adapters.runtimes import RUNTIMES
 from fnkernel.kernel import include
 from fnkernel.kernel.cellspec import Spec
@@ -139,6 +139,11 @@ class HandlerFailedInCell(HandlerFailed):
         what = f"{self.error_type}: {self.error_message}" if self.error_type else self.message
         if self.error_type == MEMORY_LIMIT_EXCEEDED:  # and how to give it more, as a timeout says
             what += f"; give it more with %%function {self.spec.name} --memory MIB"
+        elif self.error_type == OUTPUT_TOO_LARGE and self.spec.runtime == "python":
+            what += (  # the stack's payload bound (a bash function answers inline, 6 MiB)
+                "; the stack's bound: FNKERNEL_MAX_PAYLOAD_BYTES for the kernel's own runtime, "
+                "--max-payload-bytes for fnkernel up"
+            )
         return f"{what} ({where})"
 
     def hint(self) -> str:

@@ -55,5 +55,12 @@ def test_the_embedded_runtimes_payload_bound_is_set_by_its_variable_and_named_wh
         assert f"; at most {1 << 20} (" in line and "FNKERNEL_MAX_PAYLOAD_BYTES" in line, line
         spool = kernel.value("str(get_ipython()._fnkernel_session.runtime._stack.spool)")
         assert [p.name for p in Path(spool).iterdir() if p.name.startswith("in-")] == []
+        # A result past it says the same knob, from the handler's failure.
+        assert kernel.run("%%function big\ndef handler(n):\n    return b'x' * n\n").ok
+        cell = kernel.run("big(2 << 20)")
+        assert cell.error is not None
+        line = cell.error["traceback"][-1]
+        assert line.startswith("OutputTooLarge: the handler returned 2097152 bytes"), line
+        assert "FNKERNEL_MAX_PAYLOAD_BYTES for the kernel's own runtime" in line, line
     finally:
         kernel.shutdown()
