@@ -19,8 +19,10 @@ from typing import Any
 
 from fnkernel.runtime_server import limits, payloads, wire
 from fnkernel.runtime_server.client.errors import (
+    FunctionNotFound,
     GatewayError,
     PayloadTooLarge,
+    SecretNotFound,
     UnsupportedMediaType,
 )
 from fnkernel.runtime_server.client.live import FOLLOW_END_SECONDS, LiveFollow, LogCallback
@@ -144,7 +146,11 @@ class Client(Transport):
         return list(answer["secrets"])
 
     def delete_secret(self, name: str) -> None:
-        self._json("DELETE", f"/v1/secrets/{quote(name)}")
+        """Forget the stack's secret `name`; SecretNotFound if it keeps none of that name."""
+        try:
+            self._json("DELETE", f"/v1/secrets/{quote(name)}")
+        except FunctionNotFound as exc:  # the gateway's 404, told as what it is about
+            raise SecretNotFound.from_body(exc.detail, exc.status) from None
 
     def files(self, name: str) -> dict[str, Any]:
         """The source the Run `name` was created with: ``{name, runtime, handler, files}``."""

@@ -76,6 +76,11 @@ class FunctionNotFound(GatewayError):
     """404: no function (Run) has this name, or the gateway has no such path."""
 
 
+class SecretNotFound(FunctionNotFound):
+    """404 for a secret: the stack keeps none of this name (``Client.delete_secret``). A
+    FunctionNotFound too, as a 404 of the gateway's."""
+
+
 class FunctionExists(GatewayError):
     """409: a function with this name exists already."""
 
