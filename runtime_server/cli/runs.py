@@ -91,7 +91,8 @@ def _runs_delete(args: argparse.Namespace) -> int:
 
 def _map(args: argparse.Namespace) -> int:
     """``invoke NAME --map FILE.jsonl``: one call per line (a JSON payload each), the results
-    as JSON lines in the same order on stdout, progress on stderr."""
+    as JSON lines in the same order on stdout, each as soon as those before it are; progress
+    on stderr."""
     from fnkernel.runtime_server import payloads
     from fnkernel.runtime_server.client.errors import GatewayError
 
@@ -117,13 +118,12 @@ def _map(args: argparse.Namespace) -> int:
     def on_log(index: int, line: dict[str, Any]) -> None:
         print(f"[{index}] {line.get('text', '')}", file=sys.stderr, flush=True)
 
-    results = client_of(args).map(
-        args.name, items, concurrency=args.concurrency or None, return_exceptions=True,
-        timeout_millis=args.timeout_ms, progress=progress,
-        on_log=on_log if args.follow else None,
-    )  # fmt: skip
     failed = 0
-    for result in results:
+
+    def on_result(index: int, result: Any) -> None:
+        """Item `index`'s line, written as soon as the lines before it are: a reader that
+        stops reading (``| head``) stops the map."""
+        nonlocal failed
         if isinstance(result, GatewayError):
             failed += 1
             result = {"error": {"code": result.code, "message": str(result)}}
@@ -133,9 +133,15 @@ def _map(args: argparse.Namespace) -> int:
             message = f"the result is {media}: invoke it alone, with --output FILE"
             line, _ = payloads.encode({"error": {"code": "NOT_JSON", "message": message}})
         sys.stdout.buffer.write(line + b"\n")
-    sys.stdout.flush()
+        sys.stdout.flush()
+
+    client_of(args).map(
+        args.name, items, concurrency=args.concurrency or None, return_exceptions=True,
+        timeout_millis=args.timeout_ms, progress=progress, on_result=on_result,
+        on_log=on_log if args.follow else None,
+    )  # fmt: skip
     if failed:
-        print(f"{failed} of {len(results)} calls failed", file=sys.stderr)
+        print(f"{failed} of {len(items)} calls failed", file=sys.stderr)
     return EXIT_FAILURE if failed else EXIT_OK
 
 

@@ -425,6 +425,7 @@ class Client(Transport):
         timeout_millis: int = 0,
         progress: Callable[[int, int], None] | None = None,
         on_log: Callable[[int, dict[str, Any]], None] | None = None,
+        on_result: Callable[[int, Any], None] | None = None,
     ) -> list[Any]:
         """Invoke `name` once per item, up to `concurrency` calls in flight (default, and at
         most: its replica count, as a replica serves one call at a time), and return the
@@ -437,7 +438,10 @@ class Client(Transport):
         item's place instead, as ``asyncio.gather`` does. Either way a failure's ``item`` is
         (its item's index, how many items). `progress(done, total)` is called from the
         calling thread every 50 ms while the map runs (calls finished or not), and once at the
-        end;
+        end; `on_result(index, result)` is called from it too, in input order, with each
+        item's result as soon as it and every item before it are done (with
+        `return_exceptions`, a failure in its place), so that a caller can pass results on
+        while the map runs; an exception it raises stops the map as an interrupt does.
         `on_log(index, line)` is each call's ``invoke(on_log=)``. An interrupt
         (KeyboardInterrupt) cancels every call in flight and is raised; the function stays
         registered."""
@@ -472,6 +476,9 @@ class Client(Transport):
                 thread.start()
             shown = -1
             while not run.over.wait(MAP_PROGRESS_SECONDS) or shown != run.done:
+                if on_result is not None:
+                    for index, result in run.in_order():
+                        on_result(index, result)
                 if progress is not None and (shown != run.done or not run.over.is_set()):
                     shown = run.done
                     progress(shown, len(work))  # also unchanged: the map is alive
@@ -479,6 +486,9 @@ class Client(Transport):
                     break
             for thread in threads:
                 thread.join()
+            if on_result is not None:
+                for index, result in run.in_order():
+                    on_result(index, result)
         except BaseException:
             run.stop()
             for thread in threads:

@@ -78,6 +78,8 @@ class MapRun:
         self._working = 0
         self.results: list[Any] = [None] * len(work)
         self.done = 0
+        self._finished = bytearray(len(work))  # 1 where an item's result (or failure) is in
+        self._handed = 0  # the items ``in_order`` has handed out
         self.failure: BaseException | None = None
         self.stopped = False  # after a failure or an interrupt: nothing more is sent
         self._stopping = threading.Event()  # wakes the items waiting for a free replica
@@ -208,9 +210,23 @@ class MapRun:
         on_log = functools.partial(self._on_log, taken[offset])
         return self._calls.follow(name, items[offset][0], on_log, in_batch=True)
 
+    def in_order(self) -> list[tuple[int, Any]]:
+        """The items finished since the last call whose items before them have all finished,
+        each with its result: in input order, each once. Without return_exceptions they end
+        before the first item that failed (the map's failure, or a call it cancelled)."""
+        with self._lock:
+            start = self._handed
+            while self._handed < len(self._work) and self._finished[self._handed]:
+                failed = isinstance(self.results[self._handed], BaseException)
+                if failed and not self._return_exceptions:
+                    break
+                self._handed += 1
+            return [(index, self.results[index]) for index in range(start, self._handed)]
+
     def _answered(self, index: int, result: Any) -> None:
         with self._lock:
             self.results[index] = result
+            self._finished[index] = 1
             self.done += 1
 
     def _failed(self, index: int, error: Exception) -> None:
@@ -223,6 +239,7 @@ class MapRun:
             if first:
                 self.failure = error
             self.results[index] = error
+            self._finished[index] = 1
             self.done += 1
         if first:
             self.stop()

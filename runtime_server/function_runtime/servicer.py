@@ -250,7 +250,10 @@ class _Batch:
                     self._answers.append(answer)
                     if answer.code and not request.go_on:
                         return
-                    if time.monotonic() >= self._send_at:  # else the sender wakes by itself
+                    # The sender waits without a bound while it has nothing to send, and until
+                    # its send time once it has: wake it for the first answer, or when that
+                    # time has come (else it wakes by itself).
+                    if len(self._answers) == 1 or time.monotonic() >= self._send_at:
                         self._ready.notify()
         except Exception as exc:  # NEVER_CALLED: this item and the rest were never called
             self._refused = exc  # the stream's status, as InvokeFunction would answer it

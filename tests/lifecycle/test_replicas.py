@@ -22,7 +22,7 @@ from fnkernel.runtime_server.client.errors import (
     InvalidRequest,
 )
 from fnkernel.runtime_server.lifecycle.stack import Stack
-from tests.support import SLOW_PY, http_call, wait_until
+from tests.support import GATE_WAIT, SLOW_PY, Gate, http_call, wait_until
 
 StackFactory = Callable[..., Stack]
 FAILS_ON_3 = {
@@ -32,6 +32,18 @@ FAILS_ON_3 = {
     "    if event['n'] == 3:\n"
     "        raise ValueError('three')\n"
     "    return event['n'] * 10\n"
+}
+# Returns its item's n, once the gate its item names (if any) is open, or after `busy`
+# seconds of work.
+GATED = {
+    "handler.py": GATE_WAIT + "import time\n"
+    "def handle(event):\n"
+    "    if event.get('gate'):\n"
+    "        wait_for_gate(event['gate'])\n"
+    "    end = time.monotonic() + event.get('busy', 0)\n"
+    "    while time.monotonic() < end:\n"
+    "        pass\n"
+    "    return event['n']\n"
 }
 
 
@@ -140,6 +152,46 @@ def test_map_returns_results_in_input_order_with_progress(stack: Stack) -> None:
     client.delete_run("m")
 
 
+def test_map_hands_each_result_on_in_order_while_it_runs(
+    stack: Stack, gate: Callable[[], Gate]
+) -> None:
+    # docs/protocol.md, "Replicas": `on_result(index, result)` gets each item's result in input
+    # order as soon as it and every item before it are done, while the map runs; an exception
+    # it raises stops the map as an interrupt does, the items not yet sent never sent.
+    client = Client(stack.gateway_address)
+    client.create_run("mo", runtime="python", handler="handler.handle", files=GATED)
+    first, rest = gate(), gate()  # `rest` stays shut
+    handed: list[tuple[int, object]] = []
+
+    def on_result(index: int, result: object) -> None:
+        handed.append((index, result))
+        if index == 1:
+            first.open()  # item 2 waits for this: it runs only once item 1 came out
+
+    # Twelve items on one replica: batches of three ("Batches"), so item 1's answer comes
+    # from the batch that goes on to run item 2, which waits for it; item 1 answers a moment
+    # after item 0's answer was sent, within the time the server gathers answers in.
+    items = [{"n": 0}, {"n": 1, "busy": 0.02}, {"n": 2, "gate": str(first)},
+             *({"n": n} for n in range(3, 12))]  # fmt: skip
+    # Bounded: were results handed on only at the end, item 2 would fail as timed out.
+    assert client.map("mo", items, on_result=on_result, timeout_millis=30_000) == list(range(12))
+    assert handed == [(n, n) for n in range(12)]
+
+    class Enough(Exception):
+        pass
+
+    def stop_at_first(index: int, result: object) -> None:
+        raise Enough
+
+    many = [{"n": 0}, {"n": 1, "gate": str(rest)}] + [{"n": n} for n in range(2, 40)]
+    with pytest.raises(Enough):
+        client.map("mo", many, on_result=stop_at_first, timeout_millis=30_000)
+    # Item 1 was cancelled, its gate still shut: the one replica is soon free for another call.
+    wait_until(lambda: client.status("mo")["live"]["inFlight"] == 0, timeout=20)
+    assert client.invoke("mo", {"n": 7}).decoded() == 7
+    client.delete_run("mo")
+
+
 def test_invoke_map_from_the_cli_prints_a_line_per_item_in_order(
     stack: Stack, tmp_path: Path
 ) -> None:
@@ -176,3 +228,31 @@ def test_invoke_map_from_the_cli_prints_a_line_per_item_in_order(
     assert "Traceback" not in refused.stderr
     assert client.status("cm")["spec"]["replicas"] == 2
     client.delete_run("cm")
+
+
+def test_invoke_map_from_the_cli_writes_each_line_as_it_comes_and_stops_with_its_reader(
+    stack: Stack, tmp_path: Path, gate: Callable[[], Gate]
+) -> None:
+    # docs/protocol.md, "Replicas": the CLI's map writes each item's line as soon as the lines
+    # before it are written; a reader that stops reading (`| head -1`) stops the map: exit
+    # 141, quietly, the call in flight cancelled and the items after it never sent.
+    client = Client(stack.gateway_address)
+    client.create_run("cs", runtime="python", handler="handler.handle", files=GATED)
+    after_close, never = gate(), gate()
+    lines = tmp_path / "items.jsonl"
+    items = [{"n": 0}, {"n": 1, "gate": str(after_close)}, {"n": 2, "gate": str(never)}]
+    lines.write_text("".join(json.dumps(item) + "\n" for item in [*items, *[{"n": 3}] * 20]))
+    command = [sys.executable, "-m", "fnkernel.runtime_server.cli", "invoke", "cs", "--map",
+               str(lines), "--timeout-ms", "60000", "--gateway", stack.gateway_address]  # fmt: skip
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as mapped:
+        assert mapped.stdout is not None and mapped.stderr is not None
+        assert mapped.stdout.readline() == b"0\n"  # before item 1 has run
+        mapped.stdout.close()  # as `| head -1` does
+        after_close.open()  # item 1's line now finds no reader
+        errors = mapped.stderr.read().decode()
+        assert mapped.wait(timeout=60) == 141, errors
+    assert "Broken pipe" not in errors and "Traceback" not in errors
+    # Item 2 was cancelled with its gate still shut: the one replica soon serves another call.
+    wait_until(lambda: client.status("cs")["live"]["inFlight"] == 0, timeout=20)
+    assert client.invoke("cs", {"n": 9}).decoded() == 9
+    client.delete_run("cs")
