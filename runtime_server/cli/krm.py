@@ -129,6 +129,7 @@ def _eval(args: argparse.Namespace) -> int:
             data=data,
             dry_run=args.dry_run,
             progress=lambda step: print(_step_line(step, 1), file=sys.stderr),
+            include_meta=True,  # the Kptfiles among the resources, as `fn eval` (kpt) has them
             bounds=bounds_from_flags(args),
         )
     except (PipelineError, PackageError) as exc:

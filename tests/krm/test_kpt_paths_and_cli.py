@@ -292,3 +292,35 @@ def test_pkg_init_adds_only_the_missing_files(tmp_path: Path) -> None:
     code, _, err = fnkernel("pkg", "init", str(fresh))
     assert code == 0, err
     assert documents((fresh / "Kptfile").read_text())[0]["metadata"]["name"] == "fresh"
+
+
+@pytest.mark.parametrize("image", ["no-op", "set-namespace"])
+def test_fnkernel_eval_keeps_every_kptfile_as_fn_eval_does(tmp_path: Path, image: str) -> None:
+    # docs/krm.md, "The Kptfile": `fn eval` passes the Kptfiles to the function, and `fnkernel
+    # eval IMAGE DIR` is the same evaluation ("CLI"): a function that leaves a Kptfile alone
+    # leaves it in the package, the subpackage's too.
+    files = {
+        "Kptfile": kptfile(),
+        "deploy.yaml": DEPLOYMENT,
+        "db/Kptfile": kptfile(name="db"),
+        "db/cm.yaml": "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: db}\n",
+    }
+    run = twice(tmp_path, files, "eval", image, ".", "--", "namespace=prod")
+    assert run.code == 0, run.stderr
+    assert kptfile() in run.files["Kptfile"] and run.files["db/Kptfile"].startswith(
+        kptfile(name="db")
+    )
+    if image == "set-namespace":
+        assert "namespace: prod" in run.files["db/cm.yaml"]
+
+
+def test_an_evaluation_without_the_kptfiles_leaves_them_alone(tmp_path: Path) -> None:
+    # A file whose resources a function was not given is not the function's to remove.
+    from fnkernel.runtime_server.krm.evaluators.builtin import BuiltinEvaluator
+    from fnkernel.runtime_server.krm.pipeline import PipelineFunction, evaluate_one
+
+    root = write(tmp_path / "pkg", {"Kptfile": kptfile(), "deploy.yaml": DEPLOYMENT,
+                                     "db/Kptfile": kptfile(name="db")})  # fmt: skip
+    outcome = evaluate_one(root, PipelineFunction(image="no-op"), BuiltinEvaluator())
+    assert outcome.removed == [] and snapshot(root)["db/Kptfile"] == kptfile(name="db")
+    assert snapshot(root)["Kptfile"] == kptfile()

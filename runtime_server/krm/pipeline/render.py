@@ -273,6 +273,9 @@ def evaluate_one(
         package = load_package(root, require_kptfile=False)
         items = package.all_resources(meta=include_meta)
         before = package.all_texts()
+        if not include_meta:  # the Kptfiles are not the function's to keep or remove
+            for each in (package, *_all_below(package)):
+                before.pop(f"{each.relative}{KPTFILE}", None)
         if config_file is not None and config_file.resolve().is_relative_to(root.resolve()):
             # the function's own config, kept in the package, is not among its input (kpt)
             own = os.path.relpath(config_file.resolve(), root.resolve())
