@@ -28,6 +28,7 @@ from fnkernel.system.private import private_dir
 
 SECRETS_DIR = "secrets"  # one machine: STATE_DIR/SECRETS_DIR/NAME
 _LOCK_FILE = ".lock"  # not a name (_NAME): never listed
+_LAST_VERSION_FILE = ".version"  # the last version any set took, so that none is taken twice
 # A name that is a Kubernetes object name's tail too: fnkernel-secret-NAME.
 _NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 MAX_SECRET_KEYS = 64
@@ -155,11 +156,14 @@ def check_secret_names(names: object, field: str = "secrets") -> tuple[str, ...]
 class SecretFiles:
     """The secrets of one machine, in `directory` (STATE_DIR/secrets): NAME, each a JSON file
     {version, data},
-    0600 in a 0700 directory (README, "Security"), written whole or not at all."""
+    0600 in a 0700 directory (README, "Security"), written whole or not at all. A version is
+    the store's, as a Kubernetes resourceVersion is: each set takes the next, so a secret
+    deleted and set again never has a version it had before (a Run using it would not see it
+    change)."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self._lock = threading.Lock()  # a set's version is the one before it, plus one
+        self._lock = threading.Lock()  # a set's version is the last one taken, plus one
 
     def _path(self, name: str) -> Path:
         return private_dir(self.directory) / check_secret_name(name)
@@ -171,12 +175,18 @@ class SecretFiles:
         # secrets` on this machine's store): two sets must not both take the same version.
         with self._lock, open(private_dir(self.directory) / _LOCK_FILE, "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                version = int(json.loads(path.read_text())["version"]) + 1
-            except (FileNotFoundError, ValueError, KeyError, TypeError):
-                version = 1
+            version = self._last_version() + 1
+            write_private(private_dir(self.directory) / _LAST_VERSION_FILE, str(version))
             write_private(path, json.dumps({"version": version, "data": checked}))
         return Secret(name, str(version), tuple(sorted(checked)), checked)
+
+    def _last_version(self) -> int:
+        """The last version a set took: recorded, or (a store kept before versions were the
+        store's) the largest any secret has."""
+        try:
+            return int((private_dir(self.directory) / _LAST_VERSION_FILE).read_text())
+        except (FileNotFoundError, ValueError):
+            return max((int(secret.version) for secret in self.list()), default=0)
 
     def get(self, name: str) -> Secret:
         try:

@@ -63,14 +63,18 @@ def test_the_store_keeps_each_secret_private_and_versioned(tmp_path: Path) -> No
     secrets.delete("warehouse")
     with pytest.raises(SecretNotFound, match="'warehouse' does not exist"):
         secrets.get("warehouse")
+    # Set again after a delete, it has a version it never had: a Run that used it sees a change.
+    assert secrets.set("warehouse", {"PASSWORD": VALUE}).version == "3"
+    # Versions are the store's: another secret's set takes the next one too.
+    assert secrets.set("lake", {"K": "v"}).version == "4"
 
 
 def test_a_poll_reads_each_secret_once_however_many_runs_use_it(tmp_path: Path) -> None:
     # docs/protocol.md, "Secrets": runtimed sees a rotation at its next poll; a poll reads each
     # secret once (on Kubernetes a GET each), not once for every Run that uses it.
     store = SecretFiles(tmp_path)
-    store.set("warehouse", {"K": "v"})
-    store.set("lake", {"K": "v"})
+    store.set("warehouse", {"K": "v"})  # version 1
+    store.set("lake", {"K": "v"})  # version 2: the store's next
     reads: list[str] = []
 
     class Counting:
@@ -80,16 +84,16 @@ def test_a_poll_reads_each_secret_once_however_many_runs_use_it(tmp_path: Path) 
 
     counting: Any = Counting()
     seen: dict[str, str | None] = {}
-    assert rotated_secret(counting, {"warehouse": "1", "lake": "1"}, seen) == ""
+    assert rotated_secret(counting, {"warehouse": "1", "lake": "2"}, seen) == ""
     assert rotated_secret(counting, {"warehouse": "1"}, seen) == ""
     store.set("warehouse", {"K": "w"})
-    assert rotated_secret(counting, {"warehouse": "1", "lake": "1"}, seen) == ""  # this poll's
+    assert rotated_secret(counting, {"warehouse": "1", "lake": "2"}, seen) == ""  # this poll's
     assert sorted(reads) == ["lake", "warehouse"]
     assert rotated_secret(counting, {"warehouse": "1"}) == (
-        "secret 'warehouse' changed (version 1 → 2)"
+        "secret 'warehouse' changed (version 1 → 3)"
     )
     store.delete("lake")
-    assert rotated_secret(counting, {"lake": "1"}) == "secret 'lake' was deleted"
+    assert rotated_secret(counting, {"lake": "2"}) == "secret 'lake' was deleted"
 
 
 def _set_many(directory: str, times: int, go: Any) -> None:
