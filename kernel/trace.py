@@ -105,6 +105,24 @@ def decode_message(message: Any) -> Any:
     return message
 
 
+HIDDEN = "(hidden)"  # what a trace shows of an env value (README: env values are never shown)
+
+
+def _env_keys_only(message: Any) -> Any:
+    """`message` (a request or an answer, as JSON) with the value of every ``env`` entry hidden:
+    a Run's env is often where a key goes (``--env KEY``), and a trace is kept in the notebook."""
+    if isinstance(message, dict):
+        return {
+            key: {name: HIDDEN for name in value}
+            if key == "env" and isinstance(value, dict)
+            else _env_keys_only(value)
+            for key, value in message.items()
+        }
+    if isinstance(message, list):
+        return [_env_keys_only(item) for item in message]
+    return message
+
+
 def _is_read(method: str) -> bool:
     """A call that changes nothing: a gateway GET, or FunctionRuntime's FunctionStatus."""
     return method.startswith("GET ") or method.endswith("/FunctionStatus")
@@ -143,6 +161,7 @@ class Trace:
         spans, invocation_id)."""
         if self.on:
             internal = getattr(self._bookkeeping, "on", False) and _is_read(method)
+            request, response = _env_keys_only(request), _env_keys_only(response)
             call = TracedCall(method, request, status, latency_ms, response, internal, **traced)
             with self._lock:
                 self._calls.append(call)

@@ -110,3 +110,16 @@ def test_fn_trace_records_a_followed_calls_log_stream(
     streams = [row for row in rows if "/logs?follow=1" in row]
     assert len(streams) == 1 and "GET /v1/runs/waits/invocations/inv_" in streams[0]
     assert " 200 " in streams[0]
+
+
+def test_fn_trace_shows_env_keys_never_their_values(kernel: Kernel) -> None:
+    # README, "What a handler sees": env values are never shown; `--env KEY` exists so that a
+    # key set with %env is not written in the notebook — and a trace is kept in it.
+    assert kernel.run("%fn_trace on").ok
+    kernel.run("%env KEY=s3cr3t-v")
+    made = kernel.run("%%function k --env KEY\ndef handler(e):\n    return 1\n")
+    assert made.ok, made.stderr
+    shown = kernel.run("%fn_trace show")
+    (created,) = [line for line in shown.result.splitlines() if "POST /v1/runs " in line]
+    assert '"env": {"KEY": "(hidden)"}' in created  # its place in the request, within the cut
+    assert "s3cr3t-v" not in shown.result + shown.htmls()[-1]
