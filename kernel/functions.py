@@ -61,6 +61,13 @@ class PayloadNotArrow(PayloadNotSent):
     """The payload is of an Arrow kind that Arrow cannot hold, with Arrow's reason."""
 
 
+class BadArgument(ValueError):
+    """An argument a function's call cannot take (a negative timeout): one line naming it."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"ValueError: {self}"]
+
+
 class InvocationInterrupted(KeyboardInterrupt):
     """The kernel was interrupted during an invocation: the call was cancelled and the handler
     killed; the function stays registered. Shown as one line, not a stack."""
@@ -146,6 +153,7 @@ class Function:
         DataFrame, table or array as Arrow IPC, bytes as octets, the rest as JSON); `timeout`
         in seconds overrides ``--timeout``."""
         timeout = self.timeout if timeout is None else timeout
+        millis = self._millis(timeout, "invoke")
         try:
             # An Arrow kind as its table, which the client writes straight to the stack's spool
             # (docs/protocol.md, "Large payloads"): never whole in memory as bytes first.
@@ -167,7 +175,7 @@ class Function:
             result = client.invoke(
                 self.name,
                 outgoing,
-                timeout_millis=round(timeout * 1000) if timeout else 0,
+                timeout_millis=millis,
                 invocation_id=invocation_id,
                 on_log=lines,
             )
@@ -225,6 +233,7 @@ class Function:
 
         work = payloads.items_of(items)
         timeout = self.timeout if timeout is None else timeout
+        millis = self._millis(timeout, "map")
         bar = MapBar(self.name, len(work), display)
         printers: dict[int, LiveLines] = {}
 
@@ -240,7 +249,7 @@ class Function:
             results = client.map(
                 self.name, work, concurrency=concurrency,
                 return_exceptions=return_exceptions,
-                timeout_millis=round(timeout * 1000) if timeout else 0, progress=bar.progress,
+                timeout_millis=millis, progress=bar.progress,
                 on_log=on_log,
             )  # fmt: skip
         except HandlerFailed as failed:
@@ -280,6 +289,18 @@ class Function:
         ]
         bar.end(failed=sum(isinstance(result, BaseException) for result in results))
         return results
+
+    def _millis(self, timeout: float | None, call: str) -> int:
+        """`timeout` (seconds; None or 0: the function's own) in milliseconds; a negative one,
+        or one that is not a number, is a one-line error naming the call."""
+        if timeout is None or timeout == 0:
+            return 0
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise BadArgument(
+                f"{self.name}.{call}: timeout must be seconds above 0 (or None, for "
+                f"--timeout's), got {timeout!r}"
+            )
+        return max(1, round(timeout * 1000))
 
     def _wait_replicas_free(self) -> None:
         """After a map's calls were cancelled: as after one call, wait (briefly) until every

@@ -21,6 +21,7 @@ from fnkernel.runtime_server import limits, payloads, wire
 from fnkernel.runtime_server.client.errors import (
     FunctionNotFound,
     GatewayError,
+    InvalidRequest,
     PayloadTooLarge,
     SecretNotFound,
     UnsupportedMediaType,
@@ -212,6 +213,7 @@ class Client(Transport):
         as it is written once the call has run for FOLLOW_AFTER_SECONDS (from another
         thread), else — a quicker call, or when no live stream could be had — from its result
         or failure before this returns or raises (docs/protocol.md, "Live output")."""
+        _check_timeout(timeout_millis)
         if data is not None:
             if payload is not None:
                 raise TypeError("invoke takes a payload or data=, not both")
@@ -448,6 +450,7 @@ class Client(Transport):
         work = payloads.items_of(items)
         if concurrency is not None and concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
+        _check_timeout(timeout_millis)
         # A client of its own: cancelling it cancels this map's calls and nobody else's.
         calls = _MapClient(self)
         # On the stack's machine, a lane (a Run: the function's, or each replica's) per
@@ -544,6 +547,22 @@ def _result(
         spans=spans,
         spooled=spooled,
     )
+
+
+def _check_timeout(timeout_millis: int) -> None:
+    """A timeout that is not a count of milliseconds, refused before anything is sent, as the
+    gateway refuses its header (400)."""
+    if (
+        isinstance(timeout_millis, bool)
+        or not isinstance(timeout_millis, int)
+        or timeout_millis < 0
+    ):
+        raise InvalidRequest(
+            f"timeout_millis: must be a count of milliseconds (0: the function's own), got "
+            f"{timeout_millis!r}",
+            code="INVALID_ARGUMENT",
+            status=400,
+        )
 
 
 def _json_header(reply: Headers, name: str, empty: Any) -> Any:

@@ -131,10 +131,15 @@ class MapRun:
                         return
                     taken = range(self._next, min(self._next + self._batch, len(self._work)))
                     self._next = taken.stop
-                if lane is None:
-                    self._one(taken.start)
-                else:
-                    self._batched(lane, taken)
+                try:
+                    if lane is None:
+                        self._one(taken.start)
+                    else:
+                        self._batched(lane, taken)
+                except Exception as error:  # not a call's failure: every item left fails by it
+                    for index in taken:
+                        if not self._finished[index]:
+                            self._failed(index, error)
         finally:
             with self._lock:
                 self._working -= 1

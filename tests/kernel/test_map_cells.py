@@ -51,6 +51,14 @@ def test_map_calls_a_function_of_replicas_once_per_item_with_progress(kernel: Ke
                          "for r in square.map([1, 13, 2], return_exceptions=True)]")  # fmt: skip
     assert mixed[0] == 1 and mixed[2] == 4 and "thirteen" in mixed[1]
     assert kernel.value("square(3)") == 9  # still registered, both replicas free
+    # A timeout a call cannot take is one line naming it, before anything is called.
+    for call in ("square.map([1, 2], timeout=-5)", "square.invoke(2, timeout=-1)"):
+        refused = kernel.run(call)
+        assert refused.error is not None and refused.error["ename"] == "BadArgument", call
+        assert refused.error["traceback"] == [
+            f"ValueError: {call.split('(')[0]}: timeout must be seconds above 0 (or None, for "
+            f"--timeout's), got {call.rsplit('=', 1)[1].rstrip(')')}"
+        ]
     # %functions: one row for the function, with its replicas.
     rows = kernel.run("%functions square").result.splitlines()
     assert [row.split()[0] for row in rows[1:-1]] == ["square"]

@@ -149,6 +149,12 @@ def test_map_returns_results_in_input_order_with_progress(stack: Stack) -> None:
                    progress=lambda d, t: seen.append((d, t)))  # fmt: skip
     assert len(seen) - calls_before == 1  # the failure, and nothing after it
     assert client.map("m", []) == []
+    # A timeout that is not a count of milliseconds is refused before anything is called, as
+    # the gateway refuses its header (400, naming it), not left to a map's threads.
+    for refused in (lambda: client.map("m", [{"n": 1}], timeout_millis=-5),
+                    lambda: client.invoke("m", {"n": 1}, timeout_millis=-5)):  # fmt: skip
+        with pytest.raises(InvalidRequest, match="timeout_millis: must be a count"):
+            refused()
     client.delete_run("m")
 
 
