@@ -3,6 +3,9 @@ is ("Ownership")."""
 
 from __future__ import annotations
 
+import keyword
+import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -33,6 +36,26 @@ class Spec:
     @property
     def filename(self) -> str:
         return f"{self.name}.{RUNTIMES[self.runtime].extension}"
+
+    def name_problem(self) -> str:
+        """Why the cell cannot have its name, or "": a keyword cannot be called from a cell;
+        a Python cell's file, first on the handler's import path, would hide a module of the
+        same name from the handler and from every library it imports (a standard library
+        module, or a package it requires)."""
+        if keyword.iskeyword(self.name):  # a soft one (match, type) is a name too
+            return f"{self.name} is a Python keyword: a cell could not call it"
+        if self.filename != f"{self.name}.py":
+            return ""
+        if self.name in sys.stdlib_module_names:
+            hidden = "a module of Python's standard library"
+        elif self.name in {_module_name(requirement) for requirement in self.requirements}:
+            hidden = "a package it requires"
+        else:
+            return ""
+        return (
+            f"{self.name} is {hidden}: the cell's file {self.filename} would hide it from the "
+            "handler and the libraries it imports"
+        )
 
     @property
     def all_files(self) -> dict[str, str]:
@@ -66,3 +89,10 @@ def owner_of(source: str) -> str:
         _, mark, owner = source.partition(_OWNER_MARK)
         return owner if mark else "a kernel of an earlier fnkernel"
     return f"its creator ({source})" if source else "its creator (the CLI or the HTTP API)"
+
+
+def _module_name(requirement: str) -> str:
+    """The name a requirement's distribution is most often imported by (``typing-extensions``
+    → ``typing_extensions``)."""
+    found = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", requirement)
+    return re.sub(r"[-.]+", "_", found[1]).lower() if found else ""

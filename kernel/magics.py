@@ -236,6 +236,8 @@ class FunctionMagics(Magics):
             requirements=tuple(requirements),
             secrets=tuple(args.secret),
         )
+        if problem := spec.name_problem():
+            raise UsageError(f"%%function {args.name}: {problem}; name the function otherwise")
         if spec.filename in files:
             raise UsageError(
                 f"%%function {args.name} --include: {spec.filename} is the cell's own file; "

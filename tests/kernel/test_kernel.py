@@ -367,6 +367,25 @@ def test_bad_flags_raise_a_one_line_usage_error(kernel: Kernel, line: str, messa
     assert "\n" not in text
 
 
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("%%function class", "class is a Python keyword: a cell could not call it"),
+        ("%%function csv", "csv is a module of Python's standard library: the cell's file "
+                           "csv.py would hide it from the handler"),  # fmt: skip
+        ("%%function polars --requirements polars", "polars is a package it requires"),
+    ],
+)
+def test_a_name_the_handler_could_not_live_with_is_refused(
+    kernel: Kernel, line: str, message: str
+) -> None:
+    # README, "What a handler sees": the cell is its Run's NAME.py, first on the handler's
+    # import path — so it would stand in for a module of that name, in every library too.
+    cell = kernel.run(f"{line}\ndef handler(event):\n    return 1\n")
+    assert cell.reply["content"]["ename"] == "UsageError"
+    assert message in cell.stderr and "name the function otherwise" in cell.stderr
+
+
 def test_functions_table_lists_live_state(kernel: Kernel) -> None:
     kernel.run(ETL)
     text = kernel.run("%functions").result
