@@ -371,8 +371,11 @@ def test_bad_flags_raise_a_one_line_usage_error(kernel: Kernel, line: str, messa
     ("line", "message"),
     [
         ("%%function class", "class is a Python keyword: a cell could not call it"),
-        ("%%function csv", "csv is a module of Python's standard library: the cell's file "
-                           "csv.py would hide it from the handler"),  # fmt: skip
+        (
+            "%%function csv",
+            "csv is a module of Python's standard library: the cell's file "
+            "csv.py would hide it from the handler",
+        ),  # fmt: skip
         ("%%function polars --requirements polars", "polars is a package it requires"),
     ],
 )
