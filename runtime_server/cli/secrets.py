@@ -26,21 +26,26 @@ from fnkernel.runtime_server.cli.common import (
 
 
 def env_file(text: str) -> dict[str, str]:
-    """An env file's variables: ``KEY=VALUE`` lines (``export`` before one is allowed), blank
-    lines and ``#`` comments skipped, one pair of matching quotes around a value taken off.
-    UsageError names a line that is none of these by its number, never its text."""
-    found = {}
-    for number, line in enumerate(text.splitlines(), 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        key, sep, value = line.removeprefix("export ").partition("=")
-        if not sep or not key.strip():
-            raise UsageError(f"--from-env-file: line {number} is not KEY=VALUE")
-        value = value.strip()
-        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
-            value = value[1:-1]
-        found[key.strip()] = value
+    """An env file's variables as dotenv and Docker Compose read them (python-dotenv's parser):
+    ``KEY=VALUE`` lines, ``export`` before one, blank lines and ``#`` comments (after an
+    unquoted value too), single or double quotes (a double-quoted value's escapes, a quoted
+    value over several lines: a PEM key). Nothing is interpolated: a ``$`` in a password stays
+    one. UsageError names a line that is none of these by its number, never its text."""
+    import io
+
+    from dotenv.parser import parse_stream
+
+    found: dict[str, str] = {}
+    for binding in parse_stream(io.StringIO(text)):
+        if binding.key is None and not binding.error:
+            continue  # a blank line or a comment
+        if binding.error or binding.key is None or binding.value is None:
+            # The statement's text begins with the blank lines before it.
+            statement = binding.original.string
+            blank = statement[: len(statement) - len(statement.lstrip())].count("\n")
+            line = binding.original.line + blank
+            raise UsageError(f"--from-env-file: line {line} is not KEY=VALUE")
+        found[binding.key] = binding.value
     return found
 
 

@@ -375,7 +375,7 @@ def test_bad_flags_raise_a_one_line_usage_error(kernel: Kernel, line: str, messa
             "%%function csv",
             "csv is a module of Python's standard library: the cell's file "
             "csv.py would hide it from the handler",
-        ),  # fmt: skip
+        ),
         ("%%function polars --requirements polars", "polars is a package it requires"),
     ],
 )

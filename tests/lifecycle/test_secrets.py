@@ -226,3 +226,24 @@ def test_a_missing_secret_fails_the_registration_naming_it(
     # Through the gateway as on the secrets' directory: the class says what is not found.
     assert gone.returncode == 1
     assert "SecretNotFound: secret 'nowhere' does not exist" in gone.stderr, gone.stderr
+
+
+def test_an_env_file_is_read_as_dotenv_reads_it() -> None:
+    # docs/protocol.md, "Secrets": `--from-env-file` takes KEY=VALUE lines, `export` and quotes,
+    # `#` comments — as a .env file copied from dotenv or Docker Compose means them.
+    from fnkernel.runtime_server.cli.common import UsageError
+    from fnkernel.runtime_server.cli.secrets import env_file
+
+    text = (
+        '# the warehouse\n\nexport TOKEN="tok en#1"  # issued in May\n'
+        "PLAIN=val # a comment\nQUOTED='single $HOME' \nSPACED=a b  c\n"
+        'KEY="-----BEGIN KEY-----\nMIIB\n-----END KEY-----"\nESCAPED="a\\"b\\n"\nEMPTY=\n'
+    )
+    assert env_file(text) == {
+        "TOKEN": "tok en#1", "PLAIN": "val", "QUOTED": "single $HOME", "SPACED": "a b  c",
+        "KEY": "-----BEGIN KEY-----\nMIIB\n-----END KEY-----", "ESCAPED": 'a"b\n', "EMPTY": "",
+    }  # fmt: skip
+    for bad, line in ((f"A=1\n{VALUE}\n", 2), ("A=1\n\nNOVALUE\n", 3)):
+        with pytest.raises(UsageError) as refused:
+            env_file(bad)
+        assert str(refused.value) == f"--from-env-file: line {line} is not KEY=VALUE"
