@@ -320,6 +320,8 @@ def test_bad_invoke_request_is_400_naming_the_field(
         ({"runtime": "cobol"}, "runtime"),
         ({"files": {"../escape.py": "x = 1"}}, "files"),
         ({"env": {"1BAD": "v"}}, "env"),
+        # A misspelt field is refused, not left to its default (docs/protocol.md, "HTTP API").
+        ({"memoryMB": 4096, "replica": 3}, "memoryMB: is not a field of a Run; its fields: "),
     ],
 )
 def test_bad_create_request_is_400_naming_the_field(

@@ -364,6 +364,14 @@ class NoSuchPath(BaseHandler):
         raise FailureResponse("NOT_FOUND", f"no such path: {self.request.path[:200]}")
 
 
+# What a Run is created with (docs/protocol.md, "HTTP API"): a field besides these is a typo,
+# refused rather than left to its default (``memoryMB`` for ``memoryMb``).
+RUN_FIELDS = frozenset(
+    ("name", "runtime", "handler", "files", "env", "idleTimeoutSeconds", "memoryMb",
+     "replicas", "requirements", "secrets", "source")
+)  # fmt: skip
+
+
 class RunsHandler(TracedHandler, BodyHandler):
     route = "/v1/runs"  # a registration's spans are exported only (docs/protocol.md, "Tracing")
     # The files' text, at most 6 MiB in all (controlplane.check_files), grows when JSON escapes it.
@@ -375,6 +383,10 @@ class RunsHandler(TracedHandler, BodyHandler):
 
     async def post(self) -> None:
         body = self.json_body()
+        if unknown := sorted(set(body) - RUN_FIELDS):
+            raise InvalidField(
+                unknown[0], f"is not a field of a Run; its fields: {', '.join(sorted(RUN_FIELDS))}"
+            )
         files = body.get("files")
         env = body.get("env") or {}
         if not isinstance(files, dict):
