@@ -101,12 +101,19 @@ def _map(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise UsageError(f"--map {args.map}: cannot read it: {exc.strerror}") from None
     items = []
-    for number, line in enumerate(data.splitlines(), 1):
-        if line.strip():
-            try:
-                items.append(json.loads(line))
-            except ValueError as exc:  # UnicodeDecodeError too: bytes that are not text
-                raise UsageError(f"--map {args.map}: line {number} is not JSON: {exc}") from None
+    lines = data.splitlines()
+    while lines and not lines[-1].strip():  # blank lines at the end are no calls
+        lines.pop()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():  # a result line for each input line: none may be skipped
+            raise UsageError(
+                f"--map {args.map}: line {number} is empty; each line is one call's JSON "
+                "payload, and its result the same line of the output"
+            )
+        try:
+            items.append(json.loads(line))
+        except ValueError as exc:  # UnicodeDecodeError too: bytes that are not text
+            raise UsageError(f"--map {args.map}: line {number} is not JSON: {exc}") from None
     shown = [0.0]
 
     def progress(done: int, total: int) -> None:

@@ -232,6 +232,14 @@ def test_invoke_map_from_the_cli_prints_a_line_per_item_in_order(
     assert refused.returncode == 2, refused.stderr
     assert f"--map {binary}: line 2 is not JSON" in refused.stderr
     assert "Traceback" not in refused.stderr
+    # A blank line between items would put every later result on another line than its item.
+    gap = tmp_path / "gap.jsonl"
+    gap.write_text('{"n": 1}\n\n{"n": 2}\n\n')
+    refused = subprocess.run(
+        [*cli, "invoke", "cm", "--map", str(gap), "--gateway", stack.gateway_address],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert refused.returncode == 2 and f"--map {gap}: line 2 is empty" in refused.stderr
     assert client.status("cm")["spec"]["replicas"] == 2
     client.delete_run("cm")
 
