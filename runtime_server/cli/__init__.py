@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import re
 import sys
 from collections.abc import Sequence
 
@@ -34,6 +35,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_NEGATIVE_NUMBER = re.compile(r"-\d+(\.\d*)?([eE][+-]?\d+)?")  # a JSON payload, not a flag
+
+
+def _payload_after_flags(args: argparse.Namespace, extra: str) -> bool:
+    """`extra`, left over by argparse, is invoke's payload written after its flags."""
+    return (
+        args.command == "invoke"
+        and args.payload is None
+        and (
+            not extra.startswith("-")
+            or extra == "-"
+            or _NEGATIVE_NUMBER.fullmatch(extra) is not None
+        )
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from fnkernel.runtime_server.client.errors import GatewayError, InvalidRequest
     from fnkernel.runtime_server.errors import StoreDamaged
@@ -44,7 +61,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if (argv[:1] == ["eval"] or argv[:2] == ["fn", "eval"]) and "--" in argv:
         cut = argv.index("--")
         argv, pairs = argv[:cut], argv[cut + 1 :]
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extras = parser.parse_known_args(argv)
+    if len(extras) == 1 and _payload_after_flags(args, extras[0]):
+        # `invoke NAME --timeout-ms 5000 '{...}'`: argparse has matched the optional payload
+        # (as absent) before the flags, so it is left over; it is the payload all the same.
+        args.payload, extras = extras[0], []
+    if extras:
+        parser.error(f"unrecognized arguments: {' '.join(extras)}")
     if pairs is not None:
         args.pairs = pairs
     from fnkernel.runtime_server import daemon

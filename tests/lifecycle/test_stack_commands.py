@@ -205,6 +205,17 @@ def test_cli_flags_that_cannot_apply_are_usage_errors_and_nothing_is_left_half_w
         assert refused.returncode == 2, refused.stderr
         assert f"{flag} is for one call" in refused.stderr
     assert not (tmp_path / "out").exists()
+    # A payload may follow the flags, as any argument may (a negative number too).
+    for payload in ('{"a": 1}', "-5", "-"):
+        late = subprocess.run(
+            [sys.executable, "-m", "fnkernel.runtime_server.cli", "invoke", "cli-flags",
+             "--timeout-ms", "5000", payload, *gateway],
+            input='"stdin"', capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert late.returncode == 0, late.stderr
+        assert json.loads(late.stdout) == ("stdin" if payload == "-" else json.loads(payload))
+    stray = fnkernel("invoke", "cli-flags", "--timeout-ms", "5", "1", "2", *gateway)
+    assert stray.returncode == 2 and "unrecognized arguments: 1 2" in stray.stderr
     alone = fnkernel("invoke", "cli-flags", "1", "--concurrency", "2", *gateway)
     assert alone.returncode == 2 and "--concurrency is for --map" in alone.stderr
     into_dir = fnkernel("invoke", "cli-flags", "1", "--output", str(tmp_path), *gateway)
