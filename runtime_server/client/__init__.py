@@ -77,10 +77,16 @@ def read_source(path: Path) -> dict[str, str]:
                 files[file.relative_to(path).as_posix()] = file
     else:
         raise FileNotFoundError(f"source {path} does not exist")
-    try:
-        return {name: file.read_text(encoding="utf-8") for name, file in files.items()}
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"source {path}: every file must be UTF-8 text ({exc.reason})") from None
+    texts = {}
+    for name, file in files.items():
+        try:
+            texts[name] = file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(
+                f"source {path}: {name} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                "every file of a Run must be"
+            ) from None
+    return texts
 
 
 class Client(Transport):

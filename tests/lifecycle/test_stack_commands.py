@@ -191,6 +191,15 @@ def test_cli_flags_that_cannot_apply_are_usage_errors_and_nothing_is_left_half_w
     created = fnkernel("runs", "create", "cli-flags", "--runtime", "python", "--source",
                        str(source), "--handler", "handler.handle", *gateway)  # fmt: skip
     assert created.returncode == 0, created.stderr
+    # A Run's files are text: a file that is not is named, with where it stops being text.
+    binary = tmp_path / "with-binary"
+    (binary / "data").mkdir(parents=True)
+    (binary / "handler.py").write_text("def handle(event):\n    return event\n")
+    (binary / "data" / "blob.bin").write_bytes(b"ok\xff\xfe")
+    refused = fnkernel("runs", "create", "cli-binary", "--runtime", "python", "--source",
+                       str(binary), "--handler", "handler.handle", *gateway)  # fmt: skip
+    assert refused.returncode == 2
+    assert "data/blob.bin is not UTF-8 text (invalid start byte at byte 2)" in refused.stderr
     lines = tmp_path / "items.jsonl"  # their results past what a pipe holds (64 KiB)
     lines.write_text("".join(f'"{n:04d}{"x" * 1020}"\n' for n in range(200)))
     for extra, flag in [
