@@ -30,6 +30,9 @@ if TYPE_CHECKING:  # loaded when a KRM command runs: they load ruamel.yaml
     from fnkernel.runtime_server.krm.pipeline import Outcome, Step
 
 
+_SHOWN_RESULTS = 5  # of a failed step's results, under its line
+
+
 def _step_line(step: Step, number: int) -> str:
     mark = "ok" if step.ok else "FAILED"
     where = f"{step.package}: " if step.package else ""
@@ -43,6 +46,12 @@ def _step_line(step: Step, number: int) -> str:
         line += " · " + ", ".join(f"{n} {severity}" for severity, n in sorted(counts.items()))
     if step.error:
         line += f"\n    {step.error}"
+    if not step.ok:  # what the function said of its failure (kpt prints its results too)
+        for result in step.results[:_SHOWN_RESULTS]:
+            line += f"\n    {result.get('severity', 'info')}: {result.get('message', '')}"
+        if len(step.results) > _SHOWN_RESULTS:
+            more = len(step.results) - _SHOWN_RESULTS
+            line += f"\n    … {more} more (--output json, or kpt's fn eval --results-dir)"
     return line
 
 

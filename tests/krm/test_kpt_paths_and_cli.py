@@ -324,3 +324,16 @@ def test_an_evaluation_without_the_kptfiles_leaves_them_alone(tmp_path: Path) ->
     outcome = evaluate_one(root, PipelineFunction(image="no-op"), BuiltinEvaluator())
     assert outcome.removed == [] and snapshot(root)["db/Kptfile"] == kptfile(name="db")
     assert snapshot(root)["Kptfile"] == kptfile()
+
+
+def test_a_failed_step_says_why_in_each_report(tmp_path: Path) -> None:
+    # docs/krm.md, "CLI": a failed step's line is followed by what the function said of it
+    # (its results), and kpt's report shows why a command could not run at all.
+    files = {"Kptfile": kptfile(), "deploy.yaml": DEPLOYMENT}
+    run = twice(tmp_path / "eval", files, "eval", "set-labels", ".")
+    assert run.code == 1 and run.files == files
+    assert "FAILED · 1 info\n" in run.stderr
+    assert "\n    info: `FunctionConfig` is not given\n" in run.stderr
+    run = twice(tmp_path / "exec", files, "fn", "eval", ".", "--exec", "./no-such-binary")
+    assert run.code == 1 and run.files == files
+    assert "  Stderr:\n    failed to execute ./no-such-binary: [Errno 2] No such file" in run.stderr

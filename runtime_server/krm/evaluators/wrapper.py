@@ -34,7 +34,10 @@ class WrapperEvaluator:
         try:
             code, stdout, stderr = run_function(self.entrypoint, request.serialized(), deadline)
         except EvaluatorSystemError as exc:
-            raise FunctionError(f"failed to execute: {exc}", exit_code=-1) from None
+            # Why, in stderr too: kpt's report of a failed step shows its stderr, not its error.
+            raise FunctionError(
+                f"failed to execute: {exc}", exit_code=-1, stderr=str(exc)
+            ) from None
         log = stderr.decode("utf-8", "replace")
         if out_of_memory(code, stderr):
             why = memory_message(self.label)
