@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -52,6 +53,21 @@ def count(text: str) -> int:
         return limits.parse_count(text, "value")
     except InvalidField as exc:
         raise argparse.ArgumentTypeError(exc.reason) from None
+
+
+def results_dir(text: str) -> str:
+    """argparse type: a directory results.yaml can be written in, made if it is missing —
+    checked before any function runs, not once the pipeline has."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file, not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot make {text}: {exc.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write in {text}")
+    return text
 
 
 MAX_FLAG_SECONDS = 86_400.0

@@ -21,6 +21,7 @@ from fnkernel.runtime_server.cli.common import (
     add_chain_flags,
     bounds_from_flags,
     chain_from_flags,
+    results_dir,
 )
 
 if TYPE_CHECKING:  # loaded when a KRM command runs: they load ruamel.yaml
@@ -356,7 +357,9 @@ def add_fn_group(commands: Any) -> None:
     render = group.add_parser("render", help="run a package's Kptfile pipeline (kpt fn render)")
     render.add_argument("dir", metavar="DIR", nargs="?", default=".")
     render.add_argument("--allow-exec", action="store_true", help="allow `exec` pipeline steps")
-    render.add_argument("--results-dir", metavar="D", help="write results.yaml there")
+    render.add_argument(
+        "--results-dir", metavar="D", type=results_dir, help="write results.yaml there"
+    )
     render.add_argument(
         "-o", "--output", metavar="stdout|unwrap|DIR", help="send the output elsewhere"
     )
@@ -373,7 +376,9 @@ def add_fn_group(commands: Any) -> None:
     evaluate.add_argument("-i", "--image", help="the function's image")
     evaluate.add_argument("--exec", dest="exec_command", metavar="CMD", help="a local program")
     evaluate.add_argument("--fn-config", metavar="F", help="the function config (one KRM object)")
-    evaluate.add_argument("--results-dir", metavar="D", help="write results.yaml there")
+    evaluate.add_argument(
+        "--results-dir", metavar="D", type=results_dir, help="write results.yaml there"
+    )
     evaluate.add_argument("-o", "--output", metavar="stdout|unwrap|DIR")
     evaluate.add_argument(
         "-m", "--include-meta-resources", action="store_true", help="give it the Kptfiles too"

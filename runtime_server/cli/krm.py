@@ -24,6 +24,7 @@ from fnkernel.runtime_server.cli.common import (
     chain_from_flags,
     client_of,
     count,
+    results_dir,
 )
 
 if TYPE_CHECKING:  # loaded when a KRM command runs: they load ruamel.yaml
@@ -228,7 +229,10 @@ def register(commands: Any) -> None:
     render.add_argument("--allow-exec", action="store_true", help="allow `exec` pipeline steps")
     render.add_argument("--dry-run", action="store_true", help="run, but write no file")
     render.add_argument(
-        "--results-dir", metavar="D", help="write results.yaml (FunctionResultList)"
+        "--results-dir",
+        metavar="D",
+        type=results_dir,
+        help="write results.yaml (FunctionResultList)",
     )
     render.add_argument("--output", choices=("text", "json"), default="text")
     add_chain_flags(render)

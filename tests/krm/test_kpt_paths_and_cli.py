@@ -5,6 +5,8 @@ every case runs twice on a fresh copy and must come out the same."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -337,3 +339,22 @@ def test_a_failed_step_says_why_in_each_report(tmp_path: Path) -> None:
     run = twice(tmp_path / "exec", files, "fn", "eval", ".", "--exec", "./no-such-binary")
     assert run.code == 1 and run.files == files
     assert "  Stderr:\n    failed to execute ./no-such-binary: [Errno 2] No such file" in run.stderr
+
+
+@pytest.mark.parametrize("command", [["fn", "render"], ["render"]])
+def test_a_results_dir_that_cannot_be_written_is_refused_before_anything_runs(
+    tmp_path: Path, command: list[str]
+) -> None:
+    # A usage error names the flag at once, not an errno once every function has run.
+    files = {"Kptfile": kptfile("pipeline:\n  mutators:\n    - image: set-namespace\n"
+                                "      configMap: {namespace: prod}\n"), "deploy.yaml": DEPLOYMENT}  # fmt: skip
+    package = write(tmp_path / "pkg", files)
+    (tmp_path / "afile").write_text("")
+    done = subprocess.run(
+        [sys.executable, "-m", "fnkernel.runtime_server.cli", *command, str(package),
+         "--results-dir", str(tmp_path / "afile")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert f"argument --results-dir: {tmp_path / 'afile'} is a file, not a directory" in done.stderr
+    assert snapshot(package) == files  # nothing ran: not even the Kptfile's render status
