@@ -147,12 +147,10 @@ def check_env(env: Mapping[str, str]) -> dict[str, str]:
     return dict(env)
 
 
-def check_idle_timeout(seconds: int) -> int:
+def check_idle_timeout(seconds: int, field: str = "idle_timeout_seconds") -> int:
     """0 means the runtimed default; the Runtime Server only bounds it."""
     if not 0 <= seconds <= MAX_IDLE_TIMEOUT_SECONDS:
-        raise InvalidField(
-            "idle_timeout_seconds", f"must be 0 to {MAX_IDLE_TIMEOUT_SECONDS}, got {seconds}"
-        )
+        raise InvalidField(field, f"must be 0 to {MAX_IDLE_TIMEOUT_SECONDS}, got {seconds}")
     return seconds
 
 

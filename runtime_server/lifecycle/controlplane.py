@@ -138,7 +138,9 @@ def checked_spec(
     return replace(
         spec,
         env=limits.check_env(spec.env),
-        idle_timeout_seconds=limits.check_idle_timeout(spec.idle_timeout_seconds)
+        idle_timeout_seconds=limits.check_idle_timeout(
+            spec.idle_timeout_seconds, "idleTimeoutSeconds"
+        )
         or limits.DEFAULT_IDLE_TIMEOUT_SECONDS,
         memory_mb=limits.check_memory_mb(spec.memory_mb, "memoryMb"),
         requirements=limits.check_requirements(spec.requirements, spec.runtime),

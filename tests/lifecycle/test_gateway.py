@@ -322,6 +322,8 @@ def test_bad_invoke_request_is_400_naming_the_field(
         ({"env": {"1BAD": "v"}}, "env"),
         # A misspelt field is refused, not left to its default (docs/protocol.md, "HTTP API").
         ({"memoryMB": 4096, "replica": 3}, "memoryMB: is not a field of a Run; its fields: "),
+        # A field is named as the request spells it (the API's JSON, not the gRPC message's).
+        ({"idleTimeoutSeconds": -1}, "idleTimeoutSeconds: must be 0 to 86400, got -1"),
     ],
 )
 def test_bad_create_request_is_400_naming_the_field(
