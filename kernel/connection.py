@@ -217,7 +217,7 @@ class Runtime:
         from fnkernel.runtime_server.lifecycle.stack import (
             Stack,  # only now: plain cells never pay for it
         )
-        from fnkernel.runtime_server.lifecycle.topology import default_state_dir
+        from fnkernel.runtime_server.lifecycle.topology import PACKAGES_DIR, default_state_dir
         from fnkernel.system.private import private_tempdir, sweep
 
         bound = os.environ.get(MAX_PAYLOAD_ENV, "")
@@ -234,8 +234,11 @@ class Runtime:
             gateway_listen=f"unix:{state_dir / 'gateway.sock'}",
             poll_interval=1.0,
             prewarmed=self._prewarmed,
-            # The user's secrets, which outlive this kernel (docs/protocol.md, "Secrets").
+            # The user's secrets, which outlive this kernel (docs/protocol.md, "Secrets"), and
+            # the machine's installed requirements, which every kernel's Runs share
+            # ("Requirements"): not installed again by each kernel.
             secrets_dir=default_state_dir() / SECRETS_DIR,
+            packages_dir=default_state_dir() / PACKAGES_DIR,
             max_payload_bytes=max_payload,
         )
         try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -26,6 +27,17 @@ from tests.support import (
 SLOW_FIXTURES = frozenset(
     {"stack_factory", "cluster", "kernel", "fnkernel_spec", "server_process", "kube_api"}
 )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A kernel's embedded runtime keeps the user's secrets and the machine's installed
+    requirements in the user's state dir (docs/protocol.md, "Secrets", "Requirements"): the
+    kernels and stacks the tests start keep theirs in one of the session's own, not the home
+    directory's (a test that means another names it)."""
+    if "FNKERNEL_STATE_DIR" not in os.environ:
+        made = tempfile.mkdtemp(prefix="fnkernel-tests-state-")
+        os.environ["FNKERNEL_STATE_DIR"] = made
+        config.add_cleanup(lambda: shutil.rmtree(made, ignore_errors=True))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -30,14 +30,17 @@ def runtimed_args(
     state_dir: Path,
     workspace: Path,
     secrets_dir: Path | None = None,
+    packages_dir: Path | None = None,
 ) -> list[str]:
     """``fnkernel runtimed``: the agent of one Runtime Pod, beside its server; it writes its
-    Runs' files into `workspace`."""
+    Runs' files into `workspace`, and installs their requirements in `packages_dir` (default
+    STATE_DIR/packages)."""
     return [
         "runtimed", "--pod", pod, "--runtime", runtime, "--server", server, "--listen", listen,
         "--poll-interval", str(poll_interval), "--state-dir", str(state_dir),
         "--workspace", str(workspace),
         *(["--secrets-dir", str(secrets_dir)] if secrets_dir is not None else []),
+        *(["--packages", str(packages_dir)] if packages_dir is not None else []),
     ]  # fmt: skip
 
 

@@ -94,6 +94,7 @@ class LocalProvisioner:
         secrets_dir: Path | None = None,
         spool: Callable[[], Path] = lambda: Path(),
         max_payload_bytes: int = limits.DEFAULT_MAX_SPOOLED_BYTES,
+        packages_dir: Path | None = None,
     ) -> None:
         """`components`: the supervised list its components join; `launch`: starts one;
         `spool`: the directory every pod spools large payloads in, each at most
@@ -102,6 +103,7 @@ class LocalProvisioner:
         self._max_payload = max_payload_bytes
         self.state_dir = state_dir
         self.secrets_dir = secrets_dir
+        self.packages_dir = packages_dir
         self.workspace_root = workspace_root
         self._sockets = sockets
         self.poll_interval = poll_interval
@@ -121,7 +123,7 @@ class LocalProvisioner:
         listen = f"unix:{sockets / pod}.rtd.sock"
         runtimed = daemon.runtimed_args(
             pod, runtime, server, listen, self.poll_interval, self.state_dir, workspace,
-            self.secrets_dir,
+            self.secrets_dir, self.packages_dir,
         )  # fmt: skip
         self._pods[pod] = runtime
         self._launch(Component(f"{pod}-server", serve))
@@ -175,12 +177,14 @@ class Stack:
         prewarmed: daemon.Prewarmed | None = None,
         secrets_dir: Path | None = None,
         max_payload_bytes: int = limits.DEFAULT_MAX_SPOOLED_BYTES,
+        packages_dir: Path | None = None,
     ) -> None:
         """`token_file`: the gateway's bearer token; without one, a gateway on TCP gets a new
         token in STATE_DIR/token unless `no_token` (README, "Security"). `prewarmed`: processes
         the first start of each component may take (``daemon.Prewarmed``). `secrets_dir`: where
         the named secrets are (default STATE_DIR/secrets). `max_payload_bytes`: the largest
-        payload or result (docs/protocol.md, "Large payloads")."""
+        payload or result (docs/protocol.md, "Large payloads"). `packages_dir`: the machine's
+        cache of the Runs' requirements (default STATE_DIR/packages; "Requirements")."""
         self.max_payload_bytes = max_payload_bytes
         self.state_dir = state_dir.resolve()
         self.secrets_dir = secrets_dir
@@ -213,6 +217,7 @@ class Stack:
             secrets_dir,
             lambda: self.spool,
             max_payload_bytes,
+            packages_dir,
         )
 
     @property

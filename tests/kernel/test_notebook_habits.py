@@ -298,6 +298,9 @@ def test_a_function_with_packages_and_a_secret_on_the_embedded_runtime(
     set_secret(notebook_dir, state)
     index = offline_index(build_wheelhouse(notebook_dir / "wheelhouse"))
     a_function_brings_its_packages_and_a_secret(notebook_dir, {**state, **index})
+    # The installed set is the machine's, in the user's state dir: it outlives the kernel, and
+    # the next kernel's Runs take it from there instead of installing it again.
+    assert list((notebook_dir / "state" / "packages" / "envs").glob("*.ready"))
 
 
 def test_a_function_with_packages_and_a_secret_on_fnkernel_up(notebook_dir: Path) -> None:
