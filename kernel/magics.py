@@ -162,6 +162,28 @@ def _parse(parser: _Parser, line: str) -> argparse.Namespace | None:
         return None
 
 
+def _requirements_file(name: str, path: str, runtime: str) -> list[str]:
+    """What ``--requirements-file PATH`` lists; a line that is not a requirement is a usage
+    error naming the file and the line."""
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(
+            f"%%function {name} --requirements-file: cannot read {path}: {exc}"
+        ) from None
+    listed = []
+    for number, line in enumerate(text.splitlines(), 1):
+        for requirement in limits.requirements_in(line):
+            try:
+                limits.check_requirements([requirement], runtime)
+            except InvalidField as exc:
+                raise UsageError(
+                    f"%%function {name} --requirements-file {path}: line {number}: {exc.reason}"
+                ) from None
+            listed.append(requirement)
+    return listed
+
+
 @magics_class
 class FunctionMagics(Magics):
     @property
@@ -204,13 +226,7 @@ class FunctionMagics(Magics):
         # registered function as it was.
         requirements = list(args.requirements)
         if args.requirements_file:
-            try:
-                requirements += limits.requirements_in(Path(args.requirements_file).read_text())
-            except (OSError, UnicodeDecodeError) as exc:
-                raise UsageError(
-                    f"%%function {args.name} --requirements-file: cannot read "
-                    f"{args.requirements_file}: {exc}"
-                ) from None
+            requirements += _requirements_file(args.name, args.requirements_file, args.runtime)
         checks: list[tuple[str, Callable[[], object]]] = [
             ("--requirements", lambda: limits.check_requirements(requirements, args.runtime)),
             ("--secret", lambda: check_secret_names(args.secret)),

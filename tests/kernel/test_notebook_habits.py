@@ -268,6 +268,7 @@ def test_a_function_brings_its_own_packages(notebook_dir: Path) -> None:
     (notebook_dir / "requirements.txt").write_text(
         "# ours\nfnk-alpha==2.0  # the newest\nfnk-beta\n"
     )
+    (notebook_dir / "typo.txt").write_text("# ours\nfnk-beta\nfnk-alpha>>2\n")
     versions = "import fnk_alpha, fnk_beta\ndef handler(event):\n    return fnk_alpha.VERSION\n"
     cells = execute(notebook_dir, [
         f'%%function pinned --requirements fnk-beta "fnk-alpha==1.0"\n{versions}',
@@ -276,6 +277,7 @@ def test_a_function_brings_its_own_packages(notebook_dir: Path) -> None:
         "listed()",
         '%%function bad --requirements "fnk-alpha>>2"\ndef handler(event):\n    return 1\n',
         '%%function unresolved --requirements "fnk-alpha>=9"\ndef handler(event):\n    return 1\n',
+        "%%function typo --requirements-file typo.txt\ndef handler(event):\n    return 1\n",
     ], env=env)  # fmt: skip
     ok(cells[0])
     assert ok(cells[1]) == "'1.0'"
@@ -286,6 +288,9 @@ def test_a_function_brings_its_own_packages(notebook_dir: Path) -> None:
     failed = error(cells[5])
     assert failed["ename"] == "RegistrationFailed"
     assert "cannot resolve the requirements" in failed["evalue"] and "fnk-alpha" in failed["evalue"]
+    # A file's line that is not a requirement is named by the file and the line.
+    assert "%%function typo --requirements-file typo.txt: line 3: 'fnk-alpha>>2' is not a PEP " \
+        "508 requirement" in usage_error(cells[6])  # fmt: skip
 
 
 def test_a_function_with_packages_and_a_secret_on_the_embedded_runtime(
