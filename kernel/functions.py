@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -12,6 +13,7 @@ from fnkernel.kernel.output import LiveLines, MapBar, handler_failure
 from fnkernel.runtime_server import limits, payloads
 from fnkernel.runtime_server.client import Run
 from fnkernel.runtime_server.client.errors import (
+    FunctionNotFound,
     GatewayError,
     HandlerFailed,
     InvocationTimedOut,
@@ -112,12 +114,15 @@ class Function:
         on_unregister: Callable[[Function], None] | None = None,
         *,
         owner: str = "",
+        run_uid: str = "",
     ) -> None:
         """`owner`: this kernel's identity when it registered the function (``%%function``);
-        "" for a function bound with ``%use``, which this kernel never deletes."""
+        "" for a function bound with ``%use``, which this kernel never deletes. `run_uid`: the
+        Run it registered, the only one its calls go to (docs/protocol.md, "Ownership")."""
         self._runtime = runtime
         self._on_unregister = on_unregister
         self.owner = owner
+        self.run_uid = run_uid if owner else ""
         self.spec = spec
         self.timeout = timeout  # seconds; the default for each invocation (--timeout)
         self.__name__ = spec.name
@@ -178,10 +183,14 @@ class Function:
                 timeout_millis=millis,
                 invocation_id=invocation_id,
                 on_log=lines,
+                run_uid=self.run_uid,
             )
         except HandlerFailed as failed:
             lines.fail()
             raise handler_failure(failed, self.spec) from None
+        except FunctionNotFound as missing:
+            lines.release()
+            raise self._replaced() or missing from None
         except InvocationTimedOut as exc:
             lines.release()
             raise self._timed_out(exc, timeout) from None
@@ -250,7 +259,7 @@ class Function:
                 self.name, work, concurrency=concurrency,
                 return_exceptions=return_exceptions,
                 timeout_millis=millis, progress=bar.progress,
-                on_log=on_log,
+                on_log=on_log, run_uid=self.run_uid,
             )  # fmt: skip
         except HandlerFailed as failed:
             for printer in printers.values():
@@ -273,8 +282,10 @@ class Function:
                 f"map of {self.name} cancelled; every call in flight was cancelled and "
                 f"{self.name} stays registered"
             ) from None
-        except GatewayError:  # the platform's failure (busy past its timeout, unavailable)
+        except GatewayError as failed:  # the platform's (busy past its timeout, unavailable)
             bar.end(failed=1, cancelled=True)
+            if isinstance(failed, FunctionNotFound):
+                raise self._replaced() or failed from None
             raise
         finally:
             forget()
@@ -301,6 +312,20 @@ class Function:
                 f"--timeout's), got {timeout!r}"
             )
         return max(1, round(timeout * 1000))
+
+    def _replaced(self) -> NotOwned | None:
+        """After FunctionNotFound: NotOwned if the name is another's Run now (this kernel's was
+        deleted, and another made it again since), which its calls never reach."""
+        if not self.run_uid:
+            return None
+        with contextlib.suppress(GatewayError), self._runtime.trace.bookkeeping():
+            owner = owner_of(self._runtime.client().status(self.name).source)
+            if owner != self.owner:
+                return NotOwned(
+                    f"{self.name} is no longer this kernel's: it was deleted, and made again "
+                    f"since, owned by {owner}; not called (%use {self.name} calls theirs)"
+                )
+        return None
 
     def _wait_replicas_free(self) -> None:
         """After a map's calls were cancelled: as after one call, wait (briefly) until every

@@ -227,7 +227,7 @@ class Session:
                     f"{spec.name})"
                 )
             if existing.source == origin and existing.phase in _REUSABLE:
-                function = self._bind(spec, timeout)
+                function = self._bind(spec, timeout, existing.uid)
                 show(RegistrationCard.from_run(existing, note="unchanged"))
                 return function
             progress("unregistering the previous version")
@@ -281,7 +281,7 @@ class Session:
             raise RegistrationFailed(
                 f'"{spec.name}" did not register: {failed.message}', code="Failed", run_uid=run.uid
             )
-        function = self._bind(spec, timeout)
+        function = self._bind(spec, timeout, run.uid)
         show(RegistrationCard.from_run(client.status(spec.name), note=self._unpassed(spec)))
         return function
 
@@ -322,10 +322,11 @@ class Session:
             return "this kernel"
         return "used here" if run.name in self.used else ""
 
-    def _bind(self, spec: Spec, timeout: float | None) -> Function:
+    def _bind(self, spec: Spec, timeout: float | None, run_uid: str) -> Function:
         function = Function(
-            self.runtime, spec, timeout, on_unregister=self.forget, owner=self.owner
-        )
+            self.runtime, spec, timeout, on_unregister=self.forget, owner=self.owner,
+            run_uid=run_uid,
+        )  # fmt: skip
         self.functions[spec.name] = function
         if self.runtime.embedded:  # it ends with this kernel: a later one will say so
             self.previous.remember(spec.name)

@@ -66,6 +66,11 @@ class RunNotFound(RuntimeServerError):
     """No Run has this name."""
 
 
+class RunReplaced(RunNotFound):
+    """The Run a call was made for (``X-Fn-Run-Uid``) is gone, and another of its name stands in
+    its place: that one is not called (docs/protocol.md, "Ownership")."""
+
+
 class RunAlreadyExists(RuntimeServerError):
     """A Run with this name exists already; delete it first or pick another name."""
 

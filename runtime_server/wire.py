@@ -92,6 +92,8 @@ EVALUATOR_KEY = "fn-evaluator"  # initial metadata: which evaluator of a chain s
 # HTTP headers of the gateway (docs/protocol.md, "HTTP API")
 INVOCATION_ID_HEADER = "X-Invocation-Id"
 TIMEOUT_HEADER = "X-Timeout-Ms"
+# The uid of the Run a call is meant for: another Run of the name is not called (RunReplaced).
+RUN_UID_HEADER = "X-Fn-Run-Uid"
 OUTPUTS_HEADER = "X-Fn-Outputs"
 ATTEMPT_HEADER = "X-Fn-Attempt"
 COLD_START_HEADER = "X-Fn-Cold-Start"

@@ -199,6 +199,7 @@ class Client(Transport):
         on_log: LogCallback | None = None,
         traceparent: str = "",
         by_reference: bool = True,
+        run_uid: str = "",
     ) -> InvocationResult:
         """Invoke with `payload` encoded by its kind (``payloads.encode``; docs/protocol.md,
         "Content types": a DataFrame, table or array as Arrow IPC, bytes as octets, the rest as
@@ -211,6 +212,10 @@ class Client(Transport):
         and a result as large is read from there (an Arrow one mapped, not copied) — unless
         not `by_reference`: then every byte travels in the request and its answer, as it does
         from another machine (streamed past one message).
+
+        `run_uid`: the uid of the Run the call is meant for; if the Run of that name is another
+        (deleted and made again since), it is not called: FunctionNotFound (docs/protocol.md,
+        "Ownership").
 
         `traceparent` (W3C) traces the call: every hop's spans come back as the result's (or
         the failure's) ``spans``, OTLP encoded (docs/protocol.md, "Tracing").
@@ -272,6 +277,8 @@ class Client(Transport):
             live = self.follow(name, invocation_id, on_log)
         if invocation_id:
             headers[wire.INVOCATION_ID_HEADER] = invocation_id
+        if run_uid:
+            headers[wire.RUN_UID_HEADER] = run_uid
         if traceparent:
             headers[wire.TRACEPARENT_HEADER] = traceparent
         started = time.perf_counter()
@@ -322,6 +329,10 @@ class Client(Transport):
                 raise UnsupportedMediaType(why, code="UNSUPPORTED_MEDIA_TYPE", status=415)
             with contextlib.suppress(GatewayError):  # no such Run, say: the gateway answers it
                 route = self._route(name)
+            if route is not None and route.run_uid != headers.get(
+                wire.RUN_UID_HEADER, route.run_uid
+            ):
+                route = None  # not the Run the call is meant for: the gateway says so
         if route is not None:
             from fnkernel.runtime_server.client.direct import RouteGone
 
@@ -345,9 +356,10 @@ class Client(Transport):
         with the call (``LiveFollow``)."""
         return LiveFollow(self, name, invocation_id, on_log, in_batch=in_batch)
 
-    def _lanes(self, name: str) -> list[Any] | None:
+    def _lanes(self, name: str, run_uid: str = "") -> list[Any] | None:
         """The routes of a map's batches (docs/protocol.md, "Batches"): the Run's own, or each
-        replica's of a replica set, when this client may call them directly; else None."""
+        replica's of a replica set, when this client may call them directly (and the Run is
+        the one of `run_uid`, if given); else None."""
         if not self._direct_allowed() or self.local_spool() is None:
             return None
         from fnkernel.runtime_server.client.direct import Route
@@ -356,9 +368,12 @@ class Client(Transport):
             answer = self._json("GET", f"/v1/runs/{quote(name)}:route")
         except GatewayError:
             return None  # the map's first call says why
+        lanes = [Route.of(r["name"], r) for r in answer.get("replicas") or []]
         if found := answer.get("route"):
-            return [Route.of(name, found)]
-        return [Route.of(r["name"], r) for r in answer.get("replicas") or []] or None
+            lanes = [Route.of(name, found)]
+        if run_uid and not any(lane.name == name and lane.run_uid == run_uid for lane in lanes):
+            return None  # not the Run the map is meant for: its calls say so, by the gateway
+        return lanes or None
 
     def batch(
         self,
@@ -434,6 +449,7 @@ class Client(Transport):
         progress: Callable[[int, int], None] | None = None,
         on_log: Callable[[int, dict[str, Any]], None] | None = None,
         on_result: Callable[[int, Any], None] | None = None,
+        run_uid: str = "",
     ) -> list[Any]:
         """Invoke `name` once per item, up to `concurrency` calls in flight (default, and at
         most: its replica count, as a replica serves one call at a time), and return the
@@ -450,7 +466,8 @@ class Client(Transport):
         item's result as soon as it and every item before it are done (with
         `return_exceptions`, a failure in its place), so that a caller can pass results on
         while the map runs; an exception it raises stops the map as an interrupt does.
-        `on_log(index, line)` is each call's ``invoke(on_log=)``. An interrupt
+        `on_log(index, line)` is each call's ``invoke(on_log=)``, `run_uid` its
+        ``invoke(run_uid=)``. An interrupt
         (KeyboardInterrupt) cancels every call in flight and is raised; the function stays
         registered."""
         work = payloads.items_of(items)
@@ -462,7 +479,7 @@ class Client(Transport):
         # On the stack's machine, a lane (a Run: the function's, or each replica's) per
         # thread, each taking batches of items (docs/protocol.md, "Batches"); the lanes say how
         # many replicas there are, else the function's status does.
-        lanes: list[Any] = (calls._lanes(name) if work else None) or [None]
+        lanes: list[Any] = (calls._lanes(name, run_uid) if work else None) or [None]
         replicas = len(lanes)
         if lanes[0] is None:
             replicas = int(self.status(name).get("spec", {}).get("replicas", 1))
@@ -470,7 +487,7 @@ class Client(Transport):
         results: list[Any] = [None] * len(work)
         if not work:
             return results
-        run = MapRun(calls, name, work, return_exceptions, timeout_millis, on_log)
+        run = MapRun(calls, name, work, return_exceptions, timeout_millis, on_log, run_uid)
         width = min(concurrency, len(work))
         if lanes[0] is not None:
             run.lanes(width)

@@ -37,7 +37,7 @@ class Calls(Protocol):
 
     def invoke(
         self, name: str, payload: Any = None, *, timeout_millis: int = 0,
-        on_log: LogCallback | None = None,
+        on_log: LogCallback | None = None, run_uid: str = "",
     ) -> InvocationResult: ...  # fmt: skip
 
     def cancel(self) -> int: ...
@@ -65,8 +65,10 @@ class MapRun:
         return_exceptions: bool,
         timeout_millis: int,
         on_log: Callable[[int, dict[str, Any]], None] | None,
+        run_uid: str = "",
     ) -> None:
         self._calls = calls
+        self._run_uid = run_uid
         self._name = name
         self._work = work
         self._return_exceptions = return_exceptions
@@ -106,7 +108,7 @@ class MapRun:
             try:
                 return self._calls.invoke(
                     self._name, self._work[index], timeout_millis=self._timeout_millis,
-                    on_log=logged,
+                    on_log=logged, run_uid=self._run_uid,
                 ).decoded()  # fmt: skip
             except FunctionBusy as busy:
                 left = deadline - time.monotonic()

@@ -215,6 +215,20 @@ def test_a_shared_stack_chosen_at_first_use_and_a_function_used_from_another_ker
         assert mine_too.ok, mine_too.error
         user.shutdown()
         assert gateway.status("etl").phase == "Ready"  # the user's shutdown left it alone
+        # docs/protocol.md, "Ownership": deleted from outside and made again by another, the
+        # name is theirs; the owner's handle reaches the Run it registered or nothing.
+        gateway.delete_run("etl")
+        gateway.create_run("etl", runtime="python", handler="handler.handle",
+                           files={"handler.py": "def handle(event):\n    return 'theirs'\n"})  # fmt: skip
+        activity = gateway.status("etl")["live"]["lastActivityUnixNano"]
+        for call in ('etl({"rows": [1]})', 'etl.map([{"rows": [1]}, {"rows": [2]}])'):
+            replaced = owner.run(call)
+            assert replaced.error is not None and replaced.error["ename"] == "NotOwned", call
+            [line] = replaced.error["traceback"]
+            assert line.startswith("NotOwned: etl is no longer this kernel's: it was deleted, and "
+                                   "made again since, owned by its creator")  # fmt: skip
+            assert line.endswith("not called (%use etl calls theirs)")
+        assert gateway.status("etl")["live"]["lastActivityUnixNano"] == activity  # never called
     finally:
         owner.shutdown()
 

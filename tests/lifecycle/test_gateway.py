@@ -488,3 +488,28 @@ def test_a_memory_limit_out_of_range_is_400_naming_memory_mb(
     )
     assert status == 400, reply
     assert json.loads(reply)["message"].startswith("memoryMb: ")
+
+
+def test_a_call_meant_for_a_replaced_run_is_404_and_not_made(shared_stack: Stack) -> None:
+    # docs/protocol.md, "Ownership": X-Fn-Run-Uid names the Run a call is meant for; another
+    # Run of the name (the first deleted, this one made since) is not called: 404 naming both.
+    client = Client(shared_stack.gateway_address)
+    first = client.create_run("meant", runtime="python", handler="handler.handle", files=SLOW_PY)
+    assert client.invoke("meant", {}, run_uid=first.uid).decoded() == {"slept": 0}
+    client.delete_run("meant")
+    again = client.create_run("meant", runtime="python", handler="handler.handle", files=SLOW_PY)
+    activity = client.status("meant")["live"]["lastActivityUnixNano"]
+    for by_reference in (True, False):  # directly on this machine, and through the gateway
+        with pytest.raises(FunctionNotFound, match=f"not the Run this call was meant for "
+                                                   rf"\({first.uid}\).*\({again.uid}\)"):  # fmt: skip
+            client.invoke("meant", {}, run_uid=first.uid, by_reference=by_reference)
+    with pytest.raises(FunctionNotFound, match="not the Run this call was meant for"):
+        client.map("meant", [{}, {}], run_uid=first.uid)
+    status, _, reply = http_call(
+        shared_stack.gateway_address, "POST", "/v1/runs/meant:invoke", b"{}",
+        {"Content-Type": "application/json", "X-Fn-Run-Uid": first.uid},
+    )  # fmt: skip
+    assert status == 404 and json.loads(reply)["code"] == "NOT_FOUND"
+    assert client.status("meant")["live"]["lastActivityUnixNano"] == activity  # never called
+    assert client.invoke("meant", {}, run_uid=again.uid).decoded() == {"slept": 0}
+    client.delete_run("meant")

@@ -35,6 +35,7 @@ ALLOWED_REQUEST_HEADERS = ", ".join(
         wire.INVOCATION_ID_HEADER,
         wire.TIMEOUT_HEADER,
         wire.TIMELINE_HEADER,
+        wire.RUN_UID_HEADER,
     )
 )
 

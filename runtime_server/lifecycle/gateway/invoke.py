@@ -22,6 +22,7 @@ from fnkernel.runtime_server.errors import (
     InvalidField,
     NoRuntimePod,
     RunNotReady,
+    RunReplaced,
 )
 from fnkernel.runtime_server.function_runtime.spool import spool_dir
 from fnkernel.runtime_server.lifecycle.gateway.access import accepts
@@ -104,7 +105,7 @@ class InvokeHandler(TracedHandler, BodyHandler):
         (docs/protocol.md, "Large payloads"); a replica set's least busy free replica."""
         if self.request.headers.get(wire.INPUT_REF_HEADER):
             raise InvalidField(wire.INPUT_REF_HEADER, "names the input: the body must be empty")
-        run = self.gateway.store.get_fresh(self.path_args[0])
+        run = self._meant(self.path_args[0])
         if run.spec.replicas != 1 and not run.spec.replica_of:
             run = self.gateway.replicas(run)[0]
         _, address = self.gateway.pod_of(run)
@@ -115,6 +116,18 @@ class InvokeHandler(TracedHandler, BodyHandler):
             Upload(self.gateway.payloads_stub(address), length, wait),
             run,
         )
+
+    def _meant(self, name: str) -> Run:
+        """The Run `name`; RunReplaced if the call names the uid of another (X-Fn-Run-Uid): the
+        one it was meant for was deleted and this one made since."""
+        run = self.gateway.store.get_fresh(name)
+        meant = header_text(self.request.headers, wire.RUN_UID_HEADER)
+        if meant and meant != run.uid:
+            raise RunReplaced(
+                f"run {name}: not the Run this call was meant for ({meant}): that one was "
+                f"deleted, and this one ({run.uid}) made since; not called"
+            )
+        return run
 
     def data_received(self, chunk: bytes) -> Awaitable[None] | None:
         if self._upload is not None:
@@ -224,7 +237,7 @@ class InvokeHandler(TracedHandler, BodyHandler):
         timeout_millis = limits.parse_count(
             header_text(headers, wire.TIMEOUT_HEADER, "0"), wire.TIMEOUT_HEADER
         )
-        run = self.gateway.store.get_fresh(name)
+        run = self._meant(name)
         timeline = headers.get(wire.TIMELINE_HEADER) == "1"
         if self._upload_run is not None:  # its input is in that pod's spool
             run = self._upload_run
