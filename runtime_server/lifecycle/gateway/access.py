@@ -117,15 +117,18 @@ def check_origin(
 
 
 def check_credentials(
-    request: httputil.HTTPServerRequest, access: Access, bodies: tuple[str, ...] = (JSON,)
+    request: httputil.HTTPServerRequest,
+    access: Access,
+    bodies: tuple[str, ...] | None = (JSON,),
 ) -> None:
     """The bearer token (401), and a body's Content-Type, one of its route's `bodies` (415): a
     browser sends text/plain and form bodies cross-origin without asking first, and asks
     first (a CORS preflight) for any other type. Not for a preflight, which carries no
-    token."""
+    token. `bodies` None: the route does not take the request's method (its answer is 405),
+    so no body of it is read."""
     if not access.token_matches(request.headers.get("Authorization", "")):
         raise FailureResponse("UNAUTHENTICATED", "missing or wrong bearer token")
-    if request.method in ("POST", "PUT", "PATCH"):
+    if bodies is not None and request.method in ("POST", "PUT", "PATCH"):
         why = wire.unsupported_media(request.headers.get("Content-Type", ""), bodies)
         if why is not None:
             raise FailureResponse("UNSUPPORTED_MEDIA_TYPE", status=415, message=why)

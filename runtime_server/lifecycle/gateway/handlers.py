@@ -79,7 +79,10 @@ class BaseHandler(web.RequestHandler):
             self.set_header("Access-Control-Expose-Headers", access.EXPOSED_HEADERS)
         if request.method == "OPTIONS":
             return None  # a CORS preflight carries no token; options() answers it
-        access.check_credentials(request, allowed, self.bodies)
+        # A method the path does not take is 405 (tornado's), whatever its body's type.
+        method = (request.method or "").lower()
+        taken = getattr(type(self), method, None) is not getattr(web.RequestHandler, method, None)
+        access.check_credentials(request, allowed, self.bodies if taken else None)
         return None
 
     def options(self, *_: str) -> None:
