@@ -103,6 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "gateway file a stack writes in $FNKERNEL_RUNTIME_DIR (the same as the stack's)",
                 file=sys.stderr,
             )
-        for line in getattr(exc, "logs", []):
-            print(f"  [{line.get('stream', '')}] {line.get('text', '')}", file=sys.stderr)
+        if not getattr(args, "follow", False):  # else each line was printed as it came
+            for line in exc.logs:
+                print(f"  [{line.get('stream', '')}] {line.get('text', '')}", file=sys.stderr)
         return EXIT_FAILURE

@@ -54,6 +54,13 @@ class GatewayError(Exception):
         "Kernel")."""
         return [f"{type(self).__name__}: {self}"]
 
+    @property
+    def logs(self) -> list[Any]:
+        """What the call printed before it failed, when the answer carries it (a handler's
+        failure, a timeout: docs/protocol.md, "Errors")."""
+        logs = self.detail.get("logs")
+        return list(logs) if isinstance(logs, list) else []
+
     def item_phrase(self) -> str:
         """``index 5 of 200 items``: the item a map's failure is of, by its index (``item``)."""
         index, total = self.item or (0, 0)
@@ -126,11 +133,6 @@ class HandlerFailed(GatewayError):
     @property
     def error_message(self) -> str:
         return str(self.detail.get("errorMessage", ""))
-
-    @property
-    def logs(self) -> list[Any]:
-        logs = self.detail.get("logs")
-        return list(logs) if isinstance(logs, list) else []
 
 
 class InvocationTimedOut(GatewayError):

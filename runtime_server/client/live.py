@@ -129,11 +129,8 @@ class LiveFollow:
         """The call is over with `outcome`, its result or its failure: ``end`` with the lines
         it carries — a result's, a handler error's, a timeout's. Any other failure never ran
         or was cancelled: nothing more comes."""
-        if isinstance(outcome, HandlerFailed):
+        if isinstance(outcome, (HandlerFailed, InvocationTimedOut)):
             self.end(outcome.logs)
-        elif isinstance(outcome, InvocationTimedOut):
-            logs = outcome.detail.get("logs")
-            self.end(logs if isinstance(logs, list) else [])
         elif isinstance(outcome, BaseException):
             self.end([], wait=False)
         else:

@@ -74,6 +74,13 @@ class Transport:
         self._routes: dict[str, Any] = {}
         self._direct: Any = None
         self._max_payload = limits.DEFAULT_MAX_SPOOLED_BYTES  # the gateway's, once asked
+        # Last: a refused address leaves an object whose __del__ still closes it.
+        scheme = self.address.split("://", 1)[0].lower() if "://" in self.address else "http"
+        if scheme not in ("http", "https") and not self.address.startswith("unix:"):
+            raise ValueError(
+                f"gateway address {self.address!r}: give http://HOST:PORT, https://HOST[:PORT] "
+                "or unix:PATH"
+            )
 
     def _connect(self, timeout: float | None = 0) -> http.client.HTTPConnection:
         """A new connection; `timeout` for its reads (0: the client's, None: none)."""
@@ -83,6 +90,12 @@ class Transport:
         url = urllib.parse.urlsplit(
             self.address if "://" in self.address else f"http://{self.address}"
         )
+        if url.scheme.lower() == "https":  # a gateway behind TLS (an ingress): never in clear
+            import ssl
+
+            return http.client.HTTPSConnection(
+                url.hostname or "", url.port, timeout=timeout, context=ssl.create_default_context()
+            )
         return http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=timeout)
 
     def _headers(self, headers: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -11,6 +11,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
 from collections.abc import Iterator
@@ -20,7 +21,12 @@ import pytest
 
 from fnkernel.runtime_server import tokens
 from fnkernel.runtime_server.client import Client
-from fnkernel.runtime_server.client.errors import HeadersTooLarge, MethodNotAllowed, Unauthorized
+from fnkernel.runtime_server.client.errors import (
+    GatewayUnreachable,
+    HeadersTooLarge,
+    MethodNotAllowed,
+    Unauthorized,
+)
 from fnkernel.runtime_server.daemon import Child, spawn
 from fnkernel.runtime_server.lifecycle.gateway import Access
 from fnkernel.runtime_server.lifecycle.stack import Stack
@@ -480,3 +486,35 @@ def test_the_client_reconnects_when_the_gateway_closed_every_kept_alive_connecti
         wait_until(lambda: select.select([connection.sock], [], [], 0)[0], timeout=10)  # noqa: B023
     client._idle[:] = idle
     assert client.list_runs() == []
+
+
+def test_an_https_gateway_address_is_spoken_to_in_tls_never_in_clear() -> None:
+    # README, "Security": the token goes in every request; to an https:// address (a gateway
+    # behind a TLS ingress) it goes inside TLS — before, it went in clear to port 80. A
+    # listener that is not TLS sees a handshake, never the request.
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        client = Client(f"https://127.0.0.1:{port}", token="never-in-clear", timeout=5)
+        heard: list[bytes] = []
+
+        def hear() -> None:
+            connection, _ = listener.accept()
+            with connection:
+                heard.append(connection.recv(4096))
+
+        hearing = threading.Thread(target=hear, daemon=True)
+        hearing.start()
+        with pytest.raises(GatewayUnreachable):
+            client.list_runs()
+        hearing.join(10)
+    assert heard and heard[0][:2] == b"\x16\x03"  # a TLS handshake record
+    assert b"never-in-clear" not in heard[0] and b"Authorization" not in heard[0]
+    assert Client("https://gw.example", token="t")._connect().port == 443
+    refused = subprocess.run(
+        [sys.executable, "-m", "fnkernel.runtime_server.cli", "runs", "list", "--gateway",
+         "ftp://gw.example"], capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert (
+        refused.returncode == 2 and "give http://HOST:PORT, https://HOST[:PORT]" in refused.stderr
+    )
+    assert "Traceback" not in refused.stderr and "Exception ignored" not in refused.stderr

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from fnkernel.runtime_server.client import Client
 from fnkernel.runtime_server.daemon import Prewarmed, serve_args, spawn
 from fnkernel.runtime_server.lifecycle.stack import Stack
 from tests.lifecycle.stack_calls import ECHO, StackFactory, phase_and_attempt
-from tests.support import pid_alive, read_until_ready, wait_until
+from tests.support import GATE_WAIT, Gate, pid_alive, read_until_ready, wait_until
 
 
 @pytest.mark.parametrize("stop_with", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
@@ -141,15 +142,20 @@ def fnkernel(*args: str, stdin: str | None = None) -> subprocess.CompletedProces
     )
 
 
-def test_cli_runs_and_invoke_with_exit_codes(shared_stack: Stack, tmp_path: Path) -> None:
+def test_cli_runs_and_invoke_with_exit_codes(
+    shared_stack: Stack, tmp_path: Path, gate: Callable[[], Gate]
+) -> None:
     # docs/protocol.md, "CLI": exit codes 0 ok, 1 function/result failure, 2 usage error.
     gateway = ["--gateway", shared_stack.gateway_address]
     source = tmp_path / "src"
     source.mkdir()
     (source / "handler.py").write_text(
-        "def handle(event, context):\n"
+        GATE_WAIT + "def handle(event, context):\n"
         "    if event.get('fail'):\n"
         "        raise RuntimeError('asked to fail')\n"
+        "    if event.get('gate'):\n"
+        "        print('waiting at the gate', flush=True)\n"
+        "        wait_for_gate(event['gate'])\n"
         "    context.set_output('n', str(event.get('n', 0)))\n"
         "    return {'n': event.get('n', 0)}\n"
     )
@@ -170,6 +176,11 @@ def test_cli_runs_and_invoke_with_exit_codes(shared_stack: Stack, tmp_path: Path
     failed = fnkernel("invoke", "cli-fn", '{"fail": true}', *gateway)
     assert failed.returncode == 1
     assert "HandlerFailed" in failed.stderr and "asked to fail" in failed.stderr
+    # A call past its timeout says what it printed until then, as a handler's failure does.
+    shut = json.dumps({"gate": str(gate())})
+    late = fnkernel("invoke", "cli-fn", shut, "--timeout-ms", "500", *gateway)
+    assert late.returncode == 1 and "InvocationTimedOut" in late.stderr
+    assert "  [stdout] waiting at the gate" in late.stderr
     bad = fnkernel("invoke", "cli-fn", "{not json", *gateway)
     assert bad.returncode == 2 and "not JSON" in bad.stderr
     missing = fnkernel("invoke", "no-such-fn", *gateway)
