@@ -18,6 +18,7 @@ import contextlib
 import ctypes
 import functools
 import os
+import re
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -33,6 +34,19 @@ CALL_LOG_LINES = 10_000  # of each stream, per call
 # each stream, so it never reaches what trim_logs frees while the call runs.
 LIVE_LOG_BYTES = 256 << 10
 LIVE_POLL_SECONDS = 0.05  # how often a follower looks for new lines
+# Of a call's lines, the last ones kept with its result, for its caller (the last 4 KiB in its
+# answer) and for whoever asks for its log once it is over (docs/protocol.md, "Live output"):
+# a quick call's whole log, as a rule; held until the Run's next call ends.
+KEPT_LOG_BYTES = 256 << 10
+KEPT_LOG_LINES = 10_000
+_NOT_KEPT_TEXT = (
+    "[fnkernel: {} earlier line(s) of this call are in the stack's log only: its result keeps "
+    "its last {} KiB]"
+)
+# The line that says so, read back: how many were left out.
+NOT_KEPT = re.compile(
+    re.escape(_NOT_KEPT_TEXT).replace(r"\{\}", r"(\d+)", 1).replace(r"\{\}", r"\d+")
+)
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 1, 2
 _BLOCK = 4096
 _open_files: weakref.WeakSet[LogFiles] = weakref.WeakSet()  # what trim_logs bounds
@@ -43,6 +57,24 @@ class LogLine:
     stream: str
     text: str
     cut: bool = False  # the line saying a live stream stops here (LiveLog)
+
+
+def kept_lines(lines: list[LogLine]) -> list[LogLine]:
+    """The last of `lines` within KEPT_LOG_BYTES and KEPT_LOG_LINES; when some are left out,
+    one line first says how many (a line of an earlier such count is counted, not kept)."""
+    earlier = 0
+    if lines and (found := NOT_KEPT.fullmatch(lines[0].text)):
+        earlier, lines = int(found[1]), lines[1:]
+    size, start = 0, len(lines)
+    while start > 0 and len(lines) - start < KEPT_LOG_LINES:
+        size += len(lines[start - 1].text) + 1
+        if size > KEPT_LOG_BYTES:
+            break
+        start -= 1
+    if not earlier + start:
+        return lines
+    note = _NOT_KEPT_TEXT.format(earlier + start, KEPT_LOG_BYTES >> 10)
+    return [LogLine("stderr", note), *lines[start:]]
 
 
 def _log_line(stream: str, raw: bytes) -> LogLine:

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from fnkernel.adapters.calllogs import LiveLog, LogLine
+from fnkernel.adapters.calllogs import LiveLog, LogLine, kept_lines
 from fnkernel.adapters.children import kill_orphans
 from fnkernel.adapters.errors import (
     WORKER_CRASHED,
@@ -57,7 +57,6 @@ from fnkernel.adapters.workerprocess import PIPE_SIZE, Worker, WorkerExited, des
 
 LOG = logging.getLogger("fnkernel.function")
 T = TypeVar("T")
-_MAX_LOG_LINES = 256  # per call, the last ones, kept for the caller's trailer
 
 
 @dataclass
@@ -143,7 +142,7 @@ class WorkerCall:
         if live is not None:  # before LogFiles.read, which may rotate the files it reads
             live.finish(ends)
         fresh = self.worker.log_files.read(ends)
-        self.logs = (self.logs + fresh)[-_MAX_LOG_LINES:]  # the caller's trailer keeps the last
+        self.logs = kept_lines(self.logs + fresh)
         for line in fresh:
             LOG.info(
                 line.text,

@@ -204,17 +204,39 @@ def cancel_on_client_exit(context: grpc.ServicerContext) -> Callable[[Callable[[
     return on_dispatch
 
 
+# What stands first in a trailer that does not carry the whole log; room is kept for it.
+_LOGS_LEFT_OUT = (
+    "[fnkernel: the call's log is longer than its answer carries (the last 4 KiB): "
+    "{} earlier line(s) left out]"
+)
+_LEFT_OUT_ROOM = 160
+_CUT_SHORT = " […]"
+
+
 def logs_trailer(logs: tuple[Any, ...]) -> bytes:
     """The last log lines that fit the trailer budget, oldest first, as compact JSON
-    [{stream, text}] (docs/protocol.md, "Errors")."""
-    kept: list[dict[str, str]] = []
+    [{stream, text}] (docs/protocol.md, "Errors"). When not all fit, the first entry says how
+    many were left out (with ``cut``: a client that wants them asks for the call's log), and a
+    last line past the budget by itself is kept cut short, not left out whole."""
+    entries = [{"stream": line.stream, "text": line.text} for line in logs]
+    sizes = [len(_compact(entry)) + 1 for entry in entries]
+    if 1 + sum(sizes) <= _MAX_LOGS_TRAILER:
+        return _compact(entries).encode()
+    budget = _MAX_LOGS_TRAILER - _LEFT_OUT_ROOM
+    kept: list[dict[str, Any]] = []
     size = 1  # "["; each entry then adds itself and one "," or the closing "]"
-    for line in reversed(logs):
-        entry = {"stream": line.stream, "text": line.text}
-        size += len(_compact(entry)) + 1
-        if size > _MAX_LOGS_TRAILER:
+    for entry, entry_size in zip(reversed(entries), reversed(sizes), strict=True):
+        if size + entry_size > budget:
             break
+        size += entry_size
         kept.append(entry)
+    if not kept and entries:  # the last line alone is past the budget: its start, marked
+        last = entries[-1]
+        room = (budget - size - len(_compact({**last, "text": _CUT_SHORT})) - 1) // 6  # \uXXXX
+        start = last["text"].encode()[:room].decode("utf-8", "ignore")
+        kept.append({**last, "text": start + _CUT_SHORT})
+    left_out = len(entries) - len(kept)
+    kept.append({"stream": "stderr", "text": _LOGS_LEFT_OUT.format(left_out), "cut": True})
     return _compact(kept[::-1]).encode()
 
 

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from fnkernel.adapters.calllogs import NOT_KEPT
 from fnkernel.runtime_server import limits
 from fnkernel.runtime_server.client.errors import (
     GatewayError,
@@ -95,6 +96,7 @@ class LiveFollow:
         self._connection: http.client.HTTPConnection | None = None
         self._closed = False
         self.shown = 0  # lines given to on_log while the call ran
+        self._shown_of: collections.Counter[str] = collections.Counter()  # ... by stream
         self.complete = False  # the stream ended with the invocation
         self.cut = False  # ... after its cap: the last lines were not streamed
         (_LATER_IN_BATCH if in_batch else _LATER).call_later(self._start)
@@ -120,6 +122,8 @@ class LiveFollow:
                     self.cut = self.cut or bool(record.get("cut"))
                     self._on_log(record)
                     self.shown += 1
+                    if not record.get("cut"):
+                        self._shown_of[str(record["stream"])] += 1
                 elif record.get("end"):
                     self.complete = True
         except GatewayError:
@@ -151,9 +155,41 @@ class LiveFollow:
         self._closed = True  # a stream still connecting gives on_log nothing now
         if self.complete and not self.cut:
             return
+        if self.cut or any(line.get("cut") for line in logs):
+            # The result carries the log's last 4 KiB: the call's whole log (its first and
+            # last 512 KiB, "Limits") is its server's until its Run's next call ends.
+            stored = self._stored()
+            logs = logs if stored is None else stored
         if self.shown and logs:
             self._on_log(
                 {"stream": "stderr", "text": "[fnkernel: the call's log, from its result:]"}
             )
         for line in logs:
             self._on_log(line)
+
+    def _stored(self) -> list[dict[str, Any]] | None:
+        """The call's log as its server keeps it once the call is over, less what the live
+        stream showed of each stream; None if the server has it no more (another call of the
+        Run has ended since: a batch's next item)."""
+        path = f"/v1/runs/{quote(self._name)}/invocations/{quote(self._invocation_id)}/logs"
+        try:
+            records = self._client._records(self._client._connect(), path)
+            stored = [record for record in records if "stream" in record]
+        except GatewayError:
+            return None
+        # The kept lines are stdout's, then stderr's; when the first of them were left out
+        # (a line says how many), they were stdout's as long as some of stdout's are kept.
+        skip = collections.Counter(self._shown_of)
+        if stored and (found := NOT_KEPT.fullmatch(str(stored[0].get("text", "")))):
+            if any(record["stream"] == "stdout" for record in stored):
+                skip["stdout"] = max(0, skip["stdout"] - int(found[1]))
+            else:
+                skip["stdout"], skip["stderr"] = 0, 0
+        lines = []
+        for record in stored:
+            stream = str(record["stream"])
+            if skip[stream] and not NOT_KEPT.fullmatch(str(record.get("text", ""))):
+                skip[stream] -= 1
+                continue
+            lines.append(record)
+        return lines

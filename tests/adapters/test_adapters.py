@@ -515,7 +515,8 @@ def test_the_logs_trailer_keeps_the_last_lines_in_order_within_4_kib(python_rt: 
     assert response.output == b'"done"'
     raw = dict(call.trailing_metadata())[LOGS_KEY]
     assert len(raw) <= 4096
-    texts = [line["text"] for line in json.loads(raw)]
+    note, *texts = [line["text"] for line in json.loads(raw)]
     assert texts[-1].startswith("line 199 ")
     numbers = [int(text.split()[1]) for text in texts]
     assert numbers == list(range(200 - len(numbers), 200))  # the last ones, in order
+    assert note.endswith(f"{200 - len(numbers)} earlier line(s) left out]")  # and how many not

@@ -503,13 +503,21 @@ def _lines(*texts: str) -> tuple[LogLine, ...]:
 
 def test_the_logs_trailer_keeps_the_last_lines_that_fit_4_kib_oldest_first() -> None:
     # docs/protocol.md, "Errors": the call's log lines, as JSON, in fn-logs-bin — the last ones
-    # that fit 4 KiB, in the order they were written.
+    # that fit 4 KiB, in the order they were written, after a first line saying how many were
+    # left out (`cut`: the whole log is asked for where it is kept).
     lines = _lines(*(f"line {i:03d} " + "x" * 50 for i in range(200)))
     trailer = logs_trailer(lines)
-    kept = json.loads(trailer)
+    note, *kept = json.loads(trailer)
     assert len(trailer) <= 4096
     assert kept == [{"stream": x.stream, "text": x.text} for x in lines[-len(kept) :]]
-    assert len(kept) == 4096 // len(json.dumps(kept[0], separators=(",", ":")) + ",")
+    entry = len(json.dumps(kept[0], separators=(",", ":")) + ",")
+    assert len(kept) == (4096 - 160 - 1) // entry  # 160 bytes kept for the note
+    assert note == {
+        "stream": "stderr",
+        "text": "[fnkernel: the call's log is longer than its answer carries (the last 4 KiB): "
+        f"{200 - len(kept)} earlier line(s) left out]",
+        "cut": True,
+    }
     assert json.loads(logs_trailer(_lines("one", "two"))) == [
         {"stream": "stdout", "text": "one"},
         {"stream": "stderr", "text": "two"},
@@ -519,16 +527,22 @@ def test_the_logs_trailer_keeps_the_last_lines_that_fit_4_kib_oldest_first() -> 
 
 def test_the_logs_trailer_uses_its_budget_to_the_byte() -> None:
     # One entry is '{"stream":"stdout","text":"…"}': 29 bytes and its text. Two lines whose
-    # trailer is exactly 4,096 bytes are both kept; one byte more and only the last one is.
+    # trailer is exactly 4,096 bytes are both kept, as they are; one byte more and the note
+    # takes its room: the last line is kept cut short, marked, and the first left out.
     overhead = len('[{"stream":"stdout","text":""},{"stream":"stderr","text":""}]')
     first = "a" * 100
     exact = _lines(first, "b" * (4096 - overhead - len(first)))
     assert len(logs_trailer(exact)) == 4096
     assert len(json.loads(logs_trailer(exact))) == 2
     over = _lines(first, "b" * (4097 - overhead - len(first)))
-    assert [entry["text"] for entry in json.loads(logs_trailer(over))] == [over[1].text]
-    # A single line over the budget leaves the trailer empty rather than over it.
-    assert logs_trailer(_lines("x" * 5000)) == b"[]"
+    trailer = logs_trailer(over)
+    note, last = json.loads(trailer)
+    assert len(trailer) <= 4096 and note["cut"] and "1 earlier line(s) left out" in note["text"]
+    assert last["text"].endswith(" […]") and over[1].text.startswith(last["text"][:-4])
+    # A single line over the budget is kept cut short too, never left out whole.
+    note, alone = json.loads(logs_trailer(_lines("x" * 5000)))
+    assert "0 earlier line(s) left out" in note["text"] and alone["text"].startswith("xxx")
+    assert alone["text"].endswith(" […]")
 
 
 def test_timeline_readings_read_back_and_what_is_not_a_reading_is_skipped() -> None:

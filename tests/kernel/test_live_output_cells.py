@@ -57,3 +57,23 @@ def test_what_a_handler_printed_before_an_interrupt_stays_in_the_cell(kernel: Ke
     cell = kernel.collect(msg_id, timeout=15)
     assert cell.error is not None and cell.error["ename"] == "InvocationInterrupted"
     assert cell.stdout == "step 1 done\n"
+
+
+def test_every_line_a_quick_call_printed_is_in_the_cell_once(kernel: Kernel) -> None:
+    # docs/protocol.md, "Kernel": a handler's stdout and stderr are the cell's output, each
+    # line once — also a call too quick to be followed whose log is past what its answer
+    # carries (the last 4 KiB): the rest is asked of its server. A line is at most 4 KiB.
+    code = (
+        "%%function table\ndef handler(event):\n"
+        "    for i in range(event['n']):\n        print(f'row {i:04d}', 'x' * event['w'])\n"
+        "    return event['n']\n"
+    )
+    assert kernel.run(code).ok
+    cell = kernel.run('table({"n": 100, "w": 100})')
+    assert cell.ok, cell.error
+    assert cell.stdout.splitlines() == [f"row {i:04d} " + "x" * 100 for i in range(100)]
+    wide = kernel.run('table({"n": 3, "w": 5000})')
+    assert wide.ok, wide.error
+    assert [line[:8] for line in wide.stdout.splitlines()] == ["row 0000", "row 0001", "row 0002"]
+    assert all(len(line.encode()) == 4096 for line in wide.stdout.splitlines())
+    assert "[fnkernel" not in cell.stderr + wide.stderr

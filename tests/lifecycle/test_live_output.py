@@ -96,6 +96,50 @@ def test_a_quick_call_gives_on_log_its_lines_from_the_result(
     assert seen == ["started quick", "finished quick"]
 
 
+# Prints 300 rows of 1 KiB (past the live cap of 256 KiB), waits on the Gate "go", then two
+# more: the last lines a follower of the cut stream can have only from the call's log.
+PAST_THE_CAP = {
+    "handler.py": GATE_WAIT + "def handle(event, context):\n"
+    "    for i in range(300):\n"
+    "        print(f'row {i:03d}', 'x' * 1016, flush=True)\n"
+    "    wait_for_gate(event['go'])\n"
+    "    print('after the cap 1')\n"
+    "    print('after the cap 2')\n"
+    "    return 300\n"
+}
+
+
+def test_lines_past_the_live_cap_come_once_from_the_calls_log(
+    client: Client, gate: Callable[[], Gate]
+) -> None:
+    """ "A call's stream carries at most 256 KiB. Then one line says … the call's last lines
+    come with its result": the client asks the server for the call's log once it is over and
+    gives on_log every line the stream did not — each row once, in order."""
+    client.create_run("chatty", runtime="python", handler="handler.handle", files=PAST_THE_CAP)
+    go = gate()
+    seen: list[dict] = []
+
+    def on_log(line: dict) -> None:
+        seen.append(line)
+        if line.get("cut"):
+            go.open()  # the cap's line came live: only now does the handler go on
+
+    assert (
+        client.invoke("chatty", {"go": str(go)}, on_log=on_log, timeout_millis=30_000).decoded()
+        == 300
+    )
+    texts = [line["text"] for line in seen]
+    rows = [text.split()[1] for text in texts if text.startswith("row ")]
+    assert rows == [f"{i:03d}" for i in range(300)]  # each once, in order
+    assert texts[-2:] == ["after the cap 1", "after the cap 2"]
+    cap = texts.index(next(line["text"] for line in seen if line.get("cut")))
+    assert (
+        0 < cap < len(texts) - 2
+        and texts[cap + 1] == "[fnkernel: the call's log, from its result:]"
+    )
+    client.delete_run("chatty")
+
+
 def test_the_gateway_streams_ndjson_and_ends_with_the_call(
     stack: Stack, client: Client, gate: Callable[[], Gate]
 ) -> None:
