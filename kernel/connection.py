@@ -45,6 +45,14 @@ class TracedClient(Client):
     def _direct_allowed(self) -> bool:
         return not self.trace.on  # %fn_trace shows the gateway's requests, each in its turn
 
+    def _map_client(self) -> Client:
+        """A map's own client, its calls recorded in the same trace (docs/protocol.md,
+        "Tracing": every invocation the kernel makes)."""
+        sibling = TracedClient(self.address, self.trace)
+        sibling.token, sibling.timeout = self.token, self.timeout
+        sibling._spool, sibling._max_payload = self._spool, self._max_payload
+        return sibling
+
     def request(
         self,
         method: str,

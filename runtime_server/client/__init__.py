@@ -356,6 +356,11 @@ class Client(Transport):
         with the call (``LiveFollow``)."""
         return LiveFollow(self, name, invocation_id, on_log, in_batch=in_batch)
 
+    def _map_client(self) -> Client:
+        """A map's own client, as this one calls: cancelling it cancels that map's calls and
+        nobody else's."""
+        return _MapClient(self)
+
     def _lanes(self, name: str, run_uid: str = "") -> list[Any] | None:
         """The routes of a map's batches (docs/protocol.md, "Batches"): the Run's own, or each
         replica's of a replica set, when this client may call them directly (and the Run is
@@ -474,8 +479,7 @@ class Client(Transport):
         if concurrency is not None and concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
         _check_timeout(timeout_millis)
-        # A client of its own: cancelling it cancels this map's calls and nobody else's.
-        calls = _MapClient(self)
+        calls = self._map_client()
         # On the stack's machine, a lane (a Run: the function's, or each replica's) per
         # thread, each taking batches of items (docs/protocol.md, "Batches"); the lanes say how
         # many replicas there are, else the function's status does.

@@ -22,10 +22,16 @@ def test_fn_trace_records_each_gateway_call(kernel: Kernel) -> None:
     assert kernel.run("%fn_trace on").ok
     kernel.run('etl({"rows": [7]})')
     kernel.run("%invoke missing")
+    mapped = kernel.run('etl.map([{"rows": [1]}, {"rows": [2]}])')  # a map's calls too
+    assert mapped.ok, mapped.error
     kernel.run("%fn_trace off")
     table = kernel.run("%fn_trace show")
     text = table.result
     lines = text.splitlines()
+    invokes = [line for line in lines if "POST /v1/runs/etl:invoke" in line]
+    assert len(invokes) == 3 and all(" 200 " in line for line in invokes)
+    for item in ('{"rows": [1]}', '{"rows": [2]}'):  # each item of the map, as its own call
+        assert sum(line.endswith(item) for line in invokes) == 1, invokes
     assert lines[0].split() == ["#", "method", "status", "latency", "request"]
     # (The first traced call loads OpenTelemetry in every hop: past 50 ms, its live log is
     # followed too, and that stream is a call of the kernel's as well.)
