@@ -22,6 +22,7 @@ from typing import Any, Self
 
 from fnkernel.runtime_server import limits, tokens, wire
 from fnkernel.runtime_server.client.errors import (
+    FunctionUnavailable,
     GatewayError,
     GatewayUnreachable,
     InvalidRequest,
@@ -129,11 +130,8 @@ class Transport:
         sent = self._headers(headers)
         wait = max(wait, self.timeout)
         for attempt in attempts(2):  # the second on a new connection, if the first was stale
-            with self._lock:
-                # A retry takes a new connection: the other kept-alive ones may be as stale.
-                connection = self._idle.pop() if self._idle and attempt.number == 1 else None
-                if connection is not None:
-                    self._busy[connection] = False
+            # A retry takes a new connection: the other kept-alive ones may be as stale.
+            connection = self._kept_alive() if attempt.number == 1 else None
             reused = connection is not None
             if connection is None:
                 connection = self._connect(timeout=wait)
@@ -142,11 +140,13 @@ class Transport:
             elif connection.sock is not None:  # kept alive: set for this request's wait
                 connection.sock.settimeout(wait)
             unsent = False  # a body the gateway refused before it was sent
+            delivered = False  # the whole request went out: the gateway may act on it
             try:
                 if body is not None and len(body) > limits.MAX_PAYLOAD_BYTES:
                     unsent = not _send_expecting(connection, method, path, body, sent, wait)
                 else:
                     connection.request(method, path, body=body, headers=sent)
+                delivered = not unsent
                 if self._busy.get(connection):  # cancelled while it was still connecting
                     raise ConnectionAbortedError("cancelled")
                 response = connection.getresponse()
@@ -159,8 +159,17 @@ class Transport:
                     raise RequestCancelled(
                         f"{method} {path} was cancelled", code="CANCELLED"
                     ) from None
+                if delivered and _is_invoke(method, path):
+                    # Never sent again: the call may have run, as the gateway says of a call
+                    # a process under it dropped (docs/protocol.md, "Errors").
+                    raise FunctionUnavailable(
+                        f"the call was cut off: the gateway at {self.address} went away while "
+                        f"it was in flight, so it may have run ({exc})",
+                        code="UNAVAILABLE",
+                        status=503,
+                    ) from None
                 if reused and isinstance(exc, _STALE_CONNECTION):
-                    continue  # a kept-alive connection the gateway had closed: never ran
+                    continue  # a kept-alive connection the gateway had closed: never acted on
                 raise GatewayUnreachable(
                     f"cannot reach the gateway at {self.address}: {exc}"
                 ) from None
@@ -182,6 +191,27 @@ class Transport:
             failure.spans = spans_of(response.headers)
             raise failure
         return response.status, response.headers, data
+
+    def _kept_alive(self) -> http.client.HTTPConnection | None:
+        """An idle kept-alive connection the gateway has not closed, marked busy; None if
+        there is none. An idle connection has nothing to read: one that does (the gateway's
+        close, as EOF) is done, and a request sent on it could be cut off once sent."""
+        while True:
+            with self._lock:
+                if not self._idle:
+                    return None
+                connection = self._idle.pop()
+                self._busy[connection] = False
+            sock = connection.sock
+            try:
+                dropped = sock is None or bool(select.select([sock], [], [], 0)[0])
+            except (OSError, ValueError):
+                dropped = True
+            if not dropped:
+                return connection
+            connection.close()
+            with self._lock:
+                self._busy.pop(connection, None)
 
     def follow_logs(
         self, name: str, invocation_id: str = "", *, follow: bool = True
@@ -287,6 +317,11 @@ def _send_expecting(
         return False  # a final answer: getresponse reads it; the connection goes with it
     connection.send(body)  # getresponse skips the 100 (Continue)
     return True
+
+
+def _is_invoke(method: str, path: str) -> bool:
+    """Whether a request runs a handler: the one request never sent twice."""
+    return method == "POST" and path.split("?", 1)[0].endswith(":invoke")
 
 
 def quote(name: str) -> str:
