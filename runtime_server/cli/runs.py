@@ -84,8 +84,13 @@ def _runs_get(args: argparse.Namespace) -> int:
 
 
 def _runs_delete(args: argparse.Namespace) -> int:
-    client_of(args).delete_run(args.name)
-    print(f"deleted {args.name}")
+    if client_of(args).delete_run(args.name):
+        print(f"deleted {args.name}")
+    else:
+        print(
+            f"deleting {args.name}: its Runtime Server still holds it; runtimed keeps asking it "
+            "to let go, and the Run goes once it has (fnkernel runs get shows it Deleting)"
+        )
     return EXIT_OK
 
 

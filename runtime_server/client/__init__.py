@@ -173,9 +173,11 @@ class Client(Transport):
 
     def delete_run(
         self, name: str, *, cancel_in_flight: bool = False, drain_timeout_millis: int = 0
-    ) -> None:
+    ) -> bool:
         """Unregister and delete: drain the in-flight invocation (at most `drain_timeout_millis`,
-        0 for the gateway's default), or cancel it."""
+        0 for the gateway's default), or cancel it. False when its server still held it as
+        the gateway's wait ended (202): it is Deleting, and goes once runtimed has it
+        unregistered (docs/protocol.md, "Runs")."""
         query = urllib.parse.urlencode(
             {
                 "cancelInFlight": "true" if cancel_in_flight else "false",
@@ -183,7 +185,8 @@ class Client(Transport):
             }
         )
         wait = limits.delete_wait_seconds(drain_timeout_millis, hops_below=2)
-        self.request("DELETE", f"/v1/runs/{quote(name)}?{query}", wait=wait)
+        status, _, _ = self.request("DELETE", f"/v1/runs/{quote(name)}?{query}", wait=wait)
+        return status != 202
 
     # Invocation
 

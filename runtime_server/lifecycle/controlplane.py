@@ -324,11 +324,12 @@ class ControlPlane:
 
     def delete_run(
         self, name: str, *, cancel_in_flight: bool = False, drain_timeout_millis: int = 0
-    ) -> None:
+    ) -> bool:
         """Ask the pod's runtimed to unregister — cancelling the in-flight invocation, or
         draining it for at most `drain_timeout_millis` (0: runtimed's default) — then remove
-        it from the store. A function's replicas go together: every one is asked first, then
-        each awaited."""
+        it from the store once it has. A function's replicas go together: every one is asked
+        first, then each awaited. Whether all are gone: one whose server still holds it past
+        the wait stays Deleting, and runtimed keeps trying (docs/protocol.md, "Runs")."""
         limits.check_drain_timeout(drain_timeout_millis, "drainTimeoutMs")
         run = self.store.get(name)
         targets = [run] if run.spec.replica_of else self.replicas_of(run)
@@ -337,8 +338,7 @@ class ControlPlane:
         ]
         # Beyond the drain: runtimed's tick and the Unregister round trip.
         deadline = time.monotonic() + limits.delete_wait_seconds(drain_timeout_millis, hops_below=1)
-        for target in asked:
-            self._await_unregistered(target, deadline)
+        return all([self._await_unregistered(target, deadline) for target in asked])
 
     def _ask_delete(self, run: Run, cancel_in_flight: bool, drain_timeout_millis: int) -> Run:
         # The write is fenced on attempt and pod: if the retry engine moved the Run meanwhile,
@@ -355,7 +355,10 @@ class ControlPlane:
             run = self.store.get(run.name)
         return run
 
-    def _await_unregistered(self, run: Run, deadline: float) -> None:
+    def _await_unregistered(self, run: Run, deadline: float) -> bool:
+        """Wait until `run` is unregistered, and remove it; False if it is still held at the
+        `deadline` (left Deleting: the reconciler removes it once runtimed says Deleted)."""
+
         def over() -> str:
             current = self.store.get_uid(run.uid)
             if current is None:
@@ -365,8 +368,10 @@ class ControlPlane:
                 return "unregistered"  # or nothing left to drain on a pod that is gone
             return ""
 
-        if wait_for(over, timeout=deadline - time.monotonic(), interval=0.02) != "removed":
+        seen = wait_for(over, timeout=deadline - time.monotonic(), interval=0.02)
+        if seen == "unregistered":
             self._remove(run)
+        return bool(seen)
 
     def _remove(self, run: Run) -> None:
         self.store.delete(run.uid)

@@ -498,12 +498,15 @@ class RunHandler(BaseHandler):
         if cancel not in ("true", "false"):
             raise InvalidField("cancelInFlight", f"must be true or false, got {cancel[:40]!r}")
         drain_millis = limits.parse_count(drain, "drainTimeoutMs", limits.MAX_DRAIN_TIMEOUT_MILLIS)
-        await self.blocking(
+        gone = await self.blocking(
             self.gateway.control_plane.delete_run,
             name,
             cancel_in_flight=cancel == "true",
             drain_timeout_millis=drain_millis,
         )
+        if not gone:  # its server still holds it: Deleting, until runtimed gets it unregistered
+            self.send_json(202, await self.described(self.gateway.store.get(name)))
+            return
         self.set_status(204)
         self.finish()
 
