@@ -341,6 +341,8 @@ class Function:
         """The deadline as a user can act on it: how long it was, and how to give more (what
         the handler printed until then is the cell's output already: LiveLines). `call`: the
         method it came from and its first argument, as the way to give more names it."""
+        if exc.message.startswith("no answer within"):  # a hop's silence, not the handler's time
+            return exc
         seconds = timeout or limits.DEFAULT_TIMEOUT_MILLIS / 1000
         timed_out = InvocationTimedOut(
             f"{self.name} timed out after {seconds:g} s; give it more with %%function "

@@ -274,6 +274,15 @@ def status_code(number: int) -> grpc.StatusCode:
 # (that process died, or was not there): what each means for the call (docs/protocol.md, "Errors").
 _NOT_REACHED = "failed to connect"
 _CUT_OFF = ("Socket closed", "Stream removed", "Connection reset", "Broken pipe")
+# gRPC's own words for a deadline that passed with no answer from the process called: not the
+# handler's deadline, which its server answers in words of its own.
+_NO_ANSWER = "Deadline Exceeded"
+
+
+def no_answer(code: grpc.StatusCode, message: str) -> bool:
+    """Whether a status is gRPC's own for a deadline that passed with no answer from the
+    process called (not the handler's deadline, which its server words itself)."""
+    return code == grpc.StatusCode.DEADLINE_EXCEEDED and message == _NO_ANSWER
 
 
 def never_sent(code: grpc.StatusCode, message: str) -> bool:
@@ -292,6 +301,11 @@ def status_body(code: grpc.StatusCode, message: str, trailers: dict[str, Any]) -
                 "the call was cut off: a process on its path went away while it was in flight,"
                 f" so it may have run ({message})"
             )
+    if no_answer(code, message):
+        message = (
+            "no answer within the call's timeout and the hops' slack: a process on its path did "
+            f"not answer (paused, overloaded), so it may have run ({message})"
+        )
     body: dict[str, Any] = {"code": code.name, "message": message}
     if code == grpc.StatusCode.UNKNOWN:
         error_type = str(trailers.get(wire.ERROR_TYPE_KEY, ""))

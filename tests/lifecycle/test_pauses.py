@@ -164,3 +164,26 @@ def test_a_delete_its_server_does_not_answer_stays_deleting_until_it_does(stack:
         os.kill(server.pid, signal.SIGCONT)
     wait_until(lambda: "doomed" not in [run.name for run in client.list_runs()], timeout=30)
     assert client.invoke("slow", {"sleep": 0}).decoded() == {"slept": 0}  # the pod serves on
+
+
+def test_a_call_its_pod_never_answers_says_so_not_that_the_handler_ran_out_of_time(
+    stack: Stack,
+) -> None:
+    # docs/protocol.md, "Errors": a deadline that passed with no answer from a process on the
+    # path is not the handler's timeout: the 504 says the path did not answer and that the call
+    # may have run — not "give it more" time, which was never the handler's to use.
+    runtimed = stack.component("python-0-runtimed").child
+    assert runtimed is not None
+    os.kill(runtimed.pid, signal.SIGSTOP)
+    try:
+        status, _, body = http_call(
+            stack.gateway_address, "POST", "/v1/runs/slow:invoke", b'{"sleep": 0}',
+            {"Content-Type": "application/json", "X-Timeout-Ms": "200"},
+        )  # fmt: skip
+    finally:
+        os.kill(runtimed.pid, signal.SIGCONT)
+    failure = json.loads(body)
+    assert status == 504 and failure["code"] == "DEADLINE_EXCEEDED", failure
+    assert failure["message"].startswith("no answer within the call's timeout and the hops' slack")
+    assert "may have run" in failure["message"] and "hint" not in failure
+    wait_until(lambda: invoke(stack, 0)[0] == 200, timeout=30)  # and it serves again

@@ -38,7 +38,7 @@ from fnkernel.runtime_server.lifecycle.gateway.handlers import (
 )
 from fnkernel.runtime_server.lifecycle.gateway.payloads import Upload, discard_spooled, send_spooled
 from fnkernel.runtime_server.lifecycle.runs import Run
-from fnkernel.runtime_server.rpc import trailer_logs
+from fnkernel.runtime_server.rpc import no_answer, trailer_logs
 from fnkernel.runtime_server.wire import (
     ATTEMPT_KEY,
     COLD_START_KEY,
@@ -198,7 +198,10 @@ class InvokeHandler(TracedHandler, BodyHandler):
                 spans = metadata_of(err.trailing_metadata()).get(wire.SPANS_KEY)
                 hop.called(err.code().value[0], spans)
             failure = rpc_error(err, run, invocation_id)
-            if failure.code == "DEADLINE_EXCEEDED":  # how an HTTP caller gives it more
+            if failure.code == "DEADLINE_EXCEEDED" and not no_answer(
+                err.code(), err.details() or ""
+            ):
+                # The handler's own deadline: how an HTTP caller gives it more.
                 failure.extra["hint"] = (
                     f"give it more with the {wire.TIMEOUT_HEADER} header, in milliseconds"
                     f" (at most {limits.MAX_TIMEOUT_MILLIS})"
