@@ -316,6 +316,12 @@ def register_wait_seconds(hops_below: int) -> float:
     return REGISTER_LOAD_SECONDS + HOP_SLACK_SECONDS * hops_below
 
 
+# What a stopping component (SIGTERM: `fnkernel down`, a pod's end) gives the calls in flight
+# before it closes their connections: the gateway, runtimed and the server alike, so that a call
+# drains end to end (`fnkernel serve --drain-timeout`'s default).
+STOP_DRAIN_SECONDS = 10.0
+
+
 def delete_wait_seconds(drain_timeout_millis: int, hops_below: int) -> float:
     """How long a caller waits for a delete that drains for `drain_timeout_millis` (0: the
     default) to be seen through, `hops_below` hops above runtimed."""

@@ -106,7 +106,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _runtimed(args: argparse.Namespace) -> int:
-    from fnkernel.runtime_server import daemon, logs
+    from fnkernel.runtime_server import daemon, limits, logs
     from fnkernel.runtime_server.daemon import announcement
     from fnkernel.runtime_server.lifecycle.runtimed import Runtimed
     from fnkernel.runtime_server.lifecycle.runtimed.packages import PackageCache
@@ -142,7 +142,7 @@ def _runtimed(args: argparse.Namespace) -> int:
     detail = f"pod {args.pod} ({args.runtime}, server {args.server})"
     print(announcement("runtimed", detail, address), flush=True)
     daemon.wait_for_termination()
-    runtimed.stop()
+    runtimed.stop(grace=limits.STOP_DRAIN_SECONDS)
     return EXIT_OK
 
 
@@ -179,7 +179,7 @@ def _gateway_token(args: argparse.Namespace, command: str, listen: str) -> Gatew
 def _gateway(args: argparse.Namespace) -> int:
     import asyncio
 
-    from fnkernel.runtime_server import daemon, logs, tokens
+    from fnkernel.runtime_server import daemon, limits, logs, tokens
     from fnkernel.runtime_server.daemon import announcement
     from fnkernel.runtime_server.lifecycle.controlplane import ControlPlane
     from fnkernel.runtime_server.lifecycle.gateway import Access, Gateway
@@ -231,7 +231,7 @@ def _gateway(args: argparse.Namespace) -> int:
         finally:
             if gateway_file is not None:
                 tokens.withdraw(gateway_file)
-        await gateway.close()
+        await gateway.close(drain=limits.STOP_DRAIN_SECONDS)
         if topology.control_plane_in_gateway:
             control_plane.stop()
         control_plane.store.close()
@@ -373,6 +373,7 @@ def _add_access_flags(parser: argparse.ArgumentParser) -> None:
 
 def register(commands: Any) -> None:
     """Add the subcommands of this group to `commands` (argparse subparsers)."""
+    from fnkernel.runtime_server import limits
 
     serve = commands.add_parser(
         "serve",
@@ -396,7 +397,9 @@ def register(commands: Any) -> None:
     serve.add_argument(
         "--oneshot-only", action="store_true", help="register Runtime only (no function mode)"
     )
-    serve.add_argument("--drain-timeout", type=seconds, default=10.0, metavar="SECONDS")
+    serve.add_argument(
+        "--drain-timeout", type=seconds, default=limits.STOP_DRAIN_SECONDS, metavar="SECONDS"
+    )
     serve.add_argument(
         "--spool",
         metavar="DIR",

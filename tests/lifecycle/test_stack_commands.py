@@ -12,12 +12,14 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from fnkernel.runtime_server.client import Client
+from fnkernel.runtime_server.client.errors import GatewayError
 from fnkernel.runtime_server.daemon import Prewarmed, serve_args, spawn
 from fnkernel.runtime_server.lifecycle.stack import Stack
 from tests.lifecycle.stack_calls import ECHO, StackFactory, phase_and_attempt
@@ -79,6 +81,56 @@ def test_fnkernel_down_stops_the_stack_up_started_in_its_state_dir(tmp_path: Pat
         assert (again.returncode, again.stderr) == (
             1, f"fnkernel down: no stack is up with the state dir {tmp_path / 's'}\n",
         )  # fmt: skip
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_fnkernel_down_lets_a_call_in_flight_end_first(
+    tmp_path: Path, gate: Callable[[], Gate]
+) -> None:
+    # docs/protocol.md, "CLI": SIGTERM (`fnkernel down`, Ctrl-C) stops accepting and lets the
+    # calls in flight finish for up to 10 s — end to end: the gateway, runtimed and the server
+    # each wait for them. Before, the gateway closed their connections at once.
+    cli = [sys.executable, "-m", "fnkernel.runtime_server.cli"]
+    state = ["--state-dir", str(tmp_path / "s")]
+    proc = subprocess.Popen(
+        [*cli, "up", *state, "--gateway-listen", "127.0.0.1:0", "--pods", "python=1"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        found = re.search(r"gateway (http://127\.0\.0\.1:\d+)", "\n".join(read_until_ready(proc)))
+        assert found is not None
+        client = Client(found.group(1))
+        handler = (
+            GATE_WAIT + "def handle(event):\n    wait_for_gate(event['go'])\n    return 'ended'\n"
+        )
+        client.create_run("last", runtime="python", handler="handler.handle",
+                          files={"handler.py": handler})  # fmt: skip
+        go = gate()
+        answers: list[object] = []
+        call = threading.Thread(
+            target=lambda: answers.append(  # through the gateway, as from another machine
+                client.invoke("last", {"go": str(go)}, by_reference=False).decoded()
+            )
+        )
+        call.start()
+        wait_until(lambda: client.status("last")["live"]["inFlight"] == 1, timeout=20)
+        down = subprocess.Popen([*cli, "down", *state], stdout=subprocess.PIPE, text=True)
+
+        def refusing() -> bool:
+            try:
+                client.list_runs()
+            except GatewayError:  # 503, the gateway is stopping; or its listener is closed
+                return True
+            return False
+
+        wait_until(refusing, timeout=20)
+        go.open()
+        call.join(30)
+        assert answers == ["ended"]
+        assert down.wait(60) == 0 and proc.wait(30) == 0
     finally:
         if proc.poll() is None:
             proc.kill()

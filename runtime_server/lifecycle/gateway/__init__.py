@@ -9,7 +9,9 @@ and of live output (``logs``); here, the server that puts them together.
 
 from __future__ import annotations
 
+import asyncio
 import socket
+import time
 
 from tornado import httpserver, netutil, web
 
@@ -90,7 +92,13 @@ class Gateway(Routes):
             self.address = f"http://{host}:{bound}"
         return self.address
 
-    async def close(self) -> None:
+    async def close(self, drain: float = 0.0) -> None:
+        """Stop: no new connection or request (503), the requests in progress given up to
+        `drain` seconds to end (a call's answer, a log stream), then every connection closed."""
         if self._server is not None:
             self._server.stop()
+            self.stopping = True
+            deadline = time.monotonic() + drain
+            while self.in_progress and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
             await self._server.close_all_connections()

@@ -77,6 +77,9 @@ class BaseHandler(web.RequestHandler):
             self.set_header("Access-Control-Allow-Origin", origin)
             self.set_header("Vary", "Origin")
             self.set_header("Access-Control-Expose-Headers", access.EXPOSED_HEADERS)
+        if self.gateway.stopping:
+            raise FailureResponse("UNAVAILABLE", "the gateway is stopping; its calls in flight end")
+        self.gateway.in_progress.add(self)
         if request.method == "OPTIONS":
             return None  # a CORS preflight carries no token; options() answers it
         # A method the path does not take is 405 (tornado's), whatever its body's type.
@@ -84,6 +87,12 @@ class BaseHandler(web.RequestHandler):
         taken = getattr(type(self), method, None) is not getattr(web.RequestHandler, method, None)
         access.check_credentials(request, allowed, self.bodies if taken else None)
         return None
+
+    def on_finish(self) -> None:
+        self.gateway.in_progress.discard(self)
+
+    def on_connection_close(self) -> None:
+        self.gateway.in_progress.discard(self)
 
     def options(self, *_: str) -> None:
         """The CORS preflight of an allowed origin (prepare refused every other one)."""

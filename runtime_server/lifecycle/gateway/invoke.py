@@ -141,6 +141,7 @@ class InvokeHandler(TracedHandler, BodyHandler):
         }
 
     def on_connection_close(self) -> None:
+        super().on_connection_close()
         # The client hung up (an interrupted notebook cell): cancel, so the handler is killed.
         if self._call is not None:
             self._call.cancel()

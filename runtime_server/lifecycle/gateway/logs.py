@@ -41,6 +41,7 @@ class LogsHandler(BaseHandler):
         return super().prepare()
 
     def on_connection_close(self) -> None:
+        super().on_connection_close()
         if self._call is not None:
             self._call.cancel()  # the follower left: so does the stream behind it
 

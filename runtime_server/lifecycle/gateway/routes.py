@@ -67,6 +67,9 @@ class Routes:
         self.body_timeout = body_timeout
         self.header_timeout = header_timeout
         self.listen_host = ""
+        # Stopping (``Gateway.close``): new requests are refused while those in progress end.
+        self.stopping = False
+        self.in_progress: set[object] = set()  # the requests being answered (their handlers)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, pb_grpc.FunctionRuntimeStub] = {}
         self._server: httpserver.HTTPServer | None = None
