@@ -10,7 +10,6 @@ import contextlib
 import json
 import os
 import stat
-import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
@@ -26,8 +25,8 @@ from fnkernel.runtime_server.client.errors import (
     SecretNotFound,
     UnsupportedMediaType,
 )
-from fnkernel.runtime_server.client.live import FOLLOW_END_SECONDS, LiveFollow, LogCallback
-from fnkernel.runtime_server.client.maps import MAP_PROGRESS_SECONDS, MapRun
+from fnkernel.runtime_server.client.live import LiveFollow, LogCallback
+from fnkernel.runtime_server.client.maps import MapRun
 from fnkernel.runtime_server.client.transport import (
     DEFAULT_ADDRESS,
     Headers,
@@ -495,44 +494,14 @@ class Client(Transport):
         if not work:
             return results
         run = MapRun(calls, name, work, return_exceptions, timeout_millis, on_log, run_uid)
-        width = min(concurrency, len(work))
-        if lanes[0] is not None:
-            run.lanes(width)
-        threads = [
-            threading.Thread(
-                target=run.work, args=(lanes[i % len(lanes)],), name="map", daemon=True
-            )
-            for i in range(width)
-        ]
+        with self._lock:
+            self._maps.add(run)  # cancel() stops it
         try:
-            for thread in threads:
-                thread.start()
-            shown = -1
-            while not run.over.wait(MAP_PROGRESS_SECONDS) or shown != run.done:
-                if on_result is not None:
-                    for index, result in run.in_order():
-                        on_result(index, result)
-                if progress is not None and (shown != run.done or not run.over.is_set()):
-                    shown = run.done
-                    progress(shown, len(work))  # also unchanged: the map is alive
-                elif run.over.is_set():
-                    break
-            for thread in threads:
-                thread.join()
-            if on_result is not None:
-                for index, result in run.in_order():
-                    on_result(index, result)
-        except BaseException:
-            run.stop()
-            for thread in threads:
-                thread.join(FOLLOW_END_SECONDS)
-            raise
+            return run.through(lanes, min(concurrency, len(work)), progress, on_result)
         finally:
             calls.close()
-        failure = run.failure
-        if failure is not None:
-            raise failure
-        return run.results
+            with self._lock:
+                self._maps.discard(run)
 
 
 class _MapClient(Client):

@@ -18,7 +18,7 @@ from fnkernel.runtime_server.client.errors import (
     GatewayError,
     RequestCancelled,
 )
-from fnkernel.runtime_server.client.live import LiveFollow, LogCallback
+from fnkernel.runtime_server.client.live import FOLLOW_END_SECONDS, LiveFollow, LogCallback
 from fnkernel.runtime_server.client.views import InvocationResult
 
 MAP_PROGRESS_SECONDS = 0.05  # how often a map reports progress (and at its end)
@@ -84,13 +84,72 @@ class MapRun:
         self._handed = 0  # the items ``in_order`` has handed out
         self.failure: BaseException | None = None
         self.stopped = False  # after a failure or an interrupt: nothing more is sent
+        self.cancelled = False  # by its client's cancel()
         self._stopping = threading.Event()  # wakes the items waiting for a free replica
         self.over = threading.Event()  # every thread is out
+
+    def through(
+        self,
+        lanes: list[Any],
+        width: int,
+        progress: Callable[[int, int], None] | None,
+        on_result: Callable[[int, Any], None] | None,
+    ) -> list[Any]:
+        """Run the map on `width` threads, each with one of `lanes` in turn (None: calls
+        through the gateway), the calling thread reporting `progress` and handing results
+        on in order (``Client.map``); the results, or the map's failure (RequestCancelled if
+        its client cancelled it)."""
+        if lanes[0] is not None:
+            self.lanes(width)
+        threads = [
+            threading.Thread(
+                target=self.work, args=(lanes[i % len(lanes)],), name="map", daemon=True
+            )
+            for i in range(width)
+        ]
+        try:
+            for thread in threads:
+                thread.start()
+            shown = -1
+            while not self.over.wait(MAP_PROGRESS_SECONDS) or shown != self.done:
+                if on_result is not None:
+                    for index, result in self.in_order():
+                        on_result(index, result)
+                if progress is not None and (shown != self.done or not self.over.is_set()):
+                    shown = self.done
+                    progress(shown, len(self._work))  # also unchanged: the map is alive
+                elif self.over.is_set():
+                    break
+            for thread in threads:
+                thread.join()
+            if on_result is not None:
+                for index, result in self.in_order():
+                    on_result(index, result)
+        except BaseException:
+            self.stop()
+            for thread in threads:
+                thread.join(FOLLOW_END_SECONDS)
+            raise
+        if self.cancelled:
+            raise RequestCancelled(
+                f"the map of {self._name} was cancelled: its calls in flight were cancelled, "
+                "and the items not yet sent were never sent",
+                code="CANCELLED",
+            )
+        if self.failure is not None:
+            raise self.failure
+        return self.results
 
     def lanes(self, threads: int) -> None:
         """Each thread will be given a lane (``work(lane)``): the size of its batches."""
         share = -(-len(self._work) // (threads * BATCH_SHARE))
         self._batch = max(1, min(share, BATCH_MOST_ITEMS))
+
+    def cancel(self) -> None:
+        """From another thread (``Client.cancel``): stop, the map then raising
+        RequestCancelled."""
+        self.cancelled = True
+        self.stop()
 
     def stop(self) -> None:
         self.stopped = True
@@ -247,6 +306,7 @@ class MapRun:
                 self.failure = error
             self.results[index] = error
             self._finished[index] = 1
-            self.done += 1
+            if not (self.stopped and isinstance(error, RequestCancelled)):
+                self.done += 1  # a call the map's own stop cancelled did not end: not done
         if first:
             self.stop()

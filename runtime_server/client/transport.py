@@ -73,6 +73,7 @@ class Transport:
         self._spool: tuple[Path | None] | None = None  # Client.local_spool's answer, once asked
         # Calls without the gateway (Client._invoked): each Run's route, and runtimed's channels.
         self._routes: dict[str, Any] = {}
+        self._maps: set[Any] = set()  # the maps running on this client (``Client.map``)
         self._direct: Any = None
         self._max_payload = limits.DEFAULT_MAX_SPOOLED_BYTES  # the gateway's, once asked
         # Last: a refused address leaves an object whose __del__ still closes it.
@@ -264,7 +265,11 @@ class Transport:
                 with contextlib.suppress(OSError):  # already closed: the request is over
                     sock.shutdown(socket.SHUT_RDWR)
         direct = self._direct.cancel() if self._direct is not None else 0
-        return len(busy) + direct
+        with self._lock:
+            maps = list(self._maps)
+        for running in maps:  # each stops: its calls in flight cancelled, the rest never sent
+            running.cancel()
+        return len(busy) + direct + len(maps)
 
     def __enter__(self) -> Self:
         return self

@@ -20,6 +20,7 @@ from fnkernel.runtime_server.client.errors import (
     GatewayError,
     HandlerFailed,
     InvalidRequest,
+    RequestCancelled,
 )
 from fnkernel.runtime_server.lifecycle.stack import Stack
 from tests.support import GATE_WAIT, SLOW_PY, Gate, http_call, wait_until
@@ -196,6 +197,27 @@ def test_map_hands_each_result_on_in_order_while_it_runs(
     wait_until(lambda: client.status("mo")["live"]["inFlight"] == 0, timeout=20)
     assert client.invoke("mo", {"n": 7}).decoded() == 7
     client.delete_run("mo")
+
+
+def test_cancel_from_another_thread_stops_a_map(stack: Stack, gate: Callable[[], Gate]) -> None:
+    # README, "Client library": cancel() aborts every request in flight — a map's too: its
+    # calls in flight are cancelled, the items not yet sent never sent, and the map raises.
+    client = Client(stack.gateway_address)
+    client.create_run("mc", runtime="python", handler="handler.handle", files=GATED)
+    shut = gate()  # never opened: item 1 runs until it is cancelled
+    items = [{"n": 0}, {"n": 1, "gate": str(shut)}, *({"n": n} for n in range(2, 30))]
+    cancelled: list[int] = []
+
+    def on_result(index: int, result: object) -> None:
+        if index == 0:  # item 1 is running (or about to): cancel from another thread
+            threading.Thread(target=lambda: cancelled.append(client.cancel())).start()
+
+    with pytest.raises(RequestCancelled, match="the map of mc was cancelled"):
+        client.map("mc", items, on_result=on_result, timeout_millis=30_000)
+    assert cancelled and cancelled[0] >= 1
+    wait_until(lambda: client.status("mc")["live"]["inFlight"] == 0, timeout=20)
+    assert client.invoke("mc", {"n": 7}).decoded() == 7  # the function serves on
+    client.delete_run("mc")
 
 
 def test_invoke_map_from_the_cli_prints_a_line_per_item_in_order(
