@@ -155,6 +155,11 @@ def test_the_gateway_streams_ndjson_and_ends_with_the_call(
     assert head == {"invocationId": "inv-ndjson", "run": "waits", "running": True}
     assert next(records) == {"stream": "stdout", "text": "started ndjson"}
     assert not answer, "the call is still running"
+    # A look without follow at the call still running: its lines so far, and no end record,
+    # which says the call is over.
+    status, _, snapshot = _get(stack, "/v1/runs/waits/invocations/inv-ndjson/logs?follow=0")
+    assert status == 200 and snapshot[0]["running"] is True
+    assert snapshot[1:] == [{"stream": "stdout", "text": "started ndjson"}]
     go.open()
     assert list(records) == [{"stream": "stdout", "text": "finished ndjson"}, {"end": True}]
     call.join(30)

@@ -93,7 +93,8 @@ class LogsHandler(BaseHandler):
         except asyncio.CancelledError:
             return
         else:
-            await self._send({"end": True})
+            if request.follow or not first.running:  # else a look at a call still running
+                await self._send({"end": True})
         self.finish()
 
     async def _send(self, record: dict[str, Any]) -> bool:
