@@ -417,20 +417,27 @@ class ControlPlane:
             elif run.status.phase in (PENDING, READY) and not pod_alive:
                 # docs/protocol.md, "Runs": a Runtime Pod that dies moves its Runs to retry —
                 # one whose record is gone too (on Kubernetes, a deleted pod's object).
-                self.store.update(
+                why = f"pod {pod_name} {'stopped' if pod is not None else 'is gone'}"
+                if self.store.update(
                     run,
                     phase=RETRYING,
-                    message=f"pod {pod_name} {'stopped' if pod is not None else 'is gone'}",
+                    message=why,
                     failed_at=now,
                     uncharged_attempts=run.status.uncharged_attempts
                     + int(decide(Step.POD) is Verdict.RETRY_FREE),
-                )
+                ):
+                    LOG.warning(
+                        "run %s: %s (no heartbeat); it is retried on a live pod", run.name, why
+                    )
                 due = now
             elif run.status.phase == IDLE and not pod_alive:
                 # No registration exists, so nothing failed: move it without a new attempt.
                 target = self.schedule(run.spec.runtime, avoid=run.status.assigned_pod)
                 if target and target != run.status.assigned_pod:
-                    self.store.update(run, assigned_pod=target)
+                    if self.store.update(run, assigned_pod=target):
+                        LOG.info(
+                            "run %s (idle): pod %s stopped; now on %s", run.name, pod_name, target
+                        )
                     due = now
         return due
 

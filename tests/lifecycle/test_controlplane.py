@@ -268,7 +268,7 @@ def counted_passes(plane: ControlPlane) -> list[float]:
 
 
 def test_the_loop_notices_a_heartbeat_running_out_with_no_pass_every_tick(
-    plane: ControlPlane,
+    plane: ControlPlane, caplog: pytest.LogCaptureFixture
 ) -> None:
     # docs/architecture.md, "The control plane's pass": a pass reads every Run, so the loop
     # makes one only after a write to the store or when time alone can give it work — here,
@@ -288,6 +288,10 @@ def test_the_loop_notices_a_heartbeat_running_out_with_no_pass_every_tick(
         assert time.time() >= stale_in_one_second + POD_GRACE_SECONDS  # not before
         moved = plane.store.get("fn")
         assert (moved.status.phase, moved.status.message) == (RETRYING, "pod python-0 stopped")
+        # An operator reads it in the log: which Run, which pod, and why.
+        assert "run fn: pod python-0 stopped (no heartbeat); it is retried on a live pod" in (
+            caplog.text
+        )
         # The first pass, the one when the heartbeat ran out, and the one after its own write.
         assert len(passes) <= 4, [round(t - passes[0], 2) for t in passes]
         # A write by another connection is seen in a tick or so, with nothing due by time.
