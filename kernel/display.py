@@ -311,6 +311,7 @@ class FunctionsTable:
 
     rows: list[dict[str, str]]
     where: str = ""
+    missing: tuple[str, ...] = ()  # names asked for that no function has
 
     _HEADERS = (
         "name", "runtime", "phase", "state", "attempt", "registration", "in flight", "replicas",
@@ -320,15 +321,23 @@ class FunctionsTable:
     def _cells(self) -> list[list[str]]:
         return [[row.get(h, "") for h in self._HEADERS] for row in self.rows]
 
+    def _none(self) -> str:
+        """What stands for a table without rows."""
+        if self.missing:
+            return f"no function named {', '.join(self.missing)}"
+        return "no functions registered"
+
     def __repr__(self) -> str:
         if not self.rows:
-            return f"no functions registered ({self.where})" if self.where else "no functions"
+            return f"{self._none()} ({self.where})" if self.where else self._none()
         text = table_text(list(self._HEADERS), self._cells())
+        if self.missing:
+            text += f"\n{self._none()}"
         return f"{text}\n({self.where})" if self.where else text
 
     def _repr_html_(self) -> str:
         if not self.rows:
-            return f"<p>no functions registered <i>({escape(self.where)})</i></p>"
+            return f"<p>{escape(self._none())} <i>({escape(self.where)})</i></p>"
         registration = self._HEADERS.index("registration")
         rows = (
             [
@@ -340,6 +349,8 @@ class FunctionsTable:
             for row in self._cells()
         )
         table = table_html(self._HEADERS, rows)
+        if self.missing:
+            table += f"<p>{escape(self._none())}</p>"
         return fragment(table + (f"<div>{muted(self.where)}</div>" if self.where else ""))
 
 

@@ -349,7 +349,7 @@ class FunctionMagics(Magics):
         wanted = {word for word in words if word != "--all"}
         session = self.session
         if not session.runtime.started:
-            return FunctionsTable([], session.runtime.describe())
+            return FunctionsTable([], session.runtime.describe(), tuple(sorted(wanted)))
         client = session.runtime.client()
         rows = []
         for run in client.list_runs():
@@ -386,7 +386,8 @@ class FunctionMagics(Magics):
                     row["replicas"] = f"{len(members)} ({ready} ready, {busy} busy)"
                     row["in flight"] = str(sum(r.get("inFlight", 0) for r in members))
             rows.append(row)
-        return FunctionsTable(rows, session.runtime.describe())
+        missing = tuple(sorted(wanted - {row["name"] for row in rows}))
+        return FunctionsTable(rows, session.runtime.describe(), missing)
 
     @line_cell_magic("krm")  # type: ignore[arg-type]  # IPython types it as Never
     def krm(self, line: str, cell: str | None = None) -> Any:

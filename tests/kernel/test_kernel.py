@@ -399,6 +399,10 @@ def test_functions_table_lists_live_state(kernel: Kernel) -> None:
     assert "embedded runtime at unix:" in text
     only = kernel.run("%functions etl").result
     assert [r.split()[0] for r in only.splitlines()[1:-1]] == ["etl"]
+    # A name no function has is said so, not "no functions registered" beside etl.
+    assert kernel.run("%functions nosuch").result.startswith("no function named nosuch (")
+    both = kernel.run("%functions etl nosuch").result.splitlines()
+    assert both[1].startswith("etl ") and both[-2] == "no function named nosuch"
 
 
 def test_completion_offers_registered_names(kernel: Kernel) -> None:
