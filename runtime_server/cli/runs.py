@@ -88,8 +88,8 @@ def _runs_delete(args: argparse.Namespace) -> int:
         print(f"deleted {args.name}")
     else:
         print(
-            f"deleting {args.name}: its Runtime Server still holds it; runtimed keeps asking it "
-            "to let go, and the Run goes once it has (fnkernel runs get shows it Deleting)"
+            f"deleted {args.name}; its Runtime Server still held it (it did not answer, or "
+            "the registration was still loading): its runtimed unregisters it once it lets go"
         )
     return EXIT_OK
 

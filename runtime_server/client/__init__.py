@@ -175,8 +175,8 @@ class Client(Transport):
     ) -> bool:
         """Unregister and delete: drain the in-flight invocation (at most `drain_timeout_millis`,
         0 for the gateway's default), or cancel it. False when its server still held it as
-        the gateway's wait ended (202): it is Deleting, and goes once runtimed has it
-        unregistered (docs/protocol.md, "Runs")."""
+        the gateway's wait ended (202): the Run is gone all the same, and its runtimed
+        unregisters it once the server lets go (docs/protocol.md, "Runs")."""
         query = urllib.parse.urlencode(
             {
                 "cancelInFlight": "true" if cancel_in_flight else "false",

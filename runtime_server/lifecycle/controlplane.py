@@ -327,9 +327,11 @@ class ControlPlane:
     ) -> bool:
         """Ask the pod's runtimed to unregister — cancelling the in-flight invocation, or
         draining it for at most `drain_timeout_millis` (0: runtimed's default) — then remove
-        it from the store once it has. A function's replicas go together: every one is asked
-        first, then each awaited. Whether all are gone: one whose server still holds it past
-        the wait stays Deleting, and runtimed keeps trying (docs/protocol.md, "Runs")."""
+        it from the store. A function's replicas go together: every one is asked first, then
+        each awaited. Whether each was unregistered within the wait: one its server still held
+        (a server that does not answer; a registration still loading, which only its end can
+        release) is removed all the same, so that its name can be taken again, and its runtimed
+        unregisters it once the server answers (docs/protocol.md, "Runs")."""
         limits.check_drain_timeout(drain_timeout_millis, "drainTimeoutMs")
         run = self.store.get(name)
         targets = [run] if run.spec.replica_of else self.replicas_of(run)
@@ -356,8 +358,8 @@ class ControlPlane:
         return run
 
     def _await_unregistered(self, run: Run, deadline: float) -> bool:
-        """Wait until `run` is unregistered, and remove it; False if it is still held at the
-        `deadline` (left Deleting: the reconciler removes it once runtimed says Deleted)."""
+        """Wait until `run` is unregistered (at most until `deadline`), and remove it; whether
+        it was."""
 
         def over() -> str:
             current = self.store.get_uid(run.uid)
@@ -369,8 +371,10 @@ class ControlPlane:
             return ""
 
         seen = wait_for(over, timeout=deadline - time.monotonic(), interval=0.02)
-        if seen == "unregistered":
+        if seen != "removed":
             self._remove(run)
+        if not seen:
+            LOG.warning("run %s (%s): removed while its server still held it", run.name, run.uid)
         return bool(seen)
 
     def _remove(self, run: Run) -> None:

@@ -450,6 +450,14 @@ class RunsHandler(TracedHandler, BodyHandler):
         self.send_json(201, await self.described(run))
 
 
+# What a delete answers (202) when the Run's server still held it as the wait ended.
+DELETED_UNCONFIRMED = (
+    "removed from the store, but its Runtime Server still held it when the wait ended (it did "
+    "not answer, or the registration was still loading): its runtimed unregisters it once the "
+    "server lets go"
+)
+
+
 class RunHandler(BaseHandler):
     async def get(self, name: str) -> None:
         run = self.gateway.store.get(name)
@@ -513,8 +521,8 @@ class RunHandler(BaseHandler):
             cancel_in_flight=cancel == "true",
             drain_timeout_millis=drain_millis,
         )
-        if not gone:  # its server still holds it: Deleting, until runtimed gets it unregistered
-            self.send_json(202, await self.described(self.gateway.store.get(name)))
+        if not gone:  # removed, but its server still held it: say so, not "unregistered"
+            self.send_json(202, {"name": name, "message": DELETED_UNCONFIRMED})
             return
         self.set_status(204)
         self.finish()
