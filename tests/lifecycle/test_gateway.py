@@ -111,6 +111,11 @@ def test_second_concurrent_invoke_is_429_with_retry_after(shared_stack: Stack) -
     assert error["runUid"] and error["invocationId"]
     first.join(10)
     assert result[0][0] == 200  # type: ignore[index]
+    # In the gateway's log as information: a map waiting for a free replica asks every few
+    # milliseconds, and each answer was a warning.
+    logged = [json.loads(line) for line in (shared_stack.log_dir / "gateway.log").read_text()
+              .splitlines() if f"429 POST /v1/runs/{name}:invoke" in line]  # fmt: skip
+    assert logged and {entry["level"] for entry in logged} == {"info"}
 
 
 @pytest.mark.slow  # it waits seconds on purpose (tests/conftest.py)

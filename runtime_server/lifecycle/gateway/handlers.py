@@ -53,10 +53,14 @@ _UNCAPPED = 1 << 62
 
 def log_failure(handler: web.RequestHandler) -> None:
     """The access log names the requests that failed (4xx as a warning, 5xx as an error); a
-    line per successful call would cost more than the call's own work in the gateway."""
+    line per successful call would cost more than the call's own work in the gateway. A 429
+    is information: the answer a busy function gives, which a map waits out by asking again
+    every few milliseconds."""
     status = handler.get_status()
     if status >= 400:
         level = logging.ERROR if status >= 500 else logging.WARNING
+        if status == 429:
+            level = logging.INFO
         request = handler.request
         LOG.log(level, "%d %s %s (%s)", status, request.method, request.uri, request.remote_ip)
 
