@@ -23,7 +23,14 @@ from fnkernel.runtime_server.client.errors import GatewayError
 from fnkernel.runtime_server.daemon import Prewarmed, serve_args, spawn
 from fnkernel.runtime_server.lifecycle.stack import Stack
 from tests.lifecycle.stack_calls import ECHO, StackFactory, phase_and_attempt
-from tests.support import GATE_WAIT, Gate, pid_alive, read_until_ready, wait_until
+from tests.support import (
+    GATE_WAIT,
+    Gate,
+    fnkernel_up,
+    pid_alive,
+    read_until_ready,
+    wait_until,
+)
 
 
 @pytest.mark.parametrize("stop_with", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
@@ -93,16 +100,9 @@ def test_fnkernel_down_lets_a_call_in_flight_end_first(
     # docs/protocol.md, "CLI": SIGTERM (`fnkernel down`, Ctrl-C) stops accepting and lets the
     # calls in flight finish for up to 10 s — end to end: the gateway, runtimed and the server
     # each wait for them. Before, the gateway closed their connections at once.
-    cli = [sys.executable, "-m", "fnkernel.runtime_server.cli"]
     state = ["--state-dir", str(tmp_path / "s")]
-    proc = subprocess.Popen(
-        [*cli, "up", *state, "--gateway-listen", "127.0.0.1:0", "--pods", "python=1"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
-    try:
-        found = re.search(r"gateway (http://127\.0\.0\.1:\d+)", "\n".join(read_until_ready(proc)))
-        assert found is not None
-        client = Client(found.group(1))
+    with fnkernel_up(tmp_path / "s", {}) as address:
+        client = Client(address)
         handler = (
             GATE_WAIT + "def handle(event):\n    wait_for_gate(event['go'])\n    return 'ended'\n"
         )
@@ -117,7 +117,10 @@ def test_fnkernel_down_lets_a_call_in_flight_end_first(
         )
         call.start()
         wait_until(lambda: client.status("last")["live"]["inFlight"] == 1, timeout=20)
-        down = subprocess.Popen([*cli, "down", *state], stdout=subprocess.PIPE, text=True)
+        down = subprocess.Popen(
+            [sys.executable, "-m", "fnkernel.runtime_server.cli", "down", *state],
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
 
         def refusing() -> bool:
             try:
@@ -130,11 +133,7 @@ def test_fnkernel_down_lets_a_call_in_flight_end_first(
         go.open()
         call.join(30)
         assert answers == ["ended"]
-        assert down.wait(60) == 0 and proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        assert down.wait(60) == 0  # and `up` has ended, 0 (fnkernel_up)
 
 
 def test_up_rejects_a_bad_pods_flag(tmp_path: Path) -> None:
