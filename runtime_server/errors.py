@@ -99,6 +99,15 @@ class RunNotReady(RuntimeServerError):
     """The Run cannot take an invocation now: it is pending, retrying, failed or being deleted."""
 
 
+class RunFailed(RunNotReady):
+    """The Run is Failed: terminal until it is made again, so no caller is told to come back
+    (no Retry-After). `run_uid` names it."""
+
+    def __init__(self, message: str, run_uid: str) -> None:
+        super().__init__(message)
+        self.run_uid = run_uid
+
+
 class NoRuntimePod(RuntimeServerError):
     """No live Runtime Pod serves the Run's runtime."""
 

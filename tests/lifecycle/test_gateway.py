@@ -520,3 +520,22 @@ def test_a_call_meant_for_a_replaced_run_is_404_and_not_made(shared_stack: Stack
     assert client.status("meant")["live"]["lastActivityUnixNano"] == activity  # never called
     assert client.invoke("meant", {}, run_uid=again.uid).decoded() == {"slept": 0}
     client.delete_run("meant")
+
+
+def test_a_failed_runs_invoke_names_it_and_asks_nobody_to_come_back(
+    shared_stack: Stack,
+) -> None:
+    # docs/protocol.md, "Errors": every 503 says when to come back — but a Failed Run's: it is
+    # terminal until made again, and a client that honours Retry-After would ask for ever.
+    client = Client(shared_stack.gateway_address)
+    run = client.create_run("broken-fn", runtime="python", handler="handler.handle",
+                            files={"handler.py": "def handle(event:\n"})  # fmt: skip
+    assert run.phase == "Failed"
+    status, headers, body = http_call(
+        shared_stack.gateway_address, "POST", "/v1/runs/broken-fn:invoke", b"{}"
+    )
+    failure = json.loads(body)
+    assert status == 503 and failure["code"] == "FAILED_PRECONDITION"
+    assert "Retry-After" not in headers and failure["runUid"] == run.uid
+    assert failure["message"].endswith("it stays so until it is made again")
+    client.delete_run("broken-fn")

@@ -12,6 +12,7 @@ import grpc.aio
 
 from fnkernel.runtime_server import limits, wire
 from fnkernel.runtime_server.errors import (
+    RunFailed,
     RunTooLarge,
     storage_full,
 )
@@ -53,6 +54,10 @@ def known_failure(error: BaseException | None) -> FailureResponse | None:
         return error
     if isinstance(error, RunTooLarge):
         return FailureResponse("PAYLOAD_TOO_LARGE", limits.bounded(str(error)), status=413)
+    if isinstance(error, RunFailed):  # terminal: named, and nobody told to come back
+        return FailureResponse(
+            "FAILED_PRECONDITION", limits.bounded(str(error)), runUid=error.run_uid, retry=False
+        )
     if isinstance(error, Exception) and (code := wire.status_name(error)) is not None:
         return FailureResponse(code, limits.bounded(str(error)))
     return None

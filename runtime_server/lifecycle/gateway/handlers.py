@@ -130,7 +130,7 @@ class BaseHandler(web.RequestHandler):
         self.finish(json.dumps(body))
 
     def send_failure(self, failure: FailureResponse) -> None:
-        if failure.code in wire.RETRY_AFTER_CODES:
+        if failure.code in wire.RETRY_AFTER_CODES and failure.extra.pop("retry", True):
             self.set_header("Retry-After", "1")
         if failure.status == 401:
             self.set_header("WWW-Authenticate", "Bearer")

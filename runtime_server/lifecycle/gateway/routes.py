@@ -17,6 +17,7 @@ from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_gr
 from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import logs_pb2_grpc, payloads_pb2_grpc
 from fnkernel.runtime_server.errors import (
     NoRuntimePod,
+    RunFailed,
     RunNotFound,
     RunNotReady,
 )
@@ -26,7 +27,7 @@ from fnkernel.runtime_server.lifecycle.gateway.failures import FailureResponse
 from fnkernel.runtime_server.lifecycle.runs import Run, replica_names
 from fnkernel.runtime_server.lifecycle.secrets import NoSecrets, Secrets
 from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS
-from fnkernel.runtime_server.wire import IDLE, READY
+from fnkernel.runtime_server.wire import FAILED, IDLE, READY
 
 # Request headers must arrive whole within this long of the connection or of the answer before
 # on it: a client sending a byte every few seconds does not hold a connection for ever. Tornado
@@ -116,9 +117,10 @@ class Routes:
         # runtimed checks too, but its view may lag a tick
         if run.status.phase not in (READY, IDLE):
             detail = f": {run.status.message}" if run.status.message else ""
-            raise RunNotReady(
-                f"run {run.name} is {run.status.phase} (attempt {run.status.attempt}){detail}"
-            )
+            why = f"run {run.name} is {run.status.phase} (attempt {run.status.attempt}){detail}"
+            if run.status.phase == FAILED:
+                raise RunFailed(f"{why}; it stays so until it is made again", run.uid)
+            raise RunNotReady(why)
         pod = self.store.pod_fresh(run.status.assigned_pod)
         if pod is None or not pod.alive():
             raise NoRuntimePod(
