@@ -10,7 +10,7 @@ from fnkernel.kernel.cellspec import Spec, owner_of
 from fnkernel.kernel.connection import Runtime
 from fnkernel.kernel.display import InvocationView, RegistrationCard
 from fnkernel.kernel.output import LiveLines, MapBar, handler_failure
-from fnkernel.runtime_server import limits, payloads
+from fnkernel.runtime_server import limits, payloads, wire
 from fnkernel.runtime_server.client import Run
 from fnkernel.runtime_server.client.errors import (
     FunctionNotFound,
@@ -341,7 +341,7 @@ class Function:
         """The deadline as a user can act on it: how long it was, and how to give more (what
         the handler printed until then is the cell's output already: LiveLines). `call`: the
         method it came from and its first argument, as the way to give more names it."""
-        if exc.message.startswith("no answer within"):  # a hop's silence, not the handler's time
+        if exc.message.startswith(wire.NO_ANSWER):  # a hop's silence, not the handler's time
             return exc
         seconds = timeout or limits.DEFAULT_TIMEOUT_MILLIS / 1000
         timed_out = InvocationTimedOut(

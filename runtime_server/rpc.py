@@ -303,7 +303,7 @@ def status_body(code: grpc.StatusCode, message: str, trailers: dict[str, Any]) -
             )
     if no_answer(code, message):
         message = (
-            "no answer within the call's timeout and the hops' slack: a process on its path did "
+            f"{wire.NO_ANSWER}: a process on its path did "
             f"not answer (paused, overloaded), so it may have run ({message})"
         )
     body: dict[str, Any] = {"code": code.name, "message": message}

@@ -92,6 +92,9 @@ EVALUATOR_KEY = "fn-evaluator"  # initial metadata: which evaluator of a chain s
 # HTTP headers of the gateway (docs/protocol.md, "HTTP API")
 INVOCATION_ID_HEADER = "X-Invocation-Id"
 TIMEOUT_HEADER = "X-Timeout-Ms"
+# How a call's failure begins when no process on its path answered before its deadline
+# (``rpc.status_body``): not the handler's own deadline, whose failure says how to give more.
+NO_ANSWER = "no answer within the call's timeout and the hops' slack"
 # The uid of the Run a call is meant for: another Run of the name is not called (RunReplaced).
 RUN_UID_HEADER = "X-Fn-Run-Uid"
 OUTPUTS_HEADER = "X-Fn-Outputs"

@@ -375,9 +375,9 @@ class Client(Transport):
             answer = self._json("GET", f"/v1/runs/{quote(name)}:route")
         except GatewayError:
             return None  # the map's first call says why
-        lanes = [Route.of(r["name"], r) for r in answer.get("replicas") or []]
-        if found := answer.get("route"):
-            lanes = [Route.of(name, found)]
+        found = answer.get("route")
+        replicas = answer.get("replicas") or []
+        lanes = [Route.of(name, found)] if found else [Route.of(r["name"], r) for r in replicas]
         if run_uid and not any(lane.name == name and lane.run_uid == run_uid for lane in lanes):
             return None  # not the Run the map is meant for: its calls say so, by the gateway
         return lanes or None

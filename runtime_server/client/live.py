@@ -171,9 +171,8 @@ class LiveFollow:
         """The call's log as its server keeps it once the call is over, less what the live
         stream showed of each stream; None if the server has it no more (another call of the
         Run has ended since: a batch's next item)."""
-        path = f"/v1/runs/{quote(self._name)}/invocations/{quote(self._invocation_id)}/logs"
         try:
-            records = self._client._records(self._client._connect(), path)
+            records = self._client.follow_logs(self._name, self._invocation_id, follow=False)
             stored = [record for record in records if "stream" in record]
         except GatewayError:
             return None
