@@ -272,7 +272,10 @@ def verdicts(targets: list[Target]) -> int:
     """Print each target as met or MISSED; 0 if all were met, else 1."""
     for target in targets:
         sign = ">=" if target.at_least else "<="
-        value, limit = f"{target.value:.2f}{target.unit}", f"{target.limit:g}{target.unit}"
+        value = f"{target.value:.2f}"
+        if not target.met and float(value) == target.limit:  # 2.003 is not 2.00
+            value = f"{target.value:.3f}"
+        value, limit = f"{value}{target.unit}", f"{target.limit:g}{target.unit}"
         verdict = "met" if target.met else "MISSED"
         print(f"{target.label}: {value} (target {sign} {limit}) {verdict}")
     return 0 if all(target.met for target in targets) else 1
