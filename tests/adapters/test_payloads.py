@@ -377,21 +377,56 @@ def test_a_stream_of_batches_with_their_own_dictionaries_reads_as_one_categorica
 
 def test_a_large_frame_converts_as_pyarrow_converts_it_on_its_threads() -> None:
     # Past a million cells the codec converts a frame's columns on pyarrow's threads, as
-    # from_pandas does: the same table.
-    rows = 1_100_000 // 5
+    # from_pandas does: the same table — its floats' NaN and its times' NaT found a slice at a
+    # time, the last slice cut short and the last row's missing.
+    rows = 200_003
+    every = np.arange(rows)
+    last = every == rows - 1
+    seconds = pd.date_range("2026-01-01", periods=rows, freq="s")
     frame = pd.DataFrame(
         {
-            "count": np.arange(rows),
-            "ratio": np.where(np.arange(rows) % 7 == 0, np.nan, 0.5),
+            "count": every,
+            "ratio": np.where((every % 7 == 0) | last, np.nan, 0.5),
+            "whole": every * 0.25,
+            "single": np.where(last, np.nan, every * 0.5).astype(np.float32),
             "at": pd.date_range("2026-01-01", periods=rows, freq="s", tz="Europe/Paris"),
-            "grade": pd.Categorical.from_codes(np.arange(rows) % 3, ["a", "b", "c"]),
-            "note": np.where(np.arange(rows) % 5 == 0, None, "ok"),
+            "utc": pd.Series(seconds.tz_localize("UTC")).where((every % 9 > 0) & ~last),
+            "naive": pd.Series(seconds).where(every % 9 > 0),
+            "took": pd.to_timedelta(every, unit="s").where(every % 4 > 0),
+            "grade": pd.Categorical.from_codes(every % 3, ["a", "b", "c"]),
+            "note": np.where(every % 5 == 0, None, "ok"),
         }
     )
-    want = pa.Table.from_pandas(frame)
-    got = payloads.arrow_table(frame)
-    assert got.schema.metadata[b"pandas"] == want.schema.metadata[b"pandas"]
-    assert got.replace_schema_metadata(None).equals(want.replace_schema_metadata(None))
+    for part in (frame, frame.iloc[:0]):
+        want = pa.Table.from_pandas(part)
+        got = payloads.arrow_table(part)
+        assert got.schema.metadata[b"pandas"] == want.schema.metadata[b"pandas"]
+        assert got.replace_schema_metadata(None).equals(want.replace_schema_metadata(None))
+    pd.testing.assert_frame_equal(payloads.decode(*payloads.encode(frame)), frame)
+
+
+def test_times_and_floats_with_nothing_missing_convert_as_they_are() -> None:
+    # docs/architecture.md, "DataFrames beside the peers": a large frame's times with no NaT
+    # and floats with no NaN are written from their own memory, no bitmap of their nulls
+    # built to be dropped (pyarrow's from_pandas built one for each, in Arrow's memory).
+    rows = 2_000_003
+    frame = pd.DataFrame({
+        "at": pd.date_range("2026-01-01", periods=rows, freq="s", tz="Europe/Paris"),
+        "whole": np.arange(rows) * 0.5,
+    })  # fmt: skip
+    payloads.arrow_table(frame.iloc[:10])  # its structure's schema, found once
+    counted, default = pa.proxy_memory_pool(pa.default_memory_pool()), pa.default_memory_pool()
+    pa.set_memory_pool(counted)
+    tracemalloc.start()
+    try:
+        table = payloads.arrow_table(frame)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        pa.set_memory_pool(default)
+    assert (counted.max_memory(), peak < rows // 10) == (0, True), peak
+    assert table.column("at").null_count == table.column("whole").null_count == 0
+    assert table.column("whole").chunk(0).buffers()[1].address == frame["whole"].values.ctypes.data
 
 
 def test_categories_convert_without_a_mask_of_their_codes() -> None:
