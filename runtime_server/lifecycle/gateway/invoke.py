@@ -105,6 +105,7 @@ class InvokeHandler(TracedHandler, BodyHandler):
         (docs/protocol.md, "Large payloads"); a replica set's least busy free replica."""
         if self.request.headers.get(wire.INPUT_REF_HEADER):
             raise InvalidField(wire.INPUT_REF_HEADER, "names the input: the body must be empty")
+        self._call_fields()  # a header that is wrong refused before the body is sent
         run = self._meant(self.path_args[0])
         if run.spec.replicas != 1 and not run.spec.replica_of:
             run = self.gateway.replicas(run)[0]
@@ -217,30 +218,56 @@ class InvokeHandler(TracedHandler, BodyHandler):
                     in_flight[run.uid] = left
         return response, trailers, called
 
-    async def post(self, name: str) -> None:
-        body_read = time.monotonic_ns()  # the whole body is in: the timeline's second reading
+    def _call_fields(self) -> tuple[str, int, int, bool]:
+        """The call's invocation id, timeout and the size from which its result is spooled
+        (and whether the caller takes it by reference), from the headers; InvalidField naming
+        the header that is wrong."""
         headers = self.request.headers
-        # docs/protocol.md, "Large payloads": the input spooled as it came, or by a caller on
-        # this machine; a result from the size it takes by reference, else past one message.
-        input_ref, payload = header_text(headers, wire.INPUT_REF_HEADER), b""
-        if self._upload is not None:
-            input_ref = await self._upload.finish()
-        elif not input_ref:
-            payload = self.body()
-        elif self.body():
-            raise InvalidField(wire.INPUT_REF_HEADER, "names the input: the body must be empty")
         by_ref = header_text(headers, wire.OUTPUT_REF_FROM_HEADER)
         output_from = (
             limits.parse_count(by_ref, wire.OUTPUT_REF_FROM_HEADER) or 1
             if by_ref
             else limits.MAX_PAYLOAD_BYTES + 1
         )
-        spooled = (input_ref, output_from)
         invocation_id = limits.check_invocation_id(header_text(headers, wire.INVOCATION_ID_HEADER))
         # Any int64 is taken, as on the wire, and capped like timeout_millis (limits.py).
         timeout_millis = limits.parse_count(
             header_text(headers, wire.TIMEOUT_HEADER, "0"), wire.TIMEOUT_HEADER
         )
+        return invocation_id, timeout_millis, output_from, bool(by_ref)
+
+    async def post(self, name: str) -> None:
+        body_read = time.monotonic_ns()  # the whole body is in: the timeline's second reading
+        # docs/protocol.md, "Large payloads": the input spooled as it came, or by a caller on
+        # this machine; a result from the size it takes by reference, else past one message.
+        input_ref, payload = header_text(self.request.headers, wire.INPUT_REF_HEADER), b""
+        if self._upload is None:
+            if not input_ref:
+                payload = self.body()
+            elif self.body():
+                raise InvalidField(wire.INPUT_REF_HEADER, "names the input: the body must be empty")
+            await self._invoke(name, input_ref, payload, body_read)
+            return
+        # The body the gateway spooled is the gateway's to remove, if its call never took it
+        # (refused: busy, a bad header, a runtime that takes no such content); one that ran
+        # has removed it, however it ended.
+        input_ref = await self._upload.finish()
+        assert self._upload_run is not None
+        called = False
+        try:
+            called = await self._invoke(name, input_ref, payload, body_read)
+        finally:
+            if not called:
+                stub = self.gateway.payloads_stub(self.gateway.pod_of(self._upload_run)[1])
+                await discard_spooled(stub, input_ref)
+
+    async def _invoke(self, name: str, input_ref: str, payload: bytes, body_read: int) -> bool:
+        """Call the Run `name` with the input `payload`, or the spooled `input_ref`, and answer
+        the request: whether the call reached its Runtime Server and ended there (its input
+        removed)."""
+        headers = self.request.headers
+        invocation_id, timeout_millis, output_from, by_ref = self._call_fields()
+        spooled = (input_ref, output_from)
         run = self._meant(name)
         timeline = headers.get(wire.TIMELINE_HEADER) == "1"
         if self._upload_run is not None:  # its input is in that pod's spool
@@ -281,7 +308,7 @@ class InvokeHandler(TracedHandler, BodyHandler):
                 break
         if answer is None:  # the client went away: its call was cancelled
             self.abandon("CANCELLED: the client went away")
-            return
+            return False
         response, trailers, called = answer
         if self.hop is not tracing.UNTRACED:
             self.hop.called(0, trailers.get(wire.SPANS_KEY))
@@ -333,3 +360,4 @@ class InvokeHandler(TracedHandler, BodyHandler):
                 self.set_header(wire.SPOOL_HEADER, str(spool_dir(self.gateway.spool)))
             stub = self.gateway.payloads_stub(self.gateway.pod_of(run)[1])
             await send_spooled(self, stub, out, int(size))
+        return True

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import grpc
+
 from fnkernel.runtime_server import limits
 from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import payloads_pb2, payloads_pb2_grpc
 from fnkernel.runtime_server.function_runtime.spool import CHUNK_BYTES, spool_dir
 from fnkernel.runtime_server.lifecycle.gateway.handlers import BaseHandler
+
+DISCARD_SECONDS = 10.0  # how long dropping a spooled payload may take (``discard_spooled``)
 
 
 class Upload:
@@ -66,10 +70,17 @@ async def send_spooled(
 
 
 async def discard_spooled(stub: payloads_pb2_grpc.PayloadsStub, name: str) -> None:
-    """Take the spooled result `name` and drop it: a result the caller will not read (its
-    Accept refused it), so that it does not wait in the spool's memory for the sweep."""
-    async for _ in stub.TakePayload(payloads_pb2.PayloadRef(name=name)):
-        pass
+    """Drop the spooled payload `name`, so that it does not wait in the spool's memory for the
+    sweep: a result the caller will not read (its Accept refused it), an input whose call was
+    refused before it ran. Its first chunk is taken and the rest refused: a take cut short
+    removes the payload. Gone already (its call ran, and ended): nothing to do."""
+    call = stub.TakePayload(payloads_pb2.PayloadRef(name=name), timeout=DISCARD_SECONDS)
+    try:
+        await call.read()
+    except grpc.aio.AioRpcError:
+        pass  # not there any more, or its pod went away with its spool
+    finally:
+        call.cancel()
 
 
 class PayloadsHandler(BaseHandler):
