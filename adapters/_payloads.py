@@ -347,6 +347,8 @@ def _table(value: Any, kind: str, root: str) -> Any:
             extra[_DTYPE_KEY] = value.dtype.str.encode()
             if fortran:
                 extra[_ORDER_KEY] = b"F"
+    except MemoryError:
+        raise  # pyarrow's ArrowMemoryError is one too: out of memory, not a value Arrow refuses
     except (pa.ArrowException, TypeError, ValueError) as exc:
         what = f"this {kind}"
         if kind == "numpy.ndarray":  # its dtype is what Arrow could not take
@@ -391,13 +393,15 @@ def _from_arrow(data: Any, what: str, *, mapped: bool = False) -> Any:
         )
     try:
         table = pa.ipc.open_stream(pa.py_buffer(data)).read_all()
+    except MemoryError:
+        raise  # out of memory reading it (ArrowMemoryError), not bytes that are not a stream
     except (pa.ArrowException, ValueError, OSError) as exc:  # OSError: a negative length
         raise PayloadError(f"{what} is not an Arrow IPC stream: {exc}") from None
     metadata = dict(table.schema.metadata or {})
     kind = metadata.pop(KIND_KEY, b"pyarrow.Table").decode("utf-8", "replace")
     try:
         return _rebuilt(pa, table, kind, metadata, what, mapped)
-    except PayloadError:
+    except (PayloadError, MemoryError):
         raise
     except (pa.ArrowException, KeyError, IndexError, TypeError, ValueError) as exc:
         # A stream whose metadata does not describe its columns (written by hand, or a

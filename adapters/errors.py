@@ -124,5 +124,6 @@ class MemoryLimitExceeded(HandlerError):
         super().__init__(
             MEMORY_LIMIT_EXCEEDED,
             f"the handler needed more than its {memory_mb} MiB of memory (memoryMb); "
-            "its worker was restarted",
+            "its worker was restarted; give it more with %%function NAME --memory MIB, or "
+            "the Run's memoryMb (fnkernel runs create --memory MIB)",
         )

@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 
 import grpc
+import numpy as np
+import pyarrow as pa
 import pytest
 
 from fnkernel.adapters.errors import MEMORY_LIMIT_EXCEEDED
-from fnkernel.runtime_server import limits
+from fnkernel.runtime_server import limits, payloads
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server.wire import ERROR_TYPE_KEY
 from tests.support import Client, digest
@@ -78,6 +80,30 @@ def test_a_python_handler_over_its_memory_fails_naming_it_and_gets_a_fresh_worke
     assert "needed more than its 128 MiB of memory (memoryMb); its worker was restarted" in message
     assert python_rt.status(registration).state == pb.FUNCTION_REGISTRATION_STATE_READY
     assert int(python_rt.invoke(registration, b"{}").output) != before  # a fresh worker
+
+
+def test_a_payload_too_large_to_read_within_the_memory_is_memory_limit_exceeded(
+    python_rt: Client,
+) -> None:
+    # README, "DataFrames": give a function of large frames room for its payload, "or its call
+    # fails with MemoryLimitExceeded, saying how to give it more" — reading the payload too,
+    # not an INVALID_ARGUMENT blaming the stream. A compressed Arrow stream of 320 MB of zeros
+    # is a few KiB on the wire.
+    registration = register(python_rt, HUNGRY_PY, 256)
+    zeros = pa.table({"x": np.zeros(40_000_000, dtype=np.int64)})
+    sink = pa.BufferOutputStream()
+    options = pa.ipc.IpcWriteOptions(compression="zstd")
+    with pa.ipc.new_stream(sink, zeros.schema, options=options) as writer:
+        writer.write_table(zeros)
+    data = sink.getvalue().to_pybytes()
+    assert len(data) < limits.MAX_PAYLOAD_BYTES
+    with pytest.raises(grpc.RpcError) as failed:
+        python_rt.invoke(registration, data, content_type=payloads.ARROW)
+    error = failed.value
+    assert error.code() == grpc.StatusCode.UNKNOWN, error.details()
+    assert dict(error.trailing_metadata())[ERROR_TYPE_KEY] == MEMORY_LIMIT_EXCEEDED  # type: ignore[attr-defined]
+    assert "give it more with %%function NAME --memory MIB" in str(error.details())
+    assert python_rt.status(registration).state == pb.FUNCTION_REGISTRATION_STATE_READY
 
 
 def test_a_bash_handler_over_its_memory_fails_naming_it(bash_rt: Client) -> None:
