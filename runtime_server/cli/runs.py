@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import secrets
+import stat
 import sys
 import time
 from collections.abc import Sequence
@@ -217,13 +220,10 @@ def _invoke(args: argparse.Namespace) -> int:
         print(f"content type: {returned} ({len(written)} bytes)", file=sys.stderr)
     elif not written.endswith(b"\n"):
         written += b"\n"
-    if args.output:  # whole or not at all
-        staged = Path(f"{args.output}.part")
+    if args.output:
         try:
-            staged.write_bytes(written)
-            staged.replace(args.output)
+            _write_whole(Path(args.output), written)
         except OSError as exc:
-            staged.unlink(missing_ok=True)
             raise UsageError(
                 f"--output {args.output}: the result ran but cannot be written: {exc}"
             ) from None
@@ -237,6 +237,33 @@ def _invoke(args: argparse.Namespace) -> int:
     if result.cold_start:
         print("(cold start: the function was registered again after idling)", file=sys.stderr)
     return EXIT_OK
+
+
+def _write_whole(output: Path, data: bytes) -> None:
+    """`data` as the file `output`, whole or not at all: staged beside it under a name of its
+    own and renamed over it, a file it replaces keeping its mode, a symbolic link the file it
+    links to. What is not a file — a FIFO, a device such as /dev/stdout — is written to as it
+    is, never replaced."""
+    target = output.resolve()
+    try:
+        mode: int | None = target.stat().st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None and not stat.S_ISREG(mode):
+        with open(target, "wb") as out:
+            out.write(data)
+        return
+    staged = target.with_name(f".{target.name}.{secrets.token_hex(6)}.part")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    try:
+        with open(os.open(staged, flags, 0o666), "wb") as out:  # the umask's mode, as a new file
+            out.write(data)
+        if mode is not None:
+            os.chmod(staged, stat.S_IMODE(mode))
+        os.replace(staged, target)
+    except BaseException:
+        staged.unlink(missing_ok=True)
+        raise
 
 
 def _log_line(line: dict[str, Any]) -> None:

@@ -5,8 +5,10 @@ over DataFrames, any HTTP client with Content-Type and Accept, and the CLI."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -157,6 +159,28 @@ def test_the_cli_sends_a_stream_from_stdin_and_writes_the_answer_whole(
     back = payloads.decode(out.read_bytes(), payloads.ARROW)
     assert list(back.index.astype(str)) == ["a", "b", "c"]
     assert [p.name for p in tmp_path.iterdir()] == ["totals.arrows"]  # no part file left
+    # Whole or not at all, and nothing else touched: a file of the name the result is staged
+    # under is the user's; a link's file is replaced, the link kept; a file keeps its mode;
+    # and what is not a file (a FIFO another process reads) is written to, not replaced.
+    (tmp_path / "totals.arrows.part").write_bytes(b"mine")
+    out.chmod(0o640)
+    (tmp_path / "link.arrows").symlink_to(out.name)
+    linked = invoke("-", "--content-type", content_type, "--output", str(tmp_path / "link.arrows"))
+    assert linked.returncode == 0, linked.stderr
+    assert (tmp_path / "link.arrows").is_symlink() and out.stat().st_mode & 0o777 == 0o640
+    assert (tmp_path / "totals.arrows.part").read_bytes() == b"mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "link.arrows", "totals.arrows", "totals.arrows.part"
+    ]  # fmt: skip
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    read: list[bytes] = []
+    reader = threading.Thread(target=lambda: read.append(fifo.read_bytes()))
+    reader.start()
+    done = invoke("-", "--content-type", content_type, "--output", str(fifo))
+    reader.join(60)
+    assert done.returncode == 0, done.stderr
+    assert fifo.is_fifo() and read == [out.read_bytes()]
     piped = invoke("-", "--content-type", content_type)  # to a pipe: the bytes themselves
     assert piped.returncode == 0 and piped.stdout == out.read_bytes()
     refused = invoke("{}", "--content-type", content_type)
