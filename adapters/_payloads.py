@@ -287,6 +287,13 @@ def _reuse(path: str, size: int) -> bool:
     return False
 
 
+def expire_free_files(directory: str) -> None:
+    """Remove the free files of the spool `directory` unused for KEEP_FREE_SECONDS: its
+    sweep's, so that an idle spool does not keep them (``_free_files`` does so whenever a
+    payload is written or read there)."""
+    _free_files(directory)
+
+
 def _free_files(directory: str) -> dict[str, tuple[int, int]]:
     """The free files of the spool `directory`, each its size and when it was freed, read from
     their names; those unused for KEEP_FREE_SECONDS are removed, not named."""

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from fnkernel.runtime_server.errors import InvalidField
-from fnkernel.runtime_server.payloads import FREE_PREFIX, release, spool_file
+from fnkernel.runtime_server.payloads import FREE_PREFIX, expire_free_files, release, spool_file
 from fnkernel.system.private import private_dir
 
 SPOOL_GRACE_SECONDS = 600.0
@@ -127,7 +127,9 @@ class Spool:
         return thread
 
     def sweep(self, now: float | None = None) -> int:
-        """Remove what is SPOOL_GRACE_SECONDS old and nobody claimed; how many."""
+        """Remove what is SPOOL_GRACE_SECONDS old and nobody claimed, how many; and the free
+        files unused for a minute (``expire_free_files``)."""
+        expire_free_files(str(self.directory))
         now = time.time() if now is None else now
         removed = 0
         with contextlib.suppress(FileNotFoundError):

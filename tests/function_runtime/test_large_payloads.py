@@ -257,6 +257,25 @@ def test_what_nobody_claimed_is_swept_with_no_call_of_the_servers(spool: Spool) 
         sweeper.join(10)
 
 
+def test_a_free_file_unused_for_a_minute_is_swept_with_no_payload_written(spool: Spool) -> None:
+    # docs/protocol.md, "Pages written again": a free file is kept at most a minute unused,
+    # also by a spool nothing is written to or read from (its sweep's): an idle kernel kept
+    # a 1 GB call's pages in memory until the next large call.
+    now = time.monotonic_ns()
+    stale = spool.directory / f"{payloads.FREE_PREFIX}5-{now - 61 * 10**9}-old"
+    fresh = spool.directory / f"{payloads.FREE_PREFIX}5-{now}-new"
+    for path in (stale, fresh):
+        path.write_bytes(b"pages")
+    stop = threading.Event()
+    sweeper = spool.start_sweeping(stop, every=0.01)
+    try:
+        wait_until(lambda: not stale.exists(), timeout=10)
+        assert fresh.exists()
+    finally:
+        stop.set()
+        sweeper.join(10)
+
+
 @pytest.mark.parametrize("ends", ["timed out", "worker killed"])
 def test_a_call_that_ends_badly_leaves_nothing_in_the_spool(
     python_spooled: Client, spool: Spool, ends: str
