@@ -432,7 +432,7 @@ def _rebuilt(pa: Any, table: Any, kind: str, metadata: dict, what: str, mapped: 
         types_mapper = _dataframes.categorical
         frame = table.to_pandas(use_threads=False, types_mapper=types_mapper)
         series = _dataframes.with_objects(frame, table)[_SERIES_COLUMN]
-        series.name = json.loads(metadata.get(_NAME_KEY, b"null"))
+        series.name = _hashable(json.loads(metadata.get(_NAME_KEY, b"null")))
         return series
     if kind == "polars.DataFrame":
         return _needs(kind, "polars", what).from_arrow(
@@ -455,6 +455,12 @@ def _rebuilt(pa: Any, table: Any, kind: str, metadata: dict, what: str, mapped: 
         batches = plain.combine_chunks().to_batches()
         return batches[0] if batches else pa.RecordBatch.from_pylist([], schema=plain.schema)
     return plain
+
+
+def _hashable(name: Any) -> Any:
+    """A Series' name as JSON gave it back, its tuples (a MultiIndex column's label) tuples
+    again: JSON has only lists, and a name is hashable, so never a list."""
+    return tuple(map(_hashable, name)) if isinstance(name, list) else name
 
 
 def _text_copied(pa: Any, table: Any) -> Any:

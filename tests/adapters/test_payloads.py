@@ -52,7 +52,14 @@ def test_a_pandas_dataframe_comes_back_as_it_went() -> None:
 
 
 def test_a_series_keeps_its_name_and_index() -> None:
-    for series in (pd.Series([1.5, None], index=["a", "b"], name="total"), pd.Series([1, 2])):
+    # A column of a frame with a MultiIndex of columns is a Series named by a tuple.
+    columns = pd.DataFrame([[1, 2]], columns=pd.MultiIndex.from_tuples([("a", "x"), ("a", "y")]))
+    for series in (
+        pd.Series([1.5, None], index=["a", "b"], name="total"),
+        pd.Series([1, 2]),
+        columns[("a", "x")],
+        pd.Series([1], name=(1, ("b", 2.5))),
+    ):
         back, _ = round_trip(series)
         pd.testing.assert_series_equal(back, series)
 
