@@ -188,7 +188,7 @@ def table_bytes(table: Any) -> bytes:
     pa = _pyarrow("a table")
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
+        _write(pa, writer, table)
     return bytes(sink.getvalue().to_pybytes())
 
 
@@ -199,8 +199,22 @@ def write_table(table: Any, path: str) -> int:
     with spool_file(path, table.nbytes) as out:
         sink = pa.PythonFile(out, mode="w")
         with pa.ipc.new_stream(sink, table.schema) as writer:
-            writer.write_table(table)
+            _write(pa, writer, table)
         return out.tell()
+
+
+def _write(pa: Any, writer: Any, table: Any) -> None:
+    """`table` into the stream `writer`. A table of no rows is written as one batch of none:
+    a stream of no batch has no dictionary, and a Categorical of no rows would come back with
+    no categories."""
+    if table.num_rows or not any(pa.types.is_dictionary(kind) for kind in table.schema.types):
+        writer.write_table(table)
+        return
+    columns = [
+        column.chunk(0) if column.num_chunks else pa.array([], column.type)
+        for column in table.columns
+    ]
+    writer.write_batch(pa.RecordBatch.from_arrays(columns, schema=table.schema))
 
 
 # Spool files

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import tracemalloc
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -303,6 +304,20 @@ def read_frames() -> list[pd.DataFrame]:
     stepped = frame.copy()
     stepped.index = pd.RangeIndex(100, 100 + 3 * n, 3, name="row")
     return [frame, stepped, frame.iloc[:0]]
+
+
+def test_a_frame_of_no_rows_keeps_its_categories(tmp_path: Path) -> None:
+    # docs/protocol.md, "Content types": a frame's categories are kept — a partition left
+    # empty by a filter too (a stream of no batch carries no dictionary). As bytes, and as a
+    # spool's file.
+    for n, frame in enumerate(small_frames()):
+        empty = frame.iloc[:0]
+        path = str(tmp_path / f"in-{n}")
+        _, content_type = payloads.encode_to_file(empty, path)
+        for back in (round_trip(empty)[0], payloads.decode_file(path, content_type)):
+            pd.testing.assert_frame_equal(back, empty)
+            if "grade" in empty:
+                assert back["grade"].cat.categories.tolist() == ["a", "b", "c"]
 
 
 def test_a_small_frame_reads_as_pyarrow_reads_it() -> None:
