@@ -412,12 +412,17 @@ def _from_arrow(data: Any, what: str, *, mapped: bool = False) -> Any:
             f"{what} is an Arrow IPC file (Feather v2), not a stream: send the stream format "
             "(pyarrow.ipc.new_stream), or the file's table (pyarrow.ipc.open_file(...).read_all())"
         )
+    source = pa.BufferReader(pa.py_buffer(data))
     try:
-        table = pa.ipc.open_stream(pa.py_buffer(data)).read_all()
+        table = pa.ipc.open_stream(source).read_all()
     except MemoryError:
         raise  # out of memory reading it (ArrowMemoryError), not bytes that are not a stream
     except (pa.ArrowException, ValueError, OSError) as exc:  # OSError: a negative length
         raise PayloadError(f"{what} is not an Arrow IPC stream: {exc}") from None
+    if (after := len(data) - source.tell()) > 0:  # two streams end to end, say: not one value
+        raise PayloadError(
+            f"{what} has {after} bytes after the end of its Arrow IPC stream: send one stream"
+        )
     metadata = dict(table.schema.metadata or {})
     kind = metadata.pop(KIND_KEY, b"pyarrow.Table").decode("utf-8", "replace")
     try:

@@ -186,6 +186,11 @@ def test_bytes_that_are_not_their_type_are_refused_naming_what() -> None:
         writer.write_table(table)
     with pytest.raises(payloads.PayloadError, match=r"^the payload is an Arrow IPC file .*stream"):
         payloads.decode(sink.getvalue().to_pybytes(), payloads.ARROW, "the payload")
+    # Two streams end to end, or bytes after one: not one value, and never half of them read.
+    stream, _ = payloads.encode(table)
+    for extra in (stream, b"GARBAGE"):
+        with pytest.raises(payloads.PayloadError, match=rf"{len(extra)} bytes after the end"):
+            payloads.decode(stream + extra, payloads.ARROW, "the payload")
 
 
 def test_an_array_arrow_cannot_hold_is_refused_naming_its_dtype() -> None:
