@@ -23,6 +23,7 @@ from fnkernel.kernel.trace import KernelSpan, Trace, decode_payload
 from fnkernel.runtime_server import limits, wire
 from fnkernel.runtime_server.client import Client, spans_of
 from fnkernel.runtime_server.client.errors import GatewayError
+from fnkernel.runtime_server.errors import InvalidField
 
 if TYPE_CHECKING:
     from fnkernel.runtime_server.daemon import Prewarmed
@@ -122,6 +123,11 @@ class StackChosen(Exception):
 
     def _render_traceback_(self) -> list[str]:
         return [f"{type(self).__name__}: {self}"]
+
+
+class StackMisconfigured(StackChosen):
+    """The embedded stack cannot start as the environment sets it (a ``$FNKERNEL_MAX_PAYLOAD_BYTES``
+    that is no number of bytes): nothing is started. Shown as one line."""
 
 
 class Runtime:
@@ -229,11 +235,17 @@ class Runtime:
         from fnkernel.system.private import private_tempdir, sweep
 
         bound = os.environ.get(MAX_PAYLOAD_ENV, "")
-        max_payload = (
-            limits.parse_count(bound, MAX_PAYLOAD_ENV)
-            if bound
-            else limits.DEFAULT_MAX_SPOOLED_BYTES
-        )
+        try:
+            max_payload = (
+                limits.parse_count(bound, MAX_PAYLOAD_ENV)
+                if bound
+                else limits.DEFAULT_MAX_SPOOLED_BYTES
+            )
+        except InvalidField as bad:
+            raise StackMisconfigured(
+                f"{bad} (bytes; unset, {limits.DEFAULT_MAX_SPOOLED_BYTES}): the embedded "
+                "runtime was not started"
+            ) from None
         sweep("kernel")  # what a SIGKILLed kernel left behind
         state_dir = private_tempdir("kernel")
         stack = Stack(

@@ -20,7 +20,7 @@ from IPython.core.interactiveshell import InteractiveShell
 
 from fnkernel.kernel import include
 from fnkernel.kernel.cellspec import Spec, owner_of
-from fnkernel.kernel.connection import Runtime, StackChosen
+from fnkernel.kernel.connection import Runtime, StackChosen, StackMisconfigured
 from fnkernel.kernel.display import Detail, RegistrationCard, pretty_json
 from fnkernel.kernel.functions import Function, NotOwned, RegistrationInterrupted
 from fnkernel.kernel.output import HandlerFailedInCell, cell_line
@@ -207,6 +207,9 @@ class Session:
         show(RegistrationCard(spec.name, spec.runtime, state="registering"))
         try:
             client = self.runtime.client(spec.runtime, progress)
+        except StackMisconfigured:
+            show(RegistrationCard(spec.name, spec.runtime, state="refused", note="not started"))
+            raise
         except StackChosen:
             show(RegistrationCard(spec.name, spec.runtime, state="refused", note="another stack"))
             raise

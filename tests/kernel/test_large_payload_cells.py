@@ -64,3 +64,17 @@ def test_the_embedded_runtimes_payload_bound_is_set_by_its_variable_and_named_wh
         assert "FNKERNEL_MAX_PAYLOAD_BYTES for the kernel's own runtime" in line, line
     finally:
         kernel.shutdown()
+
+
+def test_an_embedded_runtimes_bound_that_is_no_number_is_one_line() -> None:
+    # README: errors of the platform are one line. A variable that is not a number of bytes
+    # starts nothing, and says which and what it takes.
+    kernel = Kernel(env={"FNKERNEL_MAX_PAYLOAD_BYTES": "2GiB"})
+    try:
+        cell = kernel.run(ROWS)
+        assert cell.error is not None
+        [line] = cell.error["traceback"]
+        assert line.startswith("StackMisconfigured: FNKERNEL_MAX_PAYLOAD_BYTES: must be an"), line
+        assert "got '2GiB'" in line and "the embedded runtime was not started" in line, line
+    finally:
+        kernel.shutdown()
