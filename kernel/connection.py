@@ -66,7 +66,7 @@ class TracedClient(Client):
         if not self.trace.on:
             return super().request(method, path, body, headers, wait=wait)
         started = time.perf_counter()
-        request = decode_payload(body) if body else None
+        request = decode_payload(body, (headers or {}).get("Content-Type", "")) if body else None
         span = None
         if method == "POST" and path.endswith(":invoke"):  # traced (docs/protocol.md, "Tracing")
             invocation_id = (headers or {}).get(wire.INVOCATION_ID_HEADER, "")

@@ -78,9 +78,17 @@ class KernelSpan:
         return {"kernel_span": kernel_span, "spans": spans, "invocation_id": self.invocation_id}
 
 
-def decode_payload(data: bytes) -> Any:
-    """JSON bytes as the value they encode; other bytes as text."""
-    text = data.decode("utf-8", "replace")
+def decode_payload(data: bytes, content_type: str = "") -> Any:
+    """JSON bytes as the value they encode; other text as text; bytes of another content type
+    (an Arrow stream, octets), or that are not UTF-8, as what they are and their size: never
+    written into the notebook as they are."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media and media != "application/json" and not media.startswith("text/"):
+        return f"({media}, {len(data)} bytes)"
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return f"({len(data)} bytes, not text)"
     try:
         return json.loads(text) if text else None
     except ValueError:
@@ -91,10 +99,12 @@ def decode_message(message: Any) -> Any:
     """A FunctionRuntime message as JSON (``MessageToDict``) with its base64 payloads decoded."""
     if isinstance(message, dict):
         decoded = {}
+        content_type = str(message.get("contentType", ""))
         for key, value in message.items():
             if key in _PAYLOAD_FIELDS and isinstance(value, str):
                 try:
-                    decoded[key] = decode_payload(base64.b64decode(value, validate=True))
+                    data = base64.b64decode(value, validate=True)
+                    decoded[key] = decode_payload(data, content_type)
                 except (binascii.Error, ValueError):
                     decoded[key] = value
             else:

@@ -129,3 +129,18 @@ def test_fn_trace_shows_env_keys_never_their_values(kernel: Kernel) -> None:
     (created,) = [line for line in shown.result.splitlines() if "POST /v1/runs " in line]
     assert '"env": {"KEY": "(hidden)"}' in created  # its place in the request, within the cut
     assert "s3cr3t-v" not in shown.result + shown.htmls()[-1]
+
+
+def test_fn_trace_names_a_binary_payload_and_never_writes_its_bytes(kernel: Kernel) -> None:
+    # docs/protocol.md, "Kernel": the request with its JSON payload decoded; a payload of
+    # another content type (a DataFrame's Arrow stream) is named with its size, its bytes
+    # never written into the notebook.
+    kernel.run(ETL)
+    assert kernel.run("import pandas as pd\nframe = pd.DataFrame({'a': [1, 2]})").ok
+    assert kernel.run("%fn_trace on").ok
+    kernel.run("etl(frame)")  # the handler's failure is not what is looked at
+    kernel.run("%fn_trace off")
+    text = kernel.run("%fn_trace show").result
+    [invoke] = [line for line in text.splitlines() if "POST /v1/runs/etl:invoke" in line]
+    assert invoke.endswith(" bytes)") and "(application/vnd.apache.arrow.stream, " in invoke
+    assert "\x00" not in text and "fnkernel.kind" not in text, invoke
