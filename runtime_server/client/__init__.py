@@ -326,6 +326,7 @@ class Client(Transport):
         route = None
         if direct and self._spool_known() is not None:
             self._headers(headers)  # what HTTP could not carry is refused alike, before anything
+            self._bounded(name, len(body))  # a bound under a spooled payload's size, too
             why = wire.unsupported_media(headers.get("Content-Type", ""), payloads.MEDIA_TYPES)
             if why is not None:  # as the gateway refuses it
                 raise UnsupportedMediaType(why, code="UNSUPPORTED_MEDIA_TYPE", status=415)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from fnkernel.runtime_server import payloads
 from fnkernel.runtime_server.client import Client
 from fnkernel.runtime_server.client.errors import (
     FunctionBusy,
@@ -389,6 +390,25 @@ def test_body_over_the_payload_bound_is_413_without_calling_anything(
         what = "the payload of no-such-function" if by_reference else "request body"
         assert f"{what} is 8388609 bytes; at most 8388608 {BOUND_SET_BY}" in (str(refused.value))
     assert spooled(stack.spool) == []
+
+
+def test_a_bound_under_a_spooled_payloads_size_holds_for_a_call_made_directly(
+    stack_factory: Callable[..., Stack],
+) -> None:
+    # docs/protocol.md, "Limits": never past --max-payload-bytes, whichever way it travels —
+    # a body under the size the spool takes, sent to runtimed directly, as through the gateway.
+    stack = stack_factory({"python": 1}, max_payload_bytes=100_000)
+    client = Client(stack.gateway_address)
+    client.create_run("echo", runtime="python", handler="handler.handle",
+                      files={"handler.py": "def handle(event):\n    return len(event)\n"})  # fmt: skip
+    fits = client.invoke("echo", data=b"0" * 100_000, content_type=payloads.OCTET)
+    assert fits.value() == 100_000
+    for by_reference in (True, False):
+        with pytest.raises(PayloadTooLarge) as refused:
+            client.invoke("echo", data=b"0" * 100_001, content_type=payloads.OCTET,
+                          by_reference=by_reference)  # fmt: skip
+        assert refused.value.status == 413
+        assert f"100001 bytes; at most 100000 {BOUND_SET_BY}" in str(refused.value)
 
 
 def test_body_of_exactly_6_mib_round_trips(shared_stack: Stack) -> None:
