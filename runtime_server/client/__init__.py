@@ -227,6 +227,30 @@ class Client(Transport):
         thread), else — a quicker call, or when no live stream could be had — from its result
         or failure before this returns or raises (docs/protocol.md, "Live output")."""
         _check_timeout(timeout_millis)
+        with self._preparing(name) as sending:
+            return self._invoke(
+                name, payload, data=data, content_type=content_type,
+                timeout_millis=timeout_millis, invocation_id=invocation_id, on_log=on_log,
+                traceparent=traceparent, by_reference=by_reference, run_uid=run_uid,
+                sending=sending,
+            )  # fmt: skip
+
+    def _invoke(
+        self,
+        name: str,
+        payload: Any,
+        *,
+        data: bytes | None,
+        content_type: str,
+        timeout_millis: int,
+        invocation_id: str,
+        on_log: LogCallback | None,
+        traceparent: str,
+        by_reference: bool,
+        run_uid: str,
+        sending: Callable[[], None],
+    ) -> InvocationResult:
+        """``invoke``'s call, `sending()` said as its request is about to be sent."""
         if data is not None:
             if payload is not None:
                 raise TypeError("invoke takes a payload or data=, not both")
@@ -285,6 +309,7 @@ class Client(Transport):
             headers[wire.TRACEPARENT_HEADER] = traceparent
         started = time.perf_counter()
         try:
+            sending()  # cancelled while its payload was converted or written: not sent
             reply, output = self._invoked(name, body, headers, timeout_millis, direct=direct)
         except BaseException as failed:
             if live is not None:

@@ -16,7 +16,7 @@ import select
 import socket
 import threading
 import urllib.parse
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Self
 
@@ -74,6 +74,8 @@ class Transport:
         # Calls without the gateway (Client._invoked): each Run's route, and runtimed's channels.
         self._routes: dict[str, Any] = {}
         self._maps: set[Any] = set()  # the maps running on this client (``Client.map``)
+        # Invokes converting or writing their payload, not sent yet (``_preparing``) → cancelled.
+        self._preparing_calls: dict[object, bool] = {}
         self._direct: Any = None
         self._max_payload = limits.DEFAULT_MAX_SPOOLED_BYTES  # the gateway's, once asked
         # Last: a refused address leaves an object whose __del__ still closes it.
@@ -251,14 +253,42 @@ class Transport:
                 self._busy.pop(connection, None)
             connection.close()
 
+    @contextlib.contextmanager
+    def _preparing(self, name: str) -> Iterator[Callable[[], None]]:
+        """An invoke of `name` while its payload is converted and written: ``cancel`` reaches it
+        too, and the function given says, as its request is about to be sent, RequestCancelled
+        if it was cancelled meanwhile (nothing was sent)."""
+        call = object()
+        with self._lock:
+            self._preparing_calls[call] = False
+
+        def sending() -> None:
+            with self._lock:
+                if self._preparing_calls.pop(call, False):
+                    raise RequestCancelled(
+                        f"the call of {name} was cancelled before it was sent: its payload was "
+                        "still being converted",
+                        code="CANCELLED",
+                    )
+
+        try:
+            yield sending
+        finally:
+            with self._lock:
+                self._preparing_calls.pop(call, None)
+
     def cancel(self) -> int:
         """From another thread: abort every request in flight. Each connection is shut down, so
         the gateway cancels its call (the handler is killed) and each caller gets
-        ``RequestCancelled``. Returns how many requests were cancelled."""
+        ``RequestCancelled``; an invoke still converting its payload is never sent. Returns how
+        many requests were cancelled."""
         with self._lock:
             busy = list(self._busy)
             for connection in busy:
                 self._busy[connection] = True
+            preparing = list(self._preparing_calls)
+            for call in preparing:
+                self._preparing_calls[call] = True
         for connection in busy:
             sock = connection.sock
             if sock is not None:
@@ -269,7 +299,7 @@ class Transport:
             maps = list(self._maps)
         for running in maps:  # each stops: its calls in flight cancelled, the rest never sent
             running.cancel()
-        return len(busy) + direct + len(maps)
+        return len(busy) + len(preparing) + direct + len(maps)
 
     def __enter__(self) -> Self:
         return self

@@ -3,6 +3,7 @@ is produced by a real request to `fnkernel gateway` → runtimed → Runtime Ser
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -196,6 +198,43 @@ def test_client_cancel_aborts_the_request_in_flight(shared_stack: Stack) -> None
     assert isinstance(result[0], RequestCancelled)
     wait_until(lambda: not client.status(name)["live"]["inFlight"], timeout=5)
     assert client.invoke(name, {"sleep": 0}).value() == {"slept": 0}
+
+
+def test_client_cancel_reaches_a_call_still_converting_its_payload(
+    shared_stack: Stack, tmp_path: Path
+) -> None:
+    # README, "Client": cancel() from another thread cancels the calls this client makes — one
+    # still converting a large payload too, which is then never sent (it ran to its end).
+    name = create(shared_stack, {"handler.py": MARKS})
+    client = Client(shared_stack.gateway_address)
+    converting, go_on = threading.Event(), threading.Event()
+
+    class Held(datetime.datetime):  # its conversion to JSON waits to be let go
+        def isoformat(self, *args: Any, **kwargs: Any) -> str:
+            converting.set()
+            go_on.wait(30)
+            return super().isoformat(*args, **kwargs)
+
+    mark = tmp_path / "ran"
+
+    def call() -> object:
+        try:
+            return client.invoke(name, {"mark": str(mark), "at": Held(2026, 12, 6)})
+        except RequestCancelled as exc:
+            return exc
+
+    held, result = in_background(call)
+    assert converting.wait(30)
+    assert client.cancel() == 1
+    go_on.set()
+    held.join(30)
+    assert isinstance(result[0], RequestCancelled), result
+    assert "cancelled before it was sent" in str(result[0])
+    assert client.invoke(name, {"mark": str(tmp_path / "next")}).value() == "marked"
+    assert not mark.exists()  # never called
+
+
+MARKS = "def handle(event):\n    open(event['mark'], 'w').close()\n    return 'marked'\n"
 
 
 def test_invocation_past_its_timeout_is_504_and_the_next_succeeds(shared_stack: Stack) -> None:
