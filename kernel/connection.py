@@ -241,6 +241,8 @@ class Runtime:
                 if bound
                 else limits.DEFAULT_MAX_SPOOLED_BYTES
             )
+            if not max_payload:
+                raise InvalidField(MAX_PAYLOAD_ENV, "must be at least 1 byte, got '0'")
         except InvalidField as bad:
             raise StackMisconfigured(
                 f"{bad} (bytes; unset, {limits.DEFAULT_MAX_SPOOLED_BYTES}): the embedded "

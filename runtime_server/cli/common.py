@@ -55,6 +55,15 @@ def count(text: str) -> int:
         raise argparse.ArgumentTypeError(exc.reason) from None
 
 
+def byte_bound(text: str) -> int:
+    """argparse type: a bound in bytes, at least 1 (0 would refuse every payload, and was
+    taken as the default by some of the stack's processes and not by others)."""
+    bound = count(text)
+    if not bound:
+        raise argparse.ArgumentTypeError("must be at least 1 byte")
+    return bound
+
+
 def results_dir(text: str) -> str:
     """argparse type: a directory results.yaml can be written in, made if it is missing —
     checked before any function runs, not once the pipeline has."""
@@ -197,7 +206,7 @@ def add_max_payload(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument(
         "--max-payload-bytes",
-        type=count,
+        type=byte_bound,
         default=limits.DEFAULT_MAX_SPOOLED_BYTES,
         metavar="N",
         help="the largest payload or result (default %(default)s, 2 GiB; docs/protocol.md, "

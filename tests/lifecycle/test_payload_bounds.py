@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import subprocess
+import sys
 import urllib.parse
 from collections.abc import Callable, Iterator
 
@@ -140,3 +142,16 @@ def test_a_result_past_the_bound_is_output_too_large_either_way(stack: Stack) ->
         assert small == b"x" * BOUND
     inline, spooled = messages
     assert inline == spooled
+
+
+@pytest.mark.parametrize("command", ["up", "gateway", "serve"])
+def test_a_bound_of_no_bytes_is_a_usage_error(command: str) -> None:
+    # docs/protocol.md, "Large payloads": the bound is one for every process of a stack. 0 was
+    # the default to some of them (`fnkernel up` left it out of the gateway's flags) and no
+    # payload at all to others: refused, naming the flag, before anything starts.
+    done = subprocess.run(
+        [sys.executable, "-m", "fnkernel.runtime_server.cli", command, "--max-payload-bytes", "0"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "argument --max-payload-bytes: must be at least 1 byte" in done.stderr
