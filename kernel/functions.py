@@ -194,12 +194,19 @@ class Function:
         except InvocationTimedOut as exc:
             lines.release()
             raise self._timed_out(exc, timeout) from None
-        except (RequestCancelled, KeyboardInterrupt):
+        except (RequestCancelled, KeyboardInterrupt) as stopped:
             # The kernel was interrupted: FnKernel cancels the request from its control thread
             # (RequestCancelled); a stock ipykernel's SIGINT lands here as KeyboardInterrupt,
             # inside the HTTP read, so the request is cancelled now. Either way the gateway
             # cancels the call and the handler is killed; the function stays registered. Wait
             # (briefly) until it is free again, so the next cell's call is not refused as busy.
+            # Interrupted as its large result was read, the call was over: nothing was killed.
+            if getattr(stopped, "answered", False):
+                lines.release()
+                raise InvocationInterrupted(
+                    f"invocation of {self.name} interrupted while its result was read: the "
+                    f"handler had returned; {self.name} stays registered"
+                ) from None
             self._runtime.cancel()
             with self._runtime.trace.bookkeeping():
                 wait_until_free(self._in_flight)

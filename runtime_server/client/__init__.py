@@ -324,7 +324,15 @@ class Client(Transport):
         ref = reply.get(wire.OUTPUT_REF_HEADER)
         if ref and spool is not None:  # read where the worker wrote it, then gone
             taken = spool / Path(ref.split(" ", 1)[0]).name
-            value = payloads.decode_file(str(taken), reply.get("Content-Type", ""), "the result")
+            try:
+                value = payloads.decode_file(
+                    str(taken), reply.get("Content-Type", ""), "the result"
+                )
+            except BaseException as unread:  # nobody else will read it: not left for the sweep
+                taken.unlink(missing_ok=True)
+                if isinstance(unread, KeyboardInterrupt):  # the call was over, only not read
+                    unread.answered = True  # type: ignore[attr-defined]
+                raise
         result = _result(
             reply, output, started, spans=spans_of(reply) if traceparent else b"", spooled=value
         )

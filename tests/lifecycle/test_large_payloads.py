@@ -129,6 +129,20 @@ def test_a_1_gib_call_in_and_out(stack: Stack) -> None:
     assert array.shape == (1 << 30,) and int(array[:: 1 << 20].sum()) == 7 * 1024
 
 
+def test_an_interrupt_while_a_large_result_is_read_says_the_call_was_over(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # docs/protocol.md, "Kernel": an interrupt as a large result is read from the spool comes
+    # after the handler returned — the kernel must not say it was killed: the client marks it.
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(payloads, "decode_file", interrupted)
+    with pytest.raises(KeyboardInterrupt) as caught:
+        Client(stack.gateway_address).invoke("big", {"mib": 1})
+    assert getattr(caught.value, "answered", False) is True
+
+
 def test_a_cancelled_large_call_leaves_no_shared_memory(stack: Stack) -> None:
     # docs/protocol.md, "Large payloads": the input is removed when the call ends, however it
     # ends — here cancelled by its client (a kernel interrupt) while the handler runs.
