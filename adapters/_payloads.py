@@ -370,7 +370,9 @@ def _table(value: Any, kind: str, root: str) -> Any:
                 extra[_ORDER_KEY] = b"F"
     except MemoryError:
         raise  # pyarrow's ArrowMemoryError is one too: out of memory, not a value Arrow refuses
-    except (pa.ArrowException, TypeError, ValueError) as exc:
+    except (pa.ArrowException, TypeError, ValueError) as error:
+        # pyarrow's conversion errors carry two messages, which str() shows as a tuple.
+        exc = "; ".join(map(str, error.args)) if len(error.args) > 1 else str(error)
         what = f"this {kind}"
         if kind == "numpy.ndarray":  # its dtype is what Arrow could not take
             what += f" of dtype {value.dtype}"

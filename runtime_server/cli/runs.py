@@ -191,7 +191,12 @@ def _invoke(args: argparse.Namespace) -> int:
         try:
             json.loads(data)
         except ValueError as exc:
-            raise UsageError(f"payload is not JSON: {exc}") from None
+            hint = ""
+            if isinstance(exc, UnicodeDecodeError):  # an Arrow stream, say
+                hint = (
+                    f"; bytes of another type: --content-type {payloads.ARROW} or {payloads.OCTET}"
+                )
+            raise UsageError(f"payload is not JSON: {exc}{hint}") from None
     elif payload != "-":
         raise UsageError(f"--content-type {media}: give the payload on stdin (-)")
     if args.output and not Path(args.output).absolute().parent.is_dir():  # before the call runs

@@ -207,6 +207,12 @@ def test_an_array_arrow_cannot_hold_is_refused_naming_its_dtype() -> None:
     )
     with pytest.raises(payloads.NotArrow, match=r"^payload: this numpy.ndarray of dtype object "):
         payloads.encode(np.array(["a", 1], dtype=object), "payload")
+    # A frame's column of mixed types: pyarrow's two messages, as one line, not a tuple.
+    with pytest.raises(payloads.NotArrow) as refused:
+        payloads.encode(pd.DataFrame({"m": ["x", 1]}), "payload")
+    assert str(refused.value).endswith(
+        "Arrow: Expected bytes, got a 'int' object; Conversion failed for column m with type object"
+    )
 
 
 def test_a_value_inside_json_is_not_arrow() -> None:

@@ -185,6 +185,9 @@ def test_the_cli_sends_a_stream_from_stdin_and_writes_the_answer_whole(
     assert piped.returncode == 0 and piped.stdout == out.read_bytes()
     refused = invoke("{}", "--content-type", content_type)
     assert refused.returncode == 2 and b"give the payload on stdin" in refused.stderr
+    refused = invoke("-")  # a stream, not said to be one: how to say so
+    assert refused.returncode == 2 and b"payload is not JSON" in refused.stderr
+    assert f"--content-type {content_type} or".encode() in refused.stderr
     # Where the result cannot be written is said before the call runs, not after.
     nowhere = tmp_path / "missing" / "totals.arrows"
     refused = invoke("-", "--content-type", content_type, "--output", str(nowhere))
