@@ -139,3 +139,5 @@ class RuntimeServer:
         self._pipeline.stop(self.server, drain_seconds)
         self._stop_sweeping.set()
         self.registry.shutdown()
+        if self.spool is not None:  # its calls are over: the pages kept for the next go too
+            self.spool.drop_free_files()

@@ -111,6 +111,15 @@ class Spool:
         with contextlib.suppress(FileNotFoundError, InvalidField):
             self.path(name).unlink()
 
+    def drop_free_files(self) -> None:
+        """Remove every free file (``release``): a stopping server's, as its stack goes — with
+        its kernel killed, say, when nothing else would until the next stack starts."""
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(self.directory):
+                if entry.name.startswith(FREE_PREFIX):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(entry.path)
+
     def start_sweeping(
         self, stop: threading.Event, every: float = SWEEP_SECONDS
     ) -> threading.Thread:

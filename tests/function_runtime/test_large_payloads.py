@@ -21,6 +21,7 @@ import pytest
 
 from fnkernel.runtime_server import payloads
 from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import payloads_pb2
+from fnkernel.runtime_server.function_runtime.server import RuntimeServer
 from fnkernel.runtime_server.function_runtime.spool import (
     CHUNK_BYTES,
     SPOOL_GRACE_SECONDS,
@@ -274,6 +275,18 @@ def test_a_free_file_unused_for_a_minute_is_swept_with_no_payload_written(spool:
     finally:
         stop.set()
         sweeper.join(10)
+
+
+def test_a_stopping_server_drops_its_spools_free_files(workspace: Path, spool: Spool) -> None:
+    # docs/protocol.md, "Pages written again": free files are a cache of the stack's; a server
+    # that stops (its kernel killed: it stops with its parent) takes them with it, rather than
+    # leave a 1 GB call's pages in memory until the next stack starts.
+    free = spool.directory / f"{payloads.FREE_PREFIX}5-{time.monotonic_ns()}-kept"
+    server = RuntimeServer("python", workspace, spool=spool)
+    server.start("unix:" + str(spool.directory.parent / "stop.sock"))
+    free.write_bytes(b"pages")
+    server.stop(drain_seconds=0)
+    assert not free.exists()
 
 
 @pytest.mark.parametrize("ends", ["timed out", "worker killed"])
