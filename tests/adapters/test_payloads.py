@@ -450,16 +450,23 @@ def test_times_and_floats_with_nothing_missing_convert_as_they_are() -> None:
     payloads.arrow_table(frame.iloc[:10])  # its structure's schema, found once
     counted, default = pa.proxy_memory_pool(pa.default_memory_pool()), pa.default_memory_pool()
     pa.set_memory_pool(counted)
-    tracemalloc.start()
     try:
-        table = payloads.arrow_table(frame)
-        _, peak = tracemalloc.get_traced_memory()
+        table, peak = _converted_traced(frame)
     finally:
-        tracemalloc.stop()
         pa.set_memory_pool(default)
     assert (counted.max_memory(), peak < rows // 10) == (0, True), peak
     assert table.column("at").null_count == table.column("whole").null_count == 0
     assert table.column("whole").chunk(0).buffers()[1].address == frame["whole"].values.ctypes.data
+
+
+def _converted_traced(frame: pd.DataFrame) -> tuple[pa.Table, int]:
+    """`frame` as Arrow, and the most Python's allocators held beside it while it converted."""
+    tracemalloc.start()
+    try:
+        table = payloads.arrow_table(frame)
+        return table, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
 
 
 def test_categories_convert_without_a_mask_of_their_codes() -> None:
@@ -470,12 +477,7 @@ def test_categories_convert_without_a_mask_of_their_codes() -> None:
     rows = 2_000_000
     frame = pd.DataFrame({"grade": pd.Categorical.from_codes(np.arange(rows) % 3, ["a", "b", "c"])})
     payloads.arrow_table(frame.iloc[:10])  # its structure's schema, found once
-    tracemalloc.start()
-    try:
-        table = payloads.arrow_table(frame)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    table, peak = _converted_traced(frame)
     assert peak < rows // 10, peak
     assert table.column("grade").to_pylist()[:4] == ["a", "b", "c", "a"]
 

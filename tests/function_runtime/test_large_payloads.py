@@ -248,11 +248,16 @@ def test_what_nobody_claimed_is_swept_with_no_call_of_the_servers(spool: Spool) 
     fresh.write_bytes(b"an input about to be called")
     aged = time.time() - SPOOL_GRACE_SECONDS - 1
     os.utime(unclaimed, (aged, aged))
+    _swept(spool, unclaimed, fresh)
+
+
+def _swept(spool: Spool, gone: Path, kept: Path) -> None:
+    """`spool` swept every 10 ms until `gone` is, `kept` not."""
     stop = threading.Event()
     sweeper = spool.start_sweeping(stop, every=0.01)
     try:
-        wait_until(lambda: not unclaimed.exists(), timeout=10)
-        assert fresh.exists()
+        wait_until(lambda: not gone.exists(), timeout=10)
+        assert kept.exists()
     finally:
         stop.set()
         sweeper.join(10)
@@ -267,14 +272,7 @@ def test_a_free_file_unused_for_a_minute_is_swept_with_no_payload_written(spool:
     fresh = spool.directory / f"{payloads.FREE_PREFIX}5-{now}-new"
     for path in (stale, fresh):
         path.write_bytes(b"pages")
-    stop = threading.Event()
-    sweeper = spool.start_sweeping(stop, every=0.01)
-    try:
-        wait_until(lambda: not stale.exists(), timeout=10)
-        assert fresh.exists()
-    finally:
-        stop.set()
-        sweeper.join(10)
+    _swept(spool, stale, fresh)
 
 
 def test_a_stopping_server_drops_its_spools_free_files(workspace: Path, spool: Spool) -> None:
