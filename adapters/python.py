@@ -28,10 +28,6 @@ PACKAGES_ENV = "FNKERNEL_PACKAGES"
 # docs/protocol.md, "Limits": dotted identifiers, at least module.function, at most 256 bytes.
 _HANDLER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+")
 MAX_HANDLER_BYTES = 256
-# pyarrow's allocator (mimalloc) commits an arena's memory as it is used, not all at once, so
-# that what reading a payload took besides the value is handed back to the system rather than
-# kept resident beside it (docs/architecture.md, "DataFrames beside the peers").
-ARROW_ALLOCATOR_ENV = {"MIMALLOC_ARENA_EAGER_COMMIT": "0"}
 
 
 class PythonAdapter(WorkerAdapter):
@@ -73,8 +69,6 @@ class PythonAdapter(WorkerAdapter):
     def _environment(self) -> dict[str, str]:
         env = super()._environment()
         env.setdefault("PYTHONDONTWRITEBYTECODE", "1")  # keep the working directory as registered
-        for name, value in ARROW_ALLOCATOR_ENV.items():  # unless the stack or the Run set it
-            env.setdefault(name, value)
         return env
 
     def _exchange(

@@ -154,62 +154,6 @@ def test_a_spooled_arrow_input_is_a_view_of_the_file_not_a_copy(python_spooled: 
     assert json.loads(answer.output) == {"rows": 4_000_000, "mapped from": name}
 
 
-def test_a_worker_holds_a_large_frame_and_little_besides(python_spooled: Client) -> None:
-    # docs/architecture.md, "DataFrames beside the peers": while the handler holds the frame
-    # it was sent, its worker holds that frame and next to nothing else — what reading it took
-    # besides, pyarrow's allocator hands back.
-    source = {
-        "handler.py": """
-            import pandas as pd
-
-            def resident():  # the worker's anonymous memory, in bytes
-                with open("/proc/self/status") as status:
-                    for line in status:
-                        if line.startswith("RssAnon:"):
-                            return int(line.split()[1]) * 1024
-
-            def handle(event):
-                if isinstance(event, pd.DataFrame):
-                    return resident() - int(event.memory_usage(deep=True).sum())
-                return resident()
-        """
-    }
-    registration = python_spooled.register(source).registration
-
-    def call(frame: pd.DataFrame | None) -> int:
-        if frame is None:
-            return int(python_spooled.invoke(registration, b"null").output)
-        data, content_type = payloads.encode(frame)
-        answer = python_spooled.invoke(
-            registration,
-            b"",
-            content_type=content_type,
-            metadata=((INPUT_REF_KEY, put(python_spooled, data)),),
-        )
-        return int(answer.output)
-
-    call(mixed_frame(1000))  # pyarrow and its allocator loaded
-    resting = call(None)
-    large = mixed_frame(6_000_000)
-    size = len(payloads.encode(large)[0])
-    besides = call(large) - resting
-    assert besides < size // 100, f"{besides / MIB:.1f} MiB besides a {size / MIB:.1f} MiB frame"
-
-
-def mixed_frame(rows: int) -> pd.DataFrame:
-    """Numbers with NaN, a time zone's times, categories and text with nulls."""
-    count = np.arange(rows)
-    ratio = np.linspace(0.0, 1.0, rows)
-    ratio[::13] = np.nan
-    return pd.DataFrame({
-        "count": count,
-        "ratio": ratio,
-        "at": pd.date_range("2026-01-01", periods=rows, freq="s", tz="Europe/Paris"),
-        "grade": pd.Categorical.from_codes(count % 3, ["a", "b", "c"]),
-        "note": np.where(count % 5 == 0, None, "ok"),
-    })  # fmt: skip
-
-
 def test_an_output_under_the_size_asked_for_is_answered_inline(python_spooled: Client) -> None:
     registration = python_spooled.register(HANDLER).registration
     response, call = python_spooled.fn.InvokeFunction.with_call(
