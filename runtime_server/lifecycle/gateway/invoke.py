@@ -252,14 +252,12 @@ class InvokeHandler(TracedHandler, BodyHandler):
         # (refused: busy, a bad header, a runtime that takes no such content); one that ran
         # has removed it, however it ended.
         input_ref = await self._upload.finish()
-        assert self._upload_run is not None
         called = False
         try:
             called = await self._invoke(name, input_ref, payload, body_read)
         finally:
-            if not called:
-                stub = self.gateway.payloads_stub(self.gateway.pod_of(self._upload_run)[1])
-                await discard_spooled(stub, input_ref)
+            if not called:  # where it was written, whatever became of its Run since
+                await discard_spooled(self._upload.stub, input_ref)
 
     async def _invoke(self, name: str, input_ref: str, payload: bytes, body_read: int) -> bool:
         """Call the Run `name` with the input `payload`, or the spooled `input_ref`, and answer

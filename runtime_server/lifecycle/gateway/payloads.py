@@ -24,6 +24,7 @@ class Upload:
     messages of up to CHUNK_BYTES."""
 
     def __init__(self, stub: payloads_pb2_grpc.PayloadsStub, size: int, timeout: float) -> None:
+        self.stub = stub  # the pod's Payloads, where the body goes
         self.size = size
         self._call: Any = stub.PutPayload(timeout=timeout)
         self._buffer = bytearray()
