@@ -200,7 +200,13 @@ class Function:
             # inside the HTTP read, so the request is cancelled now. Either way the gateway
             # cancels the call and the handler is killed; the function stays registered. Wait
             # (briefly) until it is free again, so the next cell's call is not refused as busy.
-            # Interrupted as its large result was read, the call was over: nothing was killed.
+            # Interrupted as its large payload was written, it was never sent; as its large
+            # result was read, the call was over: nothing was killed either way.
+            if getattr(stopped, "unsent", False):
+                lines.release()
+                raise InvocationInterrupted(
+                    f"{self.name} was not called: interrupted while its payload was written"
+                ) from None
             if getattr(stopped, "answered", False):
                 lines.release()
                 raise InvocationInterrupted(

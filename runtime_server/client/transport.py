@@ -265,11 +265,13 @@ class Transport:
         def sending() -> None:
             with self._lock:
                 if self._preparing_calls.pop(call, False):
-                    raise RequestCancelled(
+                    unsent = RequestCancelled(
                         f"the call of {name} was cancelled before it was sent: its payload was "
                         "still being converted",
                         code="CANCELLED",
                     )
+                    unsent.unsent = True  # type: ignore[attr-defined]  # nothing ran
+                    raise unsent
 
         try:
             yield sending
