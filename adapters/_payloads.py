@@ -301,17 +301,20 @@ def _reuse(path: str, size: int) -> bool:
     return False
 
 
-def expire_free_files(directory: str) -> None:
-    """Remove the free files of the spool `directory` unused for KEEP_FREE_SECONDS: its
-    sweep's, so that an idle spool does not keep them (``_free_files`` does so whenever a
-    payload is written or read there)."""
-    _free_files(directory)
+def expire_free_files(directory: str, unused_for: float | None = None) -> None:
+    """Remove the free files of the spool `directory` unused for more than `unused_for`
+    seconds (KEEP_FREE_SECONDS unless given; 0: every one): its sweep's, so that an idle spool
+    does not keep them (``_free_files`` does so whenever a payload is written or read there),
+    and a stopping server's."""
+    _free_files(directory, unused_for)
 
 
-def _free_files(directory: str) -> dict[str, tuple[int, int]]:
+def _free_files(directory: str, unused_for: float | None = None) -> dict[str, tuple[int, int]]:
     """The free files of the spool `directory`, each its size and when it was freed, read from
-    their names; those unused for KEEP_FREE_SECONDS are removed, not named."""
+    their names; those unused for more than `unused_for` seconds (KEEP_FREE_SECONDS unless
+    given) are removed, not named."""
     now = time.monotonic_ns()
+    kept_ns = (KEEP_FREE_SECONDS if unused_for is None else unused_for) * 1e9
     free: dict[str, tuple[int, int]] = {}
     try:
         names = os.listdir(directory)
@@ -322,7 +325,7 @@ def _free_files(directory: str) -> dict[str, tuple[int, int]]:
         if found is None:
             continue
         size, freed = int(found[1]), int(found[2])
-        if now - freed > KEEP_FREE_SECONDS * 1e9:
+        if now - freed > kept_ns:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(directory, name))
         else:

@@ -237,12 +237,10 @@ class Runtime:
         bound = os.environ.get(MAX_PAYLOAD_ENV, "")
         try:
             max_payload = (
-                limits.parse_count(bound, MAX_PAYLOAD_ENV)
+                limits.parse_byte_bound(bound, MAX_PAYLOAD_ENV)
                 if bound
                 else limits.DEFAULT_MAX_SPOOLED_BYTES
             )
-            if not max_payload:
-                raise InvalidField(MAX_PAYLOAD_ENV, "must be at least 1 byte, got '0'")
         except InvalidField as bad:
             raise StackMisconfigured(
                 f"{bad} (bytes; unset, {limits.DEFAULT_MAX_SPOOLED_BYTES}): the embedded "

@@ -202,15 +202,16 @@ class Function:
             # (briefly) until it is free again, so the next cell's call is not refused as busy.
             # Interrupted as its large payload was written, it was never sent; as its large
             # result was read, the call was over: nothing was killed either way.
-            if getattr(stopped, "unsent", False):
+            unsent, answered = (
+                getattr(stopped, "unsent", False),
+                getattr(stopped, "answered", False),
+            )
+            if unsent or answered:
                 lines.release()
                 raise InvocationInterrupted(
                     f"{self.name} was not called: interrupted while its payload was written"
-                ) from None
-            if getattr(stopped, "answered", False):
-                lines.release()
-                raise InvocationInterrupted(
-                    f"invocation of {self.name} interrupted while its result was read: the "
+                    if unsent
+                    else f"invocation of {self.name} interrupted while its result was read: the "
                     f"handler had returned; {self.name} stays registered"
                 ) from None
             self._runtime.cancel()

@@ -347,6 +347,16 @@ def parse_count(text: str, field: str, maximum: int = INT64_MAX) -> int:
     return int(text)
 
 
+def parse_byte_bound(text: str, field: str) -> int:
+    """A bound in bytes (``--max-payload-bytes``, FNKERNEL_MAX_PAYLOAD_BYTES): ``parse_count``'s,
+    and at least 1 — 0 would refuse every payload, and was taken as the default by some of a
+    stack's processes and not by others."""
+    bound = parse_count(text, field)
+    if not bound:
+        raise InvalidField(field, f"must be at least 1 byte, got {text!r}")
+    return bound
+
+
 def outputs_problem(outputs: Mapping[str, str]) -> str | None:
     """Why `outputs` breaks the Run.status.outputs bounds, or None if it is fine."""
     if len(outputs) > MAX_OUTPUTS:

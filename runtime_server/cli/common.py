@@ -56,12 +56,14 @@ def count(text: str) -> int:
 
 
 def byte_bound(text: str) -> int:
-    """argparse type: a bound in bytes, at least 1 (0 would refuse every payload, and was
-    taken as the default by some of the stack's processes and not by others)."""
-    bound = count(text)
-    if not bound:
-        raise argparse.ArgumentTypeError("must be at least 1 byte")
-    return bound
+    """argparse type: a bound in bytes (``limits.parse_byte_bound``)."""
+    from fnkernel.runtime_server import limits
+    from fnkernel.runtime_server.errors import InvalidField
+
+    try:
+        return limits.parse_byte_bound(text, "value")
+    except InvalidField as exc:
+        raise argparse.ArgumentTypeError(exc.reason) from None
 
 
 def results_dir(text: str) -> str:

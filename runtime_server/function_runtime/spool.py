@@ -114,11 +114,7 @@ class Spool:
     def drop_free_files(self) -> None:
         """Remove every free file (``release``): a stopping server's, as its stack goes — with
         its kernel killed, say, when nothing else would until the next stack starts."""
-        with contextlib.suppress(FileNotFoundError):
-            for entry in os.scandir(self.directory):
-                if entry.name.startswith(FREE_PREFIX):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(entry.path)
+        expire_free_files(str(self.directory), unused_for=0.0)
 
     def start_sweeping(
         self, stop: threading.Event, every: float = SWEEP_SECONDS
