@@ -95,7 +95,12 @@ class Kernel:
     """One kernel process and a blocking client on it."""
 
     def __init__(self, kernel_name: str = "fnkernel", env: dict[str, str] | None = None) -> None:
-        self.manager = KernelManager(kernel_name=kernel_name)
+        # Its channels on Unix sockets of a directory of its own: TCP ports are picked free and
+        # bound by the kernel later, and another test's server may take one meanwhile.
+        self._sockets = tempfile.TemporaryDirectory(prefix="kernel-")
+        self.manager = KernelManager(
+            kernel_name=kernel_name, transport="ipc", ip=f"{self._sockets.name}/channel"
+        )
         kwargs: dict[str, Any] = {}
         if env is not None:
             kwargs["env"] = {**os.environ, **env}
@@ -169,6 +174,7 @@ class Kernel:
     def shutdown(self) -> None:
         self.client.stop_channels()
         self.manager.shutdown_kernel(now=False)
+        self._sockets.cleanup()
 
 
 def descendants(pid: int) -> set[int]:
