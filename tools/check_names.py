@@ -154,6 +154,8 @@ class Index:
         parts = token.removeprefix(f"{DISTRIBUTION}.").split(".")
         if parts[-1] in _FILE_ENDINGS | _DOMAINS or "__mutmut_" in parts[-1]:
             return None  # a file, a domain name (kptfile.kpt.dev), a mutant's name
+        if _FILE_ENDINGS.intersection(parts[1:-1]):
+            return None  # a file's name with more after its type (files.json.part)
         for cut in range(len(parts) - 1, 0, -1):  # the longest module prefix wins
             modules = self.modules.get(".".join(parts[:cut]))
             if modules:

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
 import stat
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from fnkernel.adapters import runtimes
 from fnkernel.runtime_server import limits
@@ -183,11 +184,16 @@ def _invoke(args: argparse.Namespace) -> int:
     from fnkernel.runtime_server.client.errors import InvocationTimedOut
 
     payload = "{}" if args.payload is None else args.payload  # none given: an empty object
-    data = sys.stdin.buffer.read() if payload == "-" else payload.encode()
     media = payloads.media_type(args.content_type or payloads.JSON)
     if media not in payloads.MEDIA_TYPES:
         raise UsageError(f"--content-type: one of {', '.join(payloads.MEDIA_TYPES)}")
-    if media == payloads.JSON:
+    data: bytes | BinaryIO
+    if media != payloads.JSON:
+        if payload != "-":
+            raise UsageError(f"--content-type {media}: give the payload on stdin (-)")
+        data = sys.stdin.buffer  # read as it is sent: into the spool, on the stack's machine
+    else:
+        data = sys.stdin.buffer.read() if payload == "-" else payload.encode()
         try:
             json.loads(data)
         except ValueError as exc:
@@ -197,46 +203,45 @@ def _invoke(args: argparse.Namespace) -> int:
                     f"; bytes of another type: --content-type {payloads.ARROW} or {payloads.OCTET}"
                 )
             raise UsageError(f"payload is not JSON: {exc}{hint}") from None
-    elif payload != "-":
-        raise UsageError(f"--content-type {media}: give the payload on stdin (-)")
     if args.output and not Path(args.output).absolute().parent.is_dir():  # before the call runs
         raise UsageError(f"--output {args.output}: no such directory")
     if args.output and Path(args.output).is_dir():
         raise UsageError(f"--output {args.output}: a directory; name the file to write")
     try:
-        result = client_of(args).invoke(
-            args.name,
-            data=data,
-            content_type=media,
-            timeout_millis=args.timeout_ms,
-            invocation_id=args.invocation_id,
-            on_log=_log_line if args.follow else None,
-            by_reference=False,  # the answer's bytes themselves, to write out as they came
-        )
+        with _result_sink(args.output) as sink:
+            result = client_of(args).invoke(
+                args.name,
+                data=data,
+                content_type=media,
+                timeout_millis=args.timeout_ms,
+                invocation_id=args.invocation_id,
+                on_log=_log_line if args.follow else None,
+                write_to=sink,  # the answer's bytes as they came, not held (None: a terminal)
+            )
+            returned = payloads.media_type(result.content_type)
+            if sink is None:  # a terminal: only text is written there
+                if returned != payloads.JSON:
+                    raise UsageError(
+                        "the result is binary: write it to a file (--output FILE, or > FILE)"
+                    )
+                ended = result.output.endswith(b"\n")
+                sys.stdout.buffer.write(result.output if ended else result.output + b"\n")
+            elif returned == payloads.JSON and sink.last != b"\n":
+                sink.write(b"\n")
     except InvocationTimedOut as exc:  # and how to give it more, as the kernel says
         raise InvocationTimedOut(
             f"{exc.message}; give it more with --timeout-ms MS", code=exc.code,
             status=exc.status, run_uid=exc.run_uid, invocation_id=exc.invocation_id,
             detail=exc.detail,
         ) from None  # fmt: skip
-    returned = payloads.media_type(result.content_type)
-    written = result.output
+    except _NotWritten as exc:
+        where = f"--output {args.output}" if args.output else "stdout"
+        if not exc.ran:  # opening it, before the call
+            raise UsageError(f"{where}: cannot be written, so nothing was called: {exc}") from None
+        raise UsageError(f"{where}: the result ran but cannot be written: {exc}") from None
+    sys.stdout.flush()
     if returned != payloads.JSON:
-        print(f"content type: {returned} ({len(written)} bytes)", file=sys.stderr)
-    elif not written.endswith(b"\n"):
-        written += b"\n"
-    if args.output:
-        try:
-            _write_whole(Path(args.output), written)
-        except OSError as exc:
-            raise UsageError(
-                f"--output {args.output}: the result ran but cannot be written: {exc}"
-            ) from None
-    elif returned != payloads.JSON and sys.stdout.isatty():
-        raise UsageError("the result is binary: write it to a file (--output FILE, or > FILE)")
-    else:
-        sys.stdout.buffer.write(written)
-        sys.stdout.flush()
+        print(f"content type: {returned} ({result.written} bytes)", file=sys.stderr)
     if result.outputs:
         print(f"outputs: {json.dumps(result.outputs, sort_keys=True)}", file=sys.stderr)
     if result.cold_start:
@@ -244,31 +249,88 @@ def _invoke(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _write_whole(output: Path, data: bytes) -> None:
-    """`data` as the file `output`, whole or not at all: staged beside it under a name of its
-    own and renamed over it, a file it replaces keeping its mode, a symbolic link the file it
-    links to. What is not a file — a FIFO, a device such as /dev/stdout — is written to as it
-    is, never replaced."""
-    target = output.resolve()
+class _NotWritten(Exception):
+    """The result's destination refused it (its OSError's text): before the call (opening it:
+    not `ran`), or as the result was written."""
+
+    def __init__(self, error: OSError, *, ran: bool) -> None:
+        super().__init__(error)
+        self.ran = ran
+
+
+class _Sink:
+    """Where ``invoke`` writes a result's bytes as they come (``Client.invoke``'s `write_to`):
+    the last byte written remembered (a JSON result is ended with a newline), a write that
+    fails told apart from the call's own failures."""
+
+    def __init__(self, out: BinaryIO) -> None:
+        self.out, self.last = out, b""
+
+    def write(self, data: bytes) -> int:
+        try:
+            self.out.write(data)
+        except OSError as exc:
+            raise _NotWritten(exc, ran=True) from exc
+        if data:
+            self.last = data[-1:]
+        return len(data)
+
+
+@contextlib.contextmanager
+def _result_sink(output: str | None) -> Iterator[_Sink | None]:
+    """Where the result goes: stdout, written as it comes, or None for a terminal (the result
+    held, to refuse one that is binary); with `output`, that file, whole or not at all: staged
+    beside it under a name of its own and renamed over it once written, a file it replaces
+    keeping its mode, a symbolic link the file it links to. What is not a file — a FIFO, a
+    device such as /dev/stdout — is written to as it is, never replaced."""
+    if not output:
+        yield None if sys.stdout.isatty() else _Sink(sys.stdout.buffer)
+        return
+    target = Path(output).resolve()
     try:
         mode: int | None = target.stat().st_mode
     except FileNotFoundError:
         mode = None
+    except OSError as exc:  # not ours to look at, say
+        raise _NotWritten(exc, ran=False) from exc
     if mode is not None and not stat.S_ISREG(mode):
-        with open(target, "wb") as out:
-            out.write(data)
+        with _opened(lambda: open(target, "wb")) as out:
+            yield _Sink(out)
         return
     staged = target.with_name(f".{target.name}.{secrets.token_hex(6)}.part")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
     try:
-        with open(os.open(staged, flags, 0o666), "wb") as out:  # the umask's mode, as a new file
-            out.write(data)
-        if mode is not None:
-            os.chmod(staged, stat.S_IMODE(mode))
-        os.replace(staged, target)
+        # The umask's mode, as a new file's.
+        with _opened(lambda: open(os.open(staged, flags, 0o666), "wb")) as out:
+            yield _Sink(out)
+        with _written():
+            if mode is not None:
+                os.chmod(staged, stat.S_IMODE(mode))
+            os.replace(staged, target)
     except BaseException:
         staged.unlink(missing_ok=True)
         raise
+
+
+@contextlib.contextmanager
+def _opened(opening: Callable[[], BinaryIO]) -> Iterator[BinaryIO]:
+    """The file `opening()` opens (before the call), closed after the block: its OSErrors (not
+    the block's) are _NotWritten."""
+    with _written(ran=False):
+        out = opening()
+    try:
+        yield out
+    finally:
+        with _written():
+            out.close()
+
+
+@contextlib.contextmanager
+def _written(*, ran: bool = True) -> Iterator[None]:
+    try:
+        yield
+    except OSError as exc:
+        raise _NotWritten(exc, ran=ran) from exc
 
 
 def _log_line(line: dict[str, Any]) -> None:

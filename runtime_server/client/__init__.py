@@ -14,7 +14,7 @@ import time
 import urllib.parse
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from fnkernel.runtime_server import limits, payloads, wire
 from fnkernel.runtime_server.client.errors import (
@@ -25,6 +25,7 @@ from fnkernel.runtime_server.client.errors import (
     SecretNotFound,
     UnsupportedMediaType,
 )
+from fnkernel.runtime_server.client.files import Sink, spool_stream, write_out
 from fnkernel.runtime_server.client.live import LiveFollow, LogCallback
 from fnkernel.runtime_server.client.maps import MapRun
 from fnkernel.runtime_server.client.sources import parse_pairs, read_source
@@ -157,7 +158,7 @@ class Client(Transport):
         name: str,
         payload: Any = None,
         *,
-        data: bytes | None = None,
+        data: bytes | BinaryIO | None = None,
         content_type: str = payloads.JSON,
         timeout_millis: int = 0,
         invocation_id: str = "",
@@ -165,18 +166,22 @@ class Client(Transport):
         traceparent: str = "",
         by_reference: bool = True,
         run_uid: str = "",
+        write_to: Sink | None = None,
     ) -> InvocationResult:
         """Invoke with `payload` encoded by its kind (``payloads.encode``; docs/protocol.md,
         "Content types": a DataFrame, table or array as Arrow IPC, bytes as octets, the rest as
         JSON; or a ``payloads.Outgoing`` made of one beforehand), or with the raw bytes `data`
-        of `content_type` (TypeError for both, or for a `content_type` without `data`). The
-        result's ``value()`` is of the kind the handler returned.
+        of `content_type`, or a binary file to read them from (TypeError for both, or for a
+        `content_type` without `data`). The result's ``value()`` is of the kind the handler
+        returned; with `write_to`, an open binary file, the result's bytes are written there as
+        they came instead, and not held (its ``written`` says how many).
 
         On the gateway's machine (docs/protocol.md, "Large payloads"), a payload of at least
         SPOOL_FROM_BYTES is written once into the stack's spool and handed over by its name,
         and a result as large is read from there (an Arrow one mapped, not copied) — unless
         not `by_reference`: then every byte travels in the request and its answer, as it does
-        from another machine (streamed past one message).
+        from another machine (streamed past one message). There, `data` read from a file and a
+        result for `write_to` go a MiB at a time (``client.files``), never held whole.
 
         `run_uid`: the uid of the Run the call is meant for; if the Run of that name is another
         (deleted and made again since), it is not called: FunctionNotFound (docs/protocol.md,
@@ -195,7 +200,7 @@ class Client(Transport):
                 name, payload, data=data, content_type=content_type,
                 timeout_millis=timeout_millis, invocation_id=invocation_id, on_log=on_log,
                 traceparent=traceparent, by_reference=by_reference, run_uid=run_uid,
-                sending=sending,
+                write_to=write_to, sending=sending,
             )  # fmt: skip
 
     def _invoke(
@@ -203,7 +208,7 @@ class Client(Transport):
         name: str,
         payload: Any,
         *,
-        data: bytes | None,
+        data: bytes | BinaryIO | None,
         content_type: str,
         timeout_millis: int,
         invocation_id: str,
@@ -211,9 +216,16 @@ class Client(Transport):
         traceparent: str,
         by_reference: bool,
         run_uid: str,
+        write_to: Sink | None,
         sending: Callable[[], None],
     ) -> InvocationResult:
         """``invoke``'s call, `sending()` said as its request is about to be sent."""
+        source = None  # `data` as a file: read into the spool when large, whole if not
+        if data is not None and not isinstance(data, bytes | bytearray | memoryview):
+            source, data = data, data.read(limits.SPOOL_FROM_BYTES)
+            large = len(data) == limits.SPOOL_FROM_BYTES
+            if not (large and by_reference and self.local_spool() is not None):
+                data, source = data + source.read(), None
         if data is not None:
             if payload is not None:
                 raise TypeError("invoke takes a payload or data=, not both")
@@ -241,7 +253,12 @@ class Client(Transport):
         if spool is not None and size >= limits.SPOOL_FROM_BYTES:
             self._bounded(name, size)  # before a byte is written: an Arrow stream is past its size
             handed = spool / new_name("in")
-            if encoded is not None:
+            if source is not None and encoded is not None:  # its first bytes, then the rest
+                first, media = encoded
+                written = spool_stream(
+                    str(handed), first, source, lambda size: self._bounded(name, size)
+                )
+            elif encoded is not None:
                 with payloads.spool_file(str(handed), size) as out:
                     out.write(encoded[0])
                 written, media = size, encoded[1]
@@ -284,21 +301,24 @@ class Client(Transport):
         if self._spool is None and reply.get(wire.SPOOL_HEADER):  # a large result came whole
             self._spool = (_local(reply[wire.SPOOL_HEADER]),)
         value: Any = NOT_SPOOLED
+        written = -1
         ref = reply.get(wire.OUTPUT_REF_HEADER)
-        if ref and spool is not None:  # read where the worker wrote it, then gone
-            taken = spool / Path(ref.split(" ", 1)[0]).name
-            try:
+        taken = spool / Path(ref.split(" ", 1)[0]).name if ref and spool is not None else None
+        try:
+            if write_to is not None:  # as it came, from where the worker wrote it if it did
+                written, output = write_out(write_to, output, str(taken or "")), b""
+            elif taken is not None:  # read where the worker wrote it, then gone
                 value = payloads.decode_file(
                     str(taken), reply.get("Content-Type", ""), "the result"
                 )
-            except BaseException as unread:  # nobody else will read it: not left for the sweep
+        except BaseException as unread:  # nobody else will read it: not left for the sweep
+            if taken is not None:
                 taken.unlink(missing_ok=True)
-                if isinstance(unread, KeyboardInterrupt):  # the call was over, only not read
-                    unread.answered = True  # type: ignore[attr-defined]
-                raise
-        result = _result(
-            reply, output, started, spans=spans_of(reply) if traceparent else b"", spooled=value
-        )
+            if isinstance(unread, KeyboardInterrupt):  # the call was over, only not read
+                unread.answered = True  # type: ignore[attr-defined]
+            raise
+        spans = spans_of(reply) if traceparent else b""
+        result = _result(reply, output, started, spans=spans, spooled=value, written=written)
         if live is not None:
             live.ended(result)
         return result
@@ -527,7 +547,12 @@ def _local(named: str) -> Path | None:
 
 
 def _result(
-    reply: Headers, output: bytes, started: float, spans: bytes = b"", spooled: Any = NOT_SPOOLED
+    reply: Headers,
+    output: bytes,
+    started: float,
+    spans: bytes = b"",
+    spooled: Any = NOT_SPOOLED,
+    written: int = -1,
 ) -> InvocationResult:
     """A call's result from the gateway's answer to it, `reply` (headers) and `output` (body)."""
     return InvocationResult(
@@ -542,6 +567,7 @@ def _result(
         run=reply.get(wire.RUN_HEADER, ""),
         spans=spans,
         spooled=spooled,
+        written=written,
     )
 
 

@@ -143,12 +143,19 @@ class InvocationResult:
     # A result read from the spool (docs/protocol.md, "Large payloads"): its value, `output`
     # then empty.
     spooled: Any = field(default=NOT_SPOOLED, repr=False, compare=False)
+    # The bytes of the output written to ``invoke``'s `write_to` (`output` then empty); -1 when
+    # the output is held.
+    written: int = -1
 
     def value(self) -> Any:
         """The output decoded by its content type (docs/protocol.md, "Content types"): the
         kind the handler returned — a DataFrame, table or array from Arrow IPC, bytes, or
         JSON. PayloadError (a ValueError) if it is not what its type says, or its kind's
         package is not installed here."""
+        if self.written >= 0:
+            raise payloads.PayloadError(
+                f"the result was written to a file ({self.written} bytes): read it from there"
+            )
         if self.spooled is not NOT_SPOOLED:
             return self.spooled
         return payloads.decode(self.output, self.content_type, "the result")

@@ -7,6 +7,8 @@ ends."""
 from __future__ import annotations
 
 import http.client
+import io
+import json
 import socket
 import subprocess
 import sys
@@ -288,3 +290,77 @@ def test_the_cli_sends_and_writes_a_large_payload(stack: Stack, tmp_path: Path) 
     pd.testing.assert_frame_equal(
         payloads.decode(out.read_bytes(), payloads.ARROW), mixed_frame(300_000)
     )
+
+
+# The CLI, reporting at exit the most memory it held at once (its mm's high-water mark: a
+# child's ru_maxrss would count its parent's pages as they were at the fork).
+_PEAK_REPORTED = (
+    "import atexit, runpy, sys\n"
+    "where = sys.argv.pop(1)\n"
+    "def report():\n"
+    "    peak = [l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0]\n"
+    "    open(where, 'w').write(peak.split()[1])\n"
+    "atexit.register(report)\n"
+    "runpy.run_module('fnkernel.runtime_server.cli', run_name='__main__')\n"
+)
+
+
+def _cli_invoke(stack: Stack, args: list[str], stdin: object, peak: Path) -> tuple[int, bytes, int]:
+    """`fnkernel invoke big ARGS` with `stdin` (a file, or DEVNULL): its exit code, its stderr,
+    and the most memory it held at once (bytes)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _PEAK_REPORTED, str(peak), "invoke", "big", *args,
+         "--gateway", stack.gateway_address],
+        stdin=stdin, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=120,
+    )  # fmt: skip
+    return done.returncode, done.stderr, int(peak.read_text()) * 1024
+
+
+def test_the_cli_on_the_stacks_machine_holds_neither_payload_nor_result_whole(
+    stack: Stack, tmp_path: Path
+) -> None:
+    # docs/protocol.md, "Large payloads": on the stack's machine the CLI writes a payload from
+    # its stdin into the spool, and a result from the spool to --output, a MiB at a time — the
+    # worker maps the one and writes the other, and the CLI holds neither whole.
+    size = 96 * MIB
+    peak_file = tmp_path / "peak"
+    _, _, resting = _cli_invoke(stack, ['{"small": 1}'], subprocess.DEVNULL, peak_file)
+    payload = tmp_path / "in.bin"
+    payload.write_bytes(b"\x03" * size)
+    with payload.open("rb") as stdin:
+        code, stderr, peak = _cli_invoke(
+            stack, ["-", "--content-type", payloads.OCTET], stdin, peak_file
+        )
+    assert code == 0, stderr
+    assert peak - resting < 8 * MIB, (peak - resting) / MIB  # a MiB at a time
+    out = tmp_path / "out.arrows"
+    code, stderr, peak = _cli_invoke(stack, ['{"mib": 96}', "--output", str(out)],
+                                     subprocess.DEVNULL, peak_file)  # fmt: skip
+    assert code == 0, stderr
+    assert peak - resting < 8 * MIB, (peak - resting) / MIB
+    assert f"({out.stat().st_size} bytes)".encode() in stderr
+    array = payloads.decode(out.read_bytes(), payloads.ARROW)
+    assert array.shape == (size,) and int(array[::MIB].sum()) == 7 * 96
+
+
+def test_a_file_in_and_a_file_out_from_the_client(stack: Stack, tmp_path: Path) -> None:
+    # Client.invoke: `data` a binary file, read into the spool; `write_to` an open file the
+    # result's bytes go to as they came; the result then holds none of them.
+    client = Client(stack.gateway_address)
+    payload = tmp_path / "in.bin"
+    payload.write_bytes(b"\x02" * (3 * MIB))
+    with payload.open("rb") as data:
+        assert client.invoke("big", data=data, content_type=payloads.OCTET).value() == {
+            "size": 3 * MIB, "sum": 6 * MIB,
+        }  # fmt: skip
+    with (tmp_path / "out.arrows").open("wb") as sink:
+        result = client.invoke("big", {"mib": 3}, write_to=sink)
+    assert result.output == b"" and result.written == (tmp_path / "out.arrows").stat().st_size
+    assert payloads.decode((tmp_path / "out.arrows").read_bytes(), result.content_type).shape == (
+        3 * MIB,
+    )
+    with pytest.raises(payloads.PayloadError, match="written to a file"):
+        result.value()
+    small = io.BytesIO()
+    assert client.invoke("big", {"x": 1}, write_to=small).written == len(small.getvalue()) > 0
+    assert json.loads(small.getvalue()) == {"x": 1}

@@ -11,12 +11,14 @@ import subprocess
 import sys
 import urllib.parse
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
 from fnkernel.runtime_server.client import Client
 from fnkernel.runtime_server.client.errors import HandlerFailed, PayloadTooLarge
 from fnkernel.runtime_server.lifecycle.stack import Stack
+from tests.support import spooled
 
 # What a 413 names as setting the bound (docs/protocol.md, "Large payloads").
 BOUND_SET_BY = (
@@ -155,3 +157,44 @@ def test_a_bound_of_no_bytes_is_a_usage_error(command: str) -> None:
     )  # fmt: skip
     assert done.returncode == 2, done.stderr
     assert "argument --max-payload-bytes: must be at least 1 byte" in done.stderr
+
+
+def test_a_stream_from_the_clis_stdin_is_refused_once_past_the_bound(stack: Stack) -> None:
+    # docs/protocol.md, "Large payloads": on the stack's machine the CLI copies its stdin into
+    # the spool a MiB at a time; a pipe's length is not known before it ends, so the copy stops
+    # once past the bound — the 413's words, nothing left in the spool, nothing called.
+    size = 3 * BOUND
+    done = subprocess.run(
+        [sys.executable, "-m", "fnkernel.runtime_server.cli", "invoke", "sizer", "-",
+         "--content-type", "application/octet-stream", "--gateway", stack.gateway_address],
+        input=b"0" * size, capture_output=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert f"at most {BOUND} {BOUND_SET_BY}".encode() in done.stderr
+    assert spooled(stack.spool) == []
+    client = Client(stack.gateway_address, token=stack.token)
+    assert client.invoke("sizer", b"0" * BOUND).value() == {"len": BOUND}  # the bound's own
+
+
+def test_an_output_that_cannot_be_written_is_a_usage_error_saying_whether_it_ran(
+    stack: Stack,
+) -> None:
+    # docs/protocol.md, "Content types": a device is written to as it is, never replaced; one
+    # that refuses the bytes (a full disk) is a usage error saying the call ran. A file that
+    # cannot even be made is said before the call, which is then not made.
+    def invoke(output: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "fnkernel.runtime_server.cli", "invoke", "sizer",
+             json.dumps({"size": BOUND}), "--output", output,
+             "--gateway", stack.gateway_address],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+
+    done = invoke("/dev/full")
+    assert done.returncode == 2, done.stderr
+    assert "--output /dev/full: the result ran but cannot be written: " in done.stderr
+    assert "No space left on device" in done.stderr and Path("/dev/full").is_char_device()
+    assert spooled(stack.spool) == []  # the spooled result was taken all the same
+    done = invoke("/proc/version")  # no file can be staged beside it
+    assert done.returncode == 2, done.stderr
+    assert "--output /proc/version: cannot be written, so nothing was called: " in done.stderr

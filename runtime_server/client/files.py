@@ -1,0 +1,53 @@
+"""A payload read from a file and a result written to one, never held whole on the stack's
+machine (docs/protocol.md, "Large payloads"): what ``Client.invoke`` does with ``data=`` given
+as a binary file and with ``write_to=``, for the CLI's stdin and ``--output``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import BinaryIO, Protocol
+
+from fnkernel.runtime_server import payloads
+
+CHUNK_BYTES = 1 << 20  # what is held of a payload or a result while it is copied
+
+
+class Sink(Protocol):
+    """Where a result's bytes are written (``write_to``): an open binary file, or anything
+    that takes bytes as one does."""
+
+    def write(self, data: bytes, /) -> object: ...
+
+
+def spool_stream(path: str, first: bytes, source: BinaryIO, bounded: Callable[[int], None]) -> int:
+    """`first`, then the rest of `source`, written to the new spool file `path` a chunk at a
+    time; its size. `bounded(size)` is asked as the file grows (it raises past the stack's
+    bound: PayloadTooLarge), so a stream past it is refused once the bound is passed, not when
+    it ends; nothing is left at `path` then, nor on any other failure."""
+    with payloads.spool_file(path) as out:
+        out.write(first)
+        written = len(first)
+        while chunk := source.read(CHUNK_BYTES):
+            written += len(chunk)
+            bounded(written)
+            out.write(chunk)
+    return written
+
+
+def write_out(sink: Sink, output: bytes, spooled: str = "") -> int:
+    """A result's bytes written to `sink` as they came: `output`, or the spool file `spooled`
+    a chunk at a time, which is then freed for the next payload (``payloads.release``); how
+    many bytes. The file is freed whether or not `sink` took them all (nobody else will read
+    it)."""
+    if not spooled:
+        sink.write(output)
+        return len(output)
+    written = 0
+    try:
+        with open(spooled, "rb", buffering=0) as result:
+            while chunk := result.read(CHUNK_BYTES):
+                sink.write(chunk)
+                written += len(chunk)
+    finally:
+        payloads.release(spooled)
+    return written
