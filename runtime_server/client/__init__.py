@@ -222,6 +222,8 @@ class Client(Transport):
         """``invoke``'s call, `sending()` said as its request is about to be sent."""
         source = None  # `data` as a file: read into the spool when large, whole if not
         if data is not None and not isinstance(data, bytes | bytearray | memoryview):
+            if not callable(getattr(data, "read", None)):
+                raise TypeError(f"data= is bytes or a binary file, not {type(data).__name__}")
             source, data = data, data.read(limits.SPOOL_FROM_BYTES)
             large = len(data) == limits.SPOOL_FROM_BYTES
             if not (large and by_reference and self.local_spool() is not None):

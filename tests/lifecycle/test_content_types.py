@@ -200,14 +200,16 @@ def test_the_cli_sends_a_stream_from_stdin_and_writes_the_answer_whole(
     [
         ({"payload": {"a": 1}, "content_type": payloads.ARROW}, "content_type says what data= is"),
         ({"payload": {"a": 1}, "data": b"{}"}, "a payload or data=, not both"),
+        ({"data": '{"a": 1}'}, "data= is bytes or a binary file, not str"),
     ],
-    ids=["content_type-without-data", "both"],
+    ids=["content_type-without-data", "both", "data-as-text"],
 )
 def test_arguments_that_contradict_each_other_are_a_type_error_before_anything_is_sent(
     totals: Client, arguments: dict, says: str
 ) -> None:
     # README, "Client": a payload is sent as its kind says; data= is raw bytes of content_type.
-    # Given both, or a content_type for a payload, nothing is sent rather than one ignored.
-    payload = arguments.pop("payload")
+    # Given both, or a content_type for a payload, nothing is sent rather than one ignored;
+    # data= given text, as it is given no bytes.
+    payload = arguments.pop("payload", None)
     with pytest.raises(TypeError, match=says):
         totals.invoke("totals", payload, **arguments)
