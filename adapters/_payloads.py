@@ -337,13 +337,7 @@ def _free_files(directory: str, unused_for: float | None = None) -> dict[str, tu
 
 
 def _pyarrow(kind: str) -> Any:
-    try:
-        import pyarrow
-    except ImportError:
-        raise PayloadError(
-            f"{kind} travels as Arrow IPC, and pyarrow is not installed here"
-        ) from None
-    return pyarrow
+    return _imported("pyarrow", f"{kind} travels as Arrow IPC, and pyarrow is not installed here")
 
 
 def _table(value: Any, kind: str, root: str) -> Any:
@@ -514,7 +508,27 @@ def _text_copied(pa: Any, table: Any) -> Any:
 
 def _needs(kind: str, package: str, what: str) -> Any:
     """`package`, imported; PayloadError saying what is missing if it is not installed."""
+    return _imported(package, f"{what} is a {kind}, and {package} is not installed here")
+
+
+def _imported(package: str, missing: str) -> Any:
+    """`package`, imported: PayloadError(`missing`) if it cannot be (not installed here). In a
+    process held to a memory limit (RLIMIT_DATA: a handler's worker), a C extension's module
+    that fails to allocate as it loads can return an error without setting one: that
+    SystemError is a MemoryError there, whose caller names the limit and how to give more,
+    and replaces the worker, whose half-imported modules are of no use."""
     try:
         return importlib.import_module(package)
     except ImportError:
-        raise PayloadError(f"{what} is a {kind}, and {package} is not installed here") from None
+        raise PayloadError(missing) from None
+    except SystemError as exc:
+        if memory_limited():
+            raise MemoryError(f"importing {package}: SystemError: {exc}") from exc
+        raise
+
+
+def memory_limited() -> bool:
+    """Whether this process is held to a memory limit (RLIMIT_DATA), as a handler's worker is."""
+    import resource
+
+    return resource.getrlimit(resource.RLIMIT_DATA)[0] != resource.RLIM_INFINITY

@@ -121,7 +121,15 @@ def load_handler(module_name: str, function_name: str):
                 f"no module named {missing!r} in the working directory",
             )
         traceback.print_exc()
-        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        frames = traceback.extract_tb(exc.__traceback__)
+        if _out_of_memory(exc):
+            # Where the handler's own code was (its import of pandas, say), not importlib's:
+            # the supervisor says the rest (adapters/workerprocess.py, wait_ready).
+            cwd = os.getcwd() + os.sep
+            ours = [f for f in frames if f.filename and f.filename.startswith(cwd)] or frames
+            frame = ours[-1]
+            return None, ("MemoryLimitExceeded", f"{_relative(frame.filename)} line {frame.lineno}")
+        frame = frames[-1]
         where = f"{_relative(frame.filename)} line {frame.lineno}"
         return None, ("ImportModuleError", f"{where}: {type(exc).__name__}: {exc}")
     function = getattr(module, function_name, None)
@@ -133,6 +141,15 @@ def load_handler(module_name: str, function_name: str):
     if not callable(function):
         return None, ("HandlerNotFound", f"{module_name}.{function_name} is not callable")
     return function, None
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc`, raised loading the handler, is its memory limit (RLIMIT_DATA) run out: a
+    MemoryError, or a SystemError (a C extension's module init that failed to allocate and set
+    no error) under that limit."""
+    return isinstance(exc, MemoryError) or (
+        isinstance(exc, SystemError) and _payloads.memory_limited()
+    )
 
 
 def takes_context(function) -> bool:

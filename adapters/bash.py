@@ -27,7 +27,6 @@ from fnkernel.adapters.base import (
 )
 from fnkernel.adapters.errors import (
     HANDLER_NOT_FOUND,
-    OUT_OF_MEMORY,
     OUTPUT_TOO_LARGE,
     CorruptResponse,
     HandlerError,
@@ -35,6 +34,7 @@ from fnkernel.adapters.errors import (
     InvalidHandler,
     InvalidInput,
     MemoryLimitExceeded,
+    ran_out_of_memory,
 )
 from fnkernel.adapters.worker import WorkerCall
 from fnkernel.adapters.workerprocess import describe_exit
@@ -179,7 +179,7 @@ class BashAdapter(WorkerAdapter):
         _, function = split_handler(self.spec.handler)
         call.collect_logs()
         stderr = [line.text for line in call.logs if line.stream == "stderr" and line.text.strip()]
-        if self.spec.memory_mb and any(OUT_OF_MEMORY.search(text) for text in stderr[-3:]):
+        if self.spec.memory_mb and ran_out_of_memory(stderr):
             raise MemoryLimitExceeded(self.spec.memory_mb)  # bash itself ran out, and exited
         detail = f": {self._relative(stderr[-1])}" if stderr else ""
         if status > 128:

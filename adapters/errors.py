@@ -24,11 +24,18 @@ CORRUPT_RESPONSE = "CorruptResponse"  # the worker's answer was not this call's:
 MEMORY_LIMIT_EXCEEDED = "MemoryLimitExceeded"  # the handler needed more than its memoryMb
 # How a program says that an allocation failed as it dies of it: Rust (then SIGABRT), Python,
 # Go, C's and bash's xmalloc. One place for the handlers' workers and the KRM functions' steps.
+# And a Python worker's native libraries as they exit of it: OpenBLAS (numpy's) while it loads.
 OUT_OF_MEMORY = re.compile(
     r"memory allocation of \d+ bytes failed|^MemoryError\b|fatal error: runtime: out of memory"
-    r"|\bx(?:m|re)alloc: .*cannot allocate",
+    r"|\bx(?:m|re)alloc: .*cannot allocate|^OpenBLAS error: Memory allocation still failed",
     re.MULTILINE,
 )
+
+
+def ran_out_of_memory(stderr: list[str]) -> str:
+    """The line of a dying process's last lines of `stderr` that says it ran out of memory
+    (OUT_OF_MEMORY), or ""."""
+    return next((text for text in reversed(stderr[-3:]) if OUT_OF_MEMORY.search(text)), "")
 
 
 class AdapterError(Exception):
@@ -113,6 +120,23 @@ class CorruptResponse(HandlerError):
         )
 
 
+# How to give a function more memory, wherever it ran out.
+MORE_MEMORY = (
+    "give it more with %%function NAME --memory MIB, or the Run's memoryMb "
+    "(fnkernel runs create --memory MIB)"
+)
+
+
+def loading_out_of_memory(memory_mb: int, how: str) -> InitError:
+    """Loading the handler needed more than `memory_mb`: `how` says where (``at h.py line 1``)
+    or what its process last said."""
+    return InitError(
+        MEMORY_LIMIT_EXCEEDED,
+        f"loading the handler needed more than its {memory_mb} MiB of memory (memoryMb) "
+        f"{how}; {MORE_MEMORY}",
+    )
+
+
 class MemoryLimitExceeded(HandlerError):
     """The handler needed more memory than its registration's memory_mb allows (docs/protocol.md,
     "Limits"): the call fails naming the limit, and the worker, whose state a failed allocation
@@ -124,6 +148,5 @@ class MemoryLimitExceeded(HandlerError):
         super().__init__(
             MEMORY_LIMIT_EXCEEDED,
             f"the handler needed more than its {memory_mb} MiB of memory (memoryMb); "
-            "its worker was restarted; give it more with %%function NAME --memory MIB, or "
-            "the Run's memoryMb (fnkernel runs create --memory MIB)",
+            f"its worker was restarted; {MORE_MEMORY}",
         )

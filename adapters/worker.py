@@ -51,7 +51,9 @@ from fnkernel.adapters.errors import (
     InvalidInput,
     InvocationCancelled,
     InvocationTimeout,
+    MemoryLimitExceeded,
     WorkerUnavailable,
+    ran_out_of_memory,
 )
 from fnkernel.adapters.workerprocess import PIPE_SIZE, Worker, WorkerExited, describe_exit
 
@@ -332,6 +334,12 @@ class WorkerSupervisor:
             if timed_out:
                 raise _timed_out(call) from None
             code = worker.proc.wait()
+            stderr = [line.text for line in call.logs if line.stream == "stderr"]
+            if worker.memory_bytes and code > 0 and ran_out_of_memory(stderr):
+                # A native library that exits when an allocation fails (numpy's OpenBLAS).
+                ran_out = MemoryLimitExceeded(worker.memory_bytes >> 20)
+                ran_out.logs = tuple(call.logs)
+                raise ran_out from None
             if ended is None:
                 raise HandlerError(
                     WORKER_CRASHED,

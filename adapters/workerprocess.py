@@ -21,8 +21,11 @@ from fnkernel.adapters.children import spawn_limited, spawn_lock, worker_pids
 from fnkernel.adapters.errors import (
     INITIALIZATION_ERROR,
     INITIALIZATION_TIMEOUT,
+    MEMORY_LIMIT_EXCEEDED,
     WORKER_KILLED,
     InitError,
+    loading_out_of_memory,
+    ran_out_of_memory,
 )
 
 PIPE_SIZE = 1 << 20  # fewer wakeups for multi-MiB payloads; best effort (F_SETPIPE_SZ)
@@ -49,6 +52,7 @@ class Worker:
         memory_bytes: int = 0,
     ) -> None:
         """`memory_bytes`: what it and everything it starts may take (``spawn_limited``)."""
+        self.memory_bytes = memory_bytes
         req_r, self.req = os.pipe()
         self.resp, resp_w = os.pipe()
         for fd in (req_r, resp_w):
@@ -128,8 +132,11 @@ class Worker:
                 return
             kind, *rest = line.split(b" ")
             if kind == b"INITFAIL" and len(rest) == 2:
-                message = self.read_exact(int(rest[1]), deadline)
-                raise InitError(rest[0].decode(), message.decode("utf-8", "replace").strip())
+                error_type = rest[0].decode()
+                message = self.read_exact(int(rest[1]), deadline).decode("utf-8", "replace")
+                if error_type == MEMORY_LIMIT_EXCEEDED and self.memory_bytes:  # where it was
+                    raise loading_out_of_memory(self.memory_bytes >> 20, f"at {message.strip()}")
+                raise InitError(error_type, message.strip())
             raise InitError(INITIALIZATION_ERROR, f"unexpected worker handshake {line[:80]!r}")
         except TimeoutError:
             self.kill()
@@ -138,6 +145,12 @@ class Worker:
             ) from None
         except WorkerExited:
             code = self.proc.wait()
+            if self.memory_bytes and code > 0:  # a native library that exits when it runs out
+                stderr = [line.text for line in self.log_files.read() if line.stream == "stderr"]
+                if said := ran_out_of_memory(stderr):
+                    raise loading_out_of_memory(
+                        self.memory_bytes >> 20, f"(it said: {said})"
+                    ) from None
             # Killed by a signal is the platform's doing (OOM killer, an operator): runtimed
             # retries WorkerKilled; an exit status is the handler's own and is final.
             error_type = WORKER_KILLED if code < 0 else INITIALIZATION_ERROR

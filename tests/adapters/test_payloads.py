@@ -499,3 +499,23 @@ def test_text_of_dtype_object_comes_back_of_dtype_object() -> None:
         assert back["kept"].iloc[1] is None
     series = pd.Series(["a", None], dtype=object, name="note")
     pd.testing.assert_series_equal(round_trip(series)[0], series)
+
+
+def test_a_package_that_fails_as_it_loads_under_a_memory_limit_is_out_of_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # adapters/_payloads.py: in a worker held to its memory, a C extension that cannot allocate
+    # as it loads may fail with a SystemError (an error return without an exception set): that
+    # is the limit, a MemoryError; elsewhere the SystemError is what it is.
+    from fnkernel.adapters import _payloads
+
+    def failing(name: str) -> Any:
+        raise SystemError("error return without exception set")
+
+    monkeypatch.setattr(_payloads.importlib, "import_module", failing)
+    monkeypatch.setattr(_payloads, "memory_limited", lambda: True)
+    with pytest.raises(MemoryError, match="importing pandas: SystemError: error return"):
+        _payloads._needs("pandas.DataFrame", "pandas", "input")
+    monkeypatch.setattr(_payloads, "memory_limited", lambda: False)
+    with pytest.raises(SystemError):
+        _payloads._needs("pandas.DataFrame", "pandas", "input")

@@ -136,3 +136,61 @@ def test_each_end_of_the_range_is_a_limit_the_server_takes(
     # docs/protocol.md, "Limits": memory_mb is 64 to 16384 MiB, both ends included.
     registration = register(python_rt, HUNGRY_PY, memory_mb)
     assert python_rt.invoke(registration, b"{}").output.isdigit()
+
+
+def test_a_payload_whose_package_cannot_load_within_the_memory_is_memory_limit_exceeded(
+    python_rt: Client,
+) -> None:
+    # docs/protocol.md, "Limits": a handler of 64 MiB sent a small DataFrame cannot import
+    # pandas (numpy's OpenBLAS exits when it cannot allocate; pandas' C modules fail without
+    # saying why): the call fails naming the limit and how to give more, not "the worker
+    # process ended mid-call", and the worker that served JSON before serves it again.
+    registration = register(python_rt, HUNGRY_PY, limits.MIN_MEMORY_MB)
+    before = int(python_rt.invoke(registration, b"{}").output)
+    data, media = payloads.encode(pa.table({"x": np.arange(1000)}).to_pandas())
+    with pytest.raises(grpc.RpcError) as failed:
+        python_rt.invoke(registration, data, content_type=media)
+    assert dict(failed.value.trailing_metadata())[ERROR_TYPE_KEY] == MEMORY_LIMIT_EXCEEDED  # type: ignore[attr-defined]
+    assert f"needed more than its {limits.MIN_MEMORY_MB} MiB" in str(failed.value.details())
+    assert python_rt.status(registration).state == pb.FUNCTION_REGISTRATION_STATE_READY
+    assert int(python_rt.invoke(registration, b"{}").output) != before  # a fresh worker
+
+
+@pytest.mark.parametrize(
+    ("first_line", "says"),
+    [
+        # numpy's OpenBLAS exits as it loads, here; a module of pandas may fail first elsewhere
+        (
+            "import pandas",
+            (" (it said: OpenBLAS error: Memory allocation", " at handler.py line 1; "),
+        ),
+        ("hoard = bytearray(512 << 20)", (" at handler.py line 1; ",)),
+    ],
+    ids=["its import of pandas", "its own allocation"],
+)
+def test_a_handler_that_cannot_load_within_its_memory_fails_naming_it(
+    python_rt: Client, first_line: str, says: tuple[str, ...]
+) -> None:
+    # The same import in the handler's module, or a module that allocates more than the limit
+    # as it loads: its registration fails naming the limit, and the line or what the process
+    # said as it died — not "ImportModuleError: <frozen importlib._bootstrap_external> line
+    # 729: MemoryError:", nor "the handler exited while loading (exit status 1)".
+    source = f"{first_line}\n\ndef handle(event):\n    return 1\n"
+    workdir = python_rt.workdir({"handler.py": source})
+    response = python_rt.fn.RegisterFunction(
+        pb.RegisterFunctionRequest(
+            run_uid=f"mem-load-{workdir.name}", registration_attempt=1,
+            working_dir=str(workdir), handler="handler.handle", idle_timeout_seconds=300,
+            registration_digest=digest(workdir.name), memory_mb=limits.MIN_MEMORY_MB,
+        ),
+        timeout=60,
+    )  # fmt: skip
+    assert response.state == pb.FUNCTION_REGISTRATION_STATE_FAILED
+    fatal = python_rt.status(response.registration).fatal_error
+    assert fatal.startswith(
+        f"{MEMORY_LIMIT_EXCEEDED}: loading the handler needed more than its "
+        f"{limits.MIN_MEMORY_MB} MiB of memory (memoryMb) "
+    ), fatal
+    assert any(said in fatal for said in says), fatal
+    assert fatal.endswith("give it more with %%function NAME --memory MIB, or the Run's memoryMb "
+                          "(fnkernel runs create --memory MIB)")  # fmt: skip
