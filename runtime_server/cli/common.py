@@ -55,6 +55,27 @@ def count(text: str) -> int:
         raise argparse.ArgumentTypeError(exc.reason) from None
 
 
+def listen_address(text: str) -> str:
+    """argparse type: where a server listens, ``host:port`` (a port of 0 to 65535, 0 for a
+    free one; no host for every interface) or ``unix:PATH`` — refused before anything starts,
+    a usage error, not a server that fails to bind or binds where no client can reach it."""
+    from fnkernel.runtime_server import wire
+
+    if text.startswith("unix:"):
+        if not text[5:]:
+            raise argparse.ArgumentTypeError("unix:PATH needs a path")
+        problem = wire.unix_target_problem(text[5:])
+        if problem is not None:
+            raise argparse.ArgumentTypeError(problem)
+        return text
+    _, colon, port = text.rpartition(":")
+    if not colon or not (port.isascii() and port.isdigit()) or int(port) > 65535:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not host:port (a port of 0 to 65535) or unix:PATH"
+        )
+    return text
+
+
 def byte_bound(text: str) -> int:
     """argparse type: a bound in bytes (``limits.parse_byte_bound``)."""
     from fnkernel.runtime_server import limits

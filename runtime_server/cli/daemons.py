@@ -22,6 +22,7 @@ from fnkernel.runtime_server.cli.common import (
     add_max_payload,
     add_state_dir,
     count,
+    listen_address,
     seconds,
     state_dir_of,
 )
@@ -384,6 +385,7 @@ def register(commands: Any) -> None:
     serve.add_argument("--runtime", choices=runtimes.RUNTIMES, required=True)
     serve.add_argument(
         "--listen",
+        type=listen_address,
         default="127.0.0.1:9090",
         metavar="ADDR",
         help="host:port or unix:PATH (default %(default)s)",
@@ -421,7 +423,7 @@ def register(commands: Any) -> None:
     runtimed.add_argument(
         "--server", required=True, metavar="ADDR", help="the colocated Runtime Server"
     )
-    runtimed.add_argument("--listen", default="127.0.0.1:0", metavar="ADDR")
+    runtimed.add_argument("--listen", type=listen_address, default="127.0.0.1:0", metavar="ADDR")
     runtimed.add_argument(
         "--poll-interval",
         type=seconds,
@@ -459,7 +461,7 @@ def register(commands: Any) -> None:
         description="HTTP/JSON in front of runtimed, with the control plane (Run store, "
         "scheduler, retry engine) in the same process.",
     )
-    gateway.add_argument("--listen", default="127.0.0.1:8080", metavar="ADDR")
+    gateway.add_argument("--listen", type=listen_address, default="127.0.0.1:8080", metavar="ADDR")
     gateway.add_argument(
         "--body-timeout",
         type=seconds,
@@ -515,7 +517,9 @@ def register(commands: Any) -> None:
         default=",".join(f"{name}=1" for name in runtimes.RUNTIMES),
         metavar="RUNTIME=N,...",
     )
-    up.add_argument("--gateway-listen", default="127.0.0.1:8080", metavar="ADDR")
+    up.add_argument(
+        "--gateway-listen", type=listen_address, default="127.0.0.1:8080", metavar="ADDR"
+    )
     _add_access_flags(up)
     up.add_argument("--poll-interval", type=seconds, default=1.0, metavar="SECONDS")
     add_max_payload(up)

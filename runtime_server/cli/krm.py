@@ -24,6 +24,7 @@ from fnkernel.runtime_server.cli.common import (
     chain_from_flags,
     client_of,
     count,
+    listen_address,
     results_dir,
 )
 
@@ -273,7 +274,9 @@ def register(commands: Any) -> None:
         description="Serve evaluator.FunctionEvaluator over the chain builtin → exec → pod: only "
         "NotFound falls through to the next evaluator.",
     )
-    evaluator.add_argument("--listen", default="127.0.0.1:9445", metavar="ADDR")
+    evaluator.add_argument(
+        "--listen", type=listen_address, default="127.0.0.1:9445", metavar="ADDR"
+    )
     add_chain_flags(evaluator)
     evaluator.add_argument("-v", "--verbose", action="store_true")
     evaluator.set_defaults(func=_evaluator)
@@ -286,7 +289,10 @@ def register(commands: Any) -> None:
     )
     wrapper.add_argument("--port", type=count, default=9446, help="loopback port (0: any free one)")
     wrapper.add_argument(
-        "--listen", metavar="ADDR", help="host:port or unix:PATH instead of --port"
+        "--listen",
+        type=listen_address,
+        metavar="ADDR",
+        help="host:port or unix:PATH instead of --port",
     )
     wrapper.add_argument(
         "--max-request-body-size",

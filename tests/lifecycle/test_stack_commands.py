@@ -177,10 +177,42 @@ def test_a_socket_path_grpc_cannot_name_is_refused_with_the_reason(
     else:
         args += ["--pod", "p", "--server", "unix:/nonexistent.sock", "--state-dir", str(tmp_path)]
     result = fnkernel(command, *args)
-    assert result.returncode == 1, result.stderr
+    assert result.returncode == 2, result.stderr  # a usage error, as a bad flag's value is
     assert "gRPC cannot name a Unix socket whose path holds , ? # %" in result.stderr
     assert "Traceback" not in result.stderr
     assert not list(tmp_path.glob("*.sock"))
+
+
+@pytest.mark.parametrize(
+    ("command", "flag", "listen"),
+    [
+        ("up", "--gateway-listen", "notaport"),
+        ("gateway", "--listen", "127.0.0.1:70000"),
+        ("serve", "--listen", "127.0.0.1:notport"),
+        ("runtimed", "--listen", "unix:"),
+        ("evaluator", "--listen", "localhost"),
+    ],
+)
+def test_a_listen_address_that_is_none_is_a_usage_error_before_anything_starts(
+    tmp_path: Path, command: str, flag: str, listen: str
+) -> None:
+    # README, "CLI": exit 2 for a bad flag, naming it. `up` used to make its state dir and
+    # token and start its pods before the gateway failed on int('notaport') (exit 1), and
+    # `serve` printed gRPC's own "Failed to add port" line.
+    args = (
+        [flag, listen, "--state-dir", str(tmp_path / "state")]
+        if command == "up"
+        else [flag, listen]
+    )
+    if command in ("serve", "runtimed"):
+        args += ["--runtime", "python"]
+    if command == "runtimed":
+        args += ["--pod", "p", "--server", "unix:/nonexistent.sock"]
+    result = fnkernel(command, *args)
+    assert result.returncode == 2, result.stderr
+    assert f"error: argument {flag}: " in result.stderr
+    assert "Traceback" not in result.stderr and "add_port" not in result.stderr
+    assert not (tmp_path / "state").exists()  # nothing made, nothing started
 
 
 def fnkernel(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
