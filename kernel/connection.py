@@ -23,6 +23,7 @@ from fnkernel.kernel.trace import KernelSpan, Trace, decode_payload
 from fnkernel.runtime_server import limits, wire
 from fnkernel.runtime_server.client import Client, spans_of
 from fnkernel.runtime_server.client.errors import GatewayError
+from fnkernel.runtime_server.client.transport import check_address
 from fnkernel.runtime_server.errors import InvalidField
 
 if TYPE_CHECKING:
@@ -152,15 +153,20 @@ class Runtime:
         """Its stack is the embedded runtime, which ends with this kernel."""
         return self._stack is not None
 
-    def connect(self, address: str) -> None:
-        """Use the gateway at `address` (``%fn_connect``); only before the first function needs
-        a stack: ValueError once one is in use."""
+    def connect(self, address: str, *, unused: bool = False) -> None:
+        """Use the gateway at `address` (``%fn_connect``): ValueError if it is no address a
+        client can call, or once a stack is in use — but for another gateway this kernel has
+        `unused` (no function registered or bound there: a mistyped address, say)."""
+        check_address(address)
         with self._lock:
             if self._client is not None and self.address != address:
-                raise ValueError(
-                    f"this kernel already uses the {self.describe()}; restart the kernel to "
-                    "use another stack"
-                )
+                if not unused or self._stack is not None:
+                    raise ValueError(
+                        f"this kernel already uses the {self.describe()}; restart the kernel "
+                        "to use another stack"
+                    )
+                client, self._client = self._client, None
+                client.close()
             self.address = address
             self._drop_prewarmed()
 

@@ -333,8 +333,9 @@ class FunctionMagics(Magics):
         address = line.strip()
         if not address:
             raise UsageError("%fn_connect: URL is required: %fn_connect http://127.0.0.1:8080")
+        unused = not (self.session.functions or self.session.used)
         try:
-            self.session.runtime.connect(address)
+            self.session.runtime.connect(address, unused=unused)
         except ValueError as exc:
             raise UsageError(f"%fn_connect: {exc}") from None
         return f"functions will be registered on the gateway at {address}"

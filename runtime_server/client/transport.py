@@ -38,6 +38,16 @@ _STALE_CONNECTION = (http.client.RemoteDisconnected, ConnectionResetError, Broke
 _NOT_IN_A_HEADER = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
+def check_address(address: str) -> None:
+    """ValueError unless `address` is one a client can call: http://HOST:PORT,
+    https://HOST[:PORT] or unix:PATH (a bare HOST:PORT is http)."""
+    scheme = address.split("://", 1)[0].lower() if "://" in address else "http"
+    if scheme not in ("http", "https") and not address.startswith("unix:"):
+        raise ValueError(
+            f"gateway address {address!r}: give http://HOST:PORT, https://HOST[:PORT] or unix:PATH"
+        )
+
+
 def default_address() -> str:
     return os.environ.get("FNKERNEL_RUNTIME") or DEFAULT_ADDRESS
 
@@ -78,13 +88,7 @@ class Transport:
         self._preparing_calls: dict[object, bool] = {}
         self._direct: Any = None
         self._max_payload = limits.DEFAULT_MAX_SPOOLED_BYTES  # the gateway's, once asked
-        # Last: a refused address leaves an object whose __del__ still closes it.
-        scheme = self.address.split("://", 1)[0].lower() if "://" in self.address else "http"
-        if scheme not in ("http", "https") and not self.address.startswith("unix:"):
-            raise ValueError(
-                f"gateway address {self.address!r}: give http://HOST:PORT, https://HOST[:PORT] "
-                "or unix:PATH"
-            )
+        check_address(self.address)  # last: a refused address leaves an object __del__ closes
 
     def _connect(self, timeout: float | None = 0) -> http.client.HTTPConnection:
         """A new connection; `timeout` for its reads (0: the client's, None: none)."""

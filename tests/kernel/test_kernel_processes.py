@@ -63,6 +63,33 @@ def test_a_kernel_connected_to_a_shared_stack_ends_its_prewarmed_processes(
         kernel.shutdown()
 
 
+def test_a_mistyped_fn_connect_is_refused_or_corrected_without_a_restart(
+    stack_factory: Callable[..., Stack],
+) -> None:
+    # README, "Magics": a URL no client can call is a one-line usage error at %fn_connect, not
+    # a traceback at the next %%function; and a gateway this kernel could not reach, where it
+    # has no function, is one it may leave for the right one.
+    stack = stack_factory({"python": 1})
+    kernel = Kernel()
+    try:
+        wrong = kernel.run("%fn_connect ftp://nowhere")
+        assert "UsageError: %fn_connect: gateway address 'ftp://nowhere': give http" in wrong.stderr
+        assert "Traceback" not in wrong.stderr
+        assert kernel.run("%fn_connect http://127.0.0.1:9").ok  # nothing listens there
+        unreachable = kernel.run(ETL)
+        assert unreachable.error is not None
+        assert unreachable.error["ename"] == "GatewayUnreachable", unreachable.error
+        right = kernel.run(f"%fn_connect {stack.gateway_address}")
+        assert right.ok, right.stderr
+        cell = kernel.run(ETL)
+        assert cell.ok, cell.error
+        assert f"on gateway {stack.gateway_address}" in cell.texts()[-1]
+        late = kernel.run("%fn_connect http://127.0.0.1:9")  # now it has a function there
+        assert "restart the kernel to use another stack" in late.stderr
+    finally:
+        kernel.shutdown()
+
+
 def test_without_prewarm_a_plain_kernel_starts_nothing() -> None:
     # README, "Environment": FNKERNEL_PREWARM=0 starts the embedded stack only when needed.
     kernel = Kernel(env={"FNKERNEL_PREWARM": "0"})
