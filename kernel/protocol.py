@@ -29,7 +29,12 @@ from fnkernel.kernel.trace import KernelSpan, Trace, decode_message
 from fnkernel.runtime_server import limits, tracing, wire
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
-from fnkernel.runtime_server.client.errors import GatewayError, from_response
+from fnkernel.runtime_server.client.errors import (
+    GatewayError,
+    InvalidRequest,
+    NotSupported,
+    from_response,
+)
 from fnkernel.runtime_server.daemon import Child, serve_args, spawn
 from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS, failure_body, trailer_value
 from fnkernel.runtime_server.wire import http_status
@@ -62,6 +67,30 @@ def error_of(err: grpc.RpcError, method: str) -> GatewayError:
     return from_response(body, http_status(body["code"]))
 
 
+def _request(method: str, request: dict[str, Any]) -> Any:
+    """`request`, grpcurl's JSON, as METHOD's request message; what grpc would answer a call
+    it cannot make — a method FunctionRuntime lacks (UNIMPLEMENTED), a request that is no
+    such message (INVALID_ARGUMENT: a field misspelled, of another type, input not base64)
+    — raised before anything is sent, a GatewayError as the server's answers are: one line."""
+    kind = _REQUESTS.get(method)
+    if kind is None:
+        raise NotSupported(
+            f"FunctionRuntime has no method {method!r}; one of {', '.join(_REQUESTS)}",
+            code="UNIMPLEMENTED",
+            status=http_status("UNIMPLEMENTED"),
+        )
+    try:
+        message = kind()
+        return json_format.ParseDict(request, message)
+    except (json_format.ParseError, TypeError, ValueError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise InvalidRequest(
+            f"{method}: the request is no {message.DESCRIPTOR.name}: {reason}",
+            code="INVALID_ARGUMENT",
+            status=http_status("INVALID_ARGUMENT"),
+        ) from None
+
+
 class FunctionRuntimeClient:
     """One Runtime Server's FunctionRuntime service, called with JSON requests. The methods
     carry the RPCs' own names, as those grpcurl examples spell them."""
@@ -78,9 +107,7 @@ class FunctionRuntimeClient:
 
     def call(self, method: str, request: dict[str, Any], timeout: float = 60) -> dict[str, Any]:
         """``FunctionRuntime/METHOD`` with `request` as grpcurl's JSON; the reply as JSON."""
-        if method not in _REQUESTS:
-            raise ValueError(f"FunctionRuntime has no method {method!r}; one of {list(_REQUESTS)}")
-        message = json_format.ParseDict(request, _REQUESTS[method]())
+        message = _request(method, request)
         started = time.perf_counter()
         span = metadata = None
         if self.trace.on and method == "InvokeFunction":  # traced (docs/protocol.md, "Tracing")
