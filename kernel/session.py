@@ -353,30 +353,31 @@ class Session:
 
     def debug(self) -> Detail:
         """``%fn_debug``: the full detail of the last error — what it is, a handler's
-        traceback (plain, and coloured for a terminal), then the request."""
+        traceback (plain, and coloured for a terminal), then the call: its HTTP status and
+        code, run UID, invocation ID and whole error body, and the stack it was made on."""
         error = self.last_error
         if error is None:
             return Detail("fn_debug", "no error so far")
         head = f"{type(error).__module__}.{type(error).__name__}: {error}"
-        request = []
+        call = []
         if isinstance(error, GatewayError):
-            request.append(f"HTTP status: {error.status or '(none)'}   code: {error.code or '-'}")
+            call.append(f"HTTP status: {error.status or '(none)'}   code: {error.code or '-'}")
             if error.run_uid:
-                request.append(f"run uid: {error.run_uid}")
+                call.append(f"run uid: {error.run_uid}")
             if error.invocation_id:
-                request.append(f"invocation id: {error.invocation_id}")
+                call.append(f"invocation id: {error.invocation_id}")
             # The handler's log lines were the cell's output, and its traceback is above.
             body = {key: value for key, value in error.detail.items() if key != "logs"}
             if body:
-                request += ["body:", pretty_json(body)]
-        request.append(f"runtime: {self.runtime.describe()}")
+                call += ["body:", pretty_json(body)]
+        call.append(f"runtime: {self.runtime.describe()}")
         title = f"fn_debug: last error ({type(error).__name__})"
         if not (isinstance(error, HandlerFailedInCell) and error.traceback_lines):
-            return Detail(title, "\n".join([head, *request]))
+            return Detail(title, "\n".join([head, *call]))
         return Detail(
             title,
-            "\n".join([head, "", error.traceback_text(), "", *request]),
-            "\n".join([head, "", error.traceback_text(colour=True), "", *request]),
+            "\n".join([head, "", error.traceback_text(), "", *call]),
+            "\n".join([head, "", error.traceback_text(colour=True), "", *call]),
         )
 
     def cancel_in_flight(self) -> int:

@@ -27,7 +27,8 @@ def state_dir_of(args: argparse.Namespace) -> Path:
     return Path(args.state_dir).expanduser().resolve()
 
 
-def add_state_dir(parser: argparse.ArgumentParser) -> None:
+def add_state_dir(parser: argparse.ArgumentParser, *, secrets: bool = True) -> None:
+    """--state-dir, and --secrets-dir for a command that reads or keeps the named secrets."""
     from fnkernel.runtime_server.lifecycle.topology import default_state_dir
 
     parser.add_argument(
@@ -36,6 +37,8 @@ def add_state_dir(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="Run store, working dirs, sockets and logs (default: $FNKERNEL_STATE_DIR or %(default)s)",
     )
+    if not secrets:
+        return
     parser.add_argument(
         "--secrets-dir",
         metavar="DIR",
@@ -203,7 +206,7 @@ def add_client_flags(parser: argparse.ArgumentParser) -> None:
         "--gateway",
         default=None,
         metavar="URL",
-        help="gateway address, http://HOST:PORT or unix:PATH "
+        help="gateway address, http://HOST:PORT, https://HOST[:PORT] or unix:PATH "
         "(default: $FNKERNEL_RUNTIME or http://127.0.0.1:8080)",
     )
     parser.add_argument(

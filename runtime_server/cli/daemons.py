@@ -532,5 +532,5 @@ def register(commands: Any) -> None:
         description="Stop the `fnkernel up` of this state dir as Ctrl-C would (its calls in "
         "flight drain first) and wait until every component is gone.",
     )
-    add_state_dir(down)
+    add_state_dir(down, secrets=False)  # it stops what uses them
     down.set_defaults(func=_down)

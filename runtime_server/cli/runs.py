@@ -414,7 +414,11 @@ def register(commands: Any) -> None:
     invoke = commands.add_parser("invoke", help="invoke a function: JSON payload, or - for stdin")
     invoke.add_argument("name")
     invoke.add_argument(
-        "payload", nargs="?", default=_SINGLE_CALL_FLAGS["payload"], metavar="JSON|-"
+        "payload",
+        nargs="?",
+        default=_SINGLE_CALL_FLAGS["payload"],
+        metavar="JSON|-",
+        help="the payload, as JSON text, or - to read it from stdin (none given: {})",
     )
     invoke.add_argument(
         "--content-type",

@@ -63,8 +63,9 @@ def test_the_notebooks_are_the_ones_the_issue_names() -> None:
 def test_protocol_tour_shows_every_state_machine_outcome(
     executed: dict[str, nbformat.NotebookNode],
 ) -> None:
-    # The tour demonstrates the grpcurl calls of docs/protocol.md, "Services", and each row of docs/protocol.md, "Registration" live: each
-    # outcome appears in its output, produced by a real Runtime Server.
+    # The tour demonstrates the grpcurl calls of docs/protocol.md, "Services", and each
+    # FunctionRuntime row of docs/protocol.md, "Registration" live: each outcome appears in
+    # its output, produced by a real Runtime Server.
     text = summary(executed["protocol_tour"])
     for outcome in [
         "'state': 'FUNCTION_REGISTRATION_STATE_READY'",  # new run_uid
@@ -90,6 +91,9 @@ def test_protocol_tour_shows_every_state_machine_outcome(
         "fence=refused: StaleRegistration",
     ]:
         assert outcome in text, outcome
+    # A lower attempt is refused while the run is registered, and again once it is unregistered.
+    older = "RegisterFunction: registration_attempt 1 is older than attempt 2 already seen for run"
+    assert text.count(older) == 2, text.count(older)
 
 
 def test_krm_notebook_shows_the_three_evaluators_a_notebook_function_and_a_failing_validator(
