@@ -25,10 +25,23 @@ DEFAULT_NOTEBOOK = ROOT / "notebooks" / "quickstart.ipynb"
 CELL_TIMEOUT = 120
 
 
+def read(path: Path) -> nbformat.NotebookNode:
+    """The notebook at `path`; ValueError saying why it is none (no such file, not JSON, not
+    a notebook)."""
+    try:
+        return nbformat.read(path, as_version=4)
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror}") from None
+    except (ValueError, nbformat.ValidationError) as exc:  # NotJSONError is a ValueError
+        reason = str(exc).splitlines()[0]
+        raise ValueError(f"{path} is not a notebook: {reason}") from None
+
+
 def execute(path: Path, *, cell_timeout: int = CELL_TIMEOUT) -> nbformat.NotebookNode:
     """Run every cell of `path` in a fresh fnkernel kernel (cwd: the notebook's directory);
-    raises ``CellExecutionError`` at the first cell that fails."""
-    notebook = nbformat.read(path, as_version=4)
+    raises ``CellExecutionError`` at the first cell that fails, ValueError if it is no
+    notebook (``read``)."""
+    notebook = read(path)
     client = NotebookClient(
         notebook,
         kernel_name=KERNEL_NAME,
@@ -73,10 +86,19 @@ def summary(notebook: nbformat.NotebookNode) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else "")
+    parser = argparse.ArgumentParser(
+        prog="python -m fnkernel.kernel.demo",
+        description=__doc__.splitlines()[0] if __doc__ else "",
+    )
     parser.add_argument("notebook", nargs="?", type=Path, default=DEFAULT_NOTEBOOK)
     parser.add_argument("--output", type=Path, help="also write the executed notebook here")
     args = parser.parse_args(argv)
+    if args.output and not args.output.absolute().parent.is_dir():  # before anything runs
+        parser.error(f"--output {args.output}: no such directory")
+    try:
+        read(args.notebook)  # what is no notebook is said before a kernel starts
+    except ValueError as exc:
+        parser.error(str(exc))
     print(f"executing {args.notebook} with the {KERNEL_NAME} kernel …", flush=True)
     started = time.monotonic()
     try:

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -122,3 +124,29 @@ def test_krm_notebook_shows_the_three_evaluators_a_notebook_function_and_a_faili
     )
     # The validator's exit is said once (its step), not again as the pipeline's failure.
     assert text.count("check-replicas exited with 1") == 1, text
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        (None, "cannot read {path}: No such file or directory"),
+        ("{}", "{path} is not a notebook: Notebook could not be converted"),
+        ("nope", "{path} is not a notebook: Notebook does not appear to be JSON"),
+    ],
+    ids=["missing", "no cells", "not JSON"],
+)
+def test_the_demo_says_in_one_line_what_is_no_notebook(
+    tmp_path: Path, content: str | None, says: str
+) -> None:
+    # README, "Quick start": `python -m fnkernel.kernel.demo NOTEBOOK` — a path that is no
+    # notebook is a usage error, before a kernel starts, not nbformat's traceback.
+    path = tmp_path / "n.ipynb"
+    if content is not None:
+        path.write_text(content)
+    done = subprocess.run(
+        [sys.executable, "-m", "fnkernel.kernel.demo", str(path)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert f"python -m fnkernel.kernel.demo: error: {says.format(path=path)}" in done.stderr
+    assert "Traceback" not in done.stderr and "executing" not in done.stdout
