@@ -63,6 +63,14 @@ class PayloadNotArrow(PayloadNotSent):
     """The payload is of an Arrow kind that Arrow cannot hold, with Arrow's reason."""
 
 
+class MapItemsNotGiven(TypeError):
+    """``NAME.map`` given one value where it takes items (a DataFrame, whose iteration gives
+    its column labels): one line saying how to give its parts, not the codec's frames."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"TypeError: {self}"]
+
+
 class BadArgument(ValueError):
     """An argument a function's call cannot take (a negative timeout): one line naming it."""
 
@@ -254,7 +262,10 @@ class Function:
         give it. An interrupt cancels every call in flight; the function stays registered."""
         from IPython.display import display  # the kernel's; imported when a map runs
 
-        work = payloads.items_of(items)
+        try:
+            work = payloads.items_of(items)
+        except TypeError as exc:
+            raise MapItemsNotGiven(f"{self.name}.{exc}") from None
         timeout = self.timeout if timeout is None else timeout
         millis = self._millis(timeout, "map")
         bar = MapBar(self.name, len(work), display)

@@ -59,6 +59,15 @@ def test_map_calls_a_function_of_replicas_once_per_item_with_progress(kernel: Ke
             f"ValueError: {call.split('(')[0]}: timeout must be seconds above 0 (or None, for "
             f"--timeout's), got {call.rsplit('=', 1)[1].rstrip(')')}"
         ]
+    # A DataFrame is one value, not items (it iterates its column labels): one line saying how
+    # to give its parts, not a traceback through the kernel's modules.
+    one = kernel.run("import pandas as pd\nsquare.map(pd.DataFrame({'a': [1, 2]}))")
+    assert one.error is not None and one.error["ename"] == "MapItemsNotGiven"
+    assert one.error["traceback"] == [
+        "TypeError: square.map takes its items, a call each, and a pandas.DataFrame is one "
+        "item: map over its parts or rows (numpy.array_split(frame, n) or "
+        "frame.to_dict('records'))"
+    ]
     # %functions: one row for the function, with its replicas.
     rows = kernel.run("%functions square").result.splitlines()
     assert [row.split()[0] for row in rows[1:-1]] == ["square"]
