@@ -327,7 +327,7 @@ class FunctionMagics(Magics):
         return dataclasses.replace(card, where=self.session.runtime.where())
 
     @line_magic("fn_connect")  # type: ignore[arg-type]  # IPython types it as Never
-    def fn_connect(self, line: str) -> str:
+    def fn_connect(self, line: str) -> None:
         """%fn_connect URL — use the gateway at URL (a shared stack, ``fnkernel up``) instead of
         an embedded runtime; before the first function needs a stack."""
         address = line.strip()
@@ -338,7 +338,7 @@ class FunctionMagics(Magics):
             self.session.runtime.connect(address, unused=unused)
         except ValueError as exc:
             raise UsageError(f"%fn_connect: {exc}") from None
-        return f"functions will be registered on the gateway at {address}"
+        print(f"functions will be registered on the gateway at {address}")
 
     @line_magic("functions")  # type: ignore[arg-type]  # IPython types it as Never
     def functions(self, line: str) -> FunctionsTable:

@@ -341,12 +341,12 @@ class Session:
             self.previous.forget(function.name)
 
     def names(self) -> list[str]:
-        """Names one can invoke: this kernel's functions, and the gateway's Runs once it is
-        started, less those that failed."""
+        """Names one can invoke: this kernel's functions, and the gateway's functions once it
+        is started (not their replicas' Runs, FUNCTION.N), less those that failed."""
         names = set(self.functions)
         if self.runtime.started:
             with contextlib.suppress(GatewayError):  # completion works with the gateway down
-                runs = self.runtime.client().list_runs()
+                runs = [run for run in self.runtime.client().list_runs() if not run.replica_of]
                 names.update(run.name for run in runs)
                 names.difference_update(run.name for run in runs if run.failed)
         return sorted(names)

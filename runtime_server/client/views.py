@@ -69,6 +69,12 @@ class Run(dict[str, Any]):
         return str(self._spec("runtime"))
 
     @property
+    def replica_of(self) -> str:
+        """The function a replica Run serves (FUNCTION.N of a replica set); "" for a function's
+        own Run."""
+        return str(self._spec("replicaOf", "") or "")
+
+    @property
     def handler(self) -> str:
         return str(self._spec("handler"))
 

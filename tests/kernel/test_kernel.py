@@ -418,6 +418,10 @@ def test_completion_offers_registered_names(kernel: Kernel) -> None:
     # Past %invoke's NAME comes the payload: no names there.
     code = "%invoke etl e"
     assert "etl" not in kernel.request("complete", code=code, cursor_pos=len(code))["matches"]
+    # A function of replicas is one name, not one a Run (etl2.1 is etl2's replica).
+    assert kernel.run("%%function etl2 --replicas 2\ndef handler(event):\n    return 2\n").ok
+    reply = kernel.request("complete", code="%invoke e", cursor_pos=len("%invoke e"))
+    assert reply["matches"] == ["etl", "etl2"], reply
 
 
 def test_inspection_shows_source_runtime_and_status(kernel: Kernel) -> None:
