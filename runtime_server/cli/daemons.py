@@ -516,12 +516,23 @@ def register(commands: Any) -> None:
         "--pods",
         default=",".join(f"{name}=1" for name in runtimes.RUNTIMES),
         metavar="RUNTIME=N,...",
+        help="the Runtime Pods to start (default %(default)s)",
     )
     up.add_argument(
-        "--gateway-listen", type=listen_address, default="127.0.0.1:8080", metavar="ADDR"
+        "--gateway-listen",
+        type=listen_address,
+        default="127.0.0.1:8080",
+        metavar="ADDR",
+        help="host:port or unix:PATH (default %(default)s)",
     )
     _add_access_flags(up)
-    up.add_argument("--poll-interval", type=seconds, default=1.0, metavar="SECONDS")
+    up.add_argument(
+        "--poll-interval",
+        type=seconds,
+        default=1.0,
+        metavar="SECONDS",
+        help="each runtimed's FunctionStatus cadence (default %(default)s)",
+    )
     add_max_payload(up)
     add_state_dir(up)
     up.set_defaults(func=_up)

@@ -41,10 +41,12 @@ def parse_pods(text: str) -> dict[str, int]:
     pods: dict[str, int] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         runtime, sep, count = item.partition("=")
-        if not sep or runtime not in runtimes.RUNTIMES or not count.isdigit():
+        if not sep or runtime not in runtimes.RUNTIMES:
             raise ValueError(
                 f"--pods: {item!r} is not RUNTIME=COUNT with RUNTIME one of {', '.join(runtimes.RUNTIMES)}"
             )
+        if not (count.isascii() and count.isdigit()):
+            raise ValueError(f"--pods: {item!r}: COUNT is a number of pods, got {count!r}")
         pods[runtime] = int(count)
     if not any(pods.values()):
         raise ValueError("--pods: start at least one pod")

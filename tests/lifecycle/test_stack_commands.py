@@ -136,13 +136,20 @@ def test_fnkernel_down_lets_a_call_in_flight_end_first(
         assert down.wait(60) == 0  # and `up` has ended, 0 (fnkernel_up)
 
 
-def test_up_rejects_a_bad_pods_flag(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("pods", "says"),
+    [
+        ("ruby=1", "'ruby=1' is not RUNTIME=COUNT with RUNTIME one of python, bash"),
+        ("python=x", "'python=x': COUNT is a number of pods, got 'x'"),  # not the runtime's fault
+    ],
+)
+def test_up_rejects_a_bad_pods_flag(tmp_path: Path, pods: str, says: str) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "fnkernel.runtime_server.cli", "up", "--state-dir", str(tmp_path), "--pods", "ruby=1"],
+        [sys.executable, "-m", "fnkernel.runtime_server.cli", "up", "--state-dir", str(tmp_path), "--pods", pods],
         capture_output=True, text=True, timeout=30,
     )  # fmt: skip
     assert result.returncode == 2
-    assert "--pods" in result.stderr
+    assert f"--pods: {says}" in result.stderr
 
 
 # gRPC reads these in a unix: target as URI syntax (docs/architecture.md, "Measured facts the
