@@ -127,8 +127,9 @@ class Adapter(Protocol):
         sent when it is invoked). A queued call is invoked next, or cancelled."""
         ...
 
-    def cancel(self, invocation_id: str | None = None) -> bool:
-        """Kill the call in flight (only `invocation_id`, if given); the adapter stays usable."""
+    def cancel(self, invocation_id: str | None = None, *, why: str = "") -> bool:
+        """Kill the call in flight (only `invocation_id`, if given); the adapter stays usable.
+        The call fails as cancelled, saying `why` if given."""
         ...
 
     def follow(self, invocation_id: str) -> LiveLog | None:
@@ -263,10 +264,10 @@ class WorkerAdapter:
         )
         return HandlerResult(output, content_type, outputs, tuple(call.logs), spooled)
 
-    def cancel(self, invocation_id: str | None = None) -> bool:
+    def cancel(self, invocation_id: str | None = None, *, why: str = "") -> bool:
         if self._supervisor is None:
             return False
-        return self._supervisor.cancel(invocation_id)
+        return self._supervisor.cancel(invocation_id, why=why)
 
     def follow(self, invocation_id: str) -> LiveLog | None:
         if self._supervisor is None:

@@ -205,6 +205,7 @@ class WorkerSupervisor:
         self._queued: WorkerCall | None = None  # its frame is in the worker's pipe
         self._cancelled = False
         self._cancel_pending: str | None = None
+        self._cancel_why = ""  # what cancelled the call in flight, for its caller
         self._closed = False
         self._fatal: InitError | None = None
 
@@ -250,8 +251,9 @@ class WorkerSupervisor:
             worker.reap()
         kill_orphans(self._run_uid)  # what its handler left running outside its process group
 
-    def cancel(self, invocation_id: str | None = None) -> bool:
+    def cancel(self, invocation_id: str | None = None, *, why: str = "") -> bool:
         """Kill the call in flight (docs/protocol.md, "Adapters": within 100 ms); returns whether one was killed.
+        Its caller is told it was cancelled, and `why` if given.
 
         With an `invocation_id`, only that call is cancelled; if it has not reached the worker yet
         it is remembered and refused when it arrives (a client may cancel before dispatch).
@@ -264,7 +266,7 @@ class WorkerSupervisor:
             if current is None or (invocation_id and current.invocation_id != invocation_id):
                 self._cancel_pending = invocation_id
                 return False
-            self._cancelled = True
+            self._cancelled, self._cancel_why = True, why
         current.worker.kill()
         return True
 
@@ -328,7 +330,8 @@ class WorkerSupervisor:
             cancelled = self._cancelled
             self._replace(worker, call)
             if cancelled:
-                cut_off = InvocationCancelled("the invocation was cancelled")
+                why = f": {self._cancel_why}" if self._cancel_why else ""
+                cut_off = InvocationCancelled(f"the invocation was cancelled{why}")
                 cut_off.logs = tuple(call.logs)  # what the handler wrote until then
                 raise cut_off from None
             if timed_out:
@@ -395,7 +398,7 @@ class WorkerSupervisor:
                 if queued is not None:
                     self._drop(queued)  # cancelled while its frame waited: it goes with it
                 raise InvocationCancelled("the invocation was cancelled")
-            self._cancelled = False
+            self._cancelled, self._cancel_why = False, ""
             self._worker.answering = False
             if queued is not None:
                 queued.deadline = deadline  # its own, from now

@@ -525,21 +525,27 @@ class Registry:
                     f"{run_uid} is untouched"
                 )
             reg.state = DRAINING  # docs/protocol.md: first DRAINING, rejecting new invokes
+            why = "its function was unregistered with cancel_in_flight"
             try:
                 if not cancel_in_flight:
                     # docs/protocol.md: wait no longer than drain_timeout_millis for the active invocation.
                     self._lock.wait_for(lambda: reg.in_flight == 0, drain_timeout_millis / 1000)
+                    why = (
+                        f"its function was unregistered, and the drain of {drain_timeout_millis} "
+                        "ms ran out"
+                    )
             finally:
                 # Whatever happened while draining, a DRAINING registration never stays behind.
                 if self._current.get(run_uid) is reg:
                     del self._current[run_uid]
                     self._remember(run_uid, reg.attempt)
-        self._release(reg, cancel=True)
+        self._release(reg, cancel=True, why=why)
 
-    def _release(self, reg: Registration, *, cancel: bool) -> None:
-        """Cancel what is in flight on `reg`, wait for it to unwind, and stop its worker."""
+    def _release(self, reg: Registration, *, cancel: bool, why: str = "") -> None:
+        """Cancel what is in flight on `reg` (its caller told `why`), wait for it to unwind, and
+        stop its worker."""
         if cancel:
-            reg.adapter.cancel()
+            reg.adapter.cancel(why=why)
         with self._lock:
             self._lock.wait_for(lambda: reg.in_flight == 0, _CANCEL_SETTLE_SECONDS)
         reg.adapter.close()

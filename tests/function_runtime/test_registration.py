@@ -323,6 +323,10 @@ def test_unregister_with_cancel_in_flight_returns_promptly_and_kills_the_handler
     with pytest.raises(grpc.RpcError) as err:
         future.result(timeout=5)
     assert err.value.code() == grpc.StatusCode.CANCELLED
+    # Its caller is told why, not only that it was cancelled.
+    assert err.value.details() == (
+        "the invocation was cancelled: its function was unregistered with cancel_in_flight"
+    )
     wait_until(lambda: not pid_alive(pid), timeout=2)
     assert code_of(lambda: python_rt.status(reg.registration)) == grpc.StatusCode.NOT_FOUND
 
@@ -340,6 +344,10 @@ def test_unregister_waits_no_longer_than_drain_timeout_then_cancels(python_rt: C
     with pytest.raises(grpc.RpcError) as err:
         future.result(timeout=5)
     assert err.value.code() == grpc.StatusCode.CANCELLED
+    assert err.value.details() == (
+        "the invocation was cancelled: its function was unregistered, and the drain of 400 ms "
+        "ran out"
+    )
     wait_until(lambda: not pid_alive(pid), timeout=2)
 
 
