@@ -176,7 +176,8 @@ class FunctionRuntimeClient:
         try:
             reply = self.call(method, request, timeout)
         except GatewayError as error:
-            print(f"{method} → {error.code}: {error.message} ({type(error).__name__})")
+            message = error.message.removeprefix(f"{method}: ")  # the line names it already
+            print(f"{method} → {error.code}: {message} ({type(error).__name__})")
             return error
         print(f"{method} → OK {json.dumps(decode_message(reply))}")
         return reply

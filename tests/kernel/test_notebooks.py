@@ -74,8 +74,8 @@ def test_protocol_tour_shows_every_state_machine_outcome(
         "{'status': 'ok', 'seen': {'command': 'status'}}",  # the example's base64 input, decoded
         "same reference: True",
         "RegisterFunction → ALREADY_EXISTS",
-        "RegisterFunction → FAILED_PRECONDITION: RegisterFunction: registration_attempt 1 is older",
-        "InvokeFunction → FAILED_PRECONDITION: InvokeFunction: registration_id reg_",
+        "RegisterFunction → FAILED_PRECONDITION: registration_attempt 1 is older",
+        "InvokeFunction → FAILED_PRECONDITION: registration_id reg_",
         "UnregisterFunction → FAILED_PRECONDITION",
         "FunctionStatus → NOT_FOUND",
         "FunctionStatus → FAILED_PRECONDITION",
@@ -94,7 +94,9 @@ def test_protocol_tour_shows_every_state_machine_outcome(
     ]:
         assert outcome in text, outcome
     # A lower attempt is refused while the run is registered, and again once it is unregistered.
-    older = "RegisterFunction: registration_attempt 1 is older than attempt 2 already seen for run"
+    older = (
+        "FAILED_PRECONDITION: registration_attempt 1 is older than attempt 2 already seen for run"
+    )
     assert text.count(older) == 2, text.count(older)
 
 

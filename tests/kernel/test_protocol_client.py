@@ -46,3 +46,4 @@ def test_a_call_that_cannot_be_made_is_one_line(
     assert isinstance(error, GatewayError) and error.code == code  # not UNAVAILABLE: unsent
     assert says in error.message
     assert printed.count("\n") == 1 and printed.startswith(f"{method} → {code}: ")
+    assert not printed.startswith(f"{method} → {code}: {method}:")  # named once
