@@ -158,6 +158,14 @@ def _parse(parser: _Parser, line: str) -> argparse.Namespace | None:
         return parser.parse_args(argv)
     except argparse.ArgumentError as exc:
         raise UsageError(f"{parser.prog}: {exc}") from None
+    except UsageError as exc:
+        if "arguments are required" in str(exc) and argv and argv[0].startswith("-"):
+            # `%%function --include a.py NAME`: the flag took NAME as one of its paths.
+            raise UsageError(
+                f"{exc}; give them before the flags: a flag of several values (--include) "
+                "takes every word after it"
+            ) from None
+        raise
     except _HelpShown:
         return None
 

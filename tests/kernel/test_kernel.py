@@ -354,6 +354,13 @@ def test_a_handler_that_cannot_load_fails_the_registration(kernel: Kernel) -> No
         ("%%function etl --colour red", "unrecognized arguments: --colour red"),
         ("%%function my-fn", "NAME 'my-fn' must be a Python identifier"),
         ("%%function", "the following arguments are required: name"),
+        # --include takes every path after it, NAME too: where NAME goes is said.
+        (
+            "%%function --include helpers.py etl",
+            "the following arguments are required: name; "
+            "give them before the flags: a flag of several values (--include) takes every word "
+            "after it",
+        ),
     ],
 )
 def test_bad_flags_raise_a_one_line_usage_error(kernel: Kernel, line: str, message: str) -> None:
