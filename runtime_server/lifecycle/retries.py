@@ -16,6 +16,7 @@ from fnkernel.adapters.errors import (
     IMPORT_MODULE_ERROR,
     INITIALIZATION_ERROR,
     INITIALIZATION_TIMEOUT,
+    MEMORY_LIMIT_EXCEEDED,
     USER_CODE_SYNTAX_ERROR,
     WORKER_KILLED,
     WORKER_START_FAILED,
@@ -71,6 +72,7 @@ LOAD_FAILURES = frozenset(
         HANDLER_NOT_FOUND,
         INITIALIZATION_ERROR,
         INITIALIZATION_TIMEOUT,
+        MEMORY_LIMIT_EXCEEDED,  # its import needs more than its memoryMb: so will the next
         *INFRASTRUCTURE_LOAD_FAILURES,
     }
 )

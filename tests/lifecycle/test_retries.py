@@ -45,6 +45,7 @@ BY_LOAD_FAILURE = {
     "HandlerNotFound": FATAL,
     "InitializationError": FATAL,
     "InitializationTimeout": FATAL,
+    "MemoryLimitExceeded": FATAL,  # loading needs more than memoryMb: until it is given more
     "WorkerKilled": CHARGED,
     "WorkerStartFailed": CHARGED,
 }
