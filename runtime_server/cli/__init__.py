@@ -23,13 +23,30 @@ from fnkernel.runtime_server.cli.common import (
 GROUPS = (daemons, runs, secrets, krm, tools)
 
 
+class _Command(argparse.ArgumentParser):
+    """A command's parser (and its subcommands', which argparse makes of the same class): it
+    marks the namespace with itself when it leaves arguments it does not know, so that they
+    are refused with its usage (``fnkernel invoke …``), not the top level's."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras and getattr(namespace, _REFUSED_BY, None) is None:  # the innermost first
+            setattr(namespace, _REFUSED_BY, self)
+        return namespace, extras
+
+
+_REFUSED_BY = "_unknown_arguments_of"
+
+
 @functools.cache  # built once; a prewarmed component builds it before it is needed
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fnkernel",
         description="Registered server-side functions as callable notebook cells.",
     )
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    commands = parser.add_subparsers(
+        dest="command", metavar="COMMAND", required=True, parser_class=_Command
+    )
     for group in GROUPS:
         group.register(commands)
     return parser
@@ -68,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # (as absent) before the flags, so it is left over; it is the payload all the same.
         args.payload, extras = extras[0], []
     if extras:
-        parser.error(f"unrecognized arguments: {' '.join(extras)}")
+        getattr(args, _REFUSED_BY, parser).error(f"unrecognized arguments: {' '.join(extras)}")
     if pairs is not None:
         args.pairs = pairs
     from fnkernel.runtime_server import daemon

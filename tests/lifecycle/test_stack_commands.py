@@ -326,6 +326,9 @@ def test_cli_flags_that_cannot_apply_are_usage_errors_and_nothing_is_left_half_w
         assert json.loads(late.stdout) == ("stdin" if payload == "-" else json.loads(payload))
     stray = fnkernel("invoke", "cli-flags", "--timeout-ms", "5", "1", "2", *gateway)
     assert stray.returncode == 2 and "unrecognized arguments: 1 2" in stray.stderr
+    # Refused by the command they were given to, with its usage, not the top level's.
+    assert "fnkernel invoke: error: unrecognized arguments" in stray.stderr
+    assert stray.stderr.startswith("usage: fnkernel invoke ")
     alone = fnkernel("invoke", "cli-flags", "1", "--concurrency", "2", *gateway)
     assert alone.returncode == 2 and "--concurrency is for --map" in alone.stderr
     into_dir = fnkernel("invoke", "cli-flags", "1", "--output", str(tmp_path), *gateway)
