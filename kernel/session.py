@@ -358,7 +358,7 @@ class Session:
         error = self.last_error
         if error is None:
             return Detail("fn_debug", "no error so far")
-        head = f"{type(error).__module__}.{type(error).__name__}: {error}"
+        head = f"{type(error).__name__}: {error}"  # as the cell named it, not our module's path
         call = []
         if isinstance(error, GatewayError):
             call.append(f"HTTP status: {error.status or '(none)'}   code: {error.code or '-'}")

@@ -167,11 +167,11 @@ def test_a_function_past_its_memory_limit_fails_in_one_line_naming_it(kernel: Ke
     assert kernel.value("hog.status()['spec']['memoryMb']") == 100
 
 
-def test_fn_debug_shows_the_handlers_traceback_in_cell_lines_then_the_request(
+def test_fn_debug_shows_the_handlers_traceback_in_cell_lines_then_the_call(
     kernel: Kernel,
 ) -> None:
     # docs/protocol.md, "Kernel": %fn_debug shows the traceback as IPython shows one — the
-    # cell's line numbers with context — then the request's detail, without JSON escapes.
+    # cell's line numbers with context — then the call's detail, without JSON escapes.
     assert kernel.run(FAILS).ok
     kernel.run("fails(2)")
     cell = kernel.run("%fn_debug")
@@ -321,6 +321,8 @@ def test_fn_debug_shows_the_full_last_error(kernel: Kernel) -> None:
     assert cell.error["traceback"] == ["FunctionNotFound: no run named 'missing' (NOT_FOUND)"]
     text = kernel.run("%fn_debug").result
     assert text.startswith("fn_debug: last error (FunctionNotFound)")
+    # The error as the cell named it, not by the module that defines it.
+    assert "\nFunctionNotFound: no run named 'missing'" in text and "fnkernel." not in text
     assert "HTTP status: 404   code: NOT_FOUND" in text
     assert '"message": "no run named \'missing\'"' in text
 
