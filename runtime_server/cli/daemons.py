@@ -11,11 +11,12 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from fnkernel.adapters import runtimes
 from fnkernel.runtime_server.cli.common import (
     EXIT_FAILURE,
+    EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_USAGE,
     UsageError,
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 
 STORES = ("sqlite", "kubernetes")
 UP_FILE = "up.pid"  # in the state dir: the pid of the `fnkernel up` using it, for `fnkernel down`
+UP_LOCK_FILE = "up.lock"  # in the state dir: locked by the `fnkernel up` using it
 DOWN_WAIT_SECONDS = 120.0  # `fnkernel down` waits this long for `up` to stop its components
 
 
@@ -267,9 +269,15 @@ def _up(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"fnkernel up: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    state_dir = state_dir_of(args)
+    try:
+        held = _hold_state_dir(state_dir)
+    except _StateDirInUse as exc:
+        print(f"fnkernel up: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
     chosen = _gateway_token(args, "up", args.gateway_listen)
     stack = Stack(
-        state_dir_of(args),
+        state_dir,
         pods,
         gateway_listen=args.gateway_listen,
         token_file=chosen.path,
@@ -279,19 +287,26 @@ def _up(args: argparse.Namespace) -> int:
         poll_interval=args.poll_interval,
         max_payload_bytes=args.max_payload_bytes,
     )
+    up_file = stack.state_dir / UP_FILE  # for ``fnkernel down``: from the start, so that a
+    tokens.write_private(up_file, f"{os.getpid()}\n")  # down while it starts stops it too
+    # SIGTERM while starting (`fnkernel down`, a CI job cancelled) stops what has started.
+    starting = signal.signal(signal.SIGTERM, _interrupted)
     try:
         stack.start()
     except RuntimeError as exc:
         print(f"fnkernel up: {exc} (logs in {stack.state_dir / 'logs'})", file=sys.stderr)
-        return EXIT_FAILURE
+        return _stopped(stack, up_file, EXIT_FAILURE)
     except StoreDamaged as exc:
         print(f"fnkernel up: {exc}", file=sys.stderr)
-        return EXIT_FAILURE
+        return _stopped(stack, up_file, EXIT_FAILURE)
+    except KeyboardInterrupt:
+        print("fnkernel up: stopped while starting", file=sys.stderr)
+        return _stopped(stack, up_file, EXIT_INTERRUPTED)
+    finally:
+        signal.signal(signal.SIGTERM, starting)
     print(f"fnkernel up: state dir {stack.state_dir}")
     for line in stack.describe():
         print(f"  {line}")
-    up_file = stack.state_dir / UP_FILE  # for ``fnkernel down``
-    tokens.write_private(up_file, f"{os.getpid()}\n")
     print(
         f"fnkernel up: ready; gateway {stack.gateway_address}; Ctrl-C or `fnkernel down` stops "
         "everything",
@@ -302,7 +317,46 @@ def _up(args: argparse.Namespace) -> int:
         stack.stop()
     finally:
         up_file.unlink(missing_ok=True)
+        held.close()
     return EXIT_OK
+
+
+class _StateDirInUse(Exception):
+    """Another ``fnkernel up`` uses the state dir."""
+
+
+def _hold_state_dir(state_dir: Path) -> IO[bytes]:
+    """The lock that this ``fnkernel up`` alone uses `state_dir` (held while the file is
+    open: the kernel drops it with the process, however it ends); _StateDirInUse naming the
+    other's pid if another holds it. Two stacks on one state dir share its sockets, token and
+    pid file, and the second leaves the first where `fnkernel down` cannot reach it."""
+    import fcntl
+
+    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+    lock = open(os.open(state_dir / UP_LOCK_FILE, flags, 0o600), "rb")  # noqa: SIM115  # held
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        other = _up_process(state_dir / UP_FILE)
+        by = f" (pid {other})" if other is not None else ""
+        raise _StateDirInUse(
+            f"a stack is already up with the state dir {state_dir}{by}; `fnkernel down "
+            f"--state-dir {state_dir}` stops it, or give this one another --state-dir"
+        ) from None
+    return lock
+
+
+def _interrupted(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _stopped(stack: Any, up_file: Path, code: int) -> int:
+    """Stop what of `stack` started, and say `code`."""
+    stack.stop()
+    up_file.unlink(missing_ok=True)
+    return code
 
 
 def _down(args: argparse.Namespace) -> int:

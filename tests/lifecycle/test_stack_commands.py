@@ -94,6 +94,78 @@ def test_fnkernel_down_stops_the_stack_up_started_in_its_state_dir(tmp_path: Pat
             proc.wait()
 
 
+def test_a_second_up_on_the_same_state_dir_is_refused_and_the_first_keeps_it(
+    tmp_path: Path,
+) -> None:
+    # README, "CLI": `fnkernel down` stops the `up` of its state dir. A second `up` there took
+    # its sockets, token and pid file, and `down` then stopped only the second: the first ran
+    # on, out of reach. It is refused, naming the first.
+    cli = [sys.executable, "-m", "fnkernel.runtime_server.cli"]
+    state = ["--state-dir", str(tmp_path / "s")]
+    first = subprocess.Popen(
+        [*cli, "up", *state, "--gateway-listen", "127.0.0.1:0", "--pods", "python=1"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        read_until_ready(first)
+        token = (tmp_path / "s" / "token").read_text()
+        second = subprocess.run(
+            [*cli, "up", *state, "--gateway-listen", "127.0.0.1:0", "--pods", "python=1"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert second.returncode == 1, second.stderr
+        assert (
+            f"fnkernel up: a stack is already up with the state dir {tmp_path / 's'} "
+            f"(pid {first.pid})" in second.stderr
+        )
+        assert (tmp_path / "s" / "token").read_text() == token  # nothing of the first touched
+        down = subprocess.run([*cli, "down", *state], capture_output=True, text=True, timeout=60)
+        assert down.returncode == 0 and f"(pid {first.pid})" in down.stdout, down.stderr
+        assert first.wait(30) == 0
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+
+
+def test_a_stop_while_up_starts_stops_what_has_started(tmp_path: Path) -> None:
+    # README, "CLI": `fnkernel down` (SIGTERM) stops the `up` of its state dir, starting or
+    # not: its pid file is there from the start, and what had started is stopped — the
+    # components, the spool. (It said "no stack is up", and the stack came up after.)
+    state_dir = tmp_path / "s"
+    up = subprocess.Popen(
+        [sys.executable, "-m", "fnkernel.runtime_server.cli", "up", "--state-dir",
+         str(state_dir), "--gateway-listen", "127.0.0.1:0", "--pods", "python=1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        wait_until(lambda: (state_dir / "up.pid").exists(), timeout=30, interval=0.01)
+        os.kill(int((state_dir / "up.pid").read_text()), signal.SIGTERM)
+        out, err = up.communicate(timeout=60)
+        assert "fnkernel up: stopped while starting" in err, (out, err)
+        assert up.returncode == 130 and "ready;" not in out
+        assert not (state_dir / "up.pid").exists()
+        wait_until(lambda: not _running_with(str(state_dir)), timeout=10)  # its components
+        assert not list(Path("/dev/shm").glob(f"fnkernel-spool-{up.pid}-*"))
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+
+
+def _running_with(text: str) -> list[int]:
+    """The processes whose command line holds `text`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if text.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
 def test_fnkernel_down_lets_a_call_in_flight_end_first(
     tmp_path: Path, gate: Callable[[], Gate]
 ) -> None:
