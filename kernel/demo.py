@@ -1,7 +1,7 @@
 """``make demo``: execute a notebook headless through the real fnkernel kernel (nbclient) and print
 what each cell produced, as a CI log would show it.
 
-    python -m fnkernel.kernel.demo [NOTEBOOK] [--output EXECUTED.ipynb]
+    python -m fnkernel.kernel.demo [NOTEBOOK] [--output EXECUTED.ipynb] [--timeout SECONDS]
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import nbformat
 from nbclient import NotebookClient
-from nbclient.exceptions import CellExecutionError
+from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
 from fnkernel.kernel.kernel import KERNEL_NAME
 
@@ -37,11 +37,19 @@ def read(path: Path) -> nbformat.NotebookNode:
         raise ValueError(f"{path} is not a notebook: {reason}") from None
 
 
-def execute(path: Path, *, cell_timeout: int = CELL_TIMEOUT) -> nbformat.NotebookNode:
+def execute(path: Path, *, cell_timeout: float = CELL_TIMEOUT) -> nbformat.NotebookNode:
     """Run every cell of `path` in a fresh fnkernel kernel (cwd: the notebook's directory);
     raises ``CellExecutionError`` at the first cell that fails, ValueError if it is no
     notebook (``read``)."""
     notebook = read(path)
+    run(notebook, path, cell_timeout)
+    return notebook
+
+
+def run(notebook: nbformat.NotebookNode, path: Path, cell_timeout: float) -> None:
+    """Run `notebook`'s cells in place (its outputs are there however far it got): nbclient's
+    exceptions for a cell that fails (``CellExecutionError``), runs past `cell_timeout` s
+    (``CellTimeoutError``) or a kernel that dies (``DeadKernelError``)."""
     client = NotebookClient(
         notebook,
         kernel_name=KERNEL_NAME,
@@ -49,7 +57,6 @@ def execute(path: Path, *, cell_timeout: int = CELL_TIMEOUT) -> nbformat.Noteboo
         resources={"metadata": {"path": str(path.parent)}},
     )
     client.execute()
-    return notebook
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -85,33 +92,78 @@ def summary(notebook: nbformat.NotebookNode) -> str:
     return "\n".join(lines)
 
 
+def _failed(exc: BaseException, timeout: float) -> int:
+    """Say in a line or two why the run ended early; its exit code. Whatever nbclient raised
+    as it cleaned up after a SIGTERM or Ctrl-C (it handles both, interrupting the cell), the
+    run was interrupted (130); an error it does not name is raised as it is."""
+    if _interrupted(exc):
+        print("interrupted: the notebook did not finish", file=sys.stderr)
+        return 130
+    if isinstance(exc, CellExecutionError):
+        print(f"a cell failed:\n{exc}", file=sys.stderr)
+    elif isinstance(exc, CellTimeoutError):
+        print(f"a cell ran past {timeout:g} s (--timeout) and was stopped", file=sys.stderr)
+    elif isinstance(exc, DeadKernelError):
+        print("the kernel died while a cell ran (killed, or out of memory)", file=sys.stderr)
+    else:
+        raise exc
+    return 1
+
+
+def _interrupted(exc: BaseException | None) -> bool:
+    """Whether `exc`, or one it was raised while handling, is an interrupt: ours, or the
+    cell's (nbclient interrupts the kernel on SIGTERM and SIGINT)."""
+    while exc is not None:
+        if isinstance(exc, KeyboardInterrupt) or (
+            isinstance(exc, CellExecutionError) and exc.ename == "KeyboardInterrupt"
+        ):
+            return True
+        exc = exc.__context__
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m fnkernel.kernel.demo",
         description=__doc__.splitlines()[0] if __doc__ else "",
     )
     parser.add_argument("notebook", nargs="?", type=Path, default=DEFAULT_NOTEBOOK)
-    parser.add_argument("--output", type=Path, help="also write the executed notebook here")
+    parser.add_argument(
+        "--output",
+        type=Path,
+        help="also write the executed notebook here (as far as it ran, if a cell failed)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=CELL_TIMEOUT,
+        metavar="SECONDS",
+        help="how long one cell may run (default %(default)s)",
+    )
     args = parser.parse_args(argv)
     if args.output and not args.output.absolute().parent.is_dir():  # before anything runs
         parser.error(f"--output {args.output}: no such directory")
+    if not args.timeout > 0:
+        parser.error(f"--timeout: seconds above 0, got {args.timeout:g}")
     try:
-        read(args.notebook)  # what is no notebook is said before a kernel starts
+        notebook = read(args.notebook)  # what is no notebook is said before a kernel starts
     except ValueError as exc:
         parser.error(str(exc))
     print(f"executing {args.notebook} with the {KERNEL_NAME} kernel …", flush=True)
     started = time.monotonic()
+    code = 0
     try:
-        notebook = execute(args.notebook)
-    except CellExecutionError as exc:
-        print(f"a cell failed:\n{exc}", file=sys.stderr)
-        return 1
-    print(summary(notebook))
-    print(f"\n{args.notebook.name}: every cell ran in {time.monotonic() - started:.1f} s")
+        run(notebook, args.notebook, args.timeout)
+    except BaseException as exc:
+        code = _failed(exc, args.timeout)
+    if code == 0:
+        print(summary(notebook))
+        print(f"\n{args.notebook.name}: every cell ran in {time.monotonic() - started:.1f} s")
     if args.output:
         nbformat.write(notebook, args.output)
-        print(f"executed notebook written to {args.output}")
-    return 0
+        ran = "executed notebook" if code == 0 else "notebook, as far as it ran,"
+        print(f"{ran} written to {args.output}", file=sys.stderr if code else sys.stdout)
+    return code
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import nbformat
 import pytest
 
 from fnkernel.kernel.demo import execute, output_text, summary
-from tests.support import ROOT
+from tests.support import ROOT, wait_until
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 CELL_TIMEOUT = 60
@@ -152,3 +152,52 @@ def test_the_demo_says_in_one_line_what_is_no_notebook(
     assert done.returncode == 2, done.stderr
     assert f"python -m fnkernel.kernel.demo: error: {says.format(path=path)}" in done.stderr
     assert "Traceback" not in done.stderr and "executing" not in done.stdout
+
+
+def _notebook(path: Path, *sources: str) -> Path:
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [nbformat.v4.new_code_cell(source) for source in sources]
+    notebook.metadata["kernelspec"] = {"name": "fnkernel", "display_name": "fnkernel"}
+    nbformat.write(notebook, path)
+    return path
+
+
+def test_the_demo_stops_a_cell_past_its_timeout_and_keeps_what_ran(tmp_path: Path) -> None:
+    # README, "Quick start": `--timeout SECONDS` bounds each cell; past it, one line, exit 1,
+    # and --output holds the notebook as far as it ran (a failed CI job keeps it).
+    path = _notebook(tmp_path / "slow.ipynb", "print('first')", "import time\ntime.sleep(600)")
+    out = tmp_path / "out.ipynb"
+    done = subprocess.run(
+        [sys.executable, "-m", "fnkernel.kernel.demo", str(path), "--timeout", "3",
+         "--output", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert "a cell ran past 3 s (--timeout) and was stopped" in done.stderr
+    assert "Traceback" not in done.stderr
+    first = nbformat.read(out, as_version=4).cells[0]
+    assert [output_text(o) for o in first.outputs] == ["first"]
+
+
+def test_the_demo_says_a_sigterm_ended_it(tmp_path: Path) -> None:
+    # A cancelled CI job: nbclient interrupts the cell and shuts the kernel down; the run says
+    # it was interrupted (130), not that a cell failed, with no traceback of nbclient's cleanup.
+    started = tmp_path / "started"
+    path = _notebook(
+        tmp_path / "long.ipynb", f"import time, pathlib\npathlib.Path({str(started)!r}).touch()\n"
+        "time.sleep(600)"
+    )  # fmt: skip
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "fnkernel.kernel.demo", str(path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        wait_until(started.exists, timeout=60)
+        demo.terminate()
+        _, err = demo.communicate(timeout=60)
+        assert demo.returncode == 130, err
+        assert "interrupted: the notebook did not finish" in err and "Traceback" not in err
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
