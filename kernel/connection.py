@@ -199,6 +199,10 @@ class Runtime:
             if self._client is None:
                 if not self.address:
                     self.address = wanted
+                try:  # %fn_connect checked its own: one that fails is the environment's
+                    check_address(self.address)  # "": the embedded runtime
+                except ValueError as exc:
+                    raise StackMisconfigured(f"{RUNTIME_ENV}: {exc}") from None
                 if not self.address:
                     if progress:
                         progress("starting the embedded runtime")

@@ -64,7 +64,10 @@ def _runs_create(args: argparse.Namespace) -> int:
         secrets=args.secret,
     )
     print_json(run)
-    return EXIT_FAILURE if run.failed else EXIT_OK
+    if run.failed:  # why, where a script's log shows it, not only in the JSON
+        print(f"fnkernel: run {run.name} failed: {run.message}", file=sys.stderr)
+        return EXIT_FAILURE
+    return EXIT_OK
 
 
 def _runs_list(args: argparse.Namespace) -> int:

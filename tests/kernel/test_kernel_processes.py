@@ -88,6 +88,17 @@ def test_a_mistyped_fn_connect_is_refused_or_corrected_without_a_restart(
         assert "restart the kernel to use another stack" in late.stderr
     finally:
         kernel.shutdown()
+    # The same mistake in the environment (a CI job's): one line at the first function.
+    kernel = Kernel(env={"FNKERNEL_RUNTIME": "ftp://bad"})
+    try:
+        cell = kernel.run(ETL)
+        assert cell.error is not None and cell.error["ename"] == "StackMisconfigured"
+        assert cell.error["traceback"] == [
+            "StackMisconfigured: FNKERNEL_RUNTIME: gateway address 'ftp://bad': give "
+            "http://HOST:PORT, https://HOST[:PORT] or unix:PATH"
+        ]
+    finally:
+        kernel.shutdown()
 
 
 def test_without_prewarm_a_plain_kernel_starts_nothing() -> None:

@@ -373,6 +373,15 @@ def test_cli_flags_that_cannot_apply_are_usage_errors_and_nothing_is_left_half_w
                        str(binary), "--handler", "handler.handle", *gateway)  # fmt: skip
     assert refused.returncode == 2
     assert "data/blob.bin is not UTF-8 text (invalid start byte at byte 2)" in refused.stderr
+    # A Run that cannot load: exit 1, and why on stderr, where a script's log shows it.
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "handler.py").write_text("def handle(event:\n    return event\n")
+    failed = fnkernel("runs", "create", "cli-broken", "--runtime", "python", "--source",
+                      str(broken), "--handler", "handler.handle", *gateway)  # fmt: skip
+    assert failed.returncode == 1
+    assert json.loads(failed.stdout)["status"]["phase"] == "Failed"
+    assert failed.stderr.startswith("fnkernel: run cli-broken failed: UserCodeSyntaxError: ")
     lines = tmp_path / "items.jsonl"  # their results past what a pipe holds (64 KiB)
     lines.write_text("".join(f'"{n:04d}{"x" * 1020}"\n' for n in range(200)))
     for extra, flag in [
