@@ -75,12 +75,18 @@ def sweep(kind: str, base: Path | None = None) -> int:
 
 
 def private_dir(path: Path) -> Path:
-    """`path`, made 0700 (with its parents) if it does not exist; NotPrivate if it exists but is
+    """`path`, made 0700 (with its missing parents, 0700 too) if it does not exist; NotPrivate if it exists but is
     not this user's to trust: owned by another user, or writable by its group or by others — then
     they could read what we put there, or replace it (a handler's source before a worker loads
     it). A symlink is followed: the directory it names is the one checked."""
-    with contextlib.suppress(FileExistsError):
-        path.mkdir(mode=0o700, parents=True)
+    missing = []  # the directories to make, outermost last; each 0700, the parents too
+    for directory in (path, *path.parents):
+        if directory.exists():
+            break
+        missing.append(directory)
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            directory.mkdir(mode=0o700)
     return check_private_dir(path)
 
 

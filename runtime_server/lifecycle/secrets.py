@@ -173,7 +173,9 @@ class SecretFiles:
         path = self._path(name)
         # One set at a time, across threads and processes (the gateway's, and `fnkernel
         # secrets` on this machine's store): two sets must not both take the same version.
-        with self._lock, open(private_dir(self.directory) / _LOCK_FILE, "a") as lock:
+        lock_path = private_dir(self.directory) / _LOCK_FILE
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+        with self._lock, open(os.open(lock_path, flags, 0o600), "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             version = self._last_version() + 1
             write_private(private_dir(self.directory) / _LAST_VERSION_FILE, str(version))

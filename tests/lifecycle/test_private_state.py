@@ -108,6 +108,15 @@ def test_a_state_dir_or_subdirectory_others_may_write_is_refused_naming_it(
     assert stack.components == []  # nothing was started
 
 
+def test_a_missing_state_dir_is_made_0700_with_its_missing_parents(tmp_path: Path) -> None:
+    # README, "Security": a missing state dir is made 0700 — by whichever command makes it
+    # first (`fnkernel secrets set --state-dir NEW` made it 755, its parents' mode, as
+    # mkdir(parents=True) makes parents), and the parents it makes with it too.
+    made = private_dir(tmp_path / "new" / "state" / "secrets")
+    for directory in (made, made.parent, made.parent.parent):
+        assert directory.stat().st_mode & 0o777 == 0o700, directory
+
+
 def test_a_directory_that_is_a_file_is_refused() -> None:
     with pytest.raises(NotPrivate, match="not a directory"):
         private_dir(Path(__file__))
