@@ -332,7 +332,9 @@ def _hold_state_dir(state_dir: Path) -> IO[bytes]:
     pid file, and the second leaves the first where `fnkernel down` cannot reach it."""
     import fcntl
 
-    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    from fnkernel.system.private import private_dir
+
+    private_dir(state_dir)  # nothing is written into a state dir that is not ours: NotPrivate
     flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
     lock = open(os.open(state_dir / UP_LOCK_FILE, flags, 0o600), "rb")  # noqa: SIM115  # held
     try:
