@@ -47,6 +47,20 @@ _NOT_KEPT_TEXT = (
 NOT_KEPT = re.compile(
     re.escape(_NOT_KEPT_TEXT).replace(r"\{\}", r"(\d+)", 1).replace(r"\{\}", r"\d+")
 )
+# The line that stands for a call's lines dropped from the middle of a stream (_bounded_lines),
+# read back: how many lines, when they were counted (a drop by bytes alone counts none).
+DROPPED = re.compile(r"\[fnkernel: \d+ bytes(?: \((\d+) lines\))? of (?:stdout|stderr) dropped: ")
+
+
+def lines_in(text: str) -> int | None:
+    """How many of a stream's lines the log line `text` stands for: 1, or a dropped middle's
+    count; None for a middle dropped by bytes, whose lines nobody counted."""
+    dropped = DROPPED.match(text)
+    if dropped is None:
+        return 1
+    return int(dropped[1]) if dropped[1] else None
+
+
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 1, 2
 _BLOCK = 4096
 _open_files: weakref.WeakSet[LogFiles] = weakref.WeakSet()  # what trim_logs bounds
@@ -61,7 +75,8 @@ class LogLine:
 
 def kept_lines(lines: list[LogLine]) -> list[LogLine]:
     """The last of `lines` within KEPT_LOG_BYTES and KEPT_LOG_LINES; when some are left out,
-    one line first says how many (a line of an earlier such count is counted, not kept)."""
+    one line first says how many (a line of an earlier such count is counted, not kept; a
+    dropped middle's line counts the lines it stands for)."""
     earlier = 0
     if lines and (found := NOT_KEPT.fullmatch(lines[0].text)):
         earlier, lines = int(found[1]), lines[1:]
@@ -73,7 +88,8 @@ def kept_lines(lines: list[LogLine]) -> list[LogLine]:
         start -= 1
     if not earlier + start:
         return lines
-    note = _NOT_KEPT_TEXT.format(earlier + start, KEPT_LOG_BYTES >> 10)
+    left_out = earlier + sum(lines_in(line.text) or 0 for line in lines[:start])
+    note = _NOT_KEPT_TEXT.format(left_out, KEPT_LOG_BYTES >> 10)
     return [LogLine("stderr", note), *lines[start:]]
 
 

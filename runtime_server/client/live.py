@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from fnkernel.adapters.calllogs import NOT_KEPT
+from fnkernel.adapters.calllogs import NOT_KEPT, lines_in
 from fnkernel.runtime_server import limits
 from fnkernel.runtime_server.client.errors import (
     GatewayError,
@@ -176,19 +176,31 @@ class LiveFollow:
             stored = [record for record in records if "stream" in record]
         except GatewayError:
             return None
-        # The kept lines are stdout's, then stderr's; when the first of them were left out
-        # (a line says how many), they were stdout's as long as some of stdout's are kept.
-        skip = collections.Counter(self._shown_of)
+        # Walked stream by stream, each record at the place of its stream's lines it holds:
+        # those the live stream showed are left out. The kept lines are stdout's, then
+        # stderr's; when the first of them were left out (a line says how many), they were
+        # stdout's as long as some of stdout's are kept. A stream's dropped middle is one line
+        # standing for many (``lines_in``): shown if the stream did not show them all, and
+        # after one whose lines nobody counted, the rest is shown (the live stream ends
+        # within a stream's first half MiB, before any such middle).
+        shown = collections.Counter(self._shown_of)
+        at: collections.Counter[str] = collections.Counter()
         if stored and (found := NOT_KEPT.fullmatch(str(stored[0].get("text", "")))):
             if any(record["stream"] == "stdout" for record in stored):
-                skip["stdout"] = max(0, skip["stdout"] - int(found[1]))
+                at["stdout"] = int(found[1])
             else:
-                skip["stdout"], skip["stderr"] = 0, 0
+                shown.clear()
+        uncounted: set[str] = set()
         lines = []
         for record in stored:
-            stream = str(record["stream"])
-            if skip[stream] and not NOT_KEPT.fullmatch(str(record.get("text", ""))):
-                skip[stream] -= 1
+            stream, text = str(record["stream"]), str(record.get("text", ""))
+            if NOT_KEPT.fullmatch(text):
+                lines.append(record)
                 continue
-            lines.append(record)
+            count = lines_in(text)
+            if count is None:
+                uncounted.add(stream)
+            if stream in uncounted or at[stream] + (count or 0) > shown[stream]:
+                lines.append(record)
+            at[stream] += count or 0
         return lines

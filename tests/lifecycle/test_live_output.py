@@ -140,6 +140,50 @@ def test_lines_past_the_live_cap_come_once_from_the_calls_log(
     client.delete_run("chatty")
 
 
+# Prints 40,000 short lines: past what a call keeps of a stream (10,000 lines: its first and
+# last 5,000, the middle dropped), and past the live cap (256 KiB) well into that middle.
+LONG = {
+    "handler.py": GATE_WAIT + "import sys\n\ndef handle(event):\n"
+    "    print('following', file=sys.stderr, flush=True)  # stdout is the lines alone\n"
+    "    wait_for_gate(event['go'])\n"
+    "    for i in range(40_000):\n"
+    "        print(f'line {i:05d}')\n"
+    "    return 'done'\n"
+}
+
+
+def test_a_call_past_what_a_stream_keeps_still_ends_with_its_last_lines(
+    client: Client, gate: Callable[[], Gate]
+) -> None:
+    """docs/protocol.md, "Live output": once the stream is cut, on_log gets "what the stream
+    did not" from the call's log — whose middle is one line saying how many were dropped
+    (the first and last 5,000 lines are kept). The live stream reached past the first 5,000
+    into that middle; its last lines are the call's last lines, each once, in order (they
+    were all taken for shown, and only the cut line and the notes came after)."""
+    client.create_run("long", runtime="python", handler="handler.handle", files=LONG)
+    go = gate()
+    seen: list[str] = []
+
+    def on_log(line: dict) -> None:
+        seen.append(line["text"])
+        if line["text"] == "following":
+            go.open()  # it came live: the lines that follow are followed as they come
+
+    assert client.invoke("long", {"go": str(go)}, on_log=on_log).decoded() == "done"
+    assert seen.index("[fnkernel: the call's log, from its result:]") > 5_000  # live past 5,000
+    numbers = [int(text.split()[1]) for text in seen if text.startswith("line ")]
+    assert numbers == sorted(set(numbers)), "each line once, in order"
+    assert numbers[-5_000:] == list(range(35_000, 40_000))  # the call's last lines
+    assert numbers[:5_000] == list(range(5_000))
+    dropped = [text for text in seen if "of stdout dropped" in text]
+    assert dropped == [
+        f"[fnkernel: {sum(len(f'line {i:05d}') + 1 for i in range(5_000, 35_000))} bytes "
+        "(30000 lines) of stdout dropped: a call keeps the first and last 512 KiB and 10000 "
+        "lines of each stream]"
+    ]
+    client.delete_run("long")
+
+
 def test_the_gateway_streams_ndjson_and_ends_with_the_call(
     stack: Stack, client: Client, gate: Callable[[], Gate]
 ) -> None:
