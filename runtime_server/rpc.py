@@ -273,7 +273,14 @@ def status_code(number: int) -> grpc.StatusCode:
 # grpc's own words when a call's connection failed, with no status from the process it called
 # (that process died, or was not there): what each means for the call (docs/protocol.md, "Errors").
 _NOT_REACHED = "failed to connect"
-_CUT_OFF = ("Socket closed", "Stream removed", "Connection reset", "Broken pipe")
+# ... and a stopping server's words for the calls it ends with it (its GOAWAY's text).
+_CUT_OFF = (
+    "Socket closed",
+    "Stream removed",
+    "Connection reset",
+    "Broken pipe",
+    "Cancelling all calls",
+)
 # gRPC's own words for a deadline that passed with no answer from the process called: not the
 # handler's deadline, which its server answers in words of its own.
 _NO_ANSWER = "Deadline Exceeded"

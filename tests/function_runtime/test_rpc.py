@@ -15,7 +15,13 @@ import pytest
 
 from fnkernel.adapters.errors import InvocationCancelled
 from fnkernel.runtime_server import wire
-from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS, CancellableCalls, failure_body, listen_on
+from fnkernel.runtime_server.rpc import (
+    CHANNEL_OPTIONS,
+    CancellableCalls,
+    failure_body,
+    listen_on,
+    status_body,
+)
 
 FAST, SLOW = "/bench.Up/Fast", "/bench.Up/Slow"
 
@@ -295,3 +301,18 @@ def test_a_call_past_its_deadline_keeps_what_the_handler_wrote_until_then(tmp_pa
     }
     silent = failing(f"unix:{tmp_path}/g.sock", grpc.StatusCode.DEADLINE_EXCEEDED, "past", ())
     assert failure_body(silent) == {"code": "DEADLINE_EXCEEDED", "message": "past"}
+
+
+@pytest.mark.parametrize(
+    "words",
+    ["Socket closed", "Cancelling all calls"],  # a server gone; one stopping with calls in flight
+)
+def test_a_call_cut_off_says_what_it_means_for_the_call(words: str) -> None:
+    # docs/protocol.md, "Errors": a call cut off may have run — said so, with gRPC's words
+    # after. A call in flight when `fnkernel down` outlasts its drain ended in the stopping
+    # server's words alone ("Cancelling all calls").
+    body = status_body(grpc.StatusCode.UNAVAILABLE, words, {})
+    assert body["message"] == (
+        "the call was cut off: a process on its path went away while it was in flight, so it "
+        f"may have run ({words})"
+    )
