@@ -227,7 +227,8 @@ class Session:
                     f"replaces or deletes another's function. Register this cell under another "
                     f"name, bind the existing one with %use {spec.name}, or unregister it where "
                     f"it was made ({spec.name}.unregister() there, or: fnkernel runs delete "
-                    f"{spec.name})"
+                    f"{spec.name}). A kernel started by a script (nbclient, CI) is owner only "
+                    f"as itself unless it sets {OWNER_ENV}, the same for each run"
                 )
             if existing.source == origin and existing.phase in _REUSABLE:
                 function = self._bind(spec, timeout, existing.uid)
