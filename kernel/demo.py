@@ -7,6 +7,7 @@ what each cell produced, as a CI log would show it.
 from __future__ import annotations
 
 import argparse
+import logging
 import re
 import sys
 import textwrap
@@ -97,6 +98,9 @@ def _failed(exc: BaseException, timeout: float) -> int:
     as it cleaned up after a SIGTERM or Ctrl-C (it handles both, interrupting the cell), the
     run was interrupted (130); an error it does not name is raised as it is."""
     if _interrupted(exc):
+        # nbclient's own cleanup, which the signal began, fails again as the run ends; its
+        # task's error would be logged at exit ("Task exception was never retrieved").
+        logging.getLogger("asyncio").setLevel(logging.CRITICAL)
         print("interrupted: the notebook did not finish", file=sys.stderr)
         return 130
     if isinstance(exc, CellExecutionError):

@@ -181,7 +181,9 @@ def test_the_demo_stops_a_cell_past_its_timeout_and_keeps_what_ran(tmp_path: Pat
 
 def test_the_demo_says_a_sigterm_ended_it(tmp_path: Path) -> None:
     # A cancelled CI job: nbclient interrupts the cell and shuts the kernel down; the run says
-    # it was interrupted (130), not that a cell failed, with no traceback of nbclient's cleanup.
+    # it was interrupted (130), not that a cell failed (exit 1), nor ends in nbclient's cleanup
+    # raising (exit 1, its traceback). (The kernel writes to the same stderr, and ipykernel may
+    # say something of its own as it is stopped mid-message: not checked here.)
     started = tmp_path / "started"
     path = _notebook(
         tmp_path / "long.ipynb", f"import time, pathlib\npathlib.Path({str(started)!r}).touch()\n"
@@ -196,7 +198,7 @@ def test_the_demo_says_a_sigterm_ended_it(tmp_path: Path) -> None:
         demo.terminate()
         _, err = demo.communicate(timeout=60)
         assert demo.returncode == 130, err
-        assert "interrupted: the notebook did not finish" in err and "Traceback" not in err
+        assert "interrupted: the notebook did not finish" in err and "a cell failed" not in err
     finally:
         if demo.poll() is None:
             demo.kill()
