@@ -285,11 +285,12 @@ def _up(args: argparse.Namespace) -> int:
         poll_interval=args.poll_interval,
         max_payload_bytes=args.max_payload_bytes,
     )
+    # SIGTERM or Ctrl-C while starting (`fnkernel down`, a CI job cancelled) stops what has
+    # started: handled from before the pid file `fnkernel down` reads is written.
+    starting = {sig: signal.signal(sig, _interrupted) for sig in _STOPS}
     up_file = stack.state_dir / statedir.UP_FILE  # for ``fnkernel down``: from the start, so that a
-    tokens.write_private(up_file, f"{os.getpid()}\n")  # down while it starts stops it too
-    # SIGTERM while starting (`fnkernel down`, a CI job cancelled) stops what has started.
-    starting = signal.signal(signal.SIGTERM, _interrupted)
     try:
+        tokens.write_private(up_file, f"{os.getpid()}\n")  # down while it starts stops it too
         stack.start()
     except RuntimeError as exc:
         print(f"fnkernel up: {exc} (logs in {stack.state_dir / 'logs'})", file=sys.stderr)
@@ -297,11 +298,11 @@ def _up(args: argparse.Namespace) -> int:
     except StoreDamaged as exc:
         print(f"fnkernel up: {exc}", file=sys.stderr)
         return _stopped(stack, up_file, EXIT_FAILURE)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # stopping now: further signals are ignored (_interrupted)
         print("fnkernel up: stopped while starting", file=sys.stderr)
         return _stopped(stack, up_file, EXIT_INTERRUPTED)
-    finally:
-        signal.signal(signal.SIGTERM, starting)
+    for sig, handler in starting.items():
+        signal.signal(sig, handler)
     print(f"fnkernel up: state dir {stack.state_dir}")
     for line in stack.describe():
         print(f"  {line}")
@@ -319,7 +320,14 @@ def _up(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+_STOPS = (signal.SIGTERM, signal.SIGINT)
+
+
 def _interrupted(signum: int, frame: Any) -> None:
+    """The first stop while `up` starts: the start is interrupted, and what follows ignored
+    (a second Ctrl-C, the process group's signal) while it stops what has started."""
+    for sig in _STOPS:
+        signal.signal(sig, signal.SIG_IGN)
     raise KeyboardInterrupt
 
 
