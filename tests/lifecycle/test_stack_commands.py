@@ -66,17 +66,26 @@ def test_fnkernel_up_prints_addresses_and_stops_everything(
             proc.wait()
 
 
+CLI = [sys.executable, "-m", "fnkernel.runtime_server.cli"]
+
+
+def _up(state_dir: Path, stderr: int = subprocess.DEVNULL) -> subprocess.Popen[str]:
+    """`fnkernel up` of one python pod on a free loopback port, in the background."""
+    return subprocess.Popen(
+        [*CLI, "up", "--state-dir", str(state_dir), "--gateway-listen", "127.0.0.1:0",
+         "--pods", "python=1"],
+        stdout=subprocess.PIPE, stderr=stderr, text=True,
+    )  # fmt: skip
+
+
 def test_fnkernel_down_stops_the_stack_up_started_in_its_state_dir(tmp_path: Path) -> None:
     # README, "CLI": `fnkernel up &` then `fnkernel down` with the same state dir.
-    cli = [sys.executable, "-m", "fnkernel.runtime_server.cli"]
+
     state = ["--state-dir", str(tmp_path / "s")]
-    proc = subprocess.Popen(
-        [*cli, "up", *state, "--gateway-listen", "127.0.0.1:0", "--pods", "python=1"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
+    proc = _up(tmp_path / "s")
     try:
         pids = [int(pid) for pid in re.findall(r"\(pid (\d+)\)", "\n".join(read_until_ready(proc)))]
-        down = subprocess.run([*cli, "down", *state], capture_output=True, text=True, timeout=60)
+        down = subprocess.run([*CLI, "down", *state], capture_output=True, text=True, timeout=60)
         assert down.returncode == 0, down.stderr
         assert (
             down.stdout
@@ -84,7 +93,7 @@ def test_fnkernel_down_stops_the_stack_up_started_in_its_state_dir(tmp_path: Pat
         )
         assert proc.wait(30) == 0
         assert not any(pid_alive(pid) for pid in pids)  # down waits until every one is gone
-        again = subprocess.run([*cli, "down", *state], capture_output=True, text=True, timeout=60)
+        again = subprocess.run([*CLI, "down", *state], capture_output=True, text=True, timeout=60)
         assert (again.returncode, again.stderr) == (
             1, f"fnkernel down: no stack is up with the state dir {tmp_path / 's'}\n",
         )  # fmt: skip
@@ -100,17 +109,14 @@ def test_a_second_up_on_the_same_state_dir_is_refused_and_the_first_keeps_it(
     # README, "CLI": `fnkernel down` stops the `up` of its state dir. A second `up` there took
     # its sockets, token and pid file, and `down` then stopped only the second: the first ran
     # on, out of reach. It is refused, naming the first.
-    cli = [sys.executable, "-m", "fnkernel.runtime_server.cli"]
+
     state = ["--state-dir", str(tmp_path / "s")]
-    first = subprocess.Popen(
-        [*cli, "up", *state, "--gateway-listen", "127.0.0.1:0", "--pods", "python=1"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
+    first = _up(tmp_path / "s")
     try:
         read_until_ready(first)
         token = (tmp_path / "s" / "token").read_text()
         second = subprocess.run(
-            [*cli, "up", *state, "--gateway-listen", "127.0.0.1:0", "--pods", "python=1"],
+            [*CLI, "up", *state, "--gateway-listen", "127.0.0.1:0", "--pods", "python=1"],
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert second.returncode == 1, second.stderr
@@ -119,7 +125,7 @@ def test_a_second_up_on_the_same_state_dir_is_refused_and_the_first_keeps_it(
             f"(pid {first.pid})" in second.stderr
         )
         assert (tmp_path / "s" / "token").read_text() == token  # nothing of the first touched
-        down = subprocess.run([*cli, "down", *state], capture_output=True, text=True, timeout=60)
+        down = subprocess.run([*CLI, "down", *state], capture_output=True, text=True, timeout=60)
         assert down.returncode == 0 and f"(pid {first.pid})" in down.stdout, down.stderr
         assert first.wait(30) == 0
     finally:
@@ -133,11 +139,7 @@ def test_a_stop_while_up_starts_stops_what_has_started(tmp_path: Path) -> None:
     # not: its pid file is there from the start, and what had started is stopped — the
     # components, the spool. (It said "no stack is up", and the stack came up after.)
     state_dir = tmp_path / "s"
-    up = subprocess.Popen(
-        [sys.executable, "-m", "fnkernel.runtime_server.cli", "up", "--state-dir",
-         str(state_dir), "--gateway-listen", "127.0.0.1:0", "--pods", "python=1"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    up = _up(state_dir, stderr=subprocess.PIPE)
     try:
         wait_until(lambda: (state_dir / "up.pid").exists(), timeout=30, interval=0.01)
         os.kill(int((state_dir / "up.pid").read_text()), signal.SIGTERM)
