@@ -52,6 +52,15 @@ NOT_KEPT = re.compile(
 DROPPED = re.compile(r"\[fnkernel: \d+ bytes(?: \((\d+) lines\))? of (?:stdout|stderr) dropped: ")
 
 
+def _dropped_text(stream: str, size: int, lines: int) -> str:
+    """The line DROPPED reads: `size` bytes of `stream` dropped, `lines` lines (0: uncounted)."""
+    what = f"{size} bytes" + (f" ({lines} lines)" if lines else "")
+    limit = (
+        f"the first and last {CALL_LOG_BYTES >> 11} KiB and {CALL_LOG_LINES} lines of each stream"
+    )
+    return f"[fnkernel: {what} of {stream} dropped: a call keeps {limit}]"
+
+
 def lines_in(text: str) -> int | None:
     """How many of a stream's lines the log line `text` stands for: 1, or a dropped middle's
     count; None for a middle dropped by bytes, whose lines nobody counted."""
@@ -287,11 +296,7 @@ def _bounded_lines(stream: str, fd: int, offset: int, size: int) -> list[LogLine
         first, last = every[:keep], every[-keep:]
     lines = [_log_line(stream, raw) for raw in first]
     if dropped:
-        what = f"{dropped} bytes" + (f" ({lines_dropped} lines)" if lines_dropped > 0 else "")
-        limit = f"the first and last {half >> 10} KiB and {CALL_LOG_LINES} lines of each stream"
-        lines.append(
-            LogLine(stream, f"[fnkernel: {what} of {stream} dropped: a call keeps {limit}]")
-        )
+        lines.append(LogLine(stream, _dropped_text(stream, dropped, max(0, lines_dropped))))
     lines += [_log_line(stream, raw) for raw in last]
     return lines
 

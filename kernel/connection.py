@@ -127,8 +127,9 @@ class StackChosen(Exception):
 
 
 class StackMisconfigured(StackChosen):
-    """The embedded stack cannot start as the environment sets it (a ``$FNKERNEL_MAX_PAYLOAD_BYTES``
-    that is no number of bytes): nothing is started. Shown as one line."""
+    """The stack cannot be had as the environment names it (a ``$FNKERNEL_RUNTIME`` that is
+    no address a client can call, a ``$FNKERNEL_MAX_PAYLOAD_BYTES`` that is no number of
+    bytes): nothing is started. Shown as one line."""
 
 
 class Runtime:
@@ -199,17 +200,16 @@ class Runtime:
             if self._client is None:
                 if not self.address:
                     self.address = wanted
-                try:  # %fn_connect checked its own: one that fails is the environment's
-                    check_address(self.address)  # "": the embedded runtime
-                except ValueError as exc:
-                    raise StackMisconfigured(f"{RUNTIME_ENV}: {exc}") from None
                 if not self.address:
                     if progress:
                         progress("starting the embedded runtime")
                     self._start_embedded()
                 else:
                     self._drop_prewarmed()
-                self._client = TracedClient(self.address, self.trace)
+                try:
+                    self._client = TracedClient(self.address, self.trace)
+                except ValueError as exc:  # %fn_connect checks its own: the environment's
+                    raise StackMisconfigured(f"{RUNTIME_ENV}: {exc}") from None
                 self._wanted_at_choice = wanted  # a later change of it is the user's
             if runtime is not None and self._stack is not None and runtime not in self.pods():
                 if progress:

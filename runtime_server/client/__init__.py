@@ -220,6 +220,8 @@ class Client(Transport):
         sending: Callable[[], None],
     ) -> InvocationResult:
         """``invoke``'s call, `sending()` said as its request is about to be sent."""
+        if data is not None and payload is not None:  # before a file given as data is read
+            raise TypeError("invoke takes a payload or data=, not both")
         source = None  # `data` as a file: read into the spool when large, whole if not
         if data is not None and not isinstance(data, bytes | bytearray | memoryview):
             if not callable(getattr(data, "read", None)):
@@ -229,8 +231,6 @@ class Client(Transport):
             if not (large and by_reference and self.local_spool() is not None):
                 data, source = data + source.read(), None
         if data is not None:
-            if payload is not None:
-                raise TypeError("invoke takes a payload or data=, not both")
             outgoing = payloads.Outgoing((data, content_type))
         elif content_type != payloads.JSON:
             raise TypeError(

@@ -4,6 +4,7 @@ over DataFrames, any HTTP client with Content-Type and Accept, and the CLI."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -213,3 +214,11 @@ def test_arguments_that_contradict_each_other_are_a_type_error_before_anything_i
     payload = arguments.pop("payload", None)
     with pytest.raises(TypeError, match=says):
         totals.invoke("totals", payload, **arguments)
+
+
+def test_a_file_given_with_a_payload_is_refused_before_it_is_read(totals: Client) -> None:
+    # data= a file and a payload: refused as data= bytes is, the file left unread (stdin, say).
+    data = io.BytesIO(b'{"a": 1}')
+    with pytest.raises(TypeError, match="a payload or data=, not both"):
+        totals.invoke("totals", {"a": 1}, data=data)
+    assert data.tell() == 0
