@@ -157,10 +157,16 @@ class HandlerFailedInCell(HandlerFailed):
         numbers — then the summary line, and what to ship when it missed a file beside the
         notebook. A failure without frames is the summary alone."""
         hint = self.hint()
-        lines = [self.summary(), *([f"hint: {hint}"] if hint else [])]
+        summary = self.summary()
+        hints = [f"hint: {hint}"] if hint else []
         if not self.traceback_lines:
-            return lines
-        return [*self.traceback_text(colour=True).splitlines(), *lines]
+            return [summary, *hints]
+        shown = self.traceback_text(colour=True).splitlines()
+        # The traceback ends with the exception's line; the summary is that line and where it
+        # was, so it takes its place rather than saying it a second time.
+        if self.traceback_text().splitlines()[-1] == summary.rpartition(" (")[0]:
+            shown.pop()
+        return [*shown, summary, *hints]
 
     def traceback_text(self, colour: bool = False) -> str:
         """The handler's traceback as IPython shows one: its own frames with the cell's line
