@@ -12,6 +12,8 @@ from typing import Any
 class GatewayError(Exception):
     """A gateway request failed; ``str()`` is one line: the message and the status name."""
 
+    names_its_code = True  # str() ends with the status name, ``(NOT_FOUND)``
+
     def __init__(
         self,
         message: str,
@@ -31,7 +33,7 @@ class GatewayError(Exception):
         self.spans = b""  # a traced call's: every hop's spans, OTLP (docs/protocol.md, "Tracing")
         # A map's failure: the index of the item it failed on, and how many items the map had.
         self.item: tuple[int, int] | None = None
-        super().__init__(f"{message} ({code})" if code else message)
+        super().__init__(f"{message} ({code})" if code and self.names_its_code else message)
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any], status: int) -> GatewayError:
@@ -125,6 +127,10 @@ class FunctionUnavailable(GatewayError):
 
 class HandlerFailed(GatewayError):
     """502: the handler ran and failed; ``error_type``, ``error_message`` and ``logs`` tell why."""
+
+    # Its message begins "handler error:", which is all its status (UNKNOWN) says: ``str()``
+    # reads "handler error: KeyError: 'x'", not "... (UNKNOWN)", as if the error were unknown.
+    names_its_code = False
 
     @property
     def error_type(self) -> str:

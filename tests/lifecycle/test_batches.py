@@ -165,7 +165,7 @@ def test_after_a_failure_the_rest_of_the_batch_is_never_called(
     with pytest.raises(HandlerFailed, match="no: 1") as caught:
         Client(stack.gateway_address).map("one", items)
     assert caught.value.item == (1, 12)
-    assert str(caught.value).endswith("no: 1 (UNKNOWN) (index 1 of 12 items)")
+    assert str(caught.value).endswith("handler error: ValueError: no: 1 (index 1 of 12 items)")
     assert log.read_text().split() == ["0", "1"]
 
 
