@@ -58,6 +58,14 @@ def count(text: str) -> int:
         raise argparse.ArgumentTypeError(exc.reason) from None
 
 
+def positive(text: str) -> int:
+    """argparse type: a ``count`` of at least 1 (where 0 would mean nothing to do)."""
+    value = count(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
 def listen_address(text: str) -> str:
     """argparse type: where a server listens, ``host:port`` (a port of 0 to 65535, 0 for a
     free one; no host for every interface) or ``unix:PATH`` — refused before anything starts,

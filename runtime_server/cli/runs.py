@@ -23,6 +23,7 @@ from fnkernel.runtime_server.cli.common import (
     add_client_flags,
     client_of,
     count,
+    positive,
     print_json,
 )
 
@@ -155,7 +156,7 @@ def _map(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     client_of(args).map(
-        args.name, items, concurrency=args.concurrency or None, return_exceptions=True,
+        args.name, items, concurrency=args.concurrency, return_exceptions=True,
         timeout_millis=args.timeout_ms, progress=progress, on_result=on_result,
         on_log=on_log if args.follow else None,
     )  # fmt: skip
@@ -181,7 +182,7 @@ def _invoke(args: argparse.Namespace) -> int:
                 f"as lines on stdout: {flag} is for one call"
             )
         return _map(args)
-    if args.concurrency:
+    if args.concurrency is not None:
         raise UsageError("--concurrency is for --map: one call is one call")
     from fnkernel.runtime_server import payloads
     from fnkernel.runtime_server.client.errors import InvocationTimedOut
@@ -446,8 +447,8 @@ def register(commands: Any) -> None:
     )
     invoke.add_argument(
         "--concurrency",
-        type=count,
-        default=0,
+        type=positive,
+        default=None,
         metavar="N",
         help="with --map: calls in flight at once (default: the function's replicas)",
     )

@@ -414,6 +414,9 @@ def test_cli_flags_that_cannot_apply_are_usage_errors_and_nothing_is_left_half_w
     assert stray.stderr.startswith("usage: fnkernel invoke ")
     alone = fnkernel("invoke", "cli-flags", "1", "--concurrency", "2", *gateway)
     assert alone.returncode == 2 and "--concurrency is for --map" in alone.stderr
+    # No calls in flight is no map: refused, not taken as "the function's replicas".
+    none = fnkernel("invoke", "cli-flags", "--map", str(lines), "--concurrency", "0", *gateway)
+    assert none.returncode == 2 and "--concurrency: must be at least 1" in none.stderr
     into_dir = fnkernel("invoke", "cli-flags", "1", "--output", str(tmp_path), *gateway)
     assert into_dir.returncode == 2 and "a directory" in into_dir.stderr
     assert not Path(f"{tmp_path}.part").exists()
