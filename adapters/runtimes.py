@@ -19,11 +19,14 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Traceback:
-    """How a runtime's worker logs a handler's failure: the line that starts the traceback, and a
-    pattern for one frame with the groups ``path``, ``line`` and ``function``."""
+    """How a runtime's worker logs a handler's failure: the line that starts the traceback, a
+    pattern for one frame with the groups ``path``, ``line`` and ``function``, and the lines
+    that join the tracebacks of a chain of exceptions (``raise ... from``), each of which
+    starts with `start` again."""
 
     start: str
     frame: re.Pattern[str]
+    chained: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,10 @@ RUNTIMES: dict[str, BuiltinRuntime] = {
                 start="Traceback (most recent call last):",
                 frame=re.compile(
                     r'\s*File "(?P<path>[^"]*)", line (?P<line>\d+), in (?P<function>.*)'
+                ),
+                chained=(
+                    "The above exception was the direct cause of the following exception:",
+                    "During handling of the above exception, another exception occurred:",
                 ),
             ),
         ),

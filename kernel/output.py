@@ -85,14 +85,30 @@ def split_traceback(
     logs: list[dict[str, str]], runtime: str
 ) -> tuple[list[dict[str, str]], list[str]]:
     """The handler's own log lines, and the traceback the worker logged after them (if any, and
-    if the runtime's worker logs one: adapters/runtimes.py)."""
+    if the runtime's worker logs one: adapters/runtimes.py) — all of it when it is a chain of
+    exceptions' (``raise ... from``: every pandas KeyError), not only its last one's."""
     traceback = RUNTIMES[runtime].traceback
-    if traceback is not None:
-        for index in range(len(logs) - 1, -1, -1):
-            entry = logs[index]
-            if entry.get("stream") == "stderr" and entry.get("text") == traceback.start:
-                return logs[:index], [line.get("text", "") for line in logs[index:]]
-    return logs, []
+    if traceback is None:
+        return logs, []
+    texts = [entry.get("text", "") if entry.get("stream") == "stderr" else None for entry in logs]
+
+    def last_start(before: int) -> int | None:
+        starts = (index for index in range(before - 1, -1, -1) if texts[index] == traceback.start)
+        return next(starts, None)
+
+    begins = last_start(len(texts))
+    while begins is not None:  # an earlier traceback of the chain, joined to this one?
+        joined = begins - 1
+        while joined >= 0 and texts[joined] == "":
+            joined -= 1
+        chained = joined >= 0 and texts[joined] in traceback.chained
+        earlier = last_start(joined) if chained else None
+        if earlier is None:
+            break
+        begins = earlier
+    if begins is None:
+        return logs, []
+    return logs[:begins], [line.get("text", "") for line in logs[begins:]]
 
 
 _NO_FRAME = re.compile(r"(?!)")  # matches nothing: a runtime whose failures have no frames
@@ -118,6 +134,7 @@ class HandlerFailedInCell(HandlerFailed):
         self.traceback_lines = split_traceback(failed.logs, spec.runtime)[1]
         traceback = RUNTIMES[spec.runtime].traceback
         self._frame = (traceback.frame if traceback else _NO_FRAME).match
+        self._chained = traceback.chained if traceback else ()
 
     @property
     def line(self) -> int | None:
@@ -175,15 +192,16 @@ class HandlerFailedInCell(HandlerFailed):
         red, green, cyan, reset = ("\x1b[0;31m", "\x1b[0;32m", "\x1b[0;36m", "\x1b[0m")
         if not colour:
             red = green = cyan = reset = ""
-        out = [
-            red + "-" * 75 + reset,
-            f"{red}{self.error_type:<42}{reset}Traceback (most recent call last)",
-        ]
+        lines = self.traceback_lines
+        out = [red + "-" * 75 + reset]
         source = self.spec.source.splitlines()
         frame_kind = ""  # "cell" or "file" while reading a frame's lines; "" after the frames
-        for text in self.traceback_lines[1:]:
+        for index, text in enumerate(lines):
             frame = self._frame(text)
-            if frame is not None and Path(frame["path"]).name == self.spec.filename:
+            if index == 0 or (text == lines[0] and not frame_kind):  # a traceback of the chain
+                kind = self._exception_of(index) or self.error_type
+                out.append(f"{red}{kind:<42}{reset}Traceback (most recent call last)")
+            elif frame is not None and Path(frame["path"]).name == self.spec.filename:
                 frame_kind = "cell"
                 line = cell_line(int(frame["line"]))
                 out.append(
@@ -203,8 +221,17 @@ class HandlerFailedInCell(HandlerFailed):
             else:
                 frame_kind = ""
                 name, colon, rest = text.partition(":")
-                out.append(f"{red}{name}{reset}{colon}{rest}" if colon else text)
+                named = colon and text not in self._chained  # an exception's line
+                out.append(f"{red}{name}{reset}{colon}{rest}" if named else text)
         return "\n".join(out)
+
+    def _exception_of(self, start: int) -> str:
+        """The type of the exception whose traceback starts at line `start`: its first line
+        that is no frame, no frame's source and not blank."""
+        for text in self.traceback_lines[start + 1 :]:
+            if text and not text.startswith(" ") and self._frame(text) is None:
+                return text.partition(":")[0]
+        return ""
 
 
 _CATCHABLE: dict[type[Exception], type[HandlerFailedInCell]] = {}

@@ -148,6 +148,47 @@ def test_a_handler_error_shows_its_traceback_and_a_line_naming_the_exception_and
     assert kernel.value("isinstance(__import__('sys').last_value, HandlerFailed)") is True
 
 
+CHAINED = """%%function chained
+def handler(event):
+    print("looking up", event)
+    try:
+        return {}[event]
+    except KeyError as missing:
+        if event == "from":
+            raise ValueError("no such key") from missing
+        raise LookupError("while looking")
+"""
+
+
+def test_a_chain_of_exceptions_is_told_whole_against_the_cell_and_never_as_stderr(
+    kernel: Kernel,
+) -> None:
+    # docs/protocol.md, "Kernel": a handler error shows the handler's traceback as IPython shows
+    # a local error, its own frames with the cell's lines, never the worker's — and a chain of
+    # exceptions (`raise ... from`, or one raised while handling another: every pandas
+    # KeyError) is one traceback, as IPython shows it; caught in the cell, nothing of it shows.
+    assert kernel.run(CHAINED).ok
+    caught = kernel.run("try:\n    chained('from')\nexcept ValueError:\n    print('caught')")
+    assert caught.ok and caught.stdout == "looking up from\ncaught\n"
+    assert caught.stderr == ""
+    for event, joined, last in [
+        ("from", "The above exception was the direct cause of the following exception:",
+         "ValueError: no such key (chained, cell line 8)"),
+        ("during", "During handling of the above exception, another exception occurred:",
+         "LookupError: while looking (chained, cell line 9)"),
+    ]:  # fmt: skip
+        cell = kernel.run(f"chained({event!r})")
+        assert cell.error is not None and cell.stderr == "", cell.stderr
+        lines = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in cell.error["traceback"]]
+        assert lines[-1] == last
+        assert joined in lines
+        headers = [line.split()[0] for line in lines if "Traceback (most recent call last)" in line]
+        assert headers == ["KeyError", last.partition(":")[0]]
+        assert "---->  5         return {}[event]" in lines  # the first exception's frame
+        assert "KeyError: '" + event + "'" in lines
+        assert not [line for line in lines if "workspace" in line or "_worker" in line]
+
+
 def test_a_function_past_its_memory_limit_fails_in_one_line_naming_it(kernel: Kernel) -> None:
     # docs/protocol.md, "Limits": --memory MIB is the Run's memoryMb; past it the call fails
     # naming the limit and the function stays registered.
