@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 from typing import Any
 
 try:
@@ -59,7 +60,23 @@ def _default(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON")
 
 
-_ENCODER = json.JSONEncoder(separators=(",", ":"), default=_default)
+# Strict: a NaN or an infinity is a ValueError, not the NaN literal JSON has none of; ``dumps``
+# then writes null for it, as orjson does.
+_ENCODER = json.JSONEncoder(separators=(",", ":"), default=_default, allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    """`value` with each NaN and infinity inside it made None (numpy's made Python values
+    first), for the standard library to write as null."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    if type(value).__module__ == "numpy" and hasattr(value, "tolist"):
+        return _finite(_default(value))
+    return value
 
 
 def dumps(value: Any, root: str = "value") -> bytes:
@@ -72,7 +89,12 @@ def dumps(value: Any, root: str = "value") -> bytes:
             pass
     try:
         # ASCII: a lone surrogate (which orjson refuses too) is written as its \u escape.
-        return _ENCODER.encode(value).encode()
+        try:
+            return _ENCODER.encode(value).encode()
+        except ValueError as exc:
+            if "Out of range float" not in str(exc):
+                raise  # a circular reference
+            return _ENCODER.encode(_finite(value)).encode()
     except TypeError:
         where = unencodable(value, root)
         if where is None:

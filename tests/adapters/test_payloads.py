@@ -119,6 +119,29 @@ def test_bytes_are_octets_and_the_rest_is_json() -> None:
     assert payloads.decode(b"hello, ada", "text/plain; charset=utf-8") == "hello, ada"
 
 
+def test_nan_and_infinity_are_written_as_null_also_beside_what_only_the_standard_library_writes() -> (
+    None
+):
+    # docs/protocol.md, "JSON encodings": NaN and ±Infinity are null — also in a value orjson
+    # refuses (an integer past 64 bits), which the standard library writes: it would write
+    # the literal NaN, which is no JSON (RFC 8259), and a strict reader refuses it.
+    def strict(text: bytes) -> Any:
+        return json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in {text!r}"))
+
+    nan, inf = float("nan"), float("inf")
+    for big in (None, 2**70):
+        value = {"nan": nan, "big": big, "floats": [inf, -inf, np.float64(nan), 1.5],
+                 "array": np.array([nan, 2.0]), "nested": ({"x": np.float32(inf)},)}  # fmt: skip
+        data, media = payloads.encode(value)
+        assert media == payloads.JSON
+        assert strict(data) == {"nan": None, "big": big, "floats": [None, None, None, 1.5],
+                                "array": [None, 2.0], "nested": [{"x": None}]}  # fmt: skip
+    loop: list[Any] = []
+    loop.append(loop)
+    with pytest.raises(ValueError, match="Circular reference"):
+        _jsonvalues.dumps([2**70, loop])
+
+
 # JSON texts a caller may send, each read as the standard library reads it. Strict JSON...
 STRICT = [b"[18446744073709551616, -9223372036854775809, 123456789012345678901234567890]",
           b'{"a": 1, "a": 2.5e-5, "b": [true, null, -0.0, 1.7976931348623157e308]}',
