@@ -20,8 +20,10 @@ handler's directory is on ``sys.path``, and imports nothing else of fnkernel.
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import math
+import resource
 from typing import Any
 
 try:
@@ -84,6 +86,11 @@ def dumps(value: Any, root: str = "value") -> bytes:
     as a path from `root` (``payload``, ``result``); ValueError for a circular reference."""
     if orjson is not None:
         try:
+            if _large(value) and memory_limited():
+                pieces: list[bytes] = []
+                _write(value, pieces, 0)
+                _room(sum(map(len, pieces)))
+                return b"".join(pieces)
             return orjson.dumps(value, default=_default, option=_OPTIONS)
         except orjson.JSONEncodeError:
             pass
@@ -100,6 +107,102 @@ def dumps(value: Any, root: str = "value") -> bytes:
         if where is None:
             raise
         raise TypeError(where) from None
+
+
+# orjson reserves room for a list or dict as it begins to write it — a few hundred bytes an
+# item — and eight bytes a character for a string: address space many times the text's size
+# (a 3 MiB text of 500,000 numbers took 128 MiB). Held to a memory limit (RLIMIT_DATA: a
+# handler's worker), it fails to grow its buffer long before the memory is used, and crashes
+# the process rather than raise MemoryError. There a large value is written here a slice at
+# a time, each slice by orjson, into the same text (docs/architecture.md, "A payload's bytes").
+PIECE_ITEMS = 4096
+PIECE_CHARACTERS = 1 << 20
+_LOOKED_AT = 16  # the parts of a value looked at for a large one inside
+
+
+def _large(value: Any) -> bool:
+    """Whether `value` is a list, tuple, dict or string longer than a piece, or holds one among
+    the first _LOOKED_AT parts of it looked at (depth first, a dict's values)."""
+    if not isinstance(value, (str, list, tuple, dict)):
+        return False
+    parts, looked = [value], 0
+    while parts and looked < _LOOKED_AT:
+        part = parts.pop()
+        looked += 1
+        if isinstance(part, str):
+            if len(part) > PIECE_CHARACTERS:
+                return True
+        elif isinstance(part, (list, tuple, dict)):
+            if len(part) > PIECE_ITEMS:
+                return True
+            inside = part.values() if isinstance(part, dict) else part
+            parts.extend(itertools.islice(inside, _LOOKED_AT - looked))
+    return False
+
+
+def memory_limited() -> bool:
+    """Whether this process is held to a memory limit (RLIMIT_DATA), as a handler's worker is."""
+    return resource.getrlimit(resource.RLIMIT_DATA)[0] != resource.RLIM_INFINITY
+
+
+# What orjson may reserve for one piece: ~512 bytes an item of a dict, 8 a character.
+_PIECE_ROOM = max(512 * PIECE_ITEMS, 8 * PIECE_CHARACTERS) + (1 << 20)
+
+
+def _room(needed: int) -> None:
+    """MemoryError, as Python's own allocations raise it, unless the memory limit leaves this
+    process `needed` bytes more: what orjson cannot say itself."""
+    limit = resource.getrlimit(resource.RLIMIT_DATA)[0]
+    with open("/proc/self/statm", "rb") as statm:  # its sixth field: data (and stack) pages
+        used = int(statm.read().split()[5]) * resource.getpagesize()
+    if limit != resource.RLIM_INFINITY and used + needed > limit:
+        raise MemoryError(f"{needed} bytes more would pass the memory limit of {limit} bytes")
+
+
+def _write(value: Any, pieces: list[bytes], depth: int) -> None:
+    """`value` as orjson writes it, appended to `pieces`: a large one (``_large``) a slice of
+    its items or characters at a time; orjson.JSONEncodeError where orjson refuses a part."""
+    _room(_PIECE_ROOM)
+    if depth > 32 or not _large(value):  # deeper: orjson says if it nests too deep
+        pieces.append(orjson.dumps(value, default=_default, option=_OPTIONS))
+    elif isinstance(value, str):
+        pieces.append(b'"')
+        for start in range(0, len(value), PIECE_CHARACTERS):
+            _room(_PIECE_ROOM)
+            pieces.append(orjson.dumps(value[start : start + PIECE_CHARACTERS])[1:-1])
+        pieces.append(b'"')
+    elif isinstance(value, dict):
+        pieces.append(b"{")
+        pairs, written = iter(value.items()), 0
+        while piece := dict(itertools.islice(pairs, PIECE_ITEMS)):
+            if written:
+                pieces.append(b",")
+            written += len(piece)
+            _room(_PIECE_ROOM)
+            if not _large(piece):
+                pieces.append(orjson.dumps(piece, default=_default, option=_OPTIONS)[1:-1])
+                continue
+            for index, (key, item) in enumerate(piece.items()):
+                if not isinstance(key, str):  # as orjson refuses it
+                    raise orjson.JSONEncodeError("Dict key must be str")
+                pieces.append(b"%s%s:" % (b"," if index else b"", orjson.dumps(key)))
+                _write(item, pieces, depth + 1)
+        pieces.append(b"}")
+    else:
+        pieces.append(b"[")
+        for start in range(0, len(value), PIECE_ITEMS):
+            piece = value[start : start + PIECE_ITEMS]
+            if start:
+                pieces.append(b",")
+            _room(_PIECE_ROOM)
+            if not _large(piece):
+                pieces.append(orjson.dumps(piece, default=_default, option=_OPTIONS)[1:-1])
+                continue
+            for index, item in enumerate(piece):
+                if index:
+                    pieces.append(b",")
+                _write(item, pieces, depth + 1)
+        pieces.append(b"]")
 
 
 def loads(data: bytes) -> Any:

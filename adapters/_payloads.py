@@ -527,8 +527,4 @@ def _imported(package: str, missing: str) -> Any:
         raise
 
 
-def memory_limited() -> bool:
-    """Whether this process is held to a memory limit (RLIMIT_DATA), as a handler's worker is."""
-    import resource
-
-    return resource.getrlimit(resource.RLIMIT_DATA)[0] != resource.RLIM_INFINITY
+memory_limited = _jsonvalues.memory_limited

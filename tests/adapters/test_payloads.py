@@ -5,6 +5,7 @@ nulls, timestamps, categories and index. Never pickle."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import tracemalloc
 from pathlib import Path
@@ -140,6 +141,41 @@ def test_nan_and_infinity_are_written_as_null_also_beside_what_only_the_standard
     loop.append(loop)
     with pytest.raises(ValueError, match="Circular reference"):
         _jsonvalues.dumps([2**70, loop])
+
+
+def test_a_large_value_is_written_in_pieces_under_a_memory_limit_into_the_same_text(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # docs/architecture.md, "A payload's bytes": held to a memory limit, a large list, dict or
+    # string (or a value holding one among its first parts) is written a slice at a time, each by
+    # orjson — into the text orjson writes whole, and refused alike where orjson refuses.
+    import orjson
+
+    stamp = datetime.datetime(2024, 5, 1, 12, tzinfo=datetime.UTC)
+    record = {"id": 7, "name": "é\n\u2028", "at": stamp, "ratio": np.float32(0.1), "nan": np.nan}
+    large = [
+        list(range(_jsonvalues.PIECE_ITEMS * 3 + 5)),
+        [record] * (_jsonvalues.PIECE_ITEMS + 1),
+        {"rows": [1.5] * (_jsonvalues.PIECE_ITEMS + 1), "more": {"x": [None]}},
+        {f"k{index}": [index] for index in range(_jsonvalues.PIECE_ITEMS * 2 + 1)},
+        ('x"' * _jsonvalues.PIECE_CHARACTERS, [list(range(_jsonvalues.PIECE_ITEMS + 1))] * 3),
+        [{"deep": {"rows": list(range(_jsonvalues.PIECE_ITEMS + 1))}}] * 2,
+    ]
+    whole = [orjson.dumps(value, default=_jsonvalues._default, option=_jsonvalues._OPTIONS)
+             for value in large]  # fmt: skip
+    written: list[int] = []
+    monkeypatch.setattr(_jsonvalues, "memory_limited", lambda: True)
+    monkeypatch.setattr(_jsonvalues, "_room", written.append)  # each piece asks for room
+    for value, text in zip(large, whole, strict=True):
+        assert _jsonvalues._large(value)
+        before = len(written)
+        assert _jsonvalues.dumps(value) == text
+        assert len(written) - before > 2  # in pieces, not whole
+    # What orjson refuses is refused alike: a key that is not a string goes to the standard
+    # library, which writes it as its text; an integer past 64 bits too.
+    keyed = {index: index for index in range(_jsonvalues.PIECE_ITEMS + 1)}
+    assert json.loads(_jsonvalues.dumps(keyed)) == {str(key): key for key in keyed}
+    assert json.loads(_jsonvalues.dumps([2**70] * (_jsonvalues.PIECE_ITEMS + 1)))[-1] == 2**70
 
 
 # JSON texts a caller may send, each read as the standard library reads it. Strict JSON...

@@ -106,6 +106,30 @@ def test_a_payload_too_large_to_read_within_the_memory_is_memory_limit_exceeded(
     assert python_rt.status(registration).state == pb.FUNCTION_REGISTRATION_STATE_READY
 
 
+LISTS_PY = {
+    "handler.py": """
+        def handle(event):
+            return {"rows": [index * event["step"] for index in range(event["n"])]}
+    """
+}
+
+
+def test_a_json_result_within_the_memory_comes_back_and_one_past_it_is_memory_limit_exceeded(
+    python_rt: Client,
+) -> None:
+    # docs/protocol.md, "Limits": a handler that needs more fails its call naming the limit. A
+    # result of 800,000 numbers (a 5.4 MB text) fits in 128 MiB; orjson alone would reserve
+    # 256 MiB of address space to write it, and crash the worker when it cannot (SIGSEGV:
+    # "the worker process ended mid-call"). Two million floats, whose text and its pieces do
+    # not fit beside them, fail naming the limit.
+    registration = register(python_rt, LISTS_PY, 128)
+    answer = python_rt.invoke(registration, b'{"n": 800000, "step": 1}')
+    assert json.loads(answer.output)["rows"][-1] == 799_999
+    message = exceeded(python_rt, registration, b'{"n": 2000000, "step": 0.1}')
+    assert "needed more than its 128 MiB of memory (memoryMb)" in message
+    assert python_rt.status(registration).state == pb.FUNCTION_REGISTRATION_STATE_READY
+
+
 def test_a_bash_handler_over_its_memory_fails_naming_it(bash_rt: Client) -> None:
     registration = register(bash_rt, HUNGRY_SH, 64)
     assert bash_rt.invoke(registration, b"small").output.isdigit()
