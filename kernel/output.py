@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fnkernel.adapters.errors import MEMORY_LIMIT_EXCEEDED, OUTPUT_TOO_LARGE
+from fnkernel.adapters.errors import MEMORY_LIMIT_EXCEEDED, MORE_MEMORY, OUTPUT_TOO_LARGE
 from fnkernel.adapters.runtimes import RUNTIMES
 from fnkernel.kernel import include
 from fnkernel.kernel.cellspec import Spec
@@ -154,8 +154,9 @@ class HandlerFailedInCell(HandlerFailed):
         if self.line is not None:
             where += f", cell line {self.line}"
         what = f"{self.error_type}: {self.error_message}" if self.error_type else self.message
-        if self.error_type == MEMORY_LIMIT_EXCEEDED:  # and how to give it more, as a timeout says
-            what += f"; give it more with %%function {self.spec.name} --memory MIB"
+        if self.error_type == MEMORY_LIMIT_EXCEEDED:  # how to give it more, in the cell's words
+            mine = f"give it more with %%function {self.spec.name} --memory MIB"
+            what = what.replace(MORE_MEMORY, mine) if MORE_MEMORY in what else f"{what}; {mine}"
         elif self.error_type == OUTPUT_TOO_LARGE and self.spec.runtime == "python":
             what += (  # the stack's payload bound (a bash function answers inline, 6 MiB)
                 "; the stack's bound: FNKERNEL_MAX_PAYLOAD_BYTES for the kernel's own runtime, "

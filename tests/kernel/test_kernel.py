@@ -202,6 +202,7 @@ def test_a_function_past_its_memory_limit_fails_in_one_line_naming_it(kernel: Ke
     [line] = cell.error["traceback"]
     assert line.startswith("MemoryLimitExceeded: the handler needed more than its 100 MiB"), line
     assert line.endswith("; give it more with %%function hog --memory MIB (hog)"), line
+    assert line.count("give it more") == 1, line  # said once, in the cell's words
     assert kernel.value("hog(1)") == 1 << 20
     assert kernel.value("hog.status()['spec']['memoryMb']") == 100
 
