@@ -238,9 +238,10 @@ def check_invocation_id(invocation_id: str) -> str:
     return invocation_id
 
 
-def body_too_large(size: int, bound: int, why: str = "", what: str = "request body") -> str:
+def body_too_large(size: int | str, bound: int, why: str = "", what: str = "request body") -> str:
     """A 413's message (the gateway's, and the client's for a payload it would hand over as a
-    file: `what` names it): the body's size, the bound, and what sets it."""
+    file: `what` names it): the body's size (or what is known of it: "more than N"), the
+    bound, and what sets it."""
     return f"{what} is {size} bytes; at most {bound}{why}"
 
 

@@ -69,7 +69,13 @@ def _payload_after_flags(args: argparse.Namespace, extra: str) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from fnkernel.runtime_server.client.errors import GatewayError, InvalidRequest
+    from fnkernel.runtime_server.client.errors import (
+        GatewayError,
+        InvalidRequest,
+        PayloadTooLarge,
+        Unauthorized,
+        UnsupportedMediaType,
+    )
     from fnkernel.runtime_server.errors import StoreDamaged
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -109,15 +115,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError) as exc:  # a source that cannot be read
         print(f"fnkernel: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except InvalidRequest as exc:
+    except (InvalidRequest, PayloadTooLarge, UnsupportedMediaType) as exc:  # the input, refused
         print(f"fnkernel: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except GatewayError as exc:
         print(f"fnkernel: {type(exc).__name__}: {exc}", file=sys.stderr)
-        if exc.status == 401:  # where the token is, as README "Security" says it is found
+        if isinstance(exc, Unauthorized):  # where the token is found (README, "Security")
             print(
-                "  the token: --token-file STATE_DIR/token of the stack, $FNKERNEL_TOKEN, or the "
-                "gateway file a stack writes in $FNKERNEL_RUNTIME_DIR (the same as the stack's)",
+                f"  the token: --token-file STATE_DIR/token of the stack, {Unauthorized.FOUND_IN}",
                 file=sys.stderr,
             )
         if not getattr(args, "follow", False):  # else each line was printed as it came

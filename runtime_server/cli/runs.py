@@ -207,6 +207,8 @@ def _invoke(args: argparse.Namespace) -> int:
                     f"; bytes of another type: --content-type {payloads.ARROW} or {payloads.OCTET}"
                 )
             raise UsageError(f"payload is not JSON: {exc}{hint}") from None
+    if args.output == "-":  # as a payload's "-" is stdin
+        args.output = None
     if args.output and not Path(args.output).absolute().parent.is_dir():  # before the call runs
         raise UsageError(f"--output {args.output}: no such directory")
     if args.output and Path(args.output).is_dir():
@@ -273,6 +275,8 @@ class _Sink:
     def write(self, data: bytes) -> int:
         try:
             self.out.write(data)
+        except BrokenPipeError:
+            raise  # what read it stopped (`| head`): the command ends quietly, as a pipe's do
         except OSError as exc:
             raise _NotWritten(exc, ran=True) from exc
         if data:
@@ -333,6 +337,8 @@ def _opened(opening: Callable[[], BinaryIO]) -> Iterator[BinaryIO]:
 def _written(*, ran: bool = True) -> Iterator[None]:
     try:
         yield
+    except BrokenPipeError:
+        raise
     except OSError as exc:
         raise _NotWritten(exc, ran=ran) from exc
 
@@ -434,7 +440,7 @@ def register(commands: Any) -> None:
     invoke.add_argument(
         "--output",
         metavar="FILE",
-        help="write the result there (a binary one cannot go to a terminal)",
+        help="write the result there, - for stdout (a binary one cannot go to a terminal)",
     )
     invoke.add_argument("--timeout-ms", type=count, default=0, metavar="MS")
     invoke.add_argument(

@@ -7,7 +7,6 @@ start and must not pay for grpc. Addresses are ``http://host:port`` or ``unix:/p
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import stat
 import time
@@ -22,10 +21,11 @@ from fnkernel.runtime_server.client.errors import (
     GatewayError,
     InvalidRequest,
     PayloadTooLarge,
+    RequestCancelled,
     SecretNotFound,
     UnsupportedMediaType,
 )
-from fnkernel.runtime_server.client.files import Sink, spool_stream, write_out
+from fnkernel.runtime_server.client.files import Sink, size_of, spool_stream, write_out
 from fnkernel.runtime_server.client.live import LiveFollow, LogCallback
 from fnkernel.runtime_server.client.maps import MapRun
 from fnkernel.runtime_server.client.sources import parse_pairs, read_source
@@ -227,6 +227,7 @@ class Client(Transport):
             if not callable(getattr(data, "read", None)):
                 raise TypeError(f"data= is bytes or a binary file, not {type(data).__name__}")
             source, data = data, data.read(limits.SPOOL_FROM_BYTES)
+            whole = size_of(source, len(data))
             large = len(data) == limits.SPOOL_FROM_BYTES
             if not (large and by_reference and self.local_spool() is not None):
                 data, source = data + source.read(), None
@@ -253,12 +254,13 @@ class Client(Transport):
         if spool is not None:
             headers[wire.OUTPUT_REF_FROM_HEADER] = str(limits.SPOOL_FROM_BYTES)
         if spool is not None and size >= limits.SPOOL_FROM_BYTES:
-            self._bounded(name, size)  # before a byte is written: an Arrow stream is past its size
+            # Before a byte is written (an Arrow stream is past its size; a file has its own).
+            self._bounded(name, whole if source is not None and whole is not None else size)
             handed = spool / new_name("in")
             if source is not None and encoded is not None:  # its first bytes, then the rest
                 first, media = encoded
                 written = spool_stream(
-                    str(handed), first, source, lambda size: self._bounded(name, size)
+                    str(handed), first, source, lambda size: self._bounded(name, size, more=True)
                 )
             elif encoded is not None:
                 with payloads.spool_file(str(handed), size) as out:
@@ -320,17 +322,20 @@ class Client(Transport):
                 unread.answered = True  # type: ignore[attr-defined]
             raise
         spans = spans_of(reply) if traceparent else b""
-        result = _result(reply, output, started, spans=spans, spooled=value, written=written)
+        result = InvocationResult.answered(
+            reply, output, started, spans=spans, spooled=value, written=written
+        )
         if live is not None:
             live.ended(result)
         return result
 
-    def _bounded(self, name: str, size: int) -> None:
-        """PayloadTooLarge if a payload of `size` bytes is past the stack's bound, as the
-        gateway would refuse it."""
+    def _bounded(self, name: str, size: int, *, more: bool = False) -> None:
+        """PayloadTooLarge if a payload of `size` bytes (`more`: at least, a stream's) is past
+        the stack's bound, as the gateway would refuse it."""
         if size > self._max_payload:
+            said = f"more than {self._max_payload}" if more else size
             message = limits.body_too_large(
-                size, self._max_payload, limits.MAX_PAYLOAD_WHY, f"the payload of {name}"
+                said, self._max_payload, limits.MAX_PAYLOAD_WHY, f"the payload of {name}"
             )
             raise PayloadTooLarge(message, code="PAYLOAD_TOO_LARGE", status=413)
 
@@ -363,10 +368,13 @@ class Client(Transport):
                 )
             except RouteGone:
                 self._routes.pop(name, None)  # never ran there: learn it again, via the gateway
-        _, reply, output = self.request(
-            "POST", f"/v1/runs/{quote(name)}:invoke", body, headers,
-            wait=limits.wait_seconds(timeout_millis, hops_below=2),  # the gateway, runtimed
-        )  # fmt: skip
+        try:
+            _, reply, output = self.request(
+                "POST", f"/v1/runs/{quote(name)}:invoke", body, headers,
+                wait=limits.wait_seconds(timeout_millis, hops_below=2),  # the gateway, runtimed
+            )  # fmt: skip
+        except RequestCancelled:  # in the words of a direct call's, as every failure is
+            raise RequestCancelled(f"the call to {name} was cancelled", code="CANCELLED") from None
         return reply, output
 
     def follow(
@@ -420,7 +428,7 @@ class Client(Transport):
                 if isinstance(answer, GatewayError):
                     yield index, answer
                 else:
-                    yield index, _result(answer[0], answer[1], started)
+                    yield index, InvocationResult.answered(answer[0], answer[1], started)
                 started = time.perf_counter()
 
     def _direct_allowed(self) -> bool:
@@ -548,31 +556,6 @@ def _local(named: str) -> Path | None:
     return Path(named) if mine and stat.S_ISDIR(seen.st_mode) else None
 
 
-def _result(
-    reply: Headers,
-    output: bytes,
-    started: float,
-    spans: bytes = b"",
-    spooled: Any = NOT_SPOOLED,
-    written: int = -1,
-) -> InvocationResult:
-    """A call's result from the gateway's answer to it, `reply` (headers) and `output` (body)."""
-    return InvocationResult(
-        output=output,
-        content_type=reply.get("Content-Type", ""),
-        outputs=_json_header(reply, wire.OUTPUTS_HEADER, {}),
-        invocation_id=reply.get(wire.INVOCATION_ID_HEADER, ""),
-        duration=time.perf_counter() - started,
-        attempt=int(reply.get(wire.ATTEMPT_HEADER) or 0),
-        cold_start=reply.get(wire.COLD_START_HEADER) == "1",
-        logs=_json_header(reply, wire.LOGS_HEADER, []),
-        run=reply.get(wire.RUN_HEADER, ""),
-        spans=spans,
-        spooled=spooled,
-        written=written,
-    )
-
-
 def _check_timeout(timeout_millis: int) -> None:
     """A timeout that is not a count of milliseconds, refused before anything is sent, as the
     gateway refuses its header (400)."""
@@ -587,10 +570,3 @@ def _check_timeout(timeout_millis: int) -> None:
             code="INVALID_ARGUMENT",
             status=400,
         )
-
-
-def _json_header(reply: Headers, name: str, empty: Any) -> Any:
-    """A header's JSON value; `empty` (a fresh ``[]`` or ``{}``) when it is absent or empty,
-    as most calls' logs and outputs are, without parsing it."""
-    text = reply.get(name)
-    return json.loads(text) if text and text not in ("[]", "{}") else empty

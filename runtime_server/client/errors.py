@@ -76,6 +76,15 @@ class InvalidRequest(GatewayError):
 class Unauthorized(GatewayError):
     """401: the gateway wants a bearer token (README, "Security")."""
 
+    # Where a client finds the token (README, "Security"), as a refusal tells its reader.
+    FOUND_IN = (
+        "$FNKERNEL_TOKEN, or the gateway file a stack writes in $FNKERNEL_RUNTIME_DIR (the "
+        "same as the stack's)"
+    )
+
+    def _render_traceback_(self) -> list[str]:
+        return [*super()._render_traceback_(), f"  the token: {self.FOUND_IN}"]
+
 
 class PermissionDenied(GatewayError):
     """403: a disallowed Origin or Host, or a call outside callers may not make."""

@@ -4,6 +4,8 @@ as a binary file and with ``write_to=``, for the CLI's stdin and ``--output``.""
 
 from __future__ import annotations
 
+import os
+import stat
 from collections.abc import Callable
 from typing import BinaryIO, Protocol
 
@@ -17,6 +19,16 @@ class Sink(Protocol):
     that takes bytes as one does."""
 
     def write(self, data: bytes, /) -> object: ...
+
+
+def size_of(source: BinaryIO, read: int) -> int | None:
+    """The whole size of a payload read from `source`, of which `read` bytes were read: known
+    for a regular file (its size past where it was read to), None for a pipe."""
+    try:
+        seen = os.fstat(source.fileno())
+        return read + seen.st_size - source.tell() if stat.S_ISREG(seen.st_mode) else None
+    except (OSError, ValueError, AttributeError):  # no descriptor (an in-memory file): unknown
+        return None
 
 
 def spool_stream(path: str, first: bytes, source: BinaryIO, bounded: Callable[[int], None]) -> int:

@@ -7,11 +7,16 @@ Each view is the JSON it was read from — a dict, so ``run["status"]["phase"]``
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fnkernel.runtime_server import payloads, wire
+
+if TYPE_CHECKING:
+    from fnkernel.runtime_server.client.transport import Headers
 
 
 class LiveStatus(dict[str, Any]):
@@ -153,6 +158,33 @@ class InvocationResult:
     # the output is held.
     written: int = -1
 
+    @classmethod
+    def answered(
+        cls,
+        reply: Headers,
+        output: bytes,
+        started: float,
+        spans: bytes = b"",
+        spooled: Any = NOT_SPOOLED,
+        written: int = -1,
+    ) -> InvocationResult:
+        """A call's result from the gateway's answer to it, `reply` (its headers) and `output`
+        (its body), the call begun at `started` (``time.perf_counter()``)."""
+        return cls(
+            output=output,
+            content_type=reply.get("Content-Type", ""),
+            outputs=_json_header(reply, wire.OUTPUTS_HEADER, {}),
+            invocation_id=reply.get(wire.INVOCATION_ID_HEADER, ""),
+            duration=time.perf_counter() - started,
+            attempt=int(reply.get(wire.ATTEMPT_HEADER) or 0),
+            cold_start=reply.get(wire.COLD_START_HEADER) == "1",
+            logs=_json_header(reply, wire.LOGS_HEADER, []),
+            run=reply.get(wire.RUN_HEADER, ""),
+            spans=spans,
+            spooled=spooled,
+            written=written,
+        )
+
     def value(self) -> Any:
         """The output decoded by its content type (docs/protocol.md, "Content types"): the
         kind the handler returned — a DataFrame, table or array from Arrow IPC, bytes, or
@@ -174,3 +206,10 @@ class InvocationResult:
             if payloads.media_type(self.content_type) != payloads.JSON:
                 raise
             return self.output.decode("utf-8", "replace")
+
+
+def _json_header(reply: Headers, name: str, empty: Any) -> Any:
+    """A header's JSON value; `empty` (a fresh ``[]`` or ``{}``) when it is absent or empty,
+    as most calls' logs and outputs are, without parsing it."""
+    text = reply.get(name)
+    return json.loads(text) if text and text not in ("[]", "{}") else empty

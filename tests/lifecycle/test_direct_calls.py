@@ -139,26 +139,34 @@ def test_a_replaced_run_is_found_again_through_the_gateway(stack: Stack) -> None
     assert client._routes["echo"].run_uid != old_uid
 
 
-def test_a_cancelled_direct_call_stops_its_handler(stack: Stack) -> None:
-    client = Recorded(stack.gateway_address)
-    client.invoke("echo", {})
-    failure: list[BaseException] = []
-
-    def call() -> None:
-        try:
-            client.invoke("echo", {"sleep": 60})
-        except BaseException as exc:
-            failure.append(exc)
-
-    thread = threading.Thread(target=call)
-    thread.start()
+def test_a_cancelled_direct_call_stops_its_handler_and_says_so_as_through_the_gateway(
+    stack: Stack,
+) -> None:
+    # docs/protocol.md, "Calling runtimed directly": each error is the same class, status, code
+    # and message either way — a cancelled call's too.
+    said = []
     gateway = Client(stack.gateway_address)
-    wait_until(lambda: (gateway.status("echo")["live"] or {}).get("inFlight") == 1, timeout=30)
-    assert client.cancel() == 1
-    thread.join(30)
-    assert isinstance(failure[0], RequestCancelled)
-    wait_until(lambda: (gateway.status("echo")["live"] or {}).get("inFlight") == 0, timeout=30)
-    assert client.invoke("echo", {"n": 3}).decoded() == {"echo": {"n": 3}}
+    for direct in (True, False):
+        client = Recorded(stack.gateway_address, direct=direct)
+        client.invoke("echo", {})
+        failure: list[BaseException] = []
+
+        def call(client: Client = client, failure: list[BaseException] = failure) -> None:
+            try:
+                client.invoke("echo", {"sleep": 60})
+            except BaseException as exc:
+                failure.append(exc)
+
+        thread = threading.Thread(target=call)
+        thread.start()
+        wait_until(lambda: (gateway.status("echo")["live"] or {}).get("inFlight") == 1, timeout=30)
+        assert client.cancel() == 1
+        thread.join(30)
+        assert isinstance(failure[0], RequestCancelled)
+        said.append(str(failure[0]))
+        wait_until(lambda: (gateway.status("echo")["live"] or {}).get("inFlight") == 0, timeout=30)
+        assert client.invoke("echo", {"n": 3}).decoded() == {"echo": {"n": 3}}
+    assert said == ["the call to echo was cancelled (CANCELLED)"] * 2
 
 
 def test_a_replica_set_and_a_traced_call_go_through_the_gateway(stack: Stack) -> None:

@@ -159,18 +159,28 @@ def test_a_bound_of_no_bytes_is_a_usage_error(command: str) -> None:
     assert "argument --max-payload-bytes: must be at least 1 byte" in done.stderr
 
 
-def test_a_stream_from_the_clis_stdin_is_refused_once_past_the_bound(stack: Stack) -> None:
+def test_a_stream_from_the_clis_stdin_is_refused_once_past_the_bound(
+    stack: Stack, tmp_path: Path
+) -> None:
     # docs/protocol.md, "Large payloads": on the stack's machine the CLI copies its stdin into
     # the spool a MiB at a time; a pipe's length is not known before it ends, so the copy stops
-    # once past the bound — the 413's words, nothing left in the spool, nothing called.
+    # once past the bound — the 413's words ("more than" the bound: what is known of its
+    # size), nothing left in the spool, nothing called. A file's size is known: it is named.
     size = 3 * BOUND
-    done = subprocess.run(
-        [sys.executable, "-m", "fnkernel.runtime_server.cli", "invoke", "sizer", "-",
-         "--content-type", "application/octet-stream", "--gateway", stack.gateway_address],
-        input=b"0" * size, capture_output=True, timeout=60,
-    )  # fmt: skip
-    assert done.returncode == 1, done.stderr
-    assert f"at most {BOUND} {BOUND_SET_BY}".encode() in done.stderr
+    command = [sys.executable, "-m", "fnkernel.runtime_server.cli", "invoke", "sizer", "-",
+               "--content-type", "application/octet-stream", "--gateway", stack.gateway_address]  # fmt: skip
+    done = subprocess.run(command, input=b"0" * size, capture_output=True, timeout=60)
+    assert done.returncode == 2, done.stderr  # README, "CLI": the input refused is a usage error
+    said = f"the payload of sizer is more than {BOUND} bytes; at most {BOUND} {BOUND_SET_BY}"
+    assert said.encode() in done.stderr
+    assert spooled(stack.spool) == []
+    payload = tmp_path / "payload.bin"
+    payload.write_bytes(b"0" * size)
+    with payload.open("rb") as stdin:
+        done = subprocess.run(command, stdin=stdin, capture_output=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    said = f"the payload of sizer is {size} bytes; at most {BOUND} {BOUND_SET_BY}"
+    assert said.encode() in done.stderr
     assert spooled(stack.spool) == []
     client = Client(stack.gateway_address, token=stack.token)
     assert client.invoke("sizer", b"0" * BOUND).value() == {"len": BOUND}  # the bound's own

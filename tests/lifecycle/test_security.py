@@ -172,8 +172,13 @@ def test_the_bearer_scheme_is_case_insensitive(shared_stack: Stack, scheme: str)
 
 
 def test_a_wrong_token_is_401_and_the_client_says_unauthorized(shared_stack: Stack) -> None:
-    with pytest.raises(Unauthorized):
+    with pytest.raises(Unauthorized) as refused:
         Client(shared_stack.gateway_address, token="not-the-token").list_runs()
+    # What a notebook's cell shows (IPython renders it so): the refusal, and where a client
+    # finds the token (README, "Security"), as the CLI says.
+    first, where = refused.value._render_traceback_()
+    assert first.startswith("Unauthorized: ") and "(UNAUTHENTICATED)" in first
+    assert "$FNKERNEL_TOKEN" in where and "$FNKERNEL_RUNTIME_DIR" in where
 
 
 def test_clients_find_the_token_and_the_gateway_file_goes_with_the_gateway(

@@ -417,6 +417,14 @@ def test_cli_flags_that_cannot_apply_are_usage_errors_and_nothing_is_left_half_w
     # No calls in flight is no map: refused, not taken as "the function's replicas".
     none = fnkernel("invoke", "cli-flags", "--map", str(lines), "--concurrency", "0", *gateway)
     assert none.returncode == 2 and "--concurrency: must be at least 1" in none.stderr
+    # "--output -" is stdout, as a payload's "-" is stdin: no file named "-".
+    dash = subprocess.run(
+        [sys.executable, "-m", "fnkernel.runtime_server.cli", "invoke", "cli-flags", "7",
+         "--output", "-", *gateway],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+    )  # fmt: skip
+    assert (dash.returncode, dash.stdout) == (0, "7\n"), dash.stderr
+    assert not (tmp_path / "-").exists()
     into_dir = fnkernel("invoke", "cli-flags", "1", "--output", str(tmp_path), *gateway)
     assert into_dir.returncode == 2 and "a directory" in into_dir.stderr
     assert not Path(f"{tmp_path}.part").exists()
@@ -428,6 +436,21 @@ def test_cli_flags_that_cannot_apply_are_usage_errors_and_nothing_is_left_half_w
         mapped.stdout.close()  # as `| head -1` does
         errors = mapped.stderr.read().decode()
         assert mapped.wait(timeout=60) == 141, errors
+    assert "Broken pipe" not in errors and "Traceback" not in errors
+    # One call's result too: 8 MiB of octets, of which the reader takes the first bytes.
+    command = [sys.executable, "-m", "fnkernel.runtime_server.cli", "invoke", "cli-flags", "-",
+               "--content-type", "application/octet-stream", *gateway]  # fmt: skip
+    with subprocess.Popen(
+        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    ) as single:
+        assert single.stdin is not None and single.stdout is not None
+        assert single.stderr is not None
+        single.stdin.write(b"\xff" * (8 << 20))
+        single.stdin.close()
+        assert single.stdout.read(100) == b"\xff" * 100
+        single.stdout.close()  # as `| head -c 100` does
+        errors = single.stderr.read().decode()
+        assert single.wait(timeout=60) == 141, errors
     assert "Broken pipe" not in errors and "Traceback" not in errors
 
 
