@@ -2,8 +2,8 @@
 (docs/protocol.md, "Content types"): by the kernel and the client for a payload, by the Python
 worker for a result, and back again.
 
-- A pandas DataFrame or Series, a polars DataFrame, a pyarrow Table or RecordBatch, or a numpy
-  array is **Arrow IPC**, ``application/vnd.apache.arrow.stream``: one stream whose schema's
+- A pandas or polars DataFrame or Series, a pyarrow Table or RecordBatch, or a numpy array is
+  **Arrow IPC**, ``application/vnd.apache.arrow.stream``: one stream whose schema's
   metadata names the kind (``fnkernel.kind``), so the reader gets the kind that was sent, with
   its dtypes, nulls, timestamps (their time zones too), categories and index (pyarrow's own
   pandas metadata). A stream without that key (from any Arrow writer) is read as a pyarrow
@@ -42,7 +42,7 @@ MEDIA_TYPES = (JSON, ARROW, OCTET)
 CODES = {JSON: b"json", ARROW: b"arrow", OCTET: b"octet"}
 MEDIA_OF = {code: media for media, code in CODES.items()}
 KIND_KEY = b"fnkernel.kind"  # in the Arrow schema's metadata: what the reader rebuilds
-_NAME_KEY = b"fnkernel.name"  # a pandas Series' name, as JSON
+_NAME_KEY = b"fnkernel.name"  # a Series' name, as JSON
 _SHAPE_KEY = b"fnkernel.shape"  # a numpy array's shape and dtype, as JSON
 _DTYPE_KEY = b"fnkernel.dtype"
 _ORDER_KEY = b"fnkernel.order"  # "F": its elements in Fortran (column-major) order
@@ -65,6 +65,7 @@ _KINDS = {
     ("pandas", "DataFrame"): "pandas.DataFrame",
     ("pandas", "Series"): "pandas.Series",
     ("polars", "DataFrame"): "polars.DataFrame",
+    ("polars", "Series"): "polars.Series",
     ("pyarrow", "Table"): "pyarrow.Table",
     ("pyarrow", "RecordBatch"): "pyarrow.RecordBatch",
     ("numpy", "ndarray"): "numpy.ndarray",
@@ -352,6 +353,9 @@ def _table(value: Any, kind: str, root: str) -> Any:
             extra[_NAME_KEY] = json.dumps(value.name, default=str).encode()
         elif kind == "polars.DataFrame":
             table = value.to_arrow()
+        elif kind == "polars.Series":  # a frame of its one column; its name beside (may be "")
+            table = value.to_frame(_SERIES_COLUMN).to_arrow()
+            extra[_NAME_KEY] = json.dumps(value.name).encode()
         elif kind == "pyarrow.Table":
             table = value
         elif kind == "pyarrow.RecordBatch":
@@ -456,6 +460,9 @@ def _rebuilt(pa: Any, table: Any, kind: str, metadata: dict, what: str, mapped: 
         return _needs(kind, "polars", what).from_arrow(
             table.replace_schema_metadata(metadata or None)
         )
+    if kind == "polars.Series":
+        frame = _needs(kind, "polars", what).from_arrow(table.replace_schema_metadata(None))
+        return frame.to_series().alias(json.loads(metadata.get(_NAME_KEY, b'""')))
     if kind == "numpy.ndarray":
         _needs(kind, "numpy", what)
         shape = json.loads(metadata.get(_SHAPE_KEY, b"[-1]"))

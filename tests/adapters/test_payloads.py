@@ -70,6 +70,12 @@ def test_polars_and_pyarrow_kinds_come_back_as_their_kind() -> None:
     frame = pl.DataFrame({"a": [1, None], "b": ["x", "y"]})
     back, _ = round_trip(frame)
     assert isinstance(back, pl.DataFrame) and back.equals(frame)
+    # docs/protocol.md, "Content types": a polars Series too, its name, dtype and nulls kept
+    for series in (pl.Series("total", [1.5, None]), pl.Series([None, "x"], dtype=pl.Categorical)):
+        back, media = round_trip(series)
+        assert media == payloads.ARROW
+        assert isinstance(back, pl.Series) and back.name == series.name
+        assert back.dtype == series.dtype and back.equals(series)
     table = pa.table({"a": [1, None], "b": ["x", "y"]})
     back, _ = round_trip(table)
     assert isinstance(back, pa.Table) and back.equals(table)
