@@ -162,8 +162,8 @@ def _room(needed: int) -> None:
 def _write(value: Any, pieces: list[bytes], depth: int) -> None:
     """`value` as orjson writes it, appended to `pieces`: a large one (``_large``) a slice of
     its items or characters at a time; orjson.JSONEncodeError where orjson refuses a part."""
-    _room(_PIECE_ROOM)
     if depth > 32 or not _large(value):  # deeper: orjson says if it nests too deep
+        _room(_PIECE_ROOM)
         pieces.append(orjson.dumps(value, default=_default, option=_OPTIONS))
     elif isinstance(value, str):
         pieces.append(b'"')
