@@ -470,12 +470,16 @@ class Registry:
                 reg.invocation_id,
                 reg.last_invocation_id,
             ):
-                which = invocation_id or "any invocation"
+                if not invocation_id:
+                    raise InvocationNotFound(
+                        f"run {run_uid} has not been called since it registered: no call is "
+                        "in flight, and there is no last one"
+                    )
                 over = "; it is over, and its lines are in its result" if (
                     invocation_id in reg.ended
                 ) else ""  # fmt: skip
                 raise InvocationNotFound(
-                    f"run {run_uid} has {which} neither in flight nor as its last one{over}"
+                    f"run {run_uid} has {invocation_id} neither in flight nor as its last one{over}"
                 )
             running = reg.invocation_id == invocation_id
         live = reg.adapter.follow(invocation_id) if running else None

@@ -86,6 +86,13 @@ def test_an_unknown_invocation_is_not_found(python_rt: Client) -> None:
         list(python_rt.follow(reg, "never-sent", follow=False))
     assert caught.value.code() == grpc.StatusCode.NOT_FOUND
     assert "never-sent" in caught.value.details()
+    # No invocation named, and none made yet: it says so in words, not "any invocation".
+    with pytest.raises(grpc.RpcError) as caught:
+        list(python_rt.follow(reg, "", follow=False))
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    assert caught.value.details().endswith(
+        "has not been called since it registered: no call is in flight, and there is no last one"
+    )
 
 
 def test_an_invocation_over_before_the_last_is_answered_at_once(
