@@ -52,6 +52,7 @@ class TracedClient(Client):
         "Tracing": every invocation the kernel makes)."""
         sibling = TracedClient(self.address, self.trace)
         sibling.token, sibling.timeout = self.token, self.timeout
+        sibling._token_found = self._token_found
         sibling._spool, sibling._max_payload = self._spool, self._max_payload
         return sibling
 

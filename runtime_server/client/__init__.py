@@ -538,7 +538,7 @@ class _MapClient(Client):
 
     def __init__(self, parent: Client) -> None:
         super().__init__(parent.address, token=parent.token, timeout=parent.timeout)
-        self._parent = parent
+        self._parent, self._token_found = parent, parent._token_found
         self._spool, self._max_payload = parent._spool, parent._max_payload
 
     def _direct_allowed(self) -> bool:

@@ -73,6 +73,9 @@ class Transport:
         self.address = address or default_address()
         # README, "Security": the token given, else $FNKERNEL_TOKEN, else the one the gateway
         # at this address left in its gateway file on this machine.
+        # One found in the gateway file is looked for again when the gateway refuses it: a
+        # stack started again on the same state dir has a new one (``_token_renewed``).
+        self._token_found = token is None and not os.environ.get(tokens.TOKEN_ENV)
         if token is None:
             token = os.environ.get(tokens.TOKEN_ENV) or tokens.find_token(self.address)
         self.token = token
@@ -193,11 +196,24 @@ class Transport:
             if closes:
                 connection.close()
             break
+        if response.status == 401 and self._token_renewed():  # refused before anything ran
+            return self.request(method, path, body, headers, wait=wait)
         if response.status >= 400:
             failure = failure_of(response.status, data)
             failure.spans = spans_of(response.headers)
             raise failure
         return response.status, response.headers, data
+
+    def _token_renewed(self) -> bool:
+        """Whether the gateway at this address now has another token in its gateway file (it
+        was started again) than the one this client found there, now taken instead."""
+        if not self._token_found:
+            return False
+        token = tokens.find_token(self.address)
+        if token is None or token == self.token:
+            return False
+        self.token = token
+        return True
 
     def _kept_alive(self) -> http.client.HTTPConnection | None:
         """An idle kept-alive connection the gateway has not closed, marked busy; None if

@@ -204,6 +204,36 @@ def test_clients_find_the_token_and_the_gateway_file_goes_with_the_gateway(
     assert not files[0].exists()
 
 
+def test_a_client_that_found_the_token_finds_the_new_one_when_the_gateway_starts_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # README, "Security": clients find the token in the gateway file themselves. A gateway
+    # started again (fnkernel up after down, the same state dir) has a new one: a notebook's
+    # kernel, open across the restart, finds it too — every call was 401 until it restarted.
+    # A token given is the caller's: refused, it is not replaced.
+    monkeypatch.delenv(tokens.TOKEN_ENV, raising=False)
+    with socket.socket() as probe:  # a port to start the gateway on twice
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = ["gateway", "--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp_path / "s")]
+    gateway = spawn(command)
+    try:
+        found = Client(f"http://localhost:{port}")
+        given = Client(f"http://localhost:{port}", token=found.token)
+        assert found.list_runs() == [] and given.list_runs() == []
+        first = found.token
+    finally:
+        assert gateway.stop() == 0
+    gateway = spawn(command)
+    try:
+        assert found.list_runs() == []  # refused once, then sent again with the new token
+        assert found.token not in (None, first)
+        with pytest.raises(Unauthorized):
+            given.list_runs()
+    finally:
+        assert gateway.stop() == 0
+
+
 def test_no_token_is_for_loopback_only_and_warns(tmp_path: Path) -> None:
     log = tmp_path / "gateway.log"
     with log.open("w") as stderr:
