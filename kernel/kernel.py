@@ -70,6 +70,10 @@ class FnKernelApp(IPKernelApp):
     kernel and its extension are loaded."""
 
     def initialize(self, argv: Any = None) -> None:
+        # grpc, once a call loads it, logs at INFO on this process's stderr — a cell's output:
+        # "Got goaway ... Cancelling all calls" when a stack stops under a kernel. Its errors
+        # only, unless the user asks for more.
+        os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
         super().initialize(argv)
         if self.shell is not None:  # the kernel's own variables (MPLBACKEND) are not a cell's
             session_of(self.shell).started_environ = dict(os.environ)
