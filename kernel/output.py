@@ -238,6 +238,13 @@ class HandlerFailedInCell(HandlerFailed):
 _CATCHABLE: dict[type[Exception], type[HandlerFailedInCell]] = {}
 
 
+def _unquoted(failure: HandlerFailedInCell) -> str:
+    """A failure's str() as GatewayError says it (a map's item named), not quoted as a
+    KeyError's would be."""
+    text = BaseException.__str__(failure)
+    return f"{text} ({failure.item_phrase()})" if failure.item else text
+
+
 def handler_failure(failed: HandlerFailed, spec: Spec) -> HandlerFailedInCell:
     """`failed` as the cell raises it: a HandlerFailedInCell that is also an instance of the
     handler's exception type when that is a builtin one (``except KeyError`` catches a
@@ -254,7 +261,7 @@ def handler_failure(failed: HandlerFailed, spec: Spec) -> HandlerFailedInCell:
                 "HandlerFailedInCell",
                 (HandlerFailedInCell, builtin),
                 # KeyError's str() would quote the message; it reads as any failure's.
-                {"__str__": BaseException.__str__, "__module__": __name__},
+                {"__str__": _unquoted, "__module__": __name__},
             )
         except TypeError:  # a lay-out conflict: none of Python 3.11's builtins has one
             both = HandlerFailedInCell

@@ -203,6 +203,8 @@ def test_a_map_waits_for_replicas_and_names_the_item_that_failed(notebook_dir: P
     failed = error(cells[2])
     assert failed["ename"] == "HandlerFailedInCell"
     assert failed["traceback"][-1] == "KeyError: 'five' (picky, index 5 of 8 items, cell line 5)"
+    # docs/protocol.md, "Replicas": the item named however the failure is printed (str()).
+    assert failed["evalue"] == "handler error: KeyError: 'five' (index 5 of 8 items)"
     ended = [line for line in text(cells[2]).splitlines() if line.startswith("picky.map:")]
     # cancelled, unless every call had ended by then (nothing was left to cancel)
     end_line = r"picky\.map: ([1-7]/8 cancelled|8/8 done), 1 failed"
