@@ -334,7 +334,13 @@ class ControlPlane:
         unregisters it once the server answers (docs/protocol.md, "Runs")."""
         limits.check_drain_timeout(drain_timeout_millis, "drainTimeoutMs")
         run = self.store.get(name)
-        targets = [run] if run.spec.replica_of else self.replicas_of(run)
+        if run.spec.replica_of:  # one of a set: the set would serve on, a replica short
+            raise InvalidField(
+                "name",
+                f"{name} is a replica of {run.spec.replica_of}: delete {run.spec.replica_of}, "
+                "and its replicas go with it",
+            )
+        targets = self.replicas_of(run)
         asked = [
             self._ask_delete(target, cancel_in_flight, drain_timeout_millis) for target in targets
         ]

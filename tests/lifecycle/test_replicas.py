@@ -73,6 +73,11 @@ def test_a_function_of_three_replicas_is_three_runs_spread_over_the_pods(stack: 
     # Calls one after another go round the replicas.
     served = [client.invoke("spread", {}).run for _ in range(3)]
     assert sorted(served) == ["spread", "spread.1", "spread.2"]
+    # A replica is not deleted on its own: the set would serve on, one short, its spec saying
+    # three (docs/protocol.md, "Replicas": the function's name deletes them all).
+    with pytest.raises(InvalidRequest, match=r"^name: spread\.1 is a replica of spread: "):
+        client.delete_run("spread.1")
+    assert len(client.status("spread")["replicas"]) == 3
     client.delete_run("spread")
     assert not [run for run in client.list_runs() if run.name.startswith("spread")]
 
