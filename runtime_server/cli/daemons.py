@@ -230,11 +230,13 @@ def _gateway(args: argparse.Namespace) -> int:
         try:
             await stop.wait()
         finally:
+            # First, as the stack stops: its pods stop beating as they drain, and a control
+            # plane still judging them would move every Run they held, a new attempt each.
+            if topology.control_plane_in_gateway:
+                await asyncio.to_thread(control_plane.stop)
             if gateway_file is not None:
                 tokens.withdraw(gateway_file)
         await gateway.close(drain=limits.STOP_DRAIN_SECONDS)
-        if topology.control_plane_in_gateway:
-            control_plane.stop()
         control_plane.store.close()
 
     asyncio.run(serve())

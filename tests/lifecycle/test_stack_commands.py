@@ -21,6 +21,7 @@ import pytest
 from fnkernel.runtime_server.client import Client
 from fnkernel.runtime_server.client.errors import GatewayError
 from fnkernel.runtime_server.daemon import Prewarmed, serve_args, spawn
+from fnkernel.runtime_server.lifecycle.sqlite import STORE_FILE, SqliteRunStore
 from fnkernel.runtime_server.lifecycle.stack import Stack
 from tests.lifecycle.stack_calls import ECHO, StackFactory, phase_and_attempt
 from tests.support import (
@@ -208,6 +209,50 @@ def test_fnkernel_down_lets_a_call_in_flight_end_first(
         call.join(30)
         assert answers == ["ended"]
         assert down.wait(60) == 0  # and `up` has ended, 0 (fnkernel_up)
+
+
+@pytest.mark.slow  # the stack drains its calls for 10 s on purpose (tests/conftest.py)
+def test_a_stack_stopped_with_calls_in_flight_moves_none_of_its_runs(tmp_path: Path) -> None:
+    # docs/protocol.md, "Runs": a Run is retried on another pod, with a new attempt, when its
+    # pod dies — not when the whole stack stops. Its pods drain their calls as it stops; the
+    # control plane that judged them meanwhile took each for dead ("pod python-0 stopped (no
+    # heartbeat)") and moved every Run a new attempt on (found by a team lead's `fnkernel down`).
+    state = tmp_path / "s"
+    with fnkernel_up(state, {}, pods="python=2") as address:
+        client = Client(address)
+        handler = "import time\ndef handle(event):\n    time.sleep(event)\n    return event\n"
+        created = client.create_run("held", runtime="python", handler="handler.handle",
+                                    files={"handler.py": handler}, replicas=2)  # fmt: skip
+        placed = {r["name"]: (r["assignedPod"], r["attempt"]) for r in created["replicas"]}
+        assert sorted(pod for pod, _ in placed.values()) == ["python-0", "python-1"]
+        ended: list[BaseException] = []  # each call's end: cut off by the stop
+
+        def call() -> None:
+            try:
+                client.invoke("held", 30)
+            except GatewayError as cut:
+                ended.append(cut)
+
+        calls = [threading.Thread(target=call, daemon=True) for _ in range(2)]
+        for call in calls:
+            call.start()
+        wait_until(
+            lambda: all(r["inFlight"] == 1 for r in client.status("held")["replicas"]),
+            timeout=20,
+        )
+    # Stopped (SIGTERM, as `fnkernel down`); every Run where it was, on its first attempt.
+    for thread in calls:
+        thread.join(30)
+    assert len(ended) == 2
+    store = SqliteRunStore(state / STORE_FILE)
+    try:
+        after = {name: store.get(name) for name in placed}
+    finally:
+        store.close()
+    assert {
+        name: (run.status.assigned_pod, run.status.attempt) for name, run in after.items()
+    } == placed
+    assert {run.status.phase for run in after.values()} == {"Ready"}, after
 
 
 @pytest.mark.parametrize(
