@@ -16,7 +16,7 @@ import json
 import os
 import re
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -107,6 +107,27 @@ def rotated_secret(
         if now != version:
             return f"secret {name!r} changed (version {version} → {now})"
     return ""
+
+
+def secret_versions(secrets: Secrets, names: Iterable[str]) -> dict[str, str]:
+    """The version of each secret `names` names, "" for one that does not exist: what a Run
+    failed for a missing secret records, to be registered again once all are set."""
+    versions = {}
+    for name in names:
+        try:
+            versions[name] = secrets.get(name).version
+        except SecretNotFound:
+            versions[name] = ""
+    return versions
+
+
+def secrets_set_again(secrets: Secrets, versions: Mapping[str, str]) -> str:
+    """Why a Run Failed for a secret that did not exist (its version "" in `versions`, as
+    ``secret_versions`` gives it) can be registered again: every one of them exists now; ""
+    if it cannot, or did not fail so."""
+    if "" not in versions.values() or "" in secret_versions(secrets, versions).values():
+        return ""
+    return f"its secrets ({', '.join(sorted(versions))}) exist again"
 
 
 def check_secret_name(name: object, field: str = "name") -> str:

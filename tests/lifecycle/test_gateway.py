@@ -596,5 +596,5 @@ def test_a_failed_runs_invoke_names_it_and_asks_nobody_to_come_back(
     failure = json.loads(body)
     assert status == 503 and failure["code"] == "FAILED_PRECONDITION"
     assert "Retry-After" not in headers and failure["runUid"] == run.uid
-    assert failure["message"].endswith("it stays so until it is made again")
+    assert failure["message"].endswith("; the Run stays Failed until it is made again")
     client.delete_run("broken-fn")

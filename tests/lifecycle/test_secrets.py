@@ -15,9 +15,11 @@ from typing import Any
 import pytest
 
 from fnkernel.runtime_server.client import Client
+from fnkernel.runtime_server.client.errors import GatewayError
 from fnkernel.runtime_server.errors import InvalidField, SecretNotFound
 from fnkernel.runtime_server.lifecycle.secrets import SecretFiles, rotated_secret
 from fnkernel.runtime_server.lifecycle.stack import Stack
+from tests.lifecycle.stack_calls import phase_and_attempt
 from tests.support import wait_until
 
 VALUE = "s3cr3t-Value-8842"  # what must appear nowhere but in the handler's environment
@@ -222,10 +224,26 @@ def test_a_missing_secret_fails_the_registration_naming_it(
                             secrets=["nowhere"])  # fmt: skip
     assert run.phase == "Failed" and run.attempt == 1
     assert run.message == "secret 'nowhere' does not exist"
+    with pytest.raises(GatewayError, match=r"; the Run stays Failed until its secrets are set"):
+        client.invoke("lost", {})
     gone = fnkernel(stack.gateway_address, "secrets", "delete", "nowhere")
     # Through the gateway as on the secrets' directory: the class says what is not found.
     assert gone.returncode == 1
     assert "SecretNotFound: secret 'nowhere' does not exist" in gone.stderr, gone.stderr
+    # docs/protocol.md, "Secrets": once the secret is set, the Run is registered again (an
+    # attempt not charged); deleted, it fails again; set again, it serves again. It stayed
+    # Failed for good, though the message said it would stay so "until it is made again".
+    for attempt, user in ((2, "bob"), (4, "carol")):
+        made = fnkernel(stack.gateway_address, "secrets", "set", "nowhere", f"DB_USER={user}",
+                        f"PASSWORD={VALUE}")  # fmt: skip
+        assert made.returncode == 0, made.stderr
+        wait_until(lambda: phase_and_attempt(client, "lost") == ("Ready", attempt), timeout=30)  # noqa: B023
+        assert client.invoke("lost", {}).value() == {"user": user, "sha256": sha256(VALUE)}
+        if attempt == 2:
+            gone = fnkernel(stack.gateway_address, "secrets", "delete", "nowhere")
+            assert gone.returncode == 0, gone.stderr
+            wait_until(lambda: client.status("lost").phase == "Failed", timeout=30)
+            assert client.status("lost").message == "secret 'nowhere' does not exist"
 
 
 def test_an_env_file_is_read_as_dotenv_reads_it() -> None:

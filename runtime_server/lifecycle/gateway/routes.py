@@ -118,8 +118,10 @@ class Routes:
         if run.status.phase not in (READY, IDLE):
             detail = f": {run.status.message}" if run.status.message else ""
             why = f"run {run.name} is {run.status.phase} (attempt {run.status.attempt}){detail}"
-            if run.status.phase == FAILED:
-                raise RunFailed(f"{why}; it stays so until it is made again", run.uid)
+            if run.status.phase == FAILED:  # "so": the Run, not what failed it (a secret)
+                unset = "" in run.status.secret_versions.values()  # docs/protocol.md, "Secrets"
+                until = "its secrets are set" if unset else "it is made again"
+                raise RunFailed(f"{why}; the Run stays Failed until {until}", run.uid)
             raise RunNotReady(why)
         pod = self.store.pod_fresh(run.status.assigned_pod)
         if pod is None or not pod.alive():

@@ -62,7 +62,12 @@ from fnkernel.runtime_server.lifecycle.runtimed.server import (
     registration_request,
 )
 from fnkernel.runtime_server.lifecycle.runtimed.workspace import Workspace
-from fnkernel.runtime_server.lifecycle.secrets import Secrets, rotated_secret
+from fnkernel.runtime_server.lifecycle.secrets import (
+    Secrets,
+    rotated_secret,
+    secret_versions,
+    secrets_set_again,
+)
 from fnkernel.runtime_server.pipeline import Pipeline
 from fnkernel.runtime_server.rpc import (
     CHANNEL_OPTIONS,
@@ -70,15 +75,7 @@ from fnkernel.runtime_server.rpc import (
     CancellableCalls,
     listen_on,
 )
-from fnkernel.runtime_server.wire import (
-    DELETED,
-    DELETING,
-    FAILED,
-    IDLE,
-    PENDING,
-    READY,
-    RETRYING,
-)
+from fnkernel.runtime_server.wire import DELETED, DELETING, FAILED, IDLE, PENDING, READY, RETRYING
 
 LOG = logging.getLogger("fnkernel.runtimed")
 UNSUPPORTED = "runtime does not support function mode"
@@ -306,7 +303,10 @@ class Runtimed:
             secrets = [self.secrets.get(name) for name in run.spec.secrets]
         except RunNotFound:
             return None  # deleted meanwhile
-        except (RunFilesMissing, RequirementsFailed, SecretNotFound) as exc:  # no retry helps
+        except SecretNotFound as exc:  # failed until the secret is set again (``poll``)
+            self._failed(run, str(exc), secret_versions(self.secrets, run.spec.secrets))
+            return None
+        except (RunFilesMissing, RequirementsFailed) as exc:  # no retry helps
             self._failed(run, str(exc))
             return None
         except OSError as exc:  # the pod's disk, not the handler: a charged retry
@@ -354,8 +354,12 @@ class Runtimed:
         else:
             self._failed(run, fatal_error)
 
-    def _failed(self, run: Run, message: str) -> None:
-        self.store.update(run, phase=FAILED, message=limits.bounded(message))
+    def _failed(self, run: Run, message: str, secrets: Mapping[str, str] | None = None) -> None:
+        """`secrets`: the versions of its secrets, when a missing one failed it (``poll``)."""
+        versions = run.status.secret_versions if secrets is None else secrets
+        self.store.update(
+            run, phase=FAILED, message=limits.bounded(message), secret_versions=versions
+        )
         LOG.warning("run %s failed: %s", run.name, message)
 
     def _infrastructure_failure(
@@ -366,9 +370,8 @@ class Runtimed:
         count of them (``registration_lost``), if it changed."""
         with self._lock:
             self._active.pop(run.uid, None)
-        self._heartbeat(
-            now=True
-        )  # so the retry engine sees at once whether this pod can take a retry
+        # So that the retry engine sees at once whether this pod can take a retry.
+        self._heartbeat(now=True)
         self.store.update(
             run,
             phase=RETRYING,
@@ -399,8 +402,7 @@ class Runtimed:
                 f"its calls were in flight each of the last {deaths} times its Runtime Server "
                 f"died (the last: {cut_off[1]}): its handler may be killing the server"
             )
-            self.store.update(run, phase=FAILED, message=limits.bounded(reason))
-            LOG.warning("run %s failed: %s", run.name, reason)
+            self._failed(run, reason)
             return
         self._infrastructure_failure(
             run, f"{message}, with call {cut_off[1]} in flight", charged=False, server_deaths=deaths
@@ -418,13 +420,8 @@ class Runtimed:
             # The server did not answer (down, or paused): nothing was registered, so nothing is
             # superseded. The Run stays as it is and the next pass repeats the same attempt; if
             # the pod is really gone, the control plane moves the Run once its grace is over.
-            LOG.warning(
-                "run %s attempt %d: RegisterFunction: %s: %s; will try again",
-                run.name,
-                run.status.attempt,
-                code.name,
-                details,
-            )
+            waits = f"RegisterFunction: {code.name}: {details}; will try again"
+            LOG.warning("run %s attempt %d: %s", run.name, run.status.attempt, waits)
         elif verdict is Verdict.FATAL:
             # UNIMPLEMENTED is permanent: never a fallback to one-shot Execute (docs/protocol.md).
             self._failed(run, UNSUPPORTED if code == grpc.StatusCode.UNIMPLEMENTED else details)
@@ -437,6 +434,10 @@ class Runtimed:
     def poll(self) -> None:
         with self._lock:
             ready = [run for run in self._runs.values() if run.status.phase == READY]
+            failed = [run for run in self._runs.values() if run.status.phase == FAILED]
+        for run in failed:  # for a secret that did not exist (docs/protocol.md, "Secrets")
+            if why := secrets_set_again(self.secrets, run.status.secret_versions):
+                self._infrastructure_failure(run, f"{why}: registering again", charged=False)
         seen: dict[str, str | None] = {}  # each secret read once a poll
         polled: list[tuple[Run, Active]] = []
         for run in ready:
