@@ -106,6 +106,16 @@ def test_a_call_goes_to_a_free_replica_and_is_429_only_when_all_are_busy(stack: 
     for thread in threads:
         thread.join(30)
     assert sorted(answers) == ["busy", "busy.1"]  # type: ignore[type-var]
+    # Busy with calls this gateway did not make (a map's batches go to runtimed directly):
+    # each replica refuses it in turn, and the answer names the function, not its last replica.
+    mapped = threading.Thread(target=lambda: client.map("busy", [{"sleep": 2}] * 2))
+    mapped.start()
+    wait_until(lambda: sum(r["inFlight"] for r in client.status("busy")["replicas"]) == 2,
+               timeout=10)  # fmt: skip
+    status, headers, body = http_call(stack.gateway_address, "POST", "/v1/runs/busy:invoke", b"{}")
+    assert status == 429 and headers["Retry-After"] == "1"
+    assert json.loads(body)["message"].startswith('every replica of "busy" is busy'), body
+    mapped.join(30)
     client.delete_run("busy")
 
 

@@ -45,6 +45,16 @@ class FailureResponse(Exception):
         self.extra = extra
 
 
+def all_busy(function: str, replicas: int) -> FailureResponse:
+    """429 naming `function`, every one of its `replicas` busy — with this gateway's calls, or
+    another caller's (docs/protocol.md, "Replicas")."""
+    return FailureResponse(
+        "RESOURCE_EXHAUSTED",
+        f'every replica of "{function}" is busy ({replicas} in flight); '
+        "try again, or create it with more replicas",
+    )
+
+
 def known_failure(error: BaseException | None) -> FailureResponse | None:
     """The answer to a failure of ours: a FailureResponse as it is, one of our error classes
     through wire.GRPC_STATUS, a full disk as 503 naming it; None for anything else (a bug)."""

@@ -28,6 +28,7 @@ from fnkernel.runtime_server.function_runtime.spool import spool_dir
 from fnkernel.runtime_server.lifecycle.gateway.access import accepts
 from fnkernel.runtime_server.lifecycle.gateway.failures import (
     FailureResponse,
+    all_busy,
     rpc_error,
 )
 from fnkernel.runtime_server.lifecycle.gateway.handlers import (
@@ -299,8 +300,10 @@ class InvokeHandler(TracedHandler, BodyHandler):
                         raise
                     continue
                 except FailureResponse as failure:
-                    if last or failure.code != "RESOURCE_EXHAUSTED":
+                    if failure.code != "RESOURCE_EXHAUSTED":
                         raise
+                    if last:  # each busy with another caller's call: the function is
+                        raise all_busy(run.name, len(candidates)) from None
                     continue
                 run = candidate
                 break

@@ -23,7 +23,7 @@ from fnkernel.runtime_server.errors import (
 )
 from fnkernel.runtime_server.lifecycle.controlplane import ControlPlane
 from fnkernel.runtime_server.lifecycle.gateway.access import Access
-from fnkernel.runtime_server.lifecycle.gateway.failures import FailureResponse
+from fnkernel.runtime_server.lifecycle.gateway.failures import all_busy
 from fnkernel.runtime_server.lifecycle.runs import Run, replica_names
 from fnkernel.runtime_server.lifecycle.secrets import NoSecrets, Secrets
 from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS
@@ -159,9 +159,5 @@ class Routes:
             range(count), key=lambda i: (self.in_flight.get(ready[i].uid, 0), (i - turn) % count)
         )
         if self.in_flight.get(ready[order[0]].uid, 0):
-            raise FailureResponse(
-                "RESOURCE_EXHAUSTED",
-                f'every replica of "{run.name}" is busy ({len(ready)} in flight); '
-                "try again, or create it with more replicas",
-            )
+            raise all_busy(run.name, len(ready))
         return [ready[i] for i in order if not self.in_flight.get(ready[i].uid, 0)]
