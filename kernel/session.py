@@ -222,13 +222,20 @@ class Session:
             owner = owner_of(existing.source)
             if owner != self.owner:
                 show(RegistrationCard(spec.name, spec.runtime, state="refused", note=f"{owner}'s"))
+                # A kernel that named its owner has nothing to learn about the variable.
+                named = os.environ.get(OWNER_ENV)
+                how = (
+                    f"This kernel is {self.owner} ({OWNER_ENV})"
+                    if named
+                    else f"A kernel started by a script (nbclient, CI) is owner only as itself "
+                    f"unless it sets {OWNER_ENV}, the same for each run"
+                )
                 raise NotOwned(
                     f'"{spec.name}" is owned by {owner}, not by this kernel, which never '
                     f"replaces or deletes another's function. Register this cell under another "
                     f"name, bind the existing one with %use {spec.name}, or unregister it where "
                     f"it was made ({spec.name}.unregister() there, or: fnkernel runs delete "
-                    f"{spec.name}). A kernel started by a script (nbclient, CI) is owner only "
-                    f"as itself unless it sets {OWNER_ENV}, the same for each run"
+                    f"{spec.name}). {how}"
                 )
             if existing.source == origin and existing.phase in _REUSABLE:
                 function = self._bind(spec, timeout, existing.uid)

@@ -388,6 +388,11 @@ def test_no_kernel_replaces_or_deletes_a_function_it_does_not_own(
     )
     # A script's kernel (nbclient in CI) is owner as itself: how to be the same one each run.
     assert "unless it sets FNKERNEL_OWNER, the same for each run" in refused["evalue"]
+    # One that set it is told who it is, not to set it.
+    named = {**b, "FNKERNEL_OWNER": "carol"}
+    [carol] = execute(tmp_path, [SHARED.replace("made by A", "made by C")], env=named)
+    said = error(carol)["evalue"]
+    assert said.endswith("This kernel is carol (FNKERNEL_OWNER)") and "unless" not in said
     assert ok(cells[3]) == "'made by A'"
     assert "used here" in ok(cells[4])
     gateway = Client(address)
