@@ -86,7 +86,7 @@ def dumps(value: Any, root: str = "value") -> bytes:
     as a path from `root` (``payload``, ``result``); ValueError for a circular reference."""
     if orjson is not None:
         try:
-            if _large(value) and memory_limited():
+            if memory_limited() and _large(value):
                 pieces: list[bytes] = []
                 _write(value, pieces, 0)
                 _room(sum(map(len, pieces)))
@@ -140,9 +140,15 @@ def _large(value: Any) -> bool:
     return False
 
 
+_limited: list[bool] = []  # memory_limited's answer, once asked
+
+
 def memory_limited() -> bool:
-    """Whether this process is held to a memory limit (RLIMIT_DATA), as a handler's worker is."""
-    return resource.getrlimit(resource.RLIMIT_DATA)[0] != resource.RLIM_INFINITY
+    """Whether this process is held to a memory limit (RLIMIT_DATA), as a handler's worker is:
+    asked once (a syscall), as a worker's limit is set as it starts, before its first call."""
+    if not _limited:
+        _limited.append(resource.getrlimit(resource.RLIMIT_DATA)[0] != resource.RLIM_INFINITY)
+    return _limited[0]
 
 
 # What orjson may reserve for one piece: ~512 bytes an item of a dict, 8 a character.
