@@ -171,44 +171,40 @@ def _write(value: Any, pieces: list[bytes], depth: int) -> None:
     if depth > 32 or not _large(value):  # deeper: orjson says if it nests too deep
         _room(_PIECE_ROOM)
         pieces.append(orjson.dumps(value, default=_default, option=_OPTIONS))
-    elif isinstance(value, str):
-        pieces.append(b'"')
-        for start in range(0, len(value), PIECE_CHARACTERS):
-            _room(_PIECE_ROOM)
-            pieces.append(orjson.dumps(value[start : start + PIECE_CHARACTERS])[1:-1])
-        pieces.append(b'"')
+        return
+    if isinstance(value, str):  # its slices' characters follow one another
+        brackets, comma = b'""', b""
+        slices: Any = (
+            value[start : start + PIECE_CHARACTERS]
+            for start in range(0, len(value), PIECE_CHARACTERS)
+        )
     elif isinstance(value, dict):
-        pieces.append(b"{")
-        pairs, written = iter(value.items()), 0
-        while piece := dict(itertools.islice(pairs, PIECE_ITEMS)):
-            if written:
-                pieces.append(b",")
-            written += len(piece)
-            _room(_PIECE_ROOM)
-            if not _large(piece):
-                pieces.append(orjson.dumps(piece, default=_default, option=_OPTIONS)[1:-1])
-                continue
-            for index, (key, item) in enumerate(piece.items()):
-                if not isinstance(key, str):  # as orjson refuses it
-                    raise orjson.JSONEncodeError("Dict key must be str")
-                pieces.append(b"%s%s:" % (b"," if index else b"", orjson.dumps(key)))
-                _write(item, pieces, depth + 1)
-        pieces.append(b"}")
+        brackets, comma, pairs = b"{}", b",", iter(value.items())
+        slices = iter(lambda: dict(itertools.islice(pairs, PIECE_ITEMS)), {})
     else:
-        pieces.append(b"[")
-        for start in range(0, len(value), PIECE_ITEMS):
-            piece = value[start : start + PIECE_ITEMS]
-            if start:
-                pieces.append(b",")
-            _room(_PIECE_ROOM)
-            if not _large(piece):
-                pieces.append(orjson.dumps(piece, default=_default, option=_OPTIONS)[1:-1])
-                continue
-            for index, item in enumerate(piece):
-                if index:
-                    pieces.append(b",")
-                _write(item, pieces, depth + 1)
-        pieces.append(b"]")
+        brackets, comma = b"[]", b","
+        slices = (value[start : start + PIECE_ITEMS] for start in range(0, len(value), PIECE_ITEMS))
+    pieces.append(brackets[:1])
+    for index, piece in enumerate(slices):
+        if index:
+            pieces.append(comma)
+        _write_slice(piece, pieces, depth)
+    pieces.append(brackets[1:])
+
+
+def _write_slice(piece: Any, pieces: list[bytes], depth: int) -> None:
+    """A slice of a large string, list or dict, written without its quotes or brackets: by
+    orjson whole, or — holding a large part — a part at a time."""
+    _room(_PIECE_ROOM)
+    if isinstance(piece, str) or not _large(piece):
+        pieces.append(orjson.dumps(piece, default=_default, option=_OPTIONS)[1:-1])
+        return
+    keyed = isinstance(piece, dict)
+    for index, (key, item) in enumerate(piece.items() if keyed else enumerate(piece)):
+        if keyed and not isinstance(key, str):  # as orjson refuses it
+            raise orjson.JSONEncodeError("Dict key must be str")
+        pieces.append((b"," if index else b"") + (orjson.dumps(key) + b":" if keyed else b""))
+        _write(item, pieces, depth + 1)
 
 
 def loads(data: bytes) -> Any:

@@ -75,10 +75,11 @@ def sweep(kind: str, base: Path | None = None) -> int:
 
 
 def private_dir(path: Path) -> Path:
-    """`path`, made 0700 (with its missing parents, 0700 too) if it does not exist; NotPrivate if it exists but is
-    not this user's to trust: owned by another user, or writable by its group or by others — then
-    they could read what we put there, or replace it (a handler's source before a worker loads
-    it). A symlink is followed: the directory it names is the one checked."""
+    """`path`, made 0700 (with its missing parents, 0700 too) if it does not exist; NotPrivate
+    if it exists but is not this user's to trust: owned by another user, or writable by its
+    group or by others — then they could read what we put there, or replace it (a handler's
+    source before a worker loads it). A symlink is followed: the directory it names is the one
+    checked."""
     missing = []  # the directories to make, outermost last; each 0700, the parents too
     for directory in (path, *path.parents):
         if directory.exists():
