@@ -1,7 +1,7 @@
 """``fnkernel secrets set|list|delete`` (docs/protocol.md, "Secrets"): the stack's named secrets,
 through the gateway ``--gateway`` or ``$FNKERNEL_RUNTIME`` names; with neither, in this machine's
 store (``--state-dir``, ``--secrets-dir``), which ``fnkernel up`` and every kernel's embedded
-runtime read. A value is read from the command line or an env file and sent; none is ever
+runtime read. A value is read from the command line, the environment or an env file and sent; none is ever
 printed, nor quoted in an error."""
 
 from __future__ import annotations
@@ -49,14 +49,23 @@ def env_file(text: str) -> dict[str, str]:
     return found
 
 
-def _pairs(pairs: list[str]) -> dict[str, str]:
-    """``KEY=VALUE`` arguments, as ``client.parse_pairs`` reads them, but a malformed one is
-    named by its position, never echoed: it may hold a secret's value."""
+def _pairs(pairs: list[str], environ: Mapping[str, str]) -> dict[str, str]:
+    """``KEY=VALUE`` arguments, as ``client.parse_pairs`` reads them, and ``KEY`` alone, whose
+    value is this process's ``$KEY`` (as ``%%function --env KEY`` and ``docker run -e KEY``
+    take one): a value given so is not in the command line other users read in ``ps``. A
+    malformed argument is named by its position, never echoed: it may hold a secret's value."""
     found = {}
     for number, pair in enumerate(pairs, 1):
         key, sep, value = pair.partition("=")
-        if not sep or not key:
+        if not key:
             raise UsageError(f"secrets set: argument {number} after the name is not KEY=VALUE")
+        if not sep:
+            if key not in environ:
+                raise UsageError(
+                    f"secrets set: argument {number} after the name, {key}, is not set in this "
+                    "environment (give KEY=VALUE, or export KEY first)"
+                )
+            value = environ[key]
         found[key] = value
     return found
 
@@ -103,14 +112,16 @@ def _run(args: argparse.Namespace, action: Any) -> int:
 
 def _set(args: argparse.Namespace) -> int:
     data: dict[str, str] = {}
-    if args.from_env_file:
+    if args.from_env_file == "-":
+        data.update(env_file(sys.stdin.read()))
+    elif args.from_env_file:
         try:
             data.update(env_file(Path(args.from_env_file).read_text()))
         except (OSError, UnicodeDecodeError) as exc:
             raise UsageError(f"--from-env-file: cannot read {args.from_env_file}: {exc}") from None
-    data.update(_pairs(args.pairs))
+    data.update(_pairs(args.pairs, os.environ))
     if not data:
-        raise UsageError("secrets set: give KEY=VALUE pairs or --from-env-file FILE")
+        raise UsageError("secrets set: give KEY=VALUE pairs, KEY, or --from-env-file FILE")
     return _run(args, lambda store: print_json(store.set_secret(args.name, data)))
 
 
@@ -133,8 +144,15 @@ def register(commands: Any) -> None:
     actions = secrets.add_subparsers(dest="secrets_command", metavar="ACTION", required=True)
     setting = actions.add_parser("set", help="keep KEY=VALUE pairs under NAME (replacing them)")
     setting.add_argument("name")
-    setting.add_argument("pairs", nargs="*", metavar="KEY=VALUE")
-    setting.add_argument("--from-env-file", metavar="FILE", help="KEY=VALUE lines (a .env file)")
+    setting.add_argument(
+        "pairs",
+        nargs="*",
+        metavar="KEY[=VALUE]",
+        help="KEY alone takes $KEY from this environment, kept out of the process list",
+    )
+    setting.add_argument(
+        "--from-env-file", metavar="FILE", help="KEY=VALUE lines (a .env file; - for stdin)"
+    )
     setting.set_defaults(func=_set)
     listing = actions.add_parser("list", help="each secret's name, version and keys; no value")
     listing.set_defaults(func=_list)

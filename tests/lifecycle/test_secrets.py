@@ -156,6 +156,36 @@ def test_with_no_gateway_named_the_cli_keeps_secrets_in_this_machines_store(
     }
 
 
+def test_a_key_alone_takes_its_value_from_the_environment_out_of_the_process_list(
+    tmp_path: Path,
+) -> None:
+    # docs/protocol.md, "Secrets": `KEY` with no `=VALUE` takes the value of `$KEY` in the
+    # environment of `fnkernel secrets set` (as `%%function --env KEY` does), and
+    # `--from-env-file -` reads the env file from stdin: either way the value is in no command
+    # line. A KEY the environment does not have is a usage error naming it, and nothing is set.
+    env = {k: v for k, v in os.environ.items() if k not in ("FNKERNEL_RUNTIME", "FNKERNEL_TOKEN")}
+    env |= {"FNKERNEL_STATE_DIR": str(tmp_path / "state"), "PASSWORD": VALUE}
+
+    def cli(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "fnkernel.runtime_server.cli", *args],
+                              capture_output=True, text=True, timeout=60, env=env,
+                              input=stdin)  # fmt: skip
+
+    store = SecretFiles(tmp_path / "state" / "secrets")
+    made = cli("secrets", "set", "warehouse", "DB_USER=alice", "PASSWORD")
+    assert made.returncode == 0, made.stderr
+    assert store.get("warehouse").data == {"DB_USER": "alice", "PASSWORD": VALUE}
+    piped = cli("secrets", "set", "other", "--from-env-file", "-", stdin=f"TOKEN={ROTATED}\n")
+    assert piped.returncode == 0, piped.stderr
+    assert store.get("other").data == {"TOKEN": ROTATED}
+    unset = cli("secrets", "set", "third", "DB_USER=bob", "MISSING_KEY_1")
+    assert unset.returncode == 2
+    assert "argument 2 after the name, MISSING_KEY_1, is not set in this environment" in (
+        unset.stderr
+    )
+    assert [secret.name for secret in store.list()] == ["other", "warehouse"]
+
+
 @pytest.mark.parametrize(
     ("name", "data", "says"),
     [
