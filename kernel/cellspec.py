@@ -10,10 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from fnkernel.adapters.runtimes import RUNTIMES
+from fnkernel.runtime_server import wire
 from fnkernel.runtime_server.lifecycle.runs import RunSpec, files_digest
-
-ORIGIN_PREFIX = "%%function cell "  # a Run's spec.source when a cell created it
-_OWNER_MARK = " by "  # then the kernel that owns it: ORIGIN_PREFIX + fingerprint + this + owner
 
 
 @dataclass(frozen=True)
@@ -79,15 +77,14 @@ class Spec:
 
     def origin(self, owner: str) -> str:
         """The Run's ``spec.source`` when the kernel `owner` registers this spec."""
-        return f"{ORIGIN_PREFIX}{self.fingerprint}{_OWNER_MARK}{owner}"
+        return f"{wire.CELL_SOURCE}{self.fingerprint}{wire.OWNER_MARK}{owner}"
 
 
 def owner_of(source: str) -> str:
     """Who owns the Run whose ``spec.source`` is `source`, as a refusal names it: the kernel
     that registered it from a cell, else what created it (docs/protocol.md, "Ownership")."""
-    if source.startswith(ORIGIN_PREFIX):
-        _, mark, owner = source.partition(_OWNER_MARK)
-        return owner if mark else "a kernel of an earlier fnkernel"
+    if owner := wire.cell_owner(source):
+        return owner
     return f"its creator ({source})" if source else "its creator (the CLI or the HTTP API)"
 
 

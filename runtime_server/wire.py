@@ -240,3 +240,18 @@ def status_name(exc: BaseException) -> str | None:
 
 def http_status(code_name: str) -> int:
     return HTTP_STATUS.get(code_name, 500)
+
+
+# A Run a `%%function` cell made has `spec.source` CELL_SOURCE + the cell's fingerprint +
+# OWNER_MARK + the kernel that owns it (docs/protocol.md, "Ownership").
+CELL_SOURCE = "%%function cell "
+OWNER_MARK = " by "
+
+
+def cell_owner(source: str) -> str:
+    """The kernel that owns the Run whose ``spec.source`` is `source`, when a ``%%function``
+    cell made it; "" when something else did (the CLI, the HTTP API)."""
+    if not source.startswith(CELL_SOURCE):
+        return ""
+    _, mark, owner = source.partition(OWNER_MARK)
+    return owner if mark else "a kernel of an earlier fnkernel"

@@ -73,11 +73,12 @@ def _runs_create(args: argparse.Namespace) -> int:
 
 def _runs_list(args: argparse.Namespace) -> int:
     runs = client_of(args).list_runs()
-    rows = [("NAME", "RUNTIME", "PHASE", "ATTEMPT", "POD", "MESSAGE")]
+    rows = [("NAME", "RUNTIME", "PHASE", "ATTEMPT", "POD", "OWNER", "MESSAGE")]
     for run in runs:
-        rows.append(
-            (run.name, run.runtime, run.phase, str(run.attempt), run.assigned_pod, run.message[:60])
-        )
+        rows.append((
+            run.name, run.runtime, run.phase, str(run.attempt), run.assigned_pod,
+            run.owner or "-", run.message[:60],
+        ))  # fmt: skip
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print(

@@ -88,6 +88,12 @@ class Run(dict[str, Any]):
         return str(self._spec("source"))
 
     @property
+    def owner(self) -> str:
+        """The kernel that owns it, when a ``%%function`` cell made it; "" when the CLI or the
+        HTTP API did (docs/protocol.md, "Ownership")."""
+        return wire.cell_owner(self.source)
+
+    @property
     def env_keys(self) -> list[str]:
         """The keys of its environment: the gateway never shows their values."""
         return list(self._spec("env", None) or [])

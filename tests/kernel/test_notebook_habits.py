@@ -6,6 +6,8 @@ between notebooks that no other notebook replaces."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -371,6 +373,18 @@ def test_no_kernel_replaces_or_deletes_a_function_it_does_not_own(
     a = {"FNKERNEL_RUNTIME": address, "JPY_SESSION_NAME": "team/A.ipynb"}
     b = {"FNKERNEL_RUNTIME": address, "JPY_SESSION_NAME": "team/B.ipynb"}
     assert ok(execute(tmp_path, [SHARED], env=a)[0])
+    # Whose each Run is, for whoever looks from the CLI: the owner's kernel, both replicas.
+    listed = subprocess.run(
+        [sys.executable, "-m", "fnkernel.runtime_server.cli", "runs", "list", "--gateway", address],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.splitlines()[0].split() == [
+        "NAME", "RUNTIME", "PHASE", "ATTEMPT", "POD", "OWNER", "MESSAGE",
+    ]  # fmt: skip
+    owners = {line.split()[0]: line for line in listed.stdout.splitlines()[1:]}
+    for name in ("shared_agg", "shared_agg.1"):
+        assert re.search(r"\sReady\s+1\s+\S+\s+notebook team/A\.ipynb", owners[name])
     cells = execute(tmp_path, [
         "%use shared_agg",
         "shared_agg.unregister()",

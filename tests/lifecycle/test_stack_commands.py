@@ -373,7 +373,9 @@ def test_cli_runs_and_invoke_with_exit_codes(
     assert created.returncode == 0, created.stderr
     assert json.loads(created.stdout)["status"]["phase"] == "Ready"
     listed = fnkernel("runs", "list", *gateway)
-    assert listed.returncode == 0 and re.search(r"cli-fn\s+python\s+Ready\s+1", listed.stdout)
+    assert listed.returncode == 0 and re.search(
+        r"cli-fn\s+python\s+Ready\s+1\s+\S+\s+-", listed.stdout
+    )
     got = fnkernel("runs", "get", "cli-fn", *gateway)
     # docs/protocol.md, "Runs": the env's keys, never its values, to any token holder.
     assert json.loads(got.stdout)["spec"]["env"] == ["MODE"] and "sekrit" not in got.stdout
