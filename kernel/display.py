@@ -202,9 +202,11 @@ class MapProgress:
     cancelled: bool = False  # an interrupt, a failure or the kernel's end stopped it
 
     def __repr__(self) -> str:
-        state = "cancelled" if self.cancelled else "done" if self.finished else "running"
-        failed = f", {self.failed} failed" if self.failed else ""
-        return f"{self.name}.map: {self.done}/{self.total} {state}{failed}"
+        head = f"{self.name}.map: {self.done}/{self.total}"
+        if self.failed:  # a failure stopped it: what ended, then what did not run
+            rest = ", the rest cancelled" if self.cancelled else ""
+            return f"{head} done, {self.failed} failed{rest}"
+        return f"{head} {'cancelled' if self.cancelled else 'done' if self.finished else 'running'}"
 
     def _repr_html_(self) -> str:
         bar = f"<progress max='{self.total}' value='{self.done}' style='width:16em'></progress>"
