@@ -244,11 +244,9 @@ class Session:
             progress("unregistering the previous version")
             client.delete_run(spec.name)
             self.functions.pop(spec.name, None)
-        show(
-            RegistrationCard(
-                spec.name, spec.runtime, state="registering", note="loading the handler"
-            )
-        )
+        # With requirements, the install comes first; its own lines follow as uv writes them.
+        first = "installing its requirements" if spec.requirements else "loading the handler"
+        show(RegistrationCard(spec.name, spec.runtime, state="registering", note=first))
         try:
             with _installing(client, spec, show):
                 run = _with_flags(spec, client.create_run)(

@@ -16,7 +16,7 @@ import pytest
 
 from fnkernel.runtime_server.client import Client
 from fnkernel.runtime_server.lifecycle.stack import Stack
-from tests.kernel.kernels import error, execute, ok, text, usage_error
+from tests.kernel.kernels import Kernel, error, execute, ok, text, usage_error
 from tests.packages_and_secrets import (
     SECRET,
     a_function_brings_its_packages_and_a_secret,
@@ -296,6 +296,26 @@ def test_a_function_brings_its_own_packages(notebook_dir: Path) -> None:
     # A file's line that is not a requirement is named by the file and the line.
     assert "%%function typo --requirements-file typo.txt: line 3: 'fnk-alpha>>2' is not a PEP " \
         "508 requirement" in usage_error(cells[6])  # fmt: skip
+
+
+def test_a_cell_with_requirements_says_it_installs_them_from_the_start(tmp_path: Path) -> None:
+    # docs/protocol.md, "Requirements": the registering card shows the install, from the start
+    # — not "loading the handler" while uv resolves and installs, however fast that is.
+    env = offline_index(build_wheelhouse(tmp_path / "wheelhouse"))
+    kernel = Kernel(env={**env, "FNKERNEL_STATE_DIR": str(tmp_path / "state")})
+    try:
+        cell = kernel.run(
+            '%%function pinned --requirements "fnk-alpha==1.0"\nimport fnk_alpha\n'
+            "def handler(event):\n    return fnk_alpha.VERSION\n"
+        )
+    finally:
+        kernel.shutdown()
+    assert cell.ok, cell.error
+    cards = [text for text in cell.texts() if text.startswith("pinned: ")]
+    notes = [card for card in cards if "state registering" in card and card.endswith(")")]
+    assert notes and notes[0].endswith("(installing its requirements)"), cards
+    assert not any("loading the handler" in card for card in notes), cards
+    assert "state ready" in cards[-1].lower(), cards
 
 
 def test_a_function_with_packages_and_a_secret_on_the_embedded_runtime(
