@@ -152,10 +152,16 @@ def test_allowed_origins_and_hosts_are_answered_with_cors(stack_factory) -> None
     )
     assert status == 204
     assert headers["Access-Control-Allow-Origin"] == "https://app.example"
-    assert "Authorization" in headers["Access-Control-Allow-Headers"]
+    # README, "Security": what a page may send (a trace's context too) and read (every
+    # header the HTTP API answers with: docs/protocol.md, "HTTP API").
+    allowed = headers["Access-Control-Allow-Headers"].split(", ")
+    assert {"Authorization", "Content-Type", "X-Invocation-Id", "X-Timeout-Ms", "X-Fn-Timeline",
+            "X-Fn-Run-Uid", "traceparent"} <= set(allowed)  # fmt: skip
     status, headers, _ = http_call(stack.gateway_address, "GET", "/v1/runs", headers=origin)
     assert status == 200 and headers["Access-Control-Allow-Origin"] == "https://app.example"
-    assert "X-Invocation-Id" in headers["Access-Control-Expose-Headers"]
+    exposed = set(headers["Access-Control-Expose-Headers"].split(", "))
+    assert {"X-Invocation-Id", "X-Fn-Outputs", "X-Fn-Attempt", "X-Fn-Logs", "X-Fn-Cold-Start",
+            "X-Fn-Timeline", "X-Fn-Spans", "X-Fn-Run", "Retry-After"} <= exposed  # fmt: skip
     status, _, _ = http_call(
         stack.gateway_address, "GET", "/v1/runs", headers={"Origin": "https://other.example"}
     )

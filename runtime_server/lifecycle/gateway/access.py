@@ -25,6 +25,8 @@ EXPOSED_HEADERS = ", ".join(
         wire.COLD_START_HEADER,
         wire.LOGS_HEADER,
         wire.TIMELINE_HEADER,
+        wire.RUN_HEADER,
+        wire.SPANS_HEADER,
         "Retry-After",
     )
 )
@@ -36,6 +38,7 @@ ALLOWED_REQUEST_HEADERS = ", ".join(
         wire.TIMEOUT_HEADER,
         wire.TIMELINE_HEADER,
         wire.RUN_UID_HEADER,
+        wire.TRACEPARENT_HEADER,
     )
 )
 
