@@ -55,7 +55,10 @@ STYLE = (
     ".fnk .fnk-badge{border:1px solid currentColor;border-radius:3px;padding:0 4px}"
     "</style>"
 )
-_EDGE = {"READY": "ok", "Ready": "ok", "Idle": "ok", "Failed": "error", "FAILED": "error"}
+_EDGE = {
+    "READY": "ok", "Ready": "ok", "Idle": "ok", "Failed": "error", "FAILED": "error",
+    "failed": "error", "refused": "error", "interrupted": "muted",
+}  # fmt: skip
 TEXT_LINES = 20  # the text form of a result shows this many lines, then "… N more lines"
 EXPIRES_SECONDS = 10  # as in STYLE's .fnk-expires; a live output is renewed well within it
 

@@ -217,6 +217,9 @@ class Session:
             existing = client.status(spec.name)
         except FunctionNotFound:
             existing = None
+        except GatewayError:  # unreachable, refused the token: the card ends saying so
+            show(RegistrationCard(spec.name, spec.runtime, state="failed"))
+            raise
         origin = spec.origin(self.owner)
         if existing is not None:
             owner = owner_of(existing.source)

@@ -79,6 +79,9 @@ def test_a_mistyped_fn_connect_is_refused_or_corrected_without_a_restart(
         unreachable = kernel.run(ETL)
         assert unreachable.error is not None
         assert unreachable.error["ename"] == "GatewayUnreachable", unreachable.error
+        # Its card ends as the cell did, in a headless log and in HTML alike (README, "Display").
+        assert "state failed" in unreachable.texts()[-1], unreachable.texts()
+        assert "fnk-edge-error" in unreachable.htmls()[-1]
         right = kernel.run(f"%fn_connect {stack.gateway_address}")
         assert right.ok, right.stderr
         cell = kernel.run(ETL)
