@@ -207,10 +207,14 @@ class Runtime:
                     self._start_embedded()
                 else:
                     self._drop_prewarmed()
+                try:  # %fn_connect checks its own: the environment's
+                    check_address(self.address)
+                except ValueError as exc:
+                    raise StackMisconfigured(f"{RUNTIME_ENV}: {exc}") from None
                 try:
                     self._client = TracedClient(self.address, self.trace)
-                except ValueError as exc:  # %fn_connect checks its own: the environment's
-                    raise StackMisconfigured(f"{RUNTIME_ENV}: {exc}") from None
+                except ValueError as exc:  # $FNKERNEL_TOKEN's, which the message names
+                    raise StackMisconfigured(str(exc)) from None
                 self._wanted_at_choice = wanted  # a later change of it is the user's
             if runtime is not None and self._stack is not None and runtime not in self.pods():
                 if progress:

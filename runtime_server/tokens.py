@@ -62,10 +62,15 @@ def write_private(path: Path, text: str) -> Path:
 
 
 def read_token_file(path: Path) -> str:
-    """The token in `path`; ValueError if it holds none."""
-    token = path.read_text().strip()
-    if not token or any(c.isspace() for c in token):
-        raise ValueError(f"{path} does not hold a token (one line, no spaces)")
+    """The token in `path`, a ``--token-file``; ValueError naming the flag if it cannot be
+    read or holds none (never quoting what it holds)."""
+    try:
+        token = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not text"
+        raise ValueError(f"--token-file {path}: cannot be read: {why}") from None
+    if not token or not token.isprintable() or any(c.isspace() for c in token):
+        raise ValueError(f"--token-file {path}: does not hold a token (one line, no spaces)")
     return token
 
 

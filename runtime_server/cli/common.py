@@ -52,6 +52,9 @@ def count(text: str) -> int:
     from fnkernel.runtime_server import limits
     from fnkernel.runtime_server.errors import InvalidField
 
+    if not (text.isascii() and text.isdigit()):
+        shown = text if len(text) <= 40 else text[:40] + "..."
+        raise argparse.ArgumentTypeError(f"must be a whole number in ASCII digits, got {shown!r}")
     try:
         return limits.parse_count(text, "value")
     except InvalidField as exc:
@@ -63,6 +66,14 @@ def positive(text: str) -> int:
     value = count(text)
     if value < 1:
         raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def port(text: str) -> int:
+    """argparse type: a TCP port, 0 (any free one) to 65535."""
+    value = count(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port from 0 to 65535, got {value}")
     return value
 
 
@@ -124,6 +135,14 @@ def seconds(text: str) -> float:
             f"must be a number of seconds from 0 to {MAX_FLAG_SECONDS:.0f}, got {text[:40]!r}"
         )
     return float(text)
+
+
+def interval(text: str) -> float:
+    """argparse type: a cadence in ``seconds``, more than 0 (0 would poll in a busy loop)."""
+    value = seconds(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text!r}")
+    return value
 
 
 def print_json(value: object) -> None:
@@ -229,9 +248,20 @@ def client_of(args: argparse.Namespace) -> Client:
     """The gateway client the flags of add_client_flags name."""
     from fnkernel.runtime_server import tokens
     from fnkernel.runtime_server.client import Client
+    from fnkernel.runtime_server.client.transport import check_address, default_address
 
-    token = tokens.read_token_file(Path(args.token_file)) if args.token_file else None
-    return Client(args.gateway, token=token)
+    try:
+        token = tokens.read_token_file(Path(args.token_file)) if args.token_file else None
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    try:
+        check_address(args.gateway or default_address())
+    except ValueError as exc:  # named by where it came from: the flag, else the variable
+        raise UsageError(f"{'--gateway' if args.gateway else '$FNKERNEL_RUNTIME'}: {exc}") from None
+    try:
+        return Client(args.gateway, token=token)
+    except ValueError as exc:  # $FNKERNEL_TOKEN's, which the message names
+        raise UsageError(str(exc)) from None
 
 
 def add_max_payload(parser: argparse.ArgumentParser) -> None:

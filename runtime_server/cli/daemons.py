@@ -24,6 +24,7 @@ from fnkernel.runtime_server.cli.common import (
     add_max_payload,
     add_state_dir,
     count,
+    interval,
     listen_address,
     seconds,
     state_dir_of,
@@ -420,12 +421,16 @@ def register(commands: Any) -> None:
     runtimed.add_argument("--pod", required=True, metavar="NAME")
     runtimed.add_argument("--runtime", choices=runtimes.RUNTIMES, required=True)
     runtimed.add_argument(
-        "--server", required=True, metavar="ADDR", help="the colocated Runtime Server"
+        "--server",
+        required=True,
+        type=listen_address,
+        metavar="ADDR",
+        help="the colocated Runtime Server, host:port or unix:PATH",
     )
     runtimed.add_argument("--listen", type=listen_address, default="127.0.0.1:0", metavar="ADDR")
     runtimed.add_argument(
         "--poll-interval",
-        type=seconds,
+        type=interval,
         default=1.0,
         metavar="SECONDS",
         help="FunctionStatus cadence (default %(default)s)",
@@ -527,7 +532,7 @@ def register(commands: Any) -> None:
     _add_access_flags(up)
     up.add_argument(
         "--poll-interval",
-        type=seconds,
+        type=interval,
         default=1.0,
         metavar="SECONDS",
         help="each runtimed's FunctionStatus cadence (default %(default)s)",

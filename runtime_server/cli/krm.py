@@ -25,6 +25,7 @@ from fnkernel.runtime_server.cli.common import (
     client_of,
     count,
     listen_address,
+    port,
     results_dir,
 )
 
@@ -287,7 +288,7 @@ def register(commands: Any) -> None:
         description="Run ENTRYPOINT once per EvaluateFunction request with the ResourceList on "
         "stdin. Usage: fnkernel wrapper-server --port 9446 -- ENTRYPOINT...",
     )
-    wrapper.add_argument("--port", type=count, default=9446, help="loopback port (0: any free one)")
+    wrapper.add_argument("--port", type=port, default=9446, help="loopback port (0: any free one)")
     wrapper.add_argument(
         "--listen",
         type=listen_address,

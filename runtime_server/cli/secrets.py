@@ -147,6 +147,7 @@ def register(commands: Any) -> None:
     setting.add_argument(
         "pairs",
         nargs="*",
+        default=[],  # else argparse names it among what is required when the name is missing
         metavar="KEY[=VALUE]",
         help="KEY alone takes $KEY from this environment, kept out of the process list",
     )

@@ -40,12 +40,22 @@ _NOT_IN_A_HEADER = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 def check_address(address: str) -> None:
     """ValueError unless `address` is one a client can call: http://HOST:PORT,
-    https://HOST[:PORT] or unix:PATH (a bare HOST:PORT is http)."""
+    https://HOST[:PORT] or unix:PATH (a bare HOST:PORT is http), its port 1 to 65535."""
+    if address.startswith("unix:") and len(address) > len("unix:"):
+        return
+    refused = (
+        f"gateway address {address!r}: give http://HOST:PORT, https://HOST[:PORT] or unix:PATH"
+    )
     scheme = address.split("://", 1)[0].lower() if "://" in address else "http"
-    if scheme not in ("http", "https") and not address.startswith("unix:"):
-        raise ValueError(
-            f"gateway address {address!r}: give http://HOST:PORT, https://HOST[:PORT] or unix:PATH"
-        )
+    if scheme not in ("http", "https"):
+        raise ValueError(refused)
+    url = urllib.parse.urlsplit(address if "://" in address else f"http://{address}")
+    try:
+        port = url.port
+    except ValueError:
+        port = 0
+    if port == 0 or not url.hostname or (port is None and "://" not in address):
+        raise ValueError(f"{refused}, a port from 1 to 65535")
 
 
 def default_address() -> str:
@@ -76,8 +86,13 @@ class Transport:
         # One found in the gateway file is looked for again when the gateway refuses it: a
         # stack started again on the same state dir has a new one (``_token_renewed``).
         self._token_found = token is None and not os.environ.get(tokens.TOKEN_ENV)
-        if token is None:
-            token = os.environ.get(tokens.TOKEN_ENV) or tokens.find_token(self.address)
+        given = "the token given" if token is not None else f"${tokens.TOKEN_ENV}"
+        if token is not None:
+            token = token.strip()  # as a token file's (`open(path).read()`: its newline)
+        else:
+            token = (os.environ.get(tokens.TOKEN_ENV) or "").strip() or tokens.find_token(
+                self.address
+            )
         self.token = token
         self.timeout = timeout
         self._lock = threading.Lock()
@@ -91,7 +106,10 @@ class Transport:
         self._preparing_calls: dict[object, bool] = {}
         self._direct: Any = None
         self._max_payload = limits.DEFAULT_MAX_SPOOLED_BYTES  # the gateway's, once asked
-        check_address(self.address)  # last: a refused address leaves an object __del__ closes
+        # Last: a refused address or token leaves an object __del__ closes.
+        check_address(self.address)
+        if token and _NOT_IN_A_HEADER.search(token):  # named, never quoted: it is a secret
+            raise ValueError(f"{given} holds a control character, which no token has")
 
     def _connect(self, timeout: float | None = 0) -> http.client.HTTPConnection:
         """A new connection; `timeout` for its reads (0: the client's, None: none)."""
@@ -330,7 +348,8 @@ class Transport:
         self.close()
 
     def __del__(self) -> None:
-        self.close()
+        if hasattr(self, "_lock"):  # not when __init__ was refused its arguments
+            self.close()
 
     def close(self) -> None:
         """Close the idle kept-alive connections."""

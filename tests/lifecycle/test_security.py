@@ -187,6 +187,41 @@ def test_a_wrong_token_is_401_and_the_client_says_unauthorized(shared_stack: Sta
     assert "$FNKERNEL_TOKEN" in where and "$FNKERNEL_RUNTIME_DIR" in where
 
 
+def test_a_token_is_trimmed_and_one_holding_a_control_character_is_refused_unquoted(
+    shared_stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # README, "Security": `export FNKERNEL_TOKEN=$(cat token)` of a CRLF file keeps its `\r`:
+    # the client trims it, as it trims a token file. A control character inside is refused
+    # before anything is sent, naming where the token came from and never quoting it — it
+    # would land in a notebook or a CI log.
+    address, token = shared_stack.gateway_address, shared_stack.token
+    assert token
+    monkeypatch.setenv("FNKERNEL_TOKEN", f"{token}\r\n")
+    assert isinstance(Client(address).list_runs(), list)
+    assert isinstance(Client(address, token=f"{token}\n").list_runs(), list)
+    monkeypatch.setenv("FNKERNEL_TOKEN", f"{token}\x01")
+    for made, source in (
+        (lambda: Client(address), "$FNKERNEL_TOKEN"),
+        (lambda: Client(address, token=f"{token[:4]}\r{token[4:]}"), "the token given"),
+    ):
+        with pytest.raises(ValueError) as refused:
+            made()
+        assert str(refused.value) == f"{source} holds a control character, which no token has"
+
+
+def test_a_client_given_the_token_by_position_says_only_that() -> None:
+    # README, "Client library": Client(address=None, *, token=None, ...): the token is given by
+    # name. By position it is Python's TypeError, and nothing else (no "Exception ignored"
+    # from the half-made object's finalizer on stderr).
+    code = (
+        "from fnkernel.runtime_server.client import Client\n"
+        "try:\n    Client('http://127.0.0.1:1', 'tok')\n"
+        "except TypeError as exc:\n    print(type(exc).__name__)\n"
+    )
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (ran.returncode, ran.stdout, ran.stderr) == (0, "TypeError\n", "")
+
+
 def test_clients_find_the_token_and_the_gateway_file_goes_with_the_gateway(
     tmp_path: Path,
 ) -> None:
@@ -412,6 +447,25 @@ def test_every_connection_of_a_burst_of_1000_gets_an_answer(shared_stack: Stack)
             "--idle-timeout",
         ),
         (["up", "--poll-interval", "inf"], "--poll-interval"),
+        (["up", "--poll-interval", "0"], "--poll-interval: must be more than 0 seconds"),
+        (["wrapper-server", "--port", "99999", "--", "cat"], "--port: must be a port from 0 to"),
+        (
+            [
+                "runs",
+                "create",
+                "x",
+                "--runtime",
+                "python",
+                "--source",
+                ".",
+                "--handler",
+                "h.h",
+                "--replicas",
+                "1e23",
+            ],
+            "--replicas: must be a whole number in ASCII digits, got '1e23'",
+        ),
+        (["runtimed", "--pod", "p", "--runtime", "python", "--server", "nonsense"], "--server"),
         (["serve", "--runtime", "python", "--drain-timeout", "1e300"], "--drain-timeout"),
     ],
 )

@@ -507,6 +507,32 @@ def test_cli_reports_an_unreachable_gateway(tmp_path: Path) -> None:
     assert "cannot reach the gateway" in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "env", "says"),
+    [
+        (["--gateway", "http://127.0.0.1:99999"], {}, "--gateway: gateway address 'http://127.0"),
+        (["--gateway", "nowhere"], {}, "--gateway: gateway address 'nowhere': give http://"),
+        ([], {"FNKERNEL_RUNTIME": "garbage"}, "$FNKERNEL_RUNTIME: gateway address 'garbage'"),
+        (["--token-file", "/no/such/token"], {}, "--token-file /no/such/token: cannot be read"),
+        ([], {"FNKERNEL_TOKEN": "s3cr3t\x01tok"}, "$FNKERNEL_TOKEN holds a control character"),
+    ],
+)
+def test_cli_names_the_flag_or_variable_of_a_bad_address_or_token(
+    args: list[str], env: dict[str, str], says: str
+) -> None:
+    # README, "CLI": another address, or a port past 65535, is a usage error naming --gateway
+    # or $FNKERNEL_RUNTIME; README, "Security": a token is never quoted (it would be in a CI
+    # log), its source named instead.
+    result = subprocess.run(
+        [sys.executable, "-m", "fnkernel.runtime_server.cli", "runs", "list", *args],
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "FNKERNEL_RUNTIME": "unix:/nonexistent.sock", **env},
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith(f"fnkernel: {says}"), result.stderr
+    assert "s3cr3t" not in result.stderr and "Traceback" not in result.stderr
+
+
 def test_a_stack_takes_its_first_components_from_prewarmed_processes(
     stack_factory: StackFactory,
 ) -> None:
