@@ -407,6 +407,24 @@ def _add_packages(directory: str) -> None:
     site.addsitedir(directory)
 
 
+def _leave_with_the_server(req: int) -> None:
+    """Exit once the Runtime Server is gone, which closes the request pipe's other end
+    (POLLHUP), on a thread that waits for nothing else: while the handler loads nothing reads
+    the pipe, and one that hangs as it is imported (a loop at module level) would outlive the
+    server, as would a call that runs on after it."""
+    import select
+    import threading
+
+    def watch() -> None:
+        poller = select.poll()
+        poller.register(req, 0)  # asks for nothing: POLLHUP, POLLERR and POLLNVAL come anyway
+        while True:
+            if poller.poll():
+                os._exit(1)
+
+    threading.Thread(target=watch, name="fnkernel-server-watch", daemon=True).start()
+
+
 def main() -> None:
     server = os.getppid()
     run_uid, module_name, function_name, req_fd, resp_fd = sys.argv[1:6]
@@ -415,6 +433,7 @@ def main() -> None:
     keep_freed_memory()
     os.set_inheritable(req, False)  # the handler's own subprocesses must not hold our frame pipes
     os.set_inheritable(resp, False)
+    _leave_with_the_server(req)
     sys.path.insert(0, os.getcwd())
     _add_packages(os.environ.get(_PACKAGES_ENV, ""))
     # A print is in the log file at once, as on a terminal, for whoever follows the call live

@@ -208,6 +208,7 @@ class WorkerSupervisor:
         self._cancel_why = ""  # what cancelled the call in flight, for its caller
         self._closed = False
         self._fatal: InitError | None = None
+        self._loading: set[Worker] = set()  # workers spawned, not yet READY
 
     # Life cycle
 
@@ -223,12 +224,20 @@ class WorkerSupervisor:
 
     def _spawn(self) -> Worker:
         worker = Worker(self._argv, self._cwd, self._env, self._scratch, self._memory_bytes)
+        with self._lock:
+            self._loading.add(worker)  # close() kills it: a load can hang for good
+            closed = self._closed
         try:
+            if closed:
+                worker.kill()
             worker.wait_ready(time.monotonic() + self._init_timeout)
         except InitError:
             self._log_init(worker)
             worker.reap()
             raise
+        finally:
+            with self._lock:
+                self._loading.discard(worker)
         self._log_init(worker)
         return worker
 
@@ -243,7 +252,10 @@ class WorkerSupervisor:
             self._closed = True
             worker, self._worker = self._worker, None
             current, self._queued = self._current, None
+            loading = list(self._loading)
             self._lock.notify_all()
+        for each in loading:  # its _spawn reaps it, seeing it exit
+            each.kill()
         if current is not None:
             self._cancelled = True
             current.worker.kill()

@@ -119,7 +119,10 @@ class Registry:
                         f"run {run_uid} attempt {registration_attempt} is already registered "
                         "with a different registration_digest"
                     )
-                reg = current  # docs/protocol.md, "Registration": idempotent; the current reference, no re-initialisation
+                # docs/protocol.md, "Registration": idempotent; the current reference, no
+                # re-initialisation — at once, REGISTERING while it loads: its caller (runtimed
+                # deleting the Run) may need the ID to unregister a load that never ends.
+                return RegistrationView.of(current)
             else:
                 newest = (
                     current.attempt if current is not None else self._tombstones.get(run_uid, 0)
@@ -156,8 +159,8 @@ class Registry:
                 extra={"run_uid": run_uid},
             )
             self._release(superseded, cancel=True)
-        # RegisterFunction answers READY (docs/protocol.md, "Registration"): wait (bounded) for the import; a retry that arrives
-        # while it is still loading waits for the same load.
+        # RegisterFunction answers READY (docs/protocol.md, "Registration"): wait (bounded) for
+        # the import.
         reg.loaded.wait(self._register_wait)
         with self._lock:
             return RegistrationView.of(reg)

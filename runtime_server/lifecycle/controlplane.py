@@ -329,8 +329,7 @@ class ControlPlane:
         draining it for at most `drain_timeout_millis` (0: runtimed's default) — then remove
         it from the store. A function's replicas go together: every one is asked first, then
         each awaited. Whether each was unregistered within the wait: one its server still held
-        (a server that does not answer; a registration still loading, which only its end can
-        release) is removed all the same, so that its name can be taken again, and its runtimed
+        (a server that does not answer) is removed all the same, so that its name can be taken again, and its runtimed
         unregisters it once the server answers (docs/protocol.md, "Runs")."""
         limits.check_drain_timeout(drain_timeout_millis, "drainTimeoutMs")
         run = self.store.get(name)

@@ -5,12 +5,15 @@ stops."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import threading
 from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
 
+from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS
 from tests.support import Client, ServeProcess, pid_alive, wait_until
 
@@ -75,3 +78,60 @@ def test_nothing_a_handler_started_outlives_its_server(
     server.proc.send_signal(signal.SIGTERM)
     assert server.proc.wait(30) == 0
     wait_until(lambda: not pid_alive(pid), timeout=5)
+
+
+# Hangs as it is imported, having said who it is: a student's loop at module level.
+HANGS = {
+    "handler.py": (
+        "import os, time\n"
+        "with open('pid', 'w') as said:\n"
+        "    said.write(str(os.getpid()))\n"
+        "time.sleep(3600)\n"
+        "def handle(event):\n"
+        "    return 1\n"
+    )
+}
+
+
+def hung_load(rt: Client, run_uid: str) -> tuple[threading.Thread, int]:
+    """A RegisterFunction waiting on a handler that never loads, and its worker's pid."""
+    workdir = rt.workdir(HANGS)
+
+    def register() -> None:
+        with contextlib.suppress(grpc.RpcError):  # its server may be killed under it
+            rt.register(working_dir=workdir, run_uid=run_uid, timeout=120)
+
+    waiting = threading.Thread(target=register, daemon=True)
+    waiting.start()
+    said = workdir / "pid"
+    wait_until(lambda: said.exists() and said.read_text() != "", timeout=30)
+    return waiting, int(said.read_text())
+
+
+def test_a_handler_that_hangs_as_it_loads_is_stopped_by_an_unregister(
+    served: tuple[ServeProcess, Client],
+) -> None:
+    # docs/protocol.md, "Registration": repeating RegisterFunction returns the current
+    # reference without loading again — at once, REGISTERING while the first still waits — so
+    # its caller can unregister a load that never ends; that kills its worker, and the first
+    # RegisterFunction is answered.
+    _, rt = served
+    waiting, worker = hung_load(rt, "hangs")
+    repeated = rt.register(working_dir=rt.workdir(HANGS), run_uid="hangs", timeout=10)
+    assert repeated.state == pb.FUNCTION_REGISTRATION_STATE_REGISTERING
+    rt.unregister(repeated.registration, cancel=True)
+    wait_until(lambda: not pid_alive(worker), timeout=10)
+    waiting.join(10)
+    assert not waiting.is_alive()
+
+
+def test_a_worker_still_loading_leaves_with_its_server(
+    served: tuple[ServeProcess, Client],
+) -> None:
+    # docs/protocol.md, "Adapters": a worker leaves when its server is gone — also one whose
+    # handler hangs as it is imported, when nothing reads its request pipe yet.
+    server, rt = served
+    _, worker = hung_load(rt, "orphaned")
+    server.proc.kill()
+    server.proc.wait(30)
+    wait_until(lambda: not pid_alive(worker), timeout=10)

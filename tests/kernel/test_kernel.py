@@ -18,7 +18,7 @@ from fnkernel.runtime_server.client.errors import FunctionNotFound
 from fnkernel.runtime_server.lifecycle.stack import Stack
 from tests.kernel.cells import ETL, GREET_SH, SLOW, gateway_address, registration
 from tests.kernel.kernels import Kernel, descendants
-from tests.support import wait_until
+from tests.support import pid_alive, wait_until
 
 pytestmark = pytest.mark.usefixtures("fnkernel_spec")
 
@@ -492,11 +492,17 @@ def test_unregister_removes_the_function(kernel: Kernel) -> None:
     assert cell.error is not None and cell.error["ename"] == "FunctionNotFound"
 
 
-def test_an_interrupted_registration_leaves_nothing_registered(kernel: Kernel) -> None:
+def test_an_interrupted_registration_leaves_nothing_registered(
+    kernel: Kernel, tmp_path: Path
+) -> None:
     # docs/protocol.md, "Kernel": interrupting a %%function cell while its handler loads ends
-    # it in one line and deletes the half-made Run, so running the cell again starts afresh.
+    # it in one line and deletes the half-made Run — its worker killed, not left to load on —
+    # so running the cell again starts afresh.
+    said = tmp_path / "pid"
     slow_load = (
-        "%%function loads_slowly\nimport time\ntime.sleep(30)\ndef handler(event):\n    return 1\n"
+        "%%function loads_slowly\nimport os, time\n"
+        f"open({str(said)!r}, 'w').write(str(os.getpid()))\n"
+        "time.sleep(30)\ndef handler(event):\n    return 1\n"
     )
     kernel.run("1")  # the embedded runtime is up (other tests started it)
     gateway = Client(gateway_address(kernel))
@@ -509,6 +515,7 @@ def test_an_interrupted_registration_leaves_nothing_registered(kernel: Kernel) -
             return False
 
     wait_until(pending, timeout=20)
+    wait_until(lambda: said.exists() and said.read_text() != "", timeout=20)  # mid-import
     kernel.manager.interrupt_kernel()
     cell = kernel.collect(msg_id, timeout=20)
     assert cell.error is not None
@@ -517,6 +524,7 @@ def test_an_interrupted_registration_leaves_nothing_registered(kernel: Kernel) -
     ]
     assert "state interrupted" in cell.texts()[-1]
     wait_until(lambda: "loads_slowly" not in [run.name for run in gateway.list_runs()], timeout=10)
+    wait_until(lambda: not pid_alive(int(said.read_text())), timeout=10)
     again = kernel.run(slow_load.replace("time.sleep(30)", "time.sleep(0)"))
     assert again.ok, again.error
     assert kernel.value("loads_slowly(None)") == 1

@@ -22,7 +22,8 @@ from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import (
 from fnkernel.runtime_server.function_runtime.server import RuntimeServer
 from fnkernel.runtime_server.lifecycle.controlplane import ControlPlane, RetryPolicy
 from fnkernel.runtime_server.lifecycle.runs import Run, RunSpec, RunStatus, files_digest
-from fnkernel.runtime_server.lifecycle.runtimed import UNSUPPORTED, Runtimed
+from fnkernel.runtime_server.lifecycle.runtimed import Runtimed
+from fnkernel.runtime_server.lifecycle.runtimed.failures import UNSUPPORTED
 from fnkernel.runtime_server.lifecycle.runtimed.server import registration_request
 from fnkernel.runtime_server.lifecycle.sqlite import SqliteRunStore
 from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import grpc
 
-from fnkernel.runtime_server import limits, tracing
+from fnkernel.runtime_server import tracing
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import (
@@ -46,8 +46,9 @@ from fnkernel.runtime_server.errors import (
 )
 from fnkernel.runtime_server.function_runtime.registration import FAILED as REG_FAILED
 from fnkernel.runtime_server.function_runtime.registration import READY as REG_READY
-from fnkernel.runtime_server.lifecycle.retries import Step, Verdict, decide, fatal_error_type
+from fnkernel.runtime_server.lifecycle.retries import Step, Verdict, decide
 from fnkernel.runtime_server.lifecycle.runs import Run, RunStore
+from fnkernel.runtime_server.lifecycle.runtimed.failures import RunFailures
 from fnkernel.runtime_server.lifecycle.runtimed.health import Heartbeat
 from fnkernel.runtime_server.lifecycle.runtimed.packages import (
     Environment,
@@ -78,15 +79,11 @@ from fnkernel.runtime_server.rpc import (
 from fnkernel.runtime_server.wire import DELETED, DELETING, FAILED, IDLE, PENDING, READY, RETRYING
 
 LOG = logging.getLogger("fnkernel.runtimed")
-UNSUPPORTED = "runtime does not support function mode"
-# A Run whose calls were in flight this many times in a row when its server died is Failed: the
-# retry budget's size, for a fault the budget does not see (the pod's deaths are never charged).
-MAX_SERVER_DEATHS = 3
 _WAKE_SECONDS = 0.005  # how often the loop asks the store whether anything changed, when busy
 _BUSY_SECONDS = 10.0  # busy: this long after the last change (then every tick: idle CPU)
 
 
-class Runtimed:
+class Runtimed(RunFailures):
     def __init__(
         self,
         store: RunStore,
@@ -132,6 +129,7 @@ class Runtimed:
         # Per Run: registration, scale to zero, delete and the proxy's slow path never interleave.
         self._run_locks: dict[str, threading.RLock] = {}
         self._busy: set[str] = set()  # Runs with a registration or delete job queued or running
+        self._stopping: set[str] = set()  # deleted Runs whose load is being stopped
         # Runs whose proxied call succeeded since the last poll, with the registration it used:
         # that call showed what a FunctionStatus poll would (docs/architecture.md, "The proxy hop").
         self._served: dict[str, Active] = {}
@@ -220,8 +218,8 @@ class Runtimed:
         for run in mine.values():
             if run.status.phase == PENDING:
                 self._submit(run, self._register)
-            elif run.status.phase == DELETING:
-                self._submit(run, self._delete)
+            elif run.status.phase == DELETING and not self._submit(run, self._delete):
+                self._stop_loading(run)  # its registration is under way: maybe a hung load
             elif run.status.phase in (FAILED, RETRYING) and run.uid in self._active:
                 self._unregister(run.uid, cancel=True)
         with self._lock:  # what the registrations use stays in the cache
@@ -234,11 +232,11 @@ class Runtimed:
             held = set(self._active) | self._busy
         self._files.remove_all_but(set(keep) | held)
 
-    def _submit(self, run: Run, action: Callable[[Run], object]) -> None:
+    def _submit(self, run: Run, action: Callable[[Run], object]) -> bool:
         """Run `action(run)` on the worker pool unless a job for this Run is already queued."""
         with self._lock:
             if run.uid in self._busy:
-                return
+                return False
             self._busy.add(run.uid)
 
         def job() -> None:
@@ -251,6 +249,25 @@ class Runtimed:
                     self._busy.discard(run.uid)
 
         self._workers.submit(job)
+        return True
+
+    def _stop_loading(self, run: Run) -> None:
+        """A deleted Run's registration still loading stopped, beside the job that waits for
+        it (one at a time)."""
+        with self._lock:
+            if run.uid in self._stopping:
+                return
+            self._stopping.add(run.uid)
+
+        def stop() -> None:
+            try:
+                environment = self.packages.registered_with(run.spec.requirements)
+                self.server.stop_loading(run, self.working_dir(run.uid), environment)
+            finally:
+                with self._lock:
+                    self._stopping.discard(run.uid)
+
+        self._workers.submit(stop)
 
     def _run_lock(self, uid: str) -> threading.RLock:
         with self._lock:
@@ -345,89 +362,6 @@ class Runtimed:
         status message meanwhile. RequirementsFailed with uv's words if they cannot be."""
         report = throttled(lambda line: self.store.update(run, expect_phase=expect_phase, message=line))  # fmt: skip
         return self.packages.environment(run.spec.requirements, report)
-
-    def _fatal(self, run: Run, fatal_error: str) -> None:
-        """A FAILED registration: retry what the platform caused, fail the handler's faults for
-        good (docs/protocol.md, "Runs": user-code init failures → Failed, no retry)."""
-        if decide(Step.LOAD, fatal_error_type(fatal_error)) is Verdict.RETRY_CHARGED:
-            self._infrastructure_failure(run, fatal_error)
-        else:
-            self._failed(run, fatal_error)
-
-    def _failed(self, run: Run, message: str, secrets: Mapping[str, str] | None = None) -> None:
-        """`secrets`: the versions of its secrets, when a missing one failed it (``poll``)."""
-        versions = run.status.secret_versions if secrets is None else secrets
-        self.store.update(
-            run, phase=FAILED, message=limits.bounded(message), secret_versions=versions
-        )
-        LOG.warning("run %s failed: %s", run.name, message)
-
-    def _infrastructure_failure(
-        self, run: Run, message: str, *, charged: bool = True, server_deaths: int | None = None
-    ) -> None:
-        """Hand the Run to the retry engine. `charged`: the attempt counts against the Run's
-        retry budget — not when the pod was down (README, "Runs"). `server_deaths`: the Run's new
-        count of them (``registration_lost``), if it changed."""
-        with self._lock:
-            self._active.pop(run.uid, None)
-        # So that the retry engine sees at once whether this pod can take a retry.
-        self._heartbeat(now=True)
-        self.store.update(
-            run,
-            phase=RETRYING,
-            message=limits.bounded(message),
-            failed_at=time.time(),
-            uncharged_attempts=run.status.uncharged_attempts + int(not charged),
-            server_deaths=run.status.server_deaths if server_deaths is None else server_deaths,
-        )
-        LOG.warning("run %s attempt %d: %s; retrying", run.name, run.status.attempt, message)
-
-    def registration_lost(self, run: Run, active: Active, how: str = "") -> None:
-        """The server answered NOT_FOUND for `active`: it restarted. Retry, free of charge —
-        unless the Run's own calls were in flight the last MAX_SERVER_DEATHS times the server
-        died: then its handler is likely what kills it, and the Run is Failed, saying so."""
-        with self._lock:
-            if self._active.get(run.uid) != active:
-                return  # already handled, or registered again meanwhile
-            cut_off = self._cut_off.pop(run.uid, None)
-        message = how or "the Runtime Server lost the registration (restarted)"
-        if cut_off is None or cut_off[0] != active:
-            self._infrastructure_failure(run, message, charged=False)
-            return
-        deaths = run.status.server_deaths + 1
-        if deaths >= MAX_SERVER_DEATHS:
-            with self._lock:
-                self._active.pop(run.uid, None)
-            reason = (
-                f"its calls were in flight each of the last {deaths} times its Runtime Server "
-                f"died (the last: {cut_off[1]}): its handler may be killing the server"
-            )
-            self._failed(run, reason)
-            return
-        self._infrastructure_failure(
-            run, f"{message}, with call {cut_off[1]} in flight", charged=False, server_deaths=deaths
-        )
-
-    def call_cut_off(self, run: Run, active: Active, invocation_id: str) -> None:
-        """A proxied call on `active` broke off: the server may have died under it."""
-        with self._lock:
-            self._cut_off[run.uid] = (active, invocation_id)
-
-    def _registration_failed(
-        self, run: Run, verdict: Verdict, code: grpc.StatusCode, details: str
-    ) -> None:
-        if verdict is Verdict.WAIT:
-            # The server did not answer (down, or paused): nothing was registered, so nothing is
-            # superseded. The Run stays as it is and the next pass repeats the same attempt; if
-            # the pod is really gone, the control plane moves the Run once its grace is over.
-            waits = f"RegisterFunction: {code.name}: {details}; will try again"
-            LOG.warning("run %s attempt %d: %s", run.name, run.status.attempt, waits)
-        elif verdict is Verdict.FATAL:
-            # UNIMPLEMENTED is permanent: never a fallback to one-shot Execute (docs/protocol.md).
-            self._failed(run, UNSUPPORTED if code == grpc.StatusCode.UNIMPLEMENTED else details)
-        else:
-            message = f"RegisterFunction: {code.name}: {details}"
-            self._infrastructure_failure(run, message, charged=verdict is Verdict.RETRY_CHARGED)
 
     # Poll: health and idle timeout, at a bounded cadence
 

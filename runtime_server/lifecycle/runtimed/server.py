@@ -22,6 +22,7 @@ from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import (
     registrations_pb2,
     registrations_pb2_grpc,
 )
+from fnkernel.runtime_server.function_runtime.registration import REGISTERING
 from fnkernel.runtime_server.lifecycle.retries import Step, Verdict, decide
 from fnkernel.runtime_server.lifecycle.runs import Run
 from fnkernel.runtime_server.lifecycle.runtimed.packages import Environment
@@ -199,6 +200,22 @@ class ServerRegistrations:
             LOG.warning("unregistering %s: %s; will retry", uid, err.details())
             return False
         return True
+
+    def stop_loading(
+        self, run: Run, working_dir: Path, environment: Environment | None = None
+    ) -> None:
+        """Unregister what the server holds for `run` (deleted) while runtimed's registration
+        of it still waits for the handler to load — one that hangs as it is imported: its
+        worker is killed now, not when its load times out (docs/protocol.md, "Runs")."""
+        try:
+            held = self.held(run, working_dir, environment)
+            loading = held is not None and self.status(run.uid, held).state == REGISTERING
+        except grpc.RpcError as err:
+            LOG.warning("stopping %s's load: %s", run.name, err.details())
+            return
+        if loading:  # not one that drains a call: its delete lets that finish
+            assert held is not None
+            self.unregister(run.uid, held, cancel=True)
 
     def held(
         self, run: Run, working_dir: Path, environment: Environment | None = None
