@@ -58,6 +58,7 @@ if TYPE_CHECKING:
 
 _SEVERITY_CLASS = {"error": "fnk-error", "warning": "fnk-warn", "info": "fnk-info"}
 _EVALUATOR_CLASS = {"builtin": "fnk-ok", "exec": "fnk-info", "pod": "fnk-pod"}
+_STDERR_LINES = 20  # of a step's stderr in the view; the rest counted
 
 
 def _trace(step: Step) -> str:
@@ -95,11 +96,7 @@ class PipelineView:
     def _summary(self, number: int, step: Step, *, badge: bool = False) -> tuple[str, str]:
         """The step's line, and its outcome (``ok`` or ``FAILED (1 error)``). With `badge`
         (the HTML, whose badge names the evaluator) the line says only what was passed over."""
-        counts: dict[str, int] = {}
-        for result in step.results:
-            severity = str(result.get("severity", "info"))
-            counts[severity] = counts.get(severity, 0) + 1
-        tally = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+        tally = step.tally
         where = f"{step.package}: " if step.package else ""
         parts = [f"[{number}] {where}{step.stage} {step.function}"]
         if not badge:
@@ -112,6 +109,14 @@ class PipelineView:
 
     def _step_error(self, step: Step) -> str:
         return "" if not step.error or _shown_in_results(step) else step.error
+
+    def _stderr(self, step: Step) -> list[str]:
+        """What the function wrote to stderr (a starlark script's ``print``) that its error and
+        results do not say, at most _STDERR_LINES lines."""
+        lines = step.said
+        if len(lines) > _STDERR_LINES:
+            lines = [*lines[:_STDERR_LINES], f"… {len(lines) - _STDERR_LINES} more lines"]
+        return lines
 
     def _unshown_error(self) -> str:
         """The pipeline's error, unless a step shows it already (it may name the function)."""
@@ -137,6 +142,7 @@ class PipelineView:
             summary, status = self._summary(number, step)
             lines.append(f"{summary} · {status}")
             lines += [f"    {format_result(r)}" for r in step.results]
+            lines += [f"    stderr: {line}" for line in self._stderr(step)]
             if self._step_error(step):
                 lines.append(f"    error: {self._step_error(step)}")
             if step.diff:
@@ -173,6 +179,9 @@ class PipelineView:
                     for r in step.results
                 )
                 body.append(table_html(["severity", "result"], rows))
+            if self._stderr(step):
+                said = escape("\n".join(self._stderr(step)))
+                body.append(f"<div class='fnk-muted'>stderr</div><pre>{said}</pre>")
             if self._step_error(step):
                 body.append(f"<pre class='fnk-error'>{escape(self._step_error(step))}</pre>")
             if step.diff:
@@ -226,6 +235,15 @@ class PipelineFailed(Exception):
 
     def _render_traceback_(self) -> list[str]:
         return [f"{type(self).__name__}: {self}"]
+
+
+class PipelineInterrupted(KeyboardInterrupt):
+    """The kernel was interrupted during a ``%krm`` render or eval: the step running was
+    stopped, and nothing written (a render writes the package only once every step is done).
+    Shown as one line, as an interrupted call is."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"KeyboardInterrupt: {self}"]
 
 
 def register(krm_chain: Chain, function: Function) -> None:
@@ -454,6 +472,10 @@ def krm_magic(chain: Chain, line: str, cell: str | None) -> PipelineView:
         raise PipelineFailed(failure.view.error) from None
     except (FileNotFoundError, PackageError, InvalidResourceList) as exc:  # the cell's, named
         raise UsageError(f"%krm: {exc}") from None
+    except KeyboardInterrupt as interrupt:
+        if type(interrupt) is not KeyboardInterrupt:  # an fn:// step's call says so itself
+            raise
+        raise PipelineInterrupted(f"%krm {words[0]} interrupted; no file was written") from None
 
 
 def export_magic(session: Session, line: str, cell: str | None) -> None:

@@ -41,14 +41,11 @@ def _step_line(step: Step, number: int) -> str:
     where = f"{step.package}: " if step.package else ""
     line = f"[{number}] {where}{step.stage} {step.function} ({step.evaluator or '-'}) "
     line += f"{step.duration * 1000:.0f} ms {mark}"
-    counts: dict[str, int] = {}
-    for result in step.results:
-        severity = str(result.get("severity", "info"))
-        counts[severity] = counts.get(severity, 0) + 1
-    if counts:
-        line += " · " + ", ".join(f"{n} {severity}" for severity, n in sorted(counts.items()))
+    if step.tally:
+        line += f" · {step.tally}"
     if step.error:
         line += f"\n    {step.error}"
+    line += "".join(f"\n    stderr: {text}" for text in step.said)  # a starlark print, say
     if not step.ok:  # what the function said of its failure (kpt prints its results too)
         for result in step.results[:_SHOWN_RESULTS]:
             line += f"\n    {result.get('severity', 'info')}: {result.get('message', '')}"
@@ -58,7 +55,8 @@ def _step_line(step: Step, number: int) -> str:
     return line
 
 
-def _report(outcome: Outcome, output: str) -> None:
+def _report(outcome: Outcome, output: str, dry_run: bool) -> None:
+    """The steps and the files changed — with `dry_run`, the files that would be."""
     if output == "json":
         print(
             json.dumps(
@@ -72,11 +70,13 @@ def _report(outcome: Outcome, output: str) -> None:
                             "durationMs": round(s.duration * 1000, 1),
                             "results": s.results,
                             "error": s.error,
+                            "stderr": s.stderr,
                         }
                         for s in outcome.steps
                     ],
                     "written": outcome.written,
                     "removed": outcome.removed,
+                    "dryRun": dry_run,
                 },
                 indent=2,
                 default=str,
@@ -84,7 +84,11 @@ def _report(outcome: Outcome, output: str) -> None:
         )
         return
     changed = outcome.written + [f"{path} (removed)" for path in outcome.removed]
-    print(f"{len(outcome.steps)} step(s); files changed: {', '.join(changed) or 'none'}")
+    files = ", ".join(changed) or "none"
+    said = (
+        f"dry run, nothing written; would change: {files}" if dry_run else f"files changed: {files}"
+    )
+    print(f"{len(outcome.steps)} step(s); {said}")
 
 
 def _render(args: argparse.Namespace) -> int:
@@ -116,7 +120,7 @@ def _render(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     finally:
         chain.close()
-    _report(outcome, args.output)
+    _report(outcome, args.output, args.dry_run)
     return EXIT_OK
 
 
@@ -152,7 +156,7 @@ def _eval(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     finally:
         chain.close()
-    _report(outcome, args.output)
+    _report(outcome, args.output, args.dry_run)
     return EXIT_OK
 
 

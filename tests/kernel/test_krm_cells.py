@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.kernel.kernels import Kernel
+from tests.kernel.kernels import Kernel, descendants
+from tests.support import pid_alive, wait_until
 
 pytestmark = pytest.mark.usefixtures("fnkernel_spec")
 
@@ -152,6 +153,50 @@ def test_a_failing_krm_step_shows_its_results_and_raises_one_line(kernel: Kernel
     assert shown.count("should not be empty") == 1
 
 
+def test_a_starlark_steps_print_is_shown_under_its_step(kernel: Kernel) -> None:
+    # docs/krm.md, "starlark": print() writes the function's stderr, which kpt records; the
+    # view shows it under its step, in text and HTML — how a script is debugged in class.
+    cell = kernel.run(
+        "%%krm render\napiVersion: kpt.dev/v1\nkind: Kptfile\nmetadata: {name: debug}\n"
+        "pipeline:\n  mutators:\n  - image: starlark\n    configMap:\n      source: |\n"
+        "        print('items seen:', len(ctx.resource_list['items']))\n---\n"
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\n"
+    )
+    assert cell.ok, cell.error
+    shown = cell.result
+    assert "    stderr: items seen: 2" in shown, shown
+    assert "items seen: 2" in cell.htmls()[-1]
+
+
+SPINS = (
+    "%%krm render\napiVersion: kpt.dev/v1\nkind: Kptfile\nmetadata: {name: spins}\n"
+    "pipeline:\n  mutators:\n  - image: starlark\n    configMap:\n      source: |\n"
+    "        def spin():\n          n = 0\n          for i in range(100000):\n"
+    "            for j in range(100000):\n              n += 1\n          return n\n"
+    "        print(spin())\n---\napiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\n"
+)
+
+
+def test_an_interrupted_krm_render_is_one_line_and_leaves_no_process(kernel: Kernel) -> None:
+    # README, "Interrupts" and "Errors": an interrupt during a step (a starlark script that
+    # runs long) stops it and is one line, as an interrupted call is; nothing is written.
+    kernel.run("1")
+    before = descendants(kernel.pid)
+    msg_id = kernel.send(SPINS)
+    # The step runs: its script's process, a new one below the kernel.
+    started = wait_until(
+        lambda: {p for p in descendants(kernel.pid) - before if pid_alive(p)}, timeout=30
+    )
+    kernel.manager.interrupt_kernel()
+    cell = kernel.collect(msg_id, timeout=30)
+    assert cell.error is not None
+    assert cell.error["traceback"] == [
+        "KeyboardInterrupt: %krm render interrupted; no file was written"
+    ]
+    assert isinstance(started, set)
+    wait_until(lambda: not any(pid_alive(pid) for pid in started), timeout=10)
+
+
 def test_krm_render_of_a_directory_names_the_files_changed_or_would_with_dry_run(
     kernel: Kernel, tmp_path: Path
 ) -> None:
@@ -167,7 +212,8 @@ def test_krm_render_of_a_directory_names_the_files_changed_or_would_with_dry_run
     resources.write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\n")
     dry = kernel.run(f"%krm render {package} --dry-run")
     assert dry.ok, dry.error
-    assert "dry run, nothing written; would change: " in dry.result and "cm.yaml" in dry.result
+    [said] = [line for line in dry.result.splitlines() if line.startswith("dry run")]
+    assert said.startswith("dry run, nothing written; would change: ") and "cm.yaml" in said
     assert "app: shop" not in resources.read_text()
     done = kernel.run(f"%krm render {package}")
     assert done.ok, done.error

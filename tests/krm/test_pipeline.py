@@ -3,6 +3,7 @@ executables for `exec` steps, and the `fnkernel render` / `fnkernel eval` comman
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from fnkernel.runtime_server.krm.evaluators.builtin import BuiltinEvaluator
-from fnkernel.runtime_server.krm.pipeline import PipelineError, qualified, render
+from fnkernel.runtime_server.krm.pipeline import PipelineError, Step, qualified, render
 from fnkernel.runtime_server.krm.resources.resourcelist import load
 from tests.support import but_kptfile
 
@@ -173,11 +174,14 @@ def test_a_second_render_changes_nothing_but_the_status(package: Path) -> None:
 
 
 def test_each_step_records_its_diff(package: Path) -> None:
+    before = snapshot(package)
     outcome = render(package, BuiltinEvaluator(), dry_run=True)
     namespace_step = outcome.steps[1]
     assert "-  namespace: dev\n+  namespace: prod\n" in namespace_step.diff
     assert "--- a/deploy.yaml" in namespace_step.diff
-    assert outcome.written == []  # dry run
+    # A dry run writes nothing, and names what it would write (README, "CLI").
+    assert snapshot(package) == before
+    assert "deploy.yaml" in outcome.written
 
 
 def test_a_failing_step_writes_nothing_but_the_kptfile_status(
@@ -454,13 +458,43 @@ def test_fnkernel_bench_refuses_an_unknown_benchmark() -> None:
     assert "choose from invoke, gateway, throughput, map, kernel, krm" in done.stderr
 
 
-def fnkernel_render(package: Path) -> subprocess.CompletedProcess[str]:
+def fnkernel_render(package: Path, *flags: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "fnkernel.runtime_server.cli", "render", str(package)],
+        [sys.executable, "-m", "fnkernel.runtime_server.cli", "render", str(package), *flags],
         capture_output=True,
         text=True,
         timeout=60,
     )
+
+
+def test_a_dry_run_names_the_files_it_would_change_and_writes_none(package: Path) -> None:
+    # README, "CLI": `fnkernel render --dry-run` runs the pipeline and writes no file; it says
+    # what would change, as the render itself says what did.
+    before = snapshot(package)
+    said = fnkernel_render(package, "--dry-run")
+    assert said.returncode == 0, said.stderr
+    assert "; dry run, nothing written; would change: " in said.stdout
+    assert "deploy.yaml" in said.stdout.rpartition("would change: ")[2]
+    as_json = json.loads(fnkernel_render(package, "--dry-run", "--output", "json").stdout)
+    assert as_json["dryRun"] is True and "deploy.yaml" in as_json["written"]
+    assert snapshot(package) == before
+    done = fnkernel_render(package)
+    assert "files changed: " in done.stdout and "deploy.yaml" in done.stdout
+
+
+def test_a_steps_stderr_is_in_its_progress_line_and_the_json(tmp_path: Path) -> None:
+    # docs/krm.md, "starlark": print() writes the function's stderr (kpt records it); the
+    # render's progress shows it under its step, and --output json carries it.
+    package = write(tmp_path / "pkg", {
+        "Kptfile": "apiVersion: kpt.dev/v1\nkind: Kptfile\nmetadata: {name: p}\npipeline:\n"
+        "  mutators:\n  - image: starlark\n    configMap:\n      source: print('hello class')\n",
+        "cm.yaml": "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\n",
+    })  # fmt: skip
+    said = fnkernel_render(package, "--dry-run")
+    assert said.returncode == 0, said.stderr
+    assert "\n    stderr: hello class" in said.stderr
+    as_json = json.loads(fnkernel_render(package, "--dry-run", "--output", "json").stdout)
+    assert as_json["steps"][0]["stderr"].strip() == "hello class"
 
 
 @pytest.mark.parametrize(
@@ -577,3 +611,13 @@ def test_a_chain_flag_that_needs_another_is_a_usage_error(package: Path) -> None
     )  # fmt: skip
     assert done.returncode == 2
     assert "--function-config needs --functions" in done.stderr
+
+
+def test_a_steps_results_are_counted_in_words() -> None:
+    # What the terminal's progress line and the notebook's view say of a step's results:
+    # `FAILED (2 errors, 1 info)`, never "2 error".
+    step = Step("", "validator", "kubeconform", results=[
+        {"severity": "error"}, {"severity": "warning"}, {"severity": "error"}, {"message": "x"},
+    ])  # fmt: skip
+    assert step.tally == "2 errors, 1 info, 1 warning"
+    assert Step("", "mutator", "set-labels").tally == ""

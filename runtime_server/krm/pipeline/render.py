@@ -221,8 +221,7 @@ def render(
     outcome.after[KPTFILE] = status_text(
         top if top is not None else package.kptfile, runner.steps, failure
     )
-    if not dry_run:
-        write_package(root, outcome, prune=failure is None)
+    write_package(root, outcome, prune=failure is None, dry_run=dry_run)
     if failure is not None:
         failure.steps = runner.steps
         failure.saved = save
@@ -298,6 +297,6 @@ def evaluate_one(
         if results_dir is not None:
             write_results(results_dir, runner.steps)
     outcome = outcome_of(runner.steps, before, items)
-    if root is not None and not dry_run:
-        write_package(root, outcome, prune=True)
+    if root is not None:
+        write_package(root, outcome, prune=True, dry_run=dry_run)
     return outcome

@@ -88,6 +88,31 @@ class Step:
     error: str = ""
     # Set when the step could not run at all (kpt's "executionError"), rather than ran and failed.
     execution_error: str = ""
+
+    @property
+    def said(self) -> list[str]:
+        """Its stderr's lines (a starlark script's ``print``, which kpt records), but those its
+        error or a result says already (an evaluator that reports its failure on stderr too)."""
+        known = [self.error, *(str(result.get("message", "")) for result in self.results)]
+        return [
+            line
+            for line in self.stderr.strip().splitlines()
+            if line.strip()
+            and not any(line.strip() in text or (text and text in line) for text in known)
+        ]
+
+    @property
+    def tally(self) -> str:
+        """Its results counted by severity (``1 error, 2 info``; "" for none)."""
+        counts: dict[str, int] = {}
+        for result in self.results:
+            severity = str(result.get("severity", "info"))
+            counts[severity] = counts.get(severity, 0) + 1
+        return ", ".join(
+            f"{n} {severity}{'s' if n != 1 and severity in ('error', 'warning') else ''}"
+            for severity, n in sorted(counts.items())
+        )
+
     spec: PipelineFunction = field(
         default_factory=PipelineFunction
     )  # what ran, as the pipeline named it

@@ -22,11 +22,14 @@ def changed(path: str, before: str | None, after: str) -> bool:
     return render_files(read_resources(before, path)).get(path) != after
 
 
-def write_package(root: Path, outcome: Outcome, *, prune: bool = True) -> None:
+def write_package(
+    root: Path, outcome: Outcome, *, prune: bool = True, dry_run: bool = False
+) -> None:
     """Write the changed files and (with `prune`) remove the emptied ones, all or nothing: every
     new text is staged beside its file first; only then are they renamed into place, with what
     they replace kept aside until the last one is in, so that a failure (or Ctrl-C) on the way
-    puts every file back as it was. Each path must stay inside `root`."""
+    puts every file back as it was. Each path must stay inside `root`. `outcome.written` and
+    `removed` list them — with `dry_run`, what would be, nothing written."""
     root = root.resolve()
     changes: list[tuple[str, Path, str | None]] = []  # (path, target, new text or None: remove)
     paths = set(outcome.before) | set(outcome.after) if prune else set(outcome.after)
@@ -40,6 +43,13 @@ def write_package(root: Path, outcome: Outcome, *, prune: bool = True) -> None:
         if target.is_symlink():  # never read (package.py), so never written through either
             raise PipelineError(f"a function wrote {path}, which is a symlink", outcome.steps)
         changes.append((path, target, text))
+    if not dry_run:
+        _apply(changes, outcome)
+    for path, _, text in changes:
+        (outcome.written if text is not None else outcome.removed).append(path)
+
+
+def _apply(changes: list[tuple[str, Path, str | None]], outcome: Outcome) -> None:
     staged: dict[Path, Path] = {}
     try:
         for _, target, text in changes:
@@ -55,8 +65,6 @@ def write_package(root: Path, outcome: Outcome, *, prune: bool = True) -> None:
     finally:
         for temporary in staged.values():
             temporary.unlink(missing_ok=True)
-    for path, _, text in changes:
-        (outcome.written if text is not None else outcome.removed).append(path)
 
 
 def stage(target: Path, text: str) -> Path:
