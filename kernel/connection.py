@@ -151,6 +151,12 @@ class Runtime:
         return self._client is not None
 
     @property
+    def empty(self) -> bool:
+        """Its stack would be an embedded runtime not started yet: it holds no function, and
+        asking it would start it (and tie this kernel to it)."""
+        return self._client is None and not (self.address or os.environ.get(RUNTIME_ENV))
+
+    @property
     def embedded(self) -> bool:
         """Its stack is the embedded runtime, which ends with this kernel."""
         return self._stack is not None

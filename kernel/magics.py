@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import atexit
 import dataclasses
+import functools
+import inspect
 import json
 import os
 import shlex
@@ -59,6 +61,20 @@ class _Parser(argparse.ArgumentParser):
 
     def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
         raise _HelpShown  # argparse exits only after printing --help
+
+
+def _helped(magic: Any) -> Any:
+    """`magic`, which answers ``--help`` (or ``-h``) as its first word by printing its own
+    docstring (``%function --help`` is its parser's), as ``%magic?`` shows it."""
+
+    @functools.wraps(magic)
+    def answered(self: Any, line: str, *rest: Any) -> Any:
+        if line.split()[:1] in (["--help"], ["-h"]):
+            print(inspect.cleandoc(magic.__doc__ or ""))
+            return None
+        return magic(self, line, *rest)
+
+    return answered
 
 
 def _number(kind: type[int] | type[float], unit: str = "seconds") -> Any:
@@ -293,7 +309,8 @@ class FunctionMagics(Magics):
             register(chain_of(self.session), function)  # pipelines can use it as fn://NAME
         self.shell_.user_ns[spec.name] = function
 
-    @line_magic("invoke")  # type: ignore[arg-type]  # IPython types it as Never
+    @line_magic("invoke")
+    @_helped
     def invoke(self, line: str) -> None:
         """%invoke NAME [JSON] — invoke NAME with the JSON payload and show the result."""
         name, _, payload_text = line.strip().partition(" ")
@@ -314,7 +331,8 @@ class FunctionMagics(Magics):
         FunctionNotFound if there is none."""
         return self.session.use(name)
 
-    @line_magic("use")  # type: ignore[arg-type]  # IPython types it as Never
+    @line_magic("use")
+    @_helped
     def use(self, line: str) -> RegistrationCard:
         """%use NAME — bind NAME, a function on the stack this kernel uses (another notebook's,
         or one created with the CLI), as a callable. It is never registered again nor deleted
@@ -324,6 +342,11 @@ class FunctionMagics(Magics):
             raise UsageError(f"%use: NAME {name!r} must be a Python identifier: %use NAME")
         if name in self.session.functions:
             raise UsageError(f"%use: {name} is this kernel's own already")
+        if self.session.runtime.empty:  # not started for nothing: %fn_connect stays open
+            raise UsageError(
+                f"%use: no function {name!r}: this kernel's embedded runtime starts empty; to "
+                "use a shared stack's, %fn_connect URL first (or set FNKERNEL_RUNTIME)"
+            )
         try:
             function = self._attach(name)
         except FunctionNotFound:
@@ -331,10 +354,18 @@ class FunctionMagics(Magics):
                 f"%use: no function {name!r} on the {self.session.runtime.describe()}"
             ) from None
         self.shell_.user_ns[name] = function
-        card = RegistrationCard.from_run(function.status(), note="used: not this kernel's")
+        status = function.status()
+        mine = self.session.whose(status) == "this kernel"  # its owner's, before a restart
+        note = (
+            "used: made by this kernel's owner; its %%function cell makes it this kernel's"
+            if mine
+            else "used: not this kernel's"
+        )
+        card = RegistrationCard.from_run(status, note=note)
         return dataclasses.replace(card, where=self.session.runtime.where())
 
-    @line_magic("fn_connect")  # type: ignore[arg-type]  # IPython types it as Never
+    @line_magic("fn_connect")
+    @_helped
     def fn_connect(self, line: str) -> None:
         """%fn_connect URL — use the gateway at URL (a shared stack, ``fnkernel up``) instead of
         an embedded runtime; before the first function needs a stack."""
@@ -348,7 +379,8 @@ class FunctionMagics(Magics):
             raise UsageError(f"%fn_connect: {exc}") from None
         print(f"functions will be registered on the gateway at {address}")
 
-    @line_magic("functions")  # type: ignore[arg-type]  # IPython types it as Never
+    @line_magic("functions")
+    @_helped
     def functions(self, line: str) -> FunctionsTable:
         """%functions [--all] [NAME...] — this kernel's functions (those it registered and
         those bound with %use) with their live state; --all: every function on its stack,
@@ -398,7 +430,8 @@ class FunctionMagics(Magics):
         missing = tuple(sorted(wanted - {row["name"] for row in rows}))
         return FunctionsTable(rows, session.runtime.describe(), missing)
 
-    @line_cell_magic("krm")  # type: ignore[arg-type]  # IPython types it as Never
+    @line_cell_magic("krm")
+    @_helped
     def krm(self, line: str, cell: str | None = None) -> Any:
         """%krm render DIR [--dry-run] | %%krm render (the cell: a package) |
         %%krm eval IMAGE [-- key=value ...] (the cell: the input resources) |
@@ -418,7 +451,8 @@ class FunctionMagics(Magics):
             return export_magic(self.session, line, cell)
         return krm_magic(chain_of(self.session), line, cell)
 
-    @line_magic("fn_trace")  # type: ignore[arg-type]  # IPython types it as Never
+    @line_magic("fn_trace")
+    @_helped
     def fn_trace(self, line: str) -> TraceTable | Waterfall | None:
         """%fn_trace on|off|show [--all]|waterfall [INVOCATION] — record every call the kernel
         makes to the runtime (show: the calls your cells caused; --all: also the kernel's own
@@ -450,7 +484,8 @@ class FunctionMagics(Magics):
             f"%fn_trace: expected on, off, show, show --all or waterfall [INVOCATION], got {command!r}"
         )
 
-    @line_magic("fn_debug")  # type: ignore[arg-type]  # IPython types it as Never
+    @line_magic("fn_debug")
+    @_helped
     def fn_debug(self, line: str) -> Any:
         """%fn_debug — the full detail of the last error."""
         return self.session.debug()

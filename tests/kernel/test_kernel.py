@@ -386,6 +386,24 @@ def test_a_handler_that_cannot_load_fails_the_registration(kernel: Kernel) -> No
     assert "UserCodeSyntaxError: cell line 3: syntax error" in line, line
 
 
+def test_every_magic_answers_help_with_its_usage(kernel: Kernel) -> None:
+    # README, "Magics": each magic's first line is its usage; `--help` (or `-h`) prints it, as
+    # `%function --help` prints its flags — never a call of a function named "--help".
+    for magic, usage in [
+        ("invoke", "%invoke NAME [JSON]"),
+        ("use", "%use NAME"),
+        ("functions", "%functions [--all] [NAME...]"),
+        ("fn_connect", "%fn_connect URL"),
+        ("krm", "%krm render DIR [--dry-run]"),
+        ("fn_trace", "%fn_trace on|off|show"),
+        ("fn_debug", "%fn_debug"),
+    ]:
+        for flag in ("--help", "-h"):
+            cell = kernel.run(f"%{magic} {flag}")
+            assert cell.ok, (magic, cell.error)
+            assert cell.stdout.startswith(usage), (magic, cell.stdout)
+
+
 @pytest.mark.parametrize(
     ("line", "message"),
     [

@@ -72,6 +72,11 @@ def test_a_mistyped_fn_connect_is_refused_or_corrected_without_a_restart(
     stack = stack_factory({"python": 1})
     kernel = Kernel()
     try:
+        # %use before %fn_connect (a restarted kernel's first cell, say): the embedded runtime
+        # it would start holds nothing, so it is not started, and %fn_connect stays open.
+        early = kernel.run("%use etl")
+        assert "UsageError: %use: no function 'etl': this kernel's embedded runtime starts " \
+            "empty; to use a shared stack's, %fn_connect URL first" in early.stderr  # fmt: skip
         wrong = kernel.run("%fn_connect ftp://nowhere")
         assert "UsageError: %fn_connect: gateway address 'ftp://nowhere': give http" in wrong.stderr
         assert "Traceback" not in wrong.stderr
