@@ -77,7 +77,7 @@ def _runs_list(args: argparse.Namespace) -> int:
     for run in runs:
         rows.append((
             run.name, run.runtime, run.phase, str(run.attempt), run.assigned_pod,
-            run.owner or "-", run.message[:60],
+            run.owner or "-", run.message if len(run.message) <= 60 else run.message[:59] + "…",
         ))  # fmt: skip
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:

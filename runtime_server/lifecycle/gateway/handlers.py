@@ -11,7 +11,7 @@ import base64
 import json
 import logging
 from asyncio import Future
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, ClassVar, ParamSpec, TypeVar
 
 import grpc
@@ -68,6 +68,9 @@ def log_failure(handler: web.RequestHandler) -> None:
 class BaseHandler(web.RequestHandler):
     gateway: Routes
     bodies: tuple[str, ...] = (JSON,)  # the media types its requests' bodies may be
+    # The query parameters each method takes (docs/protocol.md, "HTTP API"); any other is
+    # refused, 400 naming it, as a body's unknown field is — not ignored.
+    parameters: Mapping[str, tuple[str, ...]] = {}
 
     def initialize(self, gateway: Routes) -> None:
         self.gateway = gateway
@@ -90,6 +93,13 @@ class BaseHandler(web.RequestHandler):
         method = (request.method or "").lower()
         taken = getattr(type(self), method, None) is not getattr(web.RequestHandler, method, None)
         access.check_credentials(request, allowed, self.bodies if taken else None)
+        known = self.parameters.get(method, ())
+        for parameter in request.query_arguments:
+            if taken and parameter not in known:
+                takes = f"; it takes {', '.join(known)}" if known else ""
+                raise InvalidField(
+                    parameter[:40], f"is not a parameter of {request.method} {request.path}{takes}"
+                )
         return None
 
     def on_finish(self) -> None:
@@ -403,6 +413,12 @@ class RunsHandler(TracedHandler, BodyHandler):
             raise InvalidField(
                 unknown[0], f"is not a field of a Run; its fields: {', '.join(sorted(RUN_FIELDS))}"
             )
+        fields = {}
+        for key in ("name", "runtime", "handler"):
+            value = body.get(key)
+            if not isinstance(value, str) or not value:
+                raise InvalidField(key, "is required (a string)")
+            fields[key] = value
         files = body.get("files")
         env = body.get("env") or {}
         if not isinstance(files, dict):
@@ -424,12 +440,6 @@ class RunsHandler(TracedHandler, BodyHandler):
         secrets = body.get("secrets") or []
         if not isinstance(secrets, list):
             raise InvalidField("secrets", "must be an array of secret names")
-        fields = {}
-        for key in ("name", "runtime", "handler"):
-            value = body.get(key)
-            if not isinstance(value, str) or not value:
-                raise InvalidField(key, "is required (a string)")
-            fields[key] = value
         control_plane = self.gateway.control_plane
         hop = self.hop
         hop.set(tracing.RUN_NAME, fields["name"])
@@ -463,6 +473,8 @@ DELETED_UNCONFIRMED = (
 
 
 class RunHandler(BaseHandler):
+    parameters = {"delete": ("cancelInFlight", "drainTimeoutMs")}
+
     async def get(self, name: str) -> None:
         run = self.gateway.store.get(name)
         body = await self.described(run)

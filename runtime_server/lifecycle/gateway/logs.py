@@ -36,6 +36,8 @@ class LogsHandler(BaseHandler):
     else the last one): an invocation's log lines as NDJSON, streamed while it runs with
     ``?follow=1`` (docs/protocol.md, "Live output")."""
 
+    parameters = {"get": ("follow",)}
+
     def prepare(self) -> Awaitable[None] | None:
         self._call: Any = None
         return super().prepare()
