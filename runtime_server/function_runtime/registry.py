@@ -548,6 +548,21 @@ class Registry:
                     self._remember(run_uid, reg.attempt)
         self._release(reg, cancel=True, why=why)
 
+    def stop_loading(self, *, run_uid: str, registration_attempt: int) -> bool:
+        """Unregister, cancelling, the registration of `run_uid`'s `registration_attempt` if it
+        is still loading (fnkernel.v1alpha1.Registrations/StopLoading: for a Run deleted while
+        runtimed's RegisterFunction waits on a load that may never end). Whether one was."""
+        limits.check_run_uid(run_uid)
+        with self._lock:
+            reg = self._current.get(run_uid)
+            if reg is None or reg.attempt != registration_attempt or reg.state != REGISTERING:
+                return False
+            reg.state = DRAINING
+            del self._current[run_uid]
+            self._remember(run_uid, reg.attempt)
+        self._release(reg, cancel=True, why="its function was deleted while it loaded")
+        return True
+
     def _release(self, reg: Registration, *, cancel: bool, why: str = "") -> None:
         """Cancel what is in flight on `reg` (its caller told `why`), wait for it to unwind, and
         stop its worker."""

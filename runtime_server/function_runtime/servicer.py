@@ -364,6 +364,14 @@ class RegistrationsServicer(registrations_pb2_grpc.RegistrationsServicer):
             answers.append(answer)
         return registrations_pb2.FunctionStatusesResponse(answers=answers)
 
+    def StopLoading(
+        self, request: registrations_pb2.StopLoadingRequest, context: grpc.ServicerContext
+    ) -> registrations_pb2.StopLoadingResponse:
+        stopped = self.registry.stop_loading(
+            run_uid=request.run_uid, registration_attempt=request.registration_attempt
+        )
+        return registrations_pb2.StopLoadingResponse(stopped=stopped)
+
 
 class InvocationLogsServicer(logs_pb2_grpc.InvocationLogsServicer):
     """fnkernel's own stream of one invocation's log lines (docs/protocol.md, "Live output")."""

@@ -14,6 +14,10 @@ import grpc
 import pytest
 
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
+from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import (
+    registrations_pb2,
+    registrations_pb2_grpc,
+)
 from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS
 from tests.support import Client, ServeProcess, pid_alive, wait_until
 
@@ -135,3 +139,29 @@ def test_a_worker_still_loading_leaves_with_its_server(
     server.proc.kill()
     server.proc.wait(30)
     wait_until(lambda: not pid_alive(worker), timeout=10)
+
+
+def test_stop_loading_stops_only_a_load_under_way(served: tuple[ServeProcess, Client]) -> None:
+    # docs/protocol.md, "Registration": Registrations/StopLoading unregisters the registration
+    # of the Run's attempt only while it loads — its worker killed, the waiting RegisterFunction
+    # answered — and touches nothing else: another attempt, a loaded one, no registration.
+    _, rt = served
+    stub = registrations_pb2_grpc.RegistrationsStub(rt.channel)
+
+    def stop(run_uid: str, attempt: int = 1) -> bool:
+        request = registrations_pb2.StopLoadingRequest(
+            run_uid=run_uid, registration_attempt=attempt
+        )
+        return bool(stub.StopLoading(request, timeout=10).stopped)
+
+    waiting, worker = hung_load(rt, "deleted-while-loading")
+    assert not stop("deleted-while-loading", attempt=2)  # not the attempt that loads
+    assert pid_alive(worker)
+    assert stop("deleted-while-loading")
+    wait_until(lambda: not pid_alive(worker), timeout=10)
+    waiting.join(10)
+    assert not waiting.is_alive()
+    assert not stop("deleted-while-loading")  # nothing left to stop
+    loaded = rt.register({"handler.py": "def handle(event):\n    return 1\n"}, run_uid="loaded")
+    assert not stop("loaded")
+    assert rt.status(loaded.registration).state == pb.FUNCTION_REGISTRATION_STATE_READY

@@ -261,8 +261,7 @@ class Runtimed(RunFailures):
 
         def stop() -> None:
             try:
-                environment = self.packages.registered_with(run.spec.requirements)
-                self.server.stop_loading(run, self.working_dir(run.uid), environment)
+                self.server.stop_loading(run)
             finally:
                 with self._lock:
                     self._stopping.discard(run.uid)

@@ -22,7 +22,6 @@ from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import (
     registrations_pb2,
     registrations_pb2_grpc,
 )
-from fnkernel.runtime_server.function_runtime.registration import REGISTERING
 from fnkernel.runtime_server.lifecycle.retries import Step, Verdict, decide
 from fnkernel.runtime_server.lifecycle.runs import Run
 from fnkernel.runtime_server.lifecycle.runtimed.packages import Environment
@@ -201,21 +200,19 @@ class ServerRegistrations:
             return False
         return True
 
-    def stop_loading(
-        self, run: Run, working_dir: Path, environment: Environment | None = None
-    ) -> None:
-        """Unregister what the server holds for `run` (deleted) while runtimed's registration
-        of it still waits for the handler to load — one that hangs as it is imported: its
-        worker is killed now, not when its load times out (docs/protocol.md, "Runs")."""
+    def stop_loading(self, run: Run) -> None:
+        """Stop the load of `run`'s registration (deleted) if it is still loading — a handler
+        that hangs as it is imported, on which runtimed's RegisterFunction waits: its worker is
+        killed now, not when its load times out (docs/protocol.md, "Registration")."""
+        request = registrations_pb2.StopLoadingRequest(
+            run_uid=run.uid, registration_attempt=run.status.attempt
+        )
         try:
-            held = self.held(run, working_dir, environment)
-            loading = held is not None and self.status(run.uid, held).state == REGISTERING
-        except grpc.RpcError as err:
+            self.registrations.StopLoading(
+                request, timeout=limits.status_wait_seconds(hops_below=1)
+            )
+        except grpc.RpcError as err:  # UNIMPLEMENTED: a Runtime Server of FunctionRuntime alone
             LOG.warning("stopping %s's load: %s", run.name, err.details())
-            return
-        if loading:  # not one that drains a call: its delete lets that finish
-            assert held is not None
-            self.unregister(run.uid, held, cancel=True)
 
     def held(
         self, run: Run, working_dir: Path, environment: Environment | None = None

@@ -25,19 +25,23 @@ _sym_db = _symbol_database.Default()
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as fnkernel_dot_runtime__server_dot___proto_dot_executor_dot_v1_dot_runtime__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\nDfnkernel/runtime_server/_proto/fnkernel/v1alpha1/registrations.proto\x12\x11\x66nkernel.v1alpha1\x1a\x38\x66nkernel/runtime_server/_proto/executor/v1/runtime.proto\"Y\n\x17\x46unctionStatusesRequest\x12>\n\x08requests\x18\x01 \x03(\x0b\x32\".executor.v1.FunctionStatusRequestR\x08requests\"]\n\x18\x46unctionStatusesResponse\x12\x41\n\x07\x61nswers\x18\x01 \x03(\x0b\x32\'.fnkernel.v1alpha1.FunctionStatusAnswerR\x07\x61nswers\"\x81\x01\n\x14\x46unctionStatusAnswer\x12;\n\x06status\x18\x01 \x01(\x0b\x32#.executor.v1.FunctionStatusResponseR\x06status\x12\x12\n\x04\x63ode\x18\x02 \x01(\x05R\x04\x63ode\x12\x18\n\x07message\x18\x03 \x01(\tR\x07message2|\n\rRegistrations\x12k\n\x10\x46unctionStatuses\x12*.fnkernel.v1alpha1.FunctionStatusesRequest\x1a+.fnkernel.v1alpha1.FunctionStatusesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\nDfnkernel/runtime_server/_proto/fnkernel/v1alpha1/registrations.proto\x12\x11\x66nkernel.v1alpha1\x1a\x38\x66nkernel/runtime_server/_proto/executor/v1/runtime.proto\"`\n\x12StopLoadingRequest\x12\x17\n\x07run_uid\x18\x01 \x01(\tR\x06runUid\x12\x31\n\x14registration_attempt\x18\x02 \x01(\x05R\x13registrationAttempt\"/\n\x13StopLoadingResponse\x12\x18\n\x07stopped\x18\x01 \x01(\x08R\x07stopped\"Y\n\x17\x46unctionStatusesRequest\x12>\n\x08requests\x18\x01 \x03(\x0b\x32\".executor.v1.FunctionStatusRequestR\x08requests\"]\n\x18\x46unctionStatusesResponse\x12\x41\n\x07\x61nswers\x18\x01 \x03(\x0b\x32\'.fnkernel.v1alpha1.FunctionStatusAnswerR\x07\x61nswers\"\x81\x01\n\x14\x46unctionStatusAnswer\x12;\n\x06status\x18\x01 \x01(\x0b\x32#.executor.v1.FunctionStatusResponseR\x06status\x12\x12\n\x04\x63ode\x18\x02 \x01(\x05R\x04\x63ode\x12\x18\n\x07message\x18\x03 \x01(\tR\x07message2\xda\x01\n\rRegistrations\x12k\n\x10\x46unctionStatuses\x12*.fnkernel.v1alpha1.FunctionStatusesRequest\x1a+.fnkernel.v1alpha1.FunctionStatusesResponse\x12\\\n\x0bStopLoading\x12%.fnkernel.v1alpha1.StopLoadingRequest\x1a&.fnkernel.v1alpha1.StopLoadingResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fnkernel.runtime_server._proto.fnkernel.v1alpha1.registrations_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FUNCTIONSTATUSESREQUEST']._serialized_start=149
-  _globals['_FUNCTIONSTATUSESREQUEST']._serialized_end=238
-  _globals['_FUNCTIONSTATUSESRESPONSE']._serialized_start=240
-  _globals['_FUNCTIONSTATUSESRESPONSE']._serialized_end=333
-  _globals['_FUNCTIONSTATUSANSWER']._serialized_start=336
-  _globals['_FUNCTIONSTATUSANSWER']._serialized_end=465
-  _globals['_REGISTRATIONS']._serialized_start=467
-  _globals['_REGISTRATIONS']._serialized_end=591
+  _globals['_STOPLOADINGREQUEST']._serialized_start=149
+  _globals['_STOPLOADINGREQUEST']._serialized_end=245
+  _globals['_STOPLOADINGRESPONSE']._serialized_start=247
+  _globals['_STOPLOADINGRESPONSE']._serialized_end=294
+  _globals['_FUNCTIONSTATUSESREQUEST']._serialized_start=296
+  _globals['_FUNCTIONSTATUSESREQUEST']._serialized_end=385
+  _globals['_FUNCTIONSTATUSESRESPONSE']._serialized_start=387
+  _globals['_FUNCTIONSTATUSESRESPONSE']._serialized_end=480
+  _globals['_FUNCTIONSTATUSANSWER']._serialized_start=483
+  _globals['_FUNCTIONSTATUSANSWER']._serialized_end=612
+  _globals['_REGISTRATIONS']._serialized_start=615
+  _globals['_REGISTRATIONS']._serialized_end=833
 # @@protoc_insertion_point(module_scope)

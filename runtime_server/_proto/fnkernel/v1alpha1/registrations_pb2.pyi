@@ -7,6 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class StopLoadingRequest(_message.Message):
+    __slots__ = ("run_uid", "registration_attempt")
+    RUN_UID_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    run_uid: str
+    registration_attempt: int
+    def __init__(self, run_uid: _Optional[str] = ..., registration_attempt: _Optional[int] = ...) -> None: ...
+
+class StopLoadingResponse(_message.Message):
+    __slots__ = ("stopped",)
+    STOPPED_FIELD_NUMBER: _ClassVar[int]
+    stopped: bool
+    def __init__(self, stopped: _Optional[bool] = ...) -> None: ...
+
 class FunctionStatusesRequest(_message.Message):
     __slots__ = ("requests",)
     REQUESTS_FIELD_NUMBER: _ClassVar[int]

@@ -40,6 +40,11 @@ class RegistrationsStub:
                 request_serializer=fnkernel_dot_runtime__server_dot___proto_dot_fnkernel_dot_v1alpha1_dot_registrations__pb2.FunctionStatusesRequest.SerializeToString,
                 response_deserializer=fnkernel_dot_runtime__server_dot___proto_dot_fnkernel_dot_v1alpha1_dot_registrations__pb2.FunctionStatusesResponse.FromString,
                 _registered_method=True)
+        self.StopLoading = channel.unary_unary(
+                '/fnkernel.v1alpha1.Registrations/StopLoading',
+                request_serializer=fnkernel_dot_runtime__server_dot___proto_dot_fnkernel_dot_v1alpha1_dot_registrations__pb2.StopLoadingRequest.SerializeToString,
+                response_deserializer=fnkernel_dot_runtime__server_dot___proto_dot_fnkernel_dot_v1alpha1_dot_registrations__pb2.StopLoadingResponse.FromString,
+                _registered_method=True)
 
 
 class RegistrationsServicer:
@@ -53,6 +58,16 @@ class RegistrationsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StopLoading(self, request, context):
+        """Unregister, cancelling, the registration of run_uid's registration_attempt if it is still
+        loading (REGISTERING), its worker killed: runtimed's RegisterFunction for a Run deleted
+        meanwhile waits on that load, and knows no registration ID to unregister it by. Anything
+        else (no registration, another attempt's, one loaded) is left as it is.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistrationsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -60,6 +75,11 @@ def add_RegistrationsServicer_to_server(servicer, server):
                     servicer.FunctionStatuses,
                     request_deserializer=fnkernel_dot_runtime__server_dot___proto_dot_fnkernel_dot_v1alpha1_dot_registrations__pb2.FunctionStatusesRequest.FromString,
                     response_serializer=fnkernel_dot_runtime__server_dot___proto_dot_fnkernel_dot_v1alpha1_dot_registrations__pb2.FunctionStatusesResponse.SerializeToString,
+            ),
+            'StopLoading': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopLoading,
+                    request_deserializer=fnkernel_dot_runtime__server_dot___proto_dot_fnkernel_dot_v1alpha1_dot_registrations__pb2.StopLoadingRequest.FromString,
+                    response_serializer=fnkernel_dot_runtime__server_dot___proto_dot_fnkernel_dot_v1alpha1_dot_registrations__pb2.StopLoadingResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -90,6 +110,33 @@ class Registrations:
             '/fnkernel.v1alpha1.Registrations/FunctionStatuses',
             fnkernel_dot_runtime__server_dot___proto_dot_fnkernel_dot_v1alpha1_dot_registrations__pb2.FunctionStatusesRequest.SerializeToString,
             fnkernel_dot_runtime__server_dot___proto_dot_fnkernel_dot_v1alpha1_dot_registrations__pb2.FunctionStatusesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopLoading(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fnkernel.v1alpha1.Registrations/StopLoading',
+            fnkernel_dot_runtime__server_dot___proto_dot_fnkernel_dot_v1alpha1_dot_registrations__pb2.StopLoadingRequest.SerializeToString,
+            fnkernel_dot_runtime__server_dot___proto_dot_fnkernel_dot_v1alpha1_dot_registrations__pb2.StopLoadingResponse.FromString,
             options,
             channel_credentials,
             insecure,
