@@ -12,6 +12,7 @@ Nothing here imports grpc: the kernel speaks HTTP to the gateway with the stdlib
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import threading
@@ -19,11 +20,12 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from fnkernel.kernel.trace import KernelSpan, Trace, decode_payload
+from fnkernel.kernel.trace import NO_BODY, KernelSpan, Trace, decode_payload
 from fnkernel.runtime_server import limits, wire
 from fnkernel.runtime_server.client import Client, spans_of
 from fnkernel.runtime_server.client.errors import GatewayError
 from fnkernel.runtime_server.client.transport import check_address
+from fnkernel.runtime_server.client.views import Run
 from fnkernel.runtime_server.errors import InvalidField
 
 if TYPE_CHECKING:
@@ -68,7 +70,7 @@ class TracedClient(Client):
         if not self.trace.on:
             return super().request(method, path, body, headers, wait=wait)
         started = time.perf_counter()
-        request = decode_payload(body, (headers or {}).get("Content-Type", "")) if body else None
+        request = decode_payload(body, (headers or {}).get("Content-Type", "")) if body else NO_BODY
         span = None
         if method == "POST" and path.endswith(":invoke"):  # traced (docs/protocol.md, "Tracing")
             invocation_id = (headers or {}).get(wire.INVOCATION_ID_HEADER, "")
@@ -86,7 +88,10 @@ class TracedClient(Client):
             self.trace.record(f"{method} {path}", request, "interrupted", _ms(started))
             raise
         traced = span.ended(_http_status(result[0]), spans_of(result[1])) if span else {}
-        self.trace.record(f"{method} {path}", request, str(result[0]), _ms(started), **traced)
+        status = str(result[0])
+        if method == "POST" and path == "/v1/runs" and Run(json.loads(result[2])).failed:
+            status += " (Run Failed)"  # created, and failed to register: not a success
+        self.trace.record(f"{method} {path}", request, status, _ms(started), **traced)
         return result
 
     def _records(self, connection: Any, path: str) -> Iterator[dict[str, Any]]:
@@ -105,7 +110,7 @@ class TracedClient(Client):
             status = "interrupted"
             raise
         finally:
-            self.trace.record(f"GET {path}", None, status, _ms(started))
+            self.trace.record(f"GET {path}", NO_BODY, status, _ms(started))
 
 
 def _ms(started: float) -> float:

@@ -78,21 +78,29 @@ class KernelSpan:
         return {"kernel_span": kernel_span, "spans": spans, "invocation_id": self.invocation_id}
 
 
+class Shown(str):
+    """What a trace shows as it is, not as JSON: a payload's description, or text that is not
+    JSON (a JSON string is shown quoted, as it was sent)."""
+
+
+NO_BODY = Shown("")  # a request without one
+
+
 def decode_payload(data: bytes, content_type: str = "") -> Any:
     """JSON bytes as the value they encode; other text as text; bytes of another content type
     (an Arrow stream, octets), or that are not UTF-8, as what they are and their size: never
     written into the notebook as they are."""
     media = content_type.split(";", 1)[0].strip().lower()
     if media and media != "application/json" and not media.startswith("text/"):
-        return f"({media}, {len(data)} bytes)"
+        return Shown(f"({media}, {len(data)} bytes)")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
-        return f"({len(data)} bytes, not text)"
+        return Shown(f"({len(data)} bytes, not text)")
     try:
-        return json.loads(text) if text else None
+        return json.loads(text) if text else NO_BODY
     except ValueError:
-        return text
+        return Shown(text)
 
 
 def decode_message(message: Any) -> Any:
@@ -199,7 +207,7 @@ class Trace:
 
 
 def _compact(value: Any, limit: int = 160) -> str:
-    text = value if isinstance(value, str) else json.dumps(value, sort_keys=False, default=str)
+    text = value if isinstance(value, Shown) else json.dumps(value, sort_keys=False, default=str)
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
@@ -223,7 +231,7 @@ class TraceTable:
                 call.method,
                 call.status,
                 f"{call.latency_ms:.1f} ms",
-                _compact(call.request) if call.request is not None else "",
+                _compact(call.request),
             )
             for number, call in enumerate(self.calls, 1)
         ]
@@ -261,5 +269,5 @@ class TraceTable:
 
 
 def _status_badge(status: str) -> str:
-    kind = "ok" if status.startswith(("OK", "2")) else "error"
+    kind = "ok" if status.startswith(("OK", "2")) and "Failed" not in status else "error"
     return f"<span class='fnk-{kind}' style='font-weight:600'>{html.escape(status)}</span>"

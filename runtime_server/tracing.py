@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from fnkernel.runtime_server import limits
+from fnkernel.runtime_server import limits, wire
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import Span, SpanProcessor
@@ -256,7 +256,11 @@ class Hop:
         if self._client is not None:
             self._client.set_attribute("rpc.grpc.status_code", grpc_status)
             if grpc_status:
-                _failed(self._client, f"gRPC status {grpc_status}")
+                named = grpc_status < len(wire.GRPC_CODE_NAMES)
+                _failed(
+                    self._client,
+                    wire.GRPC_CODE_NAMES[grpc_status] if named else f"gRPC status {grpc_status}",
+                )
             self._client.end()
         if downstream:
             self._downstream.append(downstream)

@@ -207,6 +207,13 @@ GRPC_STATUS: dict[type[Exception], str] = {
     EvaluatorSystemError: "UNAVAILABLE",
 }
 
+# gRPC's status codes by number, as a span or a message names them.
+GRPC_CODE_NAMES = (
+    "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
+    "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED",
+    "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED",
+)  # fmt: skip
+
 # gRPC status → HTTP status at the gateway (docs/protocol.md, "Errors").
 HTTP_STATUS: dict[str, int] = {
     "OK": 200,

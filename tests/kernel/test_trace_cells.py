@@ -78,6 +78,13 @@ def test_fn_trace_waterfall_draws_every_hop_of_the_last_traced_call(kernel: Kern
     kernel.run("traced_failure({})")
     failed = kernel.run("%fn_trace waterfall").result
     assert "failed: " in failed and "error_type=HandlerError" in failed
+    # Every hop names the failure's gRPC code by its name, as the server's own span does.
+    reasons = {
+        line.split("failed: ", 1)[1].split()[0]
+        for line in failed.splitlines()
+        if "failed: " in line
+    }
+    assert "gRPC" not in reasons and "UNKNOWN" in reasons, failed
     again = kernel.run(f"%fn_trace waterfall {invocation_id}").result
     assert "failed: " not in again and f"invocation_id={invocation_id}" in again
     kernel.run("%fn_trace off")
@@ -144,3 +151,21 @@ def test_fn_trace_names_a_binary_payload_and_never_writes_its_bytes(kernel: Kern
     [invoke] = [line for line in text.splitlines() if "POST /v1/runs/etl:invoke" in line]
     assert invoke.endswith(" bytes)") and "(application/vnd.apache.arrow.stream, " in invoke
     assert "\x00" not in text and "fnkernel.kind" not in text, invoke
+
+
+def test_fn_trace_shows_each_payload_as_sent_and_a_failed_create_as_failed(kernel: Kernel) -> None:
+    # docs/protocol.md, "Kernel": the request column is the payload as JSON, as it was sent — a
+    # string quoted, a null one `null` — and a create whose Run failed to register is not a
+    # plain 201.
+    kernel.run("%%function say\ndef handler(event):\n    return event\n")
+    assert kernel.run("%fn_trace on").ok
+    assert kernel.run('say("Ada")').ok
+    assert kernel.run("say()").ok
+    broken = kernel.run("%%function broken\ndef handler(event)\n    return 1\n")
+    assert broken.error is not None
+    kernel.run("%fn_trace off")
+    lines = kernel.run("%fn_trace show").result.splitlines()
+    invokes = [line for line in lines if "POST /v1/runs/say:invoke" in line]
+    assert [line.rsplit("  ", 1)[-1] for line in invokes] == ['"Ada"', "null"], invokes
+    [created] = [line for line in lines if "POST /v1/runs " in f"{line} " and "broken" in line]
+    assert " 201 (Run Failed) " in created, created
