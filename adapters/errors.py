@@ -22,11 +22,13 @@ HANDLER_NOT_FOUND = "HandlerNotFound"
 OUTPUT_TOO_LARGE = "OutputTooLarge"
 CORRUPT_RESPONSE = "CorruptResponse"  # the worker's answer was not this call's: it is restarted
 MEMORY_LIMIT_EXCEEDED = "MemoryLimitExceeded"  # the handler needed more than its memoryMb
-# How a program says that an allocation failed as it dies of it: Rust (then SIGABRT), Python,
-# Go, C's and bash's xmalloc. One place for the handlers' workers and the KRM functions' steps.
-# And a Python worker's native libraries as they exit of it: OpenBLAS (numpy's) while it loads.
+# How a program says that an allocation failed as it dies of it: Rust (then SIGABRT; or a panic,
+# as Starlark's arena does, which pyo3 raises in Python), Python, Go, C's and bash's xmalloc.
+# One place for the handlers' workers and the KRM functions' steps. And a Python worker's
+# native libraries as they exit of it: OpenBLAS (numpy's) while it loads.
 OUT_OF_MEMORY = re.compile(
     r"memory allocation of \d+ bytes failed|^MemoryError\b|fatal error: runtime: out of memory"
+    r"|PanicException: out of memory$"
     r"|\bx(?:m|re)alloc: .*cannot allocate|^OpenBLAS error: Memory allocation still failed",
     re.MULTILINE,
 )

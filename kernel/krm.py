@@ -69,15 +69,6 @@ def _trace(step: Step) -> str:
     return " → ".join([*(f"no {name}" for name in step.skipped), *served])
 
 
-def _shown_in_results(step: Step) -> bool:
-    """Whether the step's error says only what one of its results says already (it may name
-    the function before the message)."""
-    messages = [str(result.get("message", "")) for result in step.results]
-    return bool(step.error) and any(
-        message and (message in step.error or step.error in message) for message in messages
-    )
-
-
 @dataclass(frozen=True)
 class PipelineView:
     """A KRM pipeline run (``%krm``): one section per step — evaluator, time, results coloured
@@ -108,7 +99,7 @@ class PipelineView:
         return " · ".join(parts), status
 
     def _step_error(self, step: Step) -> str:
-        return "" if not step.error or _shown_in_results(step) else step.error
+        return "" if not step.error or step.error_in_results else step.error
 
     def _stderr(self, step: Step) -> list[str]:
         """What the function wrote to stderr (a starlark script's ``print``) that its error and
@@ -121,7 +112,7 @@ class PipelineView:
     def _unshown_error(self) -> str:
         """The pipeline's error, unless a step shows it already (it may name the function)."""
         shown = any(
-            _shown_in_results(s) or (s.error and (s.error in self.error or self.error in s.error))
+            s.error_in_results or (s.error and (s.error in self.error or self.error in s.error))
             for s in self.steps
         )
         return "" if not self.error or shown else self.error

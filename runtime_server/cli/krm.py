@@ -37,18 +37,20 @@ _SHOWN_RESULTS = 5  # of a failed step's results, under its line
 
 
 def _step_line(step: Step, number: int) -> str:
+    from fnkernel.runtime_server.krm.resources.resourcelist import format_result
+
     mark = "ok" if step.ok else "FAILED"
     where = f"{step.package}: " if step.package else ""
     line = f"[{number}] {where}{step.stage} {step.function} ({step.evaluator or '-'}) "
     line += f"{step.duration * 1000:.0f} ms {mark}"
-    if step.tally:
-        line += f" · {step.tally}"
-    if step.error:
+    if step.tally:  # as the notebook's view says it
+        line += f" ({step.tally})"
+    if step.error and not step.error_in_results:
         line += f"\n    {step.error}"
     line += "".join(f"\n    stderr: {text}" for text in step.said)  # a starlark print, say
     if not step.ok:  # what the function said of its failure (kpt prints its results too)
-        for result in step.results[:_SHOWN_RESULTS]:
-            line += f"\n    {result.get('severity', 'info')}: {result.get('message', '')}"
+        for result in step.results[:_SHOWN_RESULTS]:  # as kpt prints them (docs/krm.md)
+            line += f"\n    {format_result(result)}"
         if len(step.results) > _SHOWN_RESULTS:
             more = len(step.results) - _SHOWN_RESULTS
             line += f"\n    … {more} more (--output json, or kpt's fn eval --results-dir)"
@@ -58,30 +60,7 @@ def _step_line(step: Step, number: int) -> str:
 def _report(outcome: Outcome, output: str, dry_run: bool) -> None:
     """The steps and the files changed — with `dry_run`, the files that would be."""
     if output == "json":
-        print(
-            json.dumps(
-                {
-                    "steps": [
-                        {
-                            "package": s.package,
-                            "stage": s.stage,
-                            "function": s.function,
-                            "evaluator": s.evaluator,
-                            "durationMs": round(s.duration * 1000, 1),
-                            "results": s.results,
-                            "error": s.error,
-                            "stderr": s.stderr,
-                        }
-                        for s in outcome.steps
-                    ],
-                    "written": outcome.written,
-                    "removed": outcome.removed,
-                    "dryRun": dry_run,
-                },
-                indent=2,
-                default=str,
-            )
-        )
+        _json_report(outcome.steps, dry_run, written=outcome.written, removed=outcome.removed)
         return
     changed = outcome.written + [f"{path} (removed)" for path in outcome.removed]
     files = ", ".join(changed) or "none"
@@ -89,6 +68,39 @@ def _report(outcome: Outcome, output: str, dry_run: bool) -> None:
         f"dry run, nothing written; would change: {files}" if dry_run else f"files changed: {files}"
     )
     print(f"{len(outcome.steps)} step(s); {said}")
+
+
+def _json_report(
+    steps: list[Step],
+    dry_run: bool,
+    *,
+    written: list[str] | None = None,
+    removed: list[str] | None = None,
+    error: str = "",
+) -> None:
+    """``--output json``: every step run, the files changed, and the failure ("" for none) —
+    a failed render's too, so that a script reads why from the same document."""
+    steps_json = [
+        {
+            "package": s.package,
+            "stage": s.stage,
+            "function": s.function,
+            "evaluator": s.evaluator,
+            "durationMs": round(s.duration * 1000, 1),
+            "results": s.results,
+            "error": s.error,
+            "stderr": s.stderr,
+        }
+        for s in steps
+    ]
+    report = {
+        "steps": steps_json,
+        "written": written or [],
+        "removed": removed or [],
+        "dryRun": dry_run,
+        "error": error,
+    }
+    print(json.dumps(report, indent=2, default=str))
 
 
 def _render(args: argparse.Namespace) -> int:
@@ -111,6 +123,8 @@ def _render(args: argparse.Namespace) -> int:
         )
     except PipelineError as exc:
         print(f"fnkernel render: {exc} (the Kptfile's status records it)", file=sys.stderr)
+        if args.output == "json":
+            _json_report(exc.steps, args.dry_run, error=str(exc))
         return EXIT_FAILURE
     except PackageError as exc:
         print(f"fnkernel render: {exc}; no file was changed", file=sys.stderr)
@@ -150,6 +164,10 @@ def _eval(args: argparse.Namespace) -> int:
         )
     except (PipelineError, PackageError) as exc:
         print(f"fnkernel eval: {exc}; no file was changed", file=sys.stderr)
+        if args.output == "json":
+            _json_report(
+                exc.steps if isinstance(exc, PipelineError) else [], args.dry_run, error=str(exc)
+            )
         return EXIT_FAILURE
     except (OSError, InvalidResourceList) as exc:
         print(f"fnkernel eval: {exc}", file=sys.stderr)

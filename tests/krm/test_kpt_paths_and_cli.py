@@ -334,8 +334,8 @@ def test_a_failed_step_says_why_in_each_report(tmp_path: Path) -> None:
     files = {"Kptfile": kptfile(), "deploy.yaml": DEPLOYMENT}
     run = twice(tmp_path / "eval", files, "eval", "set-labels", ".")
     assert run.code == 1 and run.files == files
-    assert "FAILED · 1 info\n" in run.stderr
-    assert "\n    info: `FunctionConfig` is not given\n" in run.stderr
+    assert "FAILED (1 info)\n" in run.stderr
+    assert "\n    [info]: `FunctionConfig` is not given\n" in run.stderr
     run = twice(tmp_path / "exec", files, "fn", "eval", ".", "--exec", "./no-such-binary")
     assert run.code == 1 and run.files == files
     assert "  Stderr:\n    failed to execute ./no-such-binary: [Errno 2] No such file" in run.stderr

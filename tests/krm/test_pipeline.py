@@ -377,7 +377,7 @@ def test_fnkernel_render_prints_a_line_per_step_and_eval_takes_key_values(packag
     # template, the Service and the ConfigMap. The subpackage's resources reach the top
     # package's function with their own package's paths (docs/krm.md, "Where resources are
     # written"), so the two Kptfiles are one file and one result, as kpt reports them.
-    assert lines[3].startswith("[4] validator") and lines[3].endswith("ok · 5 info")
+    assert lines[3].startswith("[4] validator") and lines[3].endswith("ok (5 info)")
     assert "files changed: Kptfile, db/Kptfile, db/configmap.yaml, deploy.yaml" in done.stdout
     done = subprocess.run(
         [
@@ -495,6 +495,49 @@ def test_a_steps_stderr_is_in_its_progress_line_and_the_json(tmp_path: Path) -> 
     assert "\n    stderr: hello class" in said.stderr
     as_json = json.loads(fnkernel_render(package, "--dry-run", "--output", "json").stdout)
     assert as_json["steps"][0]["stderr"].strip() == "hello class"
+
+
+def test_what_a_script_printed_is_kept_when_its_memory_bound_stops_it(tmp_path: Path) -> None:
+    # docs/krm.md, "starlark" and "Limits": print() output is the step's stderr also when the
+    # script is stopped at its memory bound — the prints before are how a student finds where.
+    package = write(tmp_path / "pkg", {
+        "Kptfile": "apiVersion: kpt.dev/v1\nkind: Kptfile\nmetadata: {name: p}\npipeline:\n"
+        "  mutators:\n  - image: starlark\n    configMap:\n      source: |\n"
+        "        print('before the big list')\n        x = [i for i in range(50000000)]\n",
+        "cm.yaml": "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\n",
+    })  # fmt: skip
+    stopped = fnkernel_render(package, "--memory", "128")
+    assert stopped.returncode == 1
+    assert "\n    stderr: before the big list\n" in stopped.stderr
+    assert "the script needed more than the step's memory bound of 128 MiB" in stopped.stderr
+
+
+def test_a_failed_render_reports_its_results_as_kpt_prints_them_and_in_json(
+    tmp_path: Path,
+) -> None:
+    # docs/krm.md, "Results": a failed step's results print as kpt prints them, `[severity]
+    # apiVersion/kind/namespace/name field: message`; --output json is the report of a failed
+    # render too (its steps, their results, and the failure), for a script to read.
+    files = {
+        "Kptfile": "apiVersion: kpt.dev/v1\nkind: Kptfile\nmetadata: {name: p}\npipeline:\n"
+        "  validators:\n  - image: set-namespace\n    configMap: {}\n",
+        "cm.yaml": "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\n",
+    }
+    # Each render on a package of its own: a failed one writes its Kptfile's status, as kpt
+    # does, which drops the empty configMap (omitempty).
+    package = write(tmp_path / "pkg", files)
+    failed = fnkernel_render(package)
+    assert failed.returncode == 1
+    assert "FAILED (1 error)\n" in failed.stderr
+    assert "\n    [error] v1/ConfigMap/function-input: `data.namespace` should not be empty" in (
+        failed.stderr
+    )
+    report = json.loads(
+        fnkernel_render(write(tmp_path / "again", files), "--output", "json").stdout
+    )
+    [step] = report["steps"]
+    assert step["results"][0]["message"] == "`data.namespace` should not be empty"
+    assert "should not be empty" in report["error"] and report["written"] == []
 
 
 @pytest.mark.parametrize(

@@ -5,8 +5,9 @@ must be stopped without taking the render — or the kernel it runs in — with 
 Run as ``python -P _starlark_worker.py`` (standard library and starlark-pyo3 only, so that it
 starts in tens of milliseconds). Reads one JSON object from stdin — ``name``, ``source`` (with
 the function's prelude, which binds ``ctx``), ``resource_list`` (plain JSON values) — and writes
-one to stdout: ``resource_list`` as the script
-left it, ``printed`` (what ``print()`` gave) and ``error`` (Starlark's own text, or null). The
+JSON lines to stdout: ``{"printed": TEXT}`` for each ``print()`` as it is called (so what a
+script printed survives it being stopped), then ``resource_list`` as the script left it and
+``error`` (Starlark's own text, or null). The
 memory bound is set on this process by whoever starts it; exceeding it ends the process (Rust
 aborts when an allocation fails), which its parent reports.
 """
@@ -46,23 +47,27 @@ def _loader(name: str) -> sl.FrozenModule:
 _LOADER = sl.FileLoader(_loader)
 
 
+def _print(*args: object) -> None:
+    sys.stdout.write(json.dumps({"printed": " ".join(map(str, args))}) + "\n")
+    sys.stdout.flush()
+
+
 def run(name: str, source: str, resource_list: object) -> dict[str, object]:
-    printed: list[str] = []
     module = sl.Module()
     module["_resource_list"] = resource_list
-    module.add_callable("print", lambda *args: printed.append(" ".join(map(str, args))))
+    module.add_callable("print", _print)
     globals_ = sl.Globals.extended_by([sl.LibraryExtension.StructType, sl.LibraryExtension.Json])
     try:
         sl.eval(module, sl.parse(f"{name}.star", source, _dialect()), globals_, _LOADER)
     except sl.StarlarkError as exc:
-        return {"resource_list": None, "printed": printed, "error": str(exc)}
-    return {"resource_list": module["_resource_list"], "printed": printed, "error": None}
+        return {"resource_list": None, "error": str(exc)}
+    return {"resource_list": module["_resource_list"], "error": None}
 
 
 def main() -> None:
     request = json.load(sys.stdin)
     answer = run(request["name"], request["source"], request["resource_list"])
-    json.dump(answer, sys.stdout)
+    sys.stdout.write(json.dumps(answer) + "\n")
 
 
 if __name__ == "__main__":

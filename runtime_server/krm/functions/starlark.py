@@ -79,12 +79,13 @@ def starlark_run(rl: ResourceList) -> None:
             f"starlark {name}: the script did not finish within the step's time limit of "
             f"{current().bounds.timeout:g} s (--timeout); it was stopped"
         ) from None
+    lines = [json.loads(line) for line in _whole_lines(stdout)]
+    rl.stderr += [line["printed"] for line in lines if "printed" in line]  # also if it was stopped
     if code != 0:
         why = memory_message("the script") if out_of_memory(code, stderr) else _crash(code, stderr)
         rl.add_results([Result(f"starlark {name}: {why}", ERROR)])
         return
-    answer = json.loads(stdout)
-    rl.stderr += answer["printed"]
+    answer = lines[-1]
     if answer["error"] is not None:
         rl.add_results([Result(_error_message(answer["error"], name), ERROR)])
         return
@@ -94,6 +95,12 @@ def starlark_run(rl: ResourceList) -> None:
         return
     # What the script made is written as the catalog's function writes it: keys sorted.
     update_in_place(rl.document, changed, made=lambda value: block_style(_sorted(value)))
+
+
+def _whole_lines(stdout: bytes) -> list[bytes]:
+    """The worker's JSON lines, but one it was stopped in the middle of."""
+    lines = stdout.split(b"\n")
+    return [line for line in lines[:-1] if line]
 
 
 def _crash(code: int, stderr: bytes) -> str:

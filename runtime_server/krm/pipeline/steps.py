@@ -90,6 +90,15 @@ class Step:
     execution_error: str = ""
 
     @property
+    def error_in_results(self) -> bool:
+        """Whether its error says only what one of its results says already (it may name the
+        function before the message)."""
+        messages = [str(result.get("message", "")) for result in self.results]
+        return bool(self.error) and any(
+            message and (message in self.error or self.error in message) for message in messages
+        )
+
+    @property
     def said(self) -> list[str]:
         """Its stderr's lines (a starlark script's ``print``, which kpt records), but those its
         error or a result says already (an evaluator that reports its failure on stderr too)."""
