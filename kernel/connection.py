@@ -81,7 +81,7 @@ class TracedClient(Client):
             result = super().request(method, path, body, headers, wait=wait)
         except GatewayError as exc:
             status = f"{exc.status} {exc.code}".strip() if exc.status else exc.code or "failed"
-            traced = span.ended(_http_status(exc.status), exc.spans) if span else {}
+            traced = span.ended(_http_status(exc.status, exc.code), exc.spans) if span else {}
             self.trace.record(f"{method} {path}", request, status, _ms(started), **traced)
             raise
         except BaseException:
@@ -117,10 +117,13 @@ def _ms(started: float) -> float:
     return (time.perf_counter() - started) * 1000
 
 
-def _http_status(status: int) -> tuple[dict[str, Any], str]:
-    """A traced call's answer as its span records it: the status attribute, and the failure."""
-    failed = f"HTTP {status}" if status >= 400 or not status else ""
-    return {"http.response.status_code": status}, failed
+def _http_status(status: int, code: str = "") -> tuple[dict[str, Any], str]:
+    """A traced call's answer as its span records it: the status attribute, and the failure —
+    for a call that had no answer (cancelled by an interrupt, the gateway unreachable), its
+    code, as ``%fn_trace show`` names it, and no status."""
+    if not status:
+        return {}, code or "no answer"
+    return {"http.response.status_code": status}, f"HTTP {status}" if status >= 400 else ""
 
 
 class StackChosen(Exception):

@@ -149,9 +149,14 @@ class Function:
         the event's fields (``etl(x=1)`` sends ``{"x": 1}``); ``etl()`` sends null."""
         if fields:
             if payload is not None:
+                limit = (  # etl(x, timeout=5): the call's limit, which a call's fields are not
+                    f"; a call's time limit is {self.name}.invoke(payload, timeout=S)"
+                    if "timeout" in fields
+                    else ""
+                )
                 raise TypeError(
                     f"{self.name}() takes a payload or keyword fields, not both: "
-                    f"{self.name}({{**payload, **fields}}) sends one object"
+                    f"{self.name}({{**payload, **fields}}) sends one object{limit}"
                 )
             payload = fields
         return self.invoke(payload).output

@@ -64,12 +64,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _helped(magic: Any) -> Any:
-    """`magic`, which answers ``--help`` (or ``-h``) as its first word by printing its own
-    docstring (``%function --help`` is its parser's), as ``%magic?`` shows it."""
+    """`magic`, which answers ``--help`` (or ``-h``), anywhere in its line (``%krm render
+    --help``), by printing its own docstring (``%function --help`` is its parser's), as
+    ``%magic?`` shows it."""
 
     @functools.wraps(magic)
     def answered(self: Any, line: str, *rest: Any) -> Any:
-        if line.split()[:1] in (["--help"], ["-h"]):
+        if {"--help", "-h"} & set(line.split()):
             print(inspect.cleandoc(magic.__doc__ or ""))
             return None
         return magic(self, line, *rest)
@@ -399,7 +400,8 @@ class FunctionMagics(Magics):
             owner = session.whose(run)
             if not (every or owner or wanted):
                 continue  # another's: --all shows it, and whose
-            owner = owner or owner_of(run.source)
+            if owner != "this kernel":  # another's: named, and marked if it is used here
+                owner = f"{owner_of(run.source)}{' (used here)' if owner else ''}"
             replicas = int(run.get("spec", {}).get("replicas", 1))
             row = {
                 "name": run.name,

@@ -398,7 +398,7 @@ def test_every_magic_answers_help_with_its_usage(kernel: Kernel) -> None:
         ("fn_trace", "%fn_trace on|off|show"),
         ("fn_debug", "%fn_debug"),
     ]:
-        for flag in ("--help", "-h"):
+        for flag in ("--help", "-h", "render --help", "show -h", "waterfall --help"):
             cell = kernel.run(f"%{magic} {flag}")
             assert cell.ok, (magic, cell.error)
             assert cell.stdout.startswith(usage), (magic, cell.stdout)

@@ -5,6 +5,7 @@ a restart. Real kernels through jupyter_client."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -247,6 +248,8 @@ def test_a_shared_stack_chosen_at_first_use_and_a_function_used_from_another_ker
             row.split()[0]: row for row in user.run("%functions --all").result.splitlines()[1:-1]
         }
         assert set(every) == {"etl", "other"} and "used here" in every["etl"]
+        # --all names whose a used function is, besides that it is used here.
+        assert re.search(r"kernel \S+ \(.+\) \(used here\)", every["etl"]), every["etl"]
         assert "this kernel" in owner.run("%functions --all").result
         assert (
             user.value("__import__('fnkernel.kernel', fromlist=['get']).get('other')(None)")

@@ -359,10 +359,15 @@ def test_small_habits(notebook_dir: Path) -> None:
         "%function --help",
         "%%function huge --memory 99999999\ndef handler(event):\n    return 1\n",
         "%function echo",
+        "echo(1, timeout=5)",
     ])  # fmt: skip
     assert ok(cells[1]) == "{'x': 1, 'y': [2]}"
     assert ok(cells[2]) == ""  # None: the handler got null
     assert "takes a payload or keyword fields, not both" in error(cells[3])["evalue"]
+    # The field a call's limit is mistaken for says where the limit goes.
+    assert error(cells[8])["evalue"].endswith(
+        "; a call's time limit is echo.invoke(payload, timeout=S)"
+    )
     for helped in (ok(cells[4]), ok(cells[5])):
         assert "--include PATH" in helped and "--env KEY[=VALUE]" in helped
     assert "echo" not in ok(cells[4]).split("usage:")[0]  # nothing was registered

@@ -169,3 +169,21 @@ def test_fn_trace_shows_each_payload_as_sent_and_a_failed_create_as_failed(kerne
     assert [line.rsplit("  ", 1)[-1] for line in invokes] == ['"Ada"', "null"], invokes
     [created] = [line for line in lines if "POST /v1/runs " in f"{line} " and "broken" in line]
     assert " 201 (Run Failed) " in created, created
+
+
+def test_the_waterfall_of_an_interrupted_call_says_it_was_cancelled(
+    kernel: Kernel, gate: Callable[[], Gate]
+) -> None:
+    # docs/protocol.md, "Tracing": the kernel's span of a call that had no answer says why, as
+    # %fn_trace show names it (CANCELLED for an interrupt), not an HTTP status of 0.
+    assert kernel.run(WAITS).ok
+    go = gate()
+    assert kernel.run("%fn_trace on").ok
+    msg_id = kernel.send(f"waits({json.dumps({'say': 'stopped', 'go': str(go)})})")
+    kernel.wait_for_output(msg_id, "started stopped")
+    kernel.manager.interrupt_kernel()
+    assert kernel.collect(msg_id).error is not None
+    drawn = kernel.run("%fn_trace waterfall").result
+    kernel.run("%fn_trace off")
+    assert "failed: CANCELLED" in drawn and "HTTP 0" not in drawn, drawn
+    assert "http.response.status_code=0" not in drawn
