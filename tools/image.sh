@@ -48,7 +48,7 @@ fi
 
 echo "image: the dependencies, as wheels for the build"
 rm -rf "$W/wheels"
-"$PYTHON" -m pip wheel --quiet --wheel-dir "$W/wheels" "$ROOT[kubernetes]" 'setuptools>=68' wheel \
+"$PYTHON" -m pip wheel --quiet --wheel-dir "$W/wheels" "$ROOT[kubernetes]" 'setuptools>=77' wheel \
     >"$W/wheels.log" 2>&1 || { tail -30 "$W/wheels.log"; exit 1; }
 rm -f "$W"/wheels/fnkernel-*.whl
 printf '[global]\nno-index = true\nfind-links = /wheels\n' > "$W/pip.conf"
