@@ -327,46 +327,19 @@ def test_every_connection_of_a_burst_of_1000_gets_an_answer(shared_stack: Stack)
     wait_until(lambda: http_call(shared_stack.gateway_address, "GET", "/v1/runs")[0] == 200)
 
 
+CREATE = ["runs", "create", "x", "--runtime", "python", "--source", ".", "--handler", "h.h"]
+
+
 @pytest.mark.parametrize(
     ("args", "flag"),
     [
         (["invoke", "x", "--timeout-ms", "1_000"], "--timeout-ms"),
         (["invoke", "x", "--timeout-ms", "²"], "--timeout-ms"),
-        (
-            [
-                "runs",
-                "create",
-                "x",
-                "--runtime",
-                "python",
-                "--source",
-                ".",
-                "--handler",
-                "h.h",
-                "--idle-timeout",
-                "-1",
-            ],
-            "--idle-timeout",
-        ),
+        ([*CREATE, "--idle-timeout", "-1"], "--idle-timeout"),
         (["up", "--poll-interval", "inf"], "--poll-interval"),
         (["up", "--poll-interval", "0"], "--poll-interval: must be more than 0 seconds"),
         (["wrapper-server", "--port", "99999", "--", "cat"], "--port: must be a port from 0 to"),
-        (
-            [
-                "runs",
-                "create",
-                "x",
-                "--runtime",
-                "python",
-                "--source",
-                ".",
-                "--handler",
-                "h.h",
-                "--replicas",
-                "1e23",
-            ],
-            "--replicas: must be a whole number in ASCII digits, got '1e23'",
-        ),
+        ([*CREATE, "--replicas", "1e23"], "--replicas: must be a whole number in ASCII digits"),
         (["runtimed", "--pod", "p", "--runtime", "python", "--server", "nonsense"], "--server"),
         (["serve", "--runtime", "python", "--drain-timeout", "1e300"], "--drain-timeout"),
     ],
