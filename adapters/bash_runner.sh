@@ -39,7 +39,23 @@ if ! "$BASH" -n "$file" 2>"$scratch/init.err"; then
     initfail UserCodeSyntaxError "$(<"$scratch/init.err")"
 fi
 # Sourced by absolute path (". name" would search $PATH), with nothing to read on stdin.
+# While the file is sourced nothing is sent on the request pipe (the server waits for READY),
+# so its end of file — the server gone — is all a read there can see before the timeout: a
+# watcher ends the worker's process group then, or a file that hangs as it is sourced would
+# outlive the server. (The Python worker watches the same pipe for the same reason.)
+(
+    exec {resp_fd}>&-
+    while :; do
+        read -r -t 0.5 -u "$req_fd" _
+        (($? > 128)) || kill -KILL 0 # not the timeout: the end of the pipe
+    done
+) </dev/null &
+__fnkernel_watcher=$!
 . "$file" </dev/null {req_fd}<&- {resp_fd}>&-
+# Builtins by name: the file may have defined functions called kill or wait; and `|| :`, as
+# it may have set errexit (wait answers the watcher's 143).
+builtin kill "$__fnkernel_watcher" 2>/dev/null || :
+builtin wait "$__fnkernel_watcher" 2>/dev/null || :
 declare -F -- "$fn" >/dev/null || initfail HandlerNotFound "${file##*/} does not define a function named $fn"
 
 export FUNCTION_OUTPUTS=$scratch/outputs

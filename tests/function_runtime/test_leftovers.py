@@ -9,6 +9,7 @@ import contextlib
 import signal
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -48,9 +49,15 @@ ESCAPES = {
 def served(
     server_process: Callable[..., ServeProcess], workspace
 ) -> Iterator[tuple[ServeProcess, Client]]:  # type: ignore[no-untyped-def]
-    server = server_process("--runtime", "python")
+    yield from serving(server_process, workspace, "python")
+
+
+def serving(
+    server_process: Callable[..., ServeProcess], workspace: Path, runtime: str
+) -> Iterator[tuple[ServeProcess, Client]]:
+    server = server_process("--runtime", runtime)
     channel = grpc.insecure_channel(server.address, options=CHANNEL_OPTIONS)
-    yield server, Client(channel, workspace, "python")
+    yield server, Client(channel, workspace, runtime)
     channel.close()
 
 
@@ -97,13 +104,16 @@ HANGS = {
 }
 
 
-def hung_load(rt: Client, run_uid: str) -> tuple[threading.Thread, int]:
-    """A RegisterFunction waiting on a handler that never loads, and its worker's pid."""
-    workdir = rt.workdir(HANGS)
+def hung_load(
+    rt: Client, run_uid: str, files: dict[str, str] = HANGS, handler: str | None = None
+) -> tuple[threading.Thread, int]:
+    """A RegisterFunction waiting on a handler that never loads, and its worker's pid (the
+    handler's file writes it to `pid`)."""
+    workdir = rt.workdir(files)
 
     def register() -> None:
         with contextlib.suppress(grpc.RpcError):  # its server may be killed under it
-            rt.register(working_dir=workdir, run_uid=run_uid, timeout=120)
+            rt.register(working_dir=workdir, handler=handler, run_uid=run_uid, timeout=120)
 
     waiting = threading.Thread(target=register, daemon=True)
     waiting.start()
@@ -165,3 +175,22 @@ def test_stop_loading_stops_only_a_load_under_way(served: tuple[ServeProcess, Cl
     loaded = rt.register({"handler.py": "def handle(event):\n    return 1\n"}, run_uid="loaded")
     assert not stop("loaded")
     assert rt.status(loaded.registration).state == pb.FUNCTION_REGISTRATION_STATE_READY
+
+
+@pytest.fixture
+def bash_served(
+    server_process: Callable[..., ServeProcess], workspace: Path
+) -> Iterator[tuple[ServeProcess, Client]]:
+    yield from serving(server_process, workspace, "bash")
+
+
+def test_a_bash_worker_still_sourcing_its_file_leaves_with_its_server(
+    bash_served: tuple[ServeProcess, Client],
+) -> None:
+    # The same for a Bash worker whose file hangs as it is sourced (adapters/bash_runner.sh).
+    server, rt = bash_served
+    hangs = {"handler.sh": "echo $$ > pid\nsleep 3600\nhandler() { :; }\n"}
+    _, worker = hung_load(rt, "orphaned-bash", hangs, "handler.handler")
+    server.proc.kill()
+    server.proc.wait(30)
+    wait_until(lambda: not pid_alive(worker), timeout=10)
