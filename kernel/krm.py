@@ -393,7 +393,11 @@ def render_cell(chain: Chain, body: str, *, check: bool = True) -> PipelineView:
             (root / relative).parent.mkdir(parents=True, exist_ok=True)
             _write_documents(root / relative, documents)
         name = (top[0].get("metadata") or {}).get("name", "package")
-        return run_render(chain, root, f"render {name}", check=check, files=False, tree=True)
+        try:
+            return run_render(chain, root, f"render {name}", check=check, files=False, tree=True)
+        except PackageError as exc:  # named as the cell, not the directory it was written to
+            said = str(exc).replace(f' at "{tmp}"', " in the cell").replace(f"{tmp}/", "")
+            raise UsageError(f"%%krm render: {said.replace(tmp, 'the cell')}") from None
 
 
 def eval_cell(chain: Chain, image: str, pairs: Mapping[str, str], body: str) -> PipelineView:

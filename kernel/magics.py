@@ -339,6 +339,8 @@ class FunctionMagics(Magics):
         or one created with the CLI), as a callable. It is never registered again nor deleted
         by this kernel, and this kernel's shutdown leaves it alone."""
         name = line.strip()
+        if not name:
+            raise UsageError("%use: NAME is required: %use NAME")
         if not name.isidentifier():
             raise UsageError(f"%use: NAME {name!r} must be a Python identifier: %use NAME")
         if name in self.session.functions:

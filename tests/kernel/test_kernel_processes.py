@@ -75,6 +75,7 @@ def test_a_mistyped_fn_connect_is_refused_or_corrected_without_a_restart(
     try:
         # %use before %fn_connect (a restarted kernel's first cell, say): the embedded runtime
         # it would start holds nothing, so it is not started, and %fn_connect stays open.
+        assert "UsageError: %use: NAME is required: %use NAME" in kernel.run("%use").stderr
         early = kernel.run("%use etl")
         assert "UsageError: %use: no function 'etl': this kernel's embedded runtime starts " \
             "empty; to use a shared stack's, %fn_connect URL first" in early.stderr  # fmt: skip

@@ -197,6 +197,18 @@ def test_an_interrupted_krm_render_is_one_line_and_leaves_no_process(kernel: Ker
     wait_until(lambda: not any(pid_alive(pid) for pid in started), timeout=10)
 
 
+def test_a_cells_kptfile_that_cannot_be_read_is_named_as_the_cells(kernel: Kernel) -> None:
+    # docs/protocol.md, "Kernel": a %%krm render cell is the package; a misspelt field of its
+    # Kptfile is refused naming the cell, never the temporary directory it was written to.
+    cell = kernel.run(
+        "%%krm render\napiVersion: kpt.dev/v1\nkind: Kptfile\nmetadata: {name: p}\n"
+        "pipeline:\n  mutators:\n  - image: set-labels\n    confgMap: {app: x}\n"
+    )
+    assert cell.reply["content"]["ename"] == "UsageError"
+    assert "%%krm render: Kptfile in the cell can't be read." in cell.stderr
+    assert "field confgMap not found" in cell.stderr and "fnkernel-krm-" not in cell.stderr
+
+
 def test_krm_render_of_a_directory_names_the_files_changed_or_would_with_dry_run(
     kernel: Kernel, tmp_path: Path
 ) -> None:
