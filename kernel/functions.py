@@ -409,7 +409,13 @@ class Function:
                 f"registered; delete it where it was created (or: fnkernel runs delete {self.name})"
             )
         client = self._runtime.client()
-        owner = owner_of(client.status(self.name).source)
+        try:
+            owner = owner_of(client.status(self.name).source)
+        except FunctionNotFound:  # gone already (unregistered before, deleted elsewhere):
+            # as the protocol's unregister of an absent registration, that succeeds.
+            if self._on_unregister is not None:
+                self._on_unregister(self)
+            return
         if owner != self.owner:  # deleted since, and made again by another
             raise NotOwned(
                 f"{self.name} is no longer this kernel's: it was made again, owned by {owner}; "

@@ -508,6 +508,8 @@ def test_unregister_removes_the_function(kernel: Kernel) -> None:
     assert "temp" not in names
     cell = kernel.run("temp(1)")
     assert cell.error is not None and cell.error["ename"] == "FunctionNotFound"
+    # Once more is no error: as the protocol's unregister of an absent registration succeeds.
+    assert kernel.value("temp.unregister()") is None
 
 
 def test_an_interrupted_registration_leaves_nothing_registered(
