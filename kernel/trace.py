@@ -128,17 +128,25 @@ HIDDEN = "(hidden)"  # what a trace shows of an env value (README: env values ar
 
 def _env_keys_only(message: Any) -> Any:
     """`message` (a request or an answer, as JSON) with the value of every ``env`` entry hidden:
-    a Run's env is often where a key goes (``--env KEY``), and a trace is kept in the notebook."""
+    a Run's env is often where a key goes (``--env KEY``), and a trace is kept in the notebook.
+    A Run's ``files`` are shown by their sizes: the cell's source is above, and in full it
+    would push every other field of a create out of the row."""
     if isinstance(message, dict):
-        return {
-            key: {name: HIDDEN for name in value}
-            if key == "env" and isinstance(value, dict)
-            else _env_keys_only(value)
-            for key, value in message.items()
-        }
+        return {key: _shown_field(key, value) for key, value in message.items()}
     if isinstance(message, list):
         return [_env_keys_only(item) for item in message]
     return message
+
+
+def _shown_field(key: str, value: Any) -> Any:
+    if key == "env" and isinstance(value, dict):
+        return {name: HIDDEN for name in value}
+    if key == "files" and isinstance(value, dict):
+        return {
+            path: Shown(f"({len(text)} characters)") if isinstance(text, str) else text
+            for path, text in value.items()
+        }
+    return _env_keys_only(value)
 
 
 def _is_read(method: str) -> bool:

@@ -4,6 +4,7 @@ makes, its hops' waterfall, a followed call's log stream. A real kernel through 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 
 import pytest
@@ -130,10 +131,13 @@ def test_fn_trace_shows_env_keys_never_their_values(kernel: Kernel) -> None:
     # key set with %env is not written in the notebook — and a trace is kept in it.
     assert kernel.run("%fn_trace on").ok
     kernel.run("%env KEY=s3cr3t-v")
-    made = kernel.run("%%function k --env KEY\ndef handler(e):\n    return 1\n")
+    # A cell of a real size: its files are shown by their sizes, so the env is in the row.
+    body = "".join(f"# step {n}: a comment of a real cell's length\n" for n in range(20))
+    made = kernel.run(f"%%function k --env KEY\n{body}def handler(e):\n    return 1\n")
     assert made.ok, made.stderr
     shown = kernel.run("%fn_trace show")
     (created,) = [line for line in shown.result.splitlines() if "POST /v1/runs " in line]
+    assert re.search(r'"files": \{"k\.py": "\(\d+ characters\)"\}', created), created
     assert '"env": {"KEY": "(hidden)"}' in created  # its place in the request, within the cut
     assert "s3cr3t-v" not in shown.result + shown.htmls()[-1]
 
