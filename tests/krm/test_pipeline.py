@@ -512,6 +512,28 @@ def test_what_a_script_printed_is_kept_when_its_memory_bound_stops_it(tmp_path: 
     assert "the script needed more than the step's memory bound of 128 MiB" in stopped.stderr
 
 
+@pytest.mark.parametrize(
+    ("image", "says"),
+    [
+        ("set-label", "set-label is not a builtin function (did you mean set-labels?)"),
+        ("kubeconfrm:v0.1", "(did you mean kubeconform?)"),
+        ("fn://stmap", "fn://NAME is a notebook's `%%function NAME --krm` cell, run first"),
+    ],
+)
+def test_a_mistyped_function_says_what_it_likely_meant(
+    tmp_path: Path, image: str, says: str
+) -> None:
+    # docs/krm.md, "Builtin functions": a name near a builtin's is a typo more often than an
+    # image to pull; the chain's not-found message says which (it goes on to exec and pod).
+    package = write(tmp_path / "pkg", {
+        "Kptfile": "apiVersion: kpt.dev/v1\nkind: Kptfile\nmetadata: {name: p}\npipeline:\n"
+        f"  mutators:\n  - image: {image}\n",
+        "cm.yaml": "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\n",
+    })  # fmt: skip
+    failed = fnkernel_render(package)
+    assert failed.returncode == 1 and says in failed.stderr, failed.stderr
+
+
 def test_a_failed_render_reports_its_results_as_kpt_prints_them_and_in_json(
     tmp_path: Path,
 ) -> None:

@@ -7,6 +7,7 @@ digest: ``set-namespace``, ``ghcr.io/kptdev/krm-functions-catalog/set-namespace:
 
 from __future__ import annotations
 
+import difflib
 import re
 import threading
 from collections.abc import Callable, Mapping
@@ -165,6 +166,19 @@ class BuiltinEvaluator:
         with self._lock:
             return sorted(self._functions)
 
+    def _near(self, image: str) -> str:
+        """What a mistyped name likely meant (``set-label``: ``set-labels``), or how a notebook
+        function is named, as a sentence's end; "" when nothing is near."""
+        wanted = image if image.startswith("fn://") else bare_name(image)
+        if "/" in wanted.removeprefix("fn://"):  # another registry's: not a typo of ours
+            return ""
+        near = difflib.get_close_matches(wanted, self.names(), n=1, cutoff=0.75)
+        if near:
+            return f" (did you mean {near[0]}?)"
+        if image.startswith("fn://"):
+            return " (fn://NAME is a notebook's `%%function NAME --krm` cell, run first)"
+        return ""
+
     def lookup(self, image: str) -> KrmFunction | None:
         with self._lock:
             if image in self._functions:  # fn://NAME and other exact names
@@ -179,7 +193,9 @@ class BuiltinEvaluator:
         pipeline's), else on the parsed bytes."""
         function = self.lookup(request.image)
         if function is None:
-            raise NotFoundError(f"{request.image} is not a builtin function")
+            raise NotFoundError(
+                f"{request.image} is not a builtin function{self._near(request.image)}"
+            )
         rl = request.parsed
         if rl is None:
             try:
