@@ -98,7 +98,7 @@ class ServerRegistrations:
     ) -> None:
         self.stub = stub
         self.registrations = registrations
-        self._statuses_served = True  # until the server says it does not serve them
+        self._registrations_served = True  # until the server says it does not serve them
         self.answered = -math.inf  # when a poll last had an answer from the server (monotonic)
 
     def register(
@@ -148,7 +148,7 @@ class ServerRegistrations:
             pb.FunctionStatusRequest(registration=reference(uid, active)) for uid, active in polled
         ]
         timeout = limits.status_wait_seconds(hops_below=1)
-        if self._statuses_served:
+        if self._registrations_served:
             try:
                 response = self.registrations.FunctionStatuses(
                     registrations_pb2.FunctionStatusesRequest(requests=requests), timeout=timeout
@@ -156,7 +156,7 @@ class ServerRegistrations:
             except grpc.RpcError as err:
                 if err.code() != grpc.StatusCode.UNIMPLEMENTED:
                     return [StatusRefused(err.code(), err.details() or "")] * len(requests)
-                self._statuses_served = False  # a Runtime Server with FunctionRuntime alone
+                self._registrations_served = False  # a Runtime Server with FunctionRuntime alone
             else:
                 self.answered = time.monotonic()
                 return [
@@ -204,6 +204,8 @@ class ServerRegistrations:
         """Stop the load of `run`'s registration (deleted) if it is still loading — a handler
         that hangs as it is imported, on which runtimed's RegisterFunction waits: its worker is
         killed now, not when its load times out (docs/protocol.md, "Registration")."""
+        if not self._registrations_served:  # its load ends at its bound
+            return
         request = registrations_pb2.StopLoadingRequest(
             run_uid=run.uid, registration_attempt=run.status.attempt
         )
@@ -211,7 +213,9 @@ class ServerRegistrations:
             self.registrations.StopLoading(
                 request, timeout=limits.status_wait_seconds(hops_below=1)
             )
-        except grpc.RpcError as err:  # UNIMPLEMENTED: a Runtime Server of FunctionRuntime alone
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.UNIMPLEMENTED:  # FunctionRuntime alone: once
+                self._registrations_served = False
             LOG.warning("stopping %s's load: %s", run.name, err.details())
 
     def held(
