@@ -23,10 +23,11 @@ from typing import TYPE_CHECKING, Any
 from fnkernel.kernel.trace import NO_BODY, KernelSpan, Trace, decode_payload
 from fnkernel.runtime_server import limits, wire
 from fnkernel.runtime_server.client import Client, spans_of
-from fnkernel.runtime_server.client.errors import GatewayError
+from fnkernel.runtime_server.client.errors import GatewayError, GatewayUnreachable, Unauthorized
 from fnkernel.runtime_server.client.transport import check_address
 from fnkernel.runtime_server.client.views import Run
 from fnkernel.runtime_server.errors import InvalidField
+from fnkernel.runtime_server.tokens import TOKEN_ENV
 
 if TYPE_CHECKING:
     from fnkernel.runtime_server.daemon import Prewarmed
@@ -37,6 +38,7 @@ PREWARM_ENV = "FNKERNEL_PREWARM"  # "0": start the embedded stack's processes on
 # The largest payload or result of the embedded runtime, in bytes: its gateway's and servers'
 # --max-payload-bytes (docs/protocol.md, "Large payloads"); 2 GiB when it is not set.
 MAX_PAYLOAD_ENV = "FNKERNEL_MAX_PAYLOAD_BYTES"
+PROBE_SECONDS = 5  # %fn_connect's look at its gateway: connecting and its answer
 
 
 class TracedClient(Client):
@@ -185,6 +187,31 @@ class Runtime:
                 client.close()
             self.address = address
             self._drop_prewarmed()
+
+    @staticmethod
+    def unanswered(address: str) -> str:
+        """What keeps the gateway at `address` from taking this kernel's functions now, with
+        what to do — nothing answers there, or it refuses this kernel's token — or "" if
+        nothing does. Asked once, at ``%fn_connect``: a mistyped port is told there, not at
+        the first function."""
+        probe = Client(address, timeout=PROBE_SECONDS)
+        try:
+            probe.list_runs()
+        except GatewayUnreachable as exc:
+            return (
+                f"nothing answers there now ({exc}): start it before the first %%function, "
+                "or %fn_connect the right URL"
+            )
+        except Unauthorized as exc:
+            return (
+                f"it refuses this kernel's token ({exc}): %env {TOKEN_ENV}=... (its token) "
+                "before the first %%function"
+            )
+        except GatewayError:
+            pass  # it answered: whatever it said, a gateway is there
+        finally:
+            probe.close()
+        return ""
 
     def _drop_prewarmed(self) -> None:
         """The kernel uses a stack of its own choosing: the embedded stack's waiting processes

@@ -15,6 +15,7 @@ import inspect
 import json
 import os
 import shlex
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
@@ -381,6 +382,8 @@ class FunctionMagics(Magics):
         except ValueError as exc:
             raise UsageError(f"%fn_connect: {exc}") from None
         print(f"functions will be registered on the gateway at {address}")
+        if why := self.session.runtime.unanswered(address):
+            print(f"but {why}", file=sys.stderr)  # kept: the stack may be started after it
 
     @line_magic("functions")
     @_helped

@@ -82,7 +82,14 @@ def test_a_mistyped_fn_connect_is_refused_or_corrected_without_a_restart(
         wrong = kernel.run("%fn_connect ftp://nowhere")
         assert "UsageError: %fn_connect: gateway address 'ftp://nowhere': give http" in wrong.stderr
         assert "Traceback" not in wrong.stderr
-        assert kernel.run("%fn_connect http://127.0.0.1:9").ok  # nothing listens there
+        absent = kernel.run("%fn_connect http://127.0.0.1:9")  # nothing listens there
+        assert absent.ok  # kept: the stack may be started after it
+        assert absent.stderr.startswith(
+            "but nothing answers there now (cannot reach the gateway at http://127.0.0.1:9: "
+        ), absent.stderr
+        assert absent.stderr.endswith(
+            "): start it before the first %%function, or %fn_connect the right URL\n"
+        ), absent.stderr
         unreachable = kernel.run(ETL)
         assert unreachable.error is not None
         assert unreachable.error["ename"] == "GatewayUnreachable", unreachable.error
@@ -90,7 +97,7 @@ def test_a_mistyped_fn_connect_is_refused_or_corrected_without_a_restart(
         assert "state failed" in unreachable.texts()[-1], unreachable.texts()
         assert "fnk-edge-error" in unreachable.htmls()[-1]
         right = kernel.run(f"%fn_connect {stack.gateway_address}")
-        assert right.ok, right.stderr
+        assert right.ok and right.stderr == "", right.stderr
         cell = kernel.run(ETL)
         assert cell.ok, cell.error
         assert f"on gateway {stack.gateway_address}" in cell.texts()[-1]
@@ -107,6 +114,16 @@ def test_a_mistyped_fn_connect_is_refused_or_corrected_without_a_restart(
             "StackMisconfigured: FNKERNEL_RUNTIME: gateway address 'ftp://bad': give "
             "http://HOST:PORT, https://HOST[:PORT] or unix:PATH"
         ]
+    finally:
+        kernel.shutdown()
+    # A gateway that refuses the kernel's token is told at %fn_connect too.
+    kernel = Kernel(env={"FNKERNEL_TOKEN": "not-the-token"})
+    try:
+        refused = kernel.run(f"%fn_connect {stack.gateway_address}")
+        assert refused.ok and refused.stderr == (
+            "but it refuses this kernel's token (missing or wrong bearer token "
+            "(UNAUTHENTICATED)): %env FNKERNEL_TOKEN=... (its token) before the first %%function\n"
+        ), refused.stderr
     finally:
         kernel.shutdown()
 
