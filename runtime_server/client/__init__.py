@@ -38,6 +38,7 @@ from fnkernel.runtime_server.client.transport import (
     spans_of,
 )
 from fnkernel.runtime_server.client.views import NOT_SPOOLED, InvocationResult, Run
+from fnkernel.runtime_server.errors import InvalidField
 from fnkernel.runtime_server.function_runtime.spool import new_name
 
 __all__ = [
@@ -195,6 +196,8 @@ class Client(Transport):
         thread), else — a quicker call, or when no live stream could be had — from its result
         or failure before this returns or raises (docs/protocol.md, "Live output")."""
         _check_timeout(timeout_millis)
+        if invocation_id:
+            _check_invocation_id(invocation_id)
         with self._preparing(name) as sending:
             return self._invoke(
                 name, payload, data=data, content_type=content_type,
@@ -554,6 +557,17 @@ def _local(named: str) -> Path | None:
         return None
     mine = seen.st_uid == os.getuid() and stat.S_IMODE(seen.st_mode) == 0o700
     return Path(named) if mine and stat.S_ISDIR(seen.st_mode) else None
+
+
+def _check_invocation_id(invocation_id: str) -> None:
+    """An invocation ID the gateway would refuse (docs/protocol.md, "Limits"), refused by its
+    name before anything is sent, not by the header it would have gone in."""
+    try:
+        limits.check_invocation_id(invocation_id)
+    except InvalidField as exc:
+        raise InvalidRequest(
+            f"{exc}, got {invocation_id!r}", code="INVALID_ARGUMENT", status=400
+        ) from None
 
 
 def _check_timeout(timeout_millis: int) -> None:

@@ -171,6 +171,11 @@ def test_map_returns_results_in_input_order_with_progress(stack: Stack) -> None:
                     lambda: client.invoke("m", {"n": 1}, timeout_millis=-5)):  # fmt: skip
         with pytest.raises(InvalidRequest, match="timeout_millis: must be a count"):
             refused()
+    # So is an invocation ID the gateway would refuse ("Limits"), by its name, not the header's.
+    with pytest.raises(
+        InvalidRequest, match=r"^invocation_id: must be printable ASCII, got 'a\\x01b'"
+    ):
+        client.invoke("m", {"n": 1}, invocation_id="a\x01b")
     client.delete_run("m")
 
 
