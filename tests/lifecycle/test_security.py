@@ -139,6 +139,16 @@ def test_allowed_origins_and_hosts_are_answered_with_cors(stack_factory) -> None
     )
     assert status == 204
     assert headers["Access-Control-Allow-Origin"] == "https://app.example"
+    assert headers["Access-Control-Allow-Methods"] == "GET, POST"  # the route's own
+    # An allowed origin may use the whole API (README, "Security"): a secret's PUT too.
+    status, headers, _ = http_call(
+        stack.gateway_address,
+        "OPTIONS",
+        "/v1/secrets/db",
+        headers={**origin, "Access-Control-Request-Method": "PUT"},
+        authenticate=False,
+    )
+    assert status == 204 and headers["Access-Control-Allow-Methods"] == "DELETE, PUT"
     # README, "Security": what a page may send (a trace's context too) and read (every
     # header the HTTP API answers with: docs/protocol.md, "HTTP API").
     allowed = headers["Access-Control-Allow-Headers"].split(", ")

@@ -114,7 +114,9 @@ class BaseHandler(web.RequestHandler):
             raise FailureResponse(
                 "METHOD_NOT_ALLOWED", status=405, message="OPTIONS is only a CORS preflight here"
             )
-        self.set_header("Access-Control-Allow-Methods", "GET, POST, DELETE")
+        # The route's own methods: a page may do what any caller may (PUT a secret, say).
+        methods = [method for method in self.allowed_methods() if method != "OPTIONS"]
+        self.set_header("Access-Control-Allow-Methods", ", ".join(methods))
         self.set_header("Access-Control-Allow-Headers", access.ALLOWED_REQUEST_HEADERS)
         self.set_header("Access-Control-Max-Age", "600")
         self.set_status(204)
