@@ -381,7 +381,10 @@ def add_fn_group(commands: Any) -> None:
     )
     evaluate.add_argument("-o", "--output", metavar="stdout|unwrap|DIR")
     evaluate.add_argument(
-        "-m", "--include-meta-resources", action="store_true", help="give it the Kptfiles too"
+        "-m",
+        "--include-meta-resources",
+        action="store_true",
+        help="kpt's old flag: refused, the Kptfiles are always given",
     )
     evaluate.add_argument("--dry-run", action="store_true", help="run, but write no file")
     evaluate.add_argument(

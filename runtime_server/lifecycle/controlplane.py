@@ -491,7 +491,7 @@ class ControlPlane:
         """Fail a Retrying Run out of budget, or register it again once its backoff is over;
         returns when it is next due (``reconcile``)."""
         # Only failures charged to the Run spend its budget: with its pod down or restarting,
-        # a Run waits and retries for free (README, "Runs").
+        # a Run waits and retries for free (README, "Runs, runtimed and the gateway").
         if run.charged_attempts >= self.policy.max_attempts:
             self.store.update(
                 run,

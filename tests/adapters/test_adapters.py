@@ -454,7 +454,7 @@ def test_unregister_stops_the_worker_process(python_rt: Client) -> None:
 
 
 def test_a_runs_own_env_cannot_name_bash_env_either(bash_rt: Client, tmp_path: Path) -> None:
-    # README, "Bash handlers": BASH_ENV and ENV are removed from the environment bash starts
+    # README, "Configuration and limits": BASH_ENV and ENV are removed from the environment bash starts
     # with, the registration's own env included.
     evil = tmp_path / "bashenv.sh"
     evil.write_text("touch " + str(tmp_path / "ran") + "\n")

@@ -548,7 +548,7 @@ def test_categories_convert_without_a_mask_of_their_codes() -> None:
 
 
 def test_text_of_dtype_object_comes_back_of_dtype_object() -> None:
-    # README, "Content types": a DataFrame comes out as itself. pandas 3 reads Arrow text as
+    # docs/protocol.md, "Content types": a DataFrame comes out as itself. pandas 3 reads Arrow text as
     # its str dtype; a column (or an index) the sender kept as objects is objects again, its
     # missing values None, at every size and as a Series too.
     for rows in (2, 200_000):

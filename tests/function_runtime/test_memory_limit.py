@@ -85,7 +85,7 @@ def test_a_python_handler_over_its_memory_fails_naming_it_and_gets_a_fresh_worke
 def test_a_payload_too_large_to_read_within_the_memory_is_memory_limit_exceeded(
     python_rt: Client,
 ) -> None:
-    # README, "DataFrames": give a function of large frames room for its payload, "or its call
+    # README, "The kernel": give a function of large frames room for its payload, "or its call
     # fails with MemoryLimitExceeded, saying how to give it more" — reading the payload too,
     # not an INVALID_ARGUMENT blaming the stream. A compressed Arrow stream of 320 MB of zeros
     # is a few KiB on the wire.

@@ -384,7 +384,7 @@ def test_a_handler_module_that_is_a_symlink_out_of_its_working_dir_is_invalid(
 def test_a_drain_over_the_maximum_is_invalid_and_leaves_the_registration_ready(
     python_rt: Client, drain_millis: int
 ) -> None:
-    # README, "Limits": drain_timeout_millis is 0 to 900,000 (no call outlives 900 s). Beyond
+    # README, "Configuration and limits": drain_timeout_millis is 0 to 900,000 (no call outlives 900 s). Beyond
     # it, INVALID_ARGUMENT before anything changes: never a registration stuck DRAINING.
     reg = python_rt.register(working_dir=python_rt.workdir(SLOW))
     future = python_rt.invoke_future(reg.registration, b'{"sleep": 0.5}')

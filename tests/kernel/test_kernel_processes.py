@@ -129,7 +129,7 @@ def test_a_mistyped_fn_connect_is_refused_or_corrected_without_a_restart(
 
 
 def test_without_prewarm_a_plain_kernel_starts_nothing() -> None:
-    # README, "Environment": FNKERNEL_PREWARM=0 starts the embedded stack only when needed.
+    # README, "The kernel": FNKERNEL_PREWARM=0 starts the embedded stack only when needed.
     kernel = Kernel(env={"FNKERNEL_PREWARM": "0"})
     try:
         assert kernel.value("1 + 1") == 2

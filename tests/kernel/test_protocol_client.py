@@ -1,4 +1,4 @@
-"""README, "The protocol client" (``runtime_server()`` in a cell): an interrupt cancels its
+"""README, "The protocol itself" (``runtime_server()`` in a cell): an interrupt cancels its
 call, and ``rt.try_call`` prints an expected failure in one line and returns it. A request
 that cannot be the method's message, or a method FunctionRuntime lacks, is such a failure
 too, said before anything is sent — as grpc's INVALID_ARGUMENT and UNIMPLEMENTED would be —

@@ -332,7 +332,7 @@ def test_wide_sequence_indentation_is_kept_and_untouched_files_are_not_rewritten
 def test_a_symlink_loop_or_dangling_link_fails_naming_it_and_writes_nothing(
     package: Path, link: str, target: str, why: str
 ) -> None:
-    # README, "KRM pipelines": symlinks inside a package are not followed (kpt ignores them);
+    # README, "KRM pipelines and the evaluator chain": symlinks inside a package are not followed (kpt ignores them);
     # a loop or a dangling one is an error naming its path, exit 1, every file untouched.
     (package / link).parent.mkdir(exist_ok=True)
     (package / link).symlink_to(target)

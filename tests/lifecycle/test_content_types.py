@@ -208,7 +208,7 @@ def test_the_cli_sends_a_stream_from_stdin_and_writes_the_answer_whole(
 def test_arguments_that_contradict_each_other_are_a_type_error_before_anything_is_sent(
     totals: Client, arguments: dict, says: str
 ) -> None:
-    # README, "Client": a payload is sent as its kind says; data= is raw bytes of content_type.
+    # README, "Client library": a payload is sent as its kind says; data= is raw bytes of content_type.
     # Given both, or a content_type for a payload, nothing is sent rather than one ignored;
     # data= given text, as it is given no bytes.
     payload = arguments.pop("payload", None)

@@ -203,7 +203,7 @@ def test_client_cancel_aborts_the_request_in_flight(shared_stack: Stack) -> None
 def test_client_cancel_reaches_a_call_still_converting_its_payload(
     shared_stack: Stack, tmp_path: Path
 ) -> None:
-    # README, "Client": cancel() from another thread cancels the calls this client makes — one
+    # README, "Client library": cancel() from another thread cancels the calls this client makes — one
     # still converting a large payload too, which is then never sent (it ran to its end).
     name = create(shared_stack, {"handler.py": MARKS})
     client = Client(shared_stack.gateway_address)

@@ -144,7 +144,7 @@ def test_a_5_s_pause_during_a_call_makes_it_late_not_lost(stack: Stack, componen
 
 
 def test_a_delete_its_server_does_not_answer_says_so(stack: Stack) -> None:
-    # README, "Runs": DELETE is 204 once unregistered. A server stopped past the delete's wait:
+    # README, "Runs, runtimed and the gateway": DELETE is 204 once unregistered. A server stopped past the delete's wait:
     # the Run is removed all the same (its name free again), and the answer says the server
     # still held it — 202, where it was 204 as if unregistered; once the server answers,
     # runtimed unregisters it, and the pod serves on.

@@ -322,7 +322,7 @@ def test_worker_killed_by_a_signal_is_retried_then_bounded(pod: Pod) -> None:
 
 
 def test_a_delete_converges_even_after_runtimed_forgot_the_registration(pod: Pod) -> None:
-    # README, "Runs": a Run becomes Deleted only once its Runtime Server no longer holds the
+    # README, "Runs, runtimed and the gateway": a Run becomes Deleted only once its Runtime Server no longer holds the
     # registration. A restarted runtimed knows no registration ID: it must find the one the
     # server holds (the same attempt and digest return it) and unregister it.
     run = pod.create("echo", ECHO_PY)

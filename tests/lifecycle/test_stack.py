@@ -188,7 +188,7 @@ def test_delete_unregisters_and_removes_the_working_dir(shared_stack: Stack) -> 
 def test_runtime_server_kills_neither_exhaust_the_run_nor_answer_404(
     stack_factory: StackFactory,
 ) -> None:
-    # README, "Runs": an attempt that fails because the pod is down is not charged to the Run's
+    # README, "Runs, runtimed and the gateway": an attempt that fails because the pod is down is not charged to the Run's
     # retry budget (3), and while the Run is registered again every invoke answers 503 with
     # Retry-After, never 404 ("no such function"). Four kills, waiting for recovery each time.
     stack = stack_factory({"python": 1}, poll_interval=5.0)  # FunctionStatus polls are rare
@@ -222,7 +222,7 @@ def test_runtime_server_kills_neither_exhaust_the_run_nor_answer_404(
 def test_delete_with_a_call_in_flight_answers_after_the_call_and_leaves_nothing(
     shared_stack: Stack,
 ) -> None:
-    # README, "HTTP API": DELETE drains the call in flight (at most drainTimeoutMs, 0 to
+    # docs/protocol.md, "HTTP API": DELETE drains the call in flight (at most drainTimeoutMs, 0 to
     # 900000) and answers once the Runtime Server no longer holds the Run's registration.
     client = Client(shared_stack.gateway_address)
     ends_at = {

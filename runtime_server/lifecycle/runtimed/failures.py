@@ -56,7 +56,7 @@ class RunFailures:
         self, run: Run, message: str, *, charged: bool = True, server_deaths: int | None = None
     ) -> None:
         """Hand the Run to the retry engine. `charged`: the attempt counts against the Run's
-        retry budget — not when the pod was down (README, "Runs"). `server_deaths`: the Run's new
+        retry budget — not when the pod was down (README, "Runs, runtimed and the gateway"). `server_deaths`: the Run's new
         count of them (``registration_lost``), if it changed."""
         with self._lock:
             self._active.pop(run.uid, None)
