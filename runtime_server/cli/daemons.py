@@ -400,7 +400,11 @@ def register(commands: Any) -> None:
         "--oneshot-only", action="store_true", help="register Runtime only (no function mode)"
     )
     serve.add_argument(
-        "--drain-timeout", type=seconds, default=limits.STOP_DRAIN_SECONDS, metavar="SECONDS"
+        "--drain-timeout",
+        type=seconds,
+        default=limits.STOP_DRAIN_SECONDS,
+        metavar="SECONDS",
+        help="on SIGTERM, how long the calls in flight may run on (default %(default)s)",
     )
     serve.add_argument(
         "--spool",
@@ -503,7 +507,11 @@ def register(commands: Any) -> None:
         "deletes: the control plane's loop, without the gateway (docs/kubernetes.md).",
     )
     controller.add_argument(
-        "--tick", type=seconds, default=0.1, metavar="SECONDS", help="loop cadence"
+        "--tick",
+        type=seconds,
+        default=0.1,
+        metavar="SECONDS",
+        help="how often it schedules and retries (default %(default)s)",
     )
     _add_store_flags(controller)
     add_state_dir(controller)

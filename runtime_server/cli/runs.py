@@ -378,7 +378,13 @@ def register(commands: Any) -> None:
         "--handler", required=True, metavar="H", help="module.function or file.function"
     )
     create.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
-    create.add_argument("--idle-timeout", type=count, default=0, metavar="SECONDS")
+    create.add_argument(
+        "--idle-timeout",
+        type=count,
+        default=0,
+        metavar="SECONDS",
+        help="idle this long, it is unregistered until its next call (0: 900; at most 86400)",
+    )
     create.add_argument(
         "--memory",
         type=count,
