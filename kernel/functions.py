@@ -161,6 +161,15 @@ class Function:
             payload = fields
         return self.invoke(payload).output
 
+    def _not_sent(self, exc: TypeError | ValueError) -> PayloadNotSent:
+        """A payload (or a map's item, which the message then names) that cannot be encoded
+        as its kind travels, in one line."""
+        if isinstance(exc, payloads.PayloadError):
+            return PayloadNotJSON(f"the payload of {self.name} cannot be sent: {exc}")
+        if isinstance(exc, payloads.NotArrow):
+            return PayloadNotArrow(f"the payload of {self.name} cannot be sent: {exc}")
+        return PayloadNotJSON(f"the payload of {self.name} is not JSON: {exc}")
+
     def invoke(
         self,
         payload: Any = None,
@@ -176,12 +185,8 @@ class Function:
             # An Arrow kind as its table, which the client writes straight to the stack's spool
             # (docs/protocol.md, "Large payloads"): never whole in memory as bytes first.
             outgoing = payloads.Outgoing.of(payload, "payload")
-        except payloads.PayloadError as exc:
-            raise PayloadNotJSON(f"the payload of {self.name} cannot be sent: {exc}") from None
-        except payloads.NotArrow as exc:
-            raise PayloadNotArrow(f"the payload of {self.name} cannot be sent: {exc}") from None
         except (TypeError, ValueError) as exc:
-            raise PayloadNotJSON(f"the payload of {self.name} is not JSON: {exc}") from None
+            raise self._not_sent(exc) from None
         except KeyboardInterrupt:
             raise InvocationInterrupted(
                 f"{self.name} was not called: interrupted while its payload was converted"
@@ -317,6 +322,18 @@ class Function:
             if isinstance(failed, FunctionNotFound):
                 raise self._replaced() or failed from None
             raise
+        except (TypeError, ValueError) as unsent:
+            if getattr(unsent, "item", None) is None:  # not an item's: a failure of ours
+                bar.end(failed=1, cancelled=True)
+                raise
+            for printer in printers.values():
+                printer.release()
+            bar.end(failed=1, cancelled=True)
+            self._wait_replicas_free()  # the calls still running were cancelled
+            raise self._not_sent(unsent) from None
+        except BaseException:  # whatever else stopped it: its bar ends all the same
+            bar.end(cancelled=True)
+            raise
         finally:
             forget()
         for index, printer in printers.items():
@@ -324,12 +341,18 @@ class Function:
                 printer.fail()
             else:
                 printer.release()
-        results = [
-            handler_failure(result, self.spec) if isinstance(result, HandlerFailed) else result
-            for result in results
-        ]
+        results = [self._as_raised(result) for result in results]
         bar.end(failed=sum(isinstance(result, BaseException) for result in results))
         return results
+
+    def _as_raised(self, result: Any) -> Any:
+        """A map's result in its item's place (``return_exceptions``): a failure as a call of
+        that item would have raised it."""
+        if isinstance(result, HandlerFailed):
+            return handler_failure(result, self.spec)
+        if isinstance(result, TypeError | ValueError) and getattr(result, "item", None):
+            return self._not_sent(result)
+        return result
 
     def _millis(self, timeout: float | None, call: str) -> int:
         """`timeout` (seconds; None or 0: the function's own) in milliseconds; a negative one,

@@ -79,7 +79,8 @@ def dumps(value: Any, root: str = "payload") -> bytes:
 
 # How a table's parts or rows are had, by its kind: what a map over it should have been given.
 _PARTS = {
-    "pandas.DataFrame": "numpy.array_split(frame, n) or frame.to_dict('records')",
+    "pandas.DataFrame": "[frame.iloc[i:i + rows] for i in range(0, len(frame), rows)] or "
+    "frame.to_dict('records')",
     "polars.DataFrame": "list(frame.iter_slices(rows)) or frame.to_dicts()",
     "pyarrow.Table": "table.to_batches(rows) or table.to_pylist()",
     "pyarrow.RecordBatch": "[batch.slice(i, rows) for i in range(0, batch.num_rows, rows)]",

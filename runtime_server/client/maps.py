@@ -226,7 +226,7 @@ class MapRun:
                 break
             try:
                 data, media = payloads.encode(item, "payload")
-            except ValueError:
+            except (TypeError, ValueError):  # not JSON, or a circular reference
                 break  # its own call names what is wrong with it
             if len(data) >= limits.SPOOL_FROM_BYTES:
                 break
@@ -300,6 +300,8 @@ class MapRun:
         returns each in its place."""
         if isinstance(error, GatewayError):
             error.item = (index, len(self._work))
+        else:  # an item that could not be sent (not JSON, not Arrow): named as a call's is
+            error = _naming_item(error, index, len(self._work))
         with self._lock:
             first = not (self._return_exceptions or self.failure is not None)
             if first:
@@ -310,3 +312,14 @@ class MapRun:
                 self.done += 1  # a call the map's own stop cancelled did not end: not done
         if first:
             self.stop()
+
+
+def _naming_item(error: Exception, index: int, total: int) -> Exception:
+    """`error` of item `index`, its message ending as a GatewayError's of a map does (``index 5
+    of 200 items``) and its ``item`` set; `error` itself if its class takes no message."""
+    try:
+        named = type(error)(f"{error} (index {index} of {total} items)")
+    except Exception:  # a class of its own arguments (UnicodeDecodeError's five, say)
+        return error
+    named.item = (index, total)  # type: ignore[attr-defined]
+    return named

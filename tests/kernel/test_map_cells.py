@@ -65,13 +65,42 @@ def test_map_calls_a_function_of_replicas_once_per_item_with_progress(kernel: Ke
     assert one.error is not None and one.error["ename"] == "MapItemsNotGiven"
     assert one.error["traceback"] == [
         "TypeError: square.map takes its items, a call each, and a pandas.DataFrame is one "
-        "item: map over its parts or rows (numpy.array_split(frame, n) or "
-        "frame.to_dict('records'))"
+        "item: map over its parts or rows ([frame.iloc[i:i + rows] for i in range(0, "
+        "len(frame), rows)] or frame.to_dict('records'))"
     ]
     # %functions: one row for the function, with its replicas.
     rows = kernel.run("%functions square").result.splitlines()
     assert [row.split()[0] for row in rows[1:-1]] == ["square"]
     assert "2 (2 ready, 0 busy)" in rows[1] and rows[1].rstrip().endswith("this kernel")
+
+
+def test_a_maps_item_that_cannot_be_sent_fails_in_one_line_naming_it(kernel: Kernel) -> None:
+    # docs/protocol.md, "Kernel": a payload that is not JSON, or of an Arrow kind Arrow cannot
+    # hold, fails in one line naming where in it — a map's item as a call's, naming its item
+    # too — and the bar ends, saying so; with return_exceptions, it is in its item's place.
+    assert kernel.run(SQUARE).ok
+    cell = kernel.run("square.map([1] * 5 + [{'s': {1, 2}}] + [2] * 5)")
+    assert cell.error is not None and cell.error["ename"] == "PayloadNotJSON", cell.error
+    assert cell.error["traceback"] == [
+        'PayloadNotJSON: the payload of square is not JSON: payload["s"]: set (convert it: '
+        "sorted(x) or list(x)) (index 5 of 11 items)"
+    ]
+    assert "square.map: " in cell.stdout and " running" not in cell.stdout.splitlines()[-1]
+    assert "fnk-edge-error" in cell.htmls()[-1] or "fnk-edge-cancelled" in cell.htmls()[-1]
+    frames = kernel.run(
+        "import pandas as pd\n"
+        "square.map([pd.DataFrame({'a': [1]}), pd.DataFrame([[1, 2]], columns=['a', 'a'])])"
+    )
+    assert frames.error is not None and frames.error["ename"] == "PayloadNotArrow"
+    assert frames.error["traceback"] == [
+        "PayloadNotArrow: the payload of square cannot be sent: payload: this pandas.DataFrame "
+        "cannot be written as Arrow: Duplicate column names found: ['a', 'a'] (index 1 of 2 "
+        "items)"
+    ]
+    kept = kernel.value(
+        "[type(r).__name__ for r in square.map([3, {4}, 5], return_exceptions=True)]"
+    )
+    assert kept == ["int", "PayloadNotJSON", "int"]
 
 
 def test_interrupting_a_map_cancels_every_call_and_keeps_every_replica(kernel: Kernel) -> None:

@@ -157,6 +157,29 @@ def test_each_items_failure_is_the_one_the_gateway_gives(stack: Stack, tmp_path:
     assert [line["text"] for line in handler_failure.logs][:1] == ["item 1"]
 
 
+def test_an_item_that_cannot_be_sent_fails_by_its_own_index_and_the_rest_are_called(
+    stack: Stack, tmp_path: Path
+) -> None:
+    # docs/protocol.md, "Batches": a batch carries the items up to one it cannot (not JSON
+    # here); that one is called by itself, and fails as its own call would, before anything
+    # is sent (README, "Client library": a TypeError naming the part), naming its item as a
+    # map's failure does ("Replicas"). The items around it are called as ever.
+    log = tmp_path / "called.txt"
+    items: list[Any] = [{"n": n, "log": str(log)} for n in range(8)]
+    items[5] = {"n": 5, "log": str(log), "set": {1, 2}}
+    mapped = Client(stack.gateway_address).map("one", items, return_exceptions=True)
+    unsent = mapped[5]
+    assert type(unsent) is TypeError and unsent.item == (5, 8)  # type: ignore[attr-defined]
+    assert str(unsent) == (
+        'payload["set"]: set (convert it: sorted(x) or list(x)) (index 5 of 8 items)'
+    )
+    assert [result["n"] for index, result in enumerate(mapped) if index != 5] == [
+        0, 1, 2, 3, 4, 6, 7]  # fmt: skip
+    assert sorted(log.read_text().split()) == ["0", "1", "2", "3", "4", "6", "7"]
+    with pytest.raises(TypeError, match=r"\(index 5 of 8 items\)$"):
+        Client(stack.gateway_address).map("one", items)
+
+
 def test_after_a_failure_the_rest_of_the_batch_is_never_called(
     stack: Stack, tmp_path: Path
 ) -> None:
