@@ -20,10 +20,12 @@ handler's directory is on ``sys.path``, and imports nothing else of fnkernel.
 from __future__ import annotations
 
 import datetime
+import enum
 import itertools
 import json
 import math
 import resource
+import sys
 from typing import Any
 
 try:
@@ -54,11 +56,27 @@ def _default(value: Any) -> Any:
     """What orjson and the standard library do not take themselves, made JSON."""
     if isinstance(value, (datetime.date, datetime.time)):  # pandas' Timestamp is a datetime
         return None if value != value else value.isoformat()  # NaT is not equal to itself
-    if type(value).__module__ == "numpy" and hasattr(value, "tolist"):
+    kind = type(value)
+    if kind.__module__ == "numpy" and hasattr(value, "tolist"):
         # A scalar orjson has no type for, or (standard library) an array; a longdouble is
         # its own tolist(): as a float.
         plain = value.tolist()
         return float(value) if type(plain) is type(value) else plain
+    if kind.__module__.startswith("pandas"):
+        if kind.__name__ == "NAType":  # pd.NA, a nullable column's missing value
+            return None
+        if any(base.__name__ == "ExtensionArray" for base in kind.__mro__):
+            return value.tolist()  # `.unique()` of an Arrow-backed or nullable column, say
+    # What orjson writes itself, for the standard library (a value orjson refused elsewhere);
+    # a UUID or a dataclass means its module is loaded (not imported here: a worker's start).
+    uuids = sys.modules.get("uuid")
+    if uuids is not None and isinstance(value, uuids.UUID):
+        return str(value)
+    if isinstance(value, enum.Enum):
+        return value.value
+    if hasattr(kind, "__dataclass_fields__"):
+        fields = sys.modules["dataclasses"].fields(value)
+        return {field.name: getattr(value, field.name) for field in fields}
     raise TypeError(f"{type(value).__name__} is not JSON")
 
 
@@ -67,18 +85,23 @@ def _default(value: Any) -> Any:
 _ENCODER = json.JSONEncoder(separators=(",", ":"), default=_default, allow_nan=False)
 
 
-def _finite(value: Any) -> Any:
-    """`value` with each NaN and infinity inside it made None (numpy's made Python values
-    first), for the standard library to write as null."""
+def _plain(value: Any) -> Any:
+    """`value` as the standard library writes what orjson would: each NaN and infinity inside
+    it None (numpy's made Python values first), a numpy scalar key its Python value (an
+    integer key is written as its digits)."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
-        return {key: _finite(item) for key, item in value.items()}
+        return {_plain_key(key): _plain(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_finite(item) for item in value]
+        return [_plain(item) for item in value]
     if type(value).__module__ == "numpy" and hasattr(value, "tolist"):
-        return _finite(_default(value))
+        return _plain(_default(value))
     return value
+
+
+def _plain_key(key: Any) -> Any:
+    return key.item() if type(key).__module__ == "numpy" and hasattr(key, "item") else key
 
 
 def dumps(value: Any, root: str = "value") -> bytes:
@@ -101,7 +124,9 @@ def dumps(value: Any, root: str = "value") -> bytes:
         except ValueError as exc:
             if "Out of range float" not in str(exc):
                 raise  # a circular reference
-            return _ENCODER.encode(_finite(value)).encode()
+        except TypeError:  # a key of numpy's, say: as plain values, else named below
+            pass
+        return _ENCODER.encode(_plain(value)).encode()
     except TypeError:
         where = unencodable(value, root)
         if where is None:
@@ -240,9 +265,9 @@ def unencodable(value: Any, path: str = "value", depth: int = 0) -> str | None:
         return None
     if isinstance(value, dict):
         for key, item in value.items():
-            if not isinstance(key, (str, int, float, bool)) and key is not None:
+            if not isinstance(_plain_key(key), (str, int, float, bool)) and key is not None:
                 return f"{path}: a key of type {type(key).__name__} (keys must be strings)"
-            found = unencodable(item, f"{path}[{json.dumps(key)}]", depth + 1)
+            found = unencodable(item, f"{path}[{json.dumps(_plain_key(key))}]", depth + 1)
             if found is not None:
                 return found
         return None
