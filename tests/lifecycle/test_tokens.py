@@ -4,6 +4,7 @@ a wrong or missing one. Against real gateway processes."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import stat
@@ -150,3 +151,49 @@ def test_no_token_is_for_loopback_only_and_warns(tmp_path: Path) -> None:
     finally:
         gateway.stop()
     assert "WARNING: --no-token" in log.read_text()
+
+
+def test_token_gateway_rejects_requests_without_bearer_401(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    gateway = spawn(
+        ["gateway", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "state"),
+         "--token-file", str(token_file)]
+    )  # fmt: skip
+    try:
+        status, headers, body = http_call(gateway.address, "GET", "/v1/runs", authenticate=False)
+        assert status == 401
+        assert headers["WWW-Authenticate"] == "Bearer"
+        assert json.loads(body)["code"] == "UNAUTHENTICATED"
+        wrong = http_call(gateway.address, "GET", "/v1/runs", headers={"Authorization": "Bearer x"})
+        assert wrong[0] == 401
+        ok = http_call(
+            gateway.address, "GET", "/v1/runs", headers={"Authorization": "Bearer s3cret"}
+        )
+        assert ok[0] == 200
+        assert Client(gateway.address, token="s3cret").list_runs() == []
+        # The CLI without the token says where a token is found, not only that it is missing.
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir(mode=0o700)
+        env = {k: v for k, v in os.environ.items() if k != "FNKERNEL_TOKEN"}
+        cli = subprocess.run(
+            [sys.executable, "-m", "fnkernel.runtime_server.cli", "runs", "list", "--gateway",
+             gateway.address],
+            capture_output=True, text=True, timeout=60,
+            env={**env, "FNKERNEL_RUNTIME_DIR": str(elsewhere)},
+        )  # fmt: skip
+        assert cli.returncode == 1 and "Unauthorized" in cli.stderr, cli.stderr
+        assert "--token-file STATE_DIR/token" in cli.stderr and "FNKERNEL_TOKEN" in cli.stderr
+    finally:
+        assert gateway.stop() == 0
+
+
+def test_non_loopback_gateway_refuses_to_start_without_a_token(tmp_path: Path) -> None:
+    # README, "Security": --no-token is for loopback only. It refuses before binding anything.
+    result = subprocess.run(
+        [sys.executable, "-m", "fnkernel.runtime_server.cli", "gateway", "--listen", "0.0.0.0:0",
+         "--state-dir", str(tmp_path / "state"), "--no-token"],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "--no-token" in result.stderr
