@@ -18,6 +18,7 @@ from typing import Any, BinaryIO
 from fnkernel.runtime_server import limits, payloads, wire
 from fnkernel.runtime_server.client.errors import (
     FunctionNotFound,
+    FunctionUnavailable,
     GatewayError,
     InvalidRequest,
     PayloadTooLarge,
@@ -33,6 +34,7 @@ from fnkernel.runtime_server.client.transport import (
     DEFAULT_ADDRESS,
     Headers,
     Transport,
+    Unsent,
     default_address,
     quote,
     spans_of,
@@ -220,7 +222,7 @@ class Client(Transport):
         by_reference: bool,
         run_uid: str,
         write_to: Sink | None,
-        sending: Callable[[], None],
+        sending: Unsent,
     ) -> InvocationResult:
         """``invoke``'s call, `sending()` said as its request is about to be sent."""
         if data is not None and payload is not None:  # before a file given as data is read
@@ -296,8 +298,9 @@ class Client(Transport):
             headers[wire.TRACEPARENT_HEADER] = traceparent
         started = time.perf_counter()
         try:
-            sending()  # cancelled while its payload was converted or written: not sent
-            reply, output = self._invoked(name, body, headers, timeout_millis, direct=direct)
+            reply, output = self._invoked_once_ready(
+                name, body, headers, timeout_millis, direct=direct, sending=sending
+            )
         except BaseException as failed:
             if live is not None:
                 live.ended(failed)
@@ -331,6 +334,43 @@ class Client(Transport):
         if live is not None:
             live.ended(result)
         return result
+
+    def _invoked_once_ready(
+        self,
+        name: str,
+        body: bytes,
+        headers: dict[str, str],
+        timeout_millis: int,
+        *,
+        direct: bool,
+        sending: Unsent,
+    ) -> tuple[Headers, bytes]:
+        """``_invoked``, sent again while the Run is registered again — refused before it ran,
+        503 FAILED_PRECONDITION with Retry-After: a secret of it set again, its server
+        restarted (docs/protocol.md, "Errors") — up to the call's own timeout, as a map's item
+        waits for a free replica. A Failed Run (no Retry-After) is refused at once."""
+        deadline = time.monotonic() + limits.effective_timeout_millis(timeout_millis) / 1000
+        pause = _NOT_READY_FIRST_WAIT_SECONDS
+        waited = False
+        while True:
+            sending()  # cancelled while its payload was converted or written: not sent
+            try:
+                return self._invoked(name, body, headers, timeout_millis, direct=direct)
+            except FunctionUnavailable as refused:
+                if refused.code != "FAILED_PRECONDITION" or not refused.retry_after:
+                    raise
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    if not waited:
+                        raise
+                    message = (
+                        f"{refused.message}; waited for it to be ready until the call's timeout"
+                    )
+                    raise FunctionUnavailable.from_body(
+                        {**refused.detail, "message": message}, refused.status
+                    ) from None
+                sending.wait(min(pause, left), refused.message)
+                waited, pause = True, min(pause * 2, _NOT_READY_WAIT_CAP_SECONDS)
 
     def _bounded(self, name: str, size: int, *, more: bool = False) -> None:
         """PayloadTooLarge if a payload of `size` bytes (`more`: at least, a stream's) is past
@@ -557,6 +597,12 @@ def _local(named: str) -> Path | None:
         return None
     mine = seen.st_uid == os.getuid() and stat.S_IMODE(seen.st_mode) == 0o700
     return Path(named) if mine and stat.S_ISDIR(seen.st_mode) else None
+
+
+# A call refused while its Run is registered again is sent again after this, doubling up to
+# the cap: the gateway's Retry-After (1 s), while a registration takes a fraction of it.
+_NOT_READY_FIRST_WAIT_SECONDS = 0.05
+_NOT_READY_WAIT_CAP_SECONDS = 1.0
 
 
 def _check_invocation_id(invocation_id: str) -> None:

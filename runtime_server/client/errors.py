@@ -31,6 +31,7 @@ class GatewayError(Exception):
         self.invocation_id = invocation_id
         self.detail = dict(detail or {})  # the whole JSON error body, for %fn_debug
         self.spans = b""  # a traced call's: every hop's spans, OTLP (docs/protocol.md, "Tracing")
+        self.retry_after = ""  # the gateway's Retry-After: the refusal may pass (429, 503)
         # A map's failure: the index of the item it failed on, and how many items the map had.
         self.item: tuple[int, int] | None = None
         super().__init__(f"{message} ({code})" if code and self.names_its_code else message)

@@ -16,7 +16,7 @@ import select
 import socket
 import threading
 import urllib.parse
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Self
 
@@ -73,6 +73,46 @@ class _UnixConnection(http.client.HTTPConnection):
         self.sock.connect(self._path)
 
 
+class Unsent:
+    """An invoke not sent yet (``Transport._preparing``): its payload converted or written, or
+    the call waiting to be sent again; ``cancel`` stops it before anything is sent."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.waiting = True  # not in flight: a cancel of it cancels nothing sent
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> int:
+        """Cancelled (from another thread): 1 if nothing of it was in flight, else 0 (its
+        request is cancelled as a request)."""
+        self._cancelled.set()
+        return int(self.waiting)
+
+    def __call__(self) -> None:
+        """Its request is about to be sent: RequestCancelled if it was cancelled."""
+        if self._cancelled.is_set():
+            unsent = RequestCancelled(
+                f"the call of {self.name} was cancelled before it was sent: its payload was "
+                "still being converted",
+                code="CANCELLED",
+            )
+            unsent.unsent = True  # type: ignore[attr-defined]  # nothing ran
+            raise unsent
+        self.waiting = False
+
+    def wait(self, seconds: float, why: str) -> None:
+        """Wait `seconds` to send it again (it was refused before it ran, for `why`):
+        RequestCancelled, with nothing sent, if it is cancelled meanwhile."""
+        self.waiting = True
+        if self._cancelled.wait(seconds):
+            unsent = RequestCancelled(
+                f"the call of {self.name} was cancelled while it waited: {why}",
+                code="CANCELLED",
+            )
+            unsent.unsent = True  # type: ignore[attr-defined]
+            raise unsent
+
+
 class Transport:
     """HTTP to one gateway. Thread-safe: each request takes an idle kept-alive connection or
     opens one."""
@@ -102,8 +142,9 @@ class Transport:
         # Calls without the gateway (Client._invoked): each Run's route, and runtimed's channels.
         self._routes: dict[str, Any] = {}
         self._maps: set[Any] = set()  # the maps running on this client (``Client.map``)
-        # Invokes converting or writing their payload, not sent yet (``_preparing``) → cancelled.
-        self._preparing_calls: dict[object, bool] = {}
+        # Invokes not sent yet: converting or writing their payload, or waiting for their Run
+        # to be ready again (``_preparing``); ``cancel`` reaches each.
+        self._preparing_calls: set[Unsent] = set()
         self._direct: Any = None
         self._max_payload = limits.DEFAULT_MAX_SPOOLED_BYTES  # the gateway's, once asked
         # Last: a refused address or token leaves an object __del__ closes.
@@ -219,6 +260,7 @@ class Transport:
         if response.status >= 400:
             failure = failure_of(response.status, data)
             failure.spans = spans_of(response.headers)
+            failure.retry_after = response.headers.get("Retry-After", "")
             raise failure
         return response.status, response.headers, data
 
@@ -292,30 +334,19 @@ class Transport:
             connection.close()
 
     @contextlib.contextmanager
-    def _preparing(self, name: str) -> Iterator[Callable[[], None]]:
-        """An invoke of `name` while its payload is converted and written: ``cancel`` reaches it
-        too, and the function given says, as its request is about to be sent, RequestCancelled
-        if it was cancelled meanwhile (nothing was sent)."""
-        call = object()
+    def _preparing(self, name: str) -> Iterator[Unsent]:
+        """An invoke of `name`, from its payload's conversion to its answer: ``cancel`` reaches
+        it while it is not sent (converted, written, or waiting to be sent again); the
+        ``Unsent`` given says, as its request is about to be sent, RequestCancelled if it was
+        cancelled meanwhile (nothing was sent)."""
+        call = Unsent(name)
         with self._lock:
-            self._preparing_calls[call] = False
-
-        def sending() -> None:
-            with self._lock:
-                if self._preparing_calls.pop(call, False):
-                    unsent = RequestCancelled(
-                        f"the call of {name} was cancelled before it was sent: its payload was "
-                        "still being converted",
-                        code="CANCELLED",
-                    )
-                    unsent.unsent = True  # type: ignore[attr-defined]  # nothing ran
-                    raise unsent
-
+            self._preparing_calls.add(call)
         try:
-            yield sending
+            yield call
         finally:
             with self._lock:
-                self._preparing_calls.pop(call, None)
+                self._preparing_calls.discard(call)
 
     def cancel(self) -> int:
         """From another thread: abort every request in flight. Each connection is shut down, so
@@ -326,9 +357,8 @@ class Transport:
             busy = list(self._busy)
             for connection in busy:
                 self._busy[connection] = True
-            preparing = list(self._preparing_calls)
-            for call in preparing:
-                self._preparing_calls[call] = True
+            calls = list(self._preparing_calls)
+        preparing = sum(call.cancel() for call in calls)
         for connection in busy:
             sock = connection.sock
             if sock is not None:
@@ -339,7 +369,7 @@ class Transport:
             maps = list(self._maps)
         for running in maps:  # each stops: its calls in flight cancelled, the rest never sent
             running.cancel()
-        return len(busy) + len(preparing) + direct + len(maps)
+        return len(busy) + preparing + direct + len(maps)
 
     def __enter__(self) -> Self:
         return self

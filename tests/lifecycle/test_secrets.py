@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -243,6 +244,47 @@ def test_a_handler_sees_a_secrets_keys_and_a_rotation_registers_it_again(
         if path.is_file() and "secrets" not in path.relative_to(tmp_path / "state").parts:
             data = path.read_bytes()
             assert VALUE.encode() not in data and ROTATED.encode() not in data, path
+
+
+def test_calls_made_while_a_rotation_registers_the_run_again_wait_for_it(
+    stack_factory: Callable[..., Stack],
+) -> None:
+    # docs/protocol.md, "Secrets": a rotated key reaches the handler within about a poll
+    # interval, by a new registration; meanwhile the Run's calls are refused before they run
+    # (503, Retry-After: "Errors"), and the client sends them again once it is ready, up to
+    # each call's timeout — a notebook calling in a loop sees no failure, only the new key.
+    stack = stack_factory({"python": 1})
+    client = Client(stack.gateway_address)
+    client.set_secret("warehouse", {"DB_USER": "alice", "PASSWORD": VALUE})
+    client.create_run("etl", runtime="python", handler="handler.handle", files=HANDLER,
+                      secrets=["warehouse"])  # fmt: skip
+    seen: list[str] = []
+    failures: list[Exception] = []
+    stop = threading.Event()
+
+    def calls() -> None:
+        for _ in range(20_000):  # bounded: ~1 ms each, and the test's timeout
+            if stop.is_set():
+                return
+            try:
+                seen.append(client.invoke("etl", {}).value()["sha256"])
+            except GatewayError as exc:
+                failures.append(exc)
+            if seen and seen[-1] == sha256(ROTATED):
+                return
+
+    caller = threading.Thread(target=calls)
+    caller.start()
+    try:
+        wait_until(lambda: len(seen) >= 20, timeout=30)
+        client.set_secret("warehouse", {"DB_USER": "alice", "PASSWORD": ROTATED})
+        caller.join(timeout=60)
+    finally:
+        stop.set()
+        caller.join()
+    assert failures == []
+    assert seen[0] == sha256(VALUE) and seen[-1] == sha256(ROTATED)
+    assert client.status("etl").attempt == 2  # it was registered again meanwhile
 
 
 def test_a_missing_secret_fails_the_registration_naming_it(
