@@ -20,6 +20,7 @@ from fnkernel.runtime_server.client.errors import (
     FunctionNotFound,
     FunctionUnavailable,
     GatewayError,
+    GatewayUnreachable,
     InvalidRequest,
     PayloadTooLarge,
     RequestCancelled,
@@ -503,12 +504,18 @@ class Client(Transport):
     def local_spool(self) -> Path | None:
         """The spool the gateway's pods share, if this process can hand payloads over there
         (``_local``): asked of the gateway (``GET /v1/payloads``) once, when a call first has a
-        large payload, or learnt from a large result's answer."""
+        large payload, or learnt from a large result's answer. GatewayUnreachable if no
+        gateway answers (asked again next time): before a large payload is read whole to be
+        sent where it cannot go."""
         if self._spool is None:
             named = None
-            with contextlib.suppress(GatewayError, ValueError, KeyError, TypeError):
+            try:
                 bounds = self._json("GET", "/v1/payloads")
                 named, self._max_payload = bounds["spool"], int(bounds["maxBytes"])
+            except GatewayUnreachable:
+                raise
+            except (GatewayError, ValueError, KeyError, TypeError):
+                pass  # a gateway that does not say: calls go through it, every byte in them
             self._spool = (_local(named) if named else None,)
         return self._spool[0]
 

@@ -23,7 +23,7 @@ import pytest
 
 from fnkernel.runtime_server import limits, payloads, wire
 from fnkernel.runtime_server.client import Client
-from fnkernel.runtime_server.client.errors import RequestCancelled
+from fnkernel.runtime_server.client.errors import GatewayUnreachable, RequestCancelled
 from fnkernel.runtime_server.lifecycle.stack import Stack
 from tests.support import find_token, http_call, spooled, wait_until
 
@@ -364,3 +364,32 @@ def test_a_file_in_and_a_file_out_from_the_client(stack: Stack, tmp_path: Path) 
     small = io.BytesIO()
     assert client.invoke("big", {"x": 1}, write_to=small).written == len(small.getvalue()) > 0
     assert json.loads(small.getvalue()) == {"x": 1}
+
+
+def test_a_file_for_a_gateway_not_there_is_not_read_whole_and_it_is_asked_again(
+    tmp_path: Path,
+) -> None:
+    # README, "Client library": `data=` a binary file goes to the spool a MiB at a time; with
+    # no gateway answering, the call fails as unreachable having read no more than it needed
+    # to know the payload is large — and once a gateway is there, its spool is used: nothing
+    # was concluded from the failure.
+    source = tmp_path / "in.bin"
+    source.write_bytes(b"\x01" * (8 * MIB))
+    address = f"unix:{tmp_path}/gateway.sock"
+    client = Client(address)
+    with source.open("rb") as data:
+        with pytest.raises(GatewayUnreachable):
+            client.invoke("big", data=data, content_type=payloads.OCTET)
+        assert data.tell() <= limits.SPOOL_FROM_BYTES
+    stack = Stack(tmp_path / "state", {"python": 1}, gateway_listen=address, poll_interval=0.2)
+    stack.start()
+    try:
+        client.create_run("big", runtime="python", handler="handler.handle", files=HANDLER)
+        assert client.local_spool() is not None
+        with source.open("rb") as data:
+            assert client.invoke("big", data=data, content_type=payloads.OCTET).value() == {
+                "size": 8 * MIB, "sum": 8 * MIB,
+            }  # fmt: skip
+    finally:
+        client.close()
+        stack.stop()
