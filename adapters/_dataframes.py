@@ -52,7 +52,16 @@ def to_table(pa: Any, frame: Any) -> Any:
     by its values (object) is converted a column at a time (``_column_array``; on pyarrow's
     threads from THREADS_FROM_VALUES cells, as ``from_pandas`` does) against the schema
     pyarrow gave an empty frame of its structure, the range put in. The rest go through
-    ``from_pandas`` as they are."""
+    ``from_pandas`` as they are. ValueError for labels of mixed types (``1`` and ``"a"``):
+    Arrow names a column by its label's text, and they would come back as text, if at all
+    (``1`` and ``"1"`` one name)."""
+    labels = frame.columns
+    if labels.nlevels == 1 and labels.inferred_type.startswith("mixed"):
+        kinds = sorted({type(label).__name__ for label in labels})
+        raise ValueError(
+            f"its column labels are of mixed types ({', '.join(kinds)}), and Arrow names a "
+            "column by its label's text: give them one type (frame.columns.astype(str))"
+        )
     index = frame.index
     many = threaded(len(index) * len(frame.columns))  # frame.size, in a tenth
     # Its columns' arrays, not a Series made for each (~0.1 ms for five) where pandas has it.
@@ -63,7 +72,6 @@ def to_table(pa: Any, frame: Any) -> Any:
         dtypes = tuple(_structural(column.dtype) for column in columns)
     if None in dtypes:
         return pa.Table.from_pandas(frame, nthreads=None if many else 1)
-    labels = frame.columns
     key = (tuple(labels), str(labels.dtype), tuple(labels.names), index.name, dtypes)
 
     def described() -> tuple[Any, dict, list[str]]:
@@ -205,7 +213,34 @@ def to_frame(table: Any) -> Any:
         frame = _small_frame(table)
         if frame is not None:
             return frame
-    return with_objects(table.to_pandas(use_threads=many, types_mapper=categorical), table)
+    mapper = _arrow_dtyped(table) or categorical
+    return with_objects(table.to_pandas(use_threads=many, types_mapper=mapper), table)
+
+
+def _arrow_dtyped(table: Any) -> Callable[[Any], Any] | None:
+    """``categorical``, and pandas' Arrow dtype (``pd.ArrowDtype``) again for each Arrow type
+    the frame sent had columns of that dtype of — its pandas metadata's ``numpy_type`` ends in
+    ``[pyarrow]`` — and of no other: pyarrow reads the dtype back by that name, and cannot for
+    a nested one (``list<item: int64>[pyarrow]``). None if the frame sent had none."""
+    if b"[pyarrow]" not in (table.schema.metadata or {}).get(b"pandas", b""):
+        return None
+    import pandas as pd
+
+    dtyped: dict[Any, Any] = {}
+    other: set[Any] = set()  # types of columns sent of another dtype (lists of objects, say)
+    kinds = {column.get("field_name"): str(column.get("numpy_type")) for column in table.schema.pandas_metadata.get("columns", [])}  # fmt: skip
+    for field in table.schema:
+        if kinds.get(field.name, "").endswith("[pyarrow]"):
+            dtyped[field.type] = pd.ArrowDtype(field.type)
+        else:
+            other.add(field.type)
+
+    def mapper(arrow_type: Any) -> Any:
+        if arrow_type in dtyped and arrow_type not in other:
+            return dtyped[arrow_type]
+        return categorical(arrow_type)
+
+    return mapper
 
 
 def with_objects(frame: Any, table: Any) -> Any:

@@ -50,6 +50,40 @@ def test_a_pandas_dataframe_comes_back_as_it_went() -> None:
     assert list(back["grade"].cat.categories) == ["a", "b", "c"] and back["grade"].cat.ordered
 
 
+def test_a_column_of_pandas_arrow_dtype_comes_back_of_it_nested_too() -> None:
+    # docs/protocol.md, "Content types": a frame comes out as itself, its dtypes kept — pandas'
+    # Arrow dtype too, which pyarrow cannot read back by its name when it is nested (a list,
+    # a struct); a column of Python lists of the same values beside stays objects.
+    ints = pa.list_(pa.int64())
+    frame = pd.DataFrame({
+        "tags": pd.array([[1], [2, 3], None], dtype=pd.ArrowDtype(ints)),
+        "point": pd.array([{"x": 1}, None, {"x": 3}],
+                          dtype=pd.ArrowDtype(pa.struct([("x", pa.int64())]))),
+        "n": pd.array([1, None, 3], dtype="int64[pyarrow]"),
+        "words": [["a"], ["b", "c"], []],
+    })  # fmt: skip
+    back, _ = round_trip(frame)
+    pd.testing.assert_frame_equal(back, frame)
+    plain = frame.assign(kept=[[1], [2], [3]])  # the same Arrow type as `tags`, of objects
+    back, _ = round_trip(plain[["kept", "n"]])
+    assert back["kept"].dtype == object
+
+
+def test_column_labels_of_mixed_types_are_refused_naming_them() -> None:
+    # Arrow names a column by its label's text: 1 and "1" would be one name, and 1 beside "a"
+    # would come back "1" — not the frame that went (docs/protocol.md, "Content types").
+    for labels in ([1, "1"], [1, "a"]):
+        with pytest.raises(payloads.NotArrow) as refused:
+            payloads.encode(pd.DataFrame([[1, 2]], columns=labels), "payload")
+        assert str(refused.value) == (
+            "payload: this pandas.DataFrame cannot be written as Arrow: its column labels are of "
+            "mixed types (int, str), and Arrow names a column by its label's text: give them "
+            "one type (frame.columns.astype(str))"
+        )
+    back, _ = round_trip(pd.DataFrame([[1, 2]], columns=[1, 2]))
+    assert back.columns.tolist() == [1, 2]  # one type: kept
+
+
 def test_a_series_keeps_its_name_and_index() -> None:
     # A column of a frame with a MultiIndex of columns is a Series named by a tuple.
     columns = pd.DataFrame([[1, 2]], columns=pd.MultiIndex.from_tuples([("a", "x"), ("a", "y")]))
