@@ -77,11 +77,12 @@ def output_text(output: dict[str, Any]) -> str:
     return _ANSI.sub("", text)
 
 
-def summary(notebook: nbformat.NotebookNode) -> str:
-    """Each code cell's first line and its text outputs, indented under it."""
+def summary(notebook: nbformat.NotebookNode, *, ran_only: bool = False) -> str:
+    """Each code cell's first line and its text outputs, indented under it (`ran_only`: of
+    the cells that ran, as far as a run that stopped early got)."""
     lines = []
     for number, cell in enumerate(notebook.cells, 1):
-        if cell.cell_type != "code":
+        if cell.cell_type != "code" or (ran_only and cell.get("execution_count") is None):
             continue
         first = cell.source.splitlines()[0] if cell.source else ""
         more = " …" if "\n" in cell.source else ""
@@ -159,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(notebook, args.notebook, args.timeout)
     except BaseException as exc:
+        # What the cells before it printed is what a CI log needs to say why: shown first.
+        print(summary(notebook, ran_only=True), flush=True)
         code = _failed(exc, args.timeout)
     if code == 0:
         print(summary(notebook))

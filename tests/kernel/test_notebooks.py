@@ -175,6 +175,8 @@ def test_the_demo_stops_a_cell_past_its_timeout_and_keeps_what_ran(tmp_path: Pat
     assert done.returncode == 1, done.stderr
     assert "a cell ran past 3 s (--timeout) and was stopped" in done.stderr
     assert "Traceback" not in done.stderr
+    # What ran is in the log, as far as it got (README: it "prints its outputs").
+    assert "[1] print('first')\n    first\n[2] import time …" in done.stdout, done.stdout
     first = nbformat.read(out, as_version=4).cells[0]
     assert [output_text(o) for o in first.outputs] == ["first"]
 
