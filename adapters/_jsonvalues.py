@@ -49,7 +49,18 @@ _HINTS = {
     "Timedelta": "x.total_seconds()",
     "DataFrame": "df.to_dict('records')",
     "Series": "s.tolist() or s.to_dict()",
+    "LazyFrame": "x.collect(): a polars.DataFrame, sent on its own as Arrow",
+    "MaskedArray": "x.filled(value) or x.tolist(), its masked values None",
 }
+
+
+def _hint(kind: type) -> str:
+    """How to make a value of `kind` one JSON holds (the error says it)."""
+    if kind.__name__ in _HINTS:
+        return _HINTS[kind.__name__]
+    if kind.__module__.startswith("pyarrow") and kind.__name__.endswith("Array"):
+        return "x.to_pylist(), or send pyarrow.table({'name': x}) on its own, as Arrow"
+    return "a str, number, list or dict"
 
 
 def _default(value: Any) -> Any:
@@ -281,7 +292,7 @@ def unencodable(value: Any, path: str = "value", depth: int = 0) -> str | None:
         _ENCODER.encode(value)
     except TypeError:
         name = type(value).__name__
-        return f"{path}: {name} (convert it: {_HINTS.get(name, 'a str, number, list or dict')})"
+        return f"{path}: {name} (convert it: {_hint(type(value))})"
     except ValueError:
         return None
     return None

@@ -421,7 +421,9 @@ def _from_arrow(data: Any, what: str, *, mapped: bool = False) -> Any:
     except MemoryError:
         raise  # out of memory reading it (ArrowMemoryError), not bytes that are not a stream
     except (pa.ArrowException, ValueError, OSError) as exc:  # OSError: a negative length
-        raise PayloadError(f"{what} is not an Arrow IPC stream: {exc}") from None
+        looks = bytes(data[:64]).lstrip()[:1]
+        hint = " (it looks like JSON: send it as application/json)" if looks in (b"{", b"[") else ""
+        raise PayloadError(f"{what} is not an Arrow IPC stream: {exc}{hint}") from None
     if (after := len(data) - source.tell()) > 0:  # two streams end to end, say: not one value
         raise PayloadError(
             f"{what} has {after} bytes after the end of its Arrow IPC stream: send one stream"

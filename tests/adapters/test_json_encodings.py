@@ -151,3 +151,33 @@ def test_what_orjson_writes_the_standard_library_writes_too_beside_what_only_it_
     with pytest.raises(TypeError) as refused:
         _jsonvalues.dumps({np.int64(3): {1}, "big": 2**70}, "result")
     assert str(refused.value) == "result[3]: set (convert it: sorted(x) or list(x))"
+
+
+def test_what_json_cannot_hold_says_how_to_convert_it_by_its_kind() -> None:
+    # docs/protocol.md, "JSON encodings": a value JSON cannot hold fails naming its path "and
+    # how to convert it" — for the array-like kinds a data engineer returns by mistake too.
+    import polars as pl
+    import pyarrow as pa
+
+    hints = {
+        "ChunkedArray": pa.chunked_array([[1]]),
+        "Int64Array": pa.array([1]),
+        "LazyFrame": pl.LazyFrame({"a": [1]}),
+        "MaskedArray": np.ma.masked_array([1, 2], mask=[0, 1]),
+    }
+    said = {}
+    for name, value in hints.items():
+        with pytest.raises(TypeError) as refused:
+            _jsonvalues.dumps({"x": value}, "result")
+        said[name] = str(refused.value)
+    assert said["ChunkedArray"] == (
+        "result[\"x\"]: ChunkedArray (convert it: x.to_pylist(), or send pyarrow.table({'name': "
+        "x}) on its own, as Arrow)"
+    )
+    assert said["Int64Array"].startswith('result["x"]: Int64Array (convert it: x.to_pylist()')
+    assert said["LazyFrame"].endswith(
+        "(convert it: x.collect(): a polars.DataFrame, sent on its own as Arrow)"
+    )
+    assert said["MaskedArray"].endswith(
+        "(convert it: x.filled(value) or x.tolist(), its masked values None)"
+    )

@@ -178,6 +178,11 @@ def test_bytes_that_are_not_their_type_are_refused_naming_what() -> None:
             payloads.decode(data, payloads.ARROW, "the payload")
     with pytest.raises(payloads.PayloadError, match=r"^the result is not valid JSON"):
         payloads.decode(b"{", payloads.JSON, "the result")
+    # JSON sent as Arrow (a wrong Content-Type) is said to look like JSON.
+    with pytest.raises(
+        payloads.PayloadError, match=r"\(it looks like JSON: send it as application/json\)$"
+    ):
+        payloads.decode(b' {"a": 1}', payloads.ARROW, "the payload")
     # An Arrow IPC file (Feather v2) is told apart from a stream, and how to send it is said.
     sink = pa.BufferOutputStream()
     table = pa.table({"a": [1, 2]})
