@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -147,6 +148,16 @@ def interval(text: str) -> float:
 
 def print_json(value: object) -> None:
     print(json.dumps(value, indent=2, sort_keys=True))
+
+
+def print_table(rows: Sequence[Sequence[str]]) -> None:
+    """`rows`, the first its header, in columns as wide as their widest cell (``runs list``,
+    ``secrets list``)."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print(
+            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        )
 
 
 def add_bound_flags(parser: argparse.ArgumentParser) -> None:

@@ -25,6 +25,7 @@ from fnkernel.runtime_server.cli.common import (
     count,
     positive,
     print_json,
+    print_table,
 )
 
 
@@ -79,11 +80,7 @@ def _runs_list(args: argparse.Namespace) -> int:
             run.name, run.runtime, run.phase, str(run.attempt), run.assigned_pod,
             run.owner or "-", run.message if len(run.message) <= 60 else run.message[:59] + "…",
         ))  # fmt: skip
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print(
-            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-        )
+    print_table(rows)
     return EXIT_OK
 
 

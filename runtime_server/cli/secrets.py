@@ -21,6 +21,7 @@ from fnkernel.runtime_server.cli.common import (
     add_state_dir,
     client_of,
     print_json,
+    print_table,
     state_dir_of,
 )
 
@@ -126,7 +127,14 @@ def _set(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    return _run(args, lambda store: print_json(store.list_secrets()))
+    """A table of the secrets, as ``runs list`` is one of Runs: name, version, keys."""
+
+    def listed(store: Any) -> None:
+        rows = [("NAME", "VERSION", "KEYS")]
+        rows += [(s["name"], str(s["version"]), ",".join(s["keys"])) for s in store.list_secrets()]
+        print_table(rows)
+
+    return _run(args, listed)
 
 
 def _delete(args: argparse.Namespace) -> int:
