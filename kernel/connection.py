@@ -24,6 +24,7 @@ from fnkernel.kernel.trace import NO_BODY, KernelSpan, Trace, decode_payload
 from fnkernel.runtime_server import limits, wire
 from fnkernel.runtime_server.client import Client, spans_of
 from fnkernel.runtime_server.client.errors import GatewayError, GatewayUnreachable, Unauthorized
+from fnkernel.runtime_server.client.files import Sink
 from fnkernel.runtime_server.client.transport import check_address
 from fnkernel.runtime_server.client.views import Run
 from fnkernel.runtime_server.errors import InvalidField
@@ -68,9 +69,10 @@ class TracedClient(Client):
         headers: Mapping[str, str] | None = None,
         *,
         wait: float = 0,
+        into: Sink | None = None,
     ) -> Any:
         if not self.trace.on:
-            return super().request(method, path, body, headers, wait=wait)
+            return super().request(method, path, body, headers, wait=wait, into=into)
         started = time.perf_counter()
         request = decode_payload(body, (headers or {}).get("Content-Type", "")) if body else NO_BODY
         span = None
@@ -80,7 +82,7 @@ class TracedClient(Client):
             span = KernelSpan("POST /v1/runs/{name}:invoke", attributes, invocation_id)
             headers = {**(headers or {}), wire.TRACEPARENT_HEADER: span.traceparent}
         try:
-            result = super().request(method, path, body, headers, wait=wait)
+            result = super().request(method, path, body, headers, wait=wait, into=into)
         except GatewayError as exc:
             status = f"{exc.status} {exc.code}".strip() if exc.status else exc.code or "failed"
             traced = span.ended(_http_status(exc.status, exc.code), exc.spans) if span else {}

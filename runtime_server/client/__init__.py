@@ -27,7 +27,13 @@ from fnkernel.runtime_server.client.errors import (
     SecretNotFound,
     UnsupportedMediaType,
 )
-from fnkernel.runtime_server.client.files import Sink, size_of, spool_stream, write_out
+from fnkernel.runtime_server.client.files import (
+    Counted,
+    Sink,
+    size_of,
+    spool_stream,
+    write_out,
+)
 from fnkernel.runtime_server.client.live import LiveFollow, LogCallback
 from fnkernel.runtime_server.client.maps import MapRun
 from fnkernel.runtime_server.client.sources import parse_pairs, read_source
@@ -298,9 +304,10 @@ class Client(Transport):
         if traceparent:
             headers[wire.TRACEPARENT_HEADER] = traceparent
         started = time.perf_counter()
+        into = Counted(write_to) if write_to is not None else None
         try:
             reply, output = self._invoked_once_ready(
-                name, body, headers, timeout_millis, direct=direct, sending=sending
+                name, body, headers, timeout_millis, direct=direct, sending=sending, into=into
             )
         except BaseException as failed:
             if live is not None:
@@ -316,8 +323,10 @@ class Client(Transport):
         ref = reply.get(wire.OUTPUT_REF_HEADER)
         taken = spool / Path(ref.split(" ", 1)[0]).name if ref and spool is not None else None
         try:
-            if write_to is not None:  # as it came, from where the worker wrote it if it did
-                written, output = write_out(write_to, output, str(taken or "")), b""
+            if into is not None:  # as it came (in the answer's body, written as it came; in
+                # the answer; or from where the worker wrote it)
+                written = into.written + write_out(into, output, str(taken or ""))
+                output = b""
             elif taken is not None:  # read where the worker wrote it, then gone
                 value = payloads.decode_file(
                     str(taken), reply.get("Content-Type", ""), "the result"
@@ -345,6 +354,7 @@ class Client(Transport):
         *,
         direct: bool,
         sending: Unsent,
+        into: Sink | None,
     ) -> tuple[Headers, bytes]:
         """``_invoked``, sent again while the Run is registered again — refused before it ran,
         503 FAILED_PRECONDITION with Retry-After: a secret of it set again, its server
@@ -356,7 +366,7 @@ class Client(Transport):
         while True:
             sending()  # cancelled while its payload was converted or written: not sent
             try:
-                return self._invoked(name, body, headers, timeout_millis, direct=direct)
+                return self._invoked(name, body, headers, timeout_millis, direct=direct, into=into)
             except FunctionUnavailable as refused:
                 if refused.code != "FAILED_PRECONDITION" or not refused.retry_after:
                     raise
@@ -384,7 +394,14 @@ class Client(Transport):
             raise PayloadTooLarge(message, code="PAYLOAD_TOO_LARGE", status=413)
 
     def _invoked(
-        self, name: str, body: bytes, headers: dict[str, str], timeout_millis: int, *, direct: bool
+        self,
+        name: str,
+        body: bytes,
+        headers: dict[str, str],
+        timeout_millis: int,
+        *,
+        direct: bool,
+        into: Sink | None = None,
     ) -> tuple[Headers, bytes]:
         """The invoke request's answer, headers and body: from runtimed directly when this
         client shares the gateway's machine (`direct`, a local spool) and the gateway names a
@@ -416,6 +433,7 @@ class Client(Transport):
             _, reply, output = self.request(
                 "POST", f"/v1/runs/{quote(name)}:invoke", body, headers,
                 wait=limits.wait_seconds(timeout_millis, hops_below=2),  # the gateway, runtimed
+                into=into,  # a result written as it comes, not held: from another machine
             )  # fmt: skip
         except RequestCancelled:  # in the words of a direct call's, as every failure is
             raise RequestCancelled(f"the call to {name} was cancelled", code="CANCELLED") from None

@@ -21,6 +21,19 @@ class Sink(Protocol):
     def write(self, data: bytes, /) -> object: ...
 
 
+class Counted:
+    """`sink`, counting the bytes written to it."""
+
+    def __init__(self, sink: Sink) -> None:
+        self.sink = sink
+        self.written = 0
+
+    def write(self, data: bytes, /) -> object:
+        taken = self.sink.write(data)
+        self.written += len(data)
+        return taken
+
+
 def size_of(source: BinaryIO, read: int) -> int | None:
     """The whole size of a payload read from `source`, of which `read` bytes were read: known
     for a regular file (its size past where it was read to), None for a pipe."""

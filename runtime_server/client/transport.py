@@ -29,6 +29,7 @@ from fnkernel.runtime_server.client.errors import (
     RequestCancelled,
     from_response,
 )
+from fnkernel.runtime_server.client.files import CHUNK_BYTES, Sink
 from fnkernel.system.waiting import attempts
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8080"
@@ -192,10 +193,12 @@ class Transport:
         headers: Mapping[str, str] | None = None,
         *,
         wait: float = 0,
+        into: Sink | None = None,
     ) -> tuple[int, http.client.HTTPMessage, bytes]:
         """Send one request; raise the class of a failure status (``errors.ERRORS``). `wait`:
         how long to wait for the answer, if longer than the client's timeout (an invocation's
-        own: ``invoke``)."""
+        own: ``invoke``). `into`: where a successful answer's body is written as it comes, a
+        chunk at a time, never held whole (its body is then b"")."""
         sent = self._headers(headers)
         wait = max(wait, self.timeout)
         for attempt in attempts(2):  # the second on a new connection, if the first was stale
@@ -219,7 +222,15 @@ class Transport:
                 if self._busy.get(connection):  # cancelled while it was still connecting
                     raise ConnectionAbortedError("cancelled")
                 response = connection.getresponse()
-                data = response.read()
+                if into is not None and response.status < 300:
+                    data = _streamed(response, into)
+                else:
+                    data = response.read()
+            except _NotTaken as refused:  # the sink's own failure (a full disk), not the call's
+                connection.close()
+                with self._lock:
+                    self._busy.pop(connection, None)
+                raise refused.error from None
             except (ConnectionError, http.client.HTTPException, OSError) as exc:
                 connection.close()
                 with self._lock:
@@ -428,6 +439,24 @@ def _send_expecting(
 def _is_invoke(method: str, path: str) -> bool:
     """Whether a request runs a handler: the one request never sent twice."""
     return method == "POST" and path.split("?", 1)[0].endswith(":invoke")
+
+
+class _NotTaken(Exception):
+    """A sink that would not take an answer's bytes (``request``'s `into`): its `error`."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _streamed(response: http.client.HTTPResponse, into: Sink) -> bytes:
+    """`response`'s body written to `into` a chunk at a time; b"" (none of it held)."""
+    while chunk := response.read(CHUNK_BYTES):
+        try:
+            into.write(chunk)
+        except Exception as exc:
+            raise _NotTaken(exc) from exc
+    return b""
 
 
 def quote(name: str) -> str:

@@ -6,6 +6,7 @@ ends."""
 
 from __future__ import annotations
 
+import errno
 import http.client
 import io
 import json
@@ -13,6 +14,7 @@ import socket
 import subprocess
 import sys
 import threading
+import tracemalloc
 import urllib.parse
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,7 +25,11 @@ import pytest
 
 from fnkernel.runtime_server import limits, payloads, wire
 from fnkernel.runtime_server.client import Client
-from fnkernel.runtime_server.client.errors import GatewayUnreachable, RequestCancelled
+from fnkernel.runtime_server.client.errors import (
+    GatewayError,
+    GatewayUnreachable,
+    RequestCancelled,
+)
 from fnkernel.runtime_server.lifecycle.stack import Stack
 from tests.support import find_token, http_call, spooled, wait_until
 
@@ -364,6 +370,35 @@ def test_a_file_in_and_a_file_out_from_the_client(stack: Stack, tmp_path: Path) 
     small = io.BytesIO()
     assert client.invoke("big", {"x": 1}, write_to=small).written == len(small.getvalue()) > 0
     assert json.loads(small.getvalue()) == {"x": 1}
+
+
+def test_a_result_for_write_to_from_another_machine_is_written_as_it_comes(
+    stack: Stack, tmp_path: Path
+) -> None:
+    # README, "Client library": `write_to=` an open binary file the result's bytes are written
+    # to as they came, "and not held" — also as a caller on another machine gets it (not by
+    # reference: every byte in the gateway's answer, streamed), the CLI's --output's way.
+    client = Client(stack.gateway_address)
+    out = tmp_path / "out.arrows"
+    tracemalloc.start()
+    try:
+        with out.open("wb") as sink:
+            result = client.invoke("big", {"mib": 64}, write_to=sink, by_reference=False)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert result.written == out.stat().st_size > 64 * MIB
+    assert peak < 8 * MIB, f"{peak} bytes held at once"
+    assert payloads.decode(out.read_bytes(), result.content_type).shape == (64 * MIB,)
+
+    class Full:  # a sink that stops taking bytes: its error, not the call's
+        def write(self, data: bytes) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left on device") as refused:
+        client.invoke("big", {"mib": 16}, write_to=Full(), by_reference=False)
+    assert not isinstance(refused.value, GatewayError)
+    assert client.invoke("big", {"x": 1}).value() == {"x": 1}  # the client is as before
 
 
 def test_a_file_for_a_gateway_not_there_is_not_read_whole_and_it_is_asked_again(
