@@ -20,11 +20,11 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from fnkernel.kernel.trace import NO_BODY, KernelSpan, Trace, decode_payload
+from fnkernel.kernel.trace import NO_BODY, KernelSpan, Shown, Trace, decode_payload
 from fnkernel.runtime_server import limits, wire
 from fnkernel.runtime_server.client import Client, spans_of
 from fnkernel.runtime_server.client.errors import GatewayError, GatewayUnreachable, Unauthorized
-from fnkernel.runtime_server.client.files import Sink
+from fnkernel.runtime_server.client.files import FileBody, Sink
 from fnkernel.runtime_server.client.transport import check_address
 from fnkernel.runtime_server.client.views import Run
 from fnkernel.runtime_server.errors import InvalidField
@@ -65,7 +65,7 @@ class TracedClient(Client):
         self,
         method: str,
         path: str,
-        body: bytes | None = None,
+        body: bytes | FileBody | None = None,
         headers: Mapping[str, str] | None = None,
         *,
         wait: float = 0,
@@ -74,7 +74,11 @@ class TracedClient(Client):
         if not self.trace.on:
             return super().request(method, path, body, headers, wait=wait, into=into)
         started = time.perf_counter()
-        request = decode_payload(body, (headers or {}).get("Content-Type", "")) if body else NO_BODY
+        request: Any = NO_BODY
+        if isinstance(body, FileBody):  # read as it is sent: not held to be shown
+            request = Shown(f"({body.size} bytes from a file)")
+        elif body:
+            request = decode_payload(body, (headers or {}).get("Content-Type", ""))
         span = None
         if method == "POST" and path.endswith(":invoke"):  # traced (docs/protocol.md, "Tracing")
             invocation_id = (headers or {}).get(wire.INVOCATION_ID_HEADER, "")

@@ -29,6 +29,7 @@ from fnkernel.runtime_server.client.errors import (
 )
 from fnkernel.runtime_server.client.files import (
     Counted,
+    FileBody,
     Sink,
     size_of,
     spool_stream,
@@ -235,13 +236,18 @@ class Client(Transport):
         if data is not None and payload is not None:  # before a file given as data is read
             raise TypeError("invoke takes a payload or data=, not both")
         source = None  # `data` as a file: read into the spool when large, whole if not
+        file_body: FileBody | None = None  # or, for another machine, read as it is sent
         if data is not None and not isinstance(data, bytes | bytearray | memoryview):
             if not callable(getattr(data, "read", None)):
                 raise TypeError(f"data= is bytes or a binary file, not {type(data).__name__}")
             source, data = data, data.read(limits.SPOOL_FROM_BYTES)
             whole = size_of(source, len(data))
             large = len(data) == limits.SPOOL_FROM_BYTES
-            if not (large and by_reference and self.local_spool() is not None):
+            if large and by_reference and self.local_spool() is not None:
+                pass  # read into the spool below
+            elif whole is not None and whole > limits.MAX_PAYLOAD_BYTES:  # a regular file
+                file_body, source = FileBody(data, source, whole), None
+            else:
                 data, source = data + source.read(), None
         if data is not None:
             outgoing = payloads.Outgoing((data, content_type))
@@ -256,6 +262,8 @@ class Client(Transport):
             outgoing = payloads.Outgoing.of(payload, "payload")
         # The payload's bytes, or an Arrow kind's table, written where its size says.
         encoded, table, size = outgoing.encoded, outgoing.table, outgoing.size
+        if file_body is not None:
+            size = file_body.size
         spool = None
         direct = by_reference and not traceparent and self._direct_allowed()
         if by_reference:  # asked of the gateway for a large input or a direct call; else as known
@@ -290,6 +298,7 @@ class Client(Transport):
             body, media = encoded
         else:
             body, media = payloads.table_bytes(table), payloads.ARROW
+        sent: bytes | FileBody = body if file_body is None else file_body
         headers["Content-Type"] = media
         if timeout_millis:
             headers[wire.TIMEOUT_HEADER] = str(timeout_millis)
@@ -307,7 +316,7 @@ class Client(Transport):
         into = Counted(write_to) if write_to is not None else None
         try:
             reply, output = self._invoked_once_ready(
-                name, body, headers, timeout_millis, direct=direct, sending=sending, into=into
+                name, sent, headers, timeout_millis, direct=direct, sending=sending, into=into
             )
         except BaseException as failed:
             if live is not None:
@@ -348,7 +357,7 @@ class Client(Transport):
     def _invoked_once_ready(
         self,
         name: str,
-        body: bytes,
+        body: bytes | FileBody,
         headers: dict[str, str],
         timeout_millis: int,
         *,
@@ -396,7 +405,7 @@ class Client(Transport):
     def _invoked(
         self,
         name: str,
-        body: bytes,
+        body: bytes | FileBody,
         headers: dict[str, str],
         timeout_millis: int,
         *,
@@ -408,7 +417,7 @@ class Client(Transport):
         route for `name` (docs/protocol.md, "Calling runtimed directly"); else, or if that
         route has gone, from the gateway."""
         route = None
-        if direct and self._spool_known() is not None:
+        if direct and isinstance(body, bytes) and self._spool_known() is not None:
             self._headers(headers)  # what HTTP could not carry is refused alike, before anything
             self._bounded(name, len(body))  # a bound under a spooled payload's size, too
             why = wire.unsupported_media(headers.get("Content-Type", ""), payloads.MEDIA_TYPES)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import BinaryIO, Protocol
 
 from fnkernel.runtime_server import payloads
@@ -19,6 +19,33 @@ class Sink(Protocol):
     that takes bytes as one does."""
 
     def write(self, data: bytes, /) -> object: ...
+
+
+class FileBody:
+    """A request's body read from a regular file as it is sent — its first bytes, read
+    already, then the rest a chunk at a time — so that a large payload for a gateway on another
+    machine is never held whole. Its length is the file's, known before it is sent."""
+
+    def __init__(self, first: bytes, source: BinaryIO, size: int) -> None:
+        self.first, self.source, self.size = first, source, size
+        self._rest_at = source.tell()  # where the rest begins, for a body sent again
+
+    def __len__(self) -> int:
+        return self.size
+
+    def chunks(self) -> Iterator[bytes]:
+        """Its bytes, from the first (each time it is sent); ValueError if the file no longer
+        holds as many (the request is then cut short, and the gateway refuses it)."""
+        self.source.seek(self._rest_at)
+        yield self.first
+        sent = len(self.first)
+        while sent < self.size and (chunk := self.source.read(min(CHUNK_BYTES, self.size - sent))):
+            sent += len(chunk)
+            yield chunk
+        if sent != self.size:
+            raise ValueError(
+                f"data= file: {sent} bytes of the {self.size} it had were there to send"
+            )
 
 
 class Counted:

@@ -29,7 +29,7 @@ from fnkernel.runtime_server.client.errors import (
     RequestCancelled,
     from_response,
 )
-from fnkernel.runtime_server.client.files import CHUNK_BYTES, Sink
+from fnkernel.runtime_server.client.files import CHUNK_BYTES, FileBody, Sink
 from fnkernel.system.waiting import attempts
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8080"
@@ -189,7 +189,7 @@ class Transport:
         self,
         method: str,
         path: str,
-        body: bytes | None = None,
+        body: bytes | FileBody | None = None,
         headers: Mapping[str, str] | None = None,
         *,
         wait: float = 0,
@@ -214,7 +214,9 @@ class Transport:
             unsent = False  # a body the gateway refused before it was sent
             delivered = False  # the whole request went out: the gateway may act on it
             try:
-                if body is not None and len(body) > limits.MAX_PAYLOAD_BYTES:
+                if isinstance(body, FileBody) or (
+                    body is not None and len(body) > limits.MAX_PAYLOAD_BYTES
+                ):
                     unsent = not _send_expecting(connection, method, path, body, sent, wait)
                 else:
                     connection.request(method, path, body=body, headers=sent)
@@ -411,7 +413,7 @@ def _send_expecting(
     connection: http.client.HTTPConnection,
     method: str,
     path: str,
-    body: bytes,
+    body: bytes | FileBody,
     headers: Mapping[str, str],
     wait: float,
 ) -> bool:
@@ -432,7 +434,9 @@ def _send_expecting(
     ready, _, _ = select.select([sock], [], [], min(wait, _CONTINUE_WAIT_SECONDS))
     if ready and not sock.recv(12, socket.MSG_PEEK).startswith(b"HTTP/1.1 100"):
         return False  # a final answer: getresponse reads it; the connection goes with it
-    connection.send(body)  # getresponse skips the 100 (Continue)
+    # getresponse skips the 100 (Continue)
+    for chunk in body.chunks() if isinstance(body, FileBody) else (body,):
+        connection.send(chunk)
     return True
 
 

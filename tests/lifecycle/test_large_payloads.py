@@ -28,6 +28,7 @@ from fnkernel.runtime_server.client import Client
 from fnkernel.runtime_server.client.errors import (
     GatewayError,
     GatewayUnreachable,
+    PayloadTooLarge,
     RequestCancelled,
 )
 from fnkernel.runtime_server.lifecycle.stack import Stack
@@ -370,6 +371,33 @@ def test_a_file_in_and_a_file_out_from_the_client(stack: Stack, tmp_path: Path) 
     small = io.BytesIO()
     assert client.invoke("big", {"x": 1}, write_to=small).written == len(small.getvalue()) > 0
     assert json.loads(small.getvalue()) == {"x": 1}
+
+
+def test_a_file_for_another_machine_is_read_as_it_is_sent(stack: Stack, tmp_path: Path) -> None:
+    # docs/protocol.md, "Large payloads": `data=` a regular file goes to a gateway on another
+    # machine (not by reference: every byte in the request) as it is read, never held whole;
+    # refused at once (413, Expect: 100-continue), none of it is read past its first bytes.
+    client = Client(stack.gateway_address)
+    source = tmp_path / "in.bin"
+    source.write_bytes(b"\x03" * (64 * MIB))
+    tracemalloc.start()
+    try:
+        with source.open("rb") as data:
+            result = client.invoke(
+                "big", data=data, content_type=payloads.OCTET, by_reference=False
+            )
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert result.value() == {"size": 64 * MIB, "sum": 3 * 64 * MIB}
+    assert peak < 8 * MIB, f"{peak} bytes held at once"
+    past = tmp_path / "past.bin"  # sparse: past the stack's 2 GiB bound, on no disk
+    with past.open("wb") as sparse:
+        sparse.truncate(limits.DEFAULT_MAX_SPOOLED_BYTES + MIB)
+    with past.open("rb") as data:
+        with pytest.raises(PayloadTooLarge, match="at most"):
+            client.invoke("big", data=data, content_type=payloads.OCTET, by_reference=False)
+        assert data.tell() <= limits.SPOOL_FROM_BYTES
 
 
 def test_a_result_for_write_to_from_another_machine_is_written_as_it_comes(
