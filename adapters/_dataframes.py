@@ -213,8 +213,13 @@ def to_frame(table: Any) -> Any:
         frame = _small_frame(table)
         if frame is not None:
             return frame
-    mapper = _arrow_dtyped(table) or categorical
-    return with_objects(table.to_pandas(use_threads=many, types_mapper=mapper), table)
+    return with_objects(table.to_pandas(use_threads=many, types_mapper=types_mapper(table)), table)
+
+
+def types_mapper(table: Any) -> Callable[[Any], Any]:
+    """``to_pandas``'s `types_mapper` for `table`, a frame's or a Series' as sent: its
+    categories (``categorical``) and its columns of pandas' Arrow dtype (``_arrow_dtyped``)."""
+    return _arrow_dtyped(table) or categorical
 
 
 def _arrow_dtyped(table: Any) -> Callable[[Any], Any] | None:

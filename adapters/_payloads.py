@@ -92,6 +92,10 @@ class PayloadError(ValueError):
     """Bytes that are not what their content type says, or a kind this process cannot build
     (its package is not installed); the message says which."""
 
+    def _render_traceback_(self) -> list[str]:
+        """IPython shows this instead of the codec's frames: the one line that says it."""
+        return [f"{type(self).__name__}: {self}"]
+
 
 class NotArrow(TypeError):
     """A value of an Arrow kind that Arrow IPC cannot hold (duplicate column names, a column of
@@ -453,8 +457,7 @@ def _rebuilt(pa: Any, table: Any, kind: str, metadata: dict, what: str, mapped: 
         return _dataframes.to_frame(table)
     if kind == "pandas.Series":
         _needs(kind, "pandas", what)
-        types_mapper = _dataframes.categorical
-        frame = table.to_pandas(use_threads=False, types_mapper=types_mapper)
+        frame = table.to_pandas(use_threads=False, types_mapper=_dataframes.types_mapper(table))
         series = _dataframes.with_objects(frame, table)[_SERIES_COLUMN]
         series.name = _hashable(json.loads(metadata.get(_NAME_KEY, b"null")))
         return series

@@ -67,6 +67,11 @@ def test_a_column_of_pandas_arrow_dtype_comes_back_of_it_nested_too() -> None:
     plain = frame.assign(kept=[[1], [2], [3]])  # the same Arrow type as `tags`, of objects
     back, _ = round_trip(plain[["kept", "n"]])
     assert back["kept"].dtype == object
+    # A Series of one (README: "A DataFrame or Series ... comes out as itself"), text too.
+    text = pd.Series(["a", None], dtype=pd.ArrowDtype(pa.string()), name="t")
+    for series in (frame["tags"], frame["point"], text):
+        back, _ = round_trip(series)
+        pd.testing.assert_series_equal(back, series)
 
 
 def test_column_labels_of_mixed_types_are_refused_naming_them() -> None:
