@@ -213,8 +213,14 @@ class Runtime:
                 f"it refuses this kernel's token ({exc}): %env {TOKEN_ENV}=... (its token) "
                 "before the first %%function"
             )
-        except GatewayError:
-            pass  # it answered: whatever it said, a gateway is there
+        except GatewayError as exc:
+            if not exc.code:  # not the JSON every answer of a gateway's is
+                return f"{exc}: %fn_connect the gateway's URL (fnkernel up prints it)"
+        except (ValueError, KeyError, TypeError):  # a 200 that is no gateway's list of Runs
+            return (
+                "what answers there is not an fnkernel gateway: %fn_connect the gateway's URL "
+                "(fnkernel up prints it)"
+            )
         finally:
             probe.close()
         return ""

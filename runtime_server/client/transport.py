@@ -405,8 +405,16 @@ class Transport:
 
     def _json(self, method: str, path: str, body: Any = None) -> Any:
         payload = None if body is None else json.dumps(body).encode()
-        _, _, data = self.request(method, path, payload)
-        return json.loads(data) if data else None
+        status, _, data = self.request(method, path, payload)
+        try:
+            return json.loads(data) if data else None
+        except ValueError:  # a page, say: what answered is no gateway (failure_of)
+            said = " ".join(_TAG.sub(" ", data[:2000].decode("utf-8", "replace")).split())[:120]
+            raise GatewayError(
+                f"{method} {path} was answered by something that is not an fnkernel gateway (a "
+                f"proxy, or another server at {self.address}): HTTP {status}, not JSON: {said}",
+                status=status,
+            ) from None
 
 
 def _send_expecting(
@@ -481,8 +489,21 @@ def spans_of(headers: Headers) -> bytes:
 
 
 def failure_of(status: int, data: bytes) -> GatewayError:
+    """The error a failed answer names. One that is not the gateway's JSON (docs/protocol.md,
+    "Errors") came from something else at that address — a proxy, another server — and is
+    said so, its text in one line (an HTML page's without its tags)."""
     try:
         body = json.loads(data)
+        if not isinstance(body, dict):
+            raise ValueError("not an error body")
     except ValueError:
-        body = {"message": data.decode("utf-8", "replace")[:500]}
+        text = " ".join(_TAG.sub(" ", data.decode("utf-8", "replace")).split())
+        said = text if len(text) <= 200 else text[:199] + "…"
+        body = {
+            "message": f"HTTP {status} from something that is not an fnkernel gateway (a proxy, "
+            f"or another server at that address): {said}"
+        }
     return from_response(body, status)
+
+
+_TAG = re.compile(r"<[^>]*>")

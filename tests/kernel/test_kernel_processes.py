@@ -4,9 +4,11 @@ a restart. Real kernels through jupyter_client."""
 
 from __future__ import annotations
 
+import http.server
 import os
 import re
 import signal
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -126,6 +128,48 @@ def test_a_mistyped_fn_connect_is_refused_or_corrected_without_a_restart(
         ), refused.stderr
     finally:
         kernel.shutdown()
+
+
+class _NotAGateway(http.server.BaseHTTPRequestHandler):
+    """Another web server on the port a user gave: an HTML page for every GET, 501 else."""
+
+    def do_GET(self) -> None:
+        page = b"<!DOCTYPE html>\n<html><body><h1>Jupyter Server</h1>\n<p>hello</p></body></html>"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(page)))
+        self.end_headers()
+        self.wfile.write(page)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_fn_connect_to_a_server_that_is_no_gateway_says_so_in_one_line() -> None:
+    # README, "Magics": %fn_connect says so if what is at its URL will not take this kernel's
+    # functions — another web server at that port (a pasted Jupyter URL) too — and a platform
+    # error is one line, never the page it answered (docs/protocol.md, "Errors").
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NotAGateway)
+    serving = threading.Thread(target=server.serve_forever, daemon=True)
+    serving.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    kernel = Kernel()
+    try:
+        said = kernel.run(f"%fn_connect {url}")
+        assert said.ok and said.stderr == (
+            "but GET /v1/runs was answered by something that is not an fnkernel gateway (a "
+            f"proxy, or another server at {url}): HTTP 200, not JSON: Jupyter Server hello: "
+            "%fn_connect the gateway's URL (fnkernel up prints it)\n"
+        ), said.stderr
+        cell = kernel.run(ETL)  # registered there all the same: one line, not the page
+        assert cell.error is not None
+        [line] = cell.error["traceback"]
+        assert "was answered by something that is not an fnkernel gateway" in line, line
+        assert "<" not in line and "\n" not in line
+    finally:
+        kernel.shutdown()
+        server.shutdown()
+        server.server_close()
 
 
 def test_without_prewarm_a_plain_kernel_starts_nothing() -> None:

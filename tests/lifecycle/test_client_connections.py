@@ -13,7 +13,8 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from fnkernel.runtime_server.client import Client
-from fnkernel.runtime_server.client.errors import FunctionUnavailable
+from fnkernel.runtime_server.client.errors import FunctionUnavailable, NotSupported
+from fnkernel.runtime_server.client.transport import failure_of
 
 OK = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{"runs":[]}'
 ANSWER = (
@@ -129,3 +130,23 @@ def test_a_connection_the_gateway_closed_while_idle_is_not_used_again(
     assert gateway.closed.acquire(timeout=10)  # the connection the client keeps is closed
     assert client.invoke("f", {"n": 1}, by_reference=False).decoded() == 1
     assert len(gateway.requests) == 2  # none on the connection the gateway ended
+
+
+def test_an_answer_that_is_not_the_gateways_json_is_said_in_one_line() -> None:
+    # docs/protocol.md, "Errors": every failure of the gateway's is a JSON body; what answers
+    # with a page instead (a proxy's 502, another server's 501) is something else at that
+    # address, said so in one line of its text, the class still the status's.
+    page = (
+        b"<!DOCTYPE HTML>\n<html lang='en'>\n  <head><title>Error response</title></head>\n"
+        b"  <body>\n    <h1>Error response</h1>\n    <p>Error code: 501</p>\n"
+        b"    <p>Message: Unsupported method ('POST').</p>\n  </body>\n</html>\n"
+    )
+    failure = failure_of(501, page)
+    assert isinstance(failure, NotSupported)
+    assert str(failure) == (
+        "HTTP 501 from something that is not an fnkernel gateway (a proxy, or another server at "
+        "that address): Error response Error response Error code: 501 Message: Unsupported "
+        "method ('POST')."
+    )
+    ours = failure_of(404, b'{"code": "NOT_FOUND", "message": "no run named \'x\'"}')
+    assert str(ours) == "no run named 'x' (NOT_FOUND)"
