@@ -395,7 +395,7 @@ class FunctionMagics(Magics):
         every = "--all" in words
         wanted = {word for word in words if word != "--all"}
         session = self.session
-        if not session.runtime.started:
+        if session.runtime.empty:  # an embedded runtime not started holds nothing: not started
             return FunctionsTable([], session.runtime.describe(), tuple(sorted(wanted)))
         client = session.runtime.client()
         rows = []

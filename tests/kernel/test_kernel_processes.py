@@ -298,6 +298,9 @@ def test_a_shared_stack_chosen_at_first_use_and_a_function_used_from_another_ker
         gateway.create_run("other", runtime="python", handler="handler.handle",
                            files={"handler.py": "def handle(event):\n    return 'other'\n"})  # fmt: skip
         assert user.run(f"%fn_connect {stack.gateway_address}").ok
+        # --all lists the stack's functions before this kernel has used any of them.
+        first = user.run("%functions --all").result.splitlines()
+        assert sorted(row.split()[0] for row in first[1:-1]) == ["etl", "other"], first
         used = user.run("%use etl")
         assert used.ok, used.error
         assert "used: not this kernel's" in used.result
