@@ -104,8 +104,9 @@ def _failed(exc: BaseException, timeout: float) -> int:
         logging.getLogger("asyncio").setLevel(logging.CRITICAL)
         print("interrupted: the notebook did not finish", file=sys.stderr)
         return 130
-    if isinstance(exc, CellExecutionError):
-        print(f"a cell failed:\n{exc}", file=sys.stderr)
+    if isinstance(exc, CellExecutionError):  # its traceback is in its outputs, shown above
+        evalue = _ANSI.sub("", exc.evalue).strip()
+        print(f"a cell failed: {exc.ename}" + (f": {evalue}" if evalue else ""), file=sys.stderr)
     elif isinstance(exc, CellTimeoutError):
         print(f"a cell ran past {timeout:g} s (--timeout) and was stopped", file=sys.stderr)
     elif isinstance(exc, DeadKernelError):

@@ -181,6 +181,23 @@ def test_the_demo_stops_a_cell_past_its_timeout_and_keeps_what_ran(tmp_path: Pat
     assert [output_text(o) for o in first.outputs] == ["first"]
 
 
+def test_the_demo_shows_what_ran_then_the_failed_cell_in_one_line(tmp_path: Path) -> None:
+    # README, "Quick start": it prints the outputs of the cells that ran, the failed one's
+    # traceback among them (as a CI log shows it: no colours), then says why, once.
+    path = _notebook(tmp_path / "fails.ipynb", "print('first')", "1 / 0", "print('never')")
+    done = subprocess.run(
+        [sys.executable, "-m", "fnkernel.kernel.demo", str(path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert done.stdout.startswith("executing "), done.stdout
+    assert "[1] print('first')\n    first\n[2] 1 / 0\n" in done.stdout
+    assert "ZeroDivisionError" in done.stdout and "never" not in done.stdout
+    assert "\x1b[" not in done.stdout + done.stderr
+    assert done.stderr.strip().endswith("a cell failed: ZeroDivisionError: division by zero")
+    assert done.stderr.count("ZeroDivisionError") == 1, done.stderr
+
+
 def test_the_demo_says_a_sigterm_ended_it(tmp_path: Path) -> None:
     # A cancelled CI job: nbclient interrupts the cell and shuts the kernel down; the run says
     # it was interrupted (130), not that a cell failed (exit 1), nor ends in nbclient's cleanup
