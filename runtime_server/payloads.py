@@ -96,6 +96,13 @@ def items_of(items: Any) -> list[Any]:
             f"map takes its items, a call each, and a {kind} is one item: map over its parts "
             f"or rows ({_PARTS[kind]})"
         )
+    grouped = type(items)
+    if grouped.__module__.startswith("pandas") and grouped.__name__.endswith("GroupBy"):
+        # Its items would be (key, part) pairs, which JSON cannot hold (a frame inside).
+        raise TypeError(
+            f"map takes its items, a call each, and a pandas {grouped.__name__} gives (key, "
+            "part) pairs: map over its parts ([part for _, part in grouped])"
+        )
     return list(items)
 
 

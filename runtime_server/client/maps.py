@@ -300,8 +300,8 @@ class MapRun:
         returns each in its place."""
         if isinstance(error, GatewayError):
             error.item = (index, len(self._work))
-        else:  # an item that could not be sent (not JSON, not Arrow): named as a call's is
-            error = _naming_item(error, index, len(self._work))
+        elif isinstance(error, TypeError | ValueError):  # an item that could not be sent (not
+            error = _naming_item(error, index, len(self._work))  # JSON, not Arrow): named so
         with self._lock:
             first = not (self._return_exceptions or self.failure is not None)
             if first:

@@ -68,6 +68,12 @@ def test_map_calls_a_function_of_replicas_once_per_item_with_progress(kernel: Ke
         "item: map over its parts or rows ([frame.iloc[i:i + rows] for i in range(0, "
         "len(frame), rows)] or frame.to_dict('records'))"
     ]
+    # A groupby gives (key, part) pairs, which cannot travel: how to map over its parts.
+    grouped = kernel.run("square.map(pd.DataFrame({'a': [1, 2], 'k': [0, 0]}).groupby('k'))")
+    assert grouped.error is not None and grouped.error["traceback"] == [
+        "TypeError: square.map takes its items, a call each, and a pandas DataFrameGroupBy gives "
+        "(key, part) pairs: map over its parts ([part for _, part in grouped])"
+    ]
     # %functions: one row for the function, with its replicas.
     rows = kernel.run("%functions square").result.splitlines()
     assert [row.split()[0] for row in rows[1:-1]] == ["square"]
