@@ -278,6 +278,11 @@ class Function:
             raise MapItemsNotGiven(f"{self.name}.{exc}") from None
         timeout = self.timeout if timeout is None else timeout
         millis = self._millis(timeout, "map")
+        client = self._runtime.client()
+        # One map, one version: a function bound with %use follows its name from one call to
+        # the next, and a map calls the Run it began on (docs/protocol.md, "Ownership").
+        with self._runtime.trace.bookkeeping():
+            run_uid = self.run_uid or (client.status(self.name).uid if work else "")
         bar = MapBar(self.name, len(work), display)
         printers: dict[int, LiveLines] = {}
 
@@ -287,14 +292,13 @@ class Function:
                 printer = printers[index] = LiveLines(self.spec.runtime, f"[{index}] ")
             printer(line)
 
-        client = self._runtime.client()
         forget = self._runtime.on_stop(lambda: bar.end(cancelled=True))  # a restart mid-map
         try:
             results = client.map(
                 self.name, work, concurrency=concurrency,
                 return_exceptions=return_exceptions,
                 timeout_millis=millis, progress=bar.progress,
-                on_log=on_log, run_uid=self.run_uid,
+                on_log=on_log, run_uid=run_uid,
             )  # fmt: skip
         except HandlerFailed as failed:
             for printer in printers.values():

@@ -3,11 +3,15 @@ an item, its bar, an interrupt or a restart mid-map. A real kernel through jupyt
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from fnkernel.runtime_server.client import Client
+from fnkernel.runtime_server.lifecycle.stack import Stack
 from tests.kernel.cells import SLOW, WAITS, gateway_address
 from tests.kernel.kernels import Kernel
 from tests.support import Gate, wait_until
@@ -107,6 +111,48 @@ def test_a_maps_item_that_cannot_be_sent_fails_in_one_line_naming_it(kernel: Ker
         "[type(r).__name__ for r in square.map([3, {4}, 5], return_exceptions=True)]"
     )
     assert kept == ["int", "PayloadNotJSON", "int"]
+
+
+def test_a_map_of_a_used_function_runs_the_one_version_it_began_on(
+    stack_factory: Callable[..., Stack], tmp_path: Path
+) -> None:
+    # docs/protocol.md, "Ownership": a %use binding follows the name from one call to the
+    # next; one map runs one version: its items after the Run it began on was replaced (its
+    # owner edited the cell) are not called — 404, "not the Run this call was meant for" —
+    # never run by the new version beside the old one's results.
+    stack = stack_factory({"python": 1})
+    client = Client(stack.gateway_address)
+    half = tmp_path / "half"
+    version = (
+        "import pathlib, time\ndef handle(event):\n    if event == 5:\n"
+        f"        pathlib.Path({str(half)!r}).touch()\n    time.sleep(0.05)\n    return 'VERSION'\n"
+    )
+    client.create_run("clean", runtime="python", handler="handler.handle",
+                      files={"handler.py": version.replace("VERSION", "v1")})  # fmt: skip
+    kernel = Kernel()
+    try:
+        assert kernel.run(f"%fn_connect {stack.gateway_address}").ok
+        assert kernel.run("%use clean").ok
+        mapped: list[Any] = []
+        mapping = threading.Thread(target=lambda: mapped.append(kernel.run(
+            "results = clean.map(range(40), return_exceptions=True)\n"
+            "kinds = [r if isinstance(r, str) else type(r).__name__ for r in results]"
+        )))  # fmt: skip
+        mapping.start()
+        try:
+            wait_until(half.exists, timeout=60)
+            client.delete_run("clean")  # its owner's edit: the Run replaced by another
+            client.create_run("clean", runtime="python", handler="handler.handle",
+                              files={"handler.py": version.replace("VERSION", "v2")})  # fmt: skip
+        finally:
+            mapping.join(timeout=120)
+        assert mapped and mapped[0].ok, mapped and mapped[0].error
+        kinds = kernel.value("kinds")
+        assert "v2" not in kinds and kinds[:5] == ["v1"] * 5, kinds
+        assert "FunctionNotFound" in kinds, kinds
+        assert kernel.value("clean(0)") == "v2"  # the next call follows the name
+    finally:
+        kernel.shutdown()
 
 
 def test_interrupting_a_map_cancels_every_call_and_keeps_every_replica(kernel: Kernel) -> None:
