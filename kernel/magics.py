@@ -534,7 +534,7 @@ def load(shell: InteractiveShell) -> None:
     shell.register_magics(FunctionMagics)
     shell.events.register("post_run_cell", _remember_error(session))
     shell.Completer.custom_matchers.append(_name_matcher(session))
-    shell.set_custom_exc((NameError,), name_error_handler(session.previous))
+    shell.set_custom_exc((NameError,), name_error_handler(session.previous, session.on_stack))
 
 
 def unload(shell: InteractiveShell) -> None:

@@ -15,6 +15,7 @@ import functools
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -95,15 +96,18 @@ class PreviousKernel:
         )
 
 
-def name_error_handler(previous: PreviousKernel) -> Any:
-    """An IPython custom exception handler: a NameError for a previous kernel's function is
-    shown with the hint as a note (PEP 678), as IPython shows any error."""
+def name_error_handler(
+    previous: PreviousKernel, on_stack: Callable[[str], str | None] = lambda name: None
+) -> Any:
+    """An IPython custom exception handler: a NameError for a previous kernel's function, or
+    for a function on the kernel's shared stack (`on_stack`), is shown with the hint as a note
+    (PEP 678), as IPython shows any error."""
 
     def handler(
         shell: Any, etype: type, value: BaseException, tb: Any, tb_offset: Any = None
     ) -> Any:
         name = getattr(value, "name", None)
-        hint = previous.hint(name) if isinstance(name, str) else None
+        hint = (previous.hint(name) or on_stack(name)) if isinstance(name, str) else None
         if hint is not None and hint not in getattr(value, "__notes__", ()):
             value.add_note(hint)
         shell.showtraceback((etype, value, tb), tb_offset=tb_offset)

@@ -36,6 +36,7 @@ from fnkernel.runtime_server.client.errors import (
 )
 
 _SESSION_ATTRIBUTE = "_fnkernel_session"
+HINT_SECONDS = 2  # how long a NameError's hint may ask the stack (Session.on_stack)
 OWNER_ENV = "FNKERNEL_OWNER"  # who this kernel is, as its functions record it
 # An owner is at most this long: with the fingerprint, a Run's spec.source stays within the
 # 1024 characters the Run's schema allows.
@@ -333,6 +334,26 @@ class Session:
         if owner_of(run.source) == self.owner:
             return "this kernel"
         return "used here" if run.name in self.used else ""
+
+    def on_stack(self, name: str) -> str | None:
+        """Why `name`, a NameError's, may be a function on this kernel's shared stack, and how
+        to bind it (a restarted kernel's first NameError, say); None if it is no function
+        there, or the stack is this kernel's own embedded runtime (``PreviousKernel`` tells
+        of those). Asked briefly: a hint, never a wait."""
+        runtime = self.runtime
+        if runtime.empty or runtime.embedded or not runtime.address:
+            return None
+        try:
+            run = Client(runtime.address, timeout=HINT_SECONDS).status(name)
+        except (GatewayError, ValueError):
+            return None
+        if owner_of(run.source) == self.owner:
+            return (
+                f"{name} is this notebook's function on the stack at {runtime.address}, still "
+                f"registered: run its %%function cell again to bind it (unchanged, it is not "
+                f"registered again), or %use {name}."
+            )
+        return f"{name} is a function on the stack at {runtime.address}: %use {name} binds it here."
 
     def _bind(self, spec: Spec, timeout: float | None, run_uid: str) -> Function:
         function = Function(

@@ -371,3 +371,35 @@ def test_after_a_restart_an_embedded_runtimes_function_says_why_it_is_gone(tmp_p
     finally:
         kernel.shutdown()
     wait_until(lambda: not list(runtime_dir.glob("notebook-*.json")), timeout=30)
+
+
+def test_after_a_restart_a_shared_stacks_function_says_how_to_bind_it(
+    stack_factory: Callable[..., Stack],
+) -> None:
+    # docs/protocol.md, "Kernel": on a shared stack a notebook's functions outlive its kernel;
+    # after a restart, a NameError for one says it is still registered there and how to bind
+    # it — for another's function, %use — and a name that is no function there says nothing.
+    stack = stack_factory({"python": 1})
+    Client(stack.gateway_address).create_run(
+        "theirs", runtime="python", handler="handler.handle",
+        files={"handler.py": "def handle(event):\n    return 1\n"},
+    )  # fmt: skip
+    kernel = Kernel(env={"FNKERNEL_RUNTIME": stack.gateway_address})
+    try:
+        assert kernel.run("%%function kept\ndef handler(event):\n    return 1\n").ok
+        kernel.manager.restart_kernel(now=False)
+        kernel.client.wait_for_ready(timeout=60)
+        said = {}
+        for name in ("kept", "theirs", "never_defined"):
+            cell = kernel.run(f"{name}(None)")
+            assert cell.error is not None and cell.error["ename"] == "NameError"
+            said[name] = "\n".join(cell.error["traceback"])
+        assert (
+            f"kept is this notebook's function on the stack at {stack.gateway_address}, still "
+            "registered: run its %%function cell again to bind it" in said["kept"]
+        ), said["kept"]
+        assert f"theirs is a function on the stack at {stack.gateway_address}: %use theirs " \
+            "binds it here." in said["theirs"]  # fmt: skip
+        assert "on the stack" not in said["never_defined"]
+    finally:
+        kernel.shutdown()
