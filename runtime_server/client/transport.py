@@ -81,17 +81,20 @@ class Unsent:
     def __init__(self, name: str) -> None:
         self.name = name
         self.waiting = True  # not in flight: a cancel of it cancels nothing sent
-        self._cancelled = threading.Event()
+        self._cancelled = False
+        self._woken: threading.Event | None = None  # made only to wait on: every call has one
 
     def cancel(self) -> int:
         """Cancelled (from another thread): 1 if nothing of it was in flight, else 0 (its
         request is cancelled as a request)."""
-        self._cancelled.set()
+        self._cancelled = True
+        if (woken := self._woken) is not None:  # made before `wait` looks at `_cancelled`
+            woken.set()
         return int(self.waiting)
 
     def __call__(self) -> None:
         """Its request is about to be sent: RequestCancelled if it was cancelled."""
-        if self._cancelled.is_set():
+        if self._cancelled:
             unsent = RequestCancelled(
                 f"the call of {self.name} was cancelled before it was sent: its payload was "
                 "still being converted",
@@ -105,7 +108,10 @@ class Unsent:
         """Wait `seconds` to send it again (it was refused before it ran, for `why`):
         RequestCancelled, with nothing sent, if it is cancelled meanwhile."""
         self.waiting = True
-        if self._cancelled.wait(seconds):
+        woken = self._woken = self._woken or threading.Event()
+        if self._cancelled:
+            woken.set()
+        if woken.wait(seconds):
             unsent = RequestCancelled(
                 f"the call of {self.name} was cancelled while it waited: {why}",
                 code="CANCELLED",
