@@ -6,12 +6,15 @@ kernel, imports this at start.
 * A gateway on TCP requires a token, loopback included, because any web page the user opens can
   send requests to loopback. When none is given, one is generated at start and stored in
   ``STATE_DIR/token`` (mode 0600).
-* Every gateway that requires a token also writes a *gateway file* ``gateway-PID.json``
-  ({address, token, pid}, mode 0600) into the runtime directory (0700), and removes it when it
-  stops, as Jupyter Server does with its ``jpserver-PID.json``. A client given only an address
-  finds the token there, so neither the CLI nor the kernel makes the user copy it. A gateway
-  that was killed cannot remove its file: the next gateway to announce itself, or client to look,
-  removes every file whose process is gone.
+* Every gateway for this machine's clients on TCP also writes a *gateway file*
+  ``gateway-PID.json`` ({address, token, spool, pid}, mode 0600) into the runtime directory
+  (0700), and removes it when it stops, as Jupyter Server does with its ``jpserver-PID.json``.
+  A client given only an address finds the token there, so neither the CLI nor the kernel
+  makes the user copy it; and what the file says is what the client trusts of the gateway —
+  its spool, where payloads are handed over — once the server it connected to is the one the
+  file names (``holds``: another local user may listen on another loopback address at the same
+  port). A gateway that was killed cannot remove its file: the next gateway to announce itself,
+  or client to look, removes every file whose process is gone.
 * Both directories must be this user's alone (``system.private``): a token is never written
   into, nor read from, a directory another user made or may write.
 """
@@ -23,7 +26,9 @@ import ipaddress
 import json
 import os
 import secrets
+import socket
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,12 +132,12 @@ def runtime_dir() -> Path:
     return Path.home() / ".local" / "share" / "fnkernel" / "runtime"
 
 
-def announce(address: str, token: str) -> Path:
+def announce(address: str, token: str | None, spool: str | None = None) -> Path:
     """Write this process's gateway file; remove it with ``withdraw``. NotPrivate if the runtime
     dir is not this user's alone."""
     directory = private_dir(runtime_dir())
     _gateway_files(directory)  # removes those of gateways that are gone
-    body = {"address": address, "token": token, "pid": os.getpid()}
+    body = {"address": address, "token": token, "spool": spool, "pid": os.getpid()}
     return write_private(directory / f"gateway-{os.getpid()}.json", json.dumps(body))
 
 
@@ -188,8 +193,8 @@ def _gateway_files(directory: Path) -> list[dict[str, object]]:
     return found
 
 
-def find_token(address: str) -> str | None:
-    """The token of the running gateway at `address`, from its gateway file, if there is one."""
+def find_gateway(address: str) -> dict[str, object] | None:
+    """What the gateway file of the running gateway at `address` says, if there is one."""
     if address.startswith("unix:"):
         return None  # a Unix socket is guarded by its file mode, not by a token
     try:
@@ -198,7 +203,40 @@ def find_token(address: str) -> str | None:
         return None  # none, or one another user may write: nothing there is trusted
     for info in _gateway_files(directory):
         if same_gateway(str(info.get("address", "")), address):
-            token = info.get("token")
-            if isinstance(token, str) and token:
-                return token
+            return info
     return None
+
+
+def find_token(address: str) -> str | None:
+    """The token of the running gateway at `address`, from its gateway file, if there is one."""
+    token = (find_gateway(address) or {}).get("token")
+    return token if isinstance(token, str) and token else None
+
+
+def holds(announced: str) -> Callable[[str], bool]:
+    """Whether a server whose address is that IP is the gateway that announced `announced`:
+    one of the addresses its host names, or — bound to every address of a family — one of
+    that family's, which no other user can then hold at its port. A name matched by
+    ``same_gateway`` (localhost for 127.0.0.1) may resolve to another loopback address first
+    (::1), where another local user may listen at the same port: connecting is not proof."""
+    host, port = _endpoint(announced)
+    if host == "0.0.0.0":
+        return lambda ip: _ip(ip).version == 4
+    if host in ("::", ""):
+        return lambda ip: True
+    try:
+        found = {
+            str(info[4][0]) for info in socket.getaddrinfo(host, port, proto=socket.IPPROTO_TCP)
+        }
+    except OSError:
+        found = set()
+    mine = {_ip(ip) for ip in found}
+    return lambda ip: _ip(ip) in mine
+
+
+def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """An address as a peer's may be given: an IPv4-mapped IPv6 one as its IPv4 address."""
+    address = ipaddress.ip_address(text.split("%", 1)[0])
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address

@@ -149,8 +149,9 @@ def _runtimed(args: argparse.Namespace) -> int:
 
 
 def _gateway_token(args: argparse.Namespace, command: str, listen: str) -> GatewayToken:
-    """The token a gateway on `listen` requires (README, "Security"); a generated one is
-    printed once, and --no-token warns."""
+    """The token a gateway on `listen` requires (README, "Security"); where a generated one is
+    saved is said (never the token: a log of this line is anyone's to read), and --no-token
+    warns."""
     from fnkernel.runtime_server import tokens
 
     try:
@@ -170,8 +171,8 @@ def _gateway_token(args: argparse.Namespace, command: str, listen: str) -> Gatew
         )
     if chosen.generated:
         print(
-            f"fnkernel {command}: token {chosen.token} (saved in {chosen.path}; "
-            "fnkernel clients on this machine find it)",
+            f"fnkernel {command}: a new token, saved in {chosen.path} (0600): fnkernel clients "
+            "on this machine find it; another machine's need it (FNKERNEL_TOKEN)",
             file=sys.stderr,
             flush=True,
         )
@@ -183,6 +184,7 @@ def _gateway(args: argparse.Namespace) -> int:
 
     from fnkernel.runtime_server import daemon, limits, logs, tokens
     from fnkernel.runtime_server.daemon import announcement
+    from fnkernel.runtime_server.function_runtime.spool import spool_dir
     from fnkernel.runtime_server.lifecycle.controlplane import ControlPlane
     from fnkernel.runtime_server.lifecycle.gateway import Access, Gateway
 
@@ -211,10 +213,13 @@ def _gateway(args: argparse.Namespace) -> int:
             print(f"fnkernel gateway: cannot listen on {args.listen}: {exc}", file=sys.stderr)
             raise SystemExit(EXIT_FAILURE) from None
         try:
-            # The gateway file is for clients of this machine: none on Kubernetes.
+            # The gateway file is for clients of this machine: none on Kubernetes, nor for a
+            # Unix socket (its directory's mode guards it). It names the gateway's spool, which
+            # a client trusts from nowhere else (tokens.holds).
+            spool = str(spool_dir(Path(args.spool))) if args.spool else None
             gateway_file = (
-                tokens.announce(address, token)
-                if token is not None and topology.local_clients
+                tokens.announce(address, token, spool)
+                if topology.local_clients and not address.startswith("unix:")
                 else None
             )
         except OSError as exc:
@@ -347,7 +352,7 @@ def _add_access_flags(parser: argparse.ArgumentParser) -> None:
         "--token-file",
         metavar="FILE",
         help="require the bearer token in FILE (default on TCP: a new one, saved in "
-        "STATE_DIR/token and printed once)",
+        "STATE_DIR/token, 0600)",
     )
     parser.add_argument(
         "--no-token",

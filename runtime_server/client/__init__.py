@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import stat
 import time
 import urllib.parse
@@ -50,6 +51,7 @@ from fnkernel.runtime_server.client.transport import (
 from fnkernel.runtime_server.client.views import NOT_SPOOLED, InvocationResult, Run
 from fnkernel.runtime_server.errors import InvalidField
 from fnkernel.runtime_server.function_runtime.spool import new_name
+from fnkernel.system.private import check_private_dir
 
 __all__ = [
     "DEFAULT_ADDRESS",
@@ -326,11 +328,11 @@ class Client(Transport):
             if handed is not None:  # its call has ended (or never began): the server is done
                 handed.unlink(missing_ok=True)
         if self._spool is None and reply.get(wire.SPOOL_HEADER):  # a large result came whole
-            self._spool = (_local(reply[wire.SPOOL_HEADER]),)
+            self._spool = (self._vouched_spool(reply[wire.SPOOL_HEADER]),)
         value: Any = NOT_SPOOLED
         written = -1
         ref = reply.get(wire.OUTPUT_REF_HEADER)
-        taken = spool / Path(ref.split(" ", 1)[0]).name if ref and spool is not None else None
+        taken = _result_in(spool, ref) if ref and spool is not None else None
         try:
             if into is not None:  # as it came (in the answer's body, written as it came; in
                 # the answer; or from where the worker wrote it)
@@ -478,6 +480,8 @@ class Client(Transport):
         lanes = [Route.of(name, found)] if found else [Route.of(r["name"], r) for r in replicas]
         if run_uid and not any(lane.name == name and lane.run_uid == run_uid for lane in lanes):
             return None  # not the Run the map is meant for: its calls say so, by the gateway
+        if not all(_private_socket(lane.address) for lane in lanes):
+            return None  # a runtimed only this user can be listening for, or the gateway
         return lanes or None
 
     def batch(
@@ -517,6 +521,8 @@ class Client(Transport):
         answer = self._json("GET", f"/v1/runs/{quote(name)}:route")
         found = answer.get("route")
         route = Route.of(name, found) if found else None
+        if route is not None and not _private_socket(route.address):
+            route = None  # a runtimed only this user can be listening for, or the gateway
         if route is not None or answer.get("lasting"):
             self._routes[name] = route
         return route
@@ -543,8 +549,19 @@ class Client(Transport):
                 raise
             except (GatewayError, ValueError, KeyError, TypeError):
                 pass  # a gateway that does not say: calls go through it, every byte in them
-            self._spool = (_local(named) if named else None,)
+            self._spool = (self._vouched_spool(named) if named else None,)
         return self._spool[0]
+
+    def _vouched_spool(self, named: str) -> Path | None:
+        """The spool a gateway names (``GET /v1/payloads``, ``X-Fn-Spool``), if it is this
+        machine's stack's, this user's and 0700 (``_local``): named by the gateway this
+        machine's gateway file announces, which the server answering is (``tokens.holds``), or
+        by one on a Unix socket of this user's alone. Any other server at the address — there
+        when the stack is not, or another user's — could name any directory of this user's,
+        whose files the client would then read as results, and free."""
+        if not (named == self.announced_spool or _private_socket(self.address)):
+            return None
+        return _local(named)
 
     def _spool_known(self) -> Path | None:
         return self._spool[0] if self._spool is not None else None
@@ -631,6 +648,36 @@ def _local(named: str) -> Path | None:
         return None
     mine = seen.st_uid == os.getuid() and stat.S_IMODE(seen.st_mode) == 0o700
     return Path(named) if mine and stat.S_ISDIR(seen.st_mode) else None
+
+
+# A result's name in the spool (function_runtime/spool.py, new_name): nothing else is read.
+_RESULT_NAME = re.compile(r"out-[A-Za-z0-9_-]{22}")
+
+
+def _result_in(spool: Path, ref: str) -> Path:
+    """The spooled result an answer's X-Fn-Output-Ref names: a result's name, a file of this
+    user's, never a link; GatewayError (not read, not freed) for any other."""
+    name = ref.split(" ", 1)[0]
+    path = spool / name
+    try:
+        seen = os.lstat(path) if _RESULT_NAME.fullmatch(name) else None
+    except OSError:
+        seen = None
+    if seen is None or not stat.S_ISREG(seen.st_mode) or seen.st_uid != os.getuid():
+        raise GatewayError(f"the answer names no result of the spool ({name!r}); not read")
+    return path
+
+
+def _private_socket(address: str) -> bool:
+    """Whether `address` is a Unix socket in a directory of this user's alone: only a process
+    of this user's can be listening there."""
+    if not address.startswith("unix:"):
+        return False
+    try:
+        check_private_dir(Path(address[5:]).parent)
+    except OSError:
+        return False
+    return True
 
 
 # A call refused while its Run is registered again is sent again after this, doubling up to

@@ -134,11 +134,14 @@ class Transport:
         # stack started again on the same state dir has a new one (``_token_renewed``).
         self._token_found = token is None and not os.environ.get(tokens.TOKEN_ENV)
         given = "the token given" if token is not None else f"${tokens.TOKEN_ENV}"
+        # What this machine's gateway at the address said of itself (its token, its spool):
+        # trusted only of the server that gateway is (``_connect``: tokens.holds).
+        self._announced = tokens.find_gateway(self.address)
         if token is not None:
             token = token.strip()  # as a token file's (`open(path).read()`: its newline)
         else:
-            token = (os.environ.get(tokens.TOKEN_ENV) or "").strip() or tokens.find_token(
-                self.address
+            token = (os.environ.get(tokens.TOKEN_ENV) or "").strip() or _found_token(
+                self._announced
             )
         self.token = token
         self.timeout = timeout
@@ -167,13 +170,20 @@ class Transport:
         url = urllib.parse.urlsplit(
             self.address if "://" in self.address else f"http://{self.address}"
         )
+        connection: http.client.HTTPConnection
         if url.scheme.lower() == "https":  # a gateway behind TLS (an ingress): never in clear
             import ssl
 
-            return http.client.HTTPSConnection(
+            connection = http.client.HTTPSConnection(
                 url.hostname or "", url.port, timeout=timeout, context=ssl.create_default_context()
             )
-        return http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=timeout)
+        else:
+            connection = http.client.HTTPConnection(
+                url.hostname or "127.0.0.1", url.port, timeout=timeout
+            )
+        if self._announced is not None:  # its token and spool are that gateway's alone
+            _only_to(connection, str(self._announced.get("address", "")))
+        return connection
 
     def _headers(self, headers: Mapping[str, str] | None = None) -> dict[str, str]:
         """The request's headers; InvalidRequest, before anything is sent, for a value HTTP
@@ -288,11 +298,19 @@ class Transport:
         was started again) than the one this client found there, now taken instead."""
         if not self._token_found:
             return False
-        token = tokens.find_token(self.address)
+        announced = tokens.find_gateway(self.address)
+        token = _found_token(announced)
         if token is None or token == self.token:
             return False
-        self.token = token
+        self.token, self._announced = token, announced
         return True
+
+    @property
+    def announced_spool(self) -> str | None:
+        """The spool this machine's gateway at the address named in its gateway file, if one
+        did: the one a client hands payloads over in (``Client.local_spool``)."""
+        spool = (self._announced or {}).get("spool")
+        return spool if isinstance(spool, str) and spool else None
 
     def _kept_alive(self) -> http.client.HTTPConnection | None:
         """An idle kept-alive connection the gateway has not closed, marked busy; None if
@@ -457,6 +475,33 @@ def _send_expecting(
 def _is_invoke(method: str, path: str) -> bool:
     """Whether a request runs a handler: the one request never sent twice."""
     return method == "POST" and path.split("?", 1)[0].endswith(":invoke")
+
+
+def _found_token(announced: Mapping[str, object] | None) -> str | None:
+    token = (announced or {}).get("token")
+    return token if isinstance(token, str) and token else None
+
+
+def _only_to(connection: http.client.HTTPConnection, announced: str) -> None:
+    """Make `connection` refuse, before a byte is sent, a server that is not the gateway that
+    announced `announced` (``tokens.holds``): another local user listening at the same port
+    on another loopback address would be sent that gateway's token, and trusted as to its
+    spool."""
+    allowed = tokens.holds(announced)
+    connect = connection.connect
+
+    def checked() -> None:
+        connect()
+        assert connection.sock is not None  # connect() made it
+        peer = str(connection.sock.getpeername()[0])
+        if not allowed(peer):
+            connection.close()
+            raise ConnectionRefusedError(
+                f"the server at {peer} is not the gateway this machine's gateway file names "
+                f"({announced}): another process listens at that port; nothing was sent"
+            )
+
+    connection.connect = checked  # type: ignore[method-assign]
 
 
 class _NotTaken(Exception):

@@ -20,7 +20,7 @@ from fnkernel.runtime_server.client import Client
 from fnkernel.runtime_server.client.errors import Unauthorized
 from fnkernel.runtime_server.daemon import spawn
 from fnkernel.runtime_server.lifecycle.stack import Stack
-from tests.support import http_call
+from tests.support import http_call, read_until_ready
 
 
 def test_a_tcp_gateway_requires_a_token_by_default(shared_stack: Stack) -> None:
@@ -197,3 +197,25 @@ def test_non_loopback_gateway_refuses_to_start_without_a_token(tmp_path: Path) -
     )  # fmt: skip
     assert result.returncode == 2
     assert "--no-token" in result.stderr
+
+
+def test_up_says_where_its_new_token_is_and_never_the_token(tmp_path: Path) -> None:
+    # README, "Security": `fnkernel up` stores a new token in STATE_DIR/token (0600) and says
+    # where, never the token itself: README's own `fnkernel up > up.log` (and any log of its
+    # stderr) is a file of the umask's mode, which another local user may read.
+    state, said = tmp_path / "s", tmp_path / "up.err"
+    with said.open("w") as stderr:
+        up = subprocess.Popen(
+            [sys.executable, "-m", "fnkernel.runtime_server.cli", "up", "--state-dir", str(state),
+             "--gateway-listen", "127.0.0.1:0", "--pods", "python=1"],
+            stdout=subprocess.PIPE, stderr=stderr, text=True,
+        )  # fmt: skip
+        try:
+            printed = read_until_ready(up)
+        finally:
+            up.terminate()
+            rest, _ = up.communicate(timeout=60)
+    token = (state / "token").read_text().strip()
+    shown = "\n".join(printed) + rest + said.read_text()
+    assert token and token not in shown
+    assert f"a new token, saved in {state / 'token'} (0600)" in shown
