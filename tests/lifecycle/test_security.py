@@ -159,6 +159,18 @@ def test_allowed_origins_and_hosts_are_answered_with_cors(stack_factory) -> None
     exposed = set(headers["Access-Control-Expose-Headers"].split(", "))
     assert {"X-Invocation-Id", "X-Fn-Outputs", "X-Fn-Attempt", "X-Fn-Logs", "X-Fn-Cold-Start",
             "X-Fn-Timeline", "X-Fn-Spans", "X-Fn-Run", "Retry-After"} <= exposed  # fmt: skip
+    # A failure is the page's to read too: the origin is named in it, a refusal included.
+    for method, path, authenticate, code in (
+        ("GET", "/v1/runs/nosuch", True, 404),
+        ("GET", "/v1/runs", False, 401),
+        ("POST", "/v1/runs", True, 400),
+    ):
+        status, headers, _ = http_call(
+            stack.gateway_address, method, path, b"{}" if method == "POST" else None,
+            headers={**origin, "Content-Type": "application/json"}, authenticate=authenticate,
+        )  # fmt: skip
+        assert status == code, (path, status)
+        assert headers.get("Access-Control-Allow-Origin") == "https://app.example", path
     status, _, _ = http_call(
         stack.gateway_address, "GET", "/v1/runs", headers={"Origin": "https://other.example"}
     )

@@ -74,16 +74,21 @@ class BaseHandler(web.RequestHandler):
 
     def initialize(self, gateway: Routes) -> None:
         self.gateway = gateway
+        self.origin: str | None = None  # an allowed Origin the request came from
+
+    def _name_origin(self) -> None:
+        """Name the allowed Origin in the answer (CORS), so that its page can read it."""
+        if self.origin is not None:
+            self.set_header("Access-Control-Allow-Origin", self.origin)
+            self.set_header("Vary", "Origin")
+            self.set_header("Access-Control-Expose-Headers", access.EXPOSED_HEADERS)
 
     def prepare(self) -> Awaitable[None] | None:
         """The checks of README "Security" (``access``), before anything is looked up or
         called; an allowed Origin is named in every answer, a refusal included."""
         request, allowed = self.request, self.gateway.access
-        origin = access.check_origin(request, allowed, self.gateway.listen_host)
-        if origin is not None:
-            self.set_header("Access-Control-Allow-Origin", origin)
-            self.set_header("Vary", "Origin")
-            self.set_header("Access-Control-Expose-Headers", access.EXPOSED_HEADERS)
+        self.origin = access.check_origin(request, allowed, self.gateway.listen_host)
+        self._name_origin()
         if self.gateway.stopping:
             raise FailureResponse("UNAVAILABLE", "the gateway is stopping; its calls in flight end")
         self.gateway.in_progress.add(self)
@@ -164,6 +169,7 @@ class BaseHandler(web.RequestHandler):
         """Every failure, ours and tornado's, in the JSON shape of docs/protocol.md, "Errors"."""
         exc_info = kwargs.get("exc_info")
         failure = self.failure(exc_info[1] if exc_info else None, status_code)
+        self._name_origin()  # tornado cleared the headers set before the failure
         if failure.status == 405:
             self.set_header("Allow", ", ".join(self.allowed_methods()))
         self.send_failure(failure)
