@@ -212,6 +212,9 @@ def test_bad_file_names_are_400_naming_files(
         ("GET", "/v1/runs?all=1", "all: is not a parameter of GET /v1/runs"),
         ("GET", "/v1/runs/kept/logs?follw=1", "follw: is not a parameter of GET "
          "/v1/runs/kept/logs; it takes follow"),
+        # Bytes that are not UTF-8 are named where they are, in tornado's words.
+        ("DELETE", "/v1/runs/kept?drainTimeoutMs=%FF", "Bad Request: Invalid unicode in drainTimeoutMs"),
+        ("GET", "/v1/runs/kept/invocations/%FF%FE/logs", "Bad Request: Invalid unicode in url"),
     ],
 )  # fmt: skip
 def test_a_query_parameter_a_route_does_not_take_is_400_naming_it(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import logging
 from asyncio import Future
@@ -189,6 +190,11 @@ class BaseHandler(web.RequestHandler):
                 return FailureResponse("METHOD_NOT_ALLOWED", message, status=405)
             reason = httputil.responses.get(status, "Unknown")
             name = reason.upper().replace(" ", "_").replace("-", "_")
+            said = error.log_message if isinstance(error, web.HTTPError) else None
+            if said:  # tornado's own words name what it refused (a query's non-UTF-8 value)
+                with contextlib.suppress(TypeError, ValueError):
+                    said = said % error.args if error.args else said  # type: ignore[union-attr]
+                reason = f"{reason}: {said}"
             return FailureResponse(TORNADO_CODES.get(status, name), reason, status=status)
         return FailureResponse("INTERNAL", f"internal error: {type(error).__name__}")
 
