@@ -21,7 +21,7 @@ from fnkernel.runtime_server.errors import InvalidField, SecretNotFound
 from fnkernel.runtime_server.lifecycle.secrets import SecretFiles, rotated_secret
 from fnkernel.runtime_server.lifecycle.stack import Stack
 from tests.lifecycle.stack_calls import phase_and_attempt
-from tests.support import wait_until
+from tests.support import http_call, wait_until
 
 VALUE = "s3cr3t-Value-8842"  # what must appear nowhere but in the handler's environment
 ROTATED = "r0tated-Value-1177"
@@ -340,3 +340,18 @@ def test_an_env_file_is_read_as_dotenv_reads_it() -> None:
         with pytest.raises(UsageError) as refused:
             env_file(bad)
         assert str(refused.value) == f"--from-env-file: line {line} is not KEY=VALUE"
+
+
+def test_a_secrets_unknown_field_over_http_is_refused_naming_it(shared_stack: Stack) -> None:
+    # docs/protocol.md, "HTTP API": a field a request does not take is 400 naming it, as a
+    # Run's is — not ignored (a misspelt "data" would set nothing the caller meant).
+    status, _, body = http_call(
+        shared_stack.gateway_address, "PUT", "/v1/secrets/typo",
+        json.dumps({"data": {"A": "b"}, "extra": 1}).encode(),
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    assert status == 400
+    assert json.loads(body)["message"] == "extra: is not a field of a secret; its field: data"
+    assert "typo" not in [
+        secret["name"] for secret in Client(shared_stack.gateway_address).list_secrets()
+    ]

@@ -6,6 +6,7 @@ message or an answer.
 
 from __future__ import annotations
 
+from fnkernel.runtime_server.errors import InvalidField
 from fnkernel.runtime_server.lifecycle.gateway.handlers import BaseHandler, BodyHandler
 from fnkernel.runtime_server.lifecycle.secrets import MAX_SECRET_BYTES, check_secret
 
@@ -21,7 +22,10 @@ class SecretHandler(BodyHandler):
     max_body = 6 * MAX_SECRET_BYTES + 4096
 
     async def put(self, name: str) -> None:
-        name, data = check_secret(name, self.json_body().get("data"))
+        body = self.json_body()
+        if unknown := sorted(set(body) - {"data"}):  # refused, as a Run's unknown field is
+            raise InvalidField(unknown[0], "is not a field of a secret; its field: data")
+        name, data = check_secret(name, body.get("data"))
         secret = await self.blocking(self.gateway.secrets.set, name, data)
         self.send_json(200, secret.shown())
 
