@@ -336,9 +336,9 @@ class Registry:
             logs, failure = getattr(exc, "logs", ()), limits.bounded(str(exc))
             raise
         finally:
-            # The input is the call's; the output the caller's, but for what a worker that
-            # failed mid-call may have begun (one that answered inline wrote nothing).
-            if self.spool is not None and input_ref:
+            # The input is the call's (an input's name only: never another call's result); the
+            # output the caller's, but for what a worker that failed mid-call may have begun.
+            if self.spool is not None and input_ref.startswith("in-"):
                 self.spool.remove(input_ref)
             if self.spool is not None and transfer.output and result is None:
                 self.spool.remove(transfer.output)
@@ -412,6 +412,11 @@ class Registry:
         if input_ref:
             if input:
                 raise InvalidField("input", f"must be empty when {INPUT_REF_KEY} names it")
+            self.spool.path(input_ref, INPUT_REF_KEY)  # a payload's name, or refused so
+            if not input_ref.startswith("in-"):  # another call's result is not an input
+                raise InvalidField(
+                    INPUT_REF_KEY, f"{input_ref} is an output's name, not an input's"
+                )
             path, _ = self.spool.existing(input_ref, INPUT_REF_KEY)
             if adapter.takes_files:
                 name_in = input_ref

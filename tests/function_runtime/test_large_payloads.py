@@ -286,6 +286,16 @@ def test_what_the_spool_refuses_is_named(python_spooled: Client, spool: Spool) -
         "is not a spooled payload's name",
     )
     free.unlink()
+    # Nor is another call's result, which only its own caller takes.
+    result = spool.directory / ("out-" + "c" * 22)
+    result.write_bytes(b'{"another": "result"}')
+    rejected(
+        lambda: python_spooled.invoke(registration, b"", metadata=((INPUT_REF_KEY, result.name),)),
+        INPUT_REF_KEY,
+        "is an output's name, not an input's",
+    )
+    assert result.read_bytes() == b'{"another": "result"}'  # neither read nor taken
+    result.unlink()
     with pytest.raises(grpc.RpcError) as short:
         put(python_spooled, b"abc", size=10)
     assert short.value.code() == grpc.StatusCode.INVALID_ARGUMENT
