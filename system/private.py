@@ -134,6 +134,16 @@ def open_private(path: str | Path, flags: int = os.O_WRONLY | os.O_APPEND) -> in
     return fd
 
 
+def read_private(path: Path) -> str:
+    """The text of the file `path`, never through a symlink, as ``open_private`` checks it: made
+    0600 if it is ours and looser (an older store's, or a chmod), NotPrivate if it is another
+    user's. FileNotFoundError if there is none (nothing is made)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with open(fd, encoding="utf-8") as source:
+        _own_it(source.fileno(), path)
+        return source.read()
+
+
 def create_private(path: Path) -> int:
     """A descriptor of a new file `path` (O_EXCL, 0600, write only). A file of that name left by
     a process of ours that died is removed first; nothing already there is ever written to."""

@@ -24,7 +24,7 @@ from typing import Protocol
 from fnkernel.runtime_server import limits
 from fnkernel.runtime_server.errors import InvalidField, NotAllowedHere, SecretNotFound
 from fnkernel.runtime_server.tokens import write_private
-from fnkernel.system.private import private_dir
+from fnkernel.system.private import private_dir, read_private
 
 SECRETS_DIR = "secrets"  # one machine: STATE_DIR/SECRETS_DIR/NAME
 _LOCK_FILE = ".lock"  # not a name (_NAME): never listed
@@ -213,7 +213,7 @@ class SecretFiles:
 
     def get(self, name: str) -> Secret:
         try:
-            kept = json.loads(self._path(name).read_text())
+            kept = json.loads(read_private(self._path(name)))
         except FileNotFoundError:
             raise SecretNotFound(f"secret {name!r} does not exist") from None
         data = dict(kept["data"])

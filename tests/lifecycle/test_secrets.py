@@ -70,6 +70,16 @@ def test_the_store_keeps_each_secret_private_and_versioned(tmp_path: Path) -> No
     assert secrets.set("warehouse", {"PASSWORD": VALUE}).version == "3"
     # Versions are the store's: another secret's set takes the next one too.
     assert secrets.set("lake", {"K": "v"}).version == "4"
+    # README, "Security": a looser file (an older store's, a chmod) is made 0600 as it is
+    # read; a link in the store's place is never read through.
+    (kept / "lake").chmod(0o644)
+    assert secrets.get("lake").data == {"K": "v"}
+    assert (kept / "lake").stat().st_mode & 0o777 == 0o600
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text('{"version": 9, "data": {"K": "planted"}}')
+    (kept / "planted").symlink_to(elsewhere)
+    with pytest.raises(OSError):
+        secrets.get("planted")
 
 
 def test_a_poll_reads_each_secret_once_however_many_runs_use_it(tmp_path: Path) -> None:
