@@ -76,9 +76,15 @@ class _LocalStore:
 
     def __init__(self, args: argparse.Namespace) -> None:
         from fnkernel.runtime_server.lifecycle.topology import OneMachine
+        from fnkernel.system.private import private_dir
 
         secrets_dir = Path(args.secrets_dir).expanduser() if args.secrets_dir else None
-        self.secrets = OneMachine(state_dir_of(args), secrets_dir).open_secrets()
+        state_dir = state_dir_of(args)
+        try:  # as `fnkernel up` refuses it: one another user made or may write
+            private_dir(secrets_dir.parent if secrets_dir else state_dir)
+        except OSError as exc:
+            raise UsageError(f"secrets: {exc}") from None
+        self.secrets = OneMachine(state_dir, secrets_dir).open_secrets()
 
     def set_secret(self, name: str, data: Mapping[str, str]) -> dict[str, object]:
         return self.secrets.set(name, data).shown()

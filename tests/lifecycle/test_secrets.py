@@ -157,6 +157,17 @@ def test_with_no_gateway_named_the_cli_keeps_secrets_in_this_machines_store(
         "NAME       VERSION  KEYS",
         "warehouse  1        DB_USER,PASSWORD",
     ]
+    # A state dir another user made, or may write, is refused as `fnkernel up` refuses it
+    # (README, "Security"): nothing is written into it.
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    loose.chmod(0o777)
+    refused = subprocess.run(
+        [sys.executable, "-m", "fnkernel.runtime_server.cli", "secrets", "set", "x", "A=b"],
+        capture_output=True, text=True, timeout=60, env={**env, "FNKERNEL_STATE_DIR": str(loose)},
+    )  # fmt: skip
+    assert refused.returncode == 2 and "lets its group and others write into it" in refused.stderr
+    assert list(loose.iterdir()) == []
     bad = cli("secrets", "set", "Warehouse", f"PASSWORD={VALUE}")
     assert bad.returncode == 2 and "name: must be 1-63 lower-case" in bad.stderr
     assert VALUE not in bad.stderr + made.stdout
