@@ -27,6 +27,7 @@ import json
 import os
 import secrets
 import socket
+import stat
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -68,12 +69,19 @@ def write_private(path: Path, text: str) -> Path:
 
 def read_token_file(path: Path) -> str:
     """The token in `path`, a ``--token-file``; ValueError naming the flag if it cannot be
-    read or holds none (never quoting what it holds)."""
+    read, holds none (never quoting what it holds), or every user of the machine may read it
+    (its group may: a Kubernetes Secret's volume is shared with the pod's fsGroup)."""
     try:
         token = path.read_text().strip()
+        mode = path.stat().st_mode
     except (OSError, UnicodeDecodeError) as exc:
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not text"
         raise ValueError(f"--token-file {path}: cannot be read: {why}") from None
+    if mode & stat.S_IROTH:
+        raise ValueError(
+            f"--token-file {path}: every user of this machine may read it (mode "
+            f"{stat.S_IMODE(mode):04o}), and with it run code as you: chmod o-r it"
+        )
     if not token or not token.isprintable() or any(c.isspace() for c in token):
         raise ValueError(f"--token-file {path}: does not hold a token (one line, no spaces)")
     return token

@@ -156,6 +156,17 @@ def test_no_token_is_for_loopback_only_and_warns(tmp_path: Path) -> None:
 def test_token_gateway_rejects_requests_without_bearer_401(tmp_path: Path) -> None:
     token_file = tmp_path / "token"
     token_file.write_text("s3cret\n")
+    # README, "Security": a token file every user may read is refused, naming it: with the
+    # token, any of them could run code as the gateway's user.
+    token_file.chmod(0o644)
+    loose = subprocess.run(
+        [sys.executable, "-m", "fnkernel.runtime_server.cli", "gateway", "--listen",
+         "127.0.0.1:0", "--state-dir", str(tmp_path / "state"), "--token-file", str(token_file)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert loose.returncode == 2
+    assert f"--token-file {token_file}: every user of this machine may read it" in loose.stderr
+    token_file.chmod(0o640)  # its group may: a Kubernetes Secret's volume (fsGroup)
     gateway = spawn(
         ["gateway", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "state"),
          "--token-file", str(token_file)]
