@@ -194,11 +194,21 @@ def _gateway_files(directory: Path) -> list[dict[str, object]]:
                 continue  # not ours: never trusted, and not ours to remove
             info = json.loads(entry.read_text())
             pid = info.get("pid")
-            if not isinstance(pid, int) or pid <= 0 or not running(pid):
+            if not isinstance(pid, int) or pid <= 0 or not _ours_running(pid):
                 entry.unlink(missing_ok=True)
                 continue
             found.append(info)
     return found
+
+
+def _ours_running(pid: int) -> bool:
+    """Whether the process `pid` runs, as this user: a gateway file's process that is another
+    user's now (its number taken again after the gateway was killed) is not the gateway, and
+    what its file says — the token, the spool — must not go to whoever listens there now."""
+    try:
+        return running(pid) and os.stat(f"/proc/{pid}").st_uid == os.geteuid()
+    except OSError:
+        return False
 
 
 def find_gateway(address: str) -> dict[str, object] | None:

@@ -240,3 +240,28 @@ def test_a_client_looking_for_a_token_removes_the_files_of_gateways_that_are_gon
     tmp_path.chmod(0o700)
     assert tokens.find_token("http://127.0.0.1:1") is None
     assert not stale.exists()
+
+
+def test_a_gateway_file_whose_process_is_another_users_now_is_not_trusted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # README, "Security": a killed gateway leaves its file; its process number may be another
+    # user's process's later, who may then listen at its address. Such a file is no gateway's:
+    # removed, its token given to nobody.
+    monkeypatch.setenv(tokens.RUNTIME_DIR_ENV, str(tmp_path))
+    tmp_path.chmod(0o700)
+    other = None
+    if os.geteuid() == 0:  # a process of another user's: nobody's
+        other = subprocess.Popen(["sleep", "60"], user=65534)
+        pid = other.pid
+    else:
+        pid = 1  # init's: root's
+    try:
+        stale = tmp_path / f"gateway-{pid}.json"
+        stale.write_text(json.dumps({"address": "http://127.0.0.1:1", "token": "t", "pid": pid}))
+        assert tokens.find_token("http://127.0.0.1:1") is None
+        assert not stale.exists()
+    finally:
+        if other is not None:
+            other.kill()
+            other.wait()
