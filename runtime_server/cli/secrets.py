@@ -81,7 +81,7 @@ class _LocalStore:
         secrets_dir = Path(args.secrets_dir).expanduser() if args.secrets_dir else None
         state_dir = state_dir_of(args)
         try:  # as `fnkernel up` refuses it: one another user made or may write
-            private_dir(secrets_dir.parent if secrets_dir else state_dir)
+            private_dir(secrets_dir or state_dir)
         except OSError as exc:
             raise UsageError(f"secrets: {exc}") from None
         self.secrets = OneMachine(state_dir, secrets_dir).open_secrets()

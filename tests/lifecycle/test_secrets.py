@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -168,6 +170,14 @@ def test_with_no_gateway_named_the_cli_keeps_secrets_in_this_machines_store(
     )  # fmt: skip
     assert refused.returncode == 2 and "lets its group and others write into it" in refused.stderr
     assert list(loose.iterdir()) == []
+    # --secrets-dir is checked itself, as up checks it: one of the user's own in /tmp is fine.
+    own = Path(tempfile.mkdtemp(prefix="fnkernel-secrets-", dir="/tmp"))
+    try:
+        kept = cli("secrets", "set", "x", "A=b", "--secrets-dir", str(own))
+        assert kept.returncode == 0, kept.stderr
+        assert (own / "x").stat().st_mode & 0o777 == 0o600
+    finally:
+        shutil.rmtree(own)
     bad = cli("secrets", "set", "Warehouse", f"PASSWORD={VALUE}")
     assert bad.returncode == 2 and "name: must be 1-63 lower-case" in bad.stderr
     assert VALUE not in bad.stderr + made.stdout
