@@ -332,6 +332,11 @@ class Client(Transport):
         value: Any = NOT_SPOOLED
         written = -1
         ref = reply.get(wire.OUTPUT_REF_HEADER)
+        if ref and spool is None:  # asked of no gateway this client trusts a spool of
+            raise GatewayError(
+                f"the answer names its result in a spool ({ref.split(' ', 1)[0]!r}), which this "
+                "client did not ask for and does not take from this gateway; not read"
+            )
         taken = _result_in(spool, ref) if ref and spool is not None else None
         try:
             if into is not None:  # as it came (in the answer's body, written as it came; in

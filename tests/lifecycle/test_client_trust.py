@@ -135,7 +135,8 @@ def test_a_server_that_is_no_announced_gateway_gets_no_file_of_the_users(
     address, victim = not_the_gateway
     client = Client(address, token="t")
     assert client.local_spool() is None
-    client.invoke("x", {"a": 1})  # it answered; nothing of the directory's was taken
+    with pytest.raises(GatewayError, match="which this client did not ask for and does not take"):
+        client.invoke("x", {"a": 1})  # a result by reference it never asked for: not read
     assert (victim / RESULT_NAME).read_text() == '"kept"'
     assert sorted(path.name for path in victim.iterdir()) == [RESULT_NAME]
     assert client._route("x") is None  # never a direct call to a socket it names
@@ -151,6 +152,7 @@ def test_the_cli_on_a_server_that_is_no_gateway_takes_nothing(
          "--gateway", address, "--output", str(out)],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
+    assert done.returncode == 1 and "did not ask for" in done.stderr, done.stderr
     assert "kept" not in done.stdout and "kept" not in (out.read_text() if out.exists() else "")
     assert sorted(path.name for path in victim.iterdir()) == [RESULT_NAME]
 
