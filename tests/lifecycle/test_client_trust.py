@@ -20,6 +20,7 @@ import pytest
 
 from fnkernel.runtime_server.client import Client
 from fnkernel.runtime_server.client.errors import GatewayError, GatewayUnreachable
+from fnkernel.runtime_server.client.local import result_in
 from fnkernel.runtime_server.lifecycle.stack import Stack
 
 RESULT_NAME = "out-" + "A" * 22  # named as a spooled result is
@@ -166,8 +167,6 @@ def test_a_result_the_answer_names_is_read_only_by_a_results_name(
     client = Client(stack.gateway_address)
     spool = client.local_spool()
     assert spool is not None  # the gateway file names it
-    from fnkernel.runtime_server.client import _result_in
-
     for ref in ("../../etc/passwd 3", "in-" + "B" * 22 + " 3", "free-1 3"):
         with pytest.raises(GatewayError, match="names no result of the spool"):
-            _result_in(spool, ref)
+            result_in(spool, ref)

@@ -1,0 +1,171 @@
+"""A client on the stack's own machine (docs/protocol.md, "Large payloads", "Calling runtimed
+directly", "Batches"): the stack's spool, where payloads and results are handed over as files,
+and the routes to its runtimeds — and what the client trusts of them (README, "Security"): a
+spool its gateway file names, or a gateway's on a Unix socket of this user's alone; a result's
+name only, never through a link; a runtimed on a Unix socket of this user's alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import stat
+import time
+from collections.abc import Generator, Sequence
+from pathlib import Path
+from typing import Any
+
+from fnkernel.runtime_server import limits
+from fnkernel.runtime_server.client.errors import GatewayError, GatewayUnreachable
+from fnkernel.runtime_server.client.transport import Transport, quote
+from fnkernel.runtime_server.client.views import InvocationResult
+from fnkernel.system.private import check_private_dir
+
+
+class Local(Transport):
+    """What a client does with the stack of its own machine: its spool and its runtimeds."""
+
+    def _lanes(self, name: str, run_uid: str = "") -> list[Any] | None:
+        """The routes of a map's batches (docs/protocol.md, "Batches"): the Run's own, or each
+        replica's of a replica set, when this client may call them directly (and the Run is
+        the one of `run_uid`, if given); else None."""
+        if not self._direct_allowed() or self.local_spool() is None:
+            return None
+        from fnkernel.runtime_server.client.direct import Route
+
+        try:
+            answer = self._json("GET", f"/v1/runs/{quote(name)}:route")
+        except GatewayError:
+            return None  # the map's first call says why
+        found = answer.get("route")
+        replicas = answer.get("replicas") or []
+        lanes = [Route.of(name, found)] if found else [Route.of(r["name"], r) for r in replicas]
+        if run_uid and not any(lane.name == name and lane.run_uid == run_uid for lane in lanes):
+            return None  # not the Run the map is meant for: its calls say so, by the gateway
+        if not all(_private_socket(lane.address) for lane in lanes):
+            return None  # a runtimed only this user can be listening for, or the gateway
+        return lanes or None
+
+    def batch(
+        self,
+        lane: Any,
+        items: Sequence[tuple[str, bytes, str]],
+        *,
+        timeout_millis: int,
+        go_on: bool,
+    ) -> Generator[tuple[int, InvocationResult | GatewayError], None, None]:
+        """Each of `items` (invocation ID, input, content type) called in turn on the route
+        `lane` (``_lanes``), as one batch: each result or failure by its item's index, as it
+        comes (``direct.Direct.invoke_batch``, which says how the batch ends early)."""
+        started = time.perf_counter()
+        wait = limits.wait_seconds(timeout_millis, hops_below=1)
+        answers = self._runtimeds().invoke_batch(lane, items, timeout_millis, go_on, wait)
+        with contextlib.closing(answers):  # a caller that stops reading ends the batch
+            for index, answer in answers:
+                if isinstance(answer, GatewayError):
+                    yield index, answer
+                else:
+                    yield index, InvocationResult.answered(answer[0], answer[1], started)
+                started = time.perf_counter()
+
+    def _direct_allowed(self) -> bool:
+        """Whether calls may skip the gateway (a subclass that records every request says no
+        while it records)."""
+        return True
+
+    def _route(self, name: str) -> Any:
+        """The gateway's route to `name` on this machine (``direct.Route``), None to call
+        through it; kept until it fails, or the gateway says why there is none for good."""
+        if name in self._routes:
+            return self._routes[name]
+        from fnkernel.runtime_server.client.direct import Route
+
+        answer = self._json("GET", f"/v1/runs/{quote(name)}:route")
+        found = answer.get("route")
+        route = Route.of(name, found) if found else None
+        if route is not None and not _private_socket(route.address):
+            route = None  # a runtimed only this user can be listening for, or the gateway
+        if route is not None or answer.get("lasting"):
+            self._routes[name] = route
+        return route
+
+    def _runtimeds(self) -> Any:
+        if self._direct is None:
+            from fnkernel.runtime_server.client.direct import Direct
+
+            self._direct = Direct()
+        return self._direct
+
+    def local_spool(self) -> Path | None:
+        """The spool the gateway's pods share, if this process can hand payloads over there
+        (``_local``): asked of the gateway (``GET /v1/payloads``) once, when a call first has a
+        large payload, or learnt from a large result's answer. GatewayUnreachable if no
+        gateway answers (asked again next time): before a large payload is read whole to be
+        sent where it cannot go."""
+        if self._spool is None:
+            named = None
+            try:
+                bounds = self._json("GET", "/v1/payloads")
+                named, self._max_payload = bounds["spool"], int(bounds["maxBytes"])
+            except GatewayUnreachable:
+                raise
+            except (GatewayError, ValueError, KeyError, TypeError):
+                pass  # a gateway that does not say: calls go through it, every byte in them
+            self._spool = (self._vouched_spool(named) if named else None,)
+        return self._spool[0]
+
+    def _vouched_spool(self, named: str) -> Path | None:
+        """The spool a gateway names (``GET /v1/payloads``, ``X-Fn-Spool``), if it is this
+        machine's stack's, this user's and 0700 (``_local``): named by the gateway this
+        machine's gateway file announces, which the server answering is (``tokens.holds``), or
+        by one on a Unix socket of this user's alone. Any other server at the address — there
+        when the stack is not, or another user's — could name any directory of this user's,
+        whose files the client would then read as results, and free."""
+        if not (named == self.announced_spool or _private_socket(self.address)):
+            return None
+        return _local(named)
+
+    def _spool_known(self) -> Path | None:
+        return self._spool[0] if self._spool is not None else None
+
+
+def _local(named: str) -> Path | None:
+    """The spool directory `named`, if it is on this machine, this user's and 0700: not, say, a
+    path a gateway on another machine names."""
+    try:
+        seen = os.stat(named)
+    except (OSError, ValueError):
+        return None
+    mine = seen.st_uid == os.getuid() and stat.S_IMODE(seen.st_mode) == 0o700
+    return Path(named) if mine and stat.S_ISDIR(seen.st_mode) else None
+
+
+# A result's name in the spool (function_runtime/spool.py, new_name): nothing else is read.
+_RESULT_NAME = re.compile(r"out-[A-Za-z0-9_-]{22}")
+
+
+def result_in(spool: Path, ref: str) -> Path:
+    """The spooled result an answer's X-Fn-Output-Ref names: a result's name, a file of this
+    user's, never a link; GatewayError (not read, not freed) for any other."""
+    name = ref.split(" ", 1)[0]
+    path = spool / name
+    try:
+        seen = os.lstat(path) if _RESULT_NAME.fullmatch(name) else None
+    except OSError:
+        seen = None
+    if seen is None or not stat.S_ISREG(seen.st_mode) or seen.st_uid != os.getuid():
+        raise GatewayError(f"the answer names no result of the spool ({name!r}); not read")
+    return path
+
+
+def _private_socket(address: str) -> bool:
+    """Whether `address` is a Unix socket in a directory of this user's alone: only a process
+    of this user's can be listening there."""
+    if not address.startswith("unix:"):
+        return False
+    try:
+        check_private_dir(Path(address[5:]).parent)
+    except OSError:
+        return False
+    return True
