@@ -59,6 +59,7 @@ class TracedClient(Client):
         sibling.token, sibling.timeout = self.token, self.timeout
         sibling._token_found = self._token_found
         sibling._spool, sibling._max_payload = self._spool, self._max_payload
+        sibling.bound_why = self.bound_why
         return sibling
 
     def request(
@@ -268,6 +269,13 @@ class Runtime:
                     self._client = TracedClient(self.address, self.trace)
                 except ValueError as exc:  # $FNKERNEL_TOKEN's, which the message names
                     raise StackMisconfigured(str(exc)) from None
+                # A payload past the bound names the one knob that sets it for this kernel.
+                self._client.bound_why = (
+                    f" ({MAX_PAYLOAD_ENV}, read as this kernel starts its runtime: set it, then "
+                    "restart the kernel)"
+                    if self._stack is not None
+                    else " (the gateway's --max-payload-bytes)"
+                )
                 self._wanted_at_choice = wanted  # a later change of it is the user's
             if runtime is not None and self._stack is not None and runtime not in self.pods():
                 if progress:

@@ -400,7 +400,7 @@ class Client(Local):
         if size > self._max_payload:
             said = f"more than {self._max_payload}" if more else size
             message = limits.body_too_large(
-                said, self._max_payload, limits.MAX_PAYLOAD_WHY, f"the payload of {name}"
+                said, self._max_payload, self.bound_why, f"the payload of {name}"
             )
             raise PayloadTooLarge(message, code="PAYLOAD_TOO_LARGE", status=413)
 
@@ -531,6 +531,7 @@ class _MapClient(Client):
         super().__init__(parent.address, token=parent.token, timeout=parent.timeout)
         self._parent, self._token_found = parent, parent._token_found
         self._spool, self._max_payload = parent._spool, parent._max_payload
+        self.bound_why = parent.bound_why
 
     def _direct_allowed(self) -> bool:
         return self._parent._direct_allowed()

@@ -157,6 +157,9 @@ class Transport:
         self._preparing_calls: set[Unsent] = set()
         self._direct: Any = None
         self._max_payload = limits.DEFAULT_MAX_SPOOLED_BYTES  # the gateway's, once asked
+        # What sets that bound, as a refusal names it: the flag and the variable, unless the
+        # caller knows which (a kernel knows whether its runtime is its own).
+        self.bound_why = limits.MAX_PAYLOAD_WHY
         # Last: a refused address or token leaves an object __del__ closes.
         check_address(self.address)
         if token and _NOT_IN_A_HEADER.search(token):  # named, never quoted: it is a secret

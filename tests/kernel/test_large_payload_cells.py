@@ -52,7 +52,10 @@ def test_the_embedded_runtimes_payload_bound_is_set_by_its_variable_and_named_wh
         assert cell.error is not None
         [line] = cell.error["traceback"]
         assert line.startswith("PayloadTooLarge: the payload of rows is "), line
-        assert f"; at most {1 << 20} (" in line and "FNKERNEL_MAX_PAYLOAD_BYTES" in line, line
+        assert line.endswith(
+            f"; at most {1 << 20} (FNKERNEL_MAX_PAYLOAD_BYTES, read as this kernel starts its "
+            "runtime: set it, then restart the kernel) (PAYLOAD_TOO_LARGE)"
+        ), line  # the one knob that sets it here, not the gateway's flag too
         spool = kernel.value("str(get_ipython()._fnkernel_session.runtime._stack.spool)")
         assert [p.name for p in Path(spool).iterdir() if p.name.startswith("in-")] == []
         # A result past it says the same knob, from the handler's failure.
