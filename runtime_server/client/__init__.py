@@ -312,8 +312,12 @@ class Client(Local):
         started = time.perf_counter()
         into = Counted(write_to) if write_to is not None else None
         try:
-            reply, output = self._invoked_once_ready(
-                name, sent, headers, timeout_millis, direct=direct, sending=sending, into=into
+            reply, output = _once_ready(
+                lambda: self._invoked(
+                    name, sent, headers, timeout_millis, direct=direct, into=into
+                ),
+                timeout_millis,
+                sending,
             )
         except BaseException as failed:
             if live is not None:
@@ -355,44 +359,6 @@ class Client(Local):
         if live is not None:
             live.ended(result)
         return result
-
-    def _invoked_once_ready(
-        self,
-        name: str,
-        body: bytes | FileBody,
-        headers: dict[str, str],
-        timeout_millis: int,
-        *,
-        direct: bool,
-        sending: Unsent,
-        into: Sink | None,
-    ) -> tuple[Headers, bytes]:
-        """``_invoked``, sent again while the Run is registered again — refused before it ran,
-        503 FAILED_PRECONDITION with Retry-After: a secret of it set again, its server
-        restarted (docs/protocol.md, "Errors") — up to the call's own timeout, as a map's item
-        waits for a free replica. A Failed Run (no Retry-After) is refused at once."""
-        deadline = time.monotonic() + limits.effective_timeout_millis(timeout_millis) / 1000
-        pause = _NOT_READY_FIRST_WAIT_SECONDS
-        waited = False
-        while True:
-            sending()  # cancelled while its payload was converted or written: not sent
-            try:
-                return self._invoked(name, body, headers, timeout_millis, direct=direct, into=into)
-            except FunctionUnavailable as refused:
-                if refused.code != "FAILED_PRECONDITION" or not refused.retry_after:
-                    raise
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    if not waited:
-                        raise
-                    message = (
-                        f"{refused.message}; waited for it to be ready until the call's timeout"
-                    )
-                    raise FunctionUnavailable.from_body(
-                        {**refused.detail, "message": message}, refused.status
-                    ) from None
-                sending.wait(min(pause, left), refused.message)
-                waited, pause = True, min(pause * 2, _NOT_READY_WAIT_CAP_SECONDS)
 
     def _bounded(self, name: str, size: int, *, more: bool = False) -> None:
         """PayloadTooLarge if a payload of `size` bytes (`more`: at least, a stream's) is past
@@ -541,6 +507,35 @@ class _MapClient(Client):
 # the cap: the gateway's Retry-After (1 s), while a registration takes a fraction of it.
 _NOT_READY_FIRST_WAIT_SECONDS = 0.05
 _NOT_READY_WAIT_CAP_SECONDS = 1.0
+
+
+def _once_ready(
+    invoked: Callable[[], tuple[Headers, bytes]], timeout_millis: int, sending: Unsent
+) -> tuple[Headers, bytes]:
+    """`invoked()`, made again while the Run is registered again — refused before it ran, 503
+    FAILED_PRECONDITION with Retry-After: a secret of it set again, its server restarted
+    (docs/protocol.md, "Errors") — up to the call's own timeout, as a map's item waits for a
+    free replica. A Failed Run (no Retry-After) is refused at once."""
+    deadline = time.monotonic() + limits.effective_timeout_millis(timeout_millis) / 1000
+    pause = _NOT_READY_FIRST_WAIT_SECONDS
+    waited = False
+    while True:
+        sending()  # cancelled while its payload was converted or written: not sent
+        try:
+            return invoked()
+        except FunctionUnavailable as refused:
+            if refused.code != "FAILED_PRECONDITION" or not refused.retry_after:
+                raise
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if not waited:
+                    raise
+                message = f"{refused.message}; waited for it to be ready until the call's timeout"
+                raise FunctionUnavailable.from_body(
+                    {**refused.detail, "message": message}, refused.status
+                ) from None
+            sending.wait(min(pause, left), refused.message)
+            waited, pause = True, min(pause * 2, _NOT_READY_WAIT_CAP_SECONDS)
 
 
 def _check_invocation_id(invocation_id: str) -> None:

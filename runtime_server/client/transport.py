@@ -95,13 +95,7 @@ class Unsent:
     def __call__(self) -> None:
         """Its request is about to be sent: RequestCancelled if it was cancelled."""
         if self._cancelled:
-            unsent = RequestCancelled(
-                f"the call of {self.name} was cancelled before it was sent: its payload was "
-                "still being converted",
-                code="CANCELLED",
-            )
-            unsent.unsent = True  # type: ignore[attr-defined]  # nothing ran
-            raise unsent
+            raise self._stopped("before it was sent: its payload was still being converted")
         self.waiting = False
 
     def wait(self, seconds: float, why: str) -> None:
@@ -112,12 +106,12 @@ class Unsent:
         if self._cancelled:
             woken.set()
         if woken.wait(seconds):
-            unsent = RequestCancelled(
-                f"the call of {self.name} was cancelled while it waited: {why}",
-                code="CANCELLED",
-            )
-            unsent.unsent = True  # type: ignore[attr-defined]
-            raise unsent
+            raise self._stopped(f"while it waited: {why}")
+
+    def _stopped(self, when: str) -> RequestCancelled:
+        unsent = RequestCancelled(f"the call of {self.name} was cancelled {when}", code="CANCELLED")
+        unsent.unsent = True  # type: ignore[attr-defined]  # nothing ran
+        return unsent
 
 
 class Transport:
@@ -436,10 +430,10 @@ class Transport:
         try:
             return json.loads(data) if data else None
         except ValueError:  # a page, say: what answered is no gateway (failure_of)
-            said = " ".join(_TAG.sub(" ", data[:2000].decode("utf-8", "replace")).split())[:120]
             raise GatewayError(
                 f"{method} {path} was answered by something that is not an fnkernel gateway (a "
-                f"proxy, or another server at {self.address}): HTTP {status}, not JSON: {said}",
+                f"proxy, or another server at {self.address}): HTTP {status}, not JSON: "
+                f"{_page_text(data, 120)}",
                 status=status,
             ) from None
 
@@ -551,13 +545,18 @@ def failure_of(status: int, data: bytes) -> GatewayError:
         if not isinstance(body, dict):
             raise ValueError("not an error body")
     except ValueError:
-        text = " ".join(_TAG.sub(" ", data.decode("utf-8", "replace")).split())
-        said = text if len(text) <= 200 else text[:199] + "…"
         body = {
             "message": f"HTTP {status} from something that is not an fnkernel gateway (a proxy, "
-            f"or another server at that address): {said}"
+            f"or another server at that address): {_page_text(data, 200)}"
         }
     return from_response(body, status)
 
 
 _TAG = re.compile(r"<[^>]*>")
+
+
+def _page_text(data: bytes, most: int) -> str:
+    """What an answer that is no gateway's says (an HTML page), as one line of at most `most`
+    characters, without its tags."""
+    text = " ".join(_TAG.sub(" ", data[: most * 16].decode("utf-8", "replace")).split())
+    return text if len(text) <= most else text[: most - 1] + "…"
