@@ -431,6 +431,7 @@ def main() -> None:
     del sys.argv[4:6]  # the handler sees no descriptor numbers (see above)
     req, resp = int(req_fd), int(resp_fd)
     keep_freed_memory()
+    _payloads.convert_on_jemalloc()
     os.set_inheritable(req, False)  # the handler's own subprocesses must not hold our frame pipes
     os.set_inheritable(resp, False)
     _leave_with_the_server(req)

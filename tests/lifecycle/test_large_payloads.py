@@ -47,6 +47,9 @@ HANDLER = {
         "    if isinstance(event, dict) and 'hold' in event:\n"
         "        print('holding', flush=True)\n"
         "        time.sleep(event['hold'])\n"
+        "    if isinstance(event, dict) and 'rss' in event:  # what this worker holds now\n"
+        "        status = open('/proc/self/status').read().split('RssAnon:')[1]\n"
+        "        return int(status.split()[0]) * 1024\n"
         "    if isinstance(event, dict) and 'mib' in event:\n"
         "        return np.frombuffer(b'\\x07' * (event['mib'] << 20), dtype=np.uint8)\n"
         "    if isinstance(event, (bytes, np.ndarray)):\n"
@@ -136,6 +139,41 @@ def test_a_1_gib_call_in_and_out(stack: Stack) -> None:
     del data
     array = client.invoke("big", {"mib": 1024}).value()
     assert array.shape == (1 << 30,) and int(array[:: 1 << 20].sum()) == 7 * 1024
+
+
+def test_an_idle_worker_gives_a_large_frames_memory_back(stack: Stack) -> None:
+    # docs/protocol.md, "What a handler sees": the worker converts payloads on Arrow's jemalloc
+    # allocator, which hands a freed frame's pages back within its decay (10 s); on pyarrow's
+    # default, mimalloc, they stayed resident in the idle worker.
+    client = Client(stack.gateway_address)
+
+    def held() -> int:
+        return client.invoke("big", {"rss": True}).value()
+
+    client.invoke("big", mixed_frame(1_000)).value()  # pyarrow loaded
+    resting = held()
+    frame = mixed_frame(4_000_000)  # ~130 MiB as Arrow, by reference both ways
+    assert len(client.invoke("big", frame).value()) == len(frame)
+    wait_until(lambda: held() < resting + 32 * MIB, timeout=90, interval=0.5)
+
+
+@pytest.mark.parametrize(
+    "env, allocator", [({}, "jemalloc"), ({"ARROW_DEFAULT_MEMORY_POOL": "system"}, "system")]
+)
+def test_a_handler_converts_on_jemalloc_unless_its_run_names_an_allocator(
+    stack: Stack, env: dict[str, str], allocator: str
+) -> None:
+    # docs/protocol.md, "What a handler sees": the worker's Arrow allocator, and pyarrow's
+    # own setting in the Run's env, which the worker leaves to pyarrow.
+    client = Client(stack.gateway_address)
+    files = {"handler.py": "import pyarrow as pa\n"
+             "def handle(frame):\n"
+             "    return pa.default_memory_pool().backend_name\n"}  # fmt: skip
+    run = client.create_run(
+        "pool", runtime="python", handler="handler.handle", files=files, env=env
+    )
+    assert run.phase == "Ready", run.message
+    assert client.invoke("pool", pd.DataFrame({"a": [1, 2]})).value() == allocator
 
 
 def test_an_interrupt_while_a_large_result_is_read_says_the_call_was_over(
