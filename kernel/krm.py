@@ -49,7 +49,6 @@ from fnkernel.runtime_server.krm.resources.resourcelist import (
     annotations_of,
     format_result,
     kind,
-    update_in_place,
     yaml,
 )
 
@@ -255,11 +254,12 @@ def bridge(function: Function) -> Any:
             output = function.invoke(payload, timeout=min(function.timeout or left, left)).output
         except GatewayError as exc:
             raise FunctionError(f"fn://{function.name}: {exc}") from None
-        if not isinstance(output, dict) or not isinstance(output.get("items", []), list):
+        try:
+            rl.apply(output)
+        except InvalidResourceList as exc:
             raise FunctionError(
-                f"fn://{function.name} must return a ResourceList (a JSON object with items)"
-            )
-        update_in_place(rl.document, output)
+                f"fn://{function.name} must return a ResourceList (a JSON object with items): {exc}"
+            ) from None
 
     return run
 

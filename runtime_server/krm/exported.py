@@ -25,7 +25,6 @@ from fnkernel.runtime_server.krm.resources.resourcelist import (
     InvalidResourceList,
     ResourceList,
     Result,
-    update_in_place,
 )
 
 # Where the export puts the function's own files inside the archive: they go last on sys.path,
@@ -77,9 +76,12 @@ def run(handler: str, stdin: BinaryIO, stdout: BinaryIO, stderr: TextIO) -> int:
             function = load(handler)
             payload = json.loads(json.dumps(rl.document, default=str))
             output = function(payload, Context()) if _takes_context(function) else function(payload)
-        if not isinstance(output, dict) or not isinstance(output.get("items", []), list):
-            raise TypeError("the handler must return a ResourceList (a JSON object with items)")
-        update_in_place(rl.document, output)
+        try:
+            rl.apply(output)
+        except InvalidResourceList as exc:
+            raise TypeError(
+                f"the handler must return a ResourceList (a JSON object with items): {exc}"
+            ) from None
     except Exception as exc:
         traceback.print_exc(file=stderr)
         rl.add_results([Result(f"{handler} failed: {type(exc).__name__}: {exc}", "error")])

@@ -153,6 +153,22 @@ def test_a_failing_krm_step_shows_its_results_and_raises_one_line(kernel: Kernel
     assert shown.count("should not be empty") == 1
 
 
+def test_a_krm_handler_that_returns_no_resource_list_fails_its_step_in_one_line(
+    kernel: Kernel,
+) -> None:
+    # docs/krm.md, "A notebook function kpt can run": the handler returns a ResourceList; what
+    # is none fails the step saying why, as any failing step is one line.
+    assert kernel.run("%%function hello --krm\ndef handler(rl):\n    return {'hello': 1}\n").ok
+    cell = kernel.run(
+        "%%krm eval fn://hello\napiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\n"
+    )
+    assert cell.error is not None and cell.error["ename"] == "PipelineFailed"
+    assert cell.error["traceback"] == [
+        "PipelineFailed: fn://hello must return a ResourceList (a JSON object with items): it "
+        "has no items (its keys: hello)"
+    ]
+
+
 def test_a_starlark_steps_print_is_shown_under_its_step(kernel: Kernel) -> None:
     # docs/krm.md, "starlark": print() writes the function's stderr, which kpt records; the
     # view shows it under its step, in text and HTML — how a script is debugged in class.

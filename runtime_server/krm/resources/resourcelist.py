@@ -163,6 +163,32 @@ class ResourceList:
     def to_bytes(self) -> bytes:
         return dump(self.document)
 
+    def apply(self, output: Any) -> None:
+        """Make this ResourceList the one a KRM function returned as JSON (`output`), changing
+        only what differs (``update_in_place``: the rest keeps its comments and style).
+        InvalidResourceList, saying why, unless `output` is one: an object whose ``items`` are
+        KRM objects, or one of kind ResourceList without them (every resource removed). An
+        apiVersion or kind it leaves out stays as it was."""
+        if not isinstance(output, dict):
+            raise InvalidResourceList(f"got {_JSON_KINDS.get(type(output), 'a number')}")
+        if output.get("kind", KIND) != KIND:
+            raise InvalidResourceList(f"kind must be {KIND}, got {output['kind']!r}")
+        items = output.get("items")
+        if items is None and "kind" not in output:
+            keys = ", ".join(map(str, list(output)[:5]))
+            raise InvalidResourceList(f"it has no items (its keys: {keys or 'none'})")
+        if items is not None and not (
+            isinstance(items, list) and all(isinstance(item, dict) for item in items)
+        ):
+            raise InvalidResourceList("items must be a list of KRM objects")
+        api_version = self.document.get("apiVersion", API_VERSION)
+        update_in_place(
+            self.document, {"apiVersion": api_version, "kind": KIND, **output, "items": items or []}
+        )
+
+
+_JSON_KINDS = {list: "a list", str: "a string", bool: "a boolean", type(None): "null"}
+
 
 # Comments keep their absolute column through ruamel.yaml, so a resource that travels through a
 # ResourceList (one level deeper, and with internal annotations that lengthen flow-style lines)
