@@ -437,6 +437,8 @@ def krm_magic(chain: Chain, line: str, cell: str | None) -> PipelineView:
         if words[0] == "render" and cell is None:
             dry_run = "--dry-run" in words
             directories = [word for word in words[1:] if word != "--dry-run"]
+            if unknown := [word for word in directories if word.startswith("-")]:
+                raise UsageError(f"%krm render: unknown option {unknown[0]}; it takes --dry-run")
             if len(directories) != 1:
                 raise UsageError("%krm render: expected exactly one DIR (and --dry-run)")
             return run_render(
@@ -468,9 +470,11 @@ def krm_magic(chain: Chain, line: str, cell: str | None) -> PipelineView:
     except (FileNotFoundError, PackageError, InvalidResourceList) as exc:  # the cell's, named
         raise UsageError(f"%krm: {exc}") from None
     except KeyboardInterrupt as interrupt:
-        if type(interrupt) is not KeyboardInterrupt:  # an fn:// step's call says so itself
-            raise
-        raise PipelineInterrupted(f"%krm {words[0]} interrupted; no file was written") from None
+        # An fn:// step's call says what became of its handler: said too.
+        call = f" ({interrupt})" if type(interrupt) is not KeyboardInterrupt else ""
+        raise PipelineInterrupted(
+            f"%krm {words[0]} interrupted; no file was written{call}"
+        ) from None
 
 
 def export_magic(session: Session, line: str, cell: str | None) -> None:

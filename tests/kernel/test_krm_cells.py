@@ -213,6 +213,31 @@ def test_an_interrupted_krm_render_is_one_line_and_leaves_no_process(kernel: Ker
     wait_until(lambda: not any(pid_alive(pid) for pid in started), timeout=10)
 
 
+def test_an_interrupted_fn_step_says_no_file_was_written_and_what_became_of_its_call(
+    kernel: Kernel, tmp_path: Path
+) -> None:
+    # README, "Interrupts": interrupting a %krm render is one line saying no file was written;
+    # an fn:// step's call, cancelled, says what became of its handler too.
+    started = tmp_path / "started"
+    assert kernel.run(
+        "%%function slowkrm --krm\nimport pathlib, time\ndef handler(rl):\n"
+        f"    pathlib.Path({str(started)!r}).touch()\n    time.sleep(60)\n    return rl\n"
+    ).ok
+    msg_id = kernel.send(
+        "%%krm render\napiVersion: kpt.dev/v1\nkind: Kptfile\nmetadata: {name: slow}\n"
+        "pipeline:\n  mutators:\n  - image: fn://slowkrm\n---\n"
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\n"
+    )
+    wait_until(started.exists, timeout=30)
+    kernel.manager.interrupt_kernel()
+    cell = kernel.collect(msg_id, timeout=30)
+    assert cell.error is not None
+    assert cell.error["traceback"] == [
+        "KeyboardInterrupt: %krm render interrupted; no file was written (invocation of slowkrm "
+        "cancelled; the handler was killed and slowkrm stays registered)"
+    ]
+
+
 def test_a_cells_kptfile_that_cannot_be_read_is_named_as_the_cells(kernel: Kernel) -> None:
     # docs/protocol.md, "Kernel": a %%krm render cell is the package; a misspelt field of its
     # Kptfile is refused naming the cell, never the temporary directory it was written to.
@@ -255,6 +280,7 @@ def test_krm_render_of_a_directory_names_the_files_changed_or_would_with_dry_run
         ("%krm", "expected `render DIR`"),
         ("%krm render", "expected exactly one DIR"),
         ("%krm render a b", "expected exactly one DIR"),
+        ("%krm render a --dryrun", "unknown option --dryrun; it takes --dry-run"),
         (
             "%%krm render\napiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\n",
             "exactly one Kptfile",
