@@ -3,6 +3,7 @@ is ("Ownership")."""
 
 from __future__ import annotations
 
+import builtins
 import keyword
 import re
 import sys
@@ -36,12 +37,18 @@ class Spec:
         return f"{self.name}.{RUNTIMES[self.runtime].extension}"
 
     def name_problem(self) -> str:
-        """Why the cell cannot have its name, or "": a keyword cannot be called from a cell;
-        a Python cell's file, first on the handler's import path, would hide a module of the
+        """Why the cell cannot have its name, or "": a keyword cannot be called from a cell,
+        and the function bound to a builtin's name would stand in for the builtin in every
+        later cell (``print`` calling the function, printing nothing); a Python cell's file, first on the handler's import path, would hide a module of the
         same name from the handler and from every library it imports (a standard library
         module, or a package it requires)."""
         if keyword.iskeyword(self.name):  # a soft one (match, type) is a name too
             return f"{self.name} is a Python keyword: a cell could not call it"
+        if not self.name.startswith("_") and hasattr(builtins, self.name):
+            return (
+                f"{self.name} is a Python builtin: the function would stand in for {self.name} "
+                "in every later cell"
+            )
         if self.filename != f"{self.name}.py":
             return ""
         if self.name in sys.stdlib_module_names:

@@ -275,6 +275,14 @@ def test_bad_flags_raise_a_one_line_usage_error(kernel: Kernel, line: str, messa
     [
         ("%%function class", "class is a Python keyword: a cell could not call it"),
         (
+            "%%function print",
+            "print is a Python builtin: the function would stand in for print in every later cell",
+        ),
+        (
+            "%%function sum --runtime bash",
+            "sum is a Python builtin: the function would stand in for sum in every later cell",
+        ),
+        (
             "%%function csv",
             "csv is a module of Python's standard library: the cell's file "
             "csv.py would hide it from the handler",
