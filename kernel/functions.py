@@ -9,7 +9,7 @@ from typing import Any
 from fnkernel.kernel.cellspec import Spec, owner_of
 from fnkernel.kernel.connection import Runtime
 from fnkernel.kernel.display import InvocationView, RegistrationCard
-from fnkernel.kernel.output import LiveLines, MapBar, handler_failure
+from fnkernel.kernel.output import LiveLines, MapBar, handler_failure, in_cell
 from fnkernel.runtime_server import limits, payloads, wire
 from fnkernel.runtime_server.client import Run
 from fnkernel.runtime_server.client.errors import (
@@ -17,6 +17,7 @@ from fnkernel.runtime_server.client.errors import (
     GatewayError,
     HandlerFailed,
     InvocationTimedOut,
+    RegistrationFailed,
     RequestCancelled,
 )
 from fnkernel.system.waiting import wait_for
@@ -98,8 +99,13 @@ class Status(Run):
     """``NAME.status()``: the Run with its live registration (a typed view that is still the
     gateway's JSON), shown as a registration card."""
 
+    spec: Spec | None = None  # the cell it was registered from: its load failure in cell lines
+
     def card(self) -> RegistrationCard:
-        return RegistrationCard.from_run(self)
+        card = RegistrationCard.from_run(self)
+        if self.spec is not None and self.spec.source and card.message:
+            card.message = in_cell(card.message, self.spec)
+        return card
 
     def __repr__(self) -> str:
         text = repr(self.card())
@@ -370,18 +376,28 @@ class Function:
             )
         return max(1, round(timeout * 1000))
 
-    def _replaced(self) -> NotOwned | None:
-        """After FunctionNotFound: NotOwned if the name is another's Run now (this kernel's was
-        deleted, and another made it again since), which its calls never reach."""
+    def _replaced(self) -> NotOwned | RegistrationFailed | None:
+        """After FunctionNotFound, what replaced the Run this function calls: NotOwned if the
+        name is another's Run now (this kernel's was deleted, and another made it again since),
+        which its calls never reach; RegistrationFailed if it is this kernel's, Failed (its
+        cell ran again, edited, and did not register: the version before was unregistered)."""
         if not self.run_uid:
             return None
         with contextlib.suppress(GatewayError), self._runtime.trace.bookkeeping():
-            owner = owner_of(self._runtime.client().status(self.name).source)
+            run = self._runtime.client().status(self.name)
+            owner = owner_of(run.source)
             if owner != self.owner:
                 return NotOwned(
                     f"{self.name} is no longer this kernel's: it was deleted, and made again "
                     f"since, owned by {owner}; not called (%use {self.name} calls theirs)"
                 )
+            if run.failed:
+                return RegistrationFailed(
+                    f"{self.name} did not register when its cell last ran, and the version "
+                    f"before was unregistered: {in_cell(run.message, self.spec)}; not called "
+                    "(fix the cell and run it again)",
+                    code="Failed", run_uid=run.uid,
+                )  # fmt: skip
         return None
 
     def _wait_replicas_free(self) -> None:
@@ -424,7 +440,9 @@ class Function:
         return [str(r["name"]) for r in replicas] if replicas else [self.name]
 
     def status(self) -> Status:
-        return Status(self._runtime.client().status(self.name))
+        status = Status(self._runtime.client().status(self.name))
+        status.spec = self.spec
+        return status
 
     def unregister(self, cancel: bool = False, drain_timeout: float | None = None) -> None:
         """Unregister and delete the function: let the in-flight invocation finish (at most

@@ -29,6 +29,16 @@ def cell_line(file_line: int) -> int:
     return file_line + 1
 
 
+def in_cell(message: str, spec: Spec) -> str:
+    """A load failure's message with the handler file's lines told as cell lines (Python's
+    ``NAME.py line N``, bash's ``NAME.sh: line N``)."""
+    return re.sub(
+        rf"\b{re.escape(spec.filename)}:? line (\d+)",
+        lambda found: f"cell line {cell_line(int(found[1]))}",
+        message,
+    )
+
+
 class LiveLines:
     """A call's log lines as the cell's output, each as it comes (``Client.invoke(on_log=)``,
     docs/protocol.md, "Live output"): on the stream it was written to, after `mark` (a map's

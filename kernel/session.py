@@ -7,7 +7,6 @@ import contextlib
 import dataclasses
 import getpass
 import os
-import re
 import socket
 import threading
 import time
@@ -23,7 +22,7 @@ from fnkernel.kernel.cellspec import Spec, owner_of
 from fnkernel.kernel.connection import Runtime, StackChosen, StackMisconfigured
 from fnkernel.kernel.display import Detail, RegistrationCard, pretty_json
 from fnkernel.kernel.functions import Function, NotOwned, RegistrationInterrupted
-from fnkernel.kernel.output import HandlerFailedInCell, cell_line
+from fnkernel.kernel.output import HandlerFailedInCell, in_cell
 from fnkernel.kernel.previous import PreviousKernel
 from fnkernel.kernel.trace import Trace
 from fnkernel.runtime_server.client import Client, Run
@@ -43,16 +42,6 @@ OWNER_ENV = "FNKERNEL_OWNER"  # who this kernel is, as its functions record it
 _OWNER_CHARS = 512
 _REUSABLE = ("Ready", "Idle")  # a Run in these phases is kept when its cell is run unchanged
 _PROGRESS_SECONDS = 0.5  # how often a registering cell's card reads its install's progress
-
-
-def in_cell(message: str, spec: Spec) -> str:
-    """A load failure's message with the handler file's lines told as cell lines (Python's
-    ``NAME.py line N``, bash's ``NAME.sh: line N``)."""
-    return re.sub(
-        rf"\b{re.escape(spec.filename)}:? line (\d+)",
-        lambda found: f"cell line {cell_line(int(found[1]))}",
-        message,
-    )
 
 
 def kernel_owner() -> str:

@@ -142,6 +142,22 @@ def test_a_payload_that_is_not_json_fails_in_one_line_naming_its_type(kernel: Ke
     ]
 
 
+def test_a_function_whose_edited_cell_did_not_register_says_so_when_called(kernel: Kernel) -> None:
+    # docs/protocol.md, "Kernel": an edited cell that fails to register leaves no version
+    # registered, and calling NAME says so in cell lines, as NAME.status() does.
+    assert kernel.run("%%function greet\ndef handler(event):\n    return 'hi'\n").ok
+    assert not kernel.run("%%function greet\ndef handler(event)\n    return 'hi'\n").ok
+    for call in ("greet()", "greet.map([1])"):
+        cell = kernel.run(call)
+        assert cell.error is not None and cell.error["traceback"] == [
+            "RegistrationFailed: greet did not register when its cell last ran, and the version "
+            "before was unregistered: UserCodeSyntaxError: cell line 2: SyntaxError: expected "
+            "':'; not called (fix the cell and run it again) (Failed)"
+        ], call
+    status = kernel.run("greet.status()").result
+    assert "state Failed" in status and "cell line 2: SyntaxError" in status, status
+
+
 def test_a_busy_function_fails_with_one_readable_line(kernel: Kernel) -> None:
     # docs/protocol.md, "Kernel": errors are short, readable messages (the error class, the field, the cause).
     assert kernel.run(SLOW).ok
