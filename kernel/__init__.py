@@ -18,6 +18,16 @@ def get(name: str) -> Any:
     return get(name)
 
 
+def __getattr__(name: str) -> Any:
+    """``HandlerFailed``, what a cell catches every handler failure with (README, "Errors"),
+    imported when it is first asked for."""
+    if name == "HandlerFailed":
+        from fnkernel.runtime_server.client.errors import HandlerFailed
+
+        return HandlerFailed
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def load_ipython_extension(ipython: Any) -> None:
     from fnkernel.kernel.magics import load
 

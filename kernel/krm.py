@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from IPython.core.error import UsageError
 
 from fnkernel.kernel.display import escape, fragment, table_html, table_text
+from fnkernel.kernel.output import HandlerFailedInCell
 from fnkernel.kernel.session import Session, session_of
 from fnkernel.runtime_server.client import parse_pairs
 from fnkernel.runtime_server.client.errors import GatewayError
@@ -252,6 +253,10 @@ def bridge(function: Function) -> Any:
         left = max(0.001, current().deadline - time.monotonic())  # the step's time limit
         try:
             output = function.invoke(payload, timeout=min(function.timeout or left, left)).output
+        except HandlerFailedInCell as failed:  # it raised: its traceback under the step
+            raise FunctionError(
+                f"fn://{function.name}: {failed.summary()}", stderr=failed.traceback_text()
+            ) from None
         except GatewayError as exc:
             raise FunctionError(f"fn://{function.name}: {exc}") from None
         try:

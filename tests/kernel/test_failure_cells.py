@@ -208,11 +208,11 @@ def handler(event):
 
 
 def test_a_handlers_builtin_exception_is_caught_by_its_own_type(kernel: Kernel) -> None:
-    # Issue: errors as a user of plain Python expects — `except KeyError` catches a handler's
-    # KeyError, and `except HandlerFailed` every handler failure (as Ray's RayTaskError).
+    # README, "Errors": `except KeyError` catches a handler's KeyError, and `except
+    # HandlerFailed` (from fnkernel.kernel) every handler failure (as Ray's RayTaskError).
     assert kernel.run(RAISES).ok
     setup = kernel.run(
-        "from fnkernel.runtime_server.client.errors import HandlerFailed\n"
+        "from fnkernel.kernel import HandlerFailed\n"
         "def caught(payload):\n"
         "    try:\n"
         "        raises(payload)\n"

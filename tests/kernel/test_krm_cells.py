@@ -169,6 +169,27 @@ def test_a_krm_handler_that_returns_no_resource_list_fails_its_step_in_one_line(
     ]
 
 
+def test_a_krm_handler_that_raises_shows_its_traceback_in_cell_lines_under_its_step(
+    kernel: Kernel,
+) -> None:
+    # README, "Errors": a handler's failure is its traceback with the cell's line numbers and
+    # one line naming the exception and the cell line; in a pipeline, under its step.
+    assert kernel.run(
+        "%%function raiser --krm\ndef handler(rl):\n    x = rl['items'][0]\n"
+        "    return x['spec']['replicas']\n"
+    ).ok
+    cell = kernel.run(
+        "%%krm eval fn://raiser\napiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\n"
+    )
+    assert cell.error is not None
+    assert cell.error["traceback"] == [
+        "PipelineFailed: fn://raiser: KeyError: 'spec' (raiser, cell line 4)"
+    ]
+    shown = cell.texts("display_data")[-1]
+    assert "    stderr: Cell raiser, line 4, in handler" in shown, shown
+    assert "    stderr: ---->  4     return x['spec']['replicas']" in shown
+
+
 def test_a_starlark_steps_print_is_shown_under_its_step(kernel: Kernel) -> None:
     # docs/krm.md, "starlark": print() writes the function's stderr, which kpt records; the
     # view shows it under its step, in text and HTML — how a script is debugged in class.
