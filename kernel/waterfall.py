@@ -38,6 +38,7 @@ _STYLE = (
     ".fnk .fnk-wf-bar{position:absolute;top:0;bottom:0;min-width:2px;"
     "background:var(--fnk-info)}"
     ".fnk .fnk-wf-bar.fnk-wf-failed{background:var(--fnk-error)}"
+    ".fnk .fnk-wf-said{font-size:.85em;margin:0 0 2px;overflow-wrap:anywhere}"
     ".fnk .fnk-wf-ms{flex:0 0 6em;text-align:right}"
     "</style>"
 )
@@ -76,6 +77,18 @@ def _label(span: dict[str, Any]) -> str:
     return f"{service} {span['kind'].lower()}: {name}"
 
 
+def _said(span: dict[str, Any]) -> list[str]:
+    """The lines under a span's bar: its SHOWN attributes, and why it failed."""
+    shown = [
+        f"{key.removeprefix('fnkernel.')}={span['attributes'][key]}"
+        for key in SHOWN
+        if span["attributes"].get(key) not in (None, "")
+    ]
+    return ([" ".join(shown)] if shown else []) + (
+        [f"failed: {span['status']}"] if span["status"] else []
+    )
+
+
 class Waterfall:
     """The spans of one call; ``_repr_html_`` draws bars, ``__repr__`` an indented timeline."""
 
@@ -107,16 +120,8 @@ class Waterfall:
             took_ms = (span["end"] - span["start"]) / 1e6
             name = ("  " * depth + _label(span)).ljust(width)
             lines.append(f"{name}  |{bar[:BAR_WIDTH]}|  +{start_ms:.2f} ms  {took_ms:.2f} ms")
-            shown = [
-                f"{key.removeprefix('fnkernel.')}={span['attributes'][key]}"
-                for key in SHOWN
-                if span["attributes"].get(key) not in (None, "")
-            ]
             indent = "  " * depth + "    "
-            if shown:
-                lines.append(indent + " ".join(shown))
-            if span["status"]:
-                lines.append(f"{indent}failed: {span['status']}")
+            lines += [indent + line for line in _said(span)]
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
@@ -142,6 +147,12 @@ class Waterfall:
                 f"style='left:{offset * 100:.2f}%;width:{length * 100:.2f}%'></span></span>"
                 f"<span class='fnk-wf-ms'>{took_ms:.2f} ms</span></div>"
             )
+            # What the text says under the bar, said here too: a class sees it on the screen.
+            body += [
+                f"<div class='fnk-wf-said fnk-muted' style='padding-left:{depth * 1.2 + 1:.1f}em'>"
+                f"{html.escape(line)}</div>"
+                for line in _said(span)
+            ]
         summary = html.escape(self._summary())
         return fragment(
             f"{_STYLE}<div class='fnk-wf'><div class='fnk-muted'>{summary}</div>"

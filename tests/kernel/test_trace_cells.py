@@ -49,8 +49,8 @@ def test_fn_trace_records_each_gateway_call(kernel: Kernel) -> None:
 def test_fn_trace_waterfall_draws_every_hop_of_the_last_traced_call(kernel: Kernel) -> None:
     """docs/protocol.md, "Tracing": while %fn_trace is on, each invocation carries a W3C
     traceparent; %fn_trace waterfall [INVOCATION] draws its spans — the kernel's, then every
-    hop's, each nested under its caller — with the hops' attributes in the text form and on
-    hover in HTML, and a failed call's failure where it happened."""
+    hop's, each nested under its caller — with the hops' attributes under each bar (every
+    attribute on hover in HTML), and a failed call's failure where it happened."""
     kernel.run(ETL)
     assert kernel.run("%fn_trace on").ok
     kernel.run('etl({"rows": [7]})')
@@ -70,6 +70,7 @@ def test_fn_trace_waterfall_draws_every_hop_of_the_last_traced_call(kernel: Kern
     assert "registration_id=reg_" in first.result and "fence=passed" in first.result
     html = first.htmls()[-1]
     assert html.count("class='fnk-wf-row'") == 7 and "rpc.system = grpc" in html
+    assert html.count("fence=passed") == first.result.count("fence=passed") > 0  # on the screen
     invocation_id = next(
         word.removeprefix("invocation_id=")
         for word in first.result.split()
