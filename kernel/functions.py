@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -79,6 +80,14 @@ class BadArgument(ValueError):
         return [f"ValueError: {self}"]
 
 
+class CallMisused(TypeError):
+    """A function called with arguments it does not take (two payloads; a payload and keyword
+    fields): one line naming the call, as Python's own TypeError would, without our frames."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"TypeError: {self}"]
+
+
 class InvocationInterrupted(KeyboardInterrupt):
     """The kernel was interrupted during an invocation: the call was cancelled and the handler
     killed; the function stays registered. Shown as one line, not a stack."""
@@ -150,9 +159,16 @@ class Function:
     def name(self) -> str:
         return self.spec.name
 
-    def __call__(self, payload: Any = None, /, **fields: Any) -> Any:
+    def __call__(self, *payloads: Any, **fields: Any) -> Any:
         """The decoded output of one call with `payload`, or with the keyword arguments as
         the event's fields (``etl(x=1)`` sends ``{"x": 1}``); ``etl()`` sends null."""
+        if len(payloads) > 1:
+            raise CallMisused(
+                f"{self.name}() takes one payload, got {len(payloads)}: send several in one "
+                f"list or object ({self.name}([a, b])), or call it once per item with "
+                f"{self.name}.map(items)"
+            )
+        payload = payloads[0] if payloads else None
         if fields:
             if payload is not None:
                 limit = (  # etl(x, timeout=5): the call's limit, which a call's fields are not
@@ -160,12 +176,21 @@ class Function:
                     if "timeout" in fields
                     else ""
                 )
-                raise TypeError(
+                raise CallMisused(
                     f"{self.name}() takes a payload or keyword fields, not both: "
                     f"{self.name}({{**payload, **fields}}) sends one object{limit}"
                 )
             payload = fields
         return self.invoke(payload).output
+
+    # What NAME? and a signature's tooltip show: one payload, or keyword fields.
+    __call__.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [
+            inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY),
+            inspect.Parameter("payload", inspect.Parameter.POSITIONAL_ONLY, default=None),
+            inspect.Parameter("fields", inspect.Parameter.VAR_KEYWORD),
+        ]
+    )
 
     def _not_sent(self, exc: TypeError | ValueError) -> PayloadNotSent:
         """A payload (or a map's item, which the message then names) that cannot be encoded

@@ -360,10 +360,19 @@ def test_small_habits(notebook_dir: Path) -> None:
         "%%function huge --memory 99999999\ndef handler(event):\n    return 1\n",
         "%function echo",
         "echo(1, timeout=5)",
+        "echo({'name': 'a'}, {'name': 'b'})",
     ])  # fmt: skip
     assert ok(cells[1]) == "{'x': 1, 'y': [2]}"
     assert ok(cells[2]) == ""  # None: the handler got null
-    assert "takes a payload or keyword fields, not both" in error(cells[3])["evalue"]
+    # A call's arguments it cannot take: one line, as Python's own TypeError, none of our frames.
+    assert error(cells[3])["traceback"] == [
+        "TypeError: echo() takes a payload or keyword fields, not both: echo({**payload, "
+        "**fields}) sends one object"
+    ]
+    assert error(cells[9])["traceback"] == [
+        "TypeError: echo() takes one payload, got 2: send several in one list or object "
+        "(echo([a, b])), or call it once per item with echo.map(items)"
+    ]
     # The field a call's limit is mistaken for says where the limit goes.
     assert error(cells[8])["evalue"].endswith(
         "; a call's time limit is echo.invoke(payload, timeout=S)"
