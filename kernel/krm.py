@@ -92,8 +92,8 @@ class PipelineView:
         parts = [f"[{number}] {where}{step.stage} {step.function}"]
         if not badge:
             parts.append(_trace(step) or "-")
-        elif step.skipped:
-            parts.append(f"not in {', '.join(step.skipped)}")
+        elif step.skipped:  # as the text says it, the badge last: no builtin → no exec
+            parts.append(" → ".join(f"no {name}" for name in step.skipped))
         parts.append(f"{step.duration * 1000:.0f} ms")
         status = ("ok" if step.ok else "FAILED") + (f" ({tally})" if tally else "")
         return " · ".join(parts), status
