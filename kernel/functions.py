@@ -159,16 +159,16 @@ class Function:
     def name(self) -> str:
         return self.spec.name
 
-    def __call__(self, *payloads: Any, **fields: Any) -> Any:
+    def __call__(self, *given: Any, **fields: Any) -> Any:
         """The decoded output of one call with `payload`, or with the keyword arguments as
         the event's fields (``etl(x=1)`` sends ``{"x": 1}``); ``etl()`` sends null."""
-        if len(payloads) > 1:
+        if len(given) > 1:
             raise CallMisused(
-                f"{self.name}() takes one payload, got {len(payloads)}: send several in one "
+                f"{self.name}() takes one payload, got {len(given)}: send several in one "
                 f"list or object ({self.name}([a, b])), or call it once per item with "
                 f"{self.name}.map(items)"
             )
-        payload = payloads[0] if payloads else None
+        payload = given[0] if given else None
         if fields:
             if payload is not None:
                 limit = (  # etl(x, timeout=5): the call's limit, which a call's fields are not
