@@ -50,14 +50,24 @@ def execute(path: Path, *, cell_timeout: float = CELL_TIMEOUT) -> nbformat.Noteb
 def run(notebook: nbformat.NotebookNode, path: Path, cell_timeout: float) -> None:
     """Run `notebook`'s cells in place (its outputs are there however far it got): nbclient's
     exceptions for a cell that fails (``CellExecutionError``), runs past `cell_timeout` s
-    (``CellTimeoutError``) or a kernel that dies (``DeadKernelError``)."""
+    (``CellTimeoutError``) or a kernel that dies (``DeadKernelError``); KeyboardInterrupt,
+    from whatever it raised, once nbclient took a SIGTERM or Ctrl-C."""
     client = NotebookClient(
         notebook,
         kernel_name=KERNEL_NAME,
         timeout=cell_timeout,
         resources={"metadata": {"path": str(path.parent)}},
     )
-    client.execute()
+    try:
+        client.execute()
+    except BaseException as exc:
+        # nbclient takes the signal itself (its loop's handler), and shuts the kernel down: the
+        # cell may end interrupted, or the kernel dead first (DeadKernelError, then its own
+        # cleanup's AssertionError), by which order they come. What it keeps of the signal
+        # says which it was either way.
+        if getattr(client, "_async_cleanup_kernel_future", None) is not None:
+            raise KeyboardInterrupt("nbclient took a signal") from exc
+        raise
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
