@@ -39,9 +39,10 @@ class Spec:
     def name_problem(self) -> str:
         """Why the cell cannot have its name, or "": a keyword cannot be called from a cell,
         and the function bound to a builtin's name would stand in for the builtin in every
-        later cell (``print`` calling the function, printing nothing); a Python cell's file, first on the handler's import path, would hide a module of the
-        same name from the handler and from every library it imports (a standard library
-        module, or a package it requires)."""
+        later cell (``print`` calling the function, printing nothing); a Python cell's file,
+        first on the handler's import path, would hide a module of the same name from the
+        handler and from every library it imports (a standard library module, or a package it
+        requires)."""
         if keyword.iskeyword(self.name):  # a soft one (match, type) is a name too
             return f"{self.name} is a Python keyword: a cell could not call it"
         if not self.name.startswith("_") and hasattr(builtins, self.name):

@@ -114,13 +114,8 @@ class ResourceList:
             document = CommentedMap(apiVersion=API_VERSION, kind=KIND)
         if not isinstance(document, dict):
             raise InvalidResourceList("a ResourceList must be a YAML mapping")
-        if document.get("kind", KIND) != KIND:
-            raise InvalidResourceList(f"kind must be {KIND}, got {document.get('kind')!r}")
-        items = document.get("items")
-        if items is None:
+        if _checked_items(document) is None:
             document["items"] = CommentedSeq()
-        elif not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
-            raise InvalidResourceList("items must be a list of KRM objects")
         return cls(document)
 
     @classmethod
@@ -171,16 +166,10 @@ class ResourceList:
         apiVersion or kind it leaves out stays as it was."""
         if not isinstance(output, dict):
             raise InvalidResourceList(f"got {_JSON_KINDS.get(type(output), 'a number')}")
-        if output.get("kind", KIND) != KIND:
-            raise InvalidResourceList(f"kind must be {KIND}, got {output['kind']!r}")
-        items = output.get("items")
+        items = _checked_items(output)
         if items is None and "kind" not in output:
             keys = ", ".join(map(str, list(output)[:5]))
             raise InvalidResourceList(f"it has no items (its keys: {keys or 'none'})")
-        if items is not None and not (
-            isinstance(items, list) and all(isinstance(item, dict) for item in items)
-        ):
-            raise InvalidResourceList("items must be a list of KRM objects")
         api_version = self.document.get("apiVersion", API_VERSION)
         update_in_place(
             self.document, {"apiVersion": api_version, "kind": KIND, **output, "items": items or []}
@@ -188,6 +177,20 @@ class ResourceList:
 
 
 _JSON_KINDS = {list: "a list", str: "a string", bool: "a boolean", type(None): "null"}
+
+
+def _checked_items(document: Mapping[str, Any]) -> list[Any] | None:
+    """The items of a ResourceList's `document` (None if it has none), as ``parse`` takes
+    input and ``apply`` a function's output: InvalidResourceList if it is of another kind, or
+    its items are not a list of KRM objects."""
+    if document.get("kind", KIND) != KIND:
+        raise InvalidResourceList(f"kind must be {KIND}, got {document.get('kind')!r}")
+    items = document.get("items")
+    if items is not None and not (
+        isinstance(items, list) and all(isinstance(item, dict) for item in items)
+    ):
+        raise InvalidResourceList("items must be a list of KRM objects")
+    return items
 
 
 # Comments keep their absolute column through ruamel.yaml, so a resource that travels through a
