@@ -49,6 +49,9 @@ MAX_MESSAGE_BYTES = 1024  # fatal_error and handler error messages
 # Live output (docs/protocol.md, "Live output"): the streams one process relays at once (each
 # holds one of its 32 RPC threads), and how long a follower waits for its invocation to start.
 MAX_LOG_FOLLOWERS = 8
+# docs/protocol.md, "Call streams": the InvokeFunctions streams one process keeps open at once
+# (each holds one of its 32 RPC threads while it is open, called or not).
+MAX_CALL_STREAMS = 12
 FOLLOW_WAIT_SECONDS = 5.0
 # docs/protocol.md, "Batches": a batch's answers that end within this of the last sent wait to go
 # with the next (a message through runtimed costs ~0.5 ms of CPU, more than a quick call); so a

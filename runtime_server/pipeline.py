@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 
-from fnkernel.runtime_server import tracing, wire
+from fnkernel.runtime_server import callstream, limits, tracing, wire
 from fnkernel.runtime_server.rpc import answer_failure, traced_failure
 
 
@@ -149,6 +149,10 @@ class Pipeline(grpc.ServerInterceptor):
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
         self._calls = threading.Condition()  # guards _active, the RPCs of `services` in flight
         self._active = 0
+        # docs/protocol.md, "Call streams": InvokeFunction's calls on streams, at most so many
+        # open; each call counted in flight as its RPC would be, not the stream that carries it.
+        self._streams = threading.BoundedSemaphore(limits.MAX_CALL_STREAMS)
+        self._stream: tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler] | None = None
 
     def stop(self, server: grpc.Server, grace: float) -> None:
         """Stop `server`: new RPCs refused, those of its services in flight given `grace`
@@ -195,6 +199,8 @@ class Pipeline(grpc.ServerInterceptor):
         continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
+        if handler_call_details.method == callstream.STREAM_PATH:
+            return self._call_stream(continuation)
         handler = continuation(handler_call_details)
         if handler is None:
             return None
@@ -206,6 +212,18 @@ class Pipeline(grpc.ServerInterceptor):
         wrapped = self._wrap(handler, handler_call_details.method)
         self._wrapped[handler_call_details.method] = (handler, wrapped)
         return wrapped
+
+    def _call_stream(
+        self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None]
+    ) -> grpc.RpcMethodHandler | None:
+        """The InvokeFunctions handler: each message through this pipeline's InvokeFunction
+        (none where there is none, or where it is not a hop that serves calls)."""
+        invoke = self.intercept_service(continuation, _InvokeCall()) if self._component else None
+        if invoke is None:
+            return None
+        if self._stream is None or self._stream[0] is not invoke:
+            self._stream = (invoke, callstream.serve(invoke, self._streams))
+        return self._stream[1]
 
     def _wrap(self, handler: grpc.RpcMethodHandler, path: str) -> grpc.RpcMethodHandler:
         service, _, method = path.lstrip("/").rpartition("/")
@@ -250,3 +268,10 @@ class Pipeline(grpc.ServerInterceptor):
             return response
 
         return served
+
+
+class _InvokeCall(grpc.HandlerCallDetails):
+    """The grpc.HandlerCallDetails by which a call stream finds the server's InvokeFunction."""
+
+    method = callstream.INVOKE_PATH
+    invocation_metadata: tuple[tuple[str, str], ...] = ()

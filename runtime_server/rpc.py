@@ -396,7 +396,7 @@ class CancellableCalls(Generic[S]):
                 if state["ended"]:
                     return  # our call ended first: the channel may serve another by now
                 state["cancelled"] = True
-            channel.close()
+            _closed(pair)
 
         if context is not None and not context.add_callback(cancel):  # it has ended already
             self._give_back(pair)
@@ -433,10 +433,19 @@ class CancellableCalls(Generic[S]):
             if len(self._idle) < self._MAX_IDLE:
                 self._idle.append(pair)
                 return
-        pair[0].close()
+        _closed(pair)
 
     def close(self) -> None:
         with self._lock:
             idle, self._idle = self._idle, []
-        for channel, _ in idle:
-            channel.close()
+        for pair in idle:
+            _closed(pair)
+
+
+def _closed(pair: tuple[grpc.Channel, Any]) -> None:
+    """Close a pooled channel, and its stub if it holds more than the channel (a stream's
+    sending thread: ``callstream.Invoke``)."""
+    pair[0].close()
+    closing = getattr(pair[1], "close", None)
+    if closing is not None:
+        closing()

@@ -27,6 +27,7 @@ SOURCES = (
     "fnkernel/v1alpha1/payloads.proto",
     "fnkernel/v1alpha1/batches.proto",
     "fnkernel/v1alpha1/registrations.proto",
+    "fnkernel/v1alpha1/callstreams.proto",
 )
 
 

@@ -19,9 +19,8 @@ from typing import Any
 import grpc
 
 from fnkernel.adapters.errors import InvocationCancelled
-from fnkernel.runtime_server import payloads, wire
+from fnkernel.runtime_server import callstream, payloads, wire
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
-from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import batches_pb2, batches_pb2_grpc
 from fnkernel.runtime_server.client.errors import GatewayError, RequestCancelled, from_response
 from fnkernel.runtime_server.rpc import (
@@ -76,7 +75,7 @@ class Direct:
         self._lock = threading.Lock()
         # Per runtimed: its invokes, each blocking on a channel of its own that ``cancel``
         # closes (a future's answer comes through another thread: ~0.2 ms a call).
-        self._invokes: dict[str, CancellableCalls[pb_grpc.FunctionRuntimeStub]] = {}
+        self._invokes: dict[str, CancellableCalls[callstream.Invoke]] = {}
         self._channels: dict[str, grpc.Channel] = {}  # the batches'
         self._batches: dict[str, batches_pb2_grpc.BatchesStub] = {}
         self._calls: set[Any] = set()  # the batches in flight
@@ -100,8 +99,10 @@ class Direct:
             (key, headers[name]) for name, key in _METADATA_OF_HEADER.items() if name in headers
         ]
         try:
-            response, call = self._invokes_of(route.address).call(
-                lambda stub: stub.InvokeFunction.with_call(request, timeout=wait, metadata=metadata)
+            answer, call = self._invokes_of(route.address).call(
+                lambda invoke: invoke.with_call(
+                    request.SerializeToString(), timeout=wait, metadata=metadata
+                )
             )
         except InvocationCancelled:
             raise RequestCancelled(
@@ -109,6 +110,7 @@ class Direct:
             ) from None
         except grpc.RpcError as err:
             raise self._failure(route, request.invocation_id, err) from None
+        response = pb.InvokeFunctionResponse.FromString(answer)
         return _answered(response, dict(call.trailing_metadata() or ())), response.output
 
     def invoke_batch(
@@ -189,10 +191,10 @@ class Direct:
         for invoke in invokes.values():
             invoke.close()
 
-    def _invokes_of(self, address: str) -> CancellableCalls[pb_grpc.FunctionRuntimeStub]:
+    def _invokes_of(self, address: str) -> CancellableCalls[callstream.Invoke]:
         with self._lock:
             if address not in self._invokes:
-                self._invokes[address] = CancellableCalls(address, pb_grpc.FunctionRuntimeStub)
+                self._invokes[address] = CancellableCalls(address, callstream.Invoke)
             return self._invokes[address]
 
     def _batches_stub(self, address: str) -> batches_pb2_grpc.BatchesStub:

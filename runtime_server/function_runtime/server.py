@@ -10,7 +10,7 @@ import grpc
 from grpc_health.v1 import health
 
 from fnkernel.adapters import runtimes
-from fnkernel.runtime_server import limits
+from fnkernel.runtime_server import callstream, limits
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import (
@@ -116,7 +116,12 @@ class RuntimeServer:
         extensions = (
             []
             if oneshot_only
-            else [INVOCATION_LOGS_SERVICE, BATCHES_SERVICE, REGISTRATIONS_SERVICE]
+            else [
+                INVOCATION_LOGS_SERVICE,
+                BATCHES_SERVICE,
+                REGISTRATIONS_SERVICE,
+                callstream.SERVICE,
+            ]
         )
         if spool is not None and not oneshot_only:
             payloads_pb2_grpc.add_PayloadsServicer_to_server(PayloadsServicer(spool), self.server)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import grpc
 
-from fnkernel.runtime_server import tracing
+from fnkernel.runtime_server import callstream, tracing
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import (
@@ -55,7 +55,7 @@ from fnkernel.runtime_server.lifecycle.runtimed.packages import (
     PackageCache,
     throttled,
 )
-from fnkernel.runtime_server.lifecycle.runtimed.proxy import invoke_bytes, proxy_ports
+from fnkernel.runtime_server.lifecycle.runtimed.proxy import proxy_ports
 from fnkernel.runtime_server.lifecycle.runtimed.server import (
     Active,
     ServerRegistrations,
@@ -122,7 +122,7 @@ class Runtimed(RunFailures):
         )
         self.batches_stub = batches_pb2_grpc.BatchesStub(self._batches_channel)
         self.heart = Heartbeat(self._channel, store, pod, runtime, poll_interval)
-        self.calls = CancellableCalls(server_address, invoke_bytes)  # proxied
+        self.calls = CancellableCalls(server_address, callstream.Invoke)  # proxied
         self._lock = threading.Lock()
         self._active: dict[str, Active] = {}
         self._runs: dict[str, Run] = {}  # this pod's Runs as of the last reconcile pass

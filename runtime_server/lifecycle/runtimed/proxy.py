@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import grpc
 from grpc_health.v1 import health
 
-from fnkernel.runtime_server import limits, tracing
+from fnkernel.runtime_server import callstream, limits, tracing
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import (
@@ -73,7 +73,7 @@ LOG = logging.getLogger("fnkernel.runtimed")
 class Agent(Protocol):
     """What the proxy hop asks of runtimed (``Runtimed``)."""
 
-    calls: CancellableCalls[grpc.UnaryUnaryMultiCallable]  # ``invoke_bytes`` of its server
+    calls: CancellableCalls[callstream.Invoke]  # its server's InvokeFunction ("Call streams")
     server_stub: pb_grpc.FunctionRuntimeStub
     logs_stub: logs_pb2_grpc.InvocationLogsStub
     payloads_stub: payloads_pb2_grpc.PayloadsStub
@@ -141,15 +141,6 @@ class RelayedInvoke:
             timeout_millis=timeout_millis,
         )
         return self.data + filled.SerializeToString()
-
-
-def invoke_bytes(channel: grpc.Channel) -> grpc.UnaryUnaryMultiCallable:
-    """InvokeFunction on `channel`, a request's bytes in and the answer's bytes out."""
-    return channel.unary_unary(
-        f"/{FUNCTION_RUNTIME_SERVICE}/InvokeFunction",
-        request_serializer=None,
-        response_deserializer=None,
-    )
 
 
 class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
@@ -417,6 +408,7 @@ def proxy_ports(runtimed: Agent) -> tuple[grpc.Server, health.HealthServicer, Pi
             INVOCATION_LOGS_SERVICE,
             PAYLOADS_SERVICE,
             BATCHES_SERVICE,
+            callstream.SERVICE,
             health.SERVICE_NAME,
         ],
     )
