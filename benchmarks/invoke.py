@@ -34,6 +34,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
 from typing import NamedTuple
@@ -52,6 +53,9 @@ from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS
 from tests.support import spawn_serve
 
 ECHO_METHOD = "/bench.Echo/Echo"
+# The same echo, each message of a bidirectional stream answered in turn (issue 48's call
+# streams: docs/architecture.md, "Call streams").
+STREAM_METHOD = "/bench.Echo/Stream"
 ROUNDS = 10
 BASH_HANDLER = "handle() { printf '%s' \"$1\"; }\n"
 PY_HANDLER = "def handle(event):\n    return event\n"
@@ -80,11 +84,16 @@ def serve_echo(address: str, spawn_bash: str | None) -> None:
             check=True,
         ).stdout
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=CHANNEL_OPTIONS)
-    handler = grpc.unary_unary_rpc_method_handler(echo)
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler("bench.Echo", {"Echo": handler}),)
-    )
+    def echoes(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        yield from requests
+
+    # An open stream holds a thread: room for the IN_FLIGHT streams of benchmarks.peers.
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=CHANNEL_OPTIONS)
+    handlers = {
+        "Echo": grpc.unary_unary_rpc_method_handler(echo),
+        "Stream": grpc.stream_stream_rpc_method_handler(echoes),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Echo", handlers),))
     serve_until_signal(server, address, "spawn-bash baseline" if spawn_bash else "grpc echo")
 
 

@@ -21,7 +21,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from benchmarks.throughput import MAX_CALLS
+import grpc
+
+from benchmarks.invoke import ECHO_METHOD, STREAM_METHOD
+from benchmarks.throughput import MAX_CALLS, StreamCaller, relay
+from fnkernel.runtime_server.daemon import Child
+from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS
 
 IN_FLIGHT = 10
 KG_KERNELS = 2  # Kernel Gateway's pool: a kernel per core
@@ -261,3 +266,43 @@ def threaded(call: Callable[[int], object], seconds: float) -> float:
     for worker in workers:
         worker.join()
     return sum(counts) / (time.perf_counter() - started)
+
+
+class NoHttpFloor:
+    """The floor under the Client's direct calls (no HTTP hop, no worker): a blocking gRPC call
+    to a thread-pool relay, on to the bare `echo` (started with its socket in `directory`) — as
+    unary calls, and as the messages of streams already open, as our hops make them
+    (docs/architecture.md, "Call streams"); with the callers IN_FLIGHT threads use, and each
+    case's processes."""
+
+    def __init__(self, directory: str, echo: Child) -> None:
+        self.relay = relay("sync", f"unix:{directory}/sync-proxy.sock", echo.address)
+        self.stream_relay = relay(
+            "sync-stream", f"unix:{directory}/stream-proxy.sock", echo.address, STREAM_METHOD
+        )
+        self.children = [self.relay, self.stream_relay]
+
+        def unary() -> Callable[..., bytes]:  # a channel each, as the Client's calls have
+            channel = grpc.insecure_channel(self.relay.address, options=CHANNEL_OPTIONS)
+            return channel.unary_unary(ECHO_METHOD)  # type: ignore[no-any-return]
+
+        self.call, self.threads = unary(), [unary() for _ in range(IN_FLIGHT)]
+        self.streams = [  # one for the latency, one each for the threads
+            StreamCaller(
+                grpc.insecure_channel(self.stream_relay.address, options=CHANNEL_OPTIONS),
+                STREAM_METHOD,
+            )
+            for _ in range(IN_FLIGHT + 1)
+        ]
+        self.processes = {
+            "floor without HTTP: gRPC relay (sync)": self.relay.pid,
+            "floor chain: gRPC echo": echo.pid,
+        }
+        self.stream_processes = {
+            "floor on streams: gRPC relay (sync)": self.stream_relay.pid,
+            "floor chain: gRPC echo": echo.pid,
+        }
+
+    def close(self) -> None:
+        for caller in self.streams:
+            caller.close()

@@ -16,9 +16,11 @@ bench-peers` installs them). A peer that is not installed is left out, and the r
   gateway → runtimed → Runtime Server, none of our code, no worker. Beside it, issue 48's
   alternative floor chains, made of other parts: its HTTP hop on uvloop's event loop; grpc's
   blocking call from a thread pool on both hops (tornado's and the relay's); its HTTP hop on
-  granian (an HTTP server in Rust, relaying with grpc.aio); and no HTTP hop at all (a blocking
+  granian (an HTTP server in Rust, relaying with grpc.aio); no HTTP hop at all (a blocking
   gRPC call from Python to the thread-pool relay), what a caller on the stack's machine calling
-  runtimed directly would stand on. The report names the least of them.
+  runtimed directly would stand on; and the same without HTTP, each call a message of a stream
+  already open on both hops, as fnkernel's calls go (docs/architecture.md, "Call streams"). The
+  report names the least of them.
 * **HTTP**, one client (raw ``http.client``, the body's bytes in and out, the same code for
   every server): fnkernel's gateway, Jupyter Kernel Gateway in notebook-http mode (a notebook
   whose ``# POST /echo`` cell prints the body back), and a bare tornado echo.
@@ -30,7 +32,7 @@ bench-peers` installs them). A peer that is not installed is left out, and the r
   over a Run with 10 replicas (the kernel's ``NAME.map`` calls it); Ray's 10 outstanding tasks
   and 10 actors; raw ``http.client`` from 10 threads on the same Runs and on the floor chain (its
   floor); the floor without the HTTP hop from 10 threads, a blocking gRPC call on a channel each
-  (the floor under ``Client.invoke``'s direct calls); and over HTTP, benchmarks.throughput's asyncio load generator (10 kept-alive
+  or a call on a stream each (the floors under ``Client.invoke``'s direct calls); and over HTTP, benchmarks.throughput's asyncio load generator (10 kept-alive
   connections) on the gateway's 10 Runs, on Kernel Gateway's kernel pool, on the floor chain and
   on the tornado echo. Issue 48's multiplexed alternative to 10 HTTP/1.1 connections: the floor
   chain on granian from 10 threads, and the same 10 calls at a time on one HTTP/2 connection
@@ -85,6 +87,7 @@ from benchmarks.invoke import (
 from benchmarks.peer_parts import (
     IN_FLIGHT,
     KernelGateway,
+    NoHttpFloor,
     PipeEcho,
     RawHttp,
     payload_of,
@@ -123,12 +126,14 @@ FLOOR_UVLOOP = "floor chain, its HTTP hop on uvloop"
 FLOOR_THREADS = "floor chain, blocking gRPC from threads, both hops"
 FLOOR_NO_HTTP = "floor without the HTTP hop (gRPC → relay → echo)"
 FLOOR_GRANIAN = "floor chain, its HTTP hop on granian (Rust)"
+FLOOR_STREAMS = "floor without the HTTP hop, on call streams"
 TORNADO = "tornado echo (floor)"
 GRPC_ECHO = "gRPC echo"
 PIPE = "pipe to a process"
 CLIENT_THREADS = f"fnkernel Client.invoke, {IN_FLIGHT} threads on {IN_FLIGHT} Runs"
 CHAIN_THREADS = f"floor chain, {IN_FLIGHT} threads (raw http.client)"
 NO_HTTP_THREADS = f"floor without the HTTP hop, {IN_FLIGHT} threads (blocking gRPC)"
+STREAMS_THREADS = f"floor without the HTTP hop, {IN_FLIGHT} threads on call streams"
 GRANIAN_THREADS = f"floor chain on granian, {IN_FLIGHT} threads (raw http.client)"
 GRANIAN_H2 = f"floor chain on granian, one HTTP/2 connection, {IN_FLIGHT} streams (httpx)"
 
@@ -150,11 +155,12 @@ def main() -> int:
         try:
             echo, proxy, front = floor_chain(tmp)
             children += (echo, proxy, front)
-            sync_proxy = relay("sync", f"unix:{tmp}/sync-proxy.sock", echo.address)
-            children.append(sync_proxy)
+            bare = NoHttpFloor(tmp, echo)
+            children += bare.children
+            closers.append(bare.close)
             alternatives = {
                 FLOOR_UVLOOP: relay("http-uvloop", "-", proxy.address),
-                FLOOR_THREADS: relay("http-threads", "-", sync_proxy.address),
+                FLOOR_THREADS: relay("http-threads", "-", bare.relay.address),
             }
             if importlib.util.find_spec("granian") is None:
                 print("granian is not installed: left out (pip install -e '.[peers]')")
@@ -178,19 +184,7 @@ def main() -> int:
             }
             if FLOOR_GRANIAN in alternatives:
                 bench.on_granian(alternatives[FLOOR_GRANIAN], proxy.pid, echo.pid)
-            bench.no_http = grpc.insecure_channel(
-                sync_proxy.address, options=CHANNEL_OPTIONS
-            ).unary_unary(ECHO_METHOD)
-            bench.no_http_threads = [
-                grpc.insecure_channel(sync_proxy.address, options=CHANNEL_OPTIONS).unary_unary(
-                    ECHO_METHOD
-                )
-                for _ in range(IN_FLIGHT)
-            ]  # a channel each, as the Client's calls have
-            bench.no_http_processes = {
-                "floor without HTTP: gRPC relay (sync)": sync_proxy.pid,
-                "floor chain: gRPC echo": echo.pid,
-            }
+            bench.bare = bare
             for number in range(args.rounds):
                 print(f"round {number + 1} of {args.rounds}", flush=True)
                 bench.round(args.sizes, args.seconds, warm=number == 0)
@@ -274,11 +268,9 @@ class Bench:
         self.chain_processes: dict[str, int] = {}
         # Issue 48's alternative floor chains (set by main): over HTTP, and without it.
         self.alternatives: dict[str, RawHttp] = {}
-        self.no_http: Callable[..., bytes] | None = None
         # The same from IN_FLIGHT threads: the floor under the Client's calls on this machine,
         # which skip the HTTP hop (docs/protocol.md, "Calling runtimed directly").
-        self.no_http_threads: list[Callable[..., bytes]] = []
-        self.no_http_processes: dict[str, int] = {}
+        self.bare: NoHttpFloor | None = None
         # The floor chain with its HTTP hop on granian, from 10 threads and multiplexed: its
         # address and processes (``on_granian``).
         self.granian = ""
@@ -307,8 +299,10 @@ class Bench:
         cases[FLOOR_CHAIN] = lambda: json.loads(chain.post(payloads.dumps(value)))
         for label, other in self.alternatives.items():
             cases[label] = lambda other=other: json.loads(other.post(payloads.dumps(value)))  # type: ignore[misc]
-        if (no_http := self.no_http) is not None:
-            cases[FLOOR_NO_HTTP] = lambda: json.loads(no_http(payloads.dumps(value), timeout=120))
+        if (bare := self.bare) is not None:
+            unary, streamed = bare.call, bare.streams[0]
+            cases[FLOOR_NO_HTTP] = lambda: json.loads(unary(payloads.dumps(value), timeout=120))
+            cases[FLOOR_STREAMS] = lambda: json.loads(streamed.call(payloads.dumps(value)))
         return cases
 
     def _runtimed(self, value: Any) -> Any:
@@ -417,14 +411,15 @@ class Bench:
                 self.chain_processes,
             ),
         }
-        if no_http := self.no_http_threads:
-            cases[NO_HTTP_THREADS] = lambda: self._counted(
-                NO_HTTP_THREADS,
-                lambda: threaded(
-                    lambda slot: json.loads(no_http[slot](body, timeout=120)), seconds
-                ),
-                self.no_http_processes,
-            )
+        if (bare := self.bare) is not None:
+            unary, streams = bare.threads, bare.streams[1:]
+            for label, call, processes in (
+                (NO_HTTP_THREADS, lambda slot: unary[slot](body, timeout=120), bare.processes),
+                (STREAMS_THREADS, lambda slot: streams[slot].call(body), bare.stream_processes),
+            ):
+                cases[label] = lambda label=label, call=call, processes=processes: self._counted(  # type: ignore[misc]
+                    label, lambda: threaded(lambda slot: json.loads(call(slot)), seconds), processes
+                )
         if self.granian:
             cases.update(self._on_granian(body, seconds))
         outstanding = self.ray_outstanding
@@ -498,7 +493,7 @@ class Bench:
                 chain = self._p50("python", size, FLOOR_CHAIN)
                 chains = {
                     label: self._p50("python", size, label)
-                    for label in (FLOOR_CHAIN, *self.alternatives, FLOOR_NO_HTTP)
+                    for label in (FLOOR_CHAIN, *self.alternatives, FLOOR_NO_HTTP, FLOOR_STREAMS)
                     if self._p50("python", size, label)
                 }
                 lowest = min(chains, key=chains.__getitem__)

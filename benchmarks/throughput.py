@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import queue
 import signal
 import socket
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -65,8 +66,9 @@ INVOKE_METHOD = "/executor.v1.FunctionRuntime/InvokeFunction"
 def serve_relay(listen: str, upstream: str, kind: str, method: str) -> None:
     """A bare relay hop for `method`'s bytes, with none of our code: ``http`` (tornado, POST /,
     relayed with grpc.aio, as the gateway does), ``aio`` (a grpc.aio server relaying with
-    grpc.aio) or ``sync`` (a grpcio thread-pool server relaying with a blocking call, as runtimed
-    does). Issue 48's alternatives for the HTTP hop: ``http-uvloop`` (the same on uvloop's event
+    grpc.aio), ``sync`` (a grpcio thread-pool server relaying with a blocking call) or
+    ``sync-stream`` (the same, `method` a bidirectional stream, as runtimed relays its calls:
+    docs/architecture.md, "Call streams"). Issue 48's alternatives for the HTTP hop: ``http-uvloop`` (the same on uvloop's event
     loop), ``http-threads`` (tornado relaying with grpc's blocking call from a thread pool) and
     ``http-granian`` (granian, an HTTP server written in Rust on hyper, HTTP/1.1 and HTTP/2, in
     this process and relaying with grpc.aio; its own RSGI interface, its least per request)."""
@@ -75,13 +77,15 @@ def serve_relay(listen: str, upstream: str, kind: str, method: str) -> None:
 
         uvloop.install()  # asyncio.run below now runs uvloop's loop
         kind = "http"
-    if kind == "sync":
+    if kind in ("sync", "sync-stream"):
         channel = grpc.insecure_channel(upstream, options=CHANNEL_OPTIONS)
-        blocking = channel.unary_unary(method)
+        if kind == "sync":
+            blocking = channel.unary_unary(method)
+            handlers = _relay_handlers(method, lambda r, c: blocking(r, timeout=30))
+        else:  # each incoming stream's messages relayed in turn on a stream of its own upstream
+            handlers = _stream_relay_handlers(method, channel)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=CHANNEL_OPTIONS)
-        server.add_generic_rpc_handlers(
-            (_relay_handlers(method, lambda r, c: blocking(r, timeout=30)),)
-        )
+        server.add_generic_rpc_handlers((handlers,))
         server.add_insecure_port(listen)
         server.start()
         print(announcement("bench", "relay", listen), flush=True)
@@ -152,6 +156,37 @@ async def _serve_granian(relay: Callable[..., Awaitable[bytes]]) -> None:
         break
     print(announcement("bench", "relay", f"127.0.0.1:{port}"), flush=True)
     await serving
+
+
+def _stream_relay_handlers(method: str, channel: grpc.Channel) -> grpc.GenericRpcHandler:
+    def relayed(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        upstream = StreamCaller(channel, method)
+        try:
+            for request in requests:
+                yield upstream.call(request)
+        finally:
+            upstream.close()
+
+    service, name = method.strip("/").split("/")
+    handler = grpc.stream_stream_rpc_method_handler(relayed)
+    return grpc.method_handlers_generic_handler(service, {name: handler})
+
+
+class StreamCaller:
+    """Calls on one open bidirectional stream of `method`, a message in and its answer out, in
+    turn: grpc's blocking API, its messages fed from a queue."""
+
+    def __init__(self, channel: grpc.Channel, method: str) -> None:
+        self._requests: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._answers = channel.stream_stream(method)(iter(self._requests.get, None))
+
+    def call(self, request: bytes, timeout: float | None = None) -> bytes:
+        self._requests.put(request)
+        return next(self._answers)  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        self._requests.put(None)
+        self._answers.cancel()
 
 
 def _relay_handlers(method: str, behaviour: Callable[..., object]) -> grpc.GenericRpcHandler:
