@@ -27,6 +27,7 @@ import grpc
 
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import callstreams_pb2 as cs
+from fnkernel.runtime_server.rpc import metadata_map, metadata_pairs
 
 SERVICE = cs.DESCRIPTOR.services_by_name["CallStreams"].full_name
 STREAM_PATH = f"/{SERVICE}/InvokeFunctions"
@@ -37,19 +38,6 @@ STREAMS_FULL = "too many call streams open"
 STREAMS_ENV = "FNKERNEL_CALL_STREAMS"  # "off": every call a unary RPC (to measure, or to rule out)
 
 Metadata = Sequence[tuple[str, str | bytes]]
-
-
-def _pairs(mapping: Any) -> tuple[tuple[str, str | bytes], ...]:
-    """A message's metadata or trailers as gRPC hands them over: text, but for ``-bin`` keys."""
-    return tuple(
-        (key, value if key.endswith("-bin") else value.decode()) for key, value in mapping.items()
-    )
-
-
-def _mapped(pairs: Metadata | None) -> dict[str, bytes]:
-    return {
-        key: value if isinstance(value, bytes) else value.encode() for key, value in pairs or ()
-    }
 
 
 # The serving side
@@ -67,7 +55,7 @@ class _CallContext:
 
     def __init__(self, stream: grpc.ServicerContext, call: cs.StreamedCall) -> None:
         self._stream = stream
-        self._metadata = _pairs(call.metadata)
+        self._metadata = metadata_pairs(call.metadata)
         micros = call.timeout_micros
         self._deadline = time.monotonic() + micros / 1e6 if micros > 0 else None
         self._lock = threading.Lock()
@@ -133,7 +121,7 @@ def serve(
                 else:
                     answer = cs.StreamedAnswer(response=written(response))
                 if call.trailers:
-                    answer.trailers.update(_mapped(call.trailers))
+                    answer.trailers.update(metadata_map(call.trailers))
                 try:
                     yield answer  # grpc asks for the next once this one is sent
                 finally:
@@ -244,7 +232,7 @@ class Invoke:
         if self._streams:
             answer = self._streamed(request, timeout, metadata)
             if answer is not None:
-                trailers = _pairs(answer.trailers)
+                trailers = metadata_pairs(answer.trailers)
                 if answer.code:
                     code = _STATUS.get(answer.code, grpc.StatusCode.UNKNOWN)
                     raise StreamedError(code, answer.message, trailers)
@@ -262,7 +250,7 @@ class Invoke:
         stream = self._stream
         if stream is None or stream.answers.done():  # ended since (its server stopped, say)
             stream = self._stream = _Stream(self._channel, self)
-        message = cs.StreamedCall(request=request, metadata=_mapped(metadata))
+        message = cs.StreamedCall(request=request, metadata=metadata_map(metadata))
         if timeout is not None:
             message.timeout_micros = max(1, int(timeout * 1e6))
         watch = _WATCHDOG.watch(time.monotonic() + timeout, stream) if timeout is not None else None

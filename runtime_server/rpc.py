@@ -7,7 +7,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
 import grpc
@@ -159,6 +159,19 @@ def relayed_trailers(
     """An upstream call's ``fn-*`` trailers (error type, logs), to pass on unchanged; those
     named in `replaced` are left for the hop to give its own."""
     return tuple((k, v) for k, v in trailers or () if k.startswith("fn-") and k not in replaced)
+
+
+def metadata_map(pairs: Iterable[tuple[str, str | bytes]] | None) -> dict[str, bytes]:
+    """gRPC metadata or trailers as a message carries them (a ``map<string, bytes>``: a batch's
+    answer, a call stream's messages)."""
+    return {key: value.encode() if isinstance(value, str) else value for key, value in pairs or ()}
+
+
+def metadata_pairs(mapping: Mapping[str, bytes]) -> tuple[tuple[str, str | bytes], ...]:
+    """``metadata_map``'s map as gRPC hands metadata over: text, but for ``-bin`` keys."""
+    return tuple(
+        (key, value if key.endswith("-bin") else value.decode()) for key, value in mapping.items()
+    )
 
 
 def trailer_value(trailers: Any, key: str) -> Any:

@@ -27,6 +27,7 @@ from fnkernel.runtime_server.rpc import (
     STREAM_CHANNEL_OPTIONS,
     CancellableCalls,
     failure_body,
+    metadata_pairs,
     never_sent,
     status_body,
     status_code,
@@ -148,7 +149,7 @@ class Direct:
             for message in answers:
                 for answer in message.answers:
                     answered = answer.index + 1
-                    trailers = _metadata(answer.trailers)
+                    trailers = dict(metadata_pairs(answer.trailers))
                     if answer.code:
                         code = status_code(answer.code)
                         body = status_body(code, answer.message, trailers)
@@ -225,13 +226,6 @@ def _never_sent(err: grpc.RpcError) -> bool:
     """runtimed is not there (its pod restarted elsewhere, or stopped): the call never left."""
     call: Any = err
     return never_sent(call.code(), call.details() or "")
-
-
-def _metadata(trailers: Mapping[str, bytes]) -> dict[str, str | bytes]:
-    """A batch answer's trailers as gRPC hands trailers over: text, but for ``-bin`` keys."""
-    return {
-        key: value if key.endswith("-bin") else value.decode() for key, value in trailers.items()
-    }
 
 
 def _answered(

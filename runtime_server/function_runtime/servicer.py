@@ -45,6 +45,7 @@ from fnkernel.runtime_server.rpc import (
     cancel_on_client_exit,
     failure_status,
     logs_trailer,
+    metadata_map,
     metadata_value,
     traced_failure,
 )
@@ -292,7 +293,7 @@ class _Batch:
                 invocation_id=item.invocation_id,
                 code=code.value[0],
                 message=message,
-                trailers={key: _bytes(value) for key, value in trailers},
+                trailers=metadata_map(trailers),
             )
         result = invocation.result
         return batches_pb2.BatchAnswer(
@@ -461,7 +462,3 @@ class RuntimeServicer(pb_grpc.RuntimeServicer):
             outputs=outcome.outputs,
             exit_code=outcome.exit_code,
         )
-
-
-def _bytes(value: str | bytes) -> bytes:
-    return value.encode() if isinstance(value, str) else value
