@@ -87,8 +87,9 @@ def serve_echo(address: str, spawn_bash: str | None) -> None:
     def echoes(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         yield from requests
 
-    # An open stream holds a thread: room for the IN_FLIGHT streams of benchmarks.peers.
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=CHANNEL_OPTIONS)
+    # An open stream holds a thread: room for the streams of benchmarks.peers' two stream floors
+    # (IN_FLIGHT + 1 each) and as many unary calls at once.
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=48), options=CHANNEL_OPTIONS)
     handlers = {
         "Echo": grpc.unary_unary_rpc_method_handler(echo),
         "Stream": grpc.stream_stream_rpc_method_handler(echoes),

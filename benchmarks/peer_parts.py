@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 import grpc
@@ -268,41 +268,57 @@ def threaded(call: Callable[[int], object], seconds: float) -> float:
     return sum(counts) / (time.perf_counter() - started)
 
 
+class StreamFloor(NamedTuple):
+    """One floor on streams: its one-call case's label and its IN_FLIGHT threads' case's, its
+    callers (the first for the one call, one each for the threads) and its processes."""
+
+    latency: str
+    threads: str
+    callers: list[StreamCaller]
+    processes: dict[str, int]
+
+
+# The floors on call streams (docs/architecture.md, "Call streams"): the relay as runtimed's
+# (a grpcio thread-pool server), and the same relay on grpc.aio's event loop.
+STREAM_RELAYS = {"sync-stream": "", "aio-stream": ", grpc.aio relay"}
+
+
 class NoHttpFloor:
     """The floor under the Client's direct calls (no HTTP hop, no worker): a blocking gRPC call
     to a thread-pool relay, on to the bare `echo` (started with its socket in `directory`) — as
     unary calls, and as the messages of streams already open, as our hops make them
-    (docs/architecture.md, "Call streams"); with the callers IN_FLIGHT threads use, and each
-    case's processes."""
+    (docs/architecture.md, "Call streams"), through a relay of each of STREAM_RELAYS' kinds;
+    with the callers IN_FLIGHT threads use, and each case's processes."""
 
     def __init__(self, directory: str, echo: Child) -> None:
         self.relay = relay("sync", f"unix:{directory}/sync-proxy.sock", echo.address)
-        self.stream_relay = relay(
-            "sync-stream", f"unix:{directory}/stream-proxy.sock", echo.address, STREAM_METHOD
-        )
-        self.children = [self.relay, self.stream_relay]
+        self.children = [self.relay]
 
         def unary() -> Callable[..., bytes]:  # a channel each, as the Client's calls have
             channel = grpc.insecure_channel(self.relay.address, options=CHANNEL_OPTIONS)
             return channel.unary_unary(ECHO_METHOD)  # type: ignore[no-any-return]
 
         self.call, self.threads = unary(), [unary() for _ in range(IN_FLIGHT)]
-        self.streams = [  # one for the latency, one each for the threads
-            StreamCaller(
-                grpc.insecure_channel(self.stream_relay.address, options=CHANNEL_OPTIONS),
-                STREAM_METHOD,
-            )
-            for _ in range(IN_FLIGHT + 1)
-        ]
         self.processes = {
             "floor without HTTP: gRPC relay (sync)": self.relay.pid,
             "floor chain: gRPC echo": echo.pid,
         }
-        self.stream_processes = {
-            "floor on streams: gRPC relay (sync)": self.stream_relay.pid,
-            "floor chain: gRPC echo": echo.pid,
-        }
+        self.streams: list[StreamFloor] = []
+        for kind, which in STREAM_RELAYS.items():
+            streams = relay(
+                kind, f"unix:{directory}/{kind}-proxy.sock", echo.address, STREAM_METHOD
+            )
+            self.children.append(streams)
+            channel = grpc.insecure_channel(streams.address, options=CHANNEL_OPTIONS)
+            self.streams.append(StreamFloor(
+                f"floor without the HTTP hop, on call streams{which}",
+                f"floor without the HTTP hop, {IN_FLIGHT} threads on call streams{which}",
+                [StreamCaller(channel, STREAM_METHOD) for _ in range(IN_FLIGHT + 1)],
+                {f"floor on streams: gRPC relay ({kind})": streams.pid,
+                 "floor chain: gRPC echo": echo.pid},
+            ))  # fmt: skip
 
     def close(self) -> None:
-        for caller in self.streams:
-            caller.close()
+        for floor in self.streams:
+            for caller in floor.callers:
+                caller.close()

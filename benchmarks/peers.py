@@ -19,8 +19,9 @@ bench-peers` installs them). A peer that is not installed is left out, and the r
   granian (an HTTP server in Rust, relaying with grpc.aio); no HTTP hop at all (a blocking
   gRPC call from Python to the thread-pool relay), what a caller on the stack's machine calling
   runtimed directly would stand on; and the same without HTTP, each call a message of a stream
-  already open on both hops, as fnkernel's calls go (docs/architecture.md, "Call streams"). The
-  report names the least of them.
+  already open on both hops, as fnkernel's calls go (docs/architecture.md, "Call streams"),
+  through a thread-pool relay as runtimed's and through a grpc.aio one. The report names the
+  least of them.
 * **HTTP**, one client (raw ``http.client``, the body's bytes in and out, the same code for
   every server): fnkernel's gateway, Jupyter Kernel Gateway in notebook-http mode (a notebook
   whose ``# POST /echo`` cell prints the body back), and a bare tornado echo.
@@ -32,7 +33,8 @@ bench-peers` installs them). A peer that is not installed is left out, and the r
   over a Run with 10 replicas (the kernel's ``NAME.map`` calls it); Ray's 10 outstanding tasks
   and 10 actors; raw ``http.client`` from 10 threads on the same Runs and on the floor chain (its
   floor); the floor without the HTTP hop from 10 threads, a blocking gRPC call on a channel each
-  or a call on a stream each (the floors under ``Client.invoke``'s direct calls); and over HTTP, benchmarks.throughput's asyncio load generator (10 kept-alive
+  or a call on a stream each through either relay (the floors under ``Client.invoke``'s direct
+  calls); and over HTTP, benchmarks.throughput's asyncio load generator (10 kept-alive
   connections) on the gateway's 10 Runs, on Kernel Gateway's kernel pool, on the floor chain and
   on the tornado echo. Issue 48's multiplexed alternative to 10 HTTP/1.1 connections: the floor
   chain on granian from 10 threads, and the same 10 calls at a time on one HTTP/2 connection
@@ -126,14 +128,12 @@ FLOOR_UVLOOP = "floor chain, its HTTP hop on uvloop"
 FLOOR_THREADS = "floor chain, blocking gRPC from threads, both hops"
 FLOOR_NO_HTTP = "floor without the HTTP hop (gRPC → relay → echo)"
 FLOOR_GRANIAN = "floor chain, its HTTP hop on granian (Rust)"
-FLOOR_STREAMS = "floor without the HTTP hop, on call streams"
 TORNADO = "tornado echo (floor)"
 GRPC_ECHO = "gRPC echo"
 PIPE = "pipe to a process"
 CLIENT_THREADS = f"fnkernel Client.invoke, {IN_FLIGHT} threads on {IN_FLIGHT} Runs"
 CHAIN_THREADS = f"floor chain, {IN_FLIGHT} threads (raw http.client)"
 NO_HTTP_THREADS = f"floor without the HTTP hop, {IN_FLIGHT} threads (blocking gRPC)"
-STREAMS_THREADS = f"floor without the HTTP hop, {IN_FLIGHT} threads on call streams"
 GRANIAN_THREADS = f"floor chain on granian, {IN_FLIGHT} threads (raw http.client)"
 GRANIAN_H2 = f"floor chain on granian, one HTTP/2 connection, {IN_FLIGHT} streams (httpx)"
 
@@ -300,9 +300,11 @@ class Bench:
         for label, other in self.alternatives.items():
             cases[label] = lambda other=other: json.loads(other.post(payloads.dumps(value)))  # type: ignore[misc]
         if (bare := self.bare) is not None:
-            unary, streamed = bare.call, bare.streams[0]
+            unary = bare.call
             cases[FLOOR_NO_HTTP] = lambda: json.loads(unary(payloads.dumps(value), timeout=120))
-            cases[FLOOR_STREAMS] = lambda: json.loads(streamed.call(payloads.dumps(value)))
+            for floor in bare.streams:
+                streamed = floor.callers[0]
+                cases[floor.latency] = lambda s=streamed: json.loads(s.call(payloads.dumps(value)))  # type: ignore[misc]
         return cases
 
     def _runtimed(self, value: Any) -> Any:
@@ -412,11 +414,13 @@ class Bench:
             ),
         }
         if (bare := self.bare) is not None:
-            unary, streams = bare.threads, bare.streams[1:]
-            for label, call, processes in (
+            unary = bare.threads
+            floors = [
                 (NO_HTTP_THREADS, lambda slot: unary[slot](body, timeout=120), bare.processes),
-                (STREAMS_THREADS, lambda slot: streams[slot].call(body), bare.stream_processes),
-            ):
+                *((floor.threads, lambda slot, c=floor.callers[1:]: c[slot].call(body),
+                   floor.processes) for floor in bare.streams),
+            ]  # fmt: skip
+            for label, call, processes in floors:
                 cases[label] = lambda label=label, call=call, processes=processes: self._counted(  # type: ignore[misc]
                     label, lambda: threaded(lambda slot: json.loads(call(slot)), seconds), processes
                 )
@@ -491,9 +495,10 @@ class Bench:
                 targets.append(Target(f"Python {size} / Ray actor call", ours / actor,
                                       TARGETS[size]))  # fmt: skip
                 chain = self._p50("python", size, FLOOR_CHAIN)
+                streamed = [floor.latency for floor in self.bare.streams] if self.bare else []
                 chains = {
                     label: self._p50("python", size, label)
-                    for label in (FLOOR_CHAIN, *self.alternatives, FLOOR_NO_HTTP, FLOOR_STREAMS)
+                    for label in (FLOOR_CHAIN, *self.alternatives, FLOOR_NO_HTTP, *streamed)
                     if self._p50("python", size, label)
                 }
                 lowest = min(chains, key=chains.__getitem__)
@@ -544,11 +549,14 @@ class Bench:
         if tasks:
             targets.append(Target(f"{IN_FLIGHT} in flight: Client / Ray tasks", threads / tasks, 1.0,
                                   at_least=True))  # fmt: skip
-            if no_http := rates.get(NO_HTTP_THREADS):
+            direct = [NO_HTTP_THREADS, *(f.threads for f in self.bare.streams)] if self.bare else []
+            if best := max(
+                (label for label in direct if label in rates), key=rates.get, default=""
+            ):
                 notes.append(
-                    f"{IN_FLIGHT} in flight: the floor under the Client's direct calls (no HTTP "
-                    f"hop, no worker) is {no_http / tasks:.2f}x Ray tasks' calls/s; fnkernel's "
-                    f"Client is {threads / no_http:.2f}x that floor"
+                    f"{IN_FLIGHT} in flight: the best floor under the Client's direct calls (no "
+                    f"HTTP hop, no worker) is {best!r}, {rates[best] / tasks:.2f}x Ray tasks' "
+                    f"calls/s; fnkernel's Client is {threads / rates[best]:.2f}x it"
                 )
             if rates[CHAIN_THREADS] < tasks:
                 notes.append(

@@ -68,7 +68,8 @@ def serve_relay(listen: str, upstream: str, kind: str, method: str) -> None:
     relayed with grpc.aio, as the gateway does), ``aio`` (a grpc.aio server relaying with
     grpc.aio), ``sync`` (a grpcio thread-pool server relaying with a blocking call) or
     ``sync-stream`` (the same, `method` a bidirectional stream, as runtimed relays its calls:
-    docs/architecture.md, "Call streams"). Issue 48's alternatives for the HTTP hop: ``http-uvloop`` (the same on uvloop's event
+    docs/architecture.md, "Call streams") or ``aio-stream`` (that stream relay on grpc.aio: one
+    event loop, no thread hand-off a message). Issue 48's alternatives for the HTTP hop: ``http-uvloop`` (the same on uvloop's event
     loop), ``http-threads`` (tornado relaying with grpc's blocking call from a thread pool) and
     ``http-granian`` (granian, an HTTP server written in Rust on hyper, HTTP/1.1 and HTTP/2, in
     this process and relaying with grpc.aio; its own RSGI interface, its least per request)."""
@@ -103,6 +104,9 @@ def serve_relay(listen: str, upstream: str, kind: str, method: str) -> None:
                 loop = asyncio.get_running_loop()
                 return await loop.run_in_executor(pool, lambda: blocking(body, timeout=timeout))
 
+        if kind == "aio-stream":
+            await _serve_aio_stream_relay(listen, channel, method)
+            return
         if kind == "http-granian":
             await _serve_granian(relay)
             return
@@ -130,6 +134,34 @@ def serve_relay(listen: str, upstream: str, kind: str, method: str) -> None:
         await asyncio.Event().wait()
 
     asyncio.run(serve())
+
+
+async def _serve_aio_stream_relay(listen: str, channel: grpc.aio.Channel, method: str) -> None:
+    """Serve `method`, a bidirectional stream, each incoming stream's messages relayed in turn
+    on a stream of its own to `channel`; announced, until it stops (SIGTERM)."""
+
+    async def relayed(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        upstream = channel.stream_stream(method)()
+        try:
+            async for request in requests:
+                await upstream.write(request)
+                yield await upstream.read()
+        finally:
+            upstream.cancel()
+
+    service, name = method.strip("/").split("/")
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                service, {name: grpc.stream_stream_rpc_method_handler(relayed)}
+            ),
+        )
+    )
+    server.add_insecure_port(listen)
+    await server.start()
+    print(announcement("bench", "relay", listen), flush=True)
+    await asyncio.Event().wait()
 
 
 async def _serve_granian(relay: Callable[..., Awaitable[bytes]]) -> None:
