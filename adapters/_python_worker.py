@@ -140,7 +140,32 @@ def load_handler(module_name: str, function_name: str):
         )
     if not callable(function):
         return None, ("HandlerNotFound", f"{module_name}.{function_name} is not callable")
+    if (signature := _signature(function)) is not None and not any(
+        _binds(signature, arguments) for arguments in ((None,), (None, None))
+    ):
+        # It could never be called: say so now, not at every call (docs/protocol.md, "Adapters").
+        return None, (
+            "HandlerNotFound",
+            f"{module_name}.{function_name}{signature} cannot be called as fn(event) or "
+            "fn(event, context)",
+        )
     return function, None
+
+
+def _signature(function) -> inspect.Signature | None:
+    """`function`'s signature; None where it has none to read (some builtins)."""
+    try:
+        return inspect.signature(function)
+    except (TypeError, ValueError):
+        return None
+
+
+def _binds(signature: inspect.Signature, arguments: tuple) -> bool:
+    try:
+        signature.bind(*arguments)
+    except TypeError:
+        return False
+    return True
 
 
 def _out_of_memory(exc: BaseException) -> bool:
@@ -153,13 +178,10 @@ def _out_of_memory(exc: BaseException) -> bool:
 
 
 def takes_context(function) -> bool:
-    try:
-        inspect.signature(function).bind(None, None)
-    except TypeError:
-        return False
-    except ValueError:  # no signature (some builtins): call with the event only
-        return False
-    return True
+    """Whether `function` is called with the context too: its signature takes two arguments
+    (one without a signature, some builtins, is called with the event only)."""
+    signature = _signature(function)
+    return signature is not None and _binds(signature, (None, None))
 
 
 def _write(fd: int, data: bytes) -> None:

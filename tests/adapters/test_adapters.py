@@ -121,6 +121,15 @@ def test_bash_handler_in_a_subdirectory(bash_rt: Client) -> None:
         ),
         ({}, "handler.handle", "ImportModuleError", "'handler'"),
         ({"handler.py": "def other(e): pass\n"}, "handler.handle", "HandlerNotFound", "handle"),
+        # Called as fn(event) or fn(event, context) (docs/protocol.md, "Adapters"): a handler
+        # that takes neither could never be called.
+        (
+            {"handler.py": "def handle(a, b, c): pass\n"},
+            "handler.handle",
+            "HandlerNotFound",
+            "handler.handle(a, b, c) cannot be called as fn(event) or fn(event, context)",
+        ),
+        ({"handler.py": "def handle(): pass\n"}, "handler.handle", "HandlerNotFound", "handle()"),
         (
             {"handler.py": "raise RuntimeError('bad config ' * 200)\n"},
             "handler.handle",
