@@ -162,6 +162,7 @@ def _notebook(path: Path, *sources: str) -> Path:
     return path
 
 
+@pytest.mark.usefixtures("fnkernel_spec")  # the demo starts an fnkernel kernel
 def test_the_demo_stops_a_cell_past_its_timeout_and_keeps_what_ran(tmp_path: Path) -> None:
     # README, "Quick start": `--timeout SECONDS` bounds each cell; past it, one line, exit 1,
     # and --output holds the notebook as far as it ran (a failed CI job keeps it).
@@ -181,6 +182,7 @@ def test_the_demo_stops_a_cell_past_its_timeout_and_keeps_what_ran(tmp_path: Pat
     assert [output_text(o) for o in first.outputs] == ["first"]
 
 
+@pytest.mark.usefixtures("fnkernel_spec")  # the demo starts an fnkernel kernel
 def test_the_demo_shows_what_ran_then_the_failed_cell_in_one_line(tmp_path: Path) -> None:
     # README, "Quick start": it prints the outputs of the cells that ran, the failed one's
     # traceback among them (as a CI log shows it: no colours), then says why, once.
@@ -198,6 +200,7 @@ def test_the_demo_shows_what_ran_then_the_failed_cell_in_one_line(tmp_path: Path
     assert done.stderr.count("ZeroDivisionError") == 1, done.stderr
 
 
+@pytest.mark.usefixtures("fnkernel_spec")  # the demo starts an fnkernel kernel
 def test_the_demo_says_a_sigterm_ended_it(tmp_path: Path) -> None:
     # A cancelled CI job: nbclient interrupts the cell and shuts the kernel down; the run says
     # it was interrupted (130), not that a cell failed (exit 1), nor ends in nbclient's cleanup
