@@ -199,22 +199,22 @@ def start_ray(object_store_bytes: int = 1 << 30) -> Any:
         import ray
     except ImportError:
         return None
-    for attempt in range(2):
-        try:
-            ray.init(
-                num_cpus=2,
-                include_dashboard=False,
-                logging_level=logging.ERROR,
-                log_to_driver=False,
-                object_store_memory=object_store_bytes,
-            )
-            return ray
-        except Exception as exc:  # Ray raises a bare Exception when its node does not start
-            if attempt or "timed out during startup" not in str(exc):
-                raise
-            # Seen here 2 of 4 times a run began right after another: its raylet never came up.
-            print(f"Ray did not start ({exc}); starting it again", file=sys.stderr)
-            ray.shutdown()
+    options = dict(
+        num_cpus=2,
+        include_dashboard=False,
+        logging_level=logging.ERROR,
+        log_to_driver=False,
+        object_store_memory=object_store_bytes,
+    )
+    try:
+        ray.init(**options)
+    except Exception as exc:  # Ray raises a bare Exception when its node does not start
+        if "timed out during startup" not in str(exc):
+            raise
+        # Seen here 2 of 4 times a run began right after another: its raylet never came up.
+        print(f"Ray did not start ({exc}); starting it again", file=sys.stderr)
+        ray.shutdown()
+        ray.init(**options)
     return ray
 
 

@@ -551,7 +551,7 @@ class Bench:
                                   at_least=True))  # fmt: skip
             direct = [NO_HTTP_THREADS, *(f.threads for f in self.bare.streams)] if self.bare else []
             if best := max(
-                (label for label in direct if label in rates), key=rates.get, default=""
+                (label for label in direct if label in rates), key=rates.__getitem__, default=""
             ):
                 notes.append(
                     f"{IN_FLIGHT} in flight: the best floor under the Client's direct calls (no "
