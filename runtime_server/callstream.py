@@ -11,10 +11,12 @@ unary call would have had. The server reads each message with the handler that s
 unary RPC, through the same call pipeline (``serve``), so a call means the same either way.
 
 ``Invoke`` is the calling side: ``with_call`` as grpc's, on one channel, over a stream of its
-own while the server takes one, else as a unary RPC."""
+own while the server takes one, else as a unary RPC; ``AsyncInvoke`` the same on an event loop
+(runtimed's relay of the calls on its own streams: docs/architecture.md, "Call streams")."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import queue
 import threading
@@ -27,7 +29,12 @@ import grpc
 
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import callstreams_pb2 as cs
-from fnkernel.runtime_server.rpc import metadata_map, metadata_pairs
+from fnkernel.runtime_server.rpc import (
+    HOP_CHANNEL_OPTIONS,
+    metadata_map,
+    metadata_pairs,
+    never_sent,
+)
 
 SERVICE = cs.DESCRIPTOR.services_by_name["CallStreams"].full_name
 STREAM_PATH = f"/{SERVICE}/InvokeFunctions"
@@ -48,13 +55,14 @@ class _Aborted(Exception):
         self.code, self.details = code, details
 
 
-class _CallContext:
+class CallContext:
     """The servicer context of one call on a stream: the call's own metadata, deadline and
     trailers; its callbacks run when its answer is made, or when the stream ends first (the
-    caller went away), as gRPC runs an RPC's when it terminates."""
+    caller went away), as gRPC runs an RPC's when it terminates. `streaming`: whether the
+    stream that carries it is still open."""
 
-    def __init__(self, stream: grpc.ServicerContext, call: cs.StreamedCall) -> None:
-        self._stream = stream
+    def __init__(self, streaming: Callable[[], bool], call: cs.StreamedCall) -> None:
+        self._streaming = streaming
         self._metadata = metadata_pairs(call.metadata)
         micros = call.timeout_micros
         self._deadline = time.monotonic() + micros / 1e6 if micros > 0 else None
@@ -69,7 +77,7 @@ class _CallContext:
         return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
 
     def is_active(self) -> bool:
-        return self._callbacks is not None and self._stream.is_active()
+        return self._callbacks is not None and self._streaming()
 
     def add_callback(self, callback: Callable[[], object]) -> bool:
         with self._lock:
@@ -103,7 +111,7 @@ def serve(
     def calls(stream: Iterator[cs.StreamedCall], context: grpc.ServicerContext) -> Iterator[Any]:
         if not streams.acquire(blocking=False):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, STREAMS_FULL)
-        current: list[_CallContext] = []
+        current: list[CallContext] = []
 
         def ended() -> None:  # the stream's RPC terminated: so does the call it has in flight
             for call in list(current):
@@ -112,16 +120,14 @@ def serve(
         context.add_callback(ended)
         try:
             for message in stream:
-                call = _CallContext(context, message)
+                call = CallContext(context.is_active, message)
                 current[:] = [call]
                 try:
                     response = behaviour(read(message.request), call)
                 except _Aborted as aborted:
-                    answer = cs.StreamedAnswer(code=aborted.code.value[0], message=aborted.details)
+                    answer = streamed_answer(None, call.trailers, aborted.code, aborted.details)
                 else:
-                    answer = cs.StreamedAnswer(response=written(response))
-                if call.trailers:
-                    answer.trailers.update(metadata_map(call.trailers))
+                    answer = streamed_answer(written(response), call.trailers)
                 try:
                     yield answer  # grpc asks for the next once this one is sent
                 finally:
@@ -135,6 +141,22 @@ def serve(
         request_deserializer=cs.StreamedCall.FromString,
         response_serializer=cs.StreamedAnswer.SerializeToString,
     )
+
+
+def streamed_answer(
+    response: bytes | None,
+    trailers: Metadata,
+    code: grpc.StatusCode = grpc.StatusCode.OK,
+    message: str = "",
+) -> cs.StreamedAnswer:
+    """A call's answer on a stream: its `response`, or (None) the status it failed with, and
+    the `trailers` it sends either way."""
+    answer = cs.StreamedAnswer(code=code.value[0], message=message)
+    if response is not None:
+        answer.response = response
+    if trailers:
+        answer.trailers.update(metadata_map(trailers))
+    return answer
 
 
 # The calling side
@@ -216,12 +238,21 @@ class Invoke:
     grpc's ``with_call``: a call at a time, each a message of one stream while the server takes
     one (else, and from then on, a unary RPC; always, where the environment has
     FNKERNEL_CALL_STREAMS=off). ``close`` ends the stream; so does closing the channel, after
-    which ``close`` still frees the thread grpc keeps for the stream's sending."""
+    which ``close`` still frees the thread grpc keeps for the stream's sending.
 
-    def __init__(self, channel: grpc.Channel) -> None:
-        self._channel = channel
+    `streams_at`: where the server takes its call streams, if not on `channel`'s target (runtimed
+    serves them on a socket of its own: ``wire.call_streams_target``); a channel to it is this
+    object's, and ``close`` closes it. Nothing there to connect to is a refusal too."""
+
+    def __init__(self, channel: grpc.Channel, streams_at: str | None = None) -> None:
         self._unary = channel.unary_unary(
             INVOKE_PATH, request_serializer=None, response_deserializer=None
+        )
+        self._elsewhere = streams_at is not None
+        self._channel = (
+            grpc.insecure_channel(streams_at, options=HOP_CHANNEL_OPTIONS)
+            if streams_at is not None
+            else channel
         )
         self._stream: _Stream | None = None
         self._streams = os.environ.get(STREAMS_ENV) != "off"  # and not refused yet
@@ -232,11 +263,8 @@ class Invoke:
         if self._streams:
             answer = self._streamed(request, timeout, metadata)
             if answer is not None:
-                trailers = metadata_pairs(answer.trailers)
-                if answer.code:
-                    code = _STATUS.get(answer.code, grpc.StatusCode.UNKNOWN)
-                    raise StreamedError(code, answer.message, trailers)
-                return answer.response, Answered(trailers)
+                response, trailers = answered(answer)
+                return response, Answered(trailers)
         response, call = self._unary.with_call(
             request, timeout=timeout, metadata=tuple(metadata) if metadata else None
         )
@@ -263,10 +291,7 @@ class Invoke:
                 raise StreamedError(
                     grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"
                 ) from None
-            code, details = err.code(), err.details() or ""
-            if code == grpc.StatusCode.UNIMPLEMENTED or (
-                code == grpc.StatusCode.RESOURCE_EXHAUSTED and details == STREAMS_FULL
-            ):
+            if refused(err) or (self._elsewhere and never_sent(err.code(), err.details() or "")):
                 self._streams = False
                 return None
             raise
@@ -286,9 +311,117 @@ class Invoke:
         stream, self._stream = self._stream, None
         if stream is not None:
             stream.close()
+        if self._elsewhere:
+            self._channel.close()
 
 
 _STATUS = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def answered(answer: cs.StreamedAnswer) -> tuple[bytes, Metadata]:
+    """A call's response and trailers from its answer on a stream; StreamedError, with the
+    trailers, if it failed."""
+    trailers = metadata_pairs(answer.trailers)
+    if answer.code:
+        code = _STATUS.get(answer.code, grpc.StatusCode.UNKNOWN)
+        raise StreamedError(code, answer.message, trailers)
+    return answer.response, trailers
+
+
+def refused(err: grpc.RpcError) -> bool:
+    """Whether a stream failed with its server's refusal to take it (before it read a call): too
+    many open, or none served there. Its caller makes that call, and the rest, as unary RPCs."""
+    code = err.code()
+    return code == grpc.StatusCode.UNIMPLEMENTED or (
+        code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.details() == STREAMS_FULL
+    )
+
+
+class AsyncInvoke:
+    """``Invoke`` on an event loop, on the grpc.aio `channel`: calls from many callers at once,
+    each on an open stream of its own taken from those idle (or a new one) and given back once
+    answered. A call cancelled (its task's caller gone away), or still unanswered at its
+    deadline (DEADLINE_EXCEEDED, as a unary call's), cancels its stream, never given back. A
+    refused stream's call, and from then on each call past as many streams as were open then,
+    is a unary RPC (all of them where the server serves no call streams)."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self._open = channel.stream_stream(
+            STREAM_PATH,
+            request_serializer=cs.StreamedCall.SerializeToString,
+            response_deserializer=cs.StreamedAnswer.FromString,
+        )
+        self._unary = channel.unary_unary(
+            INVOKE_PATH, request_serializer=None, response_deserializer=None
+        )
+        self._idle: list[grpc.aio.StreamStreamCall] = []
+        self._streams = 0  # open: idle, or carrying a call
+        # How many the server takes (learned from its refusal); none where the environment has
+        # FNKERNEL_CALL_STREAMS=off.
+        self._most: float = 0 if os.environ.get(STREAMS_ENV) == "off" else float("inf")
+
+    async def with_call(
+        self, request: bytes, timeout: float | None, metadata: Metadata
+    ) -> tuple[bytes, Metadata]:
+        """The call's response and trailers; grpc.RpcError if it failed."""
+        stream = self._stream()
+        if stream is not None:
+            message = cs.StreamedCall(request=request, metadata=metadata_map(metadata))
+            if timeout is not None:
+                message.timeout_micros = max(1, int(timeout * 1e6))
+            answer = await self._streamed(stream, message, timeout)
+            if answer is not None:
+                return answered(answer)
+        call = self._unary(request, timeout=timeout, metadata=tuple(metadata) or None)
+        response: bytes = await call
+        return response, tuple(await call.trailing_metadata() or ())
+
+    def _stream(self) -> grpc.aio.StreamStreamCall | None:
+        """An idle stream, or a new one while the server takes more; None: call unary."""
+        while self._idle:
+            stream = self._idle.pop()
+            if not stream.done():
+                return stream
+            self._streams -= 1  # ended since (its server stopped, say)
+        if self._streams >= self._most:
+            return None
+        self._streams += 1
+        return self._open(None)
+
+    async def _streamed(
+        self, stream: grpc.aio.StreamStreamCall, message: cs.StreamedCall, timeout: float | None
+    ) -> cs.StreamedAnswer | None:
+        """The call's answer on `stream`; None if the server refused the stream."""
+        try:
+            async with asyncio.timeout(timeout):
+                await stream.write(message)
+                answer = await stream.read()
+        except TimeoutError:
+            self._ended(stream)
+            raise StreamedError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        except grpc.RpcError as err:
+            self._ended(stream)
+            if refused(err):
+                self._most = self._streams
+                return None
+            raise
+        except BaseException:  # cancelled: the stream goes with the call
+            self._ended(stream)
+            raise
+        if not isinstance(answer, cs.StreamedAnswer):  # EOF: ended unasked, this call not read
+            self._ended(stream)
+            raise StreamedError(grpc.StatusCode.UNAVAILABLE, "the call stream ended")
+        self._idle.append(stream)
+        return answer
+
+    def _ended(self, stream: grpc.aio.StreamStreamCall) -> None:
+        stream.cancel()
+        self._streams -= 1
+
+    def close(self) -> None:
+        idle, self._idle = self._idle, []
+        for stream in idle:
+            self._ended(stream)
 
 
 class _Watch:

@@ -52,6 +52,9 @@ MAX_LOG_FOLLOWERS = 8
 # docs/protocol.md, "Call streams": the InvokeFunctions streams one process keeps open at once
 # (each holds one of its 32 RPC threads while it is open, called or not).
 MAX_CALL_STREAMS = 12
+# runtimed's, served on an event loop (docs/architecture.md, "Call streams"): a stream holds no
+# thread there, only its buffers, so more: as many as a client's pool keeps channels.
+MAX_LOOP_CALL_STREAMS = 64
 FOLLOW_WAIT_SECONDS = 5.0
 # docs/protocol.md, "Batches": a batch's answers that end within this of the last sent wait to go
 # with the next (a message through runtimed costs ~0.5 ms of CPU, more than a quick call); so a

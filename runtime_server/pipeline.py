@@ -5,16 +5,22 @@ are counted, so that the server stops as soon as they have ended."""
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import grpc
 
 from fnkernel.runtime_server import callstream, limits, tracing, wire
-from fnkernel.runtime_server.rpc import answer_failure, traced_failure
+from fnkernel.runtime_server.rpc import (
+    CallerContext,
+    answer_failure,
+    failure_status,
+    traced_failure,
+)
 
 
 def _translated(behaviour: Callable[[Any, Any], Any], method: str) -> Callable[[Any, Any], Any]:
@@ -62,7 +68,7 @@ class ServedCall:
     )
 
     def __init__(
-        self, component: str, timeline_key: str, request: Any, context: grpc.ServicerContext
+        self, component: str, timeline_key: str, request: Any, context: CallerContext
     ) -> None:
         self._context = context
         self._timeline_key = timeline_key  # this hop's readings' trailer
@@ -255,7 +261,7 @@ class Pipeline(grpc.ServerInterceptor):
 
     def _served(self, behaviour: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
         def served(request: Any, context: grpc.ServicerContext) -> Any:
-            call = ServedCall(self._component, self._timeline_key, request, context)
+            call = self.serving(request, context)
             token = _SERVED.set(call)
             try:
                 response = behaviour(request, context)
@@ -268,6 +274,30 @@ class Pipeline(grpc.ServerInterceptor):
             return response
 
         return served
+
+    # For a hop that serves InvokeFunction outside grpcio's server (runtimed's call streams on
+    # an event loop: docs/architecture.md, "Call streams"), the same pipeline, step by step.
+
+    def serving(self, request: Any, context: CallerContext) -> ServedCall:
+        """Begin serving the InvokeFunction `request`, its metadata and trailers `context`'s."""
+        return ServedCall(self._component, self._timeline_key, request, context)
+
+    def failure(
+        self, call: ServedCall, exc: Exception
+    ) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str | bytes], ...]]:
+        """`call` failed with `exc`: the status and trailers it is answered with."""
+        call.failed(exc, self._fence(exc))
+        return failure_status(exc, INVOKE_METHOD)
+
+    @contextlib.contextmanager
+    def in_flight(self) -> Iterator[None]:
+        """Count a call in flight, as an RPC's is, until the block ends (its answer sent)."""
+        with self._calls:
+            self._active += 1
+        try:
+            yield
+        finally:
+            self._ended()
 
 
 class _InvokeCall(grpc.HandlerCallDetails):

@@ -8,7 +8,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -69,7 +69,18 @@ def add_health(server: grpc.Server, service_names: list[str]) -> health.HealthSe
     return servicer
 
 
-def listen_on(server: grpc.Server, listen: str) -> str:
+class CallerContext(Protocol):
+    """What a hop reads of a call it serves, and answers it with: an RPC's servicer context, or
+    a call's on a stream (``callstream.CallContext``)."""
+
+    def invocation_metadata(self) -> Any: ...
+
+    def time_remaining(self) -> float | None: ...
+
+    def set_trailing_metadata(self, trailing_metadata: Any) -> None: ...
+
+
+def listen_on(server: grpc.Server | grpc.aio.Server, listen: str) -> str:
     """Bind `listen` (``host:port`` or ``unix:PATH``); the address clients dial (the port a
     ``host:0`` was given). RuntimeError if it cannot be bound (grpcio's), or reached (ours,
     naming why)."""
@@ -179,7 +190,7 @@ def trailer_value(trailers: Any, key: str) -> Any:
     return next((value for name, value in trailers or () if name == key), None)
 
 
-def metadata_value(context: grpc.ServicerContext, key: str) -> str | None:
+def metadata_value(context: CallerContext, key: str) -> str | None:
     """The value of the caller's metadata `key`, or None."""
     for name, value in context.invocation_metadata():
         if name == key:
@@ -187,7 +198,7 @@ def metadata_value(context: grpc.ServicerContext, key: str) -> str | None:
     return None
 
 
-def caller_timeout(context: grpc.ServicerContext) -> float | None:
+def caller_timeout(context: CallerContext) -> float | None:
     """Seconds left before the caller's deadline, or None if it set none."""
     remaining = context.time_remaining()
     if remaining is None or remaining > _NO_DEADLINE:

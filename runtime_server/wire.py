@@ -127,6 +127,13 @@ def unix_target_problem(path: str) -> str | None:
     return f"gRPC cannot name a Unix socket whose path holds {' '.join(reserved)}: {path}"
 
 
+def call_streams_target(address: str) -> str | None:
+    """Where runtimed at `address` serves its call streams on an event loop, beside its other
+    RPCs (docs/protocol.md, "Call streams"): a socket of its own in the same directory, for a
+    runtimed on a Unix socket; None for one on TCP (its callers are on other machines)."""
+    return f"{address}.calls" if address.startswith("unix:") else None
+
+
 def unsupported_media(content_type: str, types: tuple[str, ...]) -> str | None:
     """Why a request body of `content_type` is not one of `types` (its Content-Type is required:
     none is not JSON here), or names a charset other than UTF-8; None if it is fine: the

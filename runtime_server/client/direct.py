@@ -195,7 +195,10 @@ class Direct:
     def _invokes_of(self, address: str) -> CancellableCalls[callstream.Invoke]:
         with self._lock:
             if address not in self._invokes:
-                self._invokes[address] = CancellableCalls(address, callstream.Invoke)
+                streams_at = wire.call_streams_target(address)  # runtimed's, on an event loop
+                self._invokes[address] = CancellableCalls(
+                    address, lambda channel: callstream.Invoke(channel, streams_at)
+                )
             return self._invokes[address]
 
     def _batches_stub(self, address: str) -> batches_pb2_grpc.BatchesStub:

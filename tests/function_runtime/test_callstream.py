@@ -4,6 +4,7 @@ Runtime Server have, and one without — with handlers that do only their part."
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import threading
@@ -184,6 +185,44 @@ def test_a_server_with_its_streams_full_is_called_unary(server: Server) -> None:
     )
 
 
+def test_on_a_loop_calls_past_the_streams_a_server_takes_are_unary_the_rest_streamed(
+    server: Server,
+) -> None:
+    # docs/protocol.md, "Call streams": a caller on an event loop (runtimed's relay) calls from
+    # many tasks on one channel; the server refuses the stream past its bound, whose call is
+    # made unary, and so is each call past as many streams as it took — the others stay on
+    # their streams, round after round.
+    width = limits.MAX_CALL_STREAMS + 1
+
+    async def rounds() -> list[list[bool]]:
+        channel = grpc.aio.insecure_channel(server.address)
+        invoke = callstream.AsyncInvoke(channel)
+        loop = asyncio.get_running_loop()
+        seen = []
+        try:
+            for _ in range(2):
+                server.handlers.unary.clear()
+                server.handlers.release.clear()
+                calls = [
+                    asyncio.ensure_future(invoke.with_call(request("hold"), 30, ()))
+                    for _ in range(width)
+                ]
+                for _ in range(width):  # every call in flight at once
+                    assert await loop.run_in_executor(None, server.handlers.held.acquire, True, 10)
+                server.handlers.release.set()
+                answers = await asyncio.gather(*calls)
+                assert [pb.InvokeFunctionResponse.FromString(a).output for a, _ in answers] == [
+                    b"{}"
+                ] * width
+                seen.append(sorted(server.handlers.unary))
+        finally:
+            invoke.close()
+            await channel.close(None)
+        return seen
+
+    assert asyncio.run(rounds()) == [[False] * (width - 1) + [True]] * 2
+
+
 def test_a_server_without_call_streams_is_called_unary(tmp_path: Path) -> None:
     hop = Server(tmp_path, pipeline=False)  # no pipeline: InvokeFunctions is not served
     try:
@@ -194,6 +233,22 @@ def test_a_server_without_call_streams_is_called_unary(tmp_path: Path) -> None:
         assert hop.handlers.unary == [True, True]
     finally:
         hop.close()
+
+
+def test_a_server_whose_streams_socket_is_not_there_is_called_unary(
+    server: Server, tmp_path: Path
+) -> None:
+    # docs/protocol.md, "Call streams": runtimed takes its streams on a socket of its own; a
+    # caller that finds nothing there (it could not be bound) makes its calls as unary RPCs.
+    channel = grpc.insecure_channel(server.address)
+    invoke = callstream.Invoke(channel, f"unix:{tmp_path}/nothing-here.sock")
+    try:
+        for _ in range(2):
+            assert outcome(invoke.with_call, "")[0].output == b"{}"
+        assert server.handlers.unary == [True, True]
+    finally:
+        invoke.close()
+        channel.close()
 
 
 def test_call_streams_turned_off_make_every_call_an_rpc(

@@ -1,4 +1,6 @@
-"""The pod the runtimed tests call (tests/lifecycle/pods.py)."""
+"""The pod the runtimed tests call (tests/lifecycle/pods.py); a test parametrized with
+``pytest.mark.parametrize("pod", CALLS, indirect=True)`` calls it each way a caller reaches
+runtimed."""
 
 from __future__ import annotations
 
@@ -11,5 +13,5 @@ from tests.lifecycle.pods import Pod, pod_of
 
 
 @pytest.fixture
-def pod(tmp_path: Path) -> Iterator[Pod]:
-    yield from pod_of(tmp_path)
+def pod(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Pod]:
+    yield from pod_of(tmp_path, calls=getattr(request, "param", "unary"))

@@ -35,7 +35,7 @@ from fnkernel.runtime_server.wire import (
     READY,
     RETRYING,
 )
-from tests.lifecycle.pods import POD, Pod, pod_of, pod_runtimed
+from tests.lifecycle.pods import CALLS, POD, Pod, pod_of, pod_runtimed
 from tests.support import ECHO_PY, wait_until
 
 
@@ -226,6 +226,7 @@ def test_files_that_cannot_be_written_fail_the_attempt_charged(pod: Pod) -> None
         workspace.unlink()
 
 
+@pytest.mark.parametrize("pod", CALLS, indirect=True)  # as either caller calls
 def test_unknown_run_uid_is_not_found(pod: Pod) -> None:
     ghost = Run(
         uid="no-such-run", name="ghost", spec=RunSpec("python", "h.f", files_digest({})),
@@ -342,6 +343,7 @@ def test_a_delete_converges_even_after_runtimed_forgot_the_registration(pod: Pod
         successor.stop(0)
 
 
+@pytest.mark.parametrize("pod", CALLS, indirect=True)  # as either caller calls
 def test_a_registration_the_server_lost_is_503_and_registered_again_free_of_charge(
     pod: Pod,
 ) -> None:

@@ -1,9 +1,9 @@
-"""runtimed's proxy hop (docs/protocol.md, "Proxy hop", "Timeline" and "Tracing";
+"""runtimed's proxy hop (docs/protocol.md, "Proxy hop", "Timeline", "Tracing" and "Call streams";
 docs/architecture.md, "The proxy hop"): the registration ID it fills in, the caller's deadline it
 passes on, the IDs and methods it refuses from outside, the routing fence, what it relays back
-(errors, trailers, clock readings, spans), a 5 MiB payload, its pool of channels. A real Runtime
-Server and a real runtimed on Unix sockets, sharing a real SQLite Run store with the control
-plane."""
+(errors, trailers, clock readings, spans), a 5 MiB payload, its pool of channels; each call made
+both ways a caller reaches runtimed. A real Runtime Server and a real runtimed on Unix sockets,
+sharing a real SQLite Run store with the control plane."""
 
 from __future__ import annotations
 
@@ -24,7 +24,9 @@ from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server.rpc import CancellableCalls
 from fnkernel.runtime_server.wire import (
     ATTEMPT_KEY,
+    COLD_START_KEY,
     ERROR_TYPE_KEY,
+    IDLE,
     LOGS_KEY,
     POD_KEY,
     READY,
@@ -32,12 +34,18 @@ from fnkernel.runtime_server.wire import (
     TIMELINE_KEY,
     TIMELINE_RUNTIMED_KEY,
     TIMELINE_SERVER_KEY,
+    call_streams_target,
     parse_timeline_stamps,
 )
-from tests.lifecycle.pods import POD, Pod
-from tests.support import ECHO_PY
+from tests.lifecycle.pods import CALLS, POD, Pod, StreamedInvoke
+from tests.support import ECHO_PY, wait_until
+
+# Each as a unary RPC (the gateway's call) and as a message of runtimed's call streams on its
+# event loop (a caller on this machine's: docs/protocol.md, "Call streams"): the same relay.
+EITHER_WAY = pytest.mark.parametrize("pod", CALLS, indirect=True)
 
 
+@EITHER_WAY
 def test_proxy_hop_fills_in_the_active_registration_id(pod: Pod) -> None:
     # docs/protocol.md, "Runs": InvokeFunction with an empty registration_id is resolved to the
     # private active one.
@@ -55,6 +63,7 @@ def test_proxy_hop_fills_in_the_active_registration_id(pod: Pod) -> None:
     assert status.registration.registration_id == response.registration.registration_id
 
 
+@EITHER_WAY
 def test_the_proxy_hop_passes_the_callers_deadline_on_or_the_30_s_default(pod: Pod) -> None:
     # docs/protocol.md, "Runs": runtimed bounds timeout_millis by its caller's deadline; a caller
     # without one gets the default of docs/protocol.md, "Limits" (30 s), never unbounded work.
@@ -66,11 +75,12 @@ def test_the_proxy_hop_passes_the_callers_deadline_on_or_the_30_s_default(pod: P
         registration=pb.FunctionRegistration(run_uid=run.uid), content_type="application/json"
     )
     routed = ((POD_KEY, POD),)
-    assert 0 < int(pod.proxy.InvokeFunction(request, metadata=routed, timeout=2).output) <= 2100
-    unbounded = int(pod.proxy.InvokeFunction(request, metadata=routed).output)  # no deadline
+    assert 0 < int(pod.invoke_function(request, metadata=routed, timeout=2).output) <= 2100
+    unbounded = int(pod.invoke_function(request, metadata=routed).output)  # no deadline
     assert 25_000 < unbounded <= 30_000
 
 
+@EITHER_WAY
 def test_a_registration_id_from_outside_is_invalid_argument(pod: Pod) -> None:
     run = pod.create("echo", ECHO_PY)
     active = pod.invoke(run).registration.registration_id
@@ -92,6 +102,7 @@ def test_register_and_unregister_from_outside_are_permission_denied(pod: Pod, me
     assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
 
 
+@EITHER_WAY
 def test_routing_fence_rejects_a_call_routed_for_another_pod(pod: Pod) -> None:
     run = pod.create("echo", ECHO_PY)
     with pytest.raises(grpc.RpcError) as caught:
@@ -100,6 +111,7 @@ def test_routing_fence_rejects_a_call_routed_for_another_pod(pod: Pod) -> None:
     assert "python-7" in caught.value.details()
 
 
+@EITHER_WAY
 def test_routing_fence_rejects_a_run_assigned_elsewhere(pod: Pod) -> None:
     # docs/protocol.md, "Runs": a Run assigned elsewhere gets FAILED_PRECONDITION, even when routed
     # "here".
@@ -112,6 +124,7 @@ def test_routing_fence_rejects_a_run_assigned_elsewhere(pod: Pod) -> None:
     assert "assigned to pod python-1" in caught.value.details()
 
 
+@EITHER_WAY
 def test_the_proxy_hop_relays_a_handler_error_with_its_trailers(pod: Pod) -> None:
     # docs/protocol.md, "Proxy hop": runtimed passes the Runtime Server's status on unchanged,
     # UNKNOWN with the fn-error-type and fn-logs-bin trailers of a handler error included.
@@ -129,6 +142,7 @@ def test_the_proxy_hop_relays_a_handler_error_with_its_trailers(pod: Pod) -> Non
     assert {"stream": "stdout", "text": "before"} in logs
 
 
+@EITHER_WAY
 def test_the_proxy_hop_relays_a_calls_deadline_with_what_the_handler_wrote(pod: Pod) -> None:
     # docs/protocol.md, "Proxy hop": the server's status passes on unchanged — here
     # DEADLINE_EXCEEDED ("Errors": with what the handler wrote until then in fn-logs-bin),
@@ -141,7 +155,7 @@ def test_the_proxy_hop_relays_a_calls_deadline_with_what_the_handler_wrote(pod: 
         registration=pb.FunctionRegistration(run_uid=run.uid), input=b"{}", timeout_millis=300
     )
     with pytest.raises(grpc.RpcError) as caught:
-        pod.proxy.InvokeFunction(request, metadata=((POD_KEY, POD),), timeout=30)
+        pod.invoke_function(request, metadata=((POD_KEY, POD),), timeout=30)
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     trailers = dict(caught.value.trailing_metadata())  # type: ignore[attr-defined]
     assert {"stream": "stdout", "text": "started"} in json.loads(trailers[LOGS_KEY])
@@ -155,6 +169,7 @@ def test_the_proxy_hop_relays_a_calls_deadline_with_what_the_handler_wrote(pod: 
     assert caught.value.details() == direct.value.details()
 
 
+@EITHER_WAY
 def test_the_proxy_hop_answers_each_hops_clock_readings_when_asked(pod: Pod) -> None:
     # docs/protocol.md, "Timeline": with x-fn-timeline: 1, runtimed answers fn-timeline-runtimed
     # (received, called, answered) beside the server's fn-timeline-server (received, answered),
@@ -164,7 +179,7 @@ def test_the_proxy_hop_answers_each_hops_clock_readings_when_asked(pod: Pod) -> 
         registration=pb.FunctionRegistration(run_uid=run.uid), input=b"{}"
     )
     before = time.monotonic_ns()
-    _, call = pod.proxy.InvokeFunction.with_call(
+    _, call = pod.invoke_function.with_call(
         request, metadata=((POD_KEY, POD), (TIMELINE_KEY, "1")), timeout=20
     )
     after = time.monotonic_ns()
@@ -183,18 +198,19 @@ def test_the_proxy_hop_answers_each_hops_clock_readings_when_asked(pod: Pod) -> 
         after,
     ]
     assert readings == sorted(readings)
-    _, plain = pod.proxy.InvokeFunction.with_call(request, metadata=((POD_KEY, POD),), timeout=20)
+    _, plain = pod.invoke_function.with_call(request, metadata=((POD_KEY, POD),), timeout=20)
     names = {name for name, _ in plain.trailing_metadata()}
     assert not names & {TIMELINE_RUNTIMED_KEY, TIMELINE_SERVER_KEY, SPANS_KEY}
     assert ATTEMPT_KEY in names
     # "Tracing" too: a traced call asking for the timeline gets both, beside the hop's own
     traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
     asked = ((POD_KEY, POD), (TIMELINE_KEY, "1"), ("traceparent", traceparent))
-    _, traced = pod.proxy.InvokeFunction.with_call(request, metadata=asked, timeout=20)
+    _, traced = pod.invoke_function.with_call(request, metadata=asked, timeout=20)
     names = {name for name, _ in traced.trailing_metadata()}
     assert {TIMELINE_RUNTIMED_KEY, TIMELINE_SERVER_KEY, SPANS_KEY, ATTEMPT_KEY} <= names
 
 
+@EITHER_WAY
 def test_an_in_memory_exporter_gets_a_registrations_and_a_calls_spans_parented_along_the_path(
     pod: Pod,
 ) -> None:
@@ -210,7 +226,7 @@ def test_an_in_memory_exporter_gets_a_registrations_and_a_calls_spans_parented_a
         request = pb.InvokeFunctionRequest(
             registration=pb.FunctionRegistration(run_uid=run.uid), input=b"{}"
         )
-        answer = pod.proxy.InvokeFunction(
+        answer = pod.invoke_function(
             request,
             metadata=((POD_KEY, POD), ("traceparent", f"00-{trace_id}-{caller}-01")),
             timeout=20,
@@ -269,6 +285,7 @@ def test_an_in_memory_exporter_gets_a_registrations_and_a_calls_spans_parented_a
     assert not tracing.exporting()  # the block over, nothing more is recorded
 
 
+@EITHER_WAY
 def test_a_traced_call_the_routing_fence_refuses_shows_the_refusal_at_runtimed(pod: Pod) -> None:
     """docs/protocol.md, "Tracing": a traced call routed to another pod is refused at runtimed's
     routing fence; the spans it hands back say so there, and nothing was called beyond it."""
@@ -276,7 +293,7 @@ def test_a_traced_call_the_routing_fence_refuses_shows_the_refusal_at_runtimed(p
     request = pb.InvokeFunctionRequest(registration=pb.FunctionRegistration(run_uid=run.uid))
     traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
     with pytest.raises(grpc.RpcError) as caught:
-        pod.proxy.InvokeFunction(
+        pod.invoke_function(
             request, metadata=((POD_KEY, "python-9"), ("traceparent", traceparent)), timeout=20
         )
     assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -288,6 +305,7 @@ def test_a_traced_call_the_routing_fence_refuses_shows_the_refusal_at_runtimed(p
     assert refused["status"].startswith("FAILED_PRECONDITION: this is pod python-0, not python-9")
 
 
+@EITHER_WAY
 def test_a_5_mib_payload_crosses_the_proxy_hop_both_ways(pod: Pod) -> None:
     # docs/protocol.md, "Limits": payloads up to 6 MiB on every hop — above grpc's default
     # 4 MiB, so each channel runtimed calls the server on must carry our message limits.
@@ -295,6 +313,81 @@ def test_a_5_mib_payload_crosses_the_proxy_hop_both_ways(pod: Pod) -> None:
     text = "x" * (5 * 1024 * 1024)
     response = pod.invoke(run, json.dumps(text).encode())
     assert json.loads(response.output)["echo"] == text
+
+
+@EITHER_WAY
+def test_a_call_to_a_run_scaled_to_zero_registers_it_again_and_says_cold_start(pod: Pod) -> None:
+    # docs/protocol.md, "Runs": an Idle Run's next invoke registers it again, the same attempt,
+    # and its answer says so (x-fn-cold-start); on the call streams that registration waits on
+    # a thread, never on the loop, which answers other calls meanwhile.
+    run = pod.create("sleepy", ECHO_PY, idle_timeout_seconds=1)
+    wait_until(lambda: pod.store.get("sleepy").status.phase == IDLE, timeout=20)
+    response, call = pod.invoke_function.with_call(
+        pb.InvokeFunctionRequest(
+            registration=pb.FunctionRegistration(run_uid=run.uid), input=b"[1]"
+        ),
+        metadata=((POD_KEY, POD),),
+        timeout=20,
+    )
+    assert json.loads(response.output)["echo"] == [1]
+    trailers = dict(call.trailing_metadata())
+    assert (trailers[COLD_START_KEY], trailers[ATTEMPT_KEY]) == ("1", "1")
+    assert pod.store.get("sleepy").status.phase == READY
+
+
+def test_runtimed_stopping_waits_for_a_call_on_its_streams_and_takes_no_new_stream(
+    pod: Pod,
+) -> None:
+    # docs/protocol.md, "Call streams": in flight is the call, not the stream — runtimed's stop
+    # waits for a call on its call streams as for an RPC, within its grace, and turns away what
+    # comes after it began.
+    gate = {
+        "handler.py": (
+            "import os, time\n"
+            "def handle(event):\n"
+            "    open('started', 'w').close()\n"
+            "    for _ in range(600):\n"
+            "        if os.path.exists('go'):\n"
+            "            return 'done'\n"
+            "        time.sleep(0.05)\n"
+        )
+    }
+    run = pod.create("gate", gate)
+    working = pod.runtimed.working_dir(run.uid)
+    streams_at = call_streams_target(pod.runtimed.address)
+    assert streams_at is not None
+    channels = [grpc.insecure_channel(streams_at) for _ in range(2)]
+    held, late = (StreamedInvoke(channel) for channel in channels)
+    request = pb.InvokeFunctionRequest(registration=pb.FunctionRegistration(run_uid=run.uid))
+    answered: list[bytes] = []
+    try:
+        calling = threading.Thread(
+            target=lambda: answered.append(
+                held(request, metadata=((POD_KEY, POD),), timeout=30).output
+            )
+        )
+        calling.start()
+        wait_until(lambda: (working / "started").exists(), timeout=10)
+        stopping = threading.Thread(target=lambda: pod.runtimed.stop(30))
+        stopping.start()
+
+        def turned_away() -> bool:
+            try:
+                late(request, metadata=((POD_KEY, POD),), timeout=5)
+            except grpc.RpcError as err:
+                return err.code() == grpc.StatusCode.UNAVAILABLE
+            return False
+
+        wait_until(turned_away, timeout=10)
+        assert stopping.is_alive() and not answered  # still waiting for the call
+        (working / "go").touch()
+        calling.join(20)
+        assert answered == [b'"done"']
+        wait_until(lambda: not stopping.is_alive(), timeout=20)
+    finally:
+        (working / "go").touch()
+        for channel in channels:
+            channel.close()
 
 
 def test_calls_beyond_the_idle_pool_close_their_channel_and_still_answer(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import grpc
 
-from fnkernel.runtime_server import callstream, tracing
+from fnkernel.runtime_server import callstream, tracing, wire
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import (
@@ -62,6 +62,7 @@ from fnkernel.runtime_server.lifecycle.runtimed.server import (
     StatusRefused,
     registration_request,
 )
+from fnkernel.runtime_server.lifecycle.runtimed.streams import StreamRelay
 from fnkernel.runtime_server.lifecycle.runtimed.workspace import Workspace
 from fnkernel.runtime_server.lifecycle.secrets import (
     Secrets,
@@ -141,13 +142,23 @@ class Runtimed(RunFailures):
         self._loop_thread: threading.Thread | None = None
         self._grpc: grpc.Server | None = None
         self._pipeline: Pipeline | None = None
+        self._streams: StreamRelay | None = None  # "Call streams", on an event loop
 
     # Lifecycle
 
     def start(self, listen: str) -> str:
-        self._grpc, self.heart.servicer, self._pipeline = proxy_ports(self)
+        self._grpc, self.heart.servicer, self._pipeline, proxy = proxy_ports(self)
         self.address = listen_on(self._grpc, listen)
         self._grpc.start()
+        streams_at = wire.call_streams_target(self.address)
+        if streams_at is not None:  # its callers on this machine: the call streams on a loop
+            relay = StreamRelay(proxy, self._pipeline, self.server_address)
+            try:
+                relay.start(streams_at)
+            except RuntimeError as exc:  # its callers make their calls on the port above
+                LOG.warning("call streams not served at %s: %s", streams_at, exc)
+            else:
+                self._streams = relay
         self._heartbeat()
         self._loop_thread = threading.Thread(target=self._loop, name="runtimed", daemon=True)
         self._loop_thread.start()
@@ -155,8 +166,12 @@ class Runtimed(RunFailures):
 
     def stop(self, grace: float = 5.0) -> None:
         self._stop.set()
+        if self._streams is not None:
+            self._streams.refuse(grace)
         if self._grpc is not None and self._pipeline is not None:
-            self._pipeline.stop(self._grpc, grace)
+            self._pipeline.stop(self._grpc, grace)  # the calls on either port given `grace`
+        if self._streams is not None:
+            self._streams.close()
         if self._loop_thread is not None:
             self._loop_thread.join(5)
         self._workers.shutdown(wait=False, cancel_futures=True)
@@ -506,15 +521,21 @@ class Runtimed(RunFailures):
             active = self._active.get(run.uid)
         return active if active is not None and active.attempt == run.status.attempt else None
 
+    def ready(self, run_uid: str, routed_to: str | None) -> tuple[Run, Active] | None:
+        """The Run behind a proxied invoke (fenced) and its active registration if it is READY:
+        ``resolve``'s fast path, which waits for nothing; else None."""
+        run = self.fenced_run(run_uid, routed_to)
+        active = self.active(run)
+        return (run, active) if active is not None and run.status.phase == READY else None
+
     def resolve(
         self, run_uid: str, routed_to: str | None, *, fast: bool = True
     ) -> tuple[Run, Active, bool]:
         """The Run and its active registration for a proxied invoke; True if it had to be
         registered first (a cold start after scale to zero)."""
-        run = self.fenced_run(run_uid, routed_to)
-        active = self.active(run)
-        if fast and active is not None and run.status.phase == READY:
-            return run, active, False
+        found = self.ready(run_uid, routed_to)  # the routing fence, every time
+        if fast and found is not None:
+            return *found, False
         with self._run_lock(run_uid):  # after any scale to zero or registration in progress
             run = self.fenced_run(run_uid, None)
             active = self.active(run)

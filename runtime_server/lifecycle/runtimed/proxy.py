@@ -44,7 +44,7 @@ from fnkernel.runtime_server.lifecycle.runs import (
     Run,
 )
 from fnkernel.runtime_server.lifecycle.runtimed.server import Active
-from fnkernel.runtime_server.pipeline import Pipeline, served_call
+from fnkernel.runtime_server.pipeline import Pipeline, ServedCall, served_call
 from fnkernel.runtime_server.rpc import (
     CHANNEL_OPTIONS,
     CancellableCalls,
@@ -82,6 +82,8 @@ class Agent(Protocol):
     def fenced_run(self, run_uid: str, routed_to: str | None) -> Run: ...
 
     def active(self, run: Run) -> Active | None: ...
+
+    def ready(self, run_uid: str, routed_to: str | None) -> tuple[Run, Active] | None: ...
 
     def resolve(
         self, run_uid: str, routed_to: str | None, *, fast: bool = True
@@ -143,6 +145,56 @@ class RelayedInvoke:
         return self.data + filled.SerializeToString()
 
 
+def invoked_run(request: RelayedInvoke) -> str:
+    """The Run UID a proxied InvokeFunction names (and never a registration ID)."""
+    registration = request.message.registration
+    _outside_id(registration.run_uid, registration.registration_id, "registration.")
+    return registration.run_uid
+
+
+def relayed(
+    request: RelayedInvoke, timeout: float | None, active: Active, call: ServedCall
+) -> tuple[bytes, float | None, tuple[tuple[str, str], ...]]:
+    """The proxy hop's call onward of `request` (its caller's deadline `timeout` seconds away,
+    or none) on the registration `active`: the request's bytes, its timeout and its metadata."""
+    hop, traceparent = call.hop, ""
+    if hop is not None:  # the routing fence passed, and the registration ID is filled in
+        hop.set(tracing.FENCE, "passed")
+        hop.set(tracing.REGISTRATION_ID, active.registration_id)
+        hop.set(tracing.REGISTRATION_ATTEMPT, active.attempt)
+        traceparent = hop.call(tracing.INVOKE_SPAN, tracing.rpc_attributes("InvokeFunction"))
+    timeout_millis = 0  # the caller's, as it came
+    if timeout is not None:
+        # docs/protocol.md: runtimed bounds timeout_millis by the caller's (gateway's) deadline.
+        bound = max(1, int(timeout * 1000))
+        timeout_millis = min(limits.effective_timeout_millis(request.message.timeout_millis), bound)
+    forwarded = request.forwarded(active.registration_id, timeout_millis)
+    # fnkernel's own metadata of a large payload passes on as it came ("Large payloads").
+    upstream = call.upstream(traceparent)
+    if call.input_ref:
+        upstream += ((INPUT_REF_KEY, call.input_ref),)
+    if call.output_from:
+        upstream += ((OUTPUT_REF_FROM_KEY, call.output_from),)
+    return forwarded, timeout, upstream
+
+
+def relay_failed(call: ServedCall, err: grpc.RpcError) -> None:
+    """The call onward failed with `err`: a traced hop's span says so, with the server's spans."""
+    if call.hop is not None:
+        call.hop.called(err.code().value[0], trailer_value(err.trailing_metadata(), SPANS_KEY))
+
+
+def relay_answered(call: ServedCall, trailers: Any, active: Active, cold: bool) -> None:
+    """The call onward on `active` was answered with `trailers`: this hop's own go in the
+    server's trailers — one metadata batch, not two (docs/protocol.md, "Proxy hop")."""
+    metadata: tuple[tuple[str, str | bytes], ...] = ((ATTEMPT_KEY, str(active.attempt)),)
+    if cold:
+        metadata += ((COLD_START_KEY, "1"),)
+    if call.hop is not None:
+        call.hop.called(0, trailer_value(trailers, SPANS_KEY))
+    call.trailers = metadata + relayed_trailers(trailers, {SPANS_KEY})
+
+
 class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
     """runtimed's own FunctionRuntime port (docs/protocol.md: the gateway routes here, never to a server)."""
 
@@ -150,34 +202,41 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
         self.runtimed = runtimed
 
     def InvokeFunction(self, request: RelayedInvoke, context: grpc.ServicerContext) -> bytes:
-        message = request.message
-        _outside_id(
-            message.registration.run_uid, message.registration.registration_id, "registration."
-        )
+        run_uid = invoked_run(request)
         routed_to = metadata_value(context, POD_KEY)
-        run, active, cold = self.runtimed.resolve(message.registration.run_uid, routed_to)
+        run, active, cold = self.runtimed.resolve(run_uid, routed_to)
         try:
             return self._forward(request, context, run, active, cold)
         except grpc.RpcError as err:
-            if err.code() == grpc.StatusCode.UNAVAILABLE and context.is_active():
-                # The call broke off with its caller still there: the server may have died.
-                self.runtimed.call_cut_off(run, active, message.invocation_id or "a call")
-                raise
-            if err.code() == grpc.StatusCode.NOT_FOUND:
-                # The server restarted and lost the registration; the Run still exists, so
-                # this is "come back soon" (503), never "no such function" (404).
-                self.runtimed.registration_lost(run, active)
-                raise RegistrationLost(
-                    f"run {run.uid}: its Runtime Server restarted; registering it again"
-                ) from None
-            if err.code() != grpc.StatusCode.FAILED_PRECONDITION:
-                raise
-        # The server refused the call before running it (the registration was just drained for
-        # idling, or superseded): resolve again under the run lock, once.
-        run, active, cold = self.runtimed.resolve(
-            message.registration.run_uid, routed_to, fast=False
-        )
+            self.upstream_failed(err, request, run, active, caller_there=context.is_active())
+        run, active, cold = self.runtimed.resolve(run_uid, routed_to, fast=False)
         return self._forward(request, context, run, active, cold)
+
+    def upstream_failed(
+        self,
+        err: grpc.RpcError,
+        request: RelayedInvoke,
+        run: Run,
+        active: Active,
+        *,
+        caller_there: bool,
+    ) -> None:
+        """What the server's failure `err` of `request` on `active` tells runtimed; raised again,
+        but for a refusal before the call ran (the registration was just drained for idling,
+        or superseded): then the caller resolves again under the run lock, once."""
+        if err.code() == grpc.StatusCode.UNAVAILABLE and caller_there:
+            # The call broke off with its caller still there: the server may have died.
+            self.runtimed.call_cut_off(run, active, request.invocation_id or "a call")
+            raise err
+        if err.code() == grpc.StatusCode.NOT_FOUND:
+            # The server restarted and lost the registration; the Run still exists, so
+            # this is "come back soon" (503), never "no such function" (404).
+            self.runtimed.registration_lost(run, active)
+            raise RegistrationLost(
+                f"run {run.uid}: its Runtime Server restarted; registering it again"
+            ) from None
+        if err.code() != grpc.StatusCode.FAILED_PRECONDITION:
+            raise err
 
     def _forward(
         self,
@@ -189,27 +248,7 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
     ) -> bytes:
         """Call the server with the active registration: its answer, as the server sent it."""
         call = served_call()
-        hop, traceparent = call.hop, ""
-        if hop is not None:  # the routing fence passed, and the registration ID is filled in
-            hop.set(tracing.FENCE, "passed")
-            hop.set(tracing.REGISTRATION_ID, active.registration_id)
-            hop.set(tracing.REGISTRATION_ATTEMPT, active.attempt)
-            traceparent = hop.call(tracing.INVOKE_SPAN, tracing.rpc_attributes("InvokeFunction"))
-        timeout = caller_timeout(context)
-        timeout_millis = 0  # the caller's, as it came
-        if timeout is not None:
-            # docs/protocol.md: runtimed bounds timeout_millis by the caller's (gateway's) deadline.
-            bound = max(1, int(timeout * 1000))
-            timeout_millis = min(
-                limits.effective_timeout_millis(request.message.timeout_millis), bound
-            )
-        forwarded = request.forwarded(active.registration_id, timeout_millis)
-        # fnkernel's own metadata of a large payload passes on as it came ("Large payloads").
-        upstream = call.upstream(traceparent)
-        if call.input_ref:
-            upstream += ((INPUT_REF_KEY, call.input_ref),)
-        if call.output_from:
-            upstream += ((OUTPUT_REF_FROM_KEY, call.output_from),)
+        forwarded, timeout, upstream = relayed(request, caller_timeout(context), active, call)
         # The caller went away: the call is cancelled, and the handler dies.
         try:
             response, answered = self.runtimed.calls.call(
@@ -219,19 +258,9 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
                 context,
             )
         except grpc.RpcError as err:
-            if hop is not None:
-                spans = trailer_value(err.trailing_metadata(), SPANS_KEY)
-                hop.called(err.code().value[0], spans)
+            relay_failed(call, err)
             raise
-        # In the trailers, beside the server's own: one metadata batch, not two (docs/protocol.md,
-        # "Proxy hop").
-        metadata: tuple[tuple[str, str | bytes], ...] = ((ATTEMPT_KEY, str(active.attempt)),)
-        if cold:
-            metadata += ((COLD_START_KEY, "1"),)
-        trailers = answered.trailing_metadata()
-        if hop is not None:
-            hop.called(0, trailer_value(trailers, SPANS_KEY))
-        call.trailers = metadata + relayed_trailers(trailers, {SPANS_KEY})
+        relay_answered(call, answered.trailing_metadata(), active, cold)
         self.runtimed.served(run, active)
         return response
 
@@ -381,10 +410,12 @@ class PayloadsProxyServicer(payloads_pb2_grpc.PayloadsServicer):
         yield from chunks
 
 
-def proxy_ports(runtimed: Agent) -> tuple[grpc.Server, health.HealthServicer, Pipeline]:
+def proxy_ports(
+    runtimed: Agent,
+) -> tuple[grpc.Server, health.HealthServicer, Pipeline, ProxyServicer]:
     """runtimed's gRPC server, not yet bound: the proxy hop's FunctionRuntime, the relays of
-    live output, of the spool and of batches, health and reflection; and its call pipeline,
-    which stops it."""
+    live output, of the spool and of batches, health and reflection; its call pipeline, which
+    stops it; and its FunctionRuntime servicer, whose relay its call streams share."""
     pipeline = Pipeline(
         (FUNCTION_RUNTIME_SERVICE, INVOCATION_LOGS_SERVICE, PAYLOADS_SERVICE, BATCHES_SERVICE),
         component="runtimed",
@@ -396,7 +427,8 @@ def proxy_ports(runtimed: Agent) -> tuple[grpc.Server, health.HealthServicer, Pi
         interceptors=[pipeline],
         options=CHANNEL_OPTIONS,
     )
-    _add_proxy_servicer(ProxyServicer(runtimed), server)
+    proxy = ProxyServicer(runtimed)
+    _add_proxy_servicer(proxy, server)
     logs_pb2_grpc.add_InvocationLogsServicer_to_server(LogsProxyServicer(runtimed), server)
     payloads_pb2_grpc.add_PayloadsServicer_to_server(PayloadsProxyServicer(runtimed), server)
     batches_pb2_grpc.add_BatchesServicer_to_server(BatchesProxyServicer(runtimed), server)
@@ -412,7 +444,7 @@ def proxy_ports(runtimed: Agent) -> tuple[grpc.Server, health.HealthServicer, Pi
             health.SERVICE_NAME,
         ],
     )
-    return server, checks, pipeline
+    return server, checks, pipeline, proxy
 
 
 def _add_proxy_servicer(servicer: ProxyServicer, server: grpc.Server) -> None:
