@@ -14,6 +14,7 @@ import os
 import re
 import select
 import socket
+import sys
 import threading
 import urllib.parse
 from collections.abc import Iterator, Mapping
@@ -412,7 +413,11 @@ class Transport:
         self.close()
 
     def __del__(self) -> None:
-        if hasattr(self, "_lock"):  # not when __init__ was refused its arguments
+        # Not when __init__ was refused its arguments; nor once the interpreter is ending (a
+        # client never closed, dropped at exit): grpc's threads run no more by then, and closing
+        # a direct call's channel waits on them forever — the process never exited. Its end
+        # closes every socket.
+        if hasattr(self, "_lock") and not sys.is_finalizing():
             self.close()
 
     def close(self) -> None:

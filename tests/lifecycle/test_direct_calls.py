@@ -6,6 +6,9 @@ longer leads to the Run is learnt again, the call made through the gateway."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -182,3 +185,27 @@ def test_a_replica_set_and_a_traced_call_go_through_the_gateway(stack: Stack) ->
     client.sent.clear()
     traced = client.invoke("echo", {}, traceparent="00-" + "1" * 32 + "-" + "2" * 16 + "-01")
     assert client.sent == ["POST /v1/runs/echo:invoke"] and traced.spans
+
+
+def test_a_program_that_never_closes_its_client_still_exits(stack: Stack) -> None:
+    # A script's client, dropped unclosed at the interpreter's end after a direct call: closing
+    # its channels then waited on grpc's threads, which run no more by then — the process
+    # never exited.
+    script = textwrap.dedent(
+        f"""
+        from fnkernel.runtime_server.client import Client
+
+        class Counted(Client):
+            sent = []
+
+            def request(self, method, path, *args, **kwargs):
+                self.sent.append(path)
+                return super().request(method, path, *args, **kwargs)
+
+        client = Counted({stack.gateway_address!r})
+        assert client.invoke("echo", {{"n": 1}}).value() == {{"echo": {{"n": 1}}}}
+        assert not [path for path in client.sent if path.endswith(":invoke")], client.sent
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
+    assert done.returncode == 0, done.stderr.decode()
