@@ -278,9 +278,7 @@ class Invoke:
         stream = self._stream
         if stream is None or stream.answers.done():  # ended since (its server stopped, say)
             stream = self._stream = _Stream(self._channel, self)
-        message = cs.StreamedCall(request=request, metadata=metadata_map(metadata))
-        if timeout is not None:
-            message.timeout_micros = max(1, int(timeout * 1e6))
+        message = streamed_call(request, timeout, metadata)
         watch = _WATCHDOG.watch(time.monotonic() + timeout, stream) if timeout is not None else None
         try:
             return stream.call(message)
@@ -316,6 +314,16 @@ class Invoke:
 
 
 _STATUS = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def streamed_call(
+    request: bytes, timeout: float | None, metadata: Metadata | None
+) -> cs.StreamedCall:
+    """A call as a stream's message: its request, metadata and deadline (`timeout` seconds)."""
+    message = cs.StreamedCall(request=request, metadata=metadata_map(metadata))
+    if timeout is not None:
+        message.timeout_micros = max(1, int(timeout * 1e6))
+    return message
 
 
 def answered(answer: cs.StreamedAnswer) -> tuple[bytes, Metadata]:
@@ -366,10 +374,9 @@ class AsyncInvoke:
         """The call's response and trailers; grpc.RpcError if it failed."""
         stream = self._stream()
         if stream is not None:
-            message = cs.StreamedCall(request=request, metadata=metadata_map(metadata))
-            if timeout is not None:
-                message.timeout_micros = max(1, int(timeout * 1e6))
-            answer = await self._streamed(stream, message, timeout)
+            answer = await self._streamed(
+                stream, streamed_call(request, timeout, metadata), timeout
+            )
             if answer is not None:
                 return answered(answer)
         call = self._unary(request, timeout=timeout, metadata=tuple(metadata) or None)

@@ -25,7 +25,7 @@ from fnkernel.runtime_server.lifecycle.runtimed import Runtimed
 from fnkernel.runtime_server.lifecycle.runtimed.packages import PackageCache
 from fnkernel.runtime_server.lifecycle.secrets import SecretFiles
 from fnkernel.runtime_server.lifecycle.sqlite import SqliteRunStore
-from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS, metadata_map
+from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS
 from fnkernel.runtime_server.wire import POD_KEY, call_streams_target
 
 POD = "python-0"
@@ -53,11 +53,7 @@ class StreamedInvoke:
         metadata: Any = (),
         timeout: float | None = None,
     ) -> tuple[pb.InvokeFunctionResponse, callstream.Answered]:
-        message = cs.StreamedCall(
-            request=request.SerializeToString(), metadata=metadata_map(metadata)
-        )
-        if timeout is not None:
-            message.timeout_micros = int(timeout * 1e6)
+        message = callstream.streamed_call(request.SerializeToString(), timeout, metadata)
         answers = self._open(iter([message]), timeout=60)
         response, trailers = callstream.answered(next(answers))
         return pb.InvokeFunctionResponse.FromString(response), callstream.Answered(trailers)
