@@ -68,6 +68,7 @@ from fnkernel.runtime_server.wire import (
 )
 
 LOG = logging.getLogger("fnkernel.runtimed")
+PROXY_THREADS = 32  # the calls runtimed's gRPC port serves at once
 
 
 class Agent(Protocol):
@@ -423,7 +424,7 @@ def proxy_ports(
         fence=judged_by_fence,
     )
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="proxy"),
+        futures.ThreadPoolExecutor(max_workers=PROXY_THREADS, thread_name_prefix="proxy"),
         interceptors=[pipeline],
         options=CHANNEL_OPTIONS,
     )

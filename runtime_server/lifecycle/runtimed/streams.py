@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent import futures
@@ -33,6 +32,7 @@ from fnkernel.runtime_server import callstream, limits
 from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import callstreams_pb2 as cs
 from fnkernel.runtime_server.lifecycle.runs import Run
 from fnkernel.runtime_server.lifecycle.runtimed.proxy import (
+    PROXY_THREADS,
     ProxyServicer,
     RelayedInvoke,
     invoked_run,
@@ -51,7 +51,6 @@ from fnkernel.runtime_server.rpc import (
 )
 from fnkernel.runtime_server.wire import POD_KEY
 
-LOG = logging.getLogger("fnkernel.runtimed")
 T = TypeVar("T")
 
 
@@ -72,7 +71,9 @@ class StreamRelay:
         self._channel: grpc.aio.Channel | None = None
         self._invoke: callstream.AsyncInvoke | None = None
         self._stopping: asyncio.Future[None] | None = None
-        self._waits = futures.ThreadPoolExecutor(4, thread_name_prefix="stream-waits")
+        # What may wait, off the loop: as many cold starts at once as runtimed's other port
+        # serves calls (the threads are made as they are needed).
+        self._waits = futures.ThreadPoolExecutor(PROXY_THREADS, thread_name_prefix="stream-waits")
         self._open = 0  # streams open (read and written on the loop only)
 
     # Lifecycle, from runtimed's thread
