@@ -159,14 +159,21 @@ def test_the_proxy_hop_relays_a_calls_deadline_with_what_the_handler_wrote(pod: 
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     trailers = dict(caught.value.trailing_metadata())  # type: ignore[attr-defined]
     assert {"stream": "stdout", "text": "started"} in json.loads(trailers[LOGS_KEY])
-    # the message is the server's own, as the server gives it to a caller of its own
+    # the message is the server's own, as the server gives it to a caller of its own — once
+    # the worker killed at the deadline is replaced (a busy machine loads it past 0.3 s, and
+    # until then the server's timeout is its wait for a worker, not the handler's)
     active = pod.runtimed.active(run)
     assert active is not None
     request.registration.registration_id = active.registration_id
-    with pytest.raises(grpc.RpcError) as direct:
-        pod.server.InvokeFunction(request, timeout=30)
-    assert direct.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert caught.value.details() == direct.value.details()
+
+    def servers_own() -> str | None:
+        with pytest.raises(grpc.RpcError) as direct:
+            pod.server.InvokeFunction(request, timeout=30)
+        assert direct.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        details = direct.value.details() or ""
+        return None if details.startswith("no worker became ready") else details
+
+    assert caught.value.details() == wait_until(servers_own, timeout=30)
 
 
 @EITHER_WAY
