@@ -179,6 +179,16 @@ class StreamedError(grpc.RpcError):
         return self._trailers
 
 
+def _deadline_exceeded() -> StreamedError:
+    """A call unanswered at its deadline, failed as a unary call's is."""
+    return StreamedError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+
+
+def _stream_ended() -> StreamedError:
+    """The server ended the stream unasked: the call on it was not read."""
+    return StreamedError(grpc.StatusCode.UNAVAILABLE, "the call stream ended")
+
+
 class Answered:
     """What ``Invoke.with_call`` returns beside the response: its trailers, as grpc's call."""
 
@@ -286,9 +296,7 @@ class Invoke:
             self._stream = None
             stream.close()
             if watch is not None and watch.fired:
-                raise StreamedError(
-                    grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"
-                ) from None
+                raise _deadline_exceeded() from None
             if refused(err) or (self._elsewhere and never_sent(err.code(), err.details() or "")):
                 self._streams = False
                 return None
@@ -296,7 +304,7 @@ class Invoke:
         except StopIteration:  # the server ended the stream unasked: this call was not read
             self._stream = None
             stream.close()
-            raise StreamedError(grpc.StatusCode.UNAVAILABLE, "the call stream ended") from None
+            raise _stream_ended() from None
         except BaseException:  # an interrupt while it waits: the stream goes with the call
             self._stream = None
             stream.close()
@@ -405,7 +413,7 @@ class AsyncInvoke:
                 answer = await stream.read()
         except TimeoutError:
             self._ended(stream)
-            raise StreamedError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+            raise _deadline_exceeded() from None
         except grpc.RpcError as err:
             self._ended(stream)
             if refused(err):
@@ -417,7 +425,7 @@ class AsyncInvoke:
             raise
         if not isinstance(answer, cs.StreamedAnswer):  # EOF: ended unasked, this call not read
             self._ended(stream)
-            raise StreamedError(grpc.StatusCode.UNAVAILABLE, "the call stream ended")
+            raise _stream_ended()
         self._idle.append(stream)
         return answer
 

@@ -155,9 +155,9 @@ def invoked_run(request: RelayedInvoke) -> str:
 
 def relayed(
     request: RelayedInvoke, timeout: float | None, active: Active, call: ServedCall
-) -> tuple[bytes, float | None, tuple[tuple[str, str], ...]]:
+) -> tuple[bytes, tuple[tuple[str, str], ...]]:
     """The proxy hop's call onward of `request` (its caller's deadline `timeout` seconds away,
-    or none) on the registration `active`: the request's bytes, its timeout and its metadata."""
+    or none) on the registration `active`: the request's bytes and its metadata."""
     hop, traceparent = call.hop, ""
     if hop is not None:  # the routing fence passed, and the registration ID is filled in
         hop.set(tracing.FENCE, "passed")
@@ -176,7 +176,7 @@ def relayed(
         upstream += ((INPUT_REF_KEY, call.input_ref),)
     if call.output_from:
         upstream += ((OUTPUT_REF_FROM_KEY, call.output_from),)
-    return forwarded, timeout, upstream
+    return forwarded, upstream
 
 
 def relay_failed(call: ServedCall, err: grpc.RpcError) -> None:
@@ -249,7 +249,8 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
     ) -> bytes:
         """Call the server with the active registration: its answer, as the server sent it."""
         call = served_call()
-        forwarded, timeout, upstream = relayed(request, caller_timeout(context), active, call)
+        timeout = caller_timeout(context)
+        forwarded, upstream = relayed(request, timeout, active, call)
         # The caller went away: the call is cancelled, and the handler dies.
         try:
             response, answered = self.runtimed.calls.call(

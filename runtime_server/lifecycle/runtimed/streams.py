@@ -203,7 +203,8 @@ class StreamRelay:
         whose caller goes away is cancelled here (its task is), and so its stream upstream:
         the server kills its handler."""
         assert self._invoke is not None
-        forwarded, timeout, upstream = relayed(request, caller_timeout(call), active, served)
+        timeout = caller_timeout(call)
+        forwarded, upstream = relayed(request, timeout, active, served)
         try:
             response, trailers = await self._invoke.with_call(forwarded, timeout, upstream)
         except grpc.RpcError as err:
