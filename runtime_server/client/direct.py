@@ -164,7 +164,7 @@ class Direct:
             if err.code() in _NOT_CALLED or _never_sent(err):
                 raise RouteGone(f"{err.code().name}: {err.details()}") from None
             # Cut off (a process of the hop died): the item that ran has no answer, and the
-            # items after it may have run too — answers are held up to 50 ms, and the worker
+            # items after it may have run too — answers are held up to 100 ms, and the worker
             # may have begun the one queued behind — so each fails, and none is called again.
             body = failure_body(err)
             for index in range(answered, len(items)):

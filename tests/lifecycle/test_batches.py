@@ -195,7 +195,7 @@ def test_after_a_failure_the_rest_of_the_batch_is_never_called(
 def test_answers_that_end_together_past_one_messages_bound_each_come_once(
     stack: Stack, tmp_path: Path
 ) -> None:
-    # docs/protocol.md, "Batches": answers that end within 50 ms of the last message go in one
+    # docs/protocol.md, "Batches": answers that end within 100 ms of the last message go in one
     # message, but never past what one message may carry (16 MiB): results of 5 MiB each.
     log = tmp_path / "called.txt"
     items = [{"n": n, "log": str(log), "mib": 5} for n in range(24)]  # batches of 6
@@ -207,7 +207,7 @@ def test_answers_that_end_together_past_one_messages_bound_each_come_once(
 def test_a_batch_cut_off_after_its_items_ran_calls_none_of_them_again(
     stack: Stack, tmp_path: Path, requests: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # docs/protocol.md, "Batches": answers are held up to 50 ms, and the worker has the next
+    # docs/protocol.md, "Batches": answers are held up to 100 ms, and the worker has the next
     # item queued, so when a batch breaks off (item 5 kills its Runtime Server) the items after
     # the last answer may have run: each fails as a call cut off does, none is called again.
     monkeypatch.setattr(maps, "BATCH_SHARE", 1)  # the lane's share in one batch

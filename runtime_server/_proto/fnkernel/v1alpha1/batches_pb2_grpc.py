@@ -50,7 +50,7 @@ class BatchesServicer:
 
     def InvokeBatch(self, request, context):
         """Each item's call, in order, one at a time. After a failure the rest are not called, unless
-        `go_on`. Answers are sent as their calls end, those that end within 50 ms of the last sent
+        `go_on`. Answers are sent as their calls end, those that end within 100 ms of the last sent
         together (a message costs more than a quick call). The stream ends when every item was
         answered, or early (at a failure, or with a status): the items after the last answer were
         never called.
