@@ -306,7 +306,7 @@ def _up(args: argparse.Namespace) -> int:
     except StoreDamaged as exc:
         print(f"fnkernel up: {exc}", file=sys.stderr)
         return _stopped(stack, up_file, EXIT_FAILURE)
-    except KeyboardInterrupt:  # stopping now: further signals are ignored (_interrupted)
+    except StoppedWhileStarting:  # stopping now: further signals are ignored (_interrupted)
         print("fnkernel up: stopped while starting", file=sys.stderr)
         return _stopped(stack, up_file, EXIT_INTERRUPTED)
     for sig, handler in starting.items():
@@ -331,12 +331,20 @@ def _up(args: argparse.Namespace) -> int:
 _STOPS = (signal.SIGTERM, signal.SIGINT)
 
 
+class StoppedWhileStarting(KeyboardInterrupt):
+    """A stop while `up` starts, raised where its start was. Not KeyboardInterrupt itself:
+    landing in code Python runs from a string (the ``__init__`` a dataclass builds as it is
+    imported), a KeyboardInterrupt marks the process as killed by Ctrl-C even once caught, and
+    under ``python -m`` the interpreter then ends itself by SIGINT (exit status -2) instead of
+    with the 130 returned (CPython's ``run_eval_code_obj``); a subclass is not marked."""
+
+
 def _interrupted(signum: int, frame: Any) -> None:
     """The first stop while `up` starts: the start is interrupted, and what follows ignored
     (a second Ctrl-C, the process group's signal) while it stops what has started."""
     for sig in _STOPS:
         signal.signal(sig, signal.SIG_IGN)
-    raise KeyboardInterrupt
+    raise StoppedWhileStarting
 
 
 def _stopped(stack: Any, up_file: Path, code: int) -> int:

@@ -156,6 +156,32 @@ def test_a_stop_while_up_starts_stops_what_has_started(tmp_path: Path) -> None:
             up.wait()
 
 
+# Where `fnkernel up`'s start may be when its stop comes: inside code Python runs from a string
+# (a dataclass's generated __init__, as a module defining one is imported), then caught as
+# `fnkernel up` catches it.
+_STOPPED_INSIDE_EXEC = """
+import os, signal, sys
+from fnkernel.runtime_server.cli import daemons
+signal.signal(signal.SIGTERM, daemons._interrupted)
+try:
+    exec("import os, signal\\nos.kill(os.getpid(), signal.SIGTERM)\\nwhile True: pass")
+except KeyboardInterrupt:  # what `fnkernel up` catches is one
+    sys.exit(130)
+"""
+
+
+def test_a_stop_landing_in_code_run_from_a_string_still_exits_130(tmp_path: Path) -> None:
+    # README, "CLI": `fnkernel up` stopped while starting exits 130, wherever in its start the
+    # stop lands. Caught there, a plain KeyboardInterrupt still made the interpreter end itself
+    # by SIGINT under `python -m` (exit status -2): one stop in ~10-80 during `make test`.
+    (tmp_path / "stopped_inside_exec.py").write_text(_STOPPED_INSIDE_EXEC)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    done = subprocess.run(
+        [sys.executable, "-m", "stopped_inside_exec"], env=env, capture_output=True, timeout=60
+    )
+    assert done.returncode == 130, done.stderr.decode()
+
+
 def _running_with(text: str) -> list[int]:
     """The processes whose command line holds `text`."""
     found = []
