@@ -13,6 +13,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -308,11 +309,13 @@ class Cluster:
         return f"unix:{self.node_root / pod['metadata']['uid'] / 'volumes' / 'sockets' / 'server.sock'}"
 
     def stop(self) -> None:
-        for name in list(self.processes):
-            proc = self.processes.pop(name)
+        stopping, self.processes = list(self.processes.values()), {}
+        for proc in stopping:  # all at once, as a cluster's pods stop: each drains meanwhile
             proc.terminate()
+        deadline = time.monotonic() + 20
+        for proc in stopping:
             try:
-                proc.wait(20)
+                proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(10)

@@ -222,10 +222,10 @@ class NodeAgent:
         mine = {
             pod["metadata"]["uid"]: pod for pod in pods if pod["spec"].get("nodeName") == self.node
         }
-        for uid in list(self.running):
-            pod = mine.get(uid)
-            if pod is None or pod["metadata"].get("deletionTimestamp"):
-                self.kill(uid)
+        self.kill([
+            uid for uid in self.running
+            if (pod := mine.get(uid)) is None or pod["metadata"].get("deletionTimestamp")
+        ])  # fmt: skip
         for uid, pod in mine.items():
             if uid not in self.running and not pod["metadata"].get("deletionTimestamp"):
                 self.start(pod)
@@ -464,22 +464,26 @@ class NodeAgent:
             )
             running.reported = status
 
-    def kill(self, uid: str) -> None:
-        running = self.running.pop(uid)
-        for container in running.containers:
-            container.signal(signal.SIGTERM)
+    def kill(self, uids: list[str]) -> None:
+        """Stop the pods `uids` as a kubelet does, all at once: SIGTERM to each of their
+        containers, SIGKILL to what still runs _TERMINATION_GRACE later."""
+        pods = [self.running.pop(uid) for uid in uids]
+        for running in pods:
+            for container in running.containers:
+                container.signal(signal.SIGTERM)
         deadline = time.monotonic() + _TERMINATION_GRACE
-        for container in running.containers:
-            if container.proc is not None:
-                try:
-                    container.proc.wait(max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    container.signal(signal.SIGKILL)
-                    container.proc.wait()
-            container.remove()
-            container.log.close()
-        shutil.rmtree(running.root, ignore_errors=True)
-        self.free_ips.append(running.ip)
+        for running in pods:
+            for container in running.containers:
+                if container.proc is not None:
+                    try:
+                        container.proc.wait(max(0.0, deadline - time.monotonic()))
+                    except subprocess.TimeoutExpired:
+                        container.signal(signal.SIGKILL)
+                        container.proc.wait()
+                container.remove()
+                container.log.close()
+            shutil.rmtree(running.root, ignore_errors=True)
+            self.free_ips.append(running.ip)
 
     def run(self) -> None:
         while not self.stop.wait(_TICK):
@@ -491,8 +495,7 @@ class NodeAgent:
                 self.sync_pods(pods)
             except Exception as exc:  # the API server went away for a moment: try again
                 print(f"node agent: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        for uid in list(self.running):
-            self.kill(uid)
+        self.kill(list(self.running))
 
 
 def main() -> None:
