@@ -206,16 +206,24 @@ def start_ray(object_store_bytes: int = 1 << 30) -> Any:
         log_to_driver=False,
         object_store_memory=object_store_bytes,
     )
+    # Ray's GCS server is given 30 s to bind its port, which it passed twice in a row on a
+    # slow hour here while Kernel Gateway started beside it (Ray alone took 17-20 s to
+    # start): Ray's own knob for that wait, unless the caller set it.
+    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
     try:
         ray.init(**options)
     except Exception as exc:  # Ray raises a bare Exception when its node does not start
-        if "timed out during startup" not in str(exc):
+        if not any(why in str(exc) for why in _RAY_DID_NOT_START):
             raise
         # Seen here 2 of 4 times a run began right after another: its raylet never came up.
         print(f"Ray did not start ({exc}); starting it again", file=sys.stderr)
         ray.shutdown()
         ray.init(**options)
     return ray
+
+
+# What ray.init raises when its node did not come up: the raylet, or the GCS server's port.
+_RAY_DID_NOT_START = ("timed out during startup", "Timed out waiting for file")
 
 
 def ray_cases(ray: Any) -> tuple[dict[str, Callable[[Any], Any]], Callable[[int, float], float]]:
