@@ -241,6 +241,12 @@ class Pipeline(grpc.ServerInterceptor):
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
+        if handler.stream_stream is not None:  # a batch's: the caller's messages, its answers
+            return grpc.stream_stream_rpc_method_handler(
+                self._counted_stream(_streamed(handler.stream_stream, method)),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
         if handler.stream_unary is not None:  # its request is the caller's stream of messages
             return grpc.stream_unary_rpc_method_handler(
                 self._counted(_translated(handler.stream_unary, method)),

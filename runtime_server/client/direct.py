@@ -11,7 +11,9 @@ Imported on a same-machine call's first use: it loads grpc, which the kernel's s
 from __future__ import annotations
 
 import json
+import queue
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +25,7 @@ from fnkernel.runtime_server import callstream, payloads, wire
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import batches_pb2, batches_pb2_grpc
 from fnkernel.runtime_server.client.errors import GatewayError, RequestCancelled, from_response
+from fnkernel.runtime_server.client.views import InvocationResult
 from fnkernel.runtime_server.rpc import (
     STREAM_CHANNEL_OPTIONS,
     CancellableCalls,
@@ -121,58 +124,32 @@ class Direct:
         timeout_millis: int,
         go_on: bool,
         wait: float,
-    ) -> Iterator[tuple[int, tuple[dict[str, str], bytes] | GatewayError]]:
+        refill_at: int = 0,
+    ) -> BatchCall:
         """Batches/InvokeBatch on `route` (docs/protocol.md, "Batches") with `items`, each its
-        invocation ID, input and content type: each item's answer as it comes, by its index —
-        the headers and body the gateway would have answered, or the gateway's error for its
-        failure. When the batch ends before every item was answered, the rest were never
-        called: RouteGone if that is because the route no longer leads to the Run or another
-        caller's call is in flight there (RESOURCE_EXHAUSTED); RequestCancelled if
-        ``cancel`` stopped it; else the batch was cut off, and each item not answered fails
-        with its error (it may have run)."""
-        request = batches_pb2.InvokeBatchRequest(
+        invocation ID, input and content type, to be followed by more (``BatchCall.more``)
+        until ``BatchCall.done``; `wait`: the whole batch's deadline, `refill_at`: as the
+        request's."""
+        first = batches_pb2.InvokeBatchRequest(
             run_uid=route.run_uid,
-            items=[
-                batches_pb2.BatchItem(invocation_id=invocation_id, input=data, content_type=media)
-                for invocation_id, data, media in items
-            ],
+            items=_batch_items(items),
             timeout_millis=timeout_millis,
             go_on=go_on,
+            refill_at=refill_at,
         )
+        sending: queue.SimpleQueue[batches_pb2.InvokeBatchRequest | None] = queue.SimpleQueue()
+
+        def requests() -> Iterator[batches_pb2.InvokeBatchRequest]:
+            yield first
+            while (message := sending.get()) is not None:
+                yield message
+
         answers = self._batches_stub(route.address).InvokeBatch(
-            request, timeout=wait * len(items), metadata=((wire.POD_KEY, route.pod),)
+            requests(), timeout=wait, metadata=((wire.POD_KEY, route.pod),)
         )
         with self._lock:
             self._calls.add(answers)
-        answered = 0
-        try:
-            for message in answers:
-                for answer in message.answers:
-                    answered = answer.index + 1
-                    trailers = dict(metadata_pairs(answer.trailers))
-                    if answer.code:
-                        code = status_code(answer.code)
-                        body = status_body(code, answer.message, trailers)
-                        yield answer.index, self._error(route, answer.invocation_id, body)
-                    else:
-                        yield answer.index, (_answered(answer, trailers), answer.output)
-        except grpc.RpcError as err:
-            if answers.cancelled():
-                raise RequestCancelled(
-                    f"the batch to {route.name} was cancelled", code="CANCELLED"
-                ) from None
-            if err.code() in _NOT_CALLED or _never_sent(err):
-                raise RouteGone(f"{err.code().name}: {err.details()}") from None
-            # Cut off (a process of the hop died): the item that ran has no answer, and the
-            # items after it may have run too — answers are held up to 100 ms, and the worker
-            # may have begun the one queued behind — so each fails, and none is called again.
-            body = failure_body(err)
-            for index in range(answered, len(items)):
-                yield index, self._error(route, items[index][0], dict(body))
-        finally:
-            answers.cancel()  # a caller that stopped reading: the rest are not called
-            with self._lock:
-                self._calls.discard(answers)
+        return BatchCall(self, route, answers, sending, [item[0] for item in items])
 
     def cancel(self) -> int:
         """From another thread: cancel every call in flight; runtimed cancels each in turn (its
@@ -223,6 +200,91 @@ class Direct:
         body["message"] = body["message"].replace(f"run {route.run_uid}", f'"{route.name}"')
         body.update(runUid=route.run_uid, invocationId=invocation_id)
         return from_response(body, wire.http_status(body["code"]))
+
+
+class BatchCall:
+    """One batch in flight (``Direct.invoke_batch``): items sent on with ``more`` until ``done``,
+    its answers read from ``answers``; ``close`` ends it, cancelling what is left."""
+
+    def __init__(
+        self,
+        direct: Direct,
+        route: Route,
+        answers: Any,
+        sending: queue.SimpleQueue[batches_pb2.InvokeBatchRequest | None],
+        invocation_ids: list[str],
+    ) -> None:
+        self._direct = direct
+        self._route = route
+        self._answers = answers
+        self._sending = sending
+        self._invocation_ids = invocation_ids  # every item's sent, by its index
+        self._done = False
+        self.message_read = False  # the answer ``answers`` gave last was its message's last
+
+    def more(self, items: Sequence[tuple[str, bytes, str]], refill_at: int) -> None:
+        """Send `items` on, numbered after those before; `refill_at`: as the request's."""
+        self._invocation_ids += [item[0] for item in items]
+        message = batches_pb2.InvokeBatchRequest(items=_batch_items(items), refill_at=refill_at)
+        self._sending.put(message)
+
+    def done(self) -> None:
+        """Nothing more will be sent: the batch ends once every item sent is answered."""
+        if not self._done:
+            self._done = True
+            self._sending.put(None)
+
+    def answers(self) -> Iterator[tuple[int, InvocationResult | GatewayError]]:
+        """Each item's answer as it comes, by its index: its result, or the gateway's error for
+        its failure. When the batch ends before every item sent was answered, the rest were
+        never called: RouteGone if that is because the route no longer leads to the Run or
+        another caller's call is in flight there (RESOURCE_EXHAUSTED); RequestCancelled if
+        ``Direct.cancel`` stopped it; else the batch was cut off, and each item not answered
+        fails with its error (it may have run)."""
+        route, answered = self._route, 0
+        started = time.perf_counter()
+        try:
+            for message in self._answers:
+                last = len(message.answers) - 1
+                for place, answer in enumerate(message.answers):
+                    self.message_read = place == last
+                    answered = answer.index + 1
+                    trailers = dict(metadata_pairs(answer.trailers))
+                    if answer.code:
+                        code = status_code(answer.code)
+                        body = status_body(code, answer.message, trailers)
+                        yield answer.index, Direct._error(route, answer.invocation_id, body)
+                    else:
+                        reply = _answered(answer, trailers)
+                        yield answer.index, InvocationResult.answered(reply, answer.output, started)
+                    started = time.perf_counter()
+        except grpc.RpcError as err:
+            if self._answers.cancelled():
+                raise RequestCancelled(
+                    f"the batch to {route.name} was cancelled", code="CANCELLED"
+                ) from None
+            if err.code() in _NOT_CALLED or _never_sent(err):
+                raise RouteGone(f"{err.code().name}: {err.details()}") from None
+            # Cut off (a process of the hop died): the item that ran has no answer, and the
+            # items after it may have run too — answers are held up to 100 ms, and the worker
+            # may have begun the one queued behind — so each fails, and none is called again.
+            body = failure_body(err)
+            for index in range(answered, len(self._invocation_ids)):
+                yield index, Direct._error(route, self._invocation_ids[index], dict(body))
+
+    def close(self) -> None:
+        """A caller that stops reading: the rest are not called."""
+        self.done()
+        self._answers.cancel()
+        with self._direct._lock:
+            self._direct._calls.discard(self._answers)
+
+
+def _batch_items(items: Sequence[tuple[str, bytes, str]]) -> list[batches_pb2.BatchItem]:
+    return [
+        batches_pb2.BatchItem(invocation_id=invocation_id, input=data, content_type=media)
+        for invocation_id, data, media in items
+    ]
 
 
 def _never_sent(err: grpc.RpcError) -> bool:

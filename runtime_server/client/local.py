@@ -7,19 +7,16 @@ name only, never through a link; a runtimed on a Unix socket of this user's alon
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import stat
-import time
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from fnkernel.runtime_server import limits
 from fnkernel.runtime_server.client.errors import GatewayError, GatewayUnreachable
 from fnkernel.runtime_server.client.transport import Transport, quote
-from fnkernel.runtime_server.client.views import InvocationResult
 from fnkernel.system.private import check_private_dir
 
 
@@ -54,20 +51,15 @@ class Local(Transport):
         *,
         timeout_millis: int,
         go_on: bool,
-    ) -> Generator[tuple[int, InvocationResult | GatewayError], None, None]:
+        most: int,
+        refill_at: int,
+    ) -> Any:
         """Each of `items` (invocation ID, input, content type) called in turn on the route
-        `lane` (``_lanes``), as one batch: each result or failure by its item's index, as it
-        comes (``direct.Direct.invoke_batch``, which says how the batch ends early)."""
-        started = time.perf_counter()
-        wait = limits.wait_seconds(timeout_millis, hops_below=1)
-        answers = self._runtimeds().invoke_batch(lane, items, timeout_millis, go_on, wait)
-        with contextlib.closing(answers):  # a caller that stops reading ends the batch
-            for index, answer in answers:
-                if isinstance(answer, GatewayError):
-                    yield index, answer
-                else:
-                    yield index, InvocationResult.answered(answer[0], answer[1], started)
-                started = time.perf_counter()
+        `lane` (``_lanes``), as one batch, which may be sent up to `most` items in all: a
+        ``direct.BatchCall``, whose ``answers`` give each result or failure by its item's
+        index as it comes."""
+        wait = limits.wait_seconds(timeout_millis, hops_below=1) * most
+        return self._runtimeds().invoke_batch(lane, items, timeout_millis, go_on, wait, refill_at)
 
     def _direct_allowed(self) -> bool:
         """Whether calls may skip the gateway (a subclass that records every request says no

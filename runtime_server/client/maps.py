@@ -6,10 +6,11 @@ called there ("Batches").
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from fnkernel.runtime_server import limits, payloads
@@ -26,10 +27,14 @@ MAP_PROGRESS_SECONDS = 0.05  # how often a map reports progress (and at its end)
 # that starts here and doubles up to the cap, until the item's own timeout has passed.
 _BUSY_FIRST_WAIT_SECONDS = 0.002
 _BUSY_WAIT_CAP_SECONDS = 0.05
-# A lane's batch: about a quarter of its share of the items (as multiprocessing's Pool.map cuts
-# its chunks), so that lanes that run slower still end together, and at most this many.
+# What a lane keeps sent to its Run and not yet answered: about a quarter of its share of the
+# items (as multiprocessing's Pool.map cuts its chunks), at most this many, and no more than its
+# share of the items not yet sent, so that lanes that run slower still end together. It sends
+# more once a quarter of that or fewer are left (``refill_at``).
 BATCH_SHARE = 4
 BATCH_MOST_ITEMS = 64
+REFILL_SHARE = 4
+REFILL_LEAST = 2  # the item that runs, and the one queued behind it in its worker
 
 
 class Calls(Protocol):
@@ -48,8 +53,8 @@ class Calls(Protocol):
 
     def batch(
         self, lane: Any, items: Sequence[tuple[str, bytes, str]], *, timeout_millis: int,
-        go_on: bool,
-    ) -> Generator[tuple[int, InvocationResult | GatewayError], None, None]: ...  # fmt: skip
+        go_on: bool, most: int, refill_at: int,
+    ) -> Any: ...  # fmt: skip
 
 
 class MapRun:
@@ -74,7 +79,8 @@ class MapRun:
         self._return_exceptions = return_exceptions
         self._timeout_millis = timeout_millis
         self._on_log = on_log
-        self._batch = 1  # items a lane takes at once (``lanes``)
+        self._batch = 1  # items a lane keeps sent, at most (``lanes``)
+        self._width = 1  # the map's threads
         self._lock = threading.Lock()
         self._next = 0
         self._working = 0
@@ -141,9 +147,10 @@ class MapRun:
         return self.results
 
     def lanes(self, threads: int) -> None:
-        """Each thread will be given a lane (``work(lane)``): the size of its batches."""
+        """Each thread will be given a lane (``work(lane)``): how many items it keeps sent."""
         share = -(-len(self._work) // (threads * BATCH_SHARE))
         self._batch = max(1, min(share, BATCH_MOST_ITEMS))
+        self._width = threads
 
     def cancel(self) -> None:
         """From another thread (``Client.cancel``): stop, the map then raising
@@ -181,24 +188,20 @@ class MapRun:
                 wait = min(wait * 2, _BUSY_WAIT_CAP_SECONDS)
 
     def work(self, lane: Any = None) -> None:
-        """Take the next item (with a `lane`, the next batch of them) until none is left or
-        the map stops."""
+        """Take the next item (with a `lane`, the next items, as its batch gets through them)
+        until none is left or the map stops."""
         with self._lock:
             self._working += 1
         try:
-            while True:
-                with self._lock:
-                    if self.stopped or self._next == len(self._work):
-                        return
-                    taken = range(self._next, min(self._next + self._batch, len(self._work)))
-                    self._next = taken.stop
+            while taken := self._take(1 if lane is None else self._batch):
+                mine = list(taken)
                 try:
                     if lane is None:
                         self._one(taken.start)
                     else:
-                        self._batched(lane, taken)
+                        self._fed(lane, mine)
                 except Exception as error:  # not a call's failure: every item left fails by it
-                    for index in taken:
+                    for index in mine:
                         if not self._finished[index]:
                             self._failed(index, error)
         finally:
@@ -206,6 +209,34 @@ class MapRun:
                 self._working -= 1
                 if not self._working:
                     self.over.set()
+
+    def _take(self, count: int) -> range:
+        """The next `count` items not yet taken (fewer at the end; none once the map stops)."""
+        with self._lock:
+            if self.stopped:
+                return range(0)
+            taken = range(self._next, min(self._next + count, len(self._work)))
+            self._next = taken.stop
+            return taken
+
+    def _wanted(self, waiting: int, refill_at: int, message_read: bool) -> int:
+        """How many more items a lane with `waiting` sent and not yet answered takes now
+        (``BATCH_SHARE``): far from the end, enough to keep `_batch` sent, once few are left
+        or a message of answers ends a quarter short of it; near the end (the lanes' share of
+        what is left below `_batch`), that share, once few are left — half of the rest, then
+        half of that, so that the lanes end together; 0: none yet."""
+        with self._lock:
+            share = -(-(len(self._work) - self._next) // self._width)
+        if share >= self._batch:
+            short = self._batch - waiting
+            return short if waiting <= refill_at or (message_read and short >= refill_at) else 0
+        return max(1, share) if waiting <= refill_at else 0
+
+    def _refill_at(self) -> int:
+        """When a lane wants more (``_wanted``): what it keeps sent, over REFILL_SHARE."""
+        with self._lock:
+            share = -(-(len(self._work) - self._next) // self._width)
+        return max(REFILL_LEAST, min(share, self._batch) // REFILL_SHARE)
 
     def _one(self, index: int) -> None:
         try:
@@ -215,66 +246,100 @@ class MapRun:
         else:
             self._answered(index, result)
 
-    def _batched(self, lane: Any, taken: range) -> None:
-        """The items `taken` as one batch on `lane`, but for those a batch does not carry (an
-        Arrow payload, or one the spool would take): they, and any item the batch ended
-        before (another caller holds the lane's Run, or it moved), are called one by one."""
-        items: list[tuple[str, bytes, str]] = []
-        for index in taken:
-            item = self._work[index]
-            if payloads.kind_of(item) is not None:
-                break
-            try:
-                data, media = payloads.encode(item, "payload")
-            except (TypeError, ValueError):  # not JSON, or a circular reference
-                break  # its own call names what is wrong with it
-            if len(data) >= limits.SPOOL_FROM_BYTES:
-                break
-            items.append((limits.new_id("inv_"), data, media))
+    def _fed(self, lane: Any, mine: list[int]) -> None:
+        """The items `mine` as one batch on `lane`, and more sent on as its Run gets through
+        them (`mine` then names them too), but for those a batch does not carry (an Arrow
+        payload, or one the spool would take): they, and any item the batch ended before
+        (another caller holds the lane's Run, or it moved), are called one by one."""
+        from fnkernel.runtime_server.client.direct import RouteGone
+
+        ids: list[str] = []  # the batch's items' invocation IDs, by their place in it
+        sent: list[int] = []  # and their indices in the map
+        alone: list[int] = []  # called one by one, after the batch
+        items = self._for_batch(mine, ids, sent, alone)
         answered = 0
         if items:
-            from fnkernel.runtime_server.client.direct import RouteGone
-
-            answers = self._calls.batch(
-                lane, items, timeout_millis=self._timeout_millis, go_on=self._return_exceptions
-            )
+            refill_at = self._refill_at()
+            call = self._calls.batch(
+                lane, items, timeout_millis=self._timeout_millis, go_on=self._return_exceptions,
+                most=len(self._work), refill_at=refill_at,
+            )  # fmt: skip
+            closed = bool(alone) or self._next == len(self._work)
+            if closed:
+                call.done()
             # Live output: the item that runs now is the one after the last answered.
-            live = self._follow(lane.name, items, taken, 0)
+            live = self._follow(lane.name, ids, sent, 0)
             try:
-                for offset, answer in answers:
+                for offset, answer in call.answers():
                     answered = offset + 1
                     if live is not None:
                         live.ended(answer)
-                        live = self._follow(lane.name, items, taken, answered)
+                        live = self._follow(lane.name, ids, sent, answered)
                     if isinstance(answer, GatewayError):
-                        self._failed(taken[offset], answer)
+                        self._failed(sent[offset], answer)
                     else:
-                        self._answered(taken[offset], answer.decoded())
+                        self._answered(sent[offset], answer.decoded())
                     if self.stopped:
                         return
+                    waiting = len(sent) - answered
+                    wanted = 0 if closed else self._wanted(waiting, refill_at, call.message_read)
+                    if wanted:
+                        more = list(self._take(wanted))
+                        mine += more
+                        if items := self._for_batch(more, ids, sent, alone):
+                            refill_at = self._refill_at()
+                            call.more(items, refill_at)
+                            if live is None:
+                                live = self._follow(lane.name, ids, sent, answered)
+                        closed = bool(alone) or not more or self._next == len(self._work)
+                        if closed:
+                            call.done()
             except (RouteGone, FunctionBusy):
                 pass  # never called: the rest go one by one
             except RequestCancelled as cancelled:
-                if answered < len(taken):  # else it came after the last answer: nothing ran
-                    self._failed(taken[answered], cancelled)
+                if answered < len(sent):  # else it came after the last answer: nothing ran
+                    self._failed(sent[answered], cancelled)
                 return
             finally:
-                answers.close()
+                call.close()
                 if live is not None:
                     live.end([], wait=False)  # cancelled, or never called: nothing more comes
-        for index in taken[answered:]:
+        for index in sent[answered:] + alone:
             if self.stopped:
                 return
             self._one(index)
 
-    def _follow(
-        self, name: str, items: list[tuple[str, bytes, str]], taken: range, offset: int
-    ) -> LiveFollow | None:
+    def _for_batch(
+        self, indices: list[int], ids: list[str], sent: list[int], alone: list[int]
+    ) -> list[tuple[str, bytes, str]]:
+        """The items `indices` as a batch sends them (invocation ID, input, content type), each
+        then named in `ids` and `sent`, up to the first a batch does not carry: it and the rest
+        go to `alone` (and every later one, once `alone` has any: the batch is closing)."""
+        items: list[tuple[str, bytes, str]] = []
+        for place, index in enumerate(indices):
+            if alone:
+                alone += indices[place:]
+                break
+            item = self._work[index]
+            data = media = None
+            # Not JSON, or a circular reference: its own call names what is wrong with it.
+            with contextlib.suppress(TypeError, ValueError):
+                if payloads.kind_of(item) is None:
+                    data, media = payloads.encode(item, "payload")
+            if data is None or media is None or len(data) >= limits.SPOOL_FROM_BYTES:
+                alone += indices[place:]
+                break
+            items.append((limits.new_id("inv_"), data, media))
+            ids.append(items[-1][0])
+            sent.append(index)
+        return items
+
+    def _follow(self, name: str, ids: list[str], sent: list[int], offset: int) -> LiveFollow | None:
         """With `on_log`, the live output of the batch's item `offset`, the one that runs."""
-        if self._on_log is None or offset >= len(items):
+        if self._on_log is None or offset >= len(ids):
             return None
-        on_log = functools.partial(self._on_log, taken[offset])
-        return self._calls.follow(name, items[offset][0], on_log, in_batch=True)
+        on_log = functools.partial(self._on_log, sent[offset])
+        return self._calls.follow(name, ids[offset], on_log, in_batch=True)
 
     def in_order(self) -> list[tuple[int, Any]]:
         """The items finished since the last call whose items before them have all finished,

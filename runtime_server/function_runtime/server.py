@@ -23,9 +23,9 @@ from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import (
     registrations_pb2,
     registrations_pb2_grpc,
 )
+from fnkernel.runtime_server.function_runtime.batches import BatchesServicer
 from fnkernel.runtime_server.function_runtime.registry import Registry
 from fnkernel.runtime_server.function_runtime.servicer import (
-    BatchesServicer,
     FunctionRuntimeServicer,
     InvocationLogsServicer,
     PayloadsServicer,

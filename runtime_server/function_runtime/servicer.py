@@ -7,19 +7,14 @@ in GRPC_STATUS, the one table of it.
 from __future__ import annotations
 
 import logging
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import grpc
 
-from fnkernel.adapters.base import NextCall
 from fnkernel.runtime_server import limits, tracing
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2 as pb
 from fnkernel.runtime_server._proto.executor.v1 import runtime_pb2_grpc as pb_grpc
 from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import (
-    batches_pb2,
-    batches_pb2_grpc,
     logs_pb2,
     logs_pb2_grpc,
     payloads_pb2,
@@ -28,10 +23,8 @@ from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import (
     registrations_pb2_grpc,
 )
 from fnkernel.runtime_server.errors import (
-    InvocationInFlight,
     RegistrationNotFound,
     RegistrationNotReady,
-    ShuttingDown,
     StaleRegistration,
 )
 from fnkernel.runtime_server.function_runtime.oneshot import execute
@@ -45,7 +38,6 @@ from fnkernel.runtime_server.rpc import (
     cancel_on_client_exit,
     failure_status,
     logs_trailer,
-    metadata_map,
     metadata_value,
     traced_failure,
 )
@@ -59,9 +51,6 @@ from fnkernel.runtime_server.wire import (
 LOG = logging.getLogger("fnkernel.runtime")
 # docs/protocol.md, fence table: what the registration fence refuses a call with.
 REGISTRATION_FENCE = (RegistrationNotFound, StaleRegistration, RegistrationNotReady)
-# docs/protocol.md, "Batches": refusals of a batch's item before it is called, which end the
-# batch with their status (another caller's call is in flight, the server is going away).
-NEVER_CALLED = (*REGISTRATION_FENCE, InvocationInFlight, ShuttingDown)
 
 
 def judged_by_fence(exc: BaseException) -> str:
@@ -181,166 +170,6 @@ class FunctionRuntimeServicer(pb_grpc.FunctionRuntimeServicer):
             drain_timeout_millis=request.drain_timeout_millis,
         )
         return pb.UnregisterFunctionResponse(registration=request.registration)
-
-
-class BatchesServicer(batches_pb2_grpc.BatchesServicer):
-    """fnkernel's own batch of one Run's calls (docs/protocol.md, "Batches"): each item called
-    in turn as InvokeFunction calls one, by a thread of the batch's own, while the RPC's sends
-    the answers as they come — those within limits.BATCH_SEND_SECONDS of the last sent together."""
-
-    def __init__(self, registry: Registry) -> None:
-        self.registry = registry
-
-    def InvokeBatch(
-        self, request: batches_pb2.InvokeBatchRequest, context: grpc.ServicerContext
-    ) -> Iterator[batches_pb2.BatchAnswers]:
-        batch = _Batch(self.registry, request, context)
-        threading.Thread(target=batch.run, name="batch", daemon=True).start()
-        try:
-            yield from batch.sent()
-        finally:
-            batch.stop()  # the caller went away: nothing more is called
-
-
-class _Batch:
-    """One InvokeBatch: its calls (``run``, on a thread of its own) and its answers (``sent``)."""
-
-    def __init__(
-        self,
-        registry: Registry,
-        request: batches_pb2.InvokeBatchRequest,
-        context: grpc.ServicerContext,
-    ) -> None:
-        self._registry = registry
-        self._request = request
-        self._context = context
-        self._ready = threading.Condition()
-        self._answers: list[batches_pb2.BatchAnswer] = []  # not sent yet
-        self._ended = False
-        self._refused: BaseException | None = None  # the status the batch ends with
-        self._stopped = False
-        self._send_at = 0.0  # when the answers that came since the last message may be sent
-
-    def stop(self) -> None:
-        with self._ready:
-            self._stopped = True
-
-    def run(self) -> None:
-        request, context = self._request, self._context
-        on_dispatch = cancel_on_client_exit(context)
-        queued = ""  # the item queued behind the last called, until it is called
-        try:
-            for index, item in enumerate(request.items):
-                with self._ready:
-                    if self._stopped:
-                        return
-                then = None
-                if index + 1 < len(request.items):  # for the worker to begin as it answers
-                    following = request.items[index + 1]
-                    then = NextCall(
-                        following.invocation_id,
-                        following.input,
-                        following.content_type,
-                        request.timeout_millis / 1000,
-                        only_after_ok=not request.go_on,
-                    )
-                queued = ""
-                answer = self._called(index, item, on_dispatch, then)
-                queued = then.invocation_id if then is not None else ""
-                with self._ready:
-                    self._answers.append(answer)
-                    if answer.code and not request.go_on:
-                        return
-                    # The sender waits without a bound while it has nothing to send, and until
-                    # its send time once it has: wake it for the first answer, or when that
-                    # time has come (else it wakes by itself).
-                    if len(self._answers) == 1 or time.monotonic() >= self._send_at:
-                        self._ready.notify()
-        except Exception as exc:  # NEVER_CALLED: this item and the rest were never called
-            self._refused = exc  # the stream's status, as InvokeFunction would answer it
-        finally:
-            if queued:
-                self._registry.cancel_queued(request.run_uid, request.registration_id, queued)
-            with self._ready:
-                self._ended = True
-                self._ready.notify()
-
-    def _called(
-        self,
-        index: int,
-        item: batches_pb2.BatchItem,
-        on_dispatch: Callable[[Callable[[], object]], None],
-        then: NextCall | None,
-    ) -> batches_pb2.BatchAnswer:
-        try:
-            invocation = self._registry.invoke(
-                run_uid=self._request.run_uid,
-                registration_id=self._request.registration_id,
-                invocation_id=item.invocation_id,
-                input=item.input,
-                content_type=item.content_type,
-                timeout_millis=self._request.timeout_millis,
-                deadline=caller_deadline(self._context),
-                on_dispatch=on_dispatch,
-                then=then,
-            )
-        except NEVER_CALLED:
-            raise
-        except Exception as exc:
-            code, message, trailers = failure_status(exc, "InvokeBatch")
-            return batches_pb2.BatchAnswer(
-                index=index,
-                invocation_id=item.invocation_id,
-                code=code.value[0],
-                message=message,
-                trailers=metadata_map(trailers),
-            )
-        result = invocation.result
-        return batches_pb2.BatchAnswer(
-            index=index,
-            invocation_id=invocation.invocation_id,
-            output=result.output,
-            content_type=result.content_type,
-            outputs=result.outputs or None,
-            trailers={LOGS_KEY: logs_trailer(result.logs)} if result.logs else None,
-        )
-
-    def sent(self) -> Iterator[batches_pb2.BatchAnswers]:
-        """The answers, in messages: the first as soon as it comes, then whatever came within
-        limits.BATCH_SEND_SECONDS of the last message, until the batch ends."""
-        while True:
-            with self._ready:
-                while True:
-                    wait = self._send_at - time.monotonic()
-                    if self._ended or (self._answers and wait <= 0):
-                        break
-                    self._ready.wait(wait if self._answers else None)
-                answers, self._answers = self._answers, []
-                ended = self._ended
-            if answers:
-                yield from _messages(answers)
-                with self._ready:
-                    self._send_at = time.monotonic() + limits.BATCH_SEND_SECONDS
-            if ended:
-                break
-        if self._refused is not None:
-            raise self._refused
-
-
-def _messages(answers: list[batches_pb2.BatchAnswer]) -> Iterator[batches_pb2.BatchAnswers]:
-    """`answers`, in order, in as few messages as hold them within limits.BATCH_MESSAGE_BYTES
-    each (an answer larger than that in a message of its own)."""
-    taken: list[batches_pb2.BatchAnswer] = []
-    size = 0
-    for answer in answers:
-        answer_size = answer.ByteSize()
-        if taken and size + answer_size > limits.BATCH_MESSAGE_BYTES:
-            yield batches_pb2.BatchAnswers(answers=taken)
-            taken, size = [], 0
-        taken.append(answer)
-        size += answer_size
-    if taken:
-        yield batches_pb2.BatchAnswers(answers=taken)
 
 
 class RegistrationsServicer(registrations_pb2_grpc.RegistrationsServicer):

@@ -7,6 +7,8 @@ item through the gateway."""
 
 from __future__ import annotations
 
+import json
+import queue
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,6 +20,7 @@ import pytest
 
 from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import batches_pb2, batches_pb2_grpc
 from fnkernel.runtime_server.client import Client, maps
+from fnkernel.runtime_server.client.direct import Direct
 from fnkernel.runtime_server.client.errors import (
     GatewayError,
     HandlerFailed,
@@ -25,6 +28,7 @@ from fnkernel.runtime_server.client.errors import (
     RequestCancelled,
 )
 from fnkernel.runtime_server.client.maps import MapRun
+from fnkernel.runtime_server.lifecycle.runtimed.proxy import _Later
 from fnkernel.runtime_server.lifecycle.stack import Stack
 from fnkernel.runtime_server.wire import LOGS_KEY, POD_KEY
 from tests.support import wait_until
@@ -280,14 +284,15 @@ def test_runtimed_fences_a_batch_as_it_fences_an_invoke(stack: Stack) -> None:
         asked.CopyFrom(request)
         for key, value in kw.items():
             setattr(asked, key, value)
-        return [a for m in stub.InvokeBatch(asked, timeout=30, metadata=pod) for a in m.answers]
+        sent = iter([asked])
+        return [a for m in stub.InvokeBatch(sent, timeout=30, metadata=pod) for a in m.answers]
 
     stopped = answers()
     assert [(a.index, a.code) for a in stopped] == [(0, 0), (1, grpc.StatusCode.UNKNOWN.value[0])]
     assert b"item 1" in stopped[1].trailers[LOGS_KEY]
     assert [a.index for a in answers(go_on=True)] == [0, 1, 2]
     with pytest.raises(grpc.RpcError) as elsewhere:
-        list(stub.InvokeBatch(request, timeout=30, metadata=((POD_KEY, "python-9"),)))
+        list(stub.InvokeBatch(iter([request]), timeout=30, metadata=((POD_KEY, "python-9"),)))
     assert elsewhere.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     with pytest.raises(grpc.RpcError) as filled:
         answers(registration_id="reg_x")
@@ -307,12 +312,26 @@ class _CutAfterTheLastAnswer:
         def decoded(self) -> Any:
             return self.value
 
-    def batch(
-        self, lane: Any, items: Any, *, timeout_millis: int, go_on: bool
-    ) -> Iterator[tuple[int, Any]]:
-        for offset, (_, data, _) in enumerate(items):
-            yield offset, self.Answer(data)
-        raise RequestCancelled("the batch to fn was cancelled", code="CANCELLED")
+    class Batch:
+        def __init__(self, items: Any) -> None:
+            self.items = list(items)
+
+        def answers(self) -> Iterator[tuple[int, Any]]:
+            for offset, (_, data, _) in enumerate(self.items):
+                yield offset, _CutAfterTheLastAnswer.Answer(data)
+            raise RequestCancelled("the batch to fn was cancelled", code="CANCELLED")
+
+        def more(self, items: Any, refill_at: int) -> None:
+            self.items += items
+
+        def done(self) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    def batch(self, lane: Any, items: Any, **kw: Any) -> Batch:
+        return self.Batch(items)
 
     def cancel(self) -> int:
         return 0
@@ -328,3 +347,147 @@ def test_a_batch_cancelled_after_its_last_answer_leaves_every_answer_and_no_fail
     assert run.failure is None
     assert run.results == [b"1", b"2", b"3"] and run.done == 3
     assert run.over.is_set()
+
+
+class _Sent:
+    """A caller's side of a batch, sent message by message (the Batches stream's requests)."""
+
+    def __init__(self) -> None:
+        self._messages: queue.SimpleQueue[batches_pb2.InvokeBatchRequest | None] = (
+            queue.SimpleQueue()
+        )
+
+    def send(self, **fields: Any) -> None:
+        self._messages.put(batches_pb2.InvokeBatchRequest(**fields))
+
+    def close(self) -> None:
+        self._messages.put(None)
+
+    def __iter__(self) -> Iterator[batches_pb2.InvokeBatchRequest]:
+        while (message := self._messages.get()) is not None:
+            yield message
+
+
+def _items(*numbers: int) -> list[batches_pb2.BatchItem]:
+    return [
+        batches_pb2.BatchItem(
+            invocation_id=f"inv-f{n}",
+            input=f'{{"n": {n}}}'.encode(),
+            content_type="application/json",
+        )
+        for n in numbers
+    ]
+
+
+@pytest.fixture
+def runtimed(stack: Stack) -> Iterator[tuple[batches_pb2_grpc.BatchesStub, dict[str, str]]]:
+    """The Batches stub of the Run "one"'s runtimed, and that Run's route."""
+    route = Client(stack.gateway_address)._json("GET", "/v1/runs/one:route")["route"]
+    channel = grpc.insecure_channel(route["runtimed"])
+    yield batches_pb2_grpc.BatchesStub(channel), route
+    channel.close()
+
+
+def test_a_batchs_later_messages_carry_more_items_numbered_on(
+    runtimed: tuple[batches_pb2_grpc.BatchesStub, dict[str, str]],
+) -> None:
+    # proto/fnkernel/v1alpha1/batches.proto: each later message carries more items, numbered on
+    # from those before; the stream ends once the caller closed its side and each was answered.
+    stub, route = runtimed
+    sent = _Sent()
+    sent.send(run_uid=route["runUid"], items=_items(0, 1))
+    answers = stub.InvokeBatch(iter(sent), timeout=30, metadata=((POD_KEY, route["pod"]),))
+    got: list[batches_pb2.BatchAnswer] = []
+    for message in answers:
+        got += message.answers
+        if len(got) == 2:  # the first two answered: two more, and nothing after them
+            sent.send(items=_items(2, 3))
+            sent.close()
+    assert [answer.index for answer in got] == [0, 1, 2, 3]
+    assert [json.loads(answer.output)["n"] for answer in got] == [0, 1, 2, 3]
+    assert answers.code() == grpc.StatusCode.OK
+
+
+def test_answers_go_at_once_when_refill_at_or_fewer_items_are_left(
+    runtimed: tuple[batches_pb2_grpc.BatchesStub, dict[str, str]], tmp_path: Path
+) -> None:
+    # proto/fnkernel/v1alpha1/batches.proto: answers that end within 100 ms of the last sent go
+    # together, but at once when refill_at or fewer items sent are left unanswered, for the
+    # caller to send more then (once: the next waits for its time again). Items 0 and 1 end at
+    # once, 2 after 50 ms, 3 when the test has read three answers.
+    stub, route = runtimed
+    release = tmp_path / "release"
+    events = [{"n": 0}, {"n": 1}, {"n": 2, "sleep": 0.05}, {"n": 3, "until": str(release)}]
+    items = [
+        batches_pb2.BatchItem(
+            invocation_id=f"inv-r{n}",
+            input=json.dumps(event).encode(),
+            content_type="application/json",
+        )
+        for n, event in enumerate(events)
+    ]
+    sent = _Sent()
+    sent.send(run_uid=route["runUid"], items=items, refill_at=2)
+    messages = []
+    for message in stub.InvokeBatch(iter(sent), timeout=30, metadata=((POD_KEY, route["pod"]),)):
+        messages.append([answer.index for answer in message.answers])
+        if sum(map(len, messages)) == 3:
+            release.touch()
+        if sum(map(len, messages)) == 4:
+            sent.close()  # the caller has nothing more: the stream ends
+    # Without refill_at, 1 would wait for 2 (both within 100 ms of 0's message): [1, 2].
+    assert messages == [[0], [1], [2], [3]]
+
+
+def test_only_a_batchs_first_message_names_its_run(
+    runtimed: tuple[batches_pb2_grpc.BatchesStub, dict[str, str]],
+) -> None:
+    stub, route = runtimed
+    sent = _Sent()
+    sent.send(run_uid=route["runUid"], items=_items(0))
+    sent.send(run_uid=route["runUid"], items=_items(1))
+    sent.close()
+    with pytest.raises(grpc.RpcError) as refused:
+        list(stub.InvokeBatch(iter(sent), timeout=30, metadata=((POD_KEY, route["pod"]),)))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "run_uid" in (refused.value.details() or "")
+
+
+def test_a_lanes_items_go_as_one_batch_fed_as_its_run_gets_through_them(
+    stack: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # docs/protocol.md, "Batches": a lane keeps its Run busy with one batch, sent more items as
+    # it gets through them, not a batch after a batch.
+    opened: list[int] = []
+    invoke_batch = Direct.invoke_batch
+
+    def counted(self: Direct, *args: Any, **kw: Any) -> Any:
+        opened.append(len(args[1]))
+        return invoke_batch(self, *args, **kw)
+
+    monkeypatch.setattr(Direct, "invoke_batch", counted)
+    log = tmp_path / "called.txt"
+    items = [{"n": n, "sleep": 0.005, "log": str(log)} for n in range(80)]
+    results = Client(stack.gateway_address).map("set", items)
+    assert [result["n"] for result in results] == list(range(80))
+    assert sorted(int(n) for n in log.read_text().split()) == list(range(80))  # each once
+    assert len(opened) == 2 and sum(opened) < 80  # a batch a lane, sent more as it ran
+
+
+def test_a_refused_try_upstream_takes_none_of_the_messages_the_next_must_send() -> None:
+    # docs/protocol.md, "Batches": runtimed makes a batch refused before its first call again,
+    # once, with what the caller sent so far. The refused try's sender reads from its view
+    # until that view ends, and must have taken no message from the caller.
+    sent = _Sent()
+    later = _Later(iter(sent))
+    first_try: list[Any] = []
+    sender = threading.Thread(target=lambda: first_try.extend(later.view()), daemon=True)
+    sender.start()
+    sent.send(items=_items(1))
+    second = later.view()  # the second try begins: the first's view ends
+    sender.join(10)
+    assert not sender.is_alive() and first_try == []
+    sent.send(items=_items(2))
+    sent.close()
+    later.settle()  # the second try's first answer
+    assert [message.items[0].invocation_id for message in second] == ["inv-f1", "inv-f2"]

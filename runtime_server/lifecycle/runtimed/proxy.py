@@ -7,7 +7,9 @@ the agent only through ``Agent``.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import threading
 from collections.abc import Iterator
 from concurrent import futures
 from typing import Any, Protocol
@@ -302,31 +304,55 @@ class ProxyServicer(pb_grpc.FunctionRuntimeServicer):
 
 class BatchesProxyServicer(batches_pb2_grpc.BatchesServicer):
     """runtimed's relay of a batch of one Run's calls (docs/protocol.md, "Batches"): fenced and
-    filled in as an invoke is, then each answer passed on as it comes."""
+    filled in as an invoke is, then each answer passed on as it comes, and each message of
+    more items the caller sends on."""
 
     def __init__(self, runtimed: Agent) -> None:
         self.runtimed = runtimed
 
     def InvokeBatch(
-        self, request: batches_pb2.InvokeBatchRequest, context: grpc.ServicerContext
+        self,
+        request_iterator: Iterator[batches_pb2.InvokeBatchRequest],
+        context: grpc.ServicerContext,
     ) -> Iterator[batches_pb2.BatchAnswers]:
-        _outside_id(request.run_uid, request.registration_id)
+        first = next(request_iterator, None)
+        if first is None:
+            return  # nothing sent: nothing to call
+        _outside_id(first.run_uid, first.registration_id)
         routed_to = metadata_value(context, POD_KEY)
-        run, active, _ = self.runtimed.resolve(request.run_uid, routed_to)
+        run, active, _ = self.runtimed.resolve(first.run_uid, routed_to)
+        later = _Later(request_iterator)
+        try:
+            yield from self._tried(first, later, routed_to, run, active, context)
+        finally:
+            later.close()
+
+    def _tried(
+        self,
+        first: batches_pb2.InvokeBatchRequest,
+        later: _Later,
+        routed_to: str | None,
+        run: Run,
+        active: Active,
+        context: grpc.ServicerContext,
+    ) -> Iterator[batches_pb2.BatchAnswers]:
+        """The relayed batch's answers; tried again, once, if refused before its first call."""
         answered = False
         try:
-            for answer in self._relayed(request, context, active):
-                answered = True
+            for answer in self._relayed(first, later.view(), context, active):
+                if not answered:
+                    answered = True
+                    later.settle()  # no second try after an answer: the caller's next messages go on
                 yield answer
         except grpc.RpcError as err:
             if answered or err.code() != grpc.StatusCode.FAILED_PRECONDITION:
                 self._failed(err, run, active, context)
                 raise
             # Refused before its first call (drained for idling, say): resolve again, once,
-            # as InvokeFunction does.
-            run, active, _ = self.runtimed.resolve(request.run_uid, routed_to, fast=False)
+            # as InvokeFunction does, and send the server what the caller sent so far.
+            run, active, _ = self.runtimed.resolve(first.run_uid, routed_to, fast=False)
             try:
-                yield from self._relayed(request, context, active)
+                yield from self._relayed(first, later.view(), context, active)
             except grpc.RpcError as again:
                 self._failed(again, run, active, context)
                 raise
@@ -334,14 +360,17 @@ class BatchesProxyServicer(batches_pb2_grpc.BatchesServicer):
 
     def _relayed(
         self,
-        request: batches_pb2.InvokeBatchRequest,
+        first: batches_pb2.InvokeBatchRequest,
+        later: Iterator[batches_pb2.InvokeBatchRequest],
         context: grpc.ServicerContext,
         active: Active,
     ) -> Iterator[batches_pb2.BatchAnswers]:
         forwarded = batches_pb2.InvokeBatchRequest()
-        forwarded.CopyFrom(request)
+        forwarded.CopyFrom(first)
         forwarded.registration_id = active.registration_id
-        answers = self.runtimed.batches_stub.InvokeBatch(forwarded, timeout=caller_timeout(context))
+        answers = self.runtimed.batches_stub.InvokeBatch(
+            itertools.chain((forwarded,), later), timeout=caller_timeout(context)
+        )
         context.add_callback(answers.cancel)  # the caller left: its item is cancelled
         yield from answers
 
@@ -356,6 +385,44 @@ class BatchesProxyServicer(batches_pb2_grpc.BatchesServicer):
             raise RegistrationLost(
                 f"run {run.uid}: its Runtime Server restarted; registering it again"
             ) from None
+
+
+class _Later:
+    """The messages a caller sends after a batch's first, for the try upstream to send on
+    (``view``), none of them read from the caller before the batch has an answer (``settle``):
+    a try refused before its first call is made again, once, and its view then ends, having
+    taken no message the second try must send."""
+
+    def __init__(self, source: Iterator[Any]) -> None:
+        self._source = source
+        self._ready = threading.Condition()
+        self._settled = False
+        self._views = 0  # the newest view's number: an older one ends
+
+    def settle(self) -> None:
+        with self._ready:
+            self._settled = True
+            self._ready.notify_all()
+
+    def close(self) -> None:
+        """The relay is over (answered, failed, or its caller gone): a view still waiting ends."""
+        with self._ready:
+            self._views += 1
+            self._ready.notify_all()
+
+    def view(self) -> Iterator[Any]:
+        """The messages for a try that begins now; an older try's view ends."""
+        with self._ready:
+            self._views += 1
+            self._ready.notify_all()
+            return self._sent(self._views)
+
+    def _sent(self, mine: int) -> Iterator[Any]:
+        with self._ready:
+            self._ready.wait_for(lambda: self._settled or mine != self._views)
+            if mine != self._views:
+                return
+        yield from self._source
 
 
 class LogsProxyServicer(logs_pb2_grpc.InvocationLogsServicer):

@@ -36,7 +36,7 @@ class BatchesStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.InvokeBatch = channel.unary_stream(
+        self.InvokeBatch = channel.stream_stream(
                 '/fnkernel.v1alpha1.Batches/InvokeBatch',
                 request_serializer=fnkernel_dot_runtime__server_dot___proto_dot_fnkernel_dot_v1alpha1_dot_batches__pb2.InvokeBatchRequest.SerializeToString,
                 response_deserializer=fnkernel_dot_runtime__server_dot___proto_dot_fnkernel_dot_v1alpha1_dot_batches__pb2.BatchAnswers.FromString,
@@ -48,12 +48,15 @@ class BatchesServicer:
     names the Run UID only and its pod in x-fn-pod; runtimed fills in the active registration ID.
     """
 
-    def InvokeBatch(self, request, context):
-        """Each item's call, in order, one at a time. After a failure the rest are not called, unless
-        `go_on`. Answers are sent as their calls end, those that end within 100 ms of the last sent
-        together (a message costs more than a quick call). The stream ends when every item was
-        answered, or early (at a failure, or with a status): the items after the last answer were
-        never called.
+    def InvokeBatch(self, request_iterator, context):
+        """Each item's call, in order, one at a time. The first message names the Run and the items
+        to begin with; each later one carries more items (`items` and `refill_at` only), numbered
+        on from those before, for the caller to keep its Run busy without a batch's round trip.
+        After a failure the rest are not called, unless `go_on`. Answers are sent as their calls
+        end, those that end within 100 ms of the last sent together (a message costs more than a
+        quick call), but at once when `refill_at` or fewer items are left unanswered. The stream
+        ends once the caller has closed its side and every item it sent was answered, or early
+        (at a failure, or with a status): the items after the last answer were never called.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -62,7 +65,7 @@ class BatchesServicer:
 
 def add_BatchesServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'InvokeBatch': grpc.unary_stream_rpc_method_handler(
+            'InvokeBatch': grpc.stream_stream_rpc_method_handler(
                     servicer.InvokeBatch,
                     request_deserializer=fnkernel_dot_runtime__server_dot___proto_dot_fnkernel_dot_v1alpha1_dot_batches__pb2.InvokeBatchRequest.FromString,
                     response_serializer=fnkernel_dot_runtime__server_dot___proto_dot_fnkernel_dot_v1alpha1_dot_batches__pb2.BatchAnswers.SerializeToString,
@@ -81,7 +84,7 @@ class Batches:
     """
 
     @staticmethod
-    def InvokeBatch(request,
+    def InvokeBatch(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -91,8 +94,8 @@ class Batches:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
             '/fnkernel.v1alpha1.Batches/InvokeBatch',
             fnkernel_dot_runtime__server_dot___proto_dot_fnkernel_dot_v1alpha1_dot_batches__pb2.InvokeBatchRequest.SerializeToString,
