@@ -4,9 +4,9 @@ a Run of FAN_WIDTH replicas and by a ``ProcessPoolExecutor(FAN_WIDTH)`` — the 
 user tries first — with each item's cost above the handler's own work.
 
 Beside them, the map's bound: the same work looped in the handler (LOOPED_HANDLER), so with no
-hand-off an item, mapped in as many calls as the map has batches, then in one call a replica.
-What the map takes above the first is its items' hand-offs; what the first takes above the
-second, its batches' round trips.
+hand-off an item, mapped in one call a replica — as many calls as the map has batches (one a
+lane, fed as it runs: docs/protocol.md, "Batches"). What the map takes above it is its items'
+hand-offs.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from typing import Any
 
 from benchmarks.invoke import Target
 from fnkernel.runtime_server.client import Client
-from fnkernel.runtime_server.client.maps import BATCH_SHARE
 
 FAN_ITEMS = 200
 FAN_WIDTH = 2
@@ -45,11 +44,8 @@ LOOPED_HANDLER = (
 )
 MAP_CASE = f"fnkernel Client.map, {FAN_WIDTH} replicas"
 POOL_CASE = f"ProcessPoolExecutor({FAN_WIDTH}).map"
-# The map's bound, by its number of calls: as many as the map's batches, and one a replica.
-LOOPED_CASES = {
-    f"  bound: no hand-off an item, {calls} calls": calls
-    for calls in (FAN_WIDTH * BATCH_SHARE, FAN_WIDTH)
-}
+# The map's bound, by its number of calls: one a replica, as the map has one batch a lane.
+LOOPED_CASES = {f"  bound: no hand-off an item, {calls} calls": calls for calls in (FAN_WIDTH,)}
 # The Runs a stack needs for these cases: name, handler source, replicas.
 RUNS = (("burn", BURN_HANDLER, FAN_WIDTH), ("looped", LOOPED_HANDLER, FAN_WIDTH))
 

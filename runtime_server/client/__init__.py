@@ -465,11 +465,13 @@ class Client(Local):
         if concurrency is not None and concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
         _check_timeout(timeout_millis)
-        calls = self._map_client()
         # On the stack's machine, a lane (a Run: the function's, or each replica's) per
-        # thread, each taking batches of items (docs/protocol.md, "Batches"); the lanes say how
-        # many replicas there are, else the function's status does.
-        lanes: list[Any] = (calls._lanes(name, run_uid) if work else None) or [None]
+        # thread, each keeping a batch of items fed (docs/protocol.md, "Batches"); the lanes
+        # say how many replicas there are, else the function's status does. Asked by this
+        # client: its connection kept alive, and what it learns of the spool kept for the next.
+        lanes: list[Any] = (self._lanes(name, run_uid) if work else None) or [None]
+        calls = self._map_client()
+        calls.channels_from = self
         replicas = len(lanes)
         if lanes[0] is None:
             replicas = int(self.status(name).get("spec", {}).get("replicas", 1))

@@ -75,13 +75,19 @@ class RouteGone(Exception):
 class Direct:
     """The channels to this machine's runtimeds, and the calls in flight on them (``cancel``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sharing: Direct | None = None) -> None:
         self._lock = threading.Lock()
         # Per runtimed: its invokes, each blocking on a channel of its own that ``cancel``
         # closes (a future's answer comes through another thread: ~0.2 ms a call).
         self._invokes: dict[str, CancellableCalls[callstream.Invoke]] = {}
-        self._channels: dict[str, grpc.Channel] = {}  # the batches'
-        self._batches: dict[str, batches_pb2_grpc.BatchesStub] = {}
+        # The batches' channels, `sharing`'s if given (a map's own, its client's: cancelling a
+        # batch cancels its call, never the channel, which then need not connect anew).
+        self._channels: dict[str, grpc.Channel] = sharing._channels if sharing else {}
+        self._batches: dict[str, batches_pb2_grpc.BatchesStub] = sharing._batches if sharing else {}
+        self._channels_lock: threading.Lock = (
+            sharing._channels_lock if sharing else threading.Lock()
+        )
+        self._owns_channels = sharing is None
         self._calls: set[Any] = set()  # the batches in flight
 
     def invoke(
@@ -125,23 +131,25 @@ class Direct:
         go_on: bool,
         wait: float,
         refill_at: int = 0,
+        last: bool = True,
     ) -> BatchCall:
         """Batches/InvokeBatch on `route` (docs/protocol.md, "Batches") with `items`, each its
         invocation ID, input and content type, to be followed by more (``BatchCall.more``)
-        until ``BatchCall.done``; `wait`: the whole batch's deadline, `refill_at`: as the
-        request's."""
+        until ``BatchCall.done``, unless `last`; `wait`: the whole batch's deadline,
+        `refill_at` and `last`: as the request's."""
         first = batches_pb2.InvokeBatchRequest(
             run_uid=route.run_uid,
             items=_batch_items(items),
             timeout_millis=timeout_millis,
             go_on=go_on,
             refill_at=refill_at,
+            last=last,
         )
         sending: queue.SimpleQueue[batches_pb2.InvokeBatchRequest | None] = queue.SimpleQueue()
 
         def requests() -> Iterator[batches_pb2.InvokeBatchRequest]:
             yield first
-            while (message := sending.get()) is not None:
+            while not last and (message := sending.get()) is not None:
                 yield message
 
         answers = self._batches_stub(route.address).InvokeBatch(
@@ -162,9 +170,14 @@ class Direct:
 
     def close(self) -> None:
         with self._lock:
-            channels, self._channels, self._batches = self._channels, {}, {}
             invokes, self._invokes = self._invokes, {}
-        for channel in channels.values():
+        channels: list[grpc.Channel] = []
+        if self._owns_channels:
+            with self._channels_lock:
+                channels = list(self._channels.values())
+                self._channels.clear()
+                self._batches.clear()
+        for channel in channels:
             channel.close()
         for invoke in invokes.values():
             invoke.close()
@@ -179,7 +192,7 @@ class Direct:
             return self._invokes[address]
 
     def _batches_stub(self, address: str) -> batches_pb2_grpc.BatchesStub:
-        with self._lock:
+        with self._channels_lock:
             if address not in self._batches:
                 channel = grpc.insecure_channel(address, options=STREAM_CHANNEL_OPTIONS)
                 self._channels[address] = channel
@@ -222,11 +235,18 @@ class BatchCall:
         self._done = False
         self.message_read = False  # the answer ``answers`` gave last was its message's last
 
-    def more(self, items: Sequence[tuple[str, bytes, str]], refill_at: int) -> None:
-        """Send `items` on, numbered after those before; `refill_at`: as the request's."""
+    def more(
+        self, items: Sequence[tuple[str, bytes, str]], refill_at: int, *, last: bool = False
+    ) -> None:
+        """Send `items` on, numbered after those before; `refill_at` and `last`: as the
+        request's (``done`` follows a `last`)."""
         self._invocation_ids += [item[0] for item in items]
-        message = batches_pb2.InvokeBatchRequest(items=_batch_items(items), refill_at=refill_at)
+        message = batches_pb2.InvokeBatchRequest(
+            items=_batch_items(items), refill_at=refill_at, last=last
+        )
         self._sending.put(message)
+        if last:
+            self.done()
 
     def done(self) -> None:
         """Nothing more will be sent: the batch ends once every item sent is answered."""

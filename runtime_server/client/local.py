@@ -53,13 +53,16 @@ class Local(Transport):
         go_on: bool,
         most: int,
         refill_at: int,
+        last: bool,
     ) -> Any:
         """Each of `items` (invocation ID, input, content type) called in turn on the route
-        `lane` (``_lanes``), as one batch, which may be sent up to `most` items in all: a
-        ``direct.BatchCall``, whose ``answers`` give each result or failure by its item's
-        index as it comes."""
+        `lane` (``_lanes``), as one batch, which may be sent up to `most` items in all (none
+        more if `last`): a ``direct.BatchCall``, whose ``answers`` give each result or failure
+        by its item's index as it comes."""
         wait = limits.wait_seconds(timeout_millis, hops_below=1) * most
-        return self._runtimeds().invoke_batch(lane, items, timeout_millis, go_on, wait, refill_at)
+        return self._runtimeds().invoke_batch(
+            lane, items, timeout_millis, go_on, wait, refill_at, last
+        )
 
     def _direct_allowed(self) -> bool:
         """Whether calls may skip the gateway (a subclass that records every request says no
@@ -86,7 +89,8 @@ class Local(Transport):
         if self._direct is None:
             from fnkernel.runtime_server.client.direct import Direct
 
-            self._direct = Direct()
+            owner = self.channels_from
+            self._direct = Direct(owner._runtimeds() if owner is not None else None)
         return self._direct
 
     def local_spool(self) -> Path | None:

@@ -53,7 +53,7 @@ class Calls(Protocol):
 
     def batch(
         self, lane: Any, items: Sequence[tuple[str, bytes, str]], *, timeout_millis: int,
-        go_on: bool, most: int, refill_at: int,
+        go_on: bool, most: int, refill_at: int, last: bool,
     ) -> Any: ...  # fmt: skip
 
 
@@ -260,13 +260,11 @@ class MapRun:
         answered = 0
         if items:
             refill_at = self._refill_at()
+            closed = bool(alone) or self._next == len(self._work)
             call = self._calls.batch(
                 lane, items, timeout_millis=self._timeout_millis, go_on=self._return_exceptions,
-                most=len(self._work), refill_at=refill_at,
+                most=len(self._work), refill_at=refill_at, last=closed,
             )  # fmt: skip
-            closed = bool(alone) or self._next == len(self._work)
-            if closed:
-                call.done()
             # Live output: the item that runs now is the one after the last answered.
             live = self._follow(lane.name, ids, sent, 0)
             try:
@@ -286,13 +284,14 @@ class MapRun:
                     if wanted:
                         more = list(self._take(wanted))
                         mine += more
-                        if items := self._for_batch(more, ids, sent, alone):
+                        items = self._for_batch(more, ids, sent, alone)
+                        closed = bool(alone) or not more or self._next == len(self._work)
+                        if items:
                             refill_at = self._refill_at()
-                            call.more(items, refill_at)
+                            call.more(items, refill_at, last=closed)
                             if live is None:
                                 live = self._follow(lane.name, ids, sent, answered)
-                        closed = bool(alone) or not more or self._next == len(self._work)
-                        if closed:
+                        elif closed:
                             call.done()
             except (RouteGone, FunctionBusy):
                 pass  # never called: the rest go one by one

@@ -151,6 +151,9 @@ class Transport:
         # to be ready again (``_preparing``); ``cancel`` reaches each.
         self._preparing_calls: set[Unsent] = set()
         self._direct: Any = None
+        # The client whose channels to runtimed this one's batches share (a map's own client:
+        # its client's), if any.
+        self.channels_from: Any = None
         self._max_payload = limits.DEFAULT_MAX_SPOOLED_BYTES  # the gateway's, once asked
         # What sets that bound, as a refusal names it: the flag and the variable, unless the
         # caller knows which (a kernel knows whether its runtime is its own).

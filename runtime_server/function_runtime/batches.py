@@ -49,9 +49,10 @@ class BatchesServicer(batches_pb2_grpc.BatchesServicer):
             return  # nothing sent: nothing to call
         batch = _Batch(self.registry, first, context)
         threading.Thread(target=batch.run, name="batch", daemon=True).start()
-        threading.Thread(
-            target=batch.read, args=(request_iterator,), name="batch-items", daemon=True
-        ).start()
+        if not first.last:  # more may come while it runs
+            threading.Thread(
+                target=batch.read, args=(request_iterator,), name="batch-items", daemon=True
+            ).start()
         try:
             yield from batch.sent()
         finally:
@@ -74,7 +75,7 @@ class _Batch:
         self._ready = threading.Condition()
         self._items: list[batches_pb2.BatchItem] = list(first.items)  # every item sent so far
         self._refill_at = first.refill_at
-        self._closed = False  # the caller sends nothing more
+        self._closed = first.last  # the caller sends nothing more
         self._asked = False  # answers went at once for more items, none came since
         self._answers: list[batches_pb2.BatchAnswer] = []  # not sent yet
         self._send_now = False  # ``sent`` sends what it holds without waiting for its time
@@ -100,6 +101,8 @@ class _Batch:
                     self._refill_at = request.refill_at
                     self._asked = False
                     self._ready.notify_all()
+                if request.last:
+                    break
         except InvalidField as exc:
             with self._ready:
                 self._refused = self._refused or exc

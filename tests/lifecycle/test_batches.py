@@ -321,7 +321,7 @@ class _CutAfterTheLastAnswer:
                 yield offset, _CutAfterTheLastAnswer.Answer(data)
             raise RequestCancelled("the batch to fn was cancelled", code="CANCELLED")
 
-        def more(self, items: Any, refill_at: int) -> None:
+        def more(self, items: Any, refill_at: int, *, last: bool = False) -> None:
             self.items += items
 
         def done(self) -> None:
@@ -408,16 +408,40 @@ def test_a_batchs_later_messages_carry_more_items_numbered_on(
     assert answers.code() == grpc.StatusCode.OK
 
 
+def test_a_batch_sent_last_ends_once_its_items_are_answered(
+    runtimed: tuple[batches_pb2_grpc.BatchesStub, dict[str, str]],
+) -> None:
+    # proto/fnkernel/v1alpha1/batches.proto: after a message with `last` nothing is sent, and
+    # the batch ends once its items are answered, though the caller never closes its side.
+    stub, route = runtimed
+    fed, alone = _Sent(), _Sent()  # neither closed until the end
+    fed.send(run_uid=route["runUid"], items=_items(0, 1), refill_at=1)
+    fed.send(items=_items(2), last=True)
+    answers = stub.InvokeBatch(iter(fed), timeout=30, metadata=((POD_KEY, route["pod"]),))
+    assert [a.index for m in answers for a in m.answers] == [0, 1, 2]
+    assert answers.code() == grpc.StatusCode.OK
+    alone.send(run_uid=route["runUid"], items=_items(3), last=True)
+    answers = stub.InvokeBatch(iter(alone), timeout=30, metadata=((POD_KEY, route["pod"]),))
+    assert [json.loads(a.output)["n"] for m in answers for a in m.answers] == [3]
+    fed.close()
+    alone.close()
+
+
 def test_answers_go_at_once_when_refill_at_or_fewer_items_are_left(
     runtimed: tuple[batches_pb2_grpc.BatchesStub, dict[str, str]], tmp_path: Path
 ) -> None:
     # proto/fnkernel/v1alpha1/batches.proto: answers that end within 100 ms of the last sent go
     # together, but at once when refill_at or fewer items sent are left unanswered, for the
-    # caller to send more then (once: the next waits for its time again). Items 0 and 1 end at
-    # once, 2 after 50 ms, 3 when the test has read three answers.
+    # caller to send more then (once: the next waits for its time again). Item 0 ends at once,
+    # 1 once the test has read 0's answer, 2 50 ms after it, 3 once the test has read three.
     stub, route = runtimed
-    release = tmp_path / "release"
-    events = [{"n": 0}, {"n": 1}, {"n": 2, "sleep": 0.05}, {"n": 3, "until": str(release)}]
+    begin, release = tmp_path / "begin", tmp_path / "release"
+    events = [
+        {"n": 0},
+        {"n": 1, "until": str(begin)},
+        {"n": 2, "sleep": 0.05},
+        {"n": 3, "until": str(release)},
+    ]
     items = [
         batches_pb2.BatchItem(
             invocation_id=f"inv-r{n}",
@@ -431,9 +455,12 @@ def test_answers_go_at_once_when_refill_at_or_fewer_items_are_left(
     messages = []
     for message in stub.InvokeBatch(iter(sent), timeout=30, metadata=((POD_KEY, route["pod"]),)):
         messages.append([answer.index for answer in message.answers])
-        if sum(map(len, messages)) == 3:
+        answered = sum(map(len, messages))
+        if answered == 1:
+            begin.touch()
+        elif answered == 3:
             release.touch()
-        if sum(map(len, messages)) == 4:
+        elif answered == 4:
             sent.close()  # the caller has nothing more: the stream ends
     # Without refill_at, 1 would wait for 2 (both within 100 ms of 0's message): [1, 2].
     assert messages == [[0], [1], [2], [3]]

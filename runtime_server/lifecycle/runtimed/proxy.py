@@ -368,9 +368,8 @@ class BatchesProxyServicer(batches_pb2_grpc.BatchesServicer):
         forwarded = batches_pb2.InvokeBatchRequest()
         forwarded.CopyFrom(first)
         forwarded.registration_id = active.registration_id
-        answers = self.runtimed.batches_stub.InvokeBatch(
-            itertools.chain((forwarded,), later), timeout=caller_timeout(context)
-        )
+        sent = iter((forwarded,)) if first.last else itertools.chain((forwarded,), later)
+        answers = self.runtimed.batches_stub.InvokeBatch(sent, timeout=caller_timeout(context))
         context.add_callback(answers.cancel)  # the caller left: its item is cancelled
         yield from answers
 

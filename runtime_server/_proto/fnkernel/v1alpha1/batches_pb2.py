@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n>fnkernel/runtime_server/_proto/fnkernel/v1alpha1/batches.proto\x12\x11\x66nkernel.v1alpha1\"\xe3\x01\n\x12InvokeBatchRequest\x12\x17\n\x07run_uid\x18\x01 \x01(\tR\x06runUid\x12\'\n\x0fregistration_id\x18\x02 \x01(\tR\x0eregistrationId\x12\x32\n\x05items\x18\x03 \x03(\x0b\x32\x1c.fnkernel.v1alpha1.BatchItemR\x05items\x12%\n\x0etimeout_millis\x18\x04 \x01(\x03R\rtimeoutMillis\x12\x13\n\x05go_on\x18\x05 \x01(\x08R\x04goOn\x12\x1b\n\trefill_at\x18\x06 \x01(\x05R\x08refillAt\"i\n\tBatchItem\x12#\n\rinvocation_id\x18\x01 \x01(\tR\x0cinvocationId\x12\x14\n\x05input\x18\x02 \x01(\x0cR\x05input\x12!\n\x0c\x63ontent_type\x18\x03 \x01(\tR\x0b\x63ontentType\"H\n\x0c\x42\x61tchAnswers\x12\x38\n\x07\x61nswers\x18\x01 \x03(\x0b\x32\x1e.fnkernel.v1alpha1.BatchAnswerR\x07\x61nswers\"\xa3\x03\n\x0b\x42\x61tchAnswer\x12\x14\n\x05index\x18\x01 \x01(\x05R\x05index\x12#\n\rinvocation_id\x18\x02 \x01(\tR\x0cinvocationId\x12\x16\n\x06output\x18\x03 \x01(\x0cR\x06output\x12!\n\x0c\x63ontent_type\x18\x04 \x01(\tR\x0b\x63ontentType\x12\x45\n\x07outputs\x18\x05 \x03(\x0b\x32+.fnkernel.v1alpha1.BatchAnswer.OutputsEntryR\x07outputs\x12\x12\n\x04\x63ode\x18\x06 \x01(\x05R\x04\x63ode\x12\x18\n\x07message\x18\x07 \x01(\tR\x07message\x12H\n\x08trailers\x18\x08 \x03(\x0b\x32,.fnkernel.v1alpha1.BatchAnswer.TrailersEntryR\x08trailers\x1a.\n\x0cOutputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a/\n\rTrailersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\x32\x64\n\x07\x42\x61tches\x12Y\n\x0bInvokeBatch\x12%.fnkernel.v1alpha1.InvokeBatchRequest\x1a\x1f.fnkernel.v1alpha1.BatchAnswers(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n>fnkernel/runtime_server/_proto/fnkernel/v1alpha1/batches.proto\x12\x11\x66nkernel.v1alpha1\"\xf7\x01\n\x12InvokeBatchRequest\x12\x17\n\x07run_uid\x18\x01 \x01(\tR\x06runUid\x12\'\n\x0fregistration_id\x18\x02 \x01(\tR\x0eregistrationId\x12\x32\n\x05items\x18\x03 \x03(\x0b\x32\x1c.fnkernel.v1alpha1.BatchItemR\x05items\x12%\n\x0etimeout_millis\x18\x04 \x01(\x03R\rtimeoutMillis\x12\x13\n\x05go_on\x18\x05 \x01(\x08R\x04goOn\x12\x1b\n\trefill_at\x18\x06 \x01(\x05R\x08refillAt\x12\x12\n\x04last\x18\x07 \x01(\x08R\x04last\"i\n\tBatchItem\x12#\n\rinvocation_id\x18\x01 \x01(\tR\x0cinvocationId\x12\x14\n\x05input\x18\x02 \x01(\x0cR\x05input\x12!\n\x0c\x63ontent_type\x18\x03 \x01(\tR\x0b\x63ontentType\"H\n\x0c\x42\x61tchAnswers\x12\x38\n\x07\x61nswers\x18\x01 \x03(\x0b\x32\x1e.fnkernel.v1alpha1.BatchAnswerR\x07\x61nswers\"\xa3\x03\n\x0b\x42\x61tchAnswer\x12\x14\n\x05index\x18\x01 \x01(\x05R\x05index\x12#\n\rinvocation_id\x18\x02 \x01(\tR\x0cinvocationId\x12\x16\n\x06output\x18\x03 \x01(\x0cR\x06output\x12!\n\x0c\x63ontent_type\x18\x04 \x01(\tR\x0b\x63ontentType\x12\x45\n\x07outputs\x18\x05 \x03(\x0b\x32+.fnkernel.v1alpha1.BatchAnswer.OutputsEntryR\x07outputs\x12\x12\n\x04\x63ode\x18\x06 \x01(\x05R\x04\x63ode\x12\x18\n\x07message\x18\x07 \x01(\tR\x07message\x12H\n\x08trailers\x18\x08 \x03(\x0b\x32,.fnkernel.v1alpha1.BatchAnswer.TrailersEntryR\x08trailers\x1a.\n\x0cOutputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a/\n\rTrailersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\x32\x64\n\x07\x42\x61tches\x12Y\n\x0bInvokeBatch\x12%.fnkernel.v1alpha1.InvokeBatchRequest\x1a\x1f.fnkernel.v1alpha1.BatchAnswers(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,17 +36,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_BATCHANSWER_TRAILERSENTRY']._loaded_options = None
   _globals['_BATCHANSWER_TRAILERSENTRY']._serialized_options = b'8\001'
   _globals['_INVOKEBATCHREQUEST']._serialized_start=86
-  _globals['_INVOKEBATCHREQUEST']._serialized_end=313
-  _globals['_BATCHITEM']._serialized_start=315
-  _globals['_BATCHITEM']._serialized_end=420
-  _globals['_BATCHANSWERS']._serialized_start=422
-  _globals['_BATCHANSWERS']._serialized_end=494
-  _globals['_BATCHANSWER']._serialized_start=497
-  _globals['_BATCHANSWER']._serialized_end=916
-  _globals['_BATCHANSWER_OUTPUTSENTRY']._serialized_start=821
-  _globals['_BATCHANSWER_OUTPUTSENTRY']._serialized_end=867
-  _globals['_BATCHANSWER_TRAILERSENTRY']._serialized_start=869
-  _globals['_BATCHANSWER_TRAILERSENTRY']._serialized_end=916
-  _globals['_BATCHES']._serialized_start=918
-  _globals['_BATCHES']._serialized_end=1018
+  _globals['_INVOKEBATCHREQUEST']._serialized_end=333
+  _globals['_BATCHITEM']._serialized_start=335
+  _globals['_BATCHITEM']._serialized_end=440
+  _globals['_BATCHANSWERS']._serialized_start=442
+  _globals['_BATCHANSWERS']._serialized_end=514
+  _globals['_BATCHANSWER']._serialized_start=517
+  _globals['_BATCHANSWER']._serialized_end=936
+  _globals['_BATCHANSWER_OUTPUTSENTRY']._serialized_start=841
+  _globals['_BATCHANSWER_OUTPUTSENTRY']._serialized_end=887
+  _globals['_BATCHANSWER_TRAILERSENTRY']._serialized_start=889
+  _globals['_BATCHANSWER_TRAILERSENTRY']._serialized_end=936
+  _globals['_BATCHES']._serialized_start=938
+  _globals['_BATCHES']._serialized_end=1038
 # @@protoc_insertion_point(module_scope)

@@ -7,20 +7,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class InvokeBatchRequest(_message.Message):
-    __slots__ = ("run_uid", "registration_id", "items", "timeout_millis", "go_on", "refill_at")
+    __slots__ = ("run_uid", "registration_id", "items", "timeout_millis", "go_on", "refill_at", "last")
     RUN_UID_FIELD_NUMBER: _ClassVar[int]
     REGISTRATION_ID_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MILLIS_FIELD_NUMBER: _ClassVar[int]
     GO_ON_FIELD_NUMBER: _ClassVar[int]
     REFILL_AT_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
     run_uid: str
     registration_id: str
     items: _containers.RepeatedCompositeFieldContainer[BatchItem]
     timeout_millis: int
     go_on: bool
     refill_at: int
-    def __init__(self, run_uid: _Optional[str] = ..., registration_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[BatchItem, _Mapping]]] = ..., timeout_millis: _Optional[int] = ..., go_on: _Optional[bool] = ..., refill_at: _Optional[int] = ...) -> None: ...
+    last: bool
+    def __init__(self, run_uid: _Optional[str] = ..., registration_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[BatchItem, _Mapping]]] = ..., timeout_millis: _Optional[int] = ..., go_on: _Optional[bool] = ..., refill_at: _Optional[int] = ..., last: _Optional[bool] = ...) -> None: ...
 
 class BatchItem(_message.Message):
     __slots__ = ("invocation_id", "input", "content_type")

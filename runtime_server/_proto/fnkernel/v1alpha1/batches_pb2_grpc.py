@@ -50,13 +50,14 @@ class BatchesServicer:
 
     def InvokeBatch(self, request_iterator, context):
         """Each item's call, in order, one at a time. The first message names the Run and the items
-        to begin with; each later one carries more items (`items` and `refill_at` only), numbered
+        to begin with; each later one carries more items (`items`, `refill_at`, `last`), numbered
         on from those before, for the caller to keep its Run busy without a batch's round trip.
         After a failure the rest are not called, unless `go_on`. Answers are sent as their calls
         end, those that end within 100 ms of the last sent together (a message costs more than a
         quick call), but at once when `refill_at` or fewer items are left unanswered. The stream
-        ends once the caller has closed its side and every item it sent was answered, or early
-        (at a failure, or with a status): the items after the last answer were never called.
+        ends once the caller has sent `last` or closed its side and every item it sent was
+        answered, or early (at a failure, or with a status): the items after the last answer were
+        never called.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
