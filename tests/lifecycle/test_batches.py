@@ -518,3 +518,22 @@ def test_a_refused_try_upstream_takes_none_of_the_messages_the_next_must_send() 
     sent.close()
     later.settle()  # the second try's first answer
     assert [message.items[0].invocation_id for message in second] == ["inv-f1", "inv-f2"]
+
+
+def test_a_clients_maps_share_its_channels_to_runtimed(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # docs/architecture.md, "A map's items on busy cores": a map's own client (cancelling it
+    # cancels that map's calls only) sends its batches on its client's channels, opened once.
+    opened: list[str] = []
+    insecure_channel = grpc.insecure_channel
+
+    def counted(target: str, *args: Any, **kw: Any) -> grpc.Channel:
+        opened.append(target)
+        return insecure_channel(target, *args, **kw)
+
+    monkeypatch.setattr(grpc, "insecure_channel", counted)
+    client = Client(stack.gateway_address)
+    for _ in range(3):
+        assert [r["n"] for r in client.map("set", [{"n": n} for n in range(4)])] == [0, 1, 2, 3]
+    assert len(opened) == 1  # the two replicas' runtimed: one channel, for every map
