@@ -168,6 +168,11 @@ class Direct:
             call.cancel()
         return len(calls) + sum(invoke.cancel() for invoke in invokes)
 
+    def forget(self, call: Any) -> None:
+        """The batch `call` is over: ``cancel`` no longer reaches it."""
+        with self._lock:
+            self._calls.discard(call)
+
     def close(self) -> None:
         with self._lock:
             invokes, self._invokes = self._invokes, {}
@@ -296,8 +301,7 @@ class BatchCall:
         """A caller that stops reading: the rest are not called."""
         self.done()
         self._answers.cancel()
-        with self._direct._lock:
-            self._direct._calls.discard(self._answers)
+        self._direct.forget(self._answers)
 
 
 def _batch_items(items: Sequence[tuple[str, bytes, str]]) -> list[batches_pb2.BatchItem]:

@@ -225,8 +225,7 @@ class MapRun:
         or a message of answers ends a quarter short of it; near the end (the lanes' share of
         what is left below `_batch`), that share, once few are left — half of the rest, then
         half of that, so that the lanes end together; 0: none yet."""
-        with self._lock:
-            share = -(-(len(self._work) - self._next) // self._width)
+        share = self._share()
         if share >= self._batch:
             short = self._batch - waiting
             return short if waiting <= refill_at or (message_read and short >= refill_at) else 0
@@ -234,9 +233,12 @@ class MapRun:
 
     def _refill_at(self) -> int:
         """When a lane wants more (``_wanted``): what it keeps sent, over REFILL_SHARE."""
+        return max(REFILL_LEAST, min(self._share(), self._batch) // REFILL_SHARE)
+
+    def _share(self) -> int:
+        """A lane's share of the items not yet sent."""
         with self._lock:
-            share = -(-(len(self._work) - self._next) // self._width)
-        return max(REFILL_LEAST, min(share, self._batch) // REFILL_SHARE)
+            return -(-(len(self._work) - self._next) // self._width)
 
     def _one(self, index: int) -> None:
         try:
