@@ -24,11 +24,13 @@ round-trips through both adapters (identical, or the benchmark fails). Usage: py
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import select
 import signal
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -56,6 +58,9 @@ ECHO_METHOD = "/bench.Echo/Echo"
 # The same echo, each message of a bidirectional stream answered in turn (issue 48's call
 # streams: docs/architecture.md, "Call streams").
 STREAM_METHOD = "/bench.Echo/Stream"
+# The same stream, each message answered by a process of the stream's own over pipes, the value
+# read and written again there (PipeEcho): our design's last hop, a Runtime Server and its worker.
+WORKER_METHOD = "/bench.Echo/Worker"
 ROUNDS = 10
 BASH_HANDLER = "handle() { printf '%s' \"$1\"; }\n"
 PY_HANDLER = "def handle(event):\n    return event\n"
@@ -87,12 +92,21 @@ def serve_echo(address: str, spawn_bash: str | None) -> None:
     def echoes(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         yield from requests
 
-    # An open stream holds a thread: room for the streams of benchmarks.peers' two stream floors
-    # (IN_FLIGHT + 1 each) and as many unary calls at once.
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=48), options=CHANNEL_OPTIONS)
+    def through_worker(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        worker = PipeEcho(values=True)
+        try:
+            for request in requests:
+                yield worker.call(request)
+        finally:
+            worker.close()
+
+    # An open stream holds a thread: room for the streams of benchmarks.peers' three stream
+    # floors (IN_FLIGHT + 1 each) and as many unary calls at once.
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64), options=CHANNEL_OPTIONS)
     handlers = {
         "Echo": grpc.unary_unary_rpc_method_handler(echo),
         "Stream": grpc.stream_stream_rpc_method_handler(echoes),
+        "Worker": grpc.stream_stream_rpc_method_handler(through_worker),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Echo", handlers),))
     serve_until_signal(server, address, "spawn-bash baseline" if spawn_bash else "grpc echo")
@@ -121,6 +135,65 @@ requests, answers = int(sys.argv[1]), int(sys.argv[2])
 while os.read(requests, 1):
     os.write(answers, b".")
 """
+
+
+F_SETPIPE_SZ = 1031
+# A process at the end of two pipes of 1 MiB that keeps freed memory (both as the worker's),
+# answering each length-prefixed message with its bytes — or, given "values", with the value its
+# JSON holds read and written again, as the worker reads a call's input and writes the handler's
+# result (msgspec and orjson, the fastest here, as the worker's: adapters/_jsonvalues.py).
+PIPE_ECHO = """\
+import ctypes, fcntl, os, struct, sys
+ctypes.CDLL(None).mallopt(-3, 16 << 20)  # freed memory kept, as the worker's (keep_freed_memory)
+ctypes.CDLL(None).mallopt(-1, 32 << 20)
+for fd in (0, 1):
+    fcntl.fcntl(fd, 1031, 1 << 20)  # F_SETPIPE_SZ, as the worker's pipes
+if values := sys.argv[1:] == ["values"]:
+    import msgspec.json, orjson
+    read = msgspec.json.Decoder().decode
+while header := os.read(0, 4):
+    size, = struct.unpack("!I", header)
+    data = bytearray(size)
+    view, got = memoryview(data), 0
+    while got < size:
+        got += os.readv(0, [view[got:]])
+    if values:
+        data = orjson.dumps(read(data))
+    view = memoryview(struct.pack("!I", len(data)) + data)
+    while view:
+        view = view[os.write(1, view):]
+"""
+
+
+class PipeEcho:
+    """The floor of calling another process from Python (PIPE_ECHO): the bytes there and back,
+    or (`values`) the value they hold, read and written again at the other end."""
+
+    def __init__(self, values: bool = False) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", PIPE_ECHO, *(["values"] if values else [])],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self._in, self._out = self.process.stdin.fileno(), self.process.stdout.fileno()
+        for fd in (self._in, self._out):
+            fcntl.fcntl(fd, F_SETPIPE_SZ, 1 << 20)
+
+    def call(self, data: bytes) -> bytes:
+        view = memoryview(struct.pack("!I", len(data)) + data)
+        while view:
+            view = view[os.write(self._in, view) :]
+        (size,) = struct.unpack("!I", os.read(self._out, 4))
+        answer = bytearray(size)
+        into, got = memoryview(answer), 0
+        while got < size:
+            got += os.readv(self._out, [into[got:]])
+        return bytes(answer)
+
+    def close(self) -> None:
+        self.process.kill()
+        self.process.wait()
 
 
 def pipe_round_trips(calls: int) -> dict[str, list[float]]:

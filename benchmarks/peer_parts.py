@@ -5,13 +5,11 @@ Ray's actor and task, and the threads that keep IN_FLIGHT calls outstanding.
 
 from __future__ import annotations
 
-import fcntl
 import http.client
 import json
 import logging
 import os
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -23,31 +21,14 @@ from urllib.parse import urlsplit
 
 import grpc
 
-from benchmarks.invoke import ECHO_METHOD, STREAM_METHOD
+from benchmarks.invoke import ECHO_METHOD, STREAM_METHOD, WORKER_METHOD, PipeEcho
+from benchmarks.processes import children_of
 from benchmarks.throughput import MAX_CALLS, StreamCaller, relay
 from fnkernel.runtime_server.daemon import Child
 from fnkernel.runtime_server.rpc import CHANNEL_OPTIONS
 
 IN_FLIGHT = 10
 KG_KERNELS = 2  # Kernel Gateway's pool: a kernel per core
-F_SETPIPE_SZ = 1031
-PIPE_ECHO = """\
-import ctypes, fcntl, os, struct
-ctypes.CDLL(None).mallopt(-3, 16 << 20)  # freed memory kept, as the worker's (keep_freed_memory)
-ctypes.CDLL(None).mallopt(-1, 32 << 20)
-for fd in (0, 1):
-    fcntl.fcntl(fd, 1031, 1 << 20)  # F_SETPIPE_SZ, as the worker's pipes
-while header := os.read(0, 4):
-    size, = struct.unpack("!I", header)
-    data = bytearray(size)
-    view, got = memoryview(data), 0
-    while got < size:
-        got += os.readv(0, [view[got:]])
-    view = memoryview(struct.pack("!I", size) + data)
-    while view:
-        view = view[os.write(1, view):]
-"""
-
 KG_NOTEBOOK = {
     "cells": [
         {
@@ -69,35 +50,6 @@ KG_NOTEBOOK = {
 def payload_of(size: int) -> dict[str, str]:
     """A value whose compact JSON is `size` bytes (6 MiB: the payload limit, exactly)."""
     return {"s": "x" * (size - len('{"s":""}'))}
-
-
-class PipeEcho:
-    """The floor of calling another process from Python: the bytes there and back over two
-    pipes of 1 MiB, to a process that keeps freed memory (both as the worker's)."""
-
-    def __init__(self) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", PIPE_ECHO], stdin=subprocess.PIPE, stdout=subprocess.PIPE
-        )
-        assert self.process.stdin is not None and self.process.stdout is not None
-        self._in, self._out = self.process.stdin.fileno(), self.process.stdout.fileno()
-        for fd in (self._in, self._out):
-            fcntl.fcntl(fd, F_SETPIPE_SZ, 1 << 20)
-
-    def call(self, data: bytes) -> bytes:
-        view = memoryview(struct.pack("!I", len(data)) + data)
-        while view:
-            view = view[os.write(self._in, view) :]
-        (size,) = struct.unpack("!I", os.read(self._out, 4))
-        answer = bytearray(size)
-        into, got = memoryview(answer), 0
-        while got < size:
-            got += os.readv(self._out, [into[got:]])
-        return bytes(answer)
-
-    def close(self) -> None:
-        self.process.kill()
-        self.process.wait()
 
 
 class RawHttp:
@@ -298,6 +250,12 @@ class StreamFloor(NamedTuple):
 # The floors on call streams (docs/architecture.md, "Call streams"): the relay as runtimed's
 # (a grpcio thread-pool server), and the same relay on grpc.aio's event loop.
 STREAM_RELAYS = {"sync-stream": "", "aio-stream": ", grpc.aio relay"}
+# The floor of our design's path (docs/architecture.md, "Where the hot path stands"): a caller on
+# call streams to a grpc.aio relay (runtimed), on to a grpcio server (the Runtime Server) and a
+# worker process over pipes that reads the value and writes it again — each our design's own
+# process, with bare parts in them and none of our code.
+FLOOR_DESIGN = "design floor: grpc.aio relay, gRPC server, a worker over pipes"
+FLOOR_DESIGN_THREADS = f"design floor, {IN_FLIGHT} threads on {IN_FLIGHT} workers"
 
 
 class NoHttpFloor:
@@ -305,7 +263,8 @@ class NoHttpFloor:
     to a thread-pool relay, on to the bare `echo` (started with its socket in `directory`) — as
     unary calls, and as the messages of streams already open, as our hops make them
     (docs/architecture.md, "Call streams"), through a relay of each of STREAM_RELAYS' kinds;
-    with the callers IN_FLIGHT threads use, and each case's processes."""
+    with the callers IN_FLIGHT threads use, and each case's processes. And the floor of the
+    design's path on the same echo (FLOOR_DESIGN), which has a worker."""
 
     def __init__(self, directory: str, echo: Child) -> None:
         self.relay = relay("sync", f"unix:{directory}/sync-proxy.sock", echo.address)
@@ -334,8 +293,30 @@ class NoHttpFloor:
                 {f"floor on streams: gRPC relay ({kind})": streams.pid,
                  "floor chain: gRPC echo": echo.pid},
             ))  # fmt: skip
+        # The design's floor: our path's processes (runtimed's relay on grpc.aio, a grpcio server
+        # and a worker of each stream's own over pipes), none of our code in them.
+        design = relay("aio-stream", f"unix:{directory}/design-proxy.sock", echo.address,
+                       WORKER_METHOD)  # fmt: skip
+        self.children.append(design)
+        channel = grpc.insecure_channel(design.address, options=CHANNEL_OPTIONS)
+        callers = [StreamCaller(channel, WORKER_METHOD) for _ in range(IN_FLIGHT + 1)]
+        for caller in callers:  # each stream's worker started
+            caller.call(b"{}")
+        self.design = StreamFloor(
+            FLOOR_DESIGN,
+            FLOOR_DESIGN_THREADS,
+            callers,
+            {
+                "design floor: gRPC relay (aio)": design.pid,
+                "design floor: gRPC server": echo.pid,
+                **{
+                    f"design floor: gRPC server-worker-{number}": pid
+                    for number, pid in enumerate(children_of(echo.pid), start=1)
+                },
+            },
+        )
 
     def close(self) -> None:
-        for floor in self.streams:
+        for floor in (*self.streams, self.design):
             for caller in floor.callers:
                 caller.close()

@@ -21,7 +21,12 @@ bench-peers` installs them). A peer that is not installed is left out, and the r
   runtimed directly would stand on; and the same without HTTP, each call a message of a stream
   already open on both hops, as fnkernel's calls go (docs/architecture.md, "Call streams"),
   through a thread-pool relay as runtimed's and through a grpc.aio one. The report names the
-  least of them.
+  least of them. And the **design's floor**: our path's processes with bare parts in them and
+  none of our code — a call stream through a grpc.aio relay (runtimed) to a grpcio server (the
+  Runtime Server) that hands each message over pipes to a worker of the stream's own, which
+  reads the value and writes it again (msgspec and orjson, as our worker): what the process
+  count the design fixes (SPEC: a Runtime Pod is runtimed and a Runtime Server; a handler runs
+  in a worker) costs here before any code of ours.
 * **HTTP**, one client (raw ``http.client``, the body's bytes in and out, the same code for
   every server): fnkernel's gateway, Jupyter Kernel Gateway in notebook-http mode (a notebook
   whose ``# POST /echo`` cell prints the body back), and a bare tornado echo.
@@ -34,7 +39,7 @@ bench-peers` installs them). A peer that is not installed is left out, and the r
   and 10 actors; raw ``http.client`` from 10 threads on the same Runs and on the floor chain (its
   floor); the floor without the HTTP hop from 10 threads, a blocking gRPC call on a channel each
   or a call on a stream each through either relay (the floors under ``Client.invoke``'s direct
-  calls); and over HTTP, benchmarks.throughput's asyncio load generator (10 kept-alive
+  calls), and the design's floor from 10 threads (a worker each, as the 10 Runs'); and over HTTP, benchmarks.throughput's asyncio load generator (10 kept-alive
   connections) on the gateway's 10 Runs, on Kernel Gateway's kernel pool, on the floor chain and
   on the tornado echo. Issue 48's multiplexed alternative to 10 HTTP/1.1 connections: the floor
   chain on granian from 10 threads, and the same 10 calls at a time on one HTTP/2 connection
@@ -81,16 +86,18 @@ from benchmarks import fanout
 from benchmarks.invoke import (
     ECHO_METHOD,
     PY_HANDLER,
+    PipeEcho,
     Target,
     ratio,
     row,
     verdicts,
 )
 from benchmarks.peer_parts import (
+    FLOOR_DESIGN,
+    FLOOR_DESIGN_THREADS,
     IN_FLIGHT,
     KernelGateway,
     NoHttpFloor,
-    PipeEcho,
     RawHttp,
     payload_of,
     ray_cases,
@@ -302,7 +309,7 @@ class Bench:
         if (bare := self.bare) is not None:
             unary = bare.call
             cases[FLOOR_NO_HTTP] = lambda: json.loads(unary(payloads.dumps(value), timeout=120))
-            for floor in bare.streams:
+            for floor in (*bare.streams, bare.design):
                 streamed = floor.callers[0]
                 cases[floor.latency] = lambda s=streamed: json.loads(s.call(payloads.dumps(value)))  # type: ignore[misc]
         return cases
@@ -418,7 +425,7 @@ class Bench:
             floors = [
                 (NO_HTTP_THREADS, lambda slot: unary[slot](body, timeout=120), bare.processes),
                 *((floor.threads, lambda slot, c=floor.callers[1:]: c[slot].call(body),
-                   floor.processes) for floor in bare.streams),
+                   floor.processes) for floor in (*bare.streams, bare.design)),
             ]  # fmt: skip
             for label, call, processes in floors:
                 cases[label] = lambda label=label, call=call, processes=processes: self._counted(  # type: ignore[misc]
@@ -507,6 +514,14 @@ class Bench:
                     f"{chains[lowest] / actor:.2f}x Ray's actor call; fnkernel is "
                     f"{ours / chains[lowest]:.2f}x it"
                 )  # fmt: skip
+                if design := self._p50("python", size, FLOOR_DESIGN):
+                    past = design / actor > TARGETS[size]
+                    notes.append(
+                        f"Python {size}: the floor of the design's processes ({FLOOR_DESIGN}) is "
+                        f"{design / actor:.2f}x Ray's actor call"
+                        + (f", past the target ({TARGETS[size]:g}x)" if past else "")
+                        + f"; fnkernel is {ours / design:.2f}x it"
+                    )
                 for what, least in (
                     ("the bare hops summed are {}x Ray's actor call by themselves", floor),
                     ("the floor chain (no code of ours, no worker) is {}x Ray's actor call", chain),
@@ -557,6 +572,13 @@ class Bench:
                     f"{IN_FLIGHT} in flight: the best floor under the Client's direct calls (no "
                     f"HTTP hop, no worker) is {best!r}, {rates[best] / tasks:.2f}x Ray tasks' "
                     f"calls/s; fnkernel's Client is {threads / rates[best]:.2f}x it"
+                )
+            if design := rates.get(FLOOR_DESIGN_THREADS):
+                notes.append(
+                    f"{IN_FLIGHT} in flight: the floor of the design's processes "
+                    f"({FLOOR_DESIGN_THREADS}) is {design / tasks:.2f}x Ray tasks' calls/s"
+                    + (", short of the target" if design < tasks else "")
+                    + f"; fnkernel's Client is {threads / design:.2f}x it"
                 )
             if rates[CHAIN_THREADS] < tasks:
                 notes.append(
