@@ -496,7 +496,9 @@ class _MapClient(Client):
     ``%fn_trace`` shows each gateway request)."""
 
     def __init__(self, parent: Client) -> None:
-        super().__init__(parent.address, token=parent.token, timeout=parent.timeout)
+        super().__init__(
+            parent.address, token=parent.token, timeout=parent.timeout, announced=parent._announced
+        )
         self._parent, self._token_found = parent, parent._token_found
         self._spool, self._max_payload = parent._spool, parent._max_payload
         self.bound_why = parent.bound_why

@@ -115,12 +115,20 @@ class Unsent:
         return unsent
 
 
+_LOOK_UP: Any = object()  # Transport's `announced` not given: read from the gateway file
+
+
 class Transport:
     """HTTP to one gateway. Thread-safe: each request takes an idle kept-alive connection or
     opens one."""
 
     def __init__(
-        self, address: str | None = None, *, token: str | None = None, timeout: float = 300
+        self,
+        address: str | None = None,
+        *,
+        token: str | None = None,
+        timeout: float = 300,
+        announced: Any = _LOOK_UP,
     ) -> None:
         self.address = address or default_address()
         # README, "Security": the token given, else $FNKERNEL_TOKEN, else the one the gateway
@@ -130,8 +138,12 @@ class Transport:
         self._token_found = token is None and not os.environ.get(tokens.TOKEN_ENV)
         given = "the token given" if token is not None else f"${tokens.TOKEN_ENV}"
         # What this machine's gateway at the address said of itself (its token, its spool):
-        # trusted only of the server that gateway is (``_connect``: tokens.holds).
-        self._announced = tokens.find_gateway(self.address)
+        # trusted only of the server that gateway is (``_connect``: tokens.holds). Read from
+        # its gateway file, unless `announced` is what a client at this address read there
+        # already (a map's own client: its parent's).
+        if announced is _LOOK_UP:
+            announced = tokens.find_gateway(self.address)
+        self._announced: dict[str, object] | None = announced
         if token is not None:
             token = token.strip()  # as a token file's (`open(path).read()`: its newline)
         else:

@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 import pytest
 
+from fnkernel.runtime_server import tokens
 from fnkernel.runtime_server._proto.fnkernel.v1alpha1 import batches_pb2, batches_pb2_grpc
 from fnkernel.runtime_server.client import Client, maps
 from fnkernel.runtime_server.client.direct import Direct
@@ -537,3 +538,23 @@ def test_a_clients_maps_share_its_channels_to_runtimed(
     for _ in range(3):
         assert [r["n"] for r in client.map("set", [{"n": n} for n in range(4)])] == [0, 1, 2, 3]
     assert len(opened) == 1  # the two replicas' runtimed: one channel, for every map
+
+
+def test_a_maps_own_client_reads_no_gateway_file(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # docs/architecture.md, "A map's items on busy cores": a map's own client is its client's,
+    # at the same address, and takes what that client read in the gateway's file (its token,
+    # its spool) rather than reading the runtime dir again for every map.
+    client = Client(stack.gateway_address)  # its token found in the gateway file
+    looked: list[str] = []
+    find_gateway = tokens.find_gateway
+
+    def counted(address: str) -> dict[str, object] | None:
+        looked.append(address)
+        return find_gateway(address)
+
+    monkeypatch.setattr(tokens, "find_gateway", counted)
+    for _ in range(2):
+        assert [r["n"] for r in client.map("set", [{"n": n} for n in range(4)])] == [0, 1, 2, 3]
+    assert looked == []
