@@ -31,13 +31,18 @@ SLOW_FIXTURES = frozenset(
 
 def pytest_configure(config: pytest.Config) -> None:
     """A kernel's embedded runtime keeps the user's secrets and the machine's installed
-    requirements in the user's state dir (docs/protocol.md, "Secrets", "Requirements"): the
-    kernels and stacks the tests start keep theirs in one of the session's own, not the home
+    requirements in the user's state dir (docs/protocol.md, "Secrets", "Requirements"), and
+    gateways and kernels leave their files in the runtime dir (README, "Security"): the
+    kernels and stacks the tests start keep theirs in dirs of the session's own, not the home
     directory's (a test that means another names it)."""
-    if "FNKERNEL_STATE_DIR" not in os.environ:
-        made = tempfile.mkdtemp(prefix="fnkernel-tests-state-")
-        os.environ["FNKERNEL_STATE_DIR"] = made
-        config.add_cleanup(lambda: shutil.rmtree(made, ignore_errors=True))
+    for variable, prefix in (
+        ("FNKERNEL_STATE_DIR", "fnkernel-tests-state-"),
+        ("FNKERNEL_RUNTIME_DIR", "fnkernel-tests-runtime-"),
+    ):
+        if variable not in os.environ:
+            made = tempfile.mkdtemp(prefix=prefix)  # 0700, as a runtime dir must be
+            os.environ[variable] = made
+            config.add_cleanup(lambda made=made: shutil.rmtree(made, ignore_errors=True))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -201,7 +201,8 @@ def descendants(pid: int) -> set[int]:
 
 def execute(directory: Path, cells: list[str], env: dict[str, str] | None = None) -> list[Any]:
     """Run `cells` as a notebook in `directory` (the kernel's cwd, as Jupyter starts it) with
-    nbclient, every cell even after an error; each cell's outputs."""
+    nbclient, every cell even after an error, `env` added to this process's environment (as
+    ``Kernel``'s: the session's state and runtime dirs, tests/conftest.py); each cell's outputs."""
     notebook = nbformat.v4.new_notebook()
     notebook.cells = [nbformat.v4.new_code_cell(textwrap.dedent(cell)) for cell in cells]
     client = NotebookClient(
@@ -211,7 +212,7 @@ def execute(directory: Path, cells: list[str], env: dict[str, str] | None = None
         allow_errors=True,
         resources={"metadata": {"path": str(directory)}},
     )
-    client.execute(**({"env": env} if env else {}))
+    client.execute(**({"env": {**os.environ, **env}} if env else {}))
     return [cell.outputs for cell in notebook.cells]
 
 
