@@ -468,7 +468,8 @@ class Client(Local):
         # On the stack's machine, a lane (a Run: the function's, or each replica's) per
         # thread, each keeping a batch of items fed (docs/protocol.md, "Batches"); the lanes
         # say how many replicas there are, else the function's status does. Asked by this
-        # client: its connection kept alive, and what it learns of the spool kept for the next.
+        # client: its connection kept alive, and what it learns kept for the next map (the
+        # spool; the lanes, until a batch is refused on one).
         lanes: list[Any] = (self._lanes(name, run_uid) if work else None) or [None]
         calls = self._map_client()
         calls.channels_from = self
@@ -488,6 +489,8 @@ class Client(Local):
             calls.close()
             with self._lock:
                 self._maps.discard(run)
+            if run.lane_gone:
+                self.forget_lanes(name)
 
 
 class _MapClient(Client):

@@ -26,23 +26,40 @@ class Local(Transport):
     def _lanes(self, name: str, run_uid: str = "") -> list[Any] | None:
         """The routes of a map's batches (docs/protocol.md, "Batches"): the Run's own, or each
         replica's of a replica set, when this client may call them directly (and the Run is
-        the one of `run_uid`, if given); else None."""
+        the one of `run_uid`, if given); else None. Asked of the gateway once, then kept for
+        the maps after, until a batch is refused on one (``forget_lanes``)."""
         if not self._direct_allowed() or self.local_spool() is None:
             return None
+        lanes = self._lanes_of.get(name)
+        if lanes is None or not _meant(lanes, name, run_uid):
+            lanes = self._lanes_asked(name)
+        if not lanes or not _meant(lanes, name, run_uid):
+            return None  # not the Run the map is meant for: its calls say so, by the gateway
+        return lanes
+
+    def _lanes_asked(self, name: str) -> list[Any]:
+        """The lanes the gateway names for `name` now (``GET …:route``), kept; none if it names
+        none, or one on a socket another user could be listening on."""
         from fnkernel.runtime_server.client.direct import Route
 
         try:
             answer = self._json("GET", f"/v1/runs/{quote(name)}:route")
         except GatewayError:
-            return None  # the map's first call says why
+            return []  # the map's first call says why
         found = answer.get("route")
         replicas = answer.get("replicas") or []
         lanes = [Route.of(name, found)] if found else [Route.of(r["name"], r) for r in replicas]
-        if run_uid and not any(lane.name == name and lane.run_uid == run_uid for lane in lanes):
-            return None  # not the Run the map is meant for: its calls say so, by the gateway
         if not all(_private_socket(lane.address) for lane in lanes):
-            return None  # a runtimed only this user can be listening for, or the gateway
-        return lanes or None
+            return []  # a runtimed only this user can be listening for, or the gateway
+        if lanes:
+            self._lanes_of[name] = lanes
+        return lanes
+
+    def forget_lanes(self, name: str) -> None:
+        """A batch of a map of `name` was refused before it ran (its lane no longer leads to
+        its Run, which moved or was made again; or another caller's call held it): the next
+        map asks for the lanes again."""
+        self._lanes_of.pop(name, None)
 
     def batch(
         self,
@@ -153,6 +170,11 @@ def result_in(spool: Path, ref: str) -> Path:
     if seen is None or not stat.S_ISREG(seen.st_mode) or seen.st_uid != os.getuid():
         raise GatewayError(f"the answer names no result of the spool ({name!r}); not read")
     return path
+
+
+def _meant(lanes: list[Any], name: str, run_uid: str) -> bool:
+    """Whether `lanes` are those of the Run of `run_uid` (any, if none is given)."""
+    return not run_uid or any(lane.name == name and lane.run_uid == run_uid for lane in lanes)
 
 
 def _private_socket(address: str) -> bool:

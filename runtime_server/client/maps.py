@@ -93,6 +93,7 @@ class MapRun:
         self.cancelled = False  # by its client's cancel()
         self._stopping = threading.Event()  # wakes the items waiting for a free replica
         self.over = threading.Event()  # every thread is out
+        self.lane_gone = False  # a batch was refused before it ran (``Direct``'s RouteGone)
 
     def through(
         self,
@@ -295,7 +296,9 @@ class MapRun:
                                 live = self._follow(lane.name, ids, sent, answered)
                         elif closed:
                             call.done()
-            except (RouteGone, FunctionBusy):
+            except RouteGone:
+                self.lane_gone = True  # never called: the rest go one by one
+            except FunctionBusy:
                 pass  # never called: the rest go one by one
             except RequestCancelled as cancelled:
                 if answered < len(sent):  # else it came after the last answer: nothing ran

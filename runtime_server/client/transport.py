@@ -158,6 +158,7 @@ class Transport:
         self._spool: tuple[Path | None] | None = None  # Client.local_spool's answer, once asked
         # Calls without the gateway (Client._invoked): each Run's route, and runtimed's channels.
         self._routes: dict[str, Any] = {}
+        self._lanes_of: dict[str, list[Any]] = {}  # and each function's lanes for a map
         self._maps: set[Any] = set()  # the maps running on this client (``Client.map``)
         # Invokes not sent yet: converting or writing their payload, or waiting for their Run
         # to be ready again (``_preparing``); ``cancel`` reaches each.
