@@ -29,7 +29,7 @@ from fnkernel.runtime_server.client.errors import (
     RequestCancelled,
 )
 from fnkernel.runtime_server.client.maps import MapRun
-from fnkernel.runtime_server.lifecycle.runtimed.proxy import _Later
+from fnkernel.runtime_server.lifecycle.runtimed.proxy import BatchesProxyServicer, _Later
 from fnkernel.runtime_server.lifecycle.stack import Stack
 from fnkernel.runtime_server.wire import LOGS_KEY, POD_KEY
 from tests.support import wait_until
@@ -548,6 +548,79 @@ def test_a_refused_try_upstream_takes_none_of_the_messages_the_next_must_send() 
     sent.close()
     later.settle()  # the second try's first answer
     assert [message.items[0].invocation_id for message in second] == ["inv-f1", "inv-f2"]
+
+
+class _RefusedOnce:
+    """A test double of the Runtime Server's Batches as runtimed calls it: the first batch is
+    refused before its first call (FAILED_PRECONDITION, as a registration drained for idling
+    refuses it); the next answers each item of each message as the message comes."""
+
+    class Refused(grpc.RpcError):
+        def code(self) -> grpc.StatusCode:
+            return grpc.StatusCode.FAILED_PRECONDITION
+
+        def details(self) -> str:
+            return "drained for idling"
+
+        def trailing_metadata(self) -> tuple[()]:
+            return ()
+
+    class Answers:  # a call's answers, as grpc's stream call gives them
+        def __init__(self, sent: Iterator[batches_pb2.InvokeBatchRequest]) -> None:
+            self._sent = sent
+
+        def cancel(self) -> None:
+            pass
+
+        def __iter__(self) -> Iterator[batches_pb2.BatchAnswers]:
+            index = 0
+            for message in self._sent:
+                for item in message.items:
+                    answer = batches_pb2.BatchAnswer(index=index, invocation_id=item.invocation_id)
+                    yield batches_pb2.BatchAnswers(answers=[answer])
+                    index += 1
+                if message.last:
+                    return
+
+    def __init__(self) -> None:
+        self.tries = 0
+
+    def InvokeBatch(self, sent: Iterator[Any], timeout: float | None = None) -> Answers:
+        self.tries += 1
+        if self.tries == 1:
+            raise self.Refused()
+        return self.Answers(sent)
+
+
+def test_a_batch_made_again_sends_on_what_its_caller_sends_after() -> None:
+    # docs/protocol.md, "Batches": a batch refused before its first call is made again, once,
+    # and the server sent what the caller sent so far — and what it sends on once answered, as
+    # a map's lane does, sending more as answers come.
+    upstream = _RefusedOnce()
+    registration = (SimpleNamespace(uid="uid"), SimpleNamespace(registration_id="reg_1"), False)
+    runtimed = SimpleNamespace(
+        resolve=lambda *_, **__: registration, served=lambda *_: None, batches_stub=upstream
+    )
+    context = SimpleNamespace(
+        invocation_metadata=lambda: (), time_remaining=lambda: None, add_callback=lambda _: True
+    )
+    sent = _Sent()
+    sent.send(run_uid="uid", items=_items(0))
+    got: list[str] = []
+
+    def relayed() -> None:
+        relay = BatchesProxyServicer(runtimed)  # type: ignore[arg-type]
+        for message in relay.InvokeBatch(iter(sent), context):  # type: ignore[arg-type]
+            got.extend(answer.invocation_id for answer in message.answers)
+            if len(got) == 1:
+                sent.send(items=_items(1), last=True)
+
+    relay = threading.Thread(target=relayed, daemon=True)
+    relay.start()
+    wait_until(lambda: got == ["inv-f0", "inv-f1"], timeout=10)
+    relay.join(10)
+    assert upstream.tries == 2 and not relay.is_alive()
+    sent.close()
 
 
 def test_a_clients_maps_share_its_channels_to_runtimed(

@@ -336,26 +336,25 @@ class BatchesProxyServicer(batches_pb2_grpc.BatchesServicer):
         active: Active,
         context: grpc.ServicerContext,
     ) -> Iterator[batches_pb2.BatchAnswers]:
-        """The relayed batch's answers; tried again, once, if refused before its first call."""
-        answered = False
-        try:
-            for answer in self._relayed(first, later.view(), context, active):
-                if not answered:
-                    answered = True
-                    later.settle()  # no second try after an answer: the caller's next messages go on
-                yield answer
-        except grpc.RpcError as err:
-            if answered or err.code() != grpc.StatusCode.FAILED_PRECONDITION:
-                self._failed(err, run, active, context)
-                raise
-            # Refused before its first call (drained for idling, say): resolve again, once,
-            # as InvokeFunction does, and send the server what the caller sent so far.
-            run, active, _ = self.runtimed.resolve(first.run_uid, routed_to, fast=False)
+        """The relayed batch's answers; tried again, once, if refused before its first call. The
+        caller's later messages go on from the try that has an answer (``_Later``)."""
+        for again in (False, True):
+            answered = False
             try:
-                yield from self._relayed(first, later.view(), context, active)
-            except grpc.RpcError as again:
-                self._failed(again, run, active, context)
-                raise
+                for answer in self._relayed(first, later.view(), context, active):
+                    if not answered:
+                        answered = True
+                        later.settle()  # no try after an answer: the caller's next messages go on
+                    yield answer
+            except grpc.RpcError as err:
+                if again or answered or err.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                    self._failed(err, run, active, context)
+                    raise
+                # Refused before its first call (drained for idling, say): resolve again, once,
+                # as InvokeFunction does, and send the server what the caller sent so far.
+                run, active, _ = self.runtimed.resolve(first.run_uid, routed_to, fast=False)
+            else:
+                break
         self.runtimed.served(run, active)
 
     def _relayed(
