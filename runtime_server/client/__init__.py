@@ -33,7 +33,7 @@ from fnkernel.runtime_server.client.files import (
     write_out,
 )
 from fnkernel.runtime_server.client.live import LiveFollow, LogCallback
-from fnkernel.runtime_server.client.local import Local, result_in
+from fnkernel.runtime_server.client.local import Local, meant, result_in
 from fnkernel.runtime_server.client.maps import MapRun
 from fnkernel.runtime_server.client.sources import parse_pairs, read_source
 from fnkernel.runtime_server.client.transport import (
@@ -314,7 +314,7 @@ class Client(Local):
         try:
             reply, output = _once_ready(
                 lambda: self._invoked(
-                    name, sent, headers, timeout_millis, direct=direct, into=into
+                    name, sent, headers, timeout_millis, direct=direct, into=into, live=live
                 ),
                 timeout_millis,
                 sending,
@@ -379,12 +379,14 @@ class Client(Local):
         *,
         direct: bool,
         into: Sink | None = None,
+        live: LiveFollow | None = None,
     ) -> tuple[Headers, bytes]:
         """The invoke request's answer, headers and body: from runtimed directly when this
-        client shares the gateway's machine (`direct`, a local spool) and the gateway names a
-        route for `name` (docs/protocol.md, "Calling runtimed directly"); else, or if that
-        route has gone, from the gateway."""
-        route = None
+        client shares the gateway's machine (`direct`, a local spool) and the gateway names
+        routes for `name` (docs/protocol.md, "Calling runtimed directly"); else, or if they
+        have gone, or every replica is busy, from the gateway. `live`: the call's follower,
+        told which replica it went to."""
+        routes: list[Any] = []
         if direct and isinstance(body, bytes) and self._spool_known() is not None:
             self._headers(headers)  # what HTTP could not carry is refused alike, before anything
             self._bounded(name, len(body))  # a bound under a spooled payload's size, too
@@ -392,20 +394,13 @@ class Client(Local):
             if why is not None:  # as the gateway refuses it
                 raise UnsupportedMediaType(why, code="UNSUPPORTED_MEDIA_TYPE", status=415)
             with contextlib.suppress(GatewayError):  # no such Run, say: the gateway answers it
-                route = self._route(name)
-            if route is not None and route.run_uid != headers.get(
-                wire.RUN_UID_HEADER, route.run_uid
-            ):
-                route = None  # not the Run the call is meant for: the gateway says so
-        if route is not None:
-            from fnkernel.runtime_server.client.direct import RouteGone
-
-            try:
-                return self._runtimeds().invoke(
-                    route, body, headers, limits.wait_seconds(timeout_millis, hops_below=1)
-                )
-            except RouteGone:
-                self._routes.pop(name, None)  # never ran there: learn it again, via the gateway
+                routes = self._route(name)
+            if not meant(routes, name, headers.get(wire.RUN_UID_HEADER, "")):
+                routes = []  # not the Run the call is meant for: the gateway says so
+        if routes and isinstance(body, bytes):
+            answered = self._called_directly(name, routes, body, headers, timeout_millis, live)
+            if answered is not None:
+                return answered
         try:
             _, reply, output = self.request(
                 "POST", f"/v1/runs/{quote(name)}:invoke", body, headers,
@@ -415,6 +410,43 @@ class Client(Local):
         except RequestCancelled:  # in the words of a direct call's, as every failure is
             raise RequestCancelled(f"the call to {name} was cancelled", code="CANCELLED") from None
         return reply, output
+
+    def _called_directly(
+        self,
+        name: str,
+        routes: list[Any],
+        body: bytes,
+        headers: dict[str, str],
+        timeout_millis: int,
+        live: LiveFollow | None,
+    ) -> tuple[Headers, bytes] | None:
+        """The call on runtimed directly: on its Run, or on a replica set's replicas in turn
+        (``picked``), the next when one is busy with another caller's call, as the gateway
+        picks (docs/protocol.md, "Replicas"); None to make it through the gateway: its route
+        has gone (never ran there), or every replica is busy (the gateway's answer says so)."""
+        from fnkernel.runtime_server.client.direct import RouteGone
+
+        wait = limits.wait_seconds(timeout_millis, hops_below=1)
+        replicas = len(routes) > 1
+        for route in self.picked(name, routes):
+            if live is not None and replicas:
+                live.at(route.name)  # followed where it runs
+            try:
+                with self.calling(route):
+                    reply, output = self._runtimeds().invoke(route, body, headers, wait)
+            except RouteGone:
+                self.forget_routes(name)  # never ran there: learn it again, via the gateway
+                break
+            except GatewayError as refused:
+                if not replicas or refused.code != "RESOURCE_EXHAUSTED":
+                    raise
+                continue  # that replica is busy with another caller's call: the next
+            if replicas:
+                reply[wire.RUN_HEADER] = route.name  # as the gateway names the one that served
+            return reply, output
+        if live is not None and replicas:
+            live.at(name)  # through the gateway, which knows where it sends the call
+        return None
 
     def follow(
         self, name: str, invocation_id: str, on_log: LogCallback, *, in_batch: bool = False
@@ -490,7 +522,7 @@ class Client(Local):
             with self._lock:
                 self._maps.discard(run)
             if run.lane_gone:
-                self.forget_lanes(name)
+                self.forget_routes(name)
 
 
 class _MapClient(Client):

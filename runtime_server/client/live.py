@@ -101,6 +101,12 @@ class LiveFollow:
         self.cut = False  # ... after its cap: the last lines were not streamed
         (_LATER_IN_BATCH if in_batch else _LATER).call_later(self._start)
 
+    def at(self, name: str) -> None:
+        """The call went to the Run `name` (a replica a client picked itself: docs/protocol.md,
+        "Replicas"): follow it there, unless the following has begun."""
+        with self._lock:
+            self._name = name
+
     def _start(self) -> None:
         with self._lock:
             if self._ended:

@@ -7,10 +7,11 @@ name only, never through a link; a runtimed on a Unix socket of this user's alon
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import stat
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,41 +26,52 @@ class Local(Transport):
 
     def _lanes(self, name: str, run_uid: str = "") -> list[Any] | None:
         """The routes of a map's batches (docs/protocol.md, "Batches"): the Run's own, or each
-        replica's of a replica set, when this client may call them directly (and the Run is
-        the one of `run_uid`, if given); else None. Asked of the gateway once, then kept for
-        the maps after, until a batch is refused on one (``forget_lanes``)."""
+        replica's of a replica set (``_route``), when this client may call them directly (and
+        the Run is the one of `run_uid`, if given: a kept route that is not asks again); else
+        None."""
         if not self._direct_allowed() or self.local_spool() is None:
             return None
-        lanes = self._lanes_of.get(name)
-        if lanes is None or not _meant(lanes, name, run_uid):
-            lanes = self._lanes_asked(name)
-        if not lanes or not _meant(lanes, name, run_uid):
+        try:
+            lanes = self._route(name)
+            if lanes and not meant(lanes, name, run_uid):
+                self.forget_routes(name)
+                lanes = self._route(name)
+        except GatewayError:
+            return None  # the map's first call says why
+        if not lanes or not meant(lanes, name, run_uid):
             return None  # not the Run the map is meant for: its calls say so, by the gateway
         return lanes
 
-    def _lanes_asked(self, name: str) -> list[Any]:
-        """The lanes the gateway names for `name` now (``GET …:route``), kept; none if it names
-        none, or one on a socket another user could be listening on."""
-        from fnkernel.runtime_server.client.direct import Route
+    def picked(self, name: str, routes: list[Any]) -> list[Any]:
+        """`routes` in the order to try them for one call of `name`: a replica set's by the
+        fewest of this client's calls in flight on each, round robin among equals, as the
+        gateway picks (docs/protocol.md, "Replicas")."""
+        if len(routes) == 1:
+            return routes
+        with self._lock:
+            turn = self._turns[name] % len(routes)
+            self._turns[name] += 1
+            turned = routes[turn:] + routes[:turn]
+            return sorted(turned, key=lambda route: self._calls_on[route.run_uid])
 
+    @contextlib.contextmanager
+    def calling(self, route: Any) -> Iterator[None]:
+        """Count a call of this client's in flight on `route`'s Run while the block runs."""
+        with self._lock:
+            self._calls_on[route.run_uid] += 1
         try:
-            answer = self._json("GET", f"/v1/runs/{quote(name)}:route")
-        except GatewayError:
-            return []  # the map's first call says why
-        found = answer.get("route")
-        replicas = answer.get("replicas") or []
-        lanes = [Route.of(name, found)] if found else [Route.of(r["name"], r) for r in replicas]
-        if not all(_private_socket(lane.address) for lane in lanes):
-            return []  # a runtimed only this user can be listening for, or the gateway
-        if lanes:
-            self._lanes_of[name] = lanes
-        return lanes
+            yield
+        finally:
+            with self._lock:
+                self._calls_on[route.run_uid] -= 1
+                if not self._calls_on[route.run_uid]:
+                    del self._calls_on[route.run_uid]
 
-    def forget_lanes(self, name: str) -> None:
-        """A batch of a map of `name` was refused before it ran (its lane no longer leads to
+    def forget_routes(self, name: str) -> None:
+        """A call or a batch of `name` was refused before it ran (its route no longer leads to
         its Run, which moved or was made again; or another caller's call held it): the next
-        map asks for the lanes again."""
-        self._lanes_of.pop(name, None)
+        call asks for the routes again."""
+        self._routes.pop(name, None)
 
     def batch(
         self,
@@ -86,21 +98,23 @@ class Local(Transport):
         while it records)."""
         return True
 
-    def _route(self, name: str) -> Any:
-        """The gateway's route to `name` on this machine (``direct.Route``), None to call
-        through it; kept until it fails, or the gateway says why there is none for good."""
+    def _route(self, name: str) -> list[Any]:
+        """The routes of `name`'s calls on this machine (``direct.Route``): its Run's, or each
+        replica's of a replica set; none to call through the gateway. Asked of the gateway once,
+        then kept until one fails (``forget_routes``), or while the gateway says why there are
+        none for good."""
         if name in self._routes:
             return self._routes[name]
         from fnkernel.runtime_server.client.direct import Route
 
         answer = self._json("GET", f"/v1/runs/{quote(name)}:route")
-        found = answer.get("route")
-        route = Route.of(name, found) if found else None
-        if route is not None and not _private_socket(route.address):
-            route = None  # a runtimed only this user can be listening for, or the gateway
-        if route is not None or answer.get("lasting"):
-            self._routes[name] = route
-        return route
+        found, replicas = answer.get("route"), answer.get("replicas") or []
+        routes = [Route.of(name, found)] if found else [Route.of(r["name"], r) for r in replicas]
+        if not all(_private_socket(route.address) for route in routes):
+            routes = []  # a runtimed only this user can be listening for, or the gateway
+        if routes or answer.get("lasting"):
+            self._routes[name] = routes
+        return routes
 
     def _runtimeds(self) -> Any:
         if self._direct is None:
@@ -172,7 +186,7 @@ def result_in(spool: Path, ref: str) -> Path:
     return path
 
 
-def _meant(lanes: list[Any], name: str, run_uid: str) -> bool:
+def meant(lanes: list[Any], name: str, run_uid: str) -> bool:
     """Whether `lanes` are those of the Run of `run_uid` (any, if none is given)."""
     return not run_uid or any(lane.name == name and lane.run_uid == run_uid for lane in lanes)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import collections
 import contextlib
 import http.client
 import json
@@ -156,9 +157,12 @@ class Transport:
         self._idle: list[http.client.HTTPConnection] = []  # kept alive, one per concurrent caller
         self._busy: dict[http.client.HTTPConnection, bool] = {}  # in use → cancelled
         self._spool: tuple[Path | None] | None = None  # Client.local_spool's answer, once asked
-        # Calls without the gateway (Client._invoked): each Run's route, and runtimed's channels.
-        self._routes: dict[str, Any] = {}
-        self._lanes_of: dict[str, list[Any]] = {}  # and each function's lanes for a map
+        # Calls without the gateway (Client._invoked, a map's batches): each function's routes
+        # (its Run's, or its replicas'), this client's calls in flight on each Run, and
+        # runtimed's channels.
+        self._routes: dict[str, list[Any]] = {}
+        self._calls_on: collections.Counter[str] = collections.Counter()
+        self._turns: collections.Counter[str] = collections.Counter()  # round robin, by function
         self._maps: set[Any] = set()  # the maps running on this client (``Client.map``)
         # Invokes not sent yet: converting or writing their payload, or waiting for their Run
         # to be ready again (``_preparing``); ``cancel`` reaches each.

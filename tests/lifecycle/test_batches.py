@@ -111,23 +111,26 @@ def test_a_clients_maps_ask_for_their_lanes_once(stack: Stack, requests: list[st
     assert not [sent for sent in requests if ":invoke" in sent]
 
 
-def test_a_map_whose_lanes_are_gone_calls_through_the_gateway_and_asks_again(
+def test_a_map_whose_lanes_are_gone_calls_its_items_one_by_one_and_asks_again(
     stack: Stack, requests: list[str]
 ) -> None:
     # docs/protocol.md, "Batches": a batch refused before it ran (its replica made again
-    # since, here) leaves its items to be called one by one, and the next map asks again.
+    # since, here) leaves its items to be called one by one — each on the replicas as they are
+    # now ("Replicas") — and the next map asks again.
     client = Client(stack.gateway_address)
     items = [{"n": n} for n in range(4)]
     assert [r["n"] for r in client.map("set", items)] == [0, 1, 2, 3]
     other = Client(stack.gateway_address)
     other.delete_run("set")
     other.create_run("set", runtime="python", handler="handler.handle", files=HANDLER, replicas=2)
+    asked = requests.count("GET /v1/runs/set:route")
     assert [r["n"] for r in client.map("set", items)] == [0, 1, 2, 3]  # the lanes kept: gone
-    assert requests.count("POST /v1/runs/set:invoke") == 4  # each item through the gateway
+    assert requests.count("GET /v1/runs/set:route") > asked  # the items' routes, anew
+    assert requests.count("POST /v1/runs/set:invoke") == 0  # and called without the gateway
     asked = requests.count("GET /v1/runs/set:route")
     assert [r["n"] for r in client.map("set", items)] == [0, 1, 2, 3]
     assert requests.count("GET /v1/runs/set:route") == asked + 1  # the lanes asked again
-    assert requests.count("POST /v1/runs/set:invoke") == 4  # and the map direct again
+    assert requests.count("POST /v1/runs/set:invoke") == 0  # and the map direct again
 
 
 def test_a_map_calls_without_the_gateway_only_where_its_client_does(

@@ -140,7 +140,7 @@ def test_a_server_that_is_no_announced_gateway_gets_no_file_of_the_users(
         client.invoke("x", {"a": 1})  # a result by reference it never asked for: not read
     assert (victim / RESULT_NAME).read_text() == '"kept"'
     assert sorted(path.name for path in victim.iterdir()) == [RESULT_NAME]
-    assert client._route("x") is None  # never a direct call to a socket it names
+    assert client._route("x") == []  # never a direct call to a socket it names
 
 
 def test_the_cli_on_a_server_that_is_no_gateway_takes_nothing(

@@ -1,8 +1,9 @@
 """docs/protocol.md, "Calling runtimed directly": on the gateway's machine the client calls a
-single Run on its pod's runtimed, over the Unix socket the gateway names
-(``GET /v1/runs/NAME:route``), and answers and fails exactly as through the gateway; a replica
-set, a traced call and a stack that exports its spans go through the gateway; a route that no
-longer leads to the Run is learnt again, the call made through the gateway."""
+Run on its pod's runtimed, over the Unix socket the gateway names (``GET /v1/runs/NAME:route``),
+and answers and fails exactly as through the gateway; a replica set's calls each go to a replica
+the client picks as the gateway would ("Replicas"); a traced call and a stack that exports its
+spans go through the gateway; a route that no longer leads to the Run is learnt again, the call
+made through the gateway."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ import sys
 import textwrap
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from fnkernel.runtime_server.client import Client
 from fnkernel.runtime_server.client.errors import (
+    FunctionBusy,
     GatewayError,
     HandlerFailed,
     InvocationTimedOut,
@@ -29,12 +32,17 @@ from tests.support import wait_until
 pytestmark = pytest.mark.timeout(120)
 HANDLER = {
     "handler.py": (
-        "import time\n"
+        "import os, time\n"
         "def handle(event):\n"
-        "    print('got', event)\n"
+        "    print('got', event, flush=True)\n"
         "    if event.get('fail'):\n"
         "        raise ValueError('no: ' + event['fail'])\n"
         "    time.sleep(event.get('sleep', 0))\n"
+        "    deadline = time.monotonic() + 30\n"
+        "    while event.get('until') and not os.path.exists(event['until']):\n"
+        "        if time.monotonic() > deadline:\n"
+        "            raise TimeoutError(event['until'])\n"
+        "        time.sleep(0.01)\n"
         "    return {'echo': event}\n"
     )
 }
@@ -129,7 +137,7 @@ def test_a_content_type_the_gateway_refuses_is_refused_alike_without_it(stack: S
 def test_a_replaced_run_is_found_again_through_the_gateway(stack: Stack) -> None:
     client = Recorded(stack.gateway_address)
     client.invoke("echo", {"n": 1})
-    old_uid = client._routes["echo"].run_uid
+    old_uid = client._routes["echo"][0].run_uid
     manager = Client(stack.gateway_address)
     manager.delete_run("echo")
     manager.create_run("echo", runtime="python", handler="handler.handle", files=HANDLER)
@@ -139,7 +147,7 @@ def test_a_replaced_run_is_found_again_through_the_gateway(stack: Stack) -> None
     client.sent.clear()
     assert client.invoke("echo", {"n": 3}).decoded() == {"echo": {"n": 3}}
     assert client.sent == ["GET /v1/runs/echo:route"]  # learnt again, and called directly
-    assert client._routes["echo"].run_uid != old_uid
+    assert client._routes["echo"][0].run_uid != old_uid
 
 
 def test_a_cancelled_direct_call_stops_its_handler_and_says_so_as_through_the_gateway(
@@ -172,19 +180,93 @@ def test_a_cancelled_direct_call_stops_its_handler_and_says_so_as_through_the_ga
     assert said == ["the call to echo was cancelled (CANCELLED)"] * 2
 
 
-def test_a_replica_set_and_a_traced_call_go_through_the_gateway(stack: Stack) -> None:
+def test_a_replica_sets_calls_go_to_its_replicas_in_turn_and_a_traced_call_through_the_gateway(
+    stack: Stack,
+) -> None:
+    # docs/protocol.md, "Replicas": a call goes to the free replica with the fewest calls in
+    # flight, round robin among equals; a client on the stack's machine picks it itself, and
+    # names it in X-Fn-Run as the gateway does.
     client = Recorded(stack.gateway_address)
     client.create_run("set", runtime="python", handler="handler.handle", files=HANDLER, replicas=2)
     assert client._json("GET", "/v1/runs/set:route")["route"] is None
     client.sent.clear()
-    for _ in range(2):
-        client.invoke("set", {})
-    assert client.sent.count("POST /v1/runs/set:invoke") == 2
-    assert client.sent.count("GET /v1/runs/set:route") == 1  # a replica set stays one
+    served = [client.invoke("set", {"n": n}).run for n in range(4)]
+    assert served == ["set", "set.1", "set", "set.1"]
+    assert client.sent.count("GET /v1/runs/set:route") == 1  # asked once
+    assert not [sent for sent in client.sent if sent.startswith("POST")]  # none by the gateway
     client.invoke("echo", {})
     client.sent.clear()
     traced = client.invoke("echo", {}, traceparent="00-" + "1" * 32 + "-" + "2" * 16 + "-01")
     assert client.sent == ["POST /v1/runs/echo:invoke"] and traced.spans
+
+
+def _held(stack: Stack, name: str, release: Path) -> threading.Thread:
+    """Another caller's call of `name` (a client of its own), running until `release` exists."""
+    other = Client(stack.gateway_address)
+    thread = threading.Thread(
+        target=lambda: other.invoke(name, {"until": str(release)}), daemon=True
+    )
+    thread.start()
+    return thread
+
+
+def test_a_call_passes_a_replica_busy_with_another_callers_call_to_the_next(
+    stack: Stack, tmp_path: Path
+) -> None:
+    client = Recorded(stack.gateway_address)
+    client.create_run("set", runtime="python", handler="handler.handle", files=HANDLER, replicas=2)
+    client.invoke("set", {})
+    release = tmp_path / "release"
+    held = _held(stack, "set.1", release)  # replica 1, called by its own name
+    gateway = Client(stack.gateway_address)
+    wait_until(lambda: (gateway.status("set.1")["live"] or {}).get("inFlight") == 1, timeout=30)
+    client.sent.clear()
+    assert [client.invoke("set", {"n": n}).run for n in range(3)] == ["set"] * 3
+    assert client.sent == []
+    release.touch()
+    held.join(30)
+
+
+def test_when_every_replica_is_busy_the_gateway_answers_so(stack: Stack, tmp_path: Path) -> None:
+    client = Recorded(stack.gateway_address)
+    client.create_run("set", runtime="python", handler="handler.handle", files=HANDLER, replicas=2)
+    client.invoke("set", {})
+    release = tmp_path / "release"
+    holders = [_held(stack, "set", release), _held(stack, "set.1", release)]
+    gateway = Client(stack.gateway_address)
+    for name in ("set", "set.1"):
+        wait_until(
+            lambda n=name: (gateway.status(n)["live"] or {}).get("inFlight") == 1, timeout=30
+        )
+    client.sent.clear()
+    with pytest.raises(FunctionBusy) as busy:
+        client.invoke("set", {})
+    assert client.sent == ["POST /v1/runs/set:invoke"]  # each replica refused it: the gateway's 429
+    assert 'every replica of "set" is busy' in str(busy.value)
+    release.touch()
+    for holder in holders:
+        holder.join(30)
+
+
+def test_a_call_a_client_sent_to_a_replica_is_followed_there(stack: Stack, tmp_path: Path) -> None:
+    # docs/protocol.md, "Live output": the lines of a call on replica 1, as it prints them.
+    client = Recorded(stack.gateway_address)
+    client.create_run("set", runtime="python", handler="handler.handle", files=HANDLER, replicas=2)
+    client.invoke("set", {})  # on replica 0: the next goes to replica 1
+    release = tmp_path / "release"
+    lines: list[str] = []
+    results: list[Any] = []
+    thread = threading.Thread(
+        target=lambda: results.append(
+            client.invoke("set", {"until": str(release)}, on_log=lambda r: lines.append(r["text"]))
+        ),
+        daemon=True,
+    )
+    thread.start()
+    wait_until(lambda: lines, timeout=30)  # while it runs: followed on the replica it runs on
+    release.touch()
+    thread.join(30)
+    assert results[0].run == "set.1" and lines == [f"got {{'until': '{release}'}}"]
 
 
 def test_a_program_that_never_closes_its_client_still_exits(stack: Stack) -> None:

@@ -3,8 +3,9 @@
 Unix socket of the stack's private directory. Only when the gateway serves a stack of this
 machine (it has a spool, so a caller can prove it shares the machine and the user: the client
 checks the spool is its own and 0700); else ``route`` is null and the caller goes through the
-gateway, as every caller from another machine does. A replica set has no one route (the gateway
-picks each call's replica), but names each replica's for a map's batches ("Batches").
+gateway, as every caller from another machine does. A replica set has no one route (its caller
+picks each call's replica among them, "Replicas"), but names each replica's: for a call, and
+a map's batches ("Batches").
 """
 
 from __future__ import annotations
@@ -29,8 +30,11 @@ class RouteHandler(BaseHandler):
         elif tracing.exporting():
             why = "this stack exports every call's spans, the gateway's among them"
         elif run.spec.replicas != 1 and not run.spec.replica_of:
-            why = "a replica set: the gateway picks the replica of each call"
+            # Each replica's route, for a caller to pick each call's replica itself; none while
+            # one has none (it may have, later).
+            why = "a replica set: the caller picks the replica of each call"
             replicas = self._replicas(run)
+            lasting = replicas is not None
         else:
             route, why, lasting = self._route(run)
         answer: dict[str, Any] = {"route": route, "why": why, "lasting": lasting and route is None}
