@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from fnkernel.runtime_server.client import Client
+from fnkernel.runtime_server.client.direct import Direct
 from fnkernel.runtime_server.client.errors import (
     FunctionBusy,
     GatewayError,
@@ -227,6 +228,34 @@ def test_a_call_passes_a_replica_busy_with_another_callers_call_to_the_next(
     held.join(30)
 
 
+def test_a_call_goes_first_to_the_replica_with_fewest_of_the_clients_calls_in_flight(
+    stack: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # docs/protocol.md, "Replicas": the free replica with the fewest calls in flight — the
+    # client's own, counted: it does not try first the replica its own call holds.
+    client = Recorded(stack.gateway_address)
+    client.create_run("set", runtime="python", handler="handler.handle", files=HANDLER, replicas=2)
+    client.invoke("set", {})  # replica 0; the next call's turn is replica 1
+    tried: list[str] = []
+    invoke = Direct.invoke
+
+    def recorded(self: Direct, route: Any, *args: Any) -> Any:
+        tried.append(route.name)
+        return invoke(self, route, *args)
+
+    monkeypatch.setattr(Direct, "invoke", recorded)
+    release = tmp_path / "release"
+    holder = threading.Thread(
+        target=lambda: client.invoke("set", {"until": str(release)}), daemon=True
+    )
+    holder.start()  # on replica 1, its turn
+    wait_until(lambda: tried == ["set.1"], timeout=30)
+    assert [client.invoke("set", {"n": n}).run for n in range(3)] == ["set"] * 3
+    assert tried == ["set.1", "set", "set", "set"]  # never replica 1 first, though its turn came
+    release.touch()
+    holder.join(30)
+
+
 def test_when_every_replica_is_busy_the_gateway_answers_so(stack: Stack, tmp_path: Path) -> None:
     client = Recorded(stack.gateway_address)
     client.create_run("set", runtime="python", handler="handler.handle", files=HANDLER, replicas=2)
@@ -276,6 +305,7 @@ def test_a_program_that_never_closes_its_client_still_exits(stack: Stack) -> Non
     script = textwrap.dedent(
         f"""
         from fnkernel.runtime_server.client import Client
+from fnkernel.runtime_server.client.direct import Direct
 
         class Counted(Client):
             sent = []
