@@ -305,7 +305,6 @@ def test_a_program_that_never_closes_its_client_still_exits(stack: Stack) -> Non
     script = textwrap.dedent(
         f"""
         from fnkernel.runtime_server.client import Client
-from fnkernel.runtime_server.client.direct import Direct
 
         class Counted(Client):
             sent = []
