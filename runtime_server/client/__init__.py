@@ -411,43 +411,6 @@ class Client(Local):
             raise RequestCancelled(f"the call to {name} was cancelled", code="CANCELLED") from None
         return reply, output
 
-    def _called_directly(
-        self,
-        name: str,
-        routes: list[Any],
-        body: bytes,
-        headers: dict[str, str],
-        timeout_millis: int,
-        live: LiveFollow | None,
-    ) -> tuple[Headers, bytes] | None:
-        """The call on runtimed directly: on its Run, or on a replica set's replicas in turn
-        (``picked``), the next when one is busy with another caller's call, as the gateway
-        picks (docs/protocol.md, "Replicas"); None to make it through the gateway: its route
-        has gone (never ran there), or every replica is busy (the gateway's answer says so)."""
-        from fnkernel.runtime_server.client.direct import RouteGone
-
-        wait = limits.wait_seconds(timeout_millis, hops_below=1)
-        replicas = len(routes) > 1
-        for route in self.picked(name, routes):
-            if live is not None and replicas:
-                live.at(route.name)  # followed where it runs
-            try:
-                with self.calling(route):
-                    reply, output = self._runtimeds().invoke(route, body, headers, wait)
-            except RouteGone:
-                self.forget_routes(name)  # never ran there: learn it again, via the gateway
-                break
-            except GatewayError as refused:
-                if not replicas or refused.code != "RESOURCE_EXHAUSTED":
-                    raise
-                continue  # that replica is busy with another caller's call: the next
-            if replicas:
-                reply[wire.RUN_HEADER] = route.name  # as the gateway names the one that served
-            return reply, output
-        if live is not None and replicas:
-            live.at(name)  # through the gateway, which knows where it sends the call
-        return None
-
     def follow(
         self, name: str, invocation_id: str, on_log: LogCallback, *, in_batch: bool = False
     ) -> LiveFollow:
